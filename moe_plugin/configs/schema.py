@@ -1,0 +1,253 @@
+"""The ``"moe"`` block of the DeepSpeed JSON.
+
+DeepSpeed ignores top-level keys it does not know, so this block rides inside the JSON the
+user already passes to ``deepspeed.initialize``. Every field is documented where it is
+declared; defaults follow GShard and Megatron-Core where the two agree.
+
+Example::
+
+    {
+      "train_batch_size": 32,
+      "zero_optimization": {"stage": 1},
+      "moe": {
+        "num_experts": 8, "top_k": 2, "router": "gshard",
+        "capacity_factor": 1.25,
+        "parallel": {"tensor": 2, "pipeline": 1, "expert": 2}
+      }
+    }
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from moe_plugin.configs.errors import ConfigError, FieldProblem, did_you_mean, from_validation_error
+
+ROOT_KEY = "moe"
+ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+
+
+class _Block(BaseModel):
+    # strict: "8" is not 8 and true is not 1; unknown keys are an error.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ParallelConfig(_Block):
+    """Sizes of the parallel dimensions. The data-parallel sizes follow from the world size."""
+
+    tensor: int = Field(1, ge=1, description="Tensor-parallel size (TP) of attention and dense MLPs.")
+    pipeline: int = Field(1, ge=1, description="Pipeline-parallel size (PP): number of stages.")
+    expert: int = Field(1, ge=1, description="Expert-parallel size (EP): ranks that split the experts.")
+    expert_tensor: Optional[int] = Field(
+        None, ge=1, description="Expert tensor-parallel size (ETP): ranks splitting each expert's FFN. "
+        "Default: equal to `tensor`, as in Megatron-Core.")
+    order: str = Field(DEFAULT_ORDER, description="Order of the rank grid, fastest-varying first, "
+                       "tokens from tp, cp, ep, dp, pp joined by '-' (Megatron-Core's default).")
+    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism: tokens are split "
+                                    "across the TP group outside the tensor-parallel GEMMs.")
+
+    @model_validator(mode="after")
+    def _check_order(self) -> "ParallelConfig":
+        tokens = self.order.lower().split("-")
+        for token in tokens:
+            if token not in ORDER_TOKENS:
+                raise FieldProblem("order", self.order, f"token {token!r} is unknown{did_you_mean(token, ORDER_TOKENS)}; "
+                                 f"tokens are {', '.join(ORDER_TOKENS)} joined by '-', e.g. {DEFAULT_ORDER!r}")
+        repeated = sorted({t for t in tokens if tokens.count(t) > 1})
+        if repeated:
+            raise FieldProblem("order", self.order, f"repeats {', '.join(repeated)}; each token at most once")
+        missing = [t for t in ("tp", "dp", "pp", "ep") if t not in tokens]
+        if missing:
+            raise FieldProblem("order", self.order, f"lacks {', '.join(missing)}; "
+                             f"it must name tp, ep, dp and pp, e.g. {DEFAULT_ORDER!r}")
+        return self
+
+    @property
+    def etp(self) -> int:
+        return self.tensor if self.expert_tensor is None else self.expert_tensor
+
+
+class PlacementConfig(_Block):
+    """Load-adaptive expert placement (which rank hosts which expert)."""
+
+    policy: Literal["static", "greedy", "network-aware"] = Field(
+        "static", description="static: expert e lives on rank e // (E/EP). greedy: heaviest expert first "
+        "onto the least-loaded rank with a free slot. network-aware: also cuts cross-node traffic.")
+    check_interval: int = Field(100, ge=1, description="Steps between two placement checks.")
+    window: int = Field(100, ge=1, description="Steps of routing history the load estimate averages.")
+    min_gain: float = Field(0.05, ge=0.0, description="Switch only when the predicted saving until the next "
+                            "check exceeds the predicted migration cost by this fraction (hysteresis).")
+    replica_budget: int = Field(0, ge=0, description="Extra expert slots per rank for replicas of hot experts.")
+    gpus_per_node: Optional[int] = Field(None, ge=1, description="Ranks per node, for network-aware placement; "
+                                         "default: the launcher's local world size.")
+    trace_file: Optional[str] = Field(None, description="Write per-layer, per-step gate traces to this path.")
+
+
+class MoEConfig(_Block):
+    """The ``"moe"`` block. See each field's description; ``docs/config.md`` lists them all."""
+
+    num_experts: int = Field(..., ge=1, description="Experts per MoE layer (E).")
+    top_k: Optional[int] = Field(None, ge=1, description="Experts per token. Default: 2 for gshard, "
+                                 "1 for switch; required for topk.")
+    router: Literal["gshard", "switch", "topk"] = Field(
+        "gshard", description="gshard: top-2 with random routing of the 2nd expert. switch: top-1. "
+        "topk: general k.")
+    normalize_gates: bool = Field(True, description="Renormalise the k kept gates of a token to sum to 1 "
+                                  "(always done by gshard; ignored by switch).")
+    second_expert_policy: Literal["random", "all"] = Field(
+        "random", description="gshard only. random: keep the 2nd expert when 2*g2 > U(0,1) (GShard). "
+        "all: always keep it.")
+    capacity_factor: float = Field(1.25, gt=0, description="Training capacity per expert, as a multiple "
+                                   "of the even share k*T/E of routed tokens.")
+    eval_capacity_factor: float = Field(2.0, gt=0, description="Capacity factor in evaluation.")
+    min_capacity: int = Field(4, ge=0, description="Lower bound on the per-expert capacity.")
+    drop_tokens: bool = Field(True, description="Drop routes over capacity (their tokens keep the residual). "
+                              "false: dropless, no capacity at all.")
+    aux_loss_coeff: float = Field(1e-2, ge=0, description="Weight of the GShard balance loss "
+                                  "(1.0 before weighting when routing is perfectly uniform).")
+    z_loss_coeff: float = Field(0.0, ge=0, description="Weight of the router z-loss (Switch/ST-MoE).")
+    bias_update_rate: float = Field(0.0, ge=0, description="Aux-loss-free balancing: step of the per-expert "
+                                    "bias added to logits for expert choice; 0 turns it off.")
+    jitter_eps: float = Field(0.0, ge=0, lt=1, description="Multiplicative jitter U(1-eps, 1+eps) on the "
+                              "router input in training; 0 turns it off.")
+    layer_interval: int = Field(1, ge=1, description="Layer i (0-based) is MoE when i % layer_interval == 0.")
+    layers: Optional[list[int]] = Field(None, description="Explicit 0-based MoE layer indices; "
+                                        "replaces layer_interval.")
+    ffn_hidden_size: Optional[int] = Field(None, ge=1, description="FFN size of one expert; default: the "
+                                           "model's ffn_hidden_size.")
+    activation: Literal["gelu", "swiglu", "relu"] = Field("gelu", description="Expert activation; swiglu "
+                                                          "doubles the first expert weight (GLU).")
+    shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="FFN size of a dense shared expert "
+                                               "every token passes through; 0: none.")
+    shared_expert_gate: bool = Field(False, description="Scale the shared expert by a learned sigmoid gate.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tag_layers(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "layer_interval" in data and data.get("layers") is not None:
+            raise FieldProblem("layers", data["layers"], "set either layers or layer_interval, not both")
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "MoEConfig":
+        k = self.k
+        if self.router == "gshard" and k != 2:
+            raise FieldProblem("top_k", k, "router 'gshard' routes to exactly 2 experts; use router 'topk' for other k")
+        if self.router == "switch" and k != 1:
+            raise FieldProblem("top_k", k, "router 'switch' routes to exactly 1 expert; use router 'topk' for other k")
+        if k > self.num_experts:
+            raise FieldProblem("top_k", k, f"must be at most num_experts ({self.num_experts})")
+        if self.parallel.expert > self.num_experts or self.num_experts % self.parallel.expert:
+            raise FieldProblem("parallel.expert", self.parallel.expert, f"must divide num_experts "
+                               f"({self.num_experts}); valid: {_divisors(self.num_experts)}")
+        if self.layers is not None:
+            if not self.layers or any(i < 0 for i in self.layers) or len(set(self.layers)) != len(self.layers):
+                raise FieldProblem("layers", self.layers, "expected distinct non-negative 0-based layer indices")
+        return self
+
+    @property
+    def k(self) -> int:
+        if self.top_k is not None:
+            return self.top_k
+        if self.router == "topk":
+            raise FieldProblem("top_k", None, "router 'topk' needs top_k (a positive integer)")
+        return 2 if self.router == "gshard" else 1
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based over the whole model) has an MoE MLP."""
+        if self.layers is not None:
+            return index in self.layers
+        return index % self.layer_interval == 0
+
+    def check_world_size(self, world_size: int) -> "ParallelSizes":
+        """Cross-checks that need the world size; run before any process group exists."""
+        return ParallelSizes.resolve(self, world_size)
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Union[dict, str, os.PathLike]) -> "MoEConfig":
+        """Read the ``"moe"`` block of a DeepSpeed config given as a dict or a JSON file path."""
+        ds_config = load_ds_config(ds_config)
+        if ROOT_KEY not in ds_config:
+            hint = did_you_mean(next((k for k in ds_config if did_you_mean(k, [ROOT_KEY])), ""), [ROOT_KEY])
+            raise ConfigError(ROOT_KEY, None, f"the DeepSpeed config has no {ROOT_KEY!r} block{hint}; "
+                              "add one, e.g. \"moe\": {\"num_experts\": 8}")
+        return cls.from_dict(ds_config[ROOT_KEY])
+
+    @classmethod
+    def from_dict(cls, block: Any) -> "MoEConfig":
+        if not isinstance(block, dict):
+            raise ConfigError(ROOT_KEY, block, "expected a JSON object with at least num_experts")
+        try:
+            return cls.model_validate(block)
+        except ValidationError as err:
+            raise from_validation_error(err, cls, ROOT_KEY) from None
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+class ParallelSizes(BaseModel):
+    """The resolved sizes of every parallel dimension for one world size."""
+
+    model_config = ConfigDict(frozen=True)
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+    order: str
+
+    @classmethod
+    def resolve(cls, config: MoEConfig, world_size: int) -> "ParallelSizes":
+        p = config.parallel
+        path = f"{ROOT_KEY}.parallel"
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ConfigError("world_size", world_size, "expected a positive integer")
+        if world_size % (p.tensor * p.pipeline):
+            raise ConfigError(f"{path}.tensor", p.tensor, f"tensor x pipeline ({p.tensor} x {p.pipeline}) "
+                              f"must divide the world size {world_size}")
+        stage = world_size // p.pipeline
+        if stage % (p.expert * p.etp):
+            raise ConfigError(f"{path}.expert", p.expert, f"expert x expert_tensor ({p.expert} x {p.etp}) must "
+                              f"divide the {stage} ranks of a pipeline stage (world size {world_size} / "
+                              f"pipeline {p.pipeline})")
+        dp = stage // p.tensor
+        edp = stage // (p.expert * p.etp)
+        order = p.order.lower()
+        if p.pipeline > 1 and not order.endswith("pp") and edp != dp:
+            raise ConfigError(f"{path}.order", p.order, f"with pipeline > 1 the order must end in 'pp' unless "
+                              f"the expert data-parallel size ({edp}) equals the data-parallel size ({dp})")
+        return cls(world_size=world_size, tp=p.tensor, pp=p.pipeline, dp=dp, ep=p.expert, etp=p.etp,
+                   edp=edp, order=order)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def load_ds_config(ds_config: Union[dict, str, os.PathLike]) -> dict:
+    """A DeepSpeed config as a dict, from a dict or a JSON file; errors are ``ConfigError``."""
+    if isinstance(ds_config, (str, os.PathLike)):
+        path = Path(ds_config)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise ConfigError("config file", str(path), f"cannot be read ({err.strerror})") from None
+        try:
+            ds_config = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}", f"line {err.lineno} column {err.colno}",
+                              f"not valid JSON: {err.msg}") from None
+    if not isinstance(ds_config, dict):
+        raise ConfigError("DeepSpeed config", ds_config, "expected a JSON object at the top level")
+    return ds_config

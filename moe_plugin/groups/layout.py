@@ -1,0 +1,152 @@
+"""Rank layout: which ranks form which group. Pure arithmetic, no torch.distributed.
+
+Two grids lie over the same ranks (Megatron-Core's "MoE parallel folding"):
+
+    attention grid  TP x CP x DP x PP   (CP is 1 here)
+    expert grid     ETP x EP x EDP x PP
+
+Both are laid out by one order string, fastest-varying dimension first: with the default
+``tp-cp-ep-dp-pp`` consecutive ranks share a TP group. In the expert grid ``tp`` stands for
+ETP and ``dp`` for EDP. Because the expert grid is a separate factorisation of each
+pipeline stage, EP may be carved out of TP x DP, not only out of DP.
+
+A group kind is a set of dimensions; its groups are the sets of ranks that agree on every
+other dimension. Groups are listed in the same order as Megatron-Core's ``RankGenerator``.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from moe_plugin.configs.schema import ParallelSizes
+
+# kind -> (grid, dimensions); "mp" is DeepSpeed's model parallelism, TP x PP.
+GROUP_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tp": ("attn", ("tp",)),
+    "pp": ("attn", ("pp",)),
+    "dp": ("attn", ("dp",)),
+    "mp": ("attn", ("tp", "pp")),
+    "tp_dp": ("attn", ("tp", "dp")),
+    "ep": ("expert", ("ep",)),
+    "etp": ("expert", ("tp",)),
+    "edp": ("expert", ("dp",)),
+    "etp_ep": ("expert", ("tp", "ep")),
+}
+# What `moe-plugin layout --json` prints.
+PUBLIC_KINDS = ("tp", "pp", "dp", "ep", "etp", "edp", "mp")
+
+
+def orthogonal_groups(sizes: list[int], mask: list[bool]) -> list[list[int]]:
+    """Rank groups of a grid whose dimension i has ``sizes[i]`` (dimension 0 varies fastest).
+
+    A group varies the masked dimensions and fixes the others. Groups are ordered by the
+    index of the fixed coordinates, ranks within a group by the index of the varying ones,
+    both counted fastest-dimension-first.
+    """
+    inner = [i for i, m in enumerate(mask) if m]
+    outer = [i for i, m in enumerate(mask) if not m]
+    strides = [math.prod(sizes[:i]) for i in range(len(sizes))]
+
+    def offsets(dims: list[int]) -> list[int]:
+        # Every combination of coordinates over `dims`, the first dimension fastest.
+        ranges = [range(sizes[d]) for d in reversed(dims)]
+        return [sum(c * strides[d] for c, d in zip(coords, reversed(dims))) for coords in itertools.product(*ranges)]
+
+    inner_offsets = offsets(inner)
+    return [[base + off for off in inner_offsets] for base in offsets(outer)]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One factorisation of the ranks: named dimensions in layout order."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    def groups(self, dims: tuple[str, ...]) -> list[list[int]]:
+        return orthogonal_groups(list(self.sizes), [n in dims for n in self.names])
+
+    def coords(self, rank: int) -> dict[str, int]:
+        out = {}
+        for name, size in zip(self.names, self.sizes):
+            out[name] = rank % size
+            rank //= size
+        return out
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """The attention grid and the expert grid of one job, and every group's rank lists."""
+
+    sizes: ParallelSizes
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def build(cls, world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+              order: str = "tp-cp-ep-dp-pp") -> "RankLayout":
+        """A layout from sizes alone, with the same checks as the config's ``parallel`` block."""
+        from moe_plugin.configs.schema import MoEConfig
+
+        config = MoEConfig.from_dict({"num_experts": ep, "router": "topk", "top_k": 1, "parallel": {
+            "tensor": tp, "pipeline": pp, "expert": ep, "expert_tensor": etp if etp is not None else tp,
+            "order": order}})
+        return cls(config.check_world_size(world_size))
+
+    @property
+    def world_size(self) -> int:
+        return self.sizes.world_size
+
+    @cached_property
+    def _order(self) -> list[str]:
+        tokens = self.sizes.order.split("-")
+        return [t for t in tokens if t != "cp"]
+
+    @cached_property
+    def attention_grid(self) -> Grid:
+        size = {"tp": self.sizes.tp, "ep": 1, "dp": self.sizes.dp, "pp": self.sizes.pp}
+        return Grid(tuple(self._order), tuple(size[t] for t in self._order))
+
+    @cached_property
+    def expert_grid(self) -> Grid:
+        size = {"tp": self.sizes.etp, "ep": self.sizes.ep, "dp": self.sizes.edp, "pp": self.sizes.pp}
+        return Grid(tuple(self._order), tuple(size[t] for t in self._order))
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """Every group of ``kind`` (see ``GROUP_KINDS``, plus ``embedding``) as rank lists."""
+        if kind == "embedding":
+            return [[ranks[0], ranks[-1]] if len(ranks) > 1 else [ranks[0]] for ranks in self.groups("pp")]
+        if kind not in GROUP_KINDS:
+            raise KeyError(f"unknown group kind {kind!r}; known: {', '.join(list(GROUP_KINDS) + ['embedding'])}")
+        if kind not in self._cache:
+            grid, dims = GROUP_KINDS[kind]
+            self._cache[kind] = (self.attention_grid if grid == "attn" else self.expert_grid).groups(dims)
+        return [list(g) for g in self._cache[kind]]
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """The ranks of the ``kind`` group that ``rank`` belongs to."""
+        return next(g for g in self.groups(kind) if rank in g)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank coordinates in both grids: tp, dp, pp, ep, etp, edp."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        a = self.attention_grid.coords(rank)
+        e = self.expert_grid.coords(rank)
+        return {"tp": a["tp"], "dp": a["dp"], "pp": a["pp"], "ep": e["ep"], "etp": e["tp"], "edp": e["dp"]}
+
+    def to_json(self) -> dict[str, list[list[int]]]:
+        return {kind: self.groups(kind) for kind in PUBLIC_KINDS}
+
+    def table(self) -> str:
+        """One line per rank with its coordinates; sizes in the header."""
+        s = self.sizes
+        head = (f"world {s.world_size}: tp {s.tp} x dp {s.dp} x pp {s.pp} (attention), "
+                f"etp {s.etp} x ep {s.ep} x edp {s.edp} x pp {s.pp} (experts), order {s.order}")
+        cols = ("rank", "tp", "dp", "pp", "etp", "ep", "edp")
+        lines = [head, "  ".join(f"{c:>4}" for c in cols)]
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            lines.append("  ".join(f"{v:>4}" for v in (rank, c["tp"], c["dp"], c["pp"], c["etp"], c["ep"], c["edp"])))
+        return "\n".join(lines)

@@ -1,0 +1,29 @@
+"""moe_plugin: hybrid expert parallelism for Megatron-Core GPT training on the DeepSpeed engine."""
+from setuptools import find_packages, setup
+
+# Ranges are the ones the test suite has been run with.
+INSTALL_REQUIRES = [
+    "torch>=2.13,<2.15",
+    "deepspeed>=0.19.8,<0.20",
+    "megatron-core>=0.16.1,<0.17",
+    "numpy>=2.0,<3",
+    "pydantic>=2.10,<3",
+]
+
+EXTRAS_REQUIRE = {
+    "test": ["pytest>=8,<10", "matplotlib>=3.8,<4"],
+    # apex is optional: fused kernels are used when it is importable, torch fallbacks otherwise.
+    # It is not on the package index under that name; install it from NVIDIA's sources.
+    "apex": [],
+}
+
+setup(
+    name="moe_plugin",
+    version="0.1.0",
+    description=__doc__,
+    python_requires=">=3.11",
+    packages=find_packages(include=["moe_plugin", "moe_plugin.*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+    entry_points={"console_scripts": ["moe-plugin=moe_plugin.cli:main"]},
+)
