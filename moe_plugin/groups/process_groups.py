@@ -1,0 +1,75 @@
+"""The one explicit groups object that layers receive through their constructor.
+
+Built once per job by ``build_process_groups`` (every rank creates every group in the same
+order). Layers read ``groups.ep``, ``groups.tp`` ... which are ``None`` where the size is 1,
+so a single-process run and a size-1 dimension take the same code path. The real handles of
+every kind, size 1 included, stay in ``handles`` for the adapter that registers them with
+Megatron-Core and DeepSpeed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+from moe_plugin.groups.layout import RankLayout
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    layout: RankLayout
+    rank: int
+    backend: str
+    handles: dict[str, dist.ProcessGroup] = field(repr=False)
+
+    # -- per kind ------------------------------------------------------------------------
+    def ranks(self, kind: str) -> list[int]:
+        """Global ranks of this rank's ``kind`` group."""
+        return self.layout.group_of(kind, self.rank)
+
+    def size(self, kind: str) -> int:
+        return len(self.ranks(kind))
+
+    def rank_in(self, kind: str) -> int:
+        """This rank's index inside its ``kind`` group."""
+        return self.ranks(kind).index(self.rank)
+
+    def group(self, kind: str) -> Optional[dist.ProcessGroup]:
+        """The group of ``kind``, or ``None`` where its size is 1."""
+        return self.handles[kind] if self.size(kind) > 1 else None
+
+    # -- what layers read ----------------------------------------------------------------
+    @property
+    def tp(self) -> Optional[dist.ProcessGroup]:
+        return self.group("tp")
+
+    @property
+    def pp(self) -> Optional[dist.ProcessGroup]:
+        return self.group("pp")
+
+    @property
+    def dp(self) -> Optional[dist.ProcessGroup]:
+        return self.group("dp")
+
+    @property
+    def ep(self) -> Optional[dist.ProcessGroup]:
+        return self.group("ep")
+
+    @property
+    def etp(self) -> Optional[dist.ProcessGroup]:
+        return self.group("etp")
+
+    @property
+    def edp(self) -> Optional[dist.ProcessGroup]:
+        return self.group("edp")
+
+    @property
+    def mp(self) -> Optional[dist.ProcessGroup]:
+        return self.group("mp")
+
+    @property
+    def expert_group_name(self) -> str:
+        """DeepSpeed's registry key of the expert(-data)-parallel groups, also each expert
+        parameter's ``group_name``."""
+        return f"ep_size_{self.layout.sizes.ep}"
