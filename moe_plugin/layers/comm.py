@@ -1,0 +1,204 @@
+"""Autograd-aware collectives of the MoE layer.
+
+Legend: T tokens on this rank, H hidden, R routes (token copies) sent or received.
+
+Every function takes ``group=None`` to mean "a group of size 1" and then is the identity,
+so the single-process path and a size-1 dimension run the same code. Splits are Python
+lists of ints: the counts are exchanged first (``exchange_counts``) and then every
+collective moves exactly the routed rows, never padding.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+Group = Optional[dist.ProcessGroup]
+
+
+def group_size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def exchange_counts(send_counts: torch.Tensor, group: Group) -> torch.Tensor:
+    """``send_counts[j, ...]`` rows go to rank j; returns ``recv[j, ...]`` rows that come from rank j.
+
+    ``send_counts`` is an integer tensor whose first dimension is the group size (for
+    example [ranks, local experts]); one all-to-all of that small tensor.
+    """
+    if group is None:
+        return send_counts.clone()
+    recv = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
+    return recv
+
+
+def _all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: Group) -> torch.Tensor:
+    """Uneven all-to-all of rows: ``in_splits[j]`` rows of ``x`` go to rank j, ``out_splits[j]``
+    rows arrive from rank j. Backward runs the reverse exchange."""
+    if group is None:
+        return x
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: every rank gets the rows of all ranks (concatenated in rank order).
+    Backward: the gradients of all ranks are summed and each rank keeps its own rows."""
+
+    @staticmethod
+    def forward(ctx, x, counts, group):
+        ctx.counts, ctx.group = counts, group
+        return _gather_rows(x, counts, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_rows(grad, ctx.counts, ctx.group), None, None
+
+
+def _gather_rows(x: torch.Tensor, counts: Sequence[int], group) -> torch.Tensor:
+    n = group_size(group)
+    return _all_to_all(x.repeat((n,) + (1,) * (x.dim() - 1)), counts, [x.shape[0]] * n, group)
+
+
+def _reduce_scatter_rows(x: torch.Tensor, counts: Sequence[int], group) -> torch.Tensor:
+    n, me = group_size(group), group_rank(group)
+    received = _all_to_all(x, [counts[me]] * n, counts, group)
+    return received.view((n, counts[me]) + tuple(x.shape[1:])).sum(0)
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, counts, group):
+        ctx.counts, ctx.group = counts, group
+        return _reduce_scatter_rows(x, counts, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_rows(grad, ctx.counts, ctx.group), None, None
+
+
+def gather_rows(x: torch.Tensor, counts: Sequence[int], group: Group) -> torch.Tensor:
+    """Concatenate the rows of every rank of ``group`` (``counts[j]`` rows from rank j)."""
+    if group is None:
+        return x
+    return _GatherRows.apply(x, list(counts), group)
+
+
+def reduce_scatter_rows(x: torch.Tensor, counts: Sequence[int], group: Group) -> torch.Tensor:
+    """Sum ``x`` over ``group`` and keep this rank's block of ``counts[rank]`` rows."""
+    if group is None:
+        return x
+    return _ReduceScatterRows.apply(x, list(counts), group)
+
+
+class _SplitTokens(torch.autograd.Function):
+    """Forward: keep this rank's equal share of rows of a tensor replicated over the group.
+    Backward: all-gather the shares, so the input gradient is whole (and replicated) again."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(group_size(group))[group_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_equal(grad, ctx.group), None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Forward: all-gather equal shares into the replicated whole. Backward: keep own share
+    (the gradient of a replicated activation is itself replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_equal(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(group_size(ctx.group))[group_rank(ctx.group)].contiguous(), None
+
+
+def _all_gather_equal(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def split_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """This rank's share of tokens replicated over ``group`` (TP without sequence parallelism)."""
+    if group is None:
+        return x
+    n = group_size(group)
+    if x.shape[0] % n:
+        raise ValueError(f"{x.shape[0]} tokens cannot be split evenly over {n} tensor-parallel ranks")
+    return _SplitTokens.apply(x, group)
+
+
+def gather_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Inverse of ``split_tokens``."""
+    if group is None:
+        return x
+    return _GatherTokens.apply(x, group)
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_grad(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Identity forward; the gradient is summed over ``group``. For a weight replicated over
+    ranks that each see different tokens, so that its gradient is whole on every rank."""
+    if group is None:
+        return x
+    return _AllReduceGrad.apply(x, group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Identity forward; the gradient is multiplied by ``factor``."""
+    if factor == 1.0:
+        return x
+    return _ScaleGrad.apply(x, factor)
