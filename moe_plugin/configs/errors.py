@@ -1,20 +1,39 @@
-"""ConfigError and the translation of pydantic's errors into one readable line."""
+"""ConfigError and the translation of pydantic's errors into one readable line.
+
+Every message reads ``<key path>: got <value>; <what is valid>``, e.g.
+``moe.parallel.expert: got 3; must divide num_experts (8); valid: 1, 2, 4, 8``.
+"""
 from __future__ import annotations
 
 import difflib
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+
+from moe_plugin.configs.fields import accepts, accepts_item, sub_block
+
+
+class _Missing:
+    """The value of a key that is absent (shown as "missing", not as "got None")."""
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING = _Missing()
 
 
 class ConfigError(ValueError):
     """A bad value in the ``"moe"`` block: the message names the key path, the value and what is valid."""
 
-    def __init__(self, path: str, value: Any, expected: str):
+    def __init__(self, path: str, value: Any, expected: str, shown: Optional[str] = None):
         self.path = path
         self.value = value
         self.expected = expected
-        super().__init__(f"{path}: got {_show(value)}; {expected}")
+        # `shown` replaces the repr of the value where a description reads better.
+        got = "missing" if value is MISSING else f"got {shown if shown is not None else _show(value)}"
+        super().__init__(f"{path}: {got}; {expected}")
 
 
 class FieldProblem(ValueError):
@@ -35,42 +54,64 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
-    """The pydantic model that owns the last key of ``loc``, walking nested sub-blocks."""
-    for key in loc[:-1]:
-        field = model.model_fields.get(key) if isinstance(key, str) else None
-        if field is None:
-            return None
-        sub = field.annotation
-        candidates = getattr(sub, "__args__", (sub,))
-        sub = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        if sub is None:
-            return None
-        model = sub
-    return model
+def _field_at(model: type[BaseModel], keys: tuple[str, ...]) -> tuple[Optional[type[BaseModel]], Optional[FieldInfo]]:
+    """The block that owns the last key of ``keys`` and that key's field (None where unknown)."""
+    for key in keys[:-1]:
+        field = model.model_fields.get(key)
+        model = sub_block(field) if field is not None else None
+        if model is None:
+            return None, None
+    return model, model.model_fields.get(keys[-1]) if keys else None
 
 
 def from_validation_error(err: ValidationError, model: type[BaseModel], root: str) -> ConfigError:
     """The first error of a pydantic ``ValidationError`` as a ``ConfigError``."""
     first = err.errors()[0]
-    loc = tuple(first["loc"])
     # Union members add their type name to the location; keep only real keys and indices.
-    loc = tuple(k for k in loc if isinstance(k, int) or not _is_type_tag(k))
+    loc = tuple(k for k in first["loc"] if isinstance(k, int) or not _is_type_tag(k))
     path = ".".join([root] + [f"[{k}]" if isinstance(k, int) else str(k) for k in loc]).replace(".[", "[")
+    keys = tuple(k for k in loc if isinstance(k, str))  # a list item is judged by its list's field
+    owner, field = _field_at(model, keys)
     kind = first["type"]
     value = first.get("input")
-    if kind == "extra_forbidden":
-        owner = _model_at(model, loc)
-        known = sorted(owner.model_fields) if owner is not None else []
-        hint = did_you_mean(loc[-1], known)
-        return ConfigError(path, value, f"unknown key{hint}; valid keys: {', '.join(known)}")
     problem = (first.get("ctx") or {}).get("error")
     if isinstance(problem, FieldProblem):
         return ConfigError(f"{path}.{problem.key}", problem.value, problem.expected)
-    message = first["msg"]
-    if message.startswith("Value error, "):
-        message = message[len("Value error, "):]
+    if kind == "extra_forbidden":
+        known = sorted(owner.model_fields) if owner is not None else []
+        hint = did_you_mean(loc[-1], known)
+        return ConfigError(path, value, f"unknown key{hint}; valid keys: {', '.join(known)}")
+    if kind == "missing" and field is not None:
+        meaning = (field.description or "").split(";")[0].rstrip(".")
+        meaning = f" ({meaning[0].lower()}{meaning[1:]})" if meaning else ""
+        return ConfigError(path, MISSING, f"required: {accepts(field)}{meaning}")
+    if field is not None and kind != "value_error":
+        expected = accepts_item(field) if isinstance(loc[-1], int) else accepts(field)
+        return ConfigError(path, value, f"expected {expected}{_hint(field, value)}")
+    message = first["msg"].removeprefix("Value error, ")
     return ConfigError(path, value, message[0].lower() + message[1:])
+
+
+def _hint(field: FieldInfo, value: Any) -> str:
+    """A nudge for the usual slips: a number in quotes, true for a number, a near-miss choice."""
+    choices = getattr(field.annotation, "__args__", ())
+    if isinstance(value, str) and choices and all(isinstance(c, str) for c in choices):
+        return did_you_mean(value, choices)
+    if not any(word in accepts(field) for word in ("integer", "number")):
+        return ""
+    if isinstance(value, bool):
+        return " (true/false is not a number)"
+    if isinstance(value, str) and _is_number(value):
+        return f" (write the number without quotes: {value}, not {value!r})"
+    return ""
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _is_type_tag(key: str) -> bool:

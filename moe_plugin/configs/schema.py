@@ -18,14 +18,16 @@ Example::
 """
 from __future__ import annotations
 
+import difflib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from moe_plugin.configs.errors import ConfigError, FieldProblem, did_you_mean, from_validation_error
+from moe_plugin.configs.errors import MISSING, ConfigError, FieldProblem, did_you_mean, from_validation_error
 
 ROOT_KEY = "moe"
 ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
@@ -33,8 +35,8 @@ DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 
 
 class _Block(BaseModel):
-    # strict: "8" is not 8 and true is not 1; unknown keys are an error.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # strict: "8" is not 8 and true is not 1; unknown keys are an error; numbers are finite.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class ParallelConfig(_Block):
@@ -60,7 +62,8 @@ class ParallelConfig(_Block):
                                  f"tokens are {', '.join(ORDER_TOKENS)} joined by '-', e.g. {DEFAULT_ORDER!r}")
         repeated = sorted({t for t in tokens if tokens.count(t) > 1})
         if repeated:
-            raise FieldProblem("order", self.order, f"repeats {', '.join(repeated)}; each token at most once")
+            raise FieldProblem("order", self.order, f"repeats {', '.join(repeated)}; each token at most once, "
+                               f"e.g. {DEFAULT_ORDER!r}")
         missing = [t for t in ("tp", "dp", "pp", "ep") if t not in tokens]
         if missing:
             raise FieldProblem("order", self.order, f"lacks {', '.join(missing)}; "
@@ -125,12 +128,14 @@ class MoEConfig(_Block):
     shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="FFN size of a dense shared expert "
                                                "every token passes through; 0: none.")
     shared_expert_gate: bool = Field(False, description="Scale the shared expert by a learned sigmoid gate.")
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallel sizes: the "
+                                     "`moe.parallel` block below.")
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Expert placement: the "
+                                       "`moe.placement` block below.")
 
     @model_validator(mode="before")
     @classmethod
-    def _tag_layers(cls, data: Any) -> Any:
+    def _layers_or_interval(cls, data: Any) -> Any:
         if isinstance(data, dict) and "layer_interval" in data and data.get("layers") is not None:
             raise FieldProblem("layers", data["layers"], "set either layers or layer_interval, not both")
         return data
@@ -148,8 +153,10 @@ class MoEConfig(_Block):
             raise FieldProblem("parallel.expert", self.parallel.expert, f"must divide num_experts "
                                f"({self.num_experts}); valid: {_divisors(self.num_experts)}")
         if self.layers is not None:
-            if not self.layers or any(i < 0 for i in self.layers) or len(set(self.layers)) != len(self.layers):
-                raise FieldProblem("layers", self.layers, "expected distinct non-negative 0-based layer indices")
+            _check_layers(self.layers)
+        if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
+            raise FieldProblem("shared_expert_gate", True, "there is no shared expert to gate; set "
+                               "shared_expert_ffn_hidden_size > 0 or shared_expert_gate false")
         return self
 
     @property
@@ -157,7 +164,8 @@ class MoEConfig(_Block):
         if self.top_k is not None:
             return self.top_k
         if self.router == "topk":
-            raise FieldProblem("top_k", None, "router 'topk' needs top_k (a positive integer)")
+            raise FieldProblem("top_k", MISSING, "router 'topk' needs top_k: an integer >= 1, "
+                               f"at most num_experts ({self.num_experts})")
         return 2 if self.router == "gshard" else 1
 
     def is_moe_layer(self, index: int) -> bool:
@@ -175,9 +183,7 @@ class MoEConfig(_Block):
         """Read the ``"moe"`` block of a DeepSpeed config given as a dict or a JSON file path."""
         ds_config = load_ds_config(ds_config)
         if ROOT_KEY not in ds_config:
-            hint = did_you_mean(next((k for k in ds_config if did_you_mean(k, [ROOT_KEY])), ""), [ROOT_KEY])
-            raise ConfigError(ROOT_KEY, None, f"the DeepSpeed config has no {ROOT_KEY!r} block{hint}; "
-                              "add one, e.g. \"moe\": {\"num_experts\": 8}")
+            raise ConfigError(ROOT_KEY, MISSING, _missing_block_advice(ds_config))
         return cls.from_dict(ds_config[ROOT_KEY])
 
     @classmethod
@@ -191,6 +197,13 @@ class MoEConfig(_Block):
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
+
+    def resolved_dict(self) -> dict:
+        """Every field, with the defaults that depend on other fields filled in (top_k, expert_tensor)."""
+        out = self.to_dict()
+        out["top_k"] = self.k
+        out["parallel"]["expert_tensor"] = self.parallel.etp
+        return out
 
 
 class ParallelSizes(BaseModel):
@@ -213,20 +226,36 @@ class ParallelSizes(BaseModel):
         path = f"{ROOT_KEY}.parallel"
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ConfigError("world_size", world_size, "expected a positive integer")
-        if world_size % (p.tensor * p.pipeline):
-            raise ConfigError(f"{path}.tensor", p.tensor, f"tensor x pipeline ({p.tensor} x {p.pipeline}) "
-                              f"must divide the world size {world_size}")
+        if world_size % p.pipeline:
+            raise ConfigError(f"{path}.pipeline", p.pipeline, f"must divide the world size {world_size}; "
+                              f"valid: {_divisors(world_size)}")
         stage = world_size // p.pipeline
+        if stage % p.tensor:
+            raise ConfigError(f"{path}.tensor", p.tensor, f"must divide the {stage} ranks of a pipeline stage "
+                              f"(world size {world_size} / pipeline {p.pipeline}); valid: {_divisors(stage)}")
+        if stage % p.etp:
+            raise ConfigError(f"{path}.expert_tensor", p.etp, f"must divide the {stage} ranks of a pipeline "
+                              f"stage (world size {world_size} / pipeline {p.pipeline}); valid: {_divisors(stage)}")
         if stage % (p.expert * p.etp):
+            valid = _divisors(stage // p.etp)
             raise ConfigError(f"{path}.expert", p.expert, f"expert x expert_tensor ({p.expert} x {p.etp}) must "
                               f"divide the {stage} ranks of a pipeline stage (world size {world_size} / "
-                              f"pipeline {p.pipeline})")
+                              f"pipeline {p.pipeline}); valid with expert_tensor {p.etp}: {valid}")
         dp = stage // p.tensor
         edp = stage // (p.expert * p.etp)
         order = p.order.lower()
         if p.pipeline > 1 and not order.endswith("pp") and edp != dp:
-            raise ConfigError(f"{path}.order", p.order, f"with pipeline > 1 the order must end in 'pp' unless "
-                              f"the expert data-parallel size ({edp}) equals the data-parallel size ({dp})")
+            raise ConfigError(f"{path}.order", p.order, f"with pipeline > 1 the order must end in 'pp' (e.g. "
+                              f"{DEFAULT_ORDER!r}) unless the expert data-parallel size ({edp}) equals the "
+                              f"data-parallel size ({dp})")
+        attn = _span_before_pp(order, {"tp": p.tensor, "dp": dp})
+        expert = _span_before_pp(order, {"tp": p.etp, "ep": p.expert, "dp": edp})
+        if p.pipeline > 1 and attn != expert:
+            # Both grids must cut the ranks into the same pipeline stages (as Megatron-Core asserts).
+            raise ConfigError(f"{path}.order", order, f"puts pipeline stages {attn} ranks apart in attention "
+                              f"(tp {p.tensor}, dp {dp}) but {expert} apart in the experts (etp {p.etp}, ep "
+                              f"{p.expert}, edp {edp}); the dimensions before 'pp' must span as many ranks in "
+                              f"both grids: put 'pp' last, e.g. {DEFAULT_ORDER!r}")
         return cls(world_size=world_size, tp=p.tensor, pp=p.pipeline, dp=dp, ep=p.expert, etp=p.etp,
                    edp=edp, order=order)
 
@@ -235,19 +264,54 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def _span_before_pp(order: str, sizes: dict[str, int]) -> int:
+    """Ranks spanned by the dimensions laid out before 'pp' (missing dimensions have size 1)."""
+    tokens = order.split("-")
+    return math.prod(sizes.get(t, 1) for t in tokens[:tokens.index("pp")])
+
+
+def _check_layers(layers: list[int]) -> None:
+    if not layers:
+        raise FieldProblem("layers", layers, "expected at least one 0-based layer index, or leave layers "
+                           "out and use layer_interval")
+    negative = [i for i in layers if i < 0]
+    if negative:
+        raise FieldProblem("layers", layers, f"layer indices are 0-based and >= 0; {negative[0]} is negative")
+    repeated = sorted({i for i in layers if layers.count(i) > 1})
+    if repeated:
+        raise FieldProblem("layers", layers, f"repeats {', '.join(map(str, repeated))}; list each layer once")
+
+
+def _missing_block_advice(ds_config: dict) -> str:
+    """Why a DeepSpeed config has no "moe" block: a misspelt key, or none at all."""
+    keys = [k for k in ds_config if isinstance(k, str)]
+    close = difflib.get_close_matches(ROOT_KEY, [k.lower() for k in keys], n=1, cutoff=0.6)
+    if close:
+        found = next(k for k in keys if k.lower() == close[0])
+        return (f"found key {found!r} instead (did you mean {ROOT_KEY!r}?); the block key is exactly "
+                f"{ROOT_KEY!r}, lower case")
+    known = f" (its top-level keys: {', '.join(sorted(keys))})" if keys else ""
+    return (f"the DeepSpeed config has no {ROOT_KEY!r} block{known}; add one, "
+            f"e.g. \"moe\": {{\"num_experts\": 8}}")
+
+
 def load_ds_config(ds_config: Union[dict, str, os.PathLike]) -> dict:
     """A DeepSpeed config as a dict, from a dict or a JSON file; errors are ``ConfigError``."""
+    where = "DeepSpeed config"
     if isinstance(ds_config, (str, os.PathLike)):
         path = Path(ds_config)
+        where = f"DeepSpeed config {path}"
         try:
             text = path.read_text()
         except OSError as err:
-            raise ConfigError("config file", str(path), f"cannot be read ({err.strerror})") from None
+            raise ConfigError("config file", str(path), f"cannot be read ({err.strerror}); expected "
+                              "the path of a DeepSpeed JSON file") from None
         try:
             ds_config = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}", f"line {err.lineno} column {err.colno}",
-                              f"not valid JSON: {err.msg}") from None
+            raise ConfigError(where, text, "expected a JSON object", shown=f"invalid JSON at line "
+                              f"{err.lineno} column {err.colno} ({err.msg})") from None
     if not isinstance(ds_config, dict):
-        raise ConfigError("DeepSpeed config", ds_config, "expected a JSON object at the top level")
+        raise ConfigError(where, ds_config, "expected a JSON object at the top level, "
+                          "e.g. {\"train_batch_size\": 8, \"moe\": {\"num_experts\": 8}}")
     return ds_config

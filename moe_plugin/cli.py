@@ -1,0 +1,132 @@
+"""The ``moe-plugin`` command: check a config, print a rank layout, show the demo layout.
+
+    moe-plugin check-config ds_config.json [--world-size N]
+    moe-plugin layout --world-size 8 --tp 2 --pp 2 --ep 2 [--etp 1] [--order tp-cp-ep-dp-pp] [--json]
+    moe-plugin demo [--world-size 4] [--config FILE]
+
+A bad config or bad sizes exit with status 2 and one line ``error: <message>`` on stderr.
+Nothing here creates a process group or imports torch.distributed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from moe_plugin.configs import ConfigError, MoEConfig
+from moe_plugin.configs.schema import DEFAULT_ORDER
+from moe_plugin.groups.layout import RankLayout
+from moe_plugin.groups.report import group_lists, rank_groups
+
+EXIT_BAD_INPUT = 2
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json"
+# `layout` takes sizes as flags; name the flag, not the config key, in its errors.
+FLAG_OF_KEY = {"world_size": "--world-size", "moe.parallel.tensor": "--tp", "moe.parallel.pipeline": "--pp",
+               "moe.parallel.expert": "--ep", "moe.parallel.expert_tensor": "--etp",
+               "moe.parallel.order": "--order"}
+
+
+def check_config(args: argparse.Namespace) -> None:
+    config = MoEConfig.from_ds_config(args.file)
+    world_size = args.world_size if args.world_size is not None else _env_world_size()
+    sizes = config.check_world_size(world_size) if world_size is not None else None  # check all, then print
+    print(json.dumps(config.resolved_dict(), indent=2))
+    if sizes is not None:
+        print()
+        print(RankLayout(sizes).table())
+
+
+def layout(args: argparse.Namespace) -> None:
+    try:
+        rank_layout = RankLayout.build(args.world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
+                                       order=args.order)
+    except ConfigError as err:
+        raise ConfigError(FLAG_OF_KEY.get(err.path, err.path), err.value, err.expected) from None
+    if args.json:
+        print(json.dumps(rank_layout.to_json()))
+    else:
+        print(rank_layout.table())
+        print()
+        print(group_lists(rank_layout))
+
+
+def demo(args: argparse.Namespace) -> None:
+    config = MoEConfig.from_ds_config(args.config)
+    p = config.parallel
+    _section(f"Example config {args.config.name}: {config.num_experts} experts, router {config.router} "
+             f"(top-{config.k}), tensor {p.tensor}, pipeline {p.pipeline}, expert {p.expert}")
+    _show_layout(RankLayout(config.check_world_size(args.world_size)))
+    per_rank = config.num_experts // p.expert
+    print("\nStatic placement: " + ", ".join(f"ep rank {e} hosts experts {_span(e * per_rank, per_rank)}"
+                                             for e in range(p.expert)))
+    _section("Folded: tensor 2, expert 2, expert_tensor 1 (EP carved out of the TP ranks)")
+    _show_layout(RankLayout.build(args.world_size, tp=2, ep=2, etp=1))
+
+
+def _span(first: int, count: int) -> str:
+    return str(first) if count == 1 else f"{first}-{first + count - 1}"
+
+
+def _section(title: str) -> None:
+    print(f"\n== {title}")
+
+
+def _show_layout(rank_layout: RankLayout) -> None:
+    print(rank_layout.table())
+    print("\nGroups each rank joins:")
+    print(rank_groups(rank_layout))
+
+
+def _env_world_size() -> Optional[int]:
+    value = os.environ.get("WORLD_SIZE")
+    if value is None:
+        return None
+    if not value.strip().isdigit():
+        raise ConfigError("WORLD_SIZE (environment)", value, "expected a positive integer")
+    return int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-plugin", description="Hybrid expert parallelism for "
+                                     "Megatron-Core GPT on DeepSpeed: config and layout tools.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    check = commands.add_parser("check-config", help="validate the \"moe\" block of a DeepSpeed JSON")
+    check.add_argument("file", type=Path, help="DeepSpeed JSON config with a \"moe\" block")
+    check.add_argument("--world-size", type=int, help="also check the sizes and print the rank layout "
+                       "(default: $WORLD_SIZE when set)")
+    check.set_defaults(run=check_config)
+
+    sizes = commands.add_parser("layout", help="print the rank layout and groups for given sizes")
+    sizes.add_argument("--world-size", type=int, required=True)
+    sizes.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    sizes.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    sizes.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    sizes.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
+    sizes.add_argument("--order", default=DEFAULT_ORDER, help=f"rank order (default: {DEFAULT_ORDER})")
+    sizes.add_argument("--json", action="store_true", help="print the group lists as one JSON object")
+    sizes.set_defaults(run=layout)
+
+    example = commands.add_parser("demo", help="show the layout of the example 4-rank config, and a folded one")
+    example.add_argument("--world-size", type=int, default=4)
+    example.add_argument("--config", type=Path, default=DEMO_CONFIG, help="DeepSpeed JSON to show "
+                         "(default: examples/gpt_moe/configs/tiny_cpu_4rank.json)")
+    example.set_defaults(run=demo)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except ValueError as err:  # ConfigError included: bad input, not a bug
+        print("error: " + " ".join(str(err).splitlines()), file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""``docs/config.md``, rendered from the field descriptions of the config models.
+
+Regenerate after changing a field:  python -m moe_plugin.configs.docs > docs/config.md
+(a test fails while the file and this renderer disagree).
+"""
+from __future__ import annotations
+
+import json
+
+from pydantic import BaseModel
+
+from moe_plugin.configs.fields import bounds, default_text, type_name
+from moe_plugin.configs.schema import ROOT_KEY, MoEConfig, ParallelConfig, PlacementConfig
+
+BLOCKS: tuple[tuple[str, type[BaseModel]], ...] = (
+    (ROOT_KEY, MoEConfig),
+    (f"{ROOT_KEY}.parallel", ParallelConfig),
+    (f"{ROOT_KEY}.placement", PlacementConfig),
+)
+
+# The "moe" block of the full example; every other field is shown at its default.
+EXAMPLE_BLOCK = {
+    "num_experts": 8,
+    "router": "gshard",
+    "layer_interval": 2,
+    "parallel": {"tensor": 2, "pipeline": 2, "expert": 2, "expert_tensor": 1},
+    "placement": {"policy": "greedy", "check_interval": 200},
+}
+
+INTRO = """\
+# The `"moe"` block of the DeepSpeed config
+
+The plugin reads one block, `"moe"`, from the DeepSpeed JSON you already pass to
+`deepspeed.initialize` (DeepSpeed ignores top-level keys it does not know). Only
+`num_experts` is required. Unknown keys, wrong types (`"8"` for `8`, `true` for a number) and
+inconsistent sizes are errors that name the key path, the bad value and what is valid, and
+they are raised before any process group exists. Check a file with
+
+    moe-plugin check-config ds_config.json --world-size 8
+
+which prints the resolved block (every field, defaults included) and the rank layout.
+
+*This page is generated from the field descriptions in `moe_plugin/configs/schema.py` by
+`python -m moe_plugin.configs.docs > docs/config.md`; edit the descriptions, not this page.*
+
+## Formulas
+
+- **Capacity** (tokens one expert takes per step, when `drop_tokens` is true):
+  `capacity = max(min_capacity, ceil(capacity_factor * k * T / E))`, with `k` the experts per
+  token (`top_k`), `T` the tokens the layer routes on this rank in one forward pass and `E` =
+  `num_experts`; `eval_capacity_factor` replaces `capacity_factor` in evaluation. Routes over
+  capacity are dropped (first choices take slots before second choices, earlier tokens before
+  later ones) and their tokens pass through the residual connection.
+- **Balance loss** (GShard): `balance = E * sum_e f_e * p_e`, with `f_e` the fraction of tokens
+  whose first choice is expert `e` and `p_e` the mean gate probability of expert `e`. It is
+  exactly 1 for uniform routing; `aux_loss_coeff * balance` is added to the loss.
+- **Router z-loss** (ST-MoE): `z = mean_t (logsumexp_e logits_te)^2`; `z_loss_coeff * z` is added.
+- **Sizes** for a world of `W` ranks: data-parallel `dp = W / (tensor * pipeline)`,
+  expert-data-parallel `edp = W / (pipeline * expert * expert_tensor)`. `expert` must divide
+  `num_experts`; `tensor * pipeline` and `expert * expert_tensor * pipeline` must divide `W`.
+  Each expert-parallel rank hosts `num_experts / expert` experts. With `pipeline` > 1 keep `pp`
+  last in `order`; any other order needs `edp == dp` and both grids placing pipeline stages
+  equally many ranks apart.
+- **MoE layers**: layer `i` (0-based) has an MoE MLP when `i % layer_interval == 0`, or, when
+  `layers` is set, when `i` is listed there.
+"""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def block_table(path: str, model: type[BaseModel]) -> str:
+    """A markdown table of one block's fields: key, type, default, meaning."""
+    summary = (model.__doc__ or "").strip().splitlines()[0].replace("``", "`")
+    lines = [f"## `{path}`", "", summary, "",
+             "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for name, field in model.model_fields.items():
+        kind = type_name(field.annotation) + (f", {bounds(field)}" if bounds(field) else "")
+        default = default_text(field)
+        default = default if default in ("required", "see below") else f"`{_cell(default)}`"
+        lines.append(f"| `{name}` | {_cell(kind)} | {default} | {_cell(field.description or '')} |")
+    return "\n".join(lines)
+
+
+def full_example() -> dict:
+    """A DeepSpeed config whose "moe" block spells out every field."""
+    block = MoEConfig.from_dict(EXAMPLE_BLOCK).resolved_dict()
+    return {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+            "zero_optimization": {"stage": 1}, ROOT_KEY: block}
+
+
+def render_markdown() -> str:
+    parts = [INTRO.rstrip()] + [block_table(path, model) for path, model in BLOCKS]
+    parts.append("## Full example\n\nEvery field spelt out (8 ranks: tensor 2 x pipeline 2, experts "
+                 "folded as expert 2 x expert_tensor 1, so dp 2 and edp 2):\n\n```json\n"
+                 + json.dumps(full_example(), indent=2) + "\n```")
+    return "\n\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")
