@@ -1,0 +1,156 @@
+"""A naive reference MoE: plain Python loops over tokens and their choices. The test oracle.
+
+Written to be obviously right, not fast: one token at a time, GShard's priority rule as a
+literal double loop (all first choices, then all second choices, each in token order), every
+expert applied to one token vector. It shares no code with the layer; it takes the layer's
+weights by state-dict name and the same random numbers (``RouterNoise``).
+
+``group_sizes`` splits the tokens into consecutive GShard groups, each with its own capacity
+and its own losses: each data/expert-parallel rank's local batch is one group.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moe_plugin.configs.schema import MoEConfig
+
+
+@dataclass
+class ReferenceResult:
+    out: Tensor                  # [T, H], input dtype
+    balance_loss: Tensor         # mean over groups, before aux_loss_coeff
+    z_loss: Tensor               # mean over groups, before z_loss_coeff
+    group_balance_losses: list[Tensor]
+    group_z_losses: list[Tensor]
+    kept_per_expert: list[int]   # summed over groups
+    routed_per_expert: list[int]
+    capacities: list[Optional[int]]
+
+    def weighted_aux_loss(self, config: MoEConfig) -> Tensor:
+        return config.aux_loss_coeff * self.balance_loss + config.z_loss_coeff * self.z_loss
+
+
+def _act(name: str, h: Tensor) -> Tensor:
+    if name == "gelu":
+        return F.gelu(h)
+    if name == "relu":
+        return torch.relu(h)
+    half = h.shape[-1] // 2               # swiglu: gate half, then up half
+    return F.silu(h[:half]) * h[half:]
+
+
+def _ffn(x_H: Tensor, w1: Tensor, w2: Tensor, activation: str) -> Tensor:
+    return _act(activation, x_H @ w1.to(x_H.dtype)) @ w2.to(x_H.dtype)
+
+
+def reference_moe(x_TH: Tensor, params: Mapping[str, Tensor], config: MoEConfig, *, training: bool,
+                  jitter_TH: Optional[Tensor] = None, uniform_T: Optional[Tensor] = None,
+                  group_sizes: Optional[Sequence[int]] = None) -> ReferenceResult:
+    """The MoE layer's output for tokens ``x_TH`` [T, H].
+
+    params: ``router.weight``, ``experts.weight1``, ``experts.weight2`` and optionally
+    ``router.expert_bias``, ``shared_expert.weight1/weight2/gate_weight``.
+    jitter_TH, uniform_T: the random numbers; used only when ``training``.
+    """
+    T = x_TH.shape[0]
+    sizes = list(group_sizes) if group_sizes is not None else [T]
+    if sum(sizes) != T:
+        raise ValueError(f"group sizes {sizes} do not add up to {T} tokens")
+    rows, balances, zs, caps = [], [], [], []
+    kept = [0] * config.num_experts
+    routed = [0] * config.num_experts
+    start = 0
+    for size in sizes:
+        idx = range(start, start + size)
+        jit = jitter_TH[start:start + size] if (training and jitter_TH is not None) else None
+        uni = uniform_T[start:start + size] if (training and uniform_T is not None) else None
+        out, balance, z, cap = _one_group(x_TH[start:start + size], params, config, training, jit, uni, kept, routed)
+        rows.extend(out[i - start] for i in idx)
+        balances.append(balance)
+        zs.append(z)
+        caps.append(cap)
+        start += size
+    out_TH = torch.stack(rows) if rows else x_TH.new_zeros(0, x_TH.shape[1])
+    return ReferenceResult(out=out_TH, balance_loss=torch.stack(balances).mean(), z_loss=torch.stack(zs).mean(),
+                           group_balance_losses=balances, group_z_losses=zs, kept_per_expert=kept,
+                           routed_per_expert=routed, capacities=caps)
+
+
+def _one_group(x_TH, params, config, training, jitter_TH, uniform_T, kept, routed):
+    T, E, k = x_TH.shape[0], config.num_experts, config.k
+    W = params["router.weight"].float()
+    bias = params.get("router.expert_bias")
+    bias = [0.0] * E if bias is None else [float(b) for b in bias]
+    normalize = config.router == "gshard" or (config.router == "topk" and config.normalize_gates)
+    random_second = training and config.router == "gshard" and config.second_expert_policy == "random"
+
+    # 1. Each token's choices and gates.
+    logits, probs, chosen, gates, wanted = [], [], [], [], []
+    for t in range(T):
+        x = x_TH[t].float()
+        if jitter_TH is not None:
+            x = x * jitter_TH[t]
+        logit = W @ x
+        if not torch.isfinite(logit).all():
+            raise ValueError("reference MoE: the layer input contains NaN or inf")
+        prob = torch.softmax(logit, dim=0)
+        score = [float(logit[e].detach()) + bias[e] for e in range(E)]
+        experts = sorted(range(E), key=lambda e: (-score[e], e))[:k]
+        g = [prob[e] for e in experts]
+        if normalize:
+            total = sum(g)
+            g = [gi / total for gi in g]
+        keep = [True] * k
+        if random_second:
+            keep[1] = 2 * float(g[1].detach()) > float(uniform_T[t])
+        logits.append(logit)
+        probs.append(prob)
+        chosen.append(experts)
+        gates.append(g)
+        wanted.append(keep)
+
+    # 2. Capacity, GShard priority: choice by choice, token by token.
+    capacity = None
+    if config.drop_tokens:
+        factor = config.capacity_factor if training else config.eval_capacity_factor
+        capacity = max(config.min_capacity, math.ceil(factor * k * T / E))
+    filled = [0] * E
+    kept_routes = []                           # (token, choice)
+    for j in range(k):
+        for t in range(T):
+            if not wanted[t][j]:
+                continue
+            e = chosen[t][j]
+            routed[e] += 1
+            if capacity is None or filled[e] < capacity:
+                filled[e] += 1
+                kept[e] += 1
+                kept_routes.append((t, j))
+
+    # 3. Outputs: each kept route's gate times its expert applied to the token.
+    w1, w2 = params["experts.weight1"], params["experts.weight2"]
+    acc = [x_TH.new_zeros(x_TH.shape[1], dtype=torch.float32) for _ in range(T)]
+    for t, j in kept_routes:
+        e = chosen[t][j]
+        acc[t] = acc[t] + gates[t][j] * _ffn(x_TH[t], w1[e], w2[e], config.activation).float()
+    out = [a.to(x_TH.dtype) for a in acc]
+    if "shared_expert.weight1" in params:
+        for t in range(T):
+            y = _ffn(x_TH[t], params["shared_expert.weight1"], params["shared_expert.weight2"], config.activation)
+            if params.get("shared_expert.gate_weight") is not None:
+                y = y * torch.sigmoid(x_TH[t] @ params["shared_expert.gate_weight"].to(x_TH.dtype))
+            out[t] = out[t] + y
+
+    # 4. Losses.
+    n = max(T, 1)
+    first_fraction = [sum(1 for t in range(T) if chosen[t][0] == e) / n for e in range(E)]
+    mean_prob = [sum((probs[t][e] for t in range(T)), torch.zeros(())) / n for e in range(E)]
+    balance = E * sum((first_fraction[e] * mean_prob[e] for e in range(E)), torch.zeros(()))
+    z = sum((torch.logsumexp(logits[t], dim=0) ** 2 for t in range(T)), torch.zeros(())) / n
+    return out, balance, z, capacity

@@ -1,0 +1,244 @@
+"""Router: which experts each token goes to, with what gate weight, and which routes fit.
+
+Shape suffixes: T tokens, H hidden, E experts, K choices per token (top-k), R kept routes.
+
+``Router`` owns the gate weight ``weight`` [E, H], the aux-loss-free balancing bias
+``expert_bias`` [E] and a ``torch.Generator`` for its random numbers. Its work is done by
+``route``, a pure function of the fp32 logits and explicitly passed random numbers
+(``RouterNoise``), so a test oracle can replay the very same routing.
+
+Routing rules (GShard, arXiv 2006.16668; Switch Transformer):
+
+* kinds: ``gshard`` top-2, both gates renormalised to sum 1, the 2nd route kept only when
+  ``2 * g2 > U(0, 1)`` (random routing, training only; policy ``all`` keeps it always);
+  ``switch`` top-1 with the raw softmax probability as gate; ``topk`` any k, gates
+  renormalised when ``normalize_gates``.
+* expert choice uses ``logits + expert_bias``; gate values come from the unbiased softmax.
+  Ties go to the lower expert index (stable sort), on every rank alike.
+* capacity ``C = max(min_capacity, ceil(capacity_factor * k * T / E))`` per expert
+  (``eval_capacity_factor`` in eval; no capacity when ``drop_tokens`` is false). Buffer slots
+  go to all first choices before any second choice, earlier tokens before later ones; a
+  route past capacity is dropped and its token keeps only the residual from that expert.
+* balance loss ``E * sum_e f_e * P_e``: ``f_e`` the fraction of tokens whose first choice is
+  ``e`` (before capacity), ``P_e`` the mean softmax probability of ``e``. It is exactly 1.0
+  when either is uniform (e.g. all logits equal) -- its value before ``aux_loss_coeff``.
+* z-loss ``mean_t logsumexp(logits_t)^2``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_plugin.configs.schema import MoEConfig
+from moe_plugin.layers.init import seeded_generator
+
+ROUTER_STREAM = 1  # seed stream of the router weight and of its noise (see init.py)
+
+
+@dataclass(frozen=True)
+class RouterNoise:
+    """The random numbers of one training forward, drawn in this order.
+
+    jitter_TH: multiplicative ``U(1-eps, 1+eps)`` on the router input, or None.
+    uniform_T: ``U(0, 1)`` for GShard random routing of the 2nd expert, or None.
+    """
+
+    jitter_TH: Optional[Tensor] = None
+    uniform_T: Optional[Tensor] = None
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """One batch's routing, built by argsort (never a dense [T, E, C] tensor).
+
+    A route is ``(choice j, token t)`` with id ``j * T + t`` -- priority order. Kept routes
+    are listed sorted by expert, within an expert in priority order.
+
+    route_R: route id of each kept route.            token_R: its token (``route_R % T``).
+    gate_R: its gate weight (fp32, differentiable).  kept_E: kept routes per expert.
+    routed_E: routes per expert before capacity (after random routing): the load.
+    capacity: per-expert capacity, None when dropless.
+    balance_loss, z_loss: fp32 scalars, unweighted, differentiable.
+    exchange: filled in by an expert-parallel dispatcher's ``prepare``; None locally.
+    """
+
+    num_tokens: int
+    k: int
+    route_R: Tensor
+    token_R: Tensor
+    gate_R: Tensor
+    kept_E: Tensor
+    routed_E: Tensor
+    capacity: Optional[int]
+    balance_loss: Tensor
+    z_loss: Tensor
+    exchange: Any = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.kept_E.numel()
+
+    @property
+    def dropped_fraction(self) -> Tensor:
+        """Fraction of routes (after random routing) dropped by capacity."""
+        routed = self.routed_E.sum()
+        return (routed - self.kept_E.sum()).float() / routed.clamp(min=1).float()
+
+
+def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float,
+                    min_capacity: int) -> int:
+    """Per-expert buffer size of one GShard group of ``num_tokens`` tokens."""
+    return max(min_capacity, math.ceil(capacity_factor * k * num_tokens / num_experts))
+
+
+def check_finite(logits_TE: Tensor) -> None:
+    """Raise instead of routing silently wrong. Checked on the small [T, E] logits."""
+    if not bool(torch.isfinite(logits_TE).all()):
+        raise ValueError("MoE router logits are not finite: the MoE layer input (hidden states) "
+                         "contains NaN or inf (or the router weight does)")
+
+
+def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Optional[int],
+          expert_bias_E: Optional[Tensor] = None, uniform_T: Optional[Tensor] = None) -> RoutingPlan:
+    """The routing plan for fp32 ``logits_TE``.
+
+    ``uniform_T`` switches on GShard random routing of the 2nd choice (kind gshard only).
+    ``normalize`` renormalises the k gates of a token to sum 1 (gshard always does).
+    """
+    check_finite(logits_TE)
+    T, E = logits_TE.shape
+    probs_TE = F.softmax(logits_TE, dim=-1)
+    choice_TE = logits_TE.detach()
+    if expert_bias_E is not None:
+        choice_TE = choice_TE + expert_bias_E.to(choice_TE)
+    expert_TK = torch.sort(choice_TE, dim=-1, descending=True, stable=True).indices[:, :k]
+    gate_TK = probs_TE.gather(1, expert_TK)
+    if normalize or kind == "gshard":
+        gate_TK = gate_TK / gate_TK.sum(dim=-1, keepdim=True)
+    valid_TK = torch.ones_like(expert_TK, dtype=torch.bool)
+    if uniform_T is not None:
+        if kind != "gshard":
+            raise ValueError(f"random routing is GShard's; router kind is {kind!r}")
+        valid_TK[:, 1] = 2 * gate_TK[:, 1].detach() > uniform_T.to(gate_TK)
+
+    # Priority order: route id j*T + t. Invalid routes sort last under the sentinel key E.
+    key_R = torch.where(valid_TK.t().reshape(-1), expert_TK.t().reshape(-1), E)
+    order_R = torch.argsort(key_R, stable=True)
+    key_sorted_R = key_R[order_R]
+    count_E1 = torch.bincount(key_R, minlength=E + 1)
+    routed_E = count_E1[:E]
+    keep_sorted_R = key_sorted_R < E
+    if capacity is not None:
+        start_E1 = torch.cumsum(count_E1, 0) - count_E1
+        slot_R = torch.arange(key_R.numel(), device=key_R.device) - start_E1[key_sorted_R]
+        keep_sorted_R &= slot_R < capacity
+        kept_E = routed_E.clamp(max=capacity)
+    else:
+        kept_E = routed_E
+    route_R = order_R[keep_sorted_R]
+
+    n = max(T, 1)
+    first_E = torch.bincount(expert_TK[:, 0], minlength=E).float() / n
+    balance_loss = E * (first_E * (probs_TE.sum(0) / n)).sum()
+    z_loss = torch.logsumexp(logits_TE, dim=-1).square().sum() / n
+    return RoutingPlan(num_tokens=T, k=k, route_R=route_R, token_R=route_R % max(T, 1),
+                       gate_R=gate_TK.t().reshape(-1)[route_R], kept_E=kept_E, routed_E=routed_E,
+                       capacity=capacity, balance_loss=balance_loss, z_loss=z_loss)
+
+
+class Router(nn.Module):
+    """The gate of one MoE layer. ``forward(x_TH, noise=None) -> RoutingPlan``.
+
+    ``seed`` seeds the weight init and the noise generator; a data-parallel caller may pass a
+    rank-dependent seed so that ranks draw different noise (the weight is then overwritten by
+    the checkpoint or broadcast anyway).
+    """
+
+    def __init__(self, config: MoEConfig, hidden_size: int, *, seed: int = 0, init_std: float = 0.02):
+        super().__init__()
+        self.config = config
+        self.kind = config.router
+        self.k = config.k
+        self.num_experts = config.num_experts
+        self.seed = seed
+        gen = seeded_generator(seed, ROUTER_STREAM)
+        self.weight = nn.Parameter(torch.randn(self.num_experts, hidden_size, generator=gen) * init_std)
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts))
+        # Load since the last bias update; not saved (see update_bias).
+        self.register_buffer("load_E", torch.zeros(self.num_experts), persistent=False)
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    @property
+    def normalize(self) -> bool:
+        return self.kind == "gshard" or (self.kind == "topk" and self.config.normalize_gates)
+
+    @property
+    def random_routing(self) -> bool:
+        return self.kind == "gshard" and self.config.second_expert_policy == "random"
+
+    def capacity(self, num_tokens: int) -> Optional[int]:
+        """Per-expert capacity for ``num_tokens`` tokens in the current (train/eval) mode."""
+        if not self.config.drop_tokens:
+            return None
+        factor = self.config.capacity_factor if self.training else self.config.eval_capacity_factor
+        return expert_capacity(num_tokens, self.num_experts, self.k, factor, self.config.min_capacity)
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """This router's generator on ``device``, created on first use from ``seed``."""
+        device = torch.device(device)
+        if device not in self._generators:
+            self._generators[device] = seeded_generator(self.seed, ROUTER_STREAM, device=device)
+        return self._generators[device]
+
+    def draw_noise(self, num_tokens: int, hidden_size: int, device: torch.device = torch.device("cpu")) -> RouterNoise:
+        """The random numbers one training forward uses (nothing when jitter and random routing are off)."""
+        gen = self.generator(device)
+        jitter = uniform = None
+        eps = self.config.jitter_eps
+        if eps > 0:
+            jitter = torch.rand(num_tokens, hidden_size, generator=gen, device=device) * (2 * eps) + (1 - eps)
+        if self.random_routing:
+            uniform = torch.rand(num_tokens, generator=gen, device=device)
+        return RouterNoise(jitter_TH=jitter, uniform_T=uniform)
+
+    def logits(self, x_TH: Tensor, noise: Optional[RouterNoise] = None) -> Tensor:
+        """fp32 logits [T, E]; jitter applies to the router input only."""
+        x_TH = x_TH.float()
+        if noise is not None and noise.jitter_TH is not None:
+            x_TH = x_TH * noise.jitter_TH
+        return x_TH @ self.weight.float().t()
+
+    def forward(self, x_TH: Tensor, noise: Optional[RouterNoise] = None) -> RoutingPlan:
+        """Route ``x_TH``. In training ``noise`` defaults to a fresh draw; eval uses none."""
+        if self.training and noise is None:
+            noise = self.draw_noise(x_TH.shape[0], x_TH.shape[1], x_TH.device)
+        if not self.training:
+            noise = None
+        plan = route(self.logits(x_TH, noise), kind=self.kind, k=self.k, normalize=self.normalize,
+                     capacity=self.capacity(x_TH.shape[0]),
+                     expert_bias_E=self.expert_bias,
+                     uniform_T=noise.uniform_T if noise is not None else None)
+        if self.training:
+            with torch.no_grad():
+                self.load_E += plan.routed_E.to(self.load_E)
+        return plan
+
+    @torch.no_grad()
+    def update_bias(self, load_E: Optional[Tensor] = None) -> None:
+        """Aux-loss-free balancing step: ``bias += rate * sign(mean(load) - load)``.
+
+        ``load_E`` defaults to the load accumulated by training forwards since the last call;
+        a distributed caller all-reduces that (``router.load_E``) first and passes the sum.
+        Call it after the optimizer step, not inside forward: a bias changed between a forward
+        and its activation recomputation would route the recomputation differently.
+        """
+        if load_E is None:
+            load_E = self.load_E
+        load_E = load_E.to(self.expert_bias).float()
+        self.expert_bias += self.config.bias_update_rate * torch.sign(load_E.mean() - load_E)
+        self.load_E.zero_()
