@@ -1,0 +1,34 @@
+"""Rank layout (pure arithmetic) -> process groups -> registration with Megatron-Core and DeepSpeed.
+
+    layout = RankLayout.build(world_size, tp=2, pp=2, ep=2)
+    groups = build_process_groups(layout)      # collective; torch.distributed already initialised
+    mpu = register(groups)                     # Megatron's and DeepSpeed's getters now return ours
+
+The names below torch.distributed are imported on first use, so ``import moe_plugin`` (the CLI,
+config validation) does not import torch.
+"""
+from importlib import import_module
+
+from moe_plugin.groups.layout import GROUP_KINDS, RankLayout
+
+_LAZY = {
+    "ProcessGroups": "process_groups",
+    "build_process_groups": "builder",
+    "destroy_process_groups": "builder",
+    "register": "adapters",
+    "unregister": "adapters",
+    "register_with_megatron": "adapters",
+    "unregister_megatron": "adapters",
+    "register_with_deepspeed": "adapters",
+    "unregister_deepspeed": "adapters",
+    "make_mpu": "adapters",
+    "GroupsMPU": "adapters",
+}
+
+__all__ = ["GROUP_KINDS", "RankLayout", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f"moe_plugin.groups.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

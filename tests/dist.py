@@ -1,0 +1,92 @@
+"""The project's spawn helper: run one function on N gloo ranks and get each rank's result.
+
+    def child(rank, world_size, x):           # module level, so it can be pickled
+        ...                                    # torch.distributed is initialised (gloo)
+        return {"out": tensor}                 # anything torch.save can write
+
+    results = run_distributed(child, 4, tmp_path, x)   # results[r] is rank r's return value
+
+An exception in any rank is raised again in the parent (same type where it pickles, with the
+child's traceback text as its cause), and the other ranks are stopped, so
+``pytest.raises(ValueError, match=...)`` works around a distributed call. Ranks run
+``torch.set_num_threads(1)``; a rendezvous file and the results live in ``tmp_path``.
+
+Processes start from a fork server that has imported torch, DeepSpeed and Megatron-Core once
+per test session: a fresh interpreter per rank would import them again every time (seconds
+each on two cores). Set ``MOE_PLUGIN_TEST_START=spawn`` to use plain spawn instead.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+START_METHOD = os.environ.get("MOE_PLUGIN_TEST_START", "forkserver")
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron.core.parallel_state", "moe_plugin", "pytest"]
+
+
+class RemoteTraceback(Exception):
+    """The traceback text of an exception raised in a child rank."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def _child(rank: int, fn: Callable, world_size: int, workdir: str, timeout_s: float, args: tuple) -> None:
+    torch.set_num_threads(1)
+    work = Path(workdir)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        torch.save(fn(rank, world_size, *args), work / f"result{rank}.pt")
+    except BaseException as exc:
+        text = f"rank {rank}:\n{traceback.format_exc()}"
+        try:
+            payload = pickle.dumps(exc)
+            pickle.loads(payload)  # exceptions with custom __init__ may not come back
+        except Exception:
+            payload = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+        (work / f"error{rank}.pkl").write_bytes(pickle.dumps((payload, text)))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any, timeout: float = 180.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
+
+    ``fn`` must be a module-level function; ``args`` and results must pickle. ``timeout`` (seconds)
+    bounds the whole run and every collective.
+    """
+    if START_METHOD == "forkserver":
+        multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server runs
+    workdir = tempfile.mkdtemp(prefix="dist-", dir=tmp_path)  # a fresh store per call
+    ctx = tmp.start_processes(_child, args=(fn, world_size, workdir, timeout, args), nprocs=world_size,
+                              join=False, start_method=START_METHOD)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"ranks {alive} of {world_size} still running after {timeout:.0f} s")
+    except (tmp.ProcessRaisedException, tmp.ProcessExitedException) as failure:
+        errors = sorted(Path(workdir).glob("error*.pkl"), key=lambda p: int(p.stem[5:]))
+        first = Path(workdir) / f"error{failure.error_index}.pkl"
+        if not errors:
+            raise
+        payload, text = pickle.loads((first if first.exists() else errors[0]).read_bytes())
+        raise pickle.loads(payload) from RemoteTraceback(text)
+    return [torch.load(Path(workdir) / f"result{r}.pt", weights_only=False) for r in range(world_size)]
