@@ -23,23 +23,27 @@ Expert parallelism slots in by subclassing and overriding the three hooks:
   re-sort; returns the rows and the per-local-expert counts;
 * ``from_experts``: the inverse re-sort and the reverse all-to-all.
 
-Everything else (permute, gate weighting, unpermute) stays as it is here.
+Everything else (permute, gate weighting, unpermute) stays as it is here. The collectives
+(``exchange_counts``, uneven ``all_to_all`` with its reverse in backward) are in ``comm.py``.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
 
 from moe_plugin.layers.router import RoutingPlan
 
+if TYPE_CHECKING:
+    from moe_plugin.groups.process_groups import ProcessGroups
+
 
 class TokenDispatcher:
     """Local dispatcher: all ``num_experts`` experts live in this process."""
 
-    def __init__(self, num_experts: int, groups: Optional[object] = None):
-        if groups is not None and getattr(groups, "ep", None) is not None:
+    def __init__(self, num_experts: int, groups: Optional["ProcessGroups"] = None):
+        if groups is not None and groups.ep is not None:
             raise NotImplementedError("expert parallelism (groups.ep) needs the all-to-all dispatcher, "
                                       "which is not written yet; TokenDispatcher is single-process")
         self.num_experts = num_experts

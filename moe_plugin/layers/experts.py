@@ -11,9 +11,14 @@ width (F, or 2F for swiglu: gate half first, then up half), L local experts.
 * ``loop``: one GEMM per expert over ``split``/``unbind`` views. Never ``x[a:b]``/``w[i]`` in a
   loop: their backward allocates a full-size zero gradient per slice.
 
-Measured on this project's 2-core CPU (torch 2.13, fp32, 4096 routes x 64 experts, H 512,
-F 1024, gelu FFN, forward+backward): see ``tests/test_layers_gemm_bench.py`` and the numbers
-recorded there; grouped_mm is the fastest, so ``auto`` picks it wherever it is supported.
+Measured (``tests/test_layers_gemm_bench.py``; 2-core CPU, 2 threads, torch 2.13, fp32,
+4096 routes x 64 experts, H 512, F 1024, gelu FFN; best of 8, ms forward / forward+backward):
+
+    counts 38..83 (balanced)     grouped_mm  81 / 355   loop  88 / 384   padded bmm  95 / 380
+    counts 19..315 (skewed)      grouped_mm 121 / 410   loop 109 / 444   padded bmm 347 / 1084
+    loop over x[a:b] / w[i] slices (skewed): 95 / 11723 -- the slicing backward
+
+grouped_mm is the fastest or tied, and needs no padding, so ``auto`` picks it where supported.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ router without adding the losses by hand. ``last_stats`` describes the latest fo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +20,9 @@ from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.layers.dispatcher import TokenDispatcher
 from moe_plugin.layers.experts import GroupedExperts, SharedExpert
 from moe_plugin.layers.router import Router, RouterNoise, RoutingPlan
+
+if TYPE_CHECKING:
+    from moe_plugin.groups.process_groups import ProcessGroups
 
 
 class AttachAuxLoss(torch.autograd.Function):
@@ -53,7 +56,7 @@ class MoEStats:
     capacity: Optional[int]
 
 
-def _ep_coords(groups) -> tuple[int, int, str]:
+def _ep_coords(groups: Optional["ProcessGroups"]) -> tuple[int, int, str]:
     if groups is None:
         return 1, 0, "ep_size_1"
     return groups.size("ep"), groups.rank_in("ep"), groups.expert_group_name
@@ -62,7 +65,8 @@ def _ep_coords(groups) -> tuple[int, int, str]:
 class MoELayer(nn.Module):
     """A Mixture-of-Experts MLP. ``seed`` makes the init deterministic and EP-size independent."""
 
-    def __init__(self, config: MoEConfig, hidden_size: int, ffn_hidden_size: int, groups=None, *,
+    def __init__(self, config: MoEConfig, hidden_size: int, ffn_hidden_size: int,
+                 groups: Optional["ProcessGroups"] = None, *,
                  seed: int = 0, init_std: float = 0.02, output_init_std: Optional[float] = None):
         super().__init__()
         self.config = config
