@@ -15,12 +15,12 @@ other dimension. Groups are listed in the same order as Megatron-Core's ``RankGe
 """
 from __future__ import annotations
 
-import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
-from moe_plugin.configs.schema import ParallelSizes
+from moe_plugin.configs.errors import ConfigError
+from moe_plugin.configs.schema import DEFAULT_ORDER, ROOT_KEY, ParallelSizes
 
 # kind -> (grid, dimensions); "mp" is DeepSpeed's model parallelism, TP x PP.
 GROUP_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -38,6 +38,15 @@ GROUP_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
 PUBLIC_KINDS = ("tp", "pp", "dp", "ep", "etp", "edp", "mp")
 
 
+def _offsets(sizes: list[int], dims: list[int]) -> list[int]:
+    """Rank offsets of every combination of coordinates over ``dims``, the first fastest."""
+    out = [0]
+    for d in dims:  # each later dimension repeats the offsets so far once per coordinate
+        stride = math.prod(sizes[:d])
+        out = [base + k * stride for k in range(sizes[d]) for base in out]
+    return out
+
+
 def orthogonal_groups(sizes: list[int], mask: list[bool]) -> list[list[int]]:
     """Rank groups of a grid whose dimension i has ``sizes[i]`` (dimension 0 varies fastest).
 
@@ -45,17 +54,8 @@ def orthogonal_groups(sizes: list[int], mask: list[bool]) -> list[list[int]]:
     index of the fixed coordinates, ranks within a group by the index of the varying ones,
     both counted fastest-dimension-first.
     """
-    inner = [i for i, m in enumerate(mask) if m]
-    outer = [i for i, m in enumerate(mask) if not m]
-    strides = [math.prod(sizes[:i]) for i in range(len(sizes))]
-
-    def offsets(dims: list[int]) -> list[int]:
-        # Every combination of coordinates over `dims`, the first dimension fastest.
-        ranges = [range(sizes[d]) for d in reversed(dims)]
-        return [sum(c * strides[d] for c, d in zip(coords, reversed(dims))) for coords in itertools.product(*ranges)]
-
-    inner_offsets = offsets(inner)
-    return [[base + off for off in inner_offsets] for base in offsets(outer)]
+    inner = _offsets(sizes, [i for i, m in enumerate(mask) if m])
+    return [[base + off for off in inner] for base in _offsets(sizes, [i for i, m in enumerate(mask) if not m])]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,15 @@ class Grid:
     def groups(self, dims: tuple[str, ...]) -> list[list[int]]:
         return orthogonal_groups(list(self.sizes), [n in dims for n in self.names])
 
+    def group_of(self, dims: tuple[str, ...], rank: int) -> list[int]:
+        """The group varying ``dims`` that holds ``rank``, without listing the others."""
+        varying = [i for i, n in enumerate(self.names) if n in dims]
+        first = rank  # the member whose varying coordinates are all 0
+        for i in varying:
+            stride = math.prod(self.sizes[:i])
+            first -= (rank // stride) % self.sizes[i] * stride
+        return [first + off for off in _offsets(list(self.sizes), varying)]
+
     def coords(self, rank: int) -> dict[str, int]:
         out = {}
         for name, size in zip(self.names, self.sizes):
@@ -75,13 +84,31 @@ class Grid:
             rank //= size
         return out
 
+    def stride(self, name: str) -> int:
+        """Distance in ranks between neighbours along dimension ``name``."""
+        return math.prod(self.sizes[:self.names.index(name)])
+
 
 @dataclass(frozen=True)
 class RankLayout:
     """The attention grid and the expert grid of one job, and every group's rank lists."""
 
     sizes: ParallelSizes
-    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Both grids must cut the ranks into the same pipeline stages (Megatron-Core asserts
+        # the same): the dimensions laid out before "pp" must span as many ranks in each.
+        # The order rule (order ends in pp, or EDP == DP) does not imply it: with "tp-pp-dp-ep",
+        # tp 2, etp 1, ep 2 on 8 ranks EDP == DP but the stages differ. ParallelSizes.resolve
+        # checks it as well; this guards sizes that were built some other way.
+        attn, expert = self.attention_grid.stride("pp"), self.expert_grid.stride("pp")
+        if self.sizes.pp > 1 and attn != expert:
+            s = self.sizes
+            raise ConfigError(
+                f"{ROOT_KEY}.parallel.order", s.order,
+                f"puts pipeline stages {attn} ranks apart in attention (tp {s.tp}, dp {s.dp}) but {expert} "
+                f"apart in the experts (etp {s.etp}, ep {s.ep}, edp {s.edp}); the dimensions before 'pp' "
+                f"must span as many ranks in both grids: put 'pp' last, e.g. {DEFAULT_ORDER!r}")
 
     @classmethod
     def build(cls, world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
@@ -113,20 +140,31 @@ class RankLayout:
         size = {"tp": self.sizes.etp, "ep": self.sizes.ep, "dp": self.sizes.edp, "pp": self.sizes.pp}
         return Grid(tuple(self._order), tuple(size[t] for t in self._order))
 
-    def groups(self, kind: str) -> list[list[int]]:
-        """Every group of ``kind`` (see ``GROUP_KINDS``, plus ``embedding``) as rank lists."""
-        if kind == "embedding":
-            return [[ranks[0], ranks[-1]] if len(ranks) > 1 else [ranks[0]] for ranks in self.groups("pp")]
+    def _grid_and_dims(self, kind: str) -> tuple[Grid, tuple[str, ...]]:
         if kind not in GROUP_KINDS:
             raise KeyError(f"unknown group kind {kind!r}; known: {', '.join(list(GROUP_KINDS) + ['embedding'])}")
-        if kind not in self._cache:
-            grid, dims = GROUP_KINDS[kind]
-            self._cache[kind] = (self.attention_grid if grid == "attn" else self.expert_grid).groups(dims)
-        return [list(g) for g in self._cache[kind]]
+        grid, dims = GROUP_KINDS[kind]
+        return (self.attention_grid if grid == "attn" else self.expert_grid), dims
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """Every group of ``kind`` (see ``GROUP_KINDS``, plus ``embedding``) as fresh rank lists."""
+        if kind == "embedding":
+            return [[ranks[0], ranks[-1]] if len(ranks) > 1 else [ranks[0]] for ranks in self.groups("pp")]
+        grid, dims = self._grid_and_dims(kind)
+        return grid.groups(dims)
 
     def group_of(self, kind: str, rank: int) -> list[int]:
-        """The ranks of the ``kind`` group that ``rank`` belongs to."""
-        return next(g for g in self.groups(kind) if rank in g)
+        """The ranks of the ``kind`` group that ``rank`` belongs to (computed from its coordinates).
+
+        Only the first and last pipeline stages have an embedding group: ``[]`` for the others."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        if kind == "embedding":
+            stage = self.group_of("pp", rank)
+            group = [stage[0], stage[-1]] if len(stage) > 1 else [stage[0]]
+            return group if rank in group else []
+        grid, dims = self._grid_and_dims(kind)
+        return grid.group_of(dims, rank)
 
     def coords(self, rank: int) -> dict[str, int]:
         """Rank coordinates in both grids: tp, dp, pp, ep, etp, edp."""
