@@ -27,8 +27,13 @@ install: $(DEPS_STAMP)
 test: $(DEPS_STAMP)
 	$(PY) -m pytest -q tests
 
+# Until the GPT-MoE training example lands: the resolved layout of the 4-rank example job,
+# then the same job launched on 4 real ranks, its groups read back through Megatron's and
+# DeepSpeed's getters.
 example: $(DEPS_STAMP)
 	$(VENV)/bin/moe-plugin demo --world-size 4
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/deepspeed --num_gpus 4 examples/gpt_moe/show_groups.py \
+		--deepspeed_config examples/gpt_moe/configs/tiny_cpu_4rank.json
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -307,3 +307,14 @@ def test_docs_full_example_is_valid_and_complete():
     block = full_example()["moe"]
     assert MoEConfig.from_dict(block).resolved_dict() == block
     assert set(block) == set(MoEConfig.model_fields)
+
+
+def test_config_error_survives_pickling():
+    # A ConfigError raised on one rank must reach the launching process intact.
+    import pickle
+
+    for block in ({"num_experts": 8, "parallel": {"expert": 3}}, {}):
+        with pytest.raises(ConfigError) as info:
+            MoEConfig.from_dict(block)
+        again = pickle.loads(pickle.dumps(info.value))
+        assert type(again) is ConfigError and str(again) == str(info.value)

@@ -20,6 +20,9 @@ class _Missing:
     def __repr__(self) -> str:
         return "MISSING"
 
+    def __reduce__(self) -> str:
+        return "MISSING"  # unpickles as this module's singleton
+
 
 MISSING = _Missing()
 
@@ -31,9 +34,14 @@ class ConfigError(ValueError):
         self.path = path
         self.value = value
         self.expected = expected
+        self.shown = shown
         # `shown` replaces the repr of the value where a description reads better.
         got = "missing" if value is MISSING else f"got {shown if shown is not None else _show(value)}"
         super().__init__(f"{path}: {got}; {expected}")
+
+    def __reduce__(self):
+        # Picklable, so an error raised on one rank reaches a parent process intact.
+        return (type(self), (self.path, self.value, self.expected, self.shown))
 
 
 class FieldProblem(ValueError):
