@@ -3,9 +3,10 @@
     moe-plugin check-config ds_config.json [--world-size N]
     moe-plugin layout --world-size 8 --tp 2 --pp 2 --ep 2 [--etp 1] [--order tp-cp-ep-dp-pp] [--json]
     moe-plugin demo [--world-size 4] [--config FILE]
+    moe-plugin bench layer [--experts 8,64,128] [--tokens N] [--vs deepspeed] [--dropless] [--json] ...
 
 A bad config or bad sizes exit with status 2 and one line ``error: <message>`` on stderr.
-Nothing here creates a process group or imports torch.distributed.
+Nothing here creates a process group or imports torch.distributed (``bench`` imports torch when run).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from moe_plugin.bench.args import add_bench_parser
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.configs.schema import DEFAULT_ORDER
 from moe_plugin.groups.layout import RankLayout
@@ -64,6 +66,12 @@ def demo(args: argparse.Namespace) -> None:
                                              for e in range(p.expert)))
     _section("Folded: tensor 2, expert 2, expert_tensor 1 (EP carved out of the TP ranks)")
     _show_layout(RankLayout.build(args.world_size, tp=2, ep=2, etp=1))
+
+
+def bench_layer(args: argparse.Namespace) -> None:
+    from moe_plugin.bench.layer import run
+
+    run(args)
 
 
 def _span(first: int, count: int) -> str:
@@ -115,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     example.add_argument("--config", type=Path, default=DEMO_CONFIG, help="DeepSpeed JSON to show "
                          "(default: examples/gpt_moe/configs/tiny_cpu_4rank.json)")
     example.set_defaults(run=demo)
+
+    add_bench_parser(commands, bench_layer)
     return parser
 
 

@@ -1,0 +1,64 @@
+"""Command-line arguments of ``moe-plugin bench``; importing this module does not import torch."""
+from __future__ import annotations
+
+import argparse
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 0, got {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_bench_parser(commands: argparse._SubParsersAction, run_layer) -> None:
+    """Add ``bench layer`` to the ``moe-plugin`` subcommands; ``run_layer(args)`` runs it."""
+    bench = commands.add_parser("bench", help="benchmarks (bench layer: our MoE layer vs DeepSpeed's)")
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    layer = kinds.add_parser("layer", help="forward+backward time and peak memory of the MoE layer, of DeepSpeed's "
+                             "MoE layer and of the expert GEMMs alone (the floor)",
+                             description="One line per configuration (one JSON object with --json). "
+                             "See docs/benchmarks.md.")
+    layer.add_argument("--experts", type=int_list, default=[8, 64, 128], help="comma-separated expert counts "
+                       "(default 8,64,128)")
+    layer.add_argument("--tokens", type=positive_int, default=4096, help="tokens per batch (default 4096)")
+    layer.add_argument("--hidden", type=positive_int, default=512, help="hidden size H (default 512)")
+    layer.add_argument("--ffn", type=positive_int, default=1024, help="expert FFN size F (default 1024)")
+    layer.add_argument("--top-k", type=positive_int, default=2, help="experts per token (default 2: gshard)")
+    layer.add_argument("--capacity-factor", type=float, default=1.25, help="default 1.25")
+    layer.add_argument("--dropless", action="store_true", help="no capacity (DeepSpeed: capacity = largest load)")
+    layer.add_argument("--skew", type=float_list, default=[0.0], help="comma-separated routing skews: std of a "
+                       "per-expert logit offset (default 0)")
+    layer.add_argument("--vs", choices=["deepspeed", "none"], default="none",
+                       help="also run DeepSpeed's MoE layer (--vs deepspeed)")
+    layer.add_argument("--iters", type=positive_int, default=5, help="timed iterations (default 5)")
+    layer.add_argument("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
+    layer.add_argument("--threads", type=positive_int, default=2, help="torch.set_num_threads (default 2)")
+    layer.add_argument("--seed", type=int, default=0)
+    layer.add_argument("--ep", type=positive_int, default=1, help="expert-parallel ranks (needs the "
+                       "expert-parallel layer; default 1)")
+    layer.add_argument("--json", action="store_true", help="print one JSON object per configuration")
+    layer.set_defaults(run=run_layer)

@@ -1,0 +1,29 @@
+"""Bytes one rank sends to other ranks in one expert-parallel all-to-all (dispatch; combine is the same).
+
+Static placement: EP rank p hosts experts ``[p * L, (p + 1) * L)``, ``L = E / ep``.
+
+* ours: only the routed rows travel (uneven all-to-all, counts exchanged first), so a rank sends
+  the kept routes of its tokens whose expert lives on another rank: rows x H x dtype size.
+* DeepSpeed: every rank sends its whole ``[E, C, H]`` buffer in an even all-to-all, padding
+  included; ``1/ep`` of it stays on the rank, the rest, ``E * C * (ep - 1) / ep`` slots, crosses.
+
+Backward moves the same bytes again in the opposite direction.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+
+def ours_rows_sent(kept_E: Tensor, ep_size: int, ep_rank: int) -> int:
+    """Kept routes of this rank's tokens (``kept_E`` per global expert) bound for other EP ranks."""
+    per_rank = kept_E.reshape(ep_size, -1).sum(1)
+    return int(per_rank.sum() - per_rank[ep_rank])
+
+
+def ours_bytes_sent(kept_E: Tensor, ep_size: int, ep_rank: int, hidden: int, element_size: int) -> int:
+    return ours_rows_sent(kept_E, ep_size, ep_rank) * hidden * element_size
+
+
+def deepspeed_bytes_sent(num_experts: int, capacity: int, ep_size: int, hidden: int, element_size: int) -> int:
+    """The slots of DeepSpeed's ``[E, C, H]`` dispatch buffer that leave the rank, in bytes."""
+    return num_experts * capacity * (ep_size - 1) // ep_size * hidden * element_size
