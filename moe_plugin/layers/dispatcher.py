@@ -14,40 +14,30 @@ writes each kept route's gate-weighted output to its route slot ``j * T + t`` of
 buffer (unique indices, so deterministic) and sums over ``j``. Both have gather/scatter
 backwards of the same cost. Dropped routes leave zeros: their token keeps only the residual.
 
-Expert parallelism slots in by subclassing and overriding the three hooks:
+Expert parallelism slots in by subclassing and overriding the three hooks
+(``ep_dispatcher.ExpertParallelDispatcher``):
 
-* ``prepare``: exchange ``plan.kept_E`` across the EP group (an all-to-all of counts) and
-  return ``dataclasses.replace(plan, exchange=...)`` with the send/receive splits and the
-  permutation that re-sorts received rows by local expert;
-* ``to_experts``: uneven ``all_to_all_single`` of the expert-sorted rows, then that local
-  re-sort; returns the rows and the per-local-expert counts;
+* ``prepare``: exchange the per-expert counts across the EP (and ETP) group and return
+  ``dataclasses.replace(plan, exchange=...)`` with the splits and the re-sort permutation;
+* ``to_experts``: the uneven all-to-all of the expert-sorted rows, then the local re-sort;
+  returns the rows and the per-local-expert counts;
 * ``from_experts``: the inverse re-sort and the reverse all-to-all.
 
-Everything else (permute, gate weighting, unpermute) stays as it is here. The collectives
-(``exchange_counts``, uneven ``all_to_all`` with its reverse in backward) are in ``comm.py``.
+Everything else (permute, gate weighting, unpermute) stays as it is here.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
 
 from moe_plugin.layers.router import RoutingPlan
 
-if TYPE_CHECKING:
-    from moe_plugin.groups.process_groups import ProcessGroups
-
 
 class TokenDispatcher:
     """Local dispatcher: all ``num_experts`` experts live in this process."""
 
-    def __init__(self, num_experts: int, groups: Optional["ProcessGroups"] = None):
-        if groups is not None and groups.ep is not None:
-            raise NotImplementedError("expert parallelism (groups.ep) needs the all-to-all dispatcher, "
-                                      "which is not written yet; TokenDispatcher is single-process")
+    def __init__(self, num_experts: int):
         self.num_experts = num_experts
-        self.groups = groups
 
     # -- hooks an expert-parallel dispatcher overrides ---------------------------------------
     def prepare(self, plan: RoutingPlan) -> RoutingPlan:

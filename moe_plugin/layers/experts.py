@@ -4,7 +4,13 @@ Shape suffixes: R routes (rows sorted by local expert), H hidden, F ffn, F1 the 
 width (F, or 2F for swiglu: gate half first, then up half), L local experts.
 
 ``GroupedExperts`` holds the stacked ``weight1`` [L, H, F1] and ``weight2`` [L, F, H]. Rows of
-``x_RH`` come grouped by local expert with ``counts_L`` rows each (zero allowed). Backends:
+``x_RH`` come grouped by local expert with ``counts_L`` rows each (zero allowed).
+
+Expert tensor parallelism (``etp_size > 1``) splits F: a rank holds ``weight1`` [L, H, F1/etp]
+(swiglu: this shard's gate columns, then its up columns) and ``weight2`` [L, F/etp, H], exactly
+the slices ``ffn_shard`` cuts from the single-process weights of the same seed, and returns a
+partial output that the dispatcher sums over the ETP group. ``grad_scale`` multiplies the weight
+gradients (``LayerParallelism.expert_grad_scale``). Backends:
 
 * ``grouped_mm``: ``torch._grouped_mm(x_RH, w_LHF, offs=cumsum(counts_L) as int32)``; needs
   16-byte aligned strides (H and F multiples of 4 in fp32, of 8 in bf16). Used on CPU.
@@ -28,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_plugin.layers import comm
 from moe_plugin.layers.init import seeded_generator
 
 EXPERT_STREAM = 2
@@ -79,8 +86,26 @@ def grouped_matmul(x_RH: Tensor, w_LHF: Tensor, counts_L: Tensor, offs_L: Tensor
     return torch.cat(chunks) if chunks else x_RH.new_zeros(0, w_LHF.shape[-1])
 
 
+def ffn_shard(w1_HF1: Tensor, w2_FH: Tensor, activation: str, etp_size: int, etp_rank: int) -> tuple[Tensor, Tensor]:
+    """Expert-tensor-parallel shard ``etp_rank`` of ``etp_size`` of one expert's full weights:
+    columns ``[r*F/etp, (r+1)*F/etp)`` of ``w1`` (of its gate and of its up half for swiglu) and
+    the same rows of ``w2``."""
+    ffn = w2_FH.shape[0]
+    if ffn % etp_size:
+        raise ValueError(f"expert ffn size {ffn} cannot be split evenly over {etp_size} expert-tensor-parallel ranks")
+    part = ffn // etp_size
+    cols = slice(etp_rank * part, (etp_rank + 1) * part)
+    if activation == "swiglu":
+        gate_HF, up_HF = w1_HF1.chunk(2, dim=-1)
+        w1_HF1 = torch.cat([gate_HF[:, cols], up_HF[:, cols]], dim=-1)
+    else:
+        w1_HF1 = w1_HF1[:, cols]
+    return w1_HF1.contiguous(), w2_FH[cols].contiguous()
+
+
 class GroupedExperts(nn.Module):
-    """The ``num_local`` experts ``[ep_rank * num_local, (ep_rank + 1) * num_local)`` of ``num_experts``.
+    """The ``num_local`` experts ``[ep_rank * num_local, (ep_rank + 1) * num_local)`` of ``num_experts``
+    (their F-shard ``etp_rank`` of ``etp_size``).
 
     Weights of global expert ``e`` come from a generator seeded by ``(seed, e)`` alone, so an
     expert-parallel model reproduces the single-process one. Every parameter carries
@@ -88,27 +113,35 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu", *,
-                 ep_size: int = 1, ep_rank: int = 0, group_name: str = "ep_size_1", seed: int = 0,
-                 init_std: float = 0.02, output_init_std: float | None = None, backend: Backend = "auto"):
+                 ep_size: int = 1, ep_rank: int = 0, etp_size: int = 1, etp_rank: int = 0,
+                 group_name: str = "ep_size_1", seed: int = 0, init_std: float = 0.02,
+                 output_init_std: float | None = None, backend: Backend = "auto", grad_scale: float = 1.0):
         super().__init__()
         if num_experts % ep_size or not 0 <= ep_rank < ep_size:
             raise ValueError(f"expert-parallel rank {ep_rank} of size {ep_size} cannot hold an equal "
                              f"share of {num_experts} experts")
+        if not 0 <= etp_rank < etp_size:
+            raise ValueError(f"expert-tensor-parallel rank {etp_rank} is outside a group of {etp_size}")
         self.num_experts = num_experts
         self.num_local = num_experts // ep_size
         self.first_expert = ep_rank * self.num_local
         self.activation = activation
         self.act = activation_fn(activation)
         self.backend = backend
+        self.grad_scale = grad_scale
         width = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         out_std = init_std if output_init_std is None else output_init_std
         w1, w2 = [], []
         for e in range(self.first_expert, self.first_expert + self.num_local):
             gen = seeded_generator(seed, EXPERT_STREAM, e)
-            w1.append(torch.randn(hidden_size, width, generator=gen) * init_std)
-            w2.append(torch.randn(ffn_hidden_size, hidden_size, generator=gen) * out_std)
-        self.weight1 = nn.Parameter(torch.stack(w1))   # [L, H, F1]
-        self.weight2 = nn.Parameter(torch.stack(w2))   # [L, F, H]
+            w1_HF1 = torch.randn(hidden_size, width, generator=gen) * init_std
+            w2_FH = torch.randn(ffn_hidden_size, hidden_size, generator=gen) * out_std
+            if etp_size > 1:
+                w1_HF1, w2_FH = ffn_shard(w1_HF1, w2_FH, activation, etp_size, etp_rank)
+            w1.append(w1_HF1)
+            w2.append(w2_FH)
+        self.weight1 = nn.Parameter(torch.stack(w1))   # [L, H, F1/etp]
+        self.weight2 = nn.Parameter(torch.stack(w2))   # [L, F/etp, H]
         for p in (self.weight1, self.weight2):
             p.allreduce = False
             p.group_name = group_name
@@ -121,9 +154,10 @@ class GroupedExperts(nn.Module):
         return "grouped_mm" if grouped_mm_supported(x_RH, hidden, width, ffn) else "loop"
 
     def forward(self, x_RH: Tensor, counts_L: Tensor) -> Tensor:
-        """Rows of ``x_RH`` grouped by local expert, ``counts_L`` rows each -> [R, H], input dtype."""
-        w1_LHF = self.weight1.to(x_RH.dtype)
-        w2_LFH = self.weight2.to(x_RH.dtype)
+        """Rows of ``x_RH`` grouped by local expert, ``counts_L`` rows each -> [R, H], input dtype
+        (a partial sum over the F-shards when expert-tensor-parallel)."""
+        w1_LHF = comm.scale_grad(self.weight1, self.grad_scale).to(x_RH.dtype)
+        w2_LFH = comm.scale_grad(self.weight2, self.grad_scale).to(x_RH.dtype)
         backend = self.pick_backend(x_RH)
         offs_L = torch.cumsum(counts_L, 0).to(torch.int32) if backend == "grouped_mm" else None
         h_RF = self.act(grouped_matmul(x_RH.contiguous(), w1_LHF, counts_L, offs_L, backend))
@@ -131,11 +165,17 @@ class GroupedExperts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """A dense FFN every token passes through, optionally scaled by ``sigmoid(x . gate_weight)``."""
+    """A dense FFN every token passes through, optionally scaled by ``sigmoid(x . gate_weight)``.
+
+    Replicated over TP ranks that each see a different token share: ``grad_group`` (the TP
+    group) sums the weight gradients in backward.
+    """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu", *, gate: bool = False,
-                 seed: int = 0, init_std: float = 0.02, output_init_std: float | None = None):
+                 seed: int = 0, init_std: float = 0.02, output_init_std: float | None = None,
+                 grad_group: comm.Group = None):
         super().__init__()
+        self.grad_group = grad_group
         self.act = activation_fn(activation)
         width = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         out_std = init_std if output_init_std is None else output_init_std
@@ -144,8 +184,11 @@ class SharedExpert(nn.Module):
         self.weight2 = nn.Parameter(torch.randn(ffn_hidden_size, hidden_size, generator=gen) * out_std)  # [F, H]
         self.gate_weight = nn.Parameter(torch.randn(hidden_size, generator=gen) * init_std) if gate else None
 
+    def _w(self, w: Tensor, dtype: torch.dtype) -> Tensor:
+        return comm.all_reduce_grad(w, self.grad_group).to(dtype)
+
     def forward(self, x_TH: Tensor) -> Tensor:
-        y_TH = self.act(x_TH @ self.weight1.to(x_TH.dtype)) @ self.weight2.to(x_TH.dtype)
+        y_TH = self.act(x_TH @ self._w(self.weight1, x_TH.dtype)) @ self._w(self.weight2, x_TH.dtype)
         if self.gate_weight is not None:
-            y_TH = y_TH * torch.sigmoid(x_TH @ self.gate_weight.to(x_TH.dtype)).unsqueeze(-1)
+            y_TH = y_TH * torch.sigmoid(x_TH @ self._w(self.gate_weight, x_TH.dtype)).unsqueeze(-1)
         return y_TH

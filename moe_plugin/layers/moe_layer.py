@@ -6,7 +6,19 @@ Shape suffixes: S sequence, B batch, H hidden, T = S*B tokens, R kept routes, L 
 ``forward(hidden_SBH) -> (output_SBH, None)``. The router runs in fp32, the experts and the
 output in the input dtype. The balance and z losses reach the gradients through
 ``AttachAuxLoss`` on the output: a training loop that calls ``loss.backward()`` trains the
-router without adding the losses by hand. ``last_stats`` describes the latest forward.
+router without adding the losses by hand. ``last_stats`` describes the latest forward on this
+rank's tokens; ``global_stats()`` sums it over the ranks that route distinct tokens.
+
+With ``groups`` the layer runs under any parallel layout; ``parallel.py`` states the semantics
+(token split over TP, one GShard group per rank, expert and expert-tensor parallelism, the
+gradient factors that make the gradients layout-independent, bias and noise) and computes
+every layout-dependent factor. Forward on one rank::
+
+    x_TH = hidden_SBH.reshape(T, H)  -> split_tokens over TP (replicated input, no SP)
+    plan = router(x_TH)               (this rank's tokens: capacity and losses per rank)
+    dispatch / experts / combine      (ExpertParallelDispatcher when EP or ETP > 1)
+    + shared expert, attach aux loss  (its gradient scaled by 1/tp)
+    out_TH -> gather_tokens over TP   (replicated input, no SP)
 """
 from __future__ import annotations
 
@@ -16,9 +28,14 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor, nn
 
+import torch.distributed as dist
+
 from moe_plugin.configs.schema import MoEConfig
+from moe_plugin.layers import comm
 from moe_plugin.layers.dispatcher import TokenDispatcher
+from moe_plugin.layers.ep_dispatcher import ExpertParallelDispatcher
 from moe_plugin.layers.experts import GroupedExperts, SharedExpert
+from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import Router, RouterNoise, RoutingPlan
 
 if TYPE_CHECKING:
@@ -56,14 +73,37 @@ class MoEStats:
     capacity: Optional[int]
 
 
-def _ep_coords(groups: Optional["ProcessGroups"]) -> tuple[int, int, str]:
-    if groups is None:
-        return 1, 0, "ep_size_1"
-    return groups.size("ep"), groups.rank_in("ep"), groups.expert_group_name
+def reduce_stats(stats: MoEStats, group: comm.Group) -> MoEStats:
+    """``stats`` of every rank of ``group`` (each one token group) in one: counts summed, losses
+    averaged, the dropped fraction recomputed from the sums. One all-reduce; for logging."""
+    if group is None:
+        return stats
+    E = stats.kept_per_expert.numel()
+    packed = torch.cat([stats.kept_per_expert.double(), stats.routed_per_expert.double(),
+                        torch.stack([stats.balance_loss, stats.z_loss]).double()])
+    dist.all_reduce(packed, group=group)
+    kept, routed = packed[:E].round().long(), packed[E:2 * E].round().long()
+    n = comm.group_size(group)
+    routed_total = routed.sum()
+    return MoEStats(kept_per_expert=kept, routed_per_expert=routed,
+                    dropped_fraction=((routed_total - kept.sum()).float() / routed_total.clamp(min=1).float()),
+                    balance_loss=(packed[2 * E] / n).float(), z_loss=(packed[2 * E + 1] / n).float(),
+                    capacity=stats.capacity)
+
+
+def _check_sizes(config: MoEConfig, parallel: LayerParallelism) -> None:
+    """The config's parallel block must describe the groups the layer receives."""
+    p = config.parallel
+    for key, mine, theirs in (("tensor", p.tensor, parallel.tp_size), ("expert", p.expert, parallel.ep_size),
+                              ("expert_tensor", p.etp, parallel.etp_size)):
+        if mine != theirs:
+            raise ValueError(f"moe.parallel.{key} is {mine} but the process groups given to the MoE layer "
+                             f"have size {theirs}; build the groups from the same config")
 
 
 class MoELayer(nn.Module):
-    """A Mixture-of-Experts MLP. ``seed`` makes the init deterministic and EP-size independent."""
+    """A Mixture-of-Experts MLP. ``seed`` makes the init deterministic and layout independent
+    (expert and expert-tensor shards are slices of the single-process weights)."""
 
     def __init__(self, config: MoEConfig, hidden_size: int, ffn_hidden_size: int,
                  groups: Optional["ProcessGroups"] = None, *,
@@ -73,27 +113,39 @@ class MoELayer(nn.Module):
         self.groups = groups
         self.hidden_size = hidden_size
         ffn = config.ffn_hidden_size or ffn_hidden_size
-        ep_size, ep_rank, group_name = _ep_coords(groups)
-        self.router = Router(config, hidden_size, seed=seed, init_std=init_std)
-        self.dispatcher = TokenDispatcher(config.num_experts, groups)
+        self.parallel = p = LayerParallelism.from_groups(groups, config.parallel.sequence_parallel)
+        if groups is not None:
+            _check_sizes(config, p)
+        self.router = Router(config, hidden_size, seed=seed, init_std=init_std, noise_index=p.token_rank,
+                             grad_group=p.dense_grad_group, check_group=p.tokens)
+        self.dispatcher = (ExpertParallelDispatcher(config.num_experts, p) if p.expert_parallel
+                           else TokenDispatcher(config.num_experts))
         self.experts = GroupedExperts(config.num_experts, hidden_size, ffn, config.activation,
-                                      ep_size=ep_size, ep_rank=ep_rank, group_name=group_name, seed=seed,
-                                      init_std=init_std, output_init_std=output_init_std)
+                                      ep_size=p.ep_size, ep_rank=p.ep_rank, etp_size=p.etp_size, etp_rank=p.etp_rank,
+                                      group_name=p.expert_group_name, seed=seed, init_std=init_std,
+                                      output_init_std=output_init_std, grad_scale=p.expert_grad_scale)
         self.shared_expert = None
         if config.shared_expert_ffn_hidden_size > 0:
             self.shared_expert = SharedExpert(hidden_size, config.shared_expert_ffn_hidden_size, config.activation,
                                               gate=config.shared_expert_gate, seed=seed, init_std=init_std,
-                                              output_init_std=output_init_std)
+                                              output_init_std=output_init_std, grad_group=p.dense_grad_group)
         # Multiplies the aux-loss gradient: set it to the main loss's scale (gradient
         # accumulation, fp16 loss scaling) so both gradients are scaled alike.
         self.aux_loss_scale = 1.0
         self.last_stats: Optional[MoEStats] = None
 
     def forward(self, hidden_SBH: Tensor, noise: Optional[RouterNoise] = None) -> tuple[Tensor, None]:
-        """``noise`` replays given random numbers (tests); by default the router draws its own."""
+        """``hidden_SBH``: [S, B, H], or this TP rank's [S/tp, B, H] share with sequence parallelism.
+
+        ``noise`` replays given random numbers (tests) for the tokens this rank routes (its TP
+        share of the S*B tokens when the input is split); by default the router draws its own.
+        """
         if hidden_SBH.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE layer input has hidden size {hidden_SBH.shape[-1]}, expected {self.hidden_size}")
+        p = self.parallel
         x_TH = hidden_SBH.reshape(-1, self.hidden_size)
+        if p.splits_input:
+            x_TH = comm.split_tokens(x_TH, p.tp)
         plan = self.dispatcher.prepare(self.router(x_TH, noise))
         x_RH, counts_L = self.dispatcher.dispatch(x_TH, plan)
         out_TH = self.dispatcher.combine(self.experts(x_RH, counts_L), plan)
@@ -101,6 +153,8 @@ class MoELayer(nn.Module):
             out_TH = out_TH + self.shared_expert(x_TH)
         out_TH = self._attach_losses(out_TH, plan)
         self.last_stats = self._stats(plan)
+        if p.splits_input:
+            out_TH = comm.gather_tokens(out_TH, p.tp)
         return out_TH.view(hidden_SBH.shape), None
 
     def _attach_losses(self, out_TH: Tensor, plan: RoutingPlan) -> Tensor:
@@ -108,7 +162,7 @@ class MoELayer(nn.Module):
         if not (self.training and torch.is_grad_enabled()) or (cfg.aux_loss_coeff == 0 and cfg.z_loss_coeff == 0):
             return out_TH
         loss = cfg.aux_loss_coeff * plan.balance_loss + cfg.z_loss_coeff * plan.z_loss
-        return AttachAuxLoss.apply(out_TH, loss, self.aux_loss_scale)
+        return AttachAuxLoss.apply(out_TH, loss, self.aux_loss_scale * self.parallel.aux_grad_scale)
 
     @staticmethod
     def _stats(plan: RoutingPlan) -> MoEStats:
@@ -116,8 +170,18 @@ class MoELayer(nn.Module):
                         dropped_fraction=plan.dropped_fraction.detach(), balance_loss=plan.balance_loss.detach(),
                         z_loss=plan.z_loss.detach(), capacity=plan.capacity)
 
+    def global_stats(self) -> Optional[MoEStats]:
+        """``last_stats`` reduced over the ranks that route distinct tokens (``tp_dp``): collective."""
+        if self.last_stats is None:
+            return None
+        return reduce_stats(self.last_stats, self.parallel.tokens)
+
+    @torch.no_grad()
     def update_expert_bias(self) -> None:
         """Aux-loss-free balancing step from the load of the training forwards since the last
-        call; call it after the optimizer step. (An expert-parallel layer will all-reduce the
-        load over its data-parallel ranks first.)"""
-        self.router.update_bias()
+        call; call it after the optimizer step, on every rank (collective in parallel: the load
+        is summed over the ranks that route distinct tokens, so the bias stays identical)."""
+        load_E = self.router.load_E.clone()
+        if self.parallel.tokens is not None:
+            dist.all_reduce(load_E, group=self.parallel.tokens)
+        self.router.update_bias(load_E)

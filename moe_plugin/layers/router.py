@@ -23,6 +23,11 @@ Routing rules (GShard, arXiv 2006.16668; Switch Transformer):
   ``e`` (before capacity), ``P_e`` the mean softmax probability of ``e``. It is exactly 1.0
   when either is uniform (e.g. all logits equal) -- its value before ``aux_loss_coeff``.
 * z-loss ``mean_t logsumexp(logits_t)^2``.
+
+In a parallel layer each rank routes its own tokens as one GShard group (``parallel.py``): the
+weight's gradient is summed over TP (``grad_group``), the finite check is agreed over the ranks
+that route distinct tokens (``check_group``), and the default noise generator is seeded per
+token group (``noise_index``), so ranks draw different numbers unless a test injects them.
 """
 from __future__ import annotations
 
@@ -35,9 +40,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_plugin.configs.schema import MoEConfig
+from moe_plugin.layers import comm
 from moe_plugin.layers.init import seeded_generator
 
-ROUTER_STREAM = 1  # seed stream of the router weight and of its noise (see init.py)
+ROUTER_STREAM = 1  # seed stream of the router weight (see init.py)
+NOISE_STREAM = 4   # seed stream of the router's noise; index: the rank's token group
 
 
 @dataclass(frozen=True)
@@ -96,10 +103,25 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: 
     return max(min_capacity, math.ceil(capacity_factor * k * num_tokens / num_experts))
 
 
-def check_finite(logits_TE: Tensor) -> None:
-    """Raise instead of routing silently wrong. Checked on the small [T, E] logits."""
-    if not bool(torch.isfinite(logits_TE).all()):
-        raise ValueError("MoE router logits are not finite: the MoE layer input (hidden states) "
+def check_finite(logits_TE: Tensor, group: comm.Group = None) -> None:
+    """Raise instead of routing silently wrong. Checked on the small [T, E] logits.
+
+    With a ``group`` the verdict is all-reduced over it first (one small collective), so every
+    rank of the group raises, naming the ranks whose logits are not finite, rather than the
+    healthy ranks waiting forever in the next collective.
+    """
+    bad = not bool(torch.isfinite(logits_TE).all())
+    where = ""
+    if group is not None:
+        flags = torch.zeros(comm.group_size(group), dtype=torch.int32, device=logits_TE.device)
+        flags[comm.group_rank(group)] = int(bad)
+        torch.distributed.all_reduce(flags, group=group)
+        ranks = torch.distributed.get_process_group_ranks(group)
+        bad_ranks = [ranks[i] for i in flags.nonzero().flatten().tolist()]
+        bad = bool(bad_ranks)
+        where = f" on rank(s) {bad_ranks}"
+    if bad:
+        raise ValueError(f"MoE router logits are not finite{where}: the MoE layer input (hidden states) "
                          "contains NaN or inf (or the router weight does)")
 
 
@@ -154,13 +176,19 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
 class Router(nn.Module):
     """The gate of one MoE layer. ``forward(x_TH, noise=None) -> RoutingPlan``.
 
-    ``seed`` seeds the weight init and the noise generator; a data-parallel caller may pass a
-    rank-dependent seed so that ranks draw different noise (the weight is then overwritten by
-    the checkpoint or broadcast anyway).
+    ``seed`` seeds the weight init (the same on every rank) and, with ``noise_index``, the noise
+    generator: a parallel layer passes its rank's index among the ranks that route distinct
+    tokens, so token groups draw different jitter and U(0, 1). ``grad_group``: the weight's
+    gradient is summed over it in backward (TP ranks route different token shares).
+    ``check_group``: the finite check is agreed over it (see ``check_finite``).
     """
 
-    def __init__(self, config: MoEConfig, hidden_size: int, *, seed: int = 0, init_std: float = 0.02):
+    def __init__(self, config: MoEConfig, hidden_size: int, *, seed: int = 0, init_std: float = 0.02,
+                 noise_index: int = 0, grad_group: comm.Group = None, check_group: comm.Group = None):
         super().__init__()
+        self.noise_index = noise_index
+        self.grad_group = grad_group
+        self.check_group = check_group
         self.config = config
         self.kind = config.router
         self.k = config.k
@@ -192,7 +220,7 @@ class Router(nn.Module):
         """This router's generator on ``device``, created on first use from ``seed``."""
         device = torch.device(device)
         if device not in self._generators:
-            self._generators[device] = seeded_generator(self.seed, ROUTER_STREAM, device=device)
+            self._generators[device] = seeded_generator(self.seed, NOISE_STREAM, self.noise_index, device=device)
         return self._generators[device]
 
     def draw_noise(self, num_tokens: int, hidden_size: int, device: torch.device = torch.device("cpu")) -> RouterNoise:
@@ -211,7 +239,7 @@ class Router(nn.Module):
         x_TH = x_TH.float()
         if noise is not None and noise.jitter_TH is not None:
             x_TH = x_TH * noise.jitter_TH
-        return x_TH @ self.weight.float().t()
+        return x_TH @ comm.all_reduce_grad(self.weight.float(), self.grad_group).t()
 
     def forward(self, x_TH: Tensor, noise: Optional[RouterNoise] = None) -> RoutingPlan:
         """Route ``x_TH``. In training ``noise`` defaults to a fresh draw; eval uses none."""
@@ -219,7 +247,9 @@ class Router(nn.Module):
             noise = self.draw_noise(x_TH.shape[0], x_TH.shape[1], x_TH.device)
         if not self.training:
             noise = None
-        plan = route(self.logits(x_TH, noise), kind=self.kind, k=self.k, normalize=self.normalize,
+        logits_TE = self.logits(x_TH, noise)
+        check_finite(logits_TE, self.check_group)
+        plan = route(logits_TE, kind=self.kind, k=self.k, normalize=self.normalize,
                      capacity=self.capacity(x_TH.shape[0]),
                      expert_bias_E=self.expert_bias,
                      uniform_T=noise.uniform_T if noise is not None else None)

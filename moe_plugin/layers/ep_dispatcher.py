@@ -1,0 +1,108 @@
+"""Expert-parallel token dispatcher: counts exchange, uneven all-to-all, ETP gather, local re-sort.
+
+Shape suffixes: R rows, H hidden, E experts, L local experts (E / ep), P EP peers, Q ETP peers,
+S sources of received rows (Q * P, ETP peer major).
+
+``ExpertParallelDispatcher`` overrides the three hooks of ``TokenDispatcher``; permute, gate
+weighting and unpermute stay there. Per batch (``prepare``), on the routing plan of this rank's
+own tokens:
+
+1. ``send_PL = kept_E.view(P, L)``: the rows of global expert ``p * L + l`` go to EP peer p
+   (expert placement is static: EP rank p hosts experts ``[p * L, (p + 1) * L)``).
+2. ``recv_PL = exchange_counts(send_PL, ep)``: the rows each peer sends per local expert.
+3. With ETP, every ETP peer's ``recv_PL`` (``exchange_counts`` of the flattened counts, one row
+   per peer) -> ``counts_SL`` [Q * P, L]. Without ETP ``counts_SL = recv_PL``.
+4. One ``.tolist()`` of the split sizes (the only host sync), and the permutation that re-sorts
+   received rows from (source, local expert) order to (local expert, source) order, built with
+   tensor ops from ``counts_SL`` (``source_to_expert_order``).
+
+Forward (``to_experts``): uneven ``all_to_all`` over EP (no padding; zero rows either way is
+fine), ``gather_rows`` over ETP, the re-sort. Return path (``from_experts``): the inverse
+re-sort, ``reduce_scatter_rows`` over ETP (sums the F-shards' partial outputs, keeps this
+rank's received block), the reverse ``all_to_all`` over EP. The collectives' backwards are the
+reverse exchanges (``comm.py``). The rows each expert sees are then ordered by source rank and,
+within a source, in that rank's priority order.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from moe_plugin.layers import comm
+from moe_plugin.layers.dispatcher import TokenDispatcher
+from moe_plugin.layers.parallel import LayerParallelism
+from moe_plugin.layers.router import RoutingPlan
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One batch's expert-parallel exchange layout (kept in ``RoutingPlan.exchange``)."""
+
+    send_splits: list[int]   # [P] rows to each EP peer
+    recv_splits: list[int]   # [P] rows from each EP peer
+    etp_splits: list[int]    # [Q] rows each ETP peer received over EP (its block of the gather)
+    counts_L: Tensor         # rows per local expert, after the gather
+    sort_R: Tensor           # received (source, expert) order -> (expert, source) order
+    unsort_R: Tensor         # its inverse
+
+
+def source_to_expert_order(counts_SL: Tensor, total: int | None = None) -> tuple[Tensor, Tensor]:
+    """Permutation for rows laid out in blocks ``(s, l)`` (source major, ``counts_SL[s, l]`` rows
+    each): ``rows[sort]`` lists the blocks ``(l, s)`` (local expert major), ``sorted[unsort]``
+    undoes it. No Python loop over rows or blocks; ``total`` (the number of rows, when known)
+    saves a host sync."""
+    blocks_SL = counts_SL.long()
+    sizes_LS = blocks_SL.t().reshape(-1)                        # block sizes in target order
+    start_src_LS = (torch.cumsum(blocks_SL.reshape(-1), 0) - blocks_SL.reshape(-1)).view_as(blocks_SL).t().reshape(-1)
+    start_dst_LS = torch.cumsum(sizes_LS, 0) - sizes_LS
+    total = int(sizes_LS.sum()) if total is None else total
+    row_R = torch.arange(total, device=counts_SL.device)
+    shift_R = torch.repeat_interleave(start_src_LS - start_dst_LS, sizes_LS, output_size=total)
+    sort_R = row_R + shift_R
+    unsort_R = torch.empty_like(sort_R)
+    unsort_R[sort_R] = row_R
+    return sort_R, unsort_R
+
+
+class ExpertParallelDispatcher(TokenDispatcher):
+    """Dispatcher for experts spread over ``parallel.ep`` and split over ``parallel.etp``."""
+
+    def __init__(self, num_experts: int, parallel: LayerParallelism):
+        super().__init__(num_experts)
+        if num_experts % parallel.ep_size:
+            raise ValueError(f"{num_experts} experts cannot be split evenly over {parallel.ep_size} "
+                             "expert-parallel ranks")
+        self.parallel = parallel
+        self.num_local = num_experts // parallel.ep_size
+
+    def prepare(self, plan: RoutingPlan) -> RoutingPlan:
+        p = self.parallel
+        send_PL = plan.kept_E.view(p.ep_size, self.num_local)
+        recv_PL = comm.exchange_counts(send_PL, p.ep)
+        if p.etp is not None:
+            mine_QX = recv_PL.reshape(1, -1).repeat(p.etp_size, 1)
+            counts_SL = comm.exchange_counts(mine_QX, p.etp).view(-1, self.num_local)
+        else:
+            counts_SL = recv_PL
+        splits = torch.cat([send_PL.sum(1), recv_PL.sum(1),
+                            counts_SL.view(p.etp_size, -1).sum(1)]).tolist()   # the one host sync
+        P = p.ep_size
+        sort_R, unsort_R = source_to_expert_order(counts_SL, total=sum(splits[2 * P:]))
+        exchange = Exchange(send_splits=splits[:P], recv_splits=splits[P:2 * P], etp_splits=splits[2 * P:],
+                            counts_L=counts_SL.sum(0), sort_R=sort_R, unsort_R=unsort_R)
+        return dataclasses.replace(plan, exchange=exchange)
+
+    def to_experts(self, x_RH: Tensor, plan: RoutingPlan) -> tuple[Tensor, Tensor]:
+        ex: Exchange = plan.exchange
+        x_RH = comm.all_to_all(x_RH, ex.recv_splits, ex.send_splits, self.parallel.ep)
+        x_RH = comm.gather_rows(x_RH, ex.etp_splits, self.parallel.etp)
+        return x_RH.index_select(0, ex.sort_R), ex.counts_L
+
+    def from_experts(self, y_RH: Tensor, plan: RoutingPlan) -> Tensor:
+        ex: Exchange = plan.exchange
+        y_RH = y_RH.index_select(0, ex.unsort_R)
+        y_RH = comm.reduce_scatter_rows(y_RH, ex.etp_splits, self.parallel.etp)
+        return comm.all_to_all(y_RH, ex.send_splits, ex.recv_splits, self.parallel.ep)

@@ -1,0 +1,116 @@
+"""How one MoE layer is spread over ranks: its groups, its token split and its gradient factors.
+
+Every number of the layer that depends on the parallel layout is computed here, from
+``groups.layout.sizes`` (per pipeline stage ``tp * dp == etp * ep * edp``). The layer, the
+router, the experts and the dispatcher only read a ``LayerParallelism``.
+
+Semantics (a "replica" is one DP rank's micro-batch of T tokens, replicated over its TP group):
+
+1. Tokens. With sequence parallelism the input [S/tp, B, H] is already this TP rank's share.
+   Without it but tp > 1 the input is replicated over TP: the layer keeps its equal share
+   (``comm.split_tokens``) and all-gathers its output (``comm.gather_tokens``), so TP ranks
+   never do the same expert work twice. Either way the ranks of a stage's TP x DP grid (group
+   kind ``tp_dp``) route distinct tokens, and each rank's token slice is one GShard group:
+   capacity and the balance / z losses are computed per rank on its own tokens.
+2. Expert parallelism (``ep``): a rank hosts experts ``[ep_rank * L, (ep_rank + 1) * L)`` and
+   exchanges routed rows with its EP peers (``ExpertParallelDispatcher``).
+3. Expert tensor parallelism (``etp``): each expert's FFN dimension is split over the ETP group;
+   rows received over EP are gathered over ETP, each rank computes a partial output with its
+   F-shard and the partial outputs are reduce-scattered back. Routing stays on own tokens.
+4. Gradients do not depend on the layout. Convention (DeepSpeed's): after backward every rank
+   averages dense-parameter gradients over ``dp`` and expert-parameter gradients over ``edp``.
+   Target: the single-process gradient of ``mean_d L_d``, the mean over DP replicas of their
+   losses (``L_d`` is replicated within a TP group; it includes the weighted aux losses of the
+   replica's ``tp`` token groups). Rank (d, t) back-propagates ``L_d`` through its token share
+   g = (d, t) only, so:
+
+   (a) ``dense_grad_group`` = tp: a dense weight of the layer (router, shared expert) sees
+       only this rank's share, so its gradient is summed over TP inside the layer
+       (``comm.all_reduce_grad`` where the weight is used); the dp average then gives
+       ``mean_d dL_d/dW``.
+   (b) ``aux_grad_scale`` = 1/tp: rank g adds ``coeff * l_g`` (its group's aux loss); after (a)
+       and the dp average that is ``coeff / (tp * dp) * sum_g dl_g/dW``, the gradient of
+       ``coeff * mean_g l_g`` -- the single-process aux loss of ``tp * dp`` groups.
+   (c) ``expert_grad_scale`` = edp / dp = tp / (ep * etp): an expert shard's local gradient sums
+       ``dL_d/dW`` over the tokens of the ``ep * etp`` ranks that send it rows; the edp average
+       then covers all ``tp * dp`` token groups of the stage divided by edp, while the target
+       divides by dp. Without this factor expert gradients are off by ``dp / edp`` (the
+       known "expert gradients wrong by a factor of the EP size" bug).
+5. Aux-loss-free bias: the router load is summed over ``tokens`` (the ``tp_dp`` group) before
+   every bias update, so the bias stays identical on all ranks.
+6. Random numbers: the router's default generator is offset by ``token_rank`` (the rank's index
+   in ``tp_dp``), so different token groups draw different jitter and GShard U(0,1); tests pass
+   explicit noise per rank instead (``MoELayer.forward(noise=...)``).
+7. Non-finite input: the router's finite check is all-reduced over ``tokens`` before any other
+   collective of the forward, so every rank of the stage raises together instead of hanging.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from moe_plugin.groups.process_groups import ProcessGroups
+
+Group = Optional[dist.ProcessGroup]
+
+
+@dataclass(frozen=True)
+class LayerParallelism:
+    """The groups (``None`` where a size is 1), sizes and coordinates one MoE layer uses."""
+
+    tp: Group = None
+    ep: Group = None
+    etp: Group = None
+    tokens: Group = None          # tp_dp: the ranks of this stage that route distinct tokens
+    tp_size: int = 1
+    dp_size: int = 1
+    ep_size: int = 1
+    etp_size: int = 1
+    edp_size: int = 1
+    ep_rank: int = 0
+    etp_rank: int = 0
+    token_rank: int = 0           # index in tp_dp
+    sequence_parallel: bool = False
+    expert_group_name: str = "ep_size_1"
+
+    @classmethod
+    def from_groups(cls, groups: Optional["ProcessGroups"], sequence_parallel: bool = False) -> "LayerParallelism":
+        if groups is None:
+            return cls(sequence_parallel=sequence_parallel)
+        s = groups.layout.sizes
+        return cls(tp=groups.tp, ep=groups.ep, etp=groups.etp, tokens=groups.group("tp_dp"),
+                   tp_size=s.tp, dp_size=s.dp, ep_size=s.ep, etp_size=s.etp, edp_size=s.edp,
+                   ep_rank=groups.rank_in("ep"), etp_rank=groups.rank_in("etp"),
+                   token_rank=groups.rank_in("tp_dp"), sequence_parallel=sequence_parallel,
+                   expert_group_name=groups.expert_group_name)
+
+    # -- 1. tokens ------------------------------------------------------------------------
+    @property
+    def splits_input(self) -> bool:
+        """Input replicated over TP (no sequence parallelism): keep a share, gather the output."""
+        return self.tp_size > 1 and not self.sequence_parallel
+
+    # -- 2, 3. experts --------------------------------------------------------------------
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether rows leave this rank for the experts (EP or ETP)."""
+        return self.ep is not None or self.etp is not None
+
+    # -- 4. gradient factors --------------------------------------------------------------
+    @property
+    def dense_grad_group(self) -> Group:
+        """(a) Dense weights of the layer get their gradient summed over this group."""
+        return self.tp
+
+    @property
+    def aux_grad_scale(self) -> float:
+        """(b) Factor on the aux/z-loss gradient."""
+        return 1.0 / self.tp_size
+
+    @property
+    def expert_grad_scale(self) -> float:
+        """(c) Factor on expert-weight gradients: edp / dp (= tp / (ep * etp) per stage)."""
+        return self.edp_size / self.dp_size

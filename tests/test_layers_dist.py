@@ -1,0 +1,339 @@
+"""MoELayer under parallel layouts on gloo ranks, against the single-process loop oracle.
+
+Each case builds the layer for one layout (``RankLayout.build`` -> ``build_process_groups``),
+runs one training forward and backward on every rank with the same seed and injected router
+noise, and then applies DeepSpeed's gradient convention in the child: dense gradients averaged
+over ``dp``, expert gradients over ``edp``. The parent runs ``reference_moe`` once over all
+DP replicas' tokens (one GShard group per rank that routes distinct tokens) with the loss
+``mean_d L_d + aux`` and compares, for every rank: the output, the input gradient (``dp`` x
+the oracle's, since a rank back-propagates its replica's loss ``L_d``), the balance and z loss
+of the rank's group, every parameter (the init) and every gradient -- router, shared expert,
+and the expert shards mapped to their global slices -- fp32 at atol = rtol = 1e-5, bf16
+inputs at 3e-2. Also: the summed statistics, the aux-loss-free bias update and the default
+per-rank noise.
+
+Starting ranks costs seconds on two cores, so one 4-rank and one 2-rank run (module-scoped
+fixtures) serve all cases; each case is its own test id. A case that raises in the children
+is reported by its test; a hang ends the run at the harness timeout.
+"""
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist import run_distributed
+from moe_plugin.configs import MoEConfig
+from moe_plugin.groups.layout import RankLayout
+from moe_plugin.layers import MoELayer, RouterNoise, reference_moe
+
+S, B, H, F, E = 8, 2, 16, 16, 8        # per DP replica: T = S * B = 16 tokens
+TOL = dict(atol=1e-5, rtol=1e-5)
+BF16_TOL = dict(atol=3e-2, rtol=3e-2)
+NAN_MESSAGE = r"MoE router logits are not finite on rank\(s\) \[{}\]: the MoE layer input .* contains NaN or inf"
+
+ROUTERS = {
+    "gshard": dict(router="gshard", jitter_eps=0.1, z_loss_coeff=1e-2, aux_loss_coeff=0.1),  # random routing
+    "switch": dict(router="switch", z_loss_coeff=1e-2, aux_loss_coeff=0.1),
+    "topk3": dict(router="topk", top_k=3, aux_loss_coeff=0.1, z_loss_coeff=1e-3),
+}
+SWIGLU_SHARED = dict(activation="swiglu", shared_expert_ffn_hidden_size=8, shared_expert_gate=True)
+
+# name -> (RankLayout.build sizes, sequence parallel). Comments: dp, edp, expert grad factor edp/dp.
+LAYOUTS4 = {
+    "ep4": (dict(ep=4), False),                                  # dp 4, edp 1: 1/4
+    "ep2-dp4": (dict(ep=2), False),                              # dp 4, edp 2: 1/2
+    "ep2-etp2-dp4": (dict(ep=2, etp=2), False),                  # dp 4, edp 1: 1/4
+    "tp2-ep2-dp2": (dict(tp=2, ep=2, etp=1), False),             # ep folded over TP: dp 2, edp 2: 1
+    "tp2-ep2-etp2-dp2": (dict(tp=2, ep=2, etp=2), False),        # dp 2, edp 1: 1/2
+    "tp2sp-ep2-etp2-dp2": (dict(tp=2, ep=2, etp=2), True),       # dp 2, edp 1: 1/2
+    "tp2sp-ep4-dp2": (dict(tp=2, ep=4, etp=1), True),            # EP over TP and DP: dp 2, edp 1: 1/2
+    "pp2-ep2-dp2": (dict(pp=2, ep=2), False),                    # two stages, each dp 2, edp 1: 1/2
+    "ep2-dp4-order-dp-ep": (dict(ep=2, order="tp-cp-dp-ep-pp"), False),  # EP peers 2 ranks apart
+}
+LAYOUTS2 = {
+    "dp2-ep2": (dict(ep=2), False),                              # dp 2, edp 1: 1/2
+    "etp2-dp2": (dict(etp=2), False),                            # dp 2, edp 1: 1/2
+    "tp2": (dict(tp=2, etp=1), False),                           # dp 1, edp 2: 2
+    "tp2sp": (dict(tp=2, etp=1), True),                          # dp 1, edp 2: 2
+    "tp2sp-etp2": (dict(tp=2), True),                            # dp 1, edp 1: 1
+    "tp2-ep2": (dict(tp=2, ep=2, etp=1), False),                 # EP folded over TP: 1
+    "tp2sp-ep2": (dict(tp=2, ep=2, etp=1), True),
+}
+
+
+def _case(layouts, layout, router="gshard", drop=True, *, S=S, B=B, edit=None, dtype="float32",
+          bias_update=False, nan_rank=None, nan_value=float("nan"), **moe):
+    sizes, sp = layouts[layout]
+    return dict(layout=layout, sizes=sizes, sp=sp, router=router, drop=drop, S=S, B=B, edit=edit, dtype=dtype,
+                bias_update=bias_update, nan_rank=nan_rank, nan_value=nan_value, moe=moe)
+
+
+def _cases(layouts, full_sweep, edge) -> dict[str, dict]:
+    cases = {}
+    for layout in layouts:
+        routers = list(ROUTERS) if layout in full_sweep else ["gshard"]
+        for router in routers:
+            for drop in (True, False):
+                extra = SWIGLU_SHARED if not drop else {}
+                cases[f"{layout}/{router}-{'drop' if drop else 'dropless'}"] = _case(layouts, layout, router, drop, **extra)
+    for name, (layout, kwargs) in edge.items():
+        cases[f"{layout}/{name}"] = _case(layouts, layout, **kwargs)
+    return cases
+
+
+# Edge cases: "hot0" sends every token's first choice to expert 0 (router weight and input);
+# "last" biases every choice to expert E-1, so ranks not hosting it send all rows away and
+# receive none; "cold3" leaves expert 3 without tokens.
+CASES4 = _cases(LAYOUTS4, full_sweep=("ep4", "tp2sp-ep2-etp2-dp2", "tp2-ep2-dp2"), edge={
+    "all-to-expert-0": ("ep4", dict(router="gshard", edit="hot0", second_expert_policy="all")),
+    "all-to-expert-0-dropless": ("tp2-ep2-etp2-dp2", dict(router="switch", drop=False, edit="hot0")),
+    "expert-without-tokens": ("ep2-etp2-dp4", dict(router="topk3", edit="cold3")),
+    "one-token-remote": ("ep4", dict(router="switch", S=1, B=1, edit="last")),
+    "one-token-remote-tp": ("tp2-ep2-dp2", dict(router="gshard", S=2, B=1, edit="last")),
+    "one-token-sp-etp": ("tp2sp-ep2-etp2-dp2", dict(router="topk3", S=2, B=1, min_capacity=0)),
+    "bf16": ("tp2sp-ep2-etp2-dp2", dict(router="gshard", dtype="bfloat16", **SWIGLU_SHARED)),
+    "bf16-ep4": ("ep4", dict(router="topk3", dtype="bfloat16")),
+    "bias-update": ("tp2-ep2-dp2", dict(router="topk3", drop=False, bias_update=True, bias_update_rate=0.1)),
+    "nan-on-one-rank": ("tp2sp-ep2-etp2-dp2", dict(nan_rank=3)),
+    "inf-on-one-rank": ("ep4", dict(nan_rank=0, nan_value=-float("inf"))),
+})
+CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
+    "all-to-expert-0": ("tp2-ep2", dict(router="gshard", edit="hot0")),
+    "expert-without-tokens": ("dp2-ep2", dict(router="gshard", drop=False, edit="cold3", second_expert_policy="all")),
+    "one-token-remote": ("dp2-ep2", dict(router="switch", S=1, B=1, edit="last")),
+    "one-token-remote-tp": ("tp2-ep2", dict(router="topk3", S=2, B=1, edit="last")),
+    "bf16": ("tp2-ep2", dict(router="switch", dtype="bfloat16", **SWIGLU_SHARED)),
+    "bias-update": ("dp2-ep2", dict(router="switch", bias_update=True, bias_update_rate=0.1)),
+    "nan-on-one-rank": ("tp2-ep2", dict(nan_rank=1)),
+})
+
+
+# -- shared by parent and children -------------------------------------------------------------
+def _config(case: dict, world_size: int | None = None) -> MoEConfig:
+    block = {"num_experts": E, "capacity_factor": 1.0, "min_capacity": 1, **ROUTERS[case["router"]],
+             "drop_tokens": case["drop"], **case["moe"]}
+    if world_size is not None:   # the parallel layer's config describes its layout
+        s = RankLayout.build(world_size, **case["sizes"]).sizes
+        block["parallel"] = {"tensor": s.tp, "pipeline": s.pp, "expert": s.ep, "expert_tensor": s.etp,
+                             "order": s.order, "sequence_parallel": case["sp"]}
+    return MoEConfig.from_dict(block)
+
+
+def _layer(case: dict, world_size: int | None = None, groups=None) -> MoELayer:
+    layer = MoELayer(_config(case, world_size), H, F, groups, seed=3, init_std=0.3)
+    with torch.no_grad():
+        if case["edit"] == "hot0":
+            layer.router.weight[0, 0] = 10.0
+        elif case["edit"] == "last":
+            layer.router.expert_bias[E - 1] = 1e3
+        elif case["edit"] == "cold3":
+            layer.router.expert_bias[3] = -1e3
+    return layer.train()
+
+
+def _inputs(case: dict, dp: int):
+    """All DP replicas' tokens [dp, S, B, H] (in the case's dtype), upstream gradients, noise."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(dp, case["S"], case["B"], H, generator=gen)
+    if case["edit"] == "hot0":
+        x[..., 0] = 3.0
+    x = x.to(getattr(torch, case["dtype"]))
+    grad = torch.randn(dp, case["S"], case["B"], H, generator=gen)
+    config = _config(case)
+    T = dp * case["S"] * case["B"]
+    jitter = torch.rand(T, H, generator=gen) * 0.2 + 0.9 if config.jitter_eps > 0 else None
+    uniform = (torch.rand(T, generator=gen)
+               if config.router == "gshard" and config.second_expert_policy == "random" else None)
+    return x, grad, jitter, uniform
+
+
+# -- children --------------------------------------------------------------------------------------
+def _run_case(rank: int, groups, case: dict) -> dict:
+    layout = groups.layout
+    tp, dp = layout.sizes.tp, layout.sizes.dp
+    c = layout.coords(rank)
+    layer = _layer(case, layout.world_size, groups)
+    x_all, grad_all, jitter, uniform = _inputs(case, dp)
+    x, grad = x_all[c["dp"]], grad_all[c["dp"]]
+    if case["sp"]:
+        x, grad = x.chunk(tp)[c["tp"]], grad.chunk(tp)[c["tp"]]
+    n = case["S"] * case["B"] // tp                   # tokens this rank routes
+    group = c["dp"] * tp + c["tp"]                    # its token group, in the oracle's order
+    rows = slice(group * n, (group + 1) * n)
+    noise = RouterNoise(jitter_TH=None if jitter is None else jitter[rows],
+                        uniform_T=None if uniform is None else uniform[rows])
+    x = x.clone()
+    if case["nan_rank"] is not None:
+        if rank == case["nan_rank"]:
+            x[-1, -1, 1] = case["nan_value"]           # in this rank's share also without SP
+        with pytest.raises(ValueError, match=NAN_MESSAGE.format(case["nan_rank"])) as failure:
+            layer(x, noise=noise)
+        x = torch.where(torch.isfinite(x), x, 0.0)     # the ranks are still in step afterwards
+        out, _ = layer(x, noise=noise)
+        return {"message": str(failure.value), "after": out.detach()}
+
+    x.requires_grad_(True)
+    out, _ = layer(x, noise=noise)
+    (out.float() * grad).sum().backward()
+    grads = {}
+    for name, p in layer.named_parameters():          # DeepSpeed's convention
+        g = p.grad.detach().clone()
+        reduce_group = groups.edp if getattr(p, "allreduce", True) is False else groups.dp
+        if reduce_group is not None:
+            dist.all_reduce(g, group=reduce_group)
+            g /= dist.get_world_size(reduce_group)
+        grads[name] = g
+    stats = layer.last_stats
+    result = {"out": out.detach(), "x_grad": x.grad, "grads": grads,
+              "params": {n: p.detach().clone() for n, p in layer.named_parameters()},
+              "balance": stats.balance_loss, "z": stats.z_loss, "global": layer.global_stats(),
+              "noise": layer.router.draw_noise(4, H).uniform_T}
+    if case["bias_update"]:
+        layer.update_expert_bias()
+        result["bias"] = layer.router.expert_bias.clone()
+    return result
+
+
+def _cases_child(rank: int, world_size: int, cases: dict) -> dict:
+    from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
+
+    results = {}
+    by_layout: dict[str, list[str]] = {}
+    for name, case in cases.items():
+        by_layout.setdefault(case["layout"], []).append(name)
+    for names in by_layout.values():
+        groups = build_process_groups(RankLayout.build(world_size, **cases[names[0]]["sizes"]))
+        try:
+            for name in names:
+                try:
+                    results[name] = _run_case(rank, groups, cases[name])
+                except (Exception, pytest.fail.Exception):   # reported by the case's test; the next goes on
+                    results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+        finally:
+            destroy_process_groups(groups)
+    return results
+
+
+# -- the parent's checks ---------------------------------------------------------------------------
+def _expert_slice(name: str, full: torch.Tensor, c: dict, sizes, activation: str) -> torch.Tensor:
+    """This rank's shard of a full [E, ...] expert tensor: its experts, its F columns/rows."""
+    L, f = E // sizes.ep, F // sizes.etp
+    w = full[c["ep"] * L:(c["ep"] + 1) * L]
+    cols = slice(c["etp"] * f, (c["etp"] + 1) * f)
+    if name == "experts.weight2":
+        return w[:, cols]
+    if activation == "swiglu":
+        return torch.cat([w[..., :F][..., cols], w[..., F:][..., cols]], dim=-1)
+    return w[..., cols]
+
+
+def _check_case(case: dict, world_size: int, results: list) -> None:
+    for rank, result in enumerate(results):
+        if isinstance(result, str):
+            pytest.fail(result, pytrace=False)
+    layout = RankLayout.build(world_size, **case["sizes"])
+    sizes = layout.sizes
+    tp, dp = sizes.tp, sizes.dp
+    if case["nan_rank"] is not None:
+        for result in results:
+            assert f"rank(s) [{case['nan_rank']}]" in result["message"]
+            assert torch.isfinite(result["after"]).all()
+        return
+
+    layer = _layer(case)
+    config = layer.config
+    x_all, grad_all, jitter, uniform = _inputs(case, dp)
+    T = case["S"] * case["B"]
+    n = T // tp
+    params = {name: p.detach().clone().requires_grad_(True) for name, p in layer.named_parameters()}
+    params["router.expert_bias"] = layer.router.expert_bias.clone()
+    x_ref = x_all.reshape(-1, H).float().requires_grad_(True)
+    ref = reference_moe(x_ref, params, config, training=True, jitter_TH=jitter, uniform_T=uniform,
+                        group_sizes=[n] * (dp * tp))
+    loss = (ref.out.float() * grad_all.reshape(-1, H)).sum() / dp + ref.weighted_aux_loss(config)
+    loss.backward()
+
+    # The case routes as its name says.
+    routed, kept = ref.routed_per_expert, ref.kept_per_expert
+    if case["edit"] == "hot0":
+        assert routed[0] == dp * T
+    elif case["edit"] == "last":
+        assert routed[E - 1] == dp * T
+    elif case["edit"] == "cold3":
+        assert routed[3] == 0
+    elif case["drop"] and case["S"] == S:
+        assert sum(kept) < sum(routed), "the case should exercise capacity dropping"
+
+    tol = TOL if case["dtype"] == "float32" else BF16_TOL
+    for rank, result in enumerate(results):
+        c = layout.coords(rank)
+        group = c["dp"] * tp + c["tp"]
+        rows = slice(group * n, (group + 1) * n) if case["sp"] else slice(c["dp"] * T, (c["dp"] + 1) * T)
+
+        def close(actual, expected, what, tol=tol):
+            torch.testing.assert_close(actual.float(), expected.float(), **tol, msg=lambda m: f"rank {rank} {what}: {m}")
+
+        close(result["out"].reshape(-1, H), ref.out[rows].detach(), "output")
+        close(result["x_grad"].reshape(-1, H), x_ref.grad[rows] * dp, "input gradient")
+        close(result["balance"], ref.group_balance_losses[group].detach(), "balance loss", TOL)
+        close(result["z"], ref.group_z_losses[group].detach(), "z loss", TOL)
+        for name, grad in result["grads"].items():
+            full_param, full_grad = params[name].detach(), params[name].grad
+            if name.startswith("experts."):
+                full_param = _expert_slice(name, full_param, c, sizes, config.activation)
+                full_grad = _expert_slice(name, full_grad, c, sizes, config.activation)
+            assert torch.equal(result["params"][name], full_param), f"rank {rank} {name}: init is not the slice"
+            close(grad, full_grad, f"{name} gradient")
+        stats = result["global"]
+        assert stats.kept_per_expert.tolist() == ref.kept_per_expert, rank
+        assert stats.routed_per_expert.tolist() == ref.routed_per_expert, rank
+        close(stats.balance_loss, ref.balance_loss.detach(), "mean balance loss", TOL)
+        if "bias" in result:   # the same on every rank: one step from the load of all token groups
+            load = torch.tensor(ref.routed_per_expert, dtype=torch.float32)
+            expected = config.bias_update_rate * torch.sign(load.mean() - load) + params["router.expert_bias"]
+            assert torch.equal(result["bias"], expected), (rank, result["bias"], expected)
+    if uniform is not None:   # the default generator: different numbers for different token groups
+        stage = [r for r in range(world_size) if layout.coords(r)["pp"] == 0]
+        draws = {tuple(results[r]["noise"].tolist()) for r in stage}
+        assert len(draws) == len(stage)
+
+
+@pytest.fixture(scope="module")
+def results4(tmp_path_factory):
+    return run_distributed(_cases_child, 4, tmp_path_factory.mktemp("layers4"), CASES4, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def results2(tmp_path_factory):
+    return run_distributed(_cases_child, 2, tmp_path_factory.mktemp("layers2"), CASES2, timeout=120)
+
+
+@pytest.mark.parametrize("name", list(CASES4))
+def test_layer_on_4_ranks(name, results4):
+    _check_case(CASES4[name], 4, [r[name] for r in results4])
+
+
+@pytest.mark.parametrize("name", list(CASES2))
+def test_layer_on_2_ranks(name, results2):
+    _check_case(CASES2[name], 2, [r[name] for r in results2])
+
+
+def _failing_child(rank: int, world_size: int) -> None:
+    from moe_plugin.groups.builder import build_process_groups
+
+    case = CASES2["tp2-ep2/gshard-drop"]
+    groups = build_process_groups(RankLayout.build(world_size, **case["sizes"]))
+    with pytest.raises(ValueError, match=r"moe.parallel.expert is 1 but the process groups .* have size 2"):
+        MoELayer(MoEConfig.from_dict({"num_experts": E, "parallel": {"tensor": 2}}), H, F, groups)
+    layer = _layer(case, world_size, groups)
+    x = torch.randn(S, B, H)
+    x[-1, 0, 0] = float("inf")       # replicated over TP (no SP): in rank 1's share of the tokens
+    layer(x)
+
+
+def test_non_finite_input_raises_in_the_parent(dist_run):
+    with pytest.raises(ValueError, match=NAN_MESSAGE.format(1)):
+        dist_run(_failing_child, 2, timeout=60)
