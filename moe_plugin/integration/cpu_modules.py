@@ -1,0 +1,115 @@
+"""Two Megatron-Core spec pieces that also run without CUDA; ``cpu_friendly_spec`` swaps them in.
+
+Shapes: sq/sk query/key length, b batch, np/ng attention heads/query groups on this
+tensor-parallel rank, hn head dim, hp = np * hn.
+
+* ``SDPAttention`` replaces ``DotProductAttention`` (the core attention of Megatron's local
+  spec), whose forward takes its score buffer from ``get_global_memory_buffer()``, allocated
+  on ``torch.cuda.current_device()``: "Torch not compiled with CUDA enabled" on a CPU build.
+  Same constructor and forward signature, same maths (softmax(q k^T * scale) v, Megatron's
+  mask convention), computed by ``torch.nn.functional.scaled_dot_product_attention``.
+* ``TorchNorm`` replaces ``WrappedTorchNorm`` (the norm of the local spec when apex is
+  missing), which asserts ``not config.sequence_parallel``. It builds the same
+  ``torch.nn.LayerNorm`` / ``RMSNorm`` (same state-dict names) and marks the parameters
+  ``sequence_parallel`` the way Megatron's fused norms do, so that whoever all-reduces
+  sequence-parallel gradients over the TP group (Megatron's ``finalize_model_grads``,
+  ``allreduce_sequence_parallel_grads`` here) includes them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+class SDPAttention(MegatronModule):
+    """Core attention through SDPA; a drop-in for Megatron's ``DotProductAttention``.
+
+    Not supported (an error says so): context parallelism, sliding windows, softmax types
+    other than ``vanilla``, attention bias, packed sequences. ``apply_query_key_layer_scaling``
+    needs nothing: it cancels out of an fp32 softmax. Dropout draws from torch's default
+    generator (Megatron's forks the CUDA RNG tracker).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection: Optional[ProcessGroupCollection] = None):
+        super().__init__(config=config)
+        unsupported = {
+            "context_parallel_size > 1": config.context_parallel_size != 1,
+            "window_size (sliding-window attention)": config.window_size is not None,
+            f"softmax_type {config.softmax_type!r}": config.softmax_type != "vanilla",
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise NotImplementedError(f"SDPAttention does not support {what}; use Megatron's "
+                                          "DotProductAttention or TEDotProductAttention (GPU)")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp_size = pg_collection.tp.size()
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.heads_per_partition = divide(config.num_attention_heads, tp_size)          # np
+        self.groups_per_partition = divide(config.num_query_groups, tp_size)           # ng
+        self.hidden_size_per_partition = config.kv_channels * self.heads_per_partition  # hp
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
+                packed_seq_params=None) -> Tensor:
+        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, hp].
+
+        ``attention_mask`` follows Megatron: True marks a *masked* position, broadcastable to
+        [b, np, sq, sk]. Without a mask, a causal layer masks the future (as Megatron's
+        softmax does; a single query token attends to everything).
+        """
+        if attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("SDPAttention supports neither attention_bias nor packed sequences")
+        sq, b = query.shape[:2]
+        sk = key.shape[0]
+        q = query.permute(1, 2, 0, 3)   # [b, np, sq, hn]
+        k = key.permute(1, 2, 0, 3)     # [b, ng, sk, hn]
+        v = value.permute(1, 2, 0, 3)
+        if self.groups_per_partition != self.heads_per_partition:  # grouped-query attention
+            repeat = self.heads_per_partition // self.groups_per_partition
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        keep_mask, causal = None, False
+        if attention_mask is not None:
+            keep_mask = ~attention_mask.bool()
+        elif mask_type == AttnMaskType.causal and sq > 1:
+            if sq != sk:
+                raise ValueError(f"a causal mask needs as many queries as keys, got {sq} and {sk}")
+            causal = True
+        context = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep_mask, dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=causal, scale=self.softmax_scale)  # [b, np, sq, hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+
+class TorchNorm:
+    """``torch.nn.LayerNorm`` or ``RMSNorm`` per ``config.normalization``, built with Megatron's
+    norm signature; its parameters carry ``sequence_parallel = config.sequence_parallel``."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused) -> nn.Module:
+        if config.layernorm_zero_centered_gamma:
+            raise NotImplementedError("TorchNorm does not support layernorm_zero_centered_gamma")
+        kinds = {"LayerNorm": nn.LayerNorm, "RMSNorm": nn.RMSNorm}
+        if config.normalization not in kinds:
+            raise NotImplementedError(f"TorchNorm supports normalization {' or '.join(kinds)}, "
+                                      f"not {config.normalization!r}")
+        norm = kinds[config.normalization](hidden_size, eps=eps)  # fp32, CPU: as WrappedTorchNorm builds it
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm

@@ -1,0 +1,352 @@
+"""Megatron-Core GPT specs whose MLP is the plugin's ``MoELayer`` on the layers the config names.
+
+    spec = gpt_moe_spec(moe_config, config, groups)     # block spec from Megatron's local spec
+    model = GPTModel(config, spec, vocab_size=..., max_sequence_length=...)
+
+    spec = moe_layer_spec(my_spec, moe_config, groups)  # any TransformerLayer spec or block spec
+    spec = cpu_friendly_spec(spec)                      # SDPA core attention, SP-aware torch norm
+
+How a layer gets its MLP: ``moe_layer_spec`` turns every ``TransformerLayer`` spec into a
+``MoEAwareTransformerLayer`` spec. That layer computes its global 0-based index exactly as
+Megatron does (local number + ``get_transformer_layer_offset``: pipeline and virtual-pipeline
+stages included) and, where ``moe_config.is_moe_layer(index)``, builds ``MegatronMoEMLP``
+instead of the spec's dense MLP. Deciding at build time is what lets one layer spec serve
+every pipeline stage, and Megatron-LM's ``--spec`` (see ``megatron_lm_spec``).
+
+Parameter names follow the module tree: ``decoder.layers.N.mlp.router.weight``,
+``...mlp.experts.weight1`` on MoE layers; ``...mlp.linear_fc1.weight`` on dense ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl,
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+from megatron.core.utils import get_pg_rank
+
+from moe_plugin.configs import ConfigError, MoEConfig
+from moe_plugin.groups.process_groups import ProcessGroups
+from moe_plugin.integration.cpu_modules import SDPAttention, TorchNorm
+from moe_plugin.layers.moe_layer import MoELayer
+
+Spec = Union[ModuleSpec, TransformerBlockSubmodules]
+DS_CONFIG_ENV = "MOE_PLUGIN_DS_CONFIG"
+CPU_SWAPS = {DotProductAttention: SDPAttention, WrappedTorchNorm: TorchNorm}
+
+
+# --- the MoE MLP as Megatron builds it -------------------------------------------------------
+class MegatronMoEMLP(MoELayer):
+    """``MoELayer`` with the constructor and forward a ``TransformerLayer`` uses for its MLP.
+
+    Sizes come from the ``TransformerConfig`` (``moe_config.ffn_hidden_size`` overrides the
+    expert FFN size); init follows Megatron's defaults: std ``init_method_std``, output weights
+    ``init_method_std / sqrt(2 * num_layers)``. The seed mixes ``seed`` with the global layer
+    index, so MoE layers differ and every (pipeline, tensor) layout builds the same weights.
+    Parameters get ``config.params_dtype`` and, without ``use_cpu_initialization``, the
+    accelerator's device. Tensor/sequence parallelism is the layer's own business (it splits
+    tokens over TP and sums its dense gradients over TP itself, see ``layers/parallel.py``):
+    its parameters are *not* marked ``sequence_parallel``.
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: Any = None, *, moe_config: MoEConfig,
+                 layer_index: int, groups: Optional[ProcessGroups] = None, seed: int = 0, **_megatron_kwargs):
+        super().__init__(moe_config, config.hidden_size, config.ffn_hidden_size, groups,
+                         seed=seed * 1_000_003 + layer_index, init_std=config.init_method_std,
+                         output_init_std=config.init_method_std / math.sqrt(2.0 * config.num_layers))
+        self.layer_index = layer_index
+        self.to("cpu" if config.use_cpu_initialization else _accelerator_device())
+        for param in self.parameters():  # buffers (the router's expert bias) stay fp32
+            param.data = param.data.to(config.params_dtype)
+
+    def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """[S, B, H] (S/TP under sequence parallelism) -> (output, None)."""
+        if padding_mask is not None:
+            raise NotImplementedError("MegatronMoEMLP routes every token; padding_mask is not supported")
+        return super().forward(hidden_states)
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """What ``MoEAwareTransformerLayer`` needs to build MoE MLPs (the spec's ``moe`` param).
+
+    ``norm``: the pre-MLP norm of MoE layers whose base spec has none because it fuses the norm
+    into the dense MLP's first linear (Transformer Engine specs); default TENorm when Transformer
+    Engine is importable, else ``TorchNorm``.
+    """
+
+    moe_config: MoEConfig
+    groups: Optional[ProcessGroups] = None
+    seed: int = 0
+    norm: Optional[type] = None
+
+
+@dataclass(frozen=True)
+class _Build:
+    """What ``build_module`` reads (module, params, submodules), deliberately not a ``ModuleSpec``:
+    for a ``ModuleSpec`` of a class it does not know, ``TransformerLayer`` logs "Unknown MLP
+    type" on every layer, and passes nothing but ``config`` to it either way."""
+
+    module: type
+    params: dict
+    submodules: Any = None
+
+
+class MoEAwareTransformerLayer(TransformerLayer):
+    """A ``TransformerLayer`` that builds ``MegatronMoEMLP`` where ``moe.moe_config`` names its
+    global index, and the spec's dense MLP elsewhere. Megatron's ``is_moe_layer`` stays False:
+    it describes Megatron's own MoE layer, whose extras (CUDA graphs of the router, ...) do not
+    apply; ``moe_layer_index`` is the global index on MoE layers, None on dense ones."""
+
+    def __init__(self, config: TransformerConfig, submodules: TransformerLayerSubmodules, layer_number: int = 1,
+                 hidden_dropout: Optional[float] = None, pg_collection: Optional[ProcessGroupCollection] = None,
+                 vp_stage: Optional[int] = None, *, moe: MoEPlan, **kwargs):
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        index = layer_number - 1 + get_transformer_layer_offset(config, vp_stage, get_pg_rank(pg_collection.pp))
+        check_against_model(moe.moe_config, config)
+        is_moe = moe.moe_config.is_moe_layer(index)
+        if is_moe:
+            submodules = _with_moe_mlp(submodules, moe, index)
+        super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage, **kwargs)
+        if self.layer_number != index + 1:
+            raise RuntimeError(f"Megatron numbers this layer {self.layer_number}, the MoE spec computed "
+                               f"{index + 1}: unsupported megatron-core version")
+        self.moe_layer_index = index if is_moe else None
+
+
+def check_against_model(moe_config: MoEConfig, config: TransformerConfig) -> None:
+    """The ``"moe"`` block must describe the Megatron model: its layer list within the model,
+    its tensor / pipeline / sequence parallelism equal to the ``TransformerConfig``'s."""
+    outside = [i for i in (moe_config.layers or []) if i >= config.num_layers]
+    if outside:
+        raise ConfigError("moe.layers", moe_config.layers, f"the model has {config.num_layers} layers (0-based "
+                          f"indices 0..{config.num_layers - 1}); {outside[0]} is not one of them")
+    p = moe_config.parallel
+    for key, mine, theirs, megatron in (
+            ("tensor", p.tensor, config.tensor_model_parallel_size, "tensor_model_parallel_size"),
+            ("pipeline", p.pipeline, config.pipeline_model_parallel_size, "pipeline_model_parallel_size"),
+            ("sequence_parallel", p.sequence_parallel, config.sequence_parallel, "sequence_parallel")):
+        if mine != theirs:
+            raise ConfigError(f"moe.parallel.{key}", mine, f"the Megatron TransformerConfig has {megatron}="
+                              f"{theirs}; set both alike (the MoE layer splits tokens by it)")
+
+
+def _with_moe_mlp(submodules: TransformerLayerSubmodules, moe: MoEPlan, index: int) -> TransformerLayerSubmodules:
+    params = dict(moe_config=moe.moe_config, groups=moe.groups, seed=moe.seed, layer_index=index)
+    changes: dict[str, Any] = {"mlp": _Build(MegatronMoEMLP, params)}
+    if _module_of(submodules.pre_mlp_layernorm) is IdentityOp:
+        changes["pre_mlp_layernorm"] = moe.norm or _default_fused_norm()
+    return dataclasses.replace(submodules, **changes)
+
+
+def _default_fused_norm() -> type:
+    try:
+        from megatron.core.extensions.transformer_engine import TENorm
+    except ImportError:
+        return TorchNorm
+    return TENorm
+
+
+def _module_of(spec: Any) -> Any:
+    return spec.module if isinstance(spec, ModuleSpec) else spec
+
+
+def _accelerator_device() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().current_device_name()
+
+
+# --- spec transformations ----------------------------------------------------------------------
+def moe_layer_spec(spec: Spec, moe_config: MoEConfig, groups: Optional[ProcessGroups] = None, *,
+                   seed: int = 0, norm: Optional[type] = None) -> Spec:
+    """``spec`` (a ``TransformerLayer`` ModuleSpec, a ``TransformerBlockSubmodules`` or a
+    ``TransformerBlock`` ModuleSpec) with MoE MLPs on the layers ``moe_config`` names; same kind
+    back. The base spec's MLP must be dense: it stays on the other layers. ``groups`` are passed
+    to every ``MoELayer`` (None on one process); ``seed`` and ``norm``: see ``MoEPlan``."""
+    plan = MoEPlan(moe_config, groups, seed, norm)
+    if isinstance(spec, TransformerBlockSubmodules):
+        return dataclasses.replace(spec, layer_specs=[moe_layer_spec(s, moe_config, groups, seed=seed, norm=norm)
+                                                      for s in spec.layer_specs])
+    module = _module_of(spec)
+    if isinstance(spec, ModuleSpec) and isinstance(module, type) and issubclass(module, TransformerBlock):
+        return dataclasses.replace(spec, submodules=moe_layer_spec(spec.submodules, moe_config, groups,
+                                                                   seed=seed, norm=norm))
+    if not (isinstance(spec, ModuleSpec) and module in (TransformerLayer, MoEAwareTransformerLayer)):
+        raise TypeError(f"moe_layer_spec expects a ModuleSpec of TransformerLayer or a TransformerBlockSubmodules, "
+                        f"got {module.__name__ if isinstance(module, type) else type(spec).__name__}")
+    mlp = _module_of(spec.submodules.mlp)
+    if getattr(mlp, "__module__", "").startswith("megatron.core.transformer.moe"):
+        raise ValueError(f"the base spec's MLP is Megatron's {mlp.__name__}; build the base spec dense "
+                         "(num_experts=None): the plugin's MoE layer replaces the MLP on the MoE layers")
+    return ModuleSpec(module=MoEAwareTransformerLayer, params={**spec.params, "moe": plan},
+                      submodules=spec.submodules, metainfo=dict(spec.metainfo))
+
+
+def cpu_friendly_spec(spec: Spec) -> Spec:
+    """``spec`` with the pieces that fail on CPU swapped (see ``cpu_modules``): Megatron's
+    ``DotProductAttention`` -> ``SDPAttention``, ``WrappedTorchNorm`` -> ``TorchNorm``.
+
+    A layer spec's *final* norm is chosen by Megatron (``WrappedTorchNorm`` without apex/TE),
+    which rejects sequence parallelism; pass a block spec (``as_block_spec``) to swap it too."""
+    return _swap(spec, CPU_SWAPS)
+
+
+def _swap(obj: Any, swaps: dict) -> Any:
+    if isinstance(obj, type):
+        return swaps.get(obj, obj)
+    if isinstance(obj, ModuleSpec):
+        return dataclasses.replace(obj, module=_swap(obj.module, swaps), submodules=_swap(obj.submodules, swaps))
+    if isinstance(obj, list):
+        return [_swap(item, swaps) for item in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, (type, MoEPlan)):
+        return dataclasses.replace(obj, **{f.name: _swap(getattr(obj, f.name), swaps)
+                                          for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+def as_block_spec(layer_spec: ModuleSpec, config: TransformerConfig, *, vp_stage: Optional[int] = None,
+                  pp_rank: Optional[int] = None, layer_norm: Any = None) -> TransformerBlockSubmodules:
+    """The block spec Megatron would make from ``layer_spec`` for this pipeline stage (the
+    final ``layer_norm`` defaults to Megatron's choice), so that it can be transformed."""
+    num = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num,
+                                      layer_norm=LayerNormImpl if layer_norm is None else layer_norm)
+
+
+def on_cpu() -> bool:
+    """Whether DeepSpeed's accelerator is the CPU."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
+def gpt_moe_spec(moe_config: MoEConfig, config: TransformerConfig, groups: Optional[ProcessGroups] = None, *,
+                 seed: int = 0, cpu: Optional[bool] = None, vp_stage: Optional[int] = None,
+                 pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    """The block spec of this pipeline stage: Megatron's dense local GPT layer spec (norm and
+    qk-layernorm from ``config``) with MoE MLPs where ``moe_config`` says, CPU-friendly when
+    ``cpu`` (default: when DeepSpeed's accelerator is the CPU; Megatron's pieces stay on GPUs)."""
+    base = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+    check_against_model(moe_config, config)
+    spec = moe_layer_spec(as_block_spec(base, config, vp_stage=vp_stage, pp_rank=pp_rank), moe_config, groups,
+                          seed=seed)
+    return cpu_friendly_spec(spec) if (on_cpu() if cpu is None else cpu) else spec
+
+
+# --- gradients ---------------------------------------------------------------------------------
+def allreduce_sequence_parallel_grads(model: torch.nn.Module, groups: Optional[ProcessGroups]) -> int:
+    """Sum the ``.grad`` of parameters marked ``sequence_parallel`` over the TP group (what
+    Megatron's ``finalize_model_grads`` does for its DDP); call it after backward, before the
+    optimizer step or the data-parallel reduction. Returns the number of tensors reduced."""
+    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    tp = groups.tp if groups is not None else None
+    if tp is None or not grads:
+        return 0
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=tp)
+    for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(part.view_as(grad))
+    return len(grads)
+
+
+# --- Megatron-LM --spec -------------------------------------------------------------------------
+def megatron_lm_spec() -> ModuleSpec:
+    """The layer spec for Megatron-LM's ``--spec``, from the DeepSpeed JSON's ``"moe"`` block.
+
+    The JSON path comes from the ``MOE_PLUGIN_DS_CONFIG`` environment variable, else from
+    Megatron's ``args.deepspeed_config`` (Megatron-DeepSpeed). Groups: those already registered
+    (``moe_plugin.groups.register``), else built now from the block's ``parallel`` sizes
+    (collective: every rank calls it, as Megatron-LM's model provider does) and checked against
+    Megatron's own. Base spec: Transformer Engine's when ``--transformer-impl transformer_engine``,
+    else the local one (made CPU-friendly on a CPU accelerator). Megatron-LM imports an
+    *attribute*, not a function: use ``--spec moe_plugin.integration.megatron_lm_spec spec``
+    (docs/megatron_lm.md).
+    """
+    args = _megatron_lm_args()
+    path = os.environ.get(DS_CONFIG_ENV) or getattr(args, "deepspeed_config", None)
+    if not path:
+        raise ConfigError(DS_CONFIG_ENV, None, "set it to the DeepSpeed JSON with the \"moe\" block (or pass "
+                          "--deepspeed_config to Megatron-DeepSpeed)", shown="unset")
+    moe_config = MoEConfig.from_ds_config(path)
+    groups = _groups_for_megatron_lm(moe_config)
+    if args is not None and getattr(args, "transformer_impl", "local") == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    else:
+        base = get_gpt_layer_local_spec(normalization=getattr(args, "normalization", None),
+                                        qk_layernorm=getattr(args, "qk_layernorm", False))
+        if on_cpu():
+            base = cpu_friendly_spec(base)
+    return moe_layer_spec(base, moe_config, groups)
+
+
+def _megatron_lm_args() -> Optional[Any]:
+    """Megatron-LM's parsed arguments, or None without Megatron-LM or before it parsed them."""
+    try:
+        from megatron.training import get_args
+    except ImportError:
+        return None
+    try:
+        return get_args()
+    except AssertionError:  # "args is not initialized"
+        return None
+
+
+def registered_groups() -> Optional[ProcessGroups]:
+    """The groups ``moe_plugin.groups.register`` put into DeepSpeed's registry, if any."""
+    from deepspeed.utils import groups as ds_groups
+
+    from moe_plugin.groups.adapters import GroupsMPU
+
+    return ds_groups.mpu.groups if isinstance(ds_groups.mpu, GroupsMPU) else None
+
+
+def _groups_for_megatron_lm(moe_config: MoEConfig) -> ProcessGroups:
+    from moe_plugin.groups.builder import build_process_groups
+    from moe_plugin.groups.layout import RankLayout
+
+    groups = registered_groups()
+    if groups is None:
+        groups = build_process_groups(RankLayout(moe_config.check_world_size(dist.get_world_size())))
+    if parallel_state.model_parallel_is_initialized():
+        getters = {"tp": parallel_state.get_tensor_model_parallel_group,
+                   "pp": parallel_state.get_pipeline_model_parallel_group,
+                   "dp": parallel_state.get_data_parallel_group}
+        if groups.size("ep") > 1:  # Megatron's DDP reduces expert gradients over its expert-DP group
+            getters.update(ep=parallel_state.get_expert_model_parallel_group,
+                           edp=parallel_state.get_expert_data_parallel_group)
+        for kind, getter in getters.items():
+            theirs = dist.get_process_group_ranks(getter())
+            if theirs != groups.ranks(kind):
+                s = groups.layout.sizes
+                raise ConfigError("moe.parallel", moe_config.parallel.model_dump(), f"gives rank {groups.rank} the "
+                                  f"{kind} group {groups.ranks(kind)}, but Megatron's is {theirs}; launch with "
+                                  f"--tensor-model-parallel-size {s.tp} --pipeline-model-parallel-size {s.pp} "
+                                  f"--expert-model-parallel-size {s.ep} --expert-tensor-parallel-size {s.etp}")
+    return groups

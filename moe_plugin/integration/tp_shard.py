@@ -1,0 +1,91 @@
+"""A full (single-process) state dict -> the shard that one rank's model holds.
+
+Which slice a tensor gets is read from the model and the rank's coordinates in the layout,
+not from parameter names:
+
+* Megatron tensor-parallel parameters carry ``tensor_model_parallel``, ``partition_dim`` and
+  ``partition_stride`` (column-parallel: output dim 0; row-parallel: input dim 1; vocab-parallel
+  embedding: dim 0). With stride ``s`` the dimension is cut into ``s * tp`` equal pieces and
+  TP rank ``r`` holds pieces ``r, r + tp, ...`` in order: the GLU ``linear_fc1`` (stride 2) keeps
+  a slice of the gate half and of the up half, as Megatron's own initialisation splits it. The
+  fused QKV weight needs no special case: Megatron lays it out by query group.
+* ``GroupedExperts`` weights ``weight1`` [E, H, F1] and ``weight2`` [E, F, H]: the module's
+  experts ``first_expert ... first_expert + num_local - 1`` (expert parallelism), then the
+  rank's F-shard over the expert-tensor-parallel group (``weight1`` dim 2 with stride 2 for
+  swiglu's gate and up halves, ``weight2`` dim 1), as ``layers.experts.ffn_shard`` cuts it.
+* Anything else (norms, router, shared expert, position embedding, buffers) is replicated.
+
+The same function slices full *gradients* for comparison with a sharded model's.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from moe_plugin.groups.layout import RankLayout
+from moe_plugin.layers.experts import GroupedExperts
+
+
+def tp_slice(full: Tensor, dim: int, stride: int, rank: int, size: int) -> Tensor:
+    """Rank ``rank``'s part of ``full`` along ``dim``: pieces ``rank::size`` of ``stride * size``."""
+    if size == 1:
+        return full
+    pieces = stride * size
+    if full.shape[dim] % pieces:
+        raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split into {pieces} pieces "
+                         f"(parallel size {size} x stride {stride})")
+    chunks = full.split(full.shape[dim] // pieces, dim=dim)
+    return torch.cat(chunks[rank::size], dim=dim)
+
+
+def _expert_rules(model: nn.Module) -> dict[str, tuple[GroupedExperts, int, int]]:
+    """State-dict key -> (its GroupedExperts, F dimension, F stride) for every expert weight."""
+    out = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            stride1 = 2 if module.activation == "swiglu" else 1
+            base = f"{prefix}." if prefix else ""
+            out[base + "weight1"] = (module, 2, stride1)
+            out[base + "weight2"] = (module, 1, 1)
+    return out
+
+
+def shard_state_dict(full: Mapping[str, Any], model: nn.Module, layout: RankLayout, rank: int, *,
+                     strict: bool = True) -> dict[str, Any]:
+    """The entries of ``model.state_dict()`` cut out of ``full`` for global ``rank`` of ``layout``.
+
+    ``full`` comes from the same model built on one process (same spec and config). Every key
+    of the model must be in ``full`` unless ``strict`` is False (then keys absent from ``full``
+    are left out: gradients, say, have no buffers); a shape no rule explains is an error naming
+    the key.
+    """
+    coords, sizes = layout.coords(rank), layout.sizes
+    local = model.state_dict(keep_vars=True)
+    experts = _expert_rules(model)
+    missing = [k for k in local if k not in full]
+    if missing and strict:
+        raise KeyError(f"the full state dict lacks {len(missing)} key(s) of the model, e.g. {missing[:3]}")
+    out: dict[str, Any] = {}
+    for key, mine in local.items():
+        if key not in full:
+            continue
+        whole = full[key]
+        if not isinstance(mine, Tensor):
+            out[key] = whole
+            continue
+        if key in experts:
+            module, dim, stride = experts[key]
+            part = whole.narrow(0, module.first_expert, module.num_local)
+            part = tp_slice(part, dim, stride, coords["etp"], sizes.etp)
+        elif getattr(mine, "tensor_model_parallel", False):
+            part = tp_slice(whole, mine.partition_dim, getattr(mine, "partition_stride", 1), coords["tp"], sizes.tp)
+        else:
+            part = whole
+        if part.shape != mine.shape:
+            raise ValueError(f"{key}: the full tensor {tuple(whole.shape)} gives {tuple(part.shape)} on rank {rank} "
+                             f"(tp {coords['tp']}/{sizes.tp}, ep {coords['ep']}/{sizes.ep}, etp {coords['etp']}/"
+                             f"{sizes.etp}), but the model holds {tuple(mine.shape)}")
+        out[key] = part.detach().clone()
+    return out
