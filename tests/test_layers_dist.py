@@ -337,3 +337,15 @@ def _failing_child(rank: int, world_size: int) -> None:
 def test_non_finite_input_raises_in_the_parent(dist_run):
     with pytest.raises(ValueError, match=NAN_MESSAGE.format(1)):
         dist_run(_failing_child, 2, timeout=60)
+
+
+def test_source_to_expert_order():
+    from moe_plugin.layers import source_to_expert_order
+
+    counts_SL = torch.tensor([[2, 0, 1], [1, 3, 0]])    # source 0: l0 l0 l2; source 1: l0 l1 l1 l1
+    rows = torch.tensor([0, 1, 2, 10, 11, 12, 13])
+    sort, unsort = source_to_expert_order(counts_SL)
+    assert rows[sort].tolist() == [0, 1, 10, 11, 12, 13, 2]
+    assert torch.equal(rows[sort][unsort], rows)
+    empty = source_to_expert_order(torch.zeros(2, 3, dtype=torch.long))
+    assert [t.numel() for t in empty] == [0, 0]

@@ -110,14 +110,15 @@ def check_finite(logits_TE: Tensor, group: comm.Group = None) -> None:
     rank of the group raises, naming the ranks whose logits are not finite, rather than the
     healthy ranks waiting forever in the next collective.
     """
-    bad = not bool(torch.isfinite(logits_TE).all())
-    where = ""
-    if group is not None:
+    bad_1 = ~torch.isfinite(logits_TE).all().reshape(1)
+    if group is None:
+        bad, where = bool(bad_1), ""
+    else:                                   # one host sync, after the all-reduce
         flags = torch.zeros(comm.group_size(group), dtype=torch.int32, device=logits_TE.device)
-        flags[comm.group_rank(group)] = int(bad)
+        flags[comm.group_rank(group):comm.group_rank(group) + 1] = bad_1.to(torch.int32)
         torch.distributed.all_reduce(flags, group=group)
         ranks = torch.distributed.get_process_group_ranks(group)
-        bad_ranks = [ranks[i] for i in flags.nonzero().flatten().tolist()]
+        bad_ranks = [rank for rank, flag in zip(ranks, flags.tolist()) if flag]
         bad = bool(bad_ranks)
         where = f" on rank(s) {bad_ranks}"
     if bad:
