@@ -1,11 +1,12 @@
 """Megatron-Core GPT with the plugin's MoE spec, on CPU.
 
 * spec level (no process): what ``moe_layer_spec`` / ``cpu_friendly_spec`` accept and swap;
-* one rank: which layers are MoE (interval, explicit list, Megatron-LM's ``--spec`` path),
+* one rank: which layers are MoE (interval, explicit list, Megatron-LM's ``--spec`` import),
   parameter names, a finite loss, the aux loss reaching ``router.weight.grad``;
-* two ranks (one spawn): tensor parallel 2 without and with sequence parallelism against the
-  single-process model loaded with the same weights (logits, loss and every gradient, per
-  shard), and the global layer index on a second pipeline stage.
+* two ranks (one spawn): TP 2 (expert TP 2), TP 2 with sequence parallelism, EP 2, and TP 2 x
+  EP 2 folded against the single-process model loaded with the same weights (logits, loss and
+  every gradient, per shard); the global layer index on a second pipeline stage; Megatron-LM's
+  flow (Megatron's own ``initialize_model_parallel``, groups checked against it).
 """
 from __future__ import annotations
 
@@ -218,8 +219,13 @@ def _reduce_like_deepspeed(model, groups) -> None:
             param.grad /= groups.size(kind)
 
 
-def _two_ranks(rank: int, world_size: int) -> dict:
-    from moe_plugin.integration.megatron import gpt_moe_spec
+def _two_ranks(rank: int, world_size: int, tp2_json: str, tp1_json: str) -> dict:
+    import os
+
+    from megatron.core import parallel_state
+
+    from moe_plugin.groups import destroy_process_groups
+    from moe_plugin.integration.megatron import gpt_moe_spec, megatron_lm_spec
     from moe_plugin.integration.tp_shard import shard_state_dict
 
     out: dict = {}
@@ -269,11 +275,29 @@ def _two_ranks(rank: int, world_size: int) -> dict:
                  "router": {layer.moe_layer_index: layer.mlp.router.weight.detach().clone()
                             for layer in stage.decoder.layers if layer.moe_layer_index is not None}}
     _drop(groups)
+
+    # Megatron-LM's flow: Megatron owns parallel_state (initialize_model_parallel); the spec builds
+    # the plugin's groups from the DeepSpeed JSON and checks that they are Megatron's.
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    os.environ["MOE_PLUGIN_DS_CONFIG"] = tp2_json
+    spec = megatron_lm_spec()
+    model = _gpt(spec, _config(tp=2))
+    out["megatron_lm"] = {"moe": _moe_indices(model), "loss": _train_step(model)["loss"]}
+    os.environ["MOE_PLUGIN_DS_CONFIG"] = tp1_json
+    with pytest.raises(ConfigError, match=r"moe\.parallel\.tensor: .* the tp group \[\d\] but Megatron's is \[0, 1\]"):
+        megatron_lm_spec()
+    parallel_state.destroy_model_parallel()
+    destroy_process_groups(spec.params["moe"].groups)
     return out
 
 
-def test_two_ranks_parallel_matches_single_process_and_pipeline_offsets(dist_run):
-    results = dist_run(_two_ranks, 2)
+def test_two_ranks_parallel_matches_single_process_pipeline_offsets_megatron_lm(dist_run, tmp_path):
+    paths = []
+    for tp in (2, 1):
+        path = tmp_path / f"ds_tp{tp}.json"
+        path.write_text(json.dumps({"moe": {"num_experts": 4, "layers": [1], "parallel": {"tensor": tp}}}))
+        paths.append(str(path))
+    results = dist_run(_two_ranks, 2, *paths)
     for rank, out in enumerate(results):
         for case in CASES:
             res = out[case]
@@ -293,3 +317,7 @@ def test_two_ranks_parallel_matches_single_process_and_pipeline_offsets(dist_run
     for rank, index in ((0, 0), (1, 2)):
         expected = Router(moe, MODEL["hidden_size"], seed=index, init_std=0.02).weight
         torch.testing.assert_close(results[rank]["pp"]["router"][index], expected)
+
+    for out in results:
+        assert out["megatron_lm"]["moe"] == [None, 1, None, None]
+        assert torch.isfinite(out["megatron_lm"]["loss"])

@@ -335,18 +335,30 @@ def _groups_for_megatron_lm(moe_config: MoEConfig) -> ProcessGroups:
     if groups is None:
         groups = build_process_groups(RankLayout(moe_config.check_world_size(dist.get_world_size())))
     if parallel_state.model_parallel_is_initialized():
-        getters = {"tp": parallel_state.get_tensor_model_parallel_group,
-                   "pp": parallel_state.get_pipeline_model_parallel_group,
-                   "dp": parallel_state.get_data_parallel_group}
-        if groups.size("ep") > 1:  # Megatron's DDP reduces expert gradients over its expert-DP group
-            getters.update(ep=parallel_state.get_expert_model_parallel_group,
-                           edp=parallel_state.get_expert_data_parallel_group)
-        for kind, getter in getters.items():
-            theirs = dist.get_process_group_ranks(getter())
-            if theirs != groups.ranks(kind):
-                s = groups.layout.sizes
-                raise ConfigError("moe.parallel", moe_config.parallel.model_dump(), f"gives rank {groups.rank} the "
-                                  f"{kind} group {groups.ranks(kind)}, but Megatron's is {theirs}; launch with "
-                                  f"--tensor-model-parallel-size {s.tp} --pipeline-model-parallel-size {s.pp} "
-                                  f"--expert-model-parallel-size {s.ep} --expert-tensor-parallel-size {s.etp}")
+        _check_same_groups(groups, moe_config)
     return groups
+
+
+# kind -> (the "moe" key that sizes it, Megatron-LM's argument, Megatron's getter)
+_MEGATRON_GROUPS = {
+    "tp": ("moe.parallel.tensor", "--tensor-model-parallel-size", "get_tensor_model_parallel_group"),
+    "pp": ("moe.parallel.pipeline", "--pipeline-model-parallel-size", "get_pipeline_model_parallel_group"),
+    "dp": ("moe.parallel", "the world size", "get_data_parallel_group"),
+    "ep": ("moe.parallel.expert", "--expert-model-parallel-size", "get_expert_model_parallel_group"),
+    "edp": ("moe.parallel.expert", "--expert-model-parallel-size", "get_expert_data_parallel_group"),
+}
+
+
+def _check_same_groups(groups: ProcessGroups, moe_config: MoEConfig) -> None:
+    """Our groups must be Megatron's: attention runs on Megatron's, the MoE layers on ours, and
+    Megatron's DDP reduces the gradients of ``allreduce = False`` (expert) parameters over its
+    expert-data-parallel group (checked only with EP, which Megatron-LM sets up only with
+    ``--num-experts``)."""
+    kinds = ["tp", "pp", "dp"] + (["ep", "edp"] if groups.size("ep") > 1 else [])
+    for kind in kinds:
+        key, flag, getter = _MEGATRON_GROUPS[kind]
+        theirs = dist.get_process_group_ranks(getattr(parallel_state, getter)())
+        if theirs != groups.ranks(kind):
+            raise ConfigError(key, moe_config.resolved_dict()["parallel"], f"gives rank {groups.rank} the {kind} "
+                              f"group {groups.ranks(kind)} but Megatron's is {theirs}; make moe.parallel (sizes "
+                              f"and order) match Megatron-LM's {flag}", shown=groups.layout.table().splitlines()[0])
