@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
-from torch import Tensor, nn
-
 import torch.distributed as dist
+from torch import Tensor, nn
 
 from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.layers import comm
