@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -106,6 +107,20 @@ def test_spec_transformations_keep_the_kind_and_swap_only_the_cpu_pieces():
         assert sub.self_attention.submodules.linear_qkv is base.submodules.self_attention.submodules.linear_qkv
     assert base.submodules.self_attention.submodules.core_attention is DotProductAttention  # not mutated
 
+    # MoE layers get a norm of their own only where the dense MLP's fc1 applies the pre-MLP norm (TE).
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from moe_plugin.integration.megatron import MoEPlan, _with_moe_mlp
+
+    fused_fc1 = type("TELayerNormColumnParallelLinear", (), {})
+    sub = base.submodules
+    fused = dataclasses.replace(sub, pre_mlp_layernorm=IdentityOp, mlp=dataclasses.replace(
+        sub.mlp, submodules=dataclasses.replace(sub.mlp.submodules, linear_fc1=fused_fc1)))
+    assert _with_moe_mlp(fused, MoEPlan(moe), 0).pre_mlp_layernorm is TorchNorm
+    no_norm = dataclasses.replace(sub, pre_mlp_layernorm=IdentityOp)
+    assert _with_moe_mlp(no_norm, MoEPlan(moe), 0).pre_mlp_layernorm is IdentityOp
+    assert _with_moe_mlp(sub, MoEPlan(moe), 0).pre_mlp_layernorm is sub.pre_mlp_layernorm
+
     with pytest.raises(TypeError, match="ModuleSpec of TransformerLayer"):
         moe_layer_spec(base.submodules.self_attention, moe)
     with pytest.raises(ValueError, match="build the base spec dense"):
@@ -149,12 +164,47 @@ def _single_rank(rank: int, world_size: int, ds_config_path: str) -> dict:
     with pytest.raises(ConfigError, match=r"moe\.layers: got \[1, 4\]; the model has 4 layers"):
         gpt_moe_spec(MoEConfig.from_dict({"num_experts": 4, "layers": [1, 4]}), config, groups)
 
+    out["attention"] = _attention_vs_megatron()
+
     # Megatron-LM: --spec MODULE NAME is resolved by Megatron's own import_module.
     os.environ["MOE_PLUGIN_DS_CONFIG"] = ds_config_path
     spec = import_module(("moe_plugin.integration.megatron_lm_spec", "spec"))
     out["megatron_lm"] = _moe_indices(_gpt(spec, config))
     _drop(groups)
     return out
+
+
+def _attention_vs_megatron() -> dict:
+    """SDPAttention against Megatron's DotProductAttention (GQA; causal without a mask, an
+    explicit causal mask, a causal mask with padded keys), forward and input gradients."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from moe_plugin.integration.cpu_modules import SDPAttention
+
+    # DotProductAttention takes its score buffer on torch.cuda.current_device() and forks the CUDA
+    # RNG tracker for dropout: point the former at the CPU in this rank and take Megatron's no-op
+    # tracker. Its own causal mask is built on "cuda", so it always gets explicit masks.
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    torch.cuda.current_device = lambda: "cpu"
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    config = _config(num_query_groups=2, apply_query_key_layer_scaling=True)
+    args = dict(config=config, layer_number=3, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    theirs, mine = DotProductAttention(**args), SDPAttention(**args)
+    gen = torch.Generator().manual_seed(3)
+    qkv = [torch.randn(SEQ, BATCH, heads, 8, generator=gen, requires_grad=True) for heads in (4, 2, 2)]
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    padded = causal | (torch.arange(SEQ) >= SEQ - 2)[None, None, None, :]  # last two keys are padding
+    diffs = {}
+    for name, (their_mask, my_mask) in {"causal": (causal, None), "causal mask": (causal, causal),
+                                        "padded": (padded, padded)}.items():
+        ref = theirs(*qkv, their_mask)
+        ref_grads = torch.autograd.grad(ref.square().sum(), qkv)
+        got = mine(*qkv, my_mask)
+        got_grads = torch.autograd.grad(got.square().sum(), qkv)
+        diffs[name] = max([(got - ref).abs().max()] + [(a - b).abs().max() for a, b in zip(got_grads, ref_grads)])
+    return diffs
 
 
 def test_one_rank_moe_layers_names_loss_and_aux_loss(dist_run, tmp_path):
@@ -172,6 +222,7 @@ def test_one_rank_moe_layers_names_loss_and_aux_loss(dist_run, tmp_path):
         assert expected in names, expected
     assert not any(n.startswith("decoder.layers.1.mlp.router") for n in names)
 
+    assert all(d < 1e-5 for d in out["attention"].values()), out["attention"]
     assert torch.isfinite(out["loss"]) and 3.0 < out["loss"] < 6.0  # ~ln(64) at init
     assert torch.isfinite(out["router_grad"]).all() and out["router_grad"].abs().sum() > 0
     # With the main loss multiplied by 0 every gradient is the aux loss's: linear in its coefficient,

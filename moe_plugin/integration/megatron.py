@@ -95,7 +95,7 @@ class MoEPlan:
 
     ``norm``: the pre-MLP norm of MoE layers whose base spec has none because it fuses the norm
     into the dense MLP's first linear (Transformer Engine specs); default TENorm when Transformer
-    Engine is importable, else ``TorchNorm``.
+    Engine is installed, else ``TorchNorm``.
     """
 
     moe_config: MoEConfig
@@ -158,17 +158,24 @@ def check_against_model(moe_config: MoEConfig, config: TransformerConfig) -> Non
 def _with_moe_mlp(submodules: TransformerLayerSubmodules, moe: MoEPlan, index: int) -> TransformerLayerSubmodules:
     params = dict(moe_config=moe.moe_config, groups=moe.groups, seed=moe.seed, layer_index=index)
     changes: dict[str, Any] = {"mlp": _Build(MegatronMoEMLP, params)}
-    if _module_of(submodules.pre_mlp_layernorm) is IdentityOp:
+    if _fuses_pre_mlp_norm(submodules):
         changes["pre_mlp_layernorm"] = moe.norm or _default_fused_norm()
     return dataclasses.replace(submodules, **changes)
 
 
+def _fuses_pre_mlp_norm(submodules: TransformerLayerSubmodules) -> bool:
+    """No pre-MLP norm because the dense MLP's first linear applies it (TE's
+    ``TELayerNormColumnParallelLinear``): the MoE MLP then needs a norm of its own."""
+    fc1 = getattr(getattr(submodules.mlp, "submodules", None), "linear_fc1", None)
+    return _module_of(submodules.pre_mlp_layernorm) is IdentityOp and "LayerNorm" in getattr(fc1, "__name__", "")
+
+
 def _default_fused_norm() -> type:
     try:
-        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.extensions.transformer_engine import HAVE_TE, TENorm
     except ImportError:
         return TorchNorm
-    return TENorm
+    return TENorm if HAVE_TE else TorchNorm
 
 
 def _module_of(spec: Any) -> Any:
