@@ -121,6 +121,17 @@ def test_spec_transformations_keep_the_kind_and_swap_only_the_cpu_pieces():
     assert _with_moe_mlp(no_norm, MoEPlan(moe), 0).pre_mlp_layernorm is IdentityOp
     assert _with_moe_mlp(sub, MoEPlan(moe), 0).pre_mlp_layernorm is sub.pre_mlp_layernorm
 
+    # The "moe" block must agree with the TransformerConfig (checked again by every layer).
+    from moe_plugin.integration.megatron import check_against_model
+
+    with pytest.raises(ConfigError, match=r"moe\.parallel\.tensor: got 2; the Megatron TransformerConfig has "
+                                          r"tensor_model_parallel_size=1"):
+        check_against_model(MoEConfig.from_dict({"num_experts": 4, "parallel": {"tensor": 2}}), _config())
+    recompute = _config(recompute_granularity="selective", recompute_modules=["mlp"])
+    with pytest.raises(ConfigError, match=r"moe\.second_expert_policy: got 'random'; must be 'all' with Megatron's"):
+        check_against_model(moe, recompute)
+    check_against_model(MoEConfig.from_dict({"num_experts": 4, "second_expert_policy": "all"}), recompute)
+
     with pytest.raises(TypeError, match="ModuleSpec of TransformerLayer"):
         moe_layer_spec(base.submodules.self_attention, moe)
     with pytest.raises(ValueError, match="build the base spec dense"):

@@ -140,7 +140,8 @@ class MoEAwareTransformerLayer(TransformerLayer):
 
 def check_against_model(moe_config: MoEConfig, config: TransformerConfig) -> None:
     """The ``"moe"`` block must describe the Megatron model: its layer list within the model,
-    its tensor / pipeline / sequence parallelism equal to the ``TransformerConfig``'s."""
+    its tensor / pipeline / sequence parallelism equal to the ``TransformerConfig``'s, no router
+    noise where Megatron recomputes the MLP (the router's generator is not rewound)."""
     outside = [i for i in (moe_config.layers or []) if i >= config.num_layers]
     if outside:
         raise ConfigError("moe.layers", moe_config.layers, f"the model has {config.num_layers} layers (0-based "
@@ -153,6 +154,14 @@ def check_against_model(moe_config: MoEConfig, config: TransformerConfig) -> Non
         if mine != theirs:
             raise ConfigError(f"moe.parallel.{key}", mine, f"the Megatron TransformerConfig has {megatron}="
                               f"{theirs}; set both alike (the MoE layer splits tokens by it)")
+    recomputed = config.recompute_granularity == "full" or (
+        config.recompute_granularity == "selective" and "mlp" in (config.recompute_modules or []))
+    if recomputed and moe_config.jitter_eps > 0:
+        raise ConfigError("moe.jitter_eps", moe_config.jitter_eps, "must be 0 with Megatron's activation "
+                          "recomputation of the MLP: the recomputed router would draw other random numbers")
+    if recomputed and moe_config.router == "gshard" and moe_config.second_expert_policy == "random":
+        raise ConfigError("moe.second_expert_policy", "random", "must be 'all' with Megatron's activation "
+                          "recomputation of the MLP: the recomputed router would draw other random numbers")
 
 
 def _with_moe_mlp(submodules: TransformerLayerSubmodules, moe: MoEPlan, index: int) -> TransformerLayerSubmodules:
