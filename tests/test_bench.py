@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moe_plugin.bench.layer import LayerBenchSpec, bench_layer
+from moe_plugin.bench.layer_ep import rank_main
 from moe_plugin.bench.memory import memory_profile, peak_allocated_bytes
 from moe_plugin.bench.traffic import deepspeed_bytes_sent, ours_bytes_sent, ours_rows_sent
 from moe_plugin.cli import main
@@ -86,11 +87,29 @@ def test_cli_prints_one_json_line_per_configuration(capsys):
     assert [json.loads(line)["experts"] for line in lines] == [4, 8]
 
 
-def test_cli_ep_needs_the_expert_parallel_layer(capsys):
+def test_cli_ep_checks_the_launcher_world_size(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as caught:
         main(["bench", "layer", "--experts", "4", "--tokens", "64", "--ep", "2"])
     assert caught.value.code == 2
-    assert "--ep 2" in capsys.readouterr().err
+    assert "--ep 2 but the launcher started WORLD_SIZE=3" in capsys.readouterr().err
+
+
+def _ep_child(rank, world_size, spec):
+    return rank_main(rank, world_size, [spec], threads=1, init_method="unused: the harness made the group")[0]
+
+
+def test_bench_layer_expert_parallel(dist_run):
+    spec = LayerBenchSpec(**dict(TINY, experts=8), dropless=True, vs_deepspeed=True)
+    record = dist_run(_ep_child, 2, spec)[0]
+    assert record["ep"] == 2
+    for field in FIELDS_POSITIVE + ["ours_a2a_bytes", "deepspeed_a2a_bytes"]:
+        value = record[field]
+        assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (field, value)
+    # both layers exchange rows over EP and still compute the same thing
+    assert record["routing_agrees"] and record["max_abs_diff"] < 1e-5
+    assert record["routed_rows"] == 2 * spec.tokens * spec.k
 
 
 def test_traffic_formulas():

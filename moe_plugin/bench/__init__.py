@@ -10,7 +10,8 @@ from moe_plugin.bench.args import add_bench_parser
 
 _LAZY = {"LayerBenchSpec": "layer", "bench_layer": "layer", "MemoryProfile": "memory", "memory_profile": "memory",
          "peak_allocated_bytes": "memory", "deepspeed_twin": "deepspeed_moe", "ours_bytes_sent": "traffic",
-         "deepspeed_bytes_sent": "traffic"}
+         "deepspeed_bytes_sent": "traffic", "time_parts": "breakdown",
+         "run_expert_parallel": "layer_ep"}
 
 __all__ = ["add_bench_parser", *_LAZY]
 

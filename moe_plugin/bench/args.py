@@ -56,9 +56,11 @@ def add_bench_parser(commands: argparse._SubParsersAction, run_layer) -> None:
                        help="also run DeepSpeed's MoE layer (--vs deepspeed)")
     layer.add_argument("--iters", type=positive_int, default=5, help="timed iterations (default 5)")
     layer.add_argument("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
+    layer.add_argument("--breakdown", action="store_true", help="also time our layer's parts alone "
+                       "(router, sorts, permute, experts, combine): ours_parts_ms")
     layer.add_argument("--threads", type=positive_int, default=2, help="torch.set_num_threads (default 2)")
     layer.add_argument("--seed", type=int, default=0)
-    layer.add_argument("--ep", type=positive_int, default=1, help="expert-parallel ranks (needs the "
-                       "expert-parallel layer; default 1)")
+    layer.add_argument("--ep", type=positive_int, default=1, help="expert-parallel ranks: starts N gloo "
+                       "processes (or is one rank under a launcher); --tokens is per rank (default 1)")
     layer.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     layer.set_defaults(run=run_layer)

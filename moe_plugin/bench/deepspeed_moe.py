@@ -31,8 +31,13 @@ from torch import Tensor, nn
 from moe_plugin.layers import MoELayer
 
 
-def deepspeed_twin(ours: MoELayer) -> nn.Module:
-    """A ``deepspeed.moe.layer.MoE`` that routes like ``ours`` and holds copies of its weights."""
+def deepspeed_twin(ours: MoELayer, ep_size: int = 1) -> nn.Module:
+    """A ``deepspeed.moe.layer.MoE`` that routes like ``ours`` and holds copies of its weights.
+
+    With ``ep_size > 1`` (every rank of the EP group calls it) it holds the same local experts as
+    ``ours`` and its expert-parallel group is DeepSpeed's own ``ep_size_<n>`` over the world
+    (``deepspeed.comm`` is initialised on top of the existing default group; see
+    ``forget_deepspeed_groups``)."""
     from deepspeed.moe.layer import MoE
 
     cfg = ours.config
@@ -42,19 +47,38 @@ def deepspeed_twin(ours: MoELayer) -> nn.Module:
     if cfg.router == "gshard" and cfg.second_expert_policy != "all":
         raise ValueError("the DeepSpeed comparison needs second_expert_policy 'all' (DeepSpeed has no "
                          "GShard random routing of the 2nd expert)")
-    weight1_EHF, weight2_EFH = ours.experts.weight1, ours.experts.weight2
-    num_experts, hidden, ffn = weight1_EHF.shape
+    weight1_LHF, weight2_LFH = ours.experts.weight1, ours.experts.weight2
+    _, hidden, ffn = weight1_LHF.shape
+    num_experts = cfg.num_experts
     expert = nn.Sequential(nn.Linear(hidden, ffn, bias=False), nn.GELU(), nn.Linear(ffn, hidden, bias=False))
-    twin = MoE(hidden, expert, num_experts=num_experts, ep_size=1, k=cfg.k,
+    twin = MoE(hidden, expert, num_experts=num_experts, ep_size=ep_size, k=cfg.k,
                capacity_factor=cfg.capacity_factor, eval_capacity_factor=cfg.eval_capacity_factor,
                min_capacity=cfg.min_capacity, drop_tokens=cfg.drop_tokens, use_rts=False,
                top2_2nd_expert_sampling=False)
     with torch.no_grad():
         twin.deepspeed_moe.gate.wg.weight.copy_(ours.router.weight)
-        for e, mlp in enumerate(twin.deepspeed_moe.experts.deepspeed_experts):
-            mlp[0].weight.copy_(weight1_EHF[e].t())
-            mlp[2].weight.copy_(weight2_EFH[e].t())
-    return twin.to(weight1_EHF.dtype).train(ours.training)
+        for l, mlp in enumerate(twin.deepspeed_moe.experts.deepspeed_experts):
+            mlp[0].weight.copy_(weight1_LHF[l].t())
+            mlp[2].weight.copy_(weight2_LFH[l].t())
+    if ep_size > 1:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        twin.set_deepspeed_parallelism()
+        group = twin.deepspeed_moe.ep_group
+        if group is None or torch.distributed.get_world_size(group) != ep_size:
+            raise RuntimeError(f"DeepSpeed's expert-parallel group is not of size {ep_size}")
+    return twin.to(weight1_LHF.dtype).train(ours.training)
+
+
+def forget_deepspeed_groups(ep_size: int) -> None:
+    """Remove DeepSpeed's ``ep_size_<n>`` groups from its registry (before the world is destroyed)."""
+    from deepspeed.utils import groups
+
+    name = f"ep_size_{ep_size}"
+    for registry in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                     groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        registry.pop(name, None)
 
 
 def deepspeed_capacity(ours: MoELayer, num_tokens: int, routed_E: Tensor) -> int:

@@ -12,10 +12,12 @@ For each configuration (``LayerBenchSpec``) ``bench_layer`` builds
 
 feeds all three the same input [T, 1, H] and output gradient, and times forward + backward of
 each, the three in a rotating order every iteration (gradients set to None outside the timed
-region), after ``warmup`` untimed iterations. Medians are reported. Then one more call of each
-runs under the allocator profiler for its peak memory (``memory.py``). An untimed first call
-checks that the two layers route alike (per-expert loads equal) and reports how far apart
-their outputs are.
+region), after ``warmup`` untimed iterations. Medians are reported, with the machine's load
+average and ``others_cpu``: the cores other processes kept busy meanwhile (``/proc/stat`` minus
+our own CPU time; near 0 on a quiet machine, and the timings are suspect when it is not). Then
+one more call of each runs under the allocator profiler for its peak memory (``memory.py``).
+An untimed first call checks that the two layers route alike (per-expert loads equal) and
+reports how far apart their outputs are.
 
 ``skew`` makes the routing unbalanced on purpose: every token's hidden feature 0 is set to 1
 and the router's weight column 0 to ``skew * g_e`` (``g`` sorted standard normal), which adds a
@@ -27,18 +29,22 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor
 
-from moe_plugin.bench.memory import peak_allocated_bytes
+from moe_plugin.bench.memory import memory_profile
 from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.layers import MoELayer
+
+if TYPE_CHECKING:
+    from moe_plugin.groups.process_groups import ProcessGroups
 
 VARIANTS = ("ours", "deepspeed", "floor")
 AUX_LOSS_COEFF = 1e-2
@@ -57,13 +63,14 @@ class LayerBenchSpec:
     iters: int = 5
     warmup: int = 1
     vs_deepspeed: bool = True
+    breakdown: bool = False
     seed: int = 0
 
-    def moe_config(self) -> MoEConfig:
+    def moe_config(self, ep: int = 1) -> MoEConfig:
         router = {1: "switch", 2: "gshard"}.get(self.k, "topk")
         block = {"num_experts": self.experts, "router": router, "capacity_factor": self.capacity_factor,
                  "eval_capacity_factor": self.capacity_factor, "drop_tokens": not self.dropless,
-                 "activation": "gelu", "aux_loss_coeff": AUX_LOSS_COEFF}
+                 "activation": "gelu", "aux_loss_coeff": AUX_LOSS_COEFF, "parallel": {"expert": ep}}
         if router == "gshard":
             block["second_expert_policy"] = "all"  # see deepspeed_moe.py
         if router == "topk":
@@ -73,9 +80,11 @@ class LayerBenchSpec:
 
 @dataclass
 class _Run:
-    """One variant: ``step()`` is forward + backward; ``clear()`` drops its gradients."""
+    """One variant: ``step()`` is forward + backward, ``forward()`` the forward alone (its result
+    holds what backward would use); ``clear()`` drops the gradients."""
 
     step: Callable[[], None]
+    forward: Callable[[], object]
     tensors: list[Tensor]
 
     def clear(self) -> None:
@@ -91,17 +100,44 @@ def skew_router(layer: MoELayer, x_TH: Tensor, skew: float, gen: torch.Generator
         layer.router.weight[:, 0] = offset_E
 
 
-def bench_layer(spec: LayerBenchSpec) -> dict:
-    """Time and measure one configuration; returns the JSON record (see docs/benchmarks.md)."""
+class Ranks:
+    """The processes one configuration runs on: this process alone (``groups=None``), or every
+    rank of an expert-parallel job (``layer_ep.py``): then the steps start together and a step
+    takes as long as its slowest rank."""
+
+    def __init__(self, groups: Optional["ProcessGroups"] = None):
+        self.groups = groups
+        self.size = 1 if groups is None else groups.size("ep")
+        self.rank = 0 if groups is None else groups.rank_in("ep")
+
+    def barrier(self) -> None:
+        if self.groups is not None:
+            torch.distributed.barrier(self.groups.ep)
+
+    def reduce(self, values: list[float], op: str) -> list[float]:
+        """Element-wise max or sum over the ranks."""
+        if self.groups is None:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
+        torch.distributed.all_reduce(t, op=reduce_op, group=self.groups.ep)
+        return t.tolist()
+
+
+def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
+    """Time and measure one configuration; returns the JSON record (see docs/benchmarks.md).
+    With ``ranks`` of an expert-parallel job every rank calls it with its own tokens; rank 0's
+    record describes the job."""
     from moe_plugin.bench.deepspeed_moe import deepspeed_capacity, deepspeed_twin
 
-    gen = torch.Generator().manual_seed(spec.seed)
-    ours = MoELayer(spec.moe_config(), spec.hidden, spec.ffn, seed=spec.seed).train()
+    ranks = ranks or Ranks()
+    gen = torch.Generator().manual_seed(spec.seed * 1000 + ranks.rank)
+    ours = MoELayer(spec.moe_config(ranks.size), spec.hidden, spec.ffn, ranks.groups, seed=spec.seed).train()
     x_SBH = torch.randn(spec.tokens, 1, spec.hidden, generator=gen)
-    skew_router(ours, x_SBH.view(spec.tokens, spec.hidden), spec.skew, gen)
+    skew_router(ours, x_SBH.view(spec.tokens, spec.hidden), spec.skew, torch.Generator().manual_seed(spec.seed))
     x_SBH.requires_grad_(True)
     grad_SBH = torch.randn(spec.tokens, 1, spec.hidden, generator=gen)
-    twin = deepspeed_twin(ours) if spec.vs_deepspeed else None
+    twin = deepspeed_twin(ours, ranks.size) if spec.vs_deepspeed else None
 
     with torch.no_grad():   # routing check, and the floor's per-expert counts
         out_ours = ours(x_SBH)[0]
@@ -109,56 +145,101 @@ def bench_layer(spec: LayerBenchSpec) -> dict:
         check = {}
         if twin is not None:
             out_ds, _, routed_ds_E = twin(x_SBH)
-            check = {"routing_agrees": bool(torch.equal(routed_ds_E.long(), stats.routed_per_expert.long())),
-                     "max_abs_diff": float((out_ours - out_ds).abs().max())}
+            agrees = torch.equal(routed_ds_E.long(), stats.routed_per_expert.long())
+            diff = float((out_ours - out_ds).abs().max())
+            agrees, diff = ranks.reduce([float(not agrees), diff], "max")
+            check = {"routing_agrees": agrees == 0, "max_abs_diff": diff}
         del out_ours
-    counts_E = stats.kept_per_expert.clone()
-    x_RH = torch.randn(int(counts_E.sum()), spec.hidden, generator=gen).requires_grad_(True)
+    kept_E = stats.kept_per_expert
+    # the floor: the rows this rank's experts receive (from every rank), in the same groups
+    job_kept_E = torch.tensor(ranks.reduce(kept_E.double().tolist(), "sum")).long()
+    counts_L = job_kept_E.view(ranks.size, -1)[ranks.rank].clone()
+    x_RH = torch.randn(int(counts_L.sum()), spec.hidden, generator=gen).requires_grad_(True)
     grad_RH = torch.randn(x_RH.shape, generator=gen)
 
+    def fwd_ours():
+        return ours(x_SBH)[0]
+
+    def fwd_deepspeed():
+        return twin(x_SBH)
+
+    def fwd_floor():
+        return ours.experts(x_RH, counts_L)
+
     def step_ours() -> None:
-        ours(x_SBH)[0].backward(grad_SBH)
+        fwd_ours().backward(grad_SBH)
 
     def step_deepspeed() -> None:
-        out, l_aux, _ = twin(x_SBH)
+        out, l_aux, _ = fwd_deepspeed()
         torch.autograd.backward((out, l_aux), (grad_SBH, torch.tensor(AUX_LOSS_COEFF)))
 
     def step_floor() -> None:
-        ours.experts(x_RH, counts_E).backward(grad_RH)
+        fwd_floor().backward(grad_RH)
 
-    runs = {"ours": _Run(step_ours, [x_SBH, *ours.parameters()]),
-            "floor": _Run(step_floor, [x_RH, *ours.experts.parameters()])}
+    runs = {"ours": _Run(step_ours, fwd_ours, [x_SBH, *ours.parameters()]),
+            "floor": _Run(step_floor, fwd_floor, [x_RH, *ours.experts.parameters()])}
     if twin is not None:
-        runs["deepspeed"] = _Run(step_deepspeed, [x_SBH, *twin.parameters()])
-    times = _time_rotating(runs, spec.warmup, spec.iters)
-    peaks = {}
+        runs["deepspeed"] = _Run(step_deepspeed, fwd_deepspeed, [x_SBH, *twin.parameters()])
+    busy_before = _cpu_seconds()  # others_cpu covers the timed loop
+    times = _time_rotating(runs, spec.warmup, spec.iters, ranks)
+    busy_after = _cpu_seconds()
+    memory = {}
     for name, run in runs.items():
+        for key, fn in (("peak_bytes", run.step), ("activation_bytes", run.forward)):
+            run.clear()
+            gc.collect()
+            profile = memory_profile(fn)
+            memory[f"{name}_{key}"] = profile.peak_bytes if key == "peak_bytes" else profile.retained_bytes
         run.clear()
-        gc.collect()
-        peaks[name] = peak_allocated_bytes(run.step)
-        run.clear()
+    memory = dict(zip(memory, (int(v) for v in ranks.reduce(list(memory.values()), "max"))))
 
-    kept = stats.kept_per_expert
-    record = {"bench": "layer", **{k: v for k, v in asdict(spec).items() if k != "vs_deepspeed"},
-              "dtype": "float32", "threads": torch.get_num_threads(), "ep": 1,
+    job_routed_E = torch.tensor(ranks.reduce(stats.routed_per_expert.double().tolist(), "sum")).long()
+    record = {"bench": "layer", **{k: v for k, v in asdict(spec).items() if k not in ("vs_deepspeed", "breakdown")},
+              "dtype": "float32", "threads": torch.get_num_threads(), "ep": ranks.size,
               "capacity": stats.capacity,
               "deepspeed_capacity": deepspeed_capacity(ours, spec.tokens, stats.routed_per_expert) if twin else None,
-              "routed_rows": int(kept.sum()), "max_load": int(kept.max()), "mean_load": float(kept.float().mean()),
-              "dropped_fraction": round(float(stats.dropped_fraction), 5)}
+              "routed_rows": int(job_kept_E.sum()), "max_load": int(job_kept_E.max()),
+              "mean_load": float(job_kept_E.float().mean()),
+              "dropped_fraction": round(1 - float(job_kept_E.sum()) / max(1, float(job_routed_E.sum())), 5)}
     for name in VARIANTS:
         record[f"{name}_ms"] = _round(statistics.median(times[name])) if name in times else None
     record["deepspeed_over_ours"] = _ratio(record["deepspeed_ms"], record["ours_ms"])
     record["ours_over_floor"] = _ratio(record["ours_ms"], record["floor_ms"])
-    for name in VARIANTS:
-        record[f"{name}_peak_bytes"] = peaks.get(name)
-    record["ours_over_deepspeed_peak"] = _ratio(peaks["ours"], peaks.get("deepspeed"))
+    for key in ("peak_bytes", "activation_bytes"):
+        for name in VARIANTS:
+            record[f"{name}_{key}"] = memory.get(f"{name}_{key}")
+        record[f"ours_over_deepspeed_{key.split('_')[0]}"] = _ratio(memory["ours_" + key],
+                                                                    memory.get("deepspeed_" + key))
+    if ranks.size > 1:
+        record.update(_traffic(spec, ranks, kept_E, record["deepspeed_capacity"]))
     record.update(check)
+    if spec.breakdown and ranks.size == 1:
+        from moe_plugin.bench.breakdown import time_parts
+
+        record["ours_parts_ms"] = time_parts(ours, x_SBH.detach().view(spec.tokens, spec.hidden),
+                                             spec.warmup, spec.iters)
     record["loadavg"] = _loadavg()
+    record["others_cpu"] = _others_share(busy_before, busy_after)
     return record
 
 
-def _time_rotating(runs: dict[str, _Run], warmup: int, iters: int) -> dict[str, list[float]]:
-    """ms per forward + backward; iteration i starts with variant ``i % len(runs)``."""
+def _traffic(spec: LayerBenchSpec, ranks: Ranks, kept_E: Tensor, ds_capacity: Optional[int]) -> dict:
+    """Bytes a rank sends to other ranks per all-to-all, mean over the ranks (``traffic.py``)."""
+    from moe_plugin.bench.traffic import deepspeed_bytes_sent, ours_bytes_sent
+
+    ours_bytes = ours_bytes_sent(kept_E, ranks.size, ranks.rank, spec.hidden, 4)
+    out = {"ours_a2a_bytes": round(ranks.reduce([ours_bytes], "sum")[0] / ranks.size)}
+    if ds_capacity is not None:
+        # DeepSpeed pads every rank to the same capacity (dropless: the max over the EP group)
+        capacity = int(ranks.reduce([ds_capacity], "max")[0])
+        out["deepspeed_a2a_bytes"] = deepspeed_bytes_sent(spec.experts, capacity, ranks.size, spec.hidden, 4)
+        out["ours_over_deepspeed_a2a"] = _ratio(out["ours_a2a_bytes"], out["deepspeed_a2a_bytes"])
+    return out
+
+
+def _time_rotating(runs: dict[str, _Run], warmup: int, iters: int, ranks: Ranks) -> dict[str, list[float]]:
+    """ms per forward + backward; iteration i starts with variant ``i % len(runs)``. Across ranks
+    a step starts after a barrier and counts as long as the slowest rank."""
     names = list(runs)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(warmup + iters):
@@ -166,9 +247,10 @@ def _time_rotating(runs: dict[str, _Run], warmup: int, iters: int) -> dict[str, 
         for name in names[shift:] + names[:shift]:
             run = runs[name]
             run.clear()
+            ranks.barrier()
             start = time.perf_counter()
             run.step()
-            elapsed = (time.perf_counter() - start) * 1e3
+            elapsed = ranks.reduce([(time.perf_counter() - start) * 1e3], "max")[0]
             if i >= warmup:
                 times[name].append(elapsed)
     for run in runs.values():
@@ -192,11 +274,31 @@ def _loadavg() -> Optional[list[float]]:
         return None
 
 
+def _cpu_seconds() -> Optional[tuple[float, float, float]]:
+    """(CPU seconds busy on the machine, CPU seconds of this process, wall seconds)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+    own = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.perf_counter()
+
+
+def _others_share(before, after) -> Optional[float]:
+    """Mean number of cores other processes kept busy while we were timing (0: a quiet machine)."""
+    if before is None or after is None:
+        return None
+    wall = after[2] - before[2]
+    return round(max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall, 2) if wall > 0 else None
+
+
 def specs_from_args(args: argparse.Namespace) -> list[LayerBenchSpec]:
     return [LayerBenchSpec(tokens=args.tokens, experts=e, hidden=args.hidden, ffn=args.ffn, k=args.top_k,
                            capacity_factor=args.capacity_factor, dropless=args.dropless, skew=s,
                            iters=args.iters, warmup=args.warmup, vs_deepspeed=args.vs == "deepspeed",
-                           seed=args.seed)
+                           breakdown=args.breakdown, seed=args.seed)
             for e in args.experts for s in args.skew]
 
 
@@ -206,22 +308,30 @@ def summary(record: dict) -> str:
         value = record[f"{name}_ms"]
         return "-" if value is None else f"{value:.1f}"
 
-    return (f"T={record['tokens']} E={record['experts']} H={record['hidden']} F={record['ffn']} k={record['k']} "
+    return (f"ep={record['ep']} T={record['tokens']} E={record['experts']} H={record['hidden']} F={record['ffn']} k={record['k']} "
             f"cf={record['capacity_factor']}{' dropless' if record['dropless'] else ''} skew={record['skew']}: "
             f"ours {ms('ours')} ms, deepspeed {ms('deepspeed')} ms, floor {ms('floor')} ms | "
             f"deepspeed/ours {record['deepspeed_over_ours']}, ours/floor {record['ours_over_floor']} | peak MiB "
             + ", ".join(f"{n} {record[f'{n}_peak_bytes'] / 2**20:.0f}" for n in VARIANTS
                         if record[f"{n}_peak_bytes"] is not None)
+            + (f" | a2a bytes ours {record['ours_a2a_bytes']}, deepspeed {record.get('deepspeed_a2a_bytes')}"
+               if "ours_a2a_bytes" in record else "")
             + f" | max load {record['max_load']} (mean {record['mean_load']:.0f}), load avg {record['loadavg']}")
 
 
 def run(args: argparse.Namespace) -> None:
     """The ``bench layer`` command: one line per configuration (JSON with ``--json``)."""
+
+    def emit(record: dict) -> None:
+        print(json.dumps(record) if args.json else summary(record), flush=True)
+
     if args.ep > 1:
-        raise ValueError(f"--ep {args.ep}: the multi-rank bench needs the expert-parallel MoE layer, which this "
-                         "checkout does not have yet; run with --ep 1")
+        from moe_plugin.bench.layer_ep import run_expert_parallel
+
+        run_expert_parallel(args, emit)
+        return
     torch.set_num_threads(args.threads)
     for spec in specs_from_args(args):
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep stdout for results
             record = bench_layer(spec)
-        print(json.dumps(record) if args.json else summary(record), flush=True)
+        emit(record)

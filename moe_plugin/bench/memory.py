@@ -9,11 +9,12 @@ is not counted). This sees everything the allocator hands out -- outputs, tensor
 backward, gradients, and temporaries inside an operator (workspaces, the copies a kernel makes) --
 which a ``TorchDispatchMode`` that watches operator outputs would miss.
 
-Caveats: memory freed inside ``fn`` that was allocated before it (a tensor of the baseline) makes
-the running sum dip below zero, so release what the previous run left before measuring (set
-``.grad`` to None, drop old outputs); memory not from the c10 allocator (Python objects, the
-allocator's own caching -- there is none on CPU by default) is not seen. Timings under the
-profiler are slower: measure time and memory in separate runs.
+Caveats: a block allocated before the call and freed during it is not reported (c10 warns
+"Memory block of unknown size was allocated before the profiling started"), so the baseline
+never makes the sum dip, but the memory it returns does not offset later allocations either:
+release what a previous run left (set ``.grad`` to None, drop old outputs) before measuring.
+Memory not from the c10 allocator (Python objects) is not seen. Timings under the profiler are
+slower: measure time and memory in separate runs.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from torch.profiler import ProfilerActivity, profile
 
 @dataclass(frozen=True)
 class MemoryProfile:
-    """Bytes allocated by one call: the peak of the running sum and what was still live at the end."""
+    """Bytes allocated by one call: the peak of the running sum, and what was still live when it
+    returned (its result included: the result is released only after the profile ends)."""
 
     peak_bytes: int
     retained_bytes: int
@@ -35,7 +37,8 @@ class MemoryProfile:
 def memory_profile(fn: Callable[[], object]) -> MemoryProfile:
     """Run ``fn()`` once and return its allocation profile (see the module docstring)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+        result = fn()
+    del result
     events = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                      if e.name() == "[memory]" and e.device_type().name == "CPU"), key=lambda ev: ev[0])
     live = peak = allocations = 0

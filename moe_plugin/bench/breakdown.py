@@ -1,0 +1,83 @@
+"""Where our MoE layer's time goes beyond the expert GEMMs: its parts timed one by one.
+
+Shape suffixes: T tokens, H hidden, E experts, K choices per token, R kept routes.
+
+Each part runs forward + backward alone on the same data as in the layer, through the layer's
+own objects (router, dispatcher, experts), in a rotating order like the main bench:
+
+* ``router``: logits GEMM, softmax, top-k sort, route argsort, bincount, capacity, balance
+  loss, and their backward (through the gates and the balance loss);
+* ``route_sort`` / ``route_argsort``: the two sorts inside the router alone (no grad):
+  ``sort`` of the [T, E] logits for the top-k, ``argsort`` of the K*T route keys;
+* ``permute``: ``index_select`` of the kept routes' token rows, backward an ``index_add``;
+* ``experts``: the grouped GEMMs (the floor);
+* ``combine``: gate weighting, ``index_copy`` into [K*T, H] route slots, sum over K; backward.
+
+The parts add up to about the layer (the layer also attaches the aux loss and reshapes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+from torch import Tensor
+
+from moe_plugin.layers import MoELayer
+
+
+def time_parts(layer: MoELayer, x_TH: Tensor, warmup: int = 1, iters: int = 5) -> dict[str, float]:
+    """Median ms of each part's forward + backward (see the module docstring)."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        plan = layer.dispatcher.prepare(layer.router(x_TH))
+    T, H = x_TH.shape
+    R = plan.token_R.numel()
+    x_leaf_TH = x_TH.detach().requires_grad_(True)
+    x_RH = torch.randn(R, H, generator=gen).requires_grad_(True)
+    y_RH = torch.randn(R, H, generator=gen).requires_grad_(True)
+    gate_R = plan.gate_R.detach().requires_grad_(True)
+    combine_plan = dataclasses.replace(plan, gate_R=gate_R)
+    grad_RH = torch.randn(R, H, generator=gen)
+    grad_TH = torch.randn(T, H, generator=gen)
+    coeff = layer.config.aux_loss_coeff
+    logits_TE = layer.router.logits(x_TH.detach()).detach()
+    keys = torch.randint(0, plan.num_experts + 1, (plan.k * T,), generator=gen)
+
+    def router() -> None:
+        p = layer.router(x_leaf_TH)
+        (p.gate_R.sum() + coeff * p.balance_loss).backward()
+
+    def permute() -> None:
+        x_leaf_TH.index_select(0, plan.token_R).backward(grad_RH)
+
+    def experts() -> None:
+        layer.experts(x_RH, plan.kept_E).backward(grad_RH)
+
+    def combine() -> None:
+        layer.dispatcher.combine(y_RH, combine_plan).backward(grad_TH)
+
+    def route_sort() -> None:
+        torch.sort(logits_TE, dim=-1, descending=True, stable=True)
+
+    def route_argsort() -> None:
+        torch.argsort(keys, stable=True)
+
+    parts = {"router": router, "route_sort": route_sort, "route_argsort": route_argsort, "permute": permute,
+             "experts": experts, "combine": combine}
+    leaves = [x_leaf_TH, x_RH, y_RH, gate_R, *layer.parameters()]
+    names = list(parts)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(warmup + iters):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            for t in leaves:
+                t.grad = None
+            start = time.perf_counter()
+            parts[name]()
+            if i >= warmup:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    for t in leaves:
+        t.grad = None
+    return {name: round(statistics.median(ms), 2) for name, ms in times.items()}
