@@ -1,0 +1,214 @@
+"""``initialize``: ``deepspeed.initialize`` for a model with the plugin's MoE layers.
+
+    def model_provider(moe_config: MoEConfig, groups: ProcessGroups) -> torch.nn.Module:
+        return GPTModel(config, gpt_moe_spec(moe_config, config, groups), ...)
+
+    engine, optimizer, _, lr_scheduler = moe_plugin.initialize("ds_config.json", model_provider)
+    result = moe_plugin.initialize(ds_config, model_provider)   # the same, plus
+    result.groups, result.moe_config, result.mpu                 # what the model was built with
+
+Steps, in order (every rank runs them):
+
+1. Read the DeepSpeed config (dict or JSON path) and validate its ``"moe"`` block and the ZeRO
+   settings the plugin supports; check the launcher's world size against the layout. Every
+   mistake here is a ``ConfigError`` raised before any process group or file exists.
+2. Initialise distributed (``deepspeed.init_distributed`` with the accelerator's backend) unless
+   it is, build the layout's process groups and register them with Megatron-Core and DeepSpeed.
+3. ``model_provider(moe_config, groups)`` builds the model: it must pass ``groups`` to every
+   MoE layer (``MoELayer(..., groups)``, ``gpt_moe_spec(moe_config, config, groups)``).
+4. ``expert_params.prepare_model`` gets the model ready for DeepSpeed's MoE paths, and the
+   optimizer param groups are split into dense and expert groups (``moe_param_groups``).
+5. ``deepspeed.initialize(model=..., model_parameters=groups, config=..., mpu=...)``. The
+   ``"moe"`` block stays in the config (DeepSpeed ignores keys it does not know). With ZeRO-0
+   in fp32 the plugin clips: DeepSpeed sees ``gradient_clipping`` 0 and ``GlobalNormClipping``
+   (``grad_norm.py``) clips the basic optimizer's gradients by the true global norm, which
+   ``engine.get_global_grad_norm()`` then reports.
+
+Supported: ZeRO stages 0, 1 and 2; TP, EP, ETP and DP in any layout of ``moe.parallel``.
+Verified against a single process in fp32 (``tests/test_deepspeed_engine.py``). Pipeline
+parallelism (DeepSpeed's ``PipelineEngine``) is not wired through ``initialize`` yet.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import deepspeed
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from torch import nn
+
+from moe_plugin.configs.errors import ConfigError
+from moe_plugin.configs.schema import ROOT_KEY, MoEConfig, load_ds_config
+from moe_plugin.groups.adapters import GroupsMPU, register, unregister
+from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
+from moe_plugin.groups.layout import RankLayout
+from moe_plugin.groups.process_groups import ProcessGroups
+from moe_plugin.integration.expert_params import (
+    check_optimizer_groups,
+    moe_param_groups,
+    prepare_model,
+    set_aux_loss_scale,
+)
+from moe_plugin.integration.grad_norm import GlobalNormClipping
+
+ModelProvider = Callable[[MoEConfig, ProcessGroups], nn.Module]
+SUPPORTED_ZERO_STAGES = (0, 1, 2)
+# deepspeed.initialize arguments that initialize sets itself.
+_OWN_ARGUMENTS = ("model", "mpu", "config", "config_params", "dist_init_required")
+
+
+@dataclass
+class Initialized:
+    """What ``initialize`` returns. Unpacks like ``deepspeed.initialize``'s tuple:
+    ``engine, optimizer, training_dataloader, lr_scheduler = initialize(...)``."""
+
+    engine: Any
+    optimizer: Any
+    training_dataloader: Any
+    lr_scheduler: Any
+    moe_config: MoEConfig
+    groups: ProcessGroups
+    mpu: GroupsMPU
+    _hooks: list = field(default_factory=list, repr=False)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.engine, self.optimizer, self.training_dataloader, self.lr_scheduler))
+
+    def close(self) -> None:
+        """Remove the plugin's hooks, unregister and destroy its process groups (collective).
+        The engine is unusable afterwards; the default process group stays."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        unregister()
+        destroy_process_groups(self.groups)
+
+
+def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: ModelProvider, *,
+               args: Any = None, world_size: Optional[int] = None, **deepspeed_kwargs: Any) -> Initialized:
+    """Validate, build groups and model, and start DeepSpeed's engine (see the module docstring).
+
+    ``ds_config``: the DeepSpeed config with its ``"moe"`` block, as a dict or JSON path; None
+    reads ``args.deepspeed_config``. ``model_provider(moe_config, groups) -> nn.Module``.
+    ``world_size``: the number of ranks to check the layout against; default: torch.distributed's
+    when initialised, else the launcher's ``WORLD_SIZE``, else 1. ``deepspeed_kwargs`` go to
+    ``deepspeed.initialize`` (``optimizer``, ``lr_scheduler``, ``training_data``, ...);
+    ``model_parameters`` may be parameters, param-group dicts or a callable ``model -> those``,
+    and is split into dense and expert groups like the default (the model's trainable parameters).
+    """
+    # 1. Everything that can be wrong in the configs, before any group exists.
+    if ds_config is None:
+        ds_config = getattr(args, "deepspeed_config", None)
+        if ds_config is None:
+            raise ConfigError("ds_config", None, "pass the DeepSpeed config (dict or JSON path) or "
+                              "args.deepspeed_config")
+    ds_dict = load_ds_config(ds_config)
+    moe_config = MoEConfig.from_ds_config(ds_dict)
+    zero_stage = _check_zero(ds_dict)
+    sizes = moe_config.check_world_size(launcher_world_size(world_size))
+    if sizes.pp > 1:
+        raise ConfigError(f"{ROOT_KEY}.parallel.pipeline", sizes.pp, "pipeline parallelism is not wired through "
+                          "moe_plugin.initialize yet (it needs DeepSpeed's PipelineEngine); use 1")
+    clashes = [name for name in _OWN_ARGUMENTS if name in deepspeed_kwargs]
+    if clashes:
+        raise TypeError(f"initialize sets {', '.join(clashes)} itself; pass the model through model_provider "
+                        "and the config as ds_config")
+    plugin_clips = zero_stage == 0 and not _enabled(ds_dict, "fp16") and not _enabled(ds_dict, "bf16", "bfloat16")
+
+    # 2. Distributed, groups.
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    if dist.get_world_size() != sizes.world_size:
+        raise ConfigError("world_size", sizes.world_size, f"torch.distributed runs {dist.get_world_size()} ranks")
+    groups = build_process_groups(RankLayout(sizes))
+    try:
+        mpu = register(groups)
+        # 3, 4. Model, param groups.
+        model = model_provider(moe_config, groups)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model_provider must return a torch.nn.Module, got {type(model).__name__}")
+        has_experts = prepare_model(model, moe_config, groups)
+        params = deepspeed_kwargs.pop("model_parameters", None)
+        if callable(params):
+            params = params(model)
+        param_groups = moe_param_groups(model if params is None else params)
+        client_optimizer = deepspeed_kwargs.get("optimizer")
+        if has_experts and client_optimizer is not None and not callable(client_optimizer):
+            check_optimizer_groups(client_optimizer)
+        # 5. DeepSpeed.
+        engine_config = dict(ds_dict)
+        max_norm = float(ds_dict.get("gradient_clipping", 0.0))
+        if plugin_clips:
+            engine_config["gradient_clipping"] = 0.0
+        if args is not None and getattr(args, "deepspeed_config", None) is not None:
+            args = copy.copy(args)
+            args.deepspeed_config = None  # the config goes as config=...; DeepSpeed takes one of the two
+        engine, optimizer, loader, scheduler = deepspeed.initialize(
+            args=args, model=model, model_parameters=param_groups, config=engine_config, mpu=mpu, **deepspeed_kwargs)
+        _check_engine(engine, zero_stage, plugin_clips)
+        set_aux_loss_scale(model, 1.0 / engine.gradient_accumulation_steps())
+        result = Initialized(engine, optimizer, loader, scheduler, moe_config, groups, mpu)
+        if plugin_clips:
+            result._hooks.append(GlobalNormClipping(groups, max_norm).install(engine.optimizer))
+        return result
+    except BaseException:
+        unregister()
+        destroy_process_groups(groups)
+        raise
+
+
+def launcher_world_size(world_size: Optional[int] = None) -> int:
+    """The number of ranks: ``world_size`` if given (it must agree with the running job), else
+    torch.distributed's when initialised, else the launcher's ``WORLD_SIZE``, else 1."""
+    running = None
+    if dist.is_available() and dist.is_initialized():
+        running = dist.get_world_size()
+    elif "WORLD_SIZE" in os.environ:
+        text = os.environ["WORLD_SIZE"]
+        if not text.isdigit() or int(text) < 1:
+            raise ConfigError("WORLD_SIZE", text, "expected a positive integer (the launcher sets it)")
+        running = int(text)
+    if world_size is not None and running is not None and world_size != running:
+        raise ConfigError("world_size", world_size, f"the job runs {running} ranks")
+    return world_size if world_size is not None else (running or 1)
+
+
+def _check_zero(ds_dict: dict) -> int:
+    """The ZeRO stage; the settings DeepSpeed's MoE paths assert are checked here, early."""
+    zero = ds_dict.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError("zero_optimization", zero, "expected an object, e.g. {\"stage\": 1}")
+    stage = zero.get("stage", 0)
+    if stage not in SUPPORTED_ZERO_STAGES or isinstance(stage, bool):
+        raise ConfigError("zero_optimization.stage", stage, "the MoE plugin supports ZeRO stages 0, 1 and 2 "
+                          "(DeepSpeed's stage 3 does not take MoE layers other than its AutoEP)")
+    if stage > 0 and zero.get("reduce_scatter", True) is not True:
+        raise ConfigError("zero_optimization.reduce_scatter", zero["reduce_scatter"], "must be true with MoE "
+                          "layers: ZeRO reduces expert gradients over their expert-data-parallel group only then")
+    if stage == 2 and zero.get("contiguous_gradients", True) is not True:
+        raise ConfigError("zero_optimization.contiguous_gradients", zero["contiguous_gradients"], "must be true "
+                          "with MoE layers under ZeRO stage 2 (DeepSpeed asserts it)")
+    if "gradient_clipping" in ds_dict:
+        clip = ds_dict["gradient_clipping"]
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+            raise ConfigError("gradient_clipping", clip, "expected a number >= 0 (0: no clipping)")
+    return stage
+
+
+def _enabled(ds_dict: dict, *keys: str) -> bool:
+    return any(isinstance(ds_dict.get(k), dict) and ds_dict[k].get("enabled", False) for k in keys)
+
+
+def _check_engine(engine: Any, zero_stage: int, plugin_clips: bool) -> None:
+    """DeepSpeed must have read the config as ``initialize`` did."""
+    fp32 = not (engine.fp16_enabled() or engine.bfloat16_enabled())
+    if engine.zero_optimization_stage() != zero_stage or plugin_clips != (zero_stage == 0 and fp32):
+        raise RuntimeError(f"DeepSpeed runs ZeRO stage {engine.zero_optimization_stage()} (fp32: {fp32}) but the "
+                           f"plugin read stage {zero_stage} from the config: unsupported DeepSpeed version?")
+
+
+__all__ = ["Initialized", "ModelProvider", "initialize", "launcher_world_size"]

@@ -1,0 +1,183 @@
+"""What DeepSpeed's engine and ZeRO-1/2 need of a model with the plugin's MoE layers.
+
+DeepSpeed 0.19.8 decides everything MoE from three things; ``prepare_model`` and
+``moe_param_groups`` provide them for a model built from ``MoELayer``:
+
+1. Detection. ``DeepSpeedEngine`` sets ``has_moe_layers`` only when the model contains a
+   ``deepspeed.moe.layer.MoE`` (or AutoEP) module. Without it the engine neither reduces expert
+   gradients over their expert-data-parallel group (ZeRO-0 even fails: its gradient buckets are
+   keyed by the registered expert groups) nor hands the expert groups to ZeRO. Our layer is not
+   DeepSpeed's, so ``prepare_model`` adds one parameter-free ``DeepSpeedMoEMarker`` child (an
+   ``MoE`` subclass that builds nothing and creates no groups) under ``MARKER_NAME``. State dicts
+   do not change: the marker has no parameters or buffers.
+2. Optimizer param groups (``moe_param_groups``). ZeRO-1/2 partitions each param group over one
+   group of ranks: an expert group must hold expert parameters only and carry ``'moe': True``
+   and ``'name'``: the key of its expert-data-parallel group in ``deepspeed.utils.groups``
+   (``ProcessGroups.expert_group_name``, also each expert parameter's ``group_name``).
+3. Parameter attributes. An expert parameter is one with ``allreduce = False`` (DeepSpeed's
+   ``is_moe_param``); ``GroupedExperts`` sets it and ``group_name``.
+
+Gradient factor. DeepSpeed averages an expert gradient by *summing it over the expert-data-parallel
+group and dividing by the data-parallel size* (``engine._reduce_expert_gradients`` for ZeRO-0,
+``average_tensor`` for ZeRO-1/2), not by the expert-data-parallel size. The sum over EDP already
+covers every token group of a pipeline stage once, so with that divisor the layer's expert
+gradients need no factor at all: ``prepare_model`` sets ``GroupedExperts.grad_scale`` to
+``DEEPSPEED_EXPERT_GRAD_SCALE`` (1). The layer's default, edp / dp (``layers/parallel.py`` 4c),
+assumes an EDP *average*; under DeepSpeed it would leave expert gradients edp / dp times too small
+(1/4 at EP 4 x DP 4: the known "wrong by the EP size" bug).
+
+Gradient norm. ZeRO-1/2 computes its norm per param group by summing squared partition norms over
+the data-parallel group and then over the model-parallel (TP x PP) group, where a parameter counts
+on TP rank 0 only unless ``is_model_parallel_parameter`` says it differs across TP ranks. Expert
+partitions are distinct on every rank of a stage (ETP x EP x EDP covers it), but under folding
+(EP carved out of TP) they would count on TP rank 0 only. ``prepare_model`` therefore sets
+``model_parallel = True`` on expert parameters (DeepSpeed's attribute, unused by Megatron-Core),
+so they count on every rank. Dense parameters keep DeepSpeed's rule (replicated over TP unless
+Megatron marked them ``tensor_model_parallel``). ZeRO-0 in fp32 gets its norm from ``grad_norm.py``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Union
+
+import torch
+from deepspeed.moe.layer import MoE as DeepSpeedMoE
+from deepspeed.moe.utils import is_moe_param
+from deepspeed.utils import groups as ds_groups
+from torch import nn
+
+from moe_plugin.configs.schema import MoEConfig
+from moe_plugin.groups.process_groups import ProcessGroups
+from moe_plugin.layers.experts import GroupedExperts
+from moe_plugin.layers.moe_layer import MoELayer
+
+MARKER_NAME = "deepspeed_moe_marker"
+# DeepSpeed divides the EDP sum of an expert gradient by the DP size: the layer's local expert
+# gradient must then be unscaled (see the module docstring).
+DEEPSPEED_EXPERT_GRAD_SCALE = 1.0
+
+ParamsLike = Union[nn.Module, Iterable[torch.Tensor], Iterable[dict]]
+
+
+class DeepSpeedMoEMarker(DeepSpeedMoE):
+    """Makes ``DeepSpeedEngine`` take its MoE code paths (``has_moe_layers``) for the plugin's layers.
+
+    A ``deepspeed.moe.layer.MoE`` in type only: ``MoE.__init__`` (DeepSpeed's own gate and
+    experts) is skipped, and ``set_deepspeed_parallelism`` creates no groups, it checks that
+    DeepSpeed's registry holds ours. The attributes are the ones the engine reads from an ``MoE``.
+    """
+
+    def __init__(self, moe_config: MoEConfig, groups: ProcessGroups):
+        nn.Module.__init__(self)
+        self.ep_size = groups.layout.sizes.ep
+        self.expert_group_name = groups.expert_group_name
+        self.num_experts = moe_config.num_experts
+        self.num_local_experts = moe_config.num_experts // self.ep_size
+        self.use_residual = False
+        self._group_handles = (groups.handles["ep"], groups.handles["edp"])
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        if use_data_before_expert_parallel_:
+            raise ValueError("use_data_before_expert_parallel_ is DeepSpeed's own rank layout; the plugin's "
+                             "layout comes from moe.parallel.order")
+        name = self.expert_group_name
+        registered = (ds_groups._get_expert_parallel_group_dict().get(name),
+                      ds_groups._get_expert_data_parallel_group_dict().get(name))
+        if any(mine is not theirs for mine, theirs in zip(self._group_handles, registered)):
+            raise RuntimeError(f"deepspeed.utils.groups does not hold the plugin's {name!r} groups; "
+                               "register them first (moe_plugin.groups.register)")
+
+    def forward(self, *args: Any, **kwargs: Any):
+        raise RuntimeError("DeepSpeedMoEMarker only marks the model for DeepSpeed's engine; it has no forward")
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, group={self.expert_group_name}"
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if is_moe_param(p)]
+
+
+def prepare_model(model: nn.Module, moe_config: MoEConfig, groups: ProcessGroups) -> bool:
+    """Get ``model`` ready for ``deepspeed.initialize``: expert gradient factor, norm attribute,
+    engine marker (see the module docstring). Returns whether the model has expert parameters
+    (without any, nothing is changed and DeepSpeed runs as for a dense model)."""
+    experts = expert_params(model)
+    if not experts:
+        return False
+    names = {getattr(p, "group_name", None) for p in experts}
+    if names != {groups.expert_group_name}:
+        raise ValueError(f"expert parameters (allreduce=False) carry group_name {sorted(map(str, names))}, but the "
+                         f"plugin's groups are registered as {groups.expert_group_name!r}: build every MoE layer "
+                         "with the groups that initialize passes to the model provider")
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.grad_scale = DEEPSPEED_EXPERT_GRAD_SCALE
+    for p in experts:
+        p.model_parallel = True
+    if not any(isinstance(m, DeepSpeedMoE) for m in model.modules()):
+        model.add_module(MARKER_NAME, DeepSpeedMoEMarker(moe_config, groups))
+    return True
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """Scale the aux/z-loss gradients of every ``MoELayer`` like the main loss (the engine divides
+    the loss by the gradient accumulation steps in ``backward``)."""
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.aux_loss_scale = scale
+
+
+def moe_param_groups(params: ParamsLike) -> list[dict]:
+    """Optimizer param groups with the expert parameters split off, as ZeRO expects them.
+
+    ``params``: a model (its parameters that require gradients), an iterable of parameters, or of
+    param-group dicts (options such as ``weight_decay`` are kept). Each group becomes a dense group
+    (same options; left out when empty) followed by one group per expert-data-parallel group name:
+    the same options plus ``'moe': True`` and ``'name'``. Groups already marked ``'moe'`` are
+    checked and kept.
+    """
+    if isinstance(params, nn.Module):
+        user_groups = [{"params": [p for p in params.parameters() if p.requires_grad]}]
+    else:
+        items = list(params)
+        if all(isinstance(x, torch.Tensor) for x in items):
+            user_groups = [{"params": items}]
+        elif all(isinstance(x, dict) for x in items):
+            user_groups = items
+        else:
+            raise TypeError("moe_param_groups takes a model, parameters, or param-group dicts, not a mix")
+    out: list[dict] = []
+    for group in user_groups:
+        members = list(group["params"]) if not isinstance(group["params"], torch.Tensor) else [group["params"]]
+        options = {k: v for k, v in group.items() if k != "params"}
+        if group.get("moe"):
+            wrong = [p for p in members if not is_moe_param(p) or p.group_name != group.get("name")]
+            if wrong:
+                raise ValueError(f"param group {group.get('name')!r} is marked 'moe' but holds {len(wrong)} "
+                                 "parameters that are not its expert parameters (allreduce=False, same group_name)")
+            out.append({**options, "params": members})
+            continue
+        dense = [p for p in members if not is_moe_param(p)]
+        by_name: dict[str, list] = {}
+        for p in members:
+            if is_moe_param(p):
+                by_name.setdefault(p.group_name, []).append(p)
+        if dense:
+            out.append({**options, "params": dense})
+        for name, experts in by_name.items():
+            out.append({**options, "params": experts, "moe": True, "name": name})
+    if not out:
+        raise ValueError("no parameters to optimize")
+    return out
+
+
+def check_optimizer_groups(optimizer: torch.optim.Optimizer) -> None:
+    """A client optimizer built by the user must already have the expert groups split off."""
+    for i, group in enumerate(optimizer.param_groups):
+        experts = [p for p in group["params"] if is_moe_param(p)]
+        if experts and (not group.get("moe") or len(experts) != len(group["params"])):
+            raise ValueError(f"optimizer param group {i} mixes expert parameters (allreduce=False) with dense ones "
+                             "or lacks 'moe': True; build the optimizer from "
+                             "moe_plugin.integration.expert_params.moe_param_groups(model), or pass a callable "
+                             "optimizer=lambda groups: torch.optim.X(groups, ...) to initialize")

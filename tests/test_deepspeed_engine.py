@@ -1,0 +1,276 @@
+"""``moe_plugin.initialize`` with DeepSpeed's real engine on 4 gloo ranks, against one process.
+
+The model is embedding-free: ``tanh(Linear) -> MoELayer (residual) -> Linear`` on [S, B, H]
+inputs with an MSE loss; the MoE layer is fully parallel (EP all-to-all, ETP, token split over
+TP), the Linears are replicated. Each case trains ``STEPS`` SGD steps with gradient clipping
+(active: ``CLIP`` is below every step's norm) under one layout and ZeRO stage, the same seed and
+the same global batch as the single-process oracle: plain torch, the whole batch at once,
+``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.SGD``. Compared, fp32:
+
+* each rank's loss on its micro-batch, every step (rtol 1e-5);
+* every parameter's gradient after ``engine.backward`` at the boundary, before clipping
+  (``deepspeed.utils.safe_get_full_grad``: the reduced gradient, also under ZeRO-1/2), with the
+  expert shards mapped to their slices of the full weights. This is where the known "expert
+  gradients off by the EP size" bug would show (the message prints the ratio);
+* ``engine.get_global_grad_norm()`` on every rank against the single-process norm (the known
+  "norm wrong with TP + EP" bug: expert shards counted once per TP rank or not at all);
+* every parameter after the last step (so clipping used the right norm), rtol 1e-5, atol 1e-6.
+
+Routing is dropless top-2 without noise, and only the z-loss is on (a mean over tokens): the
+GShard balance loss and capacity are per token group (per rank), so they differ from one
+process by design (``tests/test_layers_dist.py`` checks them against the oracle's groups).
+One 4-rank spawn serves all cases: the engine is rebuilt per case and its groups released.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist import run_distributed
+from moe_plugin.configs import ConfigError, MoEConfig
+from moe_plugin.layers import MoELayer
+
+S, B, H, FFN, E = 4, 8, 8, 8, 4        # global batch B: every layout splits it evenly
+STEPS, LR, CLIP = 3, 0.5, 0.05
+TOL = dict(rtol=1e-5, atol=1e-6)
+MOE = {"num_experts": E, "router": "topk", "top_k": 2, "drop_tokens": False, "aux_loss_coeff": 0.0,
+       "z_loss_coeff": 0.1}
+
+# name -> moe.parallel. Comments: attention dp, expert edp.
+LAYOUTS = {
+    "dp4": {},                                              # dp 4, edp 4 (experts replicated)
+    "ep2": {"expert": 2},                                   # dp 4, edp 2
+    "ep4": {"expert": 4},                                   # dp 4, edp 1
+    "tp2-ep2": {"tensor": 2, "expert": 2, "expert_tensor": 1},  # EP folded over TP: dp 2, edp 2
+    "tp2-ep2-etp2": {"tensor": 2, "expert": 2},             # dp 2, edp 1
+}
+CASES = {f"{layout}/zero{stage}": dict(parallel=parallel, stage=stage, gas=1)
+         for layout, parallel in LAYOUTS.items() for stage in (0, 1, 2)}
+CASES.update({f"ep2/zero{stage}/gas2": dict(parallel=LAYOUTS["ep2"], stage=stage, gas=2) for stage in (0, 2)})
+
+
+# -- the model, the data, the configs (parent and children) --------------------------------------
+class TinyMoE(nn.Module):
+    def __init__(self, moe_config: MoEConfig, groups=None):
+        super().__init__()
+        self.inp = nn.Linear(H, H)
+        self.moe = MoELayer(moe_config, H, FFN, groups, seed=3, init_std=0.3)
+        self.out = nn.Linear(H, H)
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in (*self.inp.parameters(), *self.out.parameters()):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+
+    def forward(self, x_SBH, y_SBH):
+        h = torch.tanh(self.inp(x_SBH))
+        return F.mse_loss(self.out(h + self.moe(h)[0]), y_SBH)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
+
+
+def ds_config(case: dict, dp: int) -> dict:
+    return {"train_batch_size": B, "train_micro_batch_size_per_gpu": B // (dp * case["gas"]),
+            "gradient_accumulation_steps": case["gas"], "gradient_clipping": CLIP,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "zero_optimization": {"stage": case["stage"]}, "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10 ** 6,
+            "moe": {**MOE, "parallel": case["parallel"]}}
+
+
+def expert_slice(name: str, full: torch.Tensor, coords: dict, ep: int, etp: int) -> torch.Tensor:
+    """A rank's shard of a full expert tensor: its experts, its F columns (weight1) or rows (weight2)."""
+    local, f = E // ep, FFN // etp
+    w = full[coords["ep"] * local:(coords["ep"] + 1) * local]
+    cols = slice(coords["etp"] * f, (coords["etp"] + 1) * f)
+    return w[:, cols] if name.endswith("weight2") else w[..., cols]
+
+
+# -- children ------------------------------------------------------------------------------------
+def _train(rank: int, case: dict) -> dict:
+    import moe_plugin
+    from deepspeed.utils import safe_get_full_grad
+
+    from moe_plugin.configs import MoEConfig as Config
+
+    dp = Config.from_dict({**MOE, "parallel": case["parallel"]}).check_world_size(4).dp
+    result = moe_plugin.initialize(ds_config(case, dp), TinyMoE)
+    engine = result.engine
+    try:
+        c = result.groups.layout.coords(rank)
+        gas, micro = case["gas"], B // (dp * case["gas"])
+        out = {"losses": [], "grads": [], "norms": [], "coords": c}
+        for step in range(STEPS):
+            x, y = batch(step)
+            for m in range(gas):   # the engine steps the optimizer at the last micro-batch
+                cols = slice((c["dp"] * gas + m) * micro, (c["dp"] * gas + m + 1) * micro)
+                loss = engine(x[:, cols], y[:, cols])
+                engine.backward(loss)
+                out["losses"].append(loss.item())
+                if step == 0 and m == gas - 1:   # reduced, not yet clipped (collective under ZeRO-1/2)
+                    out["grads"] = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+                engine.step()
+            out["norms"].append(float(engine.get_global_grad_norm()))
+        out["params"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        return out
+    finally:
+        result.close()
+
+
+def _bad_inputs(rank: int) -> dict:
+    """Configs that must fail on every rank before any group or model exists."""
+    import moe_plugin
+    from deepspeed.utils import groups as ds_groups
+    from megatron.core import parallel_state
+
+    def provider(moe_config, groups):
+        raise AssertionError("the model provider must not run")
+
+    out = {}
+    base = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    for name, cfg in {"layout": {**base, "moe": {"num_experts": 6, "parallel": {"expert": 3}}},
+                      "zero3": {**base, "zero_optimization": {"stage": 3}, "moe": {"num_experts": 4}},
+                      "no-moe": base}.items():
+        with pytest.raises(ConfigError) as failure:
+            moe_plugin.initialize(cfg, provider)
+        out[name] = str(failure.value)
+    out["registered"] = (parallel_state._TENSOR_MODEL_PARALLEL_GROUP is not None
+                         or bool(ds_groups._get_expert_parallel_group_dict()))
+    return out
+
+
+def _cases_child(rank: int, world_size: int, cases: dict) -> dict:
+    # What the deepspeed launcher sets (DeepSpeed's engine asserts LOCAL_RANK).
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    results = {"bad-inputs": _bad_inputs(rank)}
+    for name, case in cases.items():
+        try:
+            results[name] = _train(rank, case)
+        except Exception:   # reported by the case's test; the next case goes on
+            results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+    return results
+
+
+# -- the single-process oracle and the checks ------------------------------------------------------
+def reference(parallel: dict, gas: int, dp: int) -> dict:
+    model = TinyMoE(MoEConfig.from_dict(MOE))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    blocks = dp * gas
+    out = {"losses": [], "norms": []}
+    for step in range(STEPS):
+        x, y = batch(step)
+        with torch.no_grad():   # the loss of each (replica, micro-batch) block, in block order
+            out["losses"].append([model(x_b, y_b).item() for x_b, y_b in zip(x.chunk(blocks, 1), y.chunk(blocks, 1))])
+        optimizer.zero_grad()
+        model(x, y).backward()
+        if step == 0:
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        optimizer.step()
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_distributed(_cases_child, 4, tmp_path_factory.mktemp("engine4"), CASES, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_engine_matches_single_process(name, results):
+    case = CASES[name]
+    per_rank = [r[name] for r in results]
+    for result in per_rank:
+        if isinstance(result, str):
+            pytest.fail(result, pytrace=False)
+    sizes = MoEConfig.from_dict({**MOE, "parallel": case["parallel"]}).check_world_size(4)
+    ref = reference(case["parallel"], case["gas"], sizes.dp)
+    assert all(n > CLIP for n in ref["norms"]), "clipping should be active in every step"
+
+    for rank, result in enumerate(per_rank):
+        c = result["coords"]
+
+        def close(actual, expected, what):
+            torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"rank {rank} {what}: {m}")
+
+        for step in range(STEPS):
+            blocks = slice(c["dp"] * case["gas"], (c["dp"] + 1) * case["gas"])
+            close(torch.tensor(result["losses"][step * case["gas"]:(step + 1) * case["gas"]]),
+                  torch.tensor(ref["losses"][step][blocks]), f"step {step} loss")
+            close(torch.tensor(result["norms"][step]), torch.tensor(ref["norms"][step]), f"step {step} grad norm")
+        assert set(result["params"]) == set(ref["params"]), "the engine's model has other parameters"
+        for what, key in (("gradient", "grads"), ("parameter after the last step", "params")):
+            for pname, actual in result[key].items():
+                expected = ref[key][pname]
+                if pname.startswith("moe.experts."):
+                    expected = expert_slice(pname, expected, c, sizes.ep, sizes.etp)
+                    if key == "grads":
+                        ratio = actual.norm() / expected.norm()
+                        assert abs(ratio - 1) < 1e-4, f"rank {rank} {pname}: expert gradient is {ratio:.4f} x the " \
+                                                      f"single-process one (ep {sizes.ep}, edp {sizes.edp})"
+                close(actual, expected, f"{pname} {what}")
+
+
+def test_bad_configs_fail_on_every_rank_before_any_group(results):
+    for r in results:
+        bad = r["bad-inputs"]
+        assert bad["layout"].startswith("moe.parallel.expert: got 3; expert x expert_tensor (3 x 1) must divide"), bad
+        assert bad["zero3"].startswith("zero_optimization.stage: got 3; the MoE plugin supports ZeRO stages 0, 1"), bad
+        assert bad["no-moe"].startswith("moe: missing; the DeepSpeed config has no 'moe' block"), bad
+        assert not bad["registered"]
+
+
+# -- single process: errors before distributed exists ----------------------------------------------
+def _never(moe_config, groups):
+    raise AssertionError("the model provider must not run")
+
+
+@pytest.mark.parametrize("block, world_size, match", [
+    (None, 4, r"^moe: missing; the DeepSpeed config has no 'moe' block \(its top-level keys: checkpoint, csv_monitor, "),
+    ({"num_experts": 8, "parallel": {"expert": 4}}, 6, r"^moe.parallel.expert: got 4; expert x expert_tensor "
+                                                        r"\(4 x 1\) must divide the 6 ranks"),
+    ({"num_experts": 8, "parallel": {"tensor": 4}}, 6, r"^moe.parallel.tensor: got 4; must divide the 6 ranks"),
+    ({"num_experts": 8, "parallel": {"pipeline": 2}}, 4, r"^moe.parallel.pipeline: got 2; pipeline parallelism is "
+                                                         r"not wired"),
+])
+def test_config_errors_come_first_and_leave_no_files(tmp_path, monkeypatch, block, world_size, match):
+    import moe_plugin
+    import torch.distributed as dist
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))   # what the launcher sets
+    cfg = {"train_batch_size": 24, "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "monitor")},
+           "checkpoint": {"tag_validation": "Warn"}}
+    if block is not None:
+        cfg["moe"] = block
+    with pytest.raises(ConfigError, match=match):
+        moe_plugin.initialize(cfg, _never)
+    assert not dist.is_initialized()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_config_file_and_world_size_errors(tmp_path, monkeypatch):
+    import json
+
+    import moe_plugin
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "moe": {"num_experts": 4, "parallel": {"expert": 2}}}))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"^world_size: got 2; the job runs 4 ranks"):
+        moe_plugin.initialize(path, _never, world_size=2)
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    with pytest.raises(ConfigError, match=r"^WORLD_SIZE: got 'four'; expected a positive integer"):
+        moe_plugin.initialize(str(path), _never)
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ConfigError, match=r"^zero_optimization.reduce_scatter: got False; must be true"):
+        moe_plugin.initialize({"zero_optimization": {"stage": 1, "reduce_scatter": False}, "moe": {"num_experts": 4}},
+                              _never, world_size=4)
+    assert os.listdir(tmp_path) == ["ds.json"]
