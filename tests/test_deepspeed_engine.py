@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from typing import Optional
 
 import pytest
 import torch
@@ -51,6 +52,8 @@ LAYOUTS = {
 }
 CASES = {f"{layout}/zero{stage}": dict(parallel=parallel, stage=stage, gas=1)
          for layout, parallel in LAYOUTS.items() for stage in (0, 1, 2)}
+NORM_LAYOUTS = {"tp2-ep2-etp2": dict(tp=2, ep=2, etp=2), "tp2-ep2": dict(tp=2, ep=2, etp=1),
+                "ep2": dict(ep=2), "tp2": dict(tp=2, etp=1)}
 CASES.update({f"ep2/zero{stage}/gas2": dict(parallel=LAYOUTS["ep2"], stage=stage, gas=2) for stage in (0, 2)})
 
 
@@ -102,8 +105,9 @@ def _train(rank: int, case: dict) -> dict:
 
     dp = Config.from_dict({**MOE, "parallel": case["parallel"]}).check_world_size(4).dp
     result = moe_plugin.initialize(ds_config(case, dp), TinyMoE)
-    engine = result.engine
+    engine, optimizer, _, _ = result      # unpacks like deepspeed.initialize
     try:
+        assert engine is result.engine and optimizer is engine.optimizer
         c = result.groups.layout.coords(rank)
         gas, micro = case["gas"], B // (dp * case["gas"])
         out = {"losses": [], "grads": [], "norms": [], "coords": c}
@@ -146,10 +150,44 @@ def _bad_inputs(rank: int) -> dict:
     return out
 
 
+def _synthetic_grads(coords: Optional[dict], tp: int, ep: int, etp: int) -> list[torch.Tensor]:
+    """A replicated dense gradient, a TP-sharded one and an expert one (EP x ETP shards): the full
+    tensors when ``coords`` is None, else this rank's pieces with the attributes that mark them."""
+    gen = torch.Generator().manual_seed(7)
+    dense, sharded, expert = torch.randn(5, generator=gen), torch.randn(6, generator=gen), torch.randn(16, generator=gen)
+    if coords is None:
+        return [dense, sharded, expert]
+    pieces = (dense, sharded.chunk(tp)[coords["tp"]], expert.chunk(ep * etp)[coords["ep"] * etp + coords["etp"]])
+    params = [nn.Parameter(torch.zeros_like(g)) for g in pieces]
+    for p, g in zip(params, pieces):
+        p.grad = g.clone()
+    params[1].tensor_model_parallel = True
+    params[2].allreduce, params[2].group_name = False, "ep_size_2"
+    return params
+
+
+def _norm_ownership(rank: int, world_size: int) -> dict:
+    """``global_grad_norm`` counts each distinct gradient once, for each kind of parameter."""
+    from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
+    from moe_plugin.groups.layout import RankLayout
+    from moe_plugin.integration.grad_norm import global_grad_norm
+
+    out = {}
+    for name, sizes in NORM_LAYOUTS.items():
+        groups = build_process_groups(RankLayout.build(world_size, **sizes))
+        try:
+            s = groups.layout.sizes
+            params = _synthetic_grads(groups.layout.coords(rank), s.tp, s.ep, s.etp)
+            out[name] = global_grad_norm(params, groups)
+        finally:
+            destroy_process_groups(groups)
+    return out
+
+
 def _cases_child(rank: int, world_size: int, cases: dict) -> dict:
     # What the deepspeed launcher sets (DeepSpeed's engine asserts LOCAL_RANK).
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    results = {"bad-inputs": _bad_inputs(rank)}
+    results = {"bad-inputs": _bad_inputs(rank), "norm": _norm_ownership(rank, world_size)}
     for name, case in cases.items():
         try:
             results[name] = _train(rank, case)
@@ -200,22 +238,32 @@ def test_engine_matches_single_process(name, results):
         def close(actual, expected, what):
             torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"rank {rank} {what}: {m}")
 
+        def full_or_shard(name: str, full: torch.Tensor) -> torch.Tensor:
+            return expert_slice(name, full, c, sizes.ep, sizes.etp) if name.startswith("moe.experts.") else full
+
+        assert set(result["params"]) == set(ref["params"]), "the engine's model has other parameters"
+        # Step 0 gradients (reduced, before clipping): the expert-gradient factor first, by name.
+        for pname, grad in result["grads"].items():
+            expected = full_or_shard(pname, ref["grads"][pname])
+            if pname.startswith("moe.experts."):
+                ratio = (grad.norm() / expected.norm()).item()
+                assert abs(ratio - 1) < 1e-4, (f"rank {rank} {pname}: the expert gradient is {ratio:.4f} x the "
+                                               f"single-process one (ep {sizes.ep}, dp {sizes.dp}, edp {sizes.edp})")
+            close(grad, expected, f"{pname} gradient")
         for step in range(STEPS):
             blocks = slice(c["dp"] * case["gas"], (c["dp"] + 1) * case["gas"])
+            close(torch.tensor(result["norms"][step]), torch.tensor(ref["norms"][step]), f"step {step} grad norm")
             close(torch.tensor(result["losses"][step * case["gas"]:(step + 1) * case["gas"]]),
                   torch.tensor(ref["losses"][step][blocks]), f"step {step} loss")
-            close(torch.tensor(result["norms"][step]), torch.tensor(ref["norms"][step]), f"step {step} grad norm")
-        assert set(result["params"]) == set(ref["params"]), "the engine's model has other parameters"
-        for what, key in (("gradient", "grads"), ("parameter after the last step", "params")):
-            for pname, actual in result[key].items():
-                expected = ref[key][pname]
-                if pname.startswith("moe.experts."):
-                    expected = expert_slice(pname, expected, c, sizes.ep, sizes.etp)
-                    if key == "grads":
-                        ratio = actual.norm() / expected.norm()
-                        assert abs(ratio - 1) < 1e-4, f"rank {rank} {pname}: expert gradient is {ratio:.4f} x the " \
-                                                      f"single-process one (ep {sizes.ep}, edp {sizes.edp})"
-                close(actual, expected, f"{pname} {what}")
+        for pname, param in result["params"].items():
+            close(param, full_or_shard(pname, ref["params"][pname]), f"{pname} after {STEPS} steps")
+
+
+def test_global_grad_norm_counts_each_gradient_once(results):
+    expected = torch.cat(_synthetic_grads(None, 1, 1, 1)).norm()
+    for rank, r in enumerate(results):
+        for name, norm in r["norm"].items():
+            torch.testing.assert_close(norm, expected, msg=lambda m: f"rank {rank} {name}: {m}")
 
 
 def test_bad_configs_fail_on_every_rank_before_any_group(results):
@@ -274,3 +322,29 @@ def test_config_file_and_world_size_errors(tmp_path, monkeypatch):
         moe_plugin.initialize({"zero_optimization": {"stage": 1, "reduce_scatter": False}, "moe": {"num_experts": 4}},
                               _never, world_size=4)
     assert os.listdir(tmp_path) == ["ds.json"]
+
+
+# -- param groups (single process) ------------------------------------------------------------------
+def test_param_groups_split_dense_and_expert():
+    from moe_plugin.integration.expert_params import check_optimizer_groups, moe_param_groups
+
+    model = TinyMoE(MoEConfig.from_dict(MOE))
+    experts = [model.moe.experts.weight1, model.moe.experts.weight2]
+    dense = [p for p in model.parameters() if all(p is not e for e in experts)]
+    groups = moe_param_groups(model)
+    assert [len(g["params"]) for g in groups] == [len(dense), 2]
+    assert "moe" not in groups[0] and groups[1]["moe"] is True and groups[1]["name"] == "ep_size_1"
+    assert all(a is b for a, b in zip(groups[1]["params"], experts))
+
+    # Options of the user's groups are kept; a group of experts only loses its empty dense part.
+    user = [{"params": dense, "weight_decay": 0.1, "name": "decay"}, {"params": experts, "lr": 0.5}]
+    split = moe_param_groups(user)
+    assert [(g.get("weight_decay"), g.get("lr"), g.get("moe"), g.get("name")) for g in split] == [
+        (0.1, None, None, "decay"), (None, 0.5, True, "ep_size_1")]
+    assert moe_param_groups(split) == split                     # already split: kept
+
+    with pytest.raises(ValueError, match=r"param group 'ep_size_1' is marked 'moe' but holds 1 parameters"):
+        moe_param_groups([{"params": [dense[0], *experts], "moe": True, "name": "ep_size_1"}])
+    with pytest.raises(ValueError, match=r"optimizer param group 0 mixes expert parameters"):
+        check_optimizer_groups(torch.optim.SGD(model.parameters(), lr=0.1))
+    check_optimizer_groups(torch.optim.SGD(groups, lr=0.1))
