@@ -101,9 +101,7 @@ def _train(rank: int, case: dict) -> dict:
     import moe_plugin
     from deepspeed.utils import safe_get_full_grad
 
-    from moe_plugin.configs import MoEConfig as Config
-
-    dp = Config.from_dict({**MOE, "parallel": case["parallel"]}).check_world_size(4).dp
+    dp = MoEConfig.from_dict({**MOE, "parallel": case["parallel"]}).check_world_size(4).dp
     result = moe_plugin.initialize(ds_config(case, dp), TinyMoE)
     engine, optimizer, _, _ = result      # unpacks like deepspeed.initialize
     try:
@@ -154,7 +152,7 @@ def _synthetic_grads(coords: Optional[dict], tp: int, ep: int, etp: int) -> list
     """A replicated dense gradient, a TP-sharded one and an expert one (EP x ETP shards): the full
     tensors when ``coords`` is None, else this rank's pieces with the attributes that mark them."""
     gen = torch.Generator().manual_seed(7)
-    dense, sharded, expert = torch.randn(5, generator=gen), torch.randn(6, generator=gen), torch.randn(16, generator=gen)
+    dense, sharded, expert = (torch.randn(n, generator=gen) for n in (5, 6, 16))
     if coords is None:
         return [dense, sharded, expert]
     pieces = (dense, sharded.chunk(tp)[coords["tp"]], expert.chunk(ep * etp)[coords["ep"] * etp + coords["etp"]])
@@ -281,7 +279,7 @@ def _never(moe_config, groups):
 
 
 @pytest.mark.parametrize("block, world_size, match", [
-    (None, 4, r"^moe: missing; the DeepSpeed config has no 'moe' block \(its top-level keys: checkpoint, csv_monitor, "),
+    (None, 4, r"^moe: missing; the DeepSpeed config has no 'moe' block \(its top-level keys: checkpoint, csv_monitor"),
     ({"num_experts": 8, "parallel": {"expert": 4}}, 6, r"^moe.parallel.expert: got 4; expert x expert_tensor "
                                                         r"\(4 x 1\) must divide the 6 ranks"),
     ({"num_experts": 8, "parallel": {"tensor": 4}}, 6, r"^moe.parallel.tensor: got 4; must divide the 6 ranks"),

@@ -25,8 +25,12 @@ Steps, in order (every rank runs them):
    ``engine.get_global_grad_norm()`` then reports.
 
 Supported: ZeRO stages 0, 1 and 2; TP, EP, ETP and DP in any layout of ``moe.parallel``.
-Verified against a single process in fp32 (``tests/test_deepspeed_engine.py``). Pipeline
-parallelism (DeepSpeed's ``PipelineEngine``) is not wired through ``initialize`` yet.
+Verified against a single process in fp32 (``tests/test_deepspeed_engine.py``). Not yet:
+pipeline parallelism (DeepSpeed's ``PipelineEngine``; a ``ConfigError`` says so), fp16/bf16
+(DeepSpeed's own MoE paths run, unverified; the aux-loss gradient does not follow a dynamic loss
+scale), and checkpoints: DeepSpeed's MoE checkpointing finds experts by its own module names
+(``deepspeed_moe.experts``), so ``engine.save_checkpoint`` would save the expert shards with the
+dense weights, from data-parallel rank 0 only (read from the code, not run).
 """
 from __future__ import annotations
 
@@ -74,6 +78,7 @@ class Initialized:
     groups: ProcessGroups
     mpu: GroupsMPU
     _hooks: list = field(default_factory=list, repr=False)
+    _closed: bool = field(default=False, repr=False)
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.engine, self.optimizer, self.training_dataloader, self.lr_scheduler))
@@ -81,6 +86,9 @@ class Initialized:
     def close(self) -> None:
         """Remove the plugin's hooks, unregister and destroy its process groups (collective).
         The engine is unusable afterwards; the default process group stays."""
+        if self._closed:
+            return
+        self._closed = True
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
