@@ -17,8 +17,11 @@ Semantics (a "replica" is one DP rank's micro-batch of T tokens, replicated over
 3. Expert tensor parallelism (``etp``): each expert's FFN dimension is split over the ETP group;
    rows received over EP are gathered over ETP, each rank computes a partial output with its
    F-shard and the partial outputs are reduce-scattered back. Routing stays on own tokens.
-4. Gradients do not depend on the layout. Convention (DeepSpeed's): after backward every rank
-   averages dense-parameter gradients over ``dp`` and expert-parameter gradients over ``edp``.
+4. Gradients do not depend on the layout. Convention of the layer on its own: after backward
+   every rank averages dense-parameter gradients over ``dp`` and expert-parameter gradients
+   over ``edp``. (DeepSpeed 0.19's engine differs: it sums expert gradients over ``edp`` and
+   divides by ``dp``. Under it factor (c) must be 1; ``moe_plugin.initialize`` sets that, see
+   ``integration/expert_params.py``, and its tests check the result against one process.)
    Target: the single-process gradient of ``mean_d L_d``, the mean over DP replicas of their
    losses (``L_d`` is replicated within a TP group; it includes the weighted aux losses of the
    replica's ``tp`` token groups). Rank (d, t) back-propagates ``L_d`` through its token share
