@@ -5,4 +5,8 @@
 * ``cpu_modules``: ``SDPAttention`` and ``TorchNorm``, the CPU-capable spec pieces.
 * ``tp_shard``: ``shard_state_dict``, a full state dict cut for one tensor-parallel rank.
 * ``megatron_lm_spec``: the module-level ``spec`` for Megatron-LM's ``--spec``.
+* ``deepspeed``: ``initialize`` (re-exported as ``moe_plugin.initialize``): config and world size
+  checked, groups built and registered, dense/expert param groups, ``deepspeed.initialize``.
+* ``expert_params``: what DeepSpeed's engine needs to treat our expert parameters as MoE ones.
+* ``grad_norm``: the global gradient norm over dense, TP-sharded and expert gradients, each once.
 """
