@@ -186,10 +186,15 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
     memory = {}
     for name, run in runs.items():
         for key, fn in (("peak_bytes", run.step), ("activation_bytes", run.forward)):
-            run.clear()
-            gc.collect()
-            profile = memory_profile(fn)
-            memory[f"{name}_{key}"] = profile.peak_bytes if key == "peak_bytes" else profile.retained_bytes
+            values = []
+            # EP: gloo frees a send buffer on its own thread, before or after the profile ends
+            # (+-1 buffer of rows); the median of 3 measurements steadies that
+            for _ in range(1 if ranks.size == 1 else 3):
+                run.clear()
+                gc.collect()
+                profile = memory_profile(fn)
+                values.append(profile.peak_bytes if key == "peak_bytes" else profile.retained_bytes)
+            memory[f"{name}_{key}"] = statistics.median(values)
         run.clear()
     memory = dict(zip(memory, (int(v) for v in ranks.reduce(list(memory.values()), "max"))))
 
@@ -219,7 +224,7 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
         record["ours_parts_ms"] = time_parts(ours, x_SBH.detach().view(spec.tokens, spec.hidden),
                                              spec.warmup, spec.iters)
     record["loadavg"] = _loadavg()
-    record["others_cpu"] = _others_share(busy_before, busy_after)
+    record["others_cpu"] = _others_share(busy_before, busy_after, ranks)
     return record
 
 
@@ -286,12 +291,14 @@ def _cpu_seconds() -> Optional[tuple[float, float, float]]:
     return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.perf_counter()
 
 
-def _others_share(before, after) -> Optional[float]:
-    """Mean number of cores other processes kept busy while we were timing (0: a quiet machine)."""
+def _others_share(before, after, ranks: Ranks) -> Optional[float]:
+    """Mean number of cores processes outside this job kept busy while we were timing (0: a
+    quiet machine). The job's CPU time is summed over its ranks (all on this machine)."""
     if before is None or after is None:
         return None
     wall = after[2] - before[2]
-    return round(max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall, 2) if wall > 0 else None
+    job = ranks.reduce([after[1] - before[1]], "sum")[0]
+    return round(max(0.0, (after[0] - before[0]) - job) / wall, 2) if wall > 0 else None
 
 
 def specs_from_args(args: argparse.Namespace) -> list[LayerBenchSpec]:
@@ -316,7 +323,8 @@ def summary(record: dict) -> str:
                         if record[f"{n}_peak_bytes"] is not None)
             + (f" | a2a bytes ours {record['ours_a2a_bytes']}, deepspeed {record.get('deepspeed_a2a_bytes')}"
                if "ours_a2a_bytes" in record else "")
-            + f" | max load {record['max_load']} (mean {record['mean_load']:.0f}), load avg {record['loadavg']}")
+            + f" | max load {record['max_load']} (mean {record['mean_load']:.0f}) | load avg {record['loadavg']}, "
+            f"others_cpu {record['others_cpu']}")
 
 
 def run(args: argparse.Namespace) -> None:
