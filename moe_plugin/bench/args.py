@@ -51,7 +51,7 @@ def add_bench_parser(commands: argparse._SubParsersAction, run_layer) -> None:
     layer.add_argument("--capacity-factor", type=float, default=1.25, help="default 1.25")
     layer.add_argument("--dropless", action="store_true", help="no capacity (DeepSpeed: capacity = largest load)")
     layer.add_argument("--skew", type=float_list, default=[0.0], help="comma-separated routing skews: std of a "
-                       "per-expert logit offset (default 0)")
+                       "per-expert logit offset (default 0; at 64 experts 0.1 makes the largest load 3.4x the mean)")
     layer.add_argument("--vs", choices=["deepspeed", "none"], default="none",
                        help="also run DeepSpeed's MoE layer (--vs deepspeed)")
     layer.add_argument("--iters", type=positive_int, default=5, help="timed iterations (default 5)")

@@ -201,6 +201,7 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
     job_routed_E = torch.tensor(ranks.reduce(stats.routed_per_expert.double().tolist(), "sum")).long()
     record = {"bench": "layer", **{k: v for k, v in asdict(spec).items() if k not in ("vs_deepspeed", "breakdown")},
               "dtype": "float32", "threads": torch.get_num_threads(), "ep": ranks.size,
+              "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")},
               "capacity": stats.capacity,
               "deepspeed_capacity": deepspeed_capacity(ours, spec.tokens, stats.routed_per_expert) if twin else None,
               "routed_rows": int(job_kept_E.sum()), "max_load": int(job_kept_E.max()),
