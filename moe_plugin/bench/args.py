@@ -57,7 +57,9 @@ def add_bench_parser(commands: argparse._SubParsersAction, run_layer) -> None:
     layer.add_argument("--iters", type=positive_int, default=5, help="timed iterations (default 5)")
     layer.add_argument("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
     layer.add_argument("--breakdown", action="store_true", help="also time our layer's parts alone "
-                       "(router, sorts, permute, experts, combine): ours_parts_ms")
+                       "(router, top-k, argsort, permute, experts, combine): ours_parts_ms")
+    layer.add_argument("--recompute-pre-activation", action="store_true", help="our experts keep no "
+                       "pre-activation for backward and recompute it (one more GEMM; less memory)")
     layer.add_argument("--threads", type=positive_int, default=2, help="torch.set_num_threads (default 2)")
     layer.add_argument("--seed", type=int, default=0)
     layer.add_argument("--ep", type=positive_int, default=1, help="expert-parallel ranks: starts N gloo "

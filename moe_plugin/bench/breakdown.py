@@ -5,15 +5,19 @@ Shape suffixes: T tokens, H hidden, E experts, K choices per token, R kept route
 Each part runs forward + backward alone on the same data as in the layer, through the layer's
 own objects (router, dispatcher, experts), in a rotating order like the main bench:
 
-* ``router``: logits GEMM, softmax, top-k sort, route argsort, bincount, capacity, balance
-  loss, and their backward (through the gates and the balance loss);
-* ``route_sort`` / ``route_argsort``: the two sorts inside the router alone (no grad):
-  ``sort`` of the [T, E] logits for the top-k, ``argsort`` of the K*T route keys;
-* ``permute``: ``index_select`` of the kept routes' token rows, backward an ``index_add``;
-* ``experts``: the grouped GEMMs (the floor);
-* ``combine``: gate weighting, ``index_copy`` into [K*T, H] route slots, sum over K; backward.
+* ``router``: logits GEMM, softmax, top-k, route argsort, bincount, capacity, balance loss,
+  and their backward (through the gates and the balance loss);
+* ``route_topk`` / ``route_argsort``: the two selections inside the router alone (no grad):
+  ``top_k_experts`` of the [T, E] logits, ``argsort`` of the K*T route keys;
+* ``permute``: ``index_select`` of the kept routes' token rows, backward an ``index_add``
+  (the layer no longer runs it as such: its experts gather from the tokens, next line);
+* ``experts_gathering``: the experts as the layer runs them, rows gathered from the tokens by
+  ``token_R`` chunk by chunk (and again in backward), gradient ``index_add``-ed into the tokens';
+* ``experts``: the grouped GEMMs on ready rows (the floor);
+* ``combine``: ``gate_combine`` (a gather per token, fp32 sum; gather backward).
 
-The parts add up to about the layer (the layer also attaches the aux loss and reshapes).
+``experts_gathering`` + ``router`` + ``combine`` add up to about the layer (which also
+attaches the aux loss and reshapes).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch
 from torch import Tensor
 
 from moe_plugin.layers import MoELayer
+from moe_plugin.layers.router import top_k_experts
 
 
 def time_parts(layer: MoELayer, x_TH: Tensor, warmup: int = 1, iters: int = 5) -> dict[str, float]:
@@ -55,17 +60,20 @@ def time_parts(layer: MoELayer, x_TH: Tensor, warmup: int = 1, iters: int = 5) -
     def experts() -> None:
         layer.experts(x_RH, plan.kept_E).backward(grad_RH)
 
+    def experts_gathering() -> None:
+        layer.experts(x_leaf_TH, plan.kept_E, plan.token_R).backward(grad_RH)
+
     def combine() -> None:
         layer.dispatcher.combine(y_RH, combine_plan).backward(grad_TH)
 
-    def route_sort() -> None:
-        torch.sort(logits_TE, dim=-1, descending=True, stable=True)
+    def route_topk() -> None:
+        top_k_experts(logits_TE, plan.k)
 
     def route_argsort() -> None:
         torch.argsort(keys, stable=True)
 
-    parts = {"router": router, "route_sort": route_sort, "route_argsort": route_argsort, "permute": permute,
-             "experts": experts, "combine": combine}
+    parts = {"router": router, "route_topk": route_topk, "route_argsort": route_argsort, "permute": permute,
+             "experts_gathering": experts_gathering, "experts": experts, "combine": combine}
     leaves = [x_leaf_TH, x_RH, y_RH, gate_R, *layer.parameters()]
     names = list(parts)
     times: dict[str, list[float]] = {name: [] for name in names}

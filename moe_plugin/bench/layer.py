@@ -64,6 +64,7 @@ class LayerBenchSpec:
     warmup: int = 1
     vs_deepspeed: bool = True
     breakdown: bool = False
+    recompute_pre_activation: bool = False
     seed: int = 0
 
     def moe_config(self, ep: int = 1) -> MoEConfig:
@@ -133,6 +134,7 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
     ranks = ranks or Ranks()
     gen = torch.Generator().manual_seed(spec.seed * 1000 + ranks.rank)
     ours = MoELayer(spec.moe_config(ranks.size), spec.hidden, spec.ffn, ranks.groups, seed=spec.seed).train()
+    ours.experts.recompute_pre_activation = spec.recompute_pre_activation
     x_SBH = torch.randn(spec.tokens, 1, spec.hidden, generator=gen)
     skew_router(ours, x_SBH.view(spec.tokens, spec.hidden), spec.skew, torch.Generator().manual_seed(spec.seed))
     x_SBH.requires_grad_(True)
@@ -306,7 +308,8 @@ def specs_from_args(args: argparse.Namespace) -> list[LayerBenchSpec]:
     return [LayerBenchSpec(tokens=args.tokens, experts=e, hidden=args.hidden, ffn=args.ffn, k=args.top_k,
                            capacity_factor=args.capacity_factor, dropless=args.dropless, skew=s,
                            iters=args.iters, warmup=args.warmup, vs_deepspeed=args.vs == "deepspeed",
-                           breakdown=args.breakdown, seed=args.seed)
+                           breakdown=args.breakdown, recompute_pre_activation=args.recompute_pre_activation,
+                           seed=args.seed)
             for e in args.experts for s in args.skew]
 
 

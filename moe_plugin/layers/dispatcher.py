@@ -5,31 +5,37 @@ R kept routes (rows in expert order).
 
 The interface, used by ``MoELayer`` in this order::
 
-    plan = dispatcher.prepare(plan)                  # per-batch exchange layout (EP: counts)
-    x_RH, counts_L = dispatcher.dispatch(x_TH, plan) # rows grouped by local expert
-    out_TH = dispatcher.combine(y_RH, plan)          # gate-weighted sum over each token's routes
+    plan = dispatcher.prepare(plan)                            # per-batch exchange layout (EP: counts)
+    x_NH, gather_R, counts_L = dispatcher.to_experts(x_TH, plan)
+    y_RH = experts(x_NH, counts_L, gather_R)                  # rows x_NH[gather_R], grouped by local expert
+    out_TH = dispatcher.combine(y_RH, plan)                    # gate-weighted sum over each token's routes
 
-``TokenDispatcher`` is the single-process one: permute is a gather (``index_select``), combine
-writes each kept route's gate-weighted output to its route slot ``j * T + t`` of a [K*T, H]
-buffer (unique indices, so deterministic) and sums over ``j``. Both have gather/scatter
-backwards of the same cost. Dropped routes leave zeros: their token keeps only the residual.
+``dispatch(x_TH, plan) -> (x_RH, counts_L)`` is the same with the rows gathered into one tensor.
+
+``TokenDispatcher`` is the single-process one: the expert input is the tokens themselves and
+``plan.token_R``, so the experts gather the rows chunk by chunk (and again in backward)
+instead of a [R, H] copy being kept for backward. Combine is ``combine.gate_combine``: a
+gather per token over its routes, summed in fp32, with a gather backward; deterministic, no
+[K*T, H] buffer. Dropped routes add nothing: their token keeps only the residual.
 
 Expert parallelism slots in by subclassing and overriding the three hooks
 (``ep_dispatcher.ExpertParallelDispatcher``):
 
 * ``prepare``: exchange the per-expert counts across the EP (and ETP) group and return
   ``dataclasses.replace(plan, exchange=...)`` with the splits and the re-sort permutation;
-* ``to_experts``: the uneven all-to-all of the expert-sorted rows, then the local re-sort;
-  returns the rows and the per-local-expert counts;
+* ``to_experts``: the uneven all-to-all of the expert-sorted rows; returns the received rows,
+  the local re-sort as a row index the experts gather by, and the per-local-expert counts;
 * ``from_experts``: the inverse re-sort and the reverse all-to-all.
 
 Everything else (permute, gate weighting, unpermute) stays as it is here.
 """
 from __future__ import annotations
 
-import torch
+from typing import Optional
+
 from torch import Tensor
 
+from moe_plugin.layers.combine import gate_combine
 from moe_plugin.layers.router import RoutingPlan
 
 
@@ -44,23 +50,23 @@ class TokenDispatcher:
         """Per-batch exchange layout; nothing to exchange in a single process."""
         return plan
 
-    def to_experts(self, x_RH: Tensor, plan: RoutingPlan) -> tuple[Tensor, Tensor]:
-        """Rows sorted by global expert -> rows grouped by local expert, and their counts."""
-        return x_RH, plan.kept_E
+    def to_experts(self, x_TH: Tensor, plan: RoutingPlan) -> tuple[Tensor, Optional[Tensor], Tensor]:
+        """[T, H] -> (x_NH, gather_R, counts_L): the experts' rows are ``x_NH[gather_R]`` (``x_NH``
+        itself when ``gather_R`` is None), grouped by local expert, ``counts_L`` rows each.
+        Locally: the tokens and ``plan.token_R``."""
+        return x_TH, plan.token_R, plan.kept_E
 
     def from_experts(self, y_RH: Tensor, plan: RoutingPlan) -> Tensor:
-        """Inverse of ``to_experts``: rows back in this rank's global-expert order."""
+        """Expert outputs (rows grouped by local expert) -> rows in this rank's kept-route order."""
         return y_RH
 
-    # -- the interface -----------------------------------------------------------------------
+    # -- conveniences ------------------------------------------------------------------------
     def dispatch(self, x_TH: Tensor, plan: RoutingPlan) -> tuple[Tensor, Tensor]:
         """[T, H] -> (rows of kept routes grouped by local expert [R, H], counts per local expert)."""
-        return self.to_experts(x_TH.index_select(0, plan.token_R), plan)
+        x_NH, gather_R, counts_L = self.to_experts(x_TH, plan)
+        return (x_NH if gather_R is None else x_NH.index_select(0, gather_R)), counts_L
 
     def combine(self, y_RH: Tensor, plan: RoutingPlan) -> Tensor:
         """Expert outputs [R, H] -> [T, H] in the input dtype, summed in fp32 over each token's routes."""
         y_RH = self.from_experts(y_RH, plan)
-        T, K, H = plan.num_tokens, plan.k, y_RH.shape[-1]
-        weighted_RH = y_RH.float() * plan.gate_R.unsqueeze(-1)
-        slots_KTH = torch.index_copy(weighted_RH.new_zeros(K * T, H), 0, plan.route_R, weighted_RH)
-        return slots_KTH.view(K, T, H).sum(0).to(y_RH.dtype)
+        return gate_combine(y_RH, plan.gate_R, plan.token_R, plan.route_R, plan.num_tokens, plan.k)

@@ -16,8 +16,10 @@ own tokens:
    received rows from (source, local expert) order to (local expert, source) order, built with
    tensor ops from ``counts_SL`` (``source_to_expert_order``).
 
-Forward (``to_experts``): uneven ``all_to_all`` over EP (no padding; zero rows either way is
-fine), ``gather_rows`` over ETP, the re-sort. Return path (``from_experts``): the inverse
+Forward (``to_experts``): gather of the kept routes' tokens, uneven ``all_to_all`` over EP (no
+padding; zero rows either way is fine), ``gather_rows`` over ETP; the re-sort is left to the
+experts as their row index ``sort_R`` (``GroupedExperts(x, counts, gather_R)``), which gather
+chunk by chunk and keep only the received rows for backward. Return path (``from_experts``): the inverse
 re-sort, ``reduce_scatter_rows`` over ETP (sums the F-shards' partial outputs, keeps this
 rank's received block), the reverse ``all_to_all`` over EP. The collectives' backwards are the
 reverse exchanges (``comm.py``). The rows each expert sees are then ordered by source rank and,
@@ -95,11 +97,11 @@ class ExpertParallelDispatcher(TokenDispatcher):
                             counts_L=counts_SL.sum(0), sort_R=sort_R, unsort_R=unsort_R)
         return dataclasses.replace(plan, exchange=exchange)
 
-    def to_experts(self, x_RH: Tensor, plan: RoutingPlan) -> tuple[Tensor, Tensor]:
+    def to_experts(self, x_TH: Tensor, plan: RoutingPlan) -> tuple[Tensor, Tensor, Tensor]:
         ex: Exchange = plan.exchange
-        x_RH = comm.all_to_all(x_RH, ex.recv_splits, ex.send_splits, self.parallel.ep)
+        x_RH = comm.all_to_all(x_TH.index_select(0, plan.token_R), ex.recv_splits, ex.send_splits, self.parallel.ep)
         x_RH = comm.gather_rows(x_RH, ex.etp_splits, self.parallel.etp)
-        return x_RH.index_select(0, ex.sort_R), ex.counts_L
+        return x_RH, ex.sort_R, ex.counts_L      # the experts gather the re-sorted rows themselves
 
     def from_experts(self, y_RH: Tensor, plan: RoutingPlan) -> Tensor:
         ex: Exchange = plan.exchange

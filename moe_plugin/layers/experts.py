@@ -10,7 +10,12 @@ Expert tensor parallelism (``etp_size > 1``) splits F: a rank holds ``weight1`` 
 (swiglu: this shard's gate columns, then its up columns) and ``weight2`` [L, F/etp, H], exactly
 the slices ``ffn_shard`` cuts from the single-process weights of the same seed, and returns a
 partial output that the dispatcher sums over the ETP group. ``grad_scale`` multiplies the weight
-gradients (``LayerParallelism.expert_grad_scale``). Backends:
+gradients (``LayerParallelism.expert_grad_scale``).
+
+Forward and backward run in ``ffn_autograd.expert_ffn``: chunks of whole experts, nothing of
+size [R, F] kept for backward but the pre-activation (and not even that with
+``recompute_pre_activation=True``: one more GEMM in backward); with ``gather_R`` the input
+rows are gathered from the tokens chunk by chunk rather than kept. Backends:
 
 * ``grouped_mm``: ``torch._grouped_mm(x_RH, w_LHF, offs=cumsum(counts_L) as int32)``; needs
   16-byte aligned strides (H and F multiples of 4 in fp32, of 8 in bf16). Used on CPU.
@@ -28,13 +33,14 @@ grouped_mm is the fastest or tied, and needs no padding, so ``auto`` picks it wh
 """
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_plugin.layers import comm
+from moe_plugin.layers.ffn_autograd import expert_ffn
 from moe_plugin.layers.init import seeded_generator
 
 EXPERT_STREAM = 2
@@ -57,33 +63,12 @@ def _swiglu(h_RF1: Tensor) -> Tensor:
     return F.silu(gate_RF) * up_RF
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous: ``_grouped_mm``'s backward
-    rejects expanded gradients (e.g. from ``y.sum()``)."""
-
-    @staticmethod
-    def forward(ctx, y: Tensor) -> Tensor:
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.contiguous()
-
-
 def grouped_mm_supported(x_RH: Tensor, *sizes: int) -> bool:
     """Whether ``torch._grouped_mm`` is usable for contiguous operands whose row lengths are
     ``sizes`` (16-byte aligned strides). Tested on CPU only, so CPU only."""
     return (hasattr(torch, "_grouped_mm") and x_RH.device.type == "cpu"
             and x_RH.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and all(n * x_RH.element_size() % 16 == 0 for n in sizes))
-
-
-def grouped_matmul(x_RH: Tensor, w_LHF: Tensor, counts_L: Tensor, offs_L: Tensor | None, backend: str) -> Tensor:
-    """``[x_r @ w_e(r)]`` for rows grouped by expert; ``offs_L`` = int32 cumsum for grouped_mm."""
-    if backend == "grouped_mm":
-        return _ContiguousGrad.apply(torch._grouped_mm(x_RH, w_LHF, offs=offs_L))
-    chunks = [x @ w for x, w in zip(x_RH.split(counts_L.tolist()), w_LHF.unbind(0))]
-    return torch.cat(chunks) if chunks else x_RH.new_zeros(0, w_LHF.shape[-1])
 
 
 def ffn_shard(w1_HF1: Tensor, w2_FH: Tensor, activation: str, etp_size: int, etp_rank: int) -> tuple[Tensor, Tensor]:
@@ -115,7 +100,8 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu", *,
                  ep_size: int = 1, ep_rank: int = 0, etp_size: int = 1, etp_rank: int = 0,
                  group_name: str = "ep_size_1", seed: int = 0, init_std: float = 0.02,
-                 output_init_std: float | None = None, backend: Backend = "auto", grad_scale: float = 1.0):
+                 output_init_std: float | None = None, backend: Backend = "auto", grad_scale: float = 1.0,
+                 recompute_pre_activation: bool = False):
         super().__init__()
         if num_experts % ep_size or not 0 <= ep_rank < ep_size:
             raise ValueError(f"expert-parallel rank {ep_rank} of size {ep_size} cannot hold an equal "
@@ -129,6 +115,7 @@ class GroupedExperts(nn.Module):
         self.act = activation_fn(activation)
         self.backend = backend
         self.grad_scale = grad_scale
+        self.recompute_pre_activation = recompute_pre_activation
         width = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         out_std = init_std if output_init_std is None else output_init_std
         w1, w2 = [], []
@@ -153,15 +140,15 @@ class GroupedExperts(nn.Module):
         ffn = self.weight2.shape[1]
         return "grouped_mm" if grouped_mm_supported(x_RH, hidden, width, ffn) else "loop"
 
-    def forward(self, x_RH: Tensor, counts_L: Tensor) -> Tensor:
+    def forward(self, x_RH: Tensor, counts_L: Tensor, gather_R: Optional[Tensor] = None) -> Tensor:
         """Rows of ``x_RH`` grouped by local expert, ``counts_L`` rows each -> [R, H], input dtype
-        (a partial sum over the F-shards when expert-tensor-parallel)."""
+        (a partial sum over the F-shards when expert-tensor-parallel). With ``gather_R`` the rows
+        are ``x_RH[gather_R]`` (e.g. the tokens and ``plan.token_R``): gathered chunk by chunk
+        and again in backward, never kept whole (``ffn_autograd.py``)."""
         w1_LHF = comm.scale_grad(self.weight1, self.grad_scale).to(x_RH.dtype)
         w2_LFH = comm.scale_grad(self.weight2, self.grad_scale).to(x_RH.dtype)
-        backend = self.pick_backend(x_RH)
-        offs_L = torch.cumsum(counts_L, 0).to(torch.int32) if backend == "grouped_mm" else None
-        h_RF = self.act(grouped_matmul(x_RH.contiguous(), w1_LHF, counts_L, offs_L, backend))
-        return grouped_matmul(h_RF.contiguous(), w2_LFH, counts_L, offs_L, backend)
+        return expert_ffn(x_RH, w1_LHF, w2_LFH, counts_L.tolist(), self.act, self.pick_backend(x_RH), gather_R,
+                          save_pre=not self.recompute_pre_activation)
 
 
 class SharedExpert(nn.Module):

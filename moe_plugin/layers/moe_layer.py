@@ -146,8 +146,8 @@ class MoELayer(nn.Module):
         if p.splits_input:
             x_TH = comm.split_tokens(x_TH, p.tp)
         plan = self.dispatcher.prepare(self.router(x_TH, noise))
-        x_RH, counts_L = self.dispatcher.dispatch(x_TH, plan)
-        out_TH = self.dispatcher.combine(self.experts(x_RH, counts_L), plan)
+        x_NH, gather_R, counts_L = self.dispatcher.to_experts(x_TH, plan)
+        out_TH = self.dispatcher.combine(self.experts(x_NH, counts_L, gather_R), plan)
         if self.shared_expert is not None:
             out_TH = out_TH + self.shared_expert(x_TH)
         out_TH = self._attach_losses(out_TH, plan)

@@ -14,7 +14,7 @@ Routing rules (GShard, arXiv 2006.16668; Switch Transformer):
   ``switch`` top-1 with the raw softmax probability as gate; ``topk`` any k, gates
   renormalised when ``normalize_gates``.
 * expert choice uses ``logits + expert_bias``; gate values come from the unbiased softmax.
-  Ties go to the lower expert index (stable sort), on every rank alike.
+  Ties go to the lower expert index (``top_k_experts``), on every rank alike.
 * capacity ``C = max(min_capacity, ceil(capacity_factor * k * T / E))`` per expert
   (``eval_capacity_factor`` in eval; no capacity when ``drop_tokens`` is false). Buffer slots
   go to all first choices before any second choice, earlier tokens before later ones; a
@@ -126,6 +126,22 @@ def check_finite(logits_TE: Tensor, group: comm.Group = None) -> None:
                          "contains NaN or inf (or the router weight does)")
 
 
+def top_k_experts(choice_TE: Tensor, k: int) -> Tensor:
+    """The k largest of each row, largest first, equal values in lower-index-first order: what a
+    stable descending sort gives, at the cost of ``torch.topk`` (which promises nothing about
+    ties) plus one compare pass. Rows with a tie that could matter (two equal values among the
+    k, or the k-th value repeated outside them) are sorted stably; with float logits these are
+    rare, and all-equal logits (a test's favourite) work the same."""
+    values_TK, expert_TK = torch.topk(choice_TE, k, dim=-1, sorted=True)
+    tie_T = (choice_TE >= values_TK[:, -1:]).sum(-1) > k
+    if k > 1:
+        tie_T |= (values_TK[:, 1:] == values_TK[:, :-1]).any(-1)
+    tied_N = tie_T.nonzero().squeeze(1)
+    if tied_N.numel():
+        expert_TK[tied_N] = torch.sort(choice_TE[tied_N], dim=-1, descending=True, stable=True).indices[:, :k]
+    return expert_TK
+
+
 def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Optional[int],
           expert_bias_E: Optional[Tensor] = None, uniform_T: Optional[Tensor] = None) -> RoutingPlan:
     """The routing plan for fp32 ``logits_TE``.
@@ -139,7 +155,7 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
     choice_TE = logits_TE.detach()
     if expert_bias_E is not None:
         choice_TE = choice_TE + expert_bias_E.to(choice_TE)
-    expert_TK = torch.sort(choice_TE, dim=-1, descending=True, stable=True).indices[:, :k]
+    expert_TK = top_k_experts(choice_TE, k)
     gate_TK = probs_TE.gather(1, expert_TK)
     if normalize or kind == "gshard":
         gate_TK = gate_TK / gate_TK.sum(dim=-1, keepdim=True)

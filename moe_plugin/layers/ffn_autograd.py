@@ -1,0 +1,172 @@
+"""The grouped expert FFN as one autograd function that keeps no [rows, ffn] tensor for backward.
+
+Shape suffixes: N rows of the source tensor, R rows grouped by local expert, H hidden, F1 the
+first GEMM's width (F, or 2F for swiglu), F ffn, L local experts; a chunk's tensors carry the
+same letters (they hold a slice of the rows or of the experts).
+
+``expert_ffn(x_NH, w1_LHF1, w2_LFH, counts, act, backend, gather_R=None)`` returns, for rows
+grouped by local expert (``counts[l]`` rows for expert l, zero allowed)::
+
+    y_RH[r] = act(rows_RH[r] @ w1[l(r)]) @ w2[l(r)]      rows_RH = x_NH[gather_R] (or x_NH)
+
+Plain autograd would keep the rows, the pre-activation and the activation for backward:
+R * (H + F1 + F) values (at 16,384 tokens, top-2, H 512, F 1024 in fp32: 320 MiB). This
+function keeps ``x_NH`` (the caller's tensor, alive anyway: the tokens, or the rows an
+expert-parallel exchange received) and ``gather_R``, and, with ``save_pre=True``, the
+pre-activation. Backward gathers the rows again, recomputes the pre-activation (one more
+GEMM, as large as the forward's first, unless it was saved) and the activation.
+
+The work runs in chunks of whole experts of about ``CHUNK_BYTES`` of [rows, F1] each, so every
+transient tensor (the gathered rows, the activation, their gradients) is chunk-sized: a few
+MiB that the allocator hands out again, instead of page-faulting a fresh 100 MiB block per
+step. The weight gradients are written per expert into the full [L, H, F1] / [L, F, H]
+gradients (``torch.mm(out=...)``: no copy). One host sync: ``counts`` is a Python list.
+
+Backends: ``grouped_mm`` (``torch._grouped_mm`` with the chunk's int32 row offsets; needs
+16-byte aligned row strides) or ``loop`` (one GEMM per expert over ``split``/``unbind`` views).
+Not done: fusing the gather into the GEMM (the rows are a chunk-sized copy), or anything for
+devices other than CPU beyond what these two backends already do there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+CHUNK_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Experts ``[l0, l1)`` and their rows ``[r0, r1)``; ``offs`` the int32 row offsets within."""
+
+    l0: int
+    l1: int
+    r0: int
+    r1: int
+    counts: list[int]
+    offs: Tensor
+
+
+def expert_chunks(counts: list[int], row_bytes: int, chunk_bytes: int = CHUNK_BYTES,
+                  device: torch.device = torch.device("cpu")) -> list[Chunk]:
+    """Consecutive experts grouped until their rows reach ``chunk_bytes`` (``row_bytes`` each);
+    an expert with more rows forms a chunk alone. Experts with no rows join a chunk too."""
+    chunks, l0, r0, rows = [], 0, 0, 0
+    for l, n in enumerate(counts):
+        rows += n
+        if rows * row_bytes >= chunk_bytes or l == len(counts) - 1:
+            part = counts[l0:l + 1]
+            offs = torch.tensor(part, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+            chunks.append(Chunk(l0, l + 1, r0, r0 + rows, part, offs))
+            l0, r0, rows = l + 1, r0 + rows, 0
+    return chunks
+
+
+def _rows_at_weights(a_RX: Tensor, w_LXY: Tensor, chunk: Chunk, backend: str) -> Tensor:
+    """``a_r @ w[l(r)]`` for the chunk's rows grouped by expert -> [R, Y]."""
+    if backend == "grouped_mm":
+        return torch._grouped_mm(a_RX, w_LXY, offs=chunk.offs)
+    parts = [a @ w for a, w in zip(a_RX.split(chunk.counts), w_LXY.unbind(0))]
+    return torch.cat(parts) if parts else a_RX.new_zeros(0, w_LXY.shape[-1])
+
+
+def _weight_grad_into(out_LXY: Tensor, a_RX: Tensor, g_RY: Tensor, chunk: Chunk) -> None:
+    """``out[l] = a_l^T @ g_l`` over each expert's rows, written in place (zero for no rows)."""
+    for out_XY, a, g, n in zip(out_LXY.unbind(0), a_RX.split(chunk.counts), g_RY.split(chunk.counts), chunk.counts):
+        if n:
+            torch.mm(a.t(), g, out=out_XY)
+        else:
+            out_XY.zero_()
+
+
+class ExpertFFN(torch.autograd.Function):
+    """See the module docstring. Inputs: ``x_NH, w1_LHF1, w2_LFH, gather_R (or None), chunks,
+    act, backend, save_pre``; output ``y_RH``."""
+
+    @staticmethod
+    def forward(ctx, x_NH, w1_LHF1, w2_LFH, gather_R, chunks, act, backend, save_pre):
+        R = chunks[-1].r1 if chunks else 0
+        y_RH = x_NH.new_empty(R, w2_LFH.shape[-1])
+        pre_chunks = []
+        for c in chunks:
+            if c.r1 == c.r0:
+                pre_chunks.append(None)
+                continue
+            rows_RH = _rows(x_NH, gather_R, c)
+            pre_RF1 = _rows_at_weights(rows_RH, w1_LHF1[c.l0:c.l1], c, backend)
+            del rows_RH
+            y_RH[c.r0:c.r1] = _rows_at_weights(act(pre_RF1), w2_LFH[c.l0:c.l1], c, backend)
+            pre_chunks.append(pre_RF1 if save_pre else None)
+        ctx.save_for_backward(x_NH, w1_LHF1, w2_LFH, gather_R)
+        ctx.pre_chunks = pre_chunks   # intermediates, dropped chunk by chunk in backward
+        ctx.chunks, ctx.act, ctx.backend, ctx.R = chunks, act, backend, R
+        return y_RH
+
+    @staticmethod
+    def backward(ctx, grad_y_RH):
+        x_NH, w1_LHF1, w2_LFH, gather_R = ctx.saved_tensors
+        need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]
+        grad_y_RH = grad_y_RH.contiguous()
+        grad_w1 = torch.empty_like(w1_LHF1) if need_w1 else None
+        grad_w2 = torch.empty_like(w2_LFH) if need_w2 else None
+        grad_x = None
+        if need_x:
+            grad_x = torch.zeros_like(x_NH) if gather_R is not None else x_NH.new_empty(ctx.R, x_NH.shape[-1])
+        for i, c in enumerate(ctx.chunks):
+            pre_RF1, ctx.pre_chunks[i] = ctx.pre_chunks[i], None
+            if c.r1 == c.r0:
+                for grad in (grad_w1, grad_w2):
+                    if grad is not None:
+                        grad[c.l0:c.l1].zero_()
+                continue
+            w1c, w2c, g_y = w1_LHF1[c.l0:c.l1], w2_LFH[c.l0:c.l1], grad_y_RH[c.r0:c.r1]
+            rows_RH = _rows(x_NH, gather_R, c) if (need_w1 or pre_RF1 is None) else None
+            if pre_RF1 is None:
+                pre_RF1 = _rows_at_weights(rows_RH, w1c, c, ctx.backend)
+            with torch.enable_grad():
+                pre_leaf = pre_RF1.detach().requires_grad_(True)
+                act_RF = ctx.act(pre_leaf)
+            del pre_RF1
+            if need_w2:
+                _weight_grad_into(grad_w2[c.l0:c.l1], act_RF.detach(), g_y, c)
+            if not (need_x or need_w1):
+                continue
+            grad_act_RF = _rows_at_weights(g_y, w2c.transpose(1, 2), c, ctx.backend)
+            (grad_pre_RF1,) = torch.autograd.grad(act_RF, pre_leaf, grad_act_RF)
+            del act_RF, pre_leaf, grad_act_RF
+            if need_w1:
+                _weight_grad_into(grad_w1[c.l0:c.l1], rows_RH, grad_pre_RF1, c)
+            del rows_RH
+            if need_x:
+                grad_rows_RH = _rows_at_weights(grad_pre_RF1, w1c.transpose(1, 2), c, ctx.backend)
+                if gather_R is None:
+                    grad_x[c.r0:c.r1] = grad_rows_RH
+                else:
+                    grad_x.index_add_(0, gather_R[c.r0:c.r1], grad_rows_RH)
+        return grad_x, grad_w1, grad_w2, None, None, None, None, None
+
+
+def _rows(x_NH: Tensor, gather_R: Optional[Tensor], chunk: Chunk) -> Tensor:
+    """The chunk's input rows, contiguous: gathered from ``x_NH``, or a slice of it."""
+    if gather_R is None:
+        return x_NH[chunk.r0:chunk.r1].contiguous()
+    return x_NH.index_select(0, gather_R[chunk.r0:chunk.r1])
+
+
+def expert_ffn(x_NH: Tensor, w1_LHF1: Tensor, w2_LFH: Tensor, counts: list[int], act: Callable[[Tensor], Tensor],
+               backend: str, gather_R: Optional[Tensor] = None, *, save_pre: bool = False,
+               chunk_bytes: int = CHUNK_BYTES) -> Tensor:
+    """``y_RH`` of the module docstring; ``counts`` rows per local expert (a list: the chunks
+    are cut on the host). ``save_pre`` keeps the pre-activation (R * F1 values) instead of
+    recomputing it in backward."""
+    if len(counts) != w1_LHF1.shape[0]:
+        raise ValueError(f"{len(counts)} expert row counts for {w1_LHF1.shape[0]} local experts")
+    rows = sum(counts)
+    available = x_NH.shape[0] if gather_R is None else gather_R.numel()
+    if rows != available:
+        raise ValueError(f"expert row counts sum to {rows} but {available} rows were given")
+    chunks = expert_chunks(counts, w1_LHF1.shape[-1] * x_NH.element_size(), chunk_bytes, x_NH.device)
+    return ExpertFFN.apply(x_NH.contiguous(), w1_LHF1, w2_LFH, gather_R, chunks, act, backend, save_pre)
