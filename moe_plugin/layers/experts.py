@@ -145,10 +145,10 @@ class GroupedExperts(nn.Module):
         (a partial sum over the F-shards when expert-tensor-parallel). With ``gather_R`` the rows
         are ``x_RH[gather_R]`` (e.g. the tokens and ``plan.token_R``): gathered chunk by chunk
         and again in backward, never kept whole (``ffn_autograd.py``)."""
-        w1_LHF = comm.scale_grad(self.weight1, self.grad_scale).to(x_RH.dtype)
-        w2_LFH = comm.scale_grad(self.weight2, self.grad_scale).to(x_RH.dtype)
+        w1_LHF = self.weight1.to(x_RH.dtype)
+        w2_LFH = self.weight2.to(x_RH.dtype)
         return expert_ffn(x_RH, w1_LHF, w2_LFH, counts_L.tolist(), self.act, self.pick_backend(x_RH), gather_R,
-                          save_pre=not self.recompute_pre_activation)
+                          save_pre=not self.recompute_pre_activation, grad_scale=self.grad_scale)
 
 
 class SharedExpert(nn.Module):

@@ -20,7 +20,9 @@ The work runs in chunks of whole experts of about ``CHUNK_BYTES`` of [rows, F1] 
 transient tensor (the gathered rows, the activation, their gradients) is chunk-sized: a few
 MiB that the allocator hands out again, instead of page-faulting a fresh 100 MiB block per
 step. The weight gradients are written per expert into the full [L, H, F1] / [L, F, H]
-gradients (``torch.mm(out=...)``: no copy). One host sync: ``counts`` is a Python list.
+gradients (``torch.mm(out=...)``: no copy) and scaled there by ``grad_scale`` (in place: a
+separate scaling step would allocate a second copy of the weight gradients). One host sync:
+``counts`` is a Python list.
 
 Backends: ``grouped_mm`` (``torch._grouped_mm`` with the chunk's int32 row offsets; needs
 16-byte aligned row strides) or ``loop`` (one GEMM per expert over ``split``/``unbind`` views).
@@ -35,7 +37,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -73,21 +75,23 @@ def _rows_at_weights(a_RX: Tensor, w_LXY: Tensor, chunk: Chunk, backend: str) ->
     return torch.cat(parts) if parts else a_RX.new_zeros(0, w_LXY.shape[-1])
 
 
-def _weight_grad_into(out_LXY: Tensor, a_RX: Tensor, g_RY: Tensor, chunk: Chunk) -> None:
-    """``out[l] = a_l^T @ g_l`` over each expert's rows, written in place (zero for no rows)."""
+def _weight_grad_into(out_LXY: Tensor, a_RX: Tensor, g_RY: Tensor, chunk: Chunk, scale: float) -> None:
+    """``out[l] = scale * a_l^T @ g_l`` over each expert's rows, written in place (zero for no rows)."""
     for out_XY, a, g, n in zip(out_LXY.unbind(0), a_RX.split(chunk.counts), g_RY.split(chunk.counts), chunk.counts):
         if n:
             torch.mm(a.t(), g, out=out_XY)
+            if scale != 1.0:
+                out_XY.mul_(scale)
         else:
             out_XY.zero_()
 
 
 class ExpertFFN(torch.autograd.Function):
     """See the module docstring. Inputs: ``x_NH, w1_LHF1, w2_LFH, gather_R (or None), chunks,
-    act, backend, save_pre``; output ``y_RH``."""
+    act, backend, save_pre, grad_scale``; output ``y_RH``."""
 
     @staticmethod
-    def forward(ctx, x_NH, w1_LHF1, w2_LFH, gather_R, chunks, act, backend, save_pre):
+    def forward(ctx, x_NH, w1_LHF1, w2_LFH, gather_R, chunks, act, backend, save_pre, grad_scale):
         R = chunks[-1].r1 if chunks else 0
         y_RH = x_NH.new_empty(R, w2_LFH.shape[-1])
         pre_chunks = []
@@ -102,7 +106,7 @@ class ExpertFFN(torch.autograd.Function):
             pre_chunks.append(pre_RF1 if save_pre else None)
         ctx.save_for_backward(x_NH, w1_LHF1, w2_LFH, gather_R)
         ctx.pre_chunks = pre_chunks   # intermediates, dropped chunk by chunk in backward
-        ctx.chunks, ctx.act, ctx.backend, ctx.R = chunks, act, backend, R
+        ctx.chunks, ctx.act, ctx.backend, ctx.R, ctx.grad_scale = chunks, act, backend, R, grad_scale
         return y_RH
 
     @staticmethod
@@ -131,14 +135,14 @@ class ExpertFFN(torch.autograd.Function):
                 act_RF = ctx.act(pre_leaf)
             del pre_RF1
             if need_w2:
-                _weight_grad_into(grad_w2[c.l0:c.l1], act_RF.detach(), g_y, c)
+                _weight_grad_into(grad_w2[c.l0:c.l1], act_RF.detach(), g_y, c, ctx.grad_scale)
             if not (need_x or need_w1):
                 continue
             grad_act_RF = _rows_at_weights(g_y, w2c.transpose(1, 2), c, ctx.backend)
             (grad_pre_RF1,) = torch.autograd.grad(act_RF, pre_leaf, grad_act_RF)
             del act_RF, pre_leaf, grad_act_RF
             if need_w1:
-                _weight_grad_into(grad_w1[c.l0:c.l1], rows_RH, grad_pre_RF1, c)
+                _weight_grad_into(grad_w1[c.l0:c.l1], rows_RH, grad_pre_RF1, c, ctx.grad_scale)
             del rows_RH
             if need_x:
                 grad_rows_RH = _rows_at_weights(grad_pre_RF1, w1c.transpose(1, 2), c, ctx.backend)
@@ -146,7 +150,7 @@ class ExpertFFN(torch.autograd.Function):
                     grad_x[c.r0:c.r1] = grad_rows_RH
                 else:
                     grad_x.index_add_(0, gather_R[c.r0:c.r1], grad_rows_RH)
-        return grad_x, grad_w1, grad_w2, None, None, None, None, None
+        return grad_x, grad_w1, grad_w2, None, None, None, None, None, None
 
 
 def _rows(x_NH: Tensor, gather_R: Optional[Tensor], chunk: Chunk) -> Tensor:
@@ -158,10 +162,10 @@ def _rows(x_NH: Tensor, gather_R: Optional[Tensor], chunk: Chunk) -> Tensor:
 
 def expert_ffn(x_NH: Tensor, w1_LHF1: Tensor, w2_LFH: Tensor, counts: list[int], act: Callable[[Tensor], Tensor],
                backend: str, gather_R: Optional[Tensor] = None, *, save_pre: bool = False,
-               chunk_bytes: int = CHUNK_BYTES) -> Tensor:
+               grad_scale: float = 1.0, chunk_bytes: int = CHUNK_BYTES) -> Tensor:
     """``y_RH`` of the module docstring; ``counts`` rows per local expert (a list: the chunks
     are cut on the host). ``save_pre`` keeps the pre-activation (R * F1 values) instead of
-    recomputing it in backward."""
+    recomputing it in backward; ``grad_scale`` multiplies the weight gradients."""
     if len(counts) != w1_LHF1.shape[0]:
         raise ValueError(f"{len(counts)} expert row counts for {w1_LHF1.shape[0]} local experts")
     rows = sum(counts)
@@ -169,4 +173,5 @@ def expert_ffn(x_NH: Tensor, w1_LHF1: Tensor, w2_LFH: Tensor, counts: list[int],
     if rows != available:
         raise ValueError(f"expert row counts sum to {rows} but {available} rows were given")
     chunks = expert_chunks(counts, w1_LHF1.shape[-1] * x_NH.element_size(), chunk_bytes, x_NH.device)
-    return ExpertFFN.apply(x_NH.contiguous(), w1_LHF1, w2_LFH, gather_R, chunks, act, backend, save_pre)
+    return ExpertFFN.apply(x_NH.contiguous(), w1_LHF1, w2_LFH, gather_R, chunks, act, backend, save_pre,
+                           grad_scale)
