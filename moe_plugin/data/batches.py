@@ -1,0 +1,75 @@
+"""Which samples each step trains on, and which of them each data-parallel rank takes.
+
+    schedule = GlobalBatches(len(train), global_batch_size=16, seed=1234)
+    schedule.global_batch(step)                          # 16 sample indices, the same on every rank
+    schedule.micro_batch(step, dp_rank=1, dp_size=2, micro_batch_size=4, micro_step=0)
+
+The global batch of a step depends only on (number of samples, global batch size, seed, step):
+not on the number of ranks, the parallel layout or the micro-batch size. Every rank computes it
+the same way and takes its rows, so a 1-rank run with gradient accumulation and an 8-rank run
+see the same data in every step and their losses can be compared.
+
+Order: the samples are read in epochs; epoch ``e`` is a permutation of all samples drawn from
+``numpy.random.default_rng([seed, e])`` (or the identity with ``shuffle=False``, for
+validation); the global batches are consecutive slices of that endless stream, so a batch may
+straddle two epochs.
+
+Rows of a global batch of ``dp_size x gradient_accumulation x micro_batch_size`` samples: data
+-parallel rank ``r`` at micro-step ``m`` takes rows ``[(r * gas + m) * mbs, ... + mbs)``.
+The ranks of one data-parallel replica (tensor / pipeline / expert-tensor peers: the same
+data-parallel rank) take the same rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class GlobalBatches:
+    """The per-step global batches over ``num_samples`` samples (see the module docstring)."""
+
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int = 1234, shuffle: bool = True):
+        if num_samples < 1 or global_batch_size < 1:
+            raise ValueError(f"num_samples ({num_samples}) and global_batch_size ({global_batch_size}) must be >= 1")
+        self.num_samples = num_samples
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self._epochs: dict[int, np.ndarray] = {}
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The order of the samples in ``epoch``."""
+        if epoch not in self._epochs:
+            if len(self._epochs) > 2:   # batches go forward: old epochs are not needed again
+                self._epochs.pop(min(self._epochs))
+            order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_samples) if self.shuffle
+                     else np.arange(self.num_samples))
+            self._epochs[epoch] = order
+        return self._epochs[epoch]
+
+    def global_batch(self, step: int) -> np.ndarray:
+        """The sample indices of ``step``'s global batch (0-based step)."""
+        if step < 0:
+            raise ValueError(f"step: got {step}; expected >= 0")
+        positions = np.arange(step * self.global_batch_size, (step + 1) * self.global_batch_size)
+        out = np.empty(self.global_batch_size, dtype=np.int64)
+        for epoch in np.unique(positions // self.num_samples).tolist():
+            mask = positions // self.num_samples == epoch
+            out[mask] = self.epoch_order(epoch)[positions[mask] % self.num_samples]
+        return out
+
+    def micro_batch(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int,
+                    micro_step: int = 0) -> np.ndarray:
+        """The sample indices data-parallel rank ``dp_rank`` trains on at ``micro_step`` of ``step``."""
+        per_rank, rest = divmod(self.global_batch_size, dp_size * micro_batch_size)
+        if rest or per_rank == 0:
+            raise ValueError(f"global batch {self.global_batch_size} is not data-parallel size {dp_size} x micro batch "
+                             f"{micro_batch_size} x gradient accumulation steps")
+        if not (0 <= dp_rank < dp_size and 0 <= micro_step < per_rank):
+            raise ValueError(f"dp_rank {dp_rank} / micro_step {micro_step} out of range (dp_size {dp_size}, "
+                             f"{per_rank} micro-steps)")
+        first = (dp_rank * per_rank + micro_step) * micro_batch_size
+        return self.global_batch(step)[first:first + micro_batch_size]
+
+    def epoch_of(self, step: int) -> float:
+        """How many epochs the first ``step`` steps covered (for the log)."""
+        return step * self.global_batch_size / self.num_samples
