@@ -1,0 +1,199 @@
+"""Expert load metrics of a step, into DeepSpeed's monitor and a short log line.
+
+    metrics = ExpertMetrics(engine.module)          # hooks every MoELayer of the model
+    for step in range(steps):
+        for micro_batch in ...:                     # the hooks add up every training forward
+            engine.backward(engine(...)); engine.step()
+        metrics.collect()                           # collective: every rank of the job calls it
+        metrics.write(engine, step)                 # DeepSpeed's csv / tensorboard / wandb backends
+        print(metrics.log_line())                   # "moe: imb 1.23 (max L2) drop 0.4% aux 1.012"
+
+What is measured, per MoE layer, over the training forwards since the last ``collect()`` (all
+micro-batches of a step, summed over the ranks that route distinct tokens):
+
+* ``tokens_per_expert``: routes each expert was chosen for, *before* capacity (the demand);
+* ``imbalance``: max / mean of ``tokens_per_expert`` (1.0 is perfectly balanced);
+* ``dropped_fraction``: routes dropped by capacity / routes chosen (after random routing);
+* ``aux_loss`` / ``z_loss``: the balance and z losses *before* their coefficients, mean over the
+  forwards and the token groups (GShard's balance loss is 1.0 when perfectly balanced).
+
+Accumulation uses a forward hook on each ``MoELayer`` that adds its ``last_stats`` (detached
+[E] count tensors and two scalars: no host sync, no collective) in training mode only. A
+forward that runs again for activation recomputation counts twice. ``collect()`` reduces each
+layer over its own ``tokens`` group (``reduce_stats``, one all-reduce per layer); when the model
+is split over pipeline stages (the layers' groups have ``pp > 1``) the per-stage results are
+then all-gathered over the pipeline group, so that global rank 0, where DeepSpeed's monitor
+writes, sees every layer. Layers are named by their global index (``MegatronMoEMLP.layer_index``),
+else by their order in the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moe_plugin.layers.moe_layer import MoELayer, MoEStats, reduce_stats
+
+EVENT_PREFIX = "MoE"
+
+
+@dataclass(frozen=True)
+class LayerMetrics:
+    """One MoE layer's metrics over the forwards since the last ``collect()`` (module docstring)."""
+
+    layer: int
+    tokens_per_expert: list[int]
+    kept_per_expert: list[int]
+    dropped_fraction: float
+    aux_loss: float
+    z_loss: float
+    forwards: int
+
+    @property
+    def imbalance(self) -> float:
+        total = sum(self.tokens_per_expert)
+        return max(self.tokens_per_expert) * len(self.tokens_per_expert) / total if total else 0.0
+
+
+class _Accumulator:
+    """Sums of one layer's ``last_stats`` over training forwards (tensors stay on the device)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.kept: Optional[Tensor] = None
+        self.routed: Optional[Tensor] = None
+        self.balance: Optional[Tensor] = None
+        self.z: Optional[Tensor] = None
+        self.forwards = 0
+        self.capacity: Optional[int] = None
+
+    def add(self, stats: MoEStats) -> None:
+        if self.forwards == 0:
+            self.kept, self.routed = stats.kept_per_expert.clone(), stats.routed_per_expert.clone()
+            self.balance, self.z = stats.balance_loss.clone().double(), stats.z_loss.clone().double()
+        else:
+            self.kept += stats.kept_per_expert
+            self.routed += stats.routed_per_expert
+            self.balance += stats.balance_loss
+            self.z += stats.z_loss
+        self.forwards += 1
+        self.capacity = stats.capacity
+
+    def as_stats(self) -> MoEStats:
+        """The sums as one ``MoEStats``: counts summed, losses averaged over the forwards."""
+        return MoEStats(kept_per_expert=self.kept, routed_per_expert=self.routed, dropped_fraction=torch.zeros(()),
+                        balance_loss=(self.balance / self.forwards).float(), z_loss=(self.z / self.forwards).float(),
+                        capacity=self.capacity)
+
+
+class ExpertMetrics:
+    """Expert load metrics of every ``MoELayer`` in ``model`` (see the module docstring).
+
+    ``per_expert``: also write one event per expert (``tokens_expert<e>``) in ``write``.
+    Call ``close()`` to remove the hooks.
+    """
+
+    def __init__(self, model: nn.Module, *, per_expert: bool = True):
+        self.layers: list[tuple[int, MoELayer]] = []
+        for order, module in enumerate(m for m in model.modules() if isinstance(m, MoELayer)):
+            index = getattr(module, "layer_index", None)
+            self.layers.append((order if index is None else int(index), module))
+        if not self.layers:
+            raise ValueError(f"{type(model).__name__} has no MoELayer: nothing to measure (build the model with "
+                             "the plugin's MoE layers, e.g. gpt_moe_spec)")
+        self.per_expert = per_expert
+        self._z_on = any(layer.config.z_loss_coeff > 0 for _, layer in self.layers)
+        self._sums = {index: _Accumulator() for index, _ in self.layers}
+        self._hooks = [layer.register_forward_hook(self._hook(index)) for index, layer in self.layers]
+        self.metrics: list[LayerMetrics] = []
+
+    def _hook(self, index: int):
+        def add(module: MoELayer, _inputs: Any, _output: Any) -> None:
+            if module.training and module.last_stats is not None:
+                self._sums[index].add(module.last_stats)
+        return add
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def reset(self) -> None:
+        """Forget the forwards counted since the last ``collect()`` (local, no collective)."""
+        for acc in self._sums.values():
+            acc.reset()
+
+    def collect(self) -> list[LayerMetrics]:
+        """Reduce and reset the sums; returns every layer's metrics, sorted by layer index, on every
+        rank. Collective: every rank of the job calls it, after the same number of forwards of each
+        layer it holds (one or more)."""
+        local: list[LayerMetrics] = []
+        for index, layer in self.layers:
+            acc = self._sums[index]
+            if acc.forwards == 0:
+                raise RuntimeError(f"MoE layer {index} ran no training forward since the last collect(); call "
+                                   "collect() once per step, after the step's forwards")
+            stats = reduce_stats(acc.as_stats(), layer.parallel.tokens)
+            routed, kept = stats.routed_per_expert.tolist(), stats.kept_per_expert.tolist()
+            local.append(LayerMetrics(layer=index, tokens_per_expert=routed, kept_per_expert=kept,
+                                      dropped_fraction=1.0 - sum(kept) / sum(routed) if sum(routed) else 0.0,
+                                      aux_loss=float(stats.balance_loss), z_loss=float(stats.z_loss),
+                                      forwards=acc.forwards))
+            acc.reset()
+        self.metrics = sorted(self._gather_stages(local), key=lambda m: m.layer)
+        return self.metrics
+
+    def _gather_stages(self, local: list[LayerMetrics]) -> list[LayerMetrics]:
+        """Every pipeline stage's layers, all-gathered over the pipeline group (when there is one)."""
+        groups = self.layers[0][1].groups
+        pp = groups.pp if groups is not None else None
+        if pp is None or dist.get_world_size(pp) == 1:
+            return local
+        stages: list = [None] * dist.get_world_size(pp)
+        dist.all_gather_object(stages, local, group=pp)
+        return [m for stage in stages for m in stage]
+
+    def events(self, step: int) -> list[tuple[str, float, int]]:
+        """The collected metrics as DeepSpeed monitor events ``(name, value, step)``."""
+        out = []
+        for m in self.metrics:
+            name = f"{EVENT_PREFIX}/layer{m.layer}"
+            out += [(f"{name}/imbalance", m.imbalance, step), (f"{name}/dropped_fraction", m.dropped_fraction, step),
+                    (f"{name}/aux_loss", m.aux_loss, step), (f"{name}/z_loss", m.z_loss, step)]
+            if self.per_expert:
+                out += [(f"{name}/tokens_expert{e}", float(n), step) for e, n in enumerate(m.tokens_per_expert)]
+        return out
+
+    def write(self, engine: Any, step: Optional[int] = None) -> None:
+        """Write the collected metrics to ``engine.monitor`` (DeepSpeed writes on global rank 0 only,
+        with the backends its JSON enables). ``step``: default ``engine.global_samples``, the x axis
+        of DeepSpeed's own ``Train/Samples/...`` events. Not collective."""
+        if not self.metrics:
+            raise RuntimeError("nothing collected yet: call collect() (on every rank) before write()")
+        monitor = getattr(engine, "monitor", None)
+        if monitor is None or not monitor.enabled:
+            return
+        monitor.write_events(self.events(engine.global_samples if step is None else step))
+
+    def log_line(self) -> str:
+        """``moe: imb 1.23 (max L2) drop 0.4% aux 1.012`` for the collected metrics: the largest
+        imbalance and its layer, routes dropped over all layers, the mean balance loss over the
+        layers (and ``z`` the mean z loss, when a layer has a z-loss coefficient)."""
+        if not self.metrics:
+            return "moe: -"
+        worst = max(self.metrics, key=lambda m: m.imbalance)
+        routed = sum(sum(m.tokens_per_expert) for m in self.metrics)
+        kept = sum(sum(m.kept_per_expert) for m in self.metrics)
+        drop = 100.0 * (routed - kept) / routed if routed else 0.0
+        aux = sum(m.aux_loss for m in self.metrics) / len(self.metrics)
+        z = sum(m.z_loss for m in self.metrics) / len(self.metrics)
+        line = f"moe: imb {worst.imbalance:.2f} (max L{worst.layer}) drop {drop:.1f}% aux {aux:.3f}"
+        return line + (f" z {z:.3g}" if self._z_on else "")
+
+
+__all__ = ["EVENT_PREFIX", "ExpertMetrics", "LayerMetrics"]
