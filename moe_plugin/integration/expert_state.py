@@ -1,0 +1,91 @@
+"""Expert weights by global expert id: gather a rank's shards into full experts, cut them again.
+
+Shape suffixes: L local experts, H hidden, F ffn, F1 the first GEMM's width (F, or 2F for
+swiglu: gate half first, then up half), E experts.
+
+A ``GroupedExperts`` on EP rank ``r`` holds the experts ``r * L ... r * L + L - 1`` (the static
+placement: expert ``e`` sits on EP rank ``e // L``, local slot ``e % L``), each cut along F over
+the expert-tensor-parallel group: ``weight1`` [L, H, F1/etp] (dim 2, stride 2 for swiglu, as
+``layers.experts.ffn_shard`` cuts it) and ``weight2`` [L, F/etp, H] (dim 1). ``full_experts``
+joins the ETP shards (a collective over ETP) and returns one [H, F1] / [F, H] tensor per global
+expert id; ``local_experts`` cuts full experts for any other EP x ETP layout.
+
+The same two functions carry per-parameter optimizer state of the same shape (Adam's moments)
+for the basic (ZeRO-0) optimizer, so it can follow a change of the expert layout.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moe_plugin.integration.tp_shard import tp_slice
+from moe_plugin.layers.experts import GroupedExperts
+
+
+@dataclass(frozen=True)
+class ExpertWeight:
+    """One stacked expert weight of the model: its state-dict key, module, F dimension and stride."""
+
+    key: str
+    module: GroupedExperts
+    param: nn.Parameter
+    f_dim: int      # the F dimension of the stacked [L, ...] tensor
+    f_stride: int   # pieces per shard along F (2 for swiglu's gate and up halves)
+
+    @property
+    def local_ids(self) -> range:
+        """Global ids of the experts this rank holds, in local-slot order."""
+        return range(self.module.first_expert, self.module.first_expert + self.module.num_local)
+
+    def full_shape(self, etp: int) -> list[int]:
+        """[E, H, F1] / [E, F, H]: the shape of all experts of this weight, unsharded."""
+        shape = list(self.param.shape)
+        shape[0] = self.module.num_experts
+        shape[self.f_dim] *= etp
+        return shape
+
+
+def expert_weights(model: nn.Module) -> list[ExpertWeight]:
+    """Every stacked expert weight of ``model``, in module order."""
+    out = []
+    for prefix, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            base = f"{prefix}." if prefix else ""
+            stride1 = 2 if module.activation == "swiglu" else 1
+            out.append(ExpertWeight(base + "weight1", module, module.weight1, 2, stride1))
+            out.append(ExpertWeight(base + "weight2", module, module.weight2, 1, 1))
+    return out
+
+
+def tp_join(pieces: list[Tensor], dim: int, stride: int) -> Tensor:
+    """The inverse of ``tp_shard.tp_slice``: ``pieces[r]`` is rank r's part of one tensor."""
+    if len(pieces) == 1:
+        return pieces[0]
+    chunks = [p.chunk(stride, dim=dim) for p in pieces]
+    return torch.cat([chunks[r][s] for s in range(stride) for r in range(len(pieces))], dim=dim)
+
+
+def full_experts(stacked_LXY: Tensor, weight: ExpertWeight, etp_group, etp: int) -> Iterator[tuple[int, Tensor]]:
+    """(global id, full [H, F1] or [F, H] tensor) for each local expert of ``stacked_LXY`` (the
+    weight itself or a tensor of its shape). Collective over ``etp_group`` when ``etp > 1``."""
+    stacked_LXY = stacked_LXY.detach()
+    if etp > 1:
+        pieces = [torch.empty_like(stacked_LXY) for _ in range(etp)]
+        dist.all_gather(pieces, stacked_LXY.contiguous(), group=etp_group)
+        stacked_LXY = tp_join(pieces, weight.f_dim, weight.f_stride)
+    for expert_id, full in zip(weight.local_ids, stacked_LXY.unbind(0)):
+        yield expert_id, full.clone()
+
+
+def local_experts(full_by_id: dict[int, Tensor], weight: ExpertWeight, etp_rank: int, etp: int) -> Tensor:
+    """This rank's stacked shard [L, ...] of ``weight`` cut from full per-expert tensors."""
+    parts = [tp_slice(full_by_id[e], weight.f_dim - 1, weight.f_stride, etp_rank, etp) for e in weight.local_ids]
+    out = torch.stack(parts)
+    if out.shape != weight.param.shape:
+        raise ValueError(f"{weight.key}: the saved experts cut to {tuple(out.shape)} on this rank (etp rank "
+                         f"{etp_rank} of {etp}), but the model holds {tuple(weight.param.shape)}")
+    return out.to(weight.param.dtype)

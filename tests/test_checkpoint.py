@@ -1,0 +1,314 @@
+"""Checkpoints through DeepSpeed's engine (``integration/checkpoint.py``) on 4 gloo ranks, one spawn.
+
+The model is a tiny Megatron-Core GPT (2 layers, both MoE) built by ``gpt_moe_spec`` and trained
+by ``moe_plugin.initialize``'s engine with Adam/AdamW, so the optimizer state matters; router
+jitter, GShard random routing and hidden dropout draw random numbers every step, and the
+aux-loss-free bias moves every step, so RNG and router state matter too. fp32.
+
+* exact resume: 20 steps with a save after step 10; a fresh engine loads it and runs steps
+  11-20: the losses equal the uninterrupted run's bit for bit (dp x ep, ZeRO-0/1/2, tp x etp);
+* resharding: the ep 4 checkpoint loads with ep 2 and ep 1 (weights only under ZeRO, with the
+  error that says so otherwise), tp 2 x ep 2 loads into tp 2 x ep 1 with its ZeRO-0 Adam state
+  re-cut by global expert id; the eval loss after load equals the saved model's, and the ZeRO-0
+  run resumes the uninterrupted losses;
+* bad input (other num_experts, other hidden size, a missing expert file) fails with a message
+  naming the difference on every rank, leaves weights and files untouched;
+* a save killed midway leaves ``latest`` and the previous tag loadable.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import traceback
+
+import pytest
+import torch
+
+VOCAB, SEQ, BATCH, HIDDEN, FFN = 32, 8, 8, 16, 32
+STEPS, SAVE_AT = 20, 10
+MOE = {"num_experts": 4, "router": "gshard", "jitter_eps": 0.1, "bias_update_rate": 0.01, "aux_loss_coeff": 0.01,
+       "capacity_factor": 1.5}
+RESUME = {
+    "ep2-zero1-adamw": {"parallel": {"expert": 2}, "stage": 1, "opt": "AdamW"},
+    "ep4-zero2-adam": {"parallel": {"expert": 4}, "stage": 2, "opt": "Adam"},
+    "tp2-ep2-zero0-adamw": {"parallel": {"tensor": 2, "expert": 2}, "stage": 0, "opt": "AdamW"},
+}
+RESHARD = {  # name -> (saved case, new case, load_optimizer_states)
+    "ep4-to-ep2-zero2": ("ep4-zero2-adam", {"parallel": {"expert": 2}, "stage": 2, "opt": "Adam"}, False),
+    "ep4-to-ep1-zero1": ("ep4-zero2-adam", {"parallel": {"expert": 1}, "stage": 1, "opt": "Adam"}, False),
+    "tp2ep2-to-tp2ep1-zero0": ("tp2-ep2-zero0-adamw", {"parallel": {"tensor": 2, "expert": 1}, "stage": 0,
+                                                       "opt": "AdamW"}, True),
+}
+
+
+# -- inside the ranks ------------------------------------------------------------------------------
+def _provider(hidden: int):
+    def provide(moe_config, groups):
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer import TransformerConfig
+
+        from moe_plugin.integration.megatron import gpt_moe_spec
+
+        config = TransformerConfig(num_layers=2, hidden_size=hidden, num_attention_heads=2, ffn_hidden_size=FFN,
+                                   tensor_model_parallel_size=groups.layout.sizes.tp, use_cpu_initialization=True,
+                                   hidden_dropout=0.1, attention_dropout=0.0, bias_dropout_fusion=False,
+                                   gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+                                   apply_rope_fusion=False)
+        torch.manual_seed(1234)
+        return GPTModel(config, gpt_moe_spec(moe_config, config, groups), vocab_size=VOCAB, max_sequence_length=SEQ)
+    return provide
+
+
+def _engine(case: dict, moe: dict = MOE, hidden: int = HIDDEN):
+    import moe_plugin
+
+    cfg = {"train_batch_size": BATCH, "steps_per_print": 10 ** 6, "gradient_clipping": 1.0,
+           "optimizer": {"type": case["opt"], "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}},
+           "zero_optimization": {"stage": case["stage"]}, "moe": {**moe, "parallel": case["parallel"]}}
+    dp = 4 // case["parallel"].get("tensor", 1)
+    cfg["train_micro_batch_size_per_gpu"] = BATCH // dp
+    return moe_plugin.initialize(cfg, _provider(hidden))
+
+
+def _batch(step: int):
+    gen = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    return ids[:, :-1], torch.arange(SEQ).expand(BATCH, SEQ), ids[:, 1:]
+
+
+def _train(run, steps: range) -> list[float]:
+    from moe_plugin.layers.moe_layer import MoELayer
+
+    engine = run.engine
+    c = run.groups.layout.coords(torch.distributed.get_rank())
+    micro = BATCH // run.groups.layout.sizes.dp
+    rows = slice(c["dp"] * micro, (c["dp"] + 1) * micro)
+    losses = []
+    for step in steps:
+        ids, pos, labels = (t[rows] for t in _batch(step))
+        loss = engine(ids, pos, None, labels=labels).float().mean()
+        engine.backward(loss)
+        engine.step()
+        for m in engine.module.modules():
+            if isinstance(m, MoELayer):
+                m.update_expert_bias()
+        losses.append(loss.item())
+    return losses
+
+
+def _eval_loss(run) -> float:
+    """The loss of one fixed batch, every rank the whole batch (no dropout, no router noise)."""
+    model = run.engine.module
+    model.eval()
+    with torch.no_grad():
+        ids, pos, labels = _batch(999)
+        loss = model(ids, pos, None, labels=labels).float().mean().item()
+    model.train()
+    return loss
+
+
+def _weights(run) -> dict:
+    return {k: v.detach().clone() for k, v in run.engine.module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _files(root: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+def _entries(directory: str) -> list[str]:
+    """What a save leaves in its directory, less DeepSpeed's recovery scripts (zero_to_*.py)."""
+    return sorted(e for e in os.listdir(directory) if not e.endswith(".py"))
+
+
+def _resume(root: str, name: str, case: dict) -> dict:
+    from moe_plugin.integration.checkpoint import load_checkpoint, save_checkpoint
+
+    out = {}
+    run = _engine(case)
+    try:
+        first = _train(run, range(SAVE_AT))
+        save_checkpoint(run, os.path.join(root, name), client_state={"data_step": SAVE_AT})
+        out["eval_at_save"] = _eval_loss(run)
+        out["full"] = first + _train(run, range(SAVE_AT, STEPS))
+    finally:
+        run.close()
+    run = _engine(case)
+    try:
+        _, client = load_checkpoint(run, os.path.join(root, name))
+        out["client"] = client["data_step"]
+        out["global_steps"] = run.engine.global_steps
+        out["resumed"] = _train(run, range(client["data_step"], STEPS))
+    finally:
+        run.close()
+    if name == "ep2-zero1-adamw":  # the test has teeth: without the RNG states the losses differ
+        run = _engine(case)
+        try:
+            load_checkpoint(run, os.path.join(root, name), load_rng_states=False)
+            out["without_rng"] = _train(run, range(SAVE_AT, STEPS))
+        finally:
+            run.close()
+    return out
+
+
+def _reshard(root: str, saved: str, case: dict, with_optimizer: bool) -> dict:
+    from moe_plugin.integration.checkpoint import CheckpointError, load_checkpoint
+
+    out = {}
+    run = _engine(case)
+    try:
+        if not with_optimizer:
+            with pytest.raises(CheckpointError) as failure:
+                load_checkpoint(run, os.path.join(root, saved))
+            out["error"] = str(failure.value)
+        load_checkpoint(run, os.path.join(root, saved), load_optimizer_states=with_optimizer)
+        out["eval"] = _eval_loss(run)
+        out["global_steps"] = run.engine.global_steps
+        if with_optimizer:
+            out["resumed"] = _train(run, range(SAVE_AT, STEPS))
+    finally:
+        run.close()
+    return out
+
+
+def _bad_inputs(root: str) -> dict:
+    """Checkpoints of another model, or incomplete: the error, and nothing changed."""
+    from moe_plugin.integration import checkpoint
+    from moe_plugin.integration.checkpoint import CheckpointError, load_checkpoint
+
+    saved = os.path.join(root, "ep2-zero1-adamw")
+    broken = os.path.join(root, "broken")
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(saved, broken)
+        tag = checkpoint.read_latest(broken)
+        os.remove(os.path.join(broken, tag, "experts", "expert_00003_pp_00.pt"))
+    torch.distributed.barrier()
+    out = {}
+    case = RESUME["ep2-zero1-adamw"]
+    for name, (directory, moe, hidden) in {"num_experts": (saved, {**MOE, "num_experts": 8}, HIDDEN),
+                                           "hidden": (saved, MOE, 2 * HIDDEN),
+                                           "missing": (broken, MOE, HIDDEN)}.items():
+        run = _engine(case, moe, hidden)
+        try:
+            before, files = _weights(run), _files(root)
+            with pytest.raises(CheckpointError) as failure:
+                load_checkpoint(run, directory)
+            out[name] = str(failure.value)
+            after = _weights(run)
+            out[name + "-unchanged"] = _files(root) == files and all(torch.equal(before[k], after[k]) for k in before)
+        finally:
+            run.close()
+    return out
+
+
+def _killed_save(root: str) -> dict:
+    """A save that fails after DeepSpeed wrote its files: ``latest`` and the previous tag survive."""
+    from moe_plugin.integration import checkpoint
+
+    directory = os.path.join(root, "atomic")
+    out = {}
+    run = _engine(RESUME["ep2-zero1-adamw"])
+    try:
+        _train(run, range(2))
+        checkpoint.save_checkpoint(run, directory, tag="first")
+        out["eval_first"] = _eval_loss(run)
+        _train(run, range(2, 4))
+        write = checkpoint._write
+
+        def failing(obj, path):
+            if os.sep + checkpoint.RNG_DIR + os.sep in path:
+                raise OSError("disk full (simulated)")
+            write(obj, path)
+
+        checkpoint._write = failing
+        try:
+            with pytest.raises(OSError, match="simulated"):
+                checkpoint.save_checkpoint(run, directory, tag="second")
+        finally:
+            checkpoint._write = write
+        torch.distributed.barrier()
+        out["latest"] = checkpoint.read_latest(directory)
+        out["entries"] = _entries(directory)
+        checkpoint.load_checkpoint(run, directory)
+        out["eval_loaded"] = _eval_loss(run)
+        checkpoint.save_checkpoint(run, directory, tag="second")  # removes the stale temporary directory
+        out["entries_after"] = _entries(directory)
+    finally:
+        run.close()
+    return out
+
+
+def _child(rank: int, world_size: int, root: str) -> dict:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    results = {}
+
+    def attempt(name, fn, *args):
+        try:
+            results[name] = fn(*args)
+        except Exception:   # reported by the case's test; the next case goes on
+            results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+
+    for name, case in RESUME.items():
+        attempt(name, _resume, root, name, case)
+    for name, (saved, case, with_optimizer) in RESHARD.items():
+        attempt(name, _reshard, root, saved, case, with_optimizer)
+    attempt("bad", _bad_inputs, root)
+    attempt("killed", _killed_save, root)
+    return results
+
+
+# -- the checks ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from dist import run_distributed
+
+    root = tmp_path_factory.mktemp("ckpt")
+    return run_distributed(_child, 4, root, str(root / "checkpoints"), timeout=600)
+
+
+def _per_rank(results, name) -> list:
+    out = [r[name] for r in results]
+    for r in out:
+        if isinstance(r, str):
+            pytest.fail(r, pytrace=False)
+    return out
+
+
+@pytest.mark.parametrize("name", list(RESUME))
+def test_resume_is_bit_exact(results, name):
+    for rank, r in enumerate(_per_rank(results, name)):
+        assert r["client"] == SAVE_AT and r["global_steps"] == SAVE_AT
+        assert r["resumed"] == r["full"][SAVE_AT:], (
+            f"rank {rank}: resumed {r['resumed']} vs uninterrupted {r['full'][SAVE_AT:]}")
+        if "without_rng" in r:
+            assert r["without_rng"] != r["full"][SAVE_AT:], "router noise and dropout should depend on the RNG"
+
+
+@pytest.mark.parametrize("name", list(RESHARD))
+def test_reshard_computes_the_same_function(results, name):
+    saved_case, _, with_optimizer = RESHARD[name]
+    saved = _per_rank(results, saved_case)
+    for rank, r in enumerate(_per_rank(results, name)):
+        assert r["global_steps"] == SAVE_AT
+        torch.testing.assert_close(r["eval"], saved[0]["eval_at_save"], rtol=1e-6, atol=0)
+        if with_optimizer:   # ZeRO-0: Adam moments re-cut by expert id, RNG streams kept (same tp x dp)
+            torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(saved[rank]["full"][SAVE_AT:]),
+                                       rtol=1e-5, atol=0)
+        else:
+            assert "load_optimizer_states=False" in r["error"] and "ZeRO stage 2" in r["error"], r["error"]
+
+
+def test_bad_checkpoints_fail_clearly_and_change_nothing(results):
+    for r in _per_rank(results, "bad"):
+        assert "moe.num_experts: 4 in the checkpoint, 8 in the model" in r["num_experts"], r["num_experts"]
+        assert "embedding.word_embeddings.weight: shape [32, 16] in the checkpoint, [32, 32]" in r["hidden"], r["hidden"]
+        assert "expert_00003_pp_00.pt: missing" in r["missing"] or "does not fit" in r["missing"], r["missing"]
+        assert all(r[k + "-unchanged"] for k in ("num_experts", "hidden", "missing"))
+
+
+def test_killed_save_leaves_previous_checkpoint(results):
+    for r in _per_rank(results, "killed"):
+        assert r["latest"] == "first"
+        assert r["entries"] == [".tmp-second", "first", "latest"], r["entries"]
+        assert r["eval_loaded"] == r["eval_first"]
+        assert r["entries_after"] == ["first", "latest", "second"], r["entries_after"]
