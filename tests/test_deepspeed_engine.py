@@ -283,9 +283,7 @@ def _never(moe_config, groups):
     ({"num_experts": 8, "parallel": {"expert": 4}}, 6, r"^moe.parallel.expert: got 4; expert x expert_tensor "
                                                         r"\(4 x 1\) must divide the 6 ranks"),
     ({"num_experts": 8, "parallel": {"tensor": 4}}, 6, r"^moe.parallel.tensor: got 4; must divide the 6 ranks"),
-    ({"num_experts": 8, "parallel": {"pipeline": 2}}, 4, r"^moe.parallel.pipeline: got 2; pipeline parallelism is "
-                                                         r"not wired"),
-])
+])  # pipeline-specific errors: tests/test_pipeline.py
 def test_config_errors_come_first_and_leave_no_files(tmp_path, monkeypatch, block, world_size, match):
     import moe_plugin
     import torch.distributed as dist

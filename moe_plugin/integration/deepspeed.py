@@ -24,9 +24,26 @@ Steps, in order (every rank runs them):
    (``grad_norm.py``) clips the basic optimizer's gradients by the true global norm, which
    ``engine.get_global_grad_norm()`` then reports.
 
-Supported: ZeRO stages 0, 1 and 2; TP, EP, ETP and DP in any layout of ``moe.parallel``.
-Verified against a single process in fp32 (``tests/test_deepspeed_engine.py``). Not yet:
-pipeline parallelism (DeepSpeed's ``PipelineEngine``; a ``ConfigError`` says so), fp16/bf16
+Pipeline parallelism (``moe.parallel.pipeline`` > 1): ``model_provider`` returns a DeepSpeed
+``PipelineModule`` (``pipeline.gpt_pipeline_module``) and ``deepspeed.initialize`` gives back a
+``PipelineEngine`` (``engine.train_batch(data_iter)``). Then:
+
+* DeepSpeed requires ``mpu=None`` and takes the module's own grid (groups it creates for the
+  topology's rank lists): ``check_topology`` first makes sure those are our pp/dp/tp rank lists, and
+  after ``deepspeed.initialize`` our mpu is put back into ``deepspeed.utils.groups`` (the engine
+  replaced it with the grid). Expert gradients go through the same MoE paths as without PP (the
+  marker, our expert-data-parallel groups, the DP divisor), per stage.
+* ZeRO stages 0 and 1 only (the PipelineEngine asserts < 2): stage 2 is a ``ConfigError``. Under
+  ZeRO-1 every stage must hold MoE layers or none (ZeRO reduces its norm once per param group over
+  TP x PP). Clipping: ZeRO-1's norm sums over the data-parallel and the TP x PP group; ZeRO-0 in fp32
+  clips with ``GlobalNormClipping`` (one all-reduce over all ranks, every stage's gradients once).
+* The aux loss needs nothing: its gradient enters at each MoE layer's output in backward, on
+  whichever stage the layer sits; ``set_aux_loss_scale`` gives it 1/gas as the main loss gets.
+* Sequence parallelism needs ``"pipeline": {"pipe_partitioned": false, "grad_partitioned": false}``.
+
+Supported: ZeRO stages 0, 1 and 2 (0 and 1 with PP); TP, EP, ETP, DP and PP in any layout of
+``moe.parallel``. Verified against a single process in fp32 (``tests/test_deepspeed_engine.py``,
+``tests/test_pipeline.py``). Not yet: fp16/bf16
 (DeepSpeed's own MoE paths run, unverified; the aux-loss gradient does not follow a dynamic loss
 scale), and checkpoints: DeepSpeed's MoE checkpointing finds experts by its own module names
 (``deepspeed_moe.experts``), so ``engine.save_checkpoint`` would save the expert shards with the
@@ -41,13 +58,15 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import deepspeed
+import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.pipe import PipelineModule
 from torch import nn
 
 from moe_plugin.configs.errors import ConfigError
 from moe_plugin.configs.schema import ROOT_KEY, MoEConfig, load_ds_config
-from moe_plugin.groups.adapters import GroupsMPU, register, unregister
+from moe_plugin.groups.adapters import GroupsMPU, register, register_with_deepspeed, unregister
 from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
 from moe_plugin.groups.layout import RankLayout
 from moe_plugin.groups.process_groups import ProcessGroups
@@ -58,9 +77,11 @@ from moe_plugin.integration.expert_params import (
     set_aux_loss_scale,
 )
 from moe_plugin.integration.grad_norm import GlobalNormClipping
+from moe_plugin.integration.pipe_topology import check_topology
 
 ModelProvider = Callable[[MoEConfig, ProcessGroups], nn.Module]
 SUPPORTED_ZERO_STAGES = (0, 1, 2)
+PIPELINE_ZERO_STAGES = (0, 1)  # DeepSpeed's PipelineEngine asserts stage < 2
 # deepspeed.initialize arguments that initialize sets itself.
 _OWN_ARGUMENTS = ("model", "mpu", "config", "config_params", "dist_init_required")
 
@@ -119,8 +140,7 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
     zero_stage = _check_zero(ds_dict)
     sizes = moe_config.check_world_size(launcher_world_size(world_size))
     if sizes.pp > 1:
-        raise ConfigError(f"{ROOT_KEY}.parallel.pipeline", sizes.pp, "pipeline parallelism is not wired through "
-                          "moe_plugin.initialize yet (it needs DeepSpeed's PipelineEngine); use 1")
+        _check_pipeline(ds_dict, moe_config, zero_stage)
     clashes = [name for name in _OWN_ARGUMENTS if name in deepspeed_kwargs]
     if clashes:
         raise TypeError(f"initialize sets {', '.join(clashes)} itself; pass the model through model_provider "
@@ -139,7 +159,16 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         model = model_provider(moe_config, groups)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model_provider must return a torch.nn.Module, got {type(model).__name__}")
+        pipelined = isinstance(model, PipelineModule)
+        if sizes.pp > 1 and not pipelined:
+            raise TypeError(f"with {ROOT_KEY}.parallel.pipeline {sizes.pp} the model_provider must return a "
+                            f"deepspeed.pipe.PipelineModule (e.g. moe_plugin.integration.pipeline."
+                            f"gpt_pipeline_module), got {type(model).__name__}")
+        if pipelined:
+            check_topology(model.topology(), groups.layout)
         has_experts = prepare_model(model, moe_config, groups)
+        if pipelined and zero_stage > 0:
+            _check_experts_on_every_stage(has_experts, moe_config, groups)
         params = deepspeed_kwargs.pop("model_parameters", None)
         if callable(params):
             params = params(model)
@@ -155,8 +184,13 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         if args is not None and getattr(args, "deepspeed_config", None) is not None:
             args = copy.copy(args)
             args.deepspeed_config = None  # the config goes as config=...; DeepSpeed takes one of the two
+        # DeepSpeed takes a PipelineModule's own grid as mpu (same ranks as ours: check_topology) and
+        # makes it deepspeed.utils.groups.mpu; registering again puts ours back for the getters.
         engine, optimizer, loader, scheduler = deepspeed.initialize(
-            args=args, model=model, model_parameters=param_groups, config=engine_config, mpu=mpu, **deepspeed_kwargs)
+            args=args, model=model, model_parameters=param_groups, config=engine_config,
+            mpu=None if pipelined else mpu, **deepspeed_kwargs)
+        if pipelined:
+            mpu = register_with_deepspeed(groups)
         _check_engine(engine, zero_stage, plugin_clips)
         set_aux_loss_scale(model, 1.0 / engine.gradient_accumulation_steps())
         result = Initialized(engine, optimizer, loader, scheduler, moe_config, groups, mpu)
@@ -205,6 +239,39 @@ def _check_zero(ds_dict: dict) -> int:
         if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
             raise ConfigError("gradient_clipping", clip, "expected a number >= 0 (0: no clipping)")
     return stage
+
+
+def _check_pipeline(ds_dict: dict, moe_config: MoEConfig, zero_stage: int) -> None:
+    """What DeepSpeed's PipelineEngine needs of the config (pp > 1)."""
+    pp = moe_config.parallel.pipeline
+    if zero_stage not in PIPELINE_ZERO_STAGES:
+        raise ConfigError("zero_optimization.stage", zero_stage, f"with {ROOT_KEY}.parallel.pipeline {pp} the model "
+                          "runs on DeepSpeed's PipelineEngine, which supports ZeRO stages 0 and 1 only")
+    pipeline = ds_dict.get("pipeline", {})
+    if not isinstance(pipeline, dict):
+        raise ConfigError("pipeline", pipeline, "expected an object, e.g. {\"pipe_partitioned\": false}")
+    if moe_config.parallel.sequence_parallel and moe_config.parallel.tensor > 1:
+        for key in ("pipe_partitioned", "grad_partitioned"):
+            if pipeline.get(key, True):
+                raise ConfigError(f"pipeline.{key}", pipeline.get(key, True), f"must be false with "
+                                  f"{ROOT_KEY}.parallel.sequence_parallel: DeepSpeed splits the tensor sent between "
+                                  "stages over the TP group assuming every TP rank holds all of it, but under "
+                                  "sequence parallelism each holds its own part of the sequence")
+
+
+def _check_experts_on_every_stage(has_experts: bool, moe_config: MoEConfig, groups: ProcessGroups) -> None:
+    """ZeRO-1 reduces its gradient norm once per param group over the model-parallel group (TP x
+    PP): every stage must have the same param groups, so expert parameters on all stages or none."""
+    flags = torch.tensor([float(has_experts), -float(has_experts)], device=get_accelerator().current_device_name())
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if flags[0].item() != -flags[1].item():
+        key, value = (("layers", moe_config.layers) if moe_config.layers is not None
+                      else ("layer_interval", moe_config.layer_interval))
+        raise ConfigError(f"{ROOT_KEY}.{key}", value, f"leaves pipeline stage {groups.rank_in('pp')} "
+                          f"{'with' if has_experts else 'without'} MoE layers while another stage is "
+                          f"{'without' if has_experts else 'with'}; under ZeRO stage 1 with pipeline parallelism "
+                          "put MoE layers on every stage or on none (ZeRO reduces its gradient norm per param "
+                          "group over all stages)")
 
 
 def _enabled(ds_dict: dict, *keys: str) -> bool:

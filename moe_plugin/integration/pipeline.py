@@ -1,0 +1,288 @@
+"""A Megatron-Core GPT with the plugin's MoE layers as a DeepSpeed ``PipelineModule``.
+
+    def model_provider(moe_config, groups):
+        return gpt_pipeline_module(config, moe_config, groups, vocab_size=V, max_sequence_length=S)
+
+    engine, *_ = moe_plugin.initialize(ds_config, model_provider)   # a PipelineEngine when pp > 1
+    loss = engine.train_batch(iter(batches))   # each item: ((tokens_BS, position_ids_BS), labels_BS)
+
+Shapes: B micro-batch, S sequence, H hidden, V vocabulary (V/TP on a tensor-parallel rank).
+
+The pipe is a flat list of pieces; DeepSpeed builds only the pieces of a rank's stage:
+
+    0            EmbeddingPipe          ((tokens_BS, position_ids_BS)) -> hidden_SBH
+    1 .. L       TransformerLayerPipe   hidden_SBH -> hidden_SBH   (global layer i at piece 1 + i)
+    L + 1        FinalNormPipe          hidden_SBH -> hidden_SBH
+    L + 2        OutputLayerPipe        hidden_SBH -> logits_SBV
+    loss_fn      gpt_loss(logits_SBV, labels_BS): mean token cross entropy, vocab-parallel under TP
+
+The modules are Megatron-Core's (``LanguageModelEmbedding``, the layer and final-norm spec of
+``gpt_moe_spec``: ``MoEAwareTransformerLayer`` with the plugin's MoE MLP where
+``moe_config.is_moe_layer(i)``, CPU-friendly on a CPU accelerator; ``ColumnParallelLinear``), with
+the state-dict names ``GPTModel`` gives them under a piece prefix (``gpt_state_dict_key``).
+
+* Stages: Megatron's split, not DeepSpeed's partitioner. Stage s holds the layers
+  ``get_transformer_layer_offset(config, pp_rank=s)`` onwards, ``get_num_layers_to_build`` of them
+  (``num_layers_in_first/last_pipeline_stage`` included), the first stage also the embedding, the
+  last the final norm and output layer. ``MoEAwareTransformerLayer`` computes its global index from
+  the same functions, so the MoE layers sit where the config says on every stage.
+* Topology: ``pipe_topology.pipeline_topology(groups.layout)``, checked to reproduce the layout's
+  pp/dp/tp groups; DeepSpeed's stage of a rank is its Megatron pipeline rank.
+* Embeddings are untied (``GPTModel(share_embeddings_and_output_weights=False)``): tying would
+  need a ``TiedLayerSpec`` across the first and last stages and a vocab-parallel shared weight;
+  not done.
+* Init: every piece is built under its own seed (``piece_seed(seed, piece)``, the caller's torch
+  RNG state is restored afterwards), the MoE MLPs under the seed of their global layer index.
+  With ``use_cpu_initialization`` Megatron draws each full weight and cuts the TP shard from it,
+  so the weights do not depend on the layout: pp, tp and ep runs start from the pp = 1 weights.
+  They are *not* the weights a ``GPTModel`` draws in one sequence; load those with
+  ``gpt_state_dict_key`` to compare with one.
+* Attention is causal without a mask tensor (the pipe carries one tensor between stages).
+  Sequence parallelism is refused by ``initialize`` unless DeepSpeed's pipe partitioning is off.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from torch import Tensor, nn
+
+from moe_plugin.configs import MoEConfig
+from moe_plugin.groups.process_groups import ProcessGroups
+from moe_plugin.integration.megatron import check_against_model, gpt_moe_spec
+from moe_plugin.integration.pipe_topology import pipeline_topology
+
+logger = logging.getLogger(__name__)
+
+# PipelineModule arguments that gpt_pipeline_module sets itself.
+_OWN_ARGUMENTS = ("layers", "num_stages", "topology", "loss_fn", "partition_method", "seed_layers")
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Torch's CPU generator seeded with ``seed`` inside, the caller's state restored after."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def piece_seed(seed: int, piece: int) -> int:
+    """The seed piece ``piece`` of the pipe is built under (distinct per piece and model seed)."""
+    return seed * 1_000_003 + 7_919 * (piece + 1)
+
+
+# --- the pieces ------------------------------------------------------------------------------------
+class EmbeddingPipe(nn.Module):
+    """Megatron's ``LanguageModelEmbedding`` (vocab-parallel words, learned absolute positions)."""
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int, seed: int):
+        super().__init__()
+        with _seeded(seed):
+            self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length)
+
+    def forward(self, inputs: tuple[Tensor, Tensor]) -> Tensor:
+        """(tokens_BS, position_ids_BS) -> hidden_SBH (replicated over TP)."""
+        if not (isinstance(inputs, (tuple, list)) and len(inputs) == 2):
+            raise TypeError("the first pipeline stage takes (tokens [B, S], position_ids [B, S]) as a micro-batch's "
+                            f"inputs, got {type(inputs).__name__}")
+        tokens_BS, position_ids_BS = inputs
+        return self.embedding(tokens_BS, position_ids_BS)
+
+
+class TransformerLayerPipe(nn.Module):
+    """One transformer layer of the spec at global index ``layer_index`` on a stage whose first
+    layer is ``stage_offset``; the layer itself checks the index Megatron gives it."""
+
+    def __init__(self, config: TransformerConfig, layer_spec: Any, layer_index: int, stage_offset: int, seed: int):
+        super().__init__()
+        with _seeded(seed):
+            self.layer = build_module(layer_spec, config=config, layer_number=layer_index - stage_offset + 1)
+        if self.layer.layer_number != layer_index + 1:
+            raise RuntimeError(f"layer {layer_index} was built as Megatron layer number {self.layer.layer_number}: "
+                               "the pipeline stage and Megatron's pipeline rank disagree")
+
+    def forward(self, hidden_SBH: Tensor) -> Tensor:
+        out_SBH, _context = self.layer(hidden_states=hidden_SBH, attention_mask=None)
+        return out_SBH
+
+
+class FinalNormPipe(nn.Module):
+    """The final norm of the block spec (what ``TransformerBlock`` builds on the last stage)."""
+
+    def __init__(self, config: TransformerConfig, norm_spec: Any, seed: int):
+        super().__init__()
+        with _seeded(seed):
+            self.final_layernorm = build_module(norm_spec, config=config, hidden_size=config.hidden_size,
+                                                eps=config.layernorm_epsilon)
+
+    def forward(self, hidden_SBH: Tensor) -> Tensor:
+        return self.final_layernorm(hidden_SBH)
+
+
+class OutputLayerPipe(nn.Module):
+    """``GPTModel``'s output layer: column-parallel over the vocabulary, logits stay split."""
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, seed: int):
+        super().__init__()
+        with _seeded(seed):
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
+                skip_bias_add=False, gather_output=False)
+
+    def forward(self, hidden_SBH: Tensor) -> Tensor:
+        logits_SBV, _bias = self.output_layer(hidden_SBH)
+        return logits_SBV
+
+
+def gpt_loss(logits_SBV: Tensor, labels_BS: Tensor) -> Tensor:
+    """Mean token cross entropy of a micro-batch (``GPTModel``'s loss, averaged); vocab-parallel
+    over the TP group when the logits are split."""
+    losses_SB = tensor_parallel.vocab_parallel_cross_entropy(logits_SBV.float(), labels_BS.transpose(0, 1).contiguous())
+    return losses_SB.mean()
+
+
+# --- stages ------------------------------------------------------------------------------------------
+def stage_layers(config: TransformerConfig) -> list[range]:
+    """Global layer indices of each pipeline stage, as Megatron splits ``config.num_layers``."""
+    pp = config.pipeline_model_parallel_size
+    if config.virtual_pipeline_model_parallel_size is not None:
+        raise ValueError("virtual_pipeline_model_parallel_size: DeepSpeed's PipelineEngine runs one model chunk "
+                         "per stage (no interleaved schedule); leave it None")
+    if config.pipeline_model_parallel_layout is not None:
+        raise ValueError("pipeline_model_parallel_layout: not supported with DeepSpeed's pipeline (the embedding "
+                         "and loss go to the first and last stage); use num_layers_in_first/last_pipeline_stage")
+    out = []
+    for stage in range(pp):
+        first = get_transformer_layer_offset(config, None, pp_rank=stage) if pp > 1 else 0
+        out.append(range(first, first + get_num_layers_to_build(config, vp_stage=None, pp_rank=stage)))
+    if [i for r in out for i in r] != list(range(config.num_layers)):
+        raise RuntimeError(f"Megatron splits {config.num_layers} layers into {[(r.start, r.stop) for r in out]}: "
+                           "not consecutive; unsupported megatron-core version")
+    return out
+
+
+def stage_boundaries(config: TransformerConfig) -> list[int]:
+    """DeepSpeed's ``parts``: stage s runs pieces ``parts[s] .. parts[s + 1] - 1`` (see the module
+    docstring for the piece list)."""
+    ranges = stage_layers(config)
+    return [0] + [1 + r.start for r in ranges[1:]] + [config.num_layers + 3]
+
+
+class GPTPipelineModule(PipelineModule):
+    """A ``PipelineModule`` whose stage boundaries are given (``parts``) instead of searched:
+    DeepSpeed's partitioners balance parameter counts, Megatron's layer offsets must hold."""
+
+    def __init__(self, layers: list, *, parts: list[int], **kwargs: Any):
+        if not all(hasattr(PipelineModule, name) for name in ("_partition_layers", "_set_bounds")):
+            raise RuntimeError("deepspeed.pipe.PipelineModule lacks _partition_layers/_set_bounds: unsupported "
+                               "DeepSpeed version")
+        if len(parts) != kwargs["topology"].get_dim("pipe") + 1 or parts[-1] != len(layers):
+            raise ValueError(f"parts {parts} do not split {len(layers)} pieces into "
+                             f"{kwargs['topology'].get_dim('pipe')} stages")
+        self._given_parts = list(parts)
+        super().__init__(layers, **kwargs)
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        self.parts = list(self._given_parts)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups: ProcessGroups, *,
+                        vocab_size: int, max_sequence_length: int, seed: int = 0, cpu: Optional[bool] = None,
+                        **pipeline_kwargs: Any) -> GPTPipelineModule:
+    """This rank's stage of a GPT with MoE layers, as a DeepSpeed ``PipelineModule`` (see the
+    module docstring). Collective: every rank calls it (DeepSpeed creates its grid's groups).
+
+    ``config.pipeline_model_parallel_size`` and ``tensor_model_parallel_size`` must equal the
+    layout's; ``groups`` are the plugin's groups, registered (``moe_plugin.initialize`` does both).
+    ``seed``: the model seed (dense pieces and MoE layers). ``cpu``: the CPU-friendly spec (default:
+    on a CPU accelerator). ``pipeline_kwargs`` go to ``PipelineModule`` (activation checkpointing,
+    ``dynamic_shape``, ...). Needs ``LOCAL_RANK`` in the environment, as every DeepSpeed pipeline.
+    """
+    clashes = [name for name in _OWN_ARGUMENTS if name in pipeline_kwargs]
+    if clashes:
+        raise TypeError(f"gpt_pipeline_module sets {', '.join(clashes)} itself")
+    check_against_model(moe_config, config)
+    sizes = groups.layout.sizes
+    if (sizes.pp, sizes.tp) != (config.pipeline_model_parallel_size, config.tensor_model_parallel_size):
+        raise ValueError(f"the groups are for pp {sizes.pp} x tp {sizes.tp} but the TransformerConfig has "
+                         f"pipeline_model_parallel_size {config.pipeline_model_parallel_size}, "
+                         f"tensor_model_parallel_size {config.tensor_model_parallel_size}")
+    topology = pipeline_topology(groups.layout)
+    stage = groups.rank_in("pp")
+    if topology.get_coord(groups.rank).pipe != stage:
+        raise RuntimeError(f"rank {groups.rank}: DeepSpeed's stage {topology.get_coord(groups.rank).pipe} is not "
+                           f"the pipeline rank {stage}")
+    ranges = stage_layers(config)
+    # Specs are pure descriptions: the layer spec is the same for every layer, the final norm's is
+    # the block's (taken from a stage that has layers: Megatron's list has one spec per layer).
+    with_layers = next(s for s, r in enumerate(ranges) if len(r))
+    block = gpt_moe_spec(moe_config, config, groups, seed=seed, cpu=cpu, pp_rank=with_layers)
+    layer_spec, norm_spec = block.layer_specs[0], block.layer_norm
+    num = config.num_layers
+    pieces: list = [LayerSpec(EmbeddingPipe, config, vocab_size, max_sequence_length, piece_seed(seed, 0))]
+    stage_of = {i: s for s, r in enumerate(ranges) for i in r}
+    for i in range(num):
+        pieces.append(LayerSpec(TransformerLayerPipe, config, layer_spec, i, ranges[stage_of[i]].start,
+                                piece_seed(seed, 1 + i)))
+    pieces.append(LayerSpec(FinalNormPipe, config, norm_spec, piece_seed(seed, num + 1)))
+    pieces.append(LayerSpec(OutputLayerPipe, config, vocab_size, piece_seed(seed, num + 2)))
+    if groups.rank == 0:
+        logger.info("GPT pipeline: %d stages, layers per stage %s, MoE layers %s", sizes.pp,
+                    [(r.start, r.stop) for r in ranges], [i for i in range(num) if moe_config.is_moe_layer(i)])
+    return GPTPipelineModule(pieces, parts=stage_boundaries(config), topology=topology, loss_fn=gpt_loss,
+                             **pipeline_kwargs)
+
+
+# --- names -------------------------------------------------------------------------------------------
+_PIPE_KEY = re.compile(r"^(\d+)\.(embedding|layer|final_layernorm|output_layer)\.(.+)$")
+
+
+def gpt_state_dict_key(pipe_key: str, num_layers: int) -> str:
+    """The ``GPTModel`` state-dict key of a pipeline key: ``0.embedding.X`` -> ``embedding.X``,
+    ``{1+i}.layer.X`` -> ``decoder.layers.{i}.X``, ``{L+1}.final_layernorm.X`` ->
+    ``decoder.final_layernorm.X``, ``{L+2}.output_layer.X`` -> ``output_layer.X``."""
+    match = _PIPE_KEY.match(pipe_key)
+    if match is None:
+        raise KeyError(f"{pipe_key!r} is no key of gpt_pipeline_module's pieces")
+    piece, kind, rest = int(match.group(1)), match.group(2), match.group(3)
+    expected = {"embedding": piece == 0, "layer": 1 <= piece <= num_layers,
+                "final_layernorm": piece == num_layers + 1, "output_layer": piece == num_layers + 2}[kind]
+    if not expected:
+        raise KeyError(f"{pipe_key!r}: piece {piece} is no {kind} in a pipe of {num_layers} layers")
+    if kind == "layer":
+        return f"decoder.layers.{piece - 1}.{rest}"
+    if kind == "final_layernorm":
+        return f"decoder.final_layernorm.{rest}"
+    return f"{kind}.{rest}"
+
+
+def pipeline_state_dict_key(gpt_key: str, num_layers: int) -> str:
+    """The inverse of ``gpt_state_dict_key``."""
+    if gpt_key.startswith("decoder.layers."):
+        index, rest = gpt_key[len("decoder.layers."):].split(".", 1)
+        return f"{1 + int(index)}.layer.{rest}"
+    if gpt_key.startswith("decoder.final_layernorm."):
+        return f"{num_layers + 1}.{gpt_key[len('decoder.'):]}"
+    if gpt_key.startswith("embedding."):
+        return f"0.{gpt_key}"
+    if gpt_key.startswith("output_layer."):
+        return f"{num_layers + 2}.{gpt_key}"
+    raise KeyError(f"{gpt_key!r} is no GPTModel key that gpt_pipeline_module has")
+
+
+__all__ = ["EmbeddingPipe", "FinalNormPipe", "GPTPipelineModule", "OutputLayerPipe", "TransformerLayerPipe",
+           "gpt_loss", "gpt_pipeline_module", "gpt_state_dict_key", "piece_seed", "pipeline_state_dict_key",
+           "stage_boundaries", "stage_layers"]
