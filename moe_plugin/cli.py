@@ -4,6 +4,7 @@
     moe-plugin layout --world-size 8 --tp 2 --pp 2 --ep 2 [--etp 1] [--order tp-cp-ep-dp-pp] [--json]
     moe-plugin demo [--world-size 4] [--config FILE]
     moe-plugin bench layer [--experts 8,64,128] [--tokens N] [--vs deepspeed] [--dropless] [--json] ...
+    moe-plugin bench step [--ranks 4] [--ep N] [--layers 4] [--hidden 256] [--experts 8] [--json] ...
 
 A bad config or bad sizes exit with status 2 and one line ``error: <message>`` on stderr.
 Nothing here creates a process group or imports torch.distributed (``bench`` imports torch when run).
@@ -74,6 +75,12 @@ def bench_layer(args: argparse.Namespace) -> None:
     run(args)
 
 
+def bench_step(args: argparse.Namespace) -> None:
+    from moe_plugin.bench.step import run
+
+    run(args)
+
+
 def _span(first: int, count: int) -> str:
     return str(first) if count == 1 else f"{first}-{first + count - 1}"
 
@@ -124,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: examples/gpt_moe/configs/tiny_cpu_4rank.json)")
     example.set_defaults(run=demo)
 
-    add_bench_parser(commands, bench_layer)
+    add_bench_parser(commands, bench_layer, bench_step)
     return parser
 
 

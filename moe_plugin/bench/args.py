@@ -34,9 +34,11 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_bench_parser(commands: argparse._SubParsersAction, run_layer) -> None:
-    """Add ``bench layer`` to the ``moe-plugin`` subcommands; ``run_layer(args)`` runs it."""
-    bench = commands.add_parser("bench", help="benchmarks (bench layer: our MoE layer vs DeepSpeed's)")
+def add_bench_parser(commands: argparse._SubParsersAction, run_layer, run_step=None) -> None:
+    """Add ``bench layer`` (and ``bench step`` when ``run_step`` is given) to the ``moe-plugin``
+    subcommands; ``run_layer(args)`` / ``run_step(args)`` run them."""
+    bench = commands.add_parser("bench", help="benchmarks (bench layer: our MoE layer vs DeepSpeed's; bench step: "
+                                "whole training steps of a GPT-MoE vs the same GPT with DeepSpeed's MoE)")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     layer = kinds.add_parser("layer", help="forward+backward time and peak memory of the MoE layer, of DeepSpeed's "
                              "MoE layer and of the expert GEMMs alone (the floor)",
@@ -66,3 +68,40 @@ def add_bench_parser(commands: argparse._SubParsersAction, run_layer) -> None:
                        "processes (or is one rank under a launcher); --tokens is per rank (default 1)")
     layer.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     layer.set_defaults(run=run_layer)
+    if run_step is not None:
+        add_step_parser(kinds, run_step)
+
+
+def add_step_parser(kinds: argparse._SubParsersAction, run_step) -> None:
+    """``bench step``: see moe_plugin/bench/step.py and docs/benchmarks.md."""
+    step = kinds.add_parser("step", help="whole training step (forward, backward, optimizer) of a tiny Megatron GPT "
+                            "with our MoE layers vs the same GPT with DeepSpeed's MoE layers, alternating",
+                            description="One line (one JSON object with --json) from rank 0. "
+                            "See docs/benchmarks.md.")
+    step.add_argument("--ranks", type=positive_int, default=4, help="gloo ranks to start (or, under a launcher, "
+                      "its WORLD_SIZE; default 4)")
+    step.add_argument("--ep", type=positive_int, default=None, help="expert-parallel size (default: --ranks)")
+    step.add_argument("--layers", type=positive_int, default=4, help="transformer layers (default 4)")
+    step.add_argument("--moe-every", type=positive_int, default=2, help="layer i is MoE when i %% N == 0 "
+                      "(default 2: layers 0, 2)")
+    step.add_argument("--hidden", type=positive_int, default=256, help="hidden size (default 256)")
+    step.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
+    step.add_argument("--ffn", type=positive_int, default=1024, help="FFN size of dense MLPs and experts "
+                      "(default 1024)")
+    step.add_argument("--experts", type=positive_int, default=8, help="experts per MoE layer (default 8)")
+    step.add_argument("--top-k", type=positive_int, default=2, choices=[1, 2], help="default 2")
+    step.add_argument("--capacity-factor", type=float, default=1.25, help="default 1.25")
+    step.add_argument("--min-capacity", type=int, default=4, help="default 4")
+    step.add_argument("--seq", type=positive_int, default=256, help="sequence length (default 256)")
+    step.add_argument("--micro-batch", type=positive_int, default=4, help="sequences per rank (default 4)")
+    step.add_argument("--vocab", type=positive_int, default=4096, help="vocabulary size (default 4096)")
+    step.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=1, help="default 1")
+    step.add_argument("--rounds", type=positive_int, default=5, help="timed rounds, each one step of both "
+                      "models (default 5)")
+    step.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
+    step.add_argument("--threads", type=positive_int, default=2, help="threads of the whole job, split over the "
+                      "ranks (default 2)")
+    step.add_argument("--seed", type=int, default=0)
+    step.add_argument("--json", action="store_true", help="print one JSON object")
+    step.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)   # the deepspeed launcher passes it
+    step.set_defaults(run=run_step)

@@ -31,13 +31,14 @@ from torch import Tensor, nn
 from moe_plugin.layers import MoELayer
 
 
-def deepspeed_twin(ours: MoELayer, ep_size: int = 1) -> nn.Module:
+def deepspeed_twin(ours: MoELayer, ep_size: int = 1, set_parallelism: bool = True) -> nn.Module:
     """A ``deepspeed.moe.layer.MoE`` that routes like ``ours`` and holds copies of its weights.
 
     With ``ep_size > 1`` (every rank of the EP group calls it) it holds the same local experts as
     ``ours`` and its expert-parallel group is DeepSpeed's own ``ep_size_<n>`` over the world
     (``deepspeed.comm`` is initialised on top of the existing default group; see
-    ``forget_deepspeed_groups``)."""
+    ``forget_deepspeed_groups``). ``set_parallelism=False`` leaves that to DeepSpeed's engine
+    (``deepspeed.initialize`` calls ``set_deepspeed_parallelism``, which may run only once)."""
     from deepspeed.moe.layer import MoE
 
     cfg = ours.config
@@ -60,7 +61,7 @@ def deepspeed_twin(ours: MoELayer, ep_size: int = 1) -> nn.Module:
         for l, mlp in enumerate(twin.deepspeed_moe.experts.deepspeed_experts):
             mlp[0].weight.copy_(weight1_LHF[l].t())
             mlp[2].weight.copy_(weight2_LFH[l].t())
-    if ep_size > 1:
+    if ep_size > 1 and set_parallelism:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)

@@ -1,0 +1,246 @@
+"""``moe-plugin bench step``: whole training steps of a tiny GPT-MoE, ours against DeepSpeed's MoE.
+
+Both models (``gpt_models.py``: the same Megatron-Core GPTModel, dense weights, expert weights,
+routing, ZeRO stage and AdamW; MoE MLPs the plugin's or ``deepspeed.moe.layer.MoE``) are built
+first, in one process per rank, then trained on the same random tokens (each rank its own
+micro-batch, batch r at round r for both). A step is ``engine(...)`` forward, ``engine.backward``
+and ``engine.step()``; the twin's loss adds ``aux_loss_coeff * l_aux`` (ours attaches it inside
+the layer). Round r runs both models, ours first on even rounds, the twin first on odd ones;
+every step starts after a barrier over the job and lasts as long as its slowest rank. The first
+``warmup`` rounds are not timed; the record has medians over ``rounds``.
+
+Also in the record: the phases of a step (``forward``, ``backward``, ``optimizer``, each the
+slowest rank's) and ``moe_forward`` (the MoE MLPs' forward inside ``forward``, by forward hooks);
+every round's language-model loss (mean over ranks) of both models, ``step0_loss_diff`` (the
+models start equal: with no dropped route the step-0 losses agree to rounding; with drops
+DeepSpeed renormalises the gates of a token whose 2nd route was dropped, ours does not, so they
+differ a little), ``same_initial_weights``; our expert load of the last step
+(``ExpertMetrics.log_line``); ``loadavg`` and ``others_cpu`` as in ``bench layer``.
+
+Processes: ``--ranks N`` starts N gloo ranks itself (``torch.multiprocessing`` spawn, a file
+rendezvous in a temporary directory), each with ``max(1, threads // N)`` threads; under a launcher
+that sets ``RANK`` and ``WORLD_SIZE`` (``deepspeed``, ``torchrun``) this process is one rank.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moe_plugin.bench.gpt_models import GPTSpec
+
+MODELS = ("ours", "deepspeed")
+PHASES = ("forward", "backward", "optimizer", "moe_forward")
+
+
+class _World:
+    """``bench layer``'s ``Ranks`` interface over the whole job (for ``_others_share``)."""
+
+    def reduce(self, values: list[float], op: str) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return t.tolist()
+
+
+class ForwardTimer:
+    """Seconds spent in the forward of some modules since ``reset()`` (forward hooks)."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.seconds = 0.0
+        self._start = 0.0
+        self._hooks = [h for m in modules for h in (m.register_forward_pre_hook(self._begin),
+                                                      m.register_forward_hook(self._end))]
+
+    def _begin(self, *_: Any) -> None:
+        self._start = time.perf_counter()
+
+    def _end(self, *_: Any) -> None:
+        self.seconds += time.perf_counter() - self._start
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def make_batches(spec: GPTSpec, count: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``count`` micro-batches (ids, positions, labels) of random tokens for this rank."""
+    gen = torch.Generator().manual_seed(spec.seed * 1000 + rank)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, spec.vocab, (spec.micro_batch, spec.seq + 1), generator=gen)
+        out.append((ids[:, :-1].contiguous(), torch.arange(spec.seq).expand(spec.micro_batch, spec.seq),
+                    ids[:, 1:].contiguous()))
+    return out
+
+
+def _trainer(engine: Any, timer: ForwardTimer, aux: Optional[Callable[[], torch.Tensor]]):
+    """A function that trains one step on a batch: returns (LM loss, [forward, backward, optimizer,
+    moe_forward] seconds)."""
+
+    def step(batch) -> tuple[float, list[float]]:
+        ids, pos, labels = batch
+        timer.reset()
+        t0 = time.perf_counter()
+        lm = engine(ids, pos, None, labels=labels).float().mean()
+        loss = lm if aux is None else lm + aux()
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        t2 = time.perf_counter()
+        engine.step()
+        t3 = time.perf_counter()
+        return float(lm), [t1 - t0, t2 - t1, t3 - t2, timer.seconds]
+
+    return step
+
+
+def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
+    """Build both models and time them (module docstring); every rank calls it with torch.distributed
+    initialised (gloo). Returns the record (the same on every rank)."""
+    from moe_plugin.bench.gpt_models import build_deepspeed_twin, build_ours, same_weights, twin_aux_loss
+    from moe_plugin.bench.layer import _cpu_seconds, _loadavg, _others_share
+    from moe_plugin.integration.megatron import MegatronMoEMLP
+    from moe_plugin.integration.monitor import ExpertMetrics
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ours = build_ours(spec, world)
+    try:
+        twin, wrappers = build_deepspeed_twin(spec, ours, world)
+        same = same_weights(ours.engine, twin)
+        ours_moe = [m for m in ours.engine.module.modules() if isinstance(m, MegatronMoEMLP)]
+        timers = {"ours": ForwardTimer(ours_moe), "deepspeed": ForwardTimer(wrappers)}
+        steps = {"ours": _trainer(ours.engine, timers["ours"], None),
+                 "deepspeed": _trainer(twin, timers["deepspeed"], lambda: twin_aux_loss(spec, wrappers))}
+        metrics = ExpertMetrics(ours.engine.module, per_expert=False)
+        batches = make_batches(spec, warmup + rounds, rank)
+        world_ranks = _World()
+        times: dict[str, list[list[float]]] = {name: [] for name in MODELS}
+        losses: dict[str, list[float]] = {name: [] for name in MODELS}
+        busy_before = None
+        for r, batch in enumerate(batches):
+            if r == warmup:
+                busy_before = _cpu_seconds()
+            for name in (MODELS if r % 2 == 0 else MODELS[::-1]):
+                dist.barrier()
+                start = time.perf_counter()
+                lm, phases = steps[name](batch)
+                total = time.perf_counter() - start
+                slowest = world_ranks.reduce([total, *phases], "max")
+                losses[name].append(world_ranks.reduce([lm], "sum")[0] / world)
+                if r >= warmup:
+                    times[name].append([1e3 * s for s in slowest])
+                if name == "ours":
+                    metrics.collect()   # outside the timed region (a small all-reduce per layer)
+        busy_after = _cpu_seconds()
+        for timer in timers.values():
+            timer.close()
+        metrics.close()
+        record = {"bench": "step", "ranks": world, **asdict(spec), "rounds": rounds, "warmup": warmup,
+                  "threads": torch.get_num_threads(), "dtype": "float32",
+                  "moe_layers": [m.layer_index for m in ours_moe], "tokens_per_rank": spec.seq * spec.micro_batch,
+                  "params_per_rank": {"ours": _count(ours.engine.module), "deepspeed": _count(twin.module)}}
+        for name in MODELS:
+            record[f"{name}_ms"] = round(statistics.median(t[0] for t in times[name]), 2)
+        record["deepspeed_over_ours"] = round(record["deepspeed_ms"] / record["ours_ms"], 3)
+        for name in MODELS:
+            record[f"{name}_phases_ms"] = {p: round(statistics.median(t[i + 1] for t in times[name]), 2)
+                                           for i, p in enumerate(PHASES)}
+        record.update({f"{name}_losses": [round(v, 5) for v in losses[name]] for name in MODELS})
+        record["step0_loss_diff"] = abs(losses["ours"][0] - losses["deepspeed"][0])
+        record["same_initial_weights"] = same
+        record["moe_metrics"] = metrics.log_line()
+        record["loadavg"] = _loadavg()
+        record["others_cpu"] = _others_share(busy_before, busy_after, world_ranks)
+        return record
+    finally:
+        ours.close()
+
+
+def _count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+# --- processes -----------------------------------------------------------------------------------
+def spec_from_args(args: argparse.Namespace) -> GPTSpec:
+    return GPTSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=args.ffn, experts=args.experts,
+                   ep=args.ep or args.ranks, moe_every=args.moe_every, seq=args.seq, micro_batch=args.micro_batch,
+                   vocab=args.vocab, k=args.top_k, capacity_factor=args.capacity_factor,
+                   min_capacity=args.min_capacity, zero_stage=args.zero_stage, seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> None:
+    """The ``bench step`` command: one line (JSON with ``--json``) from rank 0."""
+    spec = spec_from_args(args)
+    world = args.ranks
+    if spec.experts % spec.ep or world % spec.ep:
+        raise ValueError(f"--ep {spec.ep} must divide --experts {spec.experts} and --ranks {world}")
+    threads = max(1, args.threads // world)
+
+    def emit(record: dict) -> None:
+        print(json.dumps(record) if args.json else summary(record), flush=True)
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:   # started by a launcher: this process is one rank
+        if int(os.environ["WORLD_SIZE"]) != world:
+            raise ValueError(f"--ranks {world} but the launcher started WORLD_SIZE={os.environ['WORLD_SIZE']} ranks")
+        rank = int(os.environ["RANK"])
+        record = rank_main(rank, world, spec, args.rounds, args.warmup, threads, "env://")
+        if rank == 0:
+            emit(record)
+        return
+    with tempfile.TemporaryDirectory(prefix="moe_bench_step_") as tmp:
+        mp.spawn(_spawned, args=(world, spec, args.rounds, args.warmup, threads, tmp), nprocs=world, join=True)
+        emit(json.loads((Path(tmp) / "record.json").read_text()))
+
+
+def _spawned(rank: int, world: int, spec: GPTSpec, rounds: int, warmup: int, threads: int, tmp: str) -> None:
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep stdout for results
+        record = rank_main(rank, world, spec, rounds, warmup, threads, f"file://{tmp}/store")
+    if rank == 0:
+        (Path(tmp) / "record.json").write_text(json.dumps(record))
+
+
+def rank_main(rank: int, world: int, spec: GPTSpec, rounds: int, warmup: int, threads: int,
+              init_method: str) -> dict:
+    """One rank: the default group (unless one exists, a test harness's), the bench, teardown."""
+    torch.set_num_threads(threads)
+    # what the deepspeed launcher sets (DeepSpeed's engine asserts LOCAL_RANK)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=os.environ.get("LOCAL_RANK", str(rank)), WORLD_SIZE=str(world))
+    owns_world = not dist.is_initialized()
+    if owns_world:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        return bench_step(spec, rounds, warmup)
+    finally:
+        if owns_world:
+            dist.destroy_process_group()
+
+
+def summary(record: dict) -> str:
+    """One human-readable line of a record."""
+    phases = " | ".join(f"{n}: " + ", ".join(f"{p} {v:.0f}" for p, v in record[f"{n}_phases_ms"].items())
+                        for n in MODELS)
+    return (f"ranks={record['ranks']} ep={record['ep']} L={record['layers']} H={record['hidden']} F={record['ffn']} "
+            f"E={record['experts']} moe_layers={record['moe_layers']} S={record['seq']} B={record['micro_batch']} "
+            f"V={record['vocab']}: ours {record['ours_ms']:.0f} ms, deepspeed {record['deepspeed_ms']:.0f} ms, "
+            f"deepspeed/ours {record['deepspeed_over_ours']} | {phases} | {record['moe_metrics']} | "
+            f"load avg {record['loadavg']}, others_cpu {record['others_cpu']}")
+
+
+if __name__ == "__main__":   # deepspeed --num_gpus N -m moe_plugin.bench.step --ranks N ...
+    from moe_plugin.cli import main
+
+    sys.exit(main(["bench", "step", *sys.argv[1:]]))

@@ -1,0 +1,58 @@
+"""``moe-plugin bench step`` at toy sizes on 2 ranks: the record's fields, finite losses of both
+models, equal step-0 losses when nothing is dropped (same weights, same routing). No timing
+assertions."""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from moe_plugin.bench.gpt_models import GPTSpec
+from moe_plugin.cli import main
+
+# capacity factor 4: no expert overflows, so DeepSpeed's gate renormalisation over kept routes
+# is ours too and the two models compute the same step-0 loss
+TOY = GPTSpec(layers=2, hidden=32, heads=4, ffn=64, experts=4, ep=2, moe_every=1, seq=16, micro_batch=2, vocab=64,
+              capacity_factor=4.0)
+
+
+def _child(rank, world_size, spec):
+    from moe_plugin.bench.step import rank_main
+
+    return rank_main(rank, world_size, spec, rounds=2, warmup=1, threads=1, init_method="unused: harness group")
+
+
+def test_bench_step_record(dist_run):
+    records = dist_run(_child, 2, TOY, timeout=300)
+    record = records[0]
+    assert records[1]["ours_losses"] == record["ours_losses"]       # the record is the job's, on every rank
+    for field in ("ours_ms", "deepspeed_ms", "deepspeed_over_ours"):
+        assert isinstance(record[field], float) and math.isfinite(record[field]) and record[field] > 0, field
+    for name in ("ours", "deepspeed"):
+        assert set(record[f"{name}_phases_ms"]) == {"forward", "backward", "optimizer", "moe_forward"}
+        assert all(v >= 0 for v in record[f"{name}_phases_ms"].values())
+        losses = record[f"{name}_losses"]
+        assert len(losses) == 3 and all(math.isfinite(v) and 0 < v < 10 for v in losses), losses
+    assert record["same_initial_weights"]
+    assert record["step0_loss_diff"] < 1e-5, (record["ours_losses"][0], record["deepspeed_losses"][0])
+    assert record["ours_losses"][0] == pytest.approx(math.log(TOY.vocab), rel=0.1)   # untrained: ~uniform
+    assert record["moe_layers"] == [0, 1] and record["ranks"] == 2 and record["ep"] == 2
+    assert record["tokens_per_rank"] == TOY.seq * TOY.micro_batch
+    assert re.fullmatch(r"moe: imb \d+\.\d\d \(max L[01]\) drop 0\.0% aux \d+\.\d{3}", record["moe_metrics"])
+    assert len(record["loadavg"]) == 3 and record["others_cpu"] is not None
+    json.dumps(record)
+
+
+def test_cli_step_checks_sizes_and_the_launcher(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as caught:
+        main(["bench", "step", "--ranks", "4", "--ep", "3", "--experts", "8"])
+    assert caught.value.code == 2
+    assert "--ep 3 must divide --experts 8 and --ranks 4" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as caught:
+        main(["bench", "step", "--ranks", "2", "--local_rank=0"])
+    assert caught.value.code == 2
+    assert "--ranks 2 but the launcher started WORLD_SIZE=3" in capsys.readouterr().err
