@@ -209,7 +209,7 @@ DEFAULTS = {
     "capacity_factor": 1.25, "eval_capacity_factor": 2.0, "min_capacity": 4, "drop_tokens": True,
     "aux_loss_coeff": 0.01, "z_loss_coeff": 0.0, "bias_update_rate": 0.0, "jitter_eps": 0.0,
     "layer_interval": 1, "layers": None, "ffn_hidden_size": None, "activation": "gelu",
-    "shared_expert_ffn_hidden_size": 0, "shared_expert_gate": False,
+    "recompute_fc1": False, "shared_expert_ffn_hidden_size": 0, "shared_expert_gate": False,
     "parallel": {"tensor": 1, "pipeline": 1, "expert": 1, "expert_tensor": 1, "order": "tp-cp-ep-dp-pp",
                  "sequence_parallel": False},
     "placement": {"policy": "static", "check_interval": 100, "window": 100, "min_gain": 0.05, "replica_budget": 0,

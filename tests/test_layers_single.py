@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from moe_plugin.bench.memory import memory_profile
 from moe_plugin.configs import MoEConfig
 from moe_plugin.layers import GroupedExperts, MoELayer, RouterNoise, expert_capacity, reference_moe, route
 
@@ -92,6 +93,21 @@ def test_random_routing_drops_some_second_choices():
 @pytest.mark.parametrize("activation", ["gelu", "swiglu", "relu"])
 def test_activations_match_oracle(activation):
     check_against_oracle(make_layer(activation=activation), tokens())
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_recompute_fc1_matches_oracle_and_keeps_less(activation):
+    check_against_oracle(make_layer(activation=activation, recompute_fc1=True), tokens())
+    kept = {}
+    for recompute in (False, True):
+        layer = make_layer(activation=activation, recompute_fc1=recompute, drop_tokens=False).train()
+        assert layer.experts.recompute_pre_activation is recompute
+        x = tokens(s=64).requires_grad_(True)
+        kept[recompute] = memory_profile(lambda: layer(x)[0]).retained_bytes   # what backward would use
+        routes = int(layer.last_stats.kept_per_expert.sum())
+    width = 2 * F if activation == "swiglu" else F
+    # the pre-activation of every kept route is what recompute_fc1 does not keep
+    assert kept[False] - kept[True] == routes * width * 4
 
 
 @pytest.mark.parametrize("gate", [True, False], ids=["gated", "ungated"])

@@ -71,7 +71,8 @@ class LayerBenchSpec:
         router = {1: "switch", 2: "gshard"}.get(self.k, "topk")
         block = {"num_experts": self.experts, "router": router, "capacity_factor": self.capacity_factor,
                  "eval_capacity_factor": self.capacity_factor, "drop_tokens": not self.dropless,
-                 "activation": "gelu", "aux_loss_coeff": AUX_LOSS_COEFF, "parallel": {"expert": ep}}
+                 "activation": "gelu", "aux_loss_coeff": AUX_LOSS_COEFF, "parallel": {"expert": ep},
+                 "recompute_fc1": self.recompute_pre_activation}
         if router == "gshard":
             block["second_expert_policy"] = "all"  # see deepspeed_moe.py
         if router == "topk":
@@ -134,7 +135,6 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
     ranks = ranks or Ranks()
     gen = torch.Generator().manual_seed(spec.seed * 1000 + ranks.rank)
     ours = MoELayer(spec.moe_config(ranks.size), spec.hidden, spec.ffn, ranks.groups, seed=spec.seed).train()
-    ours.experts.recompute_pre_activation = spec.recompute_pre_activation
     x_SBH = torch.randn(spec.tokens, 1, spec.hidden, generator=gen)
     skew_router(ours, x_SBH.view(spec.tokens, spec.hidden), spec.skew, torch.Generator().manual_seed(spec.seed))
     x_SBH.requires_grad_(True)

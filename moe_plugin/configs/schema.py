@@ -125,6 +125,9 @@ class MoEConfig(_Block):
                                            "model's ffn_hidden_size.")
     activation: Literal["gelu", "swiglu", "relu"] = Field("gelu", description="Expert activation; swiglu "
                                                           "doubles the first expert weight (GLU).")
+    recompute_fc1: bool = Field(False, description="Experts keep no [routes, ffn] pre-activation for "
+                                "backward and recompute it there: one more expert GEMM per step for "
+                                "routes x ffn fewer values held per MoE layer.")
     shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="FFN size of a dense shared expert "
                                                "every token passes through; 0: none.")
     shared_expert_gate: bool = Field(False, description="Scale the shared expert by a learned sigmoid gate.")

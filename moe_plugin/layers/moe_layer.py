@@ -122,7 +122,8 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(config.num_experts, hidden_size, ffn, config.activation,
                                       ep_size=p.ep_size, ep_rank=p.ep_rank, etp_size=p.etp_size, etp_rank=p.etp_rank,
                                       group_name=p.expert_group_name, seed=seed, init_std=init_std,
-                                      output_init_std=output_init_std, grad_scale=p.expert_grad_scale)
+                                      output_init_std=output_init_std, grad_scale=p.expert_grad_scale,
+                                      recompute_pre_activation=config.recompute_fc1)
         self.shared_expert = None
         if config.shared_expert_ffn_hidden_size > 0:
             self.shared_expert = SharedExpert(hidden_size, config.shared_expert_ffn_hidden_size, config.activation,
