@@ -9,4 +9,6 @@
   checked, groups built and registered, dense/expert param groups, ``deepspeed.initialize``.
 * ``expert_params``: what DeepSpeed's engine needs to treat our expert parameters as MoE ones.
 * ``grad_norm``: the global gradient norm over dense, TP-sharded and expert gradients, each once.
+* ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` through DeepSpeed's engine, experts stored
+  by global expert id (``expert_state``), atomic tags, resharding of the expert layout.
 """
