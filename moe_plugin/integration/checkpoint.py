@@ -219,9 +219,9 @@ def _save_experts(run: Any, path: str) -> None:
     files: dict[int, dict] = {}
     for w in expert_weights(engine.module):
         for expert_id, full in full_experts(w.param, w, groups.etp, s.etp):
+            placement = {"ep_rank": coords["ep"], "slot": expert_id - w.module.first_expert}
             entry = files.setdefault(expert_id, {"expert_id": expert_id, "stage": coords["pp"], "weights": {},
-                                                 "optimizer": {}, "placement": {
-                                                     "ep_rank": coords["ep"], "slot": expert_id - w.module.first_expert}})
+                                                 "optimizer": {}, "placement": placement})
             entry["weights"][w.key] = full
         if optimizer is not None:
             state = optimizer.state.get(w.param, {})
