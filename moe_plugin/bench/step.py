@@ -10,7 +10,8 @@ every step starts after a barrier over the job and lasts as long as its slowest 
 ``warmup`` rounds are not timed; the record has medians over ``rounds``.
 
 Also in the record: the phases of a step (``forward``, ``backward``, ``optimizer``, each the
-slowest rank's) and ``moe_forward`` (the MoE MLPs' forward inside ``forward``, by forward hooks);
+slowest rank's) and ``moe_forward`` / ``moe_backward``: the MoE MLPs' share of ``forward`` and
+``backward`` (hooks, ``MoETimer``; the rest of the model is the same code in both);
 every round's language-model loss (mean over ranks) of both models, ``step0_loss_diff`` (the
 models start equal: with no dropped route the step-0 losses agree to rounding; with drops
 DeepSpeed renormalises the gates of a token whose 2nd route was dropped, ours does not, so they
@@ -42,7 +43,7 @@ import torch.multiprocessing as mp
 from moe_plugin.bench.gpt_models import GPTSpec
 
 MODELS = ("ours", "deepspeed")
-PHASES = ("forward", "backward", "optimizer", "moe_forward")
+PHASES = ("forward", "backward", "optimizer", "moe_forward", "moe_backward")
 
 
 class _World:
@@ -54,23 +55,47 @@ class _World:
         return t.tolist()
 
 
-class ForwardTimer:
-    """Seconds spent in the forward of some modules since ``reset()`` (forward hooks)."""
+class MoETimer:
+    """Seconds spent in the forward and the backward of some modules (the MoE MLPs) since ``reset()``.
+
+    Forward: forward pre-hook to forward hook. Backward: from the moment the gradient of the
+    module's output is ready (a tensor hook on the output) to the moment the gradient of its input
+    is (a tensor hook on the input; the MLP's input feeds nothing else in a transformer layer).
+    Autograd may run a few small nodes of the residual branch in between; they are counted too.
+    """
 
     def __init__(self, modules: list[torch.nn.Module]):
-        self.seconds = 0.0
-        self._start = 0.0
+        self.forward_s = 0.0
+        self.backward_s = 0.0
+        self._start: dict[int, float] = {}
+        self._backward_start: dict[int, float] = {}
         self._hooks = [h for m in modules for h in (m.register_forward_pre_hook(self._begin),
                                                       m.register_forward_hook(self._end))]
 
-    def _begin(self, *_: Any) -> None:
-        self._start = time.perf_counter()
+    def _begin(self, module: torch.nn.Module, inputs: tuple) -> None:
+        key = id(module)
+        if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].requires_grad:
+            inputs[0].register_hook(lambda grad: self._backward_end(key))
+        self._start[key] = time.perf_counter()
 
-    def _end(self, *_: Any) -> None:
-        self.seconds += time.perf_counter() - self._start
+    def _end(self, module: torch.nn.Module, _inputs: tuple, output: Any) -> None:
+        key = id(module)
+        self.forward_s += time.perf_counter() - self._start[key]
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: self._backward_begin(key))
+
+    def _backward_begin(self, key: int) -> None:
+        self._backward_start[key] = time.perf_counter()
+
+    def _backward_end(self, key: int) -> None:
+        start = self._backward_start.pop(key, None)
+        if start is not None:
+            self.backward_s += time.perf_counter() - start
 
     def reset(self) -> None:
-        self.seconds = 0.0
+        self.forward_s = self.backward_s = 0.0
+        self._backward_start.clear()
 
     def close(self) -> None:
         for h in self._hooks:
@@ -88,9 +113,9 @@ def make_batches(spec: GPTSpec, count: int, rank: int) -> list[tuple[torch.Tenso
     return out
 
 
-def _trainer(engine: Any, timer: ForwardTimer, aux: Optional[Callable[[], torch.Tensor]]):
+def _trainer(engine: Any, timer: MoETimer, aux: Optional[Callable[[], torch.Tensor]]):
     """A function that trains one step on a batch: returns (LM loss, [forward, backward, optimizer,
-    moe_forward] seconds)."""
+    moe_forward, moe_backward] seconds)."""
 
     def step(batch) -> tuple[float, list[float]]:
         ids, pos, labels = batch
@@ -103,7 +128,7 @@ def _trainer(engine: Any, timer: ForwardTimer, aux: Optional[Callable[[], torch.
         t2 = time.perf_counter()
         engine.step()
         t3 = time.perf_counter()
-        return float(lm), [t1 - t0, t2 - t1, t3 - t2, timer.seconds]
+        return float(lm.detach()), [t1 - t0, t2 - t1, t3 - t2, timer.forward_s, timer.backward_s]
 
     return step
 
@@ -122,7 +147,7 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
         twin, wrappers = build_deepspeed_twin(spec, ours, world)
         same = same_weights(ours.engine, twin)
         ours_moe = [m for m in ours.engine.module.modules() if isinstance(m, MegatronMoEMLP)]
-        timers = {"ours": ForwardTimer(ours_moe), "deepspeed": ForwardTimer(wrappers)}
+        timers = {"ours": MoETimer(ours_moe), "deepspeed": MoETimer(wrappers)}
         steps = {"ours": _trainer(ours.engine, timers["ours"], None),
                  "deepspeed": _trainer(twin, timers["deepspeed"], lambda: twin_aux_loss(spec, wrappers))}
         metrics = ExpertMetrics(ours.engine.module, per_expert=False)
