@@ -7,6 +7,9 @@
 * ``megatron_lm_spec``: the module-level ``spec`` for Megatron-LM's ``--spec``.
 * ``deepspeed``: ``initialize`` (re-exported as ``moe_plugin.initialize``): config and world size
   checked, groups built and registered, dense/expert param groups, ``deepspeed.initialize``.
+* ``pipeline``: ``gpt_pipeline_module``, a Megatron-Core GPT with MoE layers as a DeepSpeed
+  ``PipelineModule`` (Megatron's stage split, per-piece seeds, ``GPTModel`` key names).
+* ``pipe_topology``: ``pipeline_topology``, DeepSpeed's ``ProcessTopology`` from the rank layout.
 * ``expert_params``: what DeepSpeed's engine needs to treat our expert parameters as MoE ones.
 * ``grad_norm``: the global gradient norm over dense, TP-sharded and expert gradients, each once.
 * ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` through DeepSpeed's engine, experts stored
