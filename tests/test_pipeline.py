@@ -15,7 +15,8 @@ gradient must reach the router of the second stage: its weights match the oracle
 those of an oracle trained without the z-loss.
 
 One spawn per world size serves its cases (2 ranks: pp2 with ZeRO-0 and ZeRO-1 and two error
-paths; 4 ranks: pp2 x ep2 ZeRO-1; 8 ranks: tp2 x pp2 x ep2 ZeRO-1, EP folded over TP).
+paths; 4 ranks: pp2 x ep2 with ZeRO-0 and ZeRO-1; 8 ranks: tp2 x pp2 x ep2 ZeRO-1, EP folded over
+TP, in the default order and in ``tp-ep-pp-dp``, where the stages are not the slowest dimension).
 """
 from __future__ import annotations
 
@@ -41,8 +42,12 @@ ROUTER_STAGE_2 = f"{1 + 2}.layer.mlp.router.weight"   # global layer 2: the firs
 CASES = {
     "pp2/zero0": (2, {"pipeline": 2}, 0),
     "pp2/zero1": (2, {"pipeline": 2}, 1),
+    "pp2-ep2/zero0": (4, {"pipeline": 2, "expert": 2}, 0),
     "pp2-ep2/zero1": (4, {"pipeline": 2, "expert": 2}, 1),
     "tp2-pp2-ep2/zero1": (8, {"tensor": 2, "pipeline": 2, "expert": 2, "expert_tensor": 1}, 1),
+    # pp not the slowest dimension: stages interleave with the data-parallel replicas.
+    "tp2-pp2-ep2/tp-ep-pp-dp/zero1": (8, {"tensor": 2, "pipeline": 2, "expert": 2, "expert_tensor": 1,
+                                          "order": "tp-ep-pp-dp"}, 1),
 }
 
 
