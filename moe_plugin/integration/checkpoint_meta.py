@@ -1,0 +1,222 @@
+"""What a moe_plugin checkpoint says about itself, and whether it fits the running model.
+
+``moe_plugin.json`` (one per tag, written last) records the model's shapes per pipeline stage
+(full, unsharded: TP and ETP shards joined), the ``moe`` block, the layout sizes, the ZeRO stage,
+the engine kind (a ``PipelineModule`` keys its state by piece, ``0.embedding...``; a ``GPTModel``
+by name) and the expert placement. ``check_fits`` compares it with the running model on one rank;
+``agree`` turns one rank's failure into the same ``CheckpointError`` on every rank, so no rank
+goes on to load while another stops. Nothing here writes or changes the model.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_plugin.integration.expert_state import expert_weights
+
+FORMAT, FORMAT_VERSION = "moe_plugin.checkpoint", 1
+META_FILE, EXPERT_DIR, RNG_DIR, LATEST = "moe_plugin.json", "experts", "rng", "latest"
+# Keys of the "moe" block that change the function the model computes (parallel sizes do not).
+MODEL_KEYS = ("num_experts", "top_k", "router", "normalize_gates", "second_expert_policy", "activation",
+              "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate", "layer_interval", "layers")
+LAYOUT_KEYS = ("world_size", "tp", "pp", "dp", "ep", "etp", "edp", "order")
+# Which tokens a rank sees (and so its RNG streams: dropout, router noise) depends on these only.
+TOKEN_LAYOUT_KEYS = ("world_size", "tp", "pp", "dp", "order")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into the running model; the message says what differs."""
+
+
+def expert_file(path: str, expert_id: int, stage: int) -> str:
+    """One full expert (every MoE layer of pipeline stage ``stage``) under its global id."""
+    return os.path.join(path, EXPERT_DIR, f"expert_{expert_id:05d}_pp_{stage:02d}.pt")
+
+
+def rng_file(path: str, rank: int) -> str:
+    return os.path.join(path, RNG_DIR, f"rank_{rank:05d}.pt")
+
+
+def deepspeed_model_file(path: str, engine: Any) -> str:
+    """DeepSpeed's module/optimizer-metadata file of this rank's model-parallel slice. Its MoE save
+    path writes one per slice for both engines (the PipelineEngine too: the grid's model-parallel
+    rank numbers (stage, TP rank) pairs, and no ``layer_XX`` files are written with MoE layers)."""
+    return os.path.join(path, f"mp_rank_{engine.checkpoint_mp_rank:02d}_model_states.pt")
+
+
+def is_pipeline(engine: Any) -> bool:
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    return isinstance(engine.module, PipelineModule)
+
+
+def basic_optimizer(engine: Any) -> Optional[torch.optim.Optimizer]:
+    """The torch optimizer itself when DeepSpeed runs it unwrapped (ZeRO-0 in fp32), else None."""
+    opt = engine.optimizer
+    if engine.zero_optimization_stage() == 0 and isinstance(opt, torch.optim.Optimizer):
+        return opt
+    return None
+
+
+def layout(groups: Any) -> dict:
+    s = groups.layout.sizes
+    return {k: getattr(s, k) for k in LAYOUT_KEYS}
+
+
+def full_shapes(model: nn.Module, groups: Any) -> dict:
+    """This rank's state-dict keys -> unsharded shapes, dense and experts apart."""
+    s = groups.layout.sizes
+    experts = {w.key: w.full_shape(s.etp) for w in expert_weights(model)}
+    dense = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if key in experts or not isinstance(value, torch.Tensor):
+            continue
+        shape = list(value.shape)
+        if getattr(value, "tensor_model_parallel", False):
+            shape[value.partition_dim] *= s.tp
+        dense[key] = shape
+    return {"dense": dense, "experts": experts}
+
+
+def metadata(run: Any, tag: str) -> dict:
+    """The metadata file's content (collective: every stage's shapes are gathered)."""
+    engine, groups, moe_config = run.engine, run.groups, run.moe_config
+    stage = groups.layout.coords(dist.get_rank())["pp"]
+    per_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (stage, full_shapes(engine.module, groups)))
+    s = groups.layout.sizes
+    local = moe_config.num_experts // s.ep
+    return {
+        "format": FORMAT, "version": FORMAT_VERSION, "tag": tag,
+        "global_steps": int(engine.global_steps), "zero_stage": int(engine.zero_optimization_stage()),
+        "pipeline_module": is_pipeline(engine),
+        "num_experts": moe_config.num_experts, "moe": moe_config.resolved_dict(), "layout": layout(groups),
+        "stages": {str(st): shapes for st, shapes in per_rank},
+        "placement": {"policy": "static", "ep_size": s.ep, "experts": [
+            {"id": e, "ep_rank": e // local, "slot": e % local} for e in range(moe_config.num_experts)]},
+        "expert_optimizer_state": basic_optimizer(engine) is not None,
+    }
+
+
+def read_latest(load_dir: os.PathLike | str) -> str:
+    """The tag that ``save_dir/latest`` names."""
+    path = os.path.join(os.fspath(load_dir), LATEST)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing; no checkpoint was committed in {os.fspath(load_dir)!r} "
+                              "(pass tag= to load a given one)")
+    with open(path) as f:
+        return f.read().strip()
+
+
+def read_metadata(load_dir: os.PathLike | str, tag: str) -> dict:
+    """The metadata of ``load_dir/tag``, once its format is known to be ours."""
+    path = os.path.join(os.fspath(load_dir), tag, META_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing; {os.path.join(os.fspath(load_dir), tag)!r} is not a complete "
+                              "moe_plugin checkpoint")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}; this "
+                              f"moe_plugin reads {FORMAT!r} version {FORMAT_VERSION}")
+    return meta
+
+
+def agree(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on every rank; if it raised ``CheckpointError`` on any, raise it on all."""
+    error, value = None, None
+    try:
+        value = fn()
+    except CheckpointError as exc:
+        error = str(exc)
+    except (OSError, RuntimeError, KeyError, EOFError) as exc:  # an unreadable file on this rank only
+        error = f"{type(exc).__name__}: {exc}"
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(message if rank == dist.get_rank() or error == message else f"rank {rank}: {message}")
+    return value
+
+
+def _differences(what: str, saved: dict, mine: dict) -> list[str]:
+    out = [f"{what} {k}: shape {saved[k]} in the checkpoint, {mine[k]} in the model"
+           for k in mine if k in saved and list(saved[k]) != list(mine[k])]
+    missing = [k for k in mine if k not in saved]
+    extra = [k for k in saved if k not in mine]
+    if missing:
+        out.append(f"{what} keys of the model missing from the checkpoint: {missing[:4]}")
+    if extra:
+        out.append(f"{what} keys of the checkpoint the model lacks: {extra[:4]}")
+    return out
+
+
+def local_ids(model: nn.Module) -> list[int]:
+    """Global ids of the experts this rank holds (the same for every MoE layer of the stage)."""
+    weights = expert_weights(model)
+    return list(weights[0].local_ids) if weights else []
+
+
+def _engine_problems(meta: dict, engine: Any) -> list[str]:
+    saved, mine = bool(meta.get("pipeline_module", False)), is_pipeline(engine)
+    if saved == mine:
+        return []
+    kinds = {True: "a DeepSpeed PipelineModule (state keyed by piece, '0.embedding...')",
+             False: "a plain module (PipelineEngine not used)"}
+    return [f"model kind: the checkpoint is of {kinds[saved]}, the model is {kinds[mine]}; the state keys differ "
+            "(moe_plugin.integration.pipeline.gpt_state_dict_key maps one to the other)"]
+
+
+def check_fits(run: Any, path: str, tag: str) -> dict:
+    """The metadata of ``path``, once it is known to fit the running model on this rank."""
+    engine, groups, moe_config = run.engine, run.groups, run.moe_config
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: missing; no checkpoint tag {tag!r} there")
+    meta = read_metadata(os.path.dirname(path), tag)
+    mine = moe_config.resolved_dict()
+    problems = [f"moe.{k}: {meta['moe'].get(k)!r} in the checkpoint, {mine.get(k)!r} in the model"
+                for k in MODEL_KEYS if meta["moe"].get(k) != mine.get(k)]
+    problems += _engine_problems(meta, engine)
+    saved, now = meta["layout"], layout(groups)
+    for k in ("tp", "pp"):
+        if saved[k] != now[k]:
+            problems.append(f"moe.parallel {k}: {saved[k]} in the checkpoint, {now[k]} now; DeepSpeed stores dense "
+                            f"weights per model-parallel rank (and pipeline stage), so {k} must stay")
+    coords = groups.layout.coords(dist.get_rank())
+    stage = meta["stages"].get(str(coords["pp"]))
+    if not problems and stage is not None:
+        shapes = full_shapes(engine.module, groups)
+        problems += _differences("dense", stage["dense"], shapes["dense"])
+        problems += _differences("expert", stage["experts"], shapes["experts"])
+    if not problems:
+        needed = [deepspeed_model_file(path, engine)] + [expert_file(path, e, coords["pp"])
+                                                          for e in local_ids(engine.module)]
+        problems += [f"{p}: missing" for p in needed if not os.path.isfile(p)]
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not fit the model: " + "; ".join(problems))
+    return meta
+
+
+def check_optimizer_can_follow(run: Any, meta: dict) -> None:
+    """Raise unless the saved optimizer state can be re-cut for the running layout (ZeRO-0 only)."""
+    engine = run.engine
+    changed = {k: (meta["layout"][k], v) for k, v in layout(run.groups).items() if meta["layout"][k] != v}
+    stage = engine.zero_optimization_stage()
+    if meta["zero_stage"] != stage:
+        changed["ZeRO stage"] = (meta["zero_stage"], stage)
+    what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+    if stage > 0 or meta["zero_stage"] > 0:
+        raise CheckpointError(
+            f"the optimizer state cannot follow the layout change ({what}): ZeRO stage {meta['zero_stage']} "
+            "partitioned it over the (expert-)data-parallel groups of the saved layout. Load weights only: "
+            "load_checkpoint(..., load_optimizer_states=False) (lr scheduler and step counters still load)")
+    if basic_optimizer(engine) is None or not meta["expert_optimizer_state"]:
+        raise CheckpointError(f"the optimizer state cannot follow the layout change ({what}): the checkpoint or "
+                              "the engine has no basic (ZeRO-0, fp32) optimizer; load weights only: "
+                              "load_checkpoint(..., load_optimizer_states=False)")

@@ -1,0 +1,175 @@
+"""The state a moe_plugin checkpoint keeps beside DeepSpeed's files, and how it goes back in.
+
+* Experts by global id: ``expert_files`` gathers this rank's experts (ETP shards joined) into one
+  entry per global id, with their placement and, under ZeRO-0, the expert rows of the basic
+  optimizer's state; ``read_experts`` cuts the running layout's shards out of those files.
+* ``experts_into_load``: while DeepSpeed loads the module, our experts replace what its file holds
+  (its MoE save path writes the module state of data-parallel rank 0 only, so the expert shards of
+  one EP rank). A ``load_state_dict`` pre-hook on the module rather than DeepSpeed's
+  ``custom_load_fn``, which DeepSpeed's ``PipelineEngine`` refuses; the same for both engines.
+* ``marker_without_local_experts``: DeepSpeed looks for no ``layer_*_expert_*`` files of its own.
+* RNG (torch, Python, NumPy, accelerator) and the routers' noise generators and pending loads.
+* ``load_basic_optimizer``: the ZeRO-0 optimizer after an expert-layout change.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from torch import nn
+
+from moe_plugin.integration.checkpoint_meta import CheckpointError, basic_optimizer, expert_file, local_ids
+from moe_plugin.integration.expert_params import DeepSpeedMoEMarker
+from moe_plugin.integration.expert_state import expert_weights, full_experts, local_experts
+from moe_plugin.layers.router import Router
+
+try:
+    import numpy
+except ImportError:  # NumPy's RNG is then neither saved nor restored
+    numpy = None
+
+
+# -- experts -------------------------------------------------------------------------------------
+def expert_files(run: Any, path: str) -> dict[str, dict]:
+    """{file path: content} of the expert files this rank writes (ETP rank 0 of EDP rank 0; the
+    others return {}); collective over the ETP group."""
+    engine, groups = run.engine, run.groups
+    s, coords = groups.layout.sizes, groups.layout.coords(dist.get_rank())
+    optimizer = basic_optimizer(engine)
+    files: dict[int, dict] = {}
+    for w in expert_weights(engine.module):
+        for expert_id, full in full_experts(w.param, w, groups.etp, s.etp):
+            placement = {"ep_rank": coords["ep"], "slot": expert_id - w.module.first_expert}
+            entry = files.setdefault(expert_id, {"expert_id": expert_id, "stage": coords["pp"], "weights": {},
+                                                 "optimizer": {}, "placement": placement})
+            entry["weights"][w.key] = full
+        if optimizer is not None:
+            state = optimizer.state.get(w.param, {})
+            for name in sorted(state):  # the same order on every ETP rank
+                value = state[name]
+                if isinstance(value, torch.Tensor) and value.shape == w.param.shape:
+                    for expert_id, full in full_experts(value, w, groups.etp, s.etp):
+                        files[expert_id]["optimizer"].setdefault(w.key, {})[name] = full
+    if coords["etp"] != 0 or coords["edp"] != 0:
+        return {}
+    return {expert_file(path, e, coords["pp"]): entry for e, entry in files.items()}
+
+
+def read_experts(run: Any, path: str, with_optimizer: bool) -> tuple[dict, dict]:
+    """This rank's expert shards cut from the global-id files: {key: stacked tensor}, and with
+    ``with_optimizer`` {key: {state name: stacked tensor}}."""
+    groups = run.groups
+    s, coords = groups.layout.sizes, groups.layout.coords(dist.get_rank())
+    weights = expert_weights(run.engine.module)
+    files = {e: torch.load(expert_file(path, e, coords["pp"]), map_location="cpu", weights_only=False)
+             for e in local_ids(run.engine.module)}
+    for e, f in files.items():
+        if f.get("expert_id") != e or any(w.key not in f["weights"] for w in weights):
+            raise CheckpointError(f"{expert_file(path, e, coords['pp'])}: does not hold expert {e} with keys "
+                                  f"{[w.key for w in weights][:4]}")
+    stacked = {w.key: local_experts({e: f["weights"][w.key] for e, f in files.items()}, w, coords["etp"], s.etp)
+               for w in weights}
+    moments: dict = {}
+    if with_optimizer:
+        for w in weights:
+            names = set.intersection(*(set(f["optimizer"].get(w.key, {})) for f in files.values()))
+            moments[w.key] = {n: local_experts({e: f["optimizer"][w.key][n] for e, f in files.items()}, w,
+                                               coords["etp"], s.etp) for n in sorted(names)}
+    return stacked, moments
+
+
+@contextlib.contextmanager
+def experts_into_load(model: nn.Module, experts: dict) -> Iterator[None]:
+    """Inside, ``model.load_state_dict(sd)`` loads ``experts`` (state-dict key -> tensor) in place of
+    the entries of ``sd`` with those keys. The hook runs on the root module before its children
+    read the (copied) state dict, so the whole load sees our experts."""
+    def swap(module, state_dict, prefix, *_args) -> None:
+        for key, value in experts.items():
+            state_dict[prefix + key] = value
+
+    handle = model.register_load_state_dict_pre_hook(swap)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def marker_without_local_experts(model: nn.Module) -> Iterator[None]:
+    """While DeepSpeed loads, our marker reports no local experts, so ``load_moe_state_dict``
+    looks for no ``layer_*_expert_*`` files (ours are read by ``load_checkpoint``)."""
+    markers = [m for m in model.modules() if isinstance(m, DeepSpeedMoEMarker)]
+    saved = [m.num_local_experts for m in markers]
+    for m in markers:
+        m.num_local_experts = 0
+    try:
+        yield
+    finally:
+        for m, n in zip(markers, saved):
+            m.num_local_experts = n
+
+
+# -- optimizer -----------------------------------------------------------------------------------
+def load_basic_optimizer(run: Any, path: str, moments: dict) -> None:
+    """ZeRO-0 after a layout change: the dense state as saved (the same on every rank of a
+    model-parallel slice; the file of EP rank 0), the expert rows re-cut by global expert id.
+    Param-group options come from the checkpoint except the expert group's DeepSpeed ``name``,
+    which belongs to the new layout."""
+    engine = run.engine
+    optimizer = basic_optimizer(engine)
+    saved = torch.load(os.path.join(path, f"expp_rank_0_mp_rank_{engine.checkpoint_mp_rank:02d}_optim_states.pt"),
+                       map_location="cpu", weights_only=False)["optimizer"]
+    key_of = {id(w.param): w.key for w in expert_weights(engine.module)}
+    state = {}
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(f"{path}: the optimizer had {len(saved['param_groups'])} param groups, now "
+                              f"{len(optimizer.param_groups)}")
+    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
+        for index, param in zip(saved_group["params"], group["params"]):
+            entry = dict(saved["state"].get(index, {}))
+            for name, value in moments.get(key_of.get(id(param)), {}).items():
+                entry[name] = value
+            if entry:
+                state[index] = entry
+        for option in ("name", "moe"):
+            if option in group:
+                saved_group[option] = group[option]
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+# -- RNG -----------------------------------------------------------------------------------------
+def rng_state(model: nn.Module) -> dict:
+    """This rank's random streams: torch, Python, NumPy, the accelerator's, and every router's
+    noise generators and not-yet-applied load counts."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": numpy.random.get_state() if numpy is not None else None, "accelerator": None, "routers": {}}
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu" and accelerator.is_available():
+        state["accelerator"] = accelerator.get_rng_state()
+    for name, module in model.named_modules():
+        if isinstance(module, Router):
+            state["routers"][name] = {"generators": {str(d): g.get_state() for d, g in module._generators.items()},
+                                      "load_E": module.load_E.detach().clone()}
+    return state
+
+
+def set_rng_state(model: nn.Module, state: dict) -> None:
+    """The inverse of ``rng_state``."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if numpy is not None and state.get("numpy") is not None:
+        numpy.random.set_state(state["numpy"])
+    if state.get("accelerator") is not None:
+        get_accelerator().set_rng_state(state["accelerator"])
+    for name, module in model.named_modules():
+        if isinstance(module, Router) and name in state["routers"]:
+            saved = state["routers"][name]
+            for device, gen_state in saved["generators"].items():
+                module.generator(torch.device(device)).set_state(gen_state)
+            module.load_E.copy_(saved["load_E"])
