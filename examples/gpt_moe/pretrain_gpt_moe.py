@@ -1,0 +1,455 @@
+"""Train a Megatron-Core GPT whose MLPs are the plugin's MoE layers, driven by the DeepSpeed engine.
+
+    deepspeed --num_gpus 4 examples/gpt_moe/pretrain_gpt_moe.py \\
+        --deepspeed_config examples/gpt_moe/configs/tiny_cpu_4rank.json \\
+        --num-layers 4 --hidden-size 128 --num-attention-heads 4 --ffn-hidden-size 512 \\
+        --seq-length 128 --micro-batch-size 4 --train-iters 200 --eval-interval 50
+
+The model flags are Megatron-LM's; the DeepSpeed JSON holds the batch sizes, optimizer,
+ZeRO stage and the ``"moe"`` block (experts, router, parallel layout). The script, in order:
+
+1. ``check_run``: flags, JSON, ``"moe"`` block, world size and batch arithmetic are checked
+   before any file, process group or model exists; a mistake exits with status 2 and one line.
+2. ``build_data``: the training and validation samples (the embedded stdlib corpus, written to
+   ``--data-cache`` on first use, or ``--data-path`` in Megatron's indexed format).
+3. ``moe_plugin.initialize(ds_config, model_provider)``: process groups for the layout, the
+   ``GPTModel`` with ``gpt_moe_spec``, dense/expert optimizer groups, the DeepSpeed engine.
+4. ``train``: per step, the same global batch for every layout (``GlobalBatches``), this
+   data-parallel rank's micro-batches through ``engine.forward / backward / step`` (DeepSpeed's
+   gradient accumulation); validation every ``--eval-interval``; one line per ``--log-interval``
+   on rank 0; ``runs/<name>/metrics.jsonl`` and, at the end, ``runs/<name>/metrics.png``.
+
+Pipeline parallelism (``moe.parallel.pipeline`` > 1) needs DeepSpeed's ``PipelineEngine``
+(``moe_plugin.integration.pipeline``, in progress); ``build_engine`` and ``train_step`` are the
+two places where that branch goes. Checkpoints go through ``save_checkpoint`` /
+``load_checkpoint`` below (``engine.save_checkpoint`` for now).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from moe_plugin.configs import ConfigError, MoEConfig, ParallelSizes
+from moe_plugin.configs.schema import load_ds_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from training_log import TrainingLog  # noqa: E402  (the example's sibling module)
+
+
+# --- 1. flags and checks -------------------------------------------------------------------------
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    import deepspeed
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model = parser.add_argument_group("model (Megatron-LM's flags)")
+    model.add_argument("--num-layers", type=int, default=4)
+    model.add_argument("--hidden-size", type=int, default=128)
+    model.add_argument("--num-attention-heads", type=int, default=4)
+    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
+    model.add_argument("--seq-length", type=int, default=128)
+    model.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    model.add_argument("--init-method-std", type=float, default=0.02)
+    model.add_argument("--hidden-dropout", type=float, default=0.0)
+    model.add_argument("--attention-dropout", type=float, default=0.0)
+    train = parser.add_argument_group("training")
+    train.add_argument("--micro-batch-size", type=int, default=None,
+                       help="must equal the JSON's train_micro_batch_size_per_gpu (filled in from here when absent)")
+    train.add_argument("--train-iters", type=int, default=100, help="optimizer steps (global batches)")
+    train.add_argument("--eval-interval", type=int, default=50, help="steps between validations; 0: only at the end")
+    train.add_argument("--eval-iters", type=int, default=4, help="validation global batches per validation")
+    train.add_argument("--log-interval", type=int, default=10, help="steps between two console lines")
+    train.add_argument("--seed", type=int, default=1234, help="model init and data order")
+    train.add_argument("--save", default=None, help="checkpoint directory to save to")
+    train.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (default: at the end)")
+    train.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    data = parser.add_argument_group("data")
+    data.add_argument("--data-path", default=None, help="prefix of a Megatron indexed dataset (PREFIX.bin/.idx); "
+                      "default: the Python stdlib corpus")
+    data.add_argument("--data-cache", default="data", help="where the stdlib corpus is written on first use")
+    data.add_argument("--corpus-bytes", type=int, default=4 << 20, help="size cap of the stdlib corpus")
+    data.add_argument("--valid-fraction", type=float, default=0.05, help="documents held out for validation")
+    data.add_argument("--vocab-size", type=int, default=None,
+                      help="tokenizer vocabulary of --data-path data (default: its largest token id + 1)")
+    data.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    out = parser.add_argument_group("output")
+    out.add_argument("--run-dir", default=None, help="metrics and plot go here (default: runs/<config name>)")
+    parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                        help="set by the deepspeed launcher")
+    deepspeed.add_config_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    return args
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What the checks resolved: the DeepSpeed config (micro batch filled in), the ``"moe"``
+    block, the parallel sizes for this world size and the batch arithmetic."""
+
+    ds_config: dict
+    moe_config: MoEConfig
+    sizes: ParallelSizes
+    micro_batch_size: int
+    grad_accumulation: int
+    global_batch_size: int
+
+
+def check_run(args: argparse.Namespace, world_size: int) -> RunPlan:
+    """Every mistake a flag or the JSON can hold, as a ``ConfigError`` naming it, before any side effect."""
+    positive = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                "train_iters", "eval_iters", "log_interval", "make_vocab_size_divisible_by", "corpus_bytes")
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "expected an integer >= 1")
+    for name in ("eval_interval", "save_interval"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "expected an integer >= 0")
+    if args.hidden_size % args.num_attention_heads:
+        raise ConfigError("--num-attention-heads", args.num_attention_heads, f"must divide --hidden-size "
+                          f"({args.hidden_size})")
+    if args.max_position_embeddings < args.seq_length:
+        raise ConfigError("--max-position-embeddings", args.max_position_embeddings, f"must be at least "
+                          f"--seq-length ({args.seq_length})")
+    if args.deepspeed_config is None:
+        raise ConfigError("--deepspeed_config", None, "pass the DeepSpeed JSON with the \"moe\" block, e.g. "
+                          "examples/gpt_moe/configs/tiny_cpu_4rank.json", shown="missing")
+    if args.data_path is not None and not (Path(args.data_path + ".bin").exists()
+                                           and Path(args.data_path + ".idx").exists()):
+        raise ConfigError("--data-path", args.data_path, "expected the prefix of PREFIX.bin and PREFIX.idx "
+                          "(Megatron's indexed format), e.g. data/my-corpus_text_document")
+
+    ds = dict(load_ds_config(args.deepspeed_config))
+    moe_config = MoEConfig.from_ds_config(ds)
+    sizes = moe_config.check_world_size(world_size)
+    if sizes.pp > 1:
+        check_pipeline_available(moe_config)
+    p = moe_config.parallel
+    if args.num_attention_heads % p.tensor:
+        raise ConfigError("moe.parallel.tensor", p.tensor, f"must divide --num-attention-heads "
+                          f"({args.num_attention_heads})")
+    if args.num_layers % p.pipeline:
+        raise ConfigError("moe.parallel.pipeline", p.pipeline, f"must divide --num-layers ({args.num_layers})")
+    zero = ds.get("zero_optimization")
+    if p.sequence_parallel and isinstance(zero, dict) and zero.get("stage", 0) != 0:
+        raise ConfigError("moe.parallel.sequence_parallel", True, "the example all-reduces sequence-parallel "
+                          "norm gradients before engine.step, which needs zero_optimization.stage 0 (ZeRO-1/2 "
+                          "have already moved the gradients into their buffers); set it false or use stage 0")
+
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    if micro is None:
+        if args.micro_batch_size is None:
+            raise ConfigError("train_micro_batch_size_per_gpu", None, "set it in the JSON or pass "
+                              "--micro-batch-size", shown="missing")
+        micro = ds["train_micro_batch_size_per_gpu"] = args.micro_batch_size
+    elif args.micro_batch_size is not None and args.micro_batch_size != micro:
+        raise ConfigError("--micro-batch-size", args.micro_batch_size, f"must equal the DeepSpeed JSON's "
+                          f"train_micro_batch_size_per_gpu ({micro}); change one of them")
+    if not isinstance(micro, int) or micro < 1:
+        raise ConfigError("train_micro_batch_size_per_gpu", micro, "expected an integer >= 1")
+    gas = ds.get("gradient_accumulation_steps")
+    total = ds.get("train_batch_size")
+    if total is None:
+        gas = 1 if gas is None else gas
+        total = ds["train_batch_size"] = micro * gas * sizes.dp
+    elif gas is None:
+        gas, rest = divmod(total, micro * sizes.dp)
+        if rest or gas < 1:
+            raise ConfigError("train_batch_size", total, f"must be a multiple of train_micro_batch_size_per_gpu "
+                              f"({micro}) x data-parallel size ({sizes.dp})")
+    if total != micro * gas * sizes.dp:
+        raise ConfigError("train_batch_size", total, f"must equal train_micro_batch_size_per_gpu ({micro}) x "
+                          f"gradient_accumulation_steps ({gas}) x data-parallel size ({sizes.dp}) = "
+                          f"{micro * gas * sizes.dp}")
+    return RunPlan(ds, moe_config, sizes, micro, gas, total)
+
+
+def check_pipeline_available(moe_config: MoEConfig) -> None:
+    """pp > 1 needs the plugin's PipelineEngine path; say so instead of failing deep inside."""
+    found = importlib.util.find_spec("moe_plugin.integration.pipeline") is not None
+    why = ("this example does not drive moe_plugin.integration.pipeline yet" if found else
+           "it needs moe_plugin.integration.pipeline (DeepSpeed's PipelineEngine), which this version lacks")
+    raise ConfigError("moe.parallel.pipeline", moe_config.parallel.pipeline, f"pipeline parallelism is not "
+                      f"available in this example: {why}; use 1")
+
+
+# --- 2. data -------------------------------------------------------------------------------------
+@dataclass
+class Data:
+    train: Any            # TokenSamples
+    valid: Any            # TokenSamples
+    schedule: Any         # GlobalBatches over train
+    valid_schedule: Any   # GlobalBatches over valid, unshuffled: every validation sees the same batches
+    vocab_size: int       # padded
+    description: str
+
+
+def build_data(args: argparse.Namespace, plan: RunPlan, rank: int) -> Data:
+    from moe_plugin.data import (
+        ByteTokenizer,
+        GlobalBatches,
+        TokenSamples,
+        corpus_manifest,
+        ensure_stdlib_corpus,
+        num_documents,
+        pad_vocab_size,
+        read_indexed,
+        split_documents,
+    )
+
+    if args.data_path is None:
+        prefix = ensure_stdlib_corpus(args.data_cache, args.corpus_bytes, progress=rank == 0)
+        manifest = corpus_manifest(prefix)
+        vocab = ByteTokenizer.vocab_size
+        what = (f"Python {manifest['python']} stdlib corpus: {manifest['documents']} files, {manifest['tokens']:,} "
+                f"byte tokens, sha256 {manifest['sha256'][:12]} ({prefix})")
+    else:
+        prefix = args.data_path
+        vocab = args.vocab_size
+        what = f"indexed dataset {prefix}"
+    dataset = read_indexed(prefix)
+    if vocab is None:
+        bin_path = f"{prefix}.bin"
+        vocab = int(np.memmap(bin_path, dtype=dataset.index.dtype, mode="r").max()) + 1
+        what += f" (vocabulary {vocab}: its largest token id + 1; pass --vocab-size to set it)"
+    padded = pad_vocab_size(vocab, args.make_vocab_size_divisible_by, plan.sizes.tp)
+    train_docs, valid_docs = split_documents(num_documents(dataset), args.valid_fraction)
+    if len(valid_docs) == 0:
+        raise ConfigError("--valid-fraction", args.valid_fraction, f"holds out no document of "
+                          f"{num_documents(dataset)}; use a larger fraction")
+    train = TokenSamples(dataset, train_docs, args.seq_length, name="training split")
+    valid = TokenSamples(dataset, valid_docs, args.seq_length, name="validation split")
+    what += (f"\n  training {len(train_docs)} documents, {len(train):,} samples of {args.seq_length + 1} tokens; "
+             f"validation {len(valid_docs)} documents, {len(valid):,} samples; vocabulary {vocab} padded to {padded}")
+    return Data(train, valid, GlobalBatches(len(train), plan.global_batch_size, seed=args.seed),
+                GlobalBatches(len(valid), plan.global_batch_size, shuffle=False), padded, what)
+
+
+# --- 3. model and engine -------------------------------------------------------------------------
+def transformer_config(args: argparse.Namespace, moe_config: MoEConfig):
+    """Megatron's TransformerConfig from the flags and ``moe.parallel``. CPU initialisation makes
+    the weights the same for every layout (Megatron splits one full tensor); the fused kernels
+    (apex, CUDA) are off so the model also runs on CPU."""
+    from megatron.core.transformer import TransformerConfig
+
+    p = moe_config.parallel
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, init_method_std=args.init_method_std,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
+        sequence_parallel=p.sequence_parallel, use_cpu_initialization=True,
+        bias_dropout_fusion=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False)
+
+
+def gpt_model_provider(args: argparse.Namespace, vocab_size: int):
+    """``model_provider(moe_config, groups)`` for ``moe_plugin.initialize``: a GPTModel with MoE MLPs."""
+
+    def provider(moe_config: MoEConfig, groups):
+        from megatron.core.models.gpt import GPTModel
+
+        from moe_plugin.integration.megatron import gpt_moe_spec
+
+        config = transformer_config(args, moe_config)
+        torch.manual_seed(args.seed)  # Megatron's dense init draws from the default generator
+        return GPTModel(config, gpt_moe_spec(moe_config, config, groups, seed=args.seed), vocab_size=vocab_size,
+                        max_sequence_length=args.max_position_embeddings)
+
+    return provider
+
+
+def build_engine(args: argparse.Namespace, plan: RunPlan, data: Data):
+    """The DeepSpeed engine around the GPT-MoE model (pp > 1 would build a PipelineModule here)."""
+    import moe_plugin
+
+    return moe_plugin.initialize(plan.ds_config, gpt_model_provider(args, data.vocab_size), args=args)
+
+
+# --- 4. steps ------------------------------------------------------------------------------------
+def micro_batch_loss(engine, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """Mean token cross entropy of one micro-batch (the model returns it per token)."""
+    device = engine.device
+    tokens_BS, labels_BS = tokens_BS.to(device), labels_BS.to(device)
+    position_ids_BS = torch.arange(tokens_BS.shape[1], device=device).expand_as(tokens_BS)
+    losses_BS = engine(tokens_BS, position_ids_BS, None, labels=labels_BS)
+    return losses_BS.float().mean()
+
+
+def train_step(engine, data: Data, plan: RunPlan, groups, step: int) -> float:
+    """One optimizer step: this data-parallel rank's micro-batches of the step's global batch,
+    forward / backward / step each (DeepSpeed steps the optimizer at the last one). Returns the
+    global batch's loss (this rank's mean, averaged over the data-parallel group)."""
+    from moe_plugin.integration.megatron import allreduce_sequence_parallel_grads
+
+    dp_rank, dp_size = groups.rank_in("dp"), groups.size("dp")
+    losses = []
+    for micro_step in range(plan.grad_accumulation):
+        rows = data.schedule.micro_batch(step, dp_rank, dp_size, plan.micro_batch_size, micro_step)
+        loss = micro_batch_loss(engine, *data.train.batch(rows))
+        engine.backward(loss)
+        if plan.moe_config.parallel.sequence_parallel and engine.is_gradient_accumulation_boundary():
+            allreduce_sequence_parallel_grads(engine.module, groups)   # ZeRO-0 only (check_run)
+        engine.step()
+        losses.append(loss.detach())
+    return data_parallel_mean(torch.stack(losses).mean(), groups)
+
+
+@torch.no_grad()
+def evaluate(engine, data: Data, plan: RunPlan, groups, iters: int) -> float:
+    """Mean loss over ``iters`` fixed validation global batches (eval mode: eval capacity factor)."""
+    engine.eval()
+    dp_rank, dp_size = groups.rank_in("dp"), groups.size("dp")
+    losses = []
+    for step in range(iters):
+        for micro_step in range(plan.grad_accumulation):
+            rows = data.valid_schedule.micro_batch(step, dp_rank, dp_size, plan.micro_batch_size, micro_step)
+            losses.append(micro_batch_loss(engine, *data.valid.batch(rows)))
+    engine.train()
+    return data_parallel_mean(torch.stack(losses).mean(), groups)
+
+
+def data_parallel_mean(value: torch.Tensor, groups) -> float:
+    """``value`` averaged over the data-parallel group (tensor-parallel peers hold equal values)."""
+    import torch.distributed as dist
+
+    value = value.detach().float().reshape(1).clone()
+    if groups.dp is not None:
+        dist.all_reduce(value, group=groups.dp)
+        value /= groups.size("dp")
+    return value.item()
+
+
+def moe_summary(model: torch.nn.Module) -> dict:
+    """Expert load of the last micro-batch, summed over the ranks that routed distinct tokens
+    (``global_stats``: collective, every rank calls it on the same steps). ``imbalance``: max /
+    mean of the tokens routed to each expert, averaged over the MoE layers (1.0 is perfectly
+    even); ``dropped_fraction``: routes over capacity, averaged over the layers."""
+    from moe_plugin.layers import MoELayer
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    per_layer = []
+    for layer in layers:
+        stats = layer.global_stats()
+        routed = stats.routed_per_expert.double()
+        per_layer.append({"layer": getattr(layer, "layer_index", None),
+                          "imbalance": (routed.max() / routed.mean().clamp(min=1e-9)).item(),
+                          "dropped_fraction": stats.dropped_fraction.item(),
+                          "balance_loss": stats.balance_loss.item(),
+                          "tokens_per_expert": stats.routed_per_expert.tolist()})
+    if not per_layer:
+        return {}
+    return {"imbalance": sum(r["imbalance"] for r in per_layer) / len(per_layer),
+            "dropped_fraction": sum(r["dropped_fraction"] for r in per_layer) / len(per_layer),
+            "moe_layers": per_layer}
+
+
+# --- checkpoints (moe_plugin.integration.checkpoint will take these over) -------------------------
+def save_checkpoint(engine, directory: str, step: int) -> None:
+    engine.save_checkpoint(directory, tag=f"step{step}", client_state={"step": step})
+
+
+def load_checkpoint(engine, directory: str) -> int:
+    """Resume; returns the number of steps already trained."""
+    path, client_state = engine.load_checkpoint(directory)
+    if path is None:
+        raise FileNotFoundError(f"--load {directory}: no DeepSpeed checkpoint there (no 'latest' file)")
+    return int((client_state or {}).get("step", engine.global_steps))
+
+
+# --- the run -------------------------------------------------------------------------------------
+def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: TrainingLog) -> None:
+    engine, groups = result.engine, result.groups
+    start = load_checkpoint(engine, args.load) if args.load else 0
+    if start:
+        log.info(f"resumed from {args.load} after {start} steps")
+    tokens_per_step = plan.global_batch_size * args.seq_length
+    interval_s, interval_steps = 0.0, 0   # training time only: validation and checkpoints excluded
+    for step in range(start, args.train_iters):
+        began = time.perf_counter()
+        loss = train_step(engine, data, plan, groups, step)
+        interval_s += time.perf_counter() - began
+        interval_steps += 1
+        done = step + 1
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"step {done}: the loss is {loss}; lower the learning rate or check the data")
+        report = None
+        if done % args.log_interval == 0 or done == args.train_iters:
+            report = {"tokens_per_s": tokens_per_step * interval_steps / interval_s,
+                      "epoch": data.schedule.epoch_of(done), **moe_summary(engine.module)}
+            interval_s, interval_steps = 0.0, 0
+        log.train(done, loss, engine.get_lr()[0], report)
+        if (args.eval_interval and done % args.eval_interval == 0) or done == args.train_iters:
+            log.valid(done, evaluate(engine, data, plan, groups, args.eval_iters))
+        if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters):
+            save_checkpoint(engine, args.save, done)
+            log.info(f"saved checkpoint step{done} to {args.save}")
+
+
+def configure_threads() -> None:
+    """Share the machine's cores between the ranks on it when the launcher did not set threads."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+
+
+def quiet_other_ranks(rank: int) -> None:
+    """Every rank imports Megatron-Core and DeepSpeed and would print the same library warnings
+    ("Apex is not installed", deprecations); rank 0 shows them once."""
+    if rank != 0:
+        for category in (UserWarning, FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    quiet_other_ranks(rank)
+    args = parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        plan = check_run(args, world_size)
+    except ConfigError as err:
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+    configure_threads()
+    run_dir = Path(args.run_dir or Path("runs") / Path(args.deepspeed_config).stem)
+    data = build_data(args, plan, rank)
+    result = build_engine(args, plan, data)
+    log = TrainingLog(run_dir, enabled=result.groups.rank == 0, append=bool(args.load))
+    try:
+        n_params = sum(p.numel() for p in result.engine.module.parameters())
+        log.info(f"data: {data.description}")
+        log.info(f"layout: {plan.sizes}  |  global batch {plan.global_batch_size} = micro {plan.micro_batch_size} x "
+                 f"accumulation {plan.grad_accumulation} x dp {plan.sizes.dp}  |  rank 0 holds {n_params:,} parameters")
+        if log.enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "run.json").write_text(json.dumps({"args": vars(args), "ds_config": plan.ds_config,
+                                                          "world_size": world_size}, indent=2, default=str) + "\n")
+        started = time.perf_counter()
+        train(args, plan, data, result, log)
+        log.info(f"trained {args.train_iters} steps in {time.perf_counter() - started:.1f} s")
+        plot = log.plot()
+        log.info(f"metrics: {log.metrics_path}" + (f"\nplot:    {plot}" if plot else ""))
+    finally:
+        result.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+# The tiny GPT-MoE that the CPU launch scripts train (sourced by run_*_cpu.sh): a byte-level
+# model small enough that 4 ranks on a 2-core machine train it for a few minutes and the loss
+# visibly drops. Override any flag by passing it again to the run script (the last one wins).
+TINY_MODEL_FLAGS=(
+    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --ffn-hidden-size 256
+    --seq-length 128 --max-position-embeddings 128
+    --train-iters 150 --eval-interval 50 --eval-iters 2 --log-interval 10 --seed 1234
+)

@@ -1,0 +1,115 @@
+"""examples/gpt_moe/pretrain_gpt_moe.py: a few training steps on 1 and 2 gloo ranks, and the
+mistakes that must stop it before anything is written.
+
+* 2 ranks (dp 2, ep 2): the losses are finite and fall, ``metrics.jsonl`` (train and
+  validation records, MoE statistics) and the plot exist;
+* the same model, seed and global batch on 1 rank (gradient accumulation 2 instead of data
+  parallelism 2): the same per-step losses (rtol 1e-5). The router is deterministic top-2 and
+  each rank's micro-batch is one of the 1-rank run's micro-batches, so capacity and balance
+  loss (per token group) agree too;
+* a micro-batch flag that disagrees with the JSON and a JSON without "moe" exit with status 2
+  and one line naming the key, and leave no run directory and no data cache.
+
+The ranks run the script's ``main`` through the project's spawn helper (what the ``deepspeed``
+launcher would do: RANK, LOCAL_RANK, WORLD_SIZE set; torch.distributed initialised with gloo).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from dist import run_distributed
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
+STEPS = 8
+MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--ffn-hidden-size", "64",
+               "--seq-length", "32", "--train-iters", str(STEPS), "--eval-interval", "4", "--eval-iters", "1",
+               "--log-interval", "4", "--seed", "7", "--corpus-bytes", str(192 * 1024), "--valid-fraction", "0.25"]
+MOE = {"num_experts": 4, "router": "topk", "top_k": 2, "capacity_factor": 1.5, "min_capacity": 2,
+       "aux_loss_coeff": 0.01, "layer_interval": 1}
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_moe", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ds_config(path: Path, world_size: int, **moe_parallel) -> Path:
+    """Global batch 8 of micro-batches of 4: one rank accumulates 2, two ranks take one each."""
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+              "gradient_accumulation_steps": 2 // world_size, "gradient_clipping": 1.0, "steps_per_print": 10 ** 6,
+              "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+              "zero_optimization": {"stage": 1},
+              "moe": {**MOE, "parallel": moe_parallel}}
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _run_main(rank: int, world_size: int, argv: list) -> dict:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    status = _script().main(argv)
+    return {"status": status}
+
+
+def _train(tmp_path: Path, name: str, world_size: int, **moe_parallel) -> list[dict]:
+    run_dir = tmp_path / "runs" / name
+    argv = [*MODEL_FLAGS, "--deepspeed_config", str(_ds_config(tmp_path / f"{name}.json", world_size, **moe_parallel)),
+            "--run-dir", str(run_dir), "--data-cache", str(tmp_path / "data")]
+    results = run_distributed(_run_main, world_size, tmp_path, argv, timeout=300)
+    assert [r["status"] for r in results] == [0] * world_size
+    assert (run_dir / "metrics.png").stat().st_size > 0
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_ranks_train_and_match_one_rank(tmp_path):
+    two = _train(tmp_path, "dp2_ep2", 2, expert=2)
+    train = [r for r in two if r["split"] == "train"]
+    valid = [r for r in two if r["split"] == "valid"]
+    losses = [r["loss"] for r in train]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1)) and [r["step"] for r in valid] == [4, 8]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.5, losses
+    assert valid[-1]["loss"] < valid[0]["loss"]
+    reports = [r for r in train if "tokens_per_s" in r]
+    assert [r["step"] for r in reports] == [4, 8]
+    for r in reports:
+        assert r["tokens_per_s"] > 0 and r["imbalance"] >= 1.0 and 0.0 <= r["dropped_fraction"] <= 1.0
+        assert len(r["moe_layers"]) == 2      # layer_interval 1 on 2 layers
+        # one micro-batch of 4 x 32 tokens per rank, top-2 routes, summed over the 2 ranks
+        assert sum(r["moe_layers"][0]["tokens_per_expert"]) == 2 * 4 * 32 * 2
+
+    one = _train(tmp_path, "single", 1)
+    one_losses = [r["loss"] for r in one if r["split"] == "train"]
+    assert one_losses == pytest.approx(losses, rel=1e-5), (one_losses, losses)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"argv": ["--micro-batch-size", "2"]}, r"^error: --micro-batch-size: got 2; must equal the DeepSpeed JSON's "
+                                            r"train_micro_batch_size_per_gpu \(4\)"),
+    ({"drop": "moe"}, r"^error: moe: missing; the DeepSpeed config has no 'moe' block"),
+    ({"set": {"train_batch_size": 12}}, r"^error: train_batch_size: got 12; must equal train_micro_batch_size_per_gpu"),
+    ({"set": {"moe": {**MOE, "parallel": {"pipeline": 2}}}}, r"^error: moe.parallel.pipeline: got 2; pipeline "
+                                                             r"parallelism is not available in this example"),
+])
+def test_bad_flags_stop_before_anything_is_written(tmp_path, monkeypatch, capsys, change, message):
+    import re
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    config = json.loads(_ds_config(tmp_path / "ds.json", 2, expert=2).read_text())
+    config.pop(change.get("drop", "-"), None)
+    config.update(change.get("set", {}))
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    status = _script().main([*MODEL_FLAGS, "--deepspeed_config", "ds.json", *change.get("argv", [])])
+    err = capsys.readouterr().err
+    assert status == 2 and re.search(message, err, re.MULTILINE), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]   # no runs/, no data/
