@@ -13,7 +13,12 @@ aux-loss-free bias moves every step, so RNG and router state matter too. fp32.
   run resumes the uninterrupted losses;
 * bad input (other num_experts, other hidden size, a missing expert file) fails with a message
   naming the difference on every rank, leaves weights and files untouched;
-* a save killed midway leaves ``latest`` and the previous tag loadable.
+* a save killed midway leaves ``latest`` and the previous tag loadable;
+* DeepSpeed's PipelineEngine (``gpt_pipeline_module``, 2 layers, one per stage, ``train_batch`` with
+  2 micro-batches): exact resume for pp2 x ep2 (ZeRO-0 and 1, in the 4-rank spawn) and, in an 8-rank
+  spawn, tp2 x pp2 x ep2 (ZeRO-1, EP folded over TP) and tp2 x pp2 x ep2 x etp2 (ZeRO-0); ep 2 -> 1 at
+  the same pp and tp (ZeRO-1 weights only, ZeRO-0 with its Adam state re-cut by expert id); a pipeline
+  checkpoint refused by the plain engine, naming pp and the engine kind.
 """
 from __future__ import annotations
 
@@ -38,6 +43,22 @@ RESHARD = {  # name -> (saved case, new case, load_optimizer_states)
     "ep4-to-ep1-zero1": ("ep4-zero2-adam", {"parallel": {"expert": 1}, "stage": 1, "opt": "Adam"}, False),
     "tp2ep2-to-tp2ep1-zero0": ("tp2-ep2-zero0-adamw", {"parallel": {"tensor": 2, "expert": 1}, "stage": 0,
                                                        "opt": "AdamW"}, True),
+}
+
+GAS, PIPE_STEPS, PIPE_SAVE_AT = 2, 8, 4
+PIPE_RESUME = {  # name -> (world size, moe.parallel, ZeRO stage); AdamW everywhere
+    "pp2-ep2-zero1": (4, {"pipeline": 2, "expert": 2}, 1),
+    "pp2-ep2-zero0": (4, {"pipeline": 2, "expert": 2}, 0),
+    "tp2-pp2-ep2-zero1": (8, {"tensor": 2, "pipeline": 2, "expert": 2, "expert_tensor": 1}, 1),
+    "tp2-pp2-ep2-etp2-zero0": (8, {"tensor": 2, "pipeline": 2, "expert": 2, "expert_tensor": 2}, 0),
+}
+PIPE_RESHARD = {  # name -> (saved case, moe.parallel, ZeRO stage, load_optimizer_states)
+    "pp2ep2-to-pp2ep1-zero1": ("pp2-ep2-zero1", {"pipeline": 2, "expert": 1}, 1, False),
+    "pp2ep2-to-pp2ep1-zero0": ("pp2-ep2-zero0", {"pipeline": 2, "expert": 1}, 0, True),
+    "tp2pp2ep2-to-tp2pp2ep1-zero1": ("tp2-pp2-ep2-zero1", {"tensor": 2, "pipeline": 2, "expert": 1,
+                                                           "expert_tensor": 1}, 1, False),
+    "tp2pp2ep2etp2-to-tp2pp2ep1etp2-zero0": ("tp2-pp2-ep2-etp2-zero0", {"tensor": 2, "pipeline": 2, "expert": 1,
+                                                                        "expert_tensor": 2}, 0, True),
 }
 
 
@@ -238,6 +259,113 @@ def _killed_save(root: str) -> dict:
     return out
 
 
+# -- pipeline (DeepSpeed's PipelineEngine) ---------------------------------------------------------
+def _pipe_engine(parallel: dict, stage: int):
+    import moe_plugin
+    from megatron.core.transformer import TransformerConfig
+
+    from moe_plugin.integration.pipeline import gpt_pipeline_module
+
+    tp, pp = parallel.get("tensor", 1), parallel["pipeline"]
+    dp = torch.distributed.get_world_size() // (tp * pp)
+
+    def provide(moe_config, groups):
+        config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
+                                   tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                   pipeline_dtype=torch.float32, use_cpu_initialization=True, hidden_dropout=0.1,
+                                   attention_dropout=0.0, bias_dropout_fusion=False,
+                                   gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+                                   apply_rope_fusion=False)
+        torch.manual_seed(1234)   # dropout's stream (the pieces are built under their own seeds)
+        return gpt_pipeline_module(config, moe_config, groups, vocab_size=VOCAB, max_sequence_length=SEQ, seed=5)
+
+    cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // (dp * GAS),
+           "gradient_accumulation_steps": GAS, "steps_per_print": 10 ** 6, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}},
+           "zero_optimization": {"stage": stage}, "moe": {**MOE, "parallel": parallel}}
+    return moe_plugin.initialize(cfg, provide)
+
+
+def _micro_batches(run, step: int):
+    """This data-parallel replica's ``GAS`` micro-batches of ``_batch(step)``, as the pipe takes them."""
+    dp, dp_rank = run.groups.layout.sizes.dp, run.groups.rank_in("dp")
+    ids, pos, labels = _batch(step)
+    micro = BATCH // (dp * GAS)
+    rows = [slice((dp_rank * GAS + m) * micro, (dp_rank * GAS + m + 1) * micro) for m in range(GAS)]
+    return iter([((ids[r], pos[r].contiguous()), labels[r]) for r in rows])
+
+
+def _pipe_train(run, steps: range) -> list[float]:
+    from moe_plugin.layers.moe_layer import MoELayer
+
+    losses = []
+    for step in steps:
+        losses.append(run.engine.train_batch(_micro_batches(run, step)).item())
+        for m in run.engine.module.modules():
+            if isinstance(m, MoELayer):
+                m.update_expert_bias()
+    return losses
+
+
+def _pipe_resume(root: str, name: str, parallel: dict, stage: int) -> dict:
+    from moe_plugin.integration.checkpoint import load_checkpoint, save_checkpoint
+
+    out = {}
+    run = _pipe_engine(parallel, stage)
+    try:
+        first = _pipe_train(run, range(PIPE_SAVE_AT))
+        sizes = run.groups.layout.sizes
+        out["layout"] = {"tensor": sizes.tp, "pipeline": sizes.pp, "expert": sizes.ep, "expert_tensor": sizes.etp}
+        saved = save_checkpoint(run, os.path.join(root, name), client_state={"data_step": PIPE_SAVE_AT})
+        out["experts"], out["files"] = sorted(os.listdir(os.path.join(saved, "experts"))), _entries(saved)
+        out["eval_at_save"] = run.engine.eval_batch(_micro_batches(run, 999)).item()
+        out["full"] = first + _pipe_train(run, range(PIPE_SAVE_AT, PIPE_STEPS))
+    finally:
+        run.close()
+    run = _pipe_engine(parallel, stage)
+    try:
+        _, client = load_checkpoint(run, os.path.join(root, name))
+        out["client"], out["global_steps"] = client["data_step"], run.engine.global_steps
+        out["resumed"] = _pipe_train(run, range(client["data_step"], PIPE_STEPS))
+    finally:
+        run.close()
+    return out
+
+
+def _pipe_reshard(root: str, saved: str, parallel: dict, stage: int, with_optimizer: bool) -> dict:
+    from moe_plugin.integration.checkpoint import CheckpointError, load_checkpoint
+
+    out = {}
+    run = _pipe_engine(parallel, stage)
+    try:
+        if not with_optimizer:
+            with pytest.raises(CheckpointError) as failure:
+                load_checkpoint(run, os.path.join(root, saved))
+            out["error"] = str(failure.value)
+        load_checkpoint(run, os.path.join(root, saved), load_optimizer_states=with_optimizer)
+        out["eval"] = run.engine.eval_batch(_micro_batches(run, 999)).item()
+        out["global_steps"] = run.engine.global_steps
+        if with_optimizer:
+            out["resumed"] = _pipe_train(run, range(PIPE_SAVE_AT, PIPE_STEPS))
+    finally:
+        run.close()
+    return out
+
+
+def _pipe_into_plain_engine(root: str) -> dict:
+    """A pipeline checkpoint offered to the plain engine (pp 1, a GPTModel): refused, saying why."""
+    from moe_plugin.integration.checkpoint import CheckpointError, load_checkpoint
+
+    run = _engine(RESUME["ep2-zero1-adamw"])
+    try:
+        with pytest.raises(CheckpointError) as failure:
+            load_checkpoint(run, os.path.join(root, "pp2-ep2-zero1"))
+        return {"error": str(failure.value)}
+    finally:
+        run.close()
+
+
 def _child(rank: int, world_size: int, root: str) -> dict:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     results = {}
@@ -248,6 +376,15 @@ def _child(rank: int, world_size: int, root: str) -> dict:
         except Exception:   # reported by the case's test; the next case goes on
             results[name] = f"rank {rank}:\n{traceback.format_exc()}"
 
+    for name, (size, parallel, stage) in PIPE_RESUME.items():
+        if size == world_size:
+            attempt(name, _pipe_resume, root, name, parallel, stage)
+    for name, (saved, parallel, stage, with_optimizer) in PIPE_RESHARD.items():
+        if PIPE_RESUME[saved][0] == world_size:
+            attempt(name, _pipe_reshard, root, saved, parallel, stage, with_optimizer)
+    if world_size == 8:   # the 8-rank spawn: tp x pp x ep pipelines only
+        return results
+    attempt("pipe-into-plain", _pipe_into_plain_engine, root)
     for name, case in RESUME.items():
         attempt(name, _resume, root, name, case)
     for name, (saved, case, with_optimizer) in RESHARD.items():
@@ -264,6 +401,14 @@ def results(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ckpt")
     return run_distributed(_child, 4, root, str(root / "checkpoints"), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def results8(tmp_path_factory):
+    from dist import run_distributed
+
+    root = tmp_path_factory.mktemp("ckpt8")
+    return run_distributed(_child, 8, root, str(root / "checkpoints"), timeout=600)
 
 
 def _per_rank(results, name) -> list:
@@ -313,3 +458,41 @@ def test_killed_save_leaves_previous_checkpoint(results):
         assert r["entries"] == [".tmp-second", "first", "latest"], r["entries"]
         assert r["eval_loaded"] == r["eval_first"]
         assert r["entries_after"] == ["first", "latest", "second"], r["entries_after"]
+
+
+@pytest.mark.parametrize("name", list(PIPE_RESUME))
+def test_pipeline_resume_is_bit_exact(request, name):
+    world_size, parallel, _ = PIPE_RESUME[name]
+    per_rank = _per_rank(request.getfixturevalue("results" if world_size == 4 else "results8"), name)
+    stages, mp_slices = parallel["pipeline"], parallel["pipeline"] * parallel.get("tensor", 1)
+    for rank, r in enumerate(per_rank):
+        assert r["layout"] == {"tensor": 1, "expert_tensor": 1, **parallel}, r["layout"]
+        assert r["client"] == PIPE_SAVE_AT and r["global_steps"] == PIPE_SAVE_AT
+        assert r["resumed"] == r["full"][PIPE_SAVE_AT:], (
+            f"rank {rank}: resumed {r['resumed']} vs uninterrupted {r['full'][PIPE_SAVE_AT:]}")
+        # Experts by global id per stage; DeepSpeed's module state per (stage, TP rank), no layer files.
+        assert r["experts"] == [f"expert_{e:05d}_pp_{s:02d}.pt" for e in range(4) for s in range(stages)]
+        assert [f for f in r["files"] if f.startswith("mp_rank_")] == [
+            f"mp_rank_{m:02d}_model_states.pt" for m in range(mp_slices)], r["files"]
+        assert not [f for f in r["files"] if f.startswith("layer_")], r["files"]
+
+
+@pytest.mark.parametrize("name", list(PIPE_RESHARD))
+def test_pipeline_reshard_computes_the_same_function(request, name):
+    saved_case, _, _, with_optimizer = PIPE_RESHARD[name]
+    results = request.getfixturevalue("results" if PIPE_RESUME[saved_case][0] == 4 else "results8")
+    saved = _per_rank(results, saved_case)
+    for rank, r in enumerate(_per_rank(results, name)):
+        assert r["global_steps"] == PIPE_SAVE_AT
+        torch.testing.assert_close(r["eval"], saved[rank]["eval_at_save"], rtol=1e-6, atol=0)
+        if with_optimizer:
+            torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(saved[rank]["full"][PIPE_SAVE_AT:]),
+                                       rtol=1e-5, atol=0)
+        else:
+            assert "load_optimizer_states=False" in r["error"] and "ep 2 -> 1" in r["error"], r["error"]
+
+
+def test_pipeline_checkpoint_into_the_plain_engine_fails_clearly(results):
+    for message in (r["error"] for r in _per_rank(results, "pipe-into-plain")):
+        assert "moe.parallel pp: 2 in the checkpoint, 1 now" in message, message
+        assert "model kind: the checkpoint is of a DeepSpeed PipelineModule" in message, message
