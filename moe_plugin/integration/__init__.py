@@ -12,6 +12,8 @@
 * ``pipe_topology``: ``pipeline_topology``, DeepSpeed's ``ProcessTopology`` from the rank layout.
 * ``expert_params``: what DeepSpeed's engine needs to treat our expert parameters as MoE ones.
 * ``grad_norm``: the global gradient norm over dense, TP-sharded and expert gradients, each once.
-* ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` through DeepSpeed's engine, experts stored
-  by global expert id (``expert_state``), atomic tags, resharding of the expert layout.
+* ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` through DeepSpeed's engine or its
+  ``PipelineEngine``, experts stored by global expert id per stage (``expert_state``), atomic tags,
+  resharding of the expert layout; ``checkpoint_meta`` (metadata, fit checks), ``checkpoint_state``
+  (expert files, RNG, the ZeRO-0 optimizer re-cut).
 """
