@@ -28,13 +28,15 @@ def test_bench_step_record(dist_run):
     records = dist_run(_child, 2, TOY, timeout=300)
     record = records[0]
     assert records[1]["ours_losses"] == record["ours_losses"]       # the record is the job's, on every rank
-    for field in ("ours_ms", "deepspeed_ms", "deepspeed_over_ours"):
+    for field in ("ours_ms", "deepspeed_ms", "deepspeed_over_ours", "ours_cpu_ms", "deepspeed_cpu_ms",
+                  "deepspeed_over_ours_cpu"):
         assert isinstance(record[field], float) and math.isfinite(record[field]) and record[field] > 0, field
     for name in ("ours", "deepspeed"):
         assert set(record[f"{name}_phases_ms"]) == {"forward", "backward", "optimizer", "moe_forward", "moe_backward"}
         phases = record[f"{name}_phases_ms"]
         assert all(v > 0 for v in phases.values()), phases
         assert phases["moe_forward"] < phases["forward"] and phases["moe_backward"] < phases["backward"], phases
+        assert len(record[f"{name}_rounds_ms"]) == 2
         losses = record[f"{name}_losses"]
         assert len(losses) == 3 and all(math.isfinite(v) and 0 < v < 10 for v in losses), losses
     assert record["same_initial_weights"]

@@ -12,6 +12,8 @@ every step starts after a barrier over the job and lasts as long as its slowest 
 Also in the record: the phases of a step (``forward``, ``backward``, ``optimizer``, each the
 slowest rank's) and ``moe_forward`` / ``moe_backward``: the MoE MLPs' share of ``forward`` and
 ``backward`` (hooks, ``MoETimer``; the rest of the model is the same code in both);
+``*_cpu_ms``: the CPU time of a step summed over the ranks (median), less sensitive than wall
+time to other processes on a shared machine, and ``deepspeed_over_ours_cpu``;
 every round's language-model loss (mean over ranks) of both models, ``step0_loss_diff`` (the
 models start equal: with no dropped route the step-0 losses agree to rounding; with drops
 DeepSpeed renormalises the gates of a token whose 2nd route was dropped, ours does not, so they
@@ -161,13 +163,16 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
                 busy_before = _cpu_seconds()
             for name in (MODELS if r % 2 == 0 else MODELS[::-1]):
                 dist.barrier()
+                cpu_start = _process_cpu_seconds()
                 start = time.perf_counter()
                 lm, phases = steps[name](batch)
                 total = time.perf_counter() - start
+                cpu = _process_cpu_seconds() - cpu_start
                 slowest = world_ranks.reduce([total, *phases], "max")
-                losses[name].append(world_ranks.reduce([lm], "sum")[0] / world)
+                lm_sum, cpu_sum = world_ranks.reduce([lm, cpu], "sum")
+                losses[name].append(lm_sum / world)
                 if r >= warmup:
-                    times[name].append([1e3 * s for s in slowest])
+                    times[name].append([1e3 * s for s in slowest] + [1e3 * cpu_sum])
                 if name == "ours":
                     metrics.collect()   # outside the timed region (a small all-reduce per layer)
         busy_after = _cpu_seconds()
@@ -181,6 +186,10 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
         for name in MODELS:
             record[f"{name}_ms"] = round(statistics.median(t[0] for t in times[name]), 2)
         record["deepspeed_over_ours"] = round(record["deepspeed_ms"] / record["ours_ms"], 3)
+        record.update({f"{name}_rounds_ms": [round(t[0]) for t in times[name]] for name in MODELS})
+        for name in MODELS:
+            record[f"{name}_cpu_ms"] = round(statistics.median(t[-1] for t in times[name]), 2)
+        record["deepspeed_over_ours_cpu"] = round(record["deepspeed_cpu_ms"] / record["ours_cpu_ms"], 3)
         for name in MODELS:
             record[f"{name}_phases_ms"] = {p: round(statistics.median(t[i + 1] for t in times[name]), 2)
                                            for i, p in enumerate(PHASES)}
@@ -193,6 +202,12 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
         return record
     finally:
         ours.close()
+
+
+def _process_cpu_seconds() -> float:
+    """CPU seconds of this process, all its threads (gloo's included)."""
+    t = os.times()
+    return t.user + t.system
 
 
 def _count(module: torch.nn.Module) -> int:
@@ -261,7 +276,7 @@ def summary(record: dict) -> str:
     return (f"ranks={record['ranks']} ep={record['ep']} L={record['layers']} H={record['hidden']} F={record['ffn']} "
             f"E={record['experts']} moe_layers={record['moe_layers']} S={record['seq']} B={record['micro_batch']} "
             f"V={record['vocab']}: ours {record['ours_ms']:.0f} ms, deepspeed {record['deepspeed_ms']:.0f} ms, "
-            f"deepspeed/ours {record['deepspeed_over_ours']} | {phases} | {record['moe_metrics']} | "
+            f"deepspeed/ours {record['deepspeed_over_ours']} (CPU time {record['deepspeed_over_ours_cpu']}) | {phases} | {record['moe_metrics']} | "
             f"load avg {record['loadavg']}, others_cpu {record['others_cpu']}")
 
 
