@@ -43,11 +43,12 @@ Pipeline parallelism (``moe.parallel.pipeline`` > 1): ``model_provider`` returns
 
 Supported: ZeRO stages 0, 1 and 2 (0 and 1 with PP); TP, EP, ETP, DP and PP in any layout of
 ``moe.parallel``. Verified against a single process in fp32 (``tests/test_deepspeed_engine.py``,
-``tests/test_pipeline.py``). Not yet: fp16/bf16
-(DeepSpeed's own MoE paths run, unverified; the aux-loss gradient does not follow a dynamic loss
-scale), and checkpoints: DeepSpeed's MoE checkpointing finds experts by its own module names
-(``deepspeed_moe.experts``), so ``engine.save_checkpoint`` would save the expert shards with the
-dense weights, from data-parallel rank 0 only (read from the code, not run).
+``tests/test_pipeline.py``). Checkpoints: use ``checkpoint.save_checkpoint(result, dir)`` /
+``checkpoint.load_checkpoint(result, dir)``, not the engine's own methods: DeepSpeed's MoE
+checkpointing finds experts by its own module names (``deepspeed_moe.experts``) and saves the
+module from data-parallel rank 0 only, so alone it would lose the expert shards of the other EP
+ranks. Not yet: fp16/bf16 (DeepSpeed's own MoE paths run, unverified; the aux-loss gradient
+does not follow a dynamic loss scale).
 """
 from __future__ import annotations
 
