@@ -28,10 +28,10 @@ import pytest
 import torch
 
 from dist import run_distributed
+from gpt_tiny import MODEL, SEQ, VOCAB, global_batch, micro_batches, pipeline_provider, transformer_config
 from moe_plugin.configs import ConfigError, MoEConfig
 
-VOCAB, SEQ, B, GAS, SEED = 64, 8, 4, 2, 11
-MODEL = dict(num_layers=4, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32)
+B, GAS, SEED = 4, 2, 11
 MOE = {"num_experts": 4, "router": "topk", "top_k": 2, "drop_tokens": False, "aux_loss_coeff": 0.0,
        "z_loss_coeff": 0.1, "layer_interval": 2}
 STEPS, LR, CLIP = 3, 0.5, 0.3
@@ -53,28 +53,12 @@ CASES = {
 
 # --- shared by parent and ranks ----------------------------------------------------------------------
 def _config(tp: int = 1, pp: int = 1):
-    from megatron.core.transformer import TransformerConfig
-
-    return TransformerConfig(**MODEL, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                             pipeline_dtype=torch.float32, use_cpu_initialization=True, hidden_dropout=0.0,
-                             attention_dropout=0.0, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
-                             masked_softmax_fusion=False, apply_rope_fusion=False)
+    return transformer_config(MODEL, tp, pp)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: tokens, positions, labels, each [B, SEQ]."""
-    gen = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, VOCAB, (B, SEQ), generator=gen)
-    labels = torch.randint(0, VOCAB, (B, SEQ), generator=gen)
-    return tokens, torch.arange(SEQ).expand(B, SEQ).contiguous(), labels
-
-
-def micro_batches(step: int, dp_rank: int, dp: int) -> list:
-    """The pipe's input for one data-parallel replica: ``GAS`` items ((tokens, positions), labels)."""
-    tokens, positions, labels = batch(step)
-    micro = B // (dp * GAS)
-    rows = [slice((dp_rank * GAS + m) * micro, (dp_rank * GAS + m + 1) * micro) for m in range(GAS)]
-    return [((tokens[r], positions[r]), labels[r]) for r in rows]
+    return global_batch(step, B)
 
 
 def ds_config(parallel: dict, stage: int, dp: int, moe: dict = MOE) -> dict:
@@ -86,12 +70,7 @@ def ds_config(parallel: dict, stage: int, dp: int, moe: dict = MOE) -> dict:
 
 
 def _provider(tp: int, pp: int):
-    def build(moe_config, groups):
-        from moe_plugin.integration.pipeline import gpt_pipeline_module
-
-        return gpt_pipeline_module(_config(tp, pp), moe_config, groups, vocab_size=VOCAB, max_sequence_length=SEQ,
-                                   seed=SEED)
-    return build
+    return pipeline_provider(MODEL, tp, pp, seed=SEED)
 
 
 # --- the oracle (one rank) ----------------------------------------------------------------------------
@@ -164,7 +143,7 @@ def _train(rank: int, parallel: dict, stage: int, expected: dict) -> dict:
                "layers": [(p.layer.layer_number - 1, p.layer.moe_layer_index) for p in engine.module.forward_funcs
                           if isinstance(p, TransformerLayerPipe)]}
         for step in range(STEPS):
-            loss = engine.train_batch(iter(micro_batches(step, c["dp"], sizes.dp)))
+            loss = engine.train_batch(iter(micro_batches(step, B, c["dp"], sizes.dp, GAS)))
             out["losses"].append(loss.item())
             out["norms"].append(float(engine.get_global_grad_norm()))
         out["params"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
