@@ -27,13 +27,17 @@ install: $(DEPS_STAMP)
 test: $(DEPS_STAMP)
 	$(PY) -m pytest -q tests
 
-# Until the GPT-MoE training example lands: the resolved layout of the 4-rank example job,
-# then the same job launched on 4 real ranks, its groups read back through Megatron's and
-# DeepSpeed's getters.
+# The GPT-MoE training example: a byte-level Megatron-Core GPT with MoE layers (8 experts, EP 2
+# carved out of DP 4 on 4 CPU ranks, ZeRO-1), trained by the DeepSpeed engine on the Python
+# stdlib (written to data/ on first use); see examples/gpt_moe/README.md. The launcher needs
+# .venv/bin on PATH to start the ranks with the venv's python.
+EXAMPLE_RUN := runs/tiny_cpu_4rank
 example: $(DEPS_STAMP)
-	$(VENV)/bin/moe-plugin demo --world-size 4
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/deepspeed --num_gpus 4 examples/gpt_moe/show_groups.py \
-		--deepspeed_config examples/gpt_moe/configs/tiny_cpu_4rank.json
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH examples/gpt_moe/run_tiny_cpu.sh --run-dir $(EXAMPLE_RUN)
+	@echo
+	@echo "metrics: $(CURDIR)/$(EXAMPLE_RUN)/metrics.jsonl"
+	@echo "plot:    $(CURDIR)/$(EXAMPLE_RUN)/metrics.png"
+	@echo "config:  $(CURDIR)/$(EXAMPLE_RUN)/run.json"
 
 clean:
 	rm -rf $(VENV) *.egg-info

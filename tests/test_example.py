@@ -96,8 +96,9 @@ def test_two_ranks_train_and_match_one_rank(tmp_path):
                                             r"train_micro_batch_size_per_gpu \(4\)"),
     ({"drop": "moe"}, r"^error: moe: missing; the DeepSpeed config has no 'moe' block"),
     ({"set": {"train_batch_size": 12}}, r"^error: train_batch_size: got 12; must equal train_micro_batch_size_per_gpu"),
-    ({"set": {"moe": {**MOE, "parallel": {"pipeline": 2}}}}, r"^error: moe.parallel.pipeline: got 2; pipeline "
-                                                             r"parallelism is not available in this example"),
+    ({"set": {"moe": {**MOE, "parallel": {"expert": 3}}}}, r"^error: moe.parallel.expert: got 3; must divide "
+                                                           r"num_experts \(4\)"),
+    ({"argv": ["--num-attention-heads", "3"]}, r"^error: --num-attention-heads: got 3; must divide --hidden-size"),
 ])
 def test_bad_flags_stop_before_anything_is_written(tmp_path, monkeypatch, capsys, change, message):
     import re

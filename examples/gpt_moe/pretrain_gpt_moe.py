@@ -19,10 +19,12 @@ ZeRO stage and the ``"moe"`` block (experts, router, parallel layout). The scrip
    gradient accumulation); validation every ``--eval-interval``; one line per ``--log-interval``
    on rank 0; ``runs/<name>/metrics.jsonl`` and, at the end, ``runs/<name>/metrics.png``.
 
-Pipeline parallelism (``moe.parallel.pipeline`` > 1) needs DeepSpeed's ``PipelineEngine``
-(``moe_plugin.integration.pipeline``, in progress); ``build_engine`` and ``train_step`` are the
-two places where that branch goes. Checkpoints go through ``save_checkpoint`` /
-``load_checkpoint`` below (``engine.save_checkpoint`` for now).
+With pipeline parallelism (``moe.parallel.pipeline`` > 1) the model is the same GPT cut into
+stages (``moe_plugin.integration.pipeline.gpt_pipeline_module``), the engine is DeepSpeed's
+``PipelineEngine``, and a step is one ``engine.train_batch`` over the same micro-batches: the
+pipeline branch is ``gpt_pipeline_provider`` / ``pipeline_train_step`` / ``pipeline_evaluate``.
+Checkpoints (``--save``/``--load``) go through ``moe_plugin.integration.checkpoint`` (experts
+saved by global id, so a run may resume under another expert layout).
 """
 from __future__ import annotations
 
@@ -180,12 +182,11 @@ def check_run(args: argparse.Namespace, world_size: int) -> RunPlan:
 
 
 def check_pipeline_available(moe_config: MoEConfig) -> None:
-    """pp > 1 needs the plugin's PipelineEngine path; say so instead of failing deep inside."""
-    found = importlib.util.find_spec("moe_plugin.integration.pipeline") is not None
-    why = ("this example does not drive moe_plugin.integration.pipeline yet" if found else
-           "it needs moe_plugin.integration.pipeline (DeepSpeed's PipelineEngine), which this version lacks")
-    raise ConfigError("moe.parallel.pipeline", moe_config.parallel.pipeline, f"pipeline parallelism is not "
-                      f"available in this example: {why}; use 1")
+    """pp > 1 needs the plugin's PipelineEngine path; say so early where this install lacks it."""
+    if importlib.util.find_spec("moe_plugin.integration.pipeline") is None:
+        raise ConfigError("moe.parallel.pipeline", moe_config.parallel.pipeline, "pipeline parallelism is not "
+                          "available: it needs moe_plugin.integration.pipeline (DeepSpeed's PipelineEngine), which "
+                          "this version lacks; use 1")
 
 
 # --- 2. data -------------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ def transformer_config(args: argparse.Namespace, moe_config: MoEConfig):
         ffn_hidden_size=args.ffn_hidden_size, init_method_std=args.init_method_std,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
-        sequence_parallel=p.sequence_parallel, use_cpu_initialization=True,
+        sequence_parallel=p.sequence_parallel, pipeline_dtype=torch.float32, use_cpu_initialization=True,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False)
 
@@ -274,54 +275,92 @@ def gpt_model_provider(args: argparse.Namespace, vocab_size: int):
     return provider
 
 
+def gpt_pipeline_provider(args: argparse.Namespace, vocab_size: int):
+    """The same GPT as a DeepSpeed ``PipelineModule``: this rank builds only its stage's pieces."""
+
+    def provider(moe_config: MoEConfig, groups):
+        from moe_plugin.integration.pipeline import gpt_pipeline_module
+
+        return gpt_pipeline_module(transformer_config(args, moe_config), moe_config, groups, vocab_size=vocab_size,
+                                   max_sequence_length=args.max_position_embeddings, seed=args.seed)
+
+    return provider
+
+
 def build_engine(args: argparse.Namespace, plan: RunPlan, data: Data):
-    """The DeepSpeed engine around the GPT-MoE model (pp > 1 would build a PipelineModule here)."""
+    """``moe_plugin.initialize``: groups, model, DeepSpeed engine (a PipelineEngine when pp > 1)."""
     import moe_plugin
 
-    return moe_plugin.initialize(plan.ds_config, gpt_model_provider(args, data.vocab_size), args=args)
+    provider = gpt_pipeline_provider if plan.sizes.pp > 1 else gpt_model_provider
+    return moe_plugin.initialize(plan.ds_config, provider(args, data.vocab_size), args=args)
 
 
 # --- 4. steps ------------------------------------------------------------------------------------
+def position_ids(tokens_BS: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
+
+
 def micro_batch_loss(engine, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
     """Mean token cross entropy of one micro-batch (the model returns it per token)."""
-    device = engine.device
-    tokens_BS, labels_BS = tokens_BS.to(device), labels_BS.to(device)
-    position_ids_BS = torch.arange(tokens_BS.shape[1], device=device).expand_as(tokens_BS)
-    losses_BS = engine(tokens_BS, position_ids_BS, None, labels=labels_BS)
+    tokens_BS, labels_BS = tokens_BS.to(engine.device), labels_BS.to(engine.device)
+    losses_BS = engine(tokens_BS, position_ids(tokens_BS), None, labels=labels_BS)
     return losses_BS.float().mean()
 
 
-def train_step(engine, data: Data, plan: RunPlan, groups, step: int) -> float:
-    """One optimizer step: this data-parallel rank's micro-batches of the step's global batch,
-    forward / backward / step each (DeepSpeed steps the optimizer at the last one). Returns the
-    global batch's loss (this rank's mean, averaged over the data-parallel group)."""
+def micro_batches(samples, schedule, plan: RunPlan, groups, step: int):
+    """This data-parallel rank's micro-batches of ``step``'s global batch: (tokens_BS, labels_BS)."""
+    dp_rank, dp_size = groups.rank_in("dp"), groups.size("dp")
+    for micro_step in range(plan.grad_accumulation):
+        yield samples.batch(schedule.micro_batch(step, dp_rank, dp_size, plan.micro_batch_size, micro_step))
+
+
+def train_step(run, data: Data, plan: RunPlan, step: int) -> float:
+    """One optimizer step: forward / backward / step per micro-batch (DeepSpeed steps the
+    optimizer at the last one). Returns the global batch's loss (averaged over data parallelism)."""
     from moe_plugin.integration.megatron import allreduce_sequence_parallel_grads
 
-    dp_rank, dp_size = groups.rank_in("dp"), groups.size("dp")
-    losses = []
-    for micro_step in range(plan.grad_accumulation):
-        rows = data.schedule.micro_batch(step, dp_rank, dp_size, plan.micro_batch_size, micro_step)
-        loss = micro_batch_loss(engine, *data.train.batch(rows))
+    engine, losses = run.engine, []
+    for tokens_BS, labels_BS in micro_batches(data.train, data.schedule, plan, run.groups, step):
+        loss = micro_batch_loss(engine, tokens_BS, labels_BS)
         engine.backward(loss)
         if plan.moe_config.parallel.sequence_parallel and engine.is_gradient_accumulation_boundary():
-            allreduce_sequence_parallel_grads(engine.module, groups)   # ZeRO-0 only (check_run)
+            allreduce_sequence_parallel_grads(engine.module, run.groups)   # ZeRO-0 only (check_run)
         engine.step()
         losses.append(loss.detach())
-    return data_parallel_mean(torch.stack(losses).mean(), groups)
+    return data_parallel_mean(torch.stack(losses).mean(), run.groups)
+
+
+def pipeline_train_step(run, data: Data, plan: RunPlan, step: int) -> float:
+    """The same step on the PipelineEngine: ``train_batch`` runs the micro-batches through the
+    stages (the first reads the tokens, the last the labels) and returns the loss, averaged over
+    the micro-batches and data parallelism, on every rank."""
+    def pipe_inputs():
+        for tokens_BS, labels_BS in micro_batches(data.train, data.schedule, plan, run.groups, step):
+            yield (tokens_BS, position_ids(tokens_BS)), labels_BS
+
+    return float(run.engine.train_batch(pipe_inputs()))
 
 
 @torch.no_grad()
-def evaluate(engine, data: Data, plan: RunPlan, groups, iters: int) -> float:
+def evaluate(run, data: Data, plan: RunPlan, iters: int) -> float:
     """Mean loss over ``iters`` fixed validation global batches (eval mode: eval capacity factor)."""
+    engine, losses = run.engine, []
     engine.eval()
-    dp_rank, dp_size = groups.rank_in("dp"), groups.size("dp")
+    for step in range(iters):
+        for tokens_BS, labels_BS in micro_batches(data.valid, data.valid_schedule, plan, run.groups, step):
+            losses.append(micro_batch_loss(engine, tokens_BS, labels_BS))
+    engine.train()
+    return data_parallel_mean(torch.stack(losses).mean(), run.groups)
+
+
+def pipeline_evaluate(run, data: Data, plan: RunPlan, iters: int) -> float:
+    """``evaluate`` on the PipelineEngine (``eval_batch`` broadcasts each batch's loss to every stage)."""
     losses = []
     for step in range(iters):
-        for micro_step in range(plan.grad_accumulation):
-            rows = data.valid_schedule.micro_batch(step, dp_rank, dp_size, plan.micro_batch_size, micro_step)
-            losses.append(micro_batch_loss(engine, *data.valid.batch(rows)))
-    engine.train()
-    return data_parallel_mean(torch.stack(losses).mean(), groups)
+        batches = ((((t, position_ids(t)), y)) for t, y in micro_batches(data.valid, data.valid_schedule, plan,
+                                                                           run.groups, step))
+        losses.append(run.engine.eval_batch(batches).detach().float())
+    return data_parallel_mean(torch.stack(losses).mean(), run.groups)
 
 
 def data_parallel_mean(value: torch.Tensor, groups) -> float:
@@ -335,16 +374,18 @@ def data_parallel_mean(value: torch.Tensor, groups) -> float:
     return value.item()
 
 
-def moe_summary(model: torch.nn.Module) -> dict:
+def moe_summary(model: torch.nn.Module, groups) -> dict:
     """Expert load of the last micro-batch, summed over the ranks that routed distinct tokens
     (``global_stats``: collective, every rank calls it on the same steps). ``imbalance``: max /
     mean of the tokens routed to each expert, averaged over the MoE layers (1.0 is perfectly
-    even); ``dropped_fraction``: routes over capacity, averaged over the layers."""
+    even); ``dropped_fraction``: routes over capacity, averaged over the layers. With a pipeline
+    each stage reports its own layers and rank 0 collects them."""
+    import torch.distributed as dist
+
     from moe_plugin.layers import MoELayer
 
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     per_layer = []
-    for layer in layers:
+    for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
         stats = layer.global_stats()
         routed = stats.routed_per_expert.double()
         per_layer.append({"layer": getattr(layer, "layer_index", None),
@@ -352,6 +393,10 @@ def moe_summary(model: torch.nn.Module) -> dict:
                           "dropped_fraction": stats.dropped_fraction.item(),
                           "balance_loss": stats.balance_loss.item(),
                           "tokens_per_expert": stats.routed_per_expert.tolist()})
+    if groups.size("pp") > 1:
+        stages = [None] * dist.get_world_size()
+        dist.all_gather_object(stages, per_layer)
+        per_layer = sorted({r["layer"]: r for stage in stages for r in stage}.values(), key=lambda r: r["layer"])
     if not per_layer:
         return {}
     return {"imbalance": sum(r["imbalance"] for r in per_layer) / len(per_layer),
@@ -359,30 +404,34 @@ def moe_summary(model: torch.nn.Module) -> dict:
             "moe_layers": per_layer}
 
 
-# --- checkpoints (moe_plugin.integration.checkpoint will take these over) -------------------------
-def save_checkpoint(engine, directory: str, step: int) -> None:
-    engine.save_checkpoint(directory, tag=f"step{step}", client_state={"step": step})
+# --- checkpoints ----------------------------------------------------------------------------------
+def save_checkpoint(run, directory: str, step: int) -> None:
+    """Collective. Experts are saved by global id, the rest by DeepSpeed (``integration.checkpoint``)."""
+    from moe_plugin.integration.checkpoint import save_checkpoint as save
+
+    save(run, directory, tag=f"step{step}", client_state={"step": step})
 
 
-def load_checkpoint(engine, directory: str) -> int:
-    """Resume; returns the number of steps already trained."""
-    path, client_state = engine.load_checkpoint(directory)
-    if path is None:
-        raise FileNotFoundError(f"--load {directory}: no DeepSpeed checkpoint there (no 'latest' file)")
-    return int((client_state or {}).get("step", engine.global_steps))
+def load_checkpoint(run, directory: str) -> int:
+    """Resume from the ``latest`` tag of ``directory``; returns the number of steps already trained."""
+    from moe_plugin.integration.checkpoint import load_checkpoint as load
+
+    _path, client_state = load(run, directory)
+    return int((client_state or {}).get("step", run.engine.global_steps))
 
 
 # --- the run -------------------------------------------------------------------------------------
 def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: TrainingLog) -> None:
     engine, groups = result.engine, result.groups
-    start = load_checkpoint(engine, args.load) if args.load else 0
+    step_fn, eval_fn = (pipeline_train_step, pipeline_evaluate) if plan.sizes.pp > 1 else (train_step, evaluate)
+    start = load_checkpoint(result, args.load) if args.load else 0
     if start:
         log.info(f"resumed from {args.load} after {start} steps")
     tokens_per_step = plan.global_batch_size * args.seq_length
     interval_s, interval_steps = 0.0, 0   # training time only: validation and checkpoints excluded
     for step in range(start, args.train_iters):
         began = time.perf_counter()
-        loss = train_step(engine, data, plan, groups, step)
+        loss = step_fn(result, data, plan, step)
         interval_s += time.perf_counter() - began
         interval_steps += 1
         done = step + 1
@@ -391,13 +440,13 @@ def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: Trai
         report = None
         if done % args.log_interval == 0 or done == args.train_iters:
             report = {"tokens_per_s": tokens_per_step * interval_steps / interval_s,
-                      "epoch": data.schedule.epoch_of(done), **moe_summary(engine.module)}
+                      "epoch": data.schedule.epoch_of(done), **moe_summary(engine.module, groups)}
             interval_s, interval_steps = 0.0, 0
         log.train(done, loss, engine.get_lr()[0], report)
         if (args.eval_interval and done % args.eval_interval == 0) or done == args.train_iters:
-            log.valid(done, evaluate(engine, data, plan, groups, args.eval_iters))
+            log.valid(done, eval_fn(result, data, plan, args.eval_iters))
         if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters):
-            save_checkpoint(engine, args.save, done)
+            save_checkpoint(result, args.save, done)
             log.info(f"saved checkpoint step{done} to {args.save}")
 
 
