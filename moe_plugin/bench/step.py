@@ -12,8 +12,10 @@ every step starts after a barrier over the job and lasts as long as its slowest 
 Also in the record: the phases of a step (``forward``, ``backward``, ``optimizer``, each the
 slowest rank's) and ``moe_forward`` / ``moe_backward``: the MoE MLPs' share of ``forward`` and
 ``backward`` (hooks, ``MoETimer``; the rest of the model is the same code in both);
-``*_cpu_ms``: the CPU time of a step summed over the ranks (median), less sensitive than wall
-time to other processes on a shared machine, and ``deepspeed_over_ours_cpu``;
+``*_cpu_ms``: the CPU time of a step summed over the ranks (median; all threads of the process,
+gloo's included), less sensitive than wall time to other processes on a shared machine, and
+``deepspeed_over_ours_cpu``; ``*_phases_cpu_ms``: the phases in CPU time of the main thread,
+summed over the ranks;
 every round's language-model loss (mean over ranks) of both models, ``step0_loss_diff`` (the
 models start equal: with no dropped route the step-0 losses agree to rounding; with drops
 DeepSpeed renormalises the gates of a token whose 2nd route was dropped, ours does not, so they
@@ -57,20 +59,32 @@ class _World:
         return t.tolist()
 
 
+def _clock() -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this thread)."""
+    return time.perf_counter(), time.thread_time()
+
+
+def _since(start: tuple[float, float]) -> tuple[float, float]:
+    wall, cpu = _clock()
+    return wall - start[0], cpu - start[1]
+
+
 class MoETimer:
-    """Seconds spent in the forward and the backward of some modules (the MoE MLPs) since ``reset()``.
+    """Wall and CPU (this thread's) seconds spent in the forward and the backward of some modules
+    (the MoE MLPs) since ``reset()``.
 
     Forward: forward pre-hook to forward hook. Backward: from the moment the gradient of the
     module's output is ready (a tensor hook on the output) to the moment the gradient of its input
     is (a tensor hook on the input; the MLP's input feeds nothing else in a transformer layer).
     Autograd may run a few small nodes of the residual branch in between; they are counted too.
+    On CPU, backward runs on the thread that called it, so its CPU time is this thread's.
     """
 
     def __init__(self, modules: list[torch.nn.Module]):
-        self.forward_s = 0.0
-        self.backward_s = 0.0
-        self._start: dict[int, float] = {}
-        self._backward_start: dict[int, float] = {}
+        self.forward = [0.0, 0.0]
+        self.backward = [0.0, 0.0]
+        self._start: dict[int, tuple[float, float]] = {}
+        self._backward_start: dict[int, tuple[float, float]] = {}
         self._hooks = [h for m in modules for h in (m.register_forward_pre_hook(self._begin),
                                                       m.register_forward_hook(self._end))]
 
@@ -78,25 +92,31 @@ class MoETimer:
         key = id(module)
         if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].requires_grad:
             inputs[0].register_hook(lambda grad: self._backward_end(key))
-        self._start[key] = time.perf_counter()
+        self._start[key] = _clock()
 
     def _end(self, module: torch.nn.Module, _inputs: tuple, output: Any) -> None:
         key = id(module)
-        self.forward_s += time.perf_counter() - self._start[key]
+        self._add(self.forward, _since(self._start[key]))
         out = output[0] if isinstance(output, tuple) else output
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda grad: self._backward_begin(key))
 
     def _backward_begin(self, key: int) -> None:
-        self._backward_start[key] = time.perf_counter()
+        self._backward_start[key] = _clock()
 
     def _backward_end(self, key: int) -> None:
         start = self._backward_start.pop(key, None)
         if start is not None:
-            self.backward_s += time.perf_counter() - start
+            self._add(self.backward, _since(start))
+
+    @staticmethod
+    def _add(total: list[float], delta: tuple[float, float]) -> None:
+        total[0] += delta[0]
+        total[1] += delta[1]
 
     def reset(self) -> None:
-        self.forward_s = self.backward_s = 0.0
+        self.forward = [0.0, 0.0]
+        self.backward = [0.0, 0.0]
         self._backward_start.clear()
 
     def close(self) -> None:
@@ -116,21 +136,23 @@ def make_batches(spec: GPTSpec, count: int, rank: int) -> list[tuple[torch.Tenso
 
 
 def _trainer(engine: Any, timer: MoETimer, aux: Optional[Callable[[], torch.Tensor]]):
-    """A function that trains one step on a batch: returns (LM loss, [forward, backward, optimizer,
-    moe_forward, moe_backward] seconds)."""
+    """A function that trains one step on a batch: returns the LM loss and, per phase of ``PHASES``
+    (forward, backward, optimizer, moe_forward, moe_backward), (wall, this thread's CPU) seconds."""
 
-    def step(batch) -> tuple[float, list[float]]:
+    def step(batch) -> tuple[float, list[tuple[float, float]]]:
         ids, pos, labels = batch
         timer.reset()
-        t0 = time.perf_counter()
+        t0 = _clock()
         lm = engine(ids, pos, None, labels=labels).float().mean()
         loss = lm if aux is None else lm + aux()
-        t1 = time.perf_counter()
+        forward = _since(t0)
+        t1 = _clock()
         engine.backward(loss)
-        t2 = time.perf_counter()
+        backward = _since(t1)
+        t2 = _clock()
         engine.step()
-        t3 = time.perf_counter()
-        return float(lm.detach()), [t1 - t0, t2 - t1, t3 - t2, timer.forward_s, timer.backward_s]
+        optimizer = _since(t2)
+        return float(lm.detach()), [forward, backward, optimizer, tuple(timer.forward), tuple(timer.backward)]
 
     return step
 
@@ -168,11 +190,11 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
                 lm, phases = steps[name](batch)
                 total = time.perf_counter() - start
                 cpu = _process_cpu_seconds() - cpu_start
-                slowest = world_ranks.reduce([total, *phases], "max")
-                lm_sum, cpu_sum = world_ranks.reduce([lm, cpu], "sum")
+                slowest = world_ranks.reduce([total, *(wall for wall, _ in phases)], "max")
+                lm_sum, *cpu_sums = world_ranks.reduce([lm, cpu, *(c for _, c in phases)], "sum")
                 losses[name].append(lm_sum / world)
-                if r >= warmup:
-                    times[name].append([1e3 * s for s in slowest] + [1e3 * cpu_sum])
+                if r >= warmup:   # [wall total, wall phases..., CPU total, CPU phases...] in ms
+                    times[name].append([1e3 * s for s in slowest + cpu_sums])
                 if name == "ours":
                     metrics.collect()   # outside the timed region (a small all-reduce per layer)
         busy_after = _cpu_seconds()
@@ -187,12 +209,15 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
             record[f"{name}_ms"] = round(statistics.median(t[0] for t in times[name]), 2)
         record["deepspeed_over_ours"] = round(record["deepspeed_ms"] / record["ours_ms"], 3)
         record.update({f"{name}_rounds_ms": [round(t[0]) for t in times[name]] for name in MODELS})
+        n = 1 + len(PHASES)
         for name in MODELS:
-            record[f"{name}_cpu_ms"] = round(statistics.median(t[-1] for t in times[name]), 2)
+            record[f"{name}_cpu_ms"] = round(statistics.median(t[n] for t in times[name]), 2)
         record["deepspeed_over_ours_cpu"] = round(record["deepspeed_cpu_ms"] / record["ours_cpu_ms"], 3)
         for name in MODELS:
             record[f"{name}_phases_ms"] = {p: round(statistics.median(t[i + 1] for t in times[name]), 2)
                                            for i, p in enumerate(PHASES)}
+            record[f"{name}_phases_cpu_ms"] = {p: round(statistics.median(t[n + i + 1] for t in times[name]), 2)
+                                               for i, p in enumerate(PHASES)}
         record.update({f"{name}_losses": [round(v, 5) for v in losses[name]] for name in MODELS})
         record["step0_loss_diff"] = abs(losses["ours"][0] - losses["deepspeed"][0])
         record["same_initial_weights"] = same
