@@ -3,6 +3,7 @@ models, equal step-0 losses when nothing is dropped (same weights, same routing)
 assertions."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -24,8 +25,9 @@ def _child(rank, world_size, spec):
     return rank_main(rank, world_size, spec, rounds=2, warmup=1, threads=1, init_method="unused: harness group")
 
 
-def test_bench_step_record(dist_run):
-    records = dist_run(_child, 2, TOY, timeout=300)
+@pytest.mark.parametrize("dropless", [False, True], ids=["capacity", "dropless"])
+def test_bench_step_record(dist_run, dropless):
+    records = dist_run(_child, 2, dataclasses.replace(TOY, dropless=dropless), timeout=300)
     record = records[0]
     assert records[1]["ours_losses"] == record["ours_losses"]       # the record is the job's, on every rank
     for field in ("ours_ms", "deepspeed_ms", "deepspeed_over_ours", "ours_cpu_ms", "deepspeed_cpu_ms",

@@ -92,6 +92,7 @@ def add_step_parser(kinds: argparse._SubParsersAction, run_step) -> None:
     step.add_argument("--top-k", type=positive_int, default=2, choices=[1, 2], help="default 2")
     step.add_argument("--capacity-factor", type=float, default=1.25, help="default 1.25")
     step.add_argument("--min-capacity", type=int, default=4, help="default 4")
+    step.add_argument("--dropless", action="store_true", help="no capacity (DeepSpeed: capacity = largest load)")
     step.add_argument("--seq", type=positive_int, default=256, help="sequence length (default 256)")
     step.add_argument("--micro-batch", type=positive_int, default=4, help="sequences per rank (default 4)")
     step.add_argument("--vocab", type=positive_int, default=4096, help="vocabulary size (default 4096)")

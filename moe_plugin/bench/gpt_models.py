@@ -9,8 +9,8 @@ clipping):
 * ``build_deepspeed_twin``: the same model built again, each ``MegatronMoEMLP`` replaced by
   ``DeepSpeedMoEMLP``, a Megatron-MLP-shaped wrapper (``forward(x) -> (out, None)``) around
   ``deepspeed.moe.layer.MoE`` made by ``deepspeed_moe.deepspeed_twin``: same experts (copies of
-  our weights), top-2 without sampling, capacity factor, min capacity. Trained through plain
-  ``deepspeed.initialize``; its ``l_aux`` is added to the loss with our ``aux_loss_coeff``.
+  our weights), top-2 without sampling, capacity factor, min capacity (or dropless). Trained
+  through plain ``deepspeed.initialize``; its ``l_aux`` is added to the loss with our ``aux_loss_coeff``.
 
 Groups. DeepSpeed's ``MoE.set_deepspeed_parallelism`` creates an ``ep_size_<n>`` group only when
 ``deepspeed.utils.groups`` has none of that name. The twin is built *after* ours, whose groups
@@ -45,6 +45,7 @@ class GPTSpec:
     k: int = 2
     capacity_factor: float = 1.25
     min_capacity: int = 4
+    dropless: bool = False      # no capacity (DeepSpeed: every expert padded to the largest load)
     aux_loss_coeff: float = 1e-2
     zero_stage: int = 1
     lr: float = 1e-4
@@ -56,8 +57,8 @@ class GPTSpec:
             raise ValueError(f"bench step compares top-1 or top-2 routing (DeepSpeed's MoE gates), got k={self.k}")
         block = {"num_experts": self.experts, "router": router, "capacity_factor": self.capacity_factor,
                  "eval_capacity_factor": self.capacity_factor, "min_capacity": self.min_capacity,
-                 "activation": "gelu", "aux_loss_coeff": self.aux_loss_coeff, "layer_interval": self.moe_every,
-                 "parallel": {"expert": self.ep}}
+                 "drop_tokens": not self.dropless, "activation": "gelu", "aux_loss_coeff": self.aux_loss_coeff,
+                 "layer_interval": self.moe_every, "parallel": {"expert": self.ep}}
         if router == "gshard":
             block["second_expert_policy"] = "all"   # DeepSpeed has no GShard random routing (deepspeed_moe.py)
         return block

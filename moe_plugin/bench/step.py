@@ -244,7 +244,8 @@ def spec_from_args(args: argparse.Namespace) -> GPTSpec:
     return GPTSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=args.ffn, experts=args.experts,
                    ep=args.ep or args.ranks, moe_every=args.moe_every, seq=args.seq, micro_batch=args.micro_batch,
                    vocab=args.vocab, k=args.top_k, capacity_factor=args.capacity_factor,
-                   min_capacity=args.min_capacity, zero_stage=args.zero_stage, seed=args.seed)
+                   min_capacity=args.min_capacity, dropless=args.dropless, zero_stage=args.zero_stage,
+                   seed=args.seed)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -301,7 +302,8 @@ def summary(record: dict) -> str:
     return (f"ranks={record['ranks']} ep={record['ep']} L={record['layers']} H={record['hidden']} F={record['ffn']} "
             f"E={record['experts']} moe_layers={record['moe_layers']} S={record['seq']} B={record['micro_batch']} "
             f"V={record['vocab']}: ours {record['ours_ms']:.0f} ms, deepspeed {record['deepspeed_ms']:.0f} ms, "
-            f"deepspeed/ours {record['deepspeed_over_ours']} (CPU time {record['deepspeed_over_ours_cpu']}) | {phases} | {record['moe_metrics']} | "
+            f"deepspeed/ours {record['deepspeed_over_ours']} (CPU time {record['deepspeed_over_ours_cpu']}) | {phases} | "
+            f"{record['moe_metrics']} | "
             f"load avg {record['loadavg']}, others_cpu {record['others_cpu']}")
 
 
