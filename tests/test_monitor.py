@@ -136,26 +136,33 @@ def test_metrics_reach_the_csv_monitor_and_the_log_line(dist_run, tmp_path):
     assert any(m.dropped_fraction > 0 for step in results[0]["collected"] for m in step)  # capacity 1.0 drops
 
 
-def _pipeline(rank: int, world_size: int) -> list:
+def _pipeline(rank: int, world_size: int, pp: int) -> list:
+    """Stage s holds MoE layer 5 + s, except the third stage, which holds none."""
     from moe_plugin.groups import RankLayout, build_process_groups, destroy_process_groups
     from moe_plugin.integration.monitor import ExpertMetrics
 
-    groups = build_process_groups(RankLayout.build(world_size, pp=2, ep=2))
+    ep = world_size // pp
+    groups = build_process_groups(RankLayout.build(world_size, pp=pp, ep=ep))
     try:
-        config = MoEConfig.from_dict({**MOE, "parallel": {"expert": 2, "pipeline": 2}})
+        config = MoEConfig.from_dict({**MOE, "parallel": {"expert": ep, "pipeline": pp}})
         stage = groups.rank_in("pp")
-        layer = MoELayer(config, H, FFN, groups, seed=stage).train()
-        layer.layer_index = 5 + stage            # the global index a GPT spec would give it
-        metrics = ExpertMetrics(nn.Sequential(layer))
-        layer(torch.randn(S, B, H))
+        if stage == 2:
+            metrics = ExpertMetrics(nn.Linear(H, H), groups=groups)
+        else:
+            layer = MoELayer(config, H, FFN, groups, seed=stage).train()
+            layer.layer_index = 5 + stage            # the global index a GPT spec would give it
+            metrics = ExpertMetrics(nn.Sequential(layer))
+            layer(torch.randn(S, B, H))
         return [(m.layer, sum(m.tokens_per_expert)) for m in metrics.collect()]
     finally:
         destroy_process_groups(groups)
 
 
-def test_every_rank_sees_the_layers_of_every_pipeline_stage(dist_run):
-    routes = S * B * 2 * 2  # top-2 routes of the stage's 2 data-parallel ranks
-    assert dist_run(_pipeline, 4) == [[(5, routes), (6, routes)]] * 4
+@pytest.mark.parametrize("pp", [2, 4])
+def test_every_rank_sees_the_layers_of_every_pipeline_stage(dist_run, pp):
+    routes = S * B * 2 * (4 // pp)  # top-2 routes of the stage's data-parallel ranks
+    expected = [(5 + s, routes) for s in range(pp) if s != 2]
+    assert dist_run(_pipeline, 4, pp) == [expected] * 4
 
 
 def test_a_model_without_moe_layers_is_refused():

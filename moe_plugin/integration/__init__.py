@@ -11,6 +11,8 @@
   ``PipelineModule`` (Megatron's stage split, per-piece seeds, ``GPTModel`` key names).
 * ``pipe_topology``: ``pipeline_topology``, DeepSpeed's ``ProcessTopology`` from the rank layout.
 * ``expert_params``: what DeepSpeed's engine needs to treat our expert parameters as MoE ones.
+* ``monitor``: ``ExpertMetrics``, expert load per MoE layer over a step (tokens per expert,
+  imbalance, dropped fraction, aux and z loss) into DeepSpeed's monitor, and a short log line.
 * ``grad_norm``: the global gradient norm over dense, TP-sharded and expert gradients, each once.
 * ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` through DeepSpeed's engine or its
   ``PipelineEngine``, experts stored by global expert id per stage (``expert_state``), atomic tags,

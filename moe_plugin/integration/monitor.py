@@ -29,13 +29,16 @@ else by their order in the model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_plugin.layers.moe_layer import MoELayer, MoEStats, reduce_stats
+
+if TYPE_CHECKING:
+    from moe_plugin.groups.process_groups import ProcessGroups
 
 EVENT_PREFIX = "MoE"
 
@@ -94,18 +97,22 @@ class _Accumulator:
 class ExpertMetrics:
     """Expert load metrics of every ``MoELayer`` in ``model`` (see the module docstring).
 
-    ``per_expert``: also write one event per expert (``tokens_expert<e>``) in ``write``.
-    Call ``close()`` to remove the hooks.
+    ``groups``: the plugin's ``ProcessGroups`` (``moe_plugin.initialize(...).groups``); needed only
+    on a pipeline stage without MoE layers, which must still join ``collect()``. Default: the
+    groups of the model's MoE layers. ``per_expert``: also write one event per expert
+    (``tokens_expert<e>``) in ``write``. Call ``close()`` to remove the hooks.
     """
 
-    def __init__(self, model: nn.Module, *, per_expert: bool = True):
+    def __init__(self, model: nn.Module, *, groups: Optional["ProcessGroups"] = None, per_expert: bool = True):
         self.layers: list[tuple[int, MoELayer]] = []
         for order, module in enumerate(m for m in model.modules() if isinstance(m, MoELayer)):
             index = getattr(module, "layer_index", None)
             self.layers.append((order if index is None else int(index), module))
-        if not self.layers:
+        if not self.layers and groups is None:
             raise ValueError(f"{type(model).__name__} has no MoELayer: nothing to measure (build the model with "
-                             "the plugin's MoE layers, e.g. gpt_moe_spec)")
+                             "the plugin's MoE layers, e.g. gpt_moe_spec; on a pipeline stage without MoE layers "
+                             "pass groups=...)")
+        self.groups = groups if groups is not None else self.layers[0][1].groups
         self.per_expert = per_expert
         self._z_on = any(layer.config.z_loss_coeff > 0 for _, layer in self.layers)
         self._sums = {index: _Accumulator() for index, _ in self.layers}
@@ -130,8 +137,8 @@ class ExpertMetrics:
 
     def collect(self) -> list[LayerMetrics]:
         """Reduce and reset the sums; returns every layer's metrics, sorted by layer index, on every
-        rank. Collective: every rank of the job calls it, after the same number of forwards of each
-        layer it holds (one or more)."""
+        rank. Collective: every rank of the job calls it, after one or more training forwards of
+        each layer it holds (the same number on the ranks of a stage)."""
         local: list[LayerMetrics] = []
         for index, layer in self.layers:
             acc = self._sums[index]
@@ -150,8 +157,7 @@ class ExpertMetrics:
 
     def _gather_stages(self, local: list[LayerMetrics]) -> list[LayerMetrics]:
         """Every pipeline stage's layers, all-gathered over the pipeline group (when there is one)."""
-        groups = self.layers[0][1].groups
-        pp = groups.pp if groups is not None else None
+        pp = self.groups.pp if self.groups is not None else None
         if pp is None or dist.get_world_size(pp) == 1:
             return local
         stages: list = [None] * dist.get_world_size(pp)
