@@ -65,10 +65,14 @@ LAYOUTS2 = {
 
 
 def _case(layouts, layout, router="gshard", drop=True, *, S=S, B=B, edit=None, dtype="float32",
-          bias_update=False, nan_rank=None, nan_value=float("nan"), **moe):
+          bias_update=False, nan_rank=None, nan_value=float("nan"), placement=None, **moe):
     sizes, sp = layouts[layout]
     return dict(layout=layout, sizes=sizes, sp=sp, router=router, drop=drop, S=S, B=B, edit=edit, dtype=dtype,
-                bias_update=bias_update, nan_rank=nan_rank, nan_value=nan_value, moe=moe)
+                bias_update=bias_update, nan_rank=nan_rank, nan_value=nan_value, placement=placement, moe=moe)
+
+
+# A placement that moves every expert to another EP rank: slot of expert e.
+SHUFFLED = [5, 2, 7, 0, 3, 6, 1, 4]
 
 
 def _cases(layouts, full_sweep, edge) -> dict[str, dict]:
@@ -97,6 +101,9 @@ CASES4 = _cases(LAYOUTS4, full_sweep=("ep4", "tp2sp-ep2-etp2-dp2", "tp2-ep2-dp2"
     "bf16": ("tp2sp-ep2-etp2-dp2", dict(router="gshard", dtype="bfloat16", **SWIGLU_SHARED)),
     "bf16-ep4": ("ep4", dict(router="topk3", dtype="bfloat16")),
     "bias-update": ("tp2-ep2-dp2", dict(router="topk3", drop=False, bias_update=True, bias_update_rate=0.1)),
+    "placement": ("ep4", dict(router="gshard", placement=SHUFFLED)),
+    "placement-dropless-etp": ("ep2-etp2-dp4", dict(router="topk3", drop=False, placement=SHUFFLED)),
+    "placement-hot": ("tp2sp-ep4-dp2", dict(router="switch", edit="hot0", placement=SHUFFLED)),
     "nan-on-one-rank": ("tp2sp-ep2-etp2-dp2", dict(nan_rank=3)),
     "inf-on-one-rank": ("ep4", dict(nan_rank=0, nan_value=-float("inf"))),
 })
@@ -107,6 +114,7 @@ CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
     "one-token-remote-tp": ("tp2-ep2", dict(router="topk3", S=2, B=1, edit="last")),
     "bf16": ("tp2-ep2", dict(router="switch", dtype="bfloat16", **SWIGLU_SHARED)),
     "bias-update": ("dp2-ep2", dict(router="switch", bias_update=True, bias_update_rate=0.1)),
+    "placement": ("tp2-ep2", dict(router="gshard", placement=SHUFFLED)),
     "nan-on-one-rank": ("tp2-ep2", dict(nan_rank=1)),
 })
 
@@ -123,7 +131,7 @@ def _config(case: dict, world_size: int | None = None) -> MoEConfig:
 
 
 def _layer(case: dict, world_size: int | None = None, groups=None) -> MoELayer:
-    layer = MoELayer(_config(case, world_size), H, F, groups, seed=3, init_std=0.3)
+    layer = MoELayer(_config(case, world_size), H, F, groups, seed=3, init_std=0.3, placement=case["placement"])
     with torch.no_grad():
         if case["edit"] == "hot0":
             layer.router.weight[0, 0] = 10.0
@@ -187,10 +195,13 @@ def _run_case(rank: int, groups, case: dict) -> dict:
             g /= dist.get_world_size(reduce_group)
         grads[name] = g
     stats = layer.last_stats
-    result = {"out": out.detach(), "x_grad": x.grad, "grads": grads,
+    result = {"stats_kept": stats.kept_per_expert, "out": out.detach(), "x_grad": x.grad, "grads": grads,
               "params": {n: p.detach().clone() for n, p in layer.named_parameters()},
               "balance": stats.balance_loss, "z": stats.z_loss, "global": layer.global_stats(),
-              "noise": layer.router.draw_noise(4, H).uniform_T}
+              "noise": layer.router.draw_noise(4, H).uniform_T, "local_experts": layer.local_experts(),
+              "placement": layer.state_dict()["experts.placement"]}
+    if layout.sizes.ep > 1:   # every EP peer's kept routes per expert, agreed over the EP group
+        result["traffic"] = stats.traffic_PE
     if case["bias_update"]:
         layer.update_expert_bias()
         result["bias"] = layer.router.expert_bias.clone()
@@ -218,9 +229,12 @@ def _cases_child(rank: int, world_size: int, cases: dict) -> dict:
 
 
 # -- the parent's checks ---------------------------------------------------------------------------
-def _expert_slice(name: str, full: torch.Tensor, c: dict, sizes, activation: str) -> torch.Tensor:
-    """This rank's shard of a full [E, ...] expert tensor: its experts, its F columns/rows."""
+def _expert_slice(name: str, full: torch.Tensor, c: dict, sizes, activation: str, placement=None) -> torch.Tensor:
+    """This rank's shard of a full [E, ...] expert tensor (expert order): the experts in its
+    slots, its F columns/rows."""
     L, f = E // sizes.ep, F // sizes.etp
+    if placement is not None:
+        full = full[torch.argsort(torch.tensor(placement))]    # slot order
     w = full[c["ep"] * L:(c["ep"] + 1) * L]
     cols = slice(c["etp"] * f, (c["etp"] + 1) * f)
     if name == "experts.weight2":
@@ -243,7 +257,7 @@ def _check_case(case: dict, world_size: int, results: list) -> None:
             assert torch.isfinite(result["after"]).all()
         return
 
-    layer = _layer(case)
+    layer = _layer({**case, "placement": None})      # the oracle's weights in expert order
     config = layer.config
     x_all, grad_all, jitter, uniform = _inputs(case, dp)
     T = case["S"] * case["B"]
@@ -283,10 +297,17 @@ def _check_case(case: dict, world_size: int, results: list) -> None:
         for name, grad in result["grads"].items():
             full_param, full_grad = params[name].detach(), params[name].grad
             if name.startswith("experts."):
-                full_param = _expert_slice(name, full_param, c, sizes, config.activation)
-                full_grad = _expert_slice(name, full_grad, c, sizes, config.activation)
+                full_param = _expert_slice(name, full_param, c, sizes, config.activation, case["placement"])
+                full_grad = _expert_slice(name, full_grad, c, sizes, config.activation, case["placement"])
             assert torch.equal(result["params"][name], full_param), f"rank {rank} {name}: init is not the slice"
             close(grad, full_grad, f"{name} gradient")
+        placement = torch.arange(E) if case["placement"] is None else torch.tensor(case["placement"])
+        assert torch.equal(result["placement"], placement)
+        L = E // sizes.ep
+        assert result["local_experts"] == torch.argsort(placement)[c["ep"] * L:(c["ep"] + 1) * L].tolist()
+        if "traffic" in result:   # row p: EP peer p's kept routes per expert
+            expected = torch.stack([results[r]["stats_kept"] for r in layout.group_of("ep", rank)])
+            assert torch.equal(result["traffic"], expected), (rank, result["traffic"], expected)
         stats = result["global"]
         assert stats.kept_per_expert.tolist() == ref.kept_per_expert, rank
         assert stats.routed_per_expert.tolist() == ref.routed_per_expert, rank

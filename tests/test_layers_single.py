@@ -19,10 +19,10 @@ S, B, H, F, E = 8, 4, 16, 32, 8
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def make_layer(seed: int = 0, hidden: int = H, ffn: int = F, **moe) -> MoELayer:
+def make_layer(seed: int = 0, hidden: int = H, ffn: int = F, placement=None, **moe) -> MoELayer:
     config = MoEConfig.from_dict({"num_experts": E, "capacity_factor": 1.0, "min_capacity": 1, **moe})
     # init_std 0.3: logits of order 1 and outputs of order 1, so the tolerance means something.
-    return MoELayer(config, hidden, ffn, seed=seed, init_std=0.3)
+    return MoELayer(config, hidden, ffn, seed=seed, init_std=0.3, placement=placement)
 
 
 def tokens(s: int = S, b: int = B, hidden: int = H, seed: int = 1) -> torch.Tensor:
@@ -108,6 +108,36 @@ def test_recompute_fc1_matches_oracle_and_keeps_less(activation):
     width = 2 * F if activation == "swiglu" else F
     # the pre-activation of every kept route is what recompute_fc1 does not keep
     assert kept[False] - kept[True] == routes * width * 4
+
+
+@pytest.mark.parametrize("drop", [True, False], ids=["dropping", "dropless"])
+def test_placement_moves_experts_not_the_function(drop):
+    placement = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])           # slot of expert e
+    static, placed = (make_layer(drop_tokens=drop, **ROUTERS["topk3-normalized"], placement=p)
+                      for p in (None, placement))
+    assert torch.equal(placed.state_dict()["experts.placement"], placement)
+    assert placed.local_experts() == torch.argsort(placement).tolist()
+    assert torch.equal(placed.experts.weight1[placement], static.experts.weight1)   # expert e sits in slot p[e]
+    runs = []
+    for layer in (static, placed):
+        x = tokens().requires_grad_(True)
+        out, _ = layer(x)
+        (out * tokens(seed=5)).sum().backward()
+        runs.append((out, x.grad, layer.last_stats))
+    (out0, gx0, st0), (out1, gx1, st1) = runs
+    torch.testing.assert_close(out1, out0, **TOL)
+    torch.testing.assert_close(gx1, gx0, **TOL)
+    assert st1.kept_per_expert.tolist() == st0.kept_per_expert.tolist()
+    assert torch.equal(st1.balance_loss, st0.balance_loss)
+    for name in ("experts.weight1", "experts.weight2"):
+        grad0, grad1 = static.get_parameter(name).grad, placed.get_parameter(name).grad
+        torch.testing.assert_close(grad1[placement], grad0, **TOL)
+    torch.testing.assert_close(placed.router.weight.grad, static.router.weight.grad, **TOL)
+
+
+def test_placement_must_be_a_permutation():
+    with pytest.raises(ValueError, match=r"placement must give each of the 8 experts its own slot"):
+        make_layer(placement=[0, 1, 2, 3, 4, 5, 6, 6])
 
 
 @pytest.mark.parametrize("gate", [True, False], ids=["gated", "ungated"])

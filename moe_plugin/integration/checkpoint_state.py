@@ -44,8 +44,9 @@ def expert_files(run: Any, path: str) -> dict[str, dict]:
     optimizer = basic_optimizer(engine)
     files: dict[int, dict] = {}
     for w in expert_weights(engine.module):
+        local_ids = w.local_ids
         for expert_id, full in full_experts(w.param, w, groups.etp, s.etp):
-            placement = {"ep_rank": coords["ep"], "slot": expert_id - w.module.first_expert}
+            placement = {"ep_rank": coords["ep"], "slot": local_ids.index(expert_id)}
             entry = files.setdefault(expert_id, {"expert_id": expert_id, "stage": coords["pp"], "weights": {},
                                                  "optimizer": {}, "placement": placement})
             entry["weights"][w.key] = full

@@ -3,8 +3,8 @@
 Shape suffixes: L local experts, H hidden, F ffn, F1 the first GEMM's width (F, or 2F for
 swiglu: gate half first, then up half), E experts.
 
-A ``GroupedExperts`` on EP rank ``r`` holds the experts ``r * L ... r * L + L - 1`` (the static
-placement: expert ``e`` sits on EP rank ``e // L``, local slot ``e % L``), each cut along F over
+A ``GroupedExperts`` on EP rank ``r`` holds the experts of slots ``r * L ... r * L + L - 1``
+(``GroupedExperts.local_ids()``, from its ``placement`` buffer), each cut along F over
 the expert-tensor-parallel group: ``weight1`` [L, H, F1/etp] (dim 2, stride 2 for swiglu, as
 ``layers.experts.ffn_shard`` cuts it) and ``weight2`` [L, F/etp, H] (dim 1). ``full_experts``
 joins the ETP shards (a collective over ETP) and returns one [H, F1] / [F, H] tensor per global
@@ -37,9 +37,9 @@ class ExpertWeight:
     f_stride: int   # pieces per shard along F (2 for swiglu's gate and up halves)
 
     @property
-    def local_ids(self) -> range:
-        """Global ids of the experts this rank holds, in local-slot order."""
-        return range(self.module.first_expert, self.module.first_expert + self.module.num_local)
+    def local_ids(self) -> list[int]:
+        """Global ids of the experts this rank holds, in local-slot order (its placement)."""
+        return self.module.local_ids()
 
     def full_shape(self, etp: int) -> list[int]:
         """[E, H, F1] / [E, F, H]: the shape of all experts of this weight, unsharded."""

@@ -10,7 +10,8 @@ not from parameter names:
   a slice of the gate half and of the up half, as Megatron's own initialisation splits it. The
   fused QKV weight needs no special case: Megatron lays it out by query group.
 * ``GroupedExperts`` weights ``weight1`` [E, H, F1] and ``weight2`` [E, F, H]: the module's
-  experts ``first_expert ... first_expert + num_local - 1`` (expert parallelism), then the
+  slots ``first_slot ... first_slot + num_local - 1`` (expert parallelism; the full and the
+  sharded model share one placement), then the
   rank's F-shard over the expert-tensor-parallel group (``weight1`` dim 2 with stride 2 for
   swiglu's gate and up halves, ``weight2`` dim 1), as ``layers.experts.ffn_shard`` cuts it.
 * Anything else (norms, router, shared expert, position embedding, buffers) is replicated.
@@ -77,7 +78,7 @@ def shard_state_dict(full: Mapping[str, Any], model: nn.Module, layout: RankLayo
             continue
         if key in experts:
             module, dim, stride = experts[key]
-            part = whole.narrow(0, module.first_expert, module.num_local)
+            part = whole.narrow(0, module.first_slot, module.num_local)
             part = tp_slice(part, dim, stride, coords["etp"], sizes.etp)
         elif getattr(mine, "tensor_model_parallel", False):
             part = tp_slice(whole, mine.partition_dim, getattr(mine, "partition_stride", 1), coords["tp"], sizes.tp)

@@ -42,6 +42,17 @@ def exchange_counts(send_counts: torch.Tensor, group: Group) -> torch.Tensor:
     return recv
 
 
+def gather_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's ``counts`` (same shape everywhere) stacked in rank order: [ranks, ...]. One
+    all-gather of a small integer tensor; a rank reads what it receives and, for free, what every
+    other rank sends (the traffic matrix the placement work needs)."""
+    if group is None:
+        return counts.unsqueeze(0).clone()
+    parts = [torch.empty_like(counts) for _ in range(group_size(group))]
+    dist.all_gather(parts, counts.contiguous(), group=group)
+    return torch.stack(parts)
+
+
 def _all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group) -> torch.Tensor:
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)

@@ -53,8 +53,8 @@ class TokenDispatcher:
     def to_experts(self, x_TH: Tensor, plan: RoutingPlan) -> tuple[Tensor, Optional[Tensor], Tensor]:
         """[T, H] -> (x_NH, gather_R, counts_L): the experts' rows are ``x_NH[gather_R]`` (``x_NH``
         itself when ``gather_R`` is None), grouped by local expert, ``counts_L`` rows each.
-        Locally: the tokens and ``plan.token_R``."""
-        return x_TH, plan.token_R, plan.kept_E
+        Locally: the tokens and ``plan.token_R``; the local experts are the slots."""
+        return x_TH, plan.token_R, plan.kept_S
 
     def from_experts(self, y_RH: Tensor, plan: RoutingPlan) -> Tensor:
         """Expert outputs (rows grouped by local expert) -> rows in this rank's kept-route order."""

@@ -7,9 +7,13 @@ S sources of received rows (Q * P, ETP peer major).
 weighting and unpermute stay there. Per batch (``prepare``), on the routing plan of this rank's
 own tokens:
 
-1. ``send_PL = kept_E.view(P, L)``: the rows of global expert ``p * L + l`` go to EP peer p
-   (expert placement is static: EP rank p hosts experts ``[p * L, (p + 1) * L)``).
-2. ``recv_PL = exchange_counts(send_PL, ep)``: the rows each peer sends per local expert.
+1. ``send_PL = kept_S.view(P, L)``: the rows of slot ``p * L + l`` go to EP peer p. Slots are
+   the placement's order (``placement/``): EP rank p hosts the experts in slots
+   ``[p * L, (p + 1) * L)``, the router already sorted the routes by slot.
+2. ``traffic_PS = gather_counts(kept_S, ep)``: every peer's kept routes per slot, one all-gather
+   of P * E integers; ``recv_PL`` (the rows each peer sends per local slot) is its column block.
+   The whole sender x slot matrix comes with it: the load record of ``placement/`` reads it
+   from ``Exchange.traffic_PS`` at no extra cost.
 3. With ETP, every ETP peer's ``recv_PL`` (``exchange_counts`` of the flattened counts, one row
    per peer) -> ``counts_SL`` [Q * P, L]. Without ETP ``counts_SL = recv_PL``.
 4. One ``.tolist()`` of the split sizes (the only host sync), and the permutation that re-sorts
@@ -43,6 +47,7 @@ from moe_plugin.layers.router import RoutingPlan
 class Exchange:
     """One batch's expert-parallel exchange layout (kept in ``RoutingPlan.exchange``)."""
 
+    traffic_PS: Tensor       # [P, S] kept routes of each EP peer's tokens per slot
     send_splits: list[int]   # [P] rows to each EP peer
     recv_splits: list[int]   # [P] rows from each EP peer
     etp_splits: list[int]    # [Q] rows each ETP peer received over EP (its block of the gather)
@@ -82,8 +87,9 @@ class ExpertParallelDispatcher(TokenDispatcher):
 
     def prepare(self, plan: RoutingPlan) -> RoutingPlan:
         p = self.parallel
-        send_PL = plan.kept_E.view(p.ep_size, self.num_local)
-        recv_PL = comm.exchange_counts(send_PL, p.ep)
+        send_PL = plan.kept_S.view(p.ep_size, self.num_local)
+        traffic_PS = comm.gather_counts(plan.kept_S, p.ep)
+        recv_PL = traffic_PS[:, p.ep_rank * self.num_local:(p.ep_rank + 1) * self.num_local].contiguous()
         if p.etp is not None:
             mine_QX = recv_PL.reshape(1, -1).repeat(p.etp_size, 1)
             counts_SL = comm.exchange_counts(mine_QX, p.etp).view(-1, self.num_local)
@@ -93,7 +99,7 @@ class ExpertParallelDispatcher(TokenDispatcher):
                             counts_SL.view(p.etp_size, -1).sum(1)]).tolist()   # the one host sync
         P = p.ep_size
         sort_R, unsort_R = source_to_expert_order(counts_SL, total=sum(splits[2 * P:]))
-        exchange = Exchange(send_splits=splits[:P], recv_splits=splits[P:2 * P], etp_splits=splits[2 * P:],
+        exchange = Exchange(traffic_PS=traffic_PS, send_splits=splits[:P], recv_splits=splits[P:2 * P], etp_splits=splits[2 * P:],
                             counts_L=counts_SL.sum(0), sort_R=sort_R, unsort_R=unsort_R)
         return dataclasses.replace(plan, exchange=exchange)
 

@@ -89,11 +89,15 @@ def ffn_shard(w1_HF1: Tensor, w2_FH: Tensor, activation: str, etp_size: int, etp
 
 
 class GroupedExperts(nn.Module):
-    """The ``num_local`` experts ``[ep_rank * num_local, (ep_rank + 1) * num_local)`` of ``num_experts``
-    (their F-shard ``etp_rank`` of ``etp_size``).
+    """The ``num_local`` expert slots ``[ep_rank * num_local, (ep_rank + 1) * num_local)`` of
+    ``num_experts`` (their F-shard ``etp_rank`` of ``etp_size``).
+
+    The buffer ``placement`` [E] (int64, the same on every rank) is the slot of each expert: slot
+    ``placement[e]`` holds expert e, so this rank's weights ``[l]`` are those of expert
+    ``local_ids()[l]``. Default: expert e in slot e (the static placement).
 
     Weights of global expert ``e`` come from a generator seeded by ``(seed, e)`` alone, so an
-    expert-parallel model reproduces the single-process one. Every parameter carries
+    expert-parallel model reproduces the single-process one, under any placement. Every parameter carries
     ``allreduce = False`` and ``group_name`` (DeepSpeed's ZeRO contract for expert parameters).
     """
 
@@ -101,7 +105,7 @@ class GroupedExperts(nn.Module):
                  ep_size: int = 1, ep_rank: int = 0, etp_size: int = 1, etp_rank: int = 0,
                  group_name: str = "ep_size_1", seed: int = 0, init_std: float = 0.02,
                  output_init_std: float | None = None, backend: Backend = "auto", grad_scale: float = 1.0,
-                 recompute_pre_activation: bool = False):
+                 recompute_pre_activation: bool = False, placement: Optional[Tensor] = None):
         super().__init__()
         if num_experts % ep_size or not 0 <= ep_rank < ep_size:
             raise ValueError(f"expert-parallel rank {ep_rank} of size {ep_size} cannot hold an equal "
@@ -110,7 +114,7 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"expert-tensor-parallel rank {etp_rank} is outside a group of {etp_size}")
         self.num_experts = num_experts
         self.num_local = num_experts // ep_size
-        self.first_expert = ep_rank * self.num_local
+        self.first_slot = ep_rank * self.num_local
         self.activation = activation
         self.act = activation_fn(activation)
         self.backend = backend
@@ -119,7 +123,12 @@ class GroupedExperts(nn.Module):
         width = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         out_std = init_std if output_init_std is None else output_init_std
         w1, w2 = [], []
-        for e in range(self.first_expert, self.first_expert + self.num_local):
+        slot_E = torch.arange(num_experts) if placement is None else torch.as_tensor(placement, dtype=torch.long)
+        if sorted(slot_E.tolist()) != list(range(num_experts)):
+            raise ValueError(f"placement must give each of the {num_experts} experts its own slot "
+                             f"0..{num_experts - 1}; got {slot_E.tolist()}")
+        self.register_buffer("placement", slot_E.clone())
+        for e in self.local_ids():
             gen = seeded_generator(seed, EXPERT_STREAM, e)
             w1_HF1 = torch.randn(hidden_size, width, generator=gen) * init_std
             w2_FH = torch.randn(ffn_hidden_size, hidden_size, generator=gen) * out_std
@@ -132,6 +141,10 @@ class GroupedExperts(nn.Module):
         for p in (self.weight1, self.weight2):
             p.allreduce = False
             p.group_name = group_name
+
+    def local_ids(self) -> list[int]:
+        """Global ids of the experts in this rank's slots, in slot order (one host sync)."""
+        return torch.argsort(self.placement)[self.first_slot:self.first_slot + self.num_local].tolist()
 
     def pick_backend(self, x_RH: Tensor) -> str:
         if self.backend != "auto":

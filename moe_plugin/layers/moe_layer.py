@@ -70,11 +70,14 @@ class MoEStats:
     balance_loss: Tensor         # scalar, before aux_loss_coeff
     z_loss: Tensor               # scalar, before z_loss_coeff
     capacity: Optional[int]
+    traffic_PE: Optional[Tensor] = None  # [P, E] kept routes of each EP peer's tokens per expert
+                                         # (the same on every EP peer; None without EP)
 
 
 def reduce_stats(stats: MoEStats, group: comm.Group) -> MoEStats:
     """``stats`` of every rank of ``group`` (each one token group) in one: counts summed, losses
-    averaged, the dropped fraction recomputed from the sums. One all-reduce; for logging."""
+    averaged, the dropped fraction recomputed from the sums. One all-reduce; for logging. The
+    traffic matrix is already agreed over the EP group and is kept as it is."""
     if group is None:
         return stats
     E = stats.kept_per_expert.numel()
@@ -87,7 +90,7 @@ def reduce_stats(stats: MoEStats, group: comm.Group) -> MoEStats:
     return MoEStats(kept_per_expert=kept, routed_per_expert=routed,
                     dropped_fraction=((routed_total - kept.sum()).float() / routed_total.clamp(min=1).float()),
                     balance_loss=(packed[2 * E] / n).float(), z_loss=(packed[2 * E + 1] / n).float(),
-                    capacity=stats.capacity)
+                    capacity=stats.capacity, traffic_PE=stats.traffic_PE)
 
 
 def _check_sizes(config: MoEConfig, parallel: LayerParallelism) -> None:
@@ -102,11 +105,20 @@ def _check_sizes(config: MoEConfig, parallel: LayerParallelism) -> None:
 
 class MoELayer(nn.Module):
     """A Mixture-of-Experts MLP. ``seed`` makes the init deterministic and layout independent
-    (expert and expert-tensor shards are slices of the single-process weights)."""
+    (expert and expert-tensor shards are slices of the single-process weights).
+
+    Placement: ``experts.placement`` [E] (an int64 buffer, in ``state_dict``) holds the slot of
+    every expert, ``ep_rank * L + local index``: EP rank p hosts the experts whose slots are
+    ``[p * L, (p + 1) * L)``, and ``experts.weight1[l]`` is the expert in slot ``p * L + l``.
+    The router sorts routes by slot (a tensor gather), so dispatch needs nothing else. The
+    argument ``placement`` builds the layer with experts already in those slots (default: expert
+    e in slot e); changing it during training means moving the weights with it.
+    """
 
     def __init__(self, config: MoEConfig, hidden_size: int, ffn_hidden_size: int,
                  groups: Optional["ProcessGroups"] = None, *,
-                 seed: int = 0, init_std: float = 0.02, output_init_std: Optional[float] = None):
+                 seed: int = 0, init_std: float = 0.02, output_init_std: Optional[float] = None,
+                 placement: Optional[Tensor] = None):
         super().__init__()
         self.config = config
         self.groups = groups
@@ -119,7 +131,7 @@ class MoELayer(nn.Module):
                              grad_group=p.dense_grad_group, check_group=p.tokens)
         self.dispatcher = (ExpertParallelDispatcher(config.num_experts, p) if p.expert_parallel
                            else TokenDispatcher(config.num_experts))
-        self.experts = GroupedExperts(config.num_experts, hidden_size, ffn, config.activation,
+        self.experts = GroupedExperts(config.num_experts, hidden_size, ffn, config.activation, placement=placement,
                                       ep_size=p.ep_size, ep_rank=p.ep_rank, etp_size=p.etp_size, etp_rank=p.etp_rank,
                                       group_name=p.expert_group_name, seed=seed, init_std=init_std,
                                       output_init_std=output_init_std, grad_scale=p.expert_grad_scale,
@@ -146,7 +158,7 @@ class MoELayer(nn.Module):
         x_TH = hidden_SBH.reshape(-1, self.hidden_size)
         if p.splits_input:
             x_TH = comm.split_tokens(x_TH, p.tp)
-        plan = self.dispatcher.prepare(self.router(x_TH, noise))
+        plan = self.dispatcher.prepare(self.router(x_TH, noise, self.placement))
         x_NH, gather_R, counts_L = self.dispatcher.to_experts(x_TH, plan)
         out_TH = self.dispatcher.combine(self.experts(x_NH, counts_L, gather_R), plan)
         if self.shared_expert is not None:
@@ -157,6 +169,15 @@ class MoELayer(nn.Module):
             out_TH = comm.gather_tokens(out_TH, p.tp)
         return out_TH.view(hidden_SBH.shape), None
 
+    @property
+    def placement(self) -> Tensor:
+        """[E] the slot of every expert (``experts.placement``)."""
+        return self.experts.placement
+
+    def local_experts(self) -> list[int]:
+        """Global ids of the experts in this rank's slots, in slot order."""
+        return self.experts.local_ids()
+
     def _attach_losses(self, out_TH: Tensor, plan: RoutingPlan) -> Tensor:
         cfg = self.config
         if not (self.training and torch.is_grad_enabled()) or (cfg.aux_loss_coeff == 0 and cfg.z_loss_coeff == 0):
@@ -164,11 +185,12 @@ class MoELayer(nn.Module):
         loss = cfg.aux_loss_coeff * plan.balance_loss + cfg.z_loss_coeff * plan.z_loss
         return AttachAuxLoss.apply(out_TH, loss, self.aux_loss_scale * self.parallel.aux_grad_scale)
 
-    @staticmethod
-    def _stats(plan: RoutingPlan) -> MoEStats:
+    def _stats(self, plan: RoutingPlan) -> MoEStats:
+        traffic_PS = getattr(plan.exchange, "traffic_PS", None)
+        traffic_PE = None if traffic_PS is None or self.parallel.ep is None else traffic_PS[:, self.placement]
         return MoEStats(kept_per_expert=plan.kept_E.detach(), routed_per_expert=plan.routed_E.detach(),
                         dropped_fraction=plan.dropped_fraction.detach(), balance_loss=plan.balance_loss.detach(),
-                        z_loss=plan.z_loss.detach(), capacity=plan.capacity)
+                        z_loss=plan.z_loss.detach(), capacity=plan.capacity, traffic_PE=traffic_PE)
 
     def global_stats(self) -> Optional[MoEStats]:
         """``last_stats`` reduced over the ranks that route distinct tokens (``tp_dp``): collective."""

@@ -1,6 +1,7 @@
 """Router: which experts each token goes to, with what gate weight, and which routes fit.
 
-Shape suffixes: T tokens, H hidden, E experts, K choices per token (top-k), R kept routes.
+Shape suffixes: T tokens, H hidden, E experts, S expert slots (E of them, in placement
+order), K choices per token (top-k), R kept routes.
 
 ``Router`` owns the gate weight ``weight`` [E, H], the aux-loss-free balancing bias
 ``expert_bias`` [E] and a ``torch.Generator`` for its random numbers. Its work is done by
@@ -23,6 +24,10 @@ Routing rules (GShard, arXiv 2006.16668; Switch Transformer):
   ``e`` (before capacity), ``P_e`` the mean softmax probability of ``e``. It is exactly 1.0
   when either is uniform (e.g. all logits equal) -- its value before ``aux_loss_coeff``.
 * z-loss ``mean_t logsumexp(logits_t)^2``.
+* placement: ``slot_E[e]`` is the slot of expert e (``ep_rank * L + local index``, see
+  ``placement/``); kept routes are listed by slot, so a dispatcher sends slot ranges to ranks.
+  Relabelling experts changes neither capacity nor priority (both are per expert), so the routing
+  itself does not depend on the placement.
 
 In a parallel layer each rank routes its own tokens as one GShard group (``parallel.py``): the
 weight's gradient is summed over TP (``grad_group``), the finite check is agreed over the ranks
@@ -64,10 +69,11 @@ class RoutingPlan:
     """One batch's routing, built by argsort (never a dense [T, E, C] tensor).
 
     A route is ``(choice j, token t)`` with id ``j * T + t`` -- priority order. Kept routes
-    are listed sorted by expert, within an expert in priority order.
+    are listed sorted by expert slot (placement order), within a slot in priority order.
 
     route_R: route id of each kept route.            token_R: its token (``route_R % T``).
-    gate_R: its gate weight (fp32, differentiable).  kept_E: kept routes per expert.
+    gate_R: its gate weight (fp32, differentiable).  kept_S: kept routes per slot (dispatch order).
+    kept_E: kept routes per expert (expert id order; ``kept_S`` itself without a placement).
     routed_E: routes per expert before capacity (after random routing): the load.
     capacity: per-expert capacity, None when dropless.
     balance_loss, z_loss: fp32 scalars, unweighted, differentiable.
@@ -84,7 +90,12 @@ class RoutingPlan:
     capacity: Optional[int]
     balance_loss: Tensor
     z_loss: Tensor
+    kept_S: Optional[Tensor] = None
     exchange: Any = None
+
+    def __post_init__(self):
+        if self.kept_S is None:
+            object.__setattr__(self, "kept_S", self.kept_E)
 
     @property
     def num_experts(self) -> int:
@@ -143,11 +154,13 @@ def top_k_experts(choice_TE: Tensor, k: int) -> Tensor:
 
 
 def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Optional[int],
-          expert_bias_E: Optional[Tensor] = None, uniform_T: Optional[Tensor] = None) -> RoutingPlan:
+          expert_bias_E: Optional[Tensor] = None, uniform_T: Optional[Tensor] = None,
+          slot_E: Optional[Tensor] = None) -> RoutingPlan:
     """The routing plan for fp32 ``logits_TE``.
 
     ``uniform_T`` switches on GShard random routing of the 2nd choice (kind gshard only).
     ``normalize`` renormalises the k gates of a token to sum 1 (gshard always does).
+    ``slot_E``: the placement, a permutation of the expert ids (None: slot e is expert e).
     """
     check_finite(logits_TE)
     T, E = logits_TE.shape
@@ -166,20 +179,22 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
         valid_TK[:, 1] = 2 * gate_TK[:, 1].detach() > uniform_T.to(gate_TK)
 
     # Priority order: route id j*T + t. Invalid routes sort last under the sentinel key E.
-    key_R = torch.where(valid_TK.t().reshape(-1), expert_TK.t().reshape(-1), E)
+    slot_TK = expert_TK if slot_E is None else slot_E[expert_TK]
+    key_R = torch.where(valid_TK.t().reshape(-1), slot_TK.t().reshape(-1), E)
     order_R = torch.argsort(key_R, stable=True)
     key_sorted_R = key_R[order_R]
-    count_E1 = torch.bincount(key_R, minlength=E + 1)
-    routed_E = count_E1[:E]
+    count_S1 = torch.bincount(key_R, minlength=E + 1)
+    routed_S = count_S1[:E]
     keep_sorted_R = key_sorted_R < E
     if capacity is not None:
-        start_E1 = torch.cumsum(count_E1, 0) - count_E1
-        slot_R = torch.arange(key_R.numel(), device=key_R.device) - start_E1[key_sorted_R]
-        keep_sorted_R &= slot_R < capacity
-        kept_E = routed_E.clamp(max=capacity)
+        start_S1 = torch.cumsum(count_S1, 0) - count_S1
+        position_R = torch.arange(key_R.numel(), device=key_R.device) - start_S1[key_sorted_R]
+        keep_sorted_R &= position_R < capacity
+        kept_S = routed_S.clamp(max=capacity)
     else:
-        kept_E = routed_E
+        kept_S = routed_S
     route_R = order_R[keep_sorted_R]
+    routed_E, kept_E = (routed_S, kept_S) if slot_E is None else (routed_S[slot_E], kept_S[slot_E])
 
     n = max(T, 1)
     first_E = torch.bincount(expert_TK[:, 0], minlength=E).float() / n
@@ -187,7 +202,7 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
     z_loss = torch.logsumexp(logits_TE, dim=-1).square().sum() / n
     return RoutingPlan(num_tokens=T, k=k, route_R=route_R, token_R=route_R % max(T, 1),
                        gate_R=gate_TK.t().reshape(-1)[route_R], kept_E=kept_E, routed_E=routed_E,
-                       capacity=capacity, balance_loss=balance_loss, z_loss=z_loss)
+                       capacity=capacity, balance_loss=balance_loss, z_loss=z_loss, kept_S=kept_S)
 
 
 class Router(nn.Module):
@@ -258,8 +273,10 @@ class Router(nn.Module):
             x_TH = x_TH * noise.jitter_TH
         return x_TH @ comm.all_reduce_grad(self.weight.float(), self.grad_group).t()
 
-    def forward(self, x_TH: Tensor, noise: Optional[RouterNoise] = None) -> RoutingPlan:
-        """Route ``x_TH``. In training ``noise`` defaults to a fresh draw; eval uses none."""
+    def forward(self, x_TH: Tensor, noise: Optional[RouterNoise] = None,
+                slot_E: Optional[Tensor] = None) -> RoutingPlan:
+        """Route ``x_TH``. In training ``noise`` defaults to a fresh draw; eval uses none.
+        ``slot_E``: the layer's placement (see ``route``)."""
         if self.training and noise is None:
             noise = self.draw_noise(x_TH.shape[0], x_TH.shape[1], x_TH.device)
         if not self.training:
@@ -269,7 +286,7 @@ class Router(nn.Module):
         plan = route(logits_TE, kind=self.kind, k=self.k, normalize=self.normalize,
                      capacity=self.capacity(x_TH.shape[0]),
                      expert_bias_E=self.expert_bias,
-                     uniform_T=noise.uniform_T if noise is not None else None)
+                     uniform_T=noise.uniform_T if noise is not None else None, slot_E=slot_E)
         if self.training:
             with torch.no_grad():
                 self.load_E += plan.routed_E.to(self.load_E)
