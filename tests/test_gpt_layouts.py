@@ -17,9 +17,13 @@ data-parallel replicas and ``gas`` micro-batches), all from the same full weight
 ``gpt_pipeline_module`` with ``engine.train_batch``.
 
 The one-rank run (ZeRO-0) is first checked against plain torch (``clip_grad_norm_``,
-``torch.optim.AdamW``). Each layout is then compared with it, rtol 1e-5: the loss of every step
-(the mean over replicas and micro-batches), ``engine.get_global_grad_norm()`` every step, and every
-parameter shard after the last step.
+``torch.optim.AdamW``). Each layout is then compared with it: the loss of every step (the mean over
+replicas and micro-batches) and ``engine.get_global_grad_norm()`` every step, rtol 1e-5; every
+parameter shard after the last step, element-wise in units of the learning rate and as a whole
+update (``PARAM_TOL``, ``UPDATE_RTOL``: why there). The losses alone would not do: Adam ignores the
+scale of a gradient except through clipping, and with expert gradients 2x too large (the layer's own
+edp / dp factor left in place under DeepSpeed) all five losses still agree to 1e-5; the norms
+(0.5 % off) catch it, the parameters just (whole updates 6e-4 off).
 
 One spawn per world size: the 4-rank layouts run one after the other in one spawn (engine built,
 trained and ``close()``d per case), the 8-rank layout in another.
@@ -47,12 +51,13 @@ MOE = {"num_experts": 8, "router": "topk", "top_k": 2, "drop_tokens": False, "au
 LR, WEIGHT_DECAY, CLIP = 0.01, 0.01, 0.5
 TOL = dict(rtol=1e-5, atol=1e-6)
 # Parameters after Adam: each element's step is normalised by its own gradient's size, so an element
-# whose gradient is mostly cancellation (or rounding, see MODEL) carries its gradient's relative rounding
-# error into a step of about LR: errors are bounded in units of LR, not of the weight. Measured: at most
-# 1.6e-5 (1.6e-3 LR) element-wise, 2.2e-5 for a tensor's whole update; the update check catches any
-# systematic difference (weight decay, clipping, a gradient factor) that element-wise LR units would not.
-PARAM_TOL = dict(rtol=1e-5, atol=5e-3 * LR)
-UPDATE_RTOL = 1e-4
+# whose gradient is mostly cancellation (a direction the loss does not depend on, such as the key
+# weights' component along what every normed input shares) carries its gradient's relative rounding
+# error into a step of about LR: errors are bounded in units of LR, not of the weight. Measured on 2
+# x86 cores: at most 3.9e-5 element-wise (dp4), 8.5e-5 for a tensor's whole update (a key/query/value
+# weight); the update check catches systematic differences that element-wise LR units would not.
+PARAM_TOL = dict(rtol=1e-5, atol=1e-2 * LR)
+UPDATE_RTOL = 5e-4
 # Least gap between a token's 2nd and 3rd router logit in the one-rank run: layouts round the logits
 # differently (~1e-7), so a smaller gap could send a token to other experts. SEED is chosen for it.
 ROUTE_MARGIN = 1e-5
@@ -178,7 +183,8 @@ def _one_rank(rank: int, world_size: int) -> dict:
     finally:
         unregister()
         destroy_process_groups(groups)
-    return {"initial": initial, "losses": losses, "norms": norms, "final": final, "moe_layers": moe_layers, "route_margin": min(margins),
+    return {"initial": initial, "losses": losses, "norms": norms, "final": final, "moe_layers": moe_layers,
+            "route_margin": min(margins),
             "param_names": param_names,
             "torch": {"losses": torch_losses, "norms": torch_norms, "final": torch_final}}
 
