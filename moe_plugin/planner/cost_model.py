@@ -1,0 +1,279 @@
+"""Predicted time and memory of one training step of a GPT-MoE under one ``Layout``.
+
+Everything is per rank and per pipeline stage; the slowest stage sets the pace of the pipeline,
+the most loaded expert rank sets the pace of an MoE layer. Nothing overlaps (a conservative,
+simple model): a step is the sum of its parts. The formulas, with T = micro_batch * seq tokens
+per data-parallel replica, H hidden, F ffn, V vocab, b activation bytes:
+
+    forward GEMM FLOPs per layer and rank     QKV 6TH^2/tp, scores + context 4TSH/tp, proj 2TH^2/tp,
+                                              dense MLP 4THF/tp; backward is twice the forward
+    MoE: routes per sender rank               R = k * T / tp  (the layer splits replicated tokens over TP)
+         kept per expert per sender           min(load_e * R, C), C = capacity_factor * R / E
+         rows of expert e                     ep * etp senders * kept_e
+         expert FLOPs of a rank (fwd)         sum over its experts of 4 * rows_e * H * F / etp
+         all-to-all (4 per layer)             latency * (ep - 1) + max(sent, received) bytes / bandwidth
+    TP all-reduce (4 per dense layer)         2 (tp-1)/tp * T H b / bw + 2 (tp-1) latency
+    pipeline (1F1B)                           (m + pp - 1) * slowest stage's micro-batch time;
+                                              bubble fraction (pp - 1) / (m + pp - 1)
+    DP gradients (per step)                   ring all-reduce 2 (n-1)/n * grad bytes, dense over dp,
+                                              experts over edp; ZeRO-2: reduce-scatter every
+                                              micro-batch, all-gather of parameters per step
+    optimizer                                 parameters it updates / optimizer_rate (ZeRO >= 1: its shard)
+
+Memory per rank: weights, gradients and optimizer states by ZeRO stage (stage 1 shards the
+optimizer states over the data-parallel group, stage 2 also the gradients; expert parameters
+over edp), plus activations of min(pp, m) micro-batches in flight (1F1B) and fp32 logits on the
+last stage. See docs/planner.md for the derivation and the validation against measured steps.
+
+A load profile is a route fraction per expert (``load_LE``: one row per MoE layer, or one row
+for all); a placement is the slot of every expert (rank ``slot // (E / ep)`` of the EP group),
+as ``moe_plugin.placement`` writes it. None means uniform load and the static placement.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from moe_plugin.planner.spec import ClusterSpec, Layout, ModelSpec
+
+
+@dataclass
+class StepCost:
+    """A step's predicted seconds by part and bytes per rank by kind (the largest stage)."""
+
+    compute: float = 0.0          # dense GEMMs, router, LM head (slowest stage, whole step)
+    experts: float = 0.0          # expert GEMMs on the most loaded rank
+    all_to_all: float = 0.0
+    tp_comm: float = 0.0          # TP all-reduces, ETP gathers, MoE token split/gather
+    pp_comm: float = 0.0          # activations between stages
+    dp_comm: float = 0.0          # gradient reduction (and ZeRO parameter gathers)
+    optimizer: float = 0.0
+    overhead: float = 0.0
+    bubble: float = 0.0           # pipeline bubble share of the per-micro-batch parts
+    memory: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.experts + self.all_to_all + self.tp_comm + self.pp_comm + self.dp_comm
+                + self.optimizer + self.overhead)
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["total"] = self.total
+        out["memory_total"] = self.memory_total
+        return out
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """Idle share of a 1F1B (or GPipe) pipeline step: (pp - 1) / (m + pp - 1)."""
+    return (pp - 1) / (micro_batches + pp - 1)
+
+
+def group_span(layout: Layout, dim: str, expert_grid: bool = False) -> int:
+    """Consecutive ranks a group of ``dim`` spans: the product of the sizes laid out up to ``dim``."""
+    sizes = ({"tp": layout.etp, "ep": layout.ep, "dp": layout.edp, "pp": layout.pp} if expert_grid
+             else {"tp": layout.tp, "ep": 1, "dp": layout.dp, "pp": layout.pp})
+    span = 1
+    for token in layout.order.split("-"):
+        span *= sizes.get(token, 1)
+        if token == dim:
+            return span
+    raise ValueError(f"order {layout.order!r} has no {dim!r}")
+
+
+def _collective(cluster: ClusterSpec, n: int, nbytes: float, span: int, kind: str) -> float:
+    """Ring collectives over ``n`` ranks spanning ``span`` consecutive ranks: ``all_reduce`` moves
+    2 (n-1)/n of the bytes, ``gather``/``scatter`` (all-gather, reduce-scatter) (n-1)/n."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = cluster.link(span)
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return factor * ((n - 1) / n * nbytes / bw + (n - 1) * lat)
+
+
+def _all_to_all(cluster: ClusterSpec, n: int, sent: float, received: float, stride: int) -> float:
+    """One all-to-all over ``n`` ranks ``stride`` apart; ``sent``/``received`` are the bytes that
+    leave / reach the busiest rank. Peers inside the node go at intra-node bandwidth."""
+    if n <= 1:
+        return 0.0
+    peers_in_node = max(1, min(n, cluster.gpus_per_node // max(1, stride)))
+    remote_share = (n - peers_in_node) / max(1, n - 1)     # of the peers, those on other nodes
+    volume = max(sent, received)
+    t = (1 - remote_share) * volume / cluster.intra_bandwidth + remote_share * volume / cluster.inter_bandwidth
+    return t + (peers_in_node - 1) * cluster.intra_latency + (n - peers_in_node) * cluster.inter_latency
+
+
+def stage_layers(model: ModelSpec, pp: int) -> list[list[int]]:
+    """Global layer indices of each pipeline stage (even split; the search requires pp | layers)."""
+    per = model.layers // pp
+    return [list(range(s * per, (s + 1) * per)) for s in range(pp)]
+
+
+def expert_rows(model: ModelSpec, layout: Layout, load_E: Optional[np.ndarray], placement_E=None) -> np.ndarray:
+    """Rows each EP rank's experts process in one MoE layer and micro-batch (all ETP senders together)."""
+    E, T = model.experts, layout.micro_batch * model.seq
+    routes = model.top_k * T / layout.tp                       # per sender rank
+    share = np.full(E, 1.0 / E) if load_E is None else np.asarray(load_E, dtype=float) / max(np.sum(load_E), 1e-30)
+    kept = share * routes
+    if model.capacity_factor is not None:
+        kept = np.minimum(kept, model.capacity_factor * routes / E)
+    rows_E = layout.ep * layout.etp * kept
+    per_rank = E // layout.ep
+    slot_E = np.arange(E) if placement_E is None else np.asarray(placement_E)
+    return np.bincount(slot_E // per_rank, weights=rows_E, minlength=layout.ep)
+
+
+def moe_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E=None, placement_E=None
+                   ) -> dict[str, float]:
+    """Seconds of one MoE layer for one micro-batch, forward + backward: expert GEMMs on the most
+    loaded rank, the four all-to-alls, ETP gathers and the TP token split/gather."""
+    H, F, b = model.hidden, model.expert_ffn_size, model.activation_bytes
+    T = layout.micro_batch * model.seq
+    rows_R = expert_rows(model, layout, load_E, placement_E)
+    per_rank = model.experts // layout.ep
+    busiest = float(rows_R.max())
+    gemm = 2 * (busiest / max(per_rank, 1)) * H * F / layout.etp         # one expert's GEMM, average size
+    experts = 3 * cluster.gemm_time(gemm, 2 * per_rank)                 # fc1 and fc2 per expert, fwd + 2x bwd
+    routes = model.top_k * T / layout.tp
+    kept_routes = float(rows_R.sum()) / (layout.ep * layout.etp)       # kept rows one sender sends
+    remote = (layout.ep - 1) / layout.ep
+    sent = kept_routes * remote * H * b
+    received = busiest / layout.etp * remote * H * b
+    a2a = 4 * _all_to_all(cluster, layout.ep, sent, received, layout.etp)
+    etp = 4 * _collective(cluster, layout.etp, busiest * H * b, group_span(layout, "tp", True), "gather")
+    split = 2 * _collective(cluster, layout.tp, T * H * b, group_span(layout, "tp"), "gather")
+    router = 3 * cluster.gemm_time(2 * routes / model.top_k * H * model.experts)
+    return {"experts": experts, "all_to_all": a2a, "tp_comm": etp + split, "compute": router}
+
+
+def dense_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, moe: bool) -> dict[str, float]:
+    """Seconds of a layer's attention (and dense MLP unless ``moe``) for one micro-batch, fwd + bwd."""
+    H, S, tp = model.hidden, model.seq, layout.tp
+    T = layout.micro_batch * S
+    t = cluster.gemm_time(6 * T * H * H / tp) + cluster.gemm_time(2 * T * H * H / tp)
+    t += cluster.gemm_time(2 * T * S * H / tp, 2)                # scores and context, all heads
+    all_reduces = 2
+    if not moe:
+        t += cluster.gemm_time(2 * T * H * model.ffn / tp, 2)
+        all_reduces = 4
+    tp_comm = all_reduces * _collective(cluster, tp, T * H * model.activation_bytes, group_span(layout, "tp"),
+                                        "all_reduce")
+    return {"compute": 3 * t, "tp_comm": tp_comm}
+
+
+def stage_params(model: ModelSpec, layout: Layout, layers: Sequence[int], first: bool, last: bool) -> tuple[float, float]:
+    """(dense, expert) parameters held by one rank of a stage."""
+    dense = sum(model.dense_layer_params() + (0 if model.is_moe(i) else model.mlp_params()) for i in layers) / layout.tp
+    dense += sum(model.hidden * model.experts for i in layers if model.is_moe(i))   # routers (replicated)
+    if first:
+        dense += model.embedding_params() / layout.tp
+    if last:
+        dense += model.vocab * model.hidden / layout.tp
+    moe_layers = sum(model.is_moe(i) for i in layers)
+    expert = moe_layers * (model.experts // layout.ep) * model.expert_params() / layout.etp
+    return dense, expert
+
+
+def stage_memory(model: ModelSpec, layout: Layout, layers: Sequence[int], first: bool, last: bool,
+                 micro_batches: int) -> dict[str, float]:
+    """Bytes per rank of one stage: weights, grads, optimizer states (by ZeRO stage), activations."""
+    dense, expert = stage_params(model, layout, layers, first, last)
+    z = layout.zero
+    shard_d, shard_e = dense / layout.dp, expert / layout.edp
+    mem = {"weights": (dense + expert) * model.param_bytes,
+           "grads": (dense + expert if z < 2 else shard_d + shard_e) * model.grad_bytes,
+           "optimizer": (dense + expert if z < 1 else shard_d + shard_e) * model.optimizer_bytes}
+    H, F, S, a = model.hidden, model.ffn, model.seq, model.heads
+    T, tp = layout.micro_batch * model.seq, layout.tp
+    uniform_rows = float(expert_rows(model, layout, None).max())
+    per_micro = 0.0
+    for i in layers:
+        per_micro += T * H * (2 + 4 / tp) + 2 * a / tp * S * T          # LN, QKV, context, proj; scores
+        if model.is_moe(i):
+            per_micro += T / tp * (H + model.experts) + uniform_rows * (2 * H + 2 * model.expert_ffn_size / layout.etp)
+        else:
+            per_micro += 2 * T * H + 2 * T * F / tp
+    in_flight = min(layout.pp, micro_batches) if layout.pp > 1 else 1
+    mem["activations"] = per_micro * model.activation_bytes * in_flight
+    if last:
+        mem["activations"] += 2 * T * model.vocab / tp * 4                # fp32 logits and their gradient
+    return mem
+
+
+def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_LE=None, placement_LE=None) -> StepCost:
+    """Predicted ``StepCost`` of one optimizer step. ``load_LE``: route fractions per MoE layer
+    ([moe_layers, E], or [E] for all); ``placement_LE``: expert slots, same shapes."""
+    moe_ids = [i for i in range(model.layers) if model.is_moe(i)]
+    m, pp = layout.gas, layout.pp
+    T = layout.micro_batch * model.seq
+    stages = stage_layers(model, pp)
+    per_micro = []          # per stage: dict of per-micro-batch seconds
+    memory = []
+    dp_comm = optimizer = 0.0
+    for s, layers in enumerate(stages):
+        first, last = s == 0, s == pp - 1
+        parts = {"compute": 0.0, "experts": 0.0, "all_to_all": 0.0, "tp_comm": 0.0, "pp_comm": 0.0}
+        for i in layers:
+            moe = model.is_moe(i)
+            for k, v in dense_layer_time(model, cluster, layout, moe).items():
+                parts[k] += v
+            if moe:
+                j = moe_ids.index(i)
+                for k, v in moe_layer_time(model, cluster, layout, _row(load_LE, j), _row(placement_LE, j)).items():
+                    parts[k] += v
+        if last:
+            parts["compute"] += 3 * cluster.gemm_time(2 * T * model.hidden * model.vocab / layout.tp)
+        if pp > 1:
+            nbytes = T * model.hidden * model.activation_bytes
+            bw, lat = cluster.link(group_span(layout, "pp"))
+            parts["pp_comm"] += (int(not first) + int(not last)) * (nbytes / bw + lat)
+        per_micro.append(parts)
+        memory.append(stage_memory(model, layout, layers, first, last, m))
+        dense, expert = stage_params(model, layout, layers, first, last)
+        dp_comm = max(dp_comm, _gradient_sync(model, cluster, layout, dense, expert))
+        updated = dense + expert if layout.zero == 0 else dense / layout.dp + expert / layout.edp
+        optimizer = max(optimizer, updated / cluster.optimizer_rate)
+    slowest = max(per_micro, key=lambda p: sum(p.values()))
+    slots = m + pp - 1                                        # 1F1B: pp - 1 extra micro-batch slots
+    cost = StepCost(**{k: v * slots for k, v in slowest.items()}, dp_comm=dp_comm, optimizer=optimizer)
+    cost.overhead = cluster.layer_overhead * len(stages[0]) * slots + cluster.step_overhead
+    cost.bubble = bubble_fraction(pp, m) * sum(slowest.values()) * slots
+    cost.memory = max(memory, key=lambda d: sum(d.values()))
+    return cost
+
+
+def _gradient_sync(model: ModelSpec, cluster: ClusterSpec, layout: Layout, dense: float, expert: float) -> float:
+    t = 0.0
+    for params, n, span in ((dense, layout.dp, group_span(layout, "dp")),
+                            (expert, layout.edp, group_span(layout, "dp", expert_grid=True))):
+        if layout.zero == 2:   # partitioned gradients are reduced every micro-batch, weights gathered per step
+            t += layout.gas * _collective(cluster, n, params * model.grad_bytes, span, "scatter")
+            t += _collective(cluster, n, params * model.param_bytes, span, "gather")
+        else:
+            t += _collective(cluster, n, params * model.grad_bytes, span, "all_reduce")
+    return t
+
+
+def fits(cost: StepCost, cluster: ClusterSpec) -> bool:
+    return cost.memory_total <= cluster.memory * cluster.memory_usable
+
+
+def _row(values, j: int):
+    if values is None:
+        return None
+    arr = np.asarray(values)
+    return arr if arr.ndim == 1 else arr[j]
+
+
+def tokens_per_step(model: ModelSpec) -> int:
+    return model.global_batch * model.seq
+
+
+__all__ = ["StepCost", "bubble_fraction", "dense_layer_time", "expert_rows", "fits", "group_span",
+           "moe_layer_time", "stage_layers", "stage_memory", "stage_params", "step_cost", "tokens_per_step"]

@@ -1,0 +1,159 @@
+"""Offline strategy search: every valid layout of a world size, costed, filtered by memory, ranked.
+
+A layout is valid when the plugin would launch it (the sizes pass the same
+``MoEConfig`` / ``ParallelSizes.resolve`` checks as a real ``"moe"`` block) and when
+DeepSpeed would run it: ZeRO 0 or 1 under pipeline parallelism (the PipelineEngine), every
+stage holding MoE layers or none (ZeRO-1's per-group norm), ``pp`` dividing the layers, ``tp``
+dividing the heads and the FFN sizes and staying inside a node, and ``dp * micro_batch * gas``
+equal to the global batch. ETP is tried at 1 and at ``tp``.
+
+The candidate pool (SmartMoE's offline stage) is the ``top`` fastest layouts that fit, at most
+one per parallel shape (tp, pp, ep, etp): the online stage switches between shapes, so the pool
+holds shapes, each with its best ZeRO stage and micro-batch.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+from moe_plugin.configs import ConfigError, MoEConfig
+from moe_plugin.planner.cost_model import StepCost, fits, step_cost
+from moe_plugin.planner.spec import ClusterSpec, Layout, ModelSpec
+
+PIPELINE_ZERO = (0, 1)
+ZERO_STAGES = (0, 1, 2)
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    cost: StepCost
+    fits: bool
+
+    @property
+    def time(self) -> float:
+        return self.cost.total
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.layout.tp, self.layout.pp, self.layout.ep, self.layout.etp
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def moe_block(model: ModelSpec, layout: Layout) -> dict:
+    """The ``"moe"`` block that launches ``layout`` (validated by ``MoEConfig``)."""
+    router = {1: "switch", 2: "gshard"}.get(model.top_k, "topk")
+    block = {"num_experts": model.experts, "router": router, "top_k": model.top_k,
+             "layer_interval": model.moe_layer_interval,
+             "parallel": {"tensor": layout.tp, "pipeline": layout.pp, "expert": layout.ep,
+                          "expert_tensor": layout.etp, "order": layout.order}}
+    if model.capacity_factor is None:
+        block["drop_tokens"] = False
+    else:
+        block["capacity_factor"] = model.capacity_factor
+    if model.expert_ffn is not None:
+        block["ffn_hidden_size"] = model.expert_ffn
+    return block
+
+
+def ds_config(model: ModelSpec, layout: Layout) -> dict:
+    """A DeepSpeed JSON for ``layout``: batch split, ZeRO stage, precision, AdamW, the ``"moe"`` block."""
+    config = {"train_batch_size": model.global_batch, "train_micro_batch_size_per_gpu": layout.micro_batch,
+              "gradient_accumulation_steps": layout.gas, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+              "zero_optimization": {"stage": layout.zero}}
+    if model.param_bytes == 2:
+        config["bf16"] = {"enabled": True}
+    config["moe"] = moe_block(model, layout)
+    return config
+
+
+def layouts(model: ModelSpec, cluster: ClusterSpec, world_size: Optional[int] = None) -> Iterator[Layout]:
+    """Every valid layout of ``world_size`` ranks (default: the cluster's)."""
+    world = world_size or cluster.world_size
+    for pp in divisors(world):
+        if model.layers % pp or (pp > 1 and not _moe_on_every_stage(model, pp)):
+            continue
+        stage = world // pp
+        for tp in divisors(stage):
+            if tp > cluster.gpus_per_node or model.heads % tp or model.ffn % tp or model.expert_ffn_size % tp:
+                continue
+            dp = stage // tp
+            for etp in sorted({1, tp}):
+                for ep in divisors(model.experts):
+                    if stage % (ep * etp) or not _valid(model, world, tp, pp, ep, etp):
+                        continue
+                    for mb in model.micro_batches:
+                        if model.global_batch % (mb * dp):
+                            continue
+                        gas = model.global_batch // (mb * dp)
+                        for zero in (PIPELINE_ZERO if pp > 1 else ZERO_STAGES):
+                            yield Layout(tp=tp, pp=pp, ep=ep, etp=etp, dp=dp, zero=zero, micro_batch=mb, gas=gas)
+
+
+def _moe_on_every_stage(model: ModelSpec, pp: int) -> bool:
+    per = model.layers // pp
+    return all(any(model.is_moe(i) for i in range(s * per, (s + 1) * per)) for s in range(pp))
+
+
+def _valid(model: ModelSpec, world: int, tp: int, pp: int, ep: int, etp: int) -> bool:
+    """Whether the plugin's own config checks accept these sizes."""
+    try:
+        MoEConfig.from_dict({"num_experts": model.experts, "router": "topk", "top_k": 1, "parallel": {
+            "tensor": tp, "pipeline": pp, "expert": ep, "expert_tensor": etp}}).check_world_size(world)
+    except ConfigError:
+        return False
+    return True
+
+
+def search(model: ModelSpec, cluster: ClusterSpec, *, load_LE=None, world_size: Optional[int] = None,
+           progress: Optional[Callable[[int, int], None]] = None) -> list[Candidate]:
+    """All valid layouts, costed and sorted: those that fit first, fastest first."""
+    todo = list(layouts(model, cluster, world_size))
+    if not todo:
+        raise ConfigError("cluster", f"{world_size or cluster.world_size} ranks", "no valid layout for this model "
+                          "on this many ranks (check model.global_batch, model.micro_batches, heads and layers)")
+    out = []
+    for n, layout in enumerate(todo, 1):
+        cost = step_cost(model, cluster, layout, load_LE)
+        out.append(Candidate(layout, cost, fits(cost, cluster)))
+        if progress is not None:
+            progress(n, len(todo))
+    out.sort(key=lambda c: (not c.fits, c.time))
+    return out
+
+
+def candidate_pool(candidates: list[Candidate], top: int) -> list[Candidate]:
+    """The ``top`` fastest fitting candidates, one per parallel shape (tp, pp, ep, etp)."""
+    pool, seen = [], set()
+    for c in candidates:
+        if c.fits and c.shape not in seen:
+            pool.append(c)
+            seen.add(c.shape)
+            if len(pool) == top:
+                break
+    return pool
+
+
+class Progress:
+    """A one-line progress display on stderr, refreshed at most every ``every`` seconds."""
+
+    def __init__(self, label: str, every: float = 0.5, stream=sys.stderr):
+        self.label, self.every, self.stream = label, every, stream
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done == total or now - self._last >= self.every:
+            self._last = now
+            end = "\n" if done == total else ""
+            self.stream.write(f"\r{self.label}: {done}/{total} layouts{end}")
+            self.stream.flush()
+
+
+__all__ = ["Candidate", "Progress", "candidate_pool", "divisors", "ds_config", "layouts", "moe_block", "search"]

@@ -1,0 +1,161 @@
+"""The planner: cost model sanity, layout search, trace-replay simulator, ``moe-plugin plan`` end to end.
+
+No process group and no timing assertion: the cost model is arithmetic, checked against hand
+computations and against its own monotonicity; the simulator runs on synthetic traces.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_plugin.configs import ConfigError, MoEConfig
+from moe_plugin.planner.cost_model import bubble_fraction, expert_rows, moe_layer_time, stage_memory, step_cost
+from moe_plugin.planner.search import candidate_pool, ds_config, layouts, search
+from moe_plugin.planner.spec import ClusterSpec, Layout, ModelSpec
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "gpt_moe" / "planner"
+MODEL = dict(layers=4, hidden=64, ffn=256, heads=4, vocab=512, seq=32, experts=8, top_k=2, capacity_factor=None,
+             moe_layer_interval=2, global_batch=16, micro_batches=[1, 2, 4], param_bytes=4, grad_bytes=4,
+             optimizer_bytes=8, activation_bytes=4)
+CLUSTER = dict(nodes=2, gpus_per_node=4, flops=1e12, memory=16e9, intra_bandwidth=100e9, inter_bandwidth=10e9)
+
+
+def model(**kw) -> ModelSpec:
+    return ModelSpec.load({**MODEL, **kw})
+
+
+def cluster(**kw) -> ClusterSpec:
+    return ClusterSpec.load({**CLUSTER, **kw})
+
+
+def layout(**kw) -> Layout:
+    base = dict(tp=1, pp=1, ep=1, etp=1, dp=8, zero=1, micro_batch=2, gas=1)
+    return Layout(**{**base, **kw})
+
+
+# --- cost model ------------------------------------------------------------------------------------
+def test_bubble_formula():
+    assert bubble_fraction(1, 8) == 0
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
+    m, c = model(), cluster()
+    cost = step_cost(m, c, layout(pp=2, dp=4, micro_batch=1, gas=4))
+    assert cost.bubble == pytest.approx(bubble_fraction(2, 4) * (cost.total - cost.dp_comm - cost.optimizer
+                                                                  - cost.overhead))
+
+
+def test_time_grows_with_tokens_and_skew():
+    m, c = model(), cluster()
+    times = [step_cost(model(seq=s), c, layout()).total for s in (16, 32, 64, 128)]
+    assert times == sorted(times) and len(set(times)) == 4
+    uniform = np.full(8, 1 / 8)
+    skewed = np.array([0.5, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05])
+    ep4 = layout(ep=4, dp=8)
+    t_uniform = moe_layer_time(m, c, ep4, uniform)
+    t_skewed = moe_layer_time(m, c, ep4, skewed)
+    assert t_skewed["experts"] > t_uniform["experts"]
+    assert t_skewed["all_to_all"] > t_uniform["all_to_all"]
+    # a placement that pairs the hot expert with cold ones evens the ranks out
+    rows = expert_rows(m, ep4, skewed)
+    assert rows.sum() == pytest.approx(4 * 1 * 2 * 2 * 32)   # ep * etp senders, k routes per token, T = 64
+    assert rows.max() == pytest.approx(rows[0])
+
+
+def test_capacity_caps_the_hot_expert():
+    skewed = np.array([0.9] + [0.1 / 7] * 7)
+    ep = layout(ep=8)
+    dropless = expert_rows(model(), ep, skewed)
+    capped = expert_rows(model(capacity_factor=1.0), ep, skewed)
+    assert dropless[0] == pytest.approx(8 * 0.9 * 2 * 64)
+    assert capped[0] == pytest.approx(8 * 2 * 64 / 8)   # capacity = 1.0 * routes / E per sender
+
+
+def test_memory_by_zero_stage_matches_hand_computation():
+    m = model()
+    H, F, V, S, E = 64, 256, 512, 32, 8
+    dense = 4 * (4 * H * H + 8 * H) + 2 * (2 * H * F + F + H) + 2 * H * E + (V + S) * H + V * H
+    expert = 2 * (E // 2) * 2 * H * F                   # 2 MoE layers, ep 2: 4 experts each
+    assert m.total_params() == dense + 2 * E * 2 * H * F
+    for zero in (0, 1, 2):
+        lay = layout(ep=2, dp=8, zero=zero)          # edp = tp * dp / (etp * ep) = 4
+        mem = stage_memory(m, lay, range(4), True, True, 1)
+        assert mem["weights"] == pytest.approx(4 * (dense + expert))
+        shard = dense / 8 + expert / 4
+        assert mem["grads"] == pytest.approx(4 * (dense + expert if zero < 2 else shard))
+        assert mem["optimizer"] == pytest.approx(8 * (dense + expert if zero < 1 else shard))
+
+
+def test_tensor_parallel_splits_compute_and_pipeline_adds_bubble():
+    m, c = model(hidden=1024, ffn=4096, heads=8), cluster()
+    one = step_cost(m, c, layout(dp=8))
+    tp2 = step_cost(m, c, layout(tp=2, etp=2, dp=4))
+    assert tp2.compute < one.compute and tp2.tp_comm > 0 == one.tp_comm
+    pp = step_cost(m, c, layout(pp=2, dp=4, micro_batch=1, gas=4))
+    assert pp.bubble > 0 and pp.pp_comm > 0
+
+
+# --- search -----------------------------------------------------------------------------------------
+def test_search_yields_only_valid_layouts():
+    m, c = model(), cluster()
+    found = list(layouts(m, c))
+    assert found
+    for lay in found:
+        assert lay.world_size == 8 and lay.dp * lay.micro_batch * lay.gas == m.global_batch
+        assert m.experts % lay.ep == 0 and (lay.tp * lay.dp) % (lay.ep * lay.etp) == 0
+        assert lay.tp <= c.gpus_per_node and m.heads % lay.tp == 0
+        if lay.pp > 1:
+            assert lay.zero in (0, 1)
+        config = MoEConfig.from_dict(ds_config(m, lay)["moe"])
+        sizes = config.check_world_size(8)
+        assert (sizes.tp, sizes.pp, sizes.ep, sizes.etp, sizes.dp) == (lay.tp, lay.pp, lay.ep, lay.etp, lay.dp)
+    shapes = {(lay.tp, lay.pp, lay.ep) for lay in found}
+    assert {(1, 1, 8), (2, 1, 2), (1, 2, 2), (2, 2, 1)} <= shapes
+    assert (1, 8, 1) not in shapes          # 4 layers cannot make 8 stages
+    assert (1, 4, 1) not in shapes          # stages of layers 1 and 3 would hold no MoE layer (ZeRO-1 needs all)
+
+
+def test_search_excludes_layouts_that_do_not_fit():
+    m = model(hidden=1024, ffn=4096, heads=8, experts=8, moe_layer_interval=1)
+    roomy = search(m, cluster())
+    tight_memory = sorted(c.cost.memory_total for c in roomy)[len(roomy) // 2] / 0.9
+    tight = search(m, cluster(memory=tight_memory))
+    assert any(not c.fits for c in tight) and any(c.fits for c in tight)
+    fitting = [c for c in tight if c.fits]
+    assert all(c.cost.memory_total <= tight_memory * 0.9 for c in fitting)
+    assert tight[:len(fitting)] == fitting                         # fitting ones rank first
+    assert [c.time for c in fitting] == sorted(c.time for c in fitting)
+    pool = candidate_pool(tight, 3)
+    assert len(pool) == 3 and len({c.shape for c in pool}) == 3 and all(c.fits for c in pool)
+
+
+# --- bad input --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, match", [
+    ({"hidden": "64"}, r"model\.hidden: got '64'; expected"),
+    ({"heads": 5}, r"model\.heads: got 5; must divide hidden \(64\)"),
+    ({"expertz": 8}, r"model\.expertz: .*unknown key"),
+    ({"top_k": 9}, r"model\.top_k: got 9; must be at most experts \(8\)"),
+])
+def test_bad_model_names_the_key(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelSpec.load({**MODEL, **bad})
+
+
+def test_bad_cluster_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"cluster\.flops: missing"):
+        ClusterSpec.load({k: v for k, v in CLUSTER.items() if k != "flops"})
+    with pytest.raises(ConfigError, match=r"cluster\.gemm_efficiency: .*increase"):
+        ClusterSpec.load({**CLUSTER, "gemm_efficiency": [[1e9, 0.5], [1e8, 0.6]]})
+    path = tmp_path / "c.json"
+    path.write_text("{nodes: 1}")
+    with pytest.raises(ConfigError, match=r"cluster file .*c\.json: got invalid JSON at line 1"):
+        ClusterSpec.load(path)
+
+
+def test_example_jsons_load():
+    for name in ("gpt_moe_125m_e8.json", "gpt_moe_125m_e64.json", "tiny_cpu.json"):
+        ModelSpec.load(EXAMPLES / name)
+    assert ClusterSpec.load(EXAMPLES / "cluster_8x8_a100.json").world_size == 64
+    json.loads((EXAMPLES / "cluster_8x8_a100.json").read_text())
