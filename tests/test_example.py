@@ -7,6 +7,7 @@ mistakes that must stop it before anything is written.
   parallelism 2): the same per-step losses (rtol 1e-5). The router is deterministic top-2 and
   each rank's micro-batch is one of the 1-rank run's micro-batches, so capacity and balance
   loss (per token group) agree too;
+* stopped after 4 steps with ``--save`` and resumed with ``--load``: the same losses again;
 * a micro-batch flag that disagrees with the JSON and a JSON without "moe" exit with status 2
   and one line naming the key, and leave no run directory and no data cache.
 
@@ -60,10 +61,10 @@ def _run_main(rank: int, world_size: int, argv: list) -> dict:
     return {"status": status}
 
 
-def _train(tmp_path: Path, name: str, world_size: int, **moe_parallel) -> list[dict]:
+def _train(tmp_path: Path, name: str, world_size: int, *extra: str, **moe_parallel) -> list[dict]:
     run_dir = tmp_path / "runs" / name
     argv = [*MODEL_FLAGS, "--deepspeed_config", str(_ds_config(tmp_path / f"{name}.json", world_size, **moe_parallel)),
-            "--run-dir", str(run_dir), "--data-cache", str(tmp_path / "data")]
+            "--run-dir", str(run_dir), "--data-cache", str(tmp_path / "data"), *extra]
     results = run_distributed(_run_main, world_size, tmp_path, argv, timeout=300)
     assert [r["status"] for r in results] == [0] * world_size
     assert (run_dir / "metrics.png").stat().st_size > 0
@@ -89,6 +90,14 @@ def test_two_ranks_train_and_match_one_rank(tmp_path):
     one = _train(tmp_path, "single", 1)
     one_losses = [r["loss"] for r in one if r["split"] == "train"]
     assert one_losses == pytest.approx(losses, rel=1e-5), (one_losses, losses)
+
+    # Stopped after half the steps and resumed from the checkpoint: the same losses again (the
+    # batches follow from the step, the optimizer state from the checkpoint).
+    ckpt = str(tmp_path / "ckpt")
+    _train(tmp_path, "resumed", 1, "--train-iters", str(STEPS // 2), "--save", ckpt)
+    resumed = _train(tmp_path, "resumed", 1, "--load", ckpt)
+    assert [r["step"] for r in resumed if r["split"] == "train"] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in resumed if r["split"] == "train"] == pytest.approx(one_losses, rel=1e-5)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -4,5 +4,5 @@
 TINY_MODEL_FLAGS=(
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --ffn-hidden-size 256
     --seq-length 128 --max-position-embeddings 128
-    --train-iters 150 --eval-interval 50 --eval-iters 2 --log-interval 10 --seed 1234
+    --train-iters 400 --eval-interval 100 --eval-iters 4 --log-interval 25 --seed 1234
 )
