@@ -5,6 +5,8 @@
     moe-plugin demo [--world-size 4] [--config FILE]
     moe-plugin bench layer [--experts 8,64,128] [--tokens N] [--vs deepspeed] [--dropless] [--json] ...
     moe-plugin bench step [--ranks 4] [--ep N] [--layers 4] [--hidden 256] [--experts 8] [--json] ...
+    moe-plugin plan --model MODEL.json --cluster CLUSTER.json [--trace FILE] [--out DIR] [--top N]
+    moe-plugin plan --calibrate out.json [--ranks 4] | --validate [--ranks 4,8]
 
 A bad config or bad sizes exit with status 2 and one line ``error: <message>`` on stderr.
 Nothing here creates a process group or imports torch.distributed (``bench`` imports torch when run).
@@ -23,6 +25,7 @@ from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.configs.schema import DEFAULT_ORDER
 from moe_plugin.groups.layout import RankLayout
 from moe_plugin.groups.report import group_lists, rank_groups
+from moe_plugin.planner.plan import add_plan_parser
 
 EXIT_BAD_INPUT = 2
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json"
@@ -81,6 +84,12 @@ def bench_step(args: argparse.Namespace) -> None:
     run(args)
 
 
+def plan(args: argparse.Namespace) -> None:
+    from moe_plugin.planner.plan import run
+
+    run(args)
+
+
 def _span(first: int, count: int) -> str:
     return str(first) if count == 1 else f"{first}-{first + count - 1}"
 
@@ -132,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     example.set_defaults(run=demo)
 
     add_bench_parser(commands, bench_layer, bench_step)
+    add_plan_parser(commands, plan)
     return parser
 
 

@@ -159,3 +159,102 @@ def test_example_jsons_load():
         ModelSpec.load(EXAMPLES / name)
     assert ClusterSpec.load(EXAMPLES / "cluster_8x8_a100.json").world_size == 64
     json.loads((EXAMPLES / "cluster_8x8_a100.json").read_text())
+
+
+# --- simulator --------------------------------------------------------------------------------------
+def test_greedy_beats_static_on_skew_and_matches_it_on_uniform():
+    from moe_plugin.planner.simulator import Policy, replay, synthetic_trace
+
+    m, c = model(hidden=256, ffn=1024, experts=16), cluster()
+    lay = layout(ep=4, dp=8)
+    skewed, _ = synthetic_trace(60, 2, 16, 4096, zipf=1.2, drift_every=10, senders=4, seed=1)
+    static = replay(m, c, lay, skewed, Policy("static"))
+    greedy = replay(m, c, lay, skewed, Policy("greedy", interval=10))
+    assert greedy.mean_s < static.mean_s and greedy.moves > 0 and greedy.migration_s > 0
+    assert greedy.step_s[:10].tolist() == static.step_s[:10].tolist()     # static until the first check
+    uniform, _ = synthetic_trace(40, 2, 16, 4096, zipf=0.0, senders=4, seed=2)
+    static = replay(m, c, lay, uniform, Policy("static"))
+    greedy = replay(m, c, lay, uniform, Policy("greedy", interval=10))
+    assert greedy.moves == 0 and greedy.step_s.tolist() == static.step_s.tolist()
+
+
+def test_synthetic_trace_shapes_and_trace_file_round_trip(tmp_path):
+    from moe_plugin.placement.trace import TraceMeta, TraceWriter
+    from moe_plugin.planner.plan import trace_load
+    from moe_plugin.planner.simulator import synthetic_trace
+
+    load, traffic = synthetic_trace(5, 2, 8, 256, senders=2)
+    assert load.shape == (5, 2, 8) and traffic.shape == (5, 2, 2, 8)
+    assert (load.sum(axis=-1) == 256).all() and (traffic.sum(axis=-2) == load).all()
+    path = tmp_path / "gate.trace"
+    with TraceWriter(path, TraceMeta(["layer0", "layer2"], num_experts=8, ep_size=2)) as w:
+        for s in range(5):
+            w.append(s, {"layer0": (load[s, 0], traffic[s, 0]), "layer2": (load[s, 1], traffic[s, 1])})
+    assert (trace_load(path, model()) == load).all()
+    with pytest.raises(ConfigError, match=r"--trace: .* has 8 experts per layer but model\.experts is 16"):
+        trace_load(path, model(experts=16))
+
+
+# --- the command ------------------------------------------------------------------------------------
+def _plan(argv, capsys):
+    from moe_plugin.cli import main
+
+    code = None
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_end_to_end_on_the_examples(tmp_path, capsys):
+    out = tmp_path / "plan"
+    code, stdout, _ = _plan(["--model", str(EXAMPLES / "gpt_moe_125m_e8.json"), "--cluster",
+                             str(EXAMPLES / "cluster_8x8_a100.json"), "--out", str(out), "--top", "3"], capsys)
+    assert code == 0
+    assert "valid layouts" in stdout and "step ms" in stdout and "mem GB" in stdout
+    configs = sorted(out.glob("candidate_*.json"))
+    assert len(configs) == 3 and (out / "plan.png").stat().st_size > 10_000
+    assert "| rank | layout |" in (out / "plan.md").read_text()
+    pool = json.loads((out / "pool.json").read_text())
+    assert [e["rank"] for e in pool] == [1, 2, 3]
+    times = [e["predicted_s"]["total"] for e in pool]
+    assert times == sorted(times)
+    for path in configs:   # launch-ready: the "moe" block passes the plugin's checks at the cluster's size
+        ds = json.loads(path.read_text())
+        sizes = MoEConfig.from_ds_config(ds).check_world_size(64)
+        assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * sizes.dp
+
+
+def test_plan_with_a_trace_replays_the_pool(tmp_path, capsys):
+    from moe_plugin.placement.trace import TraceMeta, TraceWriter
+    from moe_plugin.planner.simulator import synthetic_trace
+
+    load, traffic = synthetic_trace(30, 2, 8, 2048, zipf=1.2, drift_every=5, senders=1)
+    path = tmp_path / "gate.trace"
+    with TraceWriter(path, TraceMeta(["l0", "l2"], num_experts=8, ep_size=1)) as w:
+        for s in range(30):
+            w.append(s, {"l0": (load[s, 0], traffic[s, 0]), "l2": (load[s, 1], traffic[s, 1])})
+    model_path = tmp_path / "model.json"
+    model_path.write_text(json.dumps(MODEL))
+    cluster_path = tmp_path / "cluster.json"
+    cluster_path.write_text(json.dumps(CLUSTER))
+    code, stdout, _ = _plan(["--model", str(model_path), "--cluster", str(cluster_path), "--trace", str(path),
+                             "--out", str(tmp_path / "out"), "--policy-interval", "5"], capsys)
+    assert code == 0 and "Trace replay (30 steps" in stdout and "greedy/5 ms" in stdout
+
+
+def test_plan_bad_input_exits_2_naming_the_key(tmp_path, capsys):
+    bad = tmp_path / "model.json"
+    bad.write_text(json.dumps({**MODEL, "hidden": 0}))
+    code, _, err = _plan(["--model", str(bad), "--cluster", str(EXAMPLES / "cluster_8x8_a100.json"),
+                          "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and err.startswith("error: model.hidden: got 0;")
+    code, _, err = _plan(["--cluster", str(EXAMPLES / "cluster_8x8_a100.json")], capsys)
+    assert code == 2 and "--model: got None; required" in err
+    small = tmp_path / "cluster.json"
+    small.write_text(json.dumps({**CLUSTER, "memory": 1e6}))
+    code, _, err = _plan(["--model", str(EXAMPLES / "gpt_moe_125m_e8.json"), "--cluster", str(small),
+                          "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "cluster.memory: got 1000000.0; no layout fits" in err

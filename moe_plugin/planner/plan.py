@@ -1,0 +1,147 @@
+"""``moe-plugin plan``: the offline stage of two-stage automatic parallelization (SmartMoE).
+
+    moe-plugin plan --model MODEL.json --cluster CLUSTER.json [--trace FILE] [--out DIR] [--top N]
+    moe-plugin plan --calibrate out.json [--ranks 4]          # measure this machine (calibrate.py)
+    moe-plugin plan --validate [--ranks 4,8] [--out DIR]      # predicted vs measured (validate.py)
+
+The search costs every valid layout (``search.py``), drops those that do not fit, ranks by
+predicted step time -- under the trace's mean load per layer when ``--trace`` is given, else
+uniform -- and writes the pool (``report.py``). With a trace it also replays the pool on the
+trace under static and greedy placement (``simulator.py``) and adds that table.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from moe_plugin.configs import ConfigError
+from moe_plugin.planner.report import (COLUMNS, markdown_table, plot, table_rows, text_table, write_markdown,
+                                       write_pool)
+from moe_plugin.planner.search import Progress, candidate_pool, search
+from moe_plugin.planner.spec import ClusterSpec, ModelSpec
+
+
+def add_plan_parser(commands: argparse._SubParsersAction, run) -> None:
+    plan = commands.add_parser("plan", help="search parallel layouts with the cost model and write a candidate "
+                               "pool of DeepSpeed JSONs (also: --calibrate, --validate)",
+                               description="See docs/planner.md.")
+    plan.add_argument("--model", type=Path, help="model JSON (examples/gpt_moe/planner/*.json)")
+    plan.add_argument("--cluster", type=Path, help="cluster JSON, or a calibration written by --calibrate")
+    plan.add_argument("--trace", type=Path, help="gate trace (moe_plugin.placement.trace) for the load profile")
+    plan.add_argument("--out", type=Path, default=Path("plan_out"), help="output folder (default plan_out)")
+    plan.add_argument("--top", type=int, default=5, help="pool size (default 5)")
+    plan.add_argument("--world-size", type=int, help="ranks to plan for (default: the cluster's)")
+    plan.add_argument("--policy-interval", type=int, default=100, help="steps between greedy placement checks "
+                      "in the trace replay (default 100)")
+    plan.add_argument("--calibrate", type=Path, metavar="OUT.json", help="measure GEMM throughput and gloo "
+                      "collectives on this machine and write a cluster JSON")
+    plan.add_argument("--validate", action="store_true", help="predicted vs measured step time of CPU layouts "
+                      "of a tiny GPT-MoE on gloo ranks")
+    plan.add_argument("--ranks", default="4", help="ranks for --calibrate (one number) or --validate "
+                      "(comma-separated, default 4)")
+    plan.add_argument("--calibration", type=Path, help="--validate: use this calibration instead of measuring")
+    plan.add_argument("--rounds", type=int, default=4, help="--validate: timed steps per layout (default 4)")
+    plan.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.calibrate is not None:
+        from moe_plugin.planner.calibrate import calibrate
+
+        calibrate(args.calibrate, _ranks(args.ranks)[0])
+        return
+    if args.validate:
+        from moe_plugin.planner.validate import validate
+
+        validate(_ranks(args.ranks), args.out, args.calibration, args.rounds)
+        return
+    for flag in ("model", "cluster"):
+        if getattr(args, flag) is None:
+            raise ConfigError(f"--{flag}", None, f"required to plan (or use --calibrate / --validate)")
+    if args.top < 1:
+        raise ConfigError("--top", args.top, "expected a positive integer")
+    plan(ModelSpec.load(args.model), ClusterSpec.load(args.cluster), args.out, top=args.top, trace=args.trace,
+         world_size=args.world_size, interval=args.policy_interval)
+
+
+def _ranks(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError("--ranks", text, "expected comma-separated positive integers, e.g. 4,8")
+    return values
+
+
+def trace_load(path: Path, model: ModelSpec) -> np.ndarray:
+    """The trace's loads [steps, layers, E]; its expert count must be the model's."""
+    from moe_plugin.placement.trace import read_trace
+
+    try:
+        trace = read_trace(path)
+    except OSError as err:
+        raise ConfigError("--trace", str(path), f"cannot be read ({err.strerror})") from None
+    if trace.num_experts != model.experts:
+        raise ConfigError("--trace", str(path), f"has {trace.num_experts} experts per layer but model.experts "
+                          f"is {model.experts}")
+    if trace.load.shape[0] == 0:
+        raise ConfigError("--trace", str(path), "holds no step")
+    return trace.load
+
+
+def plan(model: ModelSpec, cluster: ClusterSpec, out: Path, *, top: int = 5, trace: Optional[Path] = None,
+         world_size: Optional[int] = None, interval: int = 100) -> list:
+    """Search, write the pool, print the table; returns the pool."""
+    from moe_plugin.planner.simulator import load_fractions
+
+    load_SLE = trace_load(trace, model) if trace is not None else None
+    moe_layers = sum(model.is_moe(i) for i in range(model.layers))
+    load_LE = load_fractions(load_SLE, moe_layers).mean(axis=0) if load_SLE is not None else None
+    progress = Progress("plan") if sys.stderr.isatty() else None
+    candidates = search(model, cluster, load_LE=load_LE, world_size=world_size, progress=progress)
+    pool = candidate_pool(candidates, top)
+    if not pool:
+        best = min(candidates, key=lambda c: c.cost.memory_total)
+        raise ConfigError("cluster.memory", cluster.memory, f"no layout fits: the smallest needs "
+                          f"{best.cost.memory_total / 1e9:.1f} GB per rank ({best.layout.name()}) of "
+                          f"{cluster.memory_usable:.0%} usable")
+    out.mkdir(parents=True, exist_ok=True)
+    paths = write_pool(out, pool, model)
+    extra = ""
+    if load_SLE is not None:
+        extra = _replay_table(model, cluster, pool, load_SLE, interval)
+    write_markdown(out, model, cluster, candidates, pool, extra)
+    plot(out, candidates, pool, cluster, title=f"{model.total_params() / 1e6:,.0f}M GPT-MoE, {model.experts} "
+         f"experts on {cluster.name}")
+    fitting = sum(c.fits for c in candidates)
+    print(f"{len(candidates)} valid layouts, {fitting} fit in memory; pool of {len(pool)} "
+          f"(load: {'trace ' + str(trace) if trace else 'uniform'})")
+    print(text_table(COLUMNS, table_rows(pool, model)))
+    if extra:
+        print()
+        print(extra)
+    print(f"\nwrote {', '.join(p.name for p in paths)}, pool.json, plan.md, plan.png in {out}")
+    return pool
+
+
+def _replay_table(model: ModelSpec, cluster: ClusterSpec, pool, load_SLE: np.ndarray, interval: int) -> str:
+    from moe_plugin.planner.simulator import Policy, replay
+
+    stride = max(1, load_SLE.shape[0] // 500)     # at most ~500 replayed steps per run
+    rows = []
+    for i, c in enumerate(pool, 1):
+        static = replay(model, cluster, c.layout, load_SLE, Policy("static"), stride)
+        greedy = replay(model, cluster, c.layout, load_SLE, Policy("greedy", interval), stride)
+        rows.append([str(i), c.layout.name(), f"{1e3 * static.mean_s:.1f}", f"{1e3 * greedy.mean_s:.1f}",
+                     f"{static.mean_s / greedy.mean_s:.3f}", str(greedy.moves), f"{1e3 * greedy.migration_s:.1f}"])
+    head = ("rank", "layout", "static ms", f"greedy/{interval} ms", "speedup", "experts moved", "migration ms")
+    return (f"Trace replay ({load_SLE.shape[0]} steps, every {stride}): mean step time\n\n"
+            + markdown_table(head, rows))
+
+
+__all__ = ["add_plan_parser", "plan", "run", "trace_load"]
