@@ -87,3 +87,209 @@ def test_trace_errors_name_the_bad_value(tmp_path):
     (tmp_path / "junk").write_bytes(b"NOTATRACE_______")
     with pytest.raises(ValueError, match="starts with b'NOTATRAC'"):
         read_trace(tmp_path / "junk")
+
+
+# --- load tracking on gloo ranks ---------------------------------------------------------------
+
+TRACK_E, TRACK_H, TRACK_F, TRACK_STEPS, TRACK_MICRO, TRACK_WINDOW = 4, 8, 16, 3, 2, 2
+
+
+class _Stage(torch.nn.Module):
+    """One or two MoE layers (``layer_index`` as Megatron's MLP has) applied in turn."""
+
+    def __init__(self, config, groups, indices):
+        super().__init__()
+        from moe_plugin.layers import MoELayer
+        self.moe = torch.nn.ModuleList()
+        for i in indices:
+            layer = MoELayer(config, TRACK_H, TRACK_F, groups, seed=5 + i, init_std=0.5)
+            layer.layer_index = i
+            self.moe.append(layer)
+
+    def forward(self, x):
+        for layer in self.moe:
+            x = x + layer(x)[0]
+        return x
+
+
+def _track_child(rank, world_size, layouts, trace_dir):
+    from moe_plugin.configs import MoEConfig
+    from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
+    from moe_plugin.groups.layout import RankLayout
+    from moe_plugin.placement.tracking import LoadTracker
+
+    out = {}
+    for key, sizes in layouts.items():
+        layout = RankLayout.build(world_size, **sizes)
+        groups = build_process_groups(layout)
+        try:
+            s = layout.sizes
+            config = MoEConfig.from_dict({"num_experts": TRACK_E, "router": "gshard", "second_expert_policy": "all",
+                                          "capacity_factor": 1.0, "min_capacity": 1, "parallel": {
+                                              "tensor": s.tp, "pipeline": s.pp, "expert": s.ep,
+                                              "expert_tensor": s.etp, "order": s.order}})
+            c = layout.coords(rank)
+            indices = [c["pp"]] if s.pp > 1 else [0, 1]
+            model = _Stage(config, groups, indices).train()
+            plain = LoadTracker(model, TRACK_WINDOW)
+            traced = LoadTracker(model, TRACK_WINDOW, trace_path=f"{trace_dir}/{key}.trace", trace_info={"case": key})
+            forwards = []
+            for step in range(TRACK_STEPS):
+                for micro in range(TRACK_MICRO):
+                    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + c["dp"])
+                    x = torch.randn(4, 3, TRACK_H, generator=gen)
+                    with torch.no_grad():
+                        model(x)
+                    forwards.append({(layer.layer_index): (layer.last_stats.routed_per_expert.clone(),
+                                                           layer.last_stats.kept_per_expert.clone())
+                                     for layer in model.moe})
+                traced.end_step(step + 10)
+                plain.end_step(step + 10)
+            names = {name: layer.layer_index for name, layer in plain.layers.items()}
+            out[key] = {"coords": c, "forwards": forwards, "needs_reduce": plain.needs_reduce,
+                        "plain": {names[n]: w for n, w in plain.window_loads().items()},
+                        "traced": {names[n]: w for n, w in traced.window_loads().items()}}
+            plain.close()
+            traced.close()
+        finally:
+            destroy_process_groups(groups)
+    return out
+
+
+TRACK_LAYOUTS = {
+    2: {"ep2": {"ep": 2}, "dp2": {}},
+    4: {"ep2_edp2": {"ep": 2}, "tp2_ep2": {"tp": 2, "ep": 2}, "pp2_ep2": {"pp": 2, "ep": 2}},
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tracking_matches_hand_sums(dist_run, tmp_path, world_size):
+    """Window traffic [p, e] = kept routes of every rank at EP index p over the last window steps;
+    the trace's load = routed summed over all ranks, traffic as the window's; per step."""
+    from moe_plugin.groups.layout import RankLayout
+    from moe_plugin.placement.trace import read_trace
+
+    layouts = TRACK_LAYOUTS[world_size]
+    results = dist_run(_track_child, world_size, layouts, str(tmp_path))
+    for key, sizes in layouts.items():
+        s = RankLayout.build(world_size, **sizes).sizes
+        per_rank = [r[key] for r in results]
+        layers = sorted({i for r in per_rank for i in r["plain"]})
+        assert per_rank[0]["needs_reduce"] == (s.tp * s.dp != s.ep), key
+        trace = read_trace(tmp_path / f"{key}.trace")
+        assert trace.layers == tuple(f"layer{i}" for i in layers) and trace.meta.info["case"] == key
+        assert trace.steps.tolist() == [10 + i for i in range(TRACK_STEPS)] and trace.ep_size == s.ep
+        for i in layers:
+            holders = [r for r in per_rank if i in r["plain"]]
+            load = torch.zeros(TRACK_STEPS, TRACK_E, dtype=torch.int64)
+            traffic = torch.zeros(TRACK_STEPS, s.ep, TRACK_E, dtype=torch.int64)
+            for r in holders:
+                # the EP index of a rank: its position in its EP group (the expert grid's "ep")
+                p = r["coords"].get("ep", 0)
+                for f, fwd in enumerate(r["forwards"]):
+                    routed, kept = fwd[i]
+                    load[f // TRACK_MICRO] += routed
+                    traffic[f // TRACK_MICRO, p] += kept
+            window = traffic[-TRACK_WINDOW:].sum(0)
+            for r in holders:
+                for kind in ("plain", "traced"):
+                    got = r[kind][i]
+                    assert got.steps == TRACK_WINDOW and torch.equal(got.traffic_PE, window), (key, i, kind, got, window)
+            t = trace.layer(f"layer{i}")
+            assert np.array_equal(trace.load[:, t], load.numpy()), (key, i)
+            assert np.array_equal(trace.traffic[:, t], traffic.numpy()), (key, i)
+            assert (trace.load[:, t].sum(-1) == 2 * 12 * s.dp * TRACK_MICRO).all()  # top-2, 12 tokens per replica
+            assert (trace.kept()[:, t] <= trace.load[:, t]).all() and (trace.kept()[:, t] < trace.load[:, t]).any()
+
+
+# --- policies ---------------------------------------------------------------------------------
+
+def _zipf(E, s=0.8, scale=1000.0):
+    return (scale / (torch.arange(E) + 1.0) ** s).round()
+
+
+def test_static_and_imbalance():
+    from moe_plugin.placement.policies import imbalance, rank_loads, static
+    assert static(8, 2).tolist() == list(range(8))
+    load = torch.tensor([4, 0, 0, 0, 1, 1, 1, 1])
+    assert rank_loads(load, static(8, 2), 2).tolist() == [4.0, 4.0]
+    assert imbalance(load, torch.tensor([0, 4, 5, 6, 1, 2, 3, 7]), 2) == pytest.approx(7 / 4)
+    assert imbalance(torch.zeros(8), static(8, 2), 2) == 1.0
+    with pytest.raises(ValueError, match="6 experts cannot be spread evenly over 4 EP ranks"):
+        static(6, 4)
+
+
+@pytest.mark.parametrize("E,P", [(32, 4), (64, 4), (64, 2)])
+def test_greedy_balances_zipf(E, P):
+    from moe_plugin.placement.policies import check_placement, greedy, imbalance, static
+    load = _zipf(E)
+    placement = check_placement(greedy(load, P), E, P)
+    assert imbalance(load, static(E, P), P) > 1.5
+    assert imbalance(load, placement, P) <= 1.15
+    assert torch.equal(greedy(load, P), placement)                       # deterministic
+
+
+def test_greedy_refinement_never_worse():
+    from moe_plugin.placement.policies import greedy, imbalance
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        load = (torch.rand(16, generator=gen) ** 3 * 1000).round()
+        assert imbalance(load, greedy(load, 4), 4) <= imbalance(load, greedy(load, 4, refine=False), 4) + 1e-12
+
+
+def _local_traffic(load, P, gen):
+    """Each expert's tokens come mostly from one 'home' EP rank and its node neighbour."""
+    E = len(load)
+    traffic = torch.zeros(P, E)
+    home = torch.randint(0, P, (E,), generator=gen)
+    for e in range(E):
+        w = torch.full((P,), 0.05)
+        w[home[e]] = 1.0
+        w[home[e] ^ 1] = 0.5
+        traffic[:, e] = (w / w.sum() * load[e]).round()
+    return traffic
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_network_aware_cuts_cross_node_routes(seed):
+    from moe_plugin.placement.policies import cross_node_routes, greedy, imbalance, network_aware
+    E, P, per_node, slack = 32, 8, 2, 0.1
+    traffic = _local_traffic(_zipf(E), P, torch.Generator().manual_seed(seed))
+    load = traffic.sum(0)
+    node = [p // per_node for p in range(P)]
+    g, na = greedy(load, P), network_aware(load, traffic, P, ranks_per_node=per_node, slack=slack)
+    assert cross_node_routes(traffic, na, node) <= 0.5 * cross_node_routes(traffic, g, node)
+    assert imbalance(load, na, P) <= (1 + slack) * imbalance(load, g, P) + 1e-9
+
+
+def test_network_aware_keeps_experts_with_their_senders():
+    """8 equal experts, 2 nodes of 2 ranks: experts 0-3 are fed by node 1, 4-7 by node 0."""
+    from moe_plugin.placement.policies import cross_node_routes, greedy, network_aware, rank_of
+    traffic = torch.zeros(4, 8)
+    traffic[2:, :4] = 50
+    traffic[:2, 4:] = 50
+    load = traffic.sum(0)
+    na = network_aware(load, traffic, 4, [0, 0, 1, 1])
+    assert cross_node_routes(traffic, na, [0, 0, 1, 1]) == 0 < cross_node_routes(traffic, greedy(load, 4), [0, 0, 1, 1])
+    assert sorted(rank_of(na, 4).tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert network_aware(load, traffic, 4, [0, 0, 0, 0]).tolist() == greedy(load, 4).tolist()  # one node
+    with pytest.raises(ValueError, match=r"traffic_PE must have shape \(P, E\) = \(4, 8\), got \(2, 8\)"):
+        network_aware(load, traffic[:2], 4, ranks_per_node=2)
+    with pytest.raises(ValueError, match="node_of_rank or ranks_per_node"):
+        network_aware(load, traffic, 4)
+
+
+def test_align_moves_few_experts():
+    from moe_plugin.placement.policies import align, greedy, moved_experts, rank_loads
+    load = _zipf(16)
+    current = torch.randperm(16, generator=torch.Generator().manual_seed(3))
+    new = greedy(load, 4)
+    aligned = align(new, current, 4)
+    assert sorted(rank_loads(load, aligned, 4).tolist()) == sorted(rank_loads(load, new, 4).tolist())
+    assert len(moved_experts(current, aligned, 4)) <= len(moved_experts(current, new, 4))
+    assert moved_experts(current, align(current, current, 4)) == []       # nothing to move
+    # a relabelling of ranks is recognised as free
+    relabelled = (current + 4) % 16
+    assert moved_experts(current, align(relabelled, current, 4), 4) == []
+    with pytest.raises(ValueError, match="distinct slot"):
+        align(torch.zeros(16, dtype=torch.long), current, 4)

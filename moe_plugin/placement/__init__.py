@@ -2,7 +2,12 @@
 
 * ``trace``: gate traces, the per-step tokens per expert and sender x expert traffic of every
   MoE layer in a compact binary file (the planner's input).
+* ``tracking``: ``LoadTracker``, every layer's windowed load from the gate (forward hooks).
+* ``policies``: pure placement functions (static, greedy, network-aware, imbalance, align).
 """
+from moe_plugin.placement.policies import greedy, imbalance, network_aware, static
 from moe_plugin.placement.trace import GateTrace, TraceMeta, TraceWriter, read_trace
+from moe_plugin.placement.tracking import LoadTracker, WindowLoad
 
-__all__ = ["GateTrace", "TraceMeta", "TraceWriter", "read_trace"]
+__all__ = ["GateTrace", "LoadTracker", "TraceMeta", "TraceWriter", "WindowLoad", "greedy", "imbalance",
+           "network_aware", "read_trace", "static"]

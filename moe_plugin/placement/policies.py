@@ -1,0 +1,311 @@
+"""Expert placement policies: pure functions from observed load to a placement.
+
+A placement is an int64 tensor [E] (``MoELayer.experts.placement``): ``placement[e]`` is the
+slot of expert e, ``rank * L + local index`` with ``L = E // P`` slots per EP rank. Loads are
+routes per expert over a window of steps; ``traffic_PE[p, e]`` counts the routes to expert e
+of the tokens of EP rank p (``MoEStats.traffic_PE`` summed over steps).
+
+* ``static(E, P)``: expert e in slot e (rank ``e // L``), the layer's default.
+* ``greedy(load_E, P)``: SmartMoE's load-balancing heuristic -- heaviest expert first onto the
+  least-loaded rank that still has a free slot (longest-processing-time scheduling with a slot
+  limit per rank), then swaps that lower the maximum rank load.
+* ``network_aware(load_E, traffic_PE, P, node_of_rank)``: minimises cross-node routes subject to
+  a compute bound (below).
+* ``align(new, current, P)``: the same assignment of expert *sets* to ranks, relabelled so
+  that as few experts as possible move (what migration pays for).
+
+Objective of ``network_aware``. With ``C_r = sum of load_e over the experts on rank r`` (expert
+compute: the slowest rank sets the pace) and ``X = sum over experts e and senders p on another
+node than e's rank of traffic_PE[p, e]`` (routes that cross the inter-node network; each is
+sent there and back, ``2 * H * bytes per element`` bytes)::
+
+    minimise X   subject to   max_r C_r <= (1 + slack) * max_r C_r(greedy)
+
+Greedy's maximum is the balance reference (a lower bound is not known cheaply; greedy is
+within 4/3 of optimal for LPT). Heuristic: (1) experts heaviest first, each onto the rank
+that keeps the most of its traffic on the node (fewest cross-node routes), among the ranks
+with a free slot whose load stays within the bound (ties: least loaded, then lowest rank); if
+none stays within it, the least-loaded rank with a free slot; (2) improving pairwise swaps
+between ranks on different nodes while both stay within the bound. Both greedy's placement
+and (1)'s are improved by (2); the result is the one with fewer cross-node routes among those
+within the bound. So it never crosses more than greedy improved by swaps, and never exceeds
+the bound (greedy itself always satisfies it).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+
+def _slots_per_rank(E: int, P: int) -> int:
+    if not isinstance(P, int) or P < 1:
+        raise ValueError(f"the EP size P must be a positive integer, got {P!r}")
+    if E < 1 or E % P:
+        raise ValueError(f"{E} experts cannot be spread evenly over {P} EP ranks; P must divide E")
+    return E // P
+
+
+def _as_load(load_E) -> Tensor:
+    load = torch.as_tensor(load_E).detach().cpu().double()
+    if load.dim() != 1:
+        raise ValueError(f"load_E must be one count per expert, got shape {tuple(load.shape)}")
+    if load.numel() and load.min() < 0:
+        raise ValueError(f"load_E must be non-negative, got a minimum of {load.min().item()}")
+    return load
+
+
+def static(E: int, P: int) -> Tensor:
+    """Expert e in slot e: rank ``e // (E / P)`` hosts a contiguous block of experts."""
+    _slots_per_rank(E, P)
+    return torch.arange(E, dtype=torch.int64)
+
+
+def rank_of(placement: Tensor, P: int) -> Tensor:
+    """[E] the EP rank that hosts each expert."""
+    return torch.as_tensor(placement).long() // _slots_per_rank(len(placement), P)
+
+
+def check_placement(placement, E: int, P: int) -> Tensor:
+    """``placement`` as an int64 tensor after checking that it is a permutation of the E slots."""
+    _slots_per_rank(E, P)
+    tensor = torch.as_tensor(placement).long().cpu()
+    if tensor.shape != (E,) or not torch.equal(torch.sort(tensor).values, torch.arange(E)):
+        raise ValueError(f"a placement must give each of the {E} experts a distinct slot 0..{E - 1}, "
+                         f"got {tensor.tolist()}")
+    return tensor
+
+
+def rank_loads(load_E, placement, P: int) -> Tensor:
+    """[P] the load each EP rank processes under ``placement`` (float64)."""
+    load = _as_load(load_E)
+    return torch.zeros(P, dtype=torch.float64).index_add_(0, rank_of(placement, P), load)
+
+
+def imbalance(load_E, placement, P: int) -> float:
+    """Max rank load / mean rank load under ``placement`` (1.0: balanced; 1.0 for no load)."""
+    loads = rank_loads(load_E, placement, P)
+    mean = loads.mean().item()
+    return loads.max().item() / mean if mean > 0 else 1.0
+
+
+def nodes_of(ep_ranks: Sequence[int], ranks_per_node: int) -> list[int]:
+    """Node index of each EP rank, from the EP group's global ranks and the ranks per node."""
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
+    return [int(r) // ranks_per_node for r in ep_ranks]
+
+
+def cross_node_routes(traffic_PE, placement, node_of_rank: Sequence[int]) -> float:
+    """Routes whose sender's node differs from the node of the expert's rank."""
+    traffic = torch.as_tensor(traffic_PE).double()
+    P = traffic.shape[0]
+    node = torch.as_tensor(list(node_of_rank))
+    expert_node = node[rank_of(placement, P)]                # [E]
+    crossing = node[:, None] != expert_node[None, :]         # [P, E]
+    return float((traffic * crossing).sum())
+
+
+def _to_placement(ranks_E: list[int], P: int) -> Tensor:
+    """Slots from a rank per expert: on each rank, experts in id order take its slots."""
+    E = len(ranks_E)
+    L = E // P
+    placement = torch.empty(E, dtype=torch.int64)
+    used = [0] * P
+    for e, r in enumerate(ranks_E):
+        placement[e] = r * L + used[r]
+        used[r] += 1
+    return placement
+
+
+def _order(load: Tensor) -> list[int]:
+    """Experts heaviest first; equal loads by id (deterministic on every rank)."""
+    return sorted(range(len(load)), key=lambda e: (-load[e].item(), e))
+
+
+def greedy(load_E, P: int, *, refine: bool = True) -> Tensor:
+    """Heaviest expert first onto the least-loaded rank with a free slot (ties: lowest rank).
+
+    With equal slots per rank the plain heuristic can end badly: the ranks that got the hot
+    experts early are left with free slots that the last experts must fill, whatever their
+    load. ``refine`` then swaps experts between the most loaded rank and another while that
+    lowers the larger of the two loads (Zipf s=0.8, E=32, P=4: 1.10 -> 1.06, static 2.31; it
+    lowered the imbalance of a third of random cubed-uniform loads). No placement beats the
+    slot bound: a rank with the hottest expert carries at least it plus the L-1 lightest.
+    """
+    load = _as_load(load_E)
+    L = _slots_per_rank(len(load), P)
+    loads, free, ranks = [0.0] * P, [L] * P, [0] * len(load)
+    for e in _order(load):
+        r = min((r for r in range(P) if free[r]), key=lambda r: (loads[r], r))
+        ranks[e], loads[r], free[r] = r, loads[r] + load[e].item(), free[r] - 1
+    if refine:
+        ranks = _refine_max(ranks, load, P)
+    return _to_placement(ranks, P)
+
+
+def _refine_max(ranks: list[int], load: Tensor, P: int, max_swaps: int = 10_000) -> list[int]:
+    """Best swap between the most loaded rank and any other, while it lowers their maximum."""
+    ranks, w = list(ranks), load.tolist()
+    loads = [0.0] * P
+    for e, r in enumerate(ranks):
+        loads[r] += w[e]
+    for _ in range(max_swaps):
+        top = max(range(P), key=lambda r: (loads[r], -r))
+        best, best_pair = loads[top], None
+        for a in (e for e in range(len(w)) if ranks[e] == top):
+            for b in (e for e in range(len(w)) if ranks[e] != top and w[e] < w[a]):
+                d = w[a] - w[b]
+                worst = max(loads[top] - d, loads[ranks[b]] + d)
+                if worst < best - 1e-9:
+                    best, best_pair = worst, (a, b)
+        if best_pair is None:
+            break
+        a, b = best_pair
+        rb = ranks[b]
+        d = w[a] - w[b]
+        ranks[a], ranks[b] = rb, top
+        loads[top] -= d
+        loads[rb] += d
+    return ranks
+
+
+def _node_preferring(load: Tensor, traffic: Tensor, node: list[int], cap: float) -> list[int]:
+    """Step (1) of ``network_aware``: each expert onto the in-bound rank that crosses least."""
+    P, E = traffic.shape
+    L = E // P
+    nodes = sorted(set(node))
+    from_node = torch.stack([traffic[[p for p in range(P) if node[p] == n]].sum(0) for n in nodes])  # [N, E]
+    total = traffic.sum(0)
+    loads, free, ranks = [0.0] * P, [L] * P, [0] * E
+    for e in _order(load):
+        open_ranks = [r for r in range(P) if free[r]]
+        within = [r for r in open_ranks if loads[r] + load[e].item() <= cap + 1e-9]
+        if within:
+            crossing = {r: total[e].item() - from_node[nodes.index(node[r]), e].item() for r in within}
+            r = min(within, key=lambda r: (crossing[r], loads[r], r))
+        else:
+            r = min(open_ranks, key=lambda r: (loads[r], r))
+        ranks[e], loads[r], free[r] = r, loads[r] + load[e].item(), free[r] - 1
+    return ranks
+
+
+def _improve_by_swaps(ranks: list[int], load: Tensor, traffic: Tensor, node: list[int], cap: float,
+                      max_passes: int = 20) -> list[int]:
+    """Step (2) of ``network_aware``: swap experts between ranks of different nodes while that cuts
+    cross-node routes and keeps both ranks within ``cap`` (first improvement, bounded passes)."""
+    P, E = traffic.shape
+    ranks = list(ranks)
+    node_t = torch.as_tensor(node)
+    # cross[e, n]: routes to expert e from senders outside node n
+    cross = torch.stack([traffic[node_t != n].sum(0) for n in range(max(node) + 1)], dim=1)  # [E, N]
+    loads = [0.0] * P
+    for e, r in enumerate(ranks):
+        loads[r] += load[e].item()
+    for _ in range(max_passes):
+        improved = False
+        for a in range(E):
+            for b in range(a + 1, E):
+                ra, rb = ranks[a], ranks[b]
+                na, nb = node[ra], node[rb]
+                if na == nb:
+                    continue
+                gain = (cross[a, na] + cross[b, nb] - cross[a, nb] - cross[b, na]).item()
+                if gain <= 1e-9:
+                    continue
+                delta = load[a].item() - load[b].item()
+                if loads[ra] - delta > cap + 1e-9 or loads[rb] + delta > cap + 1e-9:
+                    continue
+                ranks[a], ranks[b] = rb, ra
+                loads[ra] -= delta
+                loads[rb] += delta
+                improved = True
+        if not improved:
+            break
+    return ranks
+
+
+def network_aware(load_E, traffic_PE, P: int, node_of_rank: Optional[Sequence[int]] = None, *,
+                  ranks_per_node: Optional[int] = None, slack: float = 0.1) -> Tensor:
+    """Fewest cross-node routes with max rank load <= (1 + slack) x greedy's (module docstring).
+
+    Nodes: ``node_of_rank`` (the node of each EP rank, e.g. ``nodes_of(ep_group_ranks, 8)``), or
+    ``ranks_per_node`` for EP ranks laid out contiguously (rank p on node ``p // ranks_per_node``).
+    """
+    load = _as_load(load_E)
+    E = len(load)
+    _slots_per_rank(E, P)
+    traffic = torch.as_tensor(traffic_PE).detach().cpu().double()
+    if traffic.shape != (P, E):
+        raise ValueError(f"traffic_PE must have shape (P, E) = ({P}, {E}), got {tuple(traffic.shape)}")
+    if node_of_rank is None:
+        if ranks_per_node is None:
+            raise ValueError("network_aware needs node_of_rank or ranks_per_node to know which ranks share a node")
+        node_of_rank = [p // ranks_per_node for p in range(P)]
+    node = [int(n) for n in node_of_rank]
+    if len(node) != P:
+        raise ValueError(f"node_of_rank must give the node of each of the {P} EP ranks, got {len(node)} entries")
+    if slack < 0:
+        raise ValueError(f"slack must be >= 0, got {slack}")
+    dense = {n: i for i, n in enumerate(sorted(set(node)))}
+    node = [dense[n] for n in node]
+    base = greedy(load, P)
+    if len(dense) == 1:
+        return base
+    cap = (1.0 + slack) * rank_loads(load, base, P).max().item()
+    candidates = []
+    for start in (rank_of(base, P).tolist(), _node_preferring(load, traffic, node, cap)):
+        ranks = _improve_by_swaps(start, load, traffic, node, cap)
+        placement = _to_placement(ranks, P)
+        if rank_loads(load, placement, P).max().item() <= cap + 1e-9:
+            candidates.append(placement)
+    return min(candidates, key=lambda pl: cross_node_routes(traffic, pl, node))
+
+
+def align(new, current, P: int, node_of_rank: Optional[Sequence[int]] = None) -> Tensor:
+    """``new`` relabelled to move as few experts as possible from ``current``.
+
+    Rank relabelling keeps every rank's expert set and load (free for compute balance); with
+    ``node_of_rank`` only ranks of the same node are exchanged (so network-aware placements keep
+    their node assignment). Ranks are matched greedily by the largest overlap of expert sets;
+    within a rank, an expert that stays keeps its local index.
+    """
+    E = len(new)
+    L = _slots_per_rank(E, P)
+    new, current = check_placement(new, E, P), check_placement(current, E, P)
+    node = list(node_of_rank) if node_of_rank is not None else [0] * P
+    new_rank, cur_rank = (new // L).tolist(), (current // L).tolist()
+    overlap = torch.zeros(P, P, dtype=torch.int64)           # [new rank, current rank]
+    for e in range(E):
+        overlap[new_rank[e], cur_rank[e]] += 1
+    pairs = sorted(((overlap[a, b].item(), a, b) for a in range(P) for b in range(P) if node[a] == node[b]),
+                   key=lambda t: (-t[0], t[1], t[2]))
+    relabel: dict[int, int] = {}
+    taken: set[int] = set()
+    for _, a, b in pairs:
+        if a not in relabel and b not in taken:
+            relabel[a] = b
+            taken.add(b)
+    out = torch.empty(E, dtype=torch.int64)
+    for r in range(P):
+        target = relabel[r]
+        members = [e for e in range(E) if new_rank[e] == r]
+        stay = {e: current[e].item() % L for e in members if cur_rank[e] == target}
+        free = iter(sorted(set(range(L)) - set(stay.values())))
+        for e in members:
+            out[e] = target * L + (stay[e] if e in stay else next(free))
+    return out
+
+
+def moved_experts(old, new, P: Optional[int] = None) -> list[int]:
+    """Experts whose slot differs between two placements; with ``P``, only those that change EP
+    rank (a new local index on the same rank is a local copy, no network)."""
+    old, new = torch.as_tensor(old).long(), torch.as_tensor(new).long()
+    if P is not None:
+        old, new = rank_of(old, P), rank_of(new, P)
+    return (old != new).nonzero().flatten().tolist()
+
+
+__all__ = ["align", "check_placement", "cross_node_routes", "greedy", "imbalance", "moved_experts", "network_aware",
+           "nodes_of", "rank_loads", "rank_of", "static"]

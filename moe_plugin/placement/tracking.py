@@ -1,0 +1,299 @@
+"""Load tracking: per MoE layer, the expert load of the last ``window`` steps, from the gate.
+
+    tracker = LoadTracker(model, window=100, trace_path="run/gate.trace")   # hooks every MoELayer
+    for step in range(steps):
+        ...                                       # the step's training forwards (any micro-batches)
+        tracker.end_step(step)                    # every rank of the job, after the forwards
+    loads = tracker.window_loads()                # collective; {layer name: WindowLoad}
+
+What is tracked, per layer and step: ``traffic[p, e]``, the routes expert e processed (kept,
+after capacity) that came from the tokens of EP rank p, summed over the step's forwards and
+over the stage's EP groups (EP ranks of different groups with the same index share a row);
+without EP ``P`` is 1 and the one row is the kept load. ``kept[e] = traffic[:, e].sum()`` is
+what the placement decides on: it is what an expert's rank computes, and it does not depend
+on the placement (the gate sees expert ids, capacity is per expert). The window is exact, not
+an EMA: a ring of the last ``window`` steps and their running sum, so a switch decision sees
+exactly the recent ``window`` steps and the trace and the controller agree on the numbers.
+
+Collectives. A forward hook adds ``last_stats`` (device tensors, no host sync) to the step's
+sums, in training mode only (a forward recomputed for activation checkpointing counts twice,
+as in ``integration/monitor.py``, whose accumulation this follows with the traffic added).
+With EP, ``traffic_PE`` is already agreed over the EP group by the dispatch count exchange.
+When the EP group holds every rank of the stage that routes distinct tokens (``tp * dp ==
+ep``), the window needs no collective at all. Otherwise (no EP, or EP replicated over EDP/ETP)
+the rings keep this rank's share and ``window_loads()`` sums them over the stage's ``tp_dp``
+group: one all-reduce for all layers together, once per check, not per step (sums commute).
+With a trace every step is reduced instead (same single all-reduce, batched over layers; the
+EP groups' matrices count once each: the reduced sum is divided by the EP size), because the
+trace also records the demand ``load[e]`` (routes chosen, before capacity) summed over all
+token groups, and with pipeline stages one gather over the pipeline group brings every stage's
+layers to global rank 0, which writes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moe_plugin.layers.moe_layer import MoELayer, MoEStats
+from moe_plugin.placement.trace import TraceMeta, TraceWriter
+
+if TYPE_CHECKING:
+    from moe_plugin.groups.process_groups import ProcessGroups
+
+
+@dataclass(frozen=True)
+class WindowLoad:
+    """One layer's load over the last ``steps`` steps (sums over the stage, identical on its ranks)."""
+
+    steps: int
+    traffic_PE: Tensor      # [P, E] int64 kept routes of EP rank p's tokens to expert e
+
+    @property
+    def kept_E(self) -> Tensor:
+        """[E] routes each expert processed."""
+        return self.traffic_PE.sum(0)
+
+    def per_step(self) -> Tensor:
+        """[P, E] float64 mean traffic of one step."""
+        return self.traffic_PE.double() / max(self.steps, 1)
+
+
+class _Ring:
+    """The last ``size`` values of one [P, E] tensor and their running sum."""
+
+    def __init__(self, size: int, like: Tensor) -> None:
+        self.values = torch.zeros((size, *like.shape), dtype=torch.int64, device=like.device)
+        self.total = torch.zeros_like(like, dtype=torch.int64)
+        self.count = 0
+
+    def push(self, value: Tensor) -> None:
+        slot = self.count % self.values.shape[0]
+        self.total += value - self.values[slot]
+        self.values[slot] = value
+        self.count += 1
+
+    @property
+    def filled(self) -> int:
+        return min(self.count, self.values.shape[0])
+
+
+class _StepSums:
+    """One layer's ``last_stats`` summed over the training forwards of the current step."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.routed: Optional[Tensor] = None
+        self.traffic: Optional[Tensor] = None
+        self.forwards = 0
+
+    def add(self, stats: MoEStats) -> None:
+        traffic = stats.traffic_PE if stats.traffic_PE is not None else stats.kept_per_expert[None]
+        if self.forwards == 0:
+            self.routed, self.traffic = stats.routed_per_expert.long().clone(), traffic.long().clone()
+        else:
+            self.routed += stats.routed_per_expert
+            self.traffic += traffic
+        self.forwards += 1
+
+
+def _collective_device(group: dist.ProcessGroup, tensors: dict[str, Tensor]) -> torch.device:
+    """Where a tensor for a collective over ``group`` lives: the counts' device, else the
+    accelerator's for a backend other than gloo (a stage without MoE layers)."""
+    if tensors:
+        return next(iter(tensors.values())).device
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    from deepspeed.accelerator import get_accelerator
+    return torch.device(get_accelerator().current_device_name())
+
+
+def _trace_name(name: str, layer: MoELayer, stage: int, pp: int) -> str:
+    index = getattr(layer, "layer_index", None)
+    if index is not None:
+        return f"layer{int(index)}"
+    return name if pp == 1 else f"stage{stage}.{name}"
+
+
+class LoadTracker:
+    """Windowed expert load of every ``MoELayer`` in ``model`` (see the module docstring).
+
+    Layers are named as ``model.named_modules()`` names them (the names ``migration.migrate``
+    takes). ``groups``: the plugin's ``ProcessGroups``; default the layers' own (needed on a
+    pipeline stage without MoE layers when tracing). ``trace_path``: write a gate trace there
+    (global rank 0), ``trace_info``: extra JSON for its header. ``close()`` removes the hooks and
+    closes the trace.
+    """
+
+    def __init__(self, model: nn.Module, window: int, *, groups: Optional["ProcessGroups"] = None,
+                 trace_path: Union[str, Path, None] = None, trace_info: Optional[dict] = None,
+                 trace_append: bool = False):
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive number of steps, got {window!r}")
+        self.window = window
+        self.layers: dict[str, MoELayer] = {n: m for n, m in model.named_modules() if isinstance(m, MoELayer)}
+        if not self.layers and groups is None:
+            raise ValueError(f"{type(model).__name__} has no MoELayer to track; on a pipeline stage without MoE "
+                             "layers pass groups=...")
+        first = next(iter(self.layers.values()), None)
+        self.groups = groups if groups is not None else first.groups
+        self.num_experts = first.config.num_experts if first is not None else None
+        self.ep_size = first.parallel.ep_size if first is not None else self.groups.layout.sizes.ep
+        self._tokens = first.parallel.tokens if first is not None else None
+        tokens_size = dist.get_world_size(self._tokens) if self._tokens is not None else 1
+        self.needs_reduce = self._tokens is not None and tokens_size != self.ep_size
+        self._sums = {name: _StepSums() for name in self.layers}
+        self._rings: dict[str, _Ring] = {}
+        self._hooks = [layer.register_forward_hook(self._hook(name)) for name, layer in self.layers.items()]
+        self.tracing = trace_path is not None   # rings then hold stage sums, not this rank's share
+        self.trace: Optional[TraceWriter] = None   # the writer, on global rank 0 only
+        self.trace_stages: Optional[list[list[str]]] = None
+        self.steps_seen = 0
+        if self.tracing:
+            self._setup_trace(Path(trace_path), trace_info or {}, trace_append)
+
+    # -- accumulation -----------------------------------------------------------------------
+    def _hook(self, name: str):
+        def add(module: MoELayer, _inputs: Any, _output: Any) -> None:
+            if module.training and module.last_stats is not None:
+                self._sums[name].add(module.last_stats)
+        return add
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
+    def end_step(self, step: int) -> None:
+        """Close step ``step``: push its sums into the windows (and the trace). Call on every rank
+        of the job after the step's forwards; collective only when tracing."""
+        missing = [n for n, s in self._sums.items() if s.forwards == 0]
+        if missing:
+            raise RuntimeError(f"step {step}: MoE layers {missing} ran no training forward since the last "
+                               "end_step(); call it once per step, after the step's forwards")
+        routed = {n: s.routed for n, s in self._sums.items()}
+        traffic = {n: s.traffic for n, s in self._sums.items()}
+        if self.tracing:
+            routed, traffic = self._reduce(routed, traffic)
+            self._write_trace(step, routed, traffic)
+        for name, value in traffic.items():
+            if name not in self._rings:
+                self._rings[name] = _Ring(self.window, value)
+            self._rings[name].push(value)
+        for s in self._sums.values():
+            s.reset()
+        self.steps_seen += 1
+
+    def window_loads(self) -> dict[str, WindowLoad]:
+        """Every layer's load over the last ``min(window, steps)`` steps, identical on the ranks
+        of a stage. Collective over the stage's ``tp_dp`` group when the rings hold shares
+        (one all-reduce for all layers)."""
+        if not self._rings:
+            raise RuntimeError("no step tracked yet: call end_step() after each step's forwards")
+        traffic = {name: ring.total.clone() for name, ring in self._rings.items()}
+        if not self.tracing:
+            _, traffic = self._reduce(None, traffic)
+        return {name: WindowLoad(steps=self._rings[name].filled, traffic_PE=t.cpu()) for name, t in traffic.items()}
+
+    # -- reduction ---------------------------------------------------------------------------
+    def _reduce(self, routed: Optional[dict[str, Tensor]], traffic: dict[str, Tensor]):
+        """Sums over the stage's token groups: one all-reduce of every layer's tensors packed."""
+        if not self.needs_reduce and routed is None:
+            return routed, traffic
+        if self._tokens is None:
+            return routed, traffic
+        parts = [t.flatten() for t in traffic.values()] + ([r.flatten() for r in routed.values()] if routed else [])
+        packed = torch.cat(parts)
+        dist.all_reduce(packed, group=self._tokens)
+        out_traffic, at = {}, 0
+        for name, t in traffic.items():
+            # every member of an EP group holds that group's matrix: count each group once
+            out_traffic[name] = packed[at:at + t.numel()].view_as(t) // self.ep_size
+            at += t.numel()
+        out_routed = None
+        if routed is not None:
+            out_routed = {}
+            for name, r in routed.items():
+                out_routed[name] = packed[at:at + r.numel()].view_as(r)
+                at += r.numel()
+        return out_routed, out_traffic
+
+    # -- trace -------------------------------------------------------------------------------
+    def _setup_trace(self, path: Path, info: dict, append: bool) -> None:
+        """Layer names of every stage (one all-gather over the pipeline group, once) and, on
+        global rank 0, the writer."""
+        g = self.groups
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        pp = g.layout.sizes.pp if g is not None else 1
+        stage = g.layout.coords(rank)["pp"] if g is not None else 0
+        mine = [_trace_name(n, m, stage, pp) for n, m in self.layers.items()]
+        stages = [mine]
+        if pp > 1:
+            stages = [None] * pp
+            dist.all_gather_object(stages, (mine, self.num_experts), group=g.pp)
+            experts = {e for _, e in stages if e is not None}
+            stages = [names for names, _ in stages]
+            self.num_experts = experts.pop() if len(experts) == 1 else self.num_experts
+        self.trace_stages = stages
+        self._pp_ranks = g.ranks("pp") if g is not None else [0]
+        if rank != 0:
+            return
+        names = [n for s in stages for n in s]
+        header = dict(info)
+        if g is not None:
+            s = g.layout.sizes
+            header.setdefault("sizes", {"world_size": s.world_size, "tp": s.tp, "pp": s.pp, "dp": s.dp, "ep": s.ep,
+                                        "etp": s.etp, "edp": s.edp, "order": s.order})
+            header.setdefault("ep_groups", g.layout.groups("ep"))
+        header.setdefault("load", "routes chosen per expert, before capacity, summed over the step")
+        header.setdefault("traffic", "kept routes [EP rank of the sender, expert], summed over the stage's EP groups")
+        self.trace = TraceWriter(path, TraceMeta(names, num_experts=self.num_experts, ep_size=self.ep_size,
+                                                 info=header), append=append)
+
+    def _write_trace(self, step: int, routed: dict[str, Tensor], traffic: dict[str, Tensor]) -> None:
+        records = self._gather_stages(routed, traffic)
+        if self.trace is not None:
+            self.trace.append(step, records)
+
+    def _gather_stages(self, routed: dict[str, Tensor], traffic: dict[str, Tensor]) -> dict:
+        """{trace name: (load_E, traffic_PE)} of every stage on global rank 0 (a gather over the
+        pipeline group that holds rank 0); other ranks get {}."""
+        E, P = self.num_experts, self.ep_size
+        stages = self.trace_stages
+        if len(stages) == 1:
+            names = stages[0]
+            return {t: (routed[n].cpu(), traffic[n].cpu()) for t, n in zip(names, self.layers)}
+        if 0 not in self._pp_ranks:
+            return {}
+        width = max(len(s) for s in stages) * E * (1 + P)
+        mine = torch.zeros(width, dtype=torch.int64)
+        at = 0
+        for n in self.layers:
+            mine[at:at + E] = routed[n].cpu()
+            mine[at + E:at + E * (1 + P)] = traffic[n].cpu().flatten()
+            at += E * (1 + P)
+        mine = mine.to(_collective_device(self.groups.pp, traffic))
+        rank = dist.get_rank()
+        gathered = [torch.zeros_like(mine) for _ in stages] if rank == 0 else None
+        dist.gather(mine, gathered, dst=0, group=self.groups.pp)
+        if rank != 0:
+            return {}
+        out = {}
+        for names, flat in zip(stages, gathered):
+            flat = flat.cpu()
+            for i, name in enumerate(names):
+                base = i * E * (1 + P)
+                out[name] = (flat[base:base + E], flat[base + E:base + E * (1 + P)].view(P, E))
+        return out
+
+
+__all__ = ["LoadTracker", "WindowLoad"]
