@@ -177,7 +177,7 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     if resharded and optimizer_follows:
         agree(lambda: check_optimizer_can_follow(run, meta))
         recut_optimizer = True
-    experts, expert_moments = agree(lambda: read_experts(run, path, recut_optimizer))
+    experts, expert_moments = agree(lambda: read_experts(run, path, meta, recut_optimizer))
 
     with marker_without_local_experts(engine.module), experts_into_load(engine.module, experts):
         load_path, client_state = engine.load_checkpoint(

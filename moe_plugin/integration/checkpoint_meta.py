@@ -88,17 +88,21 @@ def metadata(run: Any, tag: str) -> dict:
     engine, groups, moe_config = run.engine, run.groups, run.moe_config
     stage = groups.layout.coords(dist.get_rank())["pp"]
     per_rank: list = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (stage, full_shapes(engine.module, groups)))
+    dist.all_gather_object(per_rank, (stage, {**full_shapes(engine.module, groups),
+                                              "placements": placements(engine.module)}))
     s = groups.layout.sizes
     local = moe_config.num_experts // s.ep
+    static = all(slots == list(range(len(slots))) for _st, shapes in per_rank for slots in shapes["placements"].values())
     return {
         "format": FORMAT, "version": FORMAT_VERSION, "tag": tag,
         "global_steps": int(engine.global_steps), "zero_stage": int(engine.zero_optimization_stage()),
         "pipeline_module": is_pipeline(engine),
         "num_experts": moe_config.num_experts, "moe": moe_config.resolved_dict(), "layout": layout(groups),
         "stages": {str(st): shapes for st, shapes in per_rank},
+        # the static placement, or per layer under "stages"/"placements" (state-dict key -> slots)
         "placement": {"policy": "static", "ep_size": s.ep, "experts": [
-            {"id": e, "ep_rank": e // local, "slot": e % local} for e in range(moe_config.num_experts)]},
+            {"id": e, "ep_rank": e // local, "slot": e % local} for e in range(moe_config.num_experts)]}
+        if static else {"policy": "per_layer", "ep_size": s.ep},
         "expert_optimizer_state": basic_optimizer(engine) is not None,
     }
 
@@ -157,10 +161,34 @@ def _differences(what: str, saved: dict, mine: dict) -> list[str]:
     return out
 
 
-def local_ids(model: nn.Module) -> list[int]:
-    """Global ids of the experts this rank holds (the same for every MoE layer of the stage)."""
-    weights = expert_weights(model)
-    return list(weights[0].local_ids) if weights else []
+def placements(model: nn.Module) -> dict[str, list[int]]:
+    """{state-dict key of each MoE layer's ``experts.placement`` buffer: its slots}."""
+    return {placement_key(w.key): w.module.placement.tolist() for w in expert_weights(model)}
+
+
+def placement_key(weight_key: str) -> str:
+    """``...experts.weight1`` -> ``...experts.placement``."""
+    return weight_key.rsplit(".", 1)[0] + ".placement"
+
+
+def saved_local_ids(meta: dict, model: nn.Module, groups: Any) -> dict[str, list[int]]:
+    """{expert weight key: global ids of the experts this rank holds once the checkpoint's placement
+    is loaded}: the slots the checkpoint recorded for the layer (static in checkpoints that record
+    none), cut for the running EP size and rank."""
+    coords = groups.layout.coords(dist.get_rank())
+    saved = meta["stages"].get(str(coords["pp"]), {}).get("placements", {})
+    out = {}
+    for w in expert_weights(model):
+        num_local = w.module.num_local
+        slots = saved.get(placement_key(w.key), list(range(w.module.num_experts)))
+        order = torch.argsort(torch.tensor(slots)).tolist()
+        out[w.key] = order[coords["ep"] * num_local:(coords["ep"] + 1) * num_local]
+    return out
+
+
+def local_ids(meta: dict, model: nn.Module, groups: Any) -> list[int]:
+    """Global ids of every expert file this rank reads (all MoE layers of its stage)."""
+    return sorted({e for ids in saved_local_ids(meta, model, groups).values() for e in ids})
 
 
 def _engine_problems(meta: dict, engine: Any) -> list[str]:
@@ -196,7 +224,7 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
         problems += _differences("expert", stage["experts"], shapes["experts"])
     if not problems:
         needed = [deepspeed_model_file(path, engine)] + [expert_file(path, e, coords["pp"])
-                                                          for e in local_ids(engine.module)]
+                                                          for e in local_ids(meta, engine.module, groups)]
         problems += [f"{p}: missing" for p in needed if not os.path.isfile(p)]
     if problems:
         raise CheckpointError(f"checkpoint {path} does not fit the model: " + "; ".join(problems))

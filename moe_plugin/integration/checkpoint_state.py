@@ -24,10 +24,18 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from moe_plugin.integration.checkpoint_meta import CheckpointError, basic_optimizer, expert_file, local_ids
+from moe_plugin.integration.checkpoint_meta import (
+    CheckpointError,
+    basic_optimizer,
+    expert_file,
+    local_ids,
+    placement_key,
+    saved_local_ids,
+)
 from moe_plugin.integration.expert_params import DeepSpeedMoEMarker
 from moe_plugin.integration.expert_state import expert_weights, full_experts, local_experts
 from moe_plugin.layers.router import Router
+from moe_plugin.placement.migration import copies_in_placement
 
 try:
     import numpy
@@ -38,50 +46,66 @@ except ImportError:  # NumPy's RNG is then neither saved nor restored
 # -- experts -------------------------------------------------------------------------------------
 def expert_files(run: Any, path: str) -> dict[str, dict]:
     """{file path: content} of the expert files this rank writes (ETP rank 0 of EDP rank 0; the
-    others return {}); collective over the ETP group."""
+    others return {}); collective over the job.
+
+    File ``e`` holds expert e of every MoE layer of the stage, but each layer may place expert e on
+    another EP rank (``experts.placement``): the experts are first copied into the static order
+    (``placement.migration.copies_in_placement``, one exchange; the model does not change), so
+    EP rank p writes the files of experts ``[p * L, (p + 1) * L)``."""
     engine, groups = run.engine, run.groups
     s, coords = groups.layout.sizes, groups.layout.coords(dist.get_rank())
     optimizer = basic_optimizer(engine)
+    weights = expert_weights(engine.module)
+    items = []
+    for w in weights:
+        state = optimizer.state.get(w.param, {}) if optimizer is not None else {}
+        names = [n for n in sorted(state) if isinstance(state[n], torch.Tensor) and state[n].shape == w.param.shape]
+        items.append((w.module, torch.arange(w.module.num_experts), [w.param] + [state[n] for n in names], names))
+    copies = copies_in_placement([(m, target, tensors) for m, target, tensors, _ in items], groups)
     files: dict[int, dict] = {}
-    for w in expert_weights(engine.module):
-        local_ids = w.local_ids
-        for expert_id, full in full_experts(w.param, w, groups.etp, s.etp):
-            placement = {"ep_rank": coords["ep"], "slot": local_ids.index(expert_id)}
+    for w, (_m, _t, _x, names), (param_LXY, *states_LXY) in zip(weights, items, copies):
+        static_ids = list(range(coords["ep"] * w.module.num_local, (coords["ep"] + 1) * w.module.num_local))
+        for expert_id, full in full_experts(param_LXY, w, groups.etp, s.etp, static_ids):
+            placement = {"ep_rank": coords["ep"], "slot": static_ids.index(expert_id)}
             entry = files.setdefault(expert_id, {"expert_id": expert_id, "stage": coords["pp"], "weights": {},
                                                  "optimizer": {}, "placement": placement})
             entry["weights"][w.key] = full
-        if optimizer is not None:
-            state = optimizer.state.get(w.param, {})
-            for name in sorted(state):  # the same order on every ETP rank
-                value = state[name]
-                if isinstance(value, torch.Tensor) and value.shape == w.param.shape:
-                    for expert_id, full in full_experts(value, w, groups.etp, s.etp):
-                        files[expert_id]["optimizer"].setdefault(w.key, {})[name] = full
+        for name, value in zip(names, states_LXY):  # the same order on every ETP rank
+            for expert_id, full in full_experts(value, w, groups.etp, s.etp, static_ids):
+                files[expert_id]["optimizer"].setdefault(w.key, {})[name] = full
     if coords["etp"] != 0 or coords["edp"] != 0:
         return {}
     return {expert_file(path, e, coords["pp"]): entry for e, entry in files.items()}
 
 
-def read_experts(run: Any, path: str, with_optimizer: bool) -> tuple[dict, dict]:
-    """This rank's expert shards cut from the global-id files: {key: stacked tensor}, and with
-    ``with_optimizer`` {key: {state name: stacked tensor}}."""
+def read_experts(run: Any, path: str, meta: dict, with_optimizer: bool) -> tuple[dict, dict]:
+    """This rank's expert shards cut from the global-id files, for the checkpoint's placement
+    (``meta``: its metadata): {key: stacked tensor}, the layers' ``experts.placement`` buffers
+    set to the checkpoint's included, and with ``with_optimizer`` {key: {state name: stacked
+    tensor}}. The model's own placement does not matter: it takes the checkpoint's."""
     groups = run.groups
     s, coords = groups.layout.sizes, groups.layout.coords(dist.get_rank())
     weights = expert_weights(run.engine.module)
+    ids_of = saved_local_ids(meta, run.engine.module, groups)
     files = {e: torch.load(expert_file(path, e, coords["pp"]), map_location="cpu", weights_only=False)
-             for e in local_ids(run.engine.module)}
+             for e in local_ids(meta, run.engine.module, groups)}
     for e, f in files.items():
         if f.get("expert_id") != e or any(w.key not in f["weights"] for w in weights):
             raise CheckpointError(f"{expert_file(path, e, coords['pp'])}: does not hold expert {e} with keys "
                                   f"{[w.key for w in weights][:4]}")
-    stacked = {w.key: local_experts({e: f["weights"][w.key] for e, f in files.items()}, w, coords["etp"], s.etp)
-               for w in weights}
+    stacked = {w.key: local_experts({e: files[e]["weights"][w.key] for e in ids_of[w.key]}, w, coords["etp"], s.etp,
+                                    ids_of[w.key]) for w in weights}
+    saved = meta["stages"].get(str(coords["pp"]), {}).get("placements", {})
+    for w in weights:
+        slots = saved.get(placement_key(w.key), list(range(w.module.num_experts)))
+        stacked[placement_key(w.key)] = torch.tensor(slots, dtype=torch.long)
     moments: dict = {}
     if with_optimizer:
         for w in weights:
-            names = set.intersection(*(set(f["optimizer"].get(w.key, {})) for f in files.values()))
-            moments[w.key] = {n: local_experts({e: f["optimizer"][w.key][n] for e, f in files.items()}, w,
-                                               coords["etp"], s.etp) for n in sorted(names)}
+            mine = [files[e] for e in ids_of[w.key]]
+            names = set.intersection(*(set(f["optimizer"].get(w.key, {})) for f in mine))
+            moments[w.key] = {n: local_experts({e: files[e]["optimizer"][w.key][n] for e in ids_of[w.key]}, w,
+                                               coords["etp"], s.etp, ids_of[w.key]) for n in sorted(names)}
     return stacked, moments
 
 

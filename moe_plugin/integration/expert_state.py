@@ -69,21 +69,26 @@ def tp_join(pieces: list[Tensor], dim: int, stride: int) -> Tensor:
     return torch.cat([chunks[r][s] for s in range(stride) for r in range(len(pieces))], dim=dim)
 
 
-def full_experts(stacked_LXY: Tensor, weight: ExpertWeight, etp_group, etp: int) -> Iterator[tuple[int, Tensor]]:
+def full_experts(stacked_LXY: Tensor, weight: ExpertWeight, etp_group, etp: int,
+                 ids: list[int] | None = None) -> Iterator[tuple[int, Tensor]]:
     """(global id, full [H, F1] or [F, H] tensor) for each local expert of ``stacked_LXY`` (the
-    weight itself or a tensor of its shape). Collective over ``etp_group`` when ``etp > 1``."""
+    weight itself or a tensor of its shape), whose rows are the experts ``ids`` (default: the
+    model's placement, ``weight.local_ids``). Collective over ``etp_group`` when ``etp > 1``."""
     stacked_LXY = stacked_LXY.detach()
     if etp > 1:
         pieces = [torch.empty_like(stacked_LXY) for _ in range(etp)]
         dist.all_gather(pieces, stacked_LXY.contiguous(), group=etp_group)
         stacked_LXY = tp_join(pieces, weight.f_dim, weight.f_stride)
-    for expert_id, full in zip(weight.local_ids, stacked_LXY.unbind(0)):
+    for expert_id, full in zip(weight.local_ids if ids is None else ids, stacked_LXY.unbind(0)):
         yield expert_id, full.clone()
 
 
-def local_experts(full_by_id: dict[int, Tensor], weight: ExpertWeight, etp_rank: int, etp: int) -> Tensor:
-    """This rank's stacked shard [L, ...] of ``weight`` cut from full per-expert tensors."""
-    parts = [tp_slice(full_by_id[e], weight.f_dim - 1, weight.f_stride, etp_rank, etp) for e in weight.local_ids]
+def local_experts(full_by_id: dict[int, Tensor], weight: ExpertWeight, etp_rank: int, etp: int,
+                  ids: list[int] | None = None) -> Tensor:
+    """This rank's stacked shard [L, ...] of ``weight`` cut from full per-expert tensors: the
+    experts ``ids`` in slot order (default: the model's placement, ``weight.local_ids``)."""
+    ids = weight.local_ids if ids is None else ids
+    parts = [tp_slice(full_by_id[e], weight.f_dim - 1, weight.f_stride, etp_rank, etp) for e in ids]
     out = torch.stack(parts)
     if out.shape != weight.param.shape:
         raise ValueError(f"{weight.key}: the saved experts cut to {tuple(out.shape)} on this rank (etp rank "

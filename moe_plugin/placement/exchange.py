@@ -1,0 +1,90 @@
+"""One batched point-to-point exchange of tensor pieces: the transport under ``migration.py``.
+
+A *piece* is a contiguous run of elements of a local 1-D tensor view: ``(peer, tensor, offset,
+length)``. Each rank lists the pieces it sends and the pieces it receives; the lists come from
+the same global enumeration of moves on every rank, so the pieces that rank p sends to rank q
+are, in order, the pieces q receives from p, with equal lengths. ``exchange`` then packs every
+piece bound for every peer into one buffer per dtype, runs one uneven ``all_to_all_single``
+over the whole job per dtype (ranks that share nothing send and receive zero elements; a piece
+sent to oneself goes through the same call), and copies what arrived into place. All sends are
+packed before anything is written, so a tensor may be both a source and a destination.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``tensors[tensor][offset:offset + length]`` goes to (or comes from) global rank ``peer``."""
+
+    peer: int
+    tensor: int
+    offset: int
+    length: int
+
+
+@dataclass
+class Pieces:
+    """The 1-D tensor views a rank moves pieces of, and its send and receive lists."""
+
+    tensors: list[Tensor] = field(default_factory=list)
+    sends: list[Piece] = field(default_factory=list)
+    recvs: list[Piece] = field(default_factory=list)
+
+    def add_tensor(self, t: Tensor) -> int:
+        """Register a tensor (viewed flat, in place); returns its index for pieces."""
+        if not t.is_contiguous():
+            raise ValueError(f"migration moves pieces of contiguous tensors only; got one of shape "
+                             f"{tuple(t.shape)} with strides {t.stride()}")
+        self.tensors.append(t.view(-1))
+        return len(self.tensors) - 1
+
+    def sent_bytes(self, me: int) -> int:
+        """Bytes this rank sends to other ranks (pieces it keeps are not counted)."""
+        return sum(p.length * self.tensors[p.tensor].element_size() for p in self.sends if p.peer != me)
+
+
+def exchange(pieces: Pieces, world_size: int, dtypes: list[torch.dtype]) -> None:
+    """Move every piece (collective over the default group: every rank calls it, with its own
+    lists). One ``all_to_all_single`` per dtype of ``dtypes``, which must be the same list on
+    every rank (a rank, e.g. a pipeline stage without MoE layers, may have no tensor of a dtype
+    and still joins its exchange with nothing to send)."""
+    for dtype in dtypes:
+        sends = [p for p in pieces.sends if pieces.tensors[p.tensor].dtype == dtype]
+        recvs = [p for p in pieces.recvs if pieces.tensors[p.tensor].dtype == dtype]
+        _exchange_one_dtype(pieces.tensors, sends, recvs, world_size, dtype)
+
+
+def _by_peer(items: list[Piece], world_size: int) -> dict[int, list[Piece]]:
+    out: dict[int, list[Piece]] = defaultdict(list)
+    for p in items:  # stable: the list order within each peer
+        if not 0 <= p.peer < world_size:
+            raise ValueError(f"migration piece addressed to rank {p.peer}, outside the world of {world_size}")
+        out[p.peer].append(p)
+    return out
+
+
+def _exchange_one_dtype(tensors: list[Tensor], sends: list[Piece], recvs: list[Piece], world_size: int,
+                        dtype: torch.dtype) -> None:
+    device = tensors[0].device if tensors else torch.device("cpu")
+    send_by, recv_by = _by_peer(sends, world_size), _by_peer(recvs, world_size)
+    in_splits = [sum(p.length for p in send_by.get(r, [])) for r in range(world_size)]
+    out_splits = [sum(p.length for p in recv_by.get(r, [])) for r in range(world_size)]
+    views = [tensors[p.tensor].narrow(0, p.offset, p.length) for r in range(world_size) for p in send_by.get(r, [])]
+    send_N = torch.cat(views) if views else torch.empty(0, dtype=dtype, device=device)
+    recv_N = torch.empty(sum(out_splits), dtype=dtype, device=device)
+    if world_size > 1:
+        dist.all_to_all_single(recv_N, send_N, out_splits, in_splits)
+    else:
+        recv_N.copy_(send_N)
+    pos = 0
+    for r in range(world_size):
+        for p in recv_by.get(r, []):
+            tensors[p.tensor].narrow(0, p.offset, p.length).copy_(recv_N.narrow(0, pos, p.length))
+            pos += p.length

@@ -1,0 +1,313 @@
+"""Expert migration: give MoE layers a new placement and move every expert's state to its new slot.
+
+    run = moe_plugin.initialize(ds_config, model_provider)
+    ...                                        # train; at a step boundary, on every rank:
+    report = migrate(run, {"decoder.layers.1.mlp": new_slot_E})   # layer name -> [E] slots
+    report.sent_bytes, report.seconds          # this rank's share
+
+Placement (``layers/moe_layer.py``): ``experts.placement[e]`` is the slot of expert e,
+``ep_rank * L + local index``. ``migrate`` changes it for the named layers (``moe_layers(model)``
+lists this rank's; a pipeline stage names its own) and moves with each expert whose slot
+changes, from EP rank ``src // L`` to EP rank ``dst // L`` (each ETP shard to its ETP peer, each
+expert-data-parallel replica to its replica: every coordinate but EP stays):
+
+* its weights ``experts.weight1[l]`` / ``weight2[l]``, in place (``copy_``: DeepSpeed's ZeRO-1/2
+  flat buffer, of which the parameters are views, changes with them);
+* its gradients, when the parameters hold any (ZeRO-0, also inside gradient accumulation);
+* the optimizer state: ZeRO-0's basic optimizer per parameter (every state tensor of the
+  parameter's shape, e.g. Adam's ``exp_avg``, ``exp_avg_sq``; the scalar ``step`` is per
+  parameter, not per expert, and stays); ZeRO-1/2's fp32 master partitions and their state
+  tensors in DeepSpeed's flat partitions (``zero_partitions.py``);
+* then ``experts.placement.copy_(new)``.
+
+Under ZeRO-1/2 call it at a step boundary (after ``engine.step()``, before the next forward):
+DeepSpeed then holds no expert gradient; otherwise ``migrate`` raises. The router's
+``expert_bias`` and pending ``load_E`` are indexed by expert id and stay. The model computes the
+same function before and after (``tests/test_migration.py``).
+
+Cost: everything moves in one exchange (``exchange.py``: one uneven all-to-all per dtype over
+the job, every layer and expert at once). A new placement is checked on every rank (size, a
+permutation of the slots, a known layer) and the ranks agree on it before anything moves (one
+small all-gather); a bad one raises the same ``ValueError`` on every rank. ``moved_bytes``
+estimates the bytes a placement change puts on the wire, for a switching policy;
+``tests/test_migration.py`` measures seconds per byte.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moe_plugin.layers.moe_layer import MoELayer
+from moe_plugin.placement.exchange import Piece, Pieces, exchange
+from moe_plugin.placement.zero_partitions import Move, add_partition_moves, expert_group_indices, \
+    is_zero_optimizer, my_partition
+
+PlacementLike = Union[Tensor, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class MigrationReport:
+    """What one ``migrate`` did. Counts are over this rank's pipeline stage; bytes and time are
+    this rank's (its pieces to other ranks; packing, exchange and unpacking)."""
+
+    moved_experts: int     # (layer, expert) pairs whose slot changed
+    crossing_experts: int  # of those, the ones that changed EP rank
+    sent_bytes: int
+    seconds: float
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoELayer]:
+    """This rank's MoE layers by module name (the keys ``migrate`` takes)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
+
+
+def placements(model: nn.Module) -> dict[str, Tensor]:
+    """{layer name: copy of its placement [E]}."""
+    return {name: m.placement.detach().clone() for name, m in moe_layers(model).items()}
+
+
+def check_placement(slot_E: PlacementLike, num_experts: int, name: str = "placement") -> Tensor:
+    """``slot_E`` as an int64 CPU tensor once it is a permutation of ``0..num_experts-1``."""
+    t = torch.as_tensor(slot_E)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() != 1 or t.numel() != num_experts:
+        raise ValueError(f"{name}: expected {num_experts} integer slots (a 1-D tensor, one per expert), got "
+                         f"shape {tuple(t.shape)} dtype {t.dtype}")
+    t = t.detach().to("cpu", torch.long)
+    if sorted(t.tolist()) != list(range(num_experts)):
+        raise ValueError(f"{name}: {t.tolist()} is not a permutation of the slots 0..{num_experts - 1} (each "
+                         "expert needs its own slot)")
+    return t
+
+
+def moves(old_E: Tensor, new_E: Tensor) -> list[Move]:
+    """(expert, source slot, destination slot) for every expert whose slot changes, by expert id."""
+    return [(e, int(s), int(d)) for e, (s, d) in enumerate(zip(old_E.tolist(), new_E.tolist())) if s != d]
+
+
+def moved_bytes(old_E: PlacementLike, new_E: PlacementLike, ep_size: int, bytes_per_expert: int) -> int:
+    """Bytes a placement change of one layer sends between EP ranks: ``bytes_per_expert`` (one
+    expert's weights and state over all of its ETP shards and EDP replicas, ``expert_bytes``)
+    for every expert whose EP rank changes. Experts reordered within an EP rank are copies, 0."""
+    old, new = torch.as_tensor(old_E), torch.as_tensor(new_E)
+    local = old.numel() // ep_size
+    return int(((old // local) != (new // local)).sum()) * bytes_per_expert
+
+
+def expert_bytes(layer: MoELayer, zero_stage: int, with_grads: bool = False, state_tensors: int = 2,
+                 edp_size: Optional[int] = None) -> int:
+    """What one expert of ``layer`` moves, summed over its ETP shards and EDP replicas: weights
+    on every replica, gradients (ZeRO-0) if ``with_grads``, and ``state_tensors`` per-element
+    optimizer tensors (Adam: 2) in fp32, per replica under ZeRO-0, partitioned once over the
+    replicas under ZeRO-1/2 (where the fp32 master copy is one more). ``edp_size`` defaults to
+    the layer's."""
+    x = layer.experts
+    p = layer.parallel
+    edp = p.edp_size if edp_size is None else edp_size
+    shard = sum(w[0].numel() for w in (x.weight1, x.weight2)) * p.etp_size
+    weight = shard * x.weight1.element_size()
+    if zero_stage == 0:
+        return edp * (weight * (1 + with_grads) + shard * 4 * state_tensors)
+    return edp * weight + shard * 4 * (1 + state_tensors)
+
+
+# -- migrate -------------------------------------------------------------------------------------
+def migrate(run: Any, new_placements: Mapping[str, PlacementLike], *, groups: Any = None) -> MigrationReport:
+    """Give each named MoE layer the placement ``new_placements[name]`` and move its experts'
+    weights, gradients and optimizer state there; collective, every rank calls it with its
+    stage's layers (see the module docstring).
+
+    ``run``: what ``moe_plugin.initialize`` returned (``engine``, ``groups``), or a bare model
+    with ``groups=`` (weights and gradients move; no optimizer)."""
+    model, engine, groups = _unpack(run, groups)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layers = moe_layers(model)
+    wanted, error = {}, None
+    try:
+        wanted = _checked(layers, new_placements)
+        if engine is not None and is_zero_optimizer(engine.optimizer):
+            check_step_boundary(engine)
+    except ValueError as exc:
+        error = str(exc)
+    optimizer = _basic_optimizer(engine)
+    zero = engine.optimizer if engine is not None and is_zero_optimizer(engine.optimizer) else None
+    plan = {name: moves(layers[name].placement.cpu(), new) for name, new in wanted.items()}
+    pieces = _plan_pieces(layers, plan, optimizer, zero, groups)
+    dtypes = _agree(groups, error, wanted, _signature(layers, wanted, optimizer), pieces)
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        exchange(pieces, world, dtypes)
+        for name, new in wanted.items():
+            layers[name].experts.placement.copy_(new)
+    seconds = time.perf_counter() - start
+    crossing = sum(1 for name, ms in plan.items() for _e, s, d in ms
+                   if s // layers[name].experts.num_local != d // layers[name].experts.num_local)
+    return MigrationReport(moved_experts=sum(len(m) for m in plan.values()), crossing_experts=crossing,
+                           sent_bytes=pieces.sent_bytes(rank), seconds=seconds)
+
+
+def _plan_pieces(layers: dict[str, MoELayer], plan: dict[str, list[Move]], optimizer, zero, groups) -> Pieces:
+    """This rank's sends and receives, enumerated in the same order on every rank: layers by
+    name, weight1 then weight2, experts by id; then the ZeRO partitions."""
+    pieces, layer_of = Pieces(), {}
+    rank = groups.rank
+    coords = groups.layout.coords(rank)
+    for name in sorted(plan):
+        experts = layers[name].experts
+        for w in (experts.weight1, experts.weight2):
+            layer_of[id(w)] = (experts.num_local, plan[name])
+            tensors = [w.data] + ([w.grad] if w.grad is not None else [])
+            if optimizer is not None:
+                state = optimizer.state.get(w, {})
+                tensors += [state[k] for k in sorted(state) if isinstance(state[k], Tensor) and state[k].shape == w.shape]
+            _add_whole_moves(pieces, tensors, experts.num_local, plan[name], lambda ep: _rank_at(groups, ep, None),
+                             coords["ep"])
+    if zero is not None:
+        for i in expert_group_indices(zero):
+            if my_partition(zero, i) != coords["edp"]:
+                raise RuntimeError(f"ZeRO partition {my_partition(zero, i)} of expert param group {i} on rank {rank} "
+                                   f"is not its expert-data-parallel coordinate {coords['edp']}")
+        add_partition_moves(pieces, zero, lambda p: layer_of.get(id(p), (1, [])),
+                            lambda ep, edp: _rank_at(groups, ep, edp), rank)
+    return pieces
+
+
+def copies_in_placement(items: Sequence[tuple[Any, PlacementLike, Sequence[Tensor]]], groups: Any) -> list[list[Tensor]]:
+    """Copies of expert tensors as they would be after a migration, the model left as it is.
+
+    ``items``: (``GroupedExperts``, target slots [E], tensors shaped [L, ...] in the module's
+    current slot order). Returns, per item, fresh tensors whose rows are the experts of this
+    rank's slots under the target placement. Collective over the job (one exchange; every rank
+    lists its stage's items in the same order). A checkpoint uses it to write experts by id."""
+    rank = groups.rank
+    my_ep = groups.layout.coords(rank)["ep"]
+    pieces, out = Pieces(), []
+    for experts, target, tensors in items:
+        copies = [t.detach().clone() for t in tensors]
+        target_E = check_placement(target, experts.num_experts)
+        _add_whole_moves(pieces, copies, experts.num_local, moves(experts.placement.cpu(), target_E),
+                         lambda ep: _rank_at(groups, ep, None), my_ep)
+        out.append(copies)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, _dtype_names(pieces))
+    with torch.no_grad():
+        exchange(pieces, dist.get_world_size(), _dtypes(n for names in every for n in names))
+    return out
+
+
+def check_step_boundary(engine: Any) -> None:
+    """ZeRO-1/2: raise unless DeepSpeed holds no expert gradient (after ``engine.step()``)."""
+    gas = engine.gradient_accumulation_steps()
+    if engine.micro_steps % gas:
+        raise ValueError(f"migrate under ZeRO stage {engine.zero_optimization_stage()} needs a step boundary: "
+                         f"micro step {engine.micro_steps} is inside gradient accumulation of {gas}; call it after "
+                         "engine.step()")
+    zero = engine.optimizer
+    for i in expert_group_indices(zero):
+        held = [p for p in zero.bit16_groups[i] if p.grad is not None or getattr(p, "grad_accum", None) is not None]
+        if held or getattr(zero, "averaged_gradients", {}).get(i) is not None:
+            raise ValueError(f"migrate under ZeRO stage {engine.zero_optimization_stage()} needs a step boundary: "
+                             f"expert param group {i} holds gradients (backward ran since the last step)")
+
+
+def _unpack(run: Any, groups: Any) -> tuple[nn.Module, Any, Any]:
+    if isinstance(run, nn.Module):
+        if groups is None:
+            raise TypeError("migrate(model, ...) needs groups=: the ProcessGroups the model was built with")
+        return run, None, groups
+    engine = getattr(run, "engine", None)
+    if engine is None or getattr(run, "groups", None) is None:
+        raise TypeError(f"migrate takes what moe_plugin.initialize returned (with .engine and .groups) or a model "
+                        f"and groups=, got {type(run).__name__}")
+    return engine.module, engine, groups if groups is not None else run.groups
+
+
+def _basic_optimizer(engine: Any) -> Optional[torch.optim.Optimizer]:
+    """The torch optimizer that holds per-parameter state (ZeRO-0), else None."""
+    if engine is None or is_zero_optimizer(engine.optimizer):
+        return None
+    opt = engine.optimizer
+    if isinstance(opt, torch.optim.Optimizer) and not hasattr(opt, "optimizer"):
+        return opt
+    if engine.zero_optimization_stage() == 0 and isinstance(opt, torch.optim.Optimizer):
+        return opt
+    raise NotImplementedError(f"migrate does not know the optimizer {type(opt).__name__} (ZeRO stage "
+                              f"{engine.zero_optimization_stage()}): supported are the basic fp32 optimizer "
+                              "(ZeRO-0) and DeepSpeed's ZeRO-1/2 optimizer")
+
+
+def _checked(layers: dict[str, MoELayer], new_placements: Mapping[str, PlacementLike]) -> dict[str, Tensor]:
+    unknown = sorted(set(new_placements) - set(layers))
+    if unknown:
+        raise ValueError(f"migrate: unknown MoE layer(s) {unknown}; this rank's MoE layers are {sorted(layers)} "
+                         "(under pipeline parallelism each stage names its own)")
+    return {name: check_placement(slot_E, layers[name].config.num_experts, f"placement of layer {name!r}")
+            for name, slot_E in new_placements.items()}
+
+
+def _signature(layers: dict[str, MoELayer], wanted: dict[str, Tensor], optimizer) -> list:
+    """What the sender and the receiver of a piece must have alike: tensor counts per layer."""
+    out = []
+    for name in sorted(wanted):
+        x = layers[name].experts
+        for w in (x.weight1, x.weight2):
+            state = optimizer.state.get(w, {}) if optimizer is not None else {}
+            out.append((name, w.grad is not None, sorted(k for k, v in state.items()
+                                                         if isinstance(v, Tensor) and v.shape == w.shape)))
+    return out
+
+
+def _agree(groups: Any, error: Optional[str], wanted: dict[str, Tensor], signature: list,
+           pieces: Pieces) -> list[torch.dtype]:
+    """One all-gather: the same error on every rank, the same placements and state within a
+    pipeline stage. Returns the dtypes of the exchange, the same list on every rank."""
+    rank = dist.get_rank()
+    stage = groups.layout.coords(rank)["pp"]
+    mine = (stage, error, {k: v.tolist() for k, v in wanted.items()}, signature, _dtype_names(pieces))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    failed = [(r, e) for r, (_s, e, _w, _sig, _d) in enumerate(every) if e is not None]
+    if failed:
+        r, message = failed[0]
+        raise ValueError(message if r == rank or message == error else f"rank {r}: {message}")
+    for r, (s, _e, theirs, their_signature, _d) in enumerate(every):
+        if s == stage and (theirs != mine[2] or their_signature != signature):
+            raise ValueError(f"migrate: rank {r} of pipeline stage {stage} was given other placements or holds "
+                             f"other expert state than rank {rank}: {theirs} vs {mine[2]}; every rank of a stage "
+                             "must pass the same placements, at the same point of training")
+    return _dtypes(name for *_rest, names in every for name in names)
+
+
+def _dtype_names(pieces: Pieces) -> list[str]:
+    return sorted({str(t.dtype) for t in pieces.tensors})
+
+
+def _dtypes(names) -> list[torch.dtype]:
+    """torch dtypes from their names ("torch.float32"), sorted and without repeats."""
+    return [getattr(torch, n.split(".", 1)[1]) for n in sorted(set(names))]
+
+
+def _rank_at(groups: Any, ep: int, edp: Optional[int]) -> int:
+    """The global rank at EP coordinate ``ep`` (and EDP coordinate ``edp``, default this rank's)
+    with this rank's other coordinates."""
+    layout = groups.layout
+    peer = sorted(layout.group_of("ep", groups.rank))[ep]
+    return peer if edp is None else sorted(layout.group_of("edp", peer))[edp]
+
+
+def _add_whole_moves(pieces: Pieces, tensors: list[Tensor], num_local: int, layer_moves: list[Move],
+                     rank_of, my_ep: int) -> None:
+    """Sends and receives that move whole expert rows ``[l]`` of ``tensors`` (all [L, ...])."""
+    ids = [pieces.add_tensor(t) for t in tensors]
+    n = tensors[0].numel() // num_local
+    for _expert, src, dst in layer_moves:
+        if src // num_local == my_ep:
+            pieces.sends += [Piece(rank_of(dst // num_local), t, (src % num_local) * n, n) for t in ids]
+        if dst // num_local == my_ep:
+            pieces.recvs += [Piece(rank_of(src // num_local), t, (dst % num_local) * n, n) for t in ids]
