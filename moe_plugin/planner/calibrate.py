@@ -1,0 +1,191 @@
+"""Calibration: measure this machine the way a training job of N ranks would use it, and write
+the result as a cluster JSON for the cost model (``moe-plugin plan --calibrate out.json --ranks N``).
+
+N gloo ranks start (``torch.multiprocessing`` spawn, a file rendezvous, ``max(1, cores // N)``
+threads each) and measure together, as a job's ranks share the cores:
+
+* GEMM throughput: fp32 ``[m, k] @ [k, n]`` at a few sizes, all ranks at once for the same wall
+  time (median of 3), the slowest rank's rate. ``flops`` is the
+  best per-rank rate; ``gemm_efficiency`` is each size's rate over it, against the GEMM's FLOPs
+  (forward and backward GEMMs of the model run at these shapes).
+* ``all_reduce`` and ``all_to_all`` over all N ranks at a small and a large size: the small one
+  gives the latency per message, the large one the bandwidth (ring all-reduce moves
+  2 (N-1)/N of the bytes over 2 (N-1) messages; an all-to-all sends (N-1)/N). The cluster's
+  one link gets the all-to-all bandwidth and the mean latency (the MoE layer's traffic).
+* ``optimizer_rate``: parameters per second of torch's AdamW step (foreach), as DeepSpeed runs it
+  with ``torch_adam``.
+* ``layer_overhead``: forward + backward of a tiny pre-LN transformer block (hidden 8, 8 tokens):
+  FLOPs are nil, so the time is the fixed cost of its ~40 autograd operations.
+
+Raw numbers go to ``<out>.measurements.json`` next to the cluster JSON. Nothing is assumed about
+the device: on a GPU machine the same code times the accelerator's tensors (gloo is CPU only,
+so the collectives part is for CPU jobs; GPU clusters are described by hand).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GEMM_SIZES = ((64, 64, 64), (128, 128, 128), (256, 256, 256), (256, 1024, 256), (512, 512, 512), (1024, 1024, 256))
+GEMM_SECONDS = 0.3                 # per size and repeat
+SMALL, LARGE = 1, 1 << 20          # float32 elements of the latency and the bandwidth collectives
+
+
+def _median_time(fn, repeat: int, barrier=None) -> float:
+    times = []
+    for _ in range(repeat):
+        if barrier is not None:
+            barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(rank: int, world: int) -> dict:
+    """One rank's measurements (every rank runs the same, together)."""
+    import torch
+    import torch.distributed as dist
+
+    barrier = dist.barrier if world > 1 else None
+    out: dict = {"gemm": []}
+    for m, k, n in GEMM_SIZES:   # every rank multiplies for the same wall time: they overlap as in a job
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        torch.mm(a, b)
+        rates = []
+        for _ in range(3):
+            if barrier is not None:
+                barrier()
+            count, start = 0, time.perf_counter()
+            while time.perf_counter() - start < GEMM_SECONDS:
+                torch.mm(a, b)
+                count += 1
+            rates.append(2.0 * m * k * n * count / (time.perf_counter() - start))
+        out["gemm"].append([2.0 * m * k * n, statistics.median(rates)])
+    if world > 1:
+        for name, size in (("all_reduce_small", SMALL), ("all_reduce_large", LARGE)):
+            x = torch.ones(size)
+            out[name] = _median_time(lambda: dist.all_reduce(x), 10 if size == SMALL else 5, barrier)
+        for name, size in (("all_to_all_small", SMALL * world), ("all_to_all_large", LARGE)):
+            x, y = torch.ones(size), torch.empty(size)
+            out[name] = _median_time(lambda: dist.all_to_all_single(y, x), 10 if size <= world else 5, barrier)
+    params = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    opt.step()
+    out["adam_s_per_param"] = _median_time(opt.step, 5, barrier) / sum(p.numel() for p in params)
+    block = _TinyBlock()
+    x = torch.randn(8, 1, 8, requires_grad=True)
+    block(x).sum().backward()
+    out["layer_s"] = _median_time(lambda: block(x).sum().backward(), 20, barrier)
+    return out
+
+
+class _TinyBlock:
+    """A pre-LN transformer block at hidden 8: attention (QKV, softmax, projection) and an MLP."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.ln1, self.ln2 = torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)
+        self.qkv, self.proj = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+
+    def __call__(self, x):
+        import torch
+
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        att = torch.softmax(q.transpose(0, 1) @ k.transpose(0, 1).transpose(1, 2) / 8 ** 0.5, dim=-1)
+        x = x + self.proj((att @ v.transpose(0, 1)).transpose(0, 1))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+def cluster_from(measurements: list[dict], world: int) -> dict:
+    """The cluster JSON (``ClusterSpec`` fields) from every rank's measurements: the slowest
+    rank's numbers, as the slowest rank sets the pace."""
+    gemm = [[flops, min(r["gemm"][i][1] for r in measurements)] for i, (flops, _) in enumerate(measurements[0]["gemm"])]
+    peak = max(rate for _, rate in gemm)
+    points: dict[float, float] = {}
+    for flops, rate in sorted(gemm):
+        points[flops] = max(points.get(flops, 0.0), rate / peak)
+    worst = lambda key: max(r[key] for r in measurements)   # noqa: E731
+    spec = {"name": f"this machine ({os.cpu_count()} cores, {world} gloo ranks)", "nodes": 1,
+            "gpus_per_node": world, "flops": peak, "gemm_efficiency": [[f, round(e, 4)] for f, e in points.items()],
+            "memory": _memory_bytes() / world, "memory_usable": 0.8,
+            "optimizer_rate": 1.0 / worst("adam_s_per_param"), "layer_overhead": worst("layer_s"),
+            "step_overhead": 0.0}
+    if world > 1:
+        n = world
+        lat_ar = worst("all_reduce_small") / (2 * (n - 1))
+        lat_a2a = worst("all_to_all_small") / (n - 1)
+        nbytes = 4 * LARGE
+        bw_a2a = (n - 1) / n * nbytes / max(worst("all_to_all_large") - lat_a2a * (n - 1), 1e-9)
+        latency = (lat_ar + lat_a2a) / 2
+        spec.update(intra_bandwidth=bw_a2a, inter_bandwidth=bw_a2a, intra_latency=latency, inter_latency=latency)
+    else:
+        spec.update(intra_bandwidth=1e10, inter_bandwidth=1e10)
+    return spec
+
+
+def _memory_bytes() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16e9
+
+
+def _spawned(rank: int, world: int, threads: int, tmp: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    with contextlib.redirect_stdout(sys.stderr):
+        if world > 1:
+            dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+        try:
+            result = measure(rank, world)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run_calibration(world: int) -> tuple[dict, list[dict]]:
+    """Measure on ``world`` local ranks; returns (cluster JSON dict, per-rank measurements)."""
+    import torch.multiprocessing as mp
+
+    threads = max(1, (os.cpu_count() or 1) // world)
+    with tempfile.TemporaryDirectory(prefix="moe_calibrate_") as tmp:
+        mp.spawn(_spawned, args=(world, threads, tmp), nprocs=world, join=True)
+        measurements = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
+    return cluster_from(measurements, world), measurements
+
+
+def calibrate(out: Path, world: int) -> dict:
+    """``moe-plugin plan --calibrate out.json --ranks N``: measure, write, print a summary."""
+    from moe_plugin.planner.spec import ClusterSpec
+
+    spec, measurements = run_calibration(world)
+    ClusterSpec.load(spec)   # what it wrote must load
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(spec, indent=2) + "\n")
+    out.with_suffix(".measurements.json").write_text(json.dumps(measurements, indent=2) + "\n")
+    print(f"{spec['name']}: GEMM peak {spec['flops'] / 1e9:.1f} GFLOP/s per rank (efficiency "
+          f"{', '.join(f'{e:.2f}' for _, e in spec['gemm_efficiency'])}), link {spec['intra_bandwidth'] / 1e9:.2f} GB/s, "
+          f"latency {1e6 * spec['intra_latency']:.0f} us, Adam {spec['optimizer_rate'] / 1e6:.0f} M params/s, "
+          f"layer overhead {1e3 * spec['layer_overhead']:.2f} ms; wrote {out}")
+    return spec
+
+
+__all__ = ["calibrate", "cluster_from", "measure", "run_calibration"]

@@ -1,0 +1,206 @@
+"""``moe-plugin plan --validate``: the cost model's prediction against measured training steps.
+
+For each world size (``--ranks 4,8``): wait until the machine is quiet (1-minute load < 2, at most
+``WAIT_S``), create ``/tmp/BENCH_RUNNING`` (other heavy runs on the shared machine pause), calibrate
+on that many gloo ranks (``calibrate.py``, unless ``--calibration`` is given), then train a tiny
+GPT-MoE (``VALIDATION_MODEL``) on the real stack -- ``moe_plugin.initialize``, a Megatron-Core
+``GPTModel`` (or ``gpt_pipeline_module`` on DeepSpeed's PipelineEngine when pp > 1), ZeRO-1,
+torch AdamW -- in each layout of ``LAYOUTS``, and time whole optimizer steps: a barrier, the
+step, the slowest rank's time; one warm-up step, the median of ``rounds``. The DeepSpeed JSON is
+the one ``moe-plugin plan`` would write (``search.ds_config``), with torch's AdamW (CPU).
+
+Printed and written to ``DIR/validation.md`` / ``validation.json``: per layout predicted_ms,
+measured_ms, error (predicted / measured - 1) and the mean absolute percentage error.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from moe_plugin.planner.spec import ClusterSpec, Layout, ModelSpec
+
+BENCH_FLAG = Path("/tmp/BENCH_RUNNING")
+WAIT_S = 600
+VALIDATION_MODEL = dict(layers=4, hidden=256, ffn=512, heads=4, vocab=2048, seq=128, experts=8, top_k=2,
+                        capacity_factor=1.25, moe_layer_interval=2, global_batch=8, micro_batches=[1, 2, 4],
+                        param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
+
+
+def _lay(tp=1, pp=1, ep=1, etp=None, dp=1, mb=1, gas=1) -> Layout:
+    return Layout(tp=tp, pp=pp, ep=ep, etp=tp if etp is None else etp, dp=dp, zero=1, micro_batch=mb, gas=gas)
+
+
+# world size -> layouts (global batch 8 on 4 ranks, 16 on 8: 2 sequences per data-parallel rank and step)
+LAYOUTS = {
+    4: [_lay(dp=4, mb=2), _lay(ep=2, dp=4, mb=2), _lay(ep=4, dp=4, mb=2), _lay(tp=2, ep=2, etp=1, dp=2, mb=4),
+        _lay(pp=2, ep=2, dp=2, mb=2, gas=2)],
+    8: [_lay(dp=8, mb=2), _lay(ep=4, dp=8, mb=2), _lay(ep=8, dp=8, mb=2), _lay(tp=2, ep=4, etp=1, dp=4, mb=4),
+        _lay(pp=2, ep=4, dp=4, mb=2, gas=2)],
+}
+
+
+def validation_model(world: int) -> ModelSpec:
+    return ModelSpec.load({**VALIDATION_MODEL, "global_batch": 2 * world})
+
+
+def _ds_config(model: ModelSpec, layout: Layout) -> dict:
+    from moe_plugin.planner.search import ds_config
+
+    config = ds_config(model, layout)
+    config["optimizer"]["params"]["torch_adam"] = True      # DeepSpeed's FusedAdam would JIT-compile on CPU
+    config["steps_per_print"] = 10 ** 9
+    return config
+
+
+def _provider(model: ModelSpec, layout: Layout):
+    def build(moe_config, groups):
+        import torch
+        from megatron.core.transformer import TransformerConfig
+
+        config = TransformerConfig(num_layers=model.layers, hidden_size=model.hidden, num_attention_heads=model.heads,
+                                   ffn_hidden_size=model.ffn, tensor_model_parallel_size=layout.tp,
+                                   pipeline_model_parallel_size=layout.pp, pipeline_dtype=torch.float32,
+                                   use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                                   bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+                                   masked_softmax_fusion=False, apply_rope_fusion=False)
+        if layout.pp > 1:
+            from moe_plugin.integration.pipeline import gpt_pipeline_module
+
+            return gpt_pipeline_module(config, moe_config, groups, vocab_size=model.vocab,
+                                       max_sequence_length=model.seq, seed=0)
+        from megatron.core.models.gpt import GPTModel
+
+        from moe_plugin.integration.megatron import gpt_moe_spec
+
+        torch.manual_seed(0)
+        return GPTModel(config, gpt_moe_spec(moe_config, config, groups, seed=0, cpu=True), vocab_size=model.vocab,
+                        max_sequence_length=model.seq)
+    return build
+
+
+def measure_layout(model: ModelSpec, layout: Layout, rounds: int) -> list[float]:
+    """Inside the ranks: build the engine for ``layout`` and time ``rounds`` steps (after one warm-up)."""
+    import torch
+    import torch.distributed as dist
+
+    import moe_plugin
+
+    result = moe_plugin.initialize(_ds_config(model, layout), _provider(model, layout))
+    try:
+        engine = result.engine
+        dp_rank = result.groups.rank_in("dp")
+        gen = torch.Generator().manual_seed(1000 + dp_rank)
+        B, S = layout.micro_batch, model.seq
+
+        def micro():
+            ids = torch.randint(0, model.vocab, (B, S + 1), generator=gen)
+            return ids[:, :-1].contiguous(), torch.arange(S).expand(B, S).contiguous(), ids[:, 1:].contiguous()
+
+        def step() -> None:
+            batches = [micro() for _ in range(layout.gas)]
+            if layout.pp > 1:
+                engine.train_batch(iter([((t, p), y) for t, p, y in batches]))
+                return
+            for tokens, positions, labels in batches:
+                loss = engine(tokens, positions, None, labels=labels).float().mean()
+                engine.backward(loss)
+                engine.step()
+
+        times = []
+        for r in range(rounds + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            if r > 0:
+                times.append(float(slowest))
+        return times
+    finally:
+        result.close()
+
+
+def _spawned(rank: int, world: int, model: ModelSpec, layouts: list[Layout], rounds: int, tmp: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    with contextlib.redirect_stdout(sys.stderr):   # DeepSpeed logs to stdout
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+        try:
+            out = {layout.name(): measure_layout(model, layout, rounds) for layout in layouts}
+        finally:
+            dist.destroy_process_group()
+    if rank == 0:
+        (Path(tmp) / "times.json").write_text(json.dumps(out))
+
+
+def measure(model: ModelSpec, layouts: list[Layout], world: int, rounds: int) -> dict[str, list[float]]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="moe_validate_") as tmp:
+        mp.spawn(_spawned, args=(world, model, layouts, rounds, tmp), nprocs=world, join=True)
+        return json.loads((Path(tmp) / "times.json").read_text())
+
+
+def wait_for_quiet(limit: float = 2.0, wait_s: float = WAIT_S) -> float:
+    """Wait until the 1-minute load average is below ``limit`` (at most ``wait_s``); return it."""
+    deadline = time.monotonic() + wait_s
+    while os.getloadavg()[0] >= limit and time.monotonic() < deadline:
+        time.sleep(10)
+    return os.getloadavg()[0]
+
+
+def validate(worlds: list[int], out: Path, calibration: Optional[Path], rounds: int) -> list[dict]:
+    from moe_plugin.planner.calibrate import run_calibration
+    from moe_plugin.planner.cost_model import step_cost
+    from moe_plugin.planner.report import markdown_table, text_table
+
+    unknown = [w for w in worlds if w not in LAYOUTS]
+    if unknown:
+        raise ValueError(f"--ranks {unknown[0]}: the validation layouts are for {', '.join(map(str, LAYOUTS))} ranks")
+    rows, records = [], []
+    for world in worlds:
+        load_before = wait_for_quiet()
+        BENCH_FLAG.touch()
+        try:
+            if calibration is not None:
+                cluster = ClusterSpec.load(calibration)
+            else:
+                spec, _ = run_calibration(world)
+                cluster = ClusterSpec.load(spec)
+            model = validation_model(world)
+            measured = measure(model, LAYOUTS[world], world, rounds)
+        finally:
+            BENCH_FLAG.unlink(missing_ok=True)
+        load_after = os.getloadavg()[0]
+        for layout in LAYOUTS[world]:
+            predicted = step_cost(model, cluster, layout).total
+            times = measured[layout.name()]
+            median = statistics.median(times)
+            error = predicted / median - 1
+            records.append({"ranks": world, "layout": layout.name(), "predicted_ms": 1e3 * predicted,
+                            "measured_ms": 1e3 * median, "measured_rounds_ms": [1e3 * t for t in times],
+                            "error": error, "load_before": load_before, "load_after": load_after})
+            rows.append([str(world), layout.name(), f"{1e3 * predicted:.0f}", f"{1e3 * median:.0f}", f"{100 * error:+.1f}%"])
+    mape = statistics.mean(abs(r["error"]) for r in records)
+    head = ("ranks", "layout", "predicted_ms", "measured_ms", "error")
+    loads = ", ".join(f"{r['ranks']} ranks: {r['load_before']:.2f} before, {r['load_after']:.2f} after"
+                      for r in records[::len(LAYOUTS[worlds[0]])])
+    print(text_table(head, rows))
+    print(f"MAPE {100 * mape:.1f}% over {len(records)} layouts (load average {loads})")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "validation.json").write_text(json.dumps({"mape": mape, "records": records}, indent=2) + "\n")
+    (out / "validation.md").write_text(markdown_table(head, rows) + f"\n\nMAPE {100 * mape:.1f}% ({loads})\n")
+    return records
+
+
+__all__ = ["LAYOUTS", "VALIDATION_MODEL", "measure", "measure_layout", "validate", "validation_model"]
