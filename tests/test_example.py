@@ -108,6 +108,7 @@ def test_two_ranks_train_and_match_one_rank(tmp_path):
     ({"set": {"moe": {**MOE, "parallel": {"expert": 3}}}}, r"^error: moe.parallel.expert: got 3; must divide "
                                                            r"num_experts \(4\)"),
     ({"argv": ["--num-attention-heads", "3"]}, r"^error: --num-attention-heads: got 3; must divide --hidden-size"),
+    ({"argv": ["--valid-fraction", "1.5"]}, r"^error: --valid-fraction: got 1.5; expected a fraction of the documents"),
 ])
 def test_bad_flags_stop_before_anything_is_written(tmp_path, monkeypatch, capsys, change, message):
     import re

@@ -29,7 +29,6 @@ saved by global id, so a run may resume under another expert layout).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -43,14 +42,14 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from moe_plugin.configs import ConfigError, MoEConfig, ParallelSizes
-from moe_plugin.configs.schema import load_ds_config
+from moe_plugin.configs import ConfigError, MoEConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from training_log import TrainingLog  # noqa: E402  (the example's sibling module)
+from checks import RunPlan, check_run  # noqa: E402  (the example's sibling modules)
+from training_log import TrainingLog  # noqa: E402
 
 
-# --- 1. flags and checks -------------------------------------------------------------------------
+# --- 1. flags (checked in checks.py) -------------------------------------------------------------------------
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     import deepspeed
 
@@ -99,96 +98,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-@dataclass(frozen=True)
-class RunPlan:
-    """What the checks resolved: the DeepSpeed config (micro batch filled in), the ``"moe"``
-    block, the parallel sizes for this world size and the batch arithmetic."""
-
-    ds_config: dict
-    moe_config: MoEConfig
-    sizes: ParallelSizes
-    micro_batch_size: int
-    grad_accumulation: int
-    global_batch_size: int
-
-
-def check_run(args: argparse.Namespace, world_size: int) -> RunPlan:
-    """Every mistake a flag or the JSON can hold, as a ``ConfigError`` naming it, before any side effect."""
-    positive = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-                "train_iters", "eval_iters", "log_interval", "make_vocab_size_divisible_by", "corpus_bytes")
-    for name in positive:
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "expected an integer >= 1")
-    for name in ("eval_interval", "save_interval"):
-        if getattr(args, name) is not None and getattr(args, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "expected an integer >= 0")
-    if args.hidden_size % args.num_attention_heads:
-        raise ConfigError("--num-attention-heads", args.num_attention_heads, f"must divide --hidden-size "
-                          f"({args.hidden_size})")
-    if args.max_position_embeddings < args.seq_length:
-        raise ConfigError("--max-position-embeddings", args.max_position_embeddings, f"must be at least "
-                          f"--seq-length ({args.seq_length})")
-    if args.deepspeed_config is None:
-        raise ConfigError("--deepspeed_config", None, "pass the DeepSpeed JSON with the \"moe\" block, e.g. "
-                          "examples/gpt_moe/configs/tiny_cpu_4rank.json", shown="missing")
-    if args.data_path is not None and not (Path(args.data_path + ".bin").exists()
-                                           and Path(args.data_path + ".idx").exists()):
-        raise ConfigError("--data-path", args.data_path, "expected the prefix of PREFIX.bin and PREFIX.idx "
-                          "(Megatron's indexed format), e.g. data/my-corpus_text_document")
-
-    ds = dict(load_ds_config(args.deepspeed_config))
-    moe_config = MoEConfig.from_ds_config(ds)
-    sizes = moe_config.check_world_size(world_size)
-    if sizes.pp > 1:
-        check_pipeline_available(moe_config)
-    p = moe_config.parallel
-    if args.num_attention_heads % p.tensor:
-        raise ConfigError("moe.parallel.tensor", p.tensor, f"must divide --num-attention-heads "
-                          f"({args.num_attention_heads})")
-    if args.num_layers % p.pipeline:
-        raise ConfigError("moe.parallel.pipeline", p.pipeline, f"must divide --num-layers ({args.num_layers})")
-    zero = ds.get("zero_optimization")
-    if p.sequence_parallel and isinstance(zero, dict) and zero.get("stage", 0) != 0:
-        raise ConfigError("moe.parallel.sequence_parallel", True, "the example all-reduces sequence-parallel "
-                          "norm gradients before engine.step, which needs zero_optimization.stage 0 (ZeRO-1/2 "
-                          "have already moved the gradients into their buffers); set it false or use stage 0")
-
-    micro = ds.get("train_micro_batch_size_per_gpu")
-    if micro is None:
-        if args.micro_batch_size is None:
-            raise ConfigError("train_micro_batch_size_per_gpu", None, "set it in the JSON or pass "
-                              "--micro-batch-size", shown="missing")
-        micro = ds["train_micro_batch_size_per_gpu"] = args.micro_batch_size
-    elif args.micro_batch_size is not None and args.micro_batch_size != micro:
-        raise ConfigError("--micro-batch-size", args.micro_batch_size, f"must equal the DeepSpeed JSON's "
-                          f"train_micro_batch_size_per_gpu ({micro}); change one of them")
-    if not isinstance(micro, int) or micro < 1:
-        raise ConfigError("train_micro_batch_size_per_gpu", micro, "expected an integer >= 1")
-    gas = ds.get("gradient_accumulation_steps")
-    total = ds.get("train_batch_size")
-    if total is None:
-        gas = 1 if gas is None else gas
-        total = ds["train_batch_size"] = micro * gas * sizes.dp
-    elif gas is None:
-        gas, rest = divmod(total, micro * sizes.dp)
-        if rest or gas < 1:
-            raise ConfigError("train_batch_size", total, f"must be a multiple of train_micro_batch_size_per_gpu "
-                              f"({micro}) x data-parallel size ({sizes.dp})")
-    if total != micro * gas * sizes.dp:
-        raise ConfigError("train_batch_size", total, f"must equal train_micro_batch_size_per_gpu ({micro}) x "
-                          f"gradient_accumulation_steps ({gas}) x data-parallel size ({sizes.dp}) = "
-                          f"{micro * gas * sizes.dp}")
-    return RunPlan(ds, moe_config, sizes, micro, gas, total)
-
-
-def check_pipeline_available(moe_config: MoEConfig) -> None:
-    """pp > 1 needs the plugin's PipelineEngine path; say so early where this install lacks it."""
-    if importlib.util.find_spec("moe_plugin.integration.pipeline") is None:
-        raise ConfigError("moe.parallel.pipeline", moe_config.parallel.pipeline, "pipeline parallelism is not "
-                          "available: it needs moe_plugin.integration.pipeline (DeepSpeed's PipelineEngine), which "
-                          "this version lacks; use 1")
-
-
 # --- 2. data -------------------------------------------------------------------------------------
 @dataclass
 class Data:
@@ -200,7 +109,7 @@ class Data:
     description: str
 
 
-def build_data(args: argparse.Namespace, plan: RunPlan, rank: int) -> Data:
+def build_data(args: argparse.Namespace, plan: RunPlan) -> Data:
     from moe_plugin.data import (
         ByteTokenizer,
         GlobalBatches,
@@ -214,7 +123,7 @@ def build_data(args: argparse.Namespace, plan: RunPlan, rank: int) -> Data:
     )
 
     if args.data_path is None:
-        prefix = ensure_stdlib_corpus(args.data_cache, args.corpus_bytes, progress=rank == 0)
+        prefix = ensure_stdlib_corpus(args.data_cache, args.corpus_bytes)  # one rank writes, with a progress bar
         manifest = corpus_manifest(prefix)
         vocab = ByteTokenizer.vocab_size
         what = (f"Python {manifest['python']} stdlib corpus: {manifest['documents']} files, {manifest['tokens']:,} "
@@ -233,8 +142,11 @@ def build_data(args: argparse.Namespace, plan: RunPlan, rank: int) -> Data:
     if len(valid_docs) == 0:
         raise ConfigError("--valid-fraction", args.valid_fraction, f"holds out no document of "
                           f"{num_documents(dataset)}; use a larger fraction")
-    train = TokenSamples(dataset, train_docs, args.seq_length, name="training split")
-    valid = TokenSamples(dataset, valid_docs, args.seq_length, name="validation split")
+    try:
+        train = TokenSamples(dataset, train_docs, args.seq_length, name="training split")
+        valid = TokenSamples(dataset, valid_docs, args.seq_length, name="validation split")
+    except ValueError as err:   # too little data for one sample
+        raise ConfigError("--seq-length", args.seq_length, str(err)) from None
     what += (f"\n  training {len(train_docs)} documents, {len(train):,} samples of {args.seq_length + 1} tokens; "
              f"validation {len(valid_docs)} documents, {len(valid):,} samples; vocabulary {vocab} padded to {padded}")
     return Data(train, valid, GlobalBatches(len(train), plan.global_batch_size, seed=args.seed),
@@ -472,13 +384,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         plan = check_run(args, world_size)
+        data = build_data(args, plan)   # may write the corpus; errors here are about the data's size
     except ConfigError as err:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
     configure_threads()
     run_dir = Path(args.run_dir or Path("runs") / Path(args.deepspeed_config).stem)
-    data = build_data(args, plan, rank)
     result = build_engine(args, plan, data)
     log = TrainingLog(run_dir, enabled=result.groups.rank == 0, append=bool(args.load))
     try:
@@ -492,7 +404,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                           "world_size": world_size}, indent=2, default=str) + "\n")
         started = time.perf_counter()
         train(args, plan, data, result, log)
-        log.info(f"trained {args.train_iters} steps in {time.perf_counter() - started:.1f} s")
+        log.info(f"reached step {args.train_iters} in {time.perf_counter() - started:.1f} s")
         plot = log.plot()
         log.info(f"metrics: {log.metrics_path}" + (f"\nplot:    {plot}" if plot else ""))
     finally:

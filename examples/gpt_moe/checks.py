@@ -1,0 +1,132 @@
+"""What ``pretrain_gpt_moe.py`` checks before it writes a file or builds a process group.
+
+    plan = check_run(args, world_size)      # a ConfigError naming the flag or JSON key, or a RunPlan
+
+The flags on their own, the DeepSpeed JSON and its ``"moe"`` block (``MoEConfig``), the layout
+against the world size and the model flags, and DeepSpeed's batch arithmetic
+(``train_batch_size = micro batch x gradient accumulation x data-parallel size``), which
+DeepSpeed would otherwise assert deep inside ``deepspeed.initialize``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_plugin.configs import ConfigError, MoEConfig, ParallelSizes
+from moe_plugin.configs.schema import load_ds_config
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What the checks resolved: the DeepSpeed config (micro batch filled in), the ``"moe"``
+    block, the parallel sizes for this world size and the batch arithmetic."""
+
+    ds_config: dict
+    moe_config: MoEConfig
+    sizes: ParallelSizes
+    micro_batch_size: int
+    grad_accumulation: int
+    global_batch_size: int
+
+
+def check_run(args: argparse.Namespace, world_size: int) -> RunPlan:
+    """Every mistake a flag or the JSON can hold, as a ``ConfigError`` naming it, before any side effect."""
+    check_flags(args)
+    ds = dict(load_ds_config(args.deepspeed_config))
+    moe_config = MoEConfig.from_ds_config(ds)
+    sizes = moe_config.check_world_size(world_size)
+    check_layout(args, ds, moe_config)
+    micro, gas, total = resolve_batch(args, ds, sizes.dp)
+    return RunPlan(ds, moe_config, sizes, micro, gas, total)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """The flags on their own."""
+    positive = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                "train_iters", "eval_iters", "log_interval", "make_vocab_size_divisible_by", "corpus_bytes")
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "expected an integer >= 1")
+    for name in ("eval_interval", "save_interval"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "expected an integer >= 0")
+    if args.hidden_size % args.num_attention_heads:
+        raise ConfigError("--num-attention-heads", args.num_attention_heads, f"must divide --hidden-size "
+                          f"({args.hidden_size})")
+    if not 0.0 < args.valid_fraction < 1.0:
+        raise ConfigError("--valid-fraction", args.valid_fraction, "expected a fraction of the documents, "
+                          "strictly between 0 and 1 (e.g. 0.05)")
+    if args.max_position_embeddings < args.seq_length:
+        raise ConfigError("--max-position-embeddings", args.max_position_embeddings, f"must be at least "
+                          f"--seq-length ({args.seq_length})")
+    if args.deepspeed_config is None:
+        raise ConfigError("--deepspeed_config", None, "pass the DeepSpeed JSON with the \"moe\" block, e.g. "
+                          "examples/gpt_moe/configs/tiny_cpu_4rank.json", shown="missing")
+    if args.data_path is not None and not (Path(args.data_path + ".bin").exists()
+                                           and Path(args.data_path + ".idx").exists()):
+        raise ConfigError("--data-path", args.data_path, "expected the prefix of PREFIX.bin and PREFIX.idx "
+                          "(Megatron's indexed format), e.g. data/my-corpus_text_document")
+
+
+def check_layout(args: argparse.Namespace, ds: dict, moe_config: MoEConfig) -> None:
+    """The ``moe.parallel`` layout against the model flags."""
+    p = moe_config.parallel
+    if p.pipeline > 1:
+        check_pipeline_available(moe_config)
+    if args.num_attention_heads % p.tensor:
+        raise ConfigError("moe.parallel.tensor", p.tensor, f"must divide --num-attention-heads "
+                          f"({args.num_attention_heads})")
+    if args.num_layers % p.pipeline:
+        raise ConfigError("moe.parallel.pipeline", p.pipeline, f"must divide --num-layers ({args.num_layers})")
+    zero = ds.get("zero_optimization")
+    if p.sequence_parallel and (p.pipeline > 1 or (isinstance(zero, dict) and zero.get("stage", 0) != 0)):
+        raise ConfigError("moe.parallel.sequence_parallel", True, "the example all-reduces sequence-parallel "
+                          "norm gradients before engine.step, which needs pipeline 1 and zero_optimization.stage 0 "
+                          "(ZeRO-1/2 have already moved the gradients into their buffers); set it false")
+    if args.data_path is None:
+        from moe_plugin.data import pad_vocab_size
+
+        try:
+            pad_vocab_size(257, args.make_vocab_size_divisible_by, p.tensor)
+        except ValueError as err:
+            raise ConfigError("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by, str(err)) from None
+
+
+def resolve_batch(args: argparse.Namespace, ds: dict, dp: int) -> tuple[int, int, int]:
+    """(micro batch, gradient accumulation steps, global batch): DeepSpeed's arithmetic, checked
+    here so that a mismatch names the key; the JSON gets the micro batch of the flag if it has none."""
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    if micro is None:
+        if args.micro_batch_size is None:
+            raise ConfigError("train_micro_batch_size_per_gpu", None, "set it in the JSON or pass "
+                              "--micro-batch-size", shown="missing")
+        micro = ds["train_micro_batch_size_per_gpu"] = args.micro_batch_size
+    elif args.micro_batch_size is not None and args.micro_batch_size != micro:
+        raise ConfigError("--micro-batch-size", args.micro_batch_size, f"must equal the DeepSpeed JSON's "
+                          f"train_micro_batch_size_per_gpu ({micro}); change one of them")
+    if not isinstance(micro, int) or micro < 1:
+        raise ConfigError("train_micro_batch_size_per_gpu", micro, "expected an integer >= 1")
+    gas = ds.get("gradient_accumulation_steps")
+    total = ds.get("train_batch_size")
+    if total is None:
+        gas = 1 if gas is None else gas
+        total = ds["train_batch_size"] = micro * gas * dp
+    elif gas is None:
+        gas, rest = divmod(total, micro * dp)
+        if rest or gas < 1:
+            raise ConfigError("train_batch_size", total, f"must be a multiple of train_micro_batch_size_per_gpu "
+                              f"({micro}) x data-parallel size ({dp})")
+    if total != micro * gas * dp:
+        raise ConfigError("train_batch_size", total, f"must equal train_micro_batch_size_per_gpu ({micro}) x "
+                          f"gradient_accumulation_steps ({gas}) x data-parallel size ({dp}) = {micro * gas * dp}")
+    return micro, gas, total
+
+
+def check_pipeline_available(moe_config: MoEConfig) -> None:
+    """pp > 1 needs the plugin's PipelineEngine path; say so early where this install lacks it."""
+    if importlib.util.find_spec("moe_plugin.integration.pipeline") is None:
+        raise ConfigError("moe.parallel.pipeline", moe_config.parallel.pipeline, "pipeline parallelism is not "
+                          "available: it needs moe_plugin.integration.pipeline (DeepSpeed's PipelineEngine), which "
+                          "this version lacks; use 1")
