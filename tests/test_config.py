@@ -213,7 +213,7 @@ DEFAULTS = {
     "parallel": {"tensor": 1, "pipeline": 1, "expert": 1, "expert_tensor": 1, "order": "tp-cp-ep-dp-pp",
                  "sequence_parallel": False},
     "placement": {"policy": "static", "check_interval": 100, "window": 100, "min_gain": 0.05, "replica_budget": 0,
-                  "gpus_per_node": None, "trace_file": None},
+                  "slack": 0.1, "gpus_per_node": None, "trace_file": None},
 }
 
 

@@ -86,6 +86,8 @@ class PlacementConfig(_Block):
     min_gain: float = Field(0.05, ge=0.0, description="Switch only when the predicted saving until the next "
                             "check exceeds the predicted migration cost by this fraction (hysteresis).")
     replica_budget: int = Field(0, ge=0, description="Extra expert slots per rank for replicas of hot experts.")
+    slack: float = Field(0.1, ge=0.0, description="network-aware: the busiest rank may carry this fraction "
+                         "more load than under greedy placement when that cuts cross-node routes.")
     gpus_per_node: Optional[int] = Field(None, ge=1, description="Ranks per node, for network-aware placement; "
                                          "default: the launcher's local world size.")
     trace_file: Optional[str] = Field(None, description="Write per-layer, per-step gate traces to this path.")
