@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -194,7 +196,8 @@ def test_tracking_matches_hand_sums(dist_run, tmp_path, world_size):
             for r in holders:
                 for kind in ("plain", "traced"):
                     got = r[kind][i]
-                    assert got.steps == TRACK_WINDOW and torch.equal(got.traffic_PE, window), (key, i, kind, got, window)
+                    assert got.steps == TRACK_WINDOW, (key, i, kind, got)
+                    assert torch.equal(got.traffic_PE, window), (key, i, kind, got, window)
             t = trace.layer(f"layer{i}")
             assert np.array_equal(trace.load[:, t], load.numpy()), (key, i)
             assert np.array_equal(trace.traffic[:, t], traffic.numpy()), (key, i)
@@ -293,3 +296,104 @@ def test_align_moves_few_experts():
     assert moved_experts(current, align(relabelled, current, 4), 4) == []
     with pytest.raises(ValueError, match="distinct slot"):
         align(torch.zeros(16, dtype=torch.long), current, 4)
+
+
+# --- switching --------------------------------------------------------------------------------
+
+def test_cost_model_by_hand():
+    """2 ranks on 2 nodes, 2 experts: rank 0 sends 10 routes to expert 1 (on rank 1), rank 1
+    sends 4 to expert 0; expert 0 also gets 6 from rank 0, expert 1 gets 2 from rank 1."""
+    from moe_plugin.placement.controller import CostModel
+    cost = CostModel(seconds_per_route=1.0, seconds_per_byte_intra=0.0, seconds_per_byte_inter=0.5)
+    T = torch.tensor([[6.0, 10.0], [4.0, 2.0]])
+    t = cost.layer_time(T, torch.tensor([0, 1]), [0, 1], bytes_per_route=2.0)
+    assert t.compute == 12.0                       # rank 1: 10 + 2 routes
+    assert t.all_to_all == 10 * 2.0 * 0.5          # rank 0 sends 10, receives 4; rank 1 the reverse
+    assert cost.layer_time(T, torch.tensor([0, 1]), [0, 0], 2.0).all_to_all == 0.0   # one node, free intra
+    assert cost.fit([10.0, 20.0], [1.0, 2.0]).seconds_per_route == pytest.approx(0.1)
+    with pytest.raises(ValueError, match=r"need a nonzero sample"):
+        cost.fit([0.0], [1.0])
+
+
+CTRL_E = 4
+
+
+def _controller_child(rank, world_size, run_dir, variants):
+    import json
+
+    from moe_plugin.configs import MoEConfig
+    from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
+    from moe_plugin.groups.layout import RankLayout
+    from moe_plugin.layers import MoELayer
+    from moe_plugin.placement.controller import CostModel, PlacementController
+
+    groups = build_process_groups(RankLayout.build(world_size, ep=2))
+    out = {}
+    try:
+        for key, variant in variants.items():
+            config = MoEConfig.from_dict({"num_experts": CTRL_E, "router": "gshard", "second_expert_policy": "all",
+                                          "drop_tokens": False, "parallel": {"expert": 2},
+                                          "placement": {"policy": "greedy", "check_interval": 2, "window": 2,
+                                                        "min_gain": variant.get("min_gain", 0.05)}})
+            model = torch.nn.ModuleDict({"hot": MoELayer(config, 8, 16, groups, seed=1),
+                                         "even": MoELayer(config, 8, 16, groups, seed=2)}).train()
+            with torch.no_grad():        # hot: experts 0 and 1 (both on EP rank 0); even: 0 and 2
+                model["hot"].router.expert_bias.copy_(torch.tensor([50.0, 50.0, 0.0, 0.0]))
+                model["even"].router.expert_bias.copy_(torch.tensor([50.0, 0.0, 50.0, 0.0]))
+            calls = []
+
+            def migrate(new, model=model, calls=calls):
+                calls.append({k: v.tolist() for k, v in new.items()})
+                for name, placement in new.items():   # a stand-in: the slots change, the weights do not
+                    model[name].experts.placement.copy_(placement)
+                return None
+
+            moved = variant.get("moved_bytes")
+            ctrl = PlacementController(model, config.placement, migrate, groups=groups, run_dir=f"{run_dir}/{key}",
+                                       cost=CostModel(seconds_per_route=1e-3, migration_seconds_per_byte=1e-9),
+                                       **({"moved_bytes_fn": lambda *_: moved} if moved else {}))
+            checks = []
+            for step in range(4):
+                with torch.no_grad():
+                    x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(step * 7 + rank))
+                    model["even"](model["hot"](x)[0])
+                checks.append([d.__dict__ for d in ctrl.step(step, layer_seconds={"hot": 0.5})])
+            ctrl.close()
+            log = Path(f"{run_dir}/{key}/placement.jsonl")
+            out[key] = {"calls": calls, "checks": checks,
+                        "placements": {n: m.placement.tolist() for n, m in model.items()},
+                        "log": [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else None}
+    finally:
+        destroy_process_groups(groups)
+    return out
+
+
+def test_controller_switches_only_when_it_pays(dist_run, tmp_path):
+    variants = {"switch": {}, "costly": {"moved_bytes": 10 ** 12}, "greedy_gain": {"min_gain": 0.6}}
+    results = dist_run(_controller_child, 2, str(tmp_path), variants)
+    for key in variants:   # both ranks decide alike
+        assert results[0][key]["calls"] == results[1][key]["calls"]
+        assert results[0][key]["placements"] == results[1][key]["placements"]
+
+    r = results[0]["switch"]
+    assert [len(c) for c in r["checks"]] == [0, 2, 0, 2]   # checks after steps 1 and 3
+    first = {d["layer"]: d for d in r["checks"][1]}
+    assert first["hot"]["switch"] and first["hot"]["imbalance_now"] == 2.0 and first["hot"]["imbalance_new"] == 1.0
+    assert not first["even"]["switch"] and "keeps" in first["even"]["reason"]
+    assert r["calls"] == [{"hot": first["hot"]["placement"]}]        # one batched call, the switching layer
+    hot = r["placements"]["hot"]
+    assert sorted(hot) == [0, 1, 2, 3] and hot[0] // 2 != hot[1] // 2      # the two hot experts split
+    second = {d["layer"]: d for d in r["checks"][3]}
+    assert not second["hot"]["switch"]                               # balanced now: no flip back
+    assert second["hot"]["predicted_at_last_check"] == pytest.approx(first["hot"]["seconds_new"])
+    assert second["hot"]["realised_seconds"] == pytest.approx(second["hot"]["seconds_now"])
+    assert first["hot"]["measured_seconds"] == 0.5
+    events = [(e["event"], e.get("layer", e.get("layers"))) for e in r["log"]]   # one writer: no duplicates
+    assert events == [("check", "hot"), ("check", "even"), ("switch", ["hot"]), ("check", "hot"), ("check", "even")]
+    assert r["log"][2]["moved_bytes"] == first["hot"]["moved_bytes"] > 0
+
+    costly = {d["layer"]: d for d in results[0]["costly"]["checks"][1]}
+    assert not costly["hot"]["switch"] and "migration" in costly["hot"]["reason"]
+    assert results[0]["costly"]["calls"] == []
+    greedy_gain = {d["layer"]: d for d in results[0]["greedy_gain"]["checks"][1]}
+    assert not greedy_gain["hot"]["switch"] and "min_gain" in greedy_gain["hot"]["reason"]

@@ -4,10 +4,12 @@
   MoE layer in a compact binary file (the planner's input).
 * ``tracking``: ``LoadTracker``, every layer's windowed load from the gate (forward hooks).
 * ``policies``: pure placement functions (static, greedy, network-aware, imbalance, align).
+* ``controller``: ``PlacementController``, the cost model and the switching rule.
 """
+from moe_plugin.placement.controller import CostModel, PlacementController
 from moe_plugin.placement.policies import greedy, imbalance, network_aware, static
 from moe_plugin.placement.trace import GateTrace, TraceMeta, TraceWriter, read_trace
 from moe_plugin.placement.tracking import LoadTracker, WindowLoad
 
-__all__ = ["GateTrace", "LoadTracker", "TraceMeta", "TraceWriter", "WindowLoad", "greedy", "imbalance",
-           "network_aware", "read_trace", "static"]
+__all__ = ["CostModel", "GateTrace", "LoadTracker", "PlacementController", "TraceMeta", "TraceWriter", "WindowLoad",
+           "greedy", "imbalance", "network_aware", "read_trace", "static"]

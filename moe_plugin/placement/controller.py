@@ -1,0 +1,316 @@
+"""Switching: when to give MoE layers a new expert placement, from the tracked load.
+
+    controller = PlacementController(run, moe_config.placement, lambda p: migrate(run, p), run_dir="run")
+    for step in range(steps):
+        ...                               # forwards, backward, engine.step()
+        controller.step(step)             # every rank; every check_interval steps it checks
+
+Every ``check_interval`` steps, for every MoE layer of the rank's stage: the policy
+(``moe.placement.policy``) proposes a placement from the layer's window load
+(``LoadTracker.window_loads``), relabelled to move as few experts as possible
+(``policies.align``). The cost model predicts the layer's time per step under the current and
+the proposed placement; the saving until the next check is weighed against the migration:
+
+    saving = (t_now - t_new) * check_interval            (seconds, predicted)
+    cost   = moved_bytes(now -> new) * migration_seconds_per_byte
+    switch iff saving > (1 + min_gain) * cost   and   t_new <= (1 - min_gain) * t_now
+
+The first condition is the config's ``min_gain`` over the cost. The second is the hysteresis:
+a switch must buy at least ``min_gain`` of the layer's time per step, so switching back needs
+the load itself to move by about ``2 * min_gain``; noise in the window smaller than that never
+flips a layer back and forth (the gate's load does not depend on the placement, so the window
+stays valid across a switch). All layers that switch at a check go to one ``migrate_fn`` call.
+
+Cost model (``CostModel``), per layer and step, from the mean traffic per step ``T[p, e]``:
+
+* compute: ``seconds_per_route * max over EP ranks r of sum of T[:, e] over e on r`` -- the
+  slowest rank sets the pace (forward and backward of a kept route through its expert);
+* all-to-all: each route leaves its sender's rank for its expert's rank and comes back, in the
+  forward and the backward (``4 * hidden * element bytes``); per rank, the larger of bytes sent
+  and received, inter-node and intra-node at their own seconds per byte; the slowest rank again.
+
+The constants are defaults for a GPU cluster to be replaced by measurement: ``CostModel.fit``
+calibrates ``seconds_per_route`` from measured layer times (``step(..., layer_seconds=...)``),
+the migration engineer's ``moved_bytes`` replaces the default estimate (experts that change EP
+rank x parameters x (element bytes + 12 bytes of fp32 master and Adam state)).
+
+Decisions are the same on every rank of a stage (the window loads are; everything after is
+deterministic). ``migrate_fn`` is collective over the job (``migration.migrate``): with
+pipeline stages one all-reduce over the pipeline group tells every stage whether any stage
+switches, and a stage with nothing to move passes ``{}``. Every check and switch is logged to
+the Python logger ``moe_plugin.placement`` and, with ``run_dir``, to ``placement.jsonl`` there
+(``placement.stage<k>.jsonl`` per pipeline stage), by the stage's first token rank.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moe_plugin.configs.schema import PlacementConfig
+from moe_plugin.layers.moe_layer import MoELayer
+from moe_plugin.placement import policies
+from moe_plugin.placement.tracking import LoadTracker, WindowLoad
+
+logger = logging.getLogger("moe_plugin.placement")
+
+MigrateFn = Callable[[dict[str, Tensor]], Any]
+MovedBytesFn = Callable[[str, MoELayer, Tensor, Tensor], int]
+STATE_BYTES_PER_PARAM = 12   # fp32 master weight + Adam's two moments
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """Predicted seconds of one layer step under one placement."""
+
+    compute: float
+    all_to_all: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.all_to_all
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of an MoE layer step and of a migration (module docstring). Defaults: a route
+    through an expert FFN in 0.2 us, 100 GB/s within a node, 12.5 GB/s between nodes, migration
+    at 10 GB/s; replace them by measured values."""
+
+    seconds_per_route: float = 2e-7
+    seconds_per_byte_intra: float = 1e-11
+    seconds_per_byte_inter: float = 8e-11
+    migration_seconds_per_byte: float = 1e-10
+
+    def layer_time(self, traffic_PE: Tensor, placement: Tensor, node_of_rank: Sequence[int],
+                   bytes_per_route: float) -> LayerTime:
+        """``traffic_PE``: mean routes per step [P, E]; ``placement``: slots [E]."""
+        T = torch.as_tensor(traffic_PE).double()
+        P, E = T.shape
+        rank_E = policies.rank_of(placement, P)
+        compute = self.seconds_per_route * policies.rank_loads(T.sum(0), placement, P).max().item()
+        node = torch.as_tensor(list(node_of_rank))
+        sender = torch.arange(P)[:, None]
+        remote = sender != rank_E[None, :]                                 # [P, E]
+        inter = node[:, None] != node[rank_E][None, :]
+        seconds = torch.zeros(P, dtype=torch.float64)
+        for mask, per_byte in ((inter, self.seconds_per_byte_inter), (remote & ~inter, self.seconds_per_byte_intra)):
+            routes = T * mask
+            sent = routes.sum(1)                                           # [P] by sender
+            received = torch.zeros(P, dtype=torch.float64).index_add_(0, rank_E, routes.sum(0))
+            seconds += torch.maximum(sent, received) * bytes_per_route * per_byte
+        return LayerTime(compute=compute, all_to_all=seconds.max().item())
+
+    def fit(self, max_rank_routes: Sequence[float], seconds: Sequence[float]) -> "CostModel":
+        """``seconds_per_route`` by least squares through the origin from measured compute
+        seconds of layer steps and the routes of their busiest rank."""
+        x, y = torch.as_tensor(max_rank_routes).double(), torch.as_tensor(seconds).double()
+        if x.numel() == 0 or float((x * x).sum()) == 0.0:
+            raise ValueError(f"cannot fit seconds_per_route from routes {x.tolist()}: need a nonzero sample")
+        return replace(self, seconds_per_route=float((x * y).sum() / (x * x).sum()))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One layer at one check."""
+
+    step: int
+    layer: str
+    switch: bool
+    reason: str
+    imbalance_now: float
+    imbalance_new: float
+    seconds_now: float          # predicted per step, current placement
+    seconds_new: float          # predicted per step, proposed placement
+    saving: float               # predicted seconds saved until the next check
+    migration_cost: float       # predicted seconds of the migration
+    moved_bytes: int
+    realised_seconds: Optional[float] = None   # model on this window's load, placement in effect
+    predicted_at_last_check: Optional[float] = None
+    measured_seconds: Optional[float] = None   # mean of step(..., layer_seconds=) since the last check
+    placement: Optional[list[int]] = None      # the new placement, when it switches
+
+    def record(self) -> dict:
+        return {"event": "check", **{k: v for k, v in self.__dict__.items() if v is not None}}
+
+
+def default_moved_bytes(_name: str, layer: MoELayer, old: Tensor, new: Tensor) -> int:
+    """Experts that change EP rank x one expert's parameters over its ETP shards x (element bytes
+    + ``STATE_BYTES_PER_PARAM``) x its EDP replicas (weights per replica; a rough upper bound of
+    the optimizer state). ``migration.moved_bytes`` with ``expert_bytes`` is the exact one."""
+    x, p = layer.experts, layer.parallel
+    params = sum(w[0].numel() for w in (x.weight1, x.weight2)) * p.etp_size
+    per_expert = params * (x.weight1.element_size() + STATE_BYTES_PER_PARAM) * p.edp_size
+    return len(policies.moved_experts(old, new, p.ep_size)) * per_expert
+
+
+class PlacementController:
+    """Checks and switches the placement of every MoE layer of ``model`` (module docstring).
+
+    ``model``: the model, or what ``moe_plugin.initialize`` returned (its engine's module and
+    groups are used). ``migrate_fn(new_placements)``: moves the experts, collective over the job,
+    e.g. ``lambda p: migration.migrate(run, p)``. ``tracker``: a ``LoadTracker`` of the model
+    (default: one with ``config.window`` and ``config.trace_file``, relative to ``run_dir``).
+    ``node_of_rank``: the node of each EP rank (default: from the first EP group of the stage
+    and ``config.gpus_per_node``, else ``LOCAL_WORLD_SIZE``).
+    """
+
+    def __init__(self, model: Union[nn.Module, Any], config: PlacementConfig, migrate_fn: MigrateFn, *,
+                 tracker: Optional[LoadTracker] = None, cost: CostModel = CostModel(),
+                 run_dir: Union[str, Path, None] = None, moved_bytes_fn: MovedBytesFn = default_moved_bytes,
+                 node_of_rank: Optional[Sequence[int]] = None, groups: Any = None):
+        if hasattr(model, "engine") and hasattr(model, "groups"):
+            model, groups = model.engine.module, groups or model.groups
+        self.model, self.config, self.migrate_fn = model, config, migrate_fn
+        self.cost, self.moved_bytes_fn = cost, moved_bytes_fn
+        self.layers: dict[str, MoELayer] = {n: m for n, m in model.named_modules() if isinstance(m, MoELayer)}
+        first = next(iter(self.layers.values()), None)
+        self.groups = groups if groups is not None else (first.groups if first is not None else None)
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        if tracker is None:
+            trace = config.trace_file
+            if trace is not None and self.run_dir is not None and not os.path.isabs(trace):
+                trace = self.run_dir / trace
+            tracker = LoadTracker(model, config.window, groups=self.groups, trace_path=trace)
+        self.tracker = tracker
+        self.ep_size = first.parallel.ep_size if first is not None else 1
+        self.node_of_rank = list(node_of_rank) if node_of_rank is not None else self._nodes()
+        if len(self.node_of_rank) != self.ep_size:
+            raise ValueError(f"node_of_rank must name the node of each of the {self.ep_size} EP ranks, "
+                             f"got {self.node_of_rank}")
+        self.decisions: list[Decision] = []
+        self._predicted: dict[str, float] = {}            # per-step seconds predicted at the last check
+        self._measured: dict[str, list[float]] = {n: [] for n in self.layers}
+        self._writes_log = self.groups is None or self.groups.rank_in("tp_dp") == 0
+        self._log_path = self._log_file() if self._writes_log else None
+
+    # -- setup -------------------------------------------------------------------------------
+    def _nodes(self) -> list[int]:
+        if self.groups is None or self.ep_size == 1:
+            return [0] * self.ep_size
+        layout = self.groups.layout
+        per_node = self.config.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+        stage = layout.coords(self.groups.rank)["pp"]
+        first = min(g for g in layout.groups("ep") if layout.coords(g[0])["pp"] == stage)
+        return policies.nodes_of(first, per_node)
+
+    def _log_file(self) -> Optional[Path]:
+        g = self.groups
+        if self.run_dir is None:
+            return None
+        stage = g.layout.coords(g.rank)["pp"] if g is not None else 0
+        pp = g.layout.sizes.pp if g is not None else 1
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        return self.run_dir / ("placement.jsonl" if pp == 1 else f"placement.stage{stage}.jsonl")
+
+    def _log(self, record: dict, line: str) -> None:
+        if not self._writes_log:
+            return
+        logger.info(line)
+        if self._log_path is not None:
+            with open(self._log_path, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+    # -- per step ----------------------------------------------------------------------------
+    def step(self, step: int, layer_seconds: Optional[Mapping[str, float]] = None) -> list[Decision]:
+        """Close step ``step`` (every rank, after the step's forwards): track its load and, every
+        ``check_interval`` steps, check. ``layer_seconds``: measured seconds of each layer's step,
+        logged next to the prediction. Returns the check's decisions ([] between checks)."""
+        self.tracker.end_step(step)
+        for name, seconds in (layer_seconds or {}).items():
+            self._measured.setdefault(name, []).append(float(seconds))
+        if self.config.policy == "static" or self.tracker.steps_seen % self.config.check_interval:
+            return []
+        return self.check(step)
+
+    def propose(self, name: str, load: WindowLoad) -> Tensor:
+        """The policy's placement for one layer, relabelled to move few experts."""
+        P, current = self.ep_size, self.layers[name].placement.detach().cpu()
+        if self.config.policy == "greedy":
+            new = policies.greedy(load.kept_E, P)
+            return policies.align(new, current, P)
+        if self.config.policy == "network-aware":
+            new = policies.network_aware(load.kept_E, load.traffic_PE, P, self.node_of_rank, slack=self.config.slack)
+            return policies.align(new, current, P, self.node_of_rank)
+        return current
+
+    def decide(self, step: int, name: str, load: WindowLoad) -> Decision:
+        """Whether layer ``name`` should switch, by the rule of the module docstring."""
+        layer = self.layers[name]
+        current = layer.placement.detach().cpu()
+        new = self.propose(name, load)
+        T = load.per_step()
+        bytes_per_route = 4 * layer.hidden_size * layer.experts.weight1.element_size()
+        now = self.cost.layer_time(T, current, self.node_of_rank, bytes_per_route)
+        after = self.cost.layer_time(T, new, self.node_of_rank, bytes_per_route)
+        moved = int(self.moved_bytes_fn(name, layer, current, new)) if not torch.equal(new, current) else 0
+        saving = (now.total - after.total) * self.config.check_interval
+        cost = moved * self.cost.migration_seconds_per_byte
+        gain = self.config.min_gain
+        if torch.equal(new, current):
+            switch, reason = False, "the policy keeps the current placement"
+        elif saving <= (1 + gain) * cost:
+            switch, reason = False, f"saving {saving:.3g}s <= (1 + {gain}) x migration {cost:.3g}s"
+        elif after.total > (1 - gain) * now.total:
+            switch, reason = False, f"per-step gain {1 - after.total / now.total:.1%} < min_gain {gain:.0%}"
+        else:
+            switch, reason = True, f"saving {saving:.3g}s > (1 + {gain}) x migration {cost:.3g}s"
+        measured = self._measured.get(name) or None
+        kept = load.kept_E
+        return Decision(step=step, layer=name, switch=switch, reason=reason,
+                        imbalance_now=policies.imbalance(kept, current, self.ep_size),
+                        imbalance_new=policies.imbalance(kept, new, self.ep_size),
+                        seconds_now=now.total, seconds_new=after.total, saving=saving, migration_cost=cost,
+                        moved_bytes=moved, realised_seconds=now.total,
+                        predicted_at_last_check=self._predicted.get(name),
+                        measured_seconds=sum(measured) / len(measured) if measured else None,
+                        placement=new.tolist() if switch else None)
+
+    def check(self, step: int) -> list[Decision]:
+        """Decide every layer and migrate the ones that switch, in one ``migrate_fn`` call."""
+        loads = self.tracker.window_loads() if self.layers else {}
+        decisions = [self.decide(step, name, loads[name]) for name in self.layers]
+        for d in decisions:
+            self._log(d.record(), f"placement check step {d.step} {d.layer}: imbalance {d.imbalance_now:.3f} -> "
+                      f"{d.imbalance_new:.3f}, {d.seconds_now * 1e3:.3f} -> {d.seconds_new * 1e3:.3f} ms/step, "
+                      f"{'switch' if d.switch else 'stay'} ({d.reason})")
+            self._predicted[d.layer] = d.seconds_new if d.switch else d.seconds_now
+            self._measured[d.layer] = []
+        new = {d.layer: torch.tensor(d.placement, dtype=torch.int64) for d in decisions if d.switch}
+        if self._anyone_switches(bool(new)):
+            report = self.migrate_fn(new)
+            seconds = getattr(report, "seconds", None)
+            record = {"event": "switch", "step": step, "layers": sorted(new),
+                      "moved_bytes": sum(d.moved_bytes for d in decisions if d.switch),
+                      "predicted_migration_seconds": sum(d.migration_cost for d in decisions if d.switch),
+                      "measured_migration_seconds": seconds, "sent_bytes": getattr(report, "sent_bytes", None)}
+            self._log(record, f"placement switch step {step}: {sorted(new) or 'no layer of this stage'}, "
+                      f"{record['moved_bytes']} bytes predicted {record['predicted_migration_seconds']:.3g}s"
+                      + (f", measured {seconds:.3g}s" if seconds is not None else ""))
+        self.decisions.extend(decisions)
+        return decisions
+
+    def _anyone_switches(self, mine: bool) -> bool:
+        """Whether any stage switches (stages decide their own layers; ``migrate_fn`` is collective)."""
+        pp = self.groups.pp if self.groups is not None else None
+        if pp is None:
+            return mine
+        flag = torch.tensor([int(mine)], dtype=torch.int64)
+        if dist.get_backend(pp) != "gloo":
+            from deepspeed.accelerator import get_accelerator
+            flag = flag.to(get_accelerator().current_device_name())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pp)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        self.tracker.close()
+
+
+__all__ = ["CostModel", "Decision", "LayerTime", "PlacementController", "default_moved_bytes"]
