@@ -258,3 +258,26 @@ def test_plan_bad_input_exits_2_naming_the_key(tmp_path, capsys):
     code, _, err = _plan(["--model", str(EXAMPLES / "gpt_moe_125m_e8.json"), "--cluster", str(small),
                           "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and "cluster.memory: got 1000000.0; no layout fits" in err
+
+
+# --- calibration and validation (no measurement here) -------------------------------------------------
+def test_calibration_measurements_make_a_cluster():
+    from moe_plugin.planner.calibrate import LARGE, cluster_from
+
+    rank = {"gemm": [[1e6, 1e9], [1e8, 4e9], [1e9, 5e9]], "all_reduce_small": 6e-4, "all_reduce_large": 0.05,
+            "all_to_all_small": 3e-4, "all_to_all_large": 0.02, "adam_s_per_param": 1e-8, "layer_s": 1e-3}
+    slower = {**rank, "gemm": [[1e6, 0.5e9], [1e8, 4e9], [1e9, 4e9]]}
+    spec = ClusterSpec.load(cluster_from([rank, slower], 4))
+    assert spec.flops == 4e9 and spec.gemm_efficiency == [[1e6, 0.125], [1e8, 1.0], [1e9, 1.0]]
+    assert spec.intra_latency == pytest.approx((6e-4 / 6 + 3e-4 / 3) / 2)
+    assert spec.intra_bandwidth == pytest.approx(0.75 * 4 * LARGE / (0.02 - 3e-4))
+    assert spec.optimizer_rate == pytest.approx(1e8) and spec.world_size == 4
+
+
+def test_validation_layouts_are_ones_the_search_finds():
+    from moe_plugin.planner.validate import LAYOUTS, validation_model
+
+    for world, chosen in LAYOUTS.items():
+        m = validation_model(world)
+        c = ClusterSpec.load({**CLUSTER, "nodes": 1, "gpus_per_node": world})
+        assert set(chosen) <= set(layouts(m, c)), world
