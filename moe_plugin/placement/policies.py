@@ -25,8 +25,9 @@ Greedy's maximum is the balance reference (a lower bound is not known cheaply; g
 within 4/3 of optimal for LPT). Heuristic: (1) experts heaviest first, each onto the rank
 that keeps the most of its traffic on the node (fewest cross-node routes), among the ranks
 with a free slot whose load stays within the bound (ties: least loaded, then lowest rank); if
-none stays within it, the least-loaded rank with a free slot; (2) improving pairwise swaps
-between ranks on different nodes while both stay within the bound. Both greedy's placement
+none stays within it, the least-loaded rank with a free slot; (2) pairwise swaps between
+ranks on different nodes, the best first, while one cuts routes and both ranks stay within
+the bound. Both greedy's placement
 and (1)'s are improved by (2); the result is the one with fewer cross-node routes among those
 within the bound. So it never crosses more than greedy improved by swaps, and never exceeds
 the bound (greedy itself always satisfies it).
@@ -121,7 +122,8 @@ def _to_placement(ranks_E: list[int], P: int) -> Tensor:
 
 def _order(load: Tensor) -> list[int]:
     """Experts heaviest first; equal loads by id (deterministic on every rank)."""
-    return sorted(range(len(load)), key=lambda e: (-load[e].item(), e))
+    w = load.tolist()
+    return sorted(range(len(w)), key=lambda e: (-w[e], e))
 
 
 def greedy(load_E, P: int, *, refine: bool = True) -> Tensor:
@@ -136,10 +138,11 @@ def greedy(load_E, P: int, *, refine: bool = True) -> Tensor:
     """
     load = _as_load(load_E)
     L = _slots_per_rank(len(load), P)
-    loads, free, ranks = [0.0] * P, [L] * P, [0] * len(load)
+    w = load.tolist()
+    loads, free, ranks = [0.0] * P, [L] * P, [0] * len(w)
     for e in _order(load):
         r = min((r for r in range(P) if free[r]), key=lambda r: (loads[r], r))
-        ranks[e], loads[r], free[r] = r, loads[r] + load[e].item(), free[r] - 1
+        ranks[e], loads[r], free[r] = r, loads[r] + w[e], free[r] - 1
     if refine:
         ranks = _refine_max(ranks, load, P)
     return _to_placement(ranks, P)
@@ -175,55 +178,52 @@ def _node_preferring(load: Tensor, traffic: Tensor, node: list[int], cap: float)
     """Step (1) of ``network_aware``: each expert onto the in-bound rank that crosses least."""
     P, E = traffic.shape
     L = E // P
-    nodes = sorted(set(node))
-    from_node = torch.stack([traffic[[p for p in range(P) if node[p] == n]].sum(0) for n in nodes])  # [N, E]
-    total = traffic.sum(0)
+    node_P = torch.as_tensor(node)
+    # crossing[n][e]: routes to expert e from senders outside node n (plain lists: a Python loop)
+    crossing = [traffic[node_P != n].sum(0).tolist() for n in range(max(node) + 1)]
+    w = load.tolist()
     loads, free, ranks = [0.0] * P, [L] * P, [0] * E
     for e in _order(load):
         open_ranks = [r for r in range(P) if free[r]]
-        within = [r for r in open_ranks if loads[r] + load[e].item() <= cap + 1e-9]
+        within = [r for r in open_ranks if loads[r] + w[e] <= cap + 1e-9]
         if within:
-            crossing = {r: total[e].item() - from_node[nodes.index(node[r]), e].item() for r in within}
-            r = min(within, key=lambda r: (crossing[r], loads[r], r))
+            r = min(within, key=lambda r: (crossing[node[r]][e], loads[r], r))
         else:
             r = min(open_ranks, key=lambda r: (loads[r], r))
-        ranks[e], loads[r], free[r] = r, loads[r] + load[e].item(), free[r] - 1
+        ranks[e], loads[r], free[r] = r, loads[r] + w[e], free[r] - 1
     return ranks
 
 
 def _improve_by_swaps(ranks: list[int], load: Tensor, traffic: Tensor, node: list[int], cap: float,
-                      max_passes: int = 20) -> list[int]:
-    """Step (2) of ``network_aware``: swap experts between ranks of different nodes while that cuts
-    cross-node routes and keeps both ranks within ``cap`` (first improvement, bounded passes)."""
+                      max_swaps: Optional[int] = None) -> list[int]:
+    """Step (2) of ``network_aware``: repeatedly the swap of two experts on different nodes that
+    cuts the most cross-node routes while both ranks stay within ``cap`` (all pairs at once as an
+    [E, E] gain matrix; ties to the lowest pair, so every rank picks the same)."""
     P, E = traffic.shape
-    ranks = list(ranks)
-    node_t = torch.as_tensor(node)
+    ranks_E = torch.as_tensor(ranks, dtype=torch.int64)
+    node_P = torch.as_tensor(node, dtype=torch.int64)
     # cross[e, n]: routes to expert e from senders outside node n
-    cross = torch.stack([traffic[node_t != n].sum(0) for n in range(max(node) + 1)], dim=1)  # [E, N]
-    loads = [0.0] * P
-    for e, r in enumerate(ranks):
-        loads[r] += load[e].item()
-    for _ in range(max_passes):
-        improved = False
-        for a in range(E):
-            for b in range(a + 1, E):
-                ra, rb = ranks[a], ranks[b]
-                na, nb = node[ra], node[rb]
-                if na == nb:
-                    continue
-                gain = (cross[a, na] + cross[b, nb] - cross[a, nb] - cross[b, na]).item()
-                if gain <= 1e-9:
-                    continue
-                delta = load[a].item() - load[b].item()
-                if loads[ra] - delta > cap + 1e-9 or loads[rb] + delta > cap + 1e-9:
-                    continue
-                ranks[a], ranks[b] = rb, ra
-                loads[ra] -= delta
-                loads[rb] += delta
-                improved = True
-        if not improved:
+    cross = torch.stack([traffic[node_P != n].sum(0) for n in range(int(node_P.max()) + 1)], dim=1)  # [E, N]
+    loads = torch.zeros(P, dtype=torch.float64).index_add_(0, ranks_E, load)
+    delta = load[:, None] - load[None, :]                    # [a, b]: what a's rank loses, b's gains
+    for _ in range(max_swaps if max_swaps is not None else 4 * E):
+        node_E = node_P[ranks_E]
+        own = cross[torch.arange(E), node_E]                   # [E] routes crossing now
+        there = cross[:, node_E]                               # [a, b] a's crossing on b's node
+        gain = own[:, None] + own[None, :] - there - there.T
+        rank_load = loads[ranks_E]
+        ok = ((node_E[:, None] != node_E[None, :]) & (rank_load[:, None] - delta <= cap + 1e-9)
+              & (rank_load[None, :] + delta <= cap + 1e-9))
+        gain = torch.where(ok, gain, torch.full_like(gain, -1.0))
+        best = int(torch.argmax(gain))
+        if gain.view(-1)[best].item() <= 1e-9:
             break
-    return ranks
+        a, b = divmod(best, E)
+        ra, rb = int(ranks_E[a]), int(ranks_E[b])
+        loads[ra] -= delta[a, b]
+        loads[rb] += delta[a, b]
+        ranks_E[a], ranks_E[b] = rb, ra
+    return ranks_E.tolist()
 
 
 def network_aware(load_E, traffic_PE, P: int, node_of_rank: Optional[Sequence[int]] = None, *,
