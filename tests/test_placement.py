@@ -2,6 +2,15 @@
 
 * Trace: a round trip of random counts (numpy and torch inputs), a torn last record, append
   after a restart, the bytes per step the docstring states, errors naming the bad value.
+* Tracking: real MoE layers on 2 and 4 gloo ranks (ep2, dp2, ep2 x edp2, tp2 x ep2, pp2 x ep2),
+  window and trace against hand sums of every rank's per-forward ``last_stats``, with and
+  without a trace (the two reduction paths).
+* Policies: greedy balances Zipf loads (<= 1.15 where static > 1.5), never worse with its
+  swap refinement; network-aware at least halves greedy's cross-node routes on traffic with
+  locality within (1 + slack) x greedy's imbalance; align moves few experts.
+* Switching: the cost model by hand; a 2-rank controller with a fake ``migrate_fn`` switches a
+  hot layer (one batched call), keeps a balanced one, does not flip back, and stays when the
+  migration costs too much or the gain is under ``min_gain``; its JSONL log.
 """
 from __future__ import annotations
 
