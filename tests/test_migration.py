@@ -48,7 +48,10 @@ CASES = {"ep2/zero0/adamw": ("ep2", 0, "AdamW"), "ep2/zero1/adam": ("ep2", 1, "A
          "ep2/zero2/adamw": ("ep2", 2, "AdamW"), "ep4/zero0/adam": ("ep4", 0, "Adam"),
          "ep4/zero1/adamw": ("ep4", 1, "AdamW"), "ep4/zero2/adam": ("ep4", 2, "Adam"),
          "tp2-ep2-etp2/zero0/adamw": ("tp2-ep2-etp2", 0, "AdamW"),
-         "tp2-ep2-etp2/zero1/adam": ("tp2-ep2-etp2", 1, "Adam"), "tp2-ep2/zero2/adamw": ("tp2-ep2", 2, "AdamW")}
+         "tp2-ep2-etp2/zero1/adam": ("tp2-ep2-etp2", 1, "Adam"), "tp2-ep2/zero2/adamw": ("tp2-ep2", 2, "AdamW"),
+         "gpt/tp2-ep2/zero1/adamw": ("tp2-ep2", 1, "AdamW")}
+# the GPT case: tests/gpt_tiny.py's 4-layer GPT, every layer MoE; two of them migrate
+GPT_NEW = {1: NEW["moe_a"], 3: NEW["moe_b"]}
 
 
 class TwoMoE(nn.Module):
@@ -78,7 +81,26 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
 
 
-def _engine(layout: str, stage: int, opt: str, placements: dict | None = None):
+def _gpt(placements: dict | None):
+    def build(moe_config, groups):
+        from megatron.core.models.gpt import GPTModel
+
+        from gpt_tiny import MODEL, SEQ, VOCAB, transformer_config
+        from moe_plugin.integration.megatron import gpt_moe_spec
+
+        config = transformer_config(MODEL, groups.layout.sizes.tp)
+        torch.manual_seed(0)
+        indices = None if placements is None else {int(k.split(".")[2]): v for k, v in placements.items()}
+        return GPTModel(config, gpt_moe_spec(moe_config, config, groups, placements=indices), vocab_size=VOCAB,
+                        max_sequence_length=SEQ)
+    return build
+
+
+def _new(gpt: bool) -> dict:
+    return {f"decoder.layers.{i}.mlp": slots for i, slots in GPT_NEW.items()} if gpt else NEW
+
+
+def _engine(layout: str, stage: int, opt: str, placements: dict | None = None, gpt: bool = False):
     import moe_plugin
 
     dp = 4 // LAYOUTS[layout].get("tensor", 1)
@@ -86,7 +108,20 @@ def _engine(layout: str, stage: int, opt: str, placements: dict | None = None):
            "optimizer": {"type": opt, "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
            "steps_per_print": 10 ** 6, "moe": {**MOE, "parallel": LAYOUTS[layout]}}
+    if gpt:
+        return moe_plugin.initialize(cfg, _gpt(placements))
     return moe_plugin.initialize(cfg, lambda moe_config, groups: TwoMoE(moe_config, groups, placements))
+
+
+def _inputs(run, step: int, rows: slice):
+    """(args, kwargs) of the model on this rank's share of batch ``step``."""
+    if isinstance(run.engine.module, TwoMoE):
+        x, y = batch(step)
+        return (x[:, rows], y[:, rows]), {}
+    from gpt_tiny import global_batch
+
+    tokens, positions, labels = (t[rows] for t in global_batch(step, B))
+    return (tokens, positions, None), {"labels": labels}
 
 
 def _train(run, steps: range) -> list[float]:
@@ -95,9 +130,8 @@ def _train(run, steps: range) -> list[float]:
     micro = B // run.groups.layout.sizes.dp
     losses = []
     for step in steps:
-        x, y = batch(step)
-        cols = slice(c["dp"] * micro, (c["dp"] + 1) * micro)
-        loss = engine(x[:, cols], y[:, cols])
+        args, kwargs = _inputs(run, step, slice(c["dp"] * micro, (c["dp"] + 1) * micro))
+        loss = engine(*args, **kwargs).float().mean()
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -105,12 +139,16 @@ def _train(run, steps: range) -> list[float]:
 
 
 def _predict(run) -> torch.Tensor:
+    model = run.engine.module
     with torch.no_grad():
-        return run.engine.module.predict(batch(999)[0]).clone()
+        if isinstance(model, TwoMoE):
+            return model.predict(batch(999)[0]).clone()
+        args, _ = _inputs(run, 999, slice(0, B))
+        return model(*args).clone()   # logits
 
 
 def _state(run) -> dict:
-    return {k: v.detach().clone() for k, v in run.engine.module.state_dict().items()}
+    return {k: v.detach().clone() for k, v in run.engine.module.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
 def _case(root: str, name: str, layout: str, stage: int, opt: str) -> dict:
@@ -118,11 +156,13 @@ def _case(root: str, name: str, layout: str, stage: int, opt: str) -> dict:
     from moe_plugin.placement.migration import migrate
 
     out = {}
-    run = _engine(layout, stage, opt)
+    gpt = name.startswith("gpt")
+    new = _new(gpt)
+    run = _engine(layout, stage, opt, gpt=gpt)
     try:
         out["losses"] = _train(run, range(BEFORE))
         before = _predict(run)
-        report = migrate(run, {k: torch.tensor(v) for k, v in NEW.items()})
+        report = migrate(run, {k: torch.tensor(v) for k, v in new.items()})
         out["report"] = report
         out["same_function"] = (before - _predict(run)).abs().max().item()
         out["losses"] += _train(run, range(BEFORE, BEFORE + 1))
@@ -134,7 +174,7 @@ def _case(root: str, name: str, layout: str, stage: int, opt: str) -> dict:
             out["errors"] = _bad_placements(run)
     finally:
         run.close()
-    run = _engine(layout, stage, opt, NEW)
+    run = _engine(layout, stage, opt, new, gpt=gpt)
     try:
         out["reference"] = _train(run, range(BEFORE + AFTER))
         out["reference_state"] = _state(run)
@@ -142,7 +182,7 @@ def _case(root: str, name: str, layout: str, stage: int, opt: str) -> dict:
             out["inside_step"] = _inside_step(run)
     finally:
         run.close()
-    run = _engine(layout, stage, opt)   # static placement: the checkpoint's must win
+    run = _engine(layout, stage, opt, gpt=gpt)   # static placement: the checkpoint's must win
     try:
         load_checkpoint(run, os.path.join(root, name.replace("/", "-")))
         out["loaded_state"] = _state(run)
@@ -168,11 +208,10 @@ def _bad_placements(run) -> dict:
 def _inside_step(run) -> str:
     from moe_plugin.placement.migration import migrate
 
-    x, y = batch(0)
-    micro = B // run.groups.layout.sizes.dp
-    run.engine.backward(run.engine(x[:, :micro], y[:, :micro]))
+    args, kwargs = _inputs(run, 0, slice(0, B // run.groups.layout.sizes.dp))
+    run.engine.backward(run.engine(*args, **kwargs).float().mean())
     with pytest.raises(ValueError) as failure:
-        migrate(run, {"moe_a": torch.arange(E)})
+        migrate(run, {next(iter(_new(not isinstance(run.engine.module, TwoMoE)))): torch.arange(E)})
     return str(failure.value)
 
 
@@ -202,7 +241,8 @@ def test_migration_matches_a_run_started_at_the_new_placement(name, results):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["reference"]), **TOL)
         for key, value in r["reference_state"].items():
             torch.testing.assert_close(r["state"][key], value, **TOL, msg=lambda m: f"rank {rank} {key}: {m}")
-        assert r["state"]["moe_a.experts.placement"].tolist() == NEW["moe_a"]
+        key = "decoder.layers.1.mlp.experts.placement" if name.startswith("gpt") else "moe_a.experts.placement"
+        assert r["state"][key].tolist() == NEW["moe_a"]
         assert r["report"].moved_experts == 13  # NEW leaves expert 2 of moe_a, 4 and 5 of moe_b in place
 
 

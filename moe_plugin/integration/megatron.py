@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -73,10 +74,12 @@ class MegatronMoEMLP(MoELayer):
     """
 
     def __init__(self, config: TransformerConfig, submodules: Any = None, *, moe_config: MoEConfig,
-                 layer_index: int, groups: Optional[ProcessGroups] = None, seed: int = 0, **_megatron_kwargs):
+                 layer_index: int, groups: Optional[ProcessGroups] = None, seed: int = 0,
+                 placement: Optional[Sequence[int]] = None, **_megatron_kwargs):
         super().__init__(moe_config, config.hidden_size, config.ffn_hidden_size, groups,
                          seed=seed * 1_000_003 + layer_index, init_std=config.init_method_std,
-                         output_init_std=config.init_method_std / math.sqrt(2.0 * config.num_layers))
+                         output_init_std=config.init_method_std / math.sqrt(2.0 * config.num_layers),
+                         placement=None if placement is None else torch.as_tensor(placement))
         self.layer_index = layer_index
         self.to("cpu" if config.use_cpu_initialization else _accelerator_device())
         for param in self.parameters():  # buffers (the router's expert bias) stay fp32
@@ -95,13 +98,16 @@ class MoEPlan:
 
     ``norm``: the pre-MLP norm of MoE layers whose base spec has none because it fuses the norm
     into the dense MLP's first linear (Transformer Engine specs); default TENorm when Transformer
-    Engine is installed, else ``TorchNorm``.
+    Engine is installed, else ``TorchNorm``. ``placements``: {global layer index: slot of every
+    expert} for MoE layers that start with experts placed (``MoELayer(placement=...)``; default
+    expert e in slot e), e.g. to build a model like one whose experts migrated.
     """
 
     moe_config: MoEConfig
     groups: Optional[ProcessGroups] = None
     seed: int = 0
     norm: Optional[type] = None
+    placements: Optional[Mapping[int, Sequence[int]]] = None
 
 
 @dataclass(frozen=True)
@@ -165,7 +171,8 @@ def check_against_model(moe_config: MoEConfig, config: TransformerConfig) -> Non
 
 
 def _with_moe_mlp(submodules: TransformerLayerSubmodules, moe: MoEPlan, index: int) -> TransformerLayerSubmodules:
-    params = dict(moe_config=moe.moe_config, groups=moe.groups, seed=moe.seed, layer_index=index)
+    params = dict(moe_config=moe.moe_config, groups=moe.groups, seed=moe.seed, layer_index=index,
+                  placement=(moe.placements or {}).get(index))
     changes: dict[str, Any] = {"mlp": _Build(MegatronMoEMLP, params)}
     if _fuses_pre_mlp_norm(submodules):
         changes["pre_mlp_layernorm"] = moe.norm or _default_fused_norm()
@@ -199,19 +206,21 @@ def _accelerator_device() -> str:
 
 # --- spec transformations ----------------------------------------------------------------------
 def moe_layer_spec(spec: Spec, moe_config: MoEConfig, groups: Optional[ProcessGroups] = None, *,
-                   seed: int = 0, norm: Optional[type] = None) -> Spec:
+                   seed: int = 0, norm: Optional[type] = None,
+                   placements: Optional[Mapping[int, Sequence[int]]] = None) -> Spec:
     """``spec`` (a ``TransformerLayer`` ModuleSpec, a ``TransformerBlockSubmodules`` or a
     ``TransformerBlock`` ModuleSpec) with MoE MLPs on the layers ``moe_config`` names; same kind
     back. The base spec's MLP must be dense: it stays on the other layers. ``groups`` are passed
-    to every ``MoELayer`` (None on one process); ``seed`` and ``norm``: see ``MoEPlan``."""
-    plan = MoEPlan(moe_config, groups, seed, norm)
+    to every ``MoELayer`` (None on one process); ``seed``, ``norm`` and ``placements``: see ``MoEPlan``."""
+    plan = MoEPlan(moe_config, groups, seed, norm, placements)
     if isinstance(spec, TransformerBlockSubmodules):
-        return dataclasses.replace(spec, layer_specs=[moe_layer_spec(s, moe_config, groups, seed=seed, norm=norm)
+        return dataclasses.replace(spec, layer_specs=[moe_layer_spec(s, moe_config, groups, seed=seed, norm=norm,
+                                                                     placements=placements)
                                                       for s in spec.layer_specs])
     module = _module_of(spec)
     if isinstance(spec, ModuleSpec) and isinstance(module, type) and issubclass(module, TransformerBlock):
         return dataclasses.replace(spec, submodules=moe_layer_spec(spec.submodules, moe_config, groups,
-                                                                   seed=seed, norm=norm))
+                                                                   seed=seed, norm=norm, placements=placements))
     if not (isinstance(spec, ModuleSpec) and module in (TransformerLayer, MoEAwareTransformerLayer)):
         raise TypeError(f"moe_layer_spec expects a ModuleSpec of TransformerLayer or a TransformerBlockSubmodules, "
                         f"got {module.__name__ if isinstance(module, type) else type(spec).__name__}")
@@ -263,14 +272,16 @@ def on_cpu() -> bool:
 
 def gpt_moe_spec(moe_config: MoEConfig, config: TransformerConfig, groups: Optional[ProcessGroups] = None, *,
                  seed: int = 0, cpu: Optional[bool] = None, vp_stage: Optional[int] = None,
-                 pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+                 pp_rank: Optional[int] = None,
+                 placements: Optional[Mapping[int, Sequence[int]]] = None) -> TransformerBlockSubmodules:
     """The block spec of this pipeline stage: Megatron's dense local GPT layer spec (norm and
     qk-layernorm from ``config``) with MoE MLPs where ``moe_config`` says, CPU-friendly when
-    ``cpu`` (default: when DeepSpeed's accelerator is the CPU; Megatron's pieces stay on GPUs)."""
+    ``cpu`` (default: when DeepSpeed's accelerator is the CPU; Megatron's pieces stay on GPUs).
+    ``placements``: {global layer index: slots} of MoE layers built with their experts placed."""
     base = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
     check_against_model(moe_config, config)
     spec = moe_layer_spec(as_block_spec(base, config, vp_stage=vp_stage, pp_rank=pp_rank), moe_config, groups,
-                          seed=seed)
+                          seed=seed, placements=placements)
     return cpu_friendly_spec(spec) if (on_cpu() if cpu is None else cpu) else spec
 
 
