@@ -319,3 +319,56 @@ def test_migration_cost(tmp_path):
     print(f"\nmigration of {COST['E']} experts H {COST['H']} F {COST['F']} on 4 ranks (ep 4), 32 changing rank, "
           f"weights + grads: {sent / 2 ** 20:.0f} MiB sent, {wall:.3f} s wall (slowest rank, collectives "
           f"included), {wall / sent * 1e9:.2f} s/GB")
+
+
+class OneMoE(nn.Module):
+    def __init__(self, moe_config: MoEConfig, groups=None):
+        super().__init__()
+        self.moe = MoELayer(moe_config, COST["H"], COST["F"], groups)
+
+    def forward(self, x_SBH, y_SBH):
+        return F.mse_loss(self.moe(x_SBH)[0], y_SBH)
+
+
+def _cost_engine_child(rank: int, world_size: int, ep: int, stage: int) -> dict:
+    """A training state (one AdamW step under ZeRO ``stage``: weights, fp32 master, moments) of
+    the realistic layer; half the experts change EP rank."""
+    import moe_plugin
+    from moe_plugin.placement.migration import expert_bytes, migrate
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10 ** 6,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+           "zero_optimization": {"stage": stage},
+           "moe": {"num_experts": COST["E"], "router": "topk", "top_k": 2, "drop_tokens": False,
+                   "parallel": {"expert": ep}}}
+    run = moe_plugin.initialize(cfg, OneMoE)
+    try:
+        gen = torch.Generator().manual_seed(rank)
+        x, y = torch.randn(16, 1, COST["H"], generator=gen), torch.randn(16, 1, COST["H"], generator=gen)
+        run.engine.backward(run.engine(x, y))
+        run.engine.step()
+        local = COST["E"] // ep
+        new = torch.tensor([e if e % 2 == 0 else (e + local) % COST["E"] for e in range(COST["E"])])
+        layer = run.engine.module.moe
+        old = layer.placement.clone()
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        report = migrate(run, {"moe": new})
+        torch.distributed.barrier()
+        wall = time.perf_counter() - start
+        per_expert = expert_bytes(layer, zero_stage=stage, state_tensors=2)
+        return {"report": report, "wall": wall, "predicted": moved_bytes(old, new, ep, per_expert)}
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("ep, stage", [(4, 0), (2, 1)])
+def test_migration_cost_of_a_training_state(tmp_path, ep, stage):
+    results = run_distributed(_cost_engine_child, 4, tmp_path, ep, stage, timeout=300)
+    sent = sum(r["report"].sent_bytes for r in results)
+    wall = max(r["wall"] for r in results)
+    assert sent == results[0]["predicted"]
+    print(f"\nmigration under ZeRO-{stage}, ep {ep} x edp {4 // ep}, {COST['E']} experts H {COST['H']} F {COST['F']}, "
+          f"{results[0]['report'].crossing_experts} changing rank, weights + AdamW state: {sent / 2 ** 20:.0f} MiB "
+          f"sent, {wall:.3f} s wall, {wall / sent * 1e9:.2f} s/GB")

@@ -20,9 +20,11 @@ expert shards of the other EP ranks are lost. The PipelineEngine takes the same 
   while the engine loads, and a ``load_state_dict`` pre-hook puts our experts into the module
   state it loads (``checkpoint_state.experts_into_load``).
 * Experts are stored by **global expert id**, one file per id and pipeline stage holding the full
-  expert (ETP shards joined) of every MoE layer of that stage, with its placement (EP rank, local
-  slot; today static: expert ``e`` on EP rank ``e // (E / EP)``). Under ZeRO-0 the files also hold
-  the expert rows of the basic optimizer's state (Adam's moments), so it can follow a new layout.
+  expert (ETP shards joined) of every MoE layer of that stage, whatever EP rank each layer placed
+  it on (``experts.placement``; the metadata records every layer's placement). Under ZeRO-0 the
+  files also hold the expert rows of the basic optimizer's state (Adam's moments), so it can
+  follow a new layout. Loading gives the model the checkpoint's placements (its own do not
+  matter) and cuts the experts for them, so DeepSpeed's ZeRO partitions, saved in that order, fit.
 * Each rank saves its RNG states and its routers' noise generators and not-yet-applied load counts;
   the aux-loss-free bias is a module buffer.
 * ``moe_plugin.json`` (``checkpoint_meta``) records shapes per stage, the ``moe`` block, layout, ZeRO

@@ -92,7 +92,8 @@ def metadata(run: Any, tag: str) -> dict:
                                               "placements": placements(engine.module)}))
     s = groups.layout.sizes
     local = moe_config.num_experts // s.ep
-    static = all(slots == list(range(len(slots))) for _st, shapes in per_rank for slots in shapes["placements"].values())
+    static = all(slots == list(range(len(slots)))
+                 for _stage, shapes in per_rank for slots in shapes["placements"].values())
     return {
         "format": FORMAT, "version": FORMAT_VERSION, "tag": tag,
         "global_steps": int(engine.global_steps), "zero_stage": int(engine.zero_optimization_stage()),
