@@ -25,6 +25,12 @@ stages (``moe_plugin.integration.pipeline.gpt_pipeline_module``), the engine is 
 pipeline branch is ``gpt_pipeline_provider`` / ``pipeline_train_step`` / ``pipeline_evaluate``.
 Checkpoints (``--save``/``--load``) go through ``moe_plugin.integration.checkpoint`` (experts
 saved by global id, so a run may resume under another expert layout).
+
+Load-adaptive placement: when ``moe.placement.policy`` is not ``static`` or ``trace_file`` is set,
+``moe_plugin.integration.placement.training_placement`` tracks the gate's load and, at the step
+boundary after every step, checks / migrates experts (``runs/<name>/placement.jsonl``, gate
+trace in the run directory); the progress line shows its switches and rank imbalance.
+``--router-skew S`` makes a Zipf-like load to try it on (``router_skew.py``).
 """
 from __future__ import annotations
 
@@ -76,6 +82,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     train.add_argument("--save", default=None, help="checkpoint directory to save to")
     train.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (default: at the end)")
     train.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    train.add_argument("--router-skew", type=float, default=0.0,
+                       help="bias every router towards low expert ids, offset -S*log(1+e) on the logits that choose "
+                       "experts: a Zipf-like load for placement experiments (router_skew.py); 0: off")
     data = parser.add_argument_group("data")
     data.add_argument("--data-path", default=None, help="prefix of a Megatron indexed dataset (PREFIX.bin/.idx); "
                       "default: the Python stdlib corpus")
@@ -333,7 +342,9 @@ def load_checkpoint(run, directory: str) -> int:
 
 
 # --- the run -------------------------------------------------------------------------------------
-def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: TrainingLog) -> None:
+def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: TrainingLog, placement=None) -> None:
+    """The training loop. ``placement`` (a ``TrainingPlacement`` or None) is stepped after every
+    optimizer step, at the step boundary, on every rank; its time counts as training time."""
     engine, groups = result.engine, result.groups
     step_fn, eval_fn = (pipeline_train_step, pipeline_evaluate) if plan.sizes.pp > 1 else (train_step, evaluate)
     start = load_checkpoint(result, args.load) if args.load else 0
@@ -344,7 +355,10 @@ def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: Trai
     for step in range(start, args.train_iters):
         began = time.perf_counter()
         loss = step_fn(result, data, plan, step)
-        interval_s += time.perf_counter() - began
+        if placement is not None:
+            placement.step(step)   # tracks the load, every check_interval steps may migrate experts
+        step_s = time.perf_counter() - began
+        interval_s += step_s
         interval_steps += 1
         done = step + 1
         if not math.isfinite(loss):
@@ -353,8 +367,10 @@ def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: Trai
         if done % args.log_interval == 0 or done == args.train_iters:
             report = {"tokens_per_s": tokens_per_step * interval_steps / interval_s,
                       "epoch": data.schedule.epoch_of(done), **moe_summary(engine.module, groups)}
+            if placement is not None:
+                report["placement"] = placement.summary()
             interval_s, interval_steps = 0.0, 0
-        log.train(done, loss, engine.get_lr()[0], report)
+        log.train(done, loss, engine.get_lr()[0], report, step_s=step_s)
         if (args.eval_interval and done % args.eval_interval == 0) or done == args.train_iters:
             log.valid(done, eval_fn(result, data, plan, args.eval_iters))
         if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters):
@@ -393,7 +409,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     run_dir = Path(args.run_dir or Path("runs") / Path(args.deepspeed_config).stem)
     result = build_engine(args, plan, data)
     log = TrainingLog(run_dir, enabled=result.groups.rank == 0, append=bool(args.load))
+    placement = None
     try:
+        if args.router_skew:
+            from router_skew import skew_routers
+
+            count = skew_routers(result.engine.module, args.router_skew)
+            log.info(f"router skew {args.router_skew}: {count} MoE layers of rank 0 prefer low expert ids")
+        from moe_plugin.integration.placement import training_placement
+
+        placement = training_placement(result, run_dir, resumed=bool(args.load))
         n_params = sum(p.numel() for p in result.engine.module.parameters())
         log.info(f"data: {data.description}")
         log.info(f"layout: {plan.sizes}  |  global batch {plan.global_batch_size} = micro {plan.micro_batch_size} x "
@@ -403,11 +428,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             (run_dir / "run.json").write_text(json.dumps({"args": vars(args), "ds_config": plan.ds_config,
                                                           "world_size": world_size}, indent=2, default=str) + "\n")
         started = time.perf_counter()
-        train(args, plan, data, result, log)
+        train(args, plan, data, result, log, placement)
         log.info(f"reached step {args.train_iters} in {time.perf_counter() - started:.1f} s")
         plot = log.plot()
         log.info(f"metrics: {log.metrics_path}" + (f"\nplot:    {plot}" if plot else ""))
     finally:
+        if placement is not None:
+            placement.close()
         result.close()
     return 0
 

@@ -42,13 +42,17 @@ class TrainingLog:
         if self.enabled:
             print(text, flush=True)
 
-    def train(self, step: int, loss: float, lr: float, report: Optional[dict] = None) -> None:
-        """Record one training step (its global-batch loss). With ``report`` (the log interval's
-        ``tokens_per_s``, ``epoch`` and MoE statistics) also print one line, whose loss is the mean
+    def train(self, step: int, loss: float, lr: float, report: Optional[dict] = None,
+              step_s: Optional[float] = None) -> None:
+        """Record one training step (its global-batch loss; ``step_s``: its wall time). With
+        ``report`` (the log interval's ``tokens_per_s``, ``epoch``, MoE statistics and, with
+        dynamic placement, a ``placement`` summary) also print one line, whose loss is the mean
         over the steps since the previous line."""
         self._losses.append(loss)
         record = {"split": "train", "step": step, "loss": loss, "lr": lr,
                   "elapsed_s": round(time.monotonic() - self._start, 3), **(report or {})}
+        if step_s is not None:
+            record["step_s"] = round(step_s, 5)
         self.write(record)
         if report is None:
             return
@@ -58,6 +62,8 @@ class TrainingLog:
                 f" | epoch {report['epoch']:.2f}")
         if "imbalance" in report:
             text += f" | expert imbalance {report['imbalance']:.2f} | dropped {100 * report['dropped_fraction']:.1f}%"
+        if "placement" in report:
+            text += f" | {report['placement']}"
         self.info(text)
 
     def valid(self, step: int, loss: float) -> None:

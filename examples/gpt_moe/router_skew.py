@@ -1,0 +1,48 @@
+"""``--router-skew S``: a Zipf-like expert load made on purpose, for placement experiments.
+
+    skew_routers(engine.module, 1.5)     # after moe_plugin.initialize, before training
+
+Every MoE layer's router gets a fixed per-expert offset on the logits it chooses experts by:
+
+    offset[e] = -S * sigma * log(1 + e)      (expert 0 hottest, then 1, 2, ...)
+
+with ``sigma`` the spread of the router's logits at init (the mean norm of its weight rows: the
+logit standard deviation for unit-variance inputs, ``init_std * sqrt(H)``), so S means the same
+for every model size. It is written into ``Router.expert_bias``, the bias that only the expert
+*choice* sees (the gate values still come from the unbiased softmax, see ``layers/router.py``),
+identical on every rank (the router weight is). If the logits were Gumbel noise of scale
+``sigma``, expert e would be chosen with probability proportional to ``(1 + e) ** -S``: a Zipf
+law of exponent S. The real logits are closer to Gaussian, so the load is only Zipf-like; look
+at it (the gate trace, the progress line's expert imbalance) to pick S.
+
+Under the static placement (expert e on EP rank ``e // (E / EP)``) the hot experts share rank 0,
+which is exactly the case load-adaptive placement is for. The offset stays fixed while the
+router weight trains, unless aux-loss-free balancing (``moe.bias_update_rate`` > 0) moves it;
+the balance loss (``aux_loss_coeff``) slowly pulls the load back towards even, so placement
+experiments set it to 0.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moe_plugin.layers import MoELayer
+
+
+def zipf_offsets(num_experts: int, skew: float, sigma: float = 1.0) -> torch.Tensor:
+    """[E] ``-skew * sigma * log(1 + e)``."""
+    if not math.isfinite(skew) or skew < 0:
+        raise ValueError(f"--router-skew must be a finite number >= 0, got {skew}")
+    return -skew * sigma * torch.log1p(torch.arange(num_experts, dtype=torch.float32))
+
+
+def skew_routers(model: torch.nn.Module, skew: float) -> int:
+    """Set every MoE layer's router offset (module docstring); returns the number of layers."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    with torch.no_grad():
+        for layer in layers:
+            bias = layer.router.expert_bias
+            sigma = layer.router.weight.detach().float().norm(dim=1).mean().item()
+            bias.copy_(zipf_offsets(bias.numel(), skew, sigma).to(bias))
+    return len(layers)
