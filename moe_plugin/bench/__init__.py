@@ -1,4 +1,5 @@
-"""Benchmarks: ``moe-plugin bench layer`` (our MoE layer vs DeepSpeed's, and the expert-GEMM floor).
+"""Benchmarks: ``moe-plugin bench layer`` (our MoE layer vs DeepSpeed's, and the expert-GEMM floor) and
+``moe-plugin bench step`` (whole training steps of a GPT-MoE vs the same GPT with DeepSpeed's MoE).
 
 The torch-free argument parser is imported eagerly (the CLI imports it); the rest on first use.
 """
@@ -11,7 +12,8 @@ from moe_plugin.bench.args import add_bench_parser
 _LAZY = {"LayerBenchSpec": "layer", "bench_layer": "layer", "MemoryProfile": "memory", "memory_profile": "memory",
          "peak_allocated_bytes": "memory", "deepspeed_twin": "deepspeed_moe", "ours_bytes_sent": "traffic",
          "deepspeed_bytes_sent": "traffic", "time_parts": "breakdown",
-         "run_expert_parallel": "layer_ep"}
+         "run_expert_parallel": "layer_ep", "bench_step": "step", "GPTSpec": "gpt_models",
+         "build_ours": "gpt_models", "build_deepspeed_twin": "gpt_models"}
 
 __all__ = ["add_bench_parser", *_LAZY]
 
