@@ -24,7 +24,8 @@ differ a little), ``same_initial_weights``; our expert load of the last step
 
 Processes: ``--ranks N`` starts N gloo ranks itself (``torch.multiprocessing`` spawn, a file
 rendezvous in a temporary directory), each with ``max(1, threads // N)`` threads; under a launcher
-that sets ``RANK`` and ``WORLD_SIZE`` (``deepspeed``, ``torchrun``) this process is one rank.
+that sets ``RANK`` and ``WORLD_SIZE`` (``deepspeed --num_gpus N --module moe_plugin.bench.step
+--ranks N ...``, checked on CPU; ``torchrun``) this process is one rank.
 """
 from __future__ import annotations
 
@@ -307,7 +308,7 @@ def summary(record: dict) -> str:
             f"load avg {record['loadavg']}, others_cpu {record['others_cpu']}")
 
 
-if __name__ == "__main__":   # deepspeed --num_gpus N -m moe_plugin.bench.step --ranks N ...
+if __name__ == "__main__":   # deepspeed --num_gpus N --module moe_plugin.bench.step --ranks N ...
     from moe_plugin.cli import main
 
     sys.exit(main(["bench", "step", *sys.argv[1:]]))
