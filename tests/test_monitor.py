@@ -165,6 +165,25 @@ def test_every_rank_sees_the_layers_of_every_pipeline_stage(dist_run, pp):
     assert dist_run(_pipeline, 4, pp) == [expected] * 4
 
 
+def test_training_forwards_count_once_under_reentrant_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    from moe_plugin.integration.monitor import ExpertMetrics
+
+    layer = MoELayer(MoEConfig.from_dict({**MOE, "parallel": {}}), H, FFN, seed=1).train()
+    metrics = ExpertMetrics(layer)
+    x = torch.randn(S, B, H, requires_grad=True)
+    with torch.no_grad():
+        layer(x)                                   # no gradients: not a training forward
+    layer.eval()
+    layer(x)                                       # eval mode: not counted
+    layer.train()
+    checkpoint(lambda t: layer(t)[0], x, use_reentrant=True).sum().backward()   # forward + recompute: once
+    layer(x)[0].sum().backward()
+    (got,) = metrics.collect()
+    assert got.forwards == 2 and sum(got.tokens_per_expert) == 2 * S * B * 2
+
+
 def test_a_model_without_moe_layers_is_refused():
     from moe_plugin.integration.monitor import ExpertMetrics
 

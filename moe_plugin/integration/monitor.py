@@ -18,8 +18,10 @@ micro-batches of a step, summed over the ranks that route distinct tokens):
   forwards and the token groups (GShard's balance loss is 1.0 when perfectly balanced).
 
 Accumulation uses a forward hook on each ``MoELayer`` that adds its ``last_stats`` (detached
-[E] count tensors and two scalars: no host sync, no collective) in training mode only. A
-forward that runs again for activation recomputation counts twice. ``collect()`` reduces each
+[E] count tensors and two scalars: no host sync, no collective) for training forwards: training
+mode *and* gradients enabled. So under Megatron's or DeepSpeed's activation checkpointing (the
+first forward runs without gradients, the recomputation in backward with them) a micro-batch
+counts once; under torch's non-reentrant checkpointing (both with gradients) it counts twice. ``collect()`` reduces each
 layer over its own ``tokens`` group (``reduce_stats``, one all-reduce per layer); when the model
 is split over pipeline stages (the layers' groups have ``pp > 1``) the per-stage results are
 then all-gathered over the pipeline group, so that global rank 0, where DeepSpeed's monitor
@@ -121,7 +123,7 @@ class ExpertMetrics:
 
     def _hook(self, index: int):
         def add(module: MoELayer, _inputs: Any, _output: Any) -> None:
-            if module.training and module.last_stats is not None:
+            if module.training and torch.is_grad_enabled() and module.last_stats is not None:
                 self._sums[index].add(module.last_stats)
         return add
 
