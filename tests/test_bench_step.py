@@ -49,6 +49,9 @@ def test_bench_step_record(dist_run, dropless):
     assert re.fullmatch(r"moe: imb \d+\.\d\d \(max L[01]\) drop 0\.0% aux \d+\.\d{3}", record["moe_metrics"])
     assert len(record["loadavg"]) == 3 and record["others_cpu"] is not None
     json.dumps(record)
+    from moe_plugin.bench.step import summary
+
+    assert summary(record).startswith(f"ranks=2 ep=2 L=2 H=32 F=64 E=4 {'dropless' if dropless else 'cf=4.0'} ")
 
 
 def test_cli_step_checks_sizes_and_the_launcher(capsys, monkeypatch):

@@ -300,12 +300,13 @@ def summary(record: dict) -> str:
     """One human-readable line of a record."""
     phases = " | ".join(f"{n}: " + ", ".join(f"{p} {v:.0f}" for p, v in record[f"{n}_phases_ms"].items())
                         for n in MODELS)
+    routing = "dropless" if record["dropless"] else f"cf={record['capacity_factor']}"
     return (f"ranks={record['ranks']} ep={record['ep']} L={record['layers']} H={record['hidden']} F={record['ffn']} "
-            f"E={record['experts']} moe_layers={record['moe_layers']} S={record['seq']} B={record['micro_batch']} "
-            f"V={record['vocab']}: ours {record['ours_ms']:.0f} ms, deepspeed {record['deepspeed_ms']:.0f} ms, "
-            f"deepspeed/ours {record['deepspeed_over_ours']} (CPU time {record['deepspeed_over_ours_cpu']}) | {phases} | "
-            f"{record['moe_metrics']} | "
-            f"load avg {record['loadavg']}, others_cpu {record['others_cpu']}")
+            f"E={record['experts']} {routing} moe_layers={record['moe_layers']} S={record['seq']} "
+            f"B={record['micro_batch']} V={record['vocab']}: ours {record['ours_ms']:.0f} ms, deepspeed "
+            f"{record['deepspeed_ms']:.0f} ms, deepspeed/ours {record['deepspeed_over_ours']} (CPU time "
+            f"{record['deepspeed_over_ours_cpu']}) | {phases} | {record['moe_metrics']} | load avg "
+            f"{record['loadavg']}, others_cpu {record['others_cpu']}")
 
 
 if __name__ == "__main__":   # deepspeed --num_gpus N --module moe_plugin.bench.step --ranks N ...
