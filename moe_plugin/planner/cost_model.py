@@ -11,7 +11,8 @@ per data-parallel replica, H hidden, F ffn, V vocab, b activation bytes:
          kept per expert per sender           min(load_e * R, C), C = capacity_factor * R / E
          rows of expert e                     ep * etp senders * kept_e
          expert FLOPs of a rank (fwd)         sum over its experts of 4 * rows_e * H * F / etp
-         all-to-all (4 per layer)             latency * (ep - 1) + max(sent, received) bytes / bandwidth
+         all-to-all (4 per layer)             latency * (ep - 1) + max(sent, received) bytes / bandwidth,
+                                              plus two latency-bound collectives (finite check, counts)
     TP all-reduce (4 per dense layer)         2 (tp-1)/tp * T H b / bw + 2 (tp-1) latency
     pipeline (1F1B)                           (m + pp - 1) * slowest stage's micro-batch time;
                                               bubble fraction (pp - 1) / (m + pp - 1)
@@ -37,6 +38,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from moe_plugin.planner.spec import ClusterSpec, Layout, ModelSpec
+
+
+STEP_REDUCTIONS = 3   # small all-reduces of an engine step (grad norm of dense and expert groups, overflow)
 
 
 @dataclass
@@ -149,7 +153,10 @@ def moe_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_
     etp = 4 * _collective(cluster, layout.etp, busiest * H * b, group_span(layout, "tp", True), "gather")
     split = 2 * _collective(cluster, layout.tp, T * H * b, group_span(layout, "tp"), "gather")
     router = 3 * cluster.gemm_time(2 * routes / model.top_k * H * model.experts)
-    return {"experts": experts, "all_to_all": a2a, "tp_comm": etp + split, "compute": router}
+    # latency-bound: the router's finite check over the stage's token ranks and the count exchange over EP
+    small = (_collective(cluster, layout.tp * layout.dp, 4 * layout.tp * layout.dp, group_span(layout, "dp"), "all_reduce")
+             + _collective(cluster, layout.ep, 4 * model.experts * layout.ep, group_span(layout, "ep", True), "gather"))
+    return {"experts": experts, "all_to_all": a2a + small, "tp_comm": etp + split, "compute": router}
 
 
 def dense_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, moe: bool) -> dict[str, float]:
@@ -243,6 +250,8 @@ def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_LE=No
     slots = m + pp - 1                                        # 1F1B: pp - 1 extra micro-batch slots
     cost = StepCost(**{k: v * slots for k, v in slowest.items()}, dp_comm=dp_comm, optimizer=optimizer)
     cost.overhead = cluster.layer_overhead * len(stages[0]) * slots + cluster.step_overhead
+    # the engine's step: gradient-norm and overflow reductions, a few latency-bound all-reduces over the job
+    cost.dp_comm += STEP_REDUCTIONS * _collective(cluster, layout.world_size, 8, layout.world_size, "all_reduce")
     cost.bubble = bubble_fraction(pp, m) * sum(slowest.values()) * slots
     cost.memory = max(memory, key=lambda d: sum(d.values()))
     return cost

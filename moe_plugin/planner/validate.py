@@ -1,12 +1,14 @@
 """``moe-plugin plan --validate``: the cost model's prediction against measured training steps.
 
 For each world size (``--ranks 4,8``): wait until the machine is quiet (1-minute load < 2, at most
-``WAIT_S``), create ``/tmp/BENCH_RUNNING`` (other heavy runs on the shared machine pause), calibrate
-on that many gloo ranks (``calibrate.py``, unless ``--calibration`` is given), then train a tiny
+``WAIT_S``) with ``/tmp/BENCH_RUNNING`` created (other heavy runs on the shared machine pause), then
+in one job of that many gloo ranks: calibrate (``calibrate.measure``), train a tiny
 GPT-MoE (``VALIDATION_MODEL``) on the real stack -- ``moe_plugin.initialize``, a Megatron-Core
 ``GPTModel`` (or ``gpt_pipeline_module`` on DeepSpeed's PipelineEngine when pp > 1), ZeRO-1,
 torch AdamW -- in each layout of ``LAYOUTS``, and time whole optimizer steps: a barrier, the
-step, the slowest rank's time; one warm-up step, the median of ``rounds``. The DeepSpeed JSON is
+step, the slowest rank's time; one warm-up step, the median of ``rounds``), calibrate again. The
+prediction uses the mean of the two calibrations (the machine is shared: its speed drifts), or
+``--calibration`` when given; it is written to ``DIR/calibration_<N>ranks.json``. The DeepSpeed JSON is
 the one ``moe-plugin plan`` would write (``search.ds_config``), with torch's AdamW (CPU).
 
 Printed and written to ``DIR/validation.md`` / ``validation.json``: per layout predicted_ms,
@@ -27,7 +29,7 @@ from typing import Optional
 from moe_plugin.planner.spec import ClusterSpec, Layout, ModelSpec
 
 BENCH_FLAG = Path("/tmp/BENCH_RUNNING")
-WAIT_S = 600
+WAIT_S = 300
 VALIDATION_MODEL = dict(layers=4, hidden=256, ffn=512, heads=4, vocab=2048, seq=128, experts=8, top_k=2,
                         capacity_factor=1.25, moe_layer_interval=2, global_batch=8, micro_batches=[1, 2, 4],
                         param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
@@ -131,24 +133,40 @@ def _spawned(rank: int, world: int, model: ModelSpec, layouts: list[Layout], rou
     import torch
     import torch.distributed as dist
 
+    from moe_plugin.planner.calibrate import measure as calibrate_here
+
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     with contextlib.redirect_stdout(sys.stderr):   # DeepSpeed logs to stdout
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
         try:
+            before = calibrate_here(rank, world)
             out = {layout.name(): measure_layout(model, layout, rounds) for layout in layouts}
+            after = calibrate_here(rank, world)
         finally:
             dist.destroy_process_group()
+    (Path(tmp) / f"calibration{rank}.json").write_text(json.dumps([before, after]))
     if rank == 0:
         (Path(tmp) / "times.json").write_text(json.dumps(out))
 
 
-def measure(model: ModelSpec, layouts: list[Layout], world: int, rounds: int) -> dict[str, list[float]]:
+def measure(model: ModelSpec, layouts: list[Layout], world: int, rounds: int) -> tuple[dict[str, list[float]], dict]:
+    """Times of every layout and the calibration (cluster JSON) the same ranks measured right
+    before and after them (each rank's numbers averaged over the two)."""
     import torch.multiprocessing as mp
+
+    from moe_plugin.planner.calibrate import cluster_from
 
     with tempfile.TemporaryDirectory(prefix="moe_validate_") as tmp:
         mp.spawn(_spawned, args=(world, model, layouts, rounds, tmp), nprocs=world, join=True)
-        return json.loads((Path(tmp) / "times.json").read_text())
+        pairs = [json.loads((Path(tmp) / f"calibration{r}.json").read_text()) for r in range(world)]
+        times = json.loads((Path(tmp) / "times.json").read_text())
+    return times, cluster_from([_mean(before, after) for before, after in pairs], world)
+
+
+def _mean(a: dict, b: dict) -> dict:
+    return {k: ([[x[0], (x[1] + y[1]) / 2] for x, y in zip(a[k], b[k])] if k == "gemm" else (a[k] + b[k]) / 2)
+            for k in a}
 
 
 def wait_for_quiet(limit: float = 2.0, wait_s: float = WAIT_S) -> float:
@@ -160,7 +178,6 @@ def wait_for_quiet(limit: float = 2.0, wait_s: float = WAIT_S) -> float:
 
 
 def validate(worlds: list[int], out: Path, calibration: Optional[Path], rounds: int) -> list[dict]:
-    from moe_plugin.planner.calibrate import run_calibration
     from moe_plugin.planner.cost_model import step_cost
     from moe_plugin.planner.report import markdown_table, text_table
 
@@ -168,20 +185,18 @@ def validate(worlds: list[int], out: Path, calibration: Optional[Path], rounds: 
     if unknown:
         raise ValueError(f"--ranks {unknown[0]}: the validation layouts are for {', '.join(map(str, LAYOUTS))} ranks")
     rows, records = [], []
+    out.mkdir(parents=True, exist_ok=True)
     for world in worlds:
-        load_before = wait_for_quiet()
-        BENCH_FLAG.touch()
+        BENCH_FLAG.touch()   # first: the others pause their heavy runs, so the load can fall
         try:
-            if calibration is not None:
-                cluster = ClusterSpec.load(calibration)
-            else:
-                spec, _ = run_calibration(world)
-                cluster = ClusterSpec.load(spec)
+            load_before = wait_for_quiet()
             model = validation_model(world)
-            measured = measure(model, LAYOUTS[world], world, rounds)
+            measured, spec = measure(model, LAYOUTS[world], world, rounds)
         finally:
             BENCH_FLAG.unlink(missing_ok=True)
         load_after = os.getloadavg()[0]
+        (out / f"calibration_{world}ranks.json").write_text(json.dumps(spec, indent=2) + "\n")
+        cluster = ClusterSpec.load(calibration if calibration is not None else spec)
         for layout in LAYOUTS[world]:
             predicted = step_cost(model, cluster, layout).total
             times = measured[layout.name()]
@@ -191,6 +206,8 @@ def validate(worlds: list[int], out: Path, calibration: Optional[Path], rounds: 
                             "measured_ms": 1e3 * median, "measured_rounds_ms": [1e3 * t for t in times],
                             "error": error, "load_before": load_before, "load_after": load_after})
             rows.append([str(world), layout.name(), f"{1e3 * predicted:.0f}", f"{1e3 * median:.0f}", f"{100 * error:+.1f}%"])
+            print(" ".join(rows[-1]), f"(rounds {', '.join(f'{1e3 * t:.0f}' for t in times)} ms; load "
+                  f"{load_before:.2f} before, {load_after:.2f} after)", file=sys.stderr, flush=True)
     mape = statistics.mean(abs(r["error"]) for r in records)
     head = ("ranks", "layout", "predicted_ms", "measured_ms", "error")
     loads = ", ".join(f"{r['ranks']} ranks: {r['load_before']:.2f} before, {r['load_after']:.2f} after"
