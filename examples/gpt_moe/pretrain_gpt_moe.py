@@ -85,6 +85,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     train.add_argument("--router-skew", type=float, default=0.0,
                        help="bias every router towards low expert ids, offset -S*log(1+e) on the logits that choose "
                        "experts: a Zipf-like load for placement experiments (router_skew.py); 0: off")
+    train.add_argument("--freeze-router", action="store_true",
+                       help="do not train the routers' weights, so that the load --router-skew makes stays")
     data = parser.add_argument_group("data")
     data.add_argument("--data-path", default=None, help="prefix of a Megatron indexed dataset (PREFIX.bin/.idx); "
                       "default: the Python stdlib corpus")
@@ -190,10 +192,23 @@ def gpt_model_provider(args: argparse.Namespace, vocab_size: int):
 
         config = transformer_config(args, moe_config)
         torch.manual_seed(args.seed)  # Megatron's dense init draws from the default generator
-        return GPTModel(config, gpt_moe_spec(moe_config, config, groups, seed=args.seed), vocab_size=vocab_size,
-                        max_sequence_length=args.max_position_embeddings)
+        model = GPTModel(config, gpt_moe_spec(moe_config, config, groups, seed=args.seed), vocab_size=vocab_size,
+                         max_sequence_length=args.max_position_embeddings)
+        return skewed(args, model)
 
     return provider
+
+
+def skewed(args: argparse.Namespace, model: torch.nn.Module) -> torch.nn.Module:
+    """``--router-skew`` / ``--freeze-router`` on a freshly built model, before the engine sees its
+    parameters (a frozen router weight is then simply not in the optimizer)."""
+    from router_skew import freeze_routers, skew_routers
+
+    if args.router_skew:
+        skew_routers(model, args.router_skew)
+    if args.freeze_router:
+        freeze_routers(model)
+    return model
 
 
 def gpt_pipeline_provider(args: argparse.Namespace, vocab_size: int):
@@ -202,8 +217,9 @@ def gpt_pipeline_provider(args: argparse.Namespace, vocab_size: int):
     def provider(moe_config: MoEConfig, groups):
         from moe_plugin.integration.pipeline import gpt_pipeline_module
 
-        return gpt_pipeline_module(transformer_config(args, moe_config), moe_config, groups, vocab_size=vocab_size,
-                                   max_sequence_length=args.max_position_embeddings, seed=args.seed)
+        return skewed(args, gpt_pipeline_module(transformer_config(args, moe_config), moe_config, groups,
+                                                vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
+                                                seed=args.seed))
 
     return provider
 
@@ -411,11 +427,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     log = TrainingLog(run_dir, enabled=result.groups.rank == 0, append=bool(args.load))
     placement = None
     try:
-        if args.router_skew:
-            from router_skew import skew_routers
-
-            count = skew_routers(result.engine.module, args.router_skew)
-            log.info(f"router skew {args.router_skew}: {count} MoE layers of rank 0 prefer low expert ids")
+        if args.router_skew or args.freeze_router:
+            log.info(f"routers: skew {args.router_skew} (experts with low ids preferred)"
+                     + (", weights frozen" if args.freeze_router else ""))
         from moe_plugin.integration.placement import training_placement
 
         placement = training_placement(result, run_dir, resumed=bool(args.load))

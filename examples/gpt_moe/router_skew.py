@@ -1,6 +1,7 @@
 """``--router-skew S``: a Zipf-like expert load made on purpose, for placement experiments.
 
-    skew_routers(engine.module, 1.5)     # after moe_plugin.initialize, before training
+    skew_routers(model, 1.0)             # on the built model, before the engine sees it
+    freeze_routers(model)                # optional: the router weights stay at their init
 
 Every MoE layer's router gets a fixed per-expert offset on the logits it chooses experts by:
 
@@ -18,8 +19,11 @@ at it (the gate trace, the progress line's expert imbalance) to pick S.
 Under the static placement (expert e on EP rank ``e // (E / EP)``) the hot experts share rank 0,
 which is exactly the case load-adaptive placement is for. The offset stays fixed while the
 router weight trains, unless aux-loss-free balancing (``moe.bias_update_rate`` > 0) moves it;
-the balance loss (``aux_loss_coeff``) slowly pulls the load back towards even, so placement
-experiments set it to 0.
+the router weight itself learns: measured on the placement experiment's GPT, the balance loss
+(``aux_loss_coeff`` 0.1) evens a skewed load out within ~20 steps, and without it the load
+collapses onto one or two experts within ~10. ``--freeze-router`` (``freeze_routers``) keeps the
+router weights at their init (``requires_grad`` off before the engine is built), so the load
+is the one made here, moved only by the slower drift of the hidden states.
 """
 from __future__ import annotations
 
@@ -45,4 +49,12 @@ def skew_routers(model: torch.nn.Module, skew: float) -> int:
             bias = layer.router.expert_bias
             sigma = layer.router.weight.detach().float().norm(dim=1).mean().item()
             bias.copy_(zipf_offsets(bias.numel(), skew, sigma).to(bias))
+    return len(layers)
+
+
+def freeze_routers(model: torch.nn.Module) -> int:
+    """Stop training every MoE layer's router weight; returns the number of layers."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    for layer in layers:
+        layer.router.weight.requires_grad_(False)
     return len(layers)
