@@ -50,6 +50,8 @@ def _ds_config(path: Path, world_size: int, **moe_parallel) -> Path:
               "gradient_accumulation_steps": 2 // world_size, "gradient_clipping": 1.0, "steps_per_print": 10 ** 6,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
               "zero_optimization": {"stage": 1},
+              "csv_monitor": {"enabled": True, "output_path": str(path.parent / "monitor" / path.stem),
+                              "job_name": "gpt"},
               "moe": {**MOE, "parallel": moe_parallel}}
     path.write_text(json.dumps(config))
     return path
@@ -84,8 +86,17 @@ def test_two_ranks_train_and_match_one_rank(tmp_path):
     for r in reports:
         assert r["tokens_per_s"] > 0 and r["imbalance"] >= 1.0 and 0.0 <= r["dropped_fraction"] <= 1.0
         assert len(r["moe_layers"]) == 2      # layer_interval 1 on 2 layers
-        # one micro-batch of 4 x 32 tokens per rank, top-2 routes, summed over the 2 ranks
-        assert sum(r["moe_layers"][0]["tokens_per_expert"]) == 2 * 4 * 32 * 2
+        assert r["moe"].startswith("moe: imb ")
+        # the 4 steps since the last report: one micro-batch of 4 x 32 tokens per rank per step,
+        # top-2 routes, summed over the 2 ranks
+        assert sum(r["moe_layers"][0]["tokens_per_expert"]) == 4 * 2 * 4 * 32 * 2
+    # the same figures reached DeepSpeed's monitor (its csv backend, enabled in the JSON)
+    monitor = {p.name: p.read_text() for p in (tmp_path / "monitor" / "dp2_ep2").rglob("*.csv")}
+    imbalance = [name for name in monitor if "layer0" in name and "imbalance" in name]
+    assert imbalance, sorted(monitor)
+    rows = [line.split(",") for line in monitor[imbalance[0]].splitlines()[1:]]
+    assert [int(row[0]) for row in rows] == [4, 8]
+    assert [float(row[1]) for row in rows] == pytest.approx([r["moe_layers"][0]["imbalance"] for r in reports])
 
     one = _train(tmp_path, "single", 1)
     one_losses = [r["loss"] for r in one if r["split"] == "train"]

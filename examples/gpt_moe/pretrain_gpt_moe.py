@@ -311,34 +311,20 @@ def data_parallel_mean(value: torch.Tensor, groups) -> float:
     return value.item()
 
 
-def moe_summary(model: torch.nn.Module, groups) -> dict:
-    """Expert load of the last micro-batch, summed over the ranks that routed distinct tokens
-    (``global_stats``: collective, every rank calls it on the same steps). ``imbalance``: max /
-    mean of the tokens routed to each expert, averaged over the MoE layers (1.0 is perfectly
-    even); ``dropped_fraction``: routes over capacity, averaged over the layers. With a pipeline
-    each stage reports its own layers and rank 0 collects them."""
-    import torch.distributed as dist
-
-    from moe_plugin.layers import MoELayer
-
-    per_layer = []
-    for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
-        stats = layer.global_stats()
-        routed = stats.routed_per_expert.double()
-        per_layer.append({"layer": getattr(layer, "layer_index", None),
-                          "imbalance": (routed.max() / routed.mean().clamp(min=1e-9)).item(),
-                          "dropped_fraction": stats.dropped_fraction.item(),
-                          "balance_loss": stats.balance_loss.item(),
-                          "tokens_per_expert": stats.routed_per_expert.tolist()})
-    if groups.size("pp") > 1:
-        stages = [None] * dist.get_world_size()
-        dist.all_gather_object(stages, per_layer)
-        per_layer = sorted({r["layer"]: r for stage in stages for r in stage}.values(), key=lambda r: r["layer"])
-    if not per_layer:
+def moe_report(metrics) -> dict:
+    """The MoE part of a progress report from ``ExpertMetrics`` (``integration/monitor.py``), whose
+    sums cover every training forward since the previous report. ``imbalance``: max / mean of the
+    tokens routed to each expert, averaged over the MoE layers (1.0 is perfectly even);
+    ``dropped_fraction``: routes over capacity over all layers; ``moe``: the compact log line."""
+    layers = metrics.metrics
+    if not layers:
         return {}
-    return {"imbalance": sum(r["imbalance"] for r in per_layer) / len(per_layer),
-            "dropped_fraction": sum(r["dropped_fraction"] for r in per_layer) / len(per_layer),
-            "moe_layers": per_layer}
+    routed = sum(sum(m.tokens_per_expert) for m in layers)
+    kept = sum(sum(m.kept_per_expert) for m in layers)
+    return {"imbalance": sum(m.imbalance for m in layers) / len(layers),
+            "dropped_fraction": 1.0 - kept / routed if routed else 0.0, "moe": metrics.log_line(),
+            "moe_layers": [{"layer": m.layer, "imbalance": m.imbalance, "dropped_fraction": m.dropped_fraction,
+                            "balance_loss": m.aux_loss, "tokens_per_expert": m.tokens_per_expert} for m in layers]}
 
 
 # --- checkpoints ----------------------------------------------------------------------------------
@@ -361,11 +347,21 @@ def load_checkpoint(run, directory: str) -> int:
 def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: TrainingLog, placement=None) -> None:
     """The training loop. ``placement`` (a ``TrainingPlacement`` or None) is stepped after every
     optimizer step, at the step boundary, on every rank; its time counts as training time."""
-    engine, groups = result.engine, result.groups
-    step_fn, eval_fn = (pipeline_train_step, pipeline_evaluate) if plan.sizes.pp > 1 else (train_step, evaluate)
+    from moe_plugin.integration.monitor import ExpertMetrics
+
     start = load_checkpoint(result, args.load) if args.load else 0
     if start:
         log.info(f"resumed from {args.load} after {start} steps")
+    metrics = ExpertMetrics(result.engine.module, groups=result.groups)   # expert load, also to DeepSpeed's monitor
+    try:
+        _train_steps(args, plan, data, result, log, placement, metrics, start)
+    finally:
+        metrics.close()
+
+
+def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics, start: int) -> None:
+    engine = result.engine
+    step_fn, eval_fn = (pipeline_train_step, pipeline_evaluate) if plan.sizes.pp > 1 else (train_step, evaluate)
     tokens_per_step = plan.global_batch_size * args.seq_length
     interval_s, interval_steps = 0.0, 0   # training time only: validation and checkpoints excluded
     for step in range(start, args.train_iters):
@@ -381,8 +377,10 @@ def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: Trai
             raise FloatingPointError(f"step {done}: the loss is {loss}; lower the learning rate or check the data")
         report = None
         if done % args.log_interval == 0 or done == args.train_iters:
+            metrics.collect()              # collective: the interval's expert load over all ranks
+            metrics.write(engine, done)    # the monitor backends the DeepSpeed JSON enables
             report = {"tokens_per_s": tokens_per_step * interval_steps / interval_s,
-                      "epoch": data.schedule.epoch_of(done), **moe_summary(engine.module, groups)}
+                      "epoch": data.schedule.epoch_of(done), **moe_report(metrics)}
             if placement is not None:
                 report["placement"] = placement.summary()
             interval_s, interval_steps = 0.0, 0

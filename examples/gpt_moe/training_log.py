@@ -60,8 +60,8 @@ class TrainingLog:
         self._losses.clear()
         text = (f"step {step:6d} | loss {mean:.4f} | lr {lr:.2e} | {report['tokens_per_s']:7.0f} tokens/s"
                 f" | epoch {report['epoch']:.2f}")
-        if "imbalance" in report:
-            text += f" | expert imbalance {report['imbalance']:.2f} | dropped {100 * report['dropped_fraction']:.1f}%"
+        if "moe" in report:
+            text += f" | {report['moe']}"
         if "placement" in report:
             text += f" | {report['placement']}"
         self.info(text)
