@@ -269,9 +269,70 @@ def test_calibration_measurements_make_a_cluster():
     slower = {**rank, "gemm": [[1e6, 0.5e9], [1e8, 4e9], [1e9, 4e9]]}
     spec = ClusterSpec.load(cluster_from([rank, slower], 4))
     assert spec.flops == 4e9 and spec.gemm_efficiency == [[1e6, 0.125], [1e8, 1.0], [1e9, 1.0]]
-    assert spec.intra_latency == pytest.approx((6e-4 / 6 + 3e-4 / 3) / 2)
+    assert spec.intra_latency == pytest.approx(3e-4 / 3) and spec.allreduce_latency == pytest.approx(6e-4 / 6)
     assert spec.intra_bandwidth == pytest.approx(0.75 * 4 * LARGE / (0.02 - 3e-4))
+    assert spec.allreduce_bandwidth == pytest.approx(1.5 * 4 * LARGE / (0.05 - 6e-4))
     assert spec.optimizer_rate == pytest.approx(1e8) and spec.world_size == 4
+
+
+def _piece_times(truth: ClusterSpec, world: int) -> dict:
+    """What ``measure_pieces`` would time on a machine that follows the cost model exactly."""
+    from moe_plugin.planner import cost_model as cm
+    from moe_plugin.planner.calibrate_pieces import PARAMS, TOKENS, ZERO, _layout, _model
+
+    m = _model(world)
+    dense = [cm.dense_layer_time(m, truth, _layout(world, micro_batch=mb), False)["compute"] + truth.layer_overhead
+             for mb in TOKENS]
+    moe = {str(ep): [sum(cm.moe_layer_time(m, truth, _layout(world, ep=ep, micro_batch=mb)).values()) for mb in TOKENS]
+           for ep in (1, world)}
+    engine = {}
+    for zero in ZERO:
+        fixed, per_param = truth.engine_step(zero)
+        engine[str(zero)] = [fixed + p * per_param + (p if zero == 0 else p / world) / truth.optimizer_rate
+                             + cm._gradient_sync(m, truth, _layout(world, zero=zero), p, 0.0) for p in PARAMS]
+    return {"dense": dense, "moe": moe, "engine": engine}
+
+
+def test_piece_fit_recovers_the_fields_of_a_machine_that_follows_the_model():
+    from moe_plugin.planner.calibrate_pieces import fit
+
+    world = 4
+    base = {**CLUSTER, "nodes": 1, "gpus_per_node": world, "allreduce_bandwidth": 2e9, "allreduce_latency": 1e-4,
+            "intra_latency": 3e-4, "optimizer_rate": 1e8}
+    hidden = dict(layer_overhead=2e-3, layer_element_time=4e-9, moe_layer_overhead=5e-3, moe_element_time=7e-9,
+                  zero_step_overhead=[4e-3, 6e-3, 8e-3], zero_param_time=[1e-9, 2e-9, 3e-9])
+    truth = ClusterSpec.load({**base, **hidden})
+    pieces = _piece_times(truth, world)
+    got = ClusterSpec.load(fit(base, [pieces, pieces], world))
+    for key, value in hidden.items():
+        assert getattr(got, key) == pytest.approx(value, rel=1e-6), key
+    assert got.step_overhead == pytest.approx(6e-3) and got.intra_latency == 3e-4
+
+
+def test_ring_collectives_use_the_all_reduce_link_and_the_all_to_all_the_link():
+    m, lay = model(experts=8), layout(ep=4, dp=4, gas=1)
+    slow_ring = cluster(allreduce_bandwidth=1e9, allreduce_latency=1e-3)
+    base, slow = step_cost(m, cluster(), lay), step_cost(m, slow_ring, lay)
+    assert slow.dp_comm > base.dp_comm
+    assert moe_layer_time(m, slow_ring, lay)["all_to_all"] > moe_layer_time(m, cluster(), lay)["all_to_all"]   # the
+    # finite check is an all-reduce; the four all-to-alls are not:
+    no_small = dict(allreduce_latency=0.0, allreduce_bandwidth=1e30)
+    assert (moe_layer_time(m, cluster(**no_small), lay)["all_to_all"]
+            == moe_layer_time(m, cluster(**no_small, intra_latency=5e-6), lay)["all_to_all"])
+
+
+def test_oversubscribed_bubble_runs_faster_and_engine_costs_follow_the_zero_stage():
+    m, lay = model(), layout(pp=2, dp=4, micro_batch=1, gas=4)
+    dedicated, shared = step_cost(m, cluster(), lay), step_cost(m, cluster(oversubscription=4.0), lay)
+    per_micro = dedicated.bubble                                # pp - 1 = 1 slot at full time
+    assert shared.bubble == pytest.approx(per_micro / 2)        # max(1/4, 1/pp) of it
+    assert dedicated.total - shared.total == pytest.approx(per_micro / 2 + 2 * 1e-4 * 0.5)
+    c = cluster(zero_step_overhead=[1e-3, 2e-3, 3e-3], zero_param_time=[0.0, 1e-9, 0.0])
+    z1, z2 = step_cost(m, c, layout(zero=1)), step_cost(m, c, layout(zero=2))
+    assert z2.overhead - z1.overhead == pytest.approx(1e-3)
+    assert z1.optimizer > z2.optimizer
+    with pytest.raises(ConfigError, match=r"cluster.zero_param_time: got \[1.0\]; expected \[stage_0"):
+        cluster(zero_param_time=[1.0])
 
 
 def test_validation_layouts_are_ones_the_search_finds():

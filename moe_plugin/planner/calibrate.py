@@ -120,17 +120,22 @@ def cluster_from(measurements: list[dict], world: int) -> dict:
             "gpus_per_node": world, "flops": peak, "gemm_efficiency": [[f, round(e, 4)] for f, e in points.items()],
             "memory": _memory_bytes() / world, "memory_usable": 0.8,
             "optimizer_rate": 1.0 / worst("adam_s_per_param"), "layer_overhead": worst("layer_s"),
-            "step_overhead": 0.0}
+            "step_overhead": 0.0, "oversubscription": max(1.0, world / (os.cpu_count() or 1))}
     if world > 1:
         n = world
         lat_ar = worst("all_reduce_small") / (2 * (n - 1))
         lat_a2a = worst("all_to_all_small") / (n - 1)
         nbytes = 4 * LARGE
         bw_a2a = (n - 1) / n * nbytes / max(worst("all_to_all_large") - lat_a2a * (n - 1), 1e-9)
-        latency = (lat_ar + lat_a2a) / 2
-        spec.update(intra_bandwidth=bw_a2a, inter_bandwidth=bw_a2a, intra_latency=latency, inter_latency=latency)
+        bw_ar = 2 * (n - 1) / n * nbytes / max(worst("all_reduce_large") - lat_ar * 2 * (n - 1), 1e-9)
+        spec.update(intra_bandwidth=bw_a2a, inter_bandwidth=bw_a2a, intra_latency=lat_a2a, inter_latency=lat_a2a,
+                    allreduce_bandwidth=bw_ar, allreduce_latency=lat_ar)
     else:
         spec.update(intra_bandwidth=1e10, inter_bandwidth=1e10)
+    if "pieces" in measurements[0]:
+        from moe_plugin.planner.calibrate_pieces import fit
+
+        spec = fit(spec, [r["pieces"] for r in measurements], world)
     return spec
 
 
@@ -149,12 +154,15 @@ def _spawned(rank: int, world: int, threads: int, tmp: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from moe_plugin.planner.calibrate_pieces import measure_pieces
+
     torch.set_num_threads(threads)
-    with contextlib.redirect_stdout(sys.stderr):
-        if world > 1:
-            dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    with contextlib.redirect_stdout(sys.stderr):   # DeepSpeed logs to stdout
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
         try:
             result = measure(rank, world)
+            result["pieces"] = measure_pieces(rank, world)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -49,6 +49,7 @@ class StepCost:
 
     compute: float = 0.0          # dense GEMMs, router, LM head (slowest stage, whole step)
     experts: float = 0.0          # expert GEMMs on the most loaded rank
+    dispatch: float = 0.0         # the MoE layers' routing, permutation and activation (non-GEMM work)
     all_to_all: float = 0.0
     tp_comm: float = 0.0          # TP all-reduces, ETP gathers, MoE token split/gather
     pp_comm: float = 0.0          # activations between stages
@@ -60,8 +61,8 @@ class StepCost:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.experts + self.all_to_all + self.tp_comm + self.pp_comm + self.dp_comm
-                + self.optimizer + self.overhead)
+        return (self.compute + self.experts + self.dispatch + self.all_to_all + self.tp_comm + self.pp_comm
+                + self.dp_comm + self.optimizer + self.overhead)
 
     @property
     def memory_total(self) -> float:
@@ -77,6 +78,13 @@ class StepCost:
 def bubble_fraction(pp: int, micro_batches: int) -> float:
     """Idle share of a 1F1B (or GPipe) pipeline step: (pp - 1) / (m + pp - 1)."""
     return (pp - 1) / (micro_batches + pp - 1)
+
+
+def bubble_speed(cluster: ClusterSpec, pp: int) -> float:
+    """Time of a bubble slot relative to a full one. On dedicated devices 1; where ranks share
+    compute units (``oversubscription`` > 1) the 1/pp of ranks busy in the bubble get a larger
+    share: a slot takes max(1/oversubscription, 1/pp) of a slot with every rank busy."""
+    return max(1.0 / cluster.oversubscription, 1.0 / pp) if pp > 1 else 1.0
 
 
 def group_span(layout: Layout, dim: str, expert_grid: bool = False) -> int:
@@ -96,7 +104,7 @@ def _collective(cluster: ClusterSpec, n: int, nbytes: float, span: int, kind: st
     2 (n-1)/n of the bytes, ``gather``/``scatter`` (all-gather, reduce-scatter) (n-1)/n."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    bw, lat = cluster.link(span)
+    bw, lat = cluster.ring_link(span)
     factor = 2.0 if kind == "all_reduce" else 1.0
     return factor * ((n - 1) / n * nbytes / bw + (n - 1) * lat)
 
@@ -153,10 +161,13 @@ def moe_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_
     etp = 4 * _collective(cluster, layout.etp, busiest * H * b, group_span(layout, "tp", True), "gather")
     split = 2 * _collective(cluster, layout.tp, T * H * b, group_span(layout, "tp"), "gather")
     router = 3 * cluster.gemm_time(2 * routes / model.top_k * H * model.experts)
+    # non-GEMM work: a fixed part, and gathers / scatters / activation over the rows a rank sends and receives
+    dispatch = cluster.moe_layer_overhead + cluster.moe_element_time * (kept_routes + busiest / layout.etp) * H
     # latency-bound: the router's finite check over the stage's token ranks and the count exchange over EP
     small = (_collective(cluster, layout.tp * layout.dp, 4 * layout.tp * layout.dp, group_span(layout, "dp"), "all_reduce")
              + _collective(cluster, layout.ep, 4 * model.experts * layout.ep, group_span(layout, "ep", True), "gather"))
-    return {"experts": experts, "all_to_all": a2a + small, "tp_comm": etp + split, "compute": router}
+    return {"experts": experts, "all_to_all": a2a + small, "tp_comm": etp + split, "compute": router,
+            "dispatch": dispatch}
 
 
 def dense_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, moe: bool) -> dict[str, float]:
@@ -169,6 +180,7 @@ def dense_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, moe
     if not moe:
         t += cluster.gemm_time(2 * T * H * model.ffn / tp, 2)
         all_reduces = 4
+    t += cluster.layer_element_time * T * H / 3                  # non-GEMM work (x3 below: fwd + bwd)
     tp_comm = all_reduces * _collective(cluster, tp, T * H * model.activation_bytes, group_span(layout, "tp"),
                                         "all_reduce")
     return {"compute": 3 * t, "tp_comm": tp_comm}
@@ -225,7 +237,7 @@ def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_LE=No
     dp_comm = optimizer = 0.0
     for s, layers in enumerate(stages):
         first, last = s == 0, s == pp - 1
-        parts = {"compute": 0.0, "experts": 0.0, "all_to_all": 0.0, "tp_comm": 0.0, "pp_comm": 0.0}
+        parts = {"compute": 0.0, "experts": 0.0, "dispatch": 0.0, "all_to_all": 0.0, "tp_comm": 0.0, "pp_comm": 0.0}
         for i in layers:
             moe = model.is_moe(i)
             for k, v in dense_layer_time(model, cluster, layout, moe).items():
@@ -236,6 +248,7 @@ def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_LE=No
                     parts[k] += v
         if last:
             parts["compute"] += 3 * cluster.gemm_time(2 * T * model.hidden * model.vocab / layout.tp)
+            parts["compute"] += cluster.layer_element_time * T * model.vocab / layout.tp    # softmax, loss
         if pp > 1:
             nbytes = T * model.hidden * model.activation_bytes
             bw, lat = cluster.link(group_span(layout, "pp"))
@@ -245,14 +258,15 @@ def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_LE=No
         dense, expert = stage_params(model, layout, layers, first, last)
         dp_comm = max(dp_comm, _gradient_sync(model, cluster, layout, dense, expert))
         updated = dense + expert if layout.zero == 0 else dense / layout.dp + expert / layout.edp
-        optimizer = max(optimizer, updated / cluster.optimizer_rate)
+        fixed, per_param = cluster.engine_step(layout.zero)
+        optimizer = max(optimizer, updated / cluster.optimizer_rate + (dense + expert) * per_param)
     slowest = max(per_micro, key=lambda p: sum(p.values()))
-    slots = m + pp - 1                                        # 1F1B: pp - 1 extra micro-batch slots
+    slots = m + (pp - 1) * bubble_speed(cluster, pp)          # 1F1B: pp - 1 extra micro-batch slots
     cost = StepCost(**{k: v * slots for k, v in slowest.items()}, dp_comm=dp_comm, optimizer=optimizer)
-    cost.overhead = cluster.layer_overhead * len(stages[0]) * slots + cluster.step_overhead
+    cost.overhead = cluster.layer_overhead * len(stages[0]) * slots + cluster.engine_step(layout.zero)[0]
     # the engine's step: gradient-norm and overflow reductions, a few latency-bound all-reduces over the job
     cost.dp_comm += STEP_REDUCTIONS * _collective(cluster, layout.world_size, 8, layout.world_size, "all_reduce")
-    cost.bubble = bubble_fraction(pp, m) * sum(slowest.values()) * slots
+    cost.bubble = (pp - 1) * bubble_speed(cluster, pp) * sum(slowest.values())
     cost.memory = max(memory, key=lambda d: sum(d.values()))
     return cost
 

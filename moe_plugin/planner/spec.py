@@ -112,9 +112,33 @@ class ClusterSpec(_Strict):
     intra_latency: float = Field(5e-6, ge=0, description="Seconds per message inside a node.")
     inter_latency: float = Field(2e-5, ge=0, description="Seconds per message across nodes.")
     optimizer_rate: float = Field(5e9, gt=0, description="Parameters per second one device updates (Adam).")
-    layer_overhead: float = Field(0.0, ge=0, description="Seconds of fixed cost (launches, framework) per layer "
-                                  "and micro-batch, forward and backward together.")
-    step_overhead: float = Field(0.0, ge=0, description="Seconds of fixed cost per optimizer step.")
+    allreduce_bandwidth: Optional[float] = Field(None, gt=0, description="Bytes/s of one step of a ring "
+                                                 "all-reduce / all-gather / reduce-scatter inside a node; null: "
+                                                 "intra_bandwidth (NCCL rings run at the link's speed).")
+    allreduce_latency: Optional[float] = Field(None, ge=0, description="Seconds per ring step of those "
+                                               "collectives inside a node; null: intra_latency.")
+    layer_overhead: float = Field(1e-4, ge=0, description="Seconds of fixed cost (launches, framework) per "
+                                  "transformer layer and micro-batch, forward and backward together.")
+    layer_element_time: float = Field(3e-11, ge=0, description="Seconds per activation element (tokens x hidden) "
+                                      "of a layer's non-GEMM work (norms, softmax, activation, residuals, "
+                                      "copies), forward and backward; also charged per logit of the LM head.")
+    moe_layer_overhead: float = Field(2e-4, ge=0, description="Seconds of fixed cost of an MoE layer's routing "
+                                      "and dispatch (gate, top-k, sort, permutation, launches) per micro-batch, "
+                                      "forward and backward, beyond its GEMMs and collectives.")
+    moe_element_time: float = Field(3e-11, ge=0, description="Seconds per routed element (row x hidden: rows a "
+                                    "rank sends plus rows it receives) of the MoE layer's gathers, scatters "
+                                    "and expert activation, forward and backward.")
+    oversubscription: float = Field(1.0, ge=1, description="Ranks per compute unit the rates were measured "
+                                    "with (ranks / cores of a CPU job; 1 on GPUs): a phase where only 1/pp of "
+                                    "the ranks compute (the pipeline bubble) runs up to this much faster.")
+    step_overhead: float = Field(5e-3, ge=0, description="Seconds of fixed cost per optimizer step (the "
+                                 "engine's step: hooks, norms, bookkeeping) when zero_step_overhead is null.")
+    zero_step_overhead: Optional[list[float]] = Field(None, description="[stage 0, 1, 2] fixed seconds per "
+                                                      "optimizer step under each ZeRO stage; null: step_overhead.")
+    zero_param_time: list[float] = Field([2e-11, 2e-11, 2e-11], description="[stage 0, 1, 2] seconds per "
+                                         "parameter a rank holds of the engine's per-parameter bookkeeping "
+                                         "(gradient copies and flattening, norms, parameter updates) beyond "
+                                         "the Adam step and the gradient reduction.")
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterSpec":
@@ -123,6 +147,10 @@ class ClusterSpec(_Strict):
             raise FieldProblem("gemm_efficiency", points, "expected [[gemm_flops > 0, fraction in (0, 1]], ...]")
         if any(a[0] >= b[0] for a, b in zip(points, points[1:])):
             raise FieldProblem("gemm_efficiency", points, "points must increase in gemm_flops")
+        for key in ("zero_step_overhead", "zero_param_time"):
+            values = getattr(self, key)
+            if values is not None and (len(values) != 3 or min(values) < 0):
+                raise FieldProblem(key, values, "expected [stage_0, stage_1, stage_2] seconds, each >= 0")
         return self
 
     @property
@@ -151,6 +179,18 @@ class ClusterSpec(_Strict):
         if span <= self.gpus_per_node:
             return self.intra_bandwidth, self.intra_latency
         return self.inter_bandwidth, self.inter_latency
+
+    def ring_link(self, span: int) -> tuple[float, float]:
+        """(bandwidth, latency) of one step of a ring all-reduce / all-gather / reduce-scatter."""
+        if span <= self.gpus_per_node:
+            return (self.allreduce_bandwidth or self.intra_bandwidth,
+                    self.intra_latency if self.allreduce_latency is None else self.allreduce_latency)
+        return self.inter_bandwidth, self.inter_latency
+
+    def engine_step(self, zero: int) -> tuple[float, float]:
+        """(fixed seconds per optimizer step, seconds per parameter held) of the engine under ZeRO ``zero``."""
+        fixed = self.step_overhead if self.zero_step_overhead is None else self.zero_step_overhead[min(zero, 2)]
+        return fixed, self.zero_param_time[min(zero, 2)]
 
     @classmethod
     def load(cls, source: Union[dict, str, os.PathLike]) -> "ClusterSpec":

@@ -134,15 +134,16 @@ def _spawned(rank: int, world: int, model: ModelSpec, layouts: list[Layout], rou
     import torch.distributed as dist
 
     from moe_plugin.planner.calibrate import measure as calibrate_here
+    from moe_plugin.planner.calibrate_pieces import measure_pieces
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     with contextlib.redirect_stdout(sys.stderr):   # DeepSpeed logs to stdout
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
         try:
-            before = calibrate_here(rank, world)
+            before = {**calibrate_here(rank, world), "pieces": measure_pieces(rank, world)}
             out = {layout.name(): measure_layout(model, layout, rounds) for layout in layouts}
-            after = calibrate_here(rank, world)
+            after = {**calibrate_here(rank, world), "pieces": measure_pieces(rank, world)}
         finally:
             dist.destroy_process_group()
     (Path(tmp) / f"calibration{rank}.json").write_text(json.dumps([before, after]))
@@ -150,9 +151,10 @@ def _spawned(rank: int, world: int, model: ModelSpec, layouts: list[Layout], rou
         (Path(tmp) / "times.json").write_text(json.dumps(out))
 
 
-def measure(model: ModelSpec, layouts: list[Layout], world: int, rounds: int) -> tuple[dict[str, list[float]], dict]:
-    """Times of every layout and the calibration (cluster JSON) the same ranks measured right
-    before and after them (each rank's numbers averaged over the two)."""
+def measure(model: ModelSpec, layouts: list[Layout], world: int, rounds: int
+            ) -> tuple[dict[str, list[float]], dict, list[dict]]:
+    """Times of every layout, the calibration (cluster JSON) the same ranks measured right
+    before and after them (each rank's numbers averaged over the two) and those raw numbers."""
     import torch.multiprocessing as mp
 
     from moe_plugin.planner.calibrate import cluster_from
@@ -161,12 +163,18 @@ def measure(model: ModelSpec, layouts: list[Layout], world: int, rounds: int) ->
         mp.spawn(_spawned, args=(world, model, layouts, rounds, tmp), nprocs=world, join=True)
         pairs = [json.loads((Path(tmp) / f"calibration{r}.json").read_text()) for r in range(world)]
         times = json.loads((Path(tmp) / "times.json").read_text())
-    return times, cluster_from([_mean(before, after) for before, after in pairs], world)
+    measurements = [_mean(before, after) for before, after in pairs]
+    return times, cluster_from(measurements, world), measurements
 
 
-def _mean(a: dict, b: dict) -> dict:
-    return {k: ([[x[0], (x[1] + y[1]) / 2] for x, y in zip(a[k], b[k])] if k == "gemm" else (a[k] + b[k]) / 2)
-            for k in a}
+def _mean(a, b):
+    """Mean of two calibrations (same keys; a GEMM point's FLOPs are kept)."""
+    if isinstance(a, dict):
+        return {k: ([[x[0], (x[1] + y[1]) / 2] for x, y in zip(a[k], b[k])] if k == "gemm" else _mean(a[k], b[k]))
+                for k in a}
+    if isinstance(a, list):
+        return [_mean(x, y) for x, y in zip(a, b)]
+    return (a + b) / 2
 
 
 def wait_for_quiet(limit: float = 2.0, wait_s: float = WAIT_S) -> float:
@@ -191,11 +199,12 @@ def validate(worlds: list[int], out: Path, calibration: Optional[Path], rounds: 
         try:
             load_before = wait_for_quiet()
             model = validation_model(world)
-            measured, spec = measure(model, LAYOUTS[world], world, rounds)
+            measured, spec, raw = measure(model, LAYOUTS[world], world, rounds)
         finally:
             BENCH_FLAG.unlink(missing_ok=True)
         load_after = os.getloadavg()[0]
         (out / f"calibration_{world}ranks.json").write_text(json.dumps(spec, indent=2) + "\n")
+        (out / f"calibration_{world}ranks.measurements.json").write_text(json.dumps(raw, indent=2) + "\n")
         cluster = ClusterSpec.load(calibration if calibration is not None else spec)
         for layout in LAYOUTS[world]:
             predicted = step_cost(model, cluster, layout).total
