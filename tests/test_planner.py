@@ -268,7 +268,7 @@ def test_calibration_measurements_make_a_cluster():
             "all_to_all_small": 3e-4, "all_to_all_large": 0.02, "adam_s_per_param": 1e-8, "layer_s": 1e-3}
     slower = {**rank, "gemm": [[1e6, 0.5e9], [1e8, 4e9], [1e9, 4e9]]}
     spec = ClusterSpec.load(cluster_from([rank, slower], 4))
-    assert spec.flops == 4e9 and spec.gemm_efficiency == [[1e6, 0.125], [1e8, 1.0], [1e9, 1.0]]
+    assert spec.flops == 4.5e9 and spec.gemm_efficiency == [[1e6, 0.1667], [1e8, 0.8889], [1e9, 1.0]]   # rank mean
     assert spec.intra_latency == pytest.approx(3e-4 / 3) and spec.allreduce_latency == pytest.approx(6e-4 / 6)
     assert spec.intra_bandwidth == pytest.approx(0.75 * 4 * LARGE / (0.02 - 3e-4))
     assert spec.allreduce_bandwidth == pytest.approx(1.5 * 4 * LARGE / (0.05 - 6e-4))
@@ -285,12 +285,14 @@ def _piece_times(truth: ClusterSpec, world: int) -> dict:
              for mb in TOKENS]
     moe = {str(ep): [sum(cm.moe_layer_time(m, truth, _layout(world, ep=ep, micro_batch=mb)).values()) for mb in TOKENS]
            for ep in (1, world)}
+    head = [3 * truth.gemm_time(2 * mb * m.seq * m.vocab * m.hidden) + truth.logit_element_time * mb * m.seq * m.vocab
+            for mb in TOKENS]
     engine = {}
     for zero in ZERO:
         fixed, per_param = truth.engine_step(zero)
         engine[str(zero)] = [fixed + p * per_param + (p if zero == 0 else p / world) / truth.optimizer_rate
                              + cm._gradient_sync(m, truth, _layout(world, zero=zero), p, 0.0) for p in PARAMS]
-    return {"dense": dense, "moe": moe, "engine": engine}
+    return {"dense": dense, "head": head, "moe": moe, "engine": engine}
 
 
 def test_piece_fit_recovers_the_fields_of_a_machine_that_follows_the_model():
@@ -299,7 +301,7 @@ def test_piece_fit_recovers_the_fields_of_a_machine_that_follows_the_model():
     world = 4
     base = {**CLUSTER, "nodes": 1, "gpus_per_node": world, "allreduce_bandwidth": 2e9, "allreduce_latency": 1e-4,
             "intra_latency": 3e-4, "optimizer_rate": 1e8}
-    hidden = dict(layer_overhead=2e-3, layer_element_time=4e-9, moe_layer_overhead=5e-3, moe_element_time=7e-9,
+    hidden = dict(layer_overhead=2e-3, layer_element_time=4e-9, logit_element_time=1e-9, moe_layer_overhead=5e-3, moe_element_time=7e-9,
                   zero_step_overhead=[4e-3, 6e-3, 8e-3], zero_param_time=[1e-9, 2e-9, 3e-9])
     truth = ClusterSpec.load({**base, **hidden})
     pieces = _piece_times(truth, world)

@@ -5,7 +5,7 @@ N gloo ranks start (``torch.multiprocessing`` spawn, a file rendezvous, ``max(1,
 threads each) and measure together, as a job's ranks share the cores:
 
 * GEMM throughput: fp32 ``[m, k] @ [k, n]`` at a few sizes, all ranks at once for the same wall
-  time (median of 3), the slowest rank's rate. ``flops`` is the
+  time (median of 3), the ranks' mean rate. ``flops`` is the
   best per-rank rate; ``gemm_efficiency`` is each size's rate over it, against the GEMM's FLOPs
   (forward and backward GEMMs of the model run at these shapes).
 * ``all_reduce`` and ``all_to_all`` over all N ranks at a small and a large size: the small one
@@ -108,26 +108,28 @@ class _TinyBlock:
 
 
 def cluster_from(measurements: list[dict], world: int) -> dict:
-    """The cluster JSON (``ClusterSpec`` fields) from every rank's measurements: the slowest
-    rank's numbers, as the slowest rank sets the pace."""
-    gemm = [[flops, min(r["gemm"][i][1] for r in measurements)] for i, (flops, _) in enumerate(measurements[0]["gemm"])]
+    """The cluster JSON (``ClusterSpec`` fields) from every rank's measurements: the ranks' mean
+    (a step sums many pieces, each slowed on a different rank where ranks share cores; the
+    slowest rank's number for each piece would overstate the sum)."""
+    gemm = [[flops, sum(r["gemm"][i][1] for r in measurements) / len(measurements)]
+            for i, (flops, _) in enumerate(measurements[0]["gemm"])]
     peak = max(rate for _, rate in gemm)
     points: dict[float, float] = {}
     for flops, rate in sorted(gemm):
         points[flops] = max(points.get(flops, 0.0), rate / peak)
-    worst = lambda key: max(r[key] for r in measurements)   # noqa: E731
+    mean = lambda key: sum(r[key] for r in measurements) / len(measurements)   # noqa: E731
     spec = {"name": f"this machine ({os.cpu_count()} cores, {world} gloo ranks)", "nodes": 1,
             "gpus_per_node": world, "flops": peak, "gemm_efficiency": [[f, round(e, 4)] for f, e in points.items()],
             "memory": _memory_bytes() / world, "memory_usable": 0.8,
-            "optimizer_rate": 1.0 / worst("adam_s_per_param"), "layer_overhead": worst("layer_s"),
+            "optimizer_rate": 1.0 / mean("adam_s_per_param"), "layer_overhead": mean("layer_s"),
             "step_overhead": 0.0, "oversubscription": max(1.0, world / (os.cpu_count() or 1))}
     if world > 1:
         n = world
-        lat_ar = worst("all_reduce_small") / (2 * (n - 1))
-        lat_a2a = worst("all_to_all_small") / (n - 1)
+        lat_ar = mean("all_reduce_small") / (2 * (n - 1))
+        lat_a2a = mean("all_to_all_small") / (n - 1)
         nbytes = 4 * LARGE
-        bw_a2a = (n - 1) / n * nbytes / max(worst("all_to_all_large") - lat_a2a * (n - 1), 1e-9)
-        bw_ar = 2 * (n - 1) / n * nbytes / max(worst("all_reduce_large") - lat_ar * 2 * (n - 1), 1e-9)
+        bw_a2a = (n - 1) / n * nbytes / max(mean("all_to_all_large") - lat_a2a * (n - 1), 1e-9)
+        bw_ar = 2 * (n - 1) / n * nbytes / max(mean("all_reduce_large") - lat_ar * 2 * (n - 1), 1e-9)
         spec.update(intra_bandwidth=bw_a2a, inter_bandwidth=bw_a2a, intra_latency=lat_a2a, inter_latency=lat_a2a,
                     allreduce_bandwidth=bw_ar, allreduce_latency=lat_ar)
     else:

@@ -4,13 +4,16 @@ as a job's ranks share the machine), and the cluster fields fitted from them.
 The cost model prices GEMMs from the GEMM curve and collectives from the link numbers; what a
 training step spends besides (routing, permutations, norms, the engine's bookkeeping) is charged
 through a few cluster fields. They are fitted here from the pieces the job really runs, each
-timed at two sizes (every iteration starts after a barrier and lasts as long as the slowest rank;
-median of ``ITERS``), by subtracting what the cost model already prices and fitting a line to
+timed at two sizes (every iteration starts after a barrier; the median of ``ITERS`` of the
+ranks' mean), by subtracting what the cost model already prices and fitting a line to
 the rest:
 
 * a dense Megatron transformer layer (the plugin's CPU-friendly local GPT layer spec), forward +
   backward at ``TOKENS`` tokens: ``layer_overhead`` (intercept) and ``layer_element_time``
   (slope per token x hidden element);
+* Megatron's vocab-parallel embedding, output layer and cross entropy, forward + backward: after
+  the output layer's GEMMs the slope per logit is ``logit_element_time`` (its intercept, the
+  embedding gradient's fixed size, is left out: small next to the engine's fixed cost);
 * the plugin's ``MoELayer`` alone, forward + backward, with EP 1 and EP N: after its GEMMs and
   its collectives (four all-to-alls, the count exchange, the finite check, at the measured link
   numbers) the intercept of the least-squares line over the four points is
@@ -55,7 +58,9 @@ def _layout(world: int, ep: int = 1, zero: int = 1, micro_batch: int = 1):
 
 
 def _timed(fn, iters: int = ITERS) -> float:
-    """Median over ``iters`` (after ``WARMUP``) of the slowest rank's seconds of ``fn()``."""
+    """Median over ``iters`` (after ``WARMUP``) of the ranks' mean seconds of ``fn()``. The mean,
+    not the slowest rank: a step sums many pieces and the slowest rank of each is a different
+    one (ranks share cores), so the sum of per-piece maxima would overstate the step."""
     import torch
     import torch.distributed as dist
 
@@ -66,9 +71,9 @@ def _timed(fn, iters: int = ITERS) -> float:
         dist.barrier()
         start = time.perf_counter()
         fn()
-        slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times.append(float(slowest))
+        mean = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(mean)
+        times.append(float(mean) / dist.get_world_size())
     return statistics.median(times)
 
 
@@ -108,6 +113,7 @@ def measure_pieces(rank: int, world: int) -> dict:
             out["moe"][str(ep)] = [_time_moe(model, result, mb) for mb in TOKENS]
             if ep == 1:
                 out["dense"] = [_time_dense(model, mb) for mb in TOKENS]
+                out["head"] = [_time_head(model, mb) for mb in TOKENS]
         finally:
             result.close()
     for zero in ZERO:
@@ -161,6 +167,31 @@ def _time_dense(model, micro_batch: int) -> float:
     return _timed(step)
 
 
+def _time_head(model, micro_batch: int) -> float:
+    """Megatron's vocab-parallel embedding, output layer and cross entropy, forward + backward."""
+    import torch
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=model.hidden, num_attention_heads=model.heads,
+                               use_cpu_initialization=True, gradient_accumulation_fusion=False)
+    init = torch.nn.init.normal_
+    embedding = tensor_parallel.VocabParallelEmbedding(model.vocab, model.hidden, init_method=init, config=config)
+    head = tensor_parallel.ColumnParallelLinear(model.hidden, model.vocab, config=config, init_method=init,
+                                                bias=False, gather_output=False)
+    tokens = torch.randint(0, model.vocab, (micro_batch, model.seq))
+    labels = torch.randint(0, model.vocab, (model.seq, micro_batch))
+    params = [*embedding.parameters(), *head.parameters()]
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        x = embedding(tokens).transpose(0, 1).contiguous()        # [S, B, H]
+        logits = head(x)[0]
+        tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).mean().backward()
+    return _timed(step)
+
+
 def _time_engine(engine) -> float:
     import torch
 
@@ -174,15 +205,14 @@ def _time_engine(engine) -> float:
 
 def fit(spec: dict, pieces: list[dict], world: int) -> dict:
     """The cluster JSON ``spec`` (micro-benchmark fields) with the piece-fitted fields added.
-    ``pieces``: every rank's ``measure_pieces`` (identical: the times are the slowest rank's);
-    their mean is used."""
+    ``pieces``: every rank's ``measure_pieces`` (identical: the times are the ranks' mean)."""
     from moe_plugin.planner import cost_model as cm
     from moe_plugin.planner.spec import ClusterSpec
 
     piece = _mean(pieces)
     model = _model(world)
-    zeroed = dict(layer_overhead=0.0, layer_element_time=0.0, moe_layer_overhead=0.0, moe_element_time=0.0,
-                  zero_step_overhead=[0.0, 0.0, 0.0], zero_param_time=[0.0, 0.0, 0.0])
+    zeroed = dict(layer_overhead=0.0, layer_element_time=0.0, logit_element_time=0.0, moe_layer_overhead=0.0,
+                  moe_element_time=0.0, zero_step_overhead=[0.0, 0.0, 0.0], zero_param_time=[0.0, 0.0, 0.0])
     cluster = ClusterSpec.load({**spec, **zeroed})
     fitted: dict = {}
 
@@ -191,6 +221,11 @@ def fit(spec: dict, pieces: list[dict], world: int) -> dict:
     rest = [t - cm.dense_layer_time(model, cluster, _layout(world, micro_batch=mb), False)["compute"]
             for t, mb in zip(piece["dense"], TOKENS)]
     fitted["layer_overhead"], fitted["layer_element_time"] = _line(xs, rest)
+
+    # embedding, LM head and loss: time - the head's GEMMs = intercept + logit_element_time * T * V
+    xs = [mb * model.seq * model.vocab for mb in TOKENS]
+    rest = [t - 3 * cluster.gemm_time(2 * x * model.hidden) for t, x in zip(piece["head"], xs)]
+    fitted["logit_element_time"] = _line(xs, rest)[1]
 
     # MoE layer at EP 1 and EP N, both sizes: time - its GEMMs and collectives (the link latency as
     # measured) = moe_layer_overhead + moe_element_time * routed elements (least squares)

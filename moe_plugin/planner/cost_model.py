@@ -248,7 +248,7 @@ def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_LE=No
                     parts[k] += v
         if last:
             parts["compute"] += 3 * cluster.gemm_time(2 * T * model.hidden * model.vocab / layout.tp)
-            parts["compute"] += cluster.layer_element_time * T * model.vocab / layout.tp    # softmax, loss
+            parts["compute"] += cluster.logit_element_time * T * model.vocab / layout.tp    # softmax, loss
         if pp > 1:
             nbytes = T * model.hidden * model.activation_bytes
             bw, lat = cluster.link(group_span(layout, "pp"))

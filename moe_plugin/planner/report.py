@@ -18,7 +18,7 @@ from moe_plugin.planner.search import Candidate, ds_config
 from moe_plugin.planner.spec import ClusterSpec, ModelSpec
 
 COLUMNS = ("rank", "layout", "tp", "pp", "ep", "etp", "dp", "zero", "mb x gas", "step ms", "compute", "experts",
-           "a2a", "tp comm", "dp comm", "bubble", "mem GB", "tokens/s")
+           "dispatch", "a2a", "tp comm", "dp comm", "bubble", "mem GB", "tokens/s")
 
 
 def table_rows(candidates: Sequence[Candidate], model: ModelSpec) -> list[list[str]]:
@@ -27,7 +27,8 @@ def table_rows(candidates: Sequence[Candidate], model: ModelSpec) -> list[list[s
         lay, cost = c.layout, c.cost
         rows.append([str(i), lay.name(), str(lay.tp), str(lay.pp), str(lay.ep), str(lay.etp), str(lay.dp),
                      str(lay.zero), f"{lay.micro_batch} x {lay.gas}", f"{1e3 * c.time:.1f}",
-                     f"{1e3 * cost.compute:.1f}", f"{1e3 * cost.experts:.1f}", f"{1e3 * cost.all_to_all:.1f}",
+                     f"{1e3 * cost.compute:.1f}", f"{1e3 * cost.experts:.1f}", f"{1e3 * cost.dispatch:.1f}",
+                     f"{1e3 * cost.all_to_all:.1f}",
                      f"{1e3 * cost.tp_comm:.1f}", f"{1e3 * cost.dp_comm:.1f}", f"{1e3 * cost.bubble:.1f}",
                      f"{cost.memory_total / 1e9:.2f}", f"{model.global_batch * model.seq / c.time:,.0f}"])
     return rows

@@ -121,7 +121,10 @@ class ClusterSpec(_Strict):
                                   "transformer layer and micro-batch, forward and backward together.")
     layer_element_time: float = Field(3e-11, ge=0, description="Seconds per activation element (tokens x hidden) "
                                       "of a layer's non-GEMM work (norms, softmax, activation, residuals, "
-                                      "copies), forward and backward; also charged per logit of the LM head.")
+                                      "copies), forward and backward.")
+    logit_element_time: float = Field(1e-11, ge=0, description="Seconds per logit (tokens x vocab / tp) of the "
+                                      "LM head's and the loss's non-GEMM work (softmax, cross entropy, the "
+                                      "embedding's gradient), forward and backward.")
     moe_layer_overhead: float = Field(2e-4, ge=0, description="Seconds of fixed cost of an MoE layer's routing "
                                       "and dispatch (gate, top-k, sort, permutation, launches) per micro-batch, "
                                       "forward and backward, beyond its GEMMs and collectives.")
