@@ -41,10 +41,15 @@ def test_bubble_formula():
     assert bubble_fraction(1, 8) == 0
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
-    m, c = model(), cluster()
-    cost = step_cost(m, c, layout(pp=2, dp=4, micro_batch=1, gas=4))
-    assert cost.bubble == pytest.approx(bubble_fraction(2, 4) * (cost.total - cost.dp_comm - cost.optimizer
-                                                                  - cost.overhead))
+    m, c = model(), cluster(layer_overhead=0.0)
+    micro = lambda cost: cost.total - cost.dp_comm - cost.optimizer - cost.overhead   # noqa: E731
+    cost, longer = (step_cost(m, c, layout(pp=2, dp=4, micro_batch=1, gas=g)) for g in (4, 5))
+    slowest = micro(longer) - micro(cost)                     # one more micro-batch of the slowest stage
+    assert cost.bubble == pytest.approx(micro(cost) - 4 * slowest)     # fill + drain: the other stage once
+    assert 0 < cost.bubble <= slowest
+    even = model(vocab=1, seq=8)                              # nearly equal stages: the textbook bubble
+    cost = step_cost(even, c, layout(pp=2, dp=4, micro_batch=1, gas=4))
+    assert cost.bubble == pytest.approx(bubble_fraction(2, 4) * micro(cost), rel=0.05)
 
 
 def test_time_grows_with_tokens_and_skew():

@@ -14,8 +14,10 @@ per data-parallel replica, H hidden, F ffn, V vocab, b activation bytes:
          all-to-all (4 per layer)             latency * (ep - 1) + max(sent, received) bytes / bandwidth,
                                               plus two latency-bound collectives (finite check, counts)
     TP all-reduce (4 per dense layer)         2 (tp-1)/tp * T H b / bw + 2 (tp-1) latency
-    pipeline (1F1B)                           (m + pp - 1) * slowest stage's micro-batch time;
-                                              bubble fraction (pp - 1) / (m + pp - 1)
+    pipeline (1F1B)                           m * slowest stage's micro-batch time + one micro-batch of
+                                              each other stage (fill and drain; equal stages: bubble
+                                              fraction (pp - 1) / (m + pp - 1)); bubble slots cost
+                                              max(1/oversubscription, 1/pp) where ranks share cores
     DP gradients (per step)                   ring all-reduce 2 (n-1)/n * grad bytes, dense over dp,
                                               experts over edp; ZeRO-2: reduce-scatter every
                                               micro-batch, all-gather of parameters per step
@@ -260,13 +262,18 @@ def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_LE=No
         updated = dense + expert if layout.zero == 0 else dense / layout.dp + expert / layout.edp
         fixed, per_param = cluster.engine_step(layout.zero)
         optimizer = max(optimizer, updated / cluster.optimizer_rate + (dense + expert) * per_param)
-    slowest = max(per_micro, key=lambda p: sum(p.values()))
-    slots = m + (pp - 1) * bubble_speed(cluster, pp)          # 1F1B: pp - 1 extra micro-batch slots
-    cost = StepCost(**{k: v * slots for k, v in slowest.items()}, dp_comm=dp_comm, optimizer=optimizer)
-    cost.overhead = cluster.layer_overhead * len(stages[0]) * slots + cluster.engine_step(layout.zero)[0]
+    # 1F1B: m micro-batches at the slowest stage's pace, plus the fill and drain through the others
+    # (each other stage once; s = bubble_speed, 1 on dedicated devices)
+    slow = max(range(pp), key=lambda i: sum(per_micro[i].values()))
+    speed = bubble_speed(cluster, pp)
+    fill = {k: sum(p[k] for i, p in enumerate(per_micro) if i != slow) for k in per_micro[slow]}
+    cost = StepCost(**{k: m * v + speed * fill[k] for k, v in per_micro[slow].items()}, dp_comm=dp_comm,
+                    optimizer=optimizer)
+    layer_slots = m * len(stages[slow]) + speed * sum(len(layers) for i, layers in enumerate(stages) if i != slow)
+    cost.overhead = cluster.layer_overhead * layer_slots + cluster.engine_step(layout.zero)[0]
     # the engine's step: gradient-norm and overflow reductions, a few latency-bound all-reduces over the job
     cost.dp_comm += STEP_REDUCTIONS * _collective(cluster, layout.world_size, 8, layout.world_size, "all_reduce")
-    cost.bubble = (pp - 1) * bubble_speed(cluster, pp) * sum(slowest.values())
+    cost.bubble = speed * sum(fill.values())
     cost.memory = max(memory, key=lambda d: sum(d.values()))
     return cost
 
