@@ -70,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--policies", default="static,greedy", help="which runs to train (the analysis needs both)")
     p.add_argument("--only-analyse", action="store_true", help="do not train; analyse the runs already in --out")
+    p.add_argument("--profile", action="store_true",
+                   help="also time every rank's step phases, MoE layers and all-to-alls (profile_<policy>.json)")
     return p.parse_args(argv)
 
 
@@ -105,8 +107,10 @@ def train(args: argparse.Namespace, policy: str) -> Path:
     run_dir = out / policy
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    entry = [str(Path(__file__).resolve()), PROFILE_FLAG, str(out / f"profile_{policy}")] if args.profile else \
+        [str(HERE / "pretrain_gpt_moe.py")]
     command = [str(bin_dir / "deepspeed"), "--num_gpus", str(args.world_size), "--master_port", str(free_port()),
-               str(HERE / "pretrain_gpt_moe.py"),
+               *entry,
                "--deepspeed_config", str(config), "--run-dir", str(run_dir),
                "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
                "--num-attention-heads", "2", "--ffn-hidden-size", str(args.ffn_hidden_size),
@@ -230,7 +234,84 @@ def plot(path: Path, static: dict, dynamic: dict, result: dict) -> Path:
     return path
 
 
+# --- per-rank profile (--profile) ------------------------------------------------------------------
+PROFILE_FLAG = "--rank-profile"
+
+
+def profiled_rank(profile_dir: Path, argv: list[str]) -> int:
+    """One rank of a ``--profile`` run: ``pretrain_gpt_moe.main(argv)`` with timers around its
+    ``micro_batch_loss`` (the forward), its ``train_step`` (the whole step without the placement
+    check) and every row all-to-all of the MoE layers (``comm._all_to_all``: the dispatch and
+    combine exchanges, forward and backward), plus ``bench.step.MoETimer`` hooks on the MoE layers.
+    Writes ``<profile_dir>/rank<r>.jsonl``: per step, wall ms of ``step``, ``forward``,
+    ``backward_optimizer`` (step - forward), ``moe_forward``, ``moe_backward``, ``all_to_all``
+    (time inside the exchanges: waiting for the slowest rank plus moving rows), ``expert_compute``
+    (MoE forward + backward - all_to_all: routing, gathers, expert GEMMs), ``cpu`` (process CPU ms)."""
+    import time
+
+    import pretrain_gpt_moe as pretrain
+
+    from moe_plugin.bench.step import MoETimer
+    from moe_plugin.layers import MoELayer, comm
+
+    rank = int(os.environ.get("RANK", "0"))
+    profile_dir.mkdir(parents=True, exist_ok=True)
+    records, state = [], {"timer": None, "a2a": 0.0, "forward": 0.0}
+    exchange, forward, train_step = comm._all_to_all, pretrain.micro_batch_loss, pretrain.train_step
+
+    def timed_exchange(*a, **k):
+        began = time.perf_counter()
+        try:
+            return exchange(*a, **k)
+        finally:
+            state["a2a"] += time.perf_counter() - began
+
+    def timed_forward(engine, *a, **k):
+        began = time.perf_counter()
+        try:
+            return forward(engine, *a, **k)
+        finally:
+            state["forward"] += time.perf_counter() - began
+
+    def timed_step(run, data, plan, step):
+        if state["timer"] is None:
+            state["timer"] = MoETimer([m for m in run.engine.module.modules() if isinstance(m, MoELayer)])
+        timer = state["timer"]
+        timer.reset()
+        state.update(a2a=0.0, forward=0.0)
+        cpu, began = os.times(), time.perf_counter()
+        loss = train_step(run, data, plan, step)
+        wall, cpu_after = time.perf_counter() - began, os.times()
+        moe = timer.forward[0] + timer.backward[0]
+        records.append({"step": step + 1, "step_ms": 1e3 * wall, "forward_ms": 1e3 * state["forward"],
+                        "backward_optimizer_ms": 1e3 * (wall - state["forward"]),
+                        "moe_forward_ms": 1e3 * timer.forward[0], "moe_backward_ms": 1e3 * timer.backward[0],
+                        "all_to_all_ms": 1e3 * state["a2a"], "expert_compute_ms": 1e3 * (moe - state["a2a"]),
+                        "cpu_ms": 1e3 * ((cpu_after.user + cpu_after.system) - (cpu.user + cpu.system))})
+        return loss
+
+    comm._all_to_all, pretrain.micro_batch_loss, pretrain.train_step = timed_exchange, timed_forward, timed_step
+    try:
+        return pretrain.main(argv)
+    finally:
+        (profile_dir / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def profile_summary(profile_dir: Path, warmup: int) -> dict:
+    """{rank: {phase: median ms over the steps after ``warmup``}} of a ``--profile`` run."""
+    out = {}
+    for path in sorted(profile_dir.glob("rank*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines()][warmup:]
+        keys = [k for k in rows[0] if k.endswith("_ms")]
+        out[path.stem] = {k[:-3]: round(float(np.median([r[k] for r in rows])), 1) for k in keys}
+    return out
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if PROFILE_FLAG in argv:   # a rank started by train(..., profile): the deepspeed launcher adds --local_rank
+        i = argv.index(PROFILE_FLAG)
+        return profiled_rank(Path(argv[i + 1]), argv[:i] + argv[i + 2:])
     args = parse_args(argv)
     out = Path(args.out)
     before = os.getloadavg()[0]
@@ -241,6 +322,9 @@ def main(argv=None) -> int:
             return 0
     static, dynamic = analyse(out / "static"), analyse(out / "greedy")
     result = figures(args, static, dynamic, [before, os.getloadavg()[0]])
+    if args.profile or (out / "profile_static").is_dir():
+        result["profile"] = {policy: profile_summary(out / f"profile_{policy}", args.warmup)
+                             for policy in ("static", "greedy") if (out / f"profile_{policy}").is_dir()}
     result["plot"] = str(plot(out / "placement_experiment.png", static, dynamic, result))
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result), flush=True)
