@@ -290,8 +290,7 @@ def _piece_times(truth: ClusterSpec, world: int) -> dict:
              for mb in TOKENS]
     moe = {str(ep): [sum(cm.moe_layer_time(m, truth, _layout(world, ep=ep, micro_batch=mb)).values()) for mb in TOKENS]
            for ep in (1, world)}
-    head = [3 * truth.gemm_time(2 * mb * m.seq * m.vocab * m.hidden) + truth.logit_element_time * mb * m.seq * m.vocab
-            for mb in TOKENS]
+    head = [truth.logit_element_time * mb * m.seq * m.vocab for mb in TOKENS]
     engine = {}
     for zero in ZERO:
         fixed, per_param = truth.engine_step(zero)
