@@ -163,6 +163,8 @@ def test_example_jsons_load():
     for name in ("gpt_moe_125m_e8.json", "gpt_moe_125m_e64.json", "tiny_cpu.json"):
         ModelSpec.load(EXAMPLES / name)
     assert ClusterSpec.load(EXAMPLES / "cluster_8x8_a100.json").world_size == 64
+    cpu = ClusterSpec.load(EXAMPLES / "cluster_cpu_4ranks.json")      # what a calibration writes
+    assert cpu.world_size == 4 and cpu.oversubscription == 2.0 and cpu.zero_step_overhead is not None
     json.loads((EXAMPLES / "cluster_8x8_a100.json").read_text())
 
 
