@@ -272,7 +272,7 @@ def test_calibration_measurements_make_a_cluster():
     from moe_plugin.planner.calibrate import LARGE, cluster_from
 
     rank = {"gemm": [[1e6, 1e9], [1e8, 4e9], [1e9, 5e9]], "all_reduce_small": 6e-4, "all_reduce_large": 0.05,
-            "all_to_all_small": 3e-4, "all_to_all_large": 0.02, "adam_s_per_param": 1e-8, "layer_s": 1e-3}
+            "all_to_all_small": 3e-4, "all_to_all_large": 0.02, "adam_s_per_param": 1e-8}
     slower = {**rank, "gemm": [[1e6, 0.5e9], [1e8, 4e9], [1e9, 4e9]]}
     spec = ClusterSpec.load(cluster_from([rank, slower], 4))
     assert spec.flops == 4.5e9 and spec.gemm_efficiency == [[1e6, 0.1667], [1e8, 0.8889], [1e9, 1.0]]   # rank mean
@@ -307,7 +307,8 @@ def test_piece_fit_recovers_the_fields_of_a_machine_that_follows_the_model():
     world = 4
     base = {**CLUSTER, "nodes": 1, "gpus_per_node": world, "allreduce_bandwidth": 2e9, "allreduce_latency": 1e-4,
             "intra_latency": 3e-4, "optimizer_rate": 1e8}
-    hidden = dict(layer_overhead=2e-3, layer_element_time=4e-9, logit_element_time=1e-9, moe_layer_overhead=5e-3, moe_element_time=7e-9,
+    hidden = dict(layer_overhead=2e-3, layer_element_time=4e-9, logit_element_time=1e-9, moe_layer_overhead=5e-3,
+                  moe_element_time=7e-9,
                   zero_step_overhead=[4e-3, 6e-3, 8e-3], zero_param_time=[1e-9, 2e-9, 3e-9])
     truth = ClusterSpec.load({**base, **hidden})
     pieces = _piece_times(truth, world)

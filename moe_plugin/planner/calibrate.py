@@ -10,12 +10,14 @@ threads each) and measure together, as a job's ranks share the cores:
   (forward and backward GEMMs of the model run at these shapes).
 * ``all_reduce`` and ``all_to_all`` over all N ranks at a small and a large size: the small one
   gives the latency per message, the large one the bandwidth (ring all-reduce moves
-  2 (N-1)/N of the bytes over 2 (N-1) messages; an all-to-all sends (N-1)/N). The cluster's
-  one link gets the all-to-all bandwidth and the mean latency (the MoE layer's traffic).
+  2 (N-1)/N of the bytes over 2 (N-1) messages; an all-to-all sends (N-1)/N): the all-to-all's
+  numbers are the link's (``intra_*``), the all-reduce's ``allreduce_bandwidth`` / ``_latency``.
 * ``optimizer_rate``: parameters per second of torch's AdamW step (foreach), as DeepSpeed runs it
   with ``torch_adam``.
-* ``layer_overhead``: forward + backward of a tiny pre-LN transformer block (hidden 8, 8 tokens):
-  FLOPs are nil, so the time is the fixed cost of its ~40 autograd operations.
+* the real pieces (``calibrate_pieces.py``): a Megatron layer, the embedding and loss, the
+  plugin's MoE layer, the DeepSpeed engine's step under each ZeRO stage -> the non-GEMM fields
+  (``layer_overhead``, ``layer_element_time``, ``logit_element_time``, ``moe_layer_overhead``,
+  ``moe_element_time``, ``zero_step_overhead``, ``zero_param_time``).
 
 Raw numbers go to ``<out>.measurements.json`` next to the cluster JSON. Nothing is assumed about
 the device: on a GPU machine the same code times the accelerator's tensors (gloo is CPU only,
@@ -81,30 +83,7 @@ def measure(rank: int, world: int) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
     opt.step()
     out["adam_s_per_param"] = _median_time(opt.step, 5, barrier) / sum(p.numel() for p in params)
-    block = _TinyBlock()
-    x = torch.randn(8, 1, 8, requires_grad=True)
-    block(x).sum().backward()
-    out["layer_s"] = _median_time(lambda: block(x).sum().backward(), 20, barrier)
     return out
-
-
-class _TinyBlock:
-    """A pre-LN transformer block at hidden 8: attention (QKV, softmax, projection) and an MLP."""
-
-    def __init__(self) -> None:
-        import torch
-
-        self.ln1, self.ln2 = torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)
-        self.qkv, self.proj = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
-        self.fc1, self.fc2 = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
-
-    def __call__(self, x):
-        import torch
-
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-        att = torch.softmax(q.transpose(0, 1) @ k.transpose(0, 1).transpose(1, 2) / 8 ** 0.5, dim=-1)
-        x = x + self.proj((att @ v.transpose(0, 1)).transpose(0, 1))
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
 
 
 def cluster_from(measurements: list[dict], world: int) -> dict:
@@ -121,8 +100,8 @@ def cluster_from(measurements: list[dict], world: int) -> dict:
     spec = {"name": f"this machine ({os.cpu_count()} cores, {world} gloo ranks)", "nodes": 1,
             "gpus_per_node": world, "flops": peak, "gemm_efficiency": [[f, round(e, 4)] for f, e in points.items()],
             "memory": _memory_bytes() / world, "memory_usable": 0.8,
-            "optimizer_rate": 1.0 / mean("adam_s_per_param"), "layer_overhead": mean("layer_s"),
-            "step_overhead": 0.0, "oversubscription": max(1.0, world / (os.cpu_count() or 1))}
+            "optimizer_rate": 1.0 / mean("adam_s_per_param"),
+            "oversubscription": max(1.0, world / (os.cpu_count() or 1))}
     if world > 1:
         n = world
         lat_ar = mean("all_reduce_small") / (2 * (n - 1))
@@ -194,7 +173,10 @@ def calibrate(out: Path, world: int) -> dict:
     print(f"{spec['name']}: GEMM peak {spec['flops'] / 1e9:.1f} GFLOP/s per rank (efficiency "
           f"{', '.join(f'{e:.2f}' for _, e in spec['gemm_efficiency'])}), link {spec['intra_bandwidth'] / 1e9:.2f} GB/s, "
           f"latency {1e6 * spec['intra_latency']:.0f} us, Adam {spec['optimizer_rate'] / 1e6:.0f} M params/s, "
-          f"layer overhead {1e3 * spec['layer_overhead']:.2f} ms; wrote {out}")
+          f"layer {1e3 * spec['layer_overhead']:.1f} ms + {1e9 * spec['layer_element_time']:.0f} ns/element, MoE "
+          f"{1e3 * spec['moe_layer_overhead']:.1f} ms + {1e9 * spec['moe_element_time']:.0f} ns/element, engine "
+          f"(ZeRO 0/1/2) {'/'.join(f'{1e3 * x:.0f}' for x in spec['zero_step_overhead'])} ms + "
+          f"{'/'.join(f'{1e9 * x:.0f}' for x in spec['zero_param_time'])} ns/param; wrote {out}")
     return spec
 
 
