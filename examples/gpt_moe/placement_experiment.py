@@ -345,7 +345,10 @@ def main(argv=None) -> int:
         if args.policies != "static,greedy":
             return 0
     static, dynamic = analyse(out / "static"), analyse(out / "greedy")
-    result = figures(args, static, dynamic, [before, os.getloadavg()[0]])
+    loadavg = [before, os.getloadavg()[0]]
+    if args.only_analyse and (out / "result.json").exists():   # keep the load of the runs, not of this re-print
+        loadavg = json.loads((out / "result.json").read_text()).get("loadavg", loadavg)
+    result = figures(args, static, dynamic, loadavg)
     if args.profile or (out / "profile_static").is_dir():
         result["profile"] = {policy: profile_summary(out / f"profile_{policy}", args.warmup)
                              for policy in ("static", "greedy") if (out / f"profile_{policy}").is_dir()}
