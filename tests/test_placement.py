@@ -379,6 +379,8 @@ def _controller_child(rank, world_size, run_dir, variants):
 
 def test_controller_switches_only_when_it_pays(dist_run, tmp_path):
     variants = {"switch": {}, "costly": {"moved_bytes": 10 ** 12}, "greedy_gain": {"min_gain": 0.6}}
+    (tmp_path / "switch").mkdir()
+    (tmp_path / "switch" / "placement.jsonl").write_text('{"event": "switch", "from": "an older run"}\n')
     results = dist_run(_controller_child, 2, str(tmp_path), variants)
     for key in variants:   # both ranks decide alike
         assert results[0][key]["calls"] == results[1][key]["calls"]
@@ -397,7 +399,8 @@ def test_controller_switches_only_when_it_pays(dist_run, tmp_path):
     assert second["hot"]["predicted_at_last_check"] == pytest.approx(first["hot"]["seconds_new"])
     assert second["hot"]["realised_seconds"] == pytest.approx(second["hot"]["seconds_now"])
     assert first["hot"]["measured_seconds"] == 0.5
-    events = [(e["event"], e.get("layer", e.get("layers"))) for e in r["log"]]   # one writer: no duplicates
+    # one writer (no duplicates), and a new run's log (the older run's line is gone)
+    events = [(e["event"], e.get("layer", e.get("layers"))) for e in r["log"]]
     assert events == [("check", "hot"), ("check", "even"), ("switch", ["hot"]), ("check", "hot"), ("check", "even")]
     assert r["log"][2]["moved_bytes"] == first["hot"]["moved_bytes"] > 0
 

@@ -120,12 +120,8 @@ def train(args: argparse.Namespace, policy: str) -> Path:
     config = out / f"{policy}.json"
     config.write_text(json.dumps(ds_config(args, policy), indent=2) + "\n")
     run_dir = out / policy
-    for stale in (run_dir / "placement.jsonl", out / f"profile_{policy}"):   # the controller appends to its log
-        if stale.is_dir():
-            for f in stale.glob("rank*.jsonl"):
-                f.unlink()
-        elif stale.exists():
-            stale.unlink()
+    for stale in (out / f"profile_{policy}").glob("rank*.jsonl"):   # an older run's profile
+        stale.unlink()
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     entry = [str(Path(__file__).resolve()), PROFILE_FLAG, str(out / f"profile_{policy}")] if args.profile else \

@@ -142,8 +142,8 @@ def training_placement(run: Any, run_dir: Union[str, Path, None] = None, *, cost
 
     ``run_dir``: where ``placement.jsonl`` and a relative ``trace_file`` go (default: the current
     directory for the trace, no log file). ``cost``: the controller's cost model (default:
-    ``cpu_cost_model`` on CPU, ``CostModel()`` otherwise). ``resumed``: append to an existing
-    trace (a run resumed from a checkpoint)."""
+    ``cpu_cost_model`` on CPU, ``CostModel()`` otherwise). ``resumed``: append to the existing
+    trace and ``placement.jsonl`` (a run resumed from a checkpoint); otherwise both start anew."""
     if not hasattr(run, "engine") or not hasattr(run, "moe_config"):
         raise TypeError(f"training_placement takes what moe_plugin.initialize returned, got {type(run).__name__}")
     config = run.moe_config.placement
@@ -166,7 +166,7 @@ def training_placement(run: Any, run_dir: Union[str, Path, None] = None, *, cost
 
     controller = PlacementController(run, config, lambda placements: migration.migrate(run, placements),
                                      tracker=tracker, cost=cost if cost is not None else _default_cost(layers),
-                                     run_dir=run_dir, moved_bytes_fn=moved_bytes)
+                                     run_dir=run_dir, moved_bytes_fn=moved_bytes, append_log=resumed)
     return TrainingPlacement(run, controller)
 
 

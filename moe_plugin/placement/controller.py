@@ -165,7 +165,7 @@ class PlacementController:
     def __init__(self, model: Union[nn.Module, Any], config: PlacementConfig, migrate_fn: MigrateFn, *,
                  tracker: Optional[LoadTracker] = None, cost: CostModel = CostModel(),
                  run_dir: Union[str, Path, None] = None, moved_bytes_fn: MovedBytesFn = default_moved_bytes,
-                 node_of_rank: Optional[Sequence[int]] = None, groups: Any = None):
+                 node_of_rank: Optional[Sequence[int]] = None, groups: Any = None, append_log: bool = False):
         if hasattr(model, "engine") and hasattr(model, "groups"):
             model, groups = model.engine.module, groups or model.groups
         self.model, self.config, self.migrate_fn = model, config, migrate_fn
@@ -190,6 +190,8 @@ class PlacementController:
         self._measured: dict[str, list[float]] = {n: [] for n in self.layers}
         self._writes_log = self.groups is None or self.groups.rank_in("tp_dp") == 0
         self._log_path = self._log_file() if self._writes_log else None
+        if self._log_path is not None and not append_log:
+            self._log_path.write_text("")      # a new run's log; a resumed run passes append_log=True
 
     # -- setup -------------------------------------------------------------------------------
     def _nodes(self) -> list[int]:
