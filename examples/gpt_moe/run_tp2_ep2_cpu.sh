@@ -1,12 +1,4 @@
 #!/usr/bin/env bash
-# Train the tiny GPT-MoE on 4 CPU ranks with configs/tp2_ep2_4rank.json (gloo; no GPU needed).
+# Train the tiny GPT-MoE on 4 CPU ranks with configs/tp2_ep2_4rank.json (see launch_cpu.sh).
 #   examples/gpt_moe/run_tp2_ep2_cpu.sh [more flags for pretrain_gpt_moe.py]
-# Metrics: runs/tp2_ep2_4rank/metrics.jsonl, plot: runs/tp2_ep2_4rank/metrics.png (relative to the repository).
-set -euo pipefail
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="$(cd "$HERE/../.." && pwd)"
-source "$HERE/tiny_model_flags.sh"
-cd "$ROOT"
-export PATH="$ROOT/.venv/bin:$PATH"   # the launcher starts the ranks with the python it finds first
-exec deepspeed --num_gpus 4 examples/gpt_moe/pretrain_gpt_moe.py \
-    --deepspeed_config examples/gpt_moe/configs/tp2_ep2_4rank.json "${TINY_MODEL_FLAGS[@]}" "$@"
+exec "$(dirname "${BASH_SOURCE[0]}")/launch_cpu.sh" tp2_ep2_4rank 4 "$@"
