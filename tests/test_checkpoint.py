@@ -172,24 +172,31 @@ def _resume(root: str, name: str, case: dict) -> dict:
     return out
 
 
-def _reshard(root: str, saved: str, case: dict, with_optimizer: bool) -> dict:
+def _load_resharded(run, path: str, with_optimizer: bool, evaluate, resume) -> dict:
+    """Load ``path`` into ``run`` (another layout): without optimizer states the plain load must
+    be refused first (the error is returned). Then the eval loss, the step counter and, with
+    optimizer states, the losses of ``resume()``. Closes ``run``."""
     from moe_plugin.integration.checkpoint import CheckpointError, load_checkpoint
 
     out = {}
-    run = _engine(case)
     try:
         if not with_optimizer:
             with pytest.raises(CheckpointError) as failure:
-                load_checkpoint(run, os.path.join(root, saved))
+                load_checkpoint(run, path)
             out["error"] = str(failure.value)
-        load_checkpoint(run, os.path.join(root, saved), load_optimizer_states=with_optimizer)
-        out["eval"] = _eval_loss(run)
+        load_checkpoint(run, path, load_optimizer_states=with_optimizer)
+        out["eval"] = evaluate(run)
         out["global_steps"] = run.engine.global_steps
         if with_optimizer:
-            out["resumed"] = _train(run, range(SAVE_AT, STEPS))
+            out["resumed"] = resume(run)
     finally:
         run.close()
     return out
+
+
+def _reshard(root: str, saved: str, case: dict, with_optimizer: bool) -> dict:
+    return _load_resharded(_engine(case), os.path.join(root, saved), with_optimizer, _eval_loss,
+                           lambda run: _train(run, range(SAVE_AT, STEPS)))
 
 
 def _bad_inputs(root: str) -> dict:
@@ -334,23 +341,9 @@ def _pipe_resume(root: str, name: str, parallel: dict, stage: int) -> dict:
 
 
 def _pipe_reshard(root: str, saved: str, parallel: dict, stage: int, with_optimizer: bool) -> dict:
-    from moe_plugin.integration.checkpoint import CheckpointError, load_checkpoint
-
-    out = {}
-    run = _pipe_engine(parallel, stage)
-    try:
-        if not with_optimizer:
-            with pytest.raises(CheckpointError) as failure:
-                load_checkpoint(run, os.path.join(root, saved))
-            out["error"] = str(failure.value)
-        load_checkpoint(run, os.path.join(root, saved), load_optimizer_states=with_optimizer)
-        out["eval"] = run.engine.eval_batch(_micro_batches(run, 999)).item()
-        out["global_steps"] = run.engine.global_steps
-        if with_optimizer:
-            out["resumed"] = _pipe_train(run, range(PIPE_SAVE_AT, PIPE_STEPS))
-    finally:
-        run.close()
-    return out
+    return _load_resharded(_pipe_engine(parallel, stage), os.path.join(root, saved), with_optimizer,
+                           lambda run: run.engine.eval_batch(_micro_batches(run, 999)).item(),
+                           lambda run: _pipe_train(run, range(PIPE_SAVE_AT, PIPE_STEPS)))
 
 
 def _pipe_into_plain_engine(root: str) -> dict:
