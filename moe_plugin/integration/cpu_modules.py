@@ -5,7 +5,7 @@ tensor-parallel rank, hn head dim, hp = np * hn.
 
 * ``SDPAttention`` replaces ``DotProductAttention`` (the core attention of Megatron's local
   spec), whose forward takes its score buffer from ``get_global_memory_buffer()``, allocated
-  on ``torch.cuda.current_device()``: "Torch not compiled with CUDA enabled" on a CPU build.
+  on the current CUDA device: "Torch not compiled with CUDA enabled" on a CPU build.
   Same constructor and forward signature, same maths (softmax(q k^T * scale) v, Megatron's
   mask convention), computed by ``torch.nn.functional.scaled_dot_product_attention``.
 * ``TorchNorm`` replaces ``WrappedTorchNorm`` (the norm of the local spec when apex is
