@@ -7,6 +7,7 @@
     moe-plugin bench step [--ranks 4] [--ep N] [--layers 4] [--hidden 256] [--experts 8] [--json] ...
     moe-plugin plan --model MODEL.json --cluster CLUSTER.json [--trace FILE] [--out DIR] [--top N]
     moe-plugin plan --calibrate out.json [--ranks 4] | --validate [--ranks 4,8]
+    moe-plugin report RUN_DIR [RUN_DIR ...] [--out DIR]
 
 A bad config or bad sizes exit with status 2 and one line ``error: <message>`` on stderr.
 Nothing here creates a process group or imports torch.distributed (``bench`` imports torch when run).
@@ -26,6 +27,7 @@ from moe_plugin.configs.schema import DEFAULT_ORDER
 from moe_plugin.groups.layout import RankLayout
 from moe_plugin.groups.report import group_lists, rank_groups
 from moe_plugin.planner.plan import add_plan_parser
+from moe_plugin.report import write_report
 
 EXIT_BAD_INPUT = 2
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json"
@@ -98,6 +100,11 @@ def _section(title: str) -> None:
     print(f"\n== {title}")
 
 
+def report(args: argparse.Namespace) -> None:
+    for path in write_report(args.run_dirs, args.out):
+        print(path)
+
+
 def _show_layout(rank_layout: RankLayout) -> None:
     print(rank_layout.table())
     print("\nGroups each rank joins:")
@@ -139,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     example.add_argument("--config", type=Path, default=DEMO_CONFIG, help="DeepSpeed JSON to show "
                          "(default: examples/gpt_moe/configs/tiny_cpu_4rank.json)")
     example.set_defaults(run=demo)
+
+    runs = commands.add_parser("report", help="tables (report.md) and plots of GPT-MoE example run directories")
+    runs.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="a --run-dir of the example")
+    runs.add_argument("--out", type=Path, default=None, help="where to write (default: the first RUN_DIR)")
+    runs.set_defaults(run=report)
 
     add_bench_parser(commands, bench_layer, bench_step)
     add_plan_parser(commands, plan)
