@@ -8,10 +8,11 @@ INSTALL_REQUIRES = [
     "megatron-core>=0.16.1,<0.17",
     "numpy>=2.0,<3",
     "pydantic>=2.10,<3",
+    "matplotlib>=3.8,<4",   # the example's plots and moe-plugin report
 ]
 
 EXTRAS_REQUIRE = {
-    "test": ["pytest>=8,<10", "matplotlib>=3.8,<4"],
+    "test": ["pytest>=8,<10"],
     # apex is optional: fused kernels are used when it is importable, torch fallbacks otherwise.
     # It is not on the package index under that name; install it from NVIDIA's sources.
     "apex": [],
