@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
-from moe_plugin.layers.moe_layer import MoELayer, MoEStats, reduce_stats
+from moe_plugin.layers.moe_layer import MoELayer, StatsSum, reduce_stats
 
 if TYPE_CHECKING:
     from moe_plugin.groups.process_groups import ProcessGroups
@@ -63,39 +63,6 @@ class LayerMetrics:
         return max(self.tokens_per_expert) * len(self.tokens_per_expert) / total if total else 0.0
 
 
-class _Accumulator:
-    """Sums of one layer's ``last_stats`` over training forwards (tensors stay on the device)."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.kept: Optional[Tensor] = None
-        self.routed: Optional[Tensor] = None
-        self.balance: Optional[Tensor] = None
-        self.z: Optional[Tensor] = None
-        self.forwards = 0
-        self.capacity: Optional[int] = None
-
-    def add(self, stats: MoEStats) -> None:
-        if self.forwards == 0:
-            self.kept, self.routed = stats.kept_per_expert.clone(), stats.routed_per_expert.clone()
-            self.balance, self.z = stats.balance_loss.clone().double(), stats.z_loss.clone().double()
-        else:
-            self.kept += stats.kept_per_expert
-            self.routed += stats.routed_per_expert
-            self.balance += stats.balance_loss
-            self.z += stats.z_loss
-        self.forwards += 1
-        self.capacity = stats.capacity
-
-    def as_stats(self) -> MoEStats:
-        """The sums as one ``MoEStats``: counts summed, losses averaged over the forwards."""
-        return MoEStats(kept_per_expert=self.kept, routed_per_expert=self.routed, dropped_fraction=torch.zeros(()),
-                        balance_loss=(self.balance / self.forwards).float(), z_loss=(self.z / self.forwards).float(),
-                        capacity=self.capacity)
-
-
 class ExpertMetrics:
     """Expert load metrics of every ``MoELayer`` in ``model`` (see the module docstring).
 
@@ -117,7 +84,7 @@ class ExpertMetrics:
         self.groups = groups if groups is not None else self.layers[0][1].groups
         self.per_expert = per_expert
         self._z_on = any(layer.config.z_loss_coeff > 0 for _, layer in self.layers)
-        self._sums = {index: _Accumulator() for index, _ in self.layers}
+        self._sums = {index: StatsSum() for index, _ in self.layers}
         self._hooks = [layer.register_forward_hook(self._hook(index)) for index, layer in self.layers]
         self.metrics: list[LayerMetrics] = []
 

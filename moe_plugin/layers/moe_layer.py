@@ -93,6 +93,46 @@ def reduce_stats(stats: MoEStats, group: comm.Group) -> MoEStats:
                     capacity=stats.capacity, traffic_PE=stats.traffic_PE)
 
 
+class StatsSum:
+    """The ``MoEStats`` of several forwards of one layer added up (tensors stay on the device, no
+    host sync): counts and the traffic matrix summed, losses averaged by ``as_stats()``. What a
+    logger or a load tracker keeps between its reads of ``last_stats``."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.kept: Optional[Tensor] = None       # [E]
+        self.routed: Optional[Tensor] = None     # [E]
+        self.traffic: Optional[Tensor] = None    # [P, E], None without EP
+        self.balance: Optional[Tensor] = None    # fp64 sums of the losses
+        self.z: Optional[Tensor] = None
+        self.forwards = 0
+        self.capacity: Optional[int] = None
+
+    def add(self, stats: MoEStats) -> None:
+        if self.forwards == 0:
+            self.kept, self.routed = stats.kept_per_expert.long().clone(), stats.routed_per_expert.long().clone()
+            self.traffic = None if stats.traffic_PE is None else stats.traffic_PE.long().clone()
+            self.balance, self.z = stats.balance_loss.double().clone(), stats.z_loss.double().clone()
+        else:
+            self.kept += stats.kept_per_expert
+            self.routed += stats.routed_per_expert
+            if self.traffic is not None:
+                self.traffic += stats.traffic_PE
+            self.balance += stats.balance_loss
+            self.z += stats.z_loss
+        self.forwards += 1
+        self.capacity = stats.capacity
+
+    def as_stats(self) -> MoEStats:
+        """The sums as one ``MoEStats`` (losses: the mean over the forwards; the dropped fraction
+        is left to ``reduce_stats``, which recomputes it from the counts)."""
+        return MoEStats(kept_per_expert=self.kept, routed_per_expert=self.routed, dropped_fraction=torch.zeros(()),
+                        balance_loss=(self.balance / self.forwards).float(), z_loss=(self.z / self.forwards).float(),
+                        capacity=self.capacity, traffic_PE=self.traffic)
+
+
 def _check_sizes(config: MoEConfig, parallel: LayerParallelism) -> None:
     """The config's parallel block must describe the groups the layer receives."""
     p = config.parallel

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe_plugin.layers.moe_layer import MoELayer, MoEStats
+from moe_plugin.layers.moe_layer import MoELayer, StatsSum
 from moe_plugin.placement.trace import TraceMeta, TraceWriter
 
 if TYPE_CHECKING:
@@ -80,27 +80,6 @@ class _Ring:
     @property
     def filled(self) -> int:
         return min(self.count, self.values.shape[0])
-
-
-class _StepSums:
-    """One layer's ``last_stats`` summed over the training forwards of the current step."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.routed: Optional[Tensor] = None
-        self.traffic: Optional[Tensor] = None
-        self.forwards = 0
-
-    def add(self, stats: MoEStats) -> None:
-        traffic = stats.traffic_PE if stats.traffic_PE is not None else stats.kept_per_expert[None]
-        if self.forwards == 0:
-            self.routed, self.traffic = stats.routed_per_expert.long().clone(), traffic.long().clone()
-        else:
-            self.routed += stats.routed_per_expert
-            self.traffic += traffic
-        self.forwards += 1
 
 
 def _collective_device(group: dist.ProcessGroup, tensors: dict[str, Tensor]) -> torch.device:
@@ -148,7 +127,7 @@ class LoadTracker:
         self._tokens = first.parallel.tokens if first is not None else None
         tokens_size = dist.get_world_size(self._tokens) if self._tokens is not None else 1
         self.needs_reduce = self._tokens is not None and tokens_size != self.ep_size
-        self._sums = {name: _StepSums() for name in self.layers}
+        self._sums = {name: StatsSum() for name in self.layers}
         self._rings: dict[str, _Ring] = {}
         self._hooks = [layer.register_forward_hook(self._hook(name)) for name, layer in self.layers.items()]
         self.tracing = trace_path is not None   # rings then hold stage sums, not this rank's share
@@ -181,7 +160,8 @@ class LoadTracker:
             raise RuntimeError(f"step {step}: MoE layers {missing} ran no training forward since the last "
                                "end_step(); call it once per step, after the step's forwards")
         routed = {n: s.routed for n, s in self._sums.items()}
-        traffic = {n: s.traffic for n, s in self._sums.items()}
+        # kept routes per sender and expert; without EP one sender row: the kept load
+        traffic = {n: s.traffic if s.traffic is not None else s.kept[None] for n, s in self._sums.items()}
         if self.tracing:
             routed, traffic = self._reduce(routed, traffic)
             self._write_trace(step, routed, traffic)
