@@ -199,21 +199,3 @@ def all_reduce_grad(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group is None:
         return x
     return _AllReduceGrad.apply(x, group)
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
-
-
-def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
-    """Identity forward; the gradient is multiplied by ``factor``."""
-    if factor == 1.0:
-        return x
-    return _ScaleGrad.apply(x, factor)

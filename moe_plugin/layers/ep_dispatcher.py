@@ -99,8 +99,8 @@ class ExpertParallelDispatcher(TokenDispatcher):
                             counts_SL.view(p.etp_size, -1).sum(1)]).tolist()   # the one host sync
         P = p.ep_size
         sort_R, unsort_R = source_to_expert_order(counts_SL, total=sum(splits[2 * P:]))
-        exchange = Exchange(traffic_PS=traffic_PS, send_splits=splits[:P], recv_splits=splits[P:2 * P], etp_splits=splits[2 * P:],
-                            counts_L=counts_SL.sum(0), sort_R=sort_R, unsort_R=unsort_R)
+        exchange = Exchange(traffic_PS=traffic_PS, send_splits=splits[:P], recv_splits=splits[P:2 * P],
+                            etp_splits=splits[2 * P:], counts_L=counts_SL.sum(0), sort_R=sort_R, unsort_R=unsort_R)
         return dataclasses.replace(plan, exchange=exchange)
 
     def to_experts(self, x_TH: Tensor, plan: RoutingPlan) -> tuple[Tensor, Tensor, Tensor]:
