@@ -247,3 +247,8 @@ class MoELayer(nn.Module):
         if self.parallel.tokens is not None:
             dist.all_reduce(load_E, group=self.parallel.tokens)
         self.router.update_bias(load_E)
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoELayer]:
+    """This rank's MoE layers by module name, in module order."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}

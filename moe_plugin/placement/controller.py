@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_plugin.configs.schema import PlacementConfig
-from moe_plugin.layers.moe_layer import MoELayer
+from moe_plugin.layers.moe_layer import MoELayer, moe_layers
 from moe_plugin.placement import policies
 from moe_plugin.placement.tracking import LoadTracker, WindowLoad
 
@@ -170,7 +170,7 @@ class PlacementController:
             model, groups = model.engine.module, groups or model.groups
         self.model, self.config, self.migrate_fn = model, config, migrate_fn
         self.cost, self.moved_bytes_fn = cost, moved_bytes_fn
-        self.layers: dict[str, MoELayer] = {n: m for n, m in model.named_modules() if isinstance(m, MoELayer)}
+        self.layers: dict[str, MoELayer] = moe_layers(model)
         first = next(iter(self.layers.values()), None)
         self.groups = groups if groups is not None else (first.groups if first is not None else None)
         self.run_dir = Path(run_dir) if run_dir is not None else None

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe_plugin.layers.moe_layer import MoELayer
+from moe_plugin.layers.moe_layer import MoELayer, moe_layers
 from moe_plugin.placement.exchange import Piece, Pieces, exchange
 from moe_plugin.placement.zero_partitions import Move, add_partition_moves, expert_group_indices, \
     is_zero_optimizer, my_partition
@@ -69,11 +69,6 @@ class MigrationReport:
     crossing_experts: int  # of those, the ones that changed EP rank
     sent_bytes: int
     seconds: float
-
-
-def moe_layers(model: nn.Module) -> dict[str, MoELayer]:
-    """This rank's MoE layers by module name (the keys ``migrate`` takes)."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
 
 
 def placements(model: nn.Module) -> dict[str, Tensor]:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe_plugin.layers.moe_layer import MoELayer, StatsSum
+from moe_plugin.layers.moe_layer import MoELayer, StatsSum, moe_layers
 from moe_plugin.placement.trace import TraceMeta, TraceWriter
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ class LoadTracker:
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive number of steps, got {window!r}")
         self.window = window
-        self.layers: dict[str, MoELayer] = {n: m for n, m in model.named_modules() if isinstance(m, MoELayer)}
+        self.layers: dict[str, MoELayer] = moe_layers(model)
         if not self.layers and groups is None:
             raise ValueError(f"{type(model).__name__} has no MoELayer to track; on a pipeline stage without MoE "
                              "layers pass groups=...")
