@@ -85,7 +85,10 @@ class PlacementConfig(_Block):
     window: int = Field(100, ge=1, description="Steps of routing history the load estimate averages.")
     min_gain: float = Field(0.05, ge=0.0, description="Switch only when the predicted saving until the next "
                             "check exceeds the predicted migration cost by this fraction (hysteresis).")
-    replica_budget: int = Field(0, ge=0, description="Extra expert slots per rank for replicas of hot experts.")
+    replica_budget: int = Field(0, ge=0, description="Shadow experts (FasterMoE): at most this many hot "
+                                "experts per MoE layer are computed by every EP rank for its own tokens (weights "
+                                "fetched from the owner, gradients reduced back) when the cost model predicts a "
+                                "gain; 0 turns it off. Needs expert > 1 and expert_tensor 1; at most num_experts.")
     slack: float = Field(0.1, ge=0.0, description="network-aware: the busiest rank may carry this fraction "
                          "more load than under greedy placement when that cuts cross-node routes.")
     gpus_per_node: Optional[int] = Field(None, ge=1, description="Ranks per node, for network-aware placement; "
@@ -159,6 +162,13 @@ class MoEConfig(_Block):
                                f"({self.num_experts}); valid: {_divisors(self.num_experts)}")
         if self.layers is not None:
             _check_layers(self.layers)
+        budget = self.placement.replica_budget
+        if budget > self.num_experts:
+            raise FieldProblem("placement.replica_budget", budget, f"must be at most num_experts ({self.num_experts})")
+        if budget and (self.parallel.expert == 1 or self.parallel.etp > 1):
+            raise FieldProblem("placement.replica_budget", budget, "shadow experts need parallel.expert > 1 and "
+                               f"parallel.expert_tensor 1 (got expert {self.parallel.expert}, expert_tensor "
+                               f"{self.parallel.etp}); set replica_budget 0 or change the layout")
         if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
             raise FieldProblem("shared_expert_gate", True, "there is no shared expert to gate; set "
                                "shared_expert_ffn_hidden_size > 0 or shared_expert_gate false")

@@ -121,6 +121,9 @@ class TrainingPlacement:
         """Compact text for a progress line, e.g. ``placement greedy: 2 switches (last step 10),
         rank imbalance 1.06, migrations 0.12 s``."""
         text = f"placement {self.config.policy}"
+        if self.config.replica_budget:
+            shadowed = sum(len(m.shadowed_experts()) for m in self.controller.layers.values())
+            text += f" ({shadowed} shadowed expert{'s' if shadowed != 1 else ''})"
         if self.config.policy == "static":
             return text + (" (tracing)" if self.tracker.tracing else "")
         text += f": {self.switches} switch{'es' if self.switches != 1 else ''}"
@@ -138,7 +141,8 @@ class TrainingPlacement:
 def training_placement(run: Any, run_dir: Union[str, Path, None] = None, *, cost: Optional[CostModel] = None,
                        resumed: bool = False) -> Optional[TrainingPlacement]:
     """Set up load-adaptive placement for ``run`` (what ``moe_plugin.initialize`` returned) from
-    its ``moe.placement`` block, or None when the policy is static and no trace is asked for.
+    its ``moe.placement`` block, or None when the policy is static and neither a trace nor shadow
+    experts (``replica_budget``) are asked for.
 
     ``run_dir``: where ``placement.jsonl`` and a relative ``trace_file`` go (default: the current
     directory for the trace, no log file). ``cost``: the controller's cost model (default:
@@ -147,7 +151,7 @@ def training_placement(run: Any, run_dir: Union[str, Path, None] = None, *, cost
     if not hasattr(run, "engine") or not hasattr(run, "moe_config"):
         raise TypeError(f"training_placement takes what moe_plugin.initialize returned, got {type(run).__name__}")
     config = run.moe_config.placement
-    if config.policy == "static" and config.trace_file is None:
+    if config.policy == "static" and config.trace_file is None and config.replica_budget == 0:
         return None
     model = run.engine.module
     layers = migration.moe_layers(model)

@@ -46,8 +46,11 @@ class TokenDispatcher:
         self.num_experts = num_experts
 
     # -- hooks an expert-parallel dispatcher overrides ---------------------------------------
-    def prepare(self, plan: RoutingPlan) -> RoutingPlan:
-        """Per-batch exchange layout; nothing to exchange in a single process."""
+    def prepare(self, plan: RoutingPlan, shadow_S: Optional[Tensor] = None) -> RoutingPlan:
+        """Per-batch exchange layout; nothing to exchange in a single process. ``shadow_S``
+        (bool [S], slots whose routes this rank computes itself, ``shadow.py``) needs EP."""
+        if shadow_S is not None:
+            raise ValueError("shadow experts need expert parallelism")
         return plan
 
     def to_experts(self, x_TH: Tensor, plan: RoutingPlan) -> tuple[Tensor, Optional[Tensor], Tensor]:

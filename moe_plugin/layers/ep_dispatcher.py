@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -85,11 +86,18 @@ class ExpertParallelDispatcher(TokenDispatcher):
         self.parallel = parallel
         self.num_local = num_experts // parallel.ep_size
 
-    def prepare(self, plan: RoutingPlan) -> RoutingPlan:
+    def prepare(self, plan: RoutingPlan, shadow_S: Optional[Tensor] = None) -> RoutingPlan:
+        """``shadow_S`` (bool [S], the same on every EP rank): slots whose routes every rank
+        computes itself (``shadow.py``); they are counted in ``traffic_PS`` but not exchanged."""
         p = self.parallel
-        send_PL = plan.kept_S.view(p.ep_size, self.num_local)
         traffic_PS = comm.gather_counts(plan.kept_S, p.ep)
-        recv_PL = traffic_PS[:, p.ep_rank * self.num_local:(p.ep_rank + 1) * self.num_local].contiguous()
+        send_S, sent_PS = plan.kept_S, traffic_PS
+        if shadow_S is not None:
+            if p.etp is not None:
+                raise ValueError("shadow experts need expert_tensor 1 (no expert tensor parallelism)")
+            send_S, sent_PS = plan.kept_S.masked_fill(shadow_S, 0), traffic_PS.masked_fill(shadow_S, 0)
+        send_PL = send_S.view(p.ep_size, self.num_local)
+        recv_PL = sent_PS[:, p.ep_rank * self.num_local:(p.ep_rank + 1) * self.num_local].contiguous()
         if p.etp is not None:
             mine_QX = recv_PL.reshape(1, -1).repeat(p.etp_size, 1)
             counts_SL = comm.exchange_counts(mine_QX, p.etp).view(-1, self.num_local)

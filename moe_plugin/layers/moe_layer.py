@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_plugin.configs.schema import MoEConfig
-from moe_plugin.layers import comm
+from moe_plugin.layers import comm, shadow
+from moe_plugin.layers.combine import gate_combine
 from moe_plugin.layers.dispatcher import TokenDispatcher
 from moe_plugin.layers.ep_dispatcher import ExpertParallelDispatcher
 from moe_plugin.layers.experts import GroupedExperts, SharedExpert
@@ -198,9 +199,14 @@ class MoELayer(nn.Module):
         x_TH = hidden_SBH.reshape(-1, self.hidden_size)
         if p.splits_input:
             x_TH = comm.split_tokens(x_TH, p.tp)
-        plan = self.dispatcher.prepare(self.router(x_TH, noise, self.placement))
-        x_NH, gather_R, counts_L = self.dispatcher.to_experts(x_TH, plan)
-        out_TH = self.dispatcher.combine(self.experts(x_NH, counts_L, gather_R), plan)
+        if self.experts.shadow_ids:
+            shadow_S = shadow.shadow_slots(self.placement, self.experts.shadow)
+            plan = self.dispatcher.prepare(self.router(x_TH, noise, self.placement), shadow_S)
+            out_TH = self._shadowed_experts(x_TH, plan, shadow_S)
+        else:
+            plan = self.dispatcher.prepare(self.router(x_TH, noise, self.placement))
+            x_NH, gather_R, counts_L = self.dispatcher.to_experts(x_TH, plan)
+            out_TH = self.dispatcher.combine(self.experts(x_NH, counts_L, gather_R), plan)
         if self.shared_expert is not None:
             out_TH = out_TH + self.shared_expert(x_TH)
         out_TH = self._attach_losses(out_TH, plan)
@@ -208,6 +214,32 @@ class MoELayer(nn.Module):
         if p.splits_input:
             out_TH = comm.gather_tokens(out_TH, p.tp)
         return out_TH.view(hidden_SBH.shape), None
+
+    def _shadowed_experts(self, x_TH: Tensor, plan: RoutingPlan, shadow_S: Tensor) -> Tensor:
+        """Experts and combine with shadowed experts (``shadow.py``): the other routes go through
+        the exchange, the shadowed ones through local copies; one combine over both row sets."""
+        exchanged, local = shadow.split_routes(plan, shadow_S)
+        x_NH, gather_R, counts_L = self.dispatcher.to_experts(x_TH, exchanged)
+        y_RH = self.dispatcher.from_experts(self.experts(x_NH, counts_L, gather_R), exchanged)
+        y_LH = self.experts.shadow_forward(x_TH, local, self.parallel.ep)
+        return gate_combine(torch.cat([y_RH, y_LH]), torch.cat([exchanged.gate_R, local.gate_R]),
+                            torch.cat([exchanged.token_R, local.token_R]),
+                            torch.cat([exchanged.route_R, local.route_R]), plan.num_tokens, plan.k)
+
+    def set_shadow(self, expert_ids) -> None:
+        """Shadow these experts (global ids; ``[]``: none): every EP rank computes its own routes
+        to them with copies of the owner's weights, the gradients are summed back to the owner
+        (``shadow.py``). Call it on every EP rank with the same ids, between steps. The model
+        function does not change. Needs EP > 1 and no expert tensor parallelism."""
+        expert_ids = list(expert_ids)
+        if expert_ids and (self.parallel.ep is None or self.parallel.etp is not None):
+            raise ValueError(f"shadow experts need expert parallelism without expert tensor parallelism; this "
+                             f"layer has expert {self.parallel.ep_size}, expert_tensor {self.parallel.etp_size}")
+        self.experts.set_shadow(expert_ids)
+
+    def shadowed_experts(self) -> list[int]:
+        """Global ids of the shadowed experts, ascending."""
+        return list(self.experts.shadow_ids)
 
     @property
     def placement(self) -> Tensor:

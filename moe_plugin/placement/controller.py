@@ -29,10 +29,26 @@ Cost model (``CostModel``), per layer and step, from the mean traffic per step `
   forward and the backward (``4 * hidden * element bytes``); per rank, the larger of bytes sent
   and received, inter-node and intra-node at their own seconds per byte; the slowest rank again.
 
+* shadow experts (``replica_budget > 0``, EP without ETP; ``layers/shadow.py``): the routes to a
+  shadowed expert are computed by every EP rank for its own tokens and leave the all-to-all, so
+  rank r computes ``sum of T[:, e] over its unshadowed e + sum of T[r, e] over shadowed e``;
+  the price per step is its weights fetched in the forward and its gradients reduced in the
+  backward, two all-reduces over EP: ``2 * expert_bytes * 2 (P - 1) / P`` per shadowed expert
+  at the inter-node seconds per byte when the EP group spans nodes, else intra-node.
+
 The constants are defaults for a GPU cluster to be replaced by measurement: ``CostModel.fit``
 calibrates ``seconds_per_route`` from measured layer times (``step(..., layer_seconds=...)``),
 the migration engineer's ``moved_bytes`` replaces the default estimate (experts that change EP
 rank x parameters x (element bytes + 12 bytes of fp32 master and Adam state)).
+
+Shadowing, after the placement decision and under the placement in effect after it: the
+candidates are the ``k`` hottest experts (by window load, ``k = 0 .. replica_budget``, loaded
+experts only); the cheapest predicted per-step time wins, ties to the smaller set. The layer's
+set changes iff the winner differs from it and ``t_best <= (1 - min_gain) * t_current`` (the
+same hysteresis; a change moves no state, so there is no migration term). The load and traffic
+for this are per EP group (the tracked sums over the stage divided by the number of EP groups).
+A change is ``MoELayer.set_shadow`` on every rank of the stage and an ``"event": "shadow"``
+record in the log.
 
 Decisions are the same on every rank of a stage (the window loads are; everything after is
 deterministic). ``migrate_fn`` is collective over the job (``migration.migrate``): with
@@ -72,10 +88,11 @@ class LayerTime:
 
     compute: float
     all_to_all: float
+    replication: float = 0.0     # shadowed experts: weights fetched and gradients reduced
 
     @property
     def total(self) -> float:
-        return self.compute + self.all_to_all
+        return self.compute + self.all_to_all + self.replication
 
 
 @dataclass(frozen=True)
@@ -90,23 +107,33 @@ class CostModel:
     migration_seconds_per_byte: float = 1e-10
 
     def layer_time(self, traffic_PE: Tensor, placement: Tensor, node_of_rank: Sequence[int],
-                   bytes_per_route: float) -> LayerTime:
-        """``traffic_PE``: mean routes per step [P, E]; ``placement``: slots [E]."""
+                   bytes_per_route: float, shadow: Sequence[int] = (), expert_bytes: float = 0.0) -> LayerTime:
+        """``traffic_PE``: mean routes per step [P, E]; ``placement``: slots [E]. ``shadow``: the
+        shadowed experts (each rank computes its own routes to them; they leave the all-to-all)
+        and ``expert_bytes`` the bytes of one expert's weights (module docstring)."""
         T = torch.as_tensor(traffic_PE).double()
         P, E = T.shape
         rank_E = policies.rank_of(placement, P)
-        compute = self.seconds_per_route * policies.rank_loads(T.sum(0), placement, P).max().item()
+        shadow_E = torch.zeros(E, dtype=torch.bool)
+        shadow_E[list(shadow)] = True
+        T_sent = T.masked_fill(shadow_E, 0.0)                              # routes the exchange carries
+        loads = torch.zeros(P, dtype=torch.float64).index_add_(0, rank_E, T_sent.sum(0)) + T[:, shadow_E].sum(1)
+        compute = self.seconds_per_route * loads.max().item()
         node = torch.as_tensor(list(node_of_rank))
         sender = torch.arange(P)[:, None]
         remote = sender != rank_E[None, :]                                 # [P, E]
         inter = node[:, None] != node[rank_E][None, :]
         seconds = torch.zeros(P, dtype=torch.float64)
         for mask, per_byte in ((inter, self.seconds_per_byte_inter), (remote & ~inter, self.seconds_per_byte_intra)):
-            routes = T * mask
+            routes = T_sent * mask
             sent = routes.sum(1)                                           # [P] by sender
             received = torch.zeros(P, dtype=torch.float64).index_add_(0, rank_E, routes.sum(0))
             seconds += torch.maximum(sent, received) * bytes_per_route * per_byte
-        return LayerTime(compute=compute, all_to_all=seconds.max().item())
+        replication = 0.0
+        if len(shadow) and P > 1:
+            per_byte = self.seconds_per_byte_inter if len(set(node.tolist())) > 1 else self.seconds_per_byte_intra
+            replication = 2 * len(shadow) * expert_bytes * 2 * (P - 1) / P * per_byte
+        return LayerTime(compute=compute, all_to_all=seconds.max().item(), replication=replication)
 
     def fit(self, max_rank_routes: Sequence[float], seconds: Sequence[float]) -> "CostModel":
         """``seconds_per_route`` by least squares through the origin from measured compute
@@ -136,6 +163,12 @@ class Decision:
     predicted_at_last_check: Optional[float] = None
     measured_seconds: Optional[float] = None   # mean of step(..., layer_seconds=) since the last check
     placement: Optional[list[int]] = None      # the new placement, when it switches
+    # Shadow experts (only with replica_budget > 0), under the placement in effect after this check:
+    shadow_now: Optional[list[int]] = None       # shadowed experts before the check
+    shadow_new: Optional[list[int]] = None       # the new set, when it changes
+    shadow_seconds_now: Optional[float] = None   # predicted per step with shadow_now
+    shadow_seconds_new: Optional[float] = None   # predicted per step with the best set
+    shadow_reason: Optional[str] = None
 
     def record(self) -> dict:
         return {"event": "check", **{k: v for k, v in self.__dict__.items() if v is not None}}
@@ -228,7 +261,8 @@ class PlacementController:
         self.tracker.end_step(step)
         for name, seconds in (layer_seconds or {}).items():
             self._measured.setdefault(name, []).append(float(seconds))
-        if self.config.policy == "static" or self.tracker.steps_seen % self.config.check_interval:
+        if ((self.config.policy == "static" and self.config.replica_budget == 0)
+                or self.tracker.steps_seen % self.config.check_interval):
             return []
         return self.check(step)
 
@@ -266,6 +300,7 @@ class PlacementController:
             switch, reason = True, f"saving {saving:.3g}s > (1 + {gain}) x migration {cost:.3g}s"
         measured = self._measured.get(name) or None
         kept = load.kept_E
+        shadow = self.decide_shadow(name, load, new if switch else current)
         return Decision(step=step, layer=name, switch=switch, reason=reason,
                         imbalance_now=policies.imbalance(kept, current, self.ep_size),
                         imbalance_new=policies.imbalance(kept, new, self.ep_size),
@@ -273,7 +308,36 @@ class PlacementController:
                         moved_bytes=moved, realised_seconds=now.total,
                         predicted_at_last_check=self._predicted.get(name),
                         measured_seconds=sum(measured) / len(measured) if measured else None,
-                        placement=new.tolist() if switch else None)
+                        placement=new.tolist() if switch else None, **shadow)
+
+    def decide_shadow(self, name: str, load: WindowLoad, placement: Tensor) -> dict:
+        """The shadow-expert fields of a ``Decision`` (empty without ``replica_budget`` or where
+        the layer cannot shadow): the rule of the module docstring."""
+        layer, budget = self.layers[name], self.config.replica_budget
+        p = layer.parallel
+        if budget == 0 or p.ep_size == 1 or p.etp_size > 1 or load.traffic_PE.shape[0] != p.ep_size:
+            return {}
+        groups = max(1, p.tp_size * p.dp_size // (p.ep_size * p.etp_size))   # EP groups of the stage
+        T = load.per_step() / groups
+        x = layer.experts
+        expert_bytes = (x.weight1[0].numel() + x.weight2[0].numel()) * x.weight1.element_size()
+        args = (placement, self.node_of_rank, 4 * layer.hidden_size * x.weight1.element_size())
+        kept = T.sum(0).tolist()
+        hot = sorted((e for e in range(len(kept)) if kept[e] > 0), key=lambda e: (-kept[e], e))[:budget]
+        times = [self.cost.layer_time(T, *args, shadow=hot[:k], expert_bytes=expert_bytes).total
+                 for k in range(len(hot) + 1)]
+        k = min(range(len(times)), key=lambda i: (times[i], i))
+        best, now = sorted(hot[:k]), layer.shadowed_experts()
+        t_now = self.cost.layer_time(T, *args, shadow=now, expert_bytes=expert_bytes).total
+        gain = self.config.min_gain
+        if best == now:
+            change, reason = False, "the best shadow set is the current one"
+        elif times[k] > (1 - gain) * t_now:
+            change, reason = False, f"shadow per-step gain {1 - times[k] / t_now:.1%} < min_gain {gain:.0%}"
+        else:
+            change, reason = True, f"shadow {best}: {t_now * 1e3:.3g} -> {times[k] * 1e3:.3g} ms/step"
+        return dict(shadow_now=now, shadow_new=best if change else None, shadow_seconds_now=t_now,
+                    shadow_seconds_new=times[k], shadow_reason=reason)
 
     def check(self, step: int) -> list[Decision]:
         """Decide every layer and migrate the ones that switch, in one ``migrate_fn`` call."""
@@ -282,7 +346,8 @@ class PlacementController:
         for d in decisions:
             self._log(d.record(), f"placement check step {d.step} {d.layer}: imbalance {d.imbalance_now:.3f} -> "
                       f"{d.imbalance_new:.3f}, {d.seconds_now * 1e3:.3f} -> {d.seconds_new * 1e3:.3f} ms/step, "
-                      f"{'switch' if d.switch else 'stay'} ({d.reason})")
+                      f"{'switch' if d.switch else 'stay'} ({d.reason})"
+                      + (f"; shadow {d.shadow_reason}" if d.shadow_reason is not None else ""))
             self._predicted[d.layer] = d.seconds_new if d.switch else d.seconds_now
             self._measured[d.layer] = []
         new = {d.layer: torch.tensor(d.placement, dtype=torch.int64) for d in decisions if d.switch}
@@ -296,6 +361,13 @@ class PlacementController:
             self._log(record, f"placement switch step {step}: {sorted(new) or 'no layer of this stage'}, "
                       f"{record['moved_bytes']} bytes predicted {record['predicted_migration_seconds']:.3g}s"
                       + (f", measured {seconds:.3g}s" if seconds is not None else ""))
+        for d in decisions:
+            if d.shadow_new is not None:       # no state moves: the same flags on every rank of the stage
+                self.layers[d.layer].set_shadow(d.shadow_new)
+                self._log({"event": "shadow", "step": step, "layer": d.layer, "experts": d.shadow_new,
+                           "previous": d.shadow_now, "predicted_seconds_now": d.shadow_seconds_now,
+                           "predicted_seconds_new": d.shadow_seconds_new},
+                          f"placement shadow step {step} {d.layer}: {d.shadow_now} -> {d.shadow_new}")
         self.decisions.extend(decisions)
         return decisions
 
