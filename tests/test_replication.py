@@ -2,12 +2,14 @@
 
 * Layer: on 4 and 2 gloo ranks, each case runs the layer of ``test_layers_dist`` twice from the
   same seed and noise, without and with shadowed experts (the hottest, one without tokens, one on
-  another rank, under a shuffled placement, TP-folded EP, every expert). Both runs are checked
-  against the single-process oracle by ``test_layers_dist._check_case`` (outputs, input
+  another rank, under a shuffled placement, TP-folded EP, every expert; one bf16 case). Both
+  runs are checked against the single-process oracle by ``test_layers_dist._check_case`` (outputs, input
   gradients, losses, every parameter gradient with the owner's expert rows, fp32 at 1e-5), and
   against each other: outputs and gradients at rtol 1e-5 (the expert GEMMs see other row blocks,
-  so the rounding may differ). The forward
-  all-to-all sends exactly the routes to shadowed experts fewer.
+  so the rounding may differ; bf16 at 3e-2). The forward all-to-all sends exactly the routes to
+  shadowed experts fewer.
+* Training: DeepSpeed's engine (4 ranks, ep 2, ZeRO-2) with experts shadowed from step 2 on gives
+  the plain run's losses and parameters.
 * Controller: a skewed layer with ``replica_budget > 0`` gets its hot expert shadowed (logged in
   ``placement.jsonl``), a balanced one does not, and with ``replica_budget = 0`` nothing is ever
   shadowed; the cost model by hand; config errors.
@@ -46,6 +48,8 @@ CASES2 = {
     "dp2-ep2/gshard-hot-cold": _case(base.LAYOUTS2, "dp2-ep2", "gshard", [0, 3], cold=3, edit="hot0"),
     "dp2-ep2/switch-all-shadowed": _case(base.LAYOUTS2, "dp2-ep2", "switch", list(range(E)), placement=SHUFFLED),
     "tp2-ep2/topk3-dropless": _case(base.LAYOUTS2, "tp2-ep2", "topk3", [1, 2, 5], drop=False),
+    "dp2-ep2/bf16-swiglu-recompute": _case(base.LAYOUTS2, "dp2-ep2", "gshard", [0, 4], edit="hot0", dtype="bfloat16",
+                                           recompute_fc1=True, activation="swiglu"),
 }
 
 
@@ -106,11 +110,12 @@ def _check(cases, world_size, results, monkeypatch):
         base._check_case(case, world_size, plain)
         base._check_case(case, world_size, shadow)
         layout = RankLayout.build(world_size, **case["sizes"])
+        tol = dict(rtol=1e-5, atol=1e-6) if case["dtype"] == "float32" else base.BF16_TOL
         for rank, (a, b) in enumerate(zip(plain, shadow)):
-            torch.testing.assert_close(b["out"], a["out"], rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(b["x_grad"], a["x_grad"], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(b["out"], a["out"], **tol)
+            torch.testing.assert_close(b["x_grad"], a["x_grad"], **tol)
             for pname, grad in a["grads"].items():
-                torch.testing.assert_close(b["grads"][pname], grad, rtol=1e-5, atol=1e-6,
+                torch.testing.assert_close(b["grads"][pname], grad, **tol,
                                            msg=lambda m: f"{name} rank {rank} {pname}: {m}")
             local = a["stats_kept"][case["shadow"]].sum().item()   # this rank's routes to shadowed experts
             assert b["sent"] == a["sent"] - local, (name, rank, a["sent"], b["sent"], local)
@@ -140,6 +145,50 @@ def test_shadow_needs_expert_parallelism():
     with pytest.raises(ValueError, match=r"distinct ids in 0..3, got \[1, 1\]"):
         layer.experts.set_shadow([1, 1])
     assert layer.shadowed_experts() == []
+
+
+# --- in DeepSpeed's engine ---------------------------------------------------------------------
+
+ENGINE_CASES = {"ep2/zero2/adamw": ("ep2", 2, "AdamW")}   # dp 4, edp 2: ZeRO-2 gradient hooks
+SWITCH_AT, STEPS = 2, 4
+
+
+def _engine_child(rank, world_size, cases):
+    """``test_migration``'s two-MoE model trained twice; the second run shadows experts 0, 3 and 5
+    of both layers from step ``SWITCH_AT`` on."""
+    import os
+
+    import test_migration as mig
+    from moe_plugin.layers import moe_layers
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    out = {}
+    for name, (layout, stage, opt) in cases.items():
+        for shadow in (False, True):
+            run = mig._engine(layout, stage, opt)
+            try:
+                losses = mig._train(run, range(SWITCH_AT))
+                if shadow:
+                    for layer in moe_layers(run.engine.module).values():
+                        layer.set_shadow([0, 3, 5])
+                losses += mig._train(run, range(SWITCH_AT, STEPS))
+                out[(name, shadow)] = {"losses": losses, "state": mig._state(run)}
+            finally:
+                run.close()
+    return out
+
+
+def test_shadowing_in_training_changes_nothing(dist_run):
+    """Under ZeRO-2 (expert gradients averaged over EDP by the engine, ZeRO's partitions and
+    gradient hooks), shadowing from step 2 on gives the losses and parameters of the plain run."""
+    results = dist_run(_engine_child, 4, ENGINE_CASES, timeout=240)
+    for rank, result in enumerate(results):
+        for name in ENGINE_CASES:
+            plain, shadow = result[(name, False)], result[(name, True)]
+            torch.testing.assert_close(shadow["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
+            for key, value in plain["state"].items():
+                torch.testing.assert_close(shadow["state"][key], value, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{name} rank {rank} {key}: {m}")
 
 
 # --- controller -------------------------------------------------------------------------------

@@ -28,6 +28,10 @@ re-sort, ``reduce_scatter_rows`` over ETP (sums the F-shards' partial outputs, k
 rank's received block), the reverse ``all_to_all`` over EP. The collectives' backwards are the
 reverse exchanges (``comm.py``). The rows each expert sees are then ordered by source rank and,
 within a source, in that rank's priority order.
+
+Shadow experts (``shadow.py``): ``prepare(plan, shadow_S)`` leaves the routes of the shadowed
+slots out of the send and receive counts (they are computed where they are); ``traffic_PS``
+still counts them, so the load record does not depend on shadowing.
 """
 from __future__ import annotations
 

@@ -19,6 +19,10 @@ every layout-dependent factor. Forward on one rank::
     dispatch / experts / combine      (ExpertParallelDispatcher when EP or ETP > 1)
     + shared expert, attach aux loss  (its gradient scaled by 1/tp)
     out_TH -> gather_tokens over TP   (replicated input, no SP)
+
+Shadow experts (``set_shadow``, ``shadow.py``): the routes to a shadowed expert skip the
+exchange and run on this rank through a copy of the owner's weights; one combine takes both
+row sets. With none shadowed (the default) the forward is the one above.
 """
 from __future__ import annotations
 
