@@ -4,7 +4,8 @@
   MoE layer in a compact binary file (the planner's input).
 * ``tracking``: ``LoadTracker``, every layer's windowed load from the gate (forward hooks).
 * ``policies``: pure placement functions (static, greedy, network-aware, imbalance, align).
-* ``controller``: ``PlacementController``, the cost model and the switching rule.
+* ``controller``: ``PlacementController``, the cost model and the switching rule; with
+  ``replica_budget`` it also shadows hot experts (``layers/shadow.py``, ``docs/placement.md``).
 """
 from moe_plugin.placement.controller import CostModel, PlacementController
 from moe_plugin.placement.policies import greedy, imbalance, network_aware, static
