@@ -214,7 +214,7 @@ def test_cost_model_with_shadow_by_hand():
 CTRL_E = 4
 
 
-def _controller_child(rank, world_size, run_dir, budgets):
+def _controller_child(rank, world_size, run_dir, variants):
     from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
     from moe_plugin.groups.layout import RankLayout
     from moe_plugin.placement.controller import PlacementController
@@ -222,54 +222,73 @@ def _controller_child(rank, world_size, run_dir, budgets):
     groups = build_process_groups(RankLayout.build(world_size, ep=2))
     out = {}
     try:
-        for budget in budgets:
+        for key, (policy, budget) in variants.items():
             config = MoEConfig.from_dict({"num_experts": CTRL_E, "router": "gshard", "second_expert_policy": "all",
                                           "drop_tokens": False, "parallel": {"expert": 2},
-                                          "placement": {"policy": "static", "check_interval": 2, "window": 2,
+                                          "placement": {"policy": policy, "check_interval": 2, "window": 2,
                                                         "replica_budget": budget}})
             model = torch.nn.ModuleDict({"hot": MoELayer(config, 8, 16, groups, seed=1),
                                          "even": MoELayer(config, 8, 16, groups, seed=2)}).train()
             with torch.no_grad():        # hot: every token to experts 0 and 1 (both on rank 0); even: 0 and 2
                 model["hot"].router.expert_bias.copy_(torch.tensor([50.0, 50.0, 0.0, 0.0]))
                 model["even"].router.expert_bias.copy_(torch.tensor([50.0, 0.0, 50.0, 0.0]))
+
+            def migrate(new, model=model):
+                for name, placement in new.items():   # a stand-in: the slots change, the weights do not
+                    model[name].experts.placement.copy_(placement)
+
             # a route costs far more than a weight byte: shadowing pays where the load is skewed
-            ctrl = PlacementController(model, config.placement, lambda new: pytest.fail("migrated"), groups=groups,
-                                       run_dir=f"{run_dir}/{budget}",
-                                       cost=CostModel(seconds_per_route=1e-3, seconds_per_byte_intra=1e-9))
+            ctrl = PlacementController(model, config.placement, migrate, groups=groups, run_dir=f"{run_dir}/{key}",
+                                       cost=CostModel(seconds_per_route=1e-3, seconds_per_byte_intra=1e-9,
+                                                      migration_seconds_per_byte=1e-12))
             for step in range(6):
                 x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(step * 7 + rank))
                 model["even"](model["hot"](x)[0])[0].sum().backward()
                 ctrl.step(step)
             ctrl.close()
-            log = Path(f"{run_dir}/{budget}/placement.jsonl")
-            out[budget] = {"shadow": {n: m.shadowed_experts() for n, m in model.items()},
-                           "checks": [d.__dict__ for d in ctrl.decisions],
-                           "log": [json.loads(line) for line in log.read_text().splitlines()]}
+            log = Path(f"{run_dir}/{key}/placement.jsonl")
+            out[key] = {"shadow": {n: m.shadowed_experts() for n, m in model.items()},
+                        "placement": model["hot"].placement.tolist(),
+                        "checks": [d.__dict__ for d in ctrl.decisions],
+                        "log": [json.loads(line) for line in log.read_text().splitlines()]}
     finally:
         destroy_process_groups(groups)
     return out
 
 
+CTRL_VARIANTS = {"static-0": ("static", 0), "greedy-0": ("greedy", 0), "static-1": ("static", 1),
+                 "static-2": ("static", 2), "greedy-1": ("greedy", 1)}
+
+
 def test_controller_shadows_hot_experts_only_with_a_budget(dist_run, tmp_path):
-    results = dist_run(_controller_child, 2, str(tmp_path), [0, 1, 2])
-    for budget in (0, 1, 2):
-        assert results[0][budget]["shadow"] == results[1][budget]["shadow"]
+    results = dist_run(_controller_child, 2, str(tmp_path), CTRL_VARIANTS)
+    for key in CTRL_VARIANTS:
+        assert results[0][key]["shadow"] == results[1][key]["shadow"]
     r = results[0]
-    # no budget: checks (the static policy keeps its placement) but never a shadow
-    assert r[0]["shadow"] == {"hot": [], "even": []}
-    assert r[0]["checks"] == [] and r[0]["log"] == []           # static, budget 0: no checks at all
+    # no budget: never a shadow, whether the policy checks (greedy) or not (static: no checks at all)
+    assert r["static-0"]["checks"] == [] and r["static-0"]["log"] == []
+    assert r["greedy-0"]["checks"] and r["greedy-0"]["placement"] != list(range(CTRL_E))   # it did switch
+    for key in ("static-0", "greedy-0"):
+        assert r[key]["shadow"] == {"hot": [], "even": []}
+        assert all(d["shadow_now"] is None and d["shadow_new"] is None for d in r[key]["checks"])
+        assert not [e for e in r[key]["log"] if e["event"] == "shadow" or "shadow_now" in e]
     for budget in (1, 2):
-        assert r[budget]["shadow"]["even"] == []                # balanced: nothing to gain
-        hot = r[budget]["shadow"]["hot"]
-        assert len(hot) == budget and set(hot) <= {0, 1}        # the hot experts of rank 0
-        first = next(d for d in r[budget]["checks"] if d["layer"] == "hot")
+        v = r[f"static-{budget}"]
+        assert v["shadow"]["even"] == []                      # balanced: nothing to gain
+        hot = v["shadow"]["hot"]
+        assert len(hot) == budget and set(hot) <= {0, 1}      # the hot experts of rank 0
+        first = next(d for d in v["checks"] if d["layer"] == "hot")
         assert first["shadow_new"] == hot and first["shadow_seconds_new"] < first["shadow_seconds_now"]
-        events = [e for e in r[budget]["log"] if e["event"] == "shadow"]
+        events = [e for e in v["log"] if e["event"] == "shadow"]
         assert events == [{"event": "shadow", "step": 1, "layer": "hot", "experts": hot, "previous": [],
                            "predicted_seconds_now": first["shadow_seconds_now"],
                            "predicted_seconds_new": first["shadow_seconds_new"]}]
-        later = [d for d in r[budget]["checks"] if d["layer"] == "hot"][1:]
+        later = [d for d in v["checks"] if d["layer"] == "hot"][1:]
         assert later and all(d["shadow_new"] is None for d in later)   # no flip back
+    # greedy splits the two hot experts over the ranks; under that placement shadowing gains nothing
+    v = r["greedy-1"]
+    assert v["placement"][0] // 2 != v["placement"][1] // 2 and v["shadow"] == {"hot": [], "even": []}
+    assert all(d["shadow_new"] is None for d in v["checks"])
 
 
 @pytest.mark.parametrize("block, path, expected", [

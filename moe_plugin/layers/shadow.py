@@ -26,6 +26,9 @@ experts (``MoELayer.set_shadow``; every EP rank has the same set):
 Capacity and dropping are decided by the router before any of this, per expert; shadowing moves
 where a kept route is computed, never whether it is kept. Only without expert tensor
 parallelism (an ETP shard's partial output would need the ETP peers' tokens).
+
+Not done: overlapping the weights' all-reduce with the all-to-all (FasterMoE overlaps them; here
+it runs after the exchange), and one reduce per owner in backward instead of the all-reduce.
 """
 from __future__ import annotations
 
