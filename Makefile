@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 TORCH_STAMP := $(VENV)/.torch-2.13.0
 DEPS_STAMP := $(VENV)/.deps-installed
 
-.PHONY: test example install clean
+.PHONY: test example scaling scaling-quick install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,14 @@ example: $(DEPS_STAMP)
 	@echo "metrics: $(CURDIR)/$(EXAMPLE_RUN)/metrics.jsonl"
 	@echo "plot:    $(CURDIR)/$(EXAMPLE_RUN)/metrics.png"
 	@echo "config:  $(CURDIR)/$(EXAMPLE_RUN)/run.json"
+
+# The scaling study (examples/gpt_moe/scaling): dense vs 4-32 experts, top-2 and top-1, at the
+# same compute per token; runs/scaling/report.md and plots. --quick: the same machinery in minutes.
+scaling: $(DEPS_STAMP)
+	$(PY) examples/gpt_moe/scaling/study.py
+
+scaling-quick: $(DEPS_STAMP)
+	$(PY) examples/gpt_moe/scaling/study.py --quick
 
 clean:
 	rm -rf $(VENV) *.egg-info

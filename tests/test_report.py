@@ -21,7 +21,8 @@ def _layers(step: int) -> list[dict]:
 def make_run(path: Path, losses=(3.0, 2.5, 2.0, 1.5), valid=(2.8, 2.2), moe=MOE) -> Path:
     """Four training steps (log steps 2 and 4), two validations."""
     path.mkdir(parents=True)
-    (path / "run.json").write_text(json.dumps({"args": ARGS, "ds_config": {"moe": moe}, "world_size": 2}))
+    (path / "run.json").write_text(json.dumps({"args": ARGS, "ds_config": {"moe": moe, "train_batch_size": 4},
+                                               "world_size": 2, "vocab_size": 64}))
     lines = []
     for step, loss in enumerate(losses, start=1):
         record = {"split": "train", "step": step, "loss": loss, "lr": 1e-3, "elapsed_s": 0.5 * step,
@@ -49,16 +50,22 @@ def test_summary_equals_the_inputs(tmp_path):
 
 
 def test_param_count_formula():
-    h, f, e, k = 16, 32, 4, 2
-    attention, dense, router = 4 * h * h, 2 * h * f, h * e
-    count = count_params(ARGS, MOE)                      # layers 0 and 2 are MoE, 1 and 3 dense
-    assert count.moe_layers == (0, 2)
-    assert count.total == 4 * attention + 2 * dense + 2 * (router + e * 2 * h * f)
-    assert count.active == 4 * attention + 2 * dense + 2 * (router + k * 2 * h * f)
-    swiglu = count_params(ARGS, {**MOE, "activation": "swiglu", "layers": [3], "top_k": 1})
+    h, f, e, k, s, v = 16, 32, 4, 2, 8, 64
+    embeddings, final_norm, attention = v * h + s * h + v * h, 2 * h, 4 * h * h + 8 * h
+    dense, router, experts = 2 * h * f + f + h, h * e, e * 2 * h * f
+    count = count_params(ARGS, MOE, v)                   # layers 0 and 2 are MoE, 1 and 3 dense
+    assert count.moe_layers == (0, 2) and count.expert == 2 * experts
+    assert count.total == embeddings + final_norm + 4 * attention + 2 * dense + 2 * (router + experts)
+    assert count.active == embeddings + final_norm + 4 * attention + 2 * dense + 2 * (router + k * 2 * h * f)
+    matrices = 4 * 4 * h * h + 2 * 2 * h * f + 2 * (router + k * 2 * h * f) + v * h
+    assert count.flops_per_token == 6 * matrices + 12 * 4 * s * h
+    swiglu = count_params(ARGS, {**MOE, "activation": "swiglu", "layers": [3], "top_k": 1}, v)
     assert swiglu.moe_layers == (3,)
-    assert swiglu.active == 4 * attention + 3 * dense + router + 3 * h * f
-    assert count_params({}, MOE) is None
+    assert swiglu.active == embeddings + final_norm + 4 * attention + 3 * dense + router + 3 * h * f
+    as_dense = count_params({**ARGS, "dense": True}, MOE, v)
+    assert as_dense.moe_layers == () and as_dense.total == as_dense.active == (embeddings + final_norm
+                                                                             + 4 * attention + 4 * dense)
+    assert count_params({}, MOE, v) is None and count_params(ARGS, MOE, None) is None
 
 
 def test_report_writes_table_and_plots(tmp_path, capsys):
@@ -66,7 +73,8 @@ def test_report_writes_table_and_plots(tmp_path, capsys):
     second = make_run(tmp_path / "b", losses=(4.0, 3.0, 2.0, 1.25), valid=())
     out = tmp_path / "out"
     assert main(["report", str(first), str(second), "--out", str(out)]) == 0
-    for name in ("report.md", "loss.png", "balance.png", "expert_load_a.png", "expert_load_b.png"):
+    for name in ("report.md", "summary.csv", "summary.json", "loss.png", "loss_vs_flops.png", "scaling.png",
+                 "balance.png", "expert_load_a.png", "expert_load_b.png"):
         assert (out / name).stat().st_size > 0, name
     assert str(out / "report.md") in capsys.readouterr().out
     text = (out / "report.md").read_text()
@@ -75,6 +83,10 @@ def test_report_writes_table_and_plots(tmp_path, capsys):
     assert "| best validation loss | 2.2000 | - |" in text
     assert "| experts | 4 | 4 |" in text and "| MoE layers | 0, 2 | 0, 2 |" in text
     assert "![expert_load_b.png](expert_load_b.png)" in text
+    records = json.loads((out / "summary.json").read_text())["runs"]
+    assert [r["name"] for r in records] == ["a", "b"] and records[1]["final_train_loss"] == 1.25
+    assert records[0]["train_flops"] == records[0]["flops_per_token"] * 4 * 8 * 4   # batch 4 x seq 8 x 4 steps
+    assert (out / "summary.csv").read_text().splitlines()[0].startswith("name,model,experts,top_k,")
 
 
 def test_report_defaults_to_the_first_run_dir(tmp_path):

@@ -61,6 +61,10 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.max_position_embeddings < args.seq_length:
         raise ConfigError("--max-position-embeddings", args.max_position_embeddings, f"must be at least "
                           f"--seq-length ({args.seq_length})")
+    if getattr(args, "dense", False) and (args.router_skew or args.freeze_router):
+        flag = "--router-skew" if args.router_skew else "--freeze-router"
+        raise ConfigError(flag, getattr(args, flag[2:].replace("-", "_")), "the dense baseline (--dense) has no "
+                          "router; drop one of the two flags")
     if args.deepspeed_config is None:
         raise ConfigError("--deepspeed_config", None, "pass the DeepSpeed JSON with the \"moe\" block, e.g. "
                           "examples/gpt_moe/configs/tiny_cpu_4rank.json", shown="missing")
@@ -78,6 +82,9 @@ def check_layout(args: argparse.Namespace, ds: dict, moe_config: MoEConfig) -> N
     if args.num_attention_heads % p.tensor:
         raise ConfigError("moe.parallel.tensor", p.tensor, f"must divide --num-attention-heads "
                           f"({args.num_attention_heads})")
+    if getattr(args, "dense", False) and p.pipeline > 1:
+        raise ConfigError("moe.parallel.pipeline", p.pipeline, "--dense (the dense baseline) runs without "
+                          "pipeline parallelism; use 1")
     if args.num_layers % p.pipeline:
         raise ConfigError("moe.parallel.pipeline", p.pipeline, f"must divide --num-layers ({args.num_layers})")
     zero = ds.get("zero_optimization")

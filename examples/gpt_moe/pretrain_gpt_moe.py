@@ -71,6 +71,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--init-method-std", type=float, default=0.02)
     model.add_argument("--hidden-dropout", type=float, default=0.0)
     model.add_argument("--attention-dropout", type=float, default=0.0)
+    model.add_argument("--dense", action="store_true",
+                       help="the dense baseline: Megatron's MLP on every layer; the \"moe\" block still gives the "
+                       "parallel layout, its expert settings are unused")
     train = parser.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=int, default=None,
                        help="must equal the JSON's train_micro_batch_size_per_gpu (filled in from here when absent)")
@@ -188,12 +191,12 @@ def gpt_model_provider(args: argparse.Namespace, vocab_size: int):
     def provider(moe_config: MoEConfig, groups):
         from megatron.core.models.gpt import GPTModel
 
-        from moe_plugin.integration.megatron import gpt_moe_spec
+        from moe_plugin.integration.megatron import gpt_dense_spec, gpt_moe_spec
 
         config = transformer_config(args, moe_config)
         torch.manual_seed(args.seed)  # Megatron's dense init draws from the default generator
-        model = GPTModel(config, gpt_moe_spec(moe_config, config, groups, seed=args.seed), vocab_size=vocab_size,
-                         max_sequence_length=args.max_position_embeddings)
+        spec = gpt_dense_spec(config) if args.dense else gpt_moe_spec(moe_config, config, groups, seed=args.seed)
+        model = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings)
         return skewed(args, model)
 
     return provider
@@ -327,6 +330,38 @@ def moe_report(metrics) -> dict:
                             "balance_loss": m.aux_loss, "tokens_per_expert": m.tokens_per_expert} for m in layers]}
 
 
+def peak_memory_mb(device: str) -> float:
+    """This process's peak memory so far (MiB): the accelerator's peak allocation on a GPU, the
+    peak resident set size on CPU (which includes the interpreter and the imported libraries)."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2 ** 20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
+
+
+def per_rank(value: float) -> list[float]:
+    """``value`` of every rank, in rank order (collective)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [round(value, 1)]
+    values = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(values, torch.tensor([value], dtype=torch.float64))
+    return [round(float(v.item()), 1) for v in values]
+
+
+def parameter_counts(run, plan: RunPlan) -> dict:
+    """The model's parameters, each distinct one once over all ranks (collective): ``total``,
+    ``expert`` (in the MoE layers' experts) and ``active`` (per token: only the top-k experts of
+    each MoE layer count)."""
+    from moe_plugin.integration.grad_norm import distinct_parameter_count
+
+    total, expert = distinct_parameter_count(run.engine.module.parameters(), run.groups)
+    k, experts = plan.moe_config.k, plan.moe_config.num_experts
+    return {"total": total, "expert": expert, "active": total - expert + expert * k // experts}
+
+
 # --- checkpoints ----------------------------------------------------------------------------------
 def save_checkpoint(run, directory: str, step: int) -> None:
     """Collective. Experts are saved by global id, the rest by DeepSpeed (``integration.checkpoint``)."""
@@ -378,11 +413,13 @@ def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics,
         report = None
         if done % args.log_interval == 0 or done == args.train_iters:
             metrics.collect()              # collective: the interval's expert load over all ranks
-            metrics.write(engine, done)    # the monitor backends the DeepSpeed JSON enables
+            if metrics.metrics:            # (none in the dense baseline)
+                metrics.write(engine, done)    # the monitor backends the DeepSpeed JSON enables
             report = {"tokens_per_s": tokens_per_step * interval_steps / interval_s,
                       "epoch": data.schedule.epoch_of(done), **moe_report(metrics)}
             if placement is not None:
                 report["placement"] = placement.summary()
+            report["peak_memory_mb"] = per_rank(peak_memory_mb(str(engine.device)))   # collective
             interval_s, interval_steps = 0.0, 0
         log.train(done, loss, engine.get_lr()[0], report, step_s=step_s)
         if (args.eval_interval and done % args.eval_interval == 0) or done == args.train_iters:
@@ -421,6 +458,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     configure_threads()
     run_dir = Path(args.run_dir or Path("runs") / Path(args.deepspeed_config).stem)
+    memory_before_mb = peak_memory_mb("cpu")   # the interpreter and the libraries, before the model
     result = build_engine(args, plan, data)
     log = TrainingLog(run_dir, enabled=result.groups.rank == 0, append=bool(args.load))
     placement = None
@@ -432,13 +470,19 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         placement = training_placement(result, run_dir, resumed=bool(args.load))
         n_params = sum(p.numel() for p in result.engine.module.parameters())
+        params = parameter_counts(result, plan)
+        memory_before = per_rank(memory_before_mb)
         log.info(f"data: {data.description}")
         log.info(f"layout: {plan.sizes}  |  global batch {plan.global_batch_size} = micro {plan.micro_batch_size} x "
                  f"accumulation {plan.grad_accumulation} x dp {plan.sizes.dp}  |  rank 0 holds {n_params:,} parameters")
+        log.info(f"model: {'dense' if args.dense else 'MoE'}, {params['total']:,} parameters, {params['active']:,} "
+                 f"active per token")
         if log.enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "run.json").write_text(json.dumps({"args": vars(args), "ds_config": plan.ds_config,
-                                                          "world_size": world_size}, indent=2, default=str) + "\n")
+            (run_dir / "run.json").write_text(json.dumps({
+                "args": vars(args), "ds_config": plan.ds_config, "world_size": world_size,
+                "vocab_size": data.vocab_size, "parameters": params, "memory_before_model_mb": memory_before},
+                indent=2, default=str) + "\n")
         started = time.perf_counter()
         train(args, plan, data, result, log, placement)
         log.info(f"reached step {args.train_iters} in {time.perf_counter() - started:.1f} s")

@@ -18,6 +18,7 @@ themselves once expert parameters are marked (``expert_params.prepare_model``).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,22 @@ def global_grad_norm(params: Iterable[torch.Tensor], groups: ProcessGroups) -> t
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(square)
     return square.sqrt().float()
+
+
+def distinct_parameter_count(params: Iterable[torch.Tensor], groups: Optional[ProcessGroups]) -> tuple[int, int]:
+    """(all, expert): the parameters of the whole model, each distinct one counted once over
+    all ranks by the owner rule of ``global_grad_norm`` (collective; ``groups`` None: one process)."""
+    params = list(params)
+    if groups is None:
+        counts = [sum(p.numel() for p in params), sum(p.numel() for p in params if is_moe_param(p))]
+        return counts[0], counts[1]
+    coords = groups.layout.coords(groups.rank)
+    owned = [p for p in params if owns_gradient(p, coords)]
+    counts = torch.tensor([sum(p.numel() for p in owned), sum(p.numel() for p in owned if is_moe_param(p))],
+                          dtype=torch.float64, device=get_accelerator().current_device_name())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    return int(counts[0].item()), int(counts[1].item())
 
 
 class GlobalNormClipping:

@@ -278,11 +278,23 @@ def gpt_moe_spec(moe_config: MoEConfig, config: TransformerConfig, groups: Optio
     qk-layernorm from ``config``) with MoE MLPs where ``moe_config`` says, CPU-friendly when
     ``cpu`` (default: when DeepSpeed's accelerator is the CPU; Megatron's pieces stay on GPUs).
     ``placements``: {global layer index: slots} of MoE layers built with their experts placed."""
-    base = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
     check_against_model(moe_config, config)
-    spec = moe_layer_spec(as_block_spec(base, config, vp_stage=vp_stage, pp_rank=pp_rank), moe_config, groups,
-                          seed=seed, placements=placements)
+    spec = moe_layer_spec(_local_block_spec(config, vp_stage, pp_rank), moe_config, groups, seed=seed,
+                          placements=placements)
     return cpu_friendly_spec(spec) if (on_cpu() if cpu is None else cpu) else spec
+
+
+def gpt_dense_spec(config: TransformerConfig, *, cpu: Optional[bool] = None, vp_stage: Optional[int] = None,
+                   pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    """``gpt_moe_spec`` without the MoE layers: Megatron's dense MLP on every layer, the same
+    attention, norms and CPU swaps. The dense baseline of a comparison (``--dense`` in the example)."""
+    spec = _local_block_spec(config, vp_stage, pp_rank)
+    return cpu_friendly_spec(spec) if (on_cpu() if cpu is None else cpu) else spec
+
+
+def _local_block_spec(config: TransformerConfig, vp_stage: Optional[int], pp_rank: Optional[int]):
+    base = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+    return as_block_spec(base, config, vp_stage=vp_stage, pp_rank=pp_rank)
 
 
 # --- gradients ---------------------------------------------------------------------------------

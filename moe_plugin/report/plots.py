@@ -1,6 +1,8 @@
 """The report's PNGs (matplotlib, Agg backend): losses, expert balance, expert load heat maps.
 
 ``loss.png``       training and validation loss vs step, one line per run
+``loss_vs_flops.png``  validation (and smoothed training) loss vs training FLOPs, one line per run
+``scaling.png``    parameters (total, active) and step time vs number of experts (dense as a reference line)
 ``balance.png``    expert imbalance (max / mean tokens, mean over the MoE layers) and dropped fraction at the log steps
 ``expert_load_<run>.png``  tokens per expert over the log steps, one panel per MoE layer
 """
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from moe_plugin.report.rundir import Run
+from moe_plugin.report.summary import RunSummary
 
 
 def _pyplot():
@@ -38,6 +41,87 @@ def plot_loss(runs: Sequence[Run], out: Path) -> Path:
         if ax.lines:
             ax.legend()
     return _save(fig, plt, out / "loss.png")
+
+
+def smoothed(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` values (fewer at the start)."""
+    out, acc = [], 0.0
+    for i, value in enumerate(values):
+        acc += value
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def plot_loss_vs_flops(runs: Sequence[Run], summaries: Sequence[RunSummary], out: Path) -> Path | None:
+    """Loss against training FLOPs (formula FLOPs per token x tokens), one line per run; None when
+    no run has its FLOPs (an older run.json without the vocabulary)."""
+    pairs = [(run, s) for run, s in zip(runs, summaries) if s.params is not None and s.tokens_per_step]
+    if not pairs:
+        return None
+    plt = _pyplot()
+    fig, (ax_train, ax_valid) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run, summary in pairs:
+        per_step = summary.params.flops_per_token * summary.tokens_per_step
+        train = sorted(run.train, key=lambda r: r["step"])
+        window = max(1, len(train) // 40)
+        ax_train.plot([r["step"] * per_step for r in train], smoothed([r["loss"] for r in train], window),
+                      lw=1, label=summary.model)
+        if run.valid:
+            valid = sorted(run.valid, key=lambda r: r["step"])
+            ax_valid.plot([r["step"] * per_step for r in valid], [r["loss"] for r in valid], "o-", ms=3,
+                          label=summary.model)
+    for ax, title in ((ax_train, "training loss (trailing mean)"), (ax_valid, "validation loss")):
+        ax.set_title(f"{title} vs training compute")
+        ax.set_xlabel("training FLOPs")
+        ax.set_ylabel("cross entropy (nats / token)")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    return _save(fig, plt, out / "loss_vs_flops.png")
+
+
+def plot_scaling(summaries: Sequence[RunSummary], out: Path) -> Path | None:
+    """Total / active parameters, median step time and best validation loss against the number of
+    experts, a line per top-k; the dense runs as dashed reference lines. None when no run has experts."""
+    moe = [s for s in summaries if s.experts]
+    if not moe:
+        return None
+    plt = _pyplot()
+    fig, (ax_params, ax_time, ax_loss) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for k in sorted({s.top_k for s in moe}):
+        series = sorted((s for s in moe if s.top_k == k), key=lambda s: s.experts)
+        experts = [s.experts for s in series]
+        if all(s.params for s in series):
+            ax_params.plot(experts, [s.params.total / 1e6 for s in series], "o-", label=f"top-{k}, total")
+            ax_params.plot(experts, [s.params.active / 1e6 for s in series], "s:", label=f"top-{k}, active per token")
+        if all(s.median_step_s for s in series):
+            ax_time.plot(experts, [1e3 * s.median_step_s for s in series], "o-", label=f"top-{k}")
+        if all(s.best_valid_loss is not None for s in series):
+            ax_loss.plot(experts, [s.best_valid_loss for s in series], "o-", label=f"top-{k}")
+    for dense in (s for s in summaries if s.model == "dense"):
+        label = dense.name if dense.name == "dense" else f"{dense.name} (dense)"
+        if dense.params:
+            ax_params.axhline(dense.params.total / 1e6, color="gray", ls="--", lw=1, label=label)
+        if dense.median_step_s:
+            ax_time.axhline(1e3 * dense.median_step_s, color="gray", ls="--", lw=1, label=label)
+        if dense.best_valid_loss is not None:
+            ax_loss.axhline(dense.best_valid_loss, color="gray", ls="--", lw=1, label=label)
+    ax_params.set_title("parameters")
+    ax_params.set_ylabel("millions")
+    ax_time.set_title("median step time")
+    ax_time.set_ylabel("ms")
+    ax_time.set_ylim(bottom=0)
+    ax_loss.set_title("best validation loss (same steps and tokens)")
+    ax_loss.set_ylabel("cross entropy (nats / token)")
+    for ax in (ax_params, ax_time, ax_loss):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("experts per MoE layer")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    return _save(fig, plt, out / "scaling.png")
 
 
 def plot_balance(runs: Sequence[Run], out: Path) -> Path:

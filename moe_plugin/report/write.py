@@ -1,13 +1,15 @@
 """``write_report``: read the run dirs, write ``report.md`` and the PNGs into one directory."""
 from __future__ import annotations
 
+import csv
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Optional, Sequence
 
 from moe_plugin.report import markdown, plots
 from moe_plugin.report.rundir import Run, read_run
-from moe_plugin.report.summary import summarize
+from moe_plugin.report.summary import RunSummary, as_record, summarize
 
 
 def _label_duplicates(runs: Sequence[Run]) -> None:
@@ -34,8 +36,25 @@ def write_report(run_dirs: Sequence[Path], out: Optional[Path] = None) -> list[P
     _label_duplicates(runs)
     out = Path(out) if out is not None else runs[0].path
     out.mkdir(parents=True, exist_ok=True)
-    written = [plots.plot_loss(runs, out), plots.plot_balance(runs, out)]
-    written += [p for p in (plots.plot_expert_load(run, out) for run in runs) if p is not None]
+    summaries = [summarize(run) for run in runs]
+    written = [plots.plot_loss(runs, out), plots.plot_loss_vs_flops(runs, summaries, out),
+               plots.plot_scaling(summaries, out), plots.plot_balance(runs, out)]
+    written += [plots.plot_expert_load(run, out) for run in runs]
+    written = [p for p in written if p is not None]
     report = out / "report.md"
-    report.write_text(markdown.render([summarize(run) for run in runs], [p.name for p in written]))
-    return [report] + written
+    report.write_text(markdown.render(summaries, [p.name for p in written]))
+    return [report, *write_tables(summaries, out), *written]
+
+
+def write_tables(summaries: Sequence[RunSummary], out: Path) -> list[Path]:
+    """``summary.csv`` (a row per run) and ``summary.json`` (the same rows in a list)."""
+    records = [as_record(s) for s in summaries]
+    csv_path, json_path = out / "summary.csv", out / "summary.json"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(records[0]))
+        writer.writeheader()
+        for record in records:
+            writer.writerow({key: " ".join(map(str, value)) if isinstance(value, list) else value
+                             for key, value in record.items()})
+    json_path.write_text(json.dumps({"runs": records}, indent=2) + "\n")
+    return [csv_path, json_path]
