@@ -1,0 +1,142 @@
+"""examples/gpt_moe/scaling: the quick study end to end through the deepspeed launcher, and the GPU recipe.
+
+* ``study.py --quick`` (nine tiny models, 4 ranks each): every artifact is written; the losses
+  are finite and fall; the parameters the runs counted on their ranks equal the formula of
+  ``moe_plugin/report/params.py``; the active parameters are the dense model's up to the routers
+  (and the dense MLP's biases, which experts do not have); total parameters grow with the
+  experts; the CSV and the JSON summary agree;
+* run again, it trains nothing (every model already trained) and writes the report again;
+* a bad ``--models`` value exits with status 2 naming it, before anything is written;
+* the GPU recipe's configs pass ``moe-plugin check-config`` at the cluster's size and are what
+  ``gpu_recipe.py`` writes now.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_plugin.cli import main as cli_main
+
+SCALING = Path(__file__).resolve().parents[1] / "examples" / "gpt_moe" / "scaling"
+MODELS = ["dense", "e4-top2", "e8-top2", "e16-top2", "e32-top2", "e4-top1", "e8-top1", "e16-top1", "e32-top1"]
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(f"scaling_{name}", SCALING / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _study(out: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCALING / "study.py"), "--quick", "--out", str(out),
+                           "--data-cache", str(data), "--master-port", "29623", *extra],
+                          capture_output=True, text=True, timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def quick_study(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scaling")
+    out, data = root / "study", root / "data"
+    done = _study(out, data)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, data, done.stdout
+
+
+def test_quick_study_writes_every_artifact(quick_study):
+    out, _data, stdout = quick_study
+    for name in ["report.md", "summary.csv", "summary.json", "study.json", "loss.png", "loss_vs_flops.png",
+                 "scaling.png", "balance.png"] + [f"expert_load_{m}.png" for m in MODELS[1:]]:
+        assert (out / name).stat().st_size > 0, name
+    for model in MODELS:
+        assert (out / "runs" / model / "metrics.jsonl").stat().st_size > 0, model
+        assert (out / "configs" / f"{model}.json").exists() and (out / "logs" / f"{model}.log").exists()
+    study = json.loads((out / "study.json").read_text())
+    assert study["models"] == MODELS and study["ranks"] == 4 and study["machine"]["cpus"] >= 1
+    assert set(study["wall_s_per_model_this_invocation"]) == set(MODELS)
+    assert "best valid" in stdout and "report:" in stdout
+    text = (out / "report.md").read_text()
+    assert "![scaling.png](scaling.png)" in text and "| model | dense | 4 experts top-2 |" in text
+
+
+def test_quick_study_numbers_are_sane(quick_study):
+    out, _data, _stdout = quick_study
+    records = {r["name"]: r for r in json.loads((out / "summary.json").read_text())["runs"]}
+    assert list(records) == MODELS
+    with open(out / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["name"] for r in rows] == MODELS
+    for row in rows:
+        record = records[row["name"]]
+        assert int(row["params_total"]) == record["params_total"]
+        assert float(row["best_valid_loss"]) == pytest.approx(record["best_valid_loss"])
+
+    family = _module("family")
+    sizes = family.SIZES["quick"]
+    h, f = sizes.hidden_size, sizes.ffn_hidden_size
+    moe_layers = len(range(0, sizes.num_layers, sizes.moe_layer_interval))
+    dense = records["dense"]
+    for name, r in records.items():
+        train = [json.loads(line) for line in (out / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        losses = [x["loss"] for x in train if x["split"] == "train"]
+        valid = [x["loss"] for x in train if x["split"] == "valid"]
+        assert len(losses) == sizes.train_iters and all(math.isfinite(x) for x in losses + valid), name
+        assert sum(losses[-4:]) / 4 < losses[0] - 1.0 and valid[-1] < valid[0], (name, losses, valid)
+        # the formula equals what the ranks counted on the model, total and active
+        assert r["measured_params_total"] == r["params_total"], name
+        assert r["measured_params_active"] == r["params_active"], name
+        assert r["median_step_s"] > 0 and r["median_tokens_per_s"] > 0 and r["flops_per_token"] > 0
+        assert len(r["peak_memory_mb_per_rank"]) == 4
+        assert all(peak >= before > 0 for peak, before in zip(r["peak_memory_mb_per_rank"],
+                                                               r["memory_before_model_mb_per_rank"]))
+        if name == "dense":
+            assert r["experts"] is None and r["final_imbalance"] is None and r["params_expert"] == 0
+            continue
+        # same compute: the top-k experts of width f/k replace the dense MLP; the routers (h x E)
+        # are added and the dense MLP's biases (f + h) are not there
+        assert r["params_active"] - dense["params_active"] == moe_layers * (h * r["experts"] - f - h), name
+        assert r["final_imbalance"] >= 1.0 and 0.0 <= r["final_dropped_fraction"] <= 1.0
+    for k in (1, 2):
+        totals = [records[f"e{e}-top{k}"]["params_total"] for e in sizes.experts]
+        assert totals == sorted(totals) and totals[0] > dense["params_total"], totals
+
+
+def test_quick_study_resumes_without_training_again(quick_study):
+    out, data, _stdout = quick_study
+    before = {m: (out / "runs" / m / "metrics.jsonl").stat().st_mtime_ns for m in MODELS}
+    (out / "report.md").unlink()
+    again = _study(out, data)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("already trained") == len(MODELS)
+    assert {m: (out / "runs" / m / "metrics.jsonl").stat().st_mtime_ns for m in MODELS} == before
+    assert (out / "report.md").exists()
+
+
+def test_unknown_model_stops_before_anything_is_written(tmp_path, capsys):
+    study = _module("study")
+    assert study.main(["--quick", "--models", "dense,e3-top2", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --models: got 'e3-top2'; valid: dense, e4-top2") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpu_recipe_configs_check_and_are_current(tmp_path, capsys):
+    recipe = _module("gpu_recipe")
+    committed = sorted((SCALING / "gpu" / "configs").glob("*.json"))
+    assert [p.name for p in committed] == sorted(f"{s.name}_{m}.json" for s in recipe.SIZES
+                                                 for m in recipe.member_names())
+    for path in committed:
+        assert cli_main(["check-config", str(path), "--world-size", "64"]) == 0, path
+    capsys.readouterr()
+    recipe.generate(tmp_path, progress=False)
+    for path in committed + [SCALING / "gpu" / "plan.md"]:
+        fresh = tmp_path / path.relative_to(SCALING / "gpu")
+        assert fresh.read_text() == path.read_text(), f"{path} is stale: run python {SCALING / 'gpu_recipe.py'}"
