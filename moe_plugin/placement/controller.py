@@ -333,7 +333,7 @@ class PlacementController:
         if best == now:
             change, reason = False, "the best shadow set is the current one"
         elif times[k] > (1 - gain) * t_now:
-            change, reason = False, f"shadow per-step gain {1 - times[k] / t_now:.1%} < min_gain {gain:.0%}"
+            change, reason = False, f"shadow per-step gain {1 - times[k] / max(t_now, 1e-30):.1%} < min_gain {gain:.0%}"
         else:
             change, reason = True, f"shadow {best}: {t_now * 1e3:.3g} -> {times[k] * 1e3:.3g} ms/step"
         return dict(shadow_now=now, shadow_new=best if change else None, shadow_seconds_now=t_now,
