@@ -228,10 +228,16 @@ def test_plan_end_to_end_on_the_examples(tmp_path, capsys):
     assert [e["rank"] for e in pool] == [1, 2, 3]
     times = [e["predicted_s"]["total"] for e in pool]
     assert times == sorted(times)
-    for path in configs:   # launch-ready: the "moe" block passes the plugin's checks at the cluster's size
+    for path, entry in zip(configs, pool):   # launch-ready: the "moe" block passes the plugin's checks
         ds = json.loads(path.read_text())
-        sizes = MoEConfig.from_ds_config(ds).check_world_size(64)
+        config = MoEConfig.from_ds_config(ds)
+        sizes = config.check_world_size(64)
         assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * sizes.dp
+        # the online stage: with expert parallelism the runtime re-places experts (greedy, hysteresis)
+        expected = "greedy" if sizes.ep > 1 else "static"
+        assert config.placement.policy == expected and entry["placement"]["policy"] == expected
+        if expected == "greedy":
+            assert config.placement.check_interval == 100
 
 
 def test_plan_with_a_trace_replays_the_pool(tmp_path, capsys):
@@ -250,6 +256,26 @@ def test_plan_with_a_trace_replays_the_pool(tmp_path, capsys):
     code, stdout, _ = _plan(["--model", str(model_path), "--cluster", str(cluster_path), "--trace", str(path),
                              "--out", str(tmp_path / "out"), "--policy-interval", "5"], capsys)
     assert code == 0 and "Trace replay (30 steps" in stdout and "greedy/5 ms" in stdout
+    # each member's JSON carries the placement the replay chose for its layout
+    for entry in json.loads((tmp_path / "out" / "pool.json").read_text()):
+        replay = entry["replay"]
+        placement = json.loads((tmp_path / "out" / entry["config"]).read_text())["moe"]["placement"]
+        faster = replay["greedy_ms"] < replay["static_ms"] and entry["layout"]["ep"] > 1
+        assert placement == ({"policy": "greedy", "check_interval": 5} if faster else {"policy": "static"})
+        assert entry["placement"] == placement
+
+
+def test_placement_block_follows_the_replay():
+    from moe_plugin.planner import Layout
+    from moe_plugin.planner.plan import placement_block
+
+    ep4, ep1 = Layout(tp=1, pp=1, ep=4, etp=1, dp=4, zero=1, micro_batch=1, gas=1), \
+        Layout(tp=1, pp=1, ep=1, etp=1, dp=4, zero=1, micro_batch=1, gas=1)
+    assert placement_block(ep4, 50) == {"policy": "greedy", "check_interval": 50}
+    assert placement_block(ep1, 50) == {"policy": "static"}
+    assert placement_block(ep4, 50, {"static_ms": 10.0, "greedy_ms": 8.0}) == {"policy": "greedy",
+                                                                              "check_interval": 50}
+    assert placement_block(ep4, 50, {"static_ms": 10.0, "greedy_ms": 10.0}) == {"policy": "static"}
 
 
 def test_plan_bad_input_exits_2_naming_the_key(tmp_path, capsys):

@@ -8,6 +8,12 @@ The search costs every valid layout (``search.py``), drops those that do not fit
 predicted step time -- under the trace's mean load per layer when ``--trace`` is given, else
 uniform -- and writes the pool (``report.py``). With a trace it also replays the pool on the
 trace under static and greedy placement (``simulator.py``) and adds that table.
+
+The online stage is in each pool member's JSON: its ``moe.placement`` sub-block
+(``placement_block``) turns on the runtime's placement controller, which re-places experts
+within the member's layout as the load drifts, only when the predicted saving pays for the move
+(``moe_plugin.placement.controller``). Static placement where the layout has no expert
+parallelism, or where the trace replay found greedy no faster.
 """
 from __future__ import annotations
 
@@ -111,10 +117,12 @@ def plan(model: ModelSpec, cluster: ClusterSpec, out: Path, *, top: int = 5, tra
                           f"{best.cost.memory_total / 1e9:.1f} GB per rank ({best.layout.name()}) of "
                           f"{cluster.memory_usable:.0%} usable")
     out.mkdir(parents=True, exist_ok=True)
-    paths = write_pool(out, pool, model)
-    extra = ""
+    extra, replays = "", None
     if load_SLE is not None:
-        extra = _replay_table(model, cluster, pool, load_SLE, interval)
+        replays = [_replay(model, cluster, c.layout, load_SLE, interval) for c in pool]
+        extra = _replay_table(pool, replays, load_SLE.shape[0], interval)
+    placements = [placement_block(c.layout, interval, replays[i] if replays else None) for i, c in enumerate(pool)]
+    paths = write_pool(out, pool, model, placements, replays)
     write_markdown(out, model, cluster, candidates, pool, extra)
     plot(out, candidates, pool, cluster, title=f"{model.total_params() / 1e6:,.0f}M GPT-MoE, {model.experts} "
          f"experts on {cluster.name}")
@@ -129,19 +137,39 @@ def plan(model: ModelSpec, cluster: ClusterSpec, out: Path, *, top: int = 5, tra
     return pool
 
 
-def _replay_table(model: ModelSpec, cluster: ClusterSpec, pool, load_SLE: np.ndarray, interval: int) -> str:
+def placement_block(layout, interval: int, replay: Optional[dict] = None) -> dict:
+    """The online stage of a pool member: its ``moe.placement`` sub-block. With expert
+    parallelism the runtime's controller checks the load every ``interval`` steps and moves
+    experts when the predicted saving pays for the move (greedy, with hysteresis), unless the
+    trace replay (``replay``) found static placement at least as fast on this layout; without
+    expert parallelism every rank holds every expert and there is nothing to place."""
+    if layout.ep == 1 or (replay is not None and replay["greedy_ms"] >= replay["static_ms"]):
+        return {"policy": "static"}
+    return {"policy": "greedy", "check_interval": interval}
+
+
+def _replay(model: ModelSpec, cluster: ClusterSpec, layout, load_SLE: np.ndarray, interval: int) -> dict:
+    """Mean step time of ``layout`` on the trace under static and greedy placement (migrations included)."""
     from moe_plugin.planner.simulator import Policy, replay
 
     stride = max(1, load_SLE.shape[0] // 500)     # at most ~500 replayed steps per run
+    static = replay(model, cluster, layout, load_SLE, Policy("static"), stride)
+    greedy = replay(model, cluster, layout, load_SLE, Policy("greedy", interval), stride)
+    return {"stride": stride, "static_ms": 1e3 * static.mean_s, "greedy_ms": 1e3 * greedy.mean_s,
+            "experts_moved": greedy.moves, "migration_ms": 1e3 * greedy.migration_s}
+
+
+def _replay_table(pool, replays: list[dict], steps: int, interval: int) -> str:
     rows = []
-    for i, c in enumerate(pool, 1):
-        static = replay(model, cluster, c.layout, load_SLE, Policy("static"), stride)
-        greedy = replay(model, cluster, c.layout, load_SLE, Policy("greedy", interval), stride)
-        rows.append([str(i), c.layout.name(), f"{1e3 * static.mean_s:.1f}", f"{1e3 * greedy.mean_s:.1f}",
-                     f"{static.mean_s / greedy.mean_s:.3f}", str(greedy.moves), f"{1e3 * greedy.migration_s:.1f}"])
-    head = ("rank", "layout", "static ms", f"greedy/{interval} ms", "speedup", "experts moved", "migration ms")
-    return (f"Trace replay ({load_SLE.shape[0]} steps, every {stride}): mean step time\n\n"
+    for i, (c, r) in enumerate(zip(pool, replays), 1):
+        chosen = placement_block(c.layout, interval, r)["policy"]
+        rows.append([str(i), c.layout.name(), f"{r['static_ms']:.1f}", f"{r['greedy_ms']:.1f}",
+                     f"{r['static_ms'] / r['greedy_ms']:.3f}", str(r["experts_moved"]), f"{r['migration_ms']:.1f}",
+                     chosen])
+    head = ("rank", "layout", "static ms", f"greedy/{interval} ms", "speedup", "experts moved", "migration ms",
+            "placement in its JSON")
+    return (f"Trace replay ({steps} steps, every {replays[0]['stride']}): mean step time\n\n"
             + markdown_table(head, rows))
 
 
-__all__ = ["add_plan_parser", "plan", "run", "trace_load"]
+__all__ = ["add_plan_parser", "placement_block", "plan", "run", "trace_load"]

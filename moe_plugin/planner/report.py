@@ -45,16 +45,21 @@ def markdown_table(header: Sequence[str], rows: list[list[str]]) -> str:
     return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def write_pool(out: Path, pool: Sequence[Candidate], model: ModelSpec) -> list[Path]:
-    """One DeepSpeed JSON per pool member, and ``pool.json`` with the predictions."""
+def write_pool(out: Path, pool: Sequence[Candidate], model: ModelSpec,
+               placements: Optional[Sequence[dict]] = None, replays: Optional[Sequence[dict]] = None) -> list[Path]:
+    """One DeepSpeed JSON per pool member (with its ``placements[i]`` sub-block when given), and
+    ``pool.json`` with the predictions (and the trace replay's figures, ``replays[i]``)."""
     out.mkdir(parents=True, exist_ok=True)
     paths, entries = [], []
     for i, c in enumerate(pool, 1):
+        placement = placements[i - 1] if placements is not None else None
         path = out / f"candidate_{i}_{c.layout.name().replace('/', '_')}.json"
-        path.write_text(json.dumps(ds_config(model, c.layout), indent=2) + "\n")
+        path.write_text(json.dumps(ds_config(model, c.layout, placement), indent=2) + "\n")
         paths.append(path)
         entries.append({"rank": i, "config": path.name, "layout": vars(c.layout).copy(),
-                        "predicted_s": c.cost.as_dict()})
+                        "predicted_s": c.cost.as_dict(), "placement": placement})
+        if replays is not None:
+            entries[-1]["replay"] = replays[i - 1]
     (out / "pool.json").write_text(json.dumps(entries, indent=2) + "\n")
     return paths
 

@@ -45,8 +45,9 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def moe_block(model: ModelSpec, layout: Layout) -> dict:
-    """The ``"moe"`` block that launches ``layout`` (validated by ``MoEConfig``)."""
+def moe_block(model: ModelSpec, layout: Layout, placement: Optional[dict] = None) -> dict:
+    """The ``"moe"`` block that launches ``layout`` (validated by ``MoEConfig``), with the
+    ``placement`` sub-block when one is given (the online stage: ``plan.placement_block``)."""
     router = {1: "switch", 2: "gshard"}.get(model.top_k, "topk")
     block = {"num_experts": model.experts, "router": router, "top_k": model.top_k,
              "layer_interval": model.moe_layer_interval,
@@ -58,10 +59,12 @@ def moe_block(model: ModelSpec, layout: Layout) -> dict:
         block["capacity_factor"] = model.capacity_factor
     if model.expert_ffn is not None:
         block["ffn_hidden_size"] = model.expert_ffn
+    if placement is not None:
+        block["placement"] = dict(placement)
     return block
 
 
-def ds_config(model: ModelSpec, layout: Layout) -> dict:
+def ds_config(model: ModelSpec, layout: Layout, placement: Optional[dict] = None) -> dict:
     """A DeepSpeed JSON for ``layout``: batch split, ZeRO stage, precision, AdamW, the ``"moe"`` block."""
     config = {"train_batch_size": model.global_batch, "train_micro_batch_size_per_gpu": layout.micro_batch,
               "gradient_accumulation_steps": layout.gas, "gradient_clipping": 1.0,
@@ -69,7 +72,7 @@ def ds_config(model: ModelSpec, layout: Layout) -> dict:
               "zero_optimization": {"stage": layout.zero}}
     if model.param_bytes == 2:
         config["bf16"] = {"enabled": True}
-    config["moe"] = moe_block(model, layout)
+    config["moe"] = moe_block(model, layout, placement)
     return config
 
 
