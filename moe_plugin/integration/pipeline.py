@@ -46,7 +46,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
@@ -201,6 +201,7 @@ class GPTPipelineModule(PipelineModule):
 
 def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups: ProcessGroups, *,
                         vocab_size: int, max_sequence_length: int, seed: int = 0, cpu: Optional[bool] = None,
+                        placements: Optional[Mapping[int, Sequence[int]]] = None,
                         **pipeline_kwargs: Any) -> GPTPipelineModule:
     """This rank's stage of a GPT with MoE layers, as a DeepSpeed ``PipelineModule`` (see the
     module docstring). Collective: every rank calls it (DeepSpeed creates its grid's groups).
@@ -208,7 +209,8 @@ def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups
     ``config.pipeline_model_parallel_size`` and ``tensor_model_parallel_size`` must equal the
     layout's; ``groups`` are the plugin's groups, registered (``moe_plugin.initialize`` does both).
     ``seed``: the model seed (dense pieces and MoE layers). ``cpu``: the CPU-friendly spec (default:
-    on a CPU accelerator). ``pipeline_kwargs`` go to ``PipelineModule`` (activation checkpointing,
+    on a CPU accelerator). ``placements``: {global layer index: slots} of MoE layers built with
+    their experts placed (as ``gpt_moe_spec``'s). ``pipeline_kwargs`` go to ``PipelineModule`` (activation checkpointing,
     ``dynamic_shape``, ...). Needs ``LOCAL_RANK`` in the environment, as every DeepSpeed pipeline.
     """
     clashes = [name for name in _OWN_ARGUMENTS if name in pipeline_kwargs]
@@ -229,7 +231,7 @@ def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups
     # Specs are pure descriptions: the layer spec is the same for every layer, the final norm's is
     # the block's (taken from a stage that has layers: Megatron's list has one spec per layer).
     with_layers = next(s for s, r in enumerate(ranges) if len(r))
-    block = gpt_moe_spec(moe_config, config, groups, seed=seed, cpu=cpu, pp_rank=with_layers)
+    block = gpt_moe_spec(moe_config, config, groups, seed=seed, cpu=cpu, pp_rank=with_layers, placements=placements)
     layer_spec, norm_spec = block.layer_specs[0], block.layer_norm
     num = config.num_layers
     pieces: list = [LayerSpec(EmbeddingPipe, config, vocab_size, max_sequence_length, piece_seed(seed, 0))]

@@ -26,11 +26,22 @@ def _pyplot():
     return plt
 
 
+def clip_first_drop(ax, curves: Sequence[Sequence[float]]) -> None:
+    """Upper y limit at the curves' highest value after their first tenth, so that the first
+    steps' drop from ~ln(vocabulary) does not flatten the part where the runs differ."""
+    tails = [v for c in curves for v in c[len(c) // 10:]]
+    heads = [v for c in curves for v in c]
+    if tails and heads and max(heads) > 1.5 * max(tails):
+        ax.set_ylim(min(tails) - 0.05 * (max(tails) - min(tails)), max(tails) * 1.05)
+
+
 def plot_loss(runs: Sequence[Run], out: Path) -> Path:
     plt = _pyplot()
     fig, (ax_train, ax_valid) = plt.subplots(1, 2, figsize=(12, 4.5))
     for run in runs:
         ax_train.plot([r["step"] for r in run.train], [r["loss"] for r in run.train], label=run.name, lw=1)
+    clip_first_drop(ax_train, [[r["loss"] for r in run.train] for run in runs])
+    for run in runs:
         if run.valid:
             ax_valid.plot([r["step"] for r in run.valid], [r["loss"] for r in run.valid], "o-", label=run.name)
     for ax, title in ((ax_train, "training loss (global batch)"), (ax_valid, "validation loss")):
@@ -62,16 +73,18 @@ def plot_loss_vs_flops(runs: Sequence[Run], summaries: Sequence[RunSummary], out
         return None
     plt = _pyplot()
     fig, (ax_train, ax_valid) = plt.subplots(1, 2, figsize=(12, 4.5))
+    curves = []
     for run, summary in pairs:
         per_step = summary.params.flops_per_token * summary.tokens_per_step
         train = sorted(run.train, key=lambda r: r["step"])
         window = max(1, len(train) // 40)
-        ax_train.plot([r["step"] * per_step for r in train], smoothed([r["loss"] for r in train], window),
-                      lw=1, label=summary.model)
+        curves.append(smoothed([r["loss"] for r in train], window))
+        ax_train.plot([r["step"] * per_step for r in train], curves[-1], lw=1, label=summary.model)
         if run.valid:
             valid = sorted(run.valid, key=lambda r: r["step"])
             ax_valid.plot([r["step"] * per_step for r in valid], [r["loss"] for r in valid], "o-", ms=3,
                           label=summary.model)
+    clip_first_drop(ax_train, curves)
     for ax, title in ((ax_train, "training loss (trailing mean)"), (ax_valid, "validation loss")):
         ax.set_title(f"{title} vs training compute")
         ax.set_xlabel("training FLOPs")
