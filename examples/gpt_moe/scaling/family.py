@@ -46,7 +46,7 @@ class Sizes:
 
 
 SIZES = {
-    # The study: nine models, each ~4 minutes on 4 CPU ranks of a 2-core machine.
+    # The study: nine models, 2.5 to 4.5 minutes each on 4 CPU ranks of a 2-core machine (38 min in all).
     "full": Sizes(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512, seq_length=128,
                   micro_batch_size=4, train_iters=1000, eval_interval=100, eval_iters=8, log_interval=50,
                   lr=2e-3, warmup_steps=50, corpus_bytes=4 << 20, valid_fraction=0.05),
