@@ -87,6 +87,8 @@ def test_report_writes_table_and_plots(tmp_path, capsys):
     assert [r["name"] for r in records] == ["a", "b"] and records[1]["final_train_loss"] == 1.25
     assert records[0]["train_flops"] == records[0]["flops_per_token"] * 4 * 8 * 4   # batch 4 x seq 8 x 4 steps
     assert (out / "summary.csv").read_text().splitlines()[0].startswith("name,model,experts,top_k,")
+    assert records[0]["valid_loss_by_step"] == [[2, 2.8], [4, 2.2]] and records[1]["valid_loss_by_step"] == []
+    assert records[0]["imbalance_by_step"] == [[2, pytest.approx(1.2)], [4, pytest.approx(1.4)]]
 
 
 def test_report_defaults_to_the_first_run_dir(tmp_path):

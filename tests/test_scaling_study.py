@@ -93,6 +93,8 @@ def test_quick_study_numbers_are_sane(quick_study):
         # the formula equals what the ranks counted on the model, total and active
         assert r["measured_params_total"] == r["params_total"], name
         assert r["measured_params_active"] == r["params_active"], name
+        assert [step for step, _ in r["valid_loss_by_step"]] == list(range(sizes.eval_interval, sizes.train_iters + 1,
+                                                                           sizes.eval_interval))
         assert r["median_step_s"] > 0 and r["median_tokens_per_s"] > 0 and r["flops_per_token"] > 0
         assert len(r["peak_memory_mb_per_rank"]) == 4
         assert all(peak >= before > 0 for peak, before in zip(r["peak_memory_mb_per_rank"],

@@ -43,11 +43,22 @@ def write_report(run_dirs: Sequence[Path], out: Optional[Path] = None) -> list[P
     written = [p for p in written if p is not None]
     report = out / "report.md"
     report.write_text(markdown.render(summaries, [p.name for p in written]))
-    return [report, *write_tables(summaries, out), *written]
+    return [report, *write_tables(runs, summaries, out), *written]
 
 
-def write_tables(summaries: Sequence[RunSummary], out: Path) -> list[Path]:
-    """``summary.csv`` (a row per run) and ``summary.json`` (the same rows in a list)."""
+def curves(run: Run) -> dict:
+    """The run's curves over steps, as [step, value] pairs: validation loss; expert imbalance and
+    dropped fraction at the log steps (empty for a dense run)."""
+    valid = sorted(run.valid, key=lambda r: r["step"])
+    logged = sorted(run.logged, key=lambda r: r["step"])
+    return {"valid_loss_by_step": [[r["step"], r["loss"]] for r in valid],
+            "imbalance_by_step": [[r["step"], r["imbalance"]] for r in logged],
+            "dropped_fraction_by_step": [[r["step"], r.get("dropped_fraction")] for r in logged]}
+
+
+def write_tables(runs: Sequence[Run], summaries: Sequence[RunSummary], out: Path) -> list[Path]:
+    """``summary.csv`` (a row of numbers per run) and ``summary.json`` (the same rows in a list,
+    each with the run's curves over steps)."""
     records = [as_record(s) for s in summaries]
     csv_path, json_path = out / "summary.csv", out / "summary.json"
     with open(csv_path, "w", newline="") as f:
@@ -56,5 +67,6 @@ def write_tables(summaries: Sequence[RunSummary], out: Path) -> list[Path]:
         for record in records:
             writer.writerow({key: " ".join(map(str, value)) if isinstance(value, list) else value
                              for key, value in record.items()})
-    json_path.write_text(json.dumps({"runs": records}, indent=2) + "\n")
+    json_path.write_text(json.dumps({"runs": [{**r, **curves(run)} for r, run in zip(records, runs)]}, indent=2)
+                         + "\n")
     return [csv_path, json_path]
