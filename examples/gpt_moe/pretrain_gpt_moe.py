@@ -340,14 +340,15 @@ def peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
 
 
-def per_rank(value: float) -> list[float]:
-    """``value`` of every rank, in rank order (collective)."""
+def per_rank(value: float, device) -> list[float]:
+    """``value`` of every rank, in rank order (collective; ``device``: the engine's, which the
+    backend communicates from: NCCL takes no CPU tensors)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [round(value, 1)]
-    values = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(values, torch.tensor([value], dtype=torch.float64))
+    values = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(values, torch.tensor([value], dtype=torch.float64, device=device))
     return [round(float(v.item()), 1) for v in values]
 
 
@@ -419,7 +420,7 @@ def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics,
                       "epoch": data.schedule.epoch_of(done), **moe_report(metrics)}
             if placement is not None:
                 report["placement"] = placement.summary()
-            report["peak_memory_mb"] = per_rank(peak_memory_mb(str(engine.device)))   # collective
+            report["peak_memory_mb"] = per_rank(peak_memory_mb(str(engine.device)), engine.device)   # collective
             interval_s, interval_steps = 0.0, 0
         log.train(done, loss, engine.get_lr()[0], report, step_s=step_s)
         if (args.eval_interval and done % args.eval_interval == 0) or done == args.train_iters:
@@ -471,7 +472,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         placement = training_placement(result, run_dir, resumed=bool(args.load))
         n_params = sum(p.numel() for p in result.engine.module.parameters())
         params = parameter_counts(result, plan)
-        memory_before = per_rank(memory_before_mb)
+        memory_before = per_rank(memory_before_mb, result.engine.device)
         log.info(f"data: {data.description}")
         log.info(f"layout: {plan.sizes}  |  global batch {plan.global_batch_size} = micro {plan.micro_batch_size} x "
                  f"accumulation {plan.grad_accumulation} x dp {plan.sizes.dp}  |  rank 0 holds {n_params:,} parameters")

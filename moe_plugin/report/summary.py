@@ -51,11 +51,13 @@ class RunSummary:
         return max(self.peak_memory_mb) if self.peak_memory_mb else None
 
 
-def layout_of(moe: dict) -> str:
+def layout_of(moe: dict, experts: bool = True) -> str:
+    """``tp1 pp1 ep2 etp1`` from the "moe" block's parallel sizes (``tp1 pp1`` for a dense model)."""
     parallel = moe.get("parallel", {})
     tp = parallel.get("tensor", 1)
     etp = parallel.get("expert_tensor") or tp
-    return f"tp{tp} pp{parallel.get('pipeline', 1)} ep{parallel.get('expert', 1)} etp{etp}"
+    dense = f"tp{tp} pp{parallel.get('pipeline', 1)}"
+    return f"{dense} ep{parallel.get('expert', 1)} etp{etp}" if experts else dense
 
 
 def _median(values: list) -> Optional[float]:
@@ -81,12 +83,13 @@ def summarize(run: Run) -> RunSummary:
     final_log = max(logged, key=lambda r: r["step"]) if logged else {}
     valid = sorted(run.valid, key=lambda r: r["step"])
     elapsed = [r["elapsed_s"] for r in run.train + run.valid if r.get("elapsed_s") is not None]
-    moe_on = model_name(args, moe) != "dense"
+    model = model_name(args, moe)
+    moe_on = model != "dense"
     return RunSummary(
-        name=run.name, model=model_name(args, moe), layers=args.get("num_layers"), hidden=args.get("hidden_size"),
+        name=run.name, model=model, layers=args.get("num_layers"), hidden=args.get("hidden_size"),
         heads=args.get("num_attention_heads"), ffn=args.get("ffn_hidden_size"), seq=args.get("seq_length"),
         experts=moe.get("num_experts") if moe_on else None, top_k=top_k_of(moe) if moe_on else None,
-        layout=(layout_of(moe) if moe_on else layout_of(moe).rsplit(" ep", 1)[0]) if moe else "-", world_size=run.config.get("world_size"),
+        layout=layout_of(moe, experts=moe_on) if moe else "-", world_size=run.config.get("world_size"),
         params=count_params(args, moe, run.config.get("vocab_size")), measured_params=run.config.get("parameters"),
         tokens_per_step=tokens_per_step(run),
         steps=last["step"], final_train_loss=last["loss"],

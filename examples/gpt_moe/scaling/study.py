@@ -114,9 +114,9 @@ def progress_line(index: int, study: Study, model: Model, started: float, study_
     if valid is not None:
         text += f" | valid {valid:.3f}"
     text += f" | {clock(now - started)} | study {clock(now - study_started)}"
-    left = len(study.models) - index
-    if durations:
-        text += f", ~{clock(left * sum(durations) / len(durations) + max(0.0, durations[-1] - (now - started)))} left"
+    if durations:   # this model's rest and the models after it, at the mean of those trained so far
+        mean = sum(durations) / len(durations)
+        text += f", ~{clock(max(0.0, mean - (now - started)) + (len(study.models) - index) * mean)} left"
     return text
 
 
@@ -143,12 +143,12 @@ def train(study: Study, index: int, model: Model, study_started: float, duration
         last, printed = "", time.monotonic()
         while process.poll() is None:
             time.sleep(1.0)
-            line = progress_line(index, study, model, started, study_started, durations)
             if tty:   # one line, rewritten in place
+                line = progress_line(index, study, model, started, study_started, durations)
                 print("\r" + line.ljust(len(last)), end="", flush=True)
                 last = line
             elif time.monotonic() - printed >= 30:   # a log file: a line every 30 s
-                print(line, flush=True)
+                print(progress_line(index, study, model, started, study_started, durations), flush=True)
                 printed = time.monotonic()
     seconds = time.monotonic() - started
     print(("\r" if tty else "") + progress_line(index, study, model, started, study_started, durations)
