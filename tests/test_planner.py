@@ -185,6 +185,67 @@ def test_greedy_beats_static_on_skew_and_matches_it_on_uniform():
     assert greedy.moves == 0 and greedy.step_s.tolist() == static.step_s.tolist()
 
 
+def test_shadowed_expert_leaves_the_all_to_all_and_pays_its_replication():
+    from moe_plugin.planner.cost_model import replication_time
+
+    m, c = model(hidden=256, ffn=1024), cluster()
+    lay = layout(ep=4, dp=8)
+    hot = np.array([0.65, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05])
+    shadow = np.zeros(8, dtype=bool)
+    shadow[0] = True
+    plain = moe_layer_time(m, c, lay, hot)
+    shadowed = moe_layer_time(m, c, lay, hot, shadow_E=shadow)
+    assert "replication" not in plain and moe_layer_time(m, c, lay, hot, shadow_E=np.zeros(8, bool)) == plain
+    assert shadowed["experts"] < plain["experts"] and shadowed["all_to_all"] < plain["all_to_all"]
+    # two all-reduces over EP (weights forward, gradients backward) of one expert, inside a node here
+    expected = 2 * (2 * 3 / 4 * m.expert_params() * m.param_bytes / c.intra_bandwidth + 2 * 3 * c.intra_latency)
+    assert shadowed["replication"] == pytest.approx(expected) == replication_time(m, c, lay, 1)
+    # every route to the hot expert from rank 0's tokens: rank 0 computes them all, as without shadowing
+    senders = np.full((4, 8), 0.25)
+    senders[:, 0] = [1.0, 0.0, 0.0, 0.0]
+    one_sender = moe_layer_time(m, c, lay, hot, shadow_E=shadow, senders_PE=senders)
+    assert one_sender["experts"] == pytest.approx(plain["experts"])
+    assert one_sender["all_to_all"] == shadowed["all_to_all"]
+
+
+def test_replay_shadows_the_hot_expert_when_it_pays():
+    from moe_plugin.planner.simulator import Policy, replay, synthetic_trace
+
+    m, c = model(hidden=256, ffn=1024, experts=8), cluster()      # dropless, 2 experts per EP rank
+    lay = layout(ep=4, dp=8)
+    load, traffic = synthetic_trace(40, 2, 8, 4096, zipf=2.0, senders=4, seed=1)
+    greedy = replay(m, c, lay, load, Policy("greedy", interval=10))
+    shadow = replay(m, c, lay, load, Policy("greedy", interval=10, replica_budget=1), traffic_SLPE=traffic)
+    assert shadow.policy.name == "greedy/10+shadow1"
+    assert shadow.mean_s < greedy.mean_s and shadow.replication_s > 0
+    assert shadow.shadow_steps == 30 and greedy.shadow_steps == 0 and greedy.replication_s == 0.0
+    assert shadow.step_s[:10].tolist() == greedy.step_s[:10].tolist()     # nothing shadowed before the first check
+    step, first = shadow.shadows[0]
+    hottest = load[:10].sum(axis=0).argmax(axis=-1)                         # per layer
+    assert step == 10 and [np.flatnonzero(first[j]).tolist() for j in range(2)] == [[e] for e in hottest]
+    # a larger budget may shadow more, never replays slower here
+    assert replay(m, c, lay, load, Policy("greedy", 10, replica_budget=2), traffic_SLPE=traffic).mean_s <= shadow.mean_s
+    # budget 0 is greedy exactly, with or without the traffic
+    zero = replay(m, c, lay, load, Policy("greedy", 10, replica_budget=0), traffic_SLPE=traffic)
+    assert zero.step_s.tolist() == greedy.step_s.tolist() and zero.shadows == [] and zero.replication_s == 0.0
+    # no shadowing without expert parallelism or with ETP
+    for other in (layout(ep=1, dp=8), layout(tp=2, ep=4, etp=2, dp=4)):
+        assert replay(m, c, other, load, Policy("greedy", 10, replica_budget=2)).shadow_steps == 0
+    with pytest.raises(ValueError, match="replica_budget must be >= 0, got -1"):
+        Policy("greedy", 10, replica_budget=-1)
+
+
+def test_replay_shadows_nothing_on_a_uniform_load():
+    from moe_plugin.planner.simulator import Policy, replay, synthetic_trace
+
+    m, c = model(hidden=256, ffn=1024, experts=8), cluster()
+    lay = layout(ep=4, dp=8)
+    uniform, traffic = synthetic_trace(40, 2, 8, 4096, zipf=0.0, senders=4, seed=2)
+    greedy = replay(m, c, lay, uniform, Policy("greedy", 10))
+    shadow = replay(m, c, lay, uniform, Policy("greedy", 10, replica_budget=2), traffic_SLPE=traffic)
+    assert shadow.shadow_steps == 0 and shadow.shadows == [] and shadow.step_s.tolist() == greedy.step_s.tolist()
+
+
 def test_synthetic_trace_shapes_and_trace_file_round_trip(tmp_path):
     from moe_plugin.placement.trace import TraceMeta, TraceWriter
     from moe_plugin.planner.plan import trace_load
@@ -265,6 +326,59 @@ def test_plan_with_a_trace_replays_the_pool(tmp_path, capsys):
         assert entry["placement"] == placement
 
 
+def _write_trace_and_specs(tmp_path, zipf=1.5):
+    from moe_plugin.placement.trace import TraceMeta, TraceWriter
+    from moe_plugin.planner.simulator import synthetic_trace
+
+    load, traffic = synthetic_trace(30, 2, 8, 2048, zipf=zipf, drift_every=5, senders=1)
+    path = tmp_path / "gate.trace"
+    with TraceWriter(path, TraceMeta(["l0", "l2"], num_experts=8, ep_size=1)) as w:
+        for s in range(30):
+            w.append(s, {"l0": (load[s, 0], traffic[s, 0]), "l2": (load[s, 1], traffic[s, 1])})
+    model_path, cluster_path = tmp_path / "model.json", tmp_path / "cluster.json"
+    model_path.write_text(json.dumps(MODEL))
+    cluster_path.write_text(json.dumps(CLUSTER))
+    return ["--model", str(model_path), "--cluster", str(cluster_path), "--trace", str(path), "--policy-interval", "5"]
+
+
+def test_plan_replica_budget_replays_shadowing_and_sets_it_where_faster(tmp_path, capsys):
+    args = _write_trace_and_specs(tmp_path)
+    out = tmp_path / "out"
+    code, plain, _ = _plan([*args, "--out", str(out)], capsys)
+    before = (out / "pool.json").read_text()
+    code0, zero, _ = _plan([*args, "--out", str(out), "--replica-budget", "0"], capsys)
+    assert code == code0 == 0 and zero == plain and (out / "pool.json").read_text() == before   # as without the flag
+    code, stdout, _ = _plan([*args, "--out", str(out), "--replica-budget", "2"], capsys)
+    assert code == 0 and "greedy/5+shadow2 ms" in stdout and "replication ms/step" in stdout
+    shadowed = 0
+    for entry in json.loads((out / "pool.json").read_text()):
+        replay, lay = entry["replay"], entry["layout"]
+        ds = json.loads((out / entry["config"]).read_text())
+        placement = ds["moe"]["placement"]
+        faster = (lay["ep"] > 1 and lay["etp"] == 1
+                  and replay["shadow_ms"] < min(replay["greedy_ms"], replay["static_ms"]))
+        assert replay["replica_budget"] == 2 and (replay["shadow_steps"] > 0 or not faster)
+        assert ("replica_budget" in placement) == faster and entry["placement"] == placement
+        if faster:
+            shadowed += 1
+            assert placement == {"policy": "greedy", "check_interval": 5, "replica_budget": 2}
+            assert MoEConfig.from_ds_config(ds).placement.replica_budget == 2     # the runtime accepts it
+    assert shadowed > 0
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "9"])
+def test_plan_bad_replica_budget_exits_2_naming_the_flag(tmp_path, capsys, value):
+    code, _, err = _plan([*_write_trace_and_specs(tmp_path), "--out", str(tmp_path / "o"), "--replica-budget", value],
+                         capsys)
+    assert code == 2 and "--replica-budget" in err
+
+
+def test_plan_replica_budget_needs_a_trace(tmp_path, capsys):
+    args = _write_trace_and_specs(tmp_path)[:4]          # model and cluster, no trace
+    code, _, err = _plan([*args, "--out", str(tmp_path / "o"), "--replica-budget", "1"], capsys)
+    assert code == 2 and "--replica-budget: got 1; needs --trace" in err
+
+
 def test_placement_block_follows_the_replay():
     from moe_plugin.planner import Layout
     from moe_plugin.planner.plan import placement_block
@@ -276,6 +390,10 @@ def test_placement_block_follows_the_replay():
     assert placement_block(ep4, 50, {"static_ms": 10.0, "greedy_ms": 8.0}) == {"policy": "greedy",
                                                                               "check_interval": 50}
     assert placement_block(ep4, 50, {"static_ms": 10.0, "greedy_ms": 10.0}) == {"policy": "static"}
+    shadow = {"static_ms": 10.0, "greedy_ms": 10.0, "shadow_ms": 9.0, "replica_budget": 2}
+    assert placement_block(ep4, 50, shadow) == {"policy": "greedy", "check_interval": 50, "replica_budget": 2}
+    assert placement_block(ep1, 50, shadow) == {"policy": "static"}
+    assert placement_block(ep4, 50, {**shadow, "shadow_ms": 10.0}) == {"policy": "static"}
 
 
 def test_plan_bad_input_exits_2_naming_the_key(tmp_path, capsys):

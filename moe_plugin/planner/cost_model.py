@@ -13,6 +13,9 @@ per data-parallel replica, H hidden, F ffn, V vocab, b activation bytes:
          expert FLOPs of a rank (fwd)         sum over its experts of 4 * rows_e * H * F / etp
          all-to-all (4 per layer)             latency * (ep - 1) + max(sent, received) bytes / bandwidth,
                                               plus two latency-bound collectives (finite check, counts)
+         shadowed experts (``shadow_E``)      every EP rank computes its own senders' share of their rows
+                                              and sends them nowhere; 2 EP all-reduces (weights forward,
+                                              gradients backward) of 2 (ep-1)/ep * N * expert bytes
     TP all-reduce (4 per dense layer)         2 (tp-1)/tp * T H b / bw + 2 (tp-1) latency
     pipeline (1F1B)                           m * slowest stage's micro-batch time + one micro-batch of
                                               each other stage (fill and drain; equal stages: bubble
@@ -58,13 +61,14 @@ class StepCost:
     dp_comm: float = 0.0          # gradient reduction (and ZeRO parameter gathers)
     optimizer: float = 0.0
     overhead: float = 0.0
+    replication: float = 0.0      # shadowed experts' weight and gradient all-reduces over EP
     bubble: float = 0.0           # pipeline bubble share of the per-micro-batch parts
     memory: dict = field(default_factory=dict)
 
     @property
     def total(self) -> float:
         return (self.compute + self.experts + self.dispatch + self.all_to_all + self.tp_comm + self.pp_comm
-                + self.dp_comm + self.optimizer + self.overhead)
+                + self.dp_comm + self.optimizer + self.overhead + self.replication)
 
     @property
     def memory_total(self) -> float:
@@ -72,6 +76,8 @@ class StepCost:
 
     def as_dict(self) -> dict:
         out = asdict(self)
+        if not self.replication:          # only a replay with shadowed experts has it
+            del out["replication"]
         out["total"] = self.total
         out["memory_total"] = self.memory_total
         return out
@@ -129,47 +135,91 @@ def stage_layers(model: ModelSpec, pp: int) -> list[list[int]]:
     return [list(range(s * per, (s + 1) * per)) for s in range(pp)]
 
 
-def expert_rows(model: ModelSpec, layout: Layout, load_E: Optional[np.ndarray], placement_E=None) -> np.ndarray:
-    """Rows each EP rank's experts process in one MoE layer and micro-batch (all ETP senders together)."""
+def expert_rows_by_expert(model: ModelSpec, layout: Layout, load_E: Optional[np.ndarray]) -> np.ndarray:
+    """[E] rows of each expert in one MoE layer and micro-batch (every EP and ETP sender together)."""
     E, T = model.experts, layout.micro_batch * model.seq
     routes = model.top_k * T / layout.tp                       # per sender rank
     share = np.full(E, 1.0 / E) if load_E is None else np.asarray(load_E, dtype=float) / max(np.sum(load_E), 1e-30)
     kept = share * routes
     if model.capacity_factor is not None:
         kept = np.minimum(kept, model.capacity_factor * routes / E)
-    rows_E = layout.ep * layout.etp * kept
-    per_rank = E // layout.ep
-    slot_E = np.arange(E) if placement_E is None else np.asarray(placement_E)
+    return layout.ep * layout.etp * kept
+
+
+def expert_rows(model: ModelSpec, layout: Layout, load_E: Optional[np.ndarray], placement_E=None,
+                shadow_E=None) -> np.ndarray:
+    """Rows each EP rank's experts process in one MoE layer and micro-batch (all ETP senders
+    together); ``shadow_E`` (bool [E]): shadowed experts, whose rows stay with their senders."""
+    rows_E = expert_rows_by_expert(model, layout, load_E)
+    if shadow_E is not None:
+        rows_E = np.where(np.asarray(shadow_E, dtype=bool), 0.0, rows_E)
+    per_rank = model.experts // layout.ep
+    slot_E = np.arange(model.experts) if placement_E is None else np.asarray(placement_E)
     return np.bincount(slot_E // per_rank, weights=rows_E, minlength=layout.ep)
 
 
-def moe_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E=None, placement_E=None
-                   ) -> dict[str, float]:
+def shadow_rows(model: ModelSpec, layout: Layout, load_E, shadow_E, senders_PE=None) -> np.ndarray:
+    """[ep] rows of shadowed experts each EP rank computes itself: its own tokens' share of each
+    shadowed expert's rows, ``senders_PE[p, e]`` (fractions over p; None: 1/ep each)."""
+    rows_E = np.where(np.asarray(shadow_E, dtype=bool), expert_rows_by_expert(model, layout, load_E), 0.0)
+    if senders_PE is None:
+        return np.full(layout.ep, rows_E.sum() / layout.ep)
+    return np.asarray(senders_PE, dtype=float) @ rows_E
+
+
+def replication_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, shadowed: int) -> float:
+    """Seconds of one layer's shadowed experts per micro-batch: the weights' all-reduce over EP in
+    the forward and the gradients' in the backward, each ``2 (ep-1)/ep x shadowed x expert bytes``
+    per rank plus ``2 (ep-1)`` latencies, on the EP group's link (inter-node when it spans nodes)."""
+    P = layout.ep
+    if shadowed == 0 or P == 1:
+        return 0.0
+    nbytes = shadowed * model.expert_params() / layout.etp * model.param_bytes
+    bw, lat = cluster.link(group_span(layout, "ep", expert_grid=True))
+    return 2 * (2 * (P - 1) / P * nbytes / bw + 2 * (P - 1) * lat)
+
+
+def moe_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E=None, placement_E=None,
+                   shadow_E=None, senders_PE=None) -> dict[str, float]:
     """Seconds of one MoE layer for one micro-batch, forward + backward: expert GEMMs on the most
-    loaded rank, the four all-to-alls, ETP gathers and the TP token split/gather."""
+    loaded rank, the four all-to-alls, ETP gathers and the TP token split/gather. ``shadow_E``
+    (bool [E], EP without ETP): shadowed experts, computed by every rank for its own tokens
+    (``senders_PE``: each rank's share of an expert's routes, None: uniform), out of the
+    all-to-all, plus their ``replication`` (``replication_time``)."""
     H, F, b = model.hidden, model.expert_ffn_size, model.activation_bytes
     T = layout.micro_batch * model.seq
-    rows_R = expert_rows(model, layout, load_E, placement_E)
+    shadowed = int(np.count_nonzero(shadow_E)) if shadow_E is not None and layout.ep > 1 else 0
+    rows_R = expert_rows(model, layout, load_E, placement_E, shadow_E if shadowed else None)
     per_rank = model.experts // layout.ep
-    busiest = float(rows_R.max())
-    gemm = 2 * (busiest / max(per_rank, 1)) * H * F / layout.etp         # one expert's GEMM, average size
-    experts = 3 * cluster.gemm_time(gemm, 2 * per_rank)                 # fc1 and fc2 per expert, fwd + 2x bwd
+    exchanged = float(rows_R.max())                                    # rows the busiest receiver gets
+    if shadowed:
+        compute_R = rows_R + shadow_rows(model, layout, load_E, shadow_E, senders_PE)
+        all_kept = float(expert_rows_by_expert(model, layout, load_E).sum()) / (layout.ep * layout.etp)
+    else:
+        compute_R, all_kept = rows_R, float(rows_R.sum()) / (layout.ep * layout.etp)
+    busiest = float(compute_R.max())
+    local = per_rank + shadowed                                         # experts a rank runs
+    gemm = 2 * (busiest / max(local, 1)) * H * F / layout.etp           # one expert's GEMM, average size
+    experts = 3 * cluster.gemm_time(gemm, 2 * local)                    # fc1 and fc2 per expert, fwd + 2x bwd
     routes = model.top_k * T / layout.tp
     kept_routes = float(rows_R.sum()) / (layout.ep * layout.etp)       # kept rows one sender sends
     remote = (layout.ep - 1) / layout.ep
     sent = kept_routes * remote * H * b
-    received = busiest / layout.etp * remote * H * b
+    received = exchanged / layout.etp * remote * H * b
     a2a = 4 * _all_to_all(cluster, layout.ep, sent, received, layout.etp)
-    etp = 4 * _collective(cluster, layout.etp, busiest * H * b, group_span(layout, "tp", True), "gather")
+    etp = 4 * _collective(cluster, layout.etp, exchanged * H * b, group_span(layout, "tp", True), "gather")
     split = 2 * _collective(cluster, layout.tp, T * H * b, group_span(layout, "tp"), "gather")
     router = 3 * cluster.gemm_time(2 * routes / model.top_k * H * model.experts)
     # non-GEMM work: a fixed part, and gathers / scatters / activation over the rows a rank sends and receives
-    dispatch = cluster.moe_layer_overhead + cluster.moe_element_time * (kept_routes + busiest / layout.etp) * H
+    dispatch = cluster.moe_layer_overhead + cluster.moe_element_time * (all_kept + busiest / layout.etp) * H
     # latency-bound: the router's finite check over the stage's token ranks and the count exchange over EP
     small = (_collective(cluster, layout.tp * layout.dp, 4 * layout.tp * layout.dp, group_span(layout, "dp"), "all_reduce")
              + _collective(cluster, layout.ep, 4 * model.experts * layout.ep, group_span(layout, "ep", True), "gather"))
-    return {"experts": experts, "all_to_all": a2a + small, "tp_comm": etp + split, "compute": router,
-            "dispatch": dispatch}
+    out = {"experts": experts, "all_to_all": a2a + small, "tp_comm": etp + split, "compute": router,
+           "dispatch": dispatch}
+    if shadowed:
+        out["replication"] = replication_time(model, cluster, layout, shadowed)
+    return out
 
 
 def dense_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, moe: bool) -> dict[str, float]:
@@ -227,9 +277,12 @@ def stage_memory(model: ModelSpec, layout: Layout, layers: Sequence[int], first:
     return mem
 
 
-def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_LE=None, placement_LE=None) -> StepCost:
+def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_LE=None, placement_LE=None,
+              shadow_LE=None, senders_LPE=None) -> StepCost:
     """Predicted ``StepCost`` of one optimizer step. ``load_LE``: route fractions per MoE layer
-    ([moe_layers, E], or [E] for all); ``placement_LE``: expert slots, same shapes."""
+    ([moe_layers, E], or [E] for all); ``placement_LE``: expert slots, same shapes; ``shadow_LE``:
+    shadowed experts (bool, same shapes) and ``senders_LPE`` each EP rank's share of an expert's
+    routes ([moe_layers, ep, E]; None: uniform), see ``moe_layer_time``."""
     moe_ids = [i for i in range(model.layers) if model.is_moe(i)]
     m, pp = layout.gas, layout.pp
     T = layout.micro_batch * model.seq
@@ -239,14 +292,16 @@ def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_LE=No
     dp_comm = optimizer = 0.0
     for s, layers in enumerate(stages):
         first, last = s == 0, s == pp - 1
-        parts = {"compute": 0.0, "experts": 0.0, "dispatch": 0.0, "all_to_all": 0.0, "tp_comm": 0.0, "pp_comm": 0.0}
+        parts = {"compute": 0.0, "experts": 0.0, "dispatch": 0.0, "all_to_all": 0.0, "tp_comm": 0.0, "pp_comm": 0.0,
+                 "replication": 0.0}
         for i in layers:
             moe = model.is_moe(i)
             for k, v in dense_layer_time(model, cluster, layout, moe).items():
                 parts[k] += v
             if moe:
                 j = moe_ids.index(i)
-                for k, v in moe_layer_time(model, cluster, layout, _row(load_LE, j), _row(placement_LE, j)).items():
+                for k, v in moe_layer_time(model, cluster, layout, _row(load_LE, j), _row(placement_LE, j),
+                                           _row(shadow_LE, j), _row(senders_LPE, j, 2)).items():
                     parts[k] += v
         if last:
             parts["compute"] += 3 * cluster.gemm_time(2 * T * model.hidden * model.vocab / layout.tp)
@@ -294,16 +349,17 @@ def fits(cost: StepCost, cluster: ClusterSpec) -> bool:
     return cost.memory_total <= cluster.memory * cluster.memory_usable
 
 
-def _row(values, j: int):
+def _row(values, j: int, ndim: int = 1):
     if values is None:
         return None
     arr = np.asarray(values)
-    return arr if arr.ndim == 1 else arr[j]
+    return arr if arr.ndim == ndim else arr[j]
 
 
 def tokens_per_step(model: ModelSpec) -> int:
     return model.global_batch * model.seq
 
 
-__all__ = ["StepCost", "bubble_fraction", "dense_layer_time", "expert_rows", "fits", "group_span",
-           "moe_layer_time", "stage_layers", "stage_memory", "stage_params", "step_cost", "tokens_per_step"]
+__all__ = ["StepCost", "bubble_fraction", "dense_layer_time", "expert_rows", "expert_rows_by_expert", "fits",
+           "group_span", "moe_layer_time", "replication_time", "shadow_rows", "stage_layers", "stage_memory",
+           "stage_params", "step_cost", "tokens_per_step"]

@@ -1,19 +1,21 @@
 """``moe-plugin plan``: the offline stage of two-stage automatic parallelization (SmartMoE).
 
-    moe-plugin plan --model MODEL.json --cluster CLUSTER.json [--trace FILE] [--out DIR] [--top N]
+    moe-plugin plan --model MODEL.json --cluster CLUSTER.json [--trace FILE [--replica-budget K]] [--out DIR] [--top N]
     moe-plugin plan --calibrate out.json [--ranks 4]          # measure this machine (calibrate.py)
     moe-plugin plan --validate [--ranks 4,8] [--out DIR]      # predicted vs measured (validate.py)
 
 The search costs every valid layout (``search.py``), drops those that do not fit, ranks by
 predicted step time -- under the trace's mean load per layer when ``--trace`` is given, else
 uniform -- and writes the pool (``report.py``). With a trace it also replays the pool on the
-trace under static and greedy placement (``simulator.py``) and adds that table.
+trace under static and greedy placement (``simulator.py``) and adds that table; with
+``--replica-budget K`` > 0 also under greedy placement with up to K shadow experts per layer.
 
 The online stage is in each pool member's JSON: its ``moe.placement`` sub-block
 (``placement_block``) turns on the runtime's placement controller, which re-places experts
 within the member's layout as the load drifts, only when the predicted saving pays for the move
 (``moe_plugin.placement.controller``). Static placement where the layout has no expert
-parallelism, or where the trace replay found greedy no faster.
+parallelism, or where the trace replay found greedy no faster; ``replica_budget`` K where the
+replay with shadow experts was faster than both.
 """
 from __future__ import annotations
 
@@ -43,6 +45,9 @@ def add_plan_parser(commands: argparse._SubParsersAction, run) -> None:
     plan.add_argument("--world-size", type=int, help="ranks to plan for (default: the cluster's)")
     plan.add_argument("--policy-interval", type=int, default=100, help="steps between greedy placement checks "
                       "in the trace replay (default 100)")
+    plan.add_argument("--replica-budget", type=int, default=0, metavar="K", help="with --trace: also replay "
+                      "greedy placement with up to K shadow experts per MoE layer, and put replica_budget K "
+                      "into the JSONs of members where that is faster (default 0: no shadowing)")
     plan.add_argument("--calibrate", type=Path, metavar="OUT.json", help="measure GEMM throughput and gloo "
                       "collectives on this machine and write a cluster JSON")
     plan.add_argument("--validate", action="store_true", help="predicted vs measured step time of CPU layouts "
@@ -70,8 +75,16 @@ def run(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{flag}", None, f"required to plan (or use --calibrate / --validate)")
     if args.top < 1:
         raise ConfigError("--top", args.top, "expected a positive integer")
-    plan(ModelSpec.load(args.model), ClusterSpec.load(args.cluster), args.out, top=args.top, trace=args.trace,
-         world_size=args.world_size, interval=args.policy_interval)
+    if args.replica_budget < 0:
+        raise ConfigError("--replica-budget", args.replica_budget, "expected 0 (no shadow experts) or a positive "
+                          "integer")
+    if args.replica_budget and args.trace is None:
+        raise ConfigError("--replica-budget", args.replica_budget, "needs --trace (the trace replay decides it)")
+    model = ModelSpec.load(args.model)
+    if args.replica_budget > model.experts:
+        raise ConfigError("--replica-budget", args.replica_budget, f"must be at most model.experts ({model.experts})")
+    plan(model, ClusterSpec.load(args.cluster), args.out, top=args.top, trace=args.trace,
+         world_size=args.world_size, interval=args.policy_interval, replica_budget=args.replica_budget)
 
 
 def _ranks(text: str) -> list[int]:
@@ -84,8 +97,9 @@ def _ranks(text: str) -> list[int]:
     return values
 
 
-def trace_load(path: Path, model: ModelSpec) -> np.ndarray:
-    """The trace's loads [steps, layers, E]; its expert count must be the model's."""
+def trace_load(path: Path, model: ModelSpec, traffic: bool = False):
+    """The trace's loads [steps, layers, E] (with ``traffic``: and its traffic [steps, layers, P, E]);
+    its expert count must be the model's."""
     from moe_plugin.placement.trace import read_trace
 
     try:
@@ -97,15 +111,17 @@ def trace_load(path: Path, model: ModelSpec) -> np.ndarray:
                           f"is {model.experts}")
     if trace.load.shape[0] == 0:
         raise ConfigError("--trace", str(path), "holds no step")
-    return trace.load
+    return (trace.load, trace.traffic) if traffic else trace.load
 
 
 def plan(model: ModelSpec, cluster: ClusterSpec, out: Path, *, top: int = 5, trace: Optional[Path] = None,
-         world_size: Optional[int] = None, interval: int = 100) -> list:
+         world_size: Optional[int] = None, interval: int = 100, replica_budget: int = 0) -> list:
     """Search, write the pool, print the table; returns the pool."""
     from moe_plugin.planner.simulator import load_fractions
 
-    load_SLE = trace_load(trace, model) if trace is not None else None
+    load_SLE = traffic_SLPE = None
+    if trace is not None:
+        load_SLE, traffic_SLPE = trace_load(trace, model, traffic=True)
     moe_layers = sum(model.is_moe(i) for i in range(model.layers))
     load_LE = load_fractions(load_SLE, moe_layers).mean(axis=0) if load_SLE is not None else None
     progress = Progress("plan") if sys.stderr.isatty() else None
@@ -119,7 +135,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, out: Path, *, top: int = 5, tra
     out.mkdir(parents=True, exist_ok=True)
     extra, replays = "", None
     if load_SLE is not None:
-        replays = [_replay(model, cluster, c.layout, load_SLE, interval) for c in pool]
+        replays = [_replay(model, cluster, c.layout, load_SLE, interval, replica_budget, traffic_SLPE) for c in pool]
         extra = _replay_table(pool, replays, load_SLE.shape[0], interval)
     placements = [placement_block(c.layout, interval, replays[i] if replays else None) for i, c in enumerate(pool)]
     paths = write_pool(out, pool, model, placements, replays)
@@ -142,32 +158,51 @@ def placement_block(layout, interval: int, replay: Optional[dict] = None) -> dic
     parallelism the runtime's controller checks the load every ``interval`` steps and moves
     experts when the predicted saving pays for the move (greedy, with hysteresis), unless the
     trace replay (``replay``) found static placement at least as fast on this layout; without
-    expert parallelism every rank holds every expert and there is nothing to place."""
+    expert parallelism every rank holds every expert and there is nothing to place. Where the
+    replay with shadow experts (``replay["shadow_ms"]``, greedy with ``replica_budget`` K; EP
+    without ETP) was faster than static and greedy alone, the sub-block adds ``replica_budget`` K."""
+    if (layout.ep > 1 and layout.etp == 1 and replay is not None and "shadow_ms" in replay
+            and replay["shadow_ms"] < min(replay["greedy_ms"], replay["static_ms"])):
+        return {"policy": "greedy", "check_interval": interval, "replica_budget": replay["replica_budget"]}
     if layout.ep == 1 or (replay is not None and replay["greedy_ms"] >= replay["static_ms"]):
         return {"policy": "static"}
     return {"policy": "greedy", "check_interval": interval}
 
 
-def _replay(model: ModelSpec, cluster: ClusterSpec, layout, load_SLE: np.ndarray, interval: int) -> dict:
-    """Mean step time of ``layout`` on the trace under static and greedy placement (migrations included)."""
+def _replay(model: ModelSpec, cluster: ClusterSpec, layout, load_SLE: np.ndarray, interval: int,
+            replica_budget: int = 0, traffic_SLPE: Optional[np.ndarray] = None) -> dict:
+    """Mean step time of ``layout`` on the trace under static and greedy placement (migrations
+    included), and with ``replica_budget`` > 0 under greedy placement with shadow experts."""
     from moe_plugin.planner.simulator import Policy, replay
 
     stride = max(1, load_SLE.shape[0] // 500)     # at most ~500 replayed steps per run
     static = replay(model, cluster, layout, load_SLE, Policy("static"), stride)
     greedy = replay(model, cluster, layout, load_SLE, Policy("greedy", interval), stride)
-    return {"stride": stride, "static_ms": 1e3 * static.mean_s, "greedy_ms": 1e3 * greedy.mean_s,
-            "experts_moved": greedy.moves, "migration_ms": 1e3 * greedy.migration_s}
+    out = {"stride": stride, "static_ms": 1e3 * static.mean_s, "greedy_ms": 1e3 * greedy.mean_s,
+           "experts_moved": greedy.moves, "migration_ms": 1e3 * greedy.migration_s}
+    if replica_budget:
+        shadow = replay(model, cluster, layout, load_SLE, Policy("greedy", interval, replica_budget=replica_budget),
+                        stride, traffic_SLPE)
+        out.update(replica_budget=replica_budget, shadow_ms=1e3 * shadow.mean_s, shadow_steps=shadow.shadow_steps,
+                   replication_ms_per_step=1e3 * shadow.replication_s / len(shadow.step_s))
+    return out
 
 
 def _replay_table(pool, replays: list[dict], steps: int, interval: int) -> str:
     rows = []
+    budget = replays[0].get("replica_budget", 0)
     for i, (c, r) in enumerate(zip(pool, replays), 1):
-        chosen = placement_block(c.layout, interval, r)["policy"]
-        rows.append([str(i), c.layout.name(), f"{r['static_ms']:.1f}", f"{r['greedy_ms']:.1f}",
-                     f"{r['static_ms'] / r['greedy_ms']:.3f}", str(r["experts_moved"]), f"{r['migration_ms']:.1f}",
-                     chosen])
-    head = ("rank", "layout", "static ms", f"greedy/{interval} ms", "speedup", "experts moved", "migration ms",
-            "placement in its JSON")
+        block = placement_block(c.layout, interval, r)
+        chosen = block["policy"] + (f"+shadow{block['replica_budget']}" if "replica_budget" in block else "")
+        row = [str(i), c.layout.name(), f"{r['static_ms']:.1f}", f"{r['greedy_ms']:.1f}",
+               f"{r['static_ms'] / r['greedy_ms']:.3f}", str(r["experts_moved"]), f"{r['migration_ms']:.1f}"]
+        if budget:
+            row += [f"{r['shadow_ms']:.1f}", str(r["shadow_steps"]), f"{r['replication_ms_per_step']:.2f}"]
+        rows.append(row + [chosen])
+    head = ["rank", "layout", "static ms", f"greedy/{interval} ms", "speedup", "experts moved", "migration ms"]
+    if budget:
+        head += [f"greedy/{interval}+shadow{budget} ms", "shadowed steps", "replication ms/step"]
+    head += ["placement in its JSON"]
     return (f"Trace replay ({steps} steps, every {replays[0]['stride']}): mean step time\n\n"
             + markdown_table(head, rows))
 

@@ -20,6 +20,19 @@ Policies (``Policy``):
   step it happens: every rank receives the experts that arrive at it -- weights and optimizer
   state, ``(param_bytes + optimizer_bytes / edp_shards) * expert_params / etp`` each -- over
   its EP link (``migration_seconds``).
+* either, with ``replica_budget`` k > 0: shadow experts (FasterMoE; ``moe_plugin.layers.shadow``),
+  decided at every check as the runtime controller does, after the placement decision and under
+  the placement in effect after it: in each layer the candidates are the 0..k hottest experts of
+  the window (loaded ones only), the cheapest predicted MoE-layer time wins (ties to the smaller
+  set), and the layer's set changes only when the winner is another set at least ``min_gain``
+  faster than the current one (a change moves no state: no migration term). A step with
+  shadowed experts is costed by ``step_cost`` with them (``cost_model.moe_layer_time``): every
+  rank computes its own tokens' routes to a shadowed expert -- its share from the trace's
+  ``traffic`` when that has one sender per EP rank of the layout, else 1/ep -- and those routes
+  leave the all-to-all; per layer and micro-batch the weights' and the gradients' all-reduces
+  over EP cost ``2 x (2 (ep-1)/ep x N x expert_bytes / bw + 2 (ep-1) x latency)`` for N shadowed
+  experts, on the EP group's link (``replication_time``). Needs ep > 1 and etp 1 (else nothing
+  is shadowed, as the runtime refuses it).
 
 Trace layers map onto the model's MoE layers in order (trace layer ``j % n`` for MoE layer ``j``
 when the counts differ). ``synthetic_trace`` makes Zipf-skewed loads whose hot experts drift
@@ -32,34 +45,41 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from moe_plugin.planner.cost_model import group_span, step_cost
+from moe_plugin.planner.cost_model import group_span, moe_layer_time, step_cost
 from moe_plugin.planner.spec import ClusterSpec, Layout, ModelSpec
 
 
 @dataclass(frozen=True)
 class Policy:
-    """``kind`` static or greedy; greedy re-places every ``interval`` steps from the last ``window``."""
+    """``kind`` static or greedy; greedy re-places every ``interval`` steps from the last ``window``;
+    ``replica_budget`` > 0 also shadows up to that many hot experts per layer, decided at the same checks."""
 
     kind: str = "static"
     interval: int = 100
     window: Optional[int] = None
     min_gain: float = 0.05
     min_speedup: float = 0.01
+    replica_budget: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("static", "greedy"):
             raise ValueError(f"placement policy {self.kind!r} is unknown; expected 'static' or 'greedy'")
         if self.interval < 1 or (self.window is not None and self.window < 1):
             raise ValueError(f"policy interval and window must be >= 1, got {self.interval}, {self.window}")
+        if self.replica_budget < 0:
+            raise ValueError(f"policy replica_budget must be >= 0, got {self.replica_budget}")
 
     @property
     def name(self) -> str:
-        return "static" if self.kind == "static" else f"greedy/{self.interval}"
+        base = "static" if self.kind == "static" else f"greedy/{self.interval}"
+        return base + (f"+shadow{self.replica_budget}" if self.replica_budget else "")
 
 
 @dataclass
 class Replay:
-    """Seconds of every replayed step (migration included) and the moves made."""
+    """Seconds of every replayed step (migration and replication included), the moves made and
+    the shadowing (``shadow_steps`` of the replayed steps had a shadowed expert in some layer;
+    ``replication_s`` their weight and gradient all-reduces, summed like ``migration_s``)."""
 
     layout: Layout
     policy: Policy
@@ -67,6 +87,9 @@ class Replay:
     migration_s: float = 0.0
     moves: int = 0
     placements: list = field(default_factory=list)   # (step, [layers, E]) after every change
+    shadow_steps: int = 0
+    replication_s: float = 0.0
+    shadows: list = field(default_factory=list)      # (step, [layers, E] bool) after every change
 
     @property
     def mean_s(self) -> float:
@@ -103,9 +126,46 @@ def migration_seconds(model: ModelSpec, cluster: ClusterSpec, layout: Layout, ol
     return float(busiest * per_expert / bw + lat * (layout.ep - 1))
 
 
+def sender_fractions(traffic_SLPE: Optional[np.ndarray], moe_layers: int, ep: int) -> Optional[np.ndarray]:
+    """[steps, moe_layers, ep, E]: each EP rank's share of every expert's routes, from a trace's
+    ``traffic``; None (uniform senders) without one or where its sender count is not ``ep``."""
+    if traffic_SLPE is None or ep == 1:
+        return None
+    traffic = np.asarray(traffic_SLPE, dtype=float)
+    if traffic.ndim != 4 or traffic.shape[2] != ep:
+        return None
+    traffic = traffic[:, [j % traffic.shape[1] for j in range(moe_layers)]]
+    total = traffic.sum(axis=2, keepdims=True)
+    return np.where(total > 0, traffic / np.maximum(total, 1e-30), 1.0 / ep)
+
+
+def choose_shadow(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E, placement_E, current_E,
+                  budget: int, min_gain: float, senders_PE=None) -> np.ndarray:
+    """One layer's shadowed experts (bool [E]) after a check: of the sets of the 0..``budget``
+    hottest loaded experts the one with the lowest predicted MoE-layer time (ties to the smaller),
+    taken only when it is another set and at least ``min_gain`` faster than ``current_E``."""
+    load = np.asarray(load_E, dtype=float)
+    hot = sorted((e for e in range(len(load)) if load[e] > 0), key=lambda e: (-load[e], e))[:budget]
+
+    def seconds(mask) -> float:
+        return sum(moe_layer_time(model, cluster, layout, load, placement_E, mask, senders_PE).values())
+
+    sets = []
+    for k in range(len(hot) + 1):
+        mask = np.zeros(len(load), dtype=bool)
+        mask[hot[:k]] = True
+        sets.append(mask)
+    times = [seconds(mask) for mask in sets]
+    k = min(range(len(times)), key=lambda i: (times[i], i))
+    if (sets[k] == current_E).all() or times[k] > (1 - min_gain) * seconds(current_E):
+        return current_E
+    return sets[k]
+
+
 def replay(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_SLE: np.ndarray, policy: Policy,
-           stride: int = 1) -> Replay:
-    """Replay every ``stride``-th step of a trace's loads (``[steps, layers, E]``) on ``layout``."""
+           stride: int = 1, traffic_SLPE: Optional[np.ndarray] = None) -> Replay:
+    """Replay every ``stride``-th step of a trace's loads (``[steps, layers, E]``) on ``layout``;
+    ``traffic_SLPE`` (the trace's ``[steps, layers, P, E]``) gives the senders of shadowed routes."""
     from moe_plugin.placement.policies import align, greedy, static
 
     moe_layers = sum(model.is_moe(i) for i in range(model.layers))
@@ -115,11 +175,17 @@ def replay(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_SLE: np.
     E, P = model.experts, layout.ep
     placement = np.stack([static(E, P).numpy() for _ in range(moe_layers)])
     window = policy.window or policy.interval
+    senders = sender_fractions(traffic_SLPE, moe_layers, P) if policy.replica_budget else None
+    shadow = np.zeros((moe_layers, E), dtype=bool)
+    can_shadow = policy.replica_budget > 0 and P > 1 and layout.etp == 1
     times, migration, moves, history = [], 0.0, 0, []
+    shadow_steps, replication, shadow_history = 0, 0.0, []
     for s in range(0, frac.shape[0], stride):
         extra = 0.0
-        if policy.kind == "greedy" and P > 1 and s > 0 and s % policy.interval < stride:
+        check = P > 1 and s > 0 and s % policy.interval < stride
+        if check:
             seen = frac[max(0, s - window):s].mean(axis=0)
+        if check and policy.kind == "greedy":
             new = np.stack([align(greedy(seen[j], P), placement[j], P).numpy() for j in range(moe_layers)])
             cost = sum(migration_seconds(model, cluster, layout, placement[j], new[j]) for j in range(moe_layers))
             now = step_cost(model, cluster, layout, seen, placement).total
@@ -129,9 +195,26 @@ def replay(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_SLE: np.
                 moves += int((new // (E // P) != placement // (E // P)).sum())
                 placement, extra = new, cost
                 history.append((s, placement.copy()))
+        if check and can_shadow:
+            seen_senders = senders[max(0, s - window):s].mean(axis=0) if senders is not None else None
+            new_shadow = np.stack([choose_shadow(model, cluster, layout, seen[j], placement[j], shadow[j],
+                                                 policy.replica_budget, policy.min_gain,
+                                                 None if seen_senders is None else seen_senders[j])
+                                   for j in range(moe_layers)])
+            if (new_shadow != shadow).any():
+                shadow = new_shadow
+                shadow_history.append((s, shadow.copy()))
         migration += extra
-        times.append(step_cost(model, cluster, layout, frac[s], placement).total + extra)
-    return Replay(layout, policy, np.asarray(times), migration, moves, history)
+        if shadow.any():
+            cost = step_cost(model, cluster, layout, frac[s], placement, shadow,
+                             senders[s] if senders is not None else None)
+            shadow_steps += 1
+            replication += cost.replication
+        else:
+            cost = step_cost(model, cluster, layout, frac[s], placement)
+        times.append(cost.total + extra)
+    return Replay(layout, policy, np.asarray(times), migration, moves, history, shadow_steps, replication,
+                  shadow_history)
 
 
 def synthetic_trace(steps: int, layers: int, experts: int, tokens: int, *, zipf: float = 1.0,
@@ -166,4 +249,5 @@ def compare(model: ModelSpec, cluster: ClusterSpec, layouts: Sequence[Layout], l
     return [replay(model, cluster, lay, load_SLE, pol, stride) for lay in layouts for pol in policies]
 
 
-__all__ = ["Policy", "Replay", "compare", "load_fractions", "migration_seconds", "replay", "synthetic_trace"]
+__all__ = ["Policy", "Replay", "choose_shadow", "compare", "load_fractions", "migration_seconds", "replay",
+           "sender_fractions", "synthetic_trace"]
