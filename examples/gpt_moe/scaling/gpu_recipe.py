@@ -84,11 +84,6 @@ def member_config(size: GpuSize, experts: int, cluster) -> tuple[dict, dict]:
     return config, row
 
 
-def model_flags(size: GpuSize) -> str:
-    return (f"--num-layers {size.layers} --hidden-size {size.hidden} --num-attention-heads {size.heads} "
-            f"--ffn-hidden-size {size.ffn} --seq-length {size.seq} --max-position-embeddings {size.seq}")
-
-
 def generate(out: Path = OUT, progress: bool = True) -> list[Path]:
     """Write ``out/configs/<size>_<member>.json`` and ``out/plan.md``; return the files."""
     from moe_plugin.planner import ClusterSpec
