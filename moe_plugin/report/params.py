@@ -76,20 +76,18 @@ def count_params(args: dict, moe: dict, vocab_size: Optional[int]) -> Optional[P
     shared = m * h * f_s + (h if f_s and moe.get("shared_expert_gate") else 0)
     moe_at = moe_layer_indices(layers, moe, bool(args.get("dense")))
     attention = 4 * h * h
-    total = active = vocab_size * h + positions * h + 2 * h + vocab_size * h
+    total = vocab_size * h + positions * h + 2 * h + vocab_size * h
     expert = 0
     matrices = layers * attention + vocab_size * h     # active weight matrices, for the FLOPs
     for i in range(layers):
         total += attention + 4 * h + 4 * h
-        active += attention + 4 * h + 4 * h
         if i in moe_at:
             total += h * experts + experts * m * h * f_e + shared
-            active += h * experts + k * m * h * f_e + shared
             expert += experts * m * h * f_e
             matrices += h * experts + k * m * h * f_e + m * h * f_s
         else:
             total += 2 * h * f + f + h
-            active += 2 * h * f + f + h
             matrices += 2 * h * f
+    active = total - expert + expert * k // experts    # of each layer's E experts, k are active
     return ParamCount(total=total, active=active, expert=expert, moe_layers=moe_at,
                       flops_per_token=6 * matrices + 12 * layers * seq * h)

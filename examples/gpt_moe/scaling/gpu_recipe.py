@@ -102,8 +102,7 @@ def generate(out: Path = OUT, progress: bool = True) -> list[Path]:
             written.append(path)
             args = {"num_layers": size.layers, "hidden_size": size.hidden, "ffn_hidden_size": size.ffn,
                     "seq_length": size.seq, "dense": not experts}
-            params = count_params(args, {**config["moe"], "top_k": TOP_K} if experts else {"num_experts": 1, "top_k": 1},
-                                  VOCAB)
+            params = count_params(args, config["moe"], VOCAB)
             rows.append((size.name, name, params, row))
     plan = out / "plan.md"
     plan.write_text(render_plan(cluster, rows))
