@@ -370,3 +370,43 @@ def test_source_to_expert_order():
     assert torch.equal(rows[sort][unsort], rows)
     empty = source_to_expert_order(torch.zeros(2, 3, dtype=torch.long))
     assert [t.numel() for t in empty] == [0, 0]
+
+
+def _count_collectives(rank: int, world_size: int) -> dict:
+    """The collectives one training forward of an EP layer makes, per kind and group size, in
+    a layout where EP is every token group (ep4) and in one where it is not (ep2 x dp2)."""
+    from unittest import mock
+
+    from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
+
+    counts = {}
+    for name, sizes in (("ep4", dict(ep=4)), ("ep2-dp2", dict(ep=2))):
+        groups = build_process_groups(RankLayout.build(world_size, **sizes))
+        try:
+            layer = _layer(dict(CASES4["ep4/gshard-drop"], sizes=sizes), world_size, groups)
+            calls = []
+
+            def spy(real, kind):
+                def call(*args, group=None, **kwargs):
+                    calls.append((kind, dist.get_world_size(group)))
+                    return real(*args, group=group, **kwargs)
+                return call
+
+            with mock.patch.multiple(dist, all_reduce=spy(dist.all_reduce, "all_reduce"),
+                                     all_gather=spy(dist.all_gather, "all_gather"),
+                                     all_to_all_single=spy(dist.all_to_all_single, "all_to_all")):
+                layer(torch.randn(S, B, H))
+            counts[name] = sorted(calls)
+        finally:
+            destroy_process_groups(groups)
+    return counts
+
+
+def test_collectives_per_forward(dist_run):
+    """ep4 on 4 ranks: the counts exchange carries the finite check (no all-reduce of its own):
+    three all-to-alls over the 4 EP ranks (counts, rows out, rows back). ep2 x dp2: the finite
+    check is one all-reduce over the 4 token groups (started without waiting), then the same
+    three all-to-alls over the 2 EP ranks."""
+    for counts in dist_run(_count_collectives, 4):
+        assert counts["ep4"] == [("all_to_all", 4)] * 3
+        assert counts["ep2-dp2"] == [("all_reduce", 4)] + [("all_to_all", 2)] * 3

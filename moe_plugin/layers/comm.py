@@ -43,14 +43,21 @@ def exchange_counts(send_counts: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def gather_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
-    """Every rank's ``counts`` (same shape everywhere) stacked in rank order: [ranks, ...]. One
-    all-gather of a small integer tensor; a rank reads what it receives and, for free, what every
-    other rank sends (the traffic matrix the placement work needs)."""
+    """Every rank's ``counts`` (same shape everywhere) stacked in rank order: [ranks, ...]. A
+    rank reads what it receives and, for free, what every other rank sends (the traffic matrix
+    the placement work needs).
+
+    An all-gather, moved as one all-to-all of the small tensor repeated once per peer: every
+    pair of ranks exchanges directly in one round, where gloo's all-gather passes the blocks
+    around a ring in ``ranks - 1`` dependent steps (each a wake-up of the next process when
+    ranks share cores)."""
     if group is None:
         return counts.unsqueeze(0).clone()
-    parts = [torch.empty_like(counts) for _ in range(group_size(group))]
-    dist.all_gather(parts, counts.contiguous(), group=group)
-    return torch.stack(parts)
+    n = group_size(group)
+    mine = counts.reshape(1, -1).expand(n, -1).contiguous()
+    every = torch.empty_like(mine)
+    dist.all_to_all_single(every, mine, group=group)
+    return every.view((n,) + tuple(counts.shape))
 
 
 def _all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group) -> torch.Tensor:

@@ -5,7 +5,7 @@ R kept routes (rows in expert order).
 
 The interface, used by ``MoELayer`` in this order::
 
-    plan = dispatcher.prepare(plan)                            # per-batch exchange layout (EP: counts)
+    plan = dispatcher.prepare(plan)                            # finite verdict; per-batch exchange layout (EP: counts)
     x_NH, gather_R, counts_L = dispatcher.to_experts(x_TH, plan)
     y_RH = experts(x_NH, counts_L, gather_R)                  # rows x_NH[gather_R], grouped by local expert
     out_TH = dispatcher.combine(y_RH, plan)                    # gate-weighted sum over each token's routes
@@ -21,7 +21,8 @@ gather per token over its routes, summed in fp32, with a gather backward; determ
 Expert parallelism slots in by subclassing and overriding the three hooks
 (``ep_dispatcher.ExpertParallelDispatcher``):
 
-* ``prepare``: exchange the per-expert counts across the EP (and ETP) group and return
+* ``prepare``: read the router's finite verdict (``plan.finite``) before anything leaves the
+  rank, exchange the per-expert counts across the EP (and ETP) group and return
   ``dataclasses.replace(plan, exchange=...)`` with the splits and the re-sort permutation;
 * ``to_experts``: the uneven all-to-all of the expert-sorted rows; returns the received rows,
   the local re-sort as a row index the experts gather by, and the per-local-expert counts;
@@ -31,6 +32,7 @@ Everything else (permute, gate weighting, unpermute) stays as it is here.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from torch import Tensor
@@ -51,6 +53,9 @@ class TokenDispatcher:
         (bool [S], slots whose routes this rank computes itself, ``shadow.py``) needs EP."""
         if shadow_S is not None:
             raise ValueError("shadow experts need expert parallelism")
+        if plan.finite is not None:
+            plan.finite.check()
+            plan = dataclasses.replace(plan, finite=None)
         return plan
 
     def to_experts(self, x_TH: Tensor, plan: RoutingPlan) -> tuple[Tensor, Optional[Tensor], Tensor]:

@@ -13,10 +13,14 @@ own tokens:
 2. ``traffic_PS = gather_counts(kept_S, ep)``: every peer's kept routes per slot, one all-gather
    of P * E integers; ``recv_PL`` (the rows each peer sends per local slot) is its column block.
    The whole sender x slot matrix comes with it: the load record of ``placement/`` reads it
-   from ``Exchange.traffic_PS`` at no extra cost.
+   from ``Exchange.traffic_PS`` at no extra cost. When the EP group is exactly the ranks that
+   route distinct tokens (``LayerParallelism.ep_is_tokens``), every rank's finite flag rides
+   along as one more integer, and the router starts no collective of its own.
 3. With ETP, every ETP peer's ``recv_PL`` (``exchange_counts`` of the flattened counts, one row
    per peer) -> ``counts_SL`` [Q * P, L]. Without ETP ``counts_SL = recv_PL``.
-4. One ``.tolist()`` of the split sizes (the only host sync), and the permutation that re-sorts
+4. One ``.tolist()`` of the split sizes and the router's finite flags (the only host sync; a
+   rank whose logits are not finite makes every rank that shares the verdict raise here,
+   before any row moves), and the permutation that re-sorts
    received rows from (source, local expert) order to (local expert, source) order, built with
    tensor ops from ``counts_SL`` (``source_to_expert_order``).
 
@@ -94,7 +98,17 @@ class ExpertParallelDispatcher(TokenDispatcher):
         """``shadow_S`` (bool [S], the same on every EP rank): slots whose routes every rank
         computes itself (``shadow.py``); they are counted in ``traffic_PS`` but not exchanged."""
         p = self.parallel
-        traffic_PS = comm.gather_counts(plan.kept_S, p.ep)
+        S = plan.kept_S.numel()
+        finite = plan.finite
+        if finite is not None and finite.group is None and p.ep_is_tokens:
+            # The finite flag rides along with the counts: the EP group is every rank that
+            # routes distinct tokens, so this exchange is the agreement, at no extra cost.
+            gathered = comm.gather_counts(torch.cat([plan.kept_S, finite.bad_1.to(plan.kept_S.dtype)]), p.ep)
+            traffic_PS, flags_P, flag_group = gathered[:, :S].contiguous(), gathered[:, S], p.ep
+        else:
+            traffic_PS = comm.gather_counts(plan.kept_S, p.ep)
+            flags_P = finite.flags() if finite is not None else traffic_PS.new_zeros(0)
+            flag_group = finite.group if finite is not None else None
         send_S, sent_PS = plan.kept_S, traffic_PS
         if shadow_S is not None:
             if p.etp is not None:
@@ -107,13 +121,16 @@ class ExpertParallelDispatcher(TokenDispatcher):
             counts_SL = comm.exchange_counts(mine_QX, p.etp).view(-1, self.num_local)
         else:
             counts_SL = recv_PL
-        splits = torch.cat([send_PL.sum(1), recv_PL.sum(1),
-                            counts_SL.view(p.etp_size, -1).sum(1)]).tolist()   # the one host sync
         P = p.ep_size
+        splits = torch.cat([send_PL.sum(1), recv_PL.sum(1), counts_SL.view(p.etp_size, -1).sum(1),
+                            flags_P.to(send_PL.dtype)]).tolist()   # the one host sync
+        if finite is not None:
+            finite.verdict(splits[2 * P + p.etp_size:], flag_group)       # before any row leaves
+        splits = splits[:2 * P + p.etp_size]
         sort_R, unsort_R = source_to_expert_order(counts_SL, total=sum(splits[2 * P:]))
         exchange = Exchange(traffic_PS=traffic_PS, send_splits=splits[:P], recv_splits=splits[P:2 * P],
                             etp_splits=splits[2 * P:], counts_L=counts_SL.sum(0), sort_R=sort_R, unsort_R=unsort_R)
-        return dataclasses.replace(plan, exchange=exchange)
+        return dataclasses.replace(plan, exchange=exchange, finite=None)
 
     def to_experts(self, x_TH: Tensor, plan: RoutingPlan) -> tuple[Tensor, Tensor, Tensor]:
         ex: Exchange = plan.exchange

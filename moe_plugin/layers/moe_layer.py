@@ -173,7 +173,7 @@ class MoELayer(nn.Module):
         if groups is not None:
             _check_sizes(config, p)
         self.router = Router(config, hidden_size, seed=seed, init_std=init_std, noise_index=p.token_rank,
-                             grad_group=p.dense_grad_group, check_group=p.tokens)
+                             grad_group=p.dense_grad_group, check_group=None if p.ep_is_tokens else p.tokens)
         self.dispatcher = (ExpertParallelDispatcher(config.num_experts, p) if p.expert_parallel
                            else TokenDispatcher(config.num_experts))
         self.experts = GroupedExperts(config.num_experts, hidden_size, ffn, config.activation, placement=placement,
@@ -206,9 +206,11 @@ class MoELayer(nn.Module):
         if self.experts.shadow_ids:
             shadow_S = shadow.shadow_slots(self.placement, self.experts.shadow)
             plan = self.dispatcher.prepare(self.router(x_TH, noise, self.placement), shadow_S)
+            self.router.record_load(plan)
             out_TH = self._shadowed_experts(x_TH, plan, shadow_S)
         else:
             plan = self.dispatcher.prepare(self.router(x_TH, noise, self.placement))
+            self.router.record_load(plan)
             x_NH, gather_R, counts_L = self.dispatcher.to_experts(x_TH, plan)
             out_TH = self.dispatcher.combine(self.experts(x_NH, counts_L, gather_R), plan)
         if self.shared_expert is not None:

@@ -44,8 +44,10 @@ Semantics (a "replica" is one DP rank's micro-batch of T tokens, replicated over
 6. Random numbers: the router's default generator is offset by ``token_rank`` (the rank's index
    in ``tp_dp``), so different token groups draw different jitter and GShard U(0,1); tests pass
    explicit noise per rank instead (``MoELayer.forward(noise=...)``).
-7. Non-finite input: the router's finite check is all-reduced over ``tokens`` before any other
-   collective of the forward, so every rank of the stage raises together instead of hanging.
+7. Non-finite input: the router's finite check is agreed over ``tokens``, so every rank of the
+   stage raises together, before any row leaves a rank, instead of hanging. When the EP group
+   is ``tokens`` itself (``ep_is_tokens``) the flags ride in the dispatcher's counts exchange;
+   otherwise they are all-reduced asynchronously and read at the dispatcher's host sync.
 """
 from __future__ import annotations
 
@@ -78,6 +80,7 @@ class LayerParallelism:
     token_rank: int = 0           # index in tp_dp
     sequence_parallel: bool = False
     expert_group_name: str = "ep_size_1"
+    ep_is_tokens: bool = False    # the EP group's ranks are exactly ``tokens``' ranks
 
     @classmethod
     def from_groups(cls, groups: Optional["ProcessGroups"], sequence_parallel: bool = False) -> "LayerParallelism":
@@ -88,7 +91,8 @@ class LayerParallelism:
                    tp_size=s.tp, dp_size=s.dp, ep_size=s.ep, etp_size=s.etp, edp_size=s.edp,
                    ep_rank=groups.rank_in("ep"), etp_rank=groups.rank_in("etp"),
                    token_rank=groups.rank_in("tp_dp"), sequence_parallel=sequence_parallel,
-                   expert_group_name=groups.expert_group_name)
+                   expert_group_name=groups.expert_group_name,
+                   ep_is_tokens=_same_ranks(groups.ep, groups.group("tp_dp")))
 
     # -- 1. tokens ------------------------------------------------------------------------
     @property
@@ -117,3 +121,9 @@ class LayerParallelism:
     def expert_grad_scale(self) -> float:
         """(c) Factor on expert-weight gradients: edp / dp (= tp / (ep * etp) per stage)."""
         return self.edp_size / self.dp_size
+
+
+def _same_ranks(a: Group, b: Group) -> bool:
+    """Whether two groups (not None) hold the same ranks."""
+    return (a is not None and b is not None
+            and sorted(dist.get_process_group_ranks(a)) == sorted(dist.get_process_group_ranks(b)))

@@ -31,7 +31,8 @@ Routing rules (GShard, arXiv 2006.16668; Switch Transformer):
 
 In a parallel layer each rank routes its own tokens as one GShard group (``parallel.py``): the
 weight's gradient is summed over TP (``grad_group``), the finite check is agreed over the ranks
-that route distinct tokens (``check_group``), and the default noise generator is seeded per
+that route distinct tokens (``check_group``: an asynchronous all-reduce read at the dispatcher's
+host sync, or, with ``check_group`` None, the dispatcher's counts exchange), and the default noise generator is seeded per
 token group (``noise_index``), so ranks draw different numbers unless a test injects them.
 """
 from __future__ import annotations
@@ -78,6 +79,8 @@ class RoutingPlan:
     capacity: per-expert capacity, None when dropless.
     balance_loss, z_loss: fp32 scalars, unweighted, differentiable.
     exchange: filled in by an expert-parallel dispatcher's ``prepare``; None locally.
+    finite: the logits' pending ``FiniteCheck`` (None: checked already); the dispatcher's
+    ``prepare`` reads it before any row leaves the rank.
     """
 
     num_tokens: int
@@ -92,6 +95,7 @@ class RoutingPlan:
     z_loss: Tensor
     kept_S: Optional[Tensor] = None
     exchange: Any = None
+    finite: Any = None
 
     def __post_init__(self):
         if self.kept_S is None:
@@ -117,22 +121,58 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: 
 def check_finite(logits_TE: Tensor, group: comm.Group = None) -> None:
     """Raise instead of routing silently wrong. Checked on the small [T, E] logits.
 
-    With a ``group`` the verdict is all-reduced over it first (one small collective), so every
+    With a ``group`` the verdict is agreed over it first (one small collective), so every
     rank of the group raises, naming the ranks whose logits are not finite, rather than the
-    healthy ranks waiting forever in the next collective.
+    healthy ranks waiting forever in the next collective. ``FiniteCheck`` is the same verdict
+    without waiting for it.
     """
-    bad_1 = ~torch.isfinite(logits_TE).all().reshape(1)
-    if group is None:
-        bad, where = bool(bad_1), ""
-    else:                                   # one host sync, after the all-reduce
-        flags = torch.zeros(comm.group_size(group), dtype=torch.int32, device=logits_TE.device)
-        flags[comm.group_rank(group):comm.group_rank(group) + 1] = bad_1.to(torch.int32)
-        torch.distributed.all_reduce(flags, group=group)
-        ranks = torch.distributed.get_process_group_ranks(group)
-        bad_ranks = [rank for rank, flag in zip(ranks, flags.tolist()) if flag]
-        bad = bool(bad_ranks)
-        where = f" on rank(s) {bad_ranks}"
-    if bad:
+    FiniteCheck(logits_TE, group).check()
+
+
+class FiniteCheck:
+    """The finite check of one forward's logits, agreed over ``group`` without blocking.
+
+    The flags (one int32 per rank of the group, 1 where the logits are not finite) are
+    all-reduced asynchronously; the caller reads them at its next host sync (``flags``, then
+    ``verdict``), or waits now (``check``). A routing plan made from bad logits is well formed
+    (indices in range, NaN gates), so routing may go on while the verdict travels, as long as
+    nothing leaves the rank before it. With ``group`` None the verdict is this rank's alone:
+    ``bad_1`` is what a dispatcher's counts exchange can carry to its peers instead
+    (``ExpertParallelDispatcher``, when its group is the ranks that route distinct tokens).
+    """
+
+    def __init__(self, logits_TE: Tensor, group: comm.Group = None):
+        self.bad_1 = (~torch.isfinite(logits_TE).all()).reshape(1).to(torch.int32)
+        self.group = group
+        self._work = None
+        if group is None:
+            self._flags = self.bad_1
+        else:
+            rank = comm.group_rank(group)
+            self._flags = torch.zeros(comm.group_size(group), dtype=torch.int32, device=logits_TE.device)
+            self._flags[rank:rank + 1] = self.bad_1
+            self._work = torch.distributed.all_reduce(self._flags, group=group, async_op=True)
+
+    def flags(self) -> Tensor:
+        """[group size] int32 on the logits' device (waits for the all-reduce; no host sync)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._flags
+
+    def check(self) -> None:
+        """Wait for the verdict and raise if any rank's logits are not finite (one host sync)."""
+        self.verdict(self.flags().tolist(), self.group)
+
+    @staticmethod
+    def verdict(flags: list[int], group: comm.Group = None) -> None:
+        """Raise if any flag is set; ``flags[i]`` belongs to rank i of ``group``."""
+        if not any(flags):
+            return
+        where = ""
+        if group is not None:
+            ranks = torch.distributed.get_process_group_ranks(group)
+            where = f" on rank(s) {[rank for rank, flag in zip(ranks, flags) if flag]}"
         raise ValueError(f"MoE router logits are not finite{where}: the MoE layer input (hidden states) "
                          "contains NaN or inf (or the router weight does)")
 
@@ -155,14 +195,17 @@ def top_k_experts(choice_TE: Tensor, k: int) -> Tensor:
 
 def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Optional[int],
           expert_bias_E: Optional[Tensor] = None, uniform_T: Optional[Tensor] = None,
-          slot_E: Optional[Tensor] = None) -> RoutingPlan:
+          slot_E: Optional[Tensor] = None, finite: Optional[FiniteCheck] = None) -> RoutingPlan:
     """The routing plan for fp32 ``logits_TE``.
 
     ``uniform_T`` switches on GShard random routing of the 2nd choice (kind gshard only).
     ``normalize`` renormalises the k gates of a token to sum 1 (gshard always does).
     ``slot_E``: the placement, a permutation of the expert ids (None: slot e is expert e).
+    ``finite``: a pending check of these logits, kept in the plan for the caller to read
+    before anything leaves the rank; by default the logits are checked here, at once.
     """
-    check_finite(logits_TE)
+    if finite is None:
+        check_finite(logits_TE)
     T, E = logits_TE.shape
     probs_TE = F.softmax(logits_TE, dim=-1)
     choice_TE = logits_TE.detach()
@@ -202,7 +245,8 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
     z_loss = torch.logsumexp(logits_TE, dim=-1).square().sum() / n
     return RoutingPlan(num_tokens=T, k=k, route_R=route_R, token_R=route_R % max(T, 1),
                        gate_R=gate_TK.t().reshape(-1)[route_R], kept_E=kept_E, routed_E=routed_E,
-                       capacity=capacity, balance_loss=balance_loss, z_loss=z_loss, kept_S=kept_S)
+                       capacity=capacity, balance_loss=balance_loss, z_loss=z_loss, kept_S=kept_S,
+                       finite=finite)
 
 
 class Router(nn.Module):
@@ -276,21 +320,25 @@ class Router(nn.Module):
     def forward(self, x_TH: Tensor, noise: Optional[RouterNoise] = None,
                 slot_E: Optional[Tensor] = None) -> RoutingPlan:
         """Route ``x_TH``. In training ``noise`` defaults to a fresh draw; eval uses none.
-        ``slot_E``: the layer's placement (see ``route``)."""
+        ``slot_E``: the layer's placement (see ``route``). The plan carries the pending finite
+        check (``plan.finite``); the caller reads it (``prepare`` of a dispatcher) and then
+        calls ``record_load``."""
         if self.training and noise is None:
             noise = self.draw_noise(x_TH.shape[0], x_TH.shape[1], x_TH.device)
         if not self.training:
             noise = None
         logits_TE = self.logits(x_TH, noise)
-        check_finite(logits_TE, self.check_group)
-        plan = route(logits_TE, kind=self.kind, k=self.k, normalize=self.normalize,
+        return route(logits_TE, kind=self.kind, k=self.k, normalize=self.normalize,
                      capacity=self.capacity(x_TH.shape[0]),
                      expert_bias_E=self.expert_bias,
-                     uniform_T=noise.uniform_T if noise is not None else None, slot_E=slot_E)
+                     uniform_T=noise.uniform_T if noise is not None else None, slot_E=slot_E,
+                     finite=FiniteCheck(logits_TE, self.check_group))
+
+    @torch.no_grad()
+    def record_load(self, plan: RoutingPlan) -> None:
+        """Add a checked training plan's load to ``load_E`` (the aux-loss-free bias reads it)."""
         if self.training:
-            with torch.no_grad():
-                self.load_E += plan.routed_E.to(self.load_E)
-        return plan
+            self.load_E += plan.routed_E.to(self.load_E)
 
     @torch.no_grad()
     def update_bias(self, load_E: Optional[Tensor] = None) -> None:
