@@ -334,3 +334,37 @@ def test_expert_init_independent_of_ep_size_and_zero_contract():
     assert {"router.weight", "router.expert_bias", "experts.weight1", "experts.weight2"} <= set(layer.state_dict())
     assert all(p.allreduce is False and p.group_name == "ep_size_1" for p in layer.experts.parameters())
     assert not hasattr(layer.router.weight, "allreduce")
+
+
+def test_expert_grad_storage_reused_only_when_free(monkeypatch):
+    """A large expert gradient's storage serves the next backward once nothing holds it; a held
+    gradient (accumulation, a kept reference) is never written to, and every gradient is right."""
+    from moe_plugin.layers import ffn_autograd
+
+    monkeypatch.setattr(ffn_autograd, "REUSE_MIN_BYTES", 0)        # every size is "large" here
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 8, 16, seed=1)
+    x_RH, counts_L = torch.randn(12, 8), torch.tensor([3, 0, 5, 4])
+    dy_RH = torch.randn(12, 8)
+
+    def backward() -> None:
+        experts(x_RH, counts_L).backward(dy_RH)
+
+    def ptr(grad: torch.Tensor) -> int:
+        return grad.untyped_storage().data_ptr()
+
+    backward()
+    want = {n: p.grad.clone() for n, p in experts.named_parameters()}
+    first = {n: ptr(p.grad) for n, p in experts.named_parameters()}
+    experts.zero_grad(set_to_none=True)
+    backward()                                                     # free again: same storage
+    assert {n: ptr(p.grad) for n, p in experts.named_parameters()} == first
+    backward()                                                     # .grad holds it: accumulate elsewhere
+    for n, p in experts.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * want[n])
+    kept = experts.weight1.grad
+    experts.zero_grad(set_to_none=True)
+    backward()                                                     # a reference outlives .grad
+    torch.testing.assert_close(kept, 2 * want["weight1"])
+    assert ptr(experts.weight1.grad) != ptr(kept)
+    torch.testing.assert_close(experts.weight1.grad, want["weight1"])

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from moe_plugin.bench.memory import memory_profile
 from moe_plugin.configs.schema import MoEConfig
-from moe_plugin.layers import MoELayer
+from moe_plugin.layers import GroupedExperts, MoELayer
 
 if TYPE_CHECKING:
     from moe_plugin.groups.process_groups import ProcessGroups
@@ -83,15 +83,20 @@ class LayerBenchSpec:
 @dataclass
 class _Run:
     """One variant: ``step()`` is forward + backward, ``forward()`` the forward alone (its result
-    holds what backward would use); ``clear()`` drops the gradients."""
+    holds what backward would use); ``clear()`` drops the gradients; ``clear(storage=True)``
+    also the expert gradients' kept storage (``GradStore``), so a memory profile counts the
+    weight gradients of both layers alike."""
 
     step: Callable[[], None]
     forward: Callable[[], object]
     tensors: list[Tensor]
+    experts: Optional[GroupedExperts] = None
 
-    def clear(self) -> None:
+    def clear(self, storage: bool = False) -> None:
         for t in self.tensors:
             t.grad = None
+        if storage and self.experts is not None:
+            self.experts.release_grad_storage()
 
 
 def skew_router(layer: MoELayer, x_TH: Tensor, skew: float, gen: torch.Generator) -> None:
@@ -178,8 +183,8 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
     def step_floor() -> None:
         fwd_floor().backward(grad_RH)
 
-    runs = {"ours": _Run(step_ours, fwd_ours, [x_SBH, *ours.parameters()]),
-            "floor": _Run(step_floor, fwd_floor, [x_RH, *ours.experts.parameters()])}
+    runs = {"ours": _Run(step_ours, fwd_ours, [x_SBH, *ours.parameters()], ours.experts),
+            "floor": _Run(step_floor, fwd_floor, [x_RH, *ours.experts.parameters()], ours.experts)}
     if twin is not None:
         runs["deepspeed"] = _Run(step_deepspeed, fwd_deepspeed, [x_SBH, *twin.parameters()])
     busy_before = _cpu_seconds()  # others_cpu covers the timed loop
@@ -192,7 +197,7 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
             # EP: gloo frees a send buffer on its own thread, before or after the profile ends
             # (+-1 buffer of rows); the median of 3 measurements steadies that
             for _ in range(1 if ranks.size == 1 else 3):
-                run.clear()
+                run.clear(storage=True)
                 gc.collect()
                 profile = memory_profile(fn)
                 values.append(profile.peak_bytes if key == "peak_bytes" else profile.retained_bytes)

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_plugin.layers import comm
-from moe_plugin.layers.ffn_autograd import expert_ffn
+from moe_plugin.layers.ffn_autograd import GradStore, expert_ffn
 from moe_plugin.layers.init import seeded_generator
 from moe_plugin.layers.shadow import ShadowRoutes, shadow_weights
 
@@ -120,6 +120,7 @@ class GroupedExperts(nn.Module):
         self.act = activation_fn(activation)
         self.backend = backend
         self.grad_scale = grad_scale
+        self._grad_stores = (GradStore(), GradStore())   # weight1's and weight2's gradient storage (CPU)
         self.recompute_pre_activation = recompute_pre_activation
         width = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         out_std = init_std if output_init_std is None else output_init_std
@@ -164,6 +165,12 @@ class GroupedExperts(nn.Module):
         return expert_ffn(x_TH, w1_NHF, w2_NFH, routes.counts, self.act, self.pick_backend(x_TH), routes.token_R,
                           save_pre=not self.recompute_pre_activation, grad_scale=self.grad_scale)
 
+    def release_grad_storage(self) -> None:
+        """Drop the weight gradients' kept storage (``ffn_autograd.GradStore``); the next
+        backward allocates it again."""
+        for store in self._grad_stores:
+            store.release()
+
     def local_ids(self) -> list[int]:
         """Global ids of the experts in this rank's slots, in slot order (one host sync)."""
         return torch.argsort(self.placement)[self.first_slot:self.first_slot + self.num_local].tolist()
@@ -182,8 +189,10 @@ class GroupedExperts(nn.Module):
         and again in backward, never kept whole (``ffn_autograd.py``)."""
         w1_LHF = self.weight1.to(x_RH.dtype)
         w2_LFH = self.weight2.to(x_RH.dtype)
+        own_grads = w1_LHF is self.weight1 and w2_LFH is self.weight2   # no cast in between
         return expert_ffn(x_RH, w1_LHF, w2_LFH, counts_L.tolist(), self.act, self.pick_backend(x_RH), gather_R,
-                          save_pre=not self.recompute_pre_activation, grad_scale=self.grad_scale)
+                          save_pre=not self.recompute_pre_activation, grad_scale=self.grad_scale,
+                          grad_stores=self._grad_stores if own_grads else None)
 
 
 class SharedExpert(nn.Module):

@@ -21,7 +21,8 @@ transient tensor (the gathered rows, the activation, their gradients) is chunk-s
 MiB that the allocator hands out again, instead of page-faulting a fresh 100 MiB block per
 step. The weight gradients are written per expert into the full [L, H, F1] / [L, F, H]
 gradients (``torch.mm(out=...)``: no copy) and scaled there by ``grad_scale`` (in place: a
-separate scaling step would allocate a second copy of the weight gradients). One host sync:
+separate scaling step would allocate a second copy of the weight gradients); on CPU their
+storage is kept for the next backward where it is large and free (``GradStore``). One host sync:
 ``counts`` is a Python list.
 
 Backends: ``grouped_mm`` (``torch._grouped_mm`` with the chunk's int32 row offsets; needs
@@ -38,6 +39,45 @@ import torch
 from torch import Tensor
 
 CHUNK_BYTES = 4 << 20
+REUSE_MIN_BYTES = 32 << 20   # glibc's largest mmap threshold: bigger blocks are always fresh pages
+
+
+class GradStore:
+    """The storage of one weight gradient on CPU, handed out again while nobody else holds it.
+
+    glibc serves an allocation above its mmap threshold (at most 32 MiB) with fresh pages and
+    unmaps them on free, so a stacked expert gradient (256 MiB at 128 experts of 512 x 1024)
+    is page-faulted and zeroed by the kernel in every backward: 20-25% of the layer's time at
+    4,096 tokens (docs/benchmarks.md, "The allocator"). The store keeps one buffer and returns
+    a new tensor over it (``empty_like``); autograd makes that the parameter's ``.grad``. When
+    the next backward starts, the buffer is reused only if no tensor but the store's own still
+    refers to its storage (the optimizer or DeepSpeed's ZeRO have copied the gradient out and
+    dropped it, or ``zero_grad`` set it to None); a gradient that is still held -- accumulation
+    over micro-batches, a user's reference -- is never written to: a new buffer replaces the
+    old one in the store. Smaller gradients, other devices (CUDA has its caching allocator),
+    and torch builds without the storage use count get a plain ``torch.empty_like``.
+    """
+
+    def __init__(self) -> None:
+        self._buf: Optional[Tensor] = None
+
+    def empty_like(self, w: Tensor) -> Tensor:
+        if w.device.type != "cpu" or w.nbytes < REUSE_MIN_BYTES or not hasattr(torch._C, "_storage_Use_Count"):
+            return torch.empty_like(w)
+        buf = self._buf
+        if buf is None or buf.shape != w.shape or buf.dtype != w.dtype or _held_elsewhere(buf):
+            buf = self._buf = torch.empty_like(w, memory_format=torch.contiguous_format)
+        return buf.view(buf.shape)
+
+    def release(self) -> None:
+        """Drop the buffer (the gradient handed out last, if still held, stays valid)."""
+        self._buf = None
+
+
+def _held_elsewhere(buf: Tensor) -> bool:
+    """Whether any tensor besides ``buf`` refers to its storage (the temporary storage object
+    made here counts once, ``buf`` once)."""
+    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2
 
 
 @dataclass(frozen=True)
@@ -88,10 +128,11 @@ def _weight_grad_into(out_LXY: Tensor, a_RX: Tensor, g_RY: Tensor, chunk: Chunk,
 
 class ExpertFFN(torch.autograd.Function):
     """See the module docstring. Inputs: ``x_NH, w1_LHF1, w2_LFH, gather_R (or None), chunks,
-    act, backend, save_pre, grad_scale``; output ``y_RH``."""
+    act, backend, save_pre, grad_scale, grad_stores`` (a ``GradStore`` pair or None); output
+    ``y_RH``."""
 
     @staticmethod
-    def forward(ctx, x_NH, w1_LHF1, w2_LFH, gather_R, chunks, act, backend, save_pre, grad_scale):
+    def forward(ctx, x_NH, w1_LHF1, w2_LFH, gather_R, chunks, act, backend, save_pre, grad_scale, grad_stores):
         R = chunks[-1].r1 if chunks else 0
         y_RH = x_NH.new_empty(R, w2_LFH.shape[-1])
         pre_chunks = []
@@ -107,6 +148,7 @@ class ExpertFFN(torch.autograd.Function):
         ctx.save_for_backward(x_NH, w1_LHF1, w2_LFH, gather_R)
         ctx.pre_chunks = pre_chunks   # intermediates, dropped chunk by chunk in backward
         ctx.chunks, ctx.act, ctx.backend, ctx.R, ctx.grad_scale = chunks, act, backend, R, grad_scale
+        ctx.grad_stores = grad_stores
         return y_RH
 
     @staticmethod
@@ -114,8 +156,9 @@ class ExpertFFN(torch.autograd.Function):
         x_NH, w1_LHF1, w2_LFH, gather_R = ctx.saved_tensors
         need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]
         grad_y_RH = grad_y_RH.contiguous()
-        grad_w1 = torch.empty_like(w1_LHF1) if need_w1 else None
-        grad_w2 = torch.empty_like(w2_LFH) if need_w2 else None
+        store1, store2 = ctx.grad_stores or (GradStore(), GradStore())
+        grad_w1 = store1.empty_like(w1_LHF1) if need_w1 else None
+        grad_w2 = store2.empty_like(w2_LFH) if need_w2 else None
         grad_x = None
         if need_x:
             grad_x = torch.zeros_like(x_NH) if gather_R is not None else x_NH.new_empty(ctx.R, x_NH.shape[-1])
@@ -150,7 +193,7 @@ class ExpertFFN(torch.autograd.Function):
                     grad_x[c.r0:c.r1] = grad_rows_RH
                 else:
                     grad_x.index_add_(0, gather_R[c.r0:c.r1], grad_rows_RH)
-        return grad_x, grad_w1, grad_w2, None, None, None, None, None, None
+        return grad_x, grad_w1, grad_w2, None, None, None, None, None, None, None
 
 
 def _rows(x_NH: Tensor, gather_R: Optional[Tensor], chunk: Chunk) -> Tensor:
@@ -162,10 +205,14 @@ def _rows(x_NH: Tensor, gather_R: Optional[Tensor], chunk: Chunk) -> Tensor:
 
 def expert_ffn(x_NH: Tensor, w1_LHF1: Tensor, w2_LFH: Tensor, counts: list[int], act: Callable[[Tensor], Tensor],
                backend: str, gather_R: Optional[Tensor] = None, *, save_pre: bool = False,
-               grad_scale: float = 1.0, chunk_bytes: int = CHUNK_BYTES) -> Tensor:
+               grad_scale: float = 1.0, chunk_bytes: int = CHUNK_BYTES,
+               grad_stores: Optional[tuple[GradStore, GradStore]] = None) -> Tensor:
     """``y_RH`` of the module docstring; ``counts`` rows per local expert (a list: the chunks
     are cut on the host). ``save_pre`` keeps the pre-activation (R * F1 values) instead of
-    recomputing it in backward; ``grad_scale`` multiplies the weight gradients."""
+    recomputing it in backward; ``grad_scale`` multiplies the weight gradients;
+    ``grad_stores`` hold the storage of the two weight gradients between backwards
+    (``GradStore``; pass them only when ``w1_LHF1`` and ``w2_LFH`` are the parameters
+    themselves, so the gradients returned are the parameters' ``.grad``)."""
     if len(counts) != w1_LHF1.shape[0]:
         raise ValueError(f"{len(counts)} expert row counts for {w1_LHF1.shape[0]} local experts")
     rows = sum(counts)
@@ -174,4 +221,4 @@ def expert_ffn(x_NH: Tensor, w1_LHF1: Tensor, w2_LFH: Tensor, counts: list[int],
         raise ValueError(f"expert row counts sum to {rows} but {available} rows were given")
     chunks = expert_chunks(counts, w1_LHF1.shape[-1] * x_NH.element_size(), chunk_bytes, x_NH.device)
     return ExpertFFN.apply(x_NH.contiguous(), w1_LHF1, w2_LFH, gather_R, chunks, act, backend, save_pre,
-                           grad_scale)
+                           grad_scale, grad_stores)
