@@ -405,8 +405,8 @@ def _count_collectives(rank: int, world_size: int) -> dict:
 def test_collectives_per_forward(dist_run):
     """ep4 on 4 ranks: the counts exchange carries the finite check (no all-reduce of its own):
     three all-to-alls over the 4 EP ranks (counts, rows out, rows back). ep2 x dp2: the finite
-    check is one all-reduce over the 4 token groups (started without waiting), then the same
-    three all-to-alls over the 2 EP ranks."""
+    flags go to the 4 token groups in one all-to-all (started without waiting), then the same
+    three all-to-alls over the 2 EP ranks. No ring collective (all-reduce, all-gather) at all."""
     for counts in dist_run(_count_collectives, 4):
         assert counts["ep4"] == [("all_to_all", 4)] * 3
-        assert counts["ep2-dp2"] == [("all_reduce", 4)] + [("all_to_all", 2)] * 3
+        assert counts["ep2-dp2"] == [("all_to_all", 2)] * 3 + [("all_to_all", 4)]

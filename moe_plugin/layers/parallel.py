@@ -47,7 +47,7 @@ Semantics (a "replica" is one DP rank's micro-batch of T tokens, replicated over
 7. Non-finite input: the router's finite check is agreed over ``tokens``, so every rank of the
    stage raises together, before any row leaves a rank, instead of hanging. When the EP group
    is ``tokens`` itself (``ep_is_tokens``) the flags ride in the dispatcher's counts exchange;
-   otherwise they are all-reduced asynchronously and read at the dispatcher's host sync.
+   otherwise they are exchanged asynchronously and read at the dispatcher's host sync.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ Routing rules (GShard, arXiv 2006.16668; Switch Transformer):
 
 In a parallel layer each rank routes its own tokens as one GShard group (``parallel.py``): the
 weight's gradient is summed over TP (``grad_group``), the finite check is agreed over the ranks
-that route distinct tokens (``check_group``: an asynchronous all-reduce read at the dispatcher's
+that route distinct tokens (``check_group``: an asynchronous exchange read at the dispatcher's
 host sync, or, with ``check_group`` None, the dispatcher's counts exchange), and the default noise generator is seeded per
 token group (``noise_index``), so ranks draw different numbers unless a test injects them.
 """
@@ -133,8 +133,9 @@ class FiniteCheck:
     """The finite check of one forward's logits, agreed over ``group`` without blocking.
 
     The flags (one int32 per rank of the group, 1 where the logits are not finite) are
-    all-reduced asynchronously; the caller reads them at its next host sync (``flags``, then
-    ``verdict``), or waits now (``check``). A routing plan made from bad logits is well formed
+    gathered asynchronously in one all-to-all round (every pair of ranks exchanges directly; a
+    ring all-reduce takes ``2 * (ranks - 1)`` dependent steps); the caller reads them at its
+    next host sync (``flags``, then ``verdict``), or waits now (``check``). A routing plan made from bad logits is well formed
     (indices in range, NaN gates), so routing may go on while the verdict travels, as long as
     nothing leaves the rank before it. With ``group`` None the verdict is this rank's alone:
     ``bad_1`` is what a dispatcher's counts exchange can carry to its peers instead
@@ -148,13 +149,13 @@ class FiniteCheck:
         if group is None:
             self._flags = self.bad_1
         else:
-            rank = comm.group_rank(group)
-            self._flags = torch.zeros(comm.group_size(group), dtype=torch.int32, device=logits_TE.device)
-            self._flags[rank:rank + 1] = self.bad_1
-            self._work = torch.distributed.all_reduce(self._flags, group=group, async_op=True)
+            n = comm.group_size(group)
+            self._flags = torch.empty(n, dtype=torch.int32, device=logits_TE.device)
+            self._work = torch.distributed.all_to_all_single(self._flags, self.bad_1.expand(n).contiguous(), group=group,
+                                                            async_op=True)
 
     def flags(self) -> Tensor:
-        """[group size] int32 on the logits' device (waits for the all-reduce; no host sync)."""
+        """[group size] int32 on the logits' device (waits for the exchange; no host sync)."""
         if self._work is not None:
             self._work.wait()
             self._work = None
