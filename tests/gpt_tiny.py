@@ -5,6 +5,7 @@
     micro = micro_batches(step, batch_size, dp_rank, dp, gas)   # [((tokens, positions), labels)] * gas
     provider = gpt_provider(MODEL, tp)                          # GPTModel(config, gpt_moe_spec(...))
     provider = pipeline_provider(MODEL, tp, pp, seed)           # gpt_pipeline_module(...)
+    cpu_sequence_parallel()                                     # before a sequence-parallel model runs
 
 Both providers take ``initial``: full single-process weights under ``GPTModel`` names, loaded by
 name into whatever this rank holds (pipeline pieces mapped with ``pipeline_state_dict_key``,
@@ -21,13 +22,25 @@ VOCAB, SEQ = 64, 8
 MODEL = dict(num_layers=4, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32)
 
 
-def transformer_config(model: dict, tp: int = 1, pp: int = 1):
+def transformer_config(model: dict, tp: int = 1, pp: int = 1, sp: bool = False):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(**model, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                             pipeline_dtype=torch.float32, use_cpu_initialization=True, hidden_dropout=0.0,
+                             sequence_parallel=sp, pipeline_dtype=torch.float32, use_cpu_initialization=True, hidden_dropout=0.0,
                              attention_dropout=0.0, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
                              masked_softmax_fusion=False, apply_rope_fusion=False)
+
+
+def cpu_sequence_parallel() -> None:
+    """Let this rank run Megatron-Core's sequence parallelism on CPU (tests only; the package
+    patches nothing). megatron-core 0.16 has no CPU path for it: its gather/scatter buffers are
+    allocated on ``torch.cuda.current_device()`` (tensor_parallel/layers.py, mappings.py) and the
+    embedding's dropout forks the CUDA RNG tracker. Point the former at the CPU and take
+    Megatron's no-op (inference) tracker (dropout is 0 in these tests)."""
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    torch.cuda.current_device = lambda: "cpu"
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
 def global_batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,7 +83,7 @@ def gpt_provider(model: dict, tp: int = 1, *, seed: int = 0, initial: Optional[d
 
         from moe_plugin.integration.megatron import gpt_moe_spec
 
-        config = transformer_config(model, tp)
+        config = transformer_config(model, tp, sp=moe_config.parallel.sequence_parallel)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)   # Megatron's dense init draws from the default generator
             gpt = GPTModel(config, gpt_moe_spec(moe_config, config, groups, seed=seed), vocab_size=VOCAB,
@@ -86,7 +99,7 @@ def pipeline_provider(model: dict, tp: int, pp: int, *, seed: int = 0, initial: 
     def build(moe_config, groups):
         from moe_plugin.integration.pipeline import gpt_pipeline_module
 
-        pipe = gpt_pipeline_module(transformer_config(model, tp, pp), moe_config, groups, vocab_size=VOCAB,
+        pipe = gpt_pipeline_module(transformer_config(model, tp, pp, moe_config.parallel.sequence_parallel), moe_config, groups, vocab_size=VOCAB,
                                    max_sequence_length=SEQ, seed=seed)
         if initial is not None:
             load_full(pipe, initial, groups, pipelined=True, num_layers=model["num_layers"])

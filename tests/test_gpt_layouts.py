@@ -38,7 +38,7 @@ import torch
 
 from dist import run_distributed
 from gpt_tiny import MODEL as TINY
-from gpt_tiny import global_batch, gpt_provider, micro_batches, pipeline_provider, shard_full
+from gpt_tiny import cpu_sequence_parallel, global_batch, gpt_provider, micro_batches, pipeline_provider, shard_full
 from moe_plugin.configs import MoEConfig
 
 B, SEED, STEPS = 8, 2, 5
@@ -71,15 +71,22 @@ LAYOUTS = {
     "tp2-ep4-folded": (4, {"tensor": 2, "expert": 4, "expert_tensor": 1}, 1, 2),   # tp 2 x dp 2; ep 4 over TP x DP
     "pp2-ep2": (4, {"pipeline": 2, "expert": 2}, 1, 2),                 # dp 2 x pp 2; ep 2 x pp 2
     "tp2-pp2-ep2": (8, {"tensor": 2, "pipeline": 2, "expert": 2}, 1, 2),  # tp 2 x dp 2 x pp 2; etp 2 x ep 2 x pp 2
+    # Sequence parallelism: norm gradients summed over TP inside backward, before ZeRO-2's hooks take
+    # them and on every pipeline stage (moe_plugin.initialize installs sp_grads hooks).
+    "tp2sp-ep2-zero2": (4, {"tensor": 2, "expert": 2, "sequence_parallel": True}, 2, 2),
+    "tp2sp-pp2-ep2": (8, {"tensor": 2, "pipeline": 2, "expert": 2, "sequence_parallel": True}, 1, 2),
 }
 
 
 def ds_config(parallel: dict, stage: int, dp: int, gas: int) -> dict:
-    return {"train_batch_size": B, "train_micro_batch_size_per_gpu": B // (dp * gas),
-            "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
-            "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6,
-            "moe": {**MOE, "parallel": parallel}}
+    config = {"train_batch_size": B, "train_micro_batch_size_per_gpu": B // (dp * gas),
+              "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6,
+              "moe": {**MOE, "parallel": parallel}}
+    if parallel.get("sequence_parallel") and parallel.get("pipeline", 1) > 1:
+        config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
+    return config
 
 
 # --- inside the ranks ------------------------------------------------------------------------------------
@@ -94,6 +101,8 @@ def _train(rank: int, world_size: int, parallel: dict, stage: int, gas: int, ini
 
     sizes = MoEConfig.from_dict({**MOE, "parallel": parallel}).check_world_size(world_size)
     pipelined = sizes.pp > 1
+    if parallel.get("sequence_parallel"):
+        cpu_sequence_parallel()
     provider = (pipeline_provider(MODEL, sizes.tp, sizes.pp, seed=SEED, initial=initial) if pipelined
                 else gpt_provider(MODEL, sizes.tp, seed=SEED, initial=initial))
     result = moe_plugin.initialize(ds_config(parallel, stage, sizes.dp, gas), provider)

@@ -293,15 +293,9 @@ def _two_ranks(rank: int, world_size: int, tp2_json: str, tp1_json: str) -> dict
     out: dict = {}
     for name, (sizes, sp, block, extras) in CASES.items():
         if sp:
-            # megatron-core 0.16 has no CPU path for sequence parallelism: its gather/scatter
-            # buffers are allocated on torch.cuda.current_device() (tensor_parallel/layers.py,
-            # mappings.py) and the embedding's dropout forks the CUDA RNG tracker. The ranks of
-            # this test point the former at the CPU and take Megatron's no-op (inference) tracker
-            # (dropout is 0 here); the package patches nothing.
-            from megatron.core.tensor_parallel.random import initialize_rng_tracker
+            from gpt_tiny import cpu_sequence_parallel
 
-            torch.cuda.current_device = lambda: "cpu"
-            initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+            cpu_sequence_parallel()   # megatron-core has no CPU path for it; the package patches nothing
         groups = _groups(world_size)  # tp 1, dp 2: each rank runs the single-process model
         ref_config = _config(**extras)
         ref_model = _gpt(gpt_moe_spec(MoEConfig.from_dict(block), ref_config, groups), ref_config)

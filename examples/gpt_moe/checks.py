@@ -37,7 +37,7 @@ def check_run(args: argparse.Namespace, world_size: int) -> RunPlan:
     ds = dict(load_ds_config(args.deepspeed_config))
     moe_config = MoEConfig.from_ds_config(ds)
     sizes = moe_config.check_world_size(world_size)
-    check_layout(args, ds, moe_config)
+    check_layout(args, moe_config)
     micro, gas, total = resolve_batch(args, ds, sizes.dp)
     return RunPlan(ds, moe_config, sizes, micro, gas, total)
 
@@ -74,7 +74,7 @@ def check_flags(args: argparse.Namespace) -> None:
                           "(Megatron's indexed format), e.g. data/my-corpus_text_document")
 
 
-def check_layout(args: argparse.Namespace, ds: dict, moe_config: MoEConfig) -> None:
+def check_layout(args: argparse.Namespace, moe_config: MoEConfig) -> None:
     """The ``moe.parallel`` layout against the model flags."""
     p = moe_config.parallel
     if p.pipeline > 1:
@@ -87,11 +87,6 @@ def check_layout(args: argparse.Namespace, ds: dict, moe_config: MoEConfig) -> N
                           "pipeline parallelism; use 1")
     if args.num_layers % p.pipeline:
         raise ConfigError("moe.parallel.pipeline", p.pipeline, f"must divide --num-layers ({args.num_layers})")
-    zero = ds.get("zero_optimization")
-    if p.sequence_parallel and (p.pipeline > 1 or (isinstance(zero, dict) and zero.get("stage", 0) != 0)):
-        raise ConfigError("moe.parallel.sequence_parallel", True, "the example all-reduces sequence-parallel "
-                          "norm gradients before engine.step, which needs pipeline 1 and zero_optimization.stage 0 "
-                          "(ZeRO-1/2 have already moved the gradients into their buffers); set it false")
     if args.data_path is None:
         from moe_plugin.data import pad_vocab_size
 

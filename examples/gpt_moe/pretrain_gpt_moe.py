@@ -257,14 +257,10 @@ def micro_batches(samples, schedule, plan: RunPlan, groups, step: int):
 def train_step(run, data: Data, plan: RunPlan, step: int) -> float:
     """One optimizer step: forward / backward / step per micro-batch (DeepSpeed steps the
     optimizer at the last one). Returns the global batch's loss (averaged over data parallelism)."""
-    from moe_plugin.integration.megatron import allreduce_sequence_parallel_grads
-
     engine, losses = run.engine, []
     for tokens_BS, labels_BS in micro_batches(data.train, data.schedule, plan, run.groups, step):
         loss = micro_batch_loss(engine, tokens_BS, labels_BS)
-        engine.backward(loss)
-        if plan.moe_config.parallel.sequence_parallel and engine.is_gradient_accumulation_boundary():
-            allreduce_sequence_parallel_grads(engine.module, run.groups)   # ZeRO-0 only (check_run)
+        engine.backward(loss)     # sequence-parallel norm gradients are summed over TP in here
         engine.step()
         losses.append(loss.detach())
     return data_parallel_mean(torch.stack(losses).mean(), run.groups)

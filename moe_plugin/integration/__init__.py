@@ -1,7 +1,9 @@
 """Glue to Megatron-Core and DeepSpeed. Import the submodules directly (they import Megatron):
 
 * ``megatron``: GPT layer/block specs with the plugin's MoE MLP (``gpt_moe_spec``, ``moe_layer_spec``,
-  ``cpu_friendly_spec``, ``megatron_lm_spec``), ``allreduce_sequence_parallel_grads``.
+  ``cpu_friendly_spec``, ``megatron_lm_spec``).
+* ``sp_grads``: sequence-parallel gradients summed over TP (``sequence_parallel_grad_hooks``, which
+  ``initialize`` installs; ``allreduce_sequence_parallel_grads`` for a loop of one's own).
 * ``cpu_modules``: ``SDPAttention`` and ``TorchNorm``, the CPU-capable spec pieces.
 * ``tp_shard``: ``shard_state_dict``, a full state dict cut for one tensor-parallel rank.
 * ``megatron_lm_spec``: the module-level ``spec`` for Megatron-LM's ``--spec``.

@@ -16,8 +16,11 @@ Steps, in order (every rank runs them):
    it is, build the layout's process groups and register them with Megatron-Core and DeepSpeed.
 3. ``model_provider(moe_config, groups)`` builds the model: it must pass ``groups`` to every
    MoE layer (``MoELayer(..., groups)``, ``gpt_moe_spec(moe_config, config, groups)``).
-4. ``expert_params.prepare_model`` gets the model ready for DeepSpeed's MoE paths, and the
-   optimizer param groups are split into dense and expert groups (``moe_param_groups``).
+4. ``expert_params.prepare_model`` gets the model ready for DeepSpeed's MoE paths,
+   ``sp_grads.sequence_parallel_grad_hooks`` makes backward sum the gradients of parameters
+   marked ``sequence_parallel`` over TP (norms under sequence parallelism; before any ZeRO
+   stage or the PipelineEngine touches them), and the optimizer param groups are split into
+   dense and expert groups (``moe_param_groups``).
 5. ``deepspeed.initialize(model=..., model_parameters=groups, config=..., mpu=...)``. The
    ``"moe"`` block stays in the config (DeepSpeed ignores keys it does not know). With ZeRO-0
    in fp32 the plugin clips: DeepSpeed sees ``gradient_clipping`` 0 and ``GlobalNormClipping``
@@ -39,7 +42,8 @@ Pipeline parallelism (``moe.parallel.pipeline`` > 1): ``model_provider`` returns
   clips with ``GlobalNormClipping`` (one all-reduce over all ranks, every stage's gradients once).
 * The aux loss needs nothing: its gradient enters at each MoE layer's output in backward, on
   whichever stage the layer sits; ``set_aux_loss_scale`` gives it 1/gas as the main loss gets.
-* Sequence parallelism needs ``"pipeline": {"pipe_partitioned": false, "grad_partitioned": false}``.
+* Sequence parallelism needs ``"pipeline": {"pipe_partitioned": false, "grad_partitioned": false}``;
+  its norm gradients are summed over TP in backward (step 4), on every stage.
 
 Supported: ZeRO stages 0, 1 and 2 (0 and 1 with PP); TP, EP, ETP, DP and PP in any layout of
 ``moe.parallel``. Verified against a single process in fp32 (``tests/test_deepspeed_engine.py``,
@@ -79,6 +83,7 @@ from moe_plugin.integration.expert_params import (
 )
 from moe_plugin.integration.grad_norm import GlobalNormClipping
 from moe_plugin.integration.pipe_topology import check_topology
+from moe_plugin.integration.sp_grads import sequence_parallel_grad_hooks
 
 ModelProvider = Callable[[MoEConfig, ProcessGroups], nn.Module]
 SUPPORTED_ZERO_STAGES = (0, 1, 2)
@@ -168,6 +173,7 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         if pipelined:
             check_topology(model.topology(), groups.layout)
         has_experts = prepare_model(model, moe_config, groups)
+        sequence_parallel_grad_hooks(model, groups)   # before DeepSpeed's own hooks on the gradients
         if pipelined and zero_stage > 0:
             _check_experts_on_every_stage(has_experts, moe_config, groups)
         params = deepspeed_kwargs.pop("model_parameters", None)

@@ -52,6 +52,7 @@ from megatron.core.utils import get_pg_rank
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.groups.process_groups import ProcessGroups
 from moe_plugin.integration.cpu_modules import SDPAttention, TorchNorm
+from moe_plugin.integration.sp_grads import allreduce_sequence_parallel_grads, sequence_parallel_grad_hooks  # noqa: F401
 from moe_plugin.layers.moe_layer import MoELayer
 
 Spec = Union[ModuleSpec, TransformerBlockSubmodules]
@@ -295,22 +296,6 @@ def gpt_dense_spec(config: TransformerConfig, *, cpu: Optional[bool] = None, vp_
 def _local_block_spec(config: TransformerConfig, vp_stage: Optional[int], pp_rank: Optional[int]):
     base = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
     return as_block_spec(base, config, vp_stage=vp_stage, pp_rank=pp_rank)
-
-
-# --- gradients ---------------------------------------------------------------------------------
-def allreduce_sequence_parallel_grads(model: torch.nn.Module, groups: Optional[ProcessGroups]) -> int:
-    """Sum the ``.grad`` of parameters marked ``sequence_parallel`` over the TP group (what
-    Megatron's ``finalize_model_grads`` does for its DDP); call it after backward, before the
-    optimizer step or the data-parallel reduction. Returns the number of tensors reduced."""
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    tp = groups.tp if groups is not None else None
-    if tp is None or not grads:
-        return 0
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=tp)
-    for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
-        grad.copy_(part.view_as(grad))
-    return len(grads)
 
 
 # --- Megatron-LM --spec -------------------------------------------------------------------------
