@@ -41,7 +41,8 @@ Pipeline parallelism (``moe.parallel.pipeline`` > 1): ``model_provider`` returns
   TP x PP). Clipping: ZeRO-1's norm sums over the data-parallel and the TP x PP group; ZeRO-0 in fp32
   clips with ``GlobalNormClipping`` (one all-reduce over all ranks, every stage's gradients once).
 * The aux loss needs nothing: its gradient enters at each MoE layer's output in backward, on
-  whichever stage the layer sits; ``set_aux_loss_scale`` gives it 1/gas as the main loss gets.
+  whichever stage the layer sits; ``follow_loss_scale`` gives it 1/gas (and fp16's loss scale)
+  as the main loss gets.
 * Sequence parallelism needs ``"pipeline": {"pipe_partitioned": false, "grad_partitioned": false}``;
   its norm gradients are summed over TP in backward (step 4), on every stage.
 
@@ -51,8 +52,12 @@ Supported: ZeRO stages 0, 1 and 2 (0 and 1 with PP); TP, EP, ETP, DP and PP in a
 ``checkpoint.load_checkpoint(result, dir)``, not the engine's own methods: DeepSpeed's MoE
 checkpointing finds experts by its own module names (``deepspeed_moe.experts``) and saves the
 module from data-parallel rank 0 only, so alone it would lose the expert shards of the other EP
-ranks. Not yet: fp16/bf16 (DeepSpeed's own MoE paths run, unverified; the aux-loss gradient
-does not follow a dynamic loss scale).
+ranks.
+
+Mixed precision: fp16 (ZeRO 0/1/2) and bf16 run DeepSpeed's own optimizers; the aux-loss gradient
+follows the engine's loss scale (``expert_params.follow_loss_scale``). Checked against fp32 on 2
+ranks (``tests/test_mixed_precision.py``: gradients to fp16 rounding, losses within 2%), and bf16
+expert migration under ZeRO-1/2 (``tests/test_migration.py``).
 """
 from __future__ import annotations
 
@@ -79,7 +84,7 @@ from moe_plugin.integration.expert_params import (
     check_optimizer_groups,
     moe_param_groups,
     prepare_model,
-    set_aux_loss_scale,
+    follow_loss_scale,
 )
 from moe_plugin.integration.grad_norm import GlobalNormClipping
 from moe_plugin.integration.pipe_topology import check_topology
@@ -199,8 +204,8 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         if pipelined:
             mpu = register_with_deepspeed(groups)
         _check_engine(engine, zero_stage, plugin_clips)
-        set_aux_loss_scale(model, 1.0 / engine.gradient_accumulation_steps())
         result = Initialized(engine, optimizer, loader, scheduler, moe_config, groups, mpu)
+        result._hooks.append(follow_loss_scale(engine, model))   # aux-loss gradient: 1/gas, fp16 loss scale
         if plugin_clips:
             result._hooks.append(GlobalNormClipping(groups, max_norm).install(engine.optimizer))
         return result

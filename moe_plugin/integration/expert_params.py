@@ -43,6 +43,7 @@ from typing import Any, Union
 import torch
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.moe.utils import is_moe_param
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.utils import groups as ds_groups
 from torch import nn
 
@@ -126,6 +127,49 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.aux_loss_scale = scale
+
+
+def engine_loss_scale(engine: Any) -> float:
+    """The factor DeepSpeed's ``engine.backward`` multiplies the loss by, besides 1 / gas: what
+    0.19.8's ``backward`` does, branch for branch. A ZeRO optimizer scales it
+    (``scale_if_loss``): by the user's external scale, torch autocast's grad scaler, or its
+    fp16 loss scaler's ``cur_scale`` (1 in bf16 and fp32). Otherwise only ZeRO-0's torch autocast
+    grad scaler scales it; in particular ZeRO-0 fp16 (``FP16_UnfusedOptimizer``) does not: that
+    optimizer divides the gradients by its loss scale in ``step`` whatever ``backward`` did, so
+    the aux-loss gradient must be left as the main loss's is."""
+    optimizer = getattr(engine, "optimizer", None)
+    if isinstance(optimizer, ZeROOptimizer):
+        if getattr(optimizer, "custom_loss_scaler", False):
+            return float(optimizer.external_loss_scale)
+        scaler = getattr(optimizer, "torch_autocast_gradscaler", None)
+        if scaler is not None:
+            return float(scaler.get_scale())
+        loss_scaler = getattr(optimizer, "loss_scaler", None)
+        return 1.0 if loss_scaler is None else float(loss_scaler.cur_scale)
+    scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+    return 1.0 if scaler is None else float(scaler.get_scale())
+
+
+def follow_loss_scale(engine: Any, model: nn.Module):
+    """Keep the aux/z-loss gradients of ``model``'s MoE layers scaled like the main loss's.
+
+    The engine's ``backward`` multiplies the loss by 1 / gradient accumulation steps and, in fp16
+    under ZeRO-1/2, by the current loss scale (``engine_loss_scale``); the layer's aux-loss
+    gradient enters at its output in backward (``AttachAuxLoss``) with ``aux_loss_scale``, which
+    must carry the same factors: with 1 / gas alone such an fp16 run would divide the balance
+    loss's gradient by the loss scale (4,096 to 65,536) when the optimizer unscales, and lose it. A forward pre-hook on ``model`` sets it from the
+    engine's scale before every forward; the scale only changes in ``step``, so the backward that
+    follows sees the same one. Returns the hook's handle (``.remove()``)."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    gas = engine.gradient_accumulation_steps()
+
+    def before_forward(module: nn.Module, args: Any) -> None:
+        scale = engine_loss_scale(engine) / gas
+        for layer in layers:
+            layer.aux_loss_scale = scale
+
+    set_aux_loss_scale(model, engine_loss_scale(engine) / gas)
+    return model.register_forward_pre_hook(before_forward)
 
 
 def moe_param_groups(params: ParamsLike) -> list[dict]:
