@@ -9,8 +9,9 @@ aux-loss-free bias moves every step, so RNG and router state matter too. fp32.
   11-20: the losses equal the uninterrupted run's bit for bit (dp x ep, ZeRO-0/1/2, tp x etp);
 * resharding: the ep 4 checkpoint loads with ep 2 and ep 1 (weights only under ZeRO, with the
   error that says so otherwise), tp 2 x ep 2 loads into tp 2 x ep 1 with its ZeRO-0 Adam state
-  re-cut by global expert id; the eval loss after load equals the saved model's, and the ZeRO-0
-  run resumes the uninterrupted losses;
+  re-cut by global expert id; TP changes: tp 2 x ep 2 into tp 1 x ep 4 and tp 1 x ep 2 into
+  tp 2 x ep 2 (weights only, the error names the TP change otherwise); the eval loss after load
+  equals the saved model's, and the ZeRO-0 run resumes the uninterrupted losses;
 * bad input (other num_experts, other hidden size, a missing expert file) fails with a message
   naming the difference on every rank, leaves weights and files untouched;
 * a save killed midway leaves ``latest`` and the previous tag loadable;
@@ -43,6 +44,14 @@ RESHARD = {  # name -> (saved case, new case, load_optimizer_states)
     "ep4-to-ep1-zero1": ("ep4-zero2-adam", {"parallel": {"expert": 1}, "stage": 1, "opt": "Adam"}, False),
     "tp2ep2-to-tp2ep1-zero0": ("tp2-ep2-zero0-adamw", {"parallel": {"tensor": 2, "expert": 1}, "stage": 0,
                                                        "opt": "AdamW"}, True),
+    # TP changes: dense weights joined from every saved TP rank and cut again; weights only
+    "tp2ep2-to-tp1ep4-zero0": ("tp2-ep2-zero0-adamw", {"parallel": {"expert": 4}, "stage": 0, "opt": "AdamW"}, False),
+    "tp1ep2-to-tp2ep2-zero1": ("ep2-zero1-adamw", {"parallel": {"tensor": 2, "expert": 2}, "stage": 1,
+                                                   "opt": "AdamW"}, False),
+}
+RESHARD_ERROR = {  # the refusal of a plain load (with optimizer states), per resharding without them
+    "ep4-to-ep2-zero2": "ZeRO stage 2", "ep4-to-ep1-zero1": "ZeRO stage 2",
+    "tp2ep2-to-tp1ep4-zero0": "tp 2 -> 1", "tp1ep2-to-tp2ep2-zero1": "tp 1 -> 2",
 }
 
 GAS, PIPE_STEPS, PIPE_SAVE_AT = 2, 8, 4
@@ -185,6 +194,7 @@ def _load_resharded(run, path: str, with_optimizer: bool, evaluate, resume) -> d
                 load_checkpoint(run, path)
             out["error"] = str(failure.value)
         load_checkpoint(run, path, load_optimizer_states=with_optimizer)
+        out["stale_masters"] = _stale_masters(run)
         out["eval"] = evaluate(run)
         out["global_steps"] = run.engine.global_steps
         if with_optimizer:
@@ -192,6 +202,17 @@ def _load_resharded(run, path: str, with_optimizer: bool, evaluate, resume) -> d
     finally:
         run.close()
     return out
+
+
+def _stale_masters(run) -> list[str]:
+    """Parameters whose optimizer master copy (ZeRO's fp32 partition) differs from the weight the
+    module holds: the next step would write the stale copy back into the model."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    if not run.engine.zero_optimization():
+        return []
+    return [n for n, p in run.engine.module.named_parameters()
+            if not torch.equal(safe_get_full_fp32_param(p).float(), p.detach().float())]
 
 
 def _reshard(root: str, saved: str, case: dict, with_optimizer: bool) -> dict:
@@ -428,12 +449,13 @@ def test_reshard_computes_the_same_function(results, name):
     saved = _per_rank(results, saved_case)
     for rank, r in enumerate(_per_rank(results, name)):
         assert r["global_steps"] == SAVE_AT
+        assert r["stale_masters"] == [], f"rank {rank}: optimizer master copies not updated: {r['stale_masters'][:4]}"
         torch.testing.assert_close(r["eval"], saved[0]["eval_at_save"], rtol=1e-6, atol=0)
         if with_optimizer:   # ZeRO-0: Adam moments re-cut by expert id, RNG streams kept (same tp x dp)
             torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(saved[rank]["full"][SAVE_AT:]),
                                        rtol=1e-5, atol=0)
         else:
-            assert "load_optimizer_states=False" in r["error"] and "ZeRO stage 2" in r["error"], r["error"]
+            assert "load_optimizer_states=False" in r["error"] and RESHARD_ERROR[name] in r["error"], r["error"]
 
 
 def test_bad_checkpoints_fail_clearly_and_change_nothing(results):

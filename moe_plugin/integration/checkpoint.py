@@ -50,15 +50,23 @@ with or without a pipeline: experts are cut again from the global-id files of th
 optimizer state follows under ZeRO-0 (expert rows re-cut by global id, dense state as saved);
 ZeRO-1/2 partition it over (expert-)data-parallel groups that DeepSpeed cannot re-cut, so loading
 into another layout raises unless ``load_optimizer_states=False`` (weights, lr scheduler and
-counters only). Tensor and pipeline sizes must stay (DeepSpeed stores dense weights per
-model-parallel slice), and so must the engine kind: a ``PipelineModule`` keys its state by piece.
-Not yet: fp16/bf16 (unverified).
+counters only). The TP size may change too with pipeline 1, where the weights allow (the full
+shapes must agree: a vocabulary padded to a multiple of 128 x TP may not): the dense weights of
+every saved TP rank are joined and cut again for the running one (``tp_shard.join_dense_tp``,
+``shard_state_dict``); their optimizer state does not follow (``load_optimizer_states=False``,
+else an error says so), and RNG streams are not restored (the token split changed). The
+pipeline size must stay, and so must the engine kind: a ``PipelineModule`` keys its state by
+piece. Not yet: fp16/bf16 (unverified).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import tempfile
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -80,6 +88,8 @@ from moe_plugin.integration.checkpoint_meta import (
     read_latest,
     read_metadata,
     rng_file,
+    saved_model_files,
+    tp_changed,
 )
 from moe_plugin.integration.checkpoint_state import (
     expert_files,
@@ -90,8 +100,10 @@ from moe_plugin.integration.checkpoint_state import (
     rng_state,
     set_rng_state,
 )
+from moe_plugin.integration.tp_shard import join_dense_tp, shard_state_dict
 
 TMP_PREFIX = ".tmp-"
+MODEL_FILE = re.compile(r"mp_rank_\d+_model_states\.pt")
 
 
 def _write(obj: Any, path: str) -> None:
@@ -180,11 +192,17 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
         agree(lambda: check_optimizer_can_follow(run, meta))
         recut_optimizer = True
     experts, expert_moments = agree(lambda: read_experts(run, path, meta, recut_optimizer))
+    new_tp = tp_changed(meta, groups)
+    dense, header = agree(lambda: recut_dense(run, path, meta)) if new_tp else ({}, {})
 
-    with marker_without_local_experts(engine.module), experts_into_load(engine.module, experts):
+    with marker_without_local_experts(engine.module), experts_into_load(engine.module, {**dense, **experts}), \
+            (_one_file_per_tp_rank(load_dir, tag, engine, dense, header) if new_tp
+             else contextlib.nullcontext(load_dir)) as source:
         load_path, client_state = engine.load_checkpoint(
-            load_dir, tag, load_module_strict=True, load_optimizer_states=optimizer_follows and not resharded,
+            source, tag, load_module_strict=True, load_optimizer_states=optimizer_follows and not resharded,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        if load_path is not None and new_tp:
+            load_path = os.path.join(path, os.path.basename(load_path))
     if load_path is None:
         raise CheckpointError(f"{path}: DeepSpeed found no model states to load")
     _check_experts_loaded(engine.module, experts, path)
@@ -196,6 +214,41 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
         set_rng_state(engine.module, torch.load(rng_path, weights_only=False))
     dist.barrier()
     return load_path, client_state
+
+
+def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:
+    """This rank's dense entries, cut for the running TP size out of the full weights joined from
+    every saved TP rank's DeepSpeed file (pipeline 1; ``tp_shard.join_dense_tp``), and the rest of
+    saved TP rank 0's file (counters, lr scheduler, client state). Every rank reads all of them:
+    the checkpoint's dense weights, once."""
+    files = [torch.load(f, map_location="cpu", weights_only=False) for f in saved_model_files(path, meta)]
+    full = join_dense_tp([f["module"] for f in files], run.engine.module)
+    dense = shard_state_dict(full, run.engine.module, run.groups.layout, dist.get_rank(), strict=False)
+    return dense, {k: v for k, v in files[0].items() if k != "module"}
+
+
+@contextlib.contextmanager
+def _one_file_per_tp_rank(load_dir: str, tag: str, engine: Any, dense: dict, header: dict) -> Iterator[str]:
+    """A load directory (private to this rank, removed afterwards) holding the tag's other files
+    (links) and one module file per *running* model-parallel rank, so DeepSpeed loads one file
+    without trying its own merge or split of several (made for Megatron-LM's key names): this
+    rank's, written here from ``recut_dense`` (``header`` with the re-cut dense ``module`` and the
+    running ``mp_world_size``; the experts come in through ``experts_into_load``), and links to it
+    under the other ranks' names."""
+    source = os.path.join(load_dir, tag)
+    with tempfile.TemporaryDirectory(prefix="moe_plugin_tp_") as staging:
+        target = os.path.join(staging, tag)
+        os.makedirs(target)
+        for name in os.listdir(source):
+            if not MODEL_FILE.fullmatch(name):
+                os.symlink(os.path.join(source, name), os.path.join(target, name))
+        mine = os.path.join(target, f"mp_rank_{engine.checkpoint_mp_rank:02d}_model_states.pt")
+        torch.save({**header, "module": dense, "mp_world_size": engine.mp_world_size}, mine)
+        for r in range(engine.mp_world_size):
+            name = os.path.join(target, f"mp_rank_{r:02d}_model_states.pt")
+            if name != mine:
+                os.symlink(mine, name)
+        yield staging
 
 
 def _check_experts_loaded(model: nn.Module, experts: dict, path: str) -> None:

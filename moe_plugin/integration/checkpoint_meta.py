@@ -49,6 +49,16 @@ def deepspeed_model_file(path: str, engine: Any) -> str:
     return os.path.join(path, f"mp_rank_{engine.checkpoint_mp_rank:02d}_model_states.pt")
 
 
+def saved_model_files(path: str, meta: dict) -> list[str]:
+    """DeepSpeed's module files of a checkpoint of the plain engine (pipeline 1), one per saved TP
+    rank, in TP rank order."""
+    return [os.path.join(path, f"mp_rank_{r:02d}_model_states.pt") for r in range(meta["layout"]["tp"])]
+
+
+def tp_changed(meta: dict, groups: Any) -> bool:
+    return meta["layout"]["tp"] != layout(groups)["tp"]
+
+
 def is_pipeline(engine: Any) -> bool:
     from deepspeed.runtime.pipe.module import PipelineModule
 
@@ -213,10 +223,13 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
                 for k in MODEL_KEYS if meta["moe"].get(k) != mine.get(k)]
     problems += _engine_problems(meta, engine)
     saved, now = meta["layout"], layout(groups)
-    for k in ("tp", "pp"):
-        if saved[k] != now[k]:
-            problems.append(f"moe.parallel {k}: {saved[k]} in the checkpoint, {now[k]} now; DeepSpeed stores dense "
-                            f"weights per model-parallel rank (and pipeline stage), so {k} must stay")
+    if saved["pp"] != now["pp"]:
+        problems.append(f"moe.parallel pp: {saved['pp']} in the checkpoint, {now['pp']} now; DeepSpeed stores dense "
+                        "weights per pipeline stage, so pp must stay")
+    elif saved["tp"] != now["tp"] and (saved["pp"] > 1 or is_pipeline(engine)):
+        problems.append(f"moe.parallel tp: {saved['tp']} in the checkpoint, {now['tp']} now; a checkpoint of the "
+                        "PipelineEngine keeps its TP size (dense weights are re-cut for another TP size with "
+                        "pipeline 1 only)")
     coords = groups.layout.coords(dist.get_rank())
     stage = meta["stages"].get(str(coords["pp"]))
     if not problems and stage is not None:
@@ -224,8 +237,8 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
         problems += _differences("dense", stage["dense"], shapes["dense"])
         problems += _differences("expert", stage["experts"], shapes["experts"])
     if not problems:
-        needed = [deepspeed_model_file(path, engine)] + [expert_file(path, e, coords["pp"])
-                                                          for e in local_ids(meta, engine.module, groups)]
+        model_files = saved_model_files(path, meta) if tp_changed(meta, groups) else [deepspeed_model_file(path, engine)]
+        needed = model_files + [expert_file(path, e, coords["pp"]) for e in local_ids(meta, engine.module, groups)]
         problems += [f"{p}: missing" for p in needed if not os.path.isfile(p)]
     if problems:
         raise CheckpointError(f"checkpoint {path} does not fit the model: " + "; ".join(problems))
@@ -240,6 +253,11 @@ def check_optimizer_can_follow(run: Any, meta: dict) -> None:
     if meta["zero_stage"] != stage:
         changed["ZeRO stage"] = (meta["zero_stage"], stage)
     what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+    if "tp" in changed:
+        raise CheckpointError(
+            f"the optimizer state cannot follow the layout change ({what}): the dense weights are re-cut for the "
+            "new TP size, their optimizer state is not. Load weights only: load_checkpoint(..., "
+            "load_optimizer_states=False) (lr scheduler and step counters still load)")
     if stage > 0 or meta["zero_stage"] > 0:
         raise CheckpointError(
             f"the optimizer state cannot follow the layout change ({what}): ZeRO stage {meta['zero_stage']} "

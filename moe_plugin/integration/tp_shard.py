@@ -17,6 +17,7 @@ not from parameter names:
 * Anything else (norms, router, shared expert, position embedding, buffers) is replicated.
 
 The same function slices full *gradients* for comparison with a sharded model's.
+``join_dense_tp`` goes the other way for the dense entries (checkpoints saved at another TP size).
 """
 from __future__ import annotations
 
@@ -39,6 +40,33 @@ def tp_slice(full: Tensor, dim: int, stride: int, rank: int, size: int) -> Tenso
                          f"(parallel size {size} x stride {stride})")
     chunks = full.split(full.shape[dim] // pieces, dim=dim)
     return torch.cat(chunks[rank::size], dim=dim)
+
+
+def tp_join(shards: list[Tensor], dim: int, stride: int) -> Tensor:
+    """The inverse of ``tp_slice``: the full tensor from every rank's part, in rank order."""
+    size = len(shards)
+    if size == 1:
+        return shards[0]
+    pieces = [shard.chunk(stride, dim=dim) for shard in shards]       # rank r holds pieces r, r + size, ...
+    return torch.cat([pieces[j % size][j // size] for j in range(stride * size)], dim=dim)
+
+
+def join_dense_tp(states: list[Mapping[str, Any]], model: nn.Module) -> dict[str, Any]:
+    """One full state dict of ``model``'s dense (non-expert) entries from the state dicts of every
+    TP rank of a saved model (``states[r]``: TP rank r's), read by the rules above from ``model``
+    (the same model at any TP size): tensor-parallel tensors joined with ``tp_join``, the rest
+    (replicated over TP) taken from rank 0. Expert weights are left out (checkpoints keep them
+    per global expert id)."""
+    experts = _expert_rules(model)
+    out: dict[str, Any] = {}
+    for key, mine in model.state_dict(keep_vars=True).items():
+        if key in experts or key not in states[0]:
+            continue
+        if isinstance(mine, Tensor) and getattr(mine, "tensor_model_parallel", False):
+            out[key] = tp_join([state[key] for state in states], mine.partition_dim, getattr(mine, "partition_stride", 1))
+        else:
+            out[key] = states[0][key]
+    return out
 
 
 def _expert_rules(model: nn.Module) -> dict[str, tuple[GroupedExperts, int, int]]:
