@@ -18,8 +18,9 @@ aux-loss-free bias moves every step, so RNG and router state matter too. fp32.
 * DeepSpeed's PipelineEngine (``gpt_pipeline_module``, 2 layers, one per stage, ``train_batch`` with
   2 micro-batches): exact resume for pp2 x ep2 (ZeRO-0 and 1, in the 4-rank spawn) and, in an 8-rank
   spawn, tp2 x pp2 x ep2 (ZeRO-1, EP folded over TP) and tp2 x pp2 x ep2 x etp2 (ZeRO-0); ep 2 -> 1 at
-  the same pp and tp (ZeRO-1 weights only, ZeRO-0 with its Adam state re-cut by expert id); a pipeline
-  checkpoint refused by the plain engine, naming pp and the engine kind.
+  the same pp and tp (ZeRO-1 weights only, ZeRO-0 with its Adam state re-cut by expert id), tp 2 x pp2 x
+  ep 2 -> pp 2 x ep 4 (TP 2 -> 1, each stage's dense weights joined and cut again; weights only); a
+  pipeline checkpoint refused by the plain engine, naming pp and the engine kind.
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ PIPE_RESHARD = {  # name -> (saved case, moe.parallel, ZeRO stage, load_optimize
                                                            "expert_tensor": 1}, 1, False),
     "tp2pp2ep2etp2-to-tp2pp2ep1etp2-zero0": ("tp2-pp2-ep2-etp2-zero0", {"tensor": 2, "pipeline": 2, "expert": 1,
                                                                         "expert_tensor": 2}, 0, True),
+    "tp2pp2ep2-to-pp2ep4-zero1": ("tp2-pp2-ep2-zero1", {"pipeline": 2, "expert": 4}, 1, False),   # TP 2 -> 1
 }
 
 
@@ -504,7 +506,8 @@ def test_pipeline_reshard_computes_the_same_function(request, name):
             torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(saved[rank]["full"][PIPE_SAVE_AT:]),
                                        rtol=1e-5, atol=0)
         else:
-            assert "load_optimizer_states=False" in r["error"] and "ep 2 -> 1" in r["error"], r["error"]
+            change = "tp 2 -> 1" if name.endswith("to-pp2ep4-zero1") else "ep 2 -> 1"
+            assert "load_optimizer_states=False" in r["error"] and change in r["error"], r["error"]
 
 
 def test_pipeline_checkpoint_into_the_plain_engine_fails_clearly(results):

@@ -50,8 +50,8 @@ with or without a pipeline: experts are cut again from the global-id files of th
 optimizer state follows under ZeRO-0 (expert rows re-cut by global id, dense state as saved);
 ZeRO-1/2 partition it over (expert-)data-parallel groups that DeepSpeed cannot re-cut, so loading
 into another layout raises unless ``load_optimizer_states=False`` (weights, lr scheduler and
-counters only). The TP size may change too with pipeline 1, where the weights allow (the full
-shapes must agree: a vocabulary padded to a multiple of 128 x TP may not): the dense weights of
+counters only). The TP size may change too, where the weights allow (the full shapes must
+agree: a vocabulary padded to a multiple of 128 x TP may not): each stage's dense weights of
 every saved TP rank are joined and cut again for the running one (``tp_shard.join_dense_tp``,
 ``shard_state_dict``); their optimizer state does not follow (``load_optimizer_states=False``,
 else an error says so), and RNG streams are not restored (the token split changed). The
@@ -218,10 +218,12 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
 
 def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:
     """This rank's dense entries, cut for the running TP size out of the full weights joined from
-    every saved TP rank's DeepSpeed file (pipeline 1; ``tp_shard.join_dense_tp``), and the rest of
-    saved TP rank 0's file (counters, lr scheduler, client state). Every rank reads all of them:
+    the DeepSpeed files of every saved TP rank of this rank's pipeline stage
+    (``tp_shard.join_dense_tp``), and the rest of saved TP rank 0's file (counters, lr scheduler,
+    client state). Every rank reads all of them:
     the checkpoint's dense weights, once."""
-    files = [torch.load(f, map_location="cpu", weights_only=False) for f in saved_model_files(path, meta)]
+    stage = run.groups.layout.coords(dist.get_rank())["pp"]
+    files = [torch.load(f, map_location="cpu", weights_only=False) for f in saved_model_files(path, meta, stage)]
     full = join_dense_tp([f["module"] for f in files], run.engine.module)
     dense = shard_state_dict(full, run.engine.module, run.groups.layout, dist.get_rank(), strict=False)
     return dense, {k: v for k, v in files[0].items() if k != "module"}

@@ -49,10 +49,15 @@ def deepspeed_model_file(path: str, engine: Any) -> str:
     return os.path.join(path, f"mp_rank_{engine.checkpoint_mp_rank:02d}_model_states.pt")
 
 
-def saved_model_files(path: str, meta: dict) -> list[str]:
-    """DeepSpeed's module files of a checkpoint of the plain engine (pipeline 1), one per saved TP
-    rank, in TP rank order."""
-    return [os.path.join(path, f"mp_rank_{r:02d}_model_states.pt") for r in range(meta["layout"]["tp"])]
+def saved_model_files(path: str, meta: dict, stage: int) -> list[str]:
+    """DeepSpeed's module files of pipeline stage ``stage``, one per saved TP rank, in TP rank
+    order (recorded at save; checkpoints without the record number them stage-major, as both
+    engines do: ``stage * tp + tp_rank``)."""
+    names = meta.get("model_files", {}).get(str(stage))
+    if names is None:
+        tp = meta["layout"]["tp"]
+        names = [f"mp_rank_{stage * tp + r:02d}_model_states.pt" for r in range(tp)]
+    return [os.path.join(path, name) for name in names]
 
 
 def tp_changed(meta: dict, groups: Any) -> bool:
@@ -96,10 +101,16 @@ def full_shapes(model: nn.Module, groups: Any) -> dict:
 def metadata(run: Any, tag: str) -> dict:
     """The metadata file's content (collective: every stage's shapes are gathered)."""
     engine, groups, moe_config = run.engine, run.groups, run.moe_config
-    stage = groups.layout.coords(dist.get_rank())["pp"]
+    coords = groups.layout.coords(dist.get_rank())
+    stage = coords["pp"]
     per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, (stage, {**full_shapes(engine.module, groups),
                                               "placements": placements(engine.module)}))
+    files: list = [None] * dist.get_world_size()
+    dist.all_gather_object(files, (stage, coords["tp"], os.path.basename(deepspeed_model_file("", engine))))
+    model_files: dict = {}
+    for st, tp_rank, name in files:
+        model_files.setdefault(str(st), {})[tp_rank] = name
     s = groups.layout.sizes
     local = moe_config.num_experts // s.ep
     static = all(slots == list(range(len(slots)))
@@ -110,6 +121,8 @@ def metadata(run: Any, tag: str) -> dict:
         "pipeline_module": is_pipeline(engine),
         "num_experts": moe_config.num_experts, "moe": moe_config.resolved_dict(), "layout": layout(groups),
         "stages": {str(st): shapes for st, shapes in per_rank},
+        # DeepSpeed's module file of every (stage, TP rank), in TP rank order
+        "model_files": {st: [names[r] for r in sorted(names)] for st, names in model_files.items()},
         # the static placement, or per layer under "stages"/"placements" (state-dict key -> slots)
         "placement": {"policy": "static", "ep_size": s.ep, "experts": [
             {"id": e, "ep_rank": e // local, "slot": e % local} for e in range(moe_config.num_experts)]}
@@ -226,10 +239,6 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
     if saved["pp"] != now["pp"]:
         problems.append(f"moe.parallel pp: {saved['pp']} in the checkpoint, {now['pp']} now; DeepSpeed stores dense "
                         "weights per pipeline stage, so pp must stay")
-    elif saved["tp"] != now["tp"] and (saved["pp"] > 1 or is_pipeline(engine)):
-        problems.append(f"moe.parallel tp: {saved['tp']} in the checkpoint, {now['tp']} now; a checkpoint of the "
-                        "PipelineEngine keeps its TP size (dense weights are re-cut for another TP size with "
-                        "pipeline 1 only)")
     coords = groups.layout.coords(dist.get_rank())
     stage = meta["stages"].get(str(coords["pp"]))
     if not problems and stage is not None:
@@ -237,7 +246,8 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
         problems += _differences("dense", stage["dense"], shapes["dense"])
         problems += _differences("expert", stage["experts"], shapes["experts"])
     if not problems:
-        model_files = saved_model_files(path, meta) if tp_changed(meta, groups) else [deepspeed_model_file(path, engine)]
+        model_files = (saved_model_files(path, meta, coords["pp"]) if tp_changed(meta, groups)
+                       else [deepspeed_model_file(path, engine)])
         needed = model_files + [expert_file(path, e, coords["pp"]) for e in local_ids(meta, engine.module, groups)]
         problems += [f"{p}: missing" for p in needed if not os.path.isfile(p)]
     if problems:
