@@ -12,7 +12,9 @@ else the optimizer's unscaling divides it by the loss scale and the routers stop
   parameter);
 * with gradient accumulation the layers' ``aux_loss_scale`` is the loss scale / gas at every
   forward, following the dynamic scale when it changes;
-* fp16 under ZeRO-1 and bf16 under ZeRO-2 train 4 steps with losses within 2% of fp32's.
+* fp16 under ZeRO-1 and bf16 under ZeRO-2 train 4 steps with losses within 2% of fp32's; so does
+  fp16 on DeepSpeed's PipelineEngine (pp 2, one MoE layer per stage, 2 micro-batches), whose
+  layers get the loss scale / gas too.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import os
 import torch
 
 from dist import run_distributed
-from gpt_tiny import MODEL, gpt_provider, micro_batches
+from gpt_tiny import MODEL, gpt_provider, micro_batches, pipeline_provider
 
 B, SEED, STEPS = 8, 3, 4
 MOE = {"num_experts": 4, "router": "topk", "top_k": 2, "drop_tokens": False, "aux_loss_coeff": 1.0,
@@ -83,6 +85,21 @@ def _ranks(rank: int, world_size: int) -> dict:
     finally:
         result.close()
 
+    for precision in ("fp32", "fp16"):   # DeepSpeed's PipelineEngine, pp 2: one MoE layer per stage
+        config = {**_config(1, gas=2, precision=precision), "moe": {**MOE, "parallel": {"pipeline": 2}},
+                  "train_micro_batch_size_per_gpu": B // 2}
+        result = moe_plugin.initialize(config, pipeline_provider(MODEL, 1, 2, seed=SEED))
+        try:
+            engine = result.engine
+            layers = [m for m in engine.module.modules() if isinstance(m, MoELayer)]
+            losses, scales = [], []
+            for step in range(STEPS):
+                losses.append(float(engine.train_batch(iter(micro_batches(step, B, 0, 1, 2)))))
+                scales.append((layers[0].aux_loss_scale, engine_loss_scale(engine)))
+            out[f"pipe_losses_{precision}"], out[f"pipe_scales_{precision}"] = losses, scales
+        finally:
+            result.close()
+
     for name, stage, precision in (("fp32", 1, "fp32"), ("fp16", 1, "fp16"), ("bf16", 2, "bf16")):
         result, engine, _ = build(_config(stage, precision=precision))
         try:
@@ -115,3 +132,8 @@ def test_fp16_and_bf16_against_fp32(tmp_path):
         for name in ("fp16", "bf16"):
             torch.testing.assert_close(torch.tensor(out[f"losses_{name}"]), torch.tensor(out["losses_fp32"]),
                                        rtol=2e-2, atol=0, msg=lambda m: f"rank {rank} {name} losses: {m}")
+        torch.testing.assert_close(torch.tensor(out["pipe_losses_fp16"]), torch.tensor(out["pipe_losses_fp32"]),
+                                   rtol=2e-2, atol=0, msg=lambda m: f"rank {rank} pipeline fp16 losses: {m}")
+        assert all(a == s / 2 for a, s in out["pipe_scales_fp16"]), out["pipe_scales_fp16"]
+        assert {s for _, s in out["pipe_scales_fp16"]} == {4096.0}, out["pipe_scales_fp16"]
+        assert all(a == 0.5 for a, _ in out["pipe_scales_fp32"]), out["pipe_scales_fp32"]
