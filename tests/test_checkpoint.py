@@ -19,8 +19,9 @@ aux-loss-free bias moves every step, so RNG and router state matter too. fp32.
   2 micro-batches): exact resume for pp2 x ep2 (ZeRO-0 and 1, in the 4-rank spawn) and, in an 8-rank
   spawn, tp2 x pp2 x ep2 (ZeRO-1, EP folded over TP) and tp2 x pp2 x ep2 x etp2 (ZeRO-0); ep 2 -> 1 at
   the same pp and tp (ZeRO-1 weights only, ZeRO-0 with its Adam state re-cut by expert id), tp 2 x pp2 x
-  ep 2 -> pp 2 x ep 4 (TP 2 -> 1, each stage's dense weights joined and cut again; weights only); a
-  pipeline checkpoint refused by the plain engine, naming pp and the engine kind.
+  ep 2 -> pp 2 x ep 4 (TP 2 -> 1, each stage's dense weights joined and cut again) and pp 2 x ep 2 ->
+  pp 1 x ep 2 (one stage gathers both stages' weights and experts), weights only; a pipeline
+  checkpoint refused by the plain engine, naming the engine kind.
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ PIPE_RESHARD = {  # name -> (saved case, moe.parallel, ZeRO stage, load_optimize
     "tp2pp2ep2etp2-to-tp2pp2ep1etp2-zero0": ("tp2-pp2-ep2-etp2-zero0", {"tensor": 2, "pipeline": 2, "expert": 1,
                                                                         "expert_tensor": 2}, 0, True),
     "tp2pp2ep2-to-pp2ep4-zero1": ("tp2-pp2-ep2-zero1", {"pipeline": 2, "expert": 4}, 1, False),   # TP 2 -> 1
+    "pp2ep2-to-pp1ep2-zero1": ("pp2-ep2-zero1", {"pipeline": 1, "expert": 2}, 1, False),           # PP 2 -> 1
 }
 
 
@@ -506,11 +508,10 @@ def test_pipeline_reshard_computes_the_same_function(request, name):
             torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(saved[rank]["full"][PIPE_SAVE_AT:]),
                                        rtol=1e-5, atol=0)
         else:
-            change = "tp 2 -> 1" if name.endswith("to-pp2ep4-zero1") else "ep 2 -> 1"
+            change = {"tp2pp2ep2-to-pp2ep4-zero1": "tp 2 -> 1", "pp2ep2-to-pp1ep2-zero1": "pp 2 -> 1"}.get(name, "ep 2 -> 1")
             assert "load_optimizer_states=False" in r["error"] and change in r["error"], r["error"]
 
 
 def test_pipeline_checkpoint_into_the_plain_engine_fails_clearly(results):
     for message in (r["error"] for r in _per_rank(results, "pipe-into-plain")):
-        assert "moe.parallel pp: 2 in the checkpoint, 1 now" in message, message
         assert "model kind: the checkpoint is of a DeepSpeed PipelineModule" in message, message

@@ -50,13 +50,15 @@ with or without a pipeline: experts are cut again from the global-id files of th
 optimizer state follows under ZeRO-0 (expert rows re-cut by global id, dense state as saved);
 ZeRO-1/2 partition it over (expert-)data-parallel groups that DeepSpeed cannot re-cut, so loading
 into another layout raises unless ``load_optimizer_states=False`` (weights, lr scheduler and
-counters only). The TP size may change too, where the weights allow (the full shapes must
-agree: a vocabulary padded to a multiple of 128 x TP may not): each stage's dense weights of
-every saved TP rank are joined and cut again for the running one (``tp_shard.join_dense_tp``,
-``shard_state_dict``); their optimizer state does not follow (``load_optimizer_states=False``,
-else an error says so), and RNG streams are not restored (the token split changed). The
-pipeline size must stay, and so must the engine kind: a ``PipelineModule`` keys its state by
-piece. Not yet: fp16/bf16 (unverified).
+counters only). The TP and pipeline sizes may change too, where the weights allow (the full
+shapes must agree: a vocabulary padded to a multiple of 128 x TP may not): the dense weights
+of every saved TP rank (and, after a pipeline change, of every saved stage: a
+``PipelineModule`` names its pieces globally) are joined and each rank cuts its own
+(``tp_shard.join_dense_tp``, ``shard_state_dict``); experts come from the expert files of
+whichever saved stage held their layer. Their optimizer state does not follow
+(``load_optimizer_states=False``, else an error says so), and RNG streams are not restored
+(the token split changed). The engine kind must stay: a ``PipelineModule`` keys its state by
+piece, a ``GPTModel`` by module path. Not yet: fp16/bf16 (unverified).
 """
 from __future__ import annotations
 
@@ -88,7 +90,9 @@ from moe_plugin.integration.checkpoint_meta import (
     read_latest,
     read_metadata,
     rng_file,
+    pp_changed,
     saved_model_files,
+    saved_stages,
     tp_changed,
 )
 from moe_plugin.integration.checkpoint_state import (
@@ -192,7 +196,7 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
         agree(lambda: check_optimizer_can_follow(run, meta))
         recut_optimizer = True
     experts, expert_moments = agree(lambda: read_experts(run, path, meta, recut_optimizer))
-    new_tp = tp_changed(meta, groups)
+    new_tp = tp_changed(meta, groups) or pp_changed(meta, groups)   # dense weights re-cut by us
     dense, header = agree(lambda: recut_dense(run, path, meta)) if new_tp else ({}, {})
 
     with marker_without_local_experts(engine.module), experts_into_load(engine.module, {**dense, **experts}), \
@@ -222,11 +226,13 @@ def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:
     (``tp_shard.join_dense_tp``), and the rest of saved TP rank 0's file (counters, lr scheduler,
     client state). Every rank reads all of them:
     the checkpoint's dense weights, once."""
-    stage = run.groups.layout.coords(dist.get_rank())["pp"]
-    files = [torch.load(f, map_location="cpu", weights_only=False) for f in saved_model_files(path, meta, stage)]
-    full = join_dense_tp([f["module"] for f in files], run.engine.module)
+    full, header = {}, None
+    for stage in saved_stages(meta, run.engine.module, run.groups):
+        files = [torch.load(f, map_location="cpu", weights_only=False) for f in saved_model_files(path, meta, stage)]
+        full.update(join_dense_tp([f["module"] for f in files], run.engine.module))
+        header = header or {k: v for k, v in files[0].items() if k != "module"}
     dense = shard_state_dict(full, run.engine.module, run.groups.layout, dist.get_rank(), strict=False)
-    return dense, {k: v for k, v in files[0].items() if k != "module"}
+    return dense, header
 
 
 @contextlib.contextmanager

@@ -195,12 +195,46 @@ def placement_key(weight_key: str) -> str:
     return weight_key.rsplit(".", 1)[0] + ".placement"
 
 
+def pp_changed(meta: dict, groups: Any) -> bool:
+    return meta["layout"]["pp"] != layout(groups)["pp"]
+
+
+def stage_view(meta: dict, model: nn.Module, groups: Any) -> Optional[dict]:
+    """The checkpoint as this rank's pipeline stage sees it: ``dense`` and ``experts`` (full
+    shapes), ``placements`` (slots), by state-dict key, and ``from`` (expert weight key -> the saved
+    stage whose expert files hold it). At the saved pipeline size that is the saved stage of the
+    same index (None if there is none); after a pipeline-size change, the keys of this stage's
+    model gathered from whichever saved stages held them (pipeline keys name global pieces)."""
+    stage = groups.layout.coords(dist.get_rank())["pp"]
+    if not pp_changed(meta, groups):
+        saved = meta["stages"].get(str(stage))
+        return None if saved is None else {**saved, "from": {k: stage for k in saved.get("experts", {})}}
+    keys = set(model.state_dict().keys())
+    view: dict = {"dense": {}, "experts": {}, "placements": {}, "from": {}}
+    for number, saved in sorted(meta["stages"].items(), key=lambda item: int(item[0])):
+        for part in ("dense", "experts", "placements"):
+            for key, value in saved.get(part, {}).items():
+                if key in keys:
+                    view[part][key] = value
+                    if part == "experts":
+                        view["from"][key] = int(number)
+    return view
+
+
+def saved_stages(meta: dict, model: nn.Module, groups: Any) -> list[int]:
+    """The saved pipeline stages this rank's stage reads dense weights from: its own, or after a
+    pipeline-size change every saved stage."""
+    if pp_changed(meta, groups):
+        return list(range(meta["layout"]["pp"]))
+    return [groups.layout.coords(dist.get_rank())["pp"]]
+
+
 def saved_local_ids(meta: dict, model: nn.Module, groups: Any) -> dict[str, list[int]]:
     """{expert weight key: global ids of the experts this rank holds once the checkpoint's placement
     is loaded}: the slots the checkpoint recorded for the layer (static in checkpoints that record
     none), cut for the running EP size and rank."""
     coords = groups.layout.coords(dist.get_rank())
-    saved = meta["stages"].get(str(coords["pp"]), {}).get("placements", {})
+    saved = (stage_view(meta, model, groups) or {}).get("placements", {})
     out = {}
     for w in expert_weights(model):
         num_local = w.module.num_local
@@ -235,20 +269,20 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
     problems = [f"moe.{k}: {meta['moe'].get(k)!r} in the checkpoint, {mine.get(k)!r} in the model"
                 for k in MODEL_KEYS if meta["moe"].get(k) != mine.get(k)]
     problems += _engine_problems(meta, engine)
-    saved, now = meta["layout"], layout(groups)
-    if saved["pp"] != now["pp"]:
-        problems.append(f"moe.parallel pp: {saved['pp']} in the checkpoint, {now['pp']} now; DeepSpeed stores dense "
-                        "weights per pipeline stage, so pp must stay")
-    coords = groups.layout.coords(dist.get_rank())
-    stage = meta["stages"].get(str(coords["pp"]))
-    if not problems and stage is not None:
+    stage = stage_view(meta, engine.module, groups) if not problems else None
+    if stage is not None:
         shapes = full_shapes(engine.module, groups)
         problems += _differences("dense", stage["dense"], shapes["dense"])
         problems += _differences("expert", stage["experts"], shapes["experts"])
     if not problems:
-        model_files = (saved_model_files(path, meta, coords["pp"]) if tp_changed(meta, groups)
-                       else [deepspeed_model_file(path, engine)])
-        needed = model_files + [expert_file(path, e, coords["pp"]) for e in local_ids(meta, engine.module, groups)]
+        if tp_changed(meta, groups) or pp_changed(meta, groups):
+            model_files = [f for st in saved_stages(meta, engine.module, groups) for f in saved_model_files(path, meta, st)]
+        else:
+            model_files = [deepspeed_model_file(path, engine)]
+        expert_stages = (sorted(set(stage["from"].values())) if stage is not None
+                         else [groups.layout.coords(dist.get_rank())["pp"]])
+        needed = model_files + [expert_file(path, e, st) for e in local_ids(meta, engine.module, groups)
+                                for st in expert_stages]
         problems += [f"{p}: missing" for p in needed if not os.path.isfile(p)]
     if problems:
         raise CheckpointError(f"checkpoint {path} does not fit the model: " + "; ".join(problems))
@@ -263,10 +297,10 @@ def check_optimizer_can_follow(run: Any, meta: dict) -> None:
     if meta["zero_stage"] != stage:
         changed["ZeRO stage"] = (meta["zero_stage"], stage)
     what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
-    if "tp" in changed:
+    if "tp" in changed or "pp" in changed:
         raise CheckpointError(
             f"the optimizer state cannot follow the layout change ({what}): the dense weights are re-cut for the "
-            "new TP size, their optimizer state is not. Load weights only: load_checkpoint(..., "
+            "new TP and pipeline sizes, their optimizer state is not. Load weights only: load_checkpoint(..., "
             "load_optimizer_states=False) (lr scheduler and step counters still load)")
     if stage > 0 or meta["zero_stage"] > 0:
         raise CheckpointError(

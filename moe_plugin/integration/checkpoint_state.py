@@ -31,6 +31,7 @@ from moe_plugin.integration.checkpoint_meta import (
     local_ids,
     placement_key,
     saved_local_ids,
+    stage_view,
 )
 from moe_plugin.integration.expert_params import DeepSpeedMoEMarker
 from moe_plugin.integration.expert_state import expert_weights, full_experts, local_experts
@@ -87,25 +88,28 @@ def read_experts(run: Any, path: str, meta: dict, with_optimizer: bool) -> tuple
     s, coords = groups.layout.sizes, groups.layout.coords(dist.get_rank())
     weights = expert_weights(run.engine.module)
     ids_of = saved_local_ids(meta, run.engine.module, groups)
-    files = {e: torch.load(expert_file(path, e, coords["pp"]), map_location="cpu", weights_only=False)
-             for e in local_ids(meta, run.engine.module, groups)}
-    for e, f in files.items():
-        if f.get("expert_id") != e or any(w.key not in f["weights"] for w in weights):
-            raise CheckpointError(f"{expert_file(path, e, coords['pp'])}: does not hold expert {e} with keys "
-                                  f"{[w.key for w in weights][:4]}")
-    stacked = {w.key: local_experts({e: files[e]["weights"][w.key] for e in ids_of[w.key]}, w, coords["etp"], s.etp,
-                                    ids_of[w.key]) for w in weights}
-    saved = meta["stages"].get(str(coords["pp"]), {}).get("placements", {})
+    view = stage_view(meta, run.engine.module, groups) or {}
+    stage_of = {w.key: view.get("from", {}).get(w.key, coords["pp"]) for w in weights}   # saved stage per key
+    files = {(e, st): torch.load(expert_file(path, e, st), map_location="cpu", weights_only=False)
+             for e in local_ids(meta, run.engine.module, groups) for st in sorted(set(stage_of.values()))}
+    for (e, st), f in files.items():
+        keys = [w.key for w in weights if stage_of[w.key] == st]
+        if f.get("expert_id") != e or any(k not in f["weights"] for k in keys):
+            raise CheckpointError(f"{expert_file(path, e, st)}: does not hold expert {e} with keys {keys[:4]}")
+    stacked = {w.key: local_experts({e: files[e, stage_of[w.key]]["weights"][w.key] for e in ids_of[w.key]}, w,
+                                    coords["etp"], s.etp, ids_of[w.key]) for w in weights}
+    saved = view.get("placements", {})
     for w in weights:
         slots = saved.get(placement_key(w.key), list(range(w.module.num_experts)))
         stacked[placement_key(w.key)] = torch.tensor(slots, dtype=torch.long)
     moments: dict = {}
     if with_optimizer:
         for w in weights:
-            mine = [files[e] for e in ids_of[w.key]]
+            mine = [files[e, stage_of[w.key]] for e in ids_of[w.key]]
             names = set.intersection(*(set(f["optimizer"].get(w.key, {})) for f in mine))
-            moments[w.key] = {n: local_experts({e: files[e]["optimizer"][w.key][n] for e in ids_of[w.key]}, w,
-                                               coords["etp"], s.etp, ids_of[w.key]) for n in sorted(names)}
+            moments[w.key] = {n: local_experts({e: files[e, stage_of[w.key]]["optimizer"][w.key][n]
+                                                for e in ids_of[w.key]}, w, coords["etp"], s.etp, ids_of[w.key])
+                              for n in sorted(names)}
     return stacked, moments
 
 
