@@ -7,7 +7,8 @@ mistakes that must stop it before anything is written.
   parallelism 2): the same per-step losses (rtol 1e-5). The router is deterministic top-2 and
   each rank's micro-batch is one of the 1-rank run's micro-batches, so capacity and balance
   loss (per token group) agree too;
-* stopped after 4 steps with ``--save`` and resumed with ``--load``: the same losses again;
+* stopped after 4 steps with ``--save`` and resumed with ``--load``: the same losses again; the
+  same checkpoint resumed on 2 ranks with EP 2 and ``--no-load-optim``: step 5's loss again;
 * a micro-batch flag that disagrees with the JSON and a JSON without "moe" exit with status 2
   and one line naming the key, and leave no run directory and no data cache.
 
@@ -109,6 +110,15 @@ def test_two_ranks_train_and_match_one_rank(tmp_path):
     resumed = _train(tmp_path, "resumed", 1, "--load", ckpt)
     assert [r["step"] for r in resumed if r["split"] == "train"] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in resumed if r["split"] == "train"] == pytest.approx(one_losses, rel=1e-5)
+
+    # The 1-rank checkpoint into 2 ranks with expert parallelism 2 (weights only: the optimizer state
+    # does not follow a layout change): training goes on at step 5, whose loss is the uninterrupted
+    # run's (the same weights and batch); later steps start Adam afresh.
+    relaid = _train(tmp_path, "relaid", 2, "--load", ckpt, "--no-load-optim", expert=2)
+    relaid_losses = [r["loss"] for r in relaid if r["split"] == "train"]
+    assert [r["step"] for r in relaid if r["split"] == "train"] == list(range(STEPS // 2 + 1, STEPS + 1))
+    assert relaid_losses[0] == pytest.approx(one_losses[STEPS // 2], rel=1e-5)
+    assert all(math.isfinite(x) for x in relaid_losses)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -24,7 +24,8 @@ stages (``moe_plugin.integration.pipeline.gpt_pipeline_module``), the engine is 
 ``PipelineEngine``, and a step is one ``engine.train_batch`` over the same micro-batches: the
 pipeline branch is ``gpt_pipeline_provider`` / ``pipeline_train_step`` / ``pipeline_evaluate``.
 Checkpoints (``--save``/``--load``) go through ``moe_plugin.integration.checkpoint`` (experts
-saved by global id, so a run may resume under another expert layout).
+saved by global id, dense weights re-cut on load, so a run may resume under another TP, PP or EP
+layout; with ``--no-load-optim`` then, as the optimizer state does not follow).
 
 Load-adaptive placement: when ``moe.placement.policy`` is not ``static`` or ``trace_file`` is set,
 ``moe_plugin.integration.placement.training_placement`` tracks the gate's load and, at the step
@@ -85,6 +86,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     train.add_argument("--save", default=None, help="checkpoint directory to save to")
     train.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (default: at the end)")
     train.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    train.add_argument("--no-load-optim", action="store_true",
+                       help="load weights, lr scheduler and step only, not the optimizer state: what a checkpoint "
+                       "of another layout needs (its TP, PP or EP size, or its ZeRO stage, differ)")
+    train.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states of the checkpoint")
     train.add_argument("--router-skew", type=float, default=0.0,
                        help="bias every router towards low expert ids, offset -S*log(1+e) on the logits that choose "
                        "experts: a Zipf-like load for placement experiments (router_skew.py); 0: off")
@@ -367,11 +372,18 @@ def save_checkpoint(run, directory: str, step: int) -> None:
     save(run, directory, tag=f"step{step}", client_state={"step": step})
 
 
-def load_checkpoint(run, directory: str) -> int:
-    """Resume from the ``latest`` tag of ``directory``; returns the number of steps already trained."""
+def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = True) -> int:
+    """Resume from the ``latest`` tag of ``directory``; returns the number of steps already trained.
+    ``optimizer=False`` (``--no-load-optim``): weights only, e.g. into another parallel layout."""
+    from moe_plugin.integration.checkpoint import CheckpointError
     from moe_plugin.integration.checkpoint import load_checkpoint as load
 
-    _path, client_state = load(run, directory)
+    try:
+        _path, client_state = load(run, directory, load_optimizer_states=optimizer, load_rng_states=rng)
+    except CheckpointError as err:
+        if "load_optimizer_states=False" in str(err):
+            raise CheckpointError(f"{err} (in this script: --no-load-optim)") from None
+        raise
     return int((client_state or {}).get("step", run.engine.global_steps))
 
 
@@ -381,7 +393,7 @@ def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: Trai
     optimizer step, at the step boundary, on every rank; its time counts as training time."""
     from moe_plugin.integration.monitor import ExpertMetrics
 
-    start = load_checkpoint(result, args.load) if args.load else 0
+    start = load_checkpoint(result, args.load, not args.no_load_optim, not args.no_load_rng) if args.load else 0
     if start:
         log.info(f"resumed from {args.load} after {start} steps")
     metrics = ExpertMetrics(result.engine.module, groups=result.groups)   # expert load, also to DeepSpeed's monitor
