@@ -12,7 +12,9 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS_REQUIRE = {
-    "test": ["pytest>=8,<10"],
+    "test": ["pytest>=8,<10", "tensorboard>=2.14,<3"],
+    # DeepSpeed's tensorboard monitor backend ("tensorboard": {"enabled": true} in the JSON)
+    "tensorboard": ["tensorboard>=2.14,<3"],
     # apex is optional: fused kernels are used when it is importable, torch fallbacks otherwise.
     # It is not on the package index under that name; install it from NVIDIA's sources.
     "apex": [],

@@ -1,9 +1,10 @@
 """``ExpertMetrics``: expert load metrics into DeepSpeed's monitor, checked against per-rank stats.
 
 * 2 ranks, a real DeepSpeed engine (``moe_plugin.initialize``, EP 2, ZeRO-1, 2 micro-batches per
-  step) with the csv monitor backend writing into ``tmp_path``: every csv value equals the
-  per-rank ``last_stats`` of every micro-batch summed (counts) or averaged (losses) by hand;
-  the log line is the one those sums give; every rank collects the same metrics.
+  step) with the csv and tensorboard monitor backends writing into ``tmp_path``: every csv value
+  equals the per-rank ``last_stats`` of every micro-batch summed (counts) or averaged (losses) by
+  hand, and the tensorboard event file holds the same tags, steps and values; the log line is
+  the one those sums give; every rank collects the same metrics.
 * 4 ranks, two pipeline stages holding one MoE layer each: every rank sees both layers.
 """
 from __future__ import annotations
@@ -55,7 +56,8 @@ def _train(rank: int, world_size: int, out_dir: str) -> dict:
                  "gradient_accumulation_steps": GAS,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
                  "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 6,
-                 "csv_monitor": {"enabled": True, "output_path": out_dir, "job_name": "moe"}, "moe": MOE}
+                 "csv_monitor": {"enabled": True, "output_path": out_dir, "job_name": "moe"},
+                 "tensorboard": {"enabled": True, "output_path": out_dir, "job_name": "tb"}, "moe": MOE}
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))  # as the launcher does
     result = moe_plugin.initialize(ds_config, TwoMoE)
     engine = result.engine
@@ -92,7 +94,7 @@ def _read_csv(path: Path) -> list[tuple[int, float]]:
     return [(int(step), float(value)) for step, value in rows[1:]]
 
 
-def test_metrics_reach_the_csv_monitor_and_the_log_line(dist_run, tmp_path):
+def test_metrics_reach_the_csv_and_tensorboard_monitors_and_the_log_line(dist_run, tmp_path):
     out_dir = tmp_path / "monitor"
     results = dist_run(_train, 2, str(out_dir))
     assert results[0]["collected"] == results[1]["collected"]   # every rank gets the same metrics
@@ -134,6 +136,18 @@ def test_metrics_reach_the_csv_monitor_and_the_log_line(dist_run, tmp_path):
             assert abs(float(text) - value) <= unit / 2 + 1e-6, (text, value)
         assert float(line[5]) == pytest.approx(z, rel=5e-3)
     assert any(m.dropped_fraction > 0 for step in results[0]["collected"] for m in step)  # capacity 1.0 drops
+    # the tensorboard backend got the same events (every tag the csv backend wrote a file for)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out_dir / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = [t for t in events.Tags()["scalars"] if t.startswith("MoE/")]
+    assert len(tags) == len(list(csv_dir.glob("MoE_*.csv"))) == 2 * (4 + E), tags
+    for tag in tags:
+        board = [(e.step, e.value) for e in events.Scalars(tag)]
+        rows = _read_csv(csv_dir / f"{tag.replace('/', '_')}.csv")
+        assert [s for s, _ in board] == [s for s, _ in rows], tag
+        assert [v for _, v in board] == pytest.approx([v for _, v in rows], rel=1e-6, abs=1e-9), tag
 
 
 def _pipeline(rank: int, world_size: int, pp: int) -> list:
