@@ -90,10 +90,9 @@ from moe_plugin.integration.checkpoint_meta import (
     read_latest,
     read_metadata,
     rng_file,
-    pp_changed,
+    dense_recut,
     saved_model_files,
     saved_stages,
-    tp_changed,
 )
 from moe_plugin.integration.checkpoint_state import (
     expert_files,
@@ -196,16 +195,16 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
         agree(lambda: check_optimizer_can_follow(run, meta))
         recut_optimizer = True
     experts, expert_moments = agree(lambda: read_experts(run, path, meta, recut_optimizer))
-    new_tp = tp_changed(meta, groups) or pp_changed(meta, groups)   # dense weights re-cut by us
-    dense, header = agree(lambda: recut_dense(run, path, meta)) if new_tp else ({}, {})
+    recut = dense_recut(meta, groups)
+    dense, header = agree(lambda: recut_dense(run, path, meta)) if recut else ({}, {})
 
     with marker_without_local_experts(engine.module), experts_into_load(engine.module, {**dense, **experts}), \
-            (_one_file_per_tp_rank(load_dir, tag, engine, dense, header) if new_tp
+            (_one_file_per_mp_rank(load_dir, tag, engine, dense, header) if recut
              else contextlib.nullcontext(load_dir)) as source:
         load_path, client_state = engine.load_checkpoint(
             source, tag, load_module_strict=True, load_optimizer_states=optimizer_follows and not resharded,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
-        if load_path is not None and new_tp:
+        if load_path is not None and recut:
             load_path = os.path.join(path, os.path.basename(load_path))
     if load_path is None:
         raise CheckpointError(f"{path}: DeepSpeed found no model states to load")
@@ -221,13 +220,13 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
 
 
 def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:
-    """This rank's dense entries, cut for the running TP size out of the full weights joined from
-    the DeepSpeed files of every saved TP rank of this rank's pipeline stage
-    (``tp_shard.join_dense_tp``), and the rest of saved TP rank 0's file (counters, lr scheduler,
-    client state). Every rank reads all of them:
-    the checkpoint's dense weights, once."""
+    """This rank's dense entries, cut for the running layout out of the full weights joined from
+    the DeepSpeed files of every saved TP rank of its pipeline stage -- of every saved stage after a
+    pipeline-size change (pipeline keys name global pieces, so each stage takes its own) --
+    (``tp_shard.join_dense_tp``), and the rest of the first file read (counters, lr scheduler,
+    client state)."""
     full, header = {}, None
-    for stage in saved_stages(meta, run.engine.module, run.groups):
+    for stage in saved_stages(meta, run.groups):
         files = [torch.load(f, map_location="cpu", weights_only=False) for f in saved_model_files(path, meta, stage)]
         full.update(join_dense_tp([f["module"] for f in files], run.engine.module))
         header = header or {k: v for k, v in files[0].items() if k != "module"}
@@ -236,7 +235,7 @@ def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:
 
 
 @contextlib.contextmanager
-def _one_file_per_tp_rank(load_dir: str, tag: str, engine: Any, dense: dict, header: dict) -> Iterator[str]:
+def _one_file_per_mp_rank(load_dir: str, tag: str, engine: Any, dense: dict, header: dict) -> Iterator[str]:
     """A load directory (private to this rank, removed afterwards) holding the tag's other files
     (links) and one module file per *running* model-parallel rank, so DeepSpeed loads one file
     without trying its own merge or split of several (made for Megatron-LM's key names): this

@@ -64,6 +64,15 @@ def tp_changed(meta: dict, groups: Any) -> bool:
     return meta["layout"]["tp"] != layout(groups)["tp"]
 
 
+def pp_changed(meta: dict, groups: Any) -> bool:
+    return meta["layout"]["pp"] != layout(groups)["pp"]
+
+
+def dense_recut(meta: dict, groups: Any) -> bool:
+    """Whether the dense weights must be joined and cut again (the TP or pipeline size changed)."""
+    return tp_changed(meta, groups) or pp_changed(meta, groups)
+
+
 def is_pipeline(engine: Any) -> bool:
     from deepspeed.runtime.pipe.module import PipelineModule
 
@@ -102,25 +111,22 @@ def metadata(run: Any, tag: str) -> dict:
     """The metadata file's content (collective: every stage's shapes are gathered)."""
     engine, groups, moe_config = run.engine, run.groups, run.moe_config
     coords = groups.layout.coords(dist.get_rank())
-    stage = coords["pp"]
     per_rank: list = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (stage, {**full_shapes(engine.module, groups),
-                                              "placements": placements(engine.module)}))
-    files: list = [None] * dist.get_world_size()
-    dist.all_gather_object(files, (stage, coords["tp"], os.path.basename(deepspeed_model_file("", engine))))
+    dist.all_gather_object(per_rank, (coords["pp"], coords["tp"], os.path.basename(deepspeed_model_file("", engine)),
+                                      {**full_shapes(engine.module, groups), "placements": placements(engine.module)}))
     model_files: dict = {}
-    for st, tp_rank, name in files:
+    for st, tp_rank, name, _shapes in per_rank:
         model_files.setdefault(str(st), {})[tp_rank] = name
     s = groups.layout.sizes
     local = moe_config.num_experts // s.ep
     static = all(slots == list(range(len(slots)))
-                 for _stage, shapes in per_rank for slots in shapes["placements"].values())
+                 for *_where, shapes in per_rank for slots in shapes["placements"].values())
     return {
         "format": FORMAT, "version": FORMAT_VERSION, "tag": tag,
         "global_steps": int(engine.global_steps), "zero_stage": int(engine.zero_optimization_stage()),
         "pipeline_module": is_pipeline(engine),
         "num_experts": moe_config.num_experts, "moe": moe_config.resolved_dict(), "layout": layout(groups),
-        "stages": {str(st): shapes for st, shapes in per_rank},
+        "stages": {str(st): shapes for st, _tp, _name, shapes in per_rank},
         # DeepSpeed's module file of every (stage, TP rank), in TP rank order
         "model_files": {st: [names[r] for r in sorted(names)] for st, names in model_files.items()},
         # the static placement, or per layer under "stages"/"placements" (state-dict key -> slots)
@@ -195,10 +201,6 @@ def placement_key(weight_key: str) -> str:
     return weight_key.rsplit(".", 1)[0] + ".placement"
 
 
-def pp_changed(meta: dict, groups: Any) -> bool:
-    return meta["layout"]["pp"] != layout(groups)["pp"]
-
-
 def stage_view(meta: dict, model: nn.Module, groups: Any) -> Optional[dict]:
     """The checkpoint as this rank's pipeline stage sees it: ``dense`` and ``experts`` (full
     shapes), ``placements`` (slots), by state-dict key, and ``from`` (expert weight key -> the saved
@@ -221,7 +223,7 @@ def stage_view(meta: dict, model: nn.Module, groups: Any) -> Optional[dict]:
     return view
 
 
-def saved_stages(meta: dict, model: nn.Module, groups: Any) -> list[int]:
+def saved_stages(meta: dict, groups: Any) -> list[int]:
     """The saved pipeline stages this rank's stage reads dense weights from: its own, or after a
     pipeline-size change every saved stage."""
     if pp_changed(meta, groups):
@@ -275,8 +277,8 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
         problems += _differences("dense", stage["dense"], shapes["dense"])
         problems += _differences("expert", stage["experts"], shapes["experts"])
     if not problems:
-        if tp_changed(meta, groups) or pp_changed(meta, groups):
-            model_files = [f for st in saved_stages(meta, engine.module, groups) for f in saved_model_files(path, meta, st)]
+        if dense_recut(meta, groups):
+            model_files = [f for st in saved_stages(meta, groups) for f in saved_model_files(path, meta, st)]
         else:
             model_files = [deepspeed_model_file(path, engine)]
         expert_stages = (sorted(set(stage["from"].values())) if stage is not None
