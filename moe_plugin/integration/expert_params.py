@@ -121,14 +121,6 @@ def prepare_model(model: nn.Module, moe_config: MoEConfig, groups: ProcessGroups
     return True
 
 
-def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
-    """Scale the aux/z-loss gradients of every ``MoELayer`` like the main loss (the engine divides
-    the loss by the gradient accumulation steps in ``backward``)."""
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            module.aux_loss_scale = scale
-
-
 def engine_loss_scale(engine: Any) -> float:
     """The factor DeepSpeed's ``engine.backward`` multiplies the loss by, besides 1 / gas: what
     0.19.8's ``backward`` does, branch for branch. A ZeRO optimizer scales it
@@ -157,9 +149,10 @@ def follow_loss_scale(engine: Any, model: nn.Module):
     under ZeRO-1/2, by the current loss scale (``engine_loss_scale``); the layer's aux-loss
     gradient enters at its output in backward (``AttachAuxLoss``) with ``aux_loss_scale``, which
     must carry the same factors: with 1 / gas alone such an fp16 run would divide the balance
-    loss's gradient by the loss scale (4,096 to 65,536) when the optimizer unscales, and lose it. A forward pre-hook on ``model`` sets it from the
-    engine's scale before every forward; the scale only changes in ``step``, so the backward that
-    follows sees the same one. Returns the hook's handle (``.remove()``)."""
+    loss's gradient by the loss scale (4,096 to 65,536) when the optimizer unscales, and lose it.
+    A forward pre-hook on ``model`` sets it from the engine's scale before every forward (and once
+    now); the scale only changes in ``step``, so the backward that follows sees the same one.
+    Returns the hook's handle (``.remove()``)."""
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     gas = engine.gradient_accumulation_steps()
 
@@ -168,7 +161,7 @@ def follow_loss_scale(engine: Any, model: nn.Module):
         for layer in layers:
             layer.aux_loss_scale = scale
 
-    set_aux_loss_scale(model, engine_loss_scale(engine) / gas)
+    before_forward(model, ())
     return model.register_forward_pre_hook(before_forward)
 
 
