@@ -26,9 +26,9 @@ def transformer_config(model: dict, tp: int = 1, pp: int = 1, sp: bool = False):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(**model, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                             sequence_parallel=sp, pipeline_dtype=torch.float32, use_cpu_initialization=True, hidden_dropout=0.0,
-                             attention_dropout=0.0, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
-                             masked_softmax_fusion=False, apply_rope_fusion=False)
+                             sequence_parallel=sp, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+                             hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+                             gradient_accumulation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False)
 
 
 def cpu_sequence_parallel() -> None:
@@ -99,7 +99,8 @@ def pipeline_provider(model: dict, tp: int, pp: int, *, seed: int = 0, initial: 
     def build(moe_config, groups):
         from moe_plugin.integration.pipeline import gpt_pipeline_module
 
-        pipe = gpt_pipeline_module(transformer_config(model, tp, pp, moe_config.parallel.sequence_parallel), moe_config, groups, vocab_size=VOCAB,
+        config = transformer_config(model, tp, pp, moe_config.parallel.sequence_parallel)
+        pipe = gpt_pipeline_module(config, moe_config, groups, vocab_size=VOCAB,
                                    max_sequence_length=SEQ, seed=seed)
         if initial is not None:
             load_full(pipe, initial, groups, pipelined=True, num_layers=model["num_layers"])

@@ -53,7 +53,8 @@ def test_peak_memory_sees_backward():
     assert peak_allocated_bytes(step) >= (1024 * 256 + 256 * 256) * 4
 
 
-FIELDS_POSITIVE = ["ours_ms", "deepspeed_ms", "floor_ms", "deepspeed_over_ours", "ours_over_floor", "deepspeed_over_floor",
+FIELDS_POSITIVE = ["ours_ms", "deepspeed_ms", "floor_ms", "deepspeed_over_ours", "ours_over_floor",
+                   "deepspeed_over_floor",
                    "ours_peak_bytes", "deepspeed_peak_bytes", "floor_peak_bytes", "ours_over_deepspeed_peak",
                    "tokens", "experts", "hidden", "ffn", "k", "capacity_factor", "threads", "routed_rows",
                    "deepspeed_capacity"]

@@ -52,7 +52,10 @@ from megatron.core.utils import get_pg_rank
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.groups.process_groups import ProcessGroups
 from moe_plugin.integration.cpu_modules import SDPAttention, TorchNorm
-from moe_plugin.integration.sp_grads import allreduce_sequence_parallel_grads, sequence_parallel_grad_hooks  # noqa: F401
+from moe_plugin.integration.sp_grads import (  # noqa: F401  (re-exported)
+    allreduce_sequence_parallel_grads,
+    sequence_parallel_grad_hooks,
+)
 from moe_plugin.layers.moe_layer import MoELayer
 
 Spec = Union[ModuleSpec, TransformerBlockSubmodules]

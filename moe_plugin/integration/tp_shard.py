@@ -63,7 +63,8 @@ def join_dense_tp(states: list[Mapping[str, Any]], model: nn.Module) -> dict[str
         if key in experts or key not in states[0]:
             continue
         if isinstance(mine, Tensor) and getattr(mine, "tensor_model_parallel", False):
-            out[key] = tp_join([state[key] for state in states], mine.partition_dim, getattr(mine, "partition_stride", 1))
+            stride = getattr(mine, "partition_stride", 1)
+            out[key] = tp_join([state[key] for state in states], mine.partition_dim, stride)
         else:
             out[key] = states[0][key]
     return out

@@ -32,8 +32,8 @@ Routing rules (GShard, arXiv 2006.16668; Switch Transformer):
 In a parallel layer each rank routes its own tokens as one GShard group (``parallel.py``): the
 weight's gradient is summed over TP (``grad_group``), the finite check is agreed over the ranks
 that route distinct tokens (``check_group``: an asynchronous exchange read at the dispatcher's
-host sync, or, with ``check_group`` None, the dispatcher's counts exchange), and the default noise generator is seeded per
-token group (``noise_index``), so ranks draw different numbers unless a test injects them.
+host sync, or, with ``check_group`` None, the dispatcher's counts exchange), and the default
+noise generator is seeded per token group (``noise_index``), so ranks draw different numbers unless a test injects them.
 """
 from __future__ import annotations
 
@@ -135,9 +135,9 @@ class FiniteCheck:
     The flags (one int32 per rank of the group, 1 where the logits are not finite) are
     gathered asynchronously in one all-to-all round (every pair of ranks exchanges directly; a
     ring all-reduce takes ``2 * (ranks - 1)`` dependent steps); the caller reads them at its
-    next host sync (``flags``, then ``verdict``), or waits now (``check``). A routing plan made from bad logits is well formed
-    (indices in range, NaN gates), so routing may go on while the verdict travels, as long as
-    nothing leaves the rank before it. With ``group`` None the verdict is this rank's alone:
+    next host sync (``flags``, then ``verdict``), or waits now (``check``). A routing plan made
+    from bad logits is well formed (indices in range, NaN gates), so routing may go on while the
+    verdict travels, as long as nothing leaves the rank before it. With ``group`` None the verdict is this rank's alone:
     ``bad_1`` is what a dispatcher's counts exchange can carry to its peers instead
     (``ExpertParallelDispatcher``, when its group is the ranks that route distinct tokens).
     """
@@ -151,8 +151,8 @@ class FiniteCheck:
         else:
             n = comm.group_size(group)
             self._flags = torch.empty(n, dtype=torch.int32, device=logits_TE.device)
-            self._work = torch.distributed.all_to_all_single(self._flags, self.bad_1.expand(n).contiguous(), group=group,
-                                                            async_op=True)
+            self._work = torch.distributed.all_to_all_single(self._flags, self.bad_1.expand(n).contiguous(),
+                                                            group=group, async_op=True)
 
     def flags(self) -> Tensor:
         """[group size] int32 on the logits' device (waits for the exchange; no host sync)."""
