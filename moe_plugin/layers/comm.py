@@ -51,12 +51,8 @@ def gather_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
     pair of ranks exchanges directly in one round, where gloo's all-gather passes the blocks
     around a ring in ``ranks - 1`` dependent steps (each a wake-up of the next process when
     ranks share cores)."""
-    if group is None:
-        return counts.unsqueeze(0).clone()
     n = group_size(group)
-    mine = counts.reshape(1, -1).expand(n, -1).contiguous()
-    every = torch.empty_like(mine)
-    dist.all_to_all_single(every, mine, group=group)
+    every = exchange_counts(counts.reshape(1, -1).expand(n, -1), group)   # my counts to every peer
     return every.view((n,) + tuple(counts.shape))
 
 
