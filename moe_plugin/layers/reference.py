@@ -2,7 +2,8 @@
 
 Written to be obviously right, not fast: one token at a time, GShard's priority rule as a
 literal double loop (all first choices, then all second choices, each in token order), every
-expert applied to one token vector. It shares no code with the layer; it takes the layer's
+expert applied to one token vector. It shares no code with the layer but the capacity formula
+(``configs/capacity.py``, exact integer arithmetic, so both agree on every slot); it takes the layer's
 weights by state-dict name and the same random numbers (``RouterNoise``).
 
 ``group_sizes`` splits the tokens into consecutive GShard groups, each with its own capacity
@@ -10,7 +11,6 @@ and its own losses: each data/expert-parallel rank's local batch is one group.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moe_plugin.configs.capacity import expert_capacity
 from moe_plugin.configs.schema import MoEConfig
 
 
@@ -119,7 +120,7 @@ def _one_group(x_TH, params, config, training, jitter_TH, uniform_T, kept, route
     capacity = None
     if config.drop_tokens:
         factor = config.capacity_factor if training else config.eval_capacity_factor
-        capacity = max(config.min_capacity, math.ceil(factor * k * T / E))
+        capacity = expert_capacity(T, E, k, factor, config.min_capacity)   # the layer's exact formula
     filled = [0] * E
     kept_routes = []                           # (token, choice)
     for j in range(k):

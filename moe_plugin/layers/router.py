@@ -16,7 +16,8 @@ Routing rules (GShard, arXiv 2006.16668; Switch Transformer):
   renormalised when ``normalize_gates``.
 * expert choice uses ``logits + expert_bias``; gate values come from the unbiased softmax.
   Ties go to the lower expert index (``top_k_experts``), on every rank alike.
-* capacity ``C = max(min_capacity, ceil(capacity_factor * k * T / E))`` per expert
+* capacity ``C = max(min_capacity, ceil(capacity_factor * k * T / E))`` per expert, computed
+  exactly (``configs/capacity.py``: the factor's decimal value, integer arithmetic)
   (``eval_capacity_factor`` in eval; no capacity when ``drop_tokens`` is false). Buffer slots
   go to all first choices before any second choice, earlier tokens before later ones; a
   route past capacity is dropped and its token keeps only the residual from that expert.
@@ -37,7 +38,6 @@ noise generator is seeded per token group (``noise_index``), so ranks draw diffe
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_plugin.configs.capacity import expert_capacity
 from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.layers import comm
 from moe_plugin.layers.init import seeded_generator
@@ -110,12 +111,6 @@ class RoutingPlan:
         """Fraction of routes (after random routing) dropped by capacity."""
         routed = self.routed_E.sum()
         return (routed - self.kept_E.sum()).float() / routed.clamp(min=1).float()
-
-
-def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float,
-                    min_capacity: int) -> int:
-    """Per-expert buffer size of one GShard group of ``num_tokens`` tokens."""
-    return max(min_capacity, math.ceil(capacity_factor * k * num_tokens / num_experts))
 
 
 def check_finite(logits_TE: Tensor, group: comm.Group = None) -> None:

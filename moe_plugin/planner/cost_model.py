@@ -8,7 +8,8 @@ per data-parallel replica, H hidden, F ffn, V vocab, b activation bytes:
     forward GEMM FLOPs per layer and rank     QKV 6TH^2/tp, scores + context 4TSH/tp, proj 2TH^2/tp,
                                               dense MLP 4THF/tp; backward is twice the forward
     MoE: routes per sender rank               R = k * T / tp  (the layer splits replicated tokens over TP)
-         kept per expert per sender           min(load_e * R, C), C = capacity_factor * R / E
+         kept per expert per sender           min(load_e * R, C), C = max(min_capacity, ceil(capacity_factor
+                                              * R / E)): the layer's expert_capacity, min_capacity at its default
          rows of expert e                     ep * etp senders * kept_e
          expert FLOPs of a rank (fwd)         sum over its experts of 4 * rows_e * H * F / etp
          all-to-all (4 per layer)             latency * (ep - 1) + max(sent, received) bytes / bandwidth,
@@ -42,9 +43,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from moe_plugin.configs.capacity import expert_capacity
+from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.planner.spec import ClusterSpec, Layout, ModelSpec
 
-
+# The generated configs leave min_capacity at its default; the model charges the same.
+MIN_CAPACITY = MoEConfig.model_fields["min_capacity"].default
 STEP_REDUCTIONS = 3   # small all-reduces of an engine step (grad norm of dense and expert groups, overflow)
 
 
@@ -141,8 +145,9 @@ def expert_rows_by_expert(model: ModelSpec, layout: Layout, load_E: Optional[np.
     routes = model.top_k * T / layout.tp                       # per sender rank
     share = np.full(E, 1.0 / E) if load_E is None else np.asarray(load_E, dtype=float) / max(np.sum(load_E), 1e-30)
     kept = share * routes
-    if model.capacity_factor is not None:
-        kept = np.minimum(kept, model.capacity_factor * routes / E)
+    if model.capacity_factor is not None:   # the layer's own capacity of the T / tp tokens a sender routes
+        capacity = expert_capacity(-(-T // layout.tp), E, model.top_k, model.capacity_factor, MIN_CAPACITY)
+        kept = np.minimum(kept, capacity)
     return layout.ep * layout.etp * kept
 
 
