@@ -8,7 +8,9 @@ INSTALL_REQUIRES = [
     "megatron-core>=0.16.1,<0.17",
     "numpy>=2.0,<3",
     "pydantic>=2.10,<3",
+    "hjson>=3,<4",          # DeepSpeed JSON files are read as DeepSpeed reads them (comments, duplicate keys)
     "matplotlib>=3.8,<4",   # the example's plots and moe-plugin report
+    "safetensors>=0.4,<1",  # moe-plugin export
 ]
 
 EXTRAS_REQUIRE = {

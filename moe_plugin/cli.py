@@ -9,7 +9,9 @@
     moe-plugin plan --calibrate out.json [--ranks 4] | --validate [--ranks 4,8]
     moe-plugin report RUN_DIR [RUN_DIR ...] [--out DIR]
 
-A bad config or bad sizes exit with status 2 and one line ``error: <message>`` on stderr.
+A bad config or bad sizes exit with status 2 and one line ``error: <message>`` on stderr (rank 0
+only, when started by a launcher). ``check-config`` with a world size also checks DeepSpeed's
+batch arithmetic; sizes past 2^20 (ranks, experts) are refused at once.
 Nothing here creates a process group or imports torch.distributed (``bench`` imports torch when run).
 """
 from __future__ import annotations
@@ -22,25 +24,28 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from moe_plugin.bench.args import add_bench_parser
-from moe_plugin.configs import ConfigError, MoEConfig
-from moe_plugin.configs.schema import DEFAULT_ORDER
+from moe_plugin.configs import ConfigError, MoEConfig, batch_sizes
+from moe_plugin.configs.report import exit_on_config_error
+from moe_plugin.configs.schema import DEFAULT_ORDER, load_ds_config
 from moe_plugin.groups.layout import RankLayout
 from moe_plugin.groups.report import group_lists, rank_groups
 from moe_plugin.planner.plan import add_plan_parser
 from moe_plugin.report import write_report
 
-EXIT_BAD_INPUT = 2
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json"
 # `layout` takes sizes as flags; name the flag, not the config key, in its errors.
-FLAG_OF_KEY = {"world_size": "--world-size", "moe.parallel.tensor": "--tp", "moe.parallel.pipeline": "--pp",
-               "moe.parallel.expert": "--ep", "moe.parallel.expert_tensor": "--etp",
+FLAG_OF_KEY = {"world_size": "--world-size", "moe.num_experts": "--ep", "moe.parallel.tensor": "--tp",
+               "moe.parallel.pipeline": "--pp", "moe.parallel.expert": "--ep", "moe.parallel.expert_tensor": "--etp",
                "moe.parallel.order": "--order"}
 
 
 def check_config(args: argparse.Namespace) -> None:
-    config = MoEConfig.from_ds_config(args.file)
+    ds_config = load_ds_config(args.file)
+    config = MoEConfig.from_ds_config(ds_config)
     world_size = args.world_size if args.world_size is not None else _env_world_size()
     sizes = config.check_world_size(world_size) if world_size is not None else None  # check all, then print
+    if sizes is not None:
+        batch_sizes(ds_config, sizes.dp)
     print(json.dumps(config.resolved_dict(), indent=2))
     if sizes is not None:
         print()
@@ -159,11 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+    with exit_on_config_error(ValueError):   # bad input, not a bug: one line (rank 0 under a launcher), status 2
         args.run(args)
-    except ValueError as err:  # ConfigError included: bad input, not a bug
-        print("error: " + " ".join(str(err).splitlines()), file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT) from None
     return 0
 
 

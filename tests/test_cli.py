@@ -62,9 +62,11 @@ def test_check_config_with_world_size_prints_the_layout(capsys):
     assert out[end:].strip() == RankLayout.build(4, ep=2, etp=1).table()
 
 
-def test_check_config_reads_world_size_from_the_environment(capsys, monkeypatch):
+def test_check_config_reads_world_size_from_the_environment(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "8")
-    out = run_ok(capsys, "check-config", str(EXAMPLE_4RANK))
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "moe": {"num_experts": 8, "parallel": {"expert": 2}}}))
+    out = run_ok(capsys, "check-config", str(path))
     assert RankLayout.build(8, ep=2).table() in out
 
 

@@ -168,8 +168,8 @@ def test_file_holding_a_json_string_is_not_a_config(tmp_path):
 
 
 def test_file_that_is_not_json_names_line_and_column(tmp_path):
-    path = write(tmp_path, '{"moe": {"num_experts": 8,}}')
-    expected = f"DeepSpeed config {path}: got invalid JSON at line 1 column 27 (Expecting property name"
+    path = write(tmp_path, '{"moe": {"num_experts": 8]}')
+    expected = f"DeepSpeed config {path}: got invalid JSON at line 1 column 26 (Found ']' where a key name"
     with pytest.raises(ConfigError, match="^" + re.escape(expected) + ".*; expected a JSON object$"):
         MoEConfig.from_ds_config(path)
 

@@ -74,7 +74,8 @@ def _field_at(model: type[BaseModel], keys: tuple[str, ...]) -> tuple[Optional[t
 
 def from_validation_error(err: ValidationError, model: type[BaseModel], root: str) -> ConfigError:
     """The first error of a pydantic ``ValidationError`` as a ``ConfigError``."""
-    first = err.errors()[0]
+    errors = err.errors()
+    first = errors[0]
     # Union members add their type name to the location; keep only real keys and indices.
     loc = tuple(k for k in first["loc"] if isinstance(k, int) or not _is_type_tag(k))
     path = ".".join([root] + [f"[{k}]" if isinstance(k, int) else str(k) for k in loc]).replace(".[", "[")
@@ -92,12 +93,21 @@ def from_validation_error(err: ValidationError, model: type[BaseModel], root: st
     if kind == "missing" and field is not None:
         meaning = (field.description or "").split(";")[0].rstrip(".")
         meaning = f" ({meaning[0].lower()}{meaning[1:]})" if meaning else ""
-        return ConfigError(path, MISSING, f"required: {accepts(field)}{meaning}")
+        slip = _near_miss(loc, errors)
+        slip = f"; the block has {slip!r} (did you mean {loc[-1]!r}?)" if slip else ""
+        return ConfigError(path, MISSING, f"required: {accepts(field)}{meaning}{slip}")
     if field is not None and kind != "value_error":
         expected = accepts_item(field) if isinstance(loc[-1], int) else accepts(field)
         return ConfigError(path, value, f"expected {expected}{_hint(field, value)}")
     message = first["msg"].removeprefix("Value error, ")
     return ConfigError(path, value, message[0].lower() + message[1:])
+
+
+def _near_miss(loc: tuple, errors: list[dict]) -> Optional[str]:
+    """An unknown key next to the missing key ``loc[-1]`` that reads like a slip for it."""
+    unknown = [e["loc"][-1] for e in errors if e["type"] == "extra_forbidden" and tuple(e["loc"][:-1]) == loc[:-1]]
+    close = difflib.get_close_matches(str(loc[-1]), [str(k) for k in unknown], n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def _hint(field: FieldInfo, value: Any) -> str:

@@ -19,12 +19,12 @@ Example::
 from __future__ import annotations
 
 import difflib
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+import hjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from moe_plugin.configs.errors import MISSING, ConfigError, FieldProblem, did_you_mean, from_validation_error
@@ -32,6 +32,9 @@ from moe_plugin.configs.errors import MISSING, ConfigError, FieldProblem, did_yo
 ROOT_KEY = "moe"
 ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+# Beyond any real job (a million ranks, a million experts per layer); larger sizes are refused
+# at once rather than enumerated (their divisors, a layout of every rank).
+MAX_SIZE = 2 ** 20
 
 
 class _Block(BaseModel):
@@ -150,6 +153,8 @@ class MoEConfig(_Block):
 
     @model_validator(mode="after")
     def _check(self) -> "MoEConfig":
+        if self.num_experts > MAX_SIZE:
+            raise FieldProblem("num_experts", self.num_experts, f"expected at most {MAX_SIZE:,} experts per layer")
         k = self.k
         if self.router == "gshard" and k != 2:
             raise FieldProblem("top_k", k, "router 'gshard' routes to exactly 2 experts; use router 'topk' for other k")
@@ -188,6 +193,13 @@ class MoEConfig(_Block):
         if self.layers is not None:
             return index in self.layers
         return index % self.layer_interval == 0
+
+    def check_num_layers(self, num_layers: int, flag: str = "num_layers") -> None:
+        """``layers`` against the model's depth; ``flag`` names where the depth comes from."""
+        beyond = [i for i in self.layers or () if i >= num_layers]
+        if beyond:
+            raise ConfigError(f"{ROOT_KEY}.layers", self.layers, f"names layer {beyond[0]}, but the model has "
+                              f"{num_layers} layers ({flag}); indices are 0-based: 0..{num_layers - 1}")
 
     def check_world_size(self, world_size: int) -> "ParallelSizes":
         """Cross-checks that need the world size; run before any process group exists."""
@@ -241,6 +253,8 @@ class ParallelSizes(BaseModel):
         path = f"{ROOT_KEY}.parallel"
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ConfigError("world_size", world_size, "expected a positive integer")
+        if world_size > MAX_SIZE:
+            raise ConfigError("world_size", world_size, f"expected at most {MAX_SIZE:,} ranks")
         if world_size % p.pipeline:
             raise ConfigError(f"{path}.pipeline", p.pipeline, f"must divide the world size {world_size}; "
                               f"valid: {_divisors(world_size)}")
@@ -275,8 +289,13 @@ class ParallelSizes(BaseModel):
                    edp=edp, order=order)
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+def _divisors(n: int, shown: int = 32) -> str:
+    """The divisors of ``n`` as text (trial division up to sqrt(n)); a long list is cut in the middle."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    found = low + [n // d for d in reversed(low) if d * d != n]
+    if len(found) <= shown:
+        return ", ".join(map(str, found))
+    return f"{', '.join(map(str, found[:shown - 4]))}, ..., {', '.join(map(str, found[-4:]))} ({len(found)} divisors)"
 
 
 def _span_before_pp(order: str, sizes: dict[str, int]) -> int:
@@ -311,7 +330,11 @@ def _missing_block_advice(ds_config: dict) -> str:
 
 
 def load_ds_config(ds_config: Union[dict, str, os.PathLike]) -> dict:
-    """A DeepSpeed config as a dict, from a dict or a JSON file; errors are ``ConfigError``."""
+    """A DeepSpeed config as a dict, from a dict or a JSON file; errors are ``ConfigError``.
+
+    A file is read as ``deepspeed.initialize`` reads it (DeepSpeed 0.19.8, ``DeepSpeedConfig``):
+    with hjson, so comments (``//``, ``#``, ``/* */``) and the rest of Hjson are accepted, and
+    with duplicate keys refused at any depth (json would keep the last one silently)."""
     where = "DeepSpeed config"
     if isinstance(ds_config, (str, os.PathLike)):
         path = Path(ds_config)
@@ -322,11 +345,44 @@ def load_ds_config(ds_config: Union[dict, str, os.PathLike]) -> dict:
             raise ConfigError("config file", str(path), f"cannot be read ({err.strerror}); expected "
                               "the path of a DeepSpeed JSON file") from None
         try:
-            ds_config = json.loads(text)
-        except json.JSONDecodeError as err:
+            ds_config = hjson.loads(text, object_pairs_hook=_JSONObject.of)
+        except hjson.HjsonDecodeError as err:
             raise ConfigError(where, text, "expected a JSON object", shown=f"invalid JSON at line "
                               f"{err.lineno} column {err.colno} ({err.msg})") from None
+        ds_config = _without_duplicates(ds_config, "", path.name)
     if not isinstance(ds_config, dict):
         raise ConfigError(where, ds_config, "expected a JSON object at the top level, "
                           "e.g. {\"train_batch_size\": 8, \"moe\": {\"num_experts\": 8}}")
     return ds_config
+
+
+class _JSONObject(dict):
+    """An object as the file spells it: ``repeated`` holds every value of a key written twice."""
+
+    @classmethod
+    def of(cls, pairs: list[tuple[str, Any]]) -> "_JSONObject":
+        obj = cls()
+        obj.repeated = {}
+        for key, value in pairs:
+            if key in obj:
+                obj.repeated.setdefault(key, [obj[key]]).append(value)
+            obj[key] = value
+        return obj
+
+
+def _without_duplicates(value: Any, path: str, file: str) -> Any:
+    """Plain dicts and lists; a ``ConfigError`` at the first key written more than once."""
+    if isinstance(value, list):
+        return [_without_duplicates(v, f"{path}[{i}]", file) for i, v in enumerate(value)]
+    if not isinstance(value, _JSONObject):
+        return value
+    for key, values in value.repeated.items():
+        raise ConfigError(f"{path}.{key}" if path else key, values, f"the key appears {len(values)} times in "
+                          f"{file}; DeepSpeed refuses duplicate keys: keep one",
+                          shown=" and ".join(_short(v) for v in values))
+    return {k: _without_duplicates(v, f"{path}.{k}" if path else k, file) for k, v in value.items()}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

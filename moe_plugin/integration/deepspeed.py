@@ -9,9 +9,12 @@
 
 Steps, in order (every rank runs them):
 
-1. Read the DeepSpeed config (dict or JSON path) and validate its ``"moe"`` block and the ZeRO
-   settings the plugin supports; check the launcher's world size against the layout. Every
-   mistake here is a ``ConfigError`` raised before any process group or file exists.
+1. Read the DeepSpeed config (dict or JSON path, read as DeepSpeed reads it: hjson, duplicate keys
+   refused) and validate its ``"moe"`` block and the ZeRO settings the plugin supports; check the
+   launcher's world size against the layout and DeepSpeed's batch arithmetic against the layout's
+   data-parallel size (``configs/batch.py``). Every mistake here is a ``ConfigError`` raised
+   before any process group or file exists (``moe_plugin.exit_on_config_error()`` reports it
+   once under the launcher).
 2. Initialise distributed (``deepspeed.init_distributed`` with the accelerator's backend) unless
    it is, build the layout's process groups and register them with Megatron-Core and DeepSpeed.
 3. ``model_provider(moe_config, groups)`` builds the model: it must pass ``groups`` to every
@@ -74,6 +77,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 from torch import nn
 
+from moe_plugin.configs.batch import batch_sizes
 from moe_plugin.configs.errors import ConfigError
 from moe_plugin.configs.schema import ROOT_KEY, MoEConfig, load_ds_config
 from moe_plugin.groups.adapters import GroupsMPU, register, register_with_deepspeed, unregister
@@ -150,6 +154,7 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
     moe_config = MoEConfig.from_ds_config(ds_dict)
     zero_stage = _check_zero(ds_dict)
     sizes = moe_config.check_world_size(launcher_world_size(world_size))
+    batch_sizes(ds_dict, sizes.dp)   # what deepspeed.initialize would assert after the groups, or silently truncate
     if sizes.pp > 1:
         _check_pipeline(ds_dict, moe_config, zero_stage)
     clashes = [name for name in _OWN_ARGUMENTS if name in deepspeed_kwargs]

@@ -1,0 +1,160 @@
+"""Every input check runs before any process group, with a message naming the key, the value and
+what is valid: the DeepSpeed JSON read as DeepSpeed reads it, near-miss key names, absurd sizes,
+DeepSpeed's batch arithmetic, MoE layers past the model's depth, the report on rank 0 only."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+import moe_plugin
+from moe_plugin.configs import ConfigError, MoEConfig, batch_sizes, load_ds_config
+
+MOE = {"num_experts": 8, "parallel": {"expert": 2}}
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    return str(path)
+
+
+# -- the JSON file, as deepspeed.initialize reads it ---------------------------------------------
+
+def test_duplicate_key_is_refused_with_its_path_and_values(tmp_path):
+    path = write(tmp_path, '{"train_batch_size": 8, "moe": {"num_experts": 8, "num_experts": 16}}')
+    with pytest.raises(ConfigError, match=r"^moe\.num_experts: got 8 and 16; the key appears 2 times in ds\.json; "
+                                          r"DeepSpeed refuses duplicate keys: keep one$"):
+        load_ds_config(path)
+
+
+def test_duplicate_key_at_the_top_level_and_in_a_list(tmp_path):
+    with pytest.raises(ConfigError, match=r"^train_batch_size: got 8 and 16; the key appears 2 times"):
+        load_ds_config(write(tmp_path, '{"train_batch_size": 8, "moe": {"num_experts": 8}, "train_batch_size": 16}'))
+    with pytest.raises(ConfigError, match=r"^a\[1\]\.b: got 1 and 2;"):
+        load_ds_config(write(tmp_path, '{"a": [{}, {"b": 1, "b": 2}]}'))
+
+
+def test_comments_are_accepted_as_deepspeed_accepts_them(tmp_path):
+    text = ('{\n  // line comment\n  "train_batch_size": 8,  # hash comment\n'
+            '  /* block */ "moe": {"num_experts": 8, "parallel": {"expert": 2},},\n}\n')
+    assert load_ds_config(write(tmp_path, text)) == {"train_batch_size": 8, "moe": MOE}
+    assert type(load_ds_config(write(tmp_path, text))["moe"]) is dict
+
+
+# -- near misses ------------------------------------------------------------------------------
+
+def test_misspelt_required_key_names_the_near_miss():
+    with pytest.raises(ConfigError, match=r"^moe\.num_experts: missing; required: an integer >= 1 .*; the block has "
+                                          r"'num_expert' \(did you mean 'num_experts'\?\)$"):
+        MoEConfig.from_dict({"num_expert": 8})
+
+
+@pytest.mark.parametrize("block, path, hint", [
+    ({"num_experts": 8, "capacity_factr": 1.0}, "moe.capacity_factr", "capacity_factor"),
+    ({"num_experts": 8, "parallel": {"expret": 2}}, "moe.parallel.expret", "expert"),
+    ({"num_experts": 8, "placement": {"polcy": "greedy"}}, "moe.placement.polcy", "policy"),
+])
+def test_unknown_key_at_any_depth_names_the_near_miss(block, path, hint):
+    with pytest.raises(ConfigError, match=rf"^{path.replace('.', '[.]')}: got .*; unknown key \(did you mean "
+                                          rf"'{hint}'\?\)"):
+        MoEConfig.from_dict(block)
+
+
+# -- absurd sizes answer at once --------------------------------------------------------------
+
+def test_huge_sizes_are_refused_in_milliseconds():
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"^moe\.num_experts: got 1000000000000; expected at most 1,048,576"):
+        MoEConfig.from_dict({"num_experts": 10 ** 12, "parallel": {"expert": 3}})
+    with pytest.raises(ConfigError, match=r"^world_size: got 1000000000000; expected at most 1,048,576 ranks"):
+        MoEConfig.from_dict({"num_experts": 8}).check_world_size(10 ** 12)
+    with pytest.raises(ConfigError, match=r"valid: 1, 2, 3, 4, .*, 720720 \(240 divisors\)$"):
+        MoEConfig.from_dict({"num_experts": 720720, "parallel": {"expert": 720719}})
+    assert time.perf_counter() - started < 5.0     # a generous bound: these once enumerated 10^12 divisors
+
+
+def test_cli_answers_huge_sizes_at_once(tmp_path):
+    """The console command, as a user runs it (a hang would hit the timeout)."""
+    path = write(tmp_path, json.dumps({"train_batch_size": 8, "moe": {"num_experts": 10 ** 12,
+                                                                      "parallel": {"expert": 3}}}))
+    for argv, line in ((["check-config", path], "error: moe.num_experts: got 1000000000000; expected at most "),
+                       (["layout", "--world-size", str(10 ** 12)], "error: --world-size: got 1000000000000; "
+                                                                    "expected at most 1,048,576 ranks")):
+        done = subprocess.run([sys.executable, "-m", "moe_plugin.cli", *argv], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 2 and done.stdout == "" and done.stderr.startswith(line), done.stderr
+
+
+# -- DeepSpeed's batch arithmetic against the layout's data-parallel size -------------------------
+
+@pytest.mark.parametrize("ds, dp, message", [
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}, 2,
+     r"^train_batch_size: got 16; must equal train_micro_batch_size_per_gpu \(4\) x gradient_accumulation_steps "
+     r"\(1\) x data-parallel size \(2\) = 8; the JSON does not fit"),
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 0}, 4,
+     r"^gradient_accumulation_steps: got 0; expected an integer >= 1$"),
+    ({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1.5}, 2,
+     r"^gradient_accumulation_steps: got 1\.5; expected an integer >= 1$"),
+    ({"train_batch_size": 20, "train_micro_batch_size_per_gpu": 4}, 2,
+     r"^train_batch_size: got 20; must be a multiple of train_micro_batch_size_per_gpu \(4\) x data-parallel size "
+     r"\(2\) = 8"),
+    ({"train_batch_size": 12, "gradient_accumulation_steps": 2}, 4, r"^train_batch_size: got 12; must be a multiple "
+     r"of gradient_accumulation_steps \(2\) x data-parallel size \(4\) = 8"),
+    ({"gradient_accumulation_steps": 2}, 2, r"^train_batch_size: missing; DeepSpeed needs train_batch_size or "
+     r"train_micro_batch_size_per_gpu"),
+    ({"train_batch_size": True}, 1, r"^train_batch_size: got True; expected an integer >= 1$"),
+    ({"train_batch_size": 16, "gradient_accumulation_step": 2}, 2, r"^gradient_accumulation_step: got 2; unknown "
+     r"key \(did you mean 'gradient_accumulation_steps'\?\): DeepSpeed ignores it"),
+])
+def test_batch_arithmetic(ds, dp, message):
+    with pytest.raises(ConfigError, match=message):
+        batch_sizes(ds, dp)
+
+
+def test_batch_numbers_are_derived_as_deepspeed_derives_them():
+    sizes = batch_sizes({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, 2)
+    assert (sizes.micro, sizes.gas, sizes.total, sizes.derived) == (4, 2, 16, ("gradient_accumulation_steps",))
+    assert batch_sizes({"train_micro_batch_size_per_gpu": 4}, 3).total == 12
+    assert batch_sizes({"train_batch_size": 16, "gradient_accumulation_steps": 2}, 4).micro == 2
+    assert batch_sizes({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                        "gradient_accumulation_steps": 2}, 2).derived == ()
+
+
+def test_initialize_refuses_a_json_for_another_world_size_before_any_group(monkeypatch):
+    """The 4-rank JSON on 2 ranks: ConfigError from moe_plugin.initialize itself, no group made."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ds = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+          "moe": {"num_experts": 4, "parallel": {"expert": 2}}}
+    with pytest.raises(ConfigError, match=r"^train_batch_size: got 16; must equal .* = 8"):
+        moe_plugin.initialize(ds, lambda config, groups: None)
+    assert not dist.is_initialized()
+
+
+# -- the model's depth ------------------------------------------------------------------------
+
+def test_moe_layer_beyond_the_model():
+    config = MoEConfig.from_dict({"num_experts": 8, "layers": [1, 3, 5]})
+    config.check_num_layers(6)
+    with pytest.raises(ConfigError, match=r"^moe\.layers: got \[1, 3, 5\]; names layer 5, but the model has 4 "
+                                          r"layers \(--num-layers\); indices are 0-based: 0\.\.3$"):
+        config.check_num_layers(4, "--num-layers")
+
+
+# -- one line, on rank 0 only -----------------------------------------------------------------
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_exit_on_config_error_prints_on_rank_0_and_exits_2_everywhere(monkeypatch, capsys, rank, printed):
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as caught:
+        with moe_plugin.exit_on_config_error():
+            MoEConfig.from_dict({"num_experts": 8, "parallel": {"expert": 3}})
+    assert caught.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("error: moe.parallel.expert: got 3; must divide num_experts (8); valid: 1, 2, 4, "
+                                 "8\n" if printed else "")
