@@ -158,3 +158,82 @@ def test_exit_on_config_error_prints_on_rank_0_and_exits_2_everywhere(monkeypatc
     out, err = capsys.readouterr()
     assert out == "" and err == ("error: moe.parallel.expert: got 3; must divide num_experts (8); valid: 1, 2, 4, "
                                  "8\n" if printed else "")
+
+
+# -- the example: data and model flags, before any group ----------------------------------------
+
+def _example_error(tmp_path, monkeypatch, capsys, *argv, ds_change=None, rank="0"):
+    """Run the example's main on 'rank' of 2 (no group is made on the paths tested); its stderr."""
+    from test_example import MODEL_FLAGS, _ds_config, _script
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    config = json.loads(_ds_config(tmp_path / "ds.json", 2, expert=2).read_text())
+    config.update(ds_change or {})
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    status = _script().main([*MODEL_FLAGS, "--deepspeed_config", "ds.json", *argv])
+    out, err = capsys.readouterr()
+    assert status == 2, (out, err)
+    return err
+
+
+def _dataset(tmp_path, largest: int):
+    import numpy as np
+
+    from moe_plugin.data import write_indexed
+
+    docs = [np.arange(i, i + 200) % (largest + 1) for i in range(0, 4000, 200)]
+    docs[-1][-1] = largest
+    write_indexed(tmp_path / "tokens", docs)
+    return str(tmp_path / "tokens")
+
+
+@pytest.mark.parametrize("argv, ds_change, message", [
+    (["--num-layers", "2"], {"moe": {"num_experts": 4, "layers": [0, 2], "parallel": {"expert": 2}}},
+     r"^error: moe\.layers: got \[0, 2\]; names layer 2, but the model has 2 layers \(--num-layers\)"),
+    ([], {"gradient_accumulation_steps": 1.5}, r"^error: gradient_accumulation_steps: got 1\.5; expected an integer"),
+    ([], {"gradient_accumulation_steps": 0}, r"^error: gradient_accumulation_steps: got 0; expected an integer"),
+])
+def test_example_refuses_before_anything_is_written(tmp_path, monkeypatch, capsys, argv, ds_change, message):
+    import re
+
+    err = _example_error(tmp_path, monkeypatch, capsys, *argv, ds_change=ds_change)
+    assert re.match(message, err) and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]
+
+
+def test_example_vocab_smaller_than_the_data(tmp_path, monkeypatch, capsys):
+    prefix = _dataset(tmp_path, largest=300)
+    err = _example_error(tmp_path, monkeypatch, capsys, "--data-path", prefix, "--vocab-size", "256")
+    assert err == (f"error: --vocab-size: got 256; the data's largest token id is 300 ({prefix}.bin): the vocabulary "
+                   "must be at least 301\n")
+    cache = json.loads((tmp_path / "data" / "max_token_ids.json").read_text())
+    assert [entry["max"] for entry in cache.values()] == [300]     # the next start reads no token
+    assert _example_error(tmp_path, monkeypatch, capsys, "--data-path", prefix, "--vocab-size", "256",
+                          rank="1") == ""                          # rank 1: the same status, quietly
+
+
+def test_example_truncated_bin_names_the_file(tmp_path, monkeypatch, capsys):
+    prefix = _dataset(tmp_path, largest=300)
+    size = (tmp_path / "tokens.bin").stat().st_size
+    with open(tmp_path / "tokens.bin", "r+b") as f:
+        f.truncate(size - 100)
+    err = _example_error(tmp_path, monkeypatch, capsys, "--data-path", prefix)
+    assert err == (f"error: {prefix}.bin: got {size - 100:,} bytes; expected {size:,}: {prefix}.idx lists "
+                   f"{size // 2:,} uint16 tokens in 20 sequences; the file is truncated or belongs to another index\n")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda idx: b"", r"\.idx: got 0 bytes; expected at least 34 bytes"),
+    (lambda idx: b"garbage!!" + idx[9:], r"\.idx: got header b'garbage!!'; expected the header"),
+    (lambda idx: idx[:-8], r"\.idx: got \d+ bytes; expected \d+: its header promises 20 sequences and 21 document"),
+])
+def test_damaged_index_names_the_file(tmp_path, damage, message):
+    from moe_plugin.data import read_indexed
+
+    prefix = _dataset(tmp_path, largest=300)
+    idx = tmp_path / "tokens.idx"
+    idx.write_bytes(damage(idx.read_bytes()))
+    with pytest.raises(ConfigError, match=message):
+        read_indexed(prefix)

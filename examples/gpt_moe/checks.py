@@ -3,18 +3,25 @@
     plan = check_run(args, world_size)      # a ConfigError naming the flag or JSON key, or a RunPlan
 
 The flags on their own, the DeepSpeed JSON and its ``"moe"`` block (``MoEConfig``), the layout
-against the world size and the model flags, and DeepSpeed's batch arithmetic
-(``train_batch_size = micro batch x gradient accumulation x data-parallel size``), which
-DeepSpeed would otherwise assert deep inside ``deepspeed.initialize``.
+against the world size and the model flags (``moe.layers`` within ``--num-layers``), and
+DeepSpeed's batch arithmetic (``train_batch_size = micro batch x gradient accumulation x
+data-parallel size``, the plugin's ``moe_plugin.configs.batch_sizes``, which
+``moe_plugin.initialize`` runs as well), which DeepSpeed would otherwise assert deep inside
+``deepspeed.initialize``. ``max_token_id`` serves ``build_data``'s vocabulary check.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-from moe_plugin.configs import ConfigError, MoEConfig, ParallelSizes
+import numpy as np
+
+from moe_plugin.configs import ConfigError, MoEConfig, ParallelSizes, batch_sizes
 from moe_plugin.configs.schema import load_ds_config
 
 
@@ -87,6 +94,7 @@ def check_layout(args: argparse.Namespace, moe_config: MoEConfig) -> None:
                           "pipeline parallelism; use 1")
     if args.num_layers % p.pipeline:
         raise ConfigError("moe.parallel.pipeline", p.pipeline, f"must divide --num-layers ({args.num_layers})")
+    moe_config.check_num_layers(args.num_layers, "--num-layers")
     if args.data_path is None:
         from moe_plugin.data import pad_vocab_size
 
@@ -108,22 +116,35 @@ def resolve_batch(args: argparse.Namespace, ds: dict, dp: int) -> tuple[int, int
     elif args.micro_batch_size is not None and args.micro_batch_size != micro:
         raise ConfigError("--micro-batch-size", args.micro_batch_size, f"must equal the DeepSpeed JSON's "
                           f"train_micro_batch_size_per_gpu ({micro}); change one of them")
-    if not isinstance(micro, int) or micro < 1:
-        raise ConfigError("train_micro_batch_size_per_gpu", micro, "expected an integer >= 1")
-    gas = ds.get("gradient_accumulation_steps")
-    total = ds.get("train_batch_size")
-    if total is None:
-        gas = 1 if gas is None else gas
-        total = ds["train_batch_size"] = micro * gas * dp
-    elif gas is None:
-        gas, rest = divmod(total, micro * dp)
-        if rest or gas < 1:
-            raise ConfigError("train_batch_size", total, f"must be a multiple of train_micro_batch_size_per_gpu "
-                              f"({micro}) x data-parallel size ({dp})")
-    if total != micro * gas * dp:
-        raise ConfigError("train_batch_size", total, f"must equal train_micro_batch_size_per_gpu ({micro}) x "
-                          f"gradient_accumulation_steps ({gas}) x data-parallel size ({dp}) = {micro * gas * dp}")
-    return micro, gas, total
+    sizes = batch_sizes(ds, dp)   # the plugin's check, the one moe_plugin.initialize runs
+    if ds.get("train_batch_size") is None:
+        ds["train_batch_size"] = sizes.total
+    return sizes.micro, sizes.gas, sizes.total
+
+
+def max_token_id(bin_path: str, dtype, cache_dir: Optional[str]) -> int:
+    """The largest token id in ``bin_path`` (-1 when empty): one pass over the memory-mapped file,
+    remembered in ``cache_dir/max_token_ids.json`` under the file's path, size and modification time."""
+    stat = os.stat(bin_path)
+    key, stamp = os.path.abspath(bin_path), [stat.st_size, stat.st_mtime_ns, np.dtype(dtype).name]
+    cache = Path(cache_dir) / "max_token_ids.json" if cache_dir else None
+    try:
+        known = json.loads(cache.read_text()) if cache is not None else {}
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known.get(key), dict) and known[key].get("stamp") == stamp:
+        return int(known[key]["max"])
+    largest = int(np.memmap(bin_path, dtype=dtype, mode="r").max()) if stat.st_size else -1
+    if cache is not None:
+        known[key] = {"stamp": stamp, "max": largest}
+        tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
+        try:   # every rank may get here at once: each writes its own file and renames it into place
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(known, indent=1) + "\n")
+            os.replace(tmp, cache)
+        except OSError:
+            tmp.unlink(missing_ok=True)   # a cache only: a read-only directory costs one pass per run
+    return largest
 
 
 def check_pipeline_available(moe_config: MoEConfig) -> None:

@@ -8,10 +8,13 @@
 The model flags are Megatron-LM's; the DeepSpeed JSON holds the batch sizes, optimizer,
 ZeRO stage and the ``"moe"`` block (experts, router, parallel layout). The script, in order:
 
-1. ``check_run``: flags, JSON, ``"moe"`` block, world size and batch arithmetic are checked
-   before any file, process group or model exists; a mistake exits with status 2 and one line.
+1. ``check_run``: flags, JSON, ``"moe"`` block, world size, MoE layers against ``--num-layers``
+   and batch arithmetic are checked before any file, process group or model exists; a mistake
+   exits with status 2 and one line, printed by rank 0 (``moe_plugin.report_config_error``).
 2. ``build_data``: the training and validation samples (the embedded stdlib corpus, written to
-   ``--data-cache`` on first use, or ``--data-path`` in Megatron's indexed format).
+   ``--data-cache`` on first use, or ``--data-path`` in Megatron's indexed format). Still before
+   any process group: the ``.idx``/``.bin`` pair is checked against the sizes its index promises,
+   and the data's largest token id against the vocabulary (``--vocab-size``).
 3. ``moe_plugin.initialize(ds_config, model_provider)``: process groups for the layout, the
    ``GPTModel`` with ``gpt_moe_spec``, dense/expert optimizer groups, the DeepSpeed engine.
 4. ``train``: per step, the same global batch for every layout (``GlobalBatches``), this
@@ -46,13 +49,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
+from moe_plugin import report_config_error
 from moe_plugin.configs import ConfigError, MoEConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checks import RunPlan, check_run  # noqa: E402  (the example's sibling modules)
+from checks import RunPlan, check_run, max_token_id  # noqa: E402  (the example's sibling modules)
 from training_log import TrainingLog  # noqa: E402
 
 
@@ -151,11 +154,17 @@ def build_data(args: argparse.Namespace, plan: RunPlan) -> Data:
         prefix = args.data_path
         vocab = args.vocab_size
         what = f"indexed dataset {prefix}"
-    dataset = read_indexed(prefix)
+    dataset = read_indexed(prefix)   # the .idx/.bin pair checked against each other (ConfigError naming the file)
+    largest = max_token_id(f"{prefix}.bin", dataset.index.dtype, args.data_cache)
     if vocab is None:
-        bin_path = f"{prefix}.bin"
-        vocab = int(np.memmap(bin_path, dtype=dataset.index.dtype, mode="r").max()) + 1
+        vocab = largest + 1
         what += f" (vocabulary {vocab}: its largest token id + 1; pass --vocab-size to set it)"
+    elif largest >= vocab:   # else an IndexError at the first batch holding it (a device-side assert on a GPU)
+        flag = "--vocab-size" if args.data_path is not None else f"{prefix}.bin"
+        raise ConfigError(flag, vocab, f"the data's largest token id is {largest:,} ({prefix}.bin): the vocabulary "
+                          f"must be at least {largest + 1:,}" + ("" if args.data_path is not None else
+                                                                 f" (the byte tokenizer's): delete {prefix}.* to "
+                                                                 "rebuild the corpus"))
     padded = pad_vocab_size(vocab, args.make_vocab_size_divisible_by, plan.sizes.tp)
     train_docs, valid_docs = split_documents(num_documents(dataset), args.valid_fraction)
     if len(valid_docs) == 0:
@@ -462,13 +471,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         plan = check_run(args, world_size)
         data = build_data(args, plan)   # may write the corpus; errors here are about the data's size
     except ConfigError as err:
-        if rank == 0:
-            print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report_config_error(err)   # one line, on rank 0; status 2 on every rank
     configure_threads()
     run_dir = Path(args.run_dir or Path("runs") / Path(args.deepspeed_config).stem)
     memory_before_mb = peak_memory_mb("cpu")   # the interpreter and the libraries, before the model
-    result = build_engine(args, plan, data)
+    try:
+        result = build_engine(args, plan, data)
+    except ConfigError as err:   # moe_plugin.initialize's checks (batch arithmetic for this layout, ZeRO, ...)
+        return report_config_error(err)
     log = TrainingLog(run_dir, enabled=result.groups.rank == 0, append=bool(args.load))
     placement = None
     try:

@@ -14,10 +14,17 @@ per document unless the preprocessing split sentences). ``write_indexed`` writes
 per document. It writes under temporary names and renames them into place at the end, the
 ``.idx`` last, so a reader never sees a half-written dataset and an interrupted write leaves
 no file under the final names.
+
+``read_indexed`` first checks the pair against what the index promises (``check_indexed``):
+header, version and token type, the ``.idx`` size its counts imply, document bounds, sequence
+offsets that follow the lengths, and the ``.bin`` size the lengths add up to. An empty,
+truncated, garbage or mismatched file is a ``ConfigError`` naming the file, the size or value
+found and the one expected, at start rather than at the first batch that reads past the end.
 """
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -26,13 +33,21 @@ import numpy as np
 import torch
 
 from megatron.core.datasets.indexed_dataset import (
+    DType,
     IndexedDataset,
     IndexedDatasetBuilder,
     get_bin_path,
     get_idx_path,
 )
 
+from moe_plugin.configs.errors import ConfigError
+
 PathLike = Union[str, os.PathLike]
+# Megatron's .idx: magic, version <Q (1), token type code <B, sequence count <Q, document count <Q,
+# then int32 lengths [S], int64 byte offsets into the .bin [S], int64 document bounds [D].
+IDX_MAGIC = b"MMIDIDX\x00\x00"
+IDX_HEADER = struct.Struct("<9sQBQQ")
+_CHUNK = 1 << 22   # sequences checked at a time: memory stays small on billion-token indexes
 
 
 def indexed_exists(prefix: PathLike) -> bool:
@@ -48,7 +63,60 @@ def read_indexed(prefix: PathLike, mmap: bool = True) -> IndexedDataset:
         raise FileNotFoundError(f"indexed dataset {prefix!r}: {' and '.join(missing)} not found; pass the prefix "
                                 "without .bin/.idx, e.g. data/my-corpus_text_document (Megatron's preprocess_data "
                                 "writes <output-prefix>_text_document.bin/.idx)")
+    check_indexed(prefix)
     return IndexedDataset(prefix, mmap=mmap)
+
+
+def check_indexed(prefix: PathLike) -> int:
+    """Check ``PREFIX.idx`` and ``PREFIX.bin`` against each other (see the module docstring);
+    returns the number of tokens. Reads the index once, in chunks; the ``.bin`` only by its size."""
+    idx, bin_ = get_idx_path(str(prefix)), get_bin_path(str(prefix))
+    found = os.path.getsize(idx)
+    if found < IDX_HEADER.size:
+        raise ConfigError(idx, found, f"expected at least {IDX_HEADER.size} bytes (the header of Megatron's indexed "
+                          "format): the file is empty or truncated", shown=f"{found:,} bytes")
+    with open(idx, "rb") as stream:
+        magic, version, code, S, D = IDX_HEADER.unpack(stream.read(IDX_HEADER.size))
+    if magic != IDX_MAGIC:
+        raise ConfigError(idx, magic, f"expected the header {IDX_MAGIC!r} of Megatron's indexed format: not an index "
+                          "file", shown=f"header {magic!r}")
+    codes = {t.value: t.name for t in DType}
+    if version != 1 or code not in codes:
+        raise ConfigError(idx, (version, code), f"expected version 1 and a token type code among "
+                          f"{', '.join(f'{c} ({n})' for c, n in sorted(codes.items()))}",
+                          shown=f"version {version}, token type code {code}")
+    expected = IDX_HEADER.size + 12 * S + 8 * D
+    if found != expected:
+        raise ConfigError(idx, found, f"expected {expected:,}: its header promises {S:,} sequences and {D:,} document "
+                          "bounds; the file is truncated or garbage", shown=f"{found:,} bytes")
+    lengths = np.memmap(idx, dtype=np.int32, mode="r", offset=IDX_HEADER.size, shape=(S,)) if S else np.zeros(0)
+    pointers = np.memmap(idx, dtype=np.int64, mode="r", offset=IDX_HEADER.size + 4 * S, shape=(S,)) if S else lengths
+    bounds = np.memmap(idx, dtype=np.int64, mode="r", offset=IDX_HEADER.size + 12 * S, shape=(D,)) if D else None
+    if S == 0 or bounds is None or D < 2 or bounds[0] != 0 or bounds[-1] != S or np.any(np.diff(bounds) < 0):
+        shown = "no sequences" if S == 0 else f"document bounds {bounds[0] if D else None}..{bounds[-1] if D else None}"
+        raise ConfigError(idx, S, f"expected at least one document and bounds rising from 0 to the {S:,} sequences",
+                          shown=shown)
+    itemsize = np.dtype(getattr(np, codes[code])).itemsize
+    offset = 0   # the .bin offset of the next sequence, in bytes
+    for first in range(0, S, _CHUNK):
+        part = np.asarray(lengths[first:first + _CHUNK], dtype=np.int64)
+        if part.min() < 0:
+            raise ConfigError(idx, int(part.min()), "expected sequence lengths >= 0: the index is garbage",
+                              shown=f"length {int(part.min())}")
+        starts = offset + np.concatenate([[0], np.cumsum(part[:-1])]) * itemsize
+        wrong = np.flatnonzero(np.asarray(pointers[first:first + _CHUNK]) != starts)
+        if wrong.size:
+            i = int(wrong[0])
+            raise ConfigError(idx, int(pointers[first + i]), f"expected {int(starts[i]):,}, the sum of the lengths "
+                              "before it: the index is garbage", shown=f"byte offset {int(pointers[first + i]):,} "
+                              f"of sequence {first + i:,}")
+        offset = int(starts[-1]) + int(part[-1]) * itemsize
+    found = os.path.getsize(bin_)
+    if found != offset:
+        raise ConfigError(bin_, found, f"expected {offset:,}: {idx} lists {offset // itemsize:,} {codes[code]} tokens "
+                          f"in {S:,} sequences; the file is {'truncated' if found < offset else 'longer'} or belongs to "
+                          "another index", shown=f"{found:,} bytes")
+    return offset // itemsize
 
 
 def write_indexed(prefix: PathLike, documents: Iterable[np.ndarray], dtype: type = np.uint16,
