@@ -237,3 +237,71 @@ def test_damaged_index_names_the_file(tmp_path, damage, message):
     idx.write_bytes(damage(idx.read_bytes()))
     with pytest.raises(ConfigError, match=message):
         read_indexed(prefix)
+
+
+# -- under the deepspeed launcher: one line, status 2, no process group --------------------------
+
+USER_SCRIPT = '''\
+import json, os, sys
+import torch.distributed as dist
+import moe_plugin
+
+try:
+    with moe_plugin.exit_on_config_error():
+        moe_plugin.initialize(sys.argv[-1], lambda config, groups: None)
+finally:   # what each rank saw of torch.distributed when it stopped
+    with open(os.path.join(os.path.dirname(sys.argv[-1]), f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump({"group": dist.is_initialized()}, f)
+'''
+
+
+def _launch(cwd, *argv: str) -> tuple[int, str]:
+    """``deepspeed --num_gpus 2 ...`` (the venv's launcher) in ``cwd``: exit status, all output."""
+    import os
+    import socket
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", OMP_NUM_THREADS="1")
+    done = subprocess.run([str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), *argv],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_launcher_two_ranks_one_line_status_2_no_group(tmp_path):
+    """Two launches of 2 ranks: the example with a truncated .bin (found in build_data), and a user
+    script whose moe_plugin.initialize gets a 4-rank JSON (found by the plugin's batch check)."""
+    from test_example import MODEL_FLAGS, SCRIPT, _ds_config
+
+    prefix = _dataset(tmp_path, largest=300)
+    size = (tmp_path / "tokens.bin").stat().st_size
+    with open(tmp_path / "tokens.bin", "r+b") as f:
+        f.truncate(size - 2)
+    status, output = _launch(tmp_path, str(SCRIPT), *MODEL_FLAGS, "--deepspeed_config",
+                             str(_ds_config(tmp_path / "ds.json", 2, expert=2)), "--data-path", prefix,
+                             "--data-cache", str(tmp_path / "data"), "--run-dir", str(tmp_path / "runs"))
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert status == 2 and errors == [f"error: {prefix}.bin: got {size - 2:,} bytes; expected {size:,}: {prefix}.idx "
+                                      f"lists {size // 2:,} uint16 tokens in 20 sequences; the file is truncated or "
+                                      "belongs to another index"], output
+    assert "Initializing TorchBackend" not in output and "Traceback" not in output, output   # no group was made
+    assert not (tmp_path / "runs").exists()
+
+    script = tmp_path / "user.py"
+    script.write_text(USER_SCRIPT)
+    config = tmp_path / "job" / "ds4.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                                  "gradient_accumulation_steps": 1, "moe": {"num_experts": 4, "parallel": {"expert": 2}}}))
+    status, output = _launch(tmp_path, str(script), str(config))
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert status == 2 and errors == ["error: train_batch_size: got 16; must equal train_micro_batch_size_per_gpu (4) "
+                                      "x gradient_accumulation_steps (1) x data-parallel size (2) = 8; the JSON does "
+                                      "not fit this layout's 2 data-parallel ranks"], output
+    assert "Traceback" not in output, output
+    seen = [json.loads(path.read_text()) for path in sorted(config.parent.glob("rank*.json"))]
+    assert seen and all(s == {"group": False} for s in seen), seen   # the launcher may stop rank 1 before it writes
