@@ -34,7 +34,8 @@ The plugin reads one block, `"moe"`, from the DeepSpeed JSON you already pass to
 `deepspeed.initialize` (DeepSpeed ignores top-level keys it does not know). Only
 `num_experts` is required. Unknown keys, wrong types (`"8"` for `8`, `true` for a number) and
 inconsistent sizes are errors that name the key path, the bad value and what is valid, and
-they are raised before any process group exists. Check a file with
+they are raised before any process group exists (see *What is checked, and when* below). Check
+a file with
 
     moe-plugin check-config ds_config.json --world-size 8
 
@@ -43,14 +44,51 @@ which prints the resolved block (every field, defaults included) and the rank la
 *This page is generated from the field descriptions in `moe_plugin/configs/schema.py` by
 `python -m moe_plugin.configs.docs > docs/config.md`; edit the descriptions, not this page.*
 
+## What is checked, and when
+
+Every check below runs on the config and the flags alone, on every rank, before any process
+group, model or file exists; a mistake is a `ConfigError` whose one-line message names the key
+path (or flag, or file), the value found and what is valid.
+
+- **The file** is read as `deepspeed.initialize` reads it (DeepSpeed 0.19.8 uses hjson):
+  comments (`//`, `#`, `/* */`) and trailing commas are accepted; a key written twice, at any
+  depth, is an error naming its path and both values (DeepSpeed refuses it too; plain `json`
+  would keep the last one silently).
+- **The `"moe"` block**: types, bounds and unknown keys at any depth, each with the near miss it
+  resembles (`moe.num_experts: missing; ...; the block has 'num_expert' (did you mean
+  'num_experts'?)`); `num_experts` and the world size are at most 2^20, larger values are refused
+  at once (divisor lists are computed by trial division up to the square root and cut when long).
+- **The layout** against the world size (`Sizes` below).
+- **DeepSpeed's batch arithmetic** against the layout's data-parallel size `dp`:
+  `train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp`, each an
+  integer >= 1. A number the JSON leaves out is derived as DeepSpeed derives it and must come out
+  even; a top-level key that is a near miss of one of the three names (DeepSpeed would ignore it)
+  is an error. Where `gradient_accumulation_steps` is left out it follows from the world size
+  (16 = micro 4 x 1 x dp 4, but x 2 x dp 2): write all three numbers so that a JSON launched on
+  another world size is refused instead of followed.
+- `moe_plugin.initialize` runs all of these, then the ZeRO and pipeline settings it supports;
+  `moe-plugin check-config` runs them (the batch arithmetic when it knows the world size). The
+  example (`examples/gpt_moe/pretrain_gpt_moe.py`) adds its flags, `moe.layers` within
+  `--num-layers`, its data (the `.idx`/`.bin` pair against the sizes and offsets its index
+  promises: an empty, truncated or garbage file names the file, expected vs found) and the data's
+  largest token id against `--vocab-size`.
+
+Under the `deepspeed` launcher every rank raises the same `ConfigError`; it is reported once:
+`with moe_plugin.exit_on_config_error(): ...` (or `return moe_plugin.report_config_error(err)`)
+prints `error: <message>` on rank 0 only and exits with status 2 on every rank, as the example
+and the `moe-plugin` command do.
+
 ## Formulas
 
 - **Capacity** (tokens one expert takes per step, when `drop_tokens` is true):
   `capacity = max(min_capacity, ceil(capacity_factor * k * T / E))`, with `k` the experts per
   token (`top_k`), `T` the tokens the layer routes on this rank in one forward pass and `E` =
-  `num_experts`; `eval_capacity_factor` replaces `capacity_factor` in evaluation. Routes over
-  capacity are dropped (first choices take slots before second choices, earlier tokens before
-  later ones) and their tokens pass through the residual connection.
+  `num_experts`; `eval_capacity_factor` replaces `capacity_factor` in evaluation. It is
+  computed exactly: the factor is the decimal number written (1.1 is 11/10) and the rest is
+  integer arithmetic, so 1.1 x 2 x 200 / 8 gives 55 on every rank (floating point would give
+  56); the layer, the reference MoE and the planner share `moe_plugin.configs.expert_capacity`.
+  Routes over capacity are dropped (first choices take slots before second choices, earlier
+  tokens before later ones) and their tokens pass through the residual connection.
 - **Balance loss** (GShard): `balance = E * sum_e f_e * p_e`, with `f_e` the fraction of tokens
   whose first choice is expert `e` and `p_e` the mean gate probability of expert `e`. It is
   exactly 1 for uniform routing; `aux_loss_coeff * balance` is added to the loss.
