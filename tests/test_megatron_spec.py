@@ -326,7 +326,7 @@ def _two_ranks(rank: int, world_size: int, tp2_json: str, tp1_json: str) -> dict
     groups = _groups(world_size, pp=2)
     moe = MoEConfig.from_dict({"num_experts": 4, "layer_interval": 2, "parallel": {"pipeline": 2}})
     config = _config(pp=2, pipeline_dtype=torch.float32)
-    stage = _gpt(gpt_moe_spec(moe, config, groups), config, pre_process=rank == 0, post_process=rank == 1)
+    stage = _gpt(gpt_moe_spec(moe, config, groups, seed=0), config, pre_process=rank == 0, post_process=rank == 1)
     out["pp"] = {"moe": _moe_indices(stage),
                  "router": {layer.moe_layer_index: layer.mlp.router.weight.detach().clone()
                             for layer in stage.decoder.layers if layer.moe_layer_index is not None}}

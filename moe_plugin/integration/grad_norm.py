@@ -3,7 +3,7 @@
 The global norm counts every distinct gradient once: a dense parameter once over its TP x DP
 replicas (once per TP shard when Megatron marked it ``tensor_model_parallel``), an expert
 parameter once over its expert-data-parallel replicas (each EP x ETP shard once), every pipeline
-stage its own. ``global_grad_norm`` lets exactly one replica (the "owner") add each gradient's
+stage its own (a tied embedding once, on the first stage). ``global_grad_norm`` lets exactly one replica (the "owner") add each gradient's
 square and sums over all ranks: one all-reduce of one number.
 
 Why the plugin computes it for ZeRO-0 in fp32: there DeepSpeed clips with
@@ -31,7 +31,11 @@ EPS = 1e-6  # as DeepSpeed and torch: clip coefficient max_norm / (norm + EPS)
 
 
 def owns_gradient(p: torch.Tensor, coords: dict[str, int]) -> bool:
-    """Whether the rank with layout coordinates ``coords`` is the one that counts ``p``'s gradient."""
+    """Whether the rank with layout coordinates ``coords`` is the one that counts ``p``'s gradient.
+    A pipeline's copy of a tied weight (``ds_pipe_replicated``, the last stage's output weight) is
+    counted on the stage that owns the weight."""
+    if getattr(p, "ds_pipe_replicated", False):
+        return False
     if is_moe_param(p):
         return coords["edp"] == 0
     if getattr(p, "tensor_model_parallel", False):

@@ -52,6 +52,7 @@ from megatron.core.utils import get_pg_rank
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.groups.process_groups import ProcessGroups
 from moe_plugin.integration.cpu_modules import SDPAttention, TorchNorm
+from moe_plugin.integration.seeding import layer_seed, resolve_seed, seeded
 from moe_plugin.integration.sp_grads import (  # noqa: F401  (re-exported)
     allreduce_sequence_parallel_grads,
     sequence_parallel_grad_hooks,
@@ -104,7 +105,9 @@ class MoEPlan:
     into the dense MLP's first linear (Transformer Engine specs); default TENorm when Transformer
     Engine is installed, else ``TorchNorm``. ``placements``: {global layer index: slot of every
     expert} for MoE layers that start with experts placed (``MoELayer(placement=...)``; default
-    expert e in slot e), e.g. to build a model like one whose experts migrated.
+    expert e in slot e), e.g. to build a model like one whose experts migrated. ``seed``: every
+    layer is built under ``seeding.layer_seed(seed, global index)`` (its MoE MLP's generator mixes
+    ``seed`` with the index too).
     """
 
     moe_config: MoEConfig
@@ -141,7 +144,8 @@ class MoEAwareTransformerLayer(TransformerLayer):
         is_moe = moe.moe_config.is_moe_layer(index)
         if is_moe:
             submodules = _with_moe_mlp(submodules, moe, index)
-        super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage, **kwargs)
+        with seeded(layer_seed(moe.seed, index)):   # the same weights on whichever pipeline stage builds it
+            super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage, **kwargs)
         if self.layer_number != index + 1:
             raise RuntimeError(f"Megatron numbers this layer {self.layer_number}, the MoE spec computed "
                                f"{index + 1}: unsupported megatron-core version")
@@ -210,12 +214,14 @@ def _accelerator_device() -> str:
 
 # --- spec transformations ----------------------------------------------------------------------
 def moe_layer_spec(spec: Spec, moe_config: MoEConfig, groups: Optional[ProcessGroups] = None, *,
-                   seed: int = 0, norm: Optional[type] = None,
+                   seed: Optional[int] = None, norm: Optional[type] = None,
                    placements: Optional[Mapping[int, Sequence[int]]] = None) -> Spec:
     """``spec`` (a ``TransformerLayer`` ModuleSpec, a ``TransformerBlockSubmodules`` or a
     ``TransformerBlock`` ModuleSpec) with MoE MLPs on the layers ``moe_config`` names; same kind
     back. The base spec's MLP must be dense: it stays on the other layers. ``groups`` are passed
-    to every ``MoELayer`` (None on one process); ``seed``, ``norm`` and ``placements``: see ``MoEPlan``."""
+    to every ``MoELayer`` (None on one process); ``seed`` (default: ``torch.initial_seed()``, the
+    seed the user gave torch), ``norm`` and ``placements``: see ``MoEPlan``."""
+    seed = resolve_seed(seed)
     plan = MoEPlan(moe_config, groups, seed, norm, placements)
     if isinstance(spec, TransformerBlockSubmodules):
         return dataclasses.replace(spec, layer_specs=[moe_layer_spec(s, moe_config, groups, seed=seed, norm=norm,
@@ -275,13 +281,15 @@ def on_cpu() -> bool:
 
 
 def gpt_moe_spec(moe_config: MoEConfig, config: TransformerConfig, groups: Optional[ProcessGroups] = None, *,
-                 seed: int = 0, cpu: Optional[bool] = None, vp_stage: Optional[int] = None,
+                 seed: Optional[int] = None, cpu: Optional[bool] = None, vp_stage: Optional[int] = None,
                  pp_rank: Optional[int] = None,
                  placements: Optional[Mapping[int, Sequence[int]]] = None) -> TransformerBlockSubmodules:
     """The block spec of this pipeline stage: Megatron's dense local GPT layer spec (norm and
     qk-layernorm from ``config``) with MoE MLPs where ``moe_config`` says, CPU-friendly when
     ``cpu`` (default: when DeepSpeed's accelerator is the CPU; Megatron's pieces stay on GPUs).
-    ``placements``: {global layer index: slots} of MoE layers built with their experts placed."""
+    ``placements``: {global layer index: slots} of MoE layers built with their experts placed.
+    ``seed``: every layer's weights come from it and the layer's global index, on any pipeline
+    stage (``seeding``); default ``torch.initial_seed()``, the seed the user gave torch."""
     check_against_model(moe_config, config)
     spec = moe_layer_spec(_local_block_spec(config, vp_stage, pp_rank), moe_config, groups, seed=seed,
                           placements=placements)

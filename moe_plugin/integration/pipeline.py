@@ -28,27 +28,26 @@ the state-dict names ``GPTModel`` gives them under a piece prefix (``gpt_state_d
   the same functions, so the MoE layers sit where the config says on every stage.
 * Topology: ``pipe_topology.pipeline_topology(groups.layout)``, checked to reproduce the layout's
   pp/dp/tp groups; DeepSpeed's stage of a rank is its Megatron pipeline rank.
-* Embeddings are untied (``GPTModel(share_embeddings_and_output_weights=False)``): tying would
-  need a ``TiedLayerSpec`` across the first and last stages and a vocab-parallel shared weight;
-  not done.
-* Init: every piece is built under its own seed (``piece_seed(seed, piece)``, the caller's torch
-  RNG state is restored afterwards), the MoE MLPs under the seed of their global layer index.
+* Tied embeddings (``share_embeddings_and_output_weights=True``, Megatron-LM's default): the last
+  stage's output weight starts as the first stage's word weight and their gradients are summed
+  over the embedding group (first and last stage) before the data-parallel reduction, so both
+  stay the one weight a pp = 1 ``GPTModel`` shares (``GPTPipelineModule``).
+* Init: the stages hold exactly the weights of a pp = 1 ``GPTModel`` with the same spec, built
+  right after ``torch.manual_seed(seed)`` (``seeding``): the embedding from that stream, every
+  layer under the seed of its global index, the untied output layer after the embedding's draws.
   With ``use_cpu_initialization`` Megatron draws each full weight and cuts the TP shard from it,
-  so the weights do not depend on the layout: pp, tp and ep runs start from the pp = 1 weights.
-  They are *not* the weights a ``GPTModel`` draws in one sequence; load those with
-  ``gpt_state_dict_key`` to compare with one.
+  so pp, tp and ep runs all start from the one-rank model's weights.
 * Attention is causal without a mask tensor (the pipe carries one tensor between stages).
   Sequence parallelism is refused by ``initialize`` unless DeepSpeed's pipe partitioning is off.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
-from collections.abc import Iterator
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
@@ -62,24 +61,12 @@ from moe_plugin.configs import MoEConfig
 from moe_plugin.groups.process_groups import ProcessGroups
 from moe_plugin.integration.megatron import check_against_model, gpt_moe_spec
 from moe_plugin.integration.pipe_topology import pipeline_topology
+from moe_plugin.integration.seeding import resolve_seed, seeded
 
 logger = logging.getLogger(__name__)
 
 # PipelineModule arguments that gpt_pipeline_module sets itself.
 _OWN_ARGUMENTS = ("layers", "num_stages", "topology", "loss_fn", "partition_method", "seed_layers")
-
-
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    """Torch's CPU generator seeded with ``seed`` inside, the caller's state restored after."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
-
-
-def piece_seed(seed: int, piece: int) -> int:
-    """The seed piece ``piece`` of the pipe is built under (distinct per piece and model seed)."""
-    return seed * 1_000_003 + 7_919 * (piece + 1)
 
 
 # --- the pieces ------------------------------------------------------------------------------------
@@ -88,7 +75,7 @@ class EmbeddingPipe(nn.Module):
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int, seed: int):
         super().__init__()
-        with _seeded(seed):
+        with seeded(seed):   # GPTModel's first draws after torch.manual_seed(seed)
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length)
 
     def forward(self, inputs: tuple[Tensor, Tensor]) -> Tensor:
@@ -102,12 +89,12 @@ class EmbeddingPipe(nn.Module):
 
 class TransformerLayerPipe(nn.Module):
     """One transformer layer of the spec at global index ``layer_index`` on a stage whose first
-    layer is ``stage_offset``; the layer itself checks the index Megatron gives it."""
+    layer is ``stage_offset``; the layer itself checks the index Megatron gives it and draws its
+    weights from the seed of that index (``MoEAwareTransformerLayer``)."""
 
-    def __init__(self, config: TransformerConfig, layer_spec: Any, layer_index: int, stage_offset: int, seed: int):
+    def __init__(self, config: TransformerConfig, layer_spec: Any, layer_index: int, stage_offset: int):
         super().__init__()
-        with _seeded(seed):
-            self.layer = build_module(layer_spec, config=config, layer_number=layer_index - stage_offset + 1)
+        self.layer = build_module(layer_spec, config=config, layer_number=layer_index - stage_offset + 1)
         if self.layer.layer_number != layer_index + 1:
             raise RuntimeError(f"layer {layer_index} was built as Megatron layer number {self.layer.layer_number}: "
                                "the pipeline stage and Megatron's pipeline rank disagree")
@@ -120,9 +107,9 @@ class TransformerLayerPipe(nn.Module):
 class FinalNormPipe(nn.Module):
     """The final norm of the block spec (what ``TransformerBlock`` builds on the last stage)."""
 
-    def __init__(self, config: TransformerConfig, norm_spec: Any, seed: int):
+    def __init__(self, config: TransformerConfig, norm_spec: Any):
         super().__init__()
-        with _seeded(seed):
+        with torch.random.fork_rng(devices=[]):   # a norm draws nothing; should one, the stream stays
             self.final_layernorm = build_module(norm_spec, config=config, hidden_size=config.hidden_size,
                                                 eps=config.layernorm_epsilon)
 
@@ -131,14 +118,22 @@ class FinalNormPipe(nn.Module):
 
 
 class OutputLayerPipe(nn.Module):
-    """``GPTModel``'s output layer: column-parallel over the vocabulary, logits stay split."""
+    """``GPTModel``'s output layer: column-parallel over the vocabulary, logits stay split.
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, seed: int):
+    Its weight is what ``GPTModel`` gives it under ``torch.manual_seed(seed)``: drawn after the
+    embedding's draws (replayed here), or, ``tied``, a copy of the embedding's word weight (the
+    pipeline keeps the copies equal: ``GPTPipelineModule`` sums their gradients over both stages)."""
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int, seed: int,
+                 tied: bool = False):
         super().__init__()
-        with _seeded(seed):
+        with seeded(seed):
+            embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length)
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
                 skip_bias_add=False, gather_output=False)
+        if tied:
+            self.output_layer.weight.data.copy_(embedding.word_embeddings.weight.data)
 
     def forward(self, hidden_SBH: Tensor) -> Tensor:
         logits_SBV, _bias = self.output_layer(hidden_SBH)
@@ -181,9 +176,18 @@ def stage_boundaries(config: TransformerConfig) -> list[int]:
 
 class GPTPipelineModule(PipelineModule):
     """A ``PipelineModule`` whose stage boundaries are given (``parts``) instead of searched:
-    DeepSpeed's partitioners balance parameter counts, Megatron's layer offsets must hold."""
+    DeepSpeed's partitioners balance parameter counts, Megatron's layer offsets must hold.
 
-    def __init__(self, layers: list, *, parts: list[int], **kwargs: Any):
+    ``tie``: (the embedding group's handle, its ranks) when the word embedding and the output
+    layer share their weight: the first stage's word weight is broadcast to the last stage's
+    output weight, and ``get_tied_weights_and_groups`` hands both to the engine, which sums their
+    gradients over the group before the data-parallel reduction (as for its own ``TiedLayerSpec``;
+    Megatron's embedding group does the same). The last stage's copy is marked
+    ``ds_pipe_replicated``: norms and parameter counts take it once. A stage that holds both
+    pieces shares one parameter."""
+
+    def __init__(self, layers: list, *, parts: list[int], tie: Optional[tuple[Any, list[int]]] = None,
+                 **kwargs: Any):
         if not all(hasattr(PipelineModule, name) for name in ("_partition_layers", "_set_bounds")):
             raise RuntimeError("deepspeed.pipe.PipelineModule lacks _partition_layers/_set_bounds: unsupported "
                                "DeepSpeed version")
@@ -192,15 +196,44 @@ class GPTPipelineModule(PipelineModule):
                              f"{kwargs['topology'].get_dim('pipe')} stages")
         self._given_parts = list(parts)
         super().__init__(layers, **kwargs)
+        self.tied_weights: list[tuple[nn.Parameter, Any]] = []
+        if tie is not None:
+            self._tie_embedding(*tie)
 
     def _partition_layers(self, method: str = "uniform") -> None:
         self.parts = list(self._given_parts)
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
+    def _tie_embedding(self, group: Any, ranks: list[int]) -> None:
+        pieces = dict(self.named_children())
+        embedding, output = pieces.get("0"), pieces.get(str(self.parts[-1] - 1))
+        if embedding is not None and output is not None:   # one stage: one parameter
+            output.output_layer.weight = embedding.embedding.word_embeddings.weight
+            return
+        if embedding is None and output is None:           # a middle stage
+            return
+        weight = embedding.embedding.word_embeddings.weight if embedding is not None else output.output_layer.weight
+        with torch.no_grad():
+            dist.broadcast(weight.data, src=ranks[0], group=group)
+        weight.shared_embedding = True
+        weight.ds_pipe_replicated = output is not None
+        self.tied_weights = [(weight, group)]
+
+    def get_tied_weights_and_groups(self) -> list:
+        """DeepSpeed's hook: (weight, group) pairs whose gradients the engine all-reduces."""
+        return super().get_tied_weights_and_groups() + list(self.tied_weights)
+
+    def allreduce_tied_weight_gradients(self) -> None:
+        super().allreduce_tied_weight_gradients()
+        for weight, group in self.tied_weights:
+            if weight.grad is not None:
+                dist.all_reduce(weight.grad, group=group)
+
 
 def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups: ProcessGroups, *,
-                        vocab_size: int, max_sequence_length: int, seed: int = 0, cpu: Optional[bool] = None,
+                        vocab_size: int, max_sequence_length: int, seed: Optional[int] = None,
+                        share_embeddings_and_output_weights: bool = False, cpu: Optional[bool] = None,
                         placements: Optional[Mapping[int, Sequence[int]]] = None,
                         **pipeline_kwargs: Any) -> GPTPipelineModule:
     """This rank's stage of a GPT with MoE layers, as a DeepSpeed ``PipelineModule`` (see the
@@ -208,10 +241,14 @@ def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups
 
     ``config.pipeline_model_parallel_size`` and ``tensor_model_parallel_size`` must equal the
     layout's; ``groups`` are the plugin's groups, registered (``moe_plugin.initialize`` does both).
-    ``seed``: the model seed (dense pieces and MoE layers). ``cpu``: the CPU-friendly spec (default:
-    on a CPU accelerator). ``placements``: {global layer index: slots} of MoE layers built with
-    their experts placed (as ``gpt_moe_spec``'s). ``pipeline_kwargs`` go to ``PipelineModule`` (activation checkpointing,
-    ``dynamic_shape``, ...). Needs ``LOCAL_RANK`` in the environment, as every DeepSpeed pipeline.
+    ``seed``: the model seed (default ``torch.initial_seed()``); the stages hold the weights of
+    ``GPTModel(config, gpt_moe_spec(..., seed=seed), ...)`` built right after
+    ``torch.manual_seed(seed)`` (``seeding``). ``share_embeddings_and_output_weights``: as
+    ``GPTModel``'s argument (Megatron-LM ties unless ``--untie-embeddings-and-output-weights``).
+    ``cpu``: the CPU-friendly spec (default: on a CPU accelerator). ``placements``: {global layer
+    index: slots} of MoE layers built with their experts placed (as ``gpt_moe_spec``'s).
+    ``pipeline_kwargs`` go to ``PipelineModule`` (activation checkpointing, ``dynamic_shape``, ...).
+    Needs ``LOCAL_RANK`` in the environment, as every DeepSpeed pipeline.
     """
     clashes = [name for name in _OWN_ARGUMENTS if name in pipeline_kwargs]
     if clashes:
@@ -227,6 +264,7 @@ def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups
     if topology.get_coord(groups.rank).pipe != stage:
         raise RuntimeError(f"rank {groups.rank}: DeepSpeed's stage {topology.get_coord(groups.rank).pipe} is not "
                            f"the pipeline rank {stage}")
+    seed = resolve_seed(seed)
     ranges = stage_layers(config)
     # Specs are pure descriptions: the layer spec is the same for every layer, the final norm's is
     # the block's (taken from a stage that has layers: Megatron's list has one spec per layer).
@@ -234,17 +272,19 @@ def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups
     block = gpt_moe_spec(moe_config, config, groups, seed=seed, cpu=cpu, pp_rank=with_layers, placements=placements)
     layer_spec, norm_spec = block.layer_specs[0], block.layer_norm
     num = config.num_layers
-    pieces: list = [LayerSpec(EmbeddingPipe, config, vocab_size, max_sequence_length, piece_seed(seed, 0))]
+    tied = share_embeddings_and_output_weights
+    pieces: list = [LayerSpec(EmbeddingPipe, config, vocab_size, max_sequence_length, seed)]
     stage_of = {i: s for s, r in enumerate(ranges) for i in r}
     for i in range(num):
-        pieces.append(LayerSpec(TransformerLayerPipe, config, layer_spec, i, ranges[stage_of[i]].start,
-                                piece_seed(seed, 1 + i)))
-    pieces.append(LayerSpec(FinalNormPipe, config, norm_spec, piece_seed(seed, num + 1)))
-    pieces.append(LayerSpec(OutputLayerPipe, config, vocab_size, piece_seed(seed, num + 2)))
+        pieces.append(LayerSpec(TransformerLayerPipe, config, layer_spec, i, ranges[stage_of[i]].start))
+    pieces.append(LayerSpec(FinalNormPipe, config, norm_spec))
+    pieces.append(LayerSpec(OutputLayerPipe, config, vocab_size, max_sequence_length, seed, tied))
     if groups.rank == 0:
-        logger.info("GPT pipeline: %d stages, layers per stage %s, MoE layers %s", sizes.pp,
-                    [(r.start, r.stop) for r in ranges], [i for i in range(num) if moe_config.is_moe_layer(i)])
-    return GPTPipelineModule(pieces, parts=stage_boundaries(config), topology=topology, loss_fn=gpt_loss,
+        logger.info("GPT pipeline: %d stages, layers per stage %s, MoE layers %s, embeddings %s", sizes.pp,
+                    [(r.start, r.stop) for r in ranges], [i for i in range(num) if moe_config.is_moe_layer(i)],
+                    "tied" if tied else "untied")
+    tie = (groups.handles.get("embedding"), groups.ranks("embedding")) if tied else None
+    return GPTPipelineModule(pieces, parts=stage_boundaries(config), topology=topology, loss_fn=gpt_loss, tie=tie,
                              **pipeline_kwargs)
 
 
@@ -286,5 +326,5 @@ def pipeline_state_dict_key(gpt_key: str, num_layers: int) -> str:
 
 
 __all__ = ["EmbeddingPipe", "FinalNormPipe", "GPTPipelineModule", "OutputLayerPipe", "TransformerLayerPipe",
-           "gpt_loss", "gpt_pipeline_module", "gpt_state_dict_key", "piece_seed", "pipeline_state_dict_key",
+           "gpt_loss", "gpt_pipeline_module", "gpt_state_dict_key", "pipeline_state_dict_key",
            "stage_boundaries", "stage_layers"]
