@@ -53,7 +53,8 @@ def test_layer_reference_and_planner_use_it():
     assert Router(config, hidden_size=H).capacity(T) == 55
     router_EH = torch.zeros(E, H)
     router_EH[0, 0], router_EH[1, 0] = 2.0, 1.0          # every token: expert 0 first, expert 1 second
-    params = {"router.weight": router_EH, "experts.weight1": torch.randn(E, H, F), "experts.weight2": torch.randn(E, F, H)}
+    params = {"router.weight": router_EH, "experts.weight1": torch.randn(E, H, F),
+              "experts.weight2": torch.randn(E, F, H)}
     ref = reference_moe(torch.ones(T, H), params, config, training=True)
     assert ref.capacities == [55] and ref.kept_per_expert[:2] == [55, 55]
     model = ModelSpec(layers=2, hidden=8, ffn=16, heads=2, vocab=16, seq=100, experts=E, top_k=2,

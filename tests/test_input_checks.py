@@ -228,6 +228,10 @@ def test_example_truncated_bin_names_the_file(tmp_path, monkeypatch, capsys):
     (lambda idx: b"", r"\.idx: got 0 bytes; expected at least 34 bytes"),
     (lambda idx: b"garbage!!" + idx[9:], r"\.idx: got header b'garbage!!'; expected the header"),
     (lambda idx: idx[:-8], r"\.idx: got \d+ bytes; expected \d+: its header promises 20 sequences and 21 document"),
+    (lambda idx: idx[:-8] + (99).to_bytes(8, "little"), r"\.idx: got document bounds 0\.\.99; expected document "
+                                                         r"bounds rising from 0 to the 20 sequences"),
+    (lambda idx: idx[:34 + 80] + (3).to_bytes(8, "little") + idx[34 + 88:], r"\.idx: got byte offset 3 of sequence 0; "
+                                                                           r"expected 0, the sum of the lengths"),
 ])
 def test_damaged_index_names_the_file(tmp_path, damage, message):
     from moe_plugin.data import read_indexed
@@ -296,7 +300,8 @@ def test_launcher_two_ranks_one_line_status_2_no_group(tmp_path):
     config = tmp_path / "job" / "ds4.json"
     config.parent.mkdir()
     config.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
-                                  "gradient_accumulation_steps": 1, "moe": {"num_experts": 4, "parallel": {"expert": 2}}}))
+                                  "gradient_accumulation_steps": 1,
+                                  "moe": {"num_experts": 4, "parallel": {"expert": 2}}}))
     status, output = _launch(tmp_path, str(script), str(config))
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert status == 2 and errors == ["error: train_batch_size: got 16; must equal train_micro_batch_size_per_gpu (4) "

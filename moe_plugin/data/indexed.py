@@ -89,13 +89,16 @@ def check_indexed(prefix: PathLike) -> int:
     if found != expected:
         raise ConfigError(idx, found, f"expected {expected:,}: its header promises {S:,} sequences and {D:,} document "
                           "bounds; the file is truncated or garbage", shown=f"{found:,} bytes")
-    lengths = np.memmap(idx, dtype=np.int32, mode="r", offset=IDX_HEADER.size, shape=(S,)) if S else np.zeros(0)
-    pointers = np.memmap(idx, dtype=np.int64, mode="r", offset=IDX_HEADER.size + 4 * S, shape=(S,)) if S else lengths
-    bounds = np.memmap(idx, dtype=np.int64, mode="r", offset=IDX_HEADER.size + 12 * S, shape=(D,)) if D else None
-    if S == 0 or bounds is None or D < 2 or bounds[0] != 0 or bounds[-1] != S or np.any(np.diff(bounds) < 0):
-        shown = "no sequences" if S == 0 else f"document bounds {bounds[0] if D else None}..{bounds[-1] if D else None}"
-        raise ConfigError(idx, S, f"expected at least one document and bounds rising from 0 to the {S:,} sequences",
-                          shown=shown)
+    if S == 0 or D < 2:
+        raise ConfigError(idx, S, "expected at least one document of at least one sequence",
+                          shown=f"{S:,} sequences in {max(D - 1, 0):,} documents")
+    lengths = np.memmap(idx, dtype=np.int32, mode="r", offset=IDX_HEADER.size, shape=(S,))
+    pointers = np.memmap(idx, dtype=np.int64, mode="r", offset=IDX_HEADER.size + 4 * S, shape=(S,))
+    bounds = np.memmap(idx, dtype=np.int64, mode="r", offset=IDX_HEADER.size + 12 * S, shape=(D,))
+    if bounds[0] != 0 or bounds[-1] != S or np.any(np.diff(bounds) < 0):
+        raise ConfigError(idx, (int(bounds[0]), int(bounds[-1])), f"expected document bounds rising from 0 to the "
+                          f"{S:,} sequences: the index is garbage",
+                          shown=f"document bounds {int(bounds[0]):,}..{int(bounds[-1]):,}")
     itemsize = np.dtype(getattr(np, codes[code])).itemsize
     offset = 0   # the .bin offset of the next sequence, in bytes
     for first in range(0, S, _CHUNK):
@@ -113,9 +116,10 @@ def check_indexed(prefix: PathLike) -> int:
         offset = int(starts[-1]) + int(part[-1]) * itemsize
     found = os.path.getsize(bin_)
     if found != offset:
+        state = "truncated" if found < offset else "longer"
         raise ConfigError(bin_, found, f"expected {offset:,}: {idx} lists {offset // itemsize:,} {codes[code]} tokens "
-                          f"in {S:,} sequences; the file is {'truncated' if found < offset else 'longer'} or belongs to "
-                          "another index", shown=f"{found:,} bytes")
+                          f"in {S:,} sequences; the file is {state} or belongs to another index",
+                          shown=f"{found:,} bytes")
     return offset // itemsize
 
 
