@@ -310,3 +310,25 @@ def test_launcher_two_ranks_one_line_status_2_no_group(tmp_path):
     assert "Traceback" not in output, output
     seen = [json.loads(path.read_text()) for path in sorted(config.parent.glob("rank*.json"))]
     assert seen and all(s == {"group": False} for s in seen), seen   # the launcher may stop rank 1 before it writes
+
+
+def test_initialize_says_when_gradient_accumulation_follows_the_world_size(monkeypatch, caplog):
+    """A JSON without gradient_accumulation_steps: DeepSpeed derives it from the ranks; rank 0 says so.
+    (ZeRO-2 with a pipeline stops initialize at a later check, before any group.)"""
+    import logging
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ds = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2},
+          "moe": {"num_experts": 4, "parallel": {"pipeline": 2}}}
+    for rank, gas, logged in (("0", None, 1), ("1", None, 0), ("0", 4, 0)):
+        monkeypatch.setenv("RANK", rank)
+        if gas is not None:
+            ds["gradient_accumulation_steps"] = gas
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="moe_plugin.integration.deepspeed"):
+            with pytest.raises(ConfigError, match=r"^zero_optimization\.stage: got 2; with moe\.parallel\.pipeline"):
+                moe_plugin.initialize(ds, lambda config, groups: None)
+        assert [r.getMessage() for r in caplog.records] == [
+            "global batch 16 = micro 4 x accumulation 4 x dp 1 (gradient_accumulation_steps derived): the DeepSpeed "
+            "config has no gradient_accumulation_steps, so it follows the number of ranks; write it to have another "
+            "world size refused"][:logged]

@@ -64,8 +64,9 @@ path (or flag, or file), the value found and what is valid.
   integer >= 1. A number the JSON leaves out is derived as DeepSpeed derives it and must come out
   even; a top-level key that is a near miss of one of the three names (DeepSpeed would ignore it)
   is an error. Where `gradient_accumulation_steps` is left out it follows from the world size
-  (16 = micro 4 x 1 x dp 4, but x 2 x dp 2): write all three numbers so that a JSON launched on
-  another world size is refused instead of followed.
+  (16 = micro 4 x 1 x dp 4, but x 2 x dp 2; `moe_plugin.initialize` then logs a warning on rank
+  0): write all three numbers so that a JSON launched on another world size is refused instead
+  of followed.
 - `moe_plugin.initialize` runs all of these, then the ZeRO and pipeline settings it supports;
   `moe-plugin check-config` runs them (the batch arithmetic when it knows the world size). The
   example (`examples/gpt_moe/pretrain_gpt_moe.py`) adds its flags, `moe.layers` within

@@ -65,6 +65,7 @@ expert migration under ZeRO-1/2 (``tests/test_migration.py``).
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -79,6 +80,7 @@ from torch import nn
 
 from moe_plugin.configs.batch import batch_sizes
 from moe_plugin.configs.errors import ConfigError
+from moe_plugin.configs.report import process_rank
 from moe_plugin.configs.schema import ROOT_KEY, MoEConfig, load_ds_config
 from moe_plugin.groups.adapters import GroupsMPU, register, register_with_deepspeed, unregister
 from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
@@ -94,6 +96,7 @@ from moe_plugin.integration.grad_norm import GlobalNormClipping
 from moe_plugin.integration.pipe_topology import check_topology
 from moe_plugin.integration.sp_grads import sequence_parallel_grad_hooks
 
+logger = logging.getLogger(__name__)
 ModelProvider = Callable[[MoEConfig, ProcessGroups], nn.Module]
 SUPPORTED_ZERO_STAGES = (0, 1, 2)
 PIPELINE_ZERO_STAGES = (0, 1)  # DeepSpeed's PipelineEngine asserts stage < 2
@@ -154,7 +157,10 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
     moe_config = MoEConfig.from_ds_config(ds_dict)
     zero_stage = _check_zero(ds_dict)
     sizes = moe_config.check_world_size(launcher_world_size(world_size))
-    batch_sizes(ds_dict, sizes.dp)   # what deepspeed.initialize would assert after the groups, or silently truncate
+    batch = batch_sizes(ds_dict, sizes.dp)   # what deepspeed.initialize would assert after the groups, or truncate
+    if "gradient_accumulation_steps" in batch.derived and process_rank() == 0:
+        logger.warning("%s: the DeepSpeed config has no gradient_accumulation_steps, so it follows the number of "
+                       "ranks; write it to have another world size refused", batch.describe())
     if sizes.pp > 1:
         _check_pipeline(ds_dict, moe_config, zero_stage)
     clashes = [name for name in _OWN_ARGUMENTS if name in deepspeed_kwargs]
