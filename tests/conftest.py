@@ -1,6 +1,10 @@
-"""Shared fixtures: no process group outlives a test; ``dist_run`` runs a function on N ranks."""
+"""Shared fixtures: no process group outlives a test; ``dist_run`` runs a function on N ranks;
+``launcher_port``: a free rendezvous port for a run through the ``deepspeed`` launcher, whose
+DeepSpeed shared-memory buffers (``/dev/shm``, named by the port) are removed afterwards, should
+the run have left any."""
 from __future__ import annotations
 
+import socket
 import sys
 
 import pytest
@@ -33,3 +37,18 @@ def dist_run(tmp_path):
         return run_distributed(fn, world_size, tmp_path, *args, timeout=timeout)
 
     return run
+
+
+@pytest.fixture
+def launcher_port():
+    """A free TCP port for ``deepspeed --master_port``. Afterwards the job's ``/dev/shm`` buffers
+    (DeepSpeed's CPU all-reduce, named by address and port: no other job's) are removed if any
+    remain; a test that checks the job left nothing asserts that before this runs."""
+    from moe_plugin.compat.shm_buffers import job_shm_buffers
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    yield port
+    for path in job_shm_buffers("127.0.0.1", str(port)):
+        path.unlink(missing_ok=True)

@@ -52,7 +52,8 @@ def check_run(args: argparse.Namespace, world_size: int) -> RunPlan:
 def check_flags(args: argparse.Namespace) -> None:
     """The flags on their own."""
     positive = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-                "train_iters", "eval_iters", "log_interval", "make_vocab_size_divisible_by", "corpus_bytes")
+                "train_iters", "eval_iters", "log_interval", "make_vocab_size_divisible_by", "corpus_bytes",
+                "max_skipped_steps", "distributed_timeout_minutes")
     for name in positive:
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "expected an integer >= 1")

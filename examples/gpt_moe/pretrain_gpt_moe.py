@@ -21,6 +21,12 @@ ZeRO stage and the ``"moe"`` block (experts, router, parallel layout). The scrip
    data-parallel rank's micro-batches through ``engine.forward / backward / step`` (DeepSpeed's
    gradient accumulation); validation every ``--eval-interval``; one line per ``--log-interval``
    on rank 0; ``runs/<name>/metrics.jsonl`` and, at the end, ``runs/<name>/metrics.png``.
+   After every step ``result.guard`` (``moe_plugin.integration.guard``) checks the run: a
+   non-finite gradient (fp32, bf16) or ``--max-skipped-steps`` fp16 steps skipped in a row stop it
+   on every rank, rank 0 prints one line (the step, the first parameter with a non-finite
+   gradient, the last checkpoint of ``--save``) and the exit status is 1; skipped steps are
+   counted in the log line and ``metrics.jsonl``; a step 10x slower than the median is reported.
+   A stalled rank ends in an error after ``--distributed-timeout-minutes``.
 
 With pipeline parallelism (``moe.parallel.pipeline`` > 1) the model is the same GPT cut into
 stages (``moe_plugin.integration.pipeline.gpt_pipeline_module``), the engine is DeepSpeed's
@@ -39,6 +45,8 @@ trace in the run directory); the progress line shows its switches and rank imbal
 from __future__ import annotations
 
 import argparse
+import atexit
+import datetime
 import json
 import math
 import os
@@ -93,6 +101,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="load weights, lr scheduler and step only, not the optimizer state: what a checkpoint "
                        "of another layout needs (its TP, PP or EP size, or its ZeRO stage, differ)")
     train.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states of the checkpoint")
+    train.add_argument("--max-skipped-steps", type=int, default=10,
+                       help="fp16: stop the run when this many steps in a row were skipped for overflow (fp32 and "
+                       "bf16 stop at the first non-finite gradient)")
+    train.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                       help="a collective that waits longer (a stalled or dead rank) raises an error (Megatron-LM's "
+                       "flag; torch's default would be 30)")
     train.add_argument("--router-skew", type=float, default=0.0,
                        help="bias every router towards low expert ids, offset -S*log(1+e) on the logits that choose "
                        "experts: a Zipf-like load for placement experiments (router_skew.py); 0: off")
@@ -246,7 +260,9 @@ def build_engine(args: argparse.Namespace, plan: RunPlan, data: Data):
     import moe_plugin
 
     provider = gpt_pipeline_provider if plan.sizes.pp > 1 else gpt_model_provider
-    return moe_plugin.initialize(plan.ds_config, provider(args, data.vocab_size), args=args)
+    return moe_plugin.initialize(plan.ds_config, provider(args, data.vocab_size), args=args,
+                                 timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+                                 max_skipped_steps=args.max_skipped_steps)
 
 
 # --- 4. steps ------------------------------------------------------------------------------------
@@ -426,7 +442,8 @@ def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics,
         interval_s += step_s
         interval_steps += 1
         done = step + 1
-        if not math.isfinite(loss):
+        health = result.guard.after_step(done, step_s)   # collective: non-finite gradients, skipped steps, slow step
+        if not math.isfinite(loss) and health.stopped is None:
             raise FloatingPointError(f"step {done}: the loss is {loss}; lower the learning rate or check the data")
         report = None
         if done % args.log_interval == 0 or done == args.train_iters:
@@ -439,7 +456,8 @@ def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics,
                 report["placement"] = placement.summary()
             report["peak_memory_mb"] = per_rank(peak_memory_mb(str(engine.device)), engine.device)   # collective
             interval_s, interval_steps = 0.0, 0
-        log.train(done, loss, engine.get_lr()[0], report, step_s=step_s)
+        log.train(done, loss, engine.get_lr()[0], report, step_s=step_s, skipped_steps=health.skipped_steps)
+        health.raise_if_stopped()   # TrainingStopped on every rank, the same message
         if (args.eval_interval and done % args.eval_interval == 0) or done == args.train_iters:
             log.valid(done, eval_fn(result, data, plan, args.eval_iters))
         if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters):
@@ -473,6 +491,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as err:
         return report_config_error(err)   # one line, on rank 0; status 2 on every rank
     configure_threads()
+    from moe_plugin.compat.shm_buffers import remove_shm_buffers
+    from moe_plugin.integration.guard import TrainingStopped
+
+    atexit.register(remove_shm_buffers, range(world_size))   # DeepSpeed's /dev/shm buffers, every rank's
     run_dir = Path(args.run_dir or Path("runs") / Path(args.deepspeed_config).stem)
     memory_before_mb = peak_memory_mb("cpu")   # the interpreter and the libraries, before the model
     try:
@@ -480,6 +502,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as err:   # moe_plugin.initialize's checks (batch arithmetic for this layout, ZeRO, ...)
         return report_config_error(err)
     log = TrainingLog(run_dir, enabled=result.groups.rank == 0, append=bool(args.load))
+    result.guard.log = log.info
+    result.guard.checkpoint_dir = args.save or args.load
     placement = None
     try:
         if args.router_skew or args.freeze_router:
@@ -507,6 +531,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.info(f"reached step {args.train_iters} in {time.perf_counter() - started:.1f} s")
         plot = log.plot()
         log.info(f"metrics: {log.metrics_path}" + (f"\nplot:    {plot}" if plot else ""))
+    except (TrainingStopped, FloatingPointError) as err:   # raised on every rank together
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if placement is not None:
             placement.close()

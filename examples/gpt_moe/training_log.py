@@ -1,7 +1,7 @@
 """The example's record of a run: console lines, ``metrics.jsonl`` and a PNG plot (rank 0 only).
 
     log = TrainingLog(run_dir, enabled=(rank == 0))
-    log.train(step=9, loss=3.2, lr=3e-4)                        # every step: one JSON line
+    log.train(step=9, loss=3.2, lr=3e-4, skipped_steps=0)       # every step: one JSON line
     log.train(step=10, loss=3.1, lr=3e-4, report={"tokens_per_s": 1200.0, "epoch": 0.1, **moe})  # + console
     log.valid(step=50, loss=3.4)
     png = log.plot()                     # runs/<name>/metrics.png: loss and expert imbalance
@@ -43,8 +43,9 @@ class TrainingLog:
             print(text, flush=True)
 
     def train(self, step: int, loss: float, lr: float, report: Optional[dict] = None,
-              step_s: Optional[float] = None) -> None:
-        """Record one training step (its global-batch loss; ``step_s``: its wall time). With
+              step_s: Optional[float] = None, skipped_steps: Optional[int] = None) -> None:
+        """Record one training step (its global-batch loss; ``step_s``: its wall time;
+        ``skipped_steps``: steps the engine skipped for overflow so far, in the record and the line). With
         ``report`` (the log interval's ``tokens_per_s``, ``epoch``, MoE statistics and, with
         dynamic placement, a ``placement`` summary) also print one line, whose loss is the mean
         over the steps since the previous line."""
@@ -53,6 +54,8 @@ class TrainingLog:
                   "elapsed_s": round(time.monotonic() - self._start, 3), **(report or {})}
         if step_s is not None:
             record["step_s"] = round(step_s, 5)
+        if skipped_steps is not None:
+            record["skipped_steps"] = skipped_steps
         self.write(record)
         if report is None:
             return
@@ -64,6 +67,8 @@ class TrainingLog:
             text += f" | {report['moe']}"
         if "placement" in report:
             text += f" | {report['placement']}"
+        if skipped_steps is not None:
+            text += f" | skipped {skipped_steps}"
         self.info(text)
 
     def valid(self, step: int, loss: float) -> None:

@@ -6,6 +6,7 @@
     engine, optimizer, _, lr_scheduler = moe_plugin.initialize("ds_config.json", model_provider)
     result = moe_plugin.initialize(ds_config, model_provider)   # the same, plus
     result.groups, result.moe_config, result.mpu                 # what the model was built with
+    result.guard.check(step)                                     # after each optimizer step (guard.py)
 
 Steps, in order (every rank runs them):
 
@@ -15,8 +16,10 @@ Steps, in order (every rank runs them):
    data-parallel size (``configs/batch.py``). Every mistake here is a ``ConfigError`` raised
    before any process group or file exists (``moe_plugin.exit_on_config_error()`` reports it
    once under the launcher).
-2. Initialise distributed (``deepspeed.init_distributed`` with the accelerator's backend) unless
-   it is, build the layout's process groups and register them with Megatron-Core and DeepSpeed.
+2. Initialise distributed (``deepspeed.init_distributed`` with the accelerator's backend and
+   ``timeout``) unless it is, build the layout's process groups (each with ``timeout``: a
+   collective that waits longer raises instead of hanging for torch's default 30 minutes) and
+   register them with Megatron-Core and DeepSpeed.
 3. ``model_provider(moe_config, groups)`` builds the model: it must pass ``groups`` to every
    MoE layer (``MoELayer(..., groups)``, ``gpt_moe_spec(moe_config, config, groups)``).
 4. ``expert_params.prepare_model`` gets the model ready for DeepSpeed's MoE paths,
@@ -29,6 +32,14 @@ Steps, in order (every rank runs them):
    in fp32 the plugin clips: DeepSpeed sees ``gradient_clipping`` 0 and ``GlobalNormClipping``
    (``grad_norm.py``) clips the basic optimizer's gradients by the true global norm, which
    ``engine.get_global_grad_norm()`` then reports.
+6. ``result.guard`` (``guard.TrainingGuard``): the loop calls ``result.guard.check(step)`` (or
+   ``after_step``) after each optimizer step; a non-finite gradient in fp32/bf16, or
+   ``max_skipped_steps`` fp16 steps skipped in a row, raise ``TrainingStopped`` on every rank with
+   one message (step, first parameter with a non-finite gradient, last checkpoint). Its gradient
+   hooks (``guard.GradientWatch``) go on before DeepSpeed's own, in step 4.
+7. On the CPU accelerator DeepSpeed's shared-memory all-reduce buffers (``/dev/shm``) are
+   unlinked once every rank has mapped them (``compat/shm_buffers.py``): nothing stays behind
+   when the job ends, however it ends; ``close()`` tries again.
 
 Pipeline parallelism (``moe.parallel.pipeline`` > 1): ``model_provider`` returns a DeepSpeed
 ``PipelineModule`` (``pipeline.gpt_pipeline_module``) and ``deepspeed.initialize`` gives back a
@@ -66,6 +77,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import datetime
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -78,6 +90,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 from torch import nn
 
+from moe_plugin.compat.shm_buffers import job_uses_shm, remove_shm_buffers
 from moe_plugin.configs.batch import batch_sizes
 from moe_plugin.configs.errors import ConfigError
 from moe_plugin.configs.report import process_rank
@@ -93,6 +106,7 @@ from moe_plugin.integration.expert_params import (
     follow_loss_scale,
 )
 from moe_plugin.integration.grad_norm import GlobalNormClipping
+from moe_plugin.integration.guard import GradientWatch, TrainingGuard
 from moe_plugin.integration.pipe_topology import check_topology
 from moe_plugin.integration.sp_grads import sequence_parallel_grad_hooks
 
@@ -116,6 +130,7 @@ class Initialized:
     moe_config: MoEConfig
     groups: ProcessGroups
     mpu: GroupsMPU
+    guard: Optional[TrainingGuard] = None
     _hooks: list = field(default_factory=list, repr=False)
     _closed: bool = field(default=False, repr=False)
 
@@ -133,16 +148,21 @@ class Initialized:
         self._hooks.clear()
         unregister()
         destroy_process_groups(self.groups)
+        remove_shm_buffers([self.groups.rank])   # normally gone already (initialize, step 7)
 
 
 def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: ModelProvider, *,
-               args: Any = None, world_size: Optional[int] = None, **deepspeed_kwargs: Any) -> Initialized:
+               args: Any = None, world_size: Optional[int] = None, timeout: Optional[datetime.timedelta] = None,
+               max_skipped_steps: int = 10, **deepspeed_kwargs: Any) -> Initialized:
     """Validate, build groups and model, and start DeepSpeed's engine (see the module docstring).
 
     ``ds_config``: the DeepSpeed config with its ``"moe"`` block, as a dict or JSON path; None
     reads ``args.deepspeed_config``. ``model_provider(moe_config, groups) -> nn.Module``.
     ``world_size``: the number of ranks to check the layout against; default: torch.distributed's
-    when initialised, else the launcher's ``WORLD_SIZE``, else 1. ``deepspeed_kwargs`` go to
+    when initialised, else the launcher's ``WORLD_SIZE``, else 1. ``timeout``: of every collective
+    on the default group (when ``initialize`` creates it) and on the plugin's groups (default:
+    torch's). ``max_skipped_steps``: fp16 steps skipped in a row that stop the run (``result.guard``).
+    ``deepspeed_kwargs`` go to
     ``deepspeed.initialize`` (``optimizer``, ``lr_scheduler``, ``training_data``, ...);
     ``model_parameters`` may be parameters, param-group dicts or a callable ``model -> those``,
     and is split into dense and expert groups like the default (the model's trainable parameters).
@@ -161,6 +181,11 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
     if "gradient_accumulation_steps" in batch.derived and process_rank() == 0:
         logger.warning("%s: the DeepSpeed config has no gradient_accumulation_steps, so it follows the number of "
                        "ranks; write it to have another world size refused", batch.describe())
+    if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or max_skipped_steps < 1:
+        raise ConfigError("max_skipped_steps", max_skipped_steps, "expected an integer >= 1 (fp16 steps skipped "
+                          "in a row before the run stops)")
+    if timeout is not None and (not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0):
+        raise ConfigError("timeout", timeout, "expected a positive datetime.timedelta")
     if sizes.pp > 1:
         _check_pipeline(ds_dict, moe_config, zero_stage)
     clashes = [name for name in _OWN_ARGUMENTS if name in deepspeed_kwargs]
@@ -171,10 +196,12 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
 
     # 2. Distributed, groups.
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        extra = {} if timeout is None else {"timeout": timeout}
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **extra)
     if dist.get_world_size() != sizes.world_size:
         raise ConfigError("world_size", sizes.world_size, f"torch.distributed runs {dist.get_world_size()} ranks")
-    groups = build_process_groups(RankLayout(sizes))
+    groups = build_process_groups(RankLayout(sizes), timeout=timeout)
+    watch = None
     try:
         mpu = register(groups)
         # 3, 4. Model, param groups.
@@ -190,6 +217,7 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
             check_topology(model.topology(), groups.layout)
         has_experts = prepare_model(model, moe_config, groups)
         sequence_parallel_grad_hooks(model, groups)   # before DeepSpeed's own hooks on the gradients
+        watch = GradientWatch(model)                  # the same: sees each gradient before ZeRO moves it
         if pipelined and zero_stage > 0:
             _check_experts_on_every_stage(has_experts, moe_config, groups)
         params = deepspeed_kwargs.pop("model_parameters", None)
@@ -215,12 +243,19 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         if pipelined:
             mpu = register_with_deepspeed(groups)
         _check_engine(engine, zero_stage, plugin_clips)
-        result = Initialized(engine, optimizer, loader, scheduler, moe_config, groups, mpu)
+        if job_uses_shm(sizes.world_size):
+            dist.barrier()   # every rank has mapped every rank's buffer: the names can go
+            remove_shm_buffers([groups.rank])
+        guard = TrainingGuard(engine, watch, max_skipped_steps=max_skipped_steps)
+        result = Initialized(engine, optimizer, loader, scheduler, moe_config, groups, mpu, guard)
+        result._hooks.append(watch)
         result._hooks.append(follow_loss_scale(engine, model))   # aux-loss gradient: 1/gas, fp16 loss scale
         if plugin_clips:
             result._hooks.append(GlobalNormClipping(groups, max_norm).install(engine.optimizer))
         return result
     except BaseException:
+        if watch is not None:
+            watch.remove()
         unregister()
         destroy_process_groups(groups)
         raise

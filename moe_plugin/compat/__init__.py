@@ -1,0 +1,6 @@
+"""Every touch of DeepSpeed's or Megatron-Core's private state, behind a named function, one file
+per upstream concern, each with a version-guard test:
+
+* ``shm_buffers``: the shared-memory all-reduce buffers DeepSpeed's CPU accelerator creates in
+  ``/dev/shm`` (their names; ``remove_shm_buffers`` for a job's own).
+"""

@@ -1,0 +1,277 @@
+"""``TrainingGuard``: a run that stops learning stops, with one message on every rank.
+
+    result = moe_plugin.initialize(ds_config, model_provider, max_skipped_steps=10)
+    result.guard.checkpoint_dir = "ckpt"              # named in the message (its ``latest`` tag)
+    for step in range(start, iters):
+        loss = train_step(...)                         # engine.backward / engine.step, or engine.train_batch
+        health = result.guard.after_step(step + 1)     # collective: every rank, once per optimizer step
+        log(step + 1, loss, skipped=health.skipped_steps)
+        health.raise_if_stopped()                      # TrainingStopped on every rank, the same message
+    # without a log in between: result.guard.check(step + 1) does both
+
+Checked after every optimizer step (``engine.step()`` at the gradient-accumulation boundary, or
+``engine.train_batch()`` on the PipelineEngine), with one all-reduce of three numbers:
+
+* **fp32 and bf16**: a non-finite gradient is an error. Seen three ways: a non-finite global
+  gradient norm (``engine.get_global_grad_norm()``), a step DeepSpeed skipped for overflow
+  (ZeRO skips those silently but for one "OVERFLOW!" line), or a non-finite gradient that a
+  ``GradientWatch`` hook saw on any rank.
+* **fp16**: overflow is how the dynamic loss scale finds its level, so a skipped step alone is
+  not an error; ``max_skipped_steps`` (default 10) skipped *in a row* is.
+* **slow steps**: a step that takes more than ``slow_factor`` (10) times the median step so far
+  gives one line (rank 0): a stalled rank shows as a step that took minutes. A step stalled for
+  good ends at the collective timeout (``initialize(..., timeout=)``), not here.
+
+The message names the step, the first parameter (model order) whose gradient has a non-finite
+norm (a NaN or inf element, or finite values so large that their squares overflow) and the rank
+that saw it (and its MoE layer when it is an expert weight) -- or, when only the sum over all
+parameters overflowed, the parameter with the largest gradient norm -- and the last checkpoint
+(the ``latest`` tag of ``checkpoint_dir``). Every rank raises ``TrainingStopped`` with the same
+text, so a loop may print it on rank 0 and exit non-zero.
+
+Finding the parameter needs the gradients before DeepSpeed moves them into its buffers (ZeRO-2
+does so in backward) or zeroes them (at the step): ``GradientWatch`` registers a post-accumulate
+hook on every trainable parameter, which ``moe_plugin.initialize`` installs before DeepSpeed's own
+(hooks run in registration order). Each hook adds one reduction of the gradient (its fp32 norm,
+kept as the largest of the step's micro-batches) into a small tensor, no device sync; the norms
+are read once per step by ``after_step``.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+SLOW_FACTOR = 10.0     # a step this many times the median so far is logged
+SLOW_MIN_STEPS = 3     # steps timed before the median counts
+
+
+class TrainingStopped(RuntimeError):
+    """Raised on every rank by ``StepHealth.raise_if_stopped`` / ``TrainingGuard.check``."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+class GradientWatch:
+    """Post-accumulate gradient hooks that keep each parameter's largest gradient norm since the
+    last ``reset`` (``norm_P``, on the parameters' device; no sync in backward)."""
+
+    def __init__(self, model: nn.Module):
+        from moe_plugin.layers import MoELayer
+
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.names = [name for name, _ in named]
+        moe_layers = [prefix for prefix, module in model.named_modules() if isinstance(module, MoELayer)]
+        self.moe_layer = [next((m for m in moe_layers if name.startswith(m + ".")), None) for name in self.names]
+        device = named[0][1].device if named else torch.device("cpu")
+        self.norm_P = torch.zeros(len(named), dtype=torch.float32, device=device)
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, (_, p) in enumerate(named)]
+
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is not None:
+                norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32).to(self.norm_P.device)
+                self.norm_P[index] = torch.maximum(self.norm_P[index], norm)   # NaN stays NaN
+        return hook
+
+    def first_bad(self) -> Optional[int]:
+        """Index (model order) of the first parameter with a non-finite gradient norm, or None (syncs)."""
+        flagged = (~torch.isfinite(self.norm_P)).nonzero()
+        return int(flagged[0, 0]) if flagged.numel() else None
+
+    def largest(self) -> tuple[Optional[int], float]:
+        """(index, norm) of the parameter with the largest gradient norm; (None, 0.0) without any."""
+        if not len(self.names):
+            return None, 0.0
+        value, index = self.norm_P.max(dim=0)
+        return int(index), float(value)
+
+    def describe(self, index: int) -> str:
+        layer = self.moe_layer[index]
+        return self.names[index] + (f" (an expert weight of the MoE layer {layer})"
+                                     if layer and ".experts." in self.names[index] else
+                                     f" (in the MoE layer {layer})" if layer else "")
+
+    def reset(self) -> None:
+        self.norm_P.zero_()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+@dataclass
+class StepHealth:
+    """What ``after_step`` found: ``skipped`` (this step was skipped for overflow),
+    ``skipped_steps`` (the engine's total), ``consecutive_skips``, ``step_s``, ``slow`` (the
+    slow-step line or None) and ``stopped`` (the message, or None)."""
+
+    step: int
+    skipped: bool
+    skipped_steps: int
+    consecutive_skips: int
+    step_s: Optional[float] = None
+    slow: Optional[str] = None
+    stopped: Optional[str] = None
+
+    def raise_if_stopped(self) -> None:
+        if self.stopped is not None:
+            raise TrainingStopped(self.stopped, self.step)
+
+
+class TrainingGuard:
+    """Checks the engine after each optimizer step (see the module docstring).
+
+    ``engine``: DeepSpeed's engine or PipelineEngine (or anything with ``fp16_enabled()``,
+    ``was_step_applied()``, ``skipped_steps`` and ``get_global_grad_norm()``). ``watch``: the
+    ``GradientWatch`` on its model, or None (then no parameter is named). ``max_skipped_steps``:
+    fp16 steps skipped in a row that stop the run. ``log``: where the slow-step line goes
+    (default: printed on rank 0). ``clock``: seconds, for the step time when ``after_step`` is
+    given none."""
+
+    def __init__(self, engine: Any, watch: Optional[GradientWatch] = None, *, max_skipped_steps: int = 10,
+                 checkpoint_dir: Optional[str] = None, slow_factor: float = SLOW_FACTOR,
+                 log: Optional[Callable[[str], None]] = None, clock: Callable[[], float] = time.perf_counter):
+        if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or max_skipped_steps < 1:
+            raise ValueError(f"max_skipped_steps: got {max_skipped_steps!r}; expected an integer >= 1")
+        self.engine = engine
+        self.watch = watch
+        self.max_skipped_steps = max_skipped_steps
+        self.checkpoint_dir = checkpoint_dir
+        self.slow_factor = slow_factor
+        self.log = log if log is not None else _print_on_rank0
+        self.clock = clock
+        self.consecutive_skips = 0
+        self._times: list[float] = []   # sorted step times so far
+        self._last = clock()
+
+    def check(self, step: int, step_s: Optional[float] = None) -> StepHealth:
+        """``after_step`` and ``raise_if_stopped``."""
+        health = self.after_step(step, step_s)
+        health.raise_if_stopped()
+        return health
+
+    def after_step(self, step: int, step_s: Optional[float] = None) -> StepHealth:
+        """Collective (every rank, after each optimizer step). ``step``: the step just done, as the
+        loop counts it (for the messages). ``step_s``: its time (default: since the previous call)."""
+        fp16 = bool(self.engine.fp16_enabled())
+        skipped = not self.engine.was_step_applied()
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else None
+        first = self.watch.first_bad() if self.watch is not None else None
+        rank, world = _rank_and_world()
+        # Agree: the lowest rank that saw a non-finite gradient, any skipped step, any bad norm.
+        flags = [world - rank if first is not None else 0, int(skipped), int(norm is not None and not math.isfinite(norm))]
+        if world > 1:
+            flags = _all_max(flags, self.watch.norm_P.device if self.watch is not None else None)
+        culprit_rank = world - flags[0] if flags[0] else None
+        skipped, bad_norm = bool(flags[1]), bool(flags[2])
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        health = StepHealth(step, skipped, int(self.engine.skipped_steps), self.consecutive_skips)
+        health.step_s, health.slow = self._time(step, step_s)
+        if health.slow is not None:
+            self.log(health.slow)
+        if fp16:
+            failed = self.consecutive_skips >= self.max_skipped_steps
+        else:
+            failed = culprit_rank is not None or skipped or bad_norm
+        if failed:
+            where = self._where(culprit_rank, first, rank, world)
+            if fp16:
+                what = (f"{self.consecutive_skips} steps in a row skipped for overflowing fp16 gradients "
+                        f"(max_skipped_steps {self.max_skipped_steps}{_loss_scale(self.engine)})")
+            else:
+                what = f"non-finite gradients (global gradient norm {norm if norm is not None else 'not computed'}" + \
+                       (", the step was skipped)" if skipped else ")")
+            health.stopped = (f"step {step}: {what}; {where}; last checkpoint: "
+                              f"{self._last_checkpoint()}. Training stopped: lower the learning rate or check the "
+                              "data, and resume from the checkpoint")
+        if self.watch is not None:
+            self.watch.reset()
+        return health
+
+    def _time(self, step: int, step_s: Optional[float]) -> tuple[float, Optional[str]]:
+        now = self.clock()
+        if step_s is None:
+            step_s = now - self._last
+        self._last = now
+        slow = None
+        if len(self._times) >= SLOW_MIN_STEPS:
+            n = len(self._times)
+            median = (self._times[(n - 1) // 2] + self._times[n // 2]) / 2
+            if step_s > self.slow_factor * median:
+                slow = (f"step {step}: took {step_s:.2f} s, {step_s / median:.0f}x the median step so far "
+                        f"({median:.3f} s); a rank may have stalled (swapping, a stopped process, a slow disk)")
+        bisect.insort(self._times, step_s)
+        return step_s, slow
+
+    def _where(self, culprit_rank: Optional[int], first: Optional[int], rank: int, world: int) -> str:
+        """The parameter to name (collective when ``world`` > 1; only on the way to a stop)."""
+        if self.watch is None:
+            return "parameter not tracked (no GradientWatch)"
+        if culprit_rank is not None:
+            name = self.watch.describe(first) if culprit_rank == rank and first is not None else None
+            if world > 1:
+                box = [name]
+                dist.broadcast_object_list(box, src=culprit_rank)
+                name = box[0]
+            return f"first parameter with a non-finite gradient norm: {name} on rank {culprit_rank}"
+        # No parameter's own norm overflowed, their sum did (or the reduction did): the largest one.
+        index, value = self.watch.largest()
+        mine = [(value, rank, self.watch.describe(index) if index is not None else None)]
+        if world > 1:
+            every = [None] * world
+            dist.all_gather_object(every, mine[0])
+            mine = every
+        value, where, name = max(mine, key=lambda item: (item[0], -item[1]))
+        return (f"no parameter's gradient norm alone is non-finite; the largest: {name} on rank {where} "
+                f"({value:.3g})")
+
+    def _last_checkpoint(self) -> str:
+        if self.checkpoint_dir is None:
+            return "none (no checkpoint directory)"
+        from moe_plugin.integration.checkpoint_meta import CheckpointError, read_latest
+
+        try:
+            return f"{self.checkpoint_dir}/{read_latest(self.checkpoint_dir)}"
+        except CheckpointError:
+            return f"none saved in {self.checkpoint_dir}"
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_max(values: list[int], device: Optional[torch.device]) -> list[int]:
+    if device is None:
+        from deepspeed.accelerator import get_accelerator
+
+        device = get_accelerator().current_device_name()
+    flags = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags.tolist()
+
+
+def _loss_scale(engine: Any) -> str:
+    scale = getattr(getattr(engine, "optimizer", None), "loss_scale", None)
+    return f", loss scale now {scale:g}" if isinstance(scale, (int, float)) else ""
+
+
+def _print_on_rank0(text: str) -> None:
+    if _rank_and_world()[0] == 0:
+        print(text, flush=True)
+
+
+__all__ = ["GradientWatch", "StepHealth", "TrainingGuard", "TrainingStopped"]
