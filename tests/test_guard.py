@@ -307,11 +307,14 @@ def test_example_huge_lr_stops_with_one_line_and_leaves_no_shm(tmp_path, launche
     assert _job_buffers(launcher_port) == []
 
 
-def _fp16_child(rank: int, world_size: int, argv: list) -> dict:
-    """The example's ``main`` on a spawned rank (as the launcher would start it). DeepSpeed refuses
-    fp16 on a CPU without AVX512-FP16 (its sanity check asks mkldnn); torch computes fp16 on any
-    CPU, so the check is answered yes here."""
+def _main_child(rank: int, world_size: int, argv: list) -> dict:
+    """The example's ``main`` on a spawned rank (as the launcher would start it), with what it
+    printed (the fork server's descriptors are those of the test that started it, so capfd cannot
+    be relied on). DeepSpeed refuses fp16 on a CPU without AVX512-FP16 (its sanity check asks
+    mkldnn); torch computes fp16 on any CPU, so the check is answered yes here."""
+    import contextlib
     import importlib.util
+    import io
 
     from deepspeed.accelerator import get_accelerator
 
@@ -321,26 +324,48 @@ def _fp16_child(rank: int, world_size: int, argv: list) -> dict:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return {"status": module.main(argv)}
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = module.main(argv)
+    return {"status": status, "out": out.getvalue(), "err": err.getvalue()}
 
 
-def test_example_fp16_stops_after_max_skipped_steps(tmp_path, capfd):
+def _error_lines(results: list) -> list[str]:
+    return [line for r in results for line in (r["out"] + r["err"]).splitlines() if line.startswith("error: ")]
+
+
+def test_example_fp16_stops_after_max_skipped_steps(tmp_path):
     """A loss scale of 2^32 overflows fp16 at every step (the scale halves once per skipped step):
     with ``--max-skipped-steps 3`` the run stops at step 3, status 1 on every rank."""
     config = _config(tmp_path, "fp16", fp16={"enabled": True, "initial_scale_power": 32, "hysteresis": 1})
     argv = ["--deepspeed_config", str(config), *TINY, "--train-iters", "20", "--max-skipped-steps", "3",
             "--run-dir", str(tmp_path / "run"), "--data-cache", str(tmp_path / "data")]
-    results = run_distributed(_fp16_child, 2, tmp_path, argv, timeout=300)
+    results = run_distributed(_main_child, 2, tmp_path, argv, timeout=300)
     assert [r["status"] for r in results] == [1, 1]
-    out = capfd.readouterr()
-    errors = [line for line in (out.out + out.err).splitlines() if line.startswith("error: ")]
+    errors = _error_lines(results)
     assert len(errors) == 1 and errors[0].startswith(
         "error: step 3: 3 steps in a row skipped for overflowing fp16 gradients (max_skipped_steps 3, loss scale now "
     ), errors
     assert "parameter with a non-finite gradient norm: " in errors[0] and "last checkpoint: none" in errors[0]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["skipped_steps"]) for r in records] == [(1, 1), (2, 2), (3, 3)]
-    assert "| skipped 3" in out.out
+    assert "| skipped 3" in results[0]["out"]
+
+
+def test_example_pipeline_engine_stops_too(tmp_path):
+    """pp 2 (DeepSpeed's PipelineEngine, ``engine.train_batch``): lr 1000 stops the run the same way."""
+    optimizer = {"type": "AdamW", "params": {"lr": 1000.0, "torch_adam": True}}
+    moe = json.loads((REPO / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json").read_text())["moe"]
+    config = _config(tmp_path, "pp2", optimizer=optimizer, scheduler={"type": "WarmupLR", "params": {
+        "warmup_min_lr": 1000.0, "warmup_max_lr": 1000.0, "warmup_num_steps": 1}}, train_batch_size=4,
+        moe={**moe, "layer_interval": 1, "parallel": {"pipeline": 2}})
+    argv = ["--deepspeed_config", str(config), *TINY, "--train-iters", "30", "--run-dir", str(tmp_path / "run"),
+            "--data-cache", str(tmp_path / "data")]
+    results = run_distributed(_main_child, 2, tmp_path, argv, timeout=300)
+    assert [r["status"] for r in results] == [1, 1]
+    errors = _error_lines(results)
+    assert len(errors) == 1 and " non-finite gradients (global gradient norm " in errors[0], errors
+    assert " on rank " in errors[0] and "; last checkpoint: none (no checkpoint directory)." in errors[0]
 
 
 def test_example_success_leaves_no_shm(tmp_path, launcher_port):

@@ -20,5 +20,10 @@ fi
 source "$HERE/tiny_model_flags.sh"
 cd "$ROOT"
 export PATH="$ROOT/.venv/bin:$PATH"   # the launcher starts the ranks with the python it finds first
-exec deepspeed --num_gpus "$RANKS" examples/gpt_moe/pretrain_gpt_moe.py \
+# DeepSpeed's CPU all-reduce buffers in /dev/shm are named by user, address, port and rank. The
+# plugin unlinks them once every rank has mapped them; when the job ends, this removes what a job
+# killed before that point left (this job's port only: a concurrent job runs on another port).
+PORT="${MASTER_PORT:-29500}"
+trap 'rm -f /dev/shm/deepspeed_allreduce_buffer_"$(id -u)"_127.0.0.1_"$PORT"_*' EXIT
+deepspeed --master_port "$PORT" --num_gpus "$RANKS" examples/gpt_moe/pretrain_gpt_moe.py \
     --deepspeed_config "examples/gpt_moe/configs/$CONFIG.json" "${TINY_MODEL_FLAGS[@]}" "$@"

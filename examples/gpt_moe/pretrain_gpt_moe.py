@@ -399,10 +399,19 @@ def save_checkpoint(run, directory: str, step: int) -> None:
 
 def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = True) -> int:
     """Resume from the ``latest`` tag of ``directory``; returns the number of steps already trained.
-    ``optimizer=False`` (``--no-load-optim``): weights only, e.g. into another parallel layout."""
-    from moe_plugin.integration.checkpoint import CheckpointError
+    ``optimizer=False`` (``--no-load-optim``): weights only, e.g. into another parallel layout.
+    A missing or empty ``directory`` starts from scratch (0), as Megatron-LM does: a first run may
+    name its ``--save`` directory in ``--load``. One that holds a tag but no ``latest`` is an error."""
+    import torch.distributed as dist
+
+    from moe_plugin.integration.checkpoint import CheckpointError, checkpoint_exists
     from moe_plugin.integration.checkpoint import load_checkpoint as load
 
+    if not checkpoint_exists(directory):
+        if dist.get_rank() == 0:
+            print(f"--load {directory}: no checkpoint there (missing or empty directory); starting from scratch",
+                  flush=True)
+        return 0
     try:
         _path, client_state = load(run, directory, load_optimizer_states=optimizer, load_rng_states=rng)
     except CheckpointError as err:
