@@ -8,6 +8,7 @@
     moe-plugin plan --model MODEL.json --cluster CLUSTER.json [--trace FILE] [--out DIR] [--top N]
     moe-plugin plan --calibrate out.json [--ranks 4] | --validate [--ranks 4,8]
     moe-plugin report RUN_DIR [RUN_DIR ...] [--out DIR]
+    moe-plugin export CKPT_DIR --out DIR [--tag TAG]
 
 A bad config or bad sizes exit with status 2 and one line ``error: <message>`` on stderr (rank 0
 only, when started by a launcher). ``check-config`` with a world size also checks DeepSpeed's
@@ -110,6 +111,12 @@ def report(args: argparse.Namespace) -> None:
         print(path)
 
 
+def export(args: argparse.Namespace) -> None:
+    from moe_plugin.integration.checkpoint_export import export_checkpoint
+
+    export_checkpoint(args.checkpoint, args.out, tag=args.tag, progress=lambda line: print(line, flush=True))
+
+
 def _show_layout(rank_layout: RankLayout) -> None:
     print(rank_layout.table())
     print("\nGroups each rank joins:")
@@ -156,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="a --run-dir of the example")
     runs.add_argument("--out", type=Path, default=None, help="where to write (default: the first RUN_DIR)")
     runs.set_defaults(run=report)
+
+    dump = commands.add_parser("export", help="a checkpoint of any layout as one fp32 state dict of the 1-rank "
+                               "GPTModel (safetensors) and its config (JSON)")
+    dump.add_argument("checkpoint", type=Path, metavar="CKPT_DIR", help="a --save directory (moe_plugin checkpoint)")
+    dump.add_argument("--out", type=Path, required=True, help="where model.safetensors and config.json go")
+    dump.add_argument("--tag", default=None, help="the tag to export (default: the one CKPT_DIR/latest names)")
+    dump.set_defaults(run=export)
 
     add_bench_parser(commands, bench_layer, bench_step)
     add_plan_parser(commands, plan)

@@ -34,7 +34,7 @@ expert shards of the other EP ranks are lost. The PipelineEngine takes the same 
 On disk (``tag`` a directory of ``save_dir``)::
 
     save_dir/latest                         the last committed tag (written last, atomically)
-    save_dir/TAG/moe_plugin.json            metadata (written last inside the tag)
+    save_dir/TAG/moe_plugin.json            metadata, checksums of the other files (written last inside the tag)
     save_dir/TAG/mp_rank_XX_model_states.pt ... DeepSpeed's own files (XX: the model-parallel slice,
                                             with a pipeline (stage, TP rank); optimizer, ZeRO partitions)
     save_dir/TAG/experts/expert_{id:05d}_pp_{stage:02d}.pt   one full expert per global id and stage
@@ -42,8 +42,15 @@ On disk (``tag`` a directory of ``save_dir``)::
 
 Atomicity: everything is written into ``save_dir/.tmp-TAG``; after a barrier rank 0 renames it
 to ``TAG`` and then replaces ``latest``. A run killed during a save leaves the previous tag and
-``latest`` as they were (the next save removes the stale temporary directory). All ranks must
-see the same file system.
+``latest`` as they were (the next save or load removes the stale temporary directories:
+``checkpoint_files.remove_stale``). All ranks must see the same file system.
+
+Integrity (``checkpoint_files``): the metadata records the size and sha256 of every file of the
+tag, hashed once by one rank each after all are written; a load checks them (each rank a share)
+before anything is read, and every file is read through ``read_torch`` / ``read_json``, so a
+damaged, truncated or garbled file is a ``CheckpointError`` naming it on every rank.
+``checkpoint_exists`` tells a missing or empty directory (start from scratch) from one whose
+checkpoint is broken. ``checkpoint_export`` writes any checkpoint as the 1-rank model's state dict.
 
 Resharding: the expert layout (EP, ETP, and with them DP/EDP at the same world size) may change,
 with or without a pipeline: experts are cut again from the global-id files of their stage. The
@@ -65,6 +72,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -75,6 +83,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_plugin.integration.checkpoint_keys import KIND_KEY, running_state
 from moe_plugin.integration.checkpoint_meta import (
     EXPERT_DIR,
     LATEST,
@@ -94,6 +103,15 @@ from moe_plugin.integration.checkpoint_meta import (
     saved_model_files,
     saved_stages,
 )
+from moe_plugin.integration.checkpoint_files import (
+    OLD_PREFIX,
+    TMP_PREFIX,
+    checksums,
+    read_torch,
+    remove_stale,
+    remove_stale_collective,
+    verify,
+)
 from moe_plugin.integration.checkpoint_state import (
     expert_files,
     experts_into_load,
@@ -105,8 +123,8 @@ from moe_plugin.integration.checkpoint_state import (
 )
 from moe_plugin.integration.tp_shard import join_dense_tp, shard_state_dict
 
-TMP_PREFIX = ".tmp-"
 MODEL_FILE = re.compile(r"mp_rank_\d+_model_states\.pt")
+RECOVERY_SCRIPT = re.compile(r"zero_to_\w+\.py")   # DeepSpeed copies these beside the tags at every save
 
 
 def _write(obj: Any, path: str) -> None:
@@ -126,7 +144,7 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
     tmp_path = os.path.join(save_dir, tmp_tag)
     if dist.get_rank() == 0:
         os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp_path, ignore_errors=True)  # left by a save that died
+        remove_stale(save_dir)  # what saves that died left
         os.makedirs(os.path.join(tmp_path, EXPERT_DIR))
         os.makedirs(os.path.join(tmp_path, RNG_DIR))
     dist.barrier()
@@ -136,6 +154,7 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
         _write(entry, path)
     _write(rng_state(engine.module), rng_file(tmp_path, dist.get_rank()))
     dist.barrier()  # every file is written
+    meta["files"] = checksums(tmp_path)
     if dist.get_rank() == 0:
         _write_text(os.path.join(tmp_path, META_FILE), json.dumps(meta, indent=1))
         _commit(save_dir, tag, tmp_tag, save_latest)
@@ -163,7 +182,7 @@ def _commit(save_dir: str, tag: str, tmp_tag: str, save_latest: bool) -> None:
     then point ``latest`` at it."""
     final, tmp = os.path.join(save_dir, tag), os.path.join(save_dir, tmp_tag)
     if os.path.exists(final):
-        old = os.path.join(save_dir, f".old-{tag}")
+        old = os.path.join(save_dir, OLD_PREFIX + tag)
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
         os.rename(tmp, final)
@@ -175,6 +194,33 @@ def _commit(save_dir: str, tag: str, tmp_tag: str, save_latest: bool) -> None:
 
 
 # -- load ----------------------------------------------------------------------------------------
+def checkpoint_exists(load_dir: os.PathLike | str) -> bool:
+    """Whether ``load_dir`` holds a committed checkpoint (a ``latest`` file); collective, every rank
+    gets the same answer. False for a missing or empty directory (also one holding only what an
+    interrupted first save left, DeepSpeed's recovery scripts included): a first run may name its
+    ``--save`` directory in ``--load``.
+    A directory with other entries but no ``latest`` raises ``CheckpointError``: it is not empty,
+    and starting from scratch there would hide a lost checkpoint."""
+    load_dir = os.fspath(load_dir)
+
+    def look() -> bool:
+        if not os.path.isdir(load_dir):
+            if os.path.exists(load_dir):
+                raise CheckpointError(f"{load_dir}: not a directory")
+            return False
+        entries = sorted(e for e in os.listdir(load_dir) if not e.startswith((TMP_PREFIX, OLD_PREFIX))
+                         and not RECOVERY_SCRIPT.fullmatch(e))
+        if LATEST in entries:
+            return True
+        if entries:
+            raise CheckpointError(f"{os.path.join(load_dir, LATEST)}: missing, but {load_dir} holds {entries[:4]}; "
+                                  "no checkpoint was committed there (a tag without 'latest' is not loaded "
+                                  "silently: pass its tag, or use an empty directory to start from scratch)")
+        return False
+
+    return agree(look)
+
+
 def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = None, *,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, load_rng_states: bool = True) -> tuple[str, dict]:
@@ -185,25 +231,35 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     size, tp, dp, pp and order; EP and ETP may differ)."""
     engine, groups = run.engine, run.groups
     load_dir = os.fspath(load_dir)
+    remove_stale_collective(load_dir)
     tag = agree(lambda: tag if tag is not None else read_latest(load_dir))
     path = os.path.join(load_dir, tag)
     meta = agree(lambda: check_fits(run, path, tag))
-    resharded = meta["layout"] != layout(groups) or meta["zero_stage"] != engine.zero_optimization_stage()
+    verify(path, meta)   # every file against its checksum, before anything is read
+    resharded = (meta["layout"] != layout(groups) or meta["zero_stage"] != engine.zero_optimization_stage()
+                 or KIND_KEY in meta)
     optimizer_follows = load_optimizer_states and not load_module_only
     recut_optimizer = False
     if resharded and optimizer_follows:
         agree(lambda: check_optimizer_can_follow(run, meta))
         recut_optimizer = True
     experts, expert_moments = agree(lambda: read_experts(run, path, meta, recut_optimizer))
+    rng_path = rng_file(path, dist.get_rank())
+    same_token_groups = all(meta["layout"][k] == layout(groups)[k] for k in TOKEN_LAYOUT_KEYS)
+    rng = agree(lambda: read_torch(rng_path) if load_rng_states and same_token_groups and os.path.isfile(rng_path)
+                else None)
     recut = dense_recut(meta, groups)
     dense, header = agree(lambda: recut_dense(run, path, meta)) if recut else ({}, {})
 
     with marker_without_local_experts(engine.module), experts_into_load(engine.module, {**dense, **experts}), \
             (_one_file_per_mp_rank(load_dir, tag, engine, dense, header) if recut
              else contextlib.nullcontext(load_dir)) as source:
-        load_path, client_state = engine.load_checkpoint(
-            source, tag, load_module_strict=True, load_optimizer_states=optimizer_follows and not resharded,
-            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        try:
+            load_path, client_state = engine.load_checkpoint(
+                source, tag, load_module_strict=True, load_optimizer_states=optimizer_follows and not resharded,
+                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        except (EOFError, OSError, RuntimeError, pickle.UnpicklingError) as exc:  # unverified checkpoints only
+            raise CheckpointError(f"{path}: DeepSpeed could not read its files ({type(exc).__name__}: {exc})") from exc
         if load_path is not None and recut:
             load_path = os.path.join(path, os.path.basename(load_path))
     if load_path is None:
@@ -211,10 +267,8 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     _check_experts_loaded(engine.module, experts, path)
     if recut_optimizer:
         load_basic_optimizer(run, path, expert_moments)
-    rng_path = rng_file(path, dist.get_rank())
-    same_token_groups = all(meta["layout"][k] == layout(groups)[k] for k in TOKEN_LAYOUT_KEYS)
-    if load_rng_states and same_token_groups and os.path.isfile(rng_path):
-        set_rng_state(engine.module, torch.load(rng_path, weights_only=False))
+    if rng is not None:
+        set_rng_state(engine.module, rng)
     dist.barrier()
     return load_path, client_state
 
@@ -227,8 +281,8 @@ def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:
     client state)."""
     full, header = {}, None
     for stage in saved_stages(meta, run.groups):
-        files = [torch.load(f, map_location="cpu", weights_only=False) for f in saved_model_files(path, meta, stage)]
-        full.update(join_dense_tp([f["module"] for f in files], run.engine.module))
+        files = [read_torch(f) for f in saved_model_files(path, meta, stage)]
+        full.update(join_dense_tp([running_state(meta, f["module"]) for f in files], run.engine.module))
         header = header or {k: v for k, v in files[0].items() if k != "module"}
     dense = shard_state_dict(full, run.engine.module, run.groups.layout, dist.get_rank(), strict=False)
     return dense, header
@@ -268,4 +322,4 @@ def _check_experts_loaded(model: nn.Module, experts: dict, path: str) -> None:
                            "version loads the module without load_state_dict (unsupported)")
 
 
-__all__ = ["CheckpointError", "load_checkpoint", "read_latest", "read_metadata", "save_checkpoint"]
+__all__ = ["CheckpointError", "checkpoint_exists", "load_checkpoint", "read_latest", "read_metadata", "save_checkpoint"]

@@ -9,6 +9,7 @@ goes on to load while another stops. Nothing here writes or changes the model.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Callable, Optional
@@ -31,6 +32,23 @@ TOKEN_LAYOUT_KEYS = ("world_size", "tp", "pp", "dp", "order")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into the running model; the message says what differs."""
+
+
+def read_json(path: str) -> Any:
+    """A JSON file of a checkpoint; failures name the path."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (ValueError, OSError) as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{path}: unreadable JSON, truncated or damaged ({type(exc).__name__}: "
+                              f"{first_line(exc)})") from exc
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"
 
 
 def expert_file(path: str, expert_id: int, stage: int) -> str:
@@ -69,8 +87,9 @@ def pp_changed(meta: dict, groups: Any) -> bool:
 
 
 def dense_recut(meta: dict, groups: Any) -> bool:
-    """Whether the dense weights must be joined and cut again (the TP or pipeline size changed)."""
-    return tp_changed(meta, groups) or pp_changed(meta, groups)
+    """Whether the dense weights must be joined and cut again (the TP or pipeline size changed, or
+    the checkpoint is of the other model kind: ``checkpoint_keys``)."""
+    return tp_changed(meta, groups) or pp_changed(meta, groups) or "kind_from" in meta
 
 
 def is_pipeline(engine: Any) -> bool:
@@ -96,15 +115,82 @@ def full_shapes(model: nn.Module, groups: Any) -> dict:
     """This rank's state-dict keys -> unsharded shapes, dense and experts apart."""
     s = groups.layout.sizes
     experts = {w.key: w.full_shape(s.etp) for w in expert_weights(model)}
-    dense = {}
+    dense, tp_split = {}, {}
     for key, value in model.state_dict(keep_vars=True).items():
         if key in experts or not isinstance(value, torch.Tensor):
             continue
         shape = list(value.shape)
         if getattr(value, "tensor_model_parallel", False):
             shape[value.partition_dim] *= s.tp
+            tp_split[key] = [int(value.partition_dim), int(getattr(value, "partition_stride", 1))]
         dense[key] = shape
-    return {"dense": dense, "experts": experts}
+    # tp_split: how each tensor-parallel entry is cut (dim, stride), for readers without the model
+    return {"dense": dense, "experts": experts, "tp_split": tp_split}
+
+
+def _json_value(value: Any) -> Any:
+    """``value`` as JSON, or ``_SKIP`` (callables, enums, process groups: not needed to rebuild)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        items = [_json_value(v) for v in value]
+        return _SKIP if any(v is _SKIP for v in items) else items
+    return _SKIP
+
+
+_SKIP = object()
+
+
+def transformer_config_dict(config: Any) -> dict:
+    """The fields of a Megatron ``TransformerConfig`` that JSON can hold (dtypes as ``"torch.float32"``),
+    and ``activation_func`` by its import path. Callables (init methods) and enums are left out:
+    rebuilding takes their defaults, which do not change the function of loaded weights."""
+    out = {}
+    for field in dataclasses.fields(config):
+        value = _json_value(getattr(config, field.name))
+        if value is not _SKIP and field.init:
+            out[field.name] = value
+    fn = getattr(config, "activation_func", None)
+    if fn is not None and getattr(fn, "__module__", None) and getattr(fn, "__qualname__", None):
+        out["activation_func"] = f"{fn.__module__}:{fn.__qualname__}"
+    return out
+
+
+def model_description(model: nn.Module) -> dict:
+    """What this rank knows of the model for rebuilding it on one rank: ``transformer_config``,
+    ``vocab_size``, ``max_sequence_length`` (from the word embedding; a pipeline's first stage),
+    ``tied`` (the word embedding and the output layer share their weight). Merged over the ranks
+    by ``merge_descriptions``."""
+    out: dict = {}
+    config = getattr(model, "config", None)
+    if config is None:
+        config = next((m.config for m in model.modules() if dataclasses.is_dataclass(getattr(m, "config", None))),
+                      None)
+    if config is not None and dataclasses.is_dataclass(config):
+        out["transformer_config"] = transformer_config_dict(config)
+    for module in model.modules():
+        if hasattr(module, "word_embeddings") and hasattr(module, "vocab_size"):
+            out["vocab_size"] = int(module.vocab_size)
+            out["max_sequence_length"] = int(module.max_sequence_length)
+            break
+    tied = getattr(model, "share_embeddings_and_output_weights", None)
+    if tied is None:  # a pipeline stage: the tie marks its copy (GPTPipelineModule)
+        tied = bool(getattr(model, "tied_weights", None)) or any(
+            getattr(p, "shared_embedding", False) for p in model.parameters())
+    out["tied"] = bool(tied)
+    return out
+
+
+def merge_descriptions(parts: list[dict]) -> dict:
+    """One model description from every rank's (``model_description``)."""
+    out: dict = {"tied": any(p.get("tied", False) for p in parts)}
+    for key in ("transformer_config", "vocab_size", "max_sequence_length"):
+        found = [p[key] for p in parts if key in p]
+        if found:
+            out[key] = found[0]
+    return out
 
 
 def metadata(run: Any, tag: str) -> dict:
@@ -113,20 +199,23 @@ def metadata(run: Any, tag: str) -> dict:
     coords = groups.layout.coords(dist.get_rank())
     per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, (coords["pp"], coords["tp"], os.path.basename(deepspeed_model_file("", engine)),
-                                      {**full_shapes(engine.module, groups), "placements": placements(engine.module)}))
+                                      {**full_shapes(engine.module, groups), "placements": placements(engine.module)},
+                                      model_description(engine.module)))
     model_files: dict = {}
-    for st, tp_rank, name, _shapes in per_rank:
+    for st, tp_rank, name, _shapes, _model in per_rank:
         model_files.setdefault(str(st), {})[tp_rank] = name
     s = groups.layout.sizes
     local = moe_config.num_experts // s.ep
     static = all(slots == list(range(len(slots)))
-                 for *_where, shapes in per_rank for slots in shapes["placements"].values())
+                 for *_where, shapes, _model in per_rank for slots in shapes["placements"].values())
     return {
         "format": FORMAT, "version": FORMAT_VERSION, "tag": tag,
         "global_steps": int(engine.global_steps), "zero_stage": int(engine.zero_optimization_stage()),
         "pipeline_module": is_pipeline(engine),
         "num_experts": moe_config.num_experts, "moe": moe_config.resolved_dict(), "layout": layout(groups),
-        "stages": {str(st): shapes for st, _tp, _name, shapes in per_rank},
+        "stages": {str(st): shapes for st, _tp, _name, shapes, _model in per_rank},
+        # what rebuilding the model on one rank needs (moe-plugin export)
+        "model": merge_descriptions([m for *_rest, m in per_rank]),
         # DeepSpeed's module file of every (stage, TP rank), in TP rank order
         "model_files": {st: [names[r] for r in sorted(names)] for st, names in model_files.items()},
         # the static placement, or per layer under "stages"/"placements" (state-dict key -> slots)
@@ -143,8 +232,16 @@ def read_latest(load_dir: os.PathLike | str) -> str:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing; no checkpoint was committed in {os.fspath(load_dir)!r} "
                               "(pass tag= to load a given one)")
-    with open(path) as f:
-        return f.read().strip()
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = ""
+    if not tag or "\x00" in tag or os.sep in tag or tag.startswith("."):
+        raise CheckpointError(f"{path}: holds {raw[:40]!r}, not the name of a tag of {os.fspath(load_dir)!r} "
+                              "(damaged; pass tag= to load a given one)")
+    return tag
 
 
 def read_metadata(load_dir: os.PathLike | str, tag: str) -> dict:
@@ -153,9 +250,8 @@ def read_metadata(load_dir: os.PathLike | str, tag: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing; {os.path.join(os.fspath(load_dir), tag)!r} is not a complete "
                               "moe_plugin checkpoint")
-    with open(path) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+    meta = read_json(path)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}; this "
                               f"moe_plugin reads {FORMAT!r} version {FORMAT_VERSION}")
     return meta
@@ -208,7 +304,7 @@ def stage_view(meta: dict, model: nn.Module, groups: Any) -> Optional[dict]:
     same index (None if there is none); after a pipeline-size change, the keys of this stage's
     model gathered from whichever saved stages held them (pipeline keys name global pieces)."""
     stage = groups.layout.coords(dist.get_rank())["pp"]
-    if not pp_changed(meta, groups):
+    if not pp_changed(meta, groups) and "kind_from" not in meta:
         saved = meta["stages"].get(str(stage))
         return None if saved is None else {**saved, "from": {k: stage for k in saved.get("experts", {})}}
     keys = set(model.state_dict().keys())
@@ -225,8 +321,8 @@ def stage_view(meta: dict, model: nn.Module, groups: Any) -> Optional[dict]:
 
 def saved_stages(meta: dict, groups: Any) -> list[int]:
     """The saved pipeline stages this rank's stage reads dense weights from: its own, or after a
-    pipeline-size change every saved stage."""
-    if pp_changed(meta, groups):
+    pipeline-size or model-kind change every saved stage."""
+    if pp_changed(meta, groups) or "kind_from" in meta:
         return list(range(meta["layout"]["pp"]))
     return [groups.layout.coords(dist.get_rank())["pp"]]
 
@@ -251,26 +347,18 @@ def local_ids(meta: dict, model: nn.Module, groups: Any) -> list[int]:
     return sorted({e for ids in saved_local_ids(meta, model, groups).values() for e in ids})
 
 
-def _engine_problems(meta: dict, engine: Any) -> list[str]:
-    saved, mine = bool(meta.get("pipeline_module", False)), is_pipeline(engine)
-    if saved == mine:
-        return []
-    kinds = {True: "a DeepSpeed PipelineModule (state keyed by piece, '0.embedding...')",
-             False: "a plain module (PipelineEngine not used)"}
-    return [f"model kind: the checkpoint is of {kinds[saved]}, the model is {kinds[mine]}; the state keys differ "
-            "(moe_plugin.integration.pipeline.gpt_state_dict_key maps one to the other)"]
-
-
 def check_fits(run: Any, path: str, tag: str) -> dict:
     """The metadata of ``path``, once it is known to fit the running model on this rank."""
     engine, groups, moe_config = run.engine, run.groups, run.moe_config
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: missing; no checkpoint tag {tag!r} there")
-    meta = read_metadata(os.path.dirname(path), tag)
+    from moe_plugin.integration.checkpoint_keys import as_running_kind   # it reads this module's errors
+
+    meta = as_running_kind(read_metadata(os.path.dirname(path), tag), is_pipeline(engine),
+                           bool(getattr(engine.module, "share_embeddings_and_output_weights", False)))
     mine = moe_config.resolved_dict()
     problems = [f"moe.{k}: {meta['moe'].get(k)!r} in the checkpoint, {mine.get(k)!r} in the model"
                 for k in MODEL_KEYS if meta["moe"].get(k) != mine.get(k)]
-    problems += _engine_problems(meta, engine)
     stage = stage_view(meta, engine.module, groups) if not problems else None
     if stage is not None:
         shapes = full_shapes(engine.module, groups)
@@ -299,7 +387,11 @@ def check_optimizer_can_follow(run: Any, meta: dict) -> None:
     if meta["zero_stage"] != stage:
         changed["ZeRO stage"] = (meta["zero_stage"], stage)
     what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
-    if "tp" in changed or "pp" in changed:
+    if "kind_from" in meta:
+        changed["model kind"] = ("PipelineModule" if meta["kind_from"] else "plain module",
+                                 "PipelineModule" if meta["pipeline_module"] else "plain module")
+        what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+    if "tp" in changed or "pp" in changed or "model kind" in changed:
         raise CheckpointError(
             f"the optimizer state cannot follow the layout change ({what}): the dense weights are re-cut for the "
             "new TP and pipeline sizes, their optimizer state is not. Load weights only: load_checkpoint(..., "

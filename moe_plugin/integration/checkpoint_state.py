@@ -24,6 +24,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
+from moe_plugin.integration.checkpoint_keys import running_state
 from moe_plugin.integration.checkpoint_meta import (
     CheckpointError,
     basic_optimizer,
@@ -33,6 +34,7 @@ from moe_plugin.integration.checkpoint_meta import (
     saved_local_ids,
     stage_view,
 )
+from moe_plugin.integration.checkpoint_files import read_torch
 from moe_plugin.integration.expert_params import DeepSpeedMoEMarker
 from moe_plugin.integration.expert_state import expert_weights, full_experts, local_experts
 from moe_plugin.layers.router import Router
@@ -90,8 +92,10 @@ def read_experts(run: Any, path: str, meta: dict, with_optimizer: bool) -> tuple
     ids_of = saved_local_ids(meta, run.engine.module, groups)
     view = stage_view(meta, run.engine.module, groups) or {}
     stage_of = {w.key: view.get("from", {}).get(w.key, coords["pp"]) for w in weights}   # saved stage per key
-    files = {(e, st): torch.load(expert_file(path, e, st), map_location="cpu", weights_only=False)
+    files = {(e, st): read_torch(expert_file(path, e, st))
              for e in local_ids(meta, run.engine.module, groups) for st in sorted(set(stage_of.values()))}
+    files = {k: {**f, "weights": running_state(meta, f.get("weights", {})),   # names of the running model kind
+                 "optimizer": running_state(meta, f.get("optimizer", {}))} for k, f in files.items()}
     for (e, st), f in files.items():
         keys = [w.key for w in weights if stage_of[w.key] == st]
         if f.get("expert_id") != e or any(k not in f["weights"] for k in keys):
@@ -152,8 +156,8 @@ def load_basic_optimizer(run: Any, path: str, moments: dict) -> None:
     which belongs to the new layout."""
     engine = run.engine
     optimizer = basic_optimizer(engine)
-    saved = torch.load(os.path.join(path, f"expp_rank_0_mp_rank_{engine.checkpoint_mp_rank:02d}_optim_states.pt"),
-                       map_location="cpu", weights_only=False)["optimizer"]
+    saved = read_torch(os.path.join(path, f"expp_rank_0_mp_rank_{engine.checkpoint_mp_rank:02d}_optim_states.pt"))[
+        "optimizer"]
     key_of = {id(w.param): w.key for w in expert_weights(engine.module)}
     state = {}
     if len(saved["param_groups"]) != len(optimizer.param_groups):

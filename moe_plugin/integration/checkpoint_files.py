@@ -1,0 +1,180 @@
+"""The files of a checkpoint tag: checksums written at save and verified at load, reads that name
+the file they fail on, and what an interrupted save leaves behind.
+
+* ``checksums(tmp_path)`` (collective, after every rank has written): every file of the tag,
+  DeepSpeed's included, hashed (sha256, read in 8 MiB chunks) once, by one rank: the files are
+  spread over the ranks by size, the digests gathered. Recorded in ``moe_plugin.json`` under
+  ``"files"`` ({path relative to the tag: {"bytes", "sha256"}}); the metadata file itself, written
+  last, is the one file not in the list (a damaged one fails to parse, or to match the model).
+* ``verify(path, meta)`` (collective, at load, before any weight is read): each recorded file is
+  checked (present, its size, its sha256) by one rank, spread the same way; every rank raises the
+  same ``CheckpointError`` naming each bad file, what was recorded and what was found.
+* ``read_torch`` / ``read_json``: a truncated or garbled file becomes a ``CheckpointError``
+  naming its path instead of a bare ``PytorchStreamReader`` or ``JSONDecodeError`` traceback.
+* ``remove_stale(directory)``: ``.tmp-TAG`` directories of saves that died, and ``.old-TAG``
+  ones of a save killed while replacing a tag of the same name (put back when ``TAG`` is gone).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import shutil
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from moe_plugin.integration.checkpoint_meta import META_FILE, CheckpointError, agree, first_line
+
+logger = logging.getLogger(__name__)
+
+CHUNK = 8 << 20
+TMP_PREFIX, OLD_PREFIX = ".tmp-", ".old-"
+# What torch.load raises on a truncated, garbled or foreign file.
+_READ_ERRORS = (RuntimeError, OSError, EOFError, pickle.UnpicklingError, ValueError, KeyError, AttributeError,
+                IndexError)
+
+
+# -- reading --------------------------------------------------------------------------------------
+def read_torch(path: str) -> Any:
+    """``torch.load`` of a checkpoint file (CPU), failures named by path."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except _READ_ERRORS as exc:
+        raise CheckpointError(f"{path}: unreadable torch file, truncated or damaged ({type(exc).__name__}: "
+                              f"{first_line(exc)})") from exc
+
+
+# -- checksums ------------------------------------------------------------------------------------
+def file_digest(path: str) -> dict:
+    """{"bytes": size, "sha256": hex digest} of ``path``, read in chunks."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def tag_files(path: str) -> dict[str, int]:
+    """{path relative to the tag: size} of every file under ``path`` but the metadata file."""
+    out = {}
+    for root, _dirs, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            relative = os.path.relpath(full, path)
+            if relative != META_FILE and not name.endswith(".part"):
+                out[relative] = os.path.getsize(full)
+    return dict(sorted(out.items()))
+
+
+def share(sizes: dict[str, int], world_size: int, rank: int) -> list[str]:
+    """The files ``rank`` hashes: largest first, each to the rank with the fewest bytes so far
+    (the same answer on every rank)."""
+    load = [0] * world_size
+    mine = []
+    for name, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner] += size
+        if owner == rank:
+            mine.append(name)
+    return mine
+
+
+def checksums(path: str) -> dict[str, dict]:
+    """Every file of the tag directory ``path``: {relative path: {"bytes", "sha256"}}. Collective;
+    call once every rank has finished writing (rank 0 lists, each rank hashes its share)."""
+    listing = [tag_files(path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(listing, src=0)
+    mine = {name: file_digest(os.path.join(path, name))
+            for name in share(listing[0], dist.get_world_size(), dist.get_rank())}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return dict(sorted((name, digest) for part in gathered for name, digest in part.items()))
+
+
+def problems(path: str, recorded: dict[str, dict], names: list[str]) -> list[str]:
+    """What is wrong with the files ``names`` of tag ``path`` against their ``recorded`` digests."""
+    out = []
+    for name in names:
+        full, expected = os.path.join(path, name), recorded[name]
+        if not os.path.isfile(full):
+            out.append(f"{full}: missing (the save recorded {expected['bytes']} bytes)")
+            continue
+        size = os.path.getsize(full)
+        if size != expected["bytes"]:
+            out.append(f"{full}: {size} bytes, the save recorded {expected['bytes']} (truncated or overwritten)")
+            continue
+        found = file_digest(full)["sha256"]
+        if found != expected["sha256"]:
+            out.append(f"{full}: sha256 {found}, the save recorded {expected['sha256']} (the content changed)")
+    return out
+
+
+def verify(path: str, meta: dict) -> None:
+    """Check every file the save recorded in ``meta["files"]`` (collective: each rank its share);
+    a ``CheckpointError`` on every rank naming the bad files. Checkpoints without the record
+    (saved before checksums existed) are loaded unverified, with a warning."""
+    recorded = meta.get("files")
+    if recorded is None:
+        if dist.get_rank() == 0:
+            logger.warning("%s: no checksums recorded (saved by an older moe_plugin); loading it unverified", path)
+        return
+    names = share({name: entry["bytes"] for name, entry in recorded.items()}, dist.get_world_size(), dist.get_rank())
+
+    def check() -> None:
+        found = problems(path, recorded, names)
+        if found:
+            raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(found))
+
+    agree(check)
+
+
+def verify_all(path: str, meta: dict) -> None:
+    """``verify`` in one process (no process group): every recorded file."""
+    recorded = meta.get("files")
+    if recorded is None:
+        logger.warning("%s: no checksums recorded (saved by an older moe_plugin); reading it unverified", path)
+        return
+    found = problems(path, recorded, sorted(recorded))
+    if found:
+        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(found))
+
+
+# -- interrupted saves ----------------------------------------------------------------------------
+def remove_stale(directory: str) -> list[str]:
+    """Remove what saves that died left in ``directory``: ``.tmp-TAG`` (unfinished) and
+    ``.old-TAG`` (a tag being replaced; renamed back to ``TAG`` if that is missing). Returns what
+    was done, one line each; call on one rank."""
+    done = []
+    if not os.path.isdir(directory):
+        return done
+    for name in sorted(os.listdir(directory)):
+        full = os.path.join(directory, name)
+        if not os.path.isdir(full):
+            continue
+        if name.startswith(TMP_PREFIX):
+            shutil.rmtree(full, ignore_errors=True)
+            done.append(f"removed {full}, left by an interrupted save")
+        elif name.startswith(OLD_PREFIX):
+            tag = os.path.join(directory, name[len(OLD_PREFIX):])
+            if os.path.exists(tag):
+                shutil.rmtree(full, ignore_errors=True)
+                done.append(f"removed {full}, left by an interrupted save")
+            else:
+                os.rename(full, tag)
+                done.append(f"restored {tag} from {full}, left by a save interrupted while replacing it")
+    for line in done:
+        logger.warning(line)
+    return done
+
+
+def remove_stale_collective(directory: str) -> Optional[list[str]]:
+    """``remove_stale`` on rank 0, the others wait for it."""
+    done = remove_stale(directory) if dist.get_rank() == 0 else None
+    dist.barrier()
+    return done

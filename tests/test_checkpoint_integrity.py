@@ -1,0 +1,425 @@
+"""Checkpoint integrity and export (``integration/checkpoint_files.py``, ``checkpoint_export.py``).
+
+One 4-rank spawn saves two checkpoints of the tiny GPT-MoE (``test_checkpoint``'s model, dropless
+routing): tp2 x ep2 under ZeRO-1 (a ``GPTModel``, untied) and pp2 x ep2 under ZeRO-1 on DeepSpeed's
+PipelineEngine (tied word embedding and output layer), then, into the running tp2 x ep2 model:
+
+* damaged copies: 8 KB of zeros inside an expert file and the optimizer file, a flipped byte in
+  DeepSpeed's model file and an rng file, truncated model and rng files, a truncated metadata
+  file (bad JSON), ``latest`` naming a missing tag: each a ``CheckpointError`` naming the file,
+  what was recorded and what was found, on every rank, with no weight changed; a checkpoint
+  without checksums (older saves) whose rng file is truncated names that file too;
+* the example's ``load_checkpoint`` (``--load``): a missing or empty directory (or one holding only
+  what a killed first save left) starts from scratch with a log line; a directory with a tag but no
+  ``latest`` is an error naming the path.
+
+In the parent, both checkpoints are exported (``export_checkpoint``; the CLI's ``moe-plugin export``
+for one) and a 1-rank spawn loads each export into a ``GPTModel`` built from its ``config.json``
+with ``gpt_moe_spec``: the evaluation loss equals the parallel model's (rtol 1e-5).
+
+A save killed by ``os._exit`` (no clean-up at all, as kill -9) while writing: two 4-rank spawns;
+the second loads (the stale ``.tmp-`` directory is removed, ``latest`` is the previous tag) and
+resumes with the uninterrupted run's losses, bit for bit.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_checkpoint import (
+    BATCH,
+    FFN,
+    GAS,
+    HIDDEN,
+    MOE,
+    SEQ,
+    VOCAB,
+    _batch,
+    _engine,
+    _entries,
+    _eval_loss,
+    _train,
+    _weights,
+)
+
+DROPLESS = {**MOE, "drop_tokens": False}
+TP_EP = {"parallel": {"tensor": 2, "expert": 2}, "stage": 1, "opt": "AdamW"}
+STEPS = 3
+ROOT = Path(__file__).resolve().parent.parent
+# name -> (file relative to the tag, damage); "optim" is the first optimizer file of the tag
+DAMAGE = {
+    "expert-zeros": ("experts/expert_00001_pp_00.pt", "zeros"),
+    "optim-zeros": ("optim", "zeros"),
+    "model-flip": ("mp_rank_01_model_states.pt", "flip"),
+    "rng-flip": ("rng/rank_00002.pt", "flip"),
+    "model-truncated": ("mp_rank_00_model_states.pt", "truncate"),
+    "rng-truncated": ("rng/rank_00003.pt", "truncate"),
+    "meta-bad-json": ("moe_plugin.json", "truncate"),
+}
+
+
+# -- inside the ranks ------------------------------------------------------------------------------
+def _pipe_engine(stage: int = 1):
+    import moe_plugin
+    from megatron.core.transformer import TransformerConfig
+
+    from moe_plugin.integration.pipeline import gpt_pipeline_module
+
+    def provide(moe_config, groups):
+        config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
+                                   pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                                   use_cpu_initialization=True, hidden_dropout=0.1, attention_dropout=0.0,
+                                   bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+                                   masked_softmax_fusion=False, apply_rope_fusion=False)
+        torch.manual_seed(1234)
+        return gpt_pipeline_module(config, moe_config, groups, vocab_size=VOCAB, max_sequence_length=SEQ, seed=5,
+                                   share_embeddings_and_output_weights=True)
+
+    cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // (2 * GAS),
+           "gradient_accumulation_steps": GAS, "steps_per_print": 10 ** 6, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
+           "zero_optimization": {"stage": stage}, "moe": {**DROPLESS, "parallel": {"pipeline": 2, "expert": 2}}}
+    return moe_plugin.initialize(cfg, provide)
+
+
+def _pipe_batches(run, step: int):
+    dp, dp_rank = run.groups.layout.sizes.dp, run.groups.rank_in("dp")
+    ids, pos, labels = _batch(step)
+    micro = BATCH // (dp * GAS)
+    rows = [slice((dp_rank * GAS + m) * micro, (dp_rank * GAS + m + 1) * micro) for m in range(GAS)]
+    return iter([((ids[r], pos[r].contiguous()), labels[r]) for r in rows])
+
+
+def _damage(tag_dir: str, target: str, how: str) -> str:
+    if target == "optim":
+        target = sorted(f for f in os.listdir(tag_dir) if f.endswith("optim_states.pt"))[0]
+    path = os.path.join(tag_dir, target)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        if how == "zeros":   # 8 KB of zeros inside the file (all of it past a small header if smaller)
+            start = min(size // 4, max(64, size - 8192))
+            f.seek(start)
+            f.write(bytes(min(8192, size - start)))
+        elif how == "flip":
+            f.seek(size // 2)
+            byte = f.read(1)[0]
+            f.seek(size // 2)
+            f.write(bytes([byte ^ 0xFF]))
+        else:
+            f.truncate(size // 2)
+    return path
+
+
+def _damaged_copy(root: str, saved: str, name: str, change) -> tuple[str, str]:
+    """A copy of checkpoint directory ``saved`` changed by ``change(tag_dir)`` (rank 0); returns
+    (copy, what change returned)."""
+    from moe_plugin.integration.checkpoint import read_latest
+
+    copy = os.path.join(root, "damaged", name)
+    out = [None]
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(saved, copy)
+        out[0] = change(os.path.join(copy, read_latest(copy)))
+    torch.distributed.broadcast_object_list(out, src=0)
+    return copy, out[0]
+
+
+def _refused(run, directory: str) -> dict:
+    from moe_plugin.integration.checkpoint import CheckpointError, load_checkpoint
+
+    before = _weights(run)
+    with pytest.raises(CheckpointError) as failure:
+        load_checkpoint(run, directory)
+    after = _weights(run)
+    return {"error": str(failure.value), "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+
+
+def _integrity(root: str, run, saved: str) -> dict:
+    out = {}
+    for name, (target, how) in DAMAGE.items():
+        directory, path = _damaged_copy(root, saved, name, lambda tag_dir: _damage(tag_dir, target, how))
+        out[name] = {**_refused(run, directory), "path": path}
+
+    def latest_to_missing_tag(tag_dir):
+        Path(tag_dir).parent.joinpath("latest").write_text("global_step999")
+        return os.path.join(Path(tag_dir).parent, "global_step999")
+
+    directory, path = _damaged_copy(root, saved, "latest-missing-tag", latest_to_missing_tag)
+    out["latest-missing-tag"] = {**_refused(run, directory), "path": path}
+
+    def unverified(tag_dir):   # an older save: no checksums; its rng file truncated
+        meta = json.loads(Path(tag_dir, "moe_plugin.json").read_text())
+        del meta["files"]
+        Path(tag_dir, "moe_plugin.json").write_text(json.dumps(meta))
+        return _damage(tag_dir, "rng/rank_00001.pt", "truncate")
+
+    directory, path = _damaged_copy(root, saved, "unverified-rng-truncated", unverified)
+    from moe_plugin.integration.checkpoint import CheckpointError, load_checkpoint
+
+    with pytest.raises(CheckpointError) as failure:
+        load_checkpoint(run, directory)
+    out["unverified-rng-truncated"] = {"error": str(failure.value), "path": path}
+    return out
+
+
+def _example_load(root: str, run) -> dict:
+    """The example's ``load_checkpoint`` (what ``--load`` calls) on missing, empty and tag-only directories."""
+    from test_example import _script
+
+    from moe_plugin.integration.checkpoint import CheckpointError
+
+    example = _script()
+    out = {}
+    empty, tag_only = os.path.join(root, "load-empty"), os.path.join(root, "load-tag-only")
+    interrupted = os.path.join(root, "load-interrupted")   # a first save killed midway
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(empty)
+        os.makedirs(os.path.join(tag_only, "step5"))
+        os.makedirs(os.path.join(interrupted, ".tmp-step5", "experts"))
+        Path(interrupted, "zero_to_fp32.py").write_text("# DeepSpeed's recovery script\n")
+    torch.distributed.barrier()
+    for name, directory in {"missing": os.path.join(root, "load-missing"), "empty": empty,
+                            "interrupted": interrupted}.items():
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            out[name] = example.load_checkpoint(run, directory)
+        out[name + "-log"] = printed.getvalue()
+    with pytest.raises(CheckpointError) as failure:
+        example.load_checkpoint(run, tag_only)
+    out["tag-only"] = str(failure.value)
+    return out
+
+
+def _child(rank: int, world_size: int, root: str) -> dict:
+    from moe_plugin.integration.checkpoint import save_checkpoint
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    results = {}
+
+    def attempt(name, fn, *args):
+        try:
+            results[name] = fn(*args)
+        except Exception:   # reported by the case's test; the next case goes on
+            results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+
+    def pipe():
+        run = _pipe_engine()
+        try:
+            for step in range(STEPS):
+                run.engine.train_batch(_pipe_batches(run, step))
+            save_checkpoint(run, os.path.join(root, "pp2ep2"))
+            return {"eval": run.engine.eval_batch(_pipe_batches(run, 999)).item()}
+        finally:
+            run.close()
+
+    attempt("pp2ep2", pipe)
+    run = _engine(TP_EP, DROPLESS)
+    try:
+        _train(run, range(STEPS))
+        save_checkpoint(run, os.path.join(root, "tp2ep2"))
+        results["tp2ep2"] = {"eval": _eval_loss(run)}
+        attempt("integrity", _integrity, root, run, os.path.join(root, "tp2ep2"))
+        attempt("example", _example_load, root, run)
+    finally:
+        run.close()
+    return results
+
+
+def _one_rank_eval(rank: int, world_size: int, export_dirs: list) -> dict:
+    """Each export loaded into a 1-rank GPTModel built from its config.json: the eval loss."""
+    import moe_plugin
+    from megatron.core.models.gpt import GPTModel
+
+    from moe_plugin.integration.checkpoint_export import exported_transformer_config, load_export
+    from moe_plugin.integration.megatron import gpt_moe_spec
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    out = {}
+    for directory in export_dirs:
+        state, config = load_export(directory)
+
+        def provide(moe_config, groups):
+            tc = exported_transformer_config(config)
+            return GPTModel(tc, gpt_moe_spec(moe_config, tc, groups), vocab_size=config["vocab_size"],
+                            max_sequence_length=config["max_sequence_length"],
+                            share_embeddings_and_output_weights=config["share_embeddings_and_output_weights"])
+
+        cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 10 ** 6,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "moe": config["moe"]}
+        run = moe_plugin.initialize(cfg, provide)
+        try:
+            missing, unexpected = run.engine.module.load_state_dict(state, strict=False)
+            out[directory] = {"missing": [k for k in missing if not k.endswith("_extra_state")],
+                              "unexpected": list(unexpected), "eval": _eval_loss(run),
+                              "tied": run.engine.module.share_embeddings_and_output_weights}
+        finally:
+            run.close()
+    return out
+
+
+# -- the checks ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from dist import run_distributed
+
+    root = tmp_path_factory.mktemp("integrity")
+    return root, run_distributed(_child, 4, root, str(root / "checkpoints"), timeout=600)
+
+
+def _case(results, name) -> list:
+    out = [r[name] for r in results[1]]
+    for r in out:
+        if isinstance(r, str):
+            pytest.fail(r, pytrace=False)
+    return out
+
+
+@pytest.mark.parametrize("name", list(DAMAGE))
+def test_damaged_file_is_named_and_nothing_loads(results, name):
+    for rank, r in enumerate(_case(results, "integrity")):
+        case = r[name]
+        assert case["path"] in case["error"], f"rank {rank}: {case['error']}"
+        assert case["unchanged"], f"rank {rank}: weights changed by a refused load"
+        if name == "meta-bad-json":
+            assert "unreadable JSON" in case["error"], case["error"]
+        elif name.endswith("truncated"):
+            assert "bytes, the save recorded" in case["error"], case["error"]
+        else:
+            assert "sha256" in case["error"] and "the save recorded" in case["error"], case["error"]
+
+
+def test_latest_naming_a_missing_tag_is_named(results):
+    for r in _case(results, "integrity"):
+        case = r["latest-missing-tag"]
+        assert f"{case['path']}: missing" in case["error"] and case["unchanged"], case["error"]
+
+
+def test_unreadable_file_of_an_unverified_checkpoint_is_named(results):
+    for r in _case(results, "integrity"):
+        case = r["unverified-rng-truncated"]
+        assert case["path"] in case["error"] and "unreadable torch file" in case["error"], case["error"]
+
+
+def test_read_torch_names_the_file(tmp_path):
+    from moe_plugin.integration.checkpoint_files import read_torch
+    from moe_plugin.integration.checkpoint_meta import CheckpointError
+
+    path = tmp_path / "x.pt"
+    torch.save({"w": torch.ones(1000)}, path)
+    path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(CheckpointError, match=f"^{path}: unreadable torch file"):
+        read_torch(str(path))
+
+
+def test_example_load_of_missing_or_empty_directory_starts_fresh(results):
+    for rank, r in enumerate(_case(results, "example")):
+        assert r["missing"] == 0 and r["empty"] == 0 and r["interrupted"] == 0
+        if rank == 0:
+            assert "no checkpoint there" in r["missing-log"] and "starting from scratch" in r["empty-log"], r
+            assert "starting from scratch" in r["interrupted-log"], r
+        assert "load-tag-only" in r["tag-only"] and "latest: missing" in r["tag-only"], r["tag-only"]
+
+
+@pytest.fixture(scope="module")
+def exported(results, tmp_path_factory):
+    """Both checkpoints exported: tp2 x ep2 by the Python API, pp2 x ep2 by the CLI."""
+    root, _ = results
+    out = tmp_path_factory.mktemp("exported")
+    from moe_plugin.integration.checkpoint_export import export_checkpoint
+
+    lines: list = []
+    export_checkpoint(root / "checkpoints" / "tp2ep2", out / "tp2ep2", progress=lines.append)
+    cli = subprocess.run([sys.executable, "-m", "moe_plugin.cli", "export", str(root / "checkpoints" / "pp2ep2"),
+                          "--out", str(out / "pp2ep2")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    return out, lines, cli.stdout
+
+
+def test_export_round_trip_gives_the_parallel_models_loss(results, exported, tmp_path):
+    from dist import run_distributed
+
+    out, lines, cli_output = exported
+    assert any("expert files" in line for line in lines) and any("writing" in line for line in lines), lines
+    assert "tied embeddings" in cli_output and "model.safetensors" in cli_output, cli_output
+    configs = {name: json.loads((out / name / "config.json").read_text()) for name in ("tp2ep2", "pp2ep2")}
+    assert configs["tp2ep2"]["share_embeddings_and_output_weights"] is False
+    assert configs["pp2ep2"]["share_embeddings_and_output_weights"] is True
+    for config in configs.values():
+        assert config["transformer_config"]["tensor_model_parallel_size"] == 1
+        assert config["moe"]["parallel"]["expert"] == 1 and config["vocab_size"] == VOCAB
+
+    evals = run_distributed(_one_rank_eval, 1, tmp_path, [str(out / "tp2ep2"), str(out / "pp2ep2")], timeout=300)[0]
+    for name in ("pp2ep2", "tp2ep2"):
+        got = evals[str(out / name)]
+        assert got["missing"] == [] and got["unexpected"] == [], got
+        parallel = _case(results, name)[0]["eval"]
+        torch.testing.assert_close(got["eval"], parallel, rtol=1e-5, atol=0)
+    assert evals[str(out / "pp2ep2")]["tied"]
+
+
+# -- a save killed midway --------------------------------------------------------------------------
+def _killed(rank: int, world_size: int, directory: str, losses_file: str) -> None:
+    """Steps 0-2, save ``step3``, steps 3-5 (their losses to ``losses_file.RANK``), then a save that
+    dies (``os._exit``, no clean-up) on every rank while writing the rng files."""
+    from moe_plugin.integration import checkpoint
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    run = _engine(RESUME_CASE)
+    _train(run, range(3))
+    checkpoint.save_checkpoint(run, directory, tag="step3")
+    torch.save(_train(run, range(3, 6)), f"{losses_file}.{rank}")
+    torch.distributed.barrier()
+    write = checkpoint._write
+
+    def dying(obj, path):
+        if os.sep + checkpoint.RNG_DIR + os.sep in path:
+            os._exit(9)
+        write(obj, path)
+
+    checkpoint._write = dying
+    checkpoint.save_checkpoint(run, directory, tag="step6")
+
+
+def _resumed(rank: int, world_size: int, directory: str) -> dict:
+    from moe_plugin.integration import checkpoint
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    out = {}
+    torch.distributed.barrier()
+    run = _engine(RESUME_CASE)
+    try:
+        checkpoint.load_checkpoint(run, directory)
+        out["entries_loaded"] = _entries(directory)
+        out["global_steps"] = run.engine.global_steps
+        out["resumed"] = _train(run, range(3, 6))
+    finally:
+        run.close()
+    return out
+
+
+RESUME_CASE = {"parallel": {"expert": 2}, "stage": 1, "opt": "AdamW"}
+
+
+def test_save_killed_midway_resumes_the_uninterrupted_run(tmp_path):
+    from dist import run_distributed
+
+    directory, losses_file = str(tmp_path / "ckpt"), str(tmp_path / "losses.pt")
+    with pytest.raises(Exception, match="exit|signal|code"):
+        run_distributed(_killed, 4, tmp_path, directory, losses_file, timeout=300)
+    assert _entries(directory) == [".tmp-step6", "latest", "step3"], _entries(directory)
+    results = run_distributed(_resumed, 4, tmp_path, directory, timeout=300)
+    for rank, r in enumerate(results):
+        uninterrupted = torch.load(f"{losses_file}.{rank}")
+        assert r["global_steps"] == 3
+        assert r["resumed"] == uninterrupted, (rank, r["resumed"], uninterrupted)
+        assert r["entries_loaded"] == ["latest", "step3"], r["entries_loaded"]
