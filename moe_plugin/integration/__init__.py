@@ -16,6 +16,9 @@
 * ``monitor``: ``ExpertMetrics``, expert load per MoE layer over a step (tokens per expert,
   imbalance, dropped fraction, aux and z loss) into DeepSpeed's monitor, and a short log line.
 * ``grad_norm``: the global gradient norm over dense, TP-sharded and expert gradients, each once.
+* ``guard``: ``TrainingGuard`` (``initialize``'s ``result.guard``), checked after every optimizer step:
+  non-finite gradients (fp32/bf16) or fp16 steps skipped in a row stop the run on every rank with
+  one message; slow-step line. ``GradientWatch``: the hooks that name the parameter.
 * ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` through DeepSpeed's engine or its
   ``PipelineEngine``, experts stored by global expert id per stage (``expert_state``), atomic tags,
   resharding of the expert layout; ``checkpoint_meta`` (metadata, fit checks), ``checkpoint_state``
