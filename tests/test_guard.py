@@ -87,8 +87,8 @@ def test_fp32_stops_at_the_first_nonfinite_gradient_naming_step_parameter_and_ch
     poison.remove()
     engine.step(norm=float("nan"))
     with pytest.raises(TrainingStopped, match=r"^step 2: non-finite gradients \(global gradient norm nan\); first "
-                                              r"parameter with a non-finite gradient norm: second.bias on rank 0; last checkpoint: "
-                                              rf"{tmp_path}/ckpt/step1\. Training stopped") as stop:
+                                              r"parameter with a non-finite gradient norm: second.bias on rank 0; "
+                                              rf"last checkpoint: {tmp_path}/ckpt/step1\. Training stopped") as stop:
         guard.check(2)
     assert stop.value.step == 2
     # the flags were reset: a clean step goes through; a step DeepSpeed skipped in fp32 stops too
@@ -126,8 +126,8 @@ def test_the_first_parameter_in_model_order_and_its_moe_layer_are_named():
     assert watch.names[first] == "moe.experts.weight1"
     assert watch.describe(first) == "moe.experts.weight1 (an expert weight of the MoE layer moe)"
     with pytest.raises(TrainingStopped, match=r"first parameter with a non-finite gradient norm: moe.experts.weight1 "
-                                              r"\(an expert weight "
-                                              r"of the MoE layer moe\) on rank 0; last checkpoint: none \(no checkpoint"):
+                                              r"\(an expert weight of the MoE layer moe\) on rank 0; last checkpoint: "
+                                              r"none \(no checkpoint"):
         TrainingGuard(FakeEngine(), watch).check(5)
     watch.remove()
 

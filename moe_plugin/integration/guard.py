@@ -171,7 +171,8 @@ class TrainingGuard:
         first = self.watch.first_bad() if self.watch is not None else None
         rank, world = _rank_and_world()
         # Agree: the lowest rank that saw a non-finite gradient, any skipped step, any bad norm.
-        flags = [world - rank if first is not None else 0, int(skipped), int(norm is not None and not math.isfinite(norm))]
+        bad_norm = norm is not None and not math.isfinite(norm)
+        flags = [world - rank if first is not None else 0, int(skipped), int(bad_norm)]
         if world > 1:
             flags = _all_max(flags, self.watch.norm_P.device if self.watch is not None else None)
         culprit_rank = world - flags[0] if flags[0] else None
@@ -191,8 +192,8 @@ class TrainingGuard:
                 what = (f"{self.consecutive_skips} steps in a row skipped for overflowing fp16 gradients "
                         f"(max_skipped_steps {self.max_skipped_steps}{_loss_scale(self.engine)})")
             else:
-                what = f"non-finite gradients (global gradient norm {norm if norm is not None else 'not computed'}" + \
-                       (", the step was skipped)" if skipped else ")")
+                shown = norm if norm is not None else "not computed"
+                what = f"non-finite gradients (global gradient norm {shown}{', the step was skipped' if skipped else ''})"
             health.stopped = (f"step {step}: {what}; {where}; last checkpoint: "
                               f"{self._last_checkpoint()}. Training stopped: lower the learning rate or check the "
                               "data, and resume from the checkpoint")
