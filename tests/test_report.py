@@ -66,6 +66,12 @@ def test_param_count_formula():
     assert as_dense.moe_layers == () and as_dense.total == as_dense.active == (embeddings + final_norm
                                                                              + 4 * attention + 4 * dense)
     assert count_params({}, MOE, v) is None and count_params(ARGS, MOE, None) is None
+    # tied (the example's default since --untie-embeddings-and-output-weights; run.json without the
+    # flag: untied): the output layer is the word embedding's weight, counted once; same FLOPs
+    tied = count_params({**ARGS, "untie_embeddings_and_output_weights": False}, MOE, v)
+    assert tied.total == count.total - v * h and tied.active == count.active - v * h
+    assert tied.flops_per_token == count.flops_per_token
+    assert count_params({**ARGS, "untie_embeddings_and_output_weights": True}, MOE, v) == count
 
 
 def test_report_writes_table_and_plots(tmp_path, capsys):

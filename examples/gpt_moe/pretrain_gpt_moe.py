@@ -83,6 +83,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--init-method-std", type=float, default=0.02)
     model.add_argument("--hidden-dropout", type=float, default=0.0)
     model.add_argument("--attention-dropout", type=float, default=0.0)
+    model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="give the output layer a weight of its own (default: tied to the word embedding, as "
+                       "Megatron-LM ties them; tied across the first and last stage under pipeline parallelism)")
     model.add_argument("--dense", action="store_true",
                        help="the dense baseline: Megatron's MLP on every layer; the \"moe\" block still gives the "
                        "parallel layout, its expert settings are unused")
@@ -222,9 +225,10 @@ def gpt_model_provider(args: argparse.Namespace, vocab_size: int):
         from moe_plugin.integration.megatron import gpt_dense_spec, gpt_moe_spec
 
         config = transformer_config(args, moe_config)
-        torch.manual_seed(args.seed)  # Megatron's dense init draws from the default generator
+        torch.manual_seed(args.seed)  # the embedding (and an untied output layer) draw from this stream
         spec = gpt_dense_spec(config) if args.dense else gpt_moe_spec(moe_config, config, groups, seed=args.seed)
-        model = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings)
+        model = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
+                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
         return skewed(args, model)
 
     return provider
@@ -243,14 +247,16 @@ def skewed(args: argparse.Namespace, model: torch.nn.Module) -> torch.nn.Module:
 
 
 def gpt_pipeline_provider(args: argparse.Namespace, vocab_size: int):
-    """The same GPT as a DeepSpeed ``PipelineModule``: this rank builds only its stage's pieces."""
+    """The same GPT as a DeepSpeed ``PipelineModule``: this rank builds only its stage's pieces, with
+    the weights ``gpt_model_provider``'s model has (``moe_plugin.integration.seeding``)."""
 
     def provider(moe_config: MoEConfig, groups):
         from moe_plugin.integration.pipeline import gpt_pipeline_module
 
-        return skewed(args, gpt_pipeline_module(transformer_config(args, moe_config), moe_config, groups,
-                                                vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
-                                                seed=args.seed))
+        return skewed(args, gpt_pipeline_module(
+            transformer_config(args, moe_config), moe_config, groups, vocab_size=vocab_size,
+            max_sequence_length=args.max_position_embeddings, seed=args.seed,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights))
 
     return provider
 

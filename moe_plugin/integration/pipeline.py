@@ -197,6 +197,7 @@ class GPTPipelineModule(PipelineModule):
         self._given_parts = list(parts)
         super().__init__(layers, **kwargs)
         self.tied_weights: list[tuple[nn.Parameter, Any]] = []
+        self.share_embeddings_and_output_weights = tie is not None   # on every stage, as GPTModel's attribute
         if tie is not None:
             self._tie_embedding(*tie)
 

@@ -1,8 +1,9 @@
 """Parameters and training FLOPs of the example's GPT-MoE, from the run's flags.
 
 The example's GPT is Megatron-Core's ``GPTModel`` with learned absolute positions, LayerNorm,
-biased attention and dense-MLP linears, and an output layer of its own (not tied to the word
-embedding). With V the padded vocabulary, P the position embeddings, h the hidden size, f the
+biased attention and dense-MLP linears, and an output layer that shares the word embedding's
+weight (Megatron-LM's default) or, with ``--untie-embeddings-and-output-weights`` (and in runs
+whose run.json predates the flag), has a weight of its own. With V the padded vocabulary, P the position embeddings, h the hidden size, f the
 dense FFN size, f_e the expert FFN size (``moe.ffn_hidden_size``, default f), f_s the shared
 expert's FFN size, E experts, k of them per token, m = 3 for swiglu experts (gate, up, down),
 2 otherwise, the parameters are exactly:
@@ -12,7 +13,7 @@ expert's FFN size, E experts, k of them per token, m = 3 for swiglu experts (gat
     a dense MLP              2 h f + f + h
     an MoE MLP               h E  +  E m h f_e  +  m h f_s  (+ h for a shared-expert gate)
     final LayerNorm          2 h
-    output layer             V h
+    output layer             V h  (untied only; tied, it is the word embedding's weight)
 
 Active per token: an MoE MLP counts h E + k m h f_e + m h f_s (+ h) instead: the router and
 the k chosen experts. Layer i (0-based) is MoE when it is in ``moe.layers``, or else when
@@ -76,7 +77,8 @@ def count_params(args: dict, moe: dict, vocab_size: Optional[int]) -> Optional[P
     shared = m * h * f_s + (h if f_s and moe.get("shared_expert_gate") else 0)
     moe_at = moe_layer_indices(layers, moe, bool(args.get("dense")))
     attention = 4 * h * h
-    total = vocab_size * h + positions * h + 2 * h + vocab_size * h
+    untied = args.get("untie_embeddings_and_output_weights", True)   # older runs: untied
+    total = vocab_size * h + positions * h + 2 * h + (vocab_size * h if untied else 0)
     expert = 0
     matrices = layers * attention + vocab_size * h     # active weight matrices, for the FLOPs
     for i in range(layers):
