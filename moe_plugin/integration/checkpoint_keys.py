@@ -1,0 +1,102 @@
+"""A checkpoint of one model kind read by the other: a ``PipelineModule``'s pieces and a ``GPTModel``.
+
+The same GPT is a ``GPTModel`` at pp = 1 (``decoder.layers.3.mlp...``) and a ``gpt_pipeline_module``
+at any pp (``4.layer.mlp...``): one model, two ways of naming its state. ``as_running_kind`` reads
+a checkpoint of the other kind in the running model's names: the metadata's per-stage shapes
+here, the DeepSpeed module files and expert files through ``running_state`` as they are read.
+Loading then follows the pipeline-size-change path (every saved stage's dense weights joined and
+cut again, experts from whichever saved stage held their layer); the optimizer state does not
+follow (its order is the engine's).
+
+Tied embeddings: a tied ``GPTModel`` has no ``output_layer.weight``; a tied pipeline's last stage
+holds a copy of the word weight under ``{L+2}.output_layer.weight``. The copy is dropped going to a
+``GPTModel``, made from the word weight going to a pipeline. A checkpoint whose output layer has a
+weight of its own (untied) does not load into a tied model: its output weights would be lost.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Optional
+
+from moe_plugin.integration.checkpoint_meta import CheckpointError
+from moe_plugin.integration.pipeline import gpt_state_dict_key, pipeline_state_dict_key
+
+WORD = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+KIND_KEY = "kind_from"   # set on metadata read in the other kind's names: the saved kind
+
+
+def _renamer(to_pipeline: bool, num_layers: int) -> Callable[[str], Optional[str]]:
+    def rename(key: str) -> Optional[str]:
+        try:
+            return pipeline_state_dict_key(key, num_layers) if to_pipeline else gpt_state_dict_key(key, num_layers)
+        except KeyError:
+            return None
+    return rename
+
+
+def _rename(entries: Mapping[str, Any], rename: Callable[[str], Optional[str]]) -> dict:
+    out = {}
+    for key, value in entries.items():
+        new = rename(key)
+        if new is not None:
+            out[new] = value
+    return out
+
+
+def as_running_kind(meta: dict, running_pipeline: bool, running_tied: bool) -> dict:
+    """``meta`` with its per-stage keys in the running model's names (itself if the kinds agree);
+    the saved kind is kept under ``KIND_KEY`` for ``running_state``."""
+    saved_pipeline = bool(meta.get("pipeline_module", False))
+    saved_tied = bool(meta.get("model", {}).get("tied", False))
+    if running_tied and not saved_tied:
+        _check_untied_into_tied(meta)
+    if saved_pipeline == running_pipeline:
+        return meta
+    num_layers = _num_layers(meta)
+    rename = _renamer(running_pipeline, num_layers)
+    stages = {}
+    for number, saved in meta["stages"].items():
+        stage = {part: _rename(saved.get(part, {}), rename) for part in ("dense", "experts", "placements")}
+        stages[number] = {**saved, **stage}
+    if running_pipeline:   # a tied GPTModel's word weight is also the last stage's output weight
+        output = pipeline_state_dict_key(OUTPUT, num_layers)
+        word = pipeline_state_dict_key(WORD, num_layers)
+        for saved in stages.values():
+            if word in saved["dense"] and not any(output in s["dense"] for s in stages.values()):
+                saved["dense"][output] = saved["dense"][word]
+    return {**meta, "stages": stages, "pipeline_module": running_pipeline, KIND_KEY: saved_pipeline}
+
+
+def _check_untied_into_tied(meta: dict) -> None:
+    if "model" in meta and not meta["model"].get("tied", False):
+        raise CheckpointError("the checkpoint's output layer has a weight of its own (untied embeddings) but the "
+                              "model ties it to the word embedding: its output weights would be lost; build the model "
+                              "untied (share_embeddings_and_output_weights=False, the example's "
+                              "--untie-embeddings-and-output-weights)")
+
+
+def _num_layers(meta: dict) -> int:
+    config = meta.get("model", {}).get("transformer_config", {})
+    if "num_layers" not in config:
+        raise CheckpointError(f"checkpoint {meta.get('tag')!r}: its metadata does not record the model's number of "
+                              "layers, which reading it in the other model kind's names needs (saved by an older "
+                              "moe_plugin)")
+    return int(config["num_layers"])
+
+
+def running_state(meta: dict, state: Mapping[str, Any]) -> dict:
+    """A state dict read from one of the checkpoint's files in the running model's names."""
+    if KIND_KEY not in meta:
+        return dict(state)
+    num_layers = _num_layers(meta)
+    to_pipeline = bool(meta["pipeline_module"])
+    out = _rename(state, _renamer(to_pipeline, num_layers))
+    if to_pipeline:
+        word, output = pipeline_state_dict_key(WORD, num_layers), pipeline_state_dict_key(OUTPUT, num_layers)
+        if word in out and output not in out:
+            out[output] = out[word]
+    return out
+
+
+__all__ = ["KIND_KEY", "as_running_kind", "running_state"]
