@@ -64,8 +64,9 @@ of every saved TP rank (and, after a pipeline change, of every saved stage: a
 (``tp_shard.join_dense_tp``, ``shard_state_dict``); experts come from the expert files of
 whichever saved stage held their layer. Their optimizer state does not follow
 (``load_optimizer_states=False``, else an error says so), and RNG streams are not restored
-(the token split changed). The engine kind must stay: a ``PipelineModule`` keys its state by
-piece, a ``GPTModel`` by module path. Not yet: fp16/bf16 (unverified).
+(the token split changed). The model kind may change too: a ``PipelineModule`` checkpoint
+loads into the plain ``GPTModel`` (pp 1) and back, its state read in the running kind's names
+(``checkpoint_keys``; weights only, as for a pipeline-size change). Not yet: fp16/bf16 (unverified).
 """
 from __future__ import annotations
 
