@@ -19,7 +19,11 @@ with ``gpt_moe_spec``: the evaluation loss equals the parallel model's (rtol 1e-
 
 A save killed by ``os._exit`` (no clean-up at all, as kill -9) while writing: two 4-rank spawns;
 the second loads (the stale ``.tmp-`` directory is removed, ``latest`` is the previous tag) and
-resumes with the uninterrupted run's losses, bit for bit.
+resumes with the uninterrupted run's losses, bit for bit. The same through the example on 2 ranks
+(``main`` as the launcher runs it), ``--save`` and ``--load`` naming one directory: the first run
+starts from scratch with a line saying so and dies saving step 4; the same command again resumes
+from step 2 with the uninterrupted run's losses (step 3 exactly, then within rtol 1e-6: the example's
+DeepSpeed AdamW is not bit-exact on resume, as in ``test_example``).
 """
 from __future__ import annotations
 
@@ -423,3 +427,59 @@ def test_save_killed_midway_resumes_the_uninterrupted_run(tmp_path):
         assert r["global_steps"] == 3
         assert r["resumed"] == uninterrupted, (rank, r["resumed"], uninterrupted)
         assert r["entries_loaded"] == ["latest", "step3"], r["entries_loaded"]
+
+
+# -- the example, --save and --load the same directory, killed while saving -------------------------
+def _example_dying(rank: int, world_size: int, argv: list, die_in: str, printed_file: str) -> None:
+    """The example's ``main`` whose save of tag ``die_in`` ends every rank with ``os._exit`` while
+    writing the rng files (after DeepSpeed's and the expert files); rank 0's output so far goes to
+    ``printed_file`` first."""
+    from test_example import _script
+
+    from moe_plugin.integration import checkpoint
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    printed, write = io.StringIO(), checkpoint._write
+
+    def dying(obj, path):
+        if f"{checkpoint.TMP_PREFIX}{die_in}{os.sep}{checkpoint.RNG_DIR}{os.sep}" in path:
+            if rank == 0:
+                Path(printed_file).write_text(printed.getvalue())
+            os._exit(9)
+        write(obj, path)
+
+    checkpoint._write = dying
+    with contextlib.redirect_stdout(printed):
+        _script().main(argv)
+
+
+def test_example_killed_while_saving_resumes_the_uninterrupted_run(tmp_path):
+    from dist import run_distributed
+    from test_example import MODEL_FLAGS, _ds_config, _run_main
+
+    ckpt = str(tmp_path / "ckpt")
+
+    def argv(name: str, *extra: str) -> list:
+        return [*MODEL_FLAGS, "--train-iters", "6", "--deepspeed_config",
+                str(_ds_config(tmp_path / f"{name}.json", 2, expert=2)), "--run-dir", str(tmp_path / "runs" / name),
+                "--data-cache", str(tmp_path / "data"), *extra]
+
+    def train_losses(name: str) -> dict:
+        records = (json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines())
+        return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+
+    assert [r["status"] for r in run_distributed(_run_main, 2, tmp_path, argv("whole"), timeout=300)] == [0, 0]
+    same_dir = ("--save", ckpt, "--load", ckpt, "--save-interval", "2")   # a first run: nothing to load yet
+    with pytest.raises(Exception, match="exit|signal|code"):
+        run_distributed(_example_dying, 2, tmp_path, argv("killed", *same_dir), "step4", str(tmp_path / "printed"),
+                        timeout=300)
+    assert "no checkpoint there (missing or empty directory); starting from scratch" in (
+        tmp_path / "printed").read_text()
+    assert _entries(ckpt) == [".tmp-step4", "latest", "step2"], _entries(ckpt)
+    assert [r["status"] for r in run_distributed(_run_main, 2, tmp_path, argv("resumed", *same_dir),
+                                                 timeout=300)] == [0, 0]
+    whole, resumed = train_losses("whole"), train_losses("resumed")
+    assert sorted(resumed) == [3, 4, 5, 6]
+    assert resumed[3] == whole[3]   # the weights and batch of step 3 exactly; later steps to fp32 rounding
+    assert [resumed[s] for s in range(3, 7)] == pytest.approx([whole[s] for s in range(3, 7)], rel=1e-6, abs=0)
+    assert _entries(ckpt) == ["latest", "step2", "step4", "step6"], _entries(ckpt)
