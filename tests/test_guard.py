@@ -159,6 +159,9 @@ def test_a_step_ten_times_the_median_gives_one_line():
     assert lines == ["step 7: took 30.00 s, 26x the median step so far (1.150 s); a rank may have stalled "
                      "(swapping, a stopped process, a slow disk)"]
     assert guard.check(9, step_s=100.0).slow.startswith("step 9: took 100.00 s")   # the loop's own time
+    fast = TrainingGuard(FakeEngine(), log=lines.append)
+    for step, seconds in enumerate([0.01, 0.01, 0.01, 0.5], start=1):   # 50x, but half a second: jitter
+        assert fast.check(step, step_s=seconds).slow is None
 
 
 # -- DeepSpeed's engine on 2 ranks ---------------------------------------------------------------------

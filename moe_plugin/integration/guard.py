@@ -18,8 +18,9 @@ Checked after every optimizer step (``engine.step()`` at the gradient-accumulati
   ``GradientWatch`` hook saw on any rank.
 * **fp16**: overflow is how the dynamic loss scale finds its level, so a skipped step alone is
   not an error; ``max_skipped_steps`` (default 10) skipped *in a row* is.
-* **slow steps**: a step that takes more than ``slow_factor`` (10) times the median step so far
-  gives one line (rank 0): a stalled rank shows as a step that took minutes. A step stalled for
+* **slow steps**: a step that takes more than ``slow_factor`` (10) times the median step so far,
+  and over ``SLOW_MIN_S`` (1 s), gives one line (rank 0): a stalled rank shows as a step that took
+  minutes. A step stalled for
   good ends at the collective timeout (``initialize(..., timeout=)``), not here.
 
 The message names the step, the first parameter (model order) whose gradient has a non-finite
@@ -51,6 +52,7 @@ from torch import nn
 
 SLOW_FACTOR = 10.0     # a step this many times the median so far is logged
 SLOW_MIN_STEPS = 3     # steps timed before the median counts
+SLOW_MIN_S = 1.0       # and never for a step under a second (a busy machine's jitter on tiny steps)
 
 
 class TrainingStopped(RuntimeError):
@@ -210,7 +212,7 @@ class TrainingGuard:
         if len(self._times) >= SLOW_MIN_STEPS:
             n = len(self._times)
             median = (self._times[(n - 1) // 2] + self._times[n // 2]) / 2
-            if step_s > self.slow_factor * median:
+            if step_s > self.slow_factor * median and step_s > SLOW_MIN_S:
                 slow = (f"step {step}: took {step_s:.2f} s, {step_s / median:.0f}x the median step so far "
                         f"({median:.3f} s); a rank may have stalled (swapping, a stopped process, a slow disk)")
         bisect.insort(self._times, step_s)
