@@ -1,15 +1,22 @@
-"""A ``ConfigError`` reported the way the ``moe-plugin`` command and the example report it: one line
-``error: <message>`` on stderr, printed by rank 0 only, and exit status 2 on every rank.
+"""Errors that every rank raises alike, reported once: one line ``error: <message>`` on stderr,
+printed by rank 0 only, and the same exit status on every rank (2 for a ``ConfigError``, 1 else).
 
-    with moe_plugin.exit_on_config_error():          # in a training script, around the set-up
+    with moe_plugin.exit_on_error():                 # in a training script, around the set-up
         run = moe_plugin.initialize("ds_config.json", model_provider)
 
-    except ConfigError as err:                       # or by hand, where main() returns its status
-        return moe_plugin.report_config_error(err)
+    except Exception as err:                         # or by hand, where main() returns its status
+        if not raised_alike(err): raise
+        return moe_plugin.report_error(err)
 
 Under the ``deepspeed`` launcher every rank runs the same checks on the same inputs and raises
-the same error; without this each would print its own traceback. The rank is torch.distributed's
-when a process group exists, else the launcher's ``RANK`` (0 when unset, e.g. a plain ``python``).
+the same error; without this each would print its own traceback, interleaved. Reported once:
+every ``ConfigError``, and any error marked with ``alike_on_every_rank(err)``, which the plugin
+does where every rank raises it identically (``initialize``: a model provider that returns no
+module, or no ``PipelineModule`` where the layout has pipeline stages, DeepSpeed reading the
+config otherwise than the plugin; the guard's ``TrainingStopped``). Any other error goes through
+unchanged: it may be one rank's own, and its traceback is what tells. ``exit_on_config_error`` and
+``report_config_error`` are the older names. The rank is torch.distributed's when a process
+group exists, else the launcher's ``RANK`` (0 when unset, e.g. a plain ``python``).
 """
 from __future__ import annotations
 
@@ -22,6 +29,8 @@ from typing import TextIO
 from moe_plugin.configs.errors import ConfigError
 
 EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+_ALIKE = "_moe_plugin_alike_on_every_rank"
 
 
 def process_rank() -> int:
@@ -38,18 +47,44 @@ def error_line(err: BaseException) -> str:
     return "error: " + " ".join(str(err).splitlines())
 
 
-def report_config_error(err: BaseException, file: TextIO | None = None) -> int:
-    """Print ``err`` as one line on rank 0 (stderr by default); return the exit status, 2."""
+def alike_on_every_rank(err: BaseException) -> BaseException:
+    """Mark ``err`` as raised identically by every rank (so rank 0 alone reports it); returns it."""
+    setattr(err, _ALIKE, True)
+    return err
+
+
+def raised_alike(err: BaseException) -> bool:
+    """Whether every rank raises ``err`` identically: a ``ConfigError`` or a marked error."""
+    return isinstance(err, ConfigError) or getattr(err, _ALIKE, False)
+
+
+def report_error(err: BaseException, file: TextIO | None = None) -> int:
+    """Print ``err`` as one line on rank 0 (stderr by default); return the exit status every rank
+    exits with: 2 for a ``ConfigError`` (bad input), 1 for another error."""
     if process_rank() == 0:
         print(error_line(err), file=sys.stderr if file is None else file, flush=True)
+    return EXIT_BAD_INPUT if isinstance(err, ConfigError) else EXIT_FAILED
+
+
+def report_config_error(err: BaseException, file: TextIO | None = None) -> int:
+    """Print ``err`` as one line on rank 0 (stderr by default); return the exit status, 2."""
+    report_error(err, file)
     return EXIT_BAD_INPUT
 
 
 @contextmanager
-def exit_on_config_error(*errors: type[BaseException]) -> Iterator[None]:
-    """Turn a ``ConfigError`` (or one of ``errors``) raised inside into one line on rank 0 and
-    ``SystemExit(2)`` on every rank."""
+def exit_on_error(*errors: type[BaseException]) -> Iterator[None]:
+    """Turn an error that every rank raises alike (``raised_alike``: a ``ConfigError`` or a marked
+    error), or one of ``errors`` (status 2), raised inside into one line on rank 0 and
+    ``SystemExit`` on every rank: status 2 for bad input, 1 for a marked error. Other errors pass."""
     try:
         yield
     except (ConfigError, *errors) as err:
         raise SystemExit(report_config_error(err)) from None
+    except BaseException as err:
+        if not raised_alike(err):
+            raise
+        raise SystemExit(report_error(err)) from None
+
+
+exit_on_config_error = exit_on_error   # the older name

@@ -222,6 +222,15 @@ class MoEConfig(_Block):
         except ValidationError as err:
             raise from_validation_error(err, cls, ROOT_KEY) from None
 
+    def megatron_parallel_fields(self) -> dict:
+        """The ``TransformerConfig`` fields that ``parallel`` decides, to splat into it:
+        ``TransformerConfig(num_layers=..., **moe_config.megatron_parallel_fields())`` (or
+        ``moe_plugin.transformer_config``), so the sizes are written once, in the ``"moe"`` block.
+        Megatron's expert fields stay unset: the plugin's layer, not Megatron's, holds the experts."""
+        p = self.parallel
+        return {"tensor_model_parallel_size": p.tensor, "pipeline_model_parallel_size": p.pipeline,
+                "sequence_parallel": p.sequence_parallel}
+
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
 

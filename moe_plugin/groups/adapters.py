@@ -18,9 +18,11 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from moe_plugin.groups.builder import rank_lists
+from moe_plugin.groups.layout import RankLayout
 from moe_plugin.groups.process_groups import ProcessGroups
 
 
@@ -39,14 +41,26 @@ def _unique(handles) -> list:
 
 
 # --- Megatron-Core ----------------------------------------------------------------------------
-def register_with_megatron(groups: ProcessGroups) -> None:
-    """Point ``megatron.core.parallel_state`` at our groups (context parallel size 1)."""
+# What parallel_state held before ``register_with_megatron(..., over_existing=True)``: the user's
+# own groups (their initialize_model_parallel call), put back by ``unregister_megatron``.
+_SAVED_MEGATRON_STATE: Optional[dict] = None
+
+
+def register_with_megatron(groups: ProcessGroups, over_existing: bool = False) -> None:
+    """Point ``megatron.core.parallel_state`` at our groups (context parallel size 1).
+
+    ``over_existing``: parallel_state may already hold groups (the user's ``initialize_model_parallel``;
+    ``check_megatron_groups`` checked that their rank lists are ours): they are set aside, not
+    destroyed, and ``unregister_megatron`` puts them back."""
     from megatron.core import parallel_state as ps
 
+    global _SAVED_MEGATRON_STATE
     h = groups.handles
-    if ps._TENSOR_MODEL_PARALLEL_GROUP is not None and ps._TENSOR_MODEL_PARALLEL_GROUP is not h["tp"]:
+    theirs = ps._TENSOR_MODEL_PARALLEL_GROUP is not None and ps._TENSOR_MODEL_PARALLEL_GROUP is not h["tp"]
+    if theirs and not over_existing:
         raise RuntimeError("megatron.core.parallel_state already holds other groups "
-                           "(initialize_model_parallel?); call unregister_megatron() first")
+                           "(initialize_model_parallel?); call unregister_megatron() first, or check them with "
+                           "check_megatron_groups and register with over_existing=True")
     # Megatron keeps separate gloo copies of the DP groups; on a gloo job ours are gloo already.
     gloo = groups.backend == "gloo"
     values = {
@@ -102,18 +116,28 @@ def register_with_megatron(groups: ProcessGroups) -> None:
         "_MPU_EXPERT_TENSOR_PARALLEL_RANK": None,
         "_global_process_group_list": [None] + _unique(h.values()),
     }
-    for name, value in values.items():
+    for name in values:
         if not hasattr(ps, name):
             raise RuntimeError(f"megatron.core.parallel_state has no {name}: unsupported megatron-core version")
+    if theirs:
+        _SAVED_MEGATRON_STATE = {name: getattr(ps, name) for name in values}
+    for name, value in values.items():
         setattr(ps, name, value)
     if ps._GLOBAL_MEMORY_BUFFER is None:
         ps._set_global_memory_buffer()
 
 
 def unregister_megatron() -> None:
-    """Empty Megatron-Core's registry without destroying our groups."""
+    """Empty Megatron-Core's registry without destroying our groups; where ``register_with_megatron``
+    set the user's own groups aside, put them back instead (they stay alive)."""
+    global _SAVED_MEGATRON_STATE
     from megatron.core import parallel_state as ps
 
+    if _SAVED_MEGATRON_STATE is not None:
+        for name, value in _SAVED_MEGATRON_STATE.items():
+            setattr(ps, name, value)
+        _SAVED_MEGATRON_STATE = None
+        return
     # destroy_model_parallel() destroys the gloo DP groups it holds; ours are owned elsewhere.
     for name in ("_DATA_PARALLEL_GROUP_GLOO", "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
                  "_EXPERT_DATA_PARALLEL_GROUP_GLOO", "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO"):
@@ -126,6 +150,60 @@ def unregister_megatron() -> None:
                  "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO", "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS",
                  "_MPU_DATA_PARALLEL_WORLD_SIZE", "_MPU_DATA_PARALLEL_RANK"):
         setattr(ps, name, None)
+
+
+# kind -> parallel_state's getter of this rank's group (context parallel must be 1)
+_MEGATRON_GETTERS = {"tp": "get_tensor_model_parallel_group", "pp": "get_pipeline_model_parallel_group",
+                     "dp": "get_data_parallel_group", "ep": "get_expert_model_parallel_group",
+                     "etp": "get_expert_tensor_parallel_group", "edp": "get_expert_data_parallel_group"}
+
+
+def megatron_holds_groups() -> bool:
+    """Whether ``megatron.core.parallel_state`` holds groups that are not the plugin's (the user
+    called ``initialize_model_parallel``)."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None or ps._TENSOR_MODEL_PARALLEL_GROUP is None:
+        return False
+    return not isinstance(_registered_mpu(), GroupsMPU)
+
+
+def _registered_mpu():
+    ds_groups = sys.modules.get("deepspeed.utils.groups")
+    return getattr(ds_groups, "mpu", None)
+
+
+def check_megatron_groups(layout: RankLayout, rank: int, device: str = "cpu") -> None:
+    """The groups ``megatron.core.parallel_state`` holds must have the rank lists of ``layout``:
+    tp, pp, dp, and ep, etp, edp when Megatron's expert-parallel size is above 1 (where it is 1,
+    Megatron has no experts to place and the plugin's expert groups take the getters' place).
+    Collective over the default group, so that every rank raises the same ``ConfigError`` (one
+    line naming both layouts and the fix) or none does. Call it before building the plugin's groups."""
+    from megatron.core import parallel_state as ps
+
+    from moe_plugin.configs.errors import ConfigError
+    from moe_plugin.configs.schema import ROOT_KEY
+
+    theirs = {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+              "dp": ps.get_data_parallel_world_size(), "cp": ps.get_context_parallel_world_size(),
+              "ep": ps.get_expert_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size(),
+              "edp": ps.get_expert_data_parallel_world_size()}
+    kinds = ["tp", "pp", "dp"] + (["ep", "etp", "edp"] if theirs["ep"] > 1 else [])
+    differs = [float(dist.get_process_group_ranks(getattr(ps, _MEGATRON_GETTERS[k])()) != layout.group_of(k, rank))
+               for k in kinds] + [float(theirs["cp"] != 1)]
+    flags = torch.tensor(differs, dtype=torch.float32, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    wrong = [k for k, f in zip(kinds + ["cp"], flags.tolist()) if f > 0]
+    if not wrong:
+        return
+    s = layout.sizes
+    megatron = " x ".join(f"{k} {theirs[k]}" for k in ("tp", "pp", "dp", "cp", "ep", "etp", "edp"))
+    ours = f"tp {s.tp} x pp {s.pp} x dp {s.dp} x ep {s.ep} x etp {s.etp} x edp {s.edp} (order {s.order})"
+    raise ConfigError(f"{ROOT_KEY}.parallel", ours, f"megatron.core.parallel_state already holds groups "
+                      f"(initialize_model_parallel?) of {megatron}, and their {', '.join(wrong)} groups are "
+                      f"not the \"moe\" layout's; remove the initialize_model_parallel call (moe_plugin.initialize "
+                      f"builds the groups and registers them with Megatron) or make its sizes and order agree "
+                      f"with {ROOT_KEY}.parallel", shown=ours)
 
 
 # --- DeepSpeed --------------------------------------------------------------------------------
@@ -219,9 +297,10 @@ def unregister_deepspeed() -> None:
 
 
 # --- both -------------------------------------------------------------------------------------
-def register(groups: ProcessGroups) -> GroupsMPU:
-    """Register ``groups`` with Megatron-Core and DeepSpeed; return the mpu for ``deepspeed.initialize``."""
-    register_with_megatron(groups)
+def register(groups: ProcessGroups, over_existing: bool = False) -> GroupsMPU:
+    """Register ``groups`` with Megatron-Core and DeepSpeed; return the mpu for ``deepspeed.initialize``.
+    ``over_existing``: see ``register_with_megatron``."""
+    register_with_megatron(groups, over_existing)
     return register_with_deepspeed(groups)
 
 

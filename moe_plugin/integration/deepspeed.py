@@ -14,12 +14,16 @@ Steps, in order (every rank runs them):
    refused) and validate its ``"moe"`` block and the ZeRO settings the plugin supports; check the
    launcher's world size against the layout and DeepSpeed's batch arithmetic against the layout's
    data-parallel size (``configs/batch.py``). Every mistake here is a ``ConfigError`` raised
-   before any process group or file exists (``moe_plugin.exit_on_config_error()`` reports it
-   once under the launcher).
+   before any process group or file exists (``moe_plugin.exit_on_error()`` reports it
+   once under the launcher, as it does the errors below that every rank raises alike).
 2. Initialise distributed (``deepspeed.init_distributed`` with the accelerator's backend and
    ``timeout``) unless it is, build the layout's process groups (each with ``timeout``: a
    collective that waits longer raises instead of hanging for torch's default 30 minutes) and
-   register them with Megatron-Core and DeepSpeed.
+   register them with Megatron-Core and DeepSpeed. Where the script called Megatron's
+   ``initialize_model_parallel`` itself, its groups must have the layout's rank lists (tp, pp,
+   dp; ep, etp, edp when its expert-parallel size is above 1: ``adapters.check_megatron_groups``,
+   else one ``ConfigError`` on every rank naming both layouts); they are set aside while the run
+   is registered and ``close()`` puts them back, undestroyed.
 3. ``model_provider(moe_config, groups)`` builds the model: it must pass ``groups`` to every
    MoE layer (``MoELayer(..., groups)``, ``gpt_moe_spec(moe_config, config, groups)``).
 4. ``expert_params.prepare_model`` gets the model ready for DeepSpeed's MoE paths,
@@ -40,6 +44,10 @@ Steps, in order (every rank runs them):
 7. On the CPU accelerator DeepSpeed's shared-memory all-reduce buffers (``/dev/shm``) are
    unlinked once every rank has mapped them (``compat/shm_buffers.py``): nothing stays behind
    when the job ends, however it ends; ``close()`` tries again.
+8. ``result.summary`` (``summary.RunSummary``): group sizes, MoE layers, experts per rank,
+   dense / expert / active parameters and an estimate of each rank's memory, printed on rank 0
+   (``print_summary=False`` not to). ``result.data_parallel_rank`` / ``data_parallel_size``: the
+   replica a data loader feeds and how many there are (DeepSpeed's ``engine.dp_world_size``).
 
 Pipeline parallelism (``moe.parallel.pipeline`` > 1): ``model_provider`` returns a DeepSpeed
 ``PipelineModule`` (``pipeline.gpt_pipeline_module``) and ``deepspeed.initialize`` gives back a
@@ -93,9 +101,16 @@ from torch import nn
 from moe_plugin.compat.shm_buffers import job_uses_shm, remove_shm_buffers
 from moe_plugin.configs.batch import batch_sizes
 from moe_plugin.configs.errors import ConfigError
-from moe_plugin.configs.report import process_rank
+from moe_plugin.configs.report import alike_on_every_rank, process_rank
 from moe_plugin.configs.schema import ROOT_KEY, MoEConfig, load_ds_config
-from moe_plugin.groups.adapters import GroupsMPU, register, register_with_deepspeed, unregister
+from moe_plugin.groups.adapters import (
+    GroupsMPU,
+    check_megatron_groups,
+    megatron_holds_groups,
+    register,
+    register_with_deepspeed,
+    unregister,
+)
 from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
 from moe_plugin.groups.layout import RankLayout
 from moe_plugin.groups.process_groups import ProcessGroups
@@ -109,6 +124,7 @@ from moe_plugin.integration.grad_norm import GlobalNormClipping
 from moe_plugin.integration.guard import GradientWatch, TrainingGuard
 from moe_plugin.integration.pipe_topology import check_topology
 from moe_plugin.integration.sp_grads import sequence_parallel_grad_hooks
+from moe_plugin.integration.summary import RunSummary, run_summary
 
 logger = logging.getLogger(__name__)
 ModelProvider = Callable[[MoEConfig, ProcessGroups], nn.Module]
@@ -131,15 +147,28 @@ class Initialized:
     groups: ProcessGroups
     mpu: GroupsMPU
     guard: Optional[TrainingGuard] = None
+    summary: Optional[RunSummary] = None
     _hooks: list = field(default_factory=list, repr=False)
     _closed: bool = field(default=False, repr=False)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among the data-parallel replicas: the one a data loader takes its
+        share of each global batch by (``groups.rank_in("dp")``; experts do not change it)."""
+        return self.groups.rank_in("dp")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The number of data-parallel replicas (``groups.size("dp")``, DeepSpeed's ``engine.dp_world_size``)."""
+        return self.groups.size("dp")
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.engine, self.optimizer, self.training_dataloader, self.lr_scheduler))
 
     def close(self) -> None:
         """Remove the plugin's hooks, unregister and destroy its process groups (collective).
-        The engine is unusable afterwards; the default process group stays."""
+        The engine is unusable afterwards; the default process group stays, and so do groups the
+        script made itself with ``initialize_model_parallel`` (parallel_state holds them again)."""
         if self._closed:
             return
         self._closed = True
@@ -153,7 +182,7 @@ class Initialized:
 
 def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: ModelProvider, *,
                args: Any = None, world_size: Optional[int] = None, timeout: Optional[datetime.timedelta] = None,
-               max_skipped_steps: int = 10, **deepspeed_kwargs: Any) -> Initialized:
+               max_skipped_steps: int = 10, print_summary: bool = True, **deepspeed_kwargs: Any) -> Initialized:
     """Validate, build groups and model, and start DeepSpeed's engine (see the module docstring).
 
     ``ds_config``: the DeepSpeed config with its ``"moe"`` block, as a dict or JSON path; None
@@ -162,6 +191,7 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
     when initialised, else the launcher's ``WORLD_SIZE``, else 1. ``timeout``: of every collective
     on the default group (when ``initialize`` creates it) and on the plugin's groups (default:
     torch's). ``max_skipped_steps``: fp16 steps skipped in a row that stop the run (``result.guard``).
+    ``print_summary``: print ``result.summary`` (what was built, ``summary.py``) on rank 0.
     ``deepspeed_kwargs`` go to
     ``deepspeed.initialize`` (``optimizer``, ``lr_scheduler``, ``training_data``, ...);
     ``model_parameters`` may be parameters, param-group dicts or a callable ``model -> those``,
@@ -200,19 +230,26 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **extra)
     if dist.get_world_size() != sizes.world_size:
         raise ConfigError("world_size", sizes.world_size, f"torch.distributed runs {dist.get_world_size()} ranks")
-    groups = build_process_groups(RankLayout(sizes), timeout=timeout)
+    layout = RankLayout(sizes)
+    device = get_accelerator().current_device_name()
+    users_groups = megatron_holds_groups()   # the script called initialize_model_parallel itself
+    if users_groups:
+        check_megatron_groups(layout, dist.get_rank(), device)   # the same rank lists, or one ConfigError
+    groups = build_process_groups(layout, timeout=timeout)
     watch = None
     try:
-        mpu = register(groups)
+        mpu = register(groups, over_existing=users_groups)   # the user's groups set aside, back at close()
         # 3, 4. Model, param groups.
         model = model_provider(moe_config, groups)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model_provider must return a torch.nn.Module, got {type(model).__name__}")
+            raise alike_on_every_rank(TypeError(f"model_provider must return a torch.nn.Module, got "
+                                                f"{type(model).__name__}"))
         pipelined = isinstance(model, PipelineModule)
         if sizes.pp > 1 and not pipelined:
-            raise TypeError(f"with {ROOT_KEY}.parallel.pipeline {sizes.pp} the model_provider must return a "
-                            f"deepspeed.pipe.PipelineModule (e.g. moe_plugin.integration.pipeline."
-                            f"gpt_pipeline_module), got {type(model).__name__}")
+            raise alike_on_every_rank(TypeError(
+                f"with {ROOT_KEY}.parallel.pipeline {sizes.pp} the model_provider must return a deepspeed.pipe."
+                f"PipelineModule (e.g. moe_plugin.integration.pipeline.gpt_pipeline_module), got "
+                f"{type(model).__name__}"))
         if pipelined:
             check_topology(model.topology(), groups.layout)
         has_experts = prepare_model(model, moe_config, groups)
@@ -247,7 +284,11 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
             dist.barrier()   # every rank has mapped every rank's buffer: the names can go
             remove_shm_buffers([groups.rank])
         guard = TrainingGuard(engine, watch, max_skipped_steps=max_skipped_steps)
-        result = Initialized(engine, optimizer, loader, scheduler, moe_config, groups, mpu, guard)
+        dtype = "fp16" if _enabled(ds_dict, "fp16") else "bf16" if _enabled(ds_dict, "bf16", "bfloat16") else "fp32"
+        summary = run_summary(model, moe_config, groups, zero_stage, dtype)   # collective
+        if print_summary and groups.rank == 0:
+            print(summary.text(), flush=True)
+        result = Initialized(engine, optimizer, loader, scheduler, moe_config, groups, mpu, guard, summary)
         result._hooks.append(watch)
         result._hooks.append(follow_loss_scale(engine, model))   # aux-loss gradient: 1/gas, fp16 loss scale
         if plugin_clips:
@@ -340,8 +381,9 @@ def _check_engine(engine: Any, zero_stage: int, plugin_clips: bool) -> None:
     """DeepSpeed must have read the config as ``initialize`` did."""
     fp32 = not (engine.fp16_enabled() or engine.bfloat16_enabled())
     if engine.zero_optimization_stage() != zero_stage or plugin_clips != (zero_stage == 0 and fp32):
-        raise RuntimeError(f"DeepSpeed runs ZeRO stage {engine.zero_optimization_stage()} (fp32: {fp32}) but the "
-                           f"plugin read stage {zero_stage} from the config: unsupported DeepSpeed version?")
+        raise alike_on_every_rank(RuntimeError(
+            f"DeepSpeed runs ZeRO stage {engine.zero_optimization_stage()} (fp32: {fp32}) but the plugin read stage "
+            f"{zero_stage} from the config: unsupported DeepSpeed version?"))
 
 
 __all__ = ["Initialized", "ModelProvider", "initialize", "launcher_world_size"]

@@ -152,6 +152,34 @@ class MoEAwareTransformerLayer(TransformerLayer):
         self.moe_layer_index = index if is_moe else None
 
 
+def transformer_config(source: Any, **fields: Any) -> TransformerConfig:
+    """Megatron's ``TransformerConfig`` with the parallel sizes of the ``"moe"`` block:
+    ``fields`` (num_layers, hidden_size, ...) plus ``moe_config.megatron_parallel_fields()``
+    (tensor / pipeline model parallel size, sequence parallel). ``source``: a ``MoEConfig``, what
+    ``moe_plugin.initialize`` returned, or a DeepSpeed config (dict or JSON path). A parallel field
+    given in ``fields`` too must agree with the block (else a ``ConfigError``: set it in one place)."""
+    moe_config = _moe_config_of(source)
+    parallel = moe_config.megatron_parallel_fields()
+    keys = {"tensor_model_parallel_size": "tensor", "pipeline_model_parallel_size": "pipeline",
+            "sequence_parallel": "sequence_parallel"}
+    for name, value in parallel.items():
+        if name in fields and fields[name] != value:
+            raise ConfigError(f"moe.parallel.{keys[name]}", value, f"transformer_config was also given "
+                              f"{name}={fields[name]!r}; leave it out (the \"moe\" block sets it) or make them agree")
+    return TransformerConfig(**{**fields, **parallel})
+
+
+def _moe_config_of(source: Any) -> MoEConfig:
+    if isinstance(source, MoEConfig):
+        return source
+    if isinstance(getattr(source, "moe_config", None), MoEConfig):
+        return source.moe_config
+    if isinstance(source, (dict, str, os.PathLike)):
+        return MoEConfig.from_ds_config(source)
+    raise TypeError(f"transformer_config takes a MoEConfig, moe_plugin.initialize's result or a DeepSpeed config, "
+                    f"got {type(source).__name__}")
+
+
 def check_against_model(moe_config: MoEConfig, config: TransformerConfig) -> None:
     """The ``"moe"`` block must describe the Megatron model: its layer list within the model,
     its tensor / pipeline / sequence parallelism equal to the ``TransformerConfig``'s, no router
