@@ -74,14 +74,16 @@ class GradientWatch:
         self.names = [name for name, _ in named]
         moe_layers = [prefix for prefix, module in model.named_modules() if isinstance(module, MoELayer)]
         self.moe_layer = [next((m for m in moe_layers if name.startswith(m + ".")), None) for name in self.names]
-        device = named[0][1].device if named else torch.device("cpu")
-        self.norm_P = torch.zeros(len(named), dtype=torch.float32, device=device)
+        # follows the gradients' device at the first hook (DeepSpeed moves the model after this)
+        self.norm_P = torch.zeros(len(named), dtype=torch.float32)
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, (_, p) in enumerate(named)]
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if param.grad is not None:
-                norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32).to(self.norm_P.device)
+                if self.norm_P.device != param.grad.device:
+                    self.norm_P = self.norm_P.to(param.grad.device)
+                norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32)
                 self.norm_P[index] = torch.maximum(self.norm_P[index], norm)   # NaN stays NaN
         return hook
 
@@ -176,7 +178,7 @@ class TrainingGuard:
         bad_norm = norm is not None and not math.isfinite(norm)
         flags = [world - rank if first is not None else 0, int(skipped), int(bad_norm)]
         if world > 1:
-            flags = _all_max(flags, self.watch.norm_P.device if self.watch is not None else None)
+            flags = _all_max(flags)
         culprit_rank = world - flags[0] if flags[0] else None
         skipped, bad_norm = bool(flags[1]), bool(flags[2])
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
@@ -257,12 +259,10 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_max(values: list[int], device: Optional[torch.device]) -> list[int]:
-    if device is None:
-        from deepspeed.accelerator import get_accelerator
+def _all_max(values: list[int]) -> list[int]:
+    from deepspeed.accelerator import get_accelerator
 
-        device = get_accelerator().current_device_name()
-    flags = torch.tensor(values, dtype=torch.int64, device=device)
+    flags = torch.tensor(values, dtype=torch.int64, device=get_accelerator().current_device_name())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return flags.tolist()
 
