@@ -142,10 +142,13 @@ def _refused(run, directory: str) -> dict:
     from moe_plugin.integration.checkpoint import CheckpointError, load_checkpoint
 
     before = _weights(run)
-    with pytest.raises(CheckpointError) as failure:
+    try:   # not pytest.raises: its failure would leave this rank's collectives out of step with the others'
         load_checkpoint(run, directory)
+        error = "no error: the load went through"
+    except CheckpointError as failure:
+        error = str(failure)
     after = _weights(run)
-    return {"error": str(failure.value), "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+    return {"error": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
 
 
 def _integrity(root: str, run, saved: str) -> dict:
@@ -168,11 +171,7 @@ def _integrity(root: str, run, saved: str) -> dict:
         return _damage(tag_dir, "rng/rank_00001.pt", "truncate")
 
     directory, path = _damaged_copy(root, saved, "unverified-rng-truncated", unverified)
-    from moe_plugin.integration.checkpoint import CheckpointError, load_checkpoint
-
-    with pytest.raises(CheckpointError) as failure:
-        load_checkpoint(run, directory)
-    out["unverified-rng-truncated"] = {"error": str(failure.value), "path": path}
+    out["unverified-rng-truncated"] = {**_refused(run, directory), "path": path}
     return out
 
 
@@ -198,9 +197,11 @@ def _example_load(root: str, run) -> dict:
         with contextlib.redirect_stdout(printed):
             out[name] = example.load_checkpoint(run, directory)
         out[name + "-log"] = printed.getvalue()
-    with pytest.raises(CheckpointError) as failure:
+    try:
         example.load_checkpoint(run, tag_only)
-    out["tag-only"] = str(failure.value)
+        out["tag-only"] = "no error"
+    except CheckpointError as failure:
+        out["tag-only"] = str(failure)
     return out
 
 
@@ -277,7 +278,7 @@ def results(tmp_path_factory):
     from dist import run_distributed
 
     root = tmp_path_factory.mktemp("integrity")
-    return root, run_distributed(_child, 4, root, str(root / "checkpoints"), timeout=600)
+    return root, run_distributed(_child, 4, root, str(root / "checkpoints"), timeout=300)
 
 
 def _case(results, name) -> list:
