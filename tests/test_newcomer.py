@@ -218,7 +218,8 @@ def test_summary_numbers(results):
     assert p["dense"] + p["expert"] == p["total"] and p["active"] == p["dense"] + p["expert"] * 2 // 8
     assert one["experts_per_rank"] == 8 and one["zero_stage"] == 1 and one["dtype"] == "fp32"
     mem = one["memory_per_rank_mb"]   # one rank, fp32 Adam: 4 + 4 + 8 bytes per parameter
-    assert mem["weights"] == round(p["total"] * 4 / 2 ** 20, 3) and mem["optimizer"] == round(p["total"] * 8 / 2 ** 20, 3)
+    assert mem["weights"] == round(p["total"] * 4 / 2 ** 20, 3)
+    assert mem["optimizer"] == round(p["total"] * 8 / 2 ** 20, 3)
     four = results["four"][0]["plain"]["summary"]["memory_per_rank_mb"]
     assert 0 < four["weights"] < mem["weights"] and four["total"] < mem["total"]
 
@@ -260,3 +261,22 @@ def test_transformer_config_takes_the_sizes_from_the_block(tmp_path):
         moe_plugin.transformer_config(moe_config, **MODEL, tensor_model_parallel_size=1)
     with pytest.raises(TypeError, match="transformer_config takes a MoEConfig"):
         moe_plugin.transformer_config(3, **MODEL)
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("3", False)])
+def test_exit_on_error_reports_alike_errors_once_and_lets_others_through(monkeypatch, capsys, rank, printed):
+    import moe_plugin
+
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as stop:
+        with moe_plugin.exit_on_error():
+            raise moe_plugin.alike_on_every_rank(TypeError("model_provider must return a torch.nn.Module"))
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == ("error: model_provider must return a torch.nn.Module\n" if printed else "")
+    with pytest.raises(SystemExit) as stop:
+        with moe_plugin.exit_on_config_error():   # the older name: the same
+            raise moe_plugin.ConfigError("moe.num_experts", 3, "expected 4")
+    assert stop.value.code == 2
+    with pytest.raises(KeyError):   # one rank's own error: its traceback, not a line
+        with moe_plugin.exit_on_error():
+            raise KeyError("only here")

@@ -10,13 +10,17 @@ ZeRO stage and the ``"moe"`` block (experts, router, parallel layout). The scrip
 
 1. ``check_run``: flags, JSON, ``"moe"`` block, world size, MoE layers against ``--num-layers``
    and batch arithmetic are checked before any file, process group or model exists; a mistake
-   exits with status 2 and one line, printed by rank 0 (``moe_plugin.report_config_error``).
+   exits with status 2 and one line, printed by rank 0 (``moe_plugin.report_error``).
 2. ``build_data``: the training and validation samples (the embedded stdlib corpus, written to
    ``--data-cache`` on first use, or ``--data-path`` in Megatron's indexed format). Still before
    any process group: the ``.idx``/``.bin`` pair is checked against the sizes its index promises,
    and the data's largest token id against the vocabulary (``--vocab-size``).
 3. ``moe_plugin.initialize(ds_config, model_provider)``: process groups for the layout, the
-   ``GPTModel`` with ``gpt_moe_spec``, dense/expert optimizer groups, the DeepSpeed engine.
+   ``GPTModel`` with ``gpt_moe_spec`` (its ``TransformerConfig`` from ``moe_plugin.transformer_config``,
+   every weight from ``torch.manual_seed(--seed)``), dense/expert optimizer groups, the DeepSpeed
+   engine; rank 0 prints what was built (``result.summary``, also in ``runs/<name>/run.json``). An
+   error every rank raises alike (a ``ConfigError``, a model that does not fit the layout) is one
+   line on rank 0 (``moe_plugin.report_error``).
 4. ``train``: per step, the same global batch for every layout (``GlobalBatches``), this
    data-parallel rank's micro-batches through ``engine.forward / backward / step`` (DeepSpeed's
    gradient accumulation); validation every ``--eval-interval``; one line per ``--log-interval``
@@ -59,7 +63,7 @@ from typing import Any, Optional
 
 import torch
 
-from moe_plugin import report_config_error
+from moe_plugin import alike_on_every_rank, raised_alike, report_error
 from moe_plugin.configs import ConfigError, MoEConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -200,18 +204,18 @@ def build_data(args: argparse.Namespace, plan: RunPlan) -> Data:
 
 # --- 3. model and engine -------------------------------------------------------------------------
 def transformer_config(args: argparse.Namespace, moe_config: MoEConfig):
-    """Megatron's TransformerConfig from the flags and ``moe.parallel``. CPU initialisation makes
+    """Megatron's TransformerConfig from the flags and ``moe.parallel`` (``moe_plugin.transformer_config``:
+    the parallel sizes are written once, in the ``"moe"`` block). CPU initialisation makes
     the weights the same for every layout (Megatron splits one full tensor); the fused kernels
     (apex, CUDA) are off so the model also runs on CPU."""
-    from megatron.core.transformer import TransformerConfig
+    import moe_plugin
 
-    p = moe_config.parallel
-    return TransformerConfig(
+    return moe_plugin.transformer_config(   # tensor / pipeline / sequence parallel from moe.parallel
+        moe_config,
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, init_method_std=args.init_method_std,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
-        sequence_parallel=p.sequence_parallel, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        pipeline_dtype=torch.float32, use_cpu_initialization=True,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False)
 
@@ -225,8 +229,8 @@ def gpt_model_provider(args: argparse.Namespace, vocab_size: int):
         from moe_plugin.integration.megatron import gpt_dense_spec, gpt_moe_spec
 
         config = transformer_config(args, moe_config)
-        torch.manual_seed(args.seed)  # the embedding (and an untied output layer) draw from this stream
-        spec = gpt_dense_spec(config) if args.dense else gpt_moe_spec(moe_config, config, groups, seed=args.seed)
+        torch.manual_seed(args.seed)  # every weight follows it: the embedding, an untied output layer draw from
+        spec = gpt_dense_spec(config) if args.dense else gpt_moe_spec(moe_config, config, groups)   # torch's seed
         model = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
                          share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
         return skewed(args, model)
@@ -384,17 +388,6 @@ def per_rank(value: float, device) -> list[float]:
     return [round(float(v.item()), 1) for v in values]
 
 
-def parameter_counts(run, plan: RunPlan) -> dict:
-    """The model's parameters, each distinct one once over all ranks (collective): ``total``,
-    ``expert`` (in the MoE layers' experts) and ``active`` (per token: only the top-k experts of
-    each MoE layer count)."""
-    from moe_plugin.integration.grad_norm import distinct_parameter_count
-
-    total, expert = distinct_parameter_count(run.engine.module.parameters(), run.groups)
-    k, experts = plan.moe_config.k, plan.moe_config.num_experts
-    return {"total": total, "expert": expert, "active": total - expert + expert * k // experts}
-
-
 # --- checkpoints ----------------------------------------------------------------------------------
 def save_checkpoint(run, directory: str, step: int) -> None:
     """Collective. Experts are saved by global id, the rest by DeepSpeed (``integration.checkpoint``)."""
@@ -504,7 +497,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         plan = check_run(args, world_size)
         data = build_data(args, plan)   # may write the corpus; errors here are about the data's size
     except ConfigError as err:
-        return report_config_error(err)   # one line, on rank 0; status 2 on every rank
+        return report_error(err)   # one line, on rank 0; status 2 on every rank
     configure_threads()
     from moe_plugin.compat.shm_buffers import remove_shm_buffers
     from moe_plugin.integration.guard import TrainingStopped
@@ -513,9 +506,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     run_dir = Path(args.run_dir or Path("runs") / Path(args.deepspeed_config).stem)
     memory_before_mb = peak_memory_mb("cpu")   # the interpreter and the libraries, before the model
     try:
-        result = build_engine(args, plan, data)
-    except ConfigError as err:   # moe_plugin.initialize's checks (batch arithmetic for this layout, ZeRO, ...)
-        return report_config_error(err)
+        result = build_engine(args, plan, data)   # prints what it built on rank 0 (result.summary)
+    except Exception as err:   # moe_plugin.initialize's checks (batch arithmetic for this layout, ZeRO, ...)
+        if not raised_alike(err):   # one rank's own error: its traceback tells
+            raise
+        return report_error(err)   # raised alike on every rank: one line on rank 0, the same status everywhere
     log = TrainingLog(run_dir, enabled=result.groups.rank == 0, append=bool(args.load))
     result.guard.log = log.info
     result.guard.checkpoint_dir = args.save or args.load
@@ -527,19 +522,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         from moe_plugin.integration.placement import training_placement
 
         placement = training_placement(result, run_dir, resumed=bool(args.load))
-        n_params = sum(p.numel() for p in result.engine.module.parameters())
-        params = parameter_counts(result, plan)
         memory_before = per_rank(memory_before_mb, result.engine.device)
         log.info(f"data: {data.description}")
-        log.info(f"layout: {plan.sizes}  |  global batch {plan.global_batch_size} = micro {plan.micro_batch_size} x "
-                 f"accumulation {plan.grad_accumulation} x dp {plan.sizes.dp}  |  rank 0 holds {n_params:,} parameters")
-        log.info(f"model: {'dense' if args.dense else 'MoE'}, {params['total']:,} parameters, {params['active']:,} "
-                 f"active per token")
+        log.info(f"batch: global {plan.global_batch_size} = micro {plan.micro_batch_size} x accumulation "
+                 f"{plan.grad_accumulation} x dp {plan.sizes.dp}")
         if log.enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "run.json").write_text(json.dumps({
                 "args": vars(args), "ds_config": plan.ds_config, "world_size": world_size,
-                "vocab_size": data.vocab_size, "parameters": params, "memory_before_model_mb": memory_before},
+                "vocab_size": data.vocab_size, "summary": result.summary.to_dict(),
+                "parameters": result.summary.parameters, "memory_before_model_mb": memory_before},
                 indent=2, default=str) + "\n")
         started = time.perf_counter()
         train(args, plan, data, result, log, placement)
@@ -547,9 +539,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         plot = log.plot()
         log.info(f"metrics: {log.metrics_path}" + (f"\nplot:    {plot}" if plot else ""))
     except (TrainingStopped, FloatingPointError) as err:   # raised on every rank together
-        if rank == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        return 1
+        return report_error(alike_on_every_rank(err))   # one line on rank 0, status 1 on every rank
     finally:
         if placement is not None:
             placement.close()

@@ -13,10 +13,12 @@ the same error; without this each would print its own traceback, interleaved. Re
 every ``ConfigError``, and any error marked with ``alike_on_every_rank(err)``, which the plugin
 does where every rank raises it identically (``initialize``: a model provider that returns no
 module, or no ``PipelineModule`` where the layout has pipeline stages, DeepSpeed reading the
-config otherwise than the plugin; the guard's ``TrainingStopped``). Any other error goes through
-unchanged: it may be one rank's own, and its traceback is what tells. ``exit_on_config_error`` and
-``report_config_error`` are the older names. The rank is torch.distributed's when a process
-group exists, else the launcher's ``RANK`` (0 when unset, e.g. a plain ``python``).
+config otherwise than the plugin; the example marks the guard's ``TrainingStopped``, which every
+rank raises with the same message, the same way). Any other error goes through unchanged: it
+may be one rank's own, and its traceback is what tells. ``exit_on_config_error`` is the older
+name of ``exit_on_error``; ``report_config_error`` returns 2 whatever the error. The rank is
+torch.distributed's when a process group exists, else the launcher's ``RANK`` (0 when unset,
+e.g. a plain ``python``).
 """
 from __future__ import annotations
 
