@@ -1,7 +1,8 @@
 """Glue to Megatron-Core and DeepSpeed. Import the submodules directly (they import Megatron):
 
 * ``megatron``: GPT layer/block specs with the plugin's MoE MLP (``gpt_moe_spec``, ``moe_layer_spec``,
-  ``cpu_friendly_spec``, ``megatron_lm_spec``).
+  ``cpu_friendly_spec``, ``megatron_lm_spec``); ``transformer_config`` (re-exported as
+  ``moe_plugin.transformer_config``): Megatron's ``TransformerConfig`` with the block's parallel sizes.
 * ``sp_grads``: sequence-parallel gradients summed over TP (``sequence_parallel_grad_hooks``, which
   ``initialize`` installs; ``allreduce_sequence_parallel_grads`` for a loop of one's own).
 * ``cpu_modules``: ``SDPAttention`` and ``TorchNorm``, the CPU-capable spec pieces.
@@ -9,6 +10,8 @@
 * ``megatron_lm_spec``: the module-level ``spec`` for Megatron-LM's ``--spec``.
 * ``deepspeed``: ``initialize`` (re-exported as ``moe_plugin.initialize``): config and world size
   checked, groups built and registered, dense/expert param groups, ``deepspeed.initialize``.
+* ``summary``: ``RunSummary`` (``initialize``'s ``result.summary``, printed on rank 0): group sizes,
+  MoE layers, experts per rank, dense / expert / active parameters, a memory estimate per rank.
 * ``pipeline``: ``gpt_pipeline_module``, a Megatron-Core GPT with MoE layers as a DeepSpeed
   ``PipelineModule`` (Megatron's stage split, per-piece seeds, ``GPTModel`` key names).
 * ``pipe_topology``: ``pipeline_topology``, DeepSpeed's ``ProcessTopology`` from the rank layout.
