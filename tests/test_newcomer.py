@@ -280,3 +280,37 @@ def test_exit_on_error_reports_alike_errors_once_and_lets_others_through(monkeyp
     with pytest.raises(KeyError):   # one rank's own error: its traceback, not a line
         with moe_plugin.exit_on_error():
             raise KeyError("only here")
+
+
+LAUNCHED_SCRIPT = '''\
+import sys
+import deepspeed
+from megatron.core import parallel_state
+import moe_plugin
+
+deepspeed.init_distributed(dist_backend="gloo")
+parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)   # the script's own, another layout
+with moe_plugin.exit_on_error():
+    moe_plugin.initialize(sys.argv[-1], lambda moe_config, groups: None)
+'''
+
+
+def test_launcher_prints_the_group_mismatch_once(tmp_path):
+    """Under the deepspeed launcher (2 ranks): the item that every rank raises after the groups exist
+    is one line, from rank 0, and status 2: no traceback, no second copy."""
+    import json
+
+    from test_input_checks import _launch
+
+    script = tmp_path / "user.py"
+    script.write_text(LAUNCHED_SCRIPT)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
+                                  "gradient_accumulation_steps": 1,
+                                  "moe": {"num_experts": 2, "parallel": {"tensor": 2}}}))
+    status, output = _launch(tmp_path, str(script), str(config))
+    errors = [line for line in output.splitlines() if "error: " in line and "launch.py" not in line]
+    assert status == 2 and len(errors) == 1, output
+    assert errors[0].startswith("error: moe.parallel: got tp 2 x pp 1 x dp 1 x ep 1 x etp 2 x edp 1 (order "
+                                "tp-cp-ep-dp-pp); megatron.core.parallel_state already holds groups"), output
+    assert "Traceback" not in output, output
