@@ -469,16 +469,16 @@ def test_example_killed_while_saving_resumes_the_uninterrupted_run(tmp_path):
         records = (json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines())
         return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
 
-    assert [r["status"] for r in run_distributed(_run_main, 2, tmp_path, argv("whole"), timeout=300)] == [0, 0]
+    assert [r["status"] for r in run_distributed(_run_main, 2, tmp_path, argv("whole"), timeout=600)] == [0, 0]
     same_dir = ("--save", ckpt, "--load", ckpt, "--save-interval", "2")   # a first run: nothing to load yet
     with pytest.raises(Exception, match="exit|signal|code"):
         run_distributed(_example_dying, 2, tmp_path, argv("killed", *same_dir), "step4", str(tmp_path / "printed"),
-                        timeout=300)
+                        timeout=600)
     assert "no checkpoint there (missing or empty directory); starting from scratch" in (
         tmp_path / "printed").read_text()
     assert _entries(ckpt) == [".tmp-step4", "latest", "step2"], _entries(ckpt)
     assert [r["status"] for r in run_distributed(_run_main, 2, tmp_path, argv("resumed", *same_dir),
-                                                 timeout=300)] == [0, 0]
+                                                 timeout=600)] == [0, 0]
     whole, resumed = train_losses("whole"), train_losses("resumed")
     assert sorted(resumed) == [3, 4, 5, 6]
     assert resumed[3] == whole[3]   # the weights and batch of step 3 exactly; later steps to fp32 rounding
