@@ -4,10 +4,10 @@
   that diff's (so neither rots when a script changes); both scripts compile;
 * the ported loop under the ``deepspeed`` launcher on 2 ranks (dp 2 x ep 2, ZeRO-1): 6 steps with
   a checkpoint after step 3, then a second launch that loads step 3 and trains steps 4-6 with
-  exactly the first run's losses; nothing is left in ``/dev/shm``.
-
-The "before" script is not run: Megatron-Core's local layer spec (``DotProductAttention``) and its
-``model_parallel_cuda_manual_seed`` need CUDA, and the test machines have none.
+  exactly the first run's losses; nothing is left in ``/dev/shm``;
+* the "before" script on 2 CPU ranks (dp 2) with its two CUDA-only pieces swapped
+  (``tests/plain_loop_on_cpu.py``): 4 steps, the engine's checkpoint of step 2, a resume from it
+  with the same losses.
 """
 from __future__ import annotations
 
@@ -66,3 +66,22 @@ def test_ported_loop_on_two_ranks_resumes_bit_exactly(tmp_path, launcher_port):
     again = json.loads(resumed.read_text())
     assert again == {step: losses[step] for step in ("4", "5", "6")}, (again, losses)   # bit for bit
     assert job_shm_buffers("127.0.0.1", str(launcher_port)) == []
+
+
+def test_plain_loop_runs_on_two_ranks_with_its_cuda_pieces_swapped(tmp_path, launcher_port):
+    """The "before" loop is a working loop: on 2 CPU ranks (dp 2) through ``tests/plain_loop_on_cpu.py``
+    it trains 4 steps, saves step 2 with the engine's own checkpoint and resumes from it."""
+    shim = REPO / "tests" / "plain_loop_on_cpu.py"
+    plain_json = tmp_path / "ds_plain.json"
+    config = json.loads((LOOP / "ds_config.json").read_text())
+    config.pop("moe")
+    plain_json.write_text(json.dumps(config))
+    common = ["--num_gpus", "2", "--master_port", str(launcher_port), str(shim), "--deepspeed_config", str(plain_json),
+              "--steps", "4"]
+    done = deepspeed(*common, "--save", str(tmp_path / "ckpt"), "--save-at", "2", "--losses", str(tmp_path / "a.json"))
+    assert done.status == 0, done.output[-4000:]
+    losses = json.loads((tmp_path / "a.json").read_text())
+    done = deepspeed(*common, "--load", str(tmp_path / "ckpt"), "--load-tag", "step2", "--losses",
+                     str(tmp_path / "b.json"))
+    assert done.status == 0, done.output[-4000:]
+    assert json.loads((tmp_path / "b.json").read_text()) == {"3": losses["3"], "4": losses["4"]}, losses
