@@ -41,7 +41,7 @@ from gpt_tiny import MODEL as TINY
 from gpt_tiny import cpu_sequence_parallel, global_batch, gpt_provider, micro_batches, pipeline_provider, shard_full
 from moe_plugin.configs import MoEConfig
 
-B, SEED, STEPS = 8, 2, 5
+B, SEED, STEPS = 8, 7, 5
 # No linear biases: the key bias's gradient is zero in exact arithmetic (softmax ignores a constant per
 # query), so it is rounding noise, which Adam scales to steps of about lr whose sign depends on the
 # summation order: any two layouts (or torch and DeepSpeed on one rank) would disagree there.
@@ -250,8 +250,8 @@ def test_one_rank_engine_is_plain_torch_and_training_moves(one_rank):
     ref = one_rank["torch"]
     torch.testing.assert_close(torch.tensor(one_rank["losses"]), torch.tensor(ref["losses"]), **TOL)
     torch.testing.assert_close(torch.tensor(one_rank["norms"]), torch.tensor(ref["norms"]), **TOL)
-    for key, value in one_rank["final"].items():
-        torch.testing.assert_close(value, ref["final"][key], **TOL, msg=lambda m: f"{key}: {m}")
+    for key, value in one_rank["final"].items():   # after Adam: element errors in units of LR (PARAM_TOL)
+        torch.testing.assert_close(value, ref["final"][key], **PARAM_TOL, msg=lambda m: f"{key}: {m}")
     assert one_rank["moe_layers"] == [0, None, 2, 3]
     assert one_rank["route_margin"] > ROUTE_MARGIN, one_rank["route_margin"]
     assert all(n > CLIP for n in ref["norms"]), f"clipping should be active in every step: {ref['norms']}"
