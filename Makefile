@@ -25,7 +25,7 @@ $(DEPS_STAMP): setup.py $(TORCH_STAMP)
 install: $(DEPS_STAMP)
 
 test: $(DEPS_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # The GPT-MoE training example: a byte-level Megatron-Core GPT with MoE layers (8 experts, EP 2
 # carved out of DP 4 on 4 CPU ranks, ZeRO-1), trained by the DeepSpeed engine on the Python

@@ -10,7 +10,7 @@ loop has no such step. Two ways here:
 * ``sequence_parallel_grad_hooks(model, groups)`` (what ``moe_plugin.initialize`` installs): a
   hook per parameter sums every incoming gradient inside backward, before autograd accumulates
   it into ``.grad``, so it works under ZeRO-0/1/2 and the PipelineEngine alike;
-* ``allreduce_sequence_parallel_grads(model, groups)``: one flat all-reduce of the ``.grad``\ s
+* ``allreduce_sequence_parallel_grads(model, groups)``: one flat all-reduce of the ``.grad`` tensors
   after backward, for a training loop of one's own (it skips hooked parameters).
 """
 from __future__ import annotations
