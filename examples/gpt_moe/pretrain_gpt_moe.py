@@ -500,6 +500,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return report_error(err)   # one line, on rank 0; status 2 on every rank
     configure_threads()
     from moe_plugin.compat.shm_buffers import remove_shm_buffers
+    from moe_plugin.integration.checkpoint import CheckpointError
     from moe_plugin.integration.guard import TrainingStopped
 
     atexit.register(remove_shm_buffers, range(world_size))   # DeepSpeed's /dev/shm buffers, every rank's
@@ -538,7 +539,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.info(f"reached step {args.train_iters} in {time.perf_counter() - started:.1f} s")
         plot = log.plot()
         log.info(f"metrics: {log.metrics_path}" + (f"\nplot:    {plot}" if plot else ""))
-    except (TrainingStopped, FloatingPointError) as err:   # raised on every rank together
+    except (TrainingStopped, FloatingPointError, CheckpointError) as err:   # raised on every rank together
         return report_error(alike_on_every_rank(err))   # one line on rank 0, status 1 on every rank
     finally:
         if placement is not None:
