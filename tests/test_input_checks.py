@@ -273,6 +273,12 @@ def _launch(cwd, *argv: str) -> tuple[int, str]:
     env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", OMP_NUM_THREADS="1")
     done = subprocess.run([str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), *argv],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    from moe_plugin.compat.shm_buffers import job_shm_buffers
+
+    left = job_shm_buffers("127.0.0.1", str(port))   # a failed job leaves nothing in /dev/shm either
+    for path in left:
+        path.unlink(missing_ok=True)
+    assert not left, f"the job left {left}"
     return done.returncode, done.stdout + done.stderr
 
 

@@ -83,6 +83,7 @@ expert migration under ZeRO-1/2 (``tests/test_migration.py``).
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import datetime
@@ -230,6 +231,8 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **extra)
     if dist.get_world_size() != sizes.world_size:
         raise ConfigError("world_size", sizes.world_size, f"torch.distributed runs {dist.get_world_size()} ranks")
+    if job_uses_shm(sizes.world_size):   # should initialize fail before step 7, the buffer goes at exit
+        atexit.register(remove_shm_buffers, [dist.get_rank()])
     layout = RankLayout(sizes)
     device = get_accelerator().current_device_name()
     users_groups = megatron_holds_groups()   # the script called initialize_model_parallel itself
