@@ -122,5 +122,5 @@ def model_flags(model: Model, sizes: Sizes) -> list[str]:
              "--micro-batch-size", sizes.micro_batch_size, "--train-iters", sizes.train_iters,
              "--eval-interval", sizes.eval_interval, "--eval-iters", sizes.eval_iters,
              "--log-interval", sizes.log_interval, "--seed", sizes.seed, "--corpus-bytes", sizes.corpus_bytes,
-             "--valid-fraction", sizes.valid_fraction]
+             "--valid-fraction", sizes.valid_fraction, "--untie-embeddings-and-output-weights"]   # as the results
     return [str(f) for f in flags] + (["--dense"] if model.dense else [])
