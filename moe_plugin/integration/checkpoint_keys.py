@@ -59,12 +59,9 @@ def as_running_kind(meta: dict, running_pipeline: bool, running_tied: bool) -> d
     for number, saved in meta["stages"].items():
         stage = {part: _rename(saved.get(part, {}), rename) for part in ("dense", "experts", "placements")}
         stages[number] = {**saved, **stage}
-    if running_pipeline:   # a tied GPTModel's word weight is also the last stage's output weight
-        output = pipeline_state_dict_key(OUTPUT, num_layers)
-        word = pipeline_state_dict_key(WORD, num_layers)
+    if running_pipeline:   # a GPTModel checkpoint has the one stage of pp 1
         for saved in stages.values():
-            if word in saved["dense"] and not any(output in s["dense"] for s in stages.values()):
-                saved["dense"][output] = saved["dense"][word]
+            _output_from_word(saved["dense"], num_layers)
     return {**meta, "stages": stages, "pipeline_module": running_pipeline, KIND_KEY: saved_pipeline}
 
 
@@ -93,10 +90,16 @@ def running_state(meta: dict, state: Mapping[str, Any]) -> dict:
     to_pipeline = bool(meta["pipeline_module"])
     out = _rename(state, _renamer(to_pipeline, num_layers))
     if to_pipeline:
-        word, output = pipeline_state_dict_key(WORD, num_layers), pipeline_state_dict_key(OUTPUT, num_layers)
-        if word in out and output not in out:
-            out[output] = out[word]
+        _output_from_word(out, num_layers)
     return out
+
+
+def _output_from_word(entries: dict, num_layers: int) -> None:
+    """A tied ``GPTModel``'s word weight (or its shape) is also the last pipeline stage's output
+    weight: ``entries`` (pipeline names) gets it where it has the word weight and no output weight."""
+    word, output = pipeline_state_dict_key(WORD, num_layers), pipeline_state_dict_key(OUTPUT, num_layers)
+    if word in entries and output not in entries:
+        entries[output] = entries[word]
 
 
 __all__ = ["KIND_KEY", "as_running_kind", "running_state"]
