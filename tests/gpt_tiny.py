@@ -6,6 +6,8 @@
     provider = gpt_provider(MODEL, tp)                          # GPTModel(config, gpt_moe_spec(...))
     provider = pipeline_provider(MODEL, tp, pp, seed)           # gpt_pipeline_module(...)
     cpu_sequence_parallel()                                     # before a sequence-parallel model runs
+    with one_rank_groups() as groups: ...                       # the one-rank oracle's groups, registered
+    losses, norms = torch_steps(model, optimizer, batches, clip)   # the oracle's plain torch training
 
 Both providers take ``initial``: full single-process weights under ``GPTModel`` names, loaded by
 name into whatever this rank holds (pipeline pieces mapped with ``pipeline_state_dict_key``,
@@ -14,7 +16,9 @@ Used inside the ranks (fp32, dropout off, CPU initialisation, no fused kernels).
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import os
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -41,6 +45,37 @@ def cpu_sequence_parallel() -> None:
 
     torch.cuda.current_device = lambda: "cpu"
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+@contextlib.contextmanager
+def one_rank_groups() -> Iterator:
+    """The one-rank layout's process groups, registered with Megatron and DeepSpeed while the block runs
+    (inside a spawned rank of world size 1: the oracle of the multi-rank tests)."""
+    from moe_plugin.groups import RankLayout, build_process_groups, destroy_process_groups, register, unregister
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    groups = build_process_groups(RankLayout.build(1))
+    register(groups)
+    try:
+        yield groups
+    finally:
+        unregister()
+        destroy_process_groups(groups)
+
+
+def torch_steps(model: torch.nn.Module, optimizer, batches: Iterable, clip: float) -> tuple[list, list]:
+    """The oracle's training in plain torch: for each (tokens, positions, labels), the mean loss, backward,
+    ``clip_grad_norm_`` (a tied weight counts once) and an optimizer step. Returns the losses and the
+    gradient norms before clipping, one per batch."""
+    losses, norms = [], []
+    for tokens, positions, labels in batches:
+        optimizer.zero_grad()
+        loss = model(tokens, positions, None, labels=labels).float().mean()
+        loss.backward()
+        losses.append(loss.item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        optimizer.step()
+    return losses, norms
 
 
 def global_batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -38,7 +38,8 @@ import torch
 
 from dist import run_distributed
 from gpt_tiny import MODEL as TINY
-from gpt_tiny import cpu_sequence_parallel, global_batch, gpt_provider, micro_batches, pipeline_provider, shard_full
+from gpt_tiny import (cpu_sequence_parallel, global_batch, gpt_provider, micro_batches, one_rank_groups,
+                      pipeline_provider, shard_full, torch_steps)
 from moe_plugin.configs import MoEConfig
 
 B, SEED, STEPS = 8, 7, 5
@@ -135,7 +136,6 @@ def _train(rank: int, world_size: int, parallel: dict, stage: int, gas: int, ini
 
 def _one_rank(rank: int, world_size: int) -> dict:
     """The reference: one rank through the engine (ZeRO-0), and the same with plain torch."""
-    from moe_plugin.groups import RankLayout, build_process_groups, destroy_process_groups, register, unregister
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     built = gpt_provider(MODEL, seed=SEED)
@@ -174,24 +174,12 @@ def _one_rank(rank: int, world_size: int) -> dict:
     finally:
         result.close()
 
-    groups = build_process_groups(RankLayout.build(1))
-    register(groups)
-    try:
+    with one_rank_groups() as groups:
         model = gpt_provider(MODEL, seed=SEED, initial=initial)(MoEConfig.from_dict(MOE), groups)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-        torch_losses, torch_norms = [], []
-        for step in range(STEPS):
-            tokens, positions, labels = global_batch(step, B)
-            optimizer.zero_grad()
-            loss = model(tokens, positions, None, labels=labels).float().mean()
-            loss.backward()
-            torch_losses.append(loss.item())
-            torch_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-            optimizer.step()
+        batches = (global_batch(step, B) for step in range(STEPS))
+        torch_losses, torch_norms = torch_steps(model, optimizer, batches, CLIP)
         torch_final = {k: _copy(v) for k, v in model.state_dict().items()}
-    finally:
-        unregister()
-        destroy_process_groups(groups)
     return {"initial": initial, "losses": losses, "norms": norms, "final": final, "moe_layers": moe_layers,
             "route_margin": min(margins),
             "param_names": param_names,

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from gpt_tiny import MODEL as TINY
-from gpt_tiny import SEQ, VOCAB, micro_batches
+from gpt_tiny import SEQ, VOCAB, micro_batches, one_rank_groups
 
 B, SEED, STEPS = 8, 2, 3
 MODEL = {**TINY, "add_bias_linear": False}
@@ -138,14 +138,11 @@ def _one_rank(rank: int, world_size: int) -> dict:
 
     import moe_plugin
     from moe_plugin.configs import MoEConfig
-    from moe_plugin.groups import RankLayout, build_process_groups, destroy_process_groups, register, unregister
     from moe_plugin.integration.megatron import gpt_moe_spec
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     out = {"run": _train({}, dp=1)}
-    groups = build_process_groups(RankLayout.build(1))
-    register(groups)
-    try:
+    with one_rank_groups() as groups:
         moe_config = MoEConfig.from_dict(MOE)
         config = moe_plugin.transformer_config(moe_config, **MODEL, use_cpu_initialization=True)
 
@@ -162,9 +159,6 @@ def _one_rank(rank: int, world_size: int) -> dict:
                               if not torch.equal(v, explicit[k])]
         out["set_random_seed"] = [k for k, v in build(lambda: set_random_seed(7)).items()
                                   if not torch.equal(v, explicit[k])]
-    finally:
-        unregister()
-        destroy_process_groups(groups)
     return out
 
 

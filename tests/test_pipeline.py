@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from dist import run_distributed
-from gpt_tiny import MODEL, SEQ, VOCAB, global_batch, micro_batches, pipeline_provider, transformer_config
+from gpt_tiny import (MODEL, SEQ, VOCAB, global_batch, micro_batches, one_rank_groups, pipeline_provider, torch_steps,
+                      transformer_config)
 from moe_plugin.configs import ConfigError, MoEConfig
 
 B, GAS, SEED = 4, 2, 11
@@ -77,44 +78,32 @@ def _provider(tp: int, pp: int):
 def _oracle(rank: int, world_size: int) -> dict:
     from megatron.core.models.gpt import GPTModel
 
-    from moe_plugin.groups import RankLayout, build_process_groups, destroy_process_groups, register, unregister
     from moe_plugin.integration.megatron import gpt_moe_spec
     from moe_plugin.integration.pipeline import gpt_pipeline_module, gpt_state_dict_key, pipeline_state_dict_key
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    groups = build_process_groups(RankLayout.build(1))
-    register(groups)
-    config = _config()
-    num = MODEL["num_layers"]
-    pipe = gpt_pipeline_module(config, MoEConfig.from_dict(MOE), groups, vocab_size=VOCAB, max_sequence_length=SEQ,
-                               seed=SEED)
-    initial = {gpt_state_dict_key(k, num): v.clone() if torch.is_tensor(v) else v for k, v in pipe.state_dict().items()}
-    out: dict = {}
-    for name, moe in {"z": MOE, "no-z": {**MOE, "z_loss_coeff": 0.0}}.items():
-        model = GPTModel(config, gpt_moe_spec(MoEConfig.from_dict(moe), config, groups), vocab_size=VOCAB,
-                         max_sequence_length=SEQ)
-        model.load_state_dict(initial)   # strict: the pipeline has exactly GPTModel's keys
-        if name == "z":
-            tokens, positions, _ = batch(0)
-            with torch.no_grad():
-                out["pipe_logits"] = pipe((tokens, positions)).transpose(0, 1)
-                out["gpt_logits"] = model(tokens, positions, None)
-            out["moe_layers"] = [layer.moe_layer_index for layer in model.decoder.layers]
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        losses, norms = [], []
-        for step in range(STEPS):
-            tokens, positions, labels = batch(step)
-            optimizer.zero_grad()
-            loss = model(tokens, positions, None, labels=labels).float().mean()
-            loss.backward()
-            losses.append(loss.item())
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-            optimizer.step()
-        final = {pipeline_state_dict_key(k, num): v.detach().clone() if torch.is_tensor(v) else v
-                 for k, v in model.state_dict().items()}
-        out[name] = {"losses": losses, "norms": norms, "final": final}
-    unregister()
-    destroy_process_groups(groups)
+    with one_rank_groups() as groups:
+        config = _config()
+        num = MODEL["num_layers"]
+        pipe = gpt_pipeline_module(config, MoEConfig.from_dict(MOE), groups, vocab_size=VOCAB, max_sequence_length=SEQ,
+                                   seed=SEED)
+        initial = {gpt_state_dict_key(k, num): v.clone() if torch.is_tensor(v) else v
+                   for k, v in pipe.state_dict().items()}
+        out: dict = {}
+        for name, moe in {"z": MOE, "no-z": {**MOE, "z_loss_coeff": 0.0}}.items():
+            model = GPTModel(config, gpt_moe_spec(MoEConfig.from_dict(moe), config, groups), vocab_size=VOCAB,
+                             max_sequence_length=SEQ)
+            model.load_state_dict(initial)   # strict: the pipeline has exactly GPTModel's keys
+            if name == "z":
+                tokens, positions, _ = batch(0)
+                with torch.no_grad():
+                    out["pipe_logits"] = pipe((tokens, positions)).transpose(0, 1)
+                    out["gpt_logits"] = model(tokens, positions, None)
+                out["moe_layers"] = [layer.moe_layer_index for layer in model.decoder.layers]
+            losses, norms = torch_steps(model, torch.optim.SGD(model.parameters(), lr=LR), map(batch, range(STEPS)),
+                                        CLIP)
+            final = {pipeline_state_dict_key(k, num): v.detach().clone() if torch.is_tensor(v) else v
+                     for k, v in model.state_dict().items()}
+            out[name] = {"losses": losses, "norms": norms, "final": final}
     return out
 
 

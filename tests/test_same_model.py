@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from dist import run_distributed
-from gpt_tiny import MODEL, SEQ, VOCAB, micro_batches, shard_full, transformer_config
+from gpt_tiny import (MODEL, SEQ, VOCAB, global_batch, micro_batches, one_rank_groups, shard_full, torch_steps,
+                      transformer_config)
 from moe_plugin.configs import MoEConfig
 
 SEED, B, GAS, STEPS, LR, CLIP = 5, 4, 2, 3, 0.5, 1.0   # CLIP: DeepSpeed's default gradient_clipping
@@ -43,31 +44,14 @@ def _gpt(config, moe_config, groups, tied: bool):
 
 
 def _oracle(rank: int, world_size: int) -> dict:
-    from moe_plugin.groups import RankLayout, build_process_groups, destroy_process_groups, register, unregister
-
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    groups = build_process_groups(RankLayout.build(1))
-    register(groups)
     out = {}
-    try:
+    with one_rank_groups() as groups:
         for tied in (True, False):
             model = _gpt(transformer_config(MODEL), MoEConfig.from_dict(MOE), groups, tied)
             initial = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
-            optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-            losses = []
-            for step in range(STEPS):
-                optimizer.zero_grad()
-                batches = micro_batches(step, B, 0, 1, 1)
-                (tokens, positions), labels = batches[0]
-                loss = model(tokens, positions, None, labels=labels).float().mean()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)   # a tied weight counts once
-                optimizer.step()
-                losses.append(loss.item())
+            batches = [global_batch(step, B) for step in range(STEPS)]   # one replica's whole batch
+            losses, _ = torch_steps(model, torch.optim.SGD(model.parameters(), lr=LR), batches, CLIP)
             out[tied] = {"initial": initial, "losses": losses}
-    finally:
-        unregister()
-        destroy_process_groups(groups)
     return out
 
 
