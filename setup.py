@@ -27,8 +27,8 @@ setup(
     version="0.1.0",
     description=__doc__,
     python_requires=">=3.11",
-    packages=find_packages(include=["moe_plugin", "moe_plugin.*"]),
+    packages=find_packages(include=["moe_plugin", "moe_plugin.*", "moe_plugin_tools", "moe_plugin_tools.*"]),
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
-    entry_points={"console_scripts": ["moe-plugin=moe_plugin.cli:main"]},
+    entry_points={"console_scripts": ["moe-plugin=moe_plugin_tools.cli:main"]},
 )

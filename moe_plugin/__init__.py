@@ -1,4 +1,12 @@
-"""moe_plugin: hybrid expert parallelism for Megatron-Core GPT training on the DeepSpeed engine."""
+"""moe_plugin: hybrid expert parallelism for Megatron-Core GPT training on the DeepSpeed engine.
+
+What a training script needs is here by name: ``moe_plugin.initialize``, ``moe_plugin.gpt_moe_spec``,
+``moe_plugin.save_checkpoint``, ... Importing the package imports neither torch nor DeepSpeed nor
+Megatron-Core (the ``moe-plugin`` command and the config checks stay light): the names that do
+are imported on first use.
+"""
+import importlib
+
 from moe_plugin.configs import ConfigError, MoEConfig, ParallelSizes
 from moe_plugin.configs.report import (
     alike_on_every_rank,
@@ -11,19 +19,33 @@ from moe_plugin.configs.report import (
 from moe_plugin.groups.layout import RankLayout
 
 __version__ = "0.1.0"
+
+# name -> "module:attribute", imported on first use (each imports torch, DeepSpeed or Megatron-Core)
+_LAZY = {
+    "initialize": "moe_plugin.integration.deepspeed:initialize",
+    "transformer_config": "moe_plugin.integration.megatron:transformer_config",
+    "gpt_moe_spec": "moe_plugin.integration.megatron:gpt_moe_spec",
+    "gpt_pipeline_module": "moe_plugin.integration.pipeline:gpt_pipeline_module",
+    "MoELayer": "moe_plugin.layers.moe_layer:MoELayer",
+    "ExpertMetrics": "moe_plugin.integration.monitor:ExpertMetrics",
+    "training_placement": "moe_plugin.integration.placement:training_placement",
+    "TrainingStopped": "moe_plugin.integration.guard:TrainingStopped",
+    "save_checkpoint": "moe_plugin.integration.checkpoint:save_checkpoint",
+    "load_checkpoint": "moe_plugin.integration.checkpoint:load_checkpoint",
+    "checkpoint_exists": "moe_plugin.integration.checkpoint:checkpoint_exists",
+    "CheckpointError": "moe_plugin.integration.checkpoint:CheckpointError",
+}
+
 __all__ = ["ConfigError", "MoEConfig", "ParallelSizes", "RankLayout", "__version__", "alike_on_every_rank",
-           "exit_on_config_error", "exit_on_error", "initialize", "raised_alike", "report_config_error", "report_error",
-           "transformer_config"]
+           "exit_on_config_error", "exit_on_error", "raised_alike", "report_config_error", "report_error", *_LAZY]
 
 
 def __getattr__(name: str):
-    # initialize imports torch and DeepSpeed: only on first use, so the CLI and config checks stay light.
-    if name == "initialize":
-        from moe_plugin.integration.deepspeed import initialize
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _LAZY[name].split(":")
+    return getattr(importlib.import_module(module), attribute)
 
-        return initialize
-    if name == "transformer_config":   # imports Megatron-Core
-        from moe_plugin.integration.megatron import transformer_config
 
-        return transformer_config
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from moe_plugin.bench.layer import LayerBenchSpec, bench_layer
-from moe_plugin.bench.layer_ep import rank_main
-from moe_plugin.bench.memory import memory_profile, peak_allocated_bytes
-from moe_plugin.bench.traffic import deepspeed_bytes_sent, ours_bytes_sent, ours_rows_sent
-from moe_plugin.cli import main
+from moe_plugin_tools.bench.layer import LayerBenchSpec, bench_layer
+from moe_plugin_tools.bench.layer_ep import rank_main
+from moe_plugin_tools.bench.memory import memory_profile, peak_allocated_bytes
+from moe_plugin_tools.bench.traffic import deepspeed_bytes_sent, ours_bytes_sent, ours_rows_sent
+from moe_plugin_tools.cli import main
 
 MiB = 2**20
 TINY = dict(tokens=64, experts=4, hidden=16, ffn=32, iters=1, warmup=1)

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from moe_plugin.bench.gpt_models import GPTSpec
-from moe_plugin.cli import main
+from moe_plugin_tools.bench.gpt_models import GPTSpec
+from moe_plugin_tools.cli import main
 
 # capacity factor 4: no expert overflows, so DeepSpeed's gate renormalisation over kept routes
 # is ours too and the two models compute the same step-0 loss
@@ -20,7 +20,7 @@ TOY = GPTSpec(layers=2, hidden=32, heads=4, ffn=64, experts=4, ep=2, moe_every=1
 
 
 def _child(rank, world_size, spec):
-    from moe_plugin.bench.step import rank_main
+    from moe_plugin_tools.bench.step import rank_main
 
     return rank_main(rank, world_size, spec, rounds=2, warmup=1, threads=1, init_method="unused: harness group")
 
@@ -49,7 +49,7 @@ def test_bench_step_record(dist_run, dropless):
     assert re.fullmatch(r"moe: imb \d+\.\d\d \(max L[01]\) drop 0\.0% aux \d+\.\d{3}", record["moe_metrics"])
     assert len(record["loadavg"]) == 3 and record["others_cpu"] is not None
     json.dumps(record)
-    from moe_plugin.bench.step import summary
+    from moe_plugin_tools.bench.step import summary
 
     assert summary(record).startswith(f"ranks=2 ep=2 L=2 H=32 F=64 E=4 {'dropless' if dropless else 'cf=4.0'} ")
 

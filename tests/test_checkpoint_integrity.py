@@ -344,7 +344,7 @@ def exported(results, tmp_path_factory):
 
     lines: list = []
     export_checkpoint(root / "checkpoints" / "tp2ep2", out / "tp2ep2", progress=lines.append)
-    cli = subprocess.run([sys.executable, "-m", "moe_plugin.cli", "export", str(root / "checkpoints" / "pp2ep2"),
+    cli = subprocess.run([sys.executable, "-m", "moe_plugin_tools.cli", "export", str(root / "checkpoints" / "pp2ep2"),
                           "--out", str(out / "pp2ep2")], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert cli.returncode == 0, cli.stderr
     return out, lines, cli.stdout

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_plugin.cli import main
+from moe_plugin_tools.cli import main
 from moe_plugin.configs import MoEConfig
 from moe_plugin.groups.layout import RankLayout
 
@@ -166,9 +166,14 @@ def test_no_command_is_a_usage_error(capsys):
 
 # -- the real command ------------------------------------------------------------------------
 
+def test_console_command_names_the_cli():
+    assert '"moe-plugin=moe_plugin_tools.cli:main"' in (REPO / "setup.py").read_text()
+
+
 def test_console_command_exits_2_without_traceback(tmp_path):
     script = Path(sys.executable).parent / "moe-plugin"  # present after `pip install -e .`
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "moe_plugin.cli"]
+    installed = script.exists() and "from moe_plugin_tools.cli import main" in script.read_text()
+    command = [str(script)] if installed else [sys.executable, "-m", "moe_plugin_tools.cli"]
     bad = config_file(tmp_path, {"num_experts": "8"})
     done = subprocess.run(command + ["check-config", bad], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2

@@ -84,7 +84,7 @@ def test_cli_answers_huge_sizes_at_once(tmp_path):
     for argv, line in ((["check-config", path], "error: moe.num_experts: got 1000000000000; expected at most "),
                        (["layout", "--world-size", str(10 ** 12)], "error: --world-size: got 1000000000000; "
                                                                     "expected at most 1,048,576 ranks")):
-        done = subprocess.run([sys.executable, "-m", "moe_plugin.cli", *argv], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", "moe_plugin_tools.cli", *argv], capture_output=True, text=True,
                               timeout=60)
         assert done.returncode == 2 and done.stdout == "" and done.stderr.startswith(line), done.stderr
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from moe_plugin.bench.memory import memory_profile
+from moe_plugin_tools.bench.memory import memory_profile
 from moe_plugin.configs import MoEConfig
 from moe_plugin.layers import GroupedExperts, MoELayer, RouterNoise, expert_capacity, reference_moe, route
 

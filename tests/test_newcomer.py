@@ -45,14 +45,13 @@ def provider(moe_config, groups):
     import moe_plugin
     from megatron.core.models.gpt import GPTModel
 
-    from moe_plugin.integration.megatron import gpt_moe_spec
-
     config = moe_plugin.transformer_config(moe_config, **MODEL, pipeline_dtype=torch.float32,
                                            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                                            bias_dropout_fusion=False, gradient_accumulation_fusion=False,
                                            masked_softmax_fusion=False, apply_rope_fusion=False)
     torch.manual_seed(SEED)   # all the script does about seeds
-    return GPTModel(config, gpt_moe_spec(moe_config, config, groups), vocab_size=VOCAB, max_sequence_length=SEQ)
+    spec = moe_plugin.gpt_moe_spec(moe_config, config, groups)
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ)
 
 
 def _train(parallel: dict, dp: int) -> dict:

@@ -265,7 +265,7 @@ def test_synthetic_trace_shapes_and_trace_file_round_trip(tmp_path):
 
 # --- the command ------------------------------------------------------------------------------------
 def _plan(argv, capsys):
-    from moe_plugin.cli import main
+    from moe_plugin_tools.cli import main
 
     code = None
     try:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_plugin.cli import main
-from moe_plugin.report import RunDirError, count_params, read_run, summarize
+from moe_plugin_tools.cli import main
+from moe_plugin_tools.report import RunDirError, count_params, read_run, summarize
 
 ARGS = {"num_layers": 4, "hidden_size": 16, "num_attention_heads": 2, "ffn_hidden_size": 32, "seq_length": 8}
 MOE = {"num_experts": 4, "top_k": 2, "layer_interval": 2, "parallel": {"tensor": 1, "pipeline": 1, "expert": 2}}

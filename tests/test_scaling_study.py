@@ -2,7 +2,7 @@
 
 * ``study.py --quick`` (nine tiny models, 4 ranks each): every artifact is written; the losses
   are finite and fall; the parameters the runs counted on their ranks equal the formula of
-  ``moe_plugin/report/params.py``; the active parameters are the dense model's up to the routers
+  ``moe_plugin_tools/report/params.py``; the active parameters are the dense model's up to the routers
   (and the dense MLP's biases, which experts do not have); total parameters grow with the
   experts; the CSV and the JSON summary agree;
 * run again, it trains nothing (every model already trained) and writes the report again;
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_plugin.cli import main as cli_main
+from moe_plugin_tools.cli import main as cli_main
 
 SCALING = Path(__file__).resolve().parents[1] / "examples" / "gpt_moe" / "scaling"
 MODELS = ["dense", "e4-top2", "e8-top2", "e16-top2", "e32-top2", "e4-top1", "e8-top1", "e16-top1", "e32-top1"]

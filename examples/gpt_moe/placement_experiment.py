@@ -271,7 +271,7 @@ def profiled_rank(profile_dir: Path, argv: list[str]) -> int:
 
     import pretrain_gpt_moe as pretrain
 
-    from moe_plugin.bench.step import MoETimer
+    from moe_plugin_tools.bench.step import MoETimer
     from moe_plugin.layers import MoELayer, comm
 
     rank = int(os.environ.get("RANK", "0"))

@@ -33,15 +33,15 @@ ZeRO stage and the ``"moe"`` block (experts, router, parallel layout). The scrip
    A stalled rank ends in an error after ``--distributed-timeout-minutes``.
 
 With pipeline parallelism (``moe.parallel.pipeline`` > 1) the model is the same GPT cut into
-stages (``moe_plugin.integration.pipeline.gpt_pipeline_module``), the engine is DeepSpeed's
+stages (``moe_plugin.gpt_pipeline_module``), the engine is DeepSpeed's
 ``PipelineEngine``, and a step is one ``engine.train_batch`` over the same micro-batches: the
 pipeline branch is ``gpt_pipeline_provider`` / ``pipeline_train_step`` / ``pipeline_evaluate``.
-Checkpoints (``--save``/``--load``) go through ``moe_plugin.integration.checkpoint`` (experts
+Checkpoints (``--save``/``--load``) go through ``moe_plugin.save_checkpoint`` / ``load_checkpoint`` (experts
 saved by global id, dense weights re-cut on load, so a run may resume under another TP, PP or EP
 layout; with ``--no-load-optim`` then, as the optimizer state does not follow).
 
 Load-adaptive placement: when ``moe.placement.policy`` is not ``static`` or ``trace_file`` is set,
-``moe_plugin.integration.placement.training_placement`` tracks the gate's load and, at the step
+``moe_plugin.training_placement`` tracks the gate's load and, at the step
 boundary after every step, checks / migrates experts (``runs/<name>/placement.jsonl``, gate
 trace in the run directory); the progress line shows its switches and rank imbalance.
 ``--router-skew S`` makes a Zipf-like load to try it on (``router_skew.py``).
@@ -226,7 +226,8 @@ def gpt_model_provider(args: argparse.Namespace, vocab_size: int):
     def provider(moe_config: MoEConfig, groups):
         from megatron.core.models.gpt import GPTModel
 
-        from moe_plugin.integration.megatron import gpt_dense_spec, gpt_moe_spec
+        from moe_plugin import gpt_moe_spec
+        from moe_plugin.integration.megatron import gpt_dense_spec
 
         config = transformer_config(args, moe_config)
         torch.manual_seed(args.seed)  # every weight follows it: the embedding, an untied output layer draw from
@@ -255,7 +256,7 @@ def gpt_pipeline_provider(args: argparse.Namespace, vocab_size: int):
     the weights ``gpt_model_provider``'s model has (``moe_plugin.integration.seeding``)."""
 
     def provider(moe_config: MoEConfig, groups):
-        from moe_plugin.integration.pipeline import gpt_pipeline_module
+        from moe_plugin import gpt_pipeline_module
 
         return skewed(args, gpt_pipeline_module(
             transformer_config(args, moe_config), moe_config, groups, vocab_size=vocab_size,
@@ -390,8 +391,8 @@ def per_rank(value: float, device) -> list[float]:
 
 # --- checkpoints ----------------------------------------------------------------------------------
 def save_checkpoint(run, directory: str, step: int) -> None:
-    """Collective. Experts are saved by global id, the rest by DeepSpeed (``integration.checkpoint``)."""
-    from moe_plugin.integration.checkpoint import save_checkpoint as save
+    """Collective. Experts are saved by global id, the rest by DeepSpeed (``moe_plugin.save_checkpoint``)."""
+    from moe_plugin import save_checkpoint as save
 
     save(run, directory, tag=f"step{step}", client_state={"step": step})
 
@@ -403,8 +404,8 @@ def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = Tru
     name its ``--save`` directory in ``--load``. One that holds a tag but no ``latest`` is an error."""
     import torch.distributed as dist
 
-    from moe_plugin.integration.checkpoint import CheckpointError, checkpoint_exists
-    from moe_plugin.integration.checkpoint import load_checkpoint as load
+    from moe_plugin import CheckpointError, checkpoint_exists
+    from moe_plugin import load_checkpoint as load
 
     if not checkpoint_exists(directory):
         if dist.get_rank() == 0:
@@ -424,7 +425,7 @@ def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = Tru
 def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: TrainingLog, placement=None) -> None:
     """The training loop. ``placement`` (a ``TrainingPlacement`` or None) is stepped after every
     optimizer step, at the step boundary, on every rank; its time counts as training time."""
-    from moe_plugin.integration.monitor import ExpertMetrics
+    from moe_plugin import ExpertMetrics
 
     start = load_checkpoint(result, args.load, not args.no_load_optim, not args.no_load_rng) if args.load else 0
     if start:
@@ -500,8 +501,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return report_error(err)   # one line, on rank 0; status 2 on every rank
     configure_threads()
     from moe_plugin.compat.shm_buffers import remove_shm_buffers
-    from moe_plugin.integration.checkpoint import CheckpointError
-    from moe_plugin.integration.guard import TrainingStopped
+    from moe_plugin import CheckpointError, TrainingStopped
 
     atexit.register(remove_shm_buffers, range(world_size))   # DeepSpeed's /dev/shm buffers, every rank's
     run_dir = Path(args.run_dir or Path("runs") / Path(args.deepspeed_config).stem)
@@ -520,7 +520,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.router_skew or args.freeze_router:
             log.info(f"routers: skew {args.router_skew} (experts with low ids preferred)"
                      + (", weights frozen" if args.freeze_router else ""))
-        from moe_plugin.integration.placement import training_placement
+        from moe_plugin import training_placement
 
         placement = training_placement(result, run_dir, resumed=bool(args.load))
         memory_before = per_rank(memory_before_mb, result.engine.device)

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from moe_plugin.layers import MoELayer
+from moe_plugin import MoELayer
 
 
 def zipf_offsets(num_experts: int, skew: float, sigma: float = 1.0) -> torch.Tensor:

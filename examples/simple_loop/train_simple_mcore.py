@@ -14,8 +14,6 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 import moe_plugin
-from moe_plugin.integration.checkpoint import load_checkpoint, save_checkpoint
-from moe_plugin.integration.megatron import gpt_moe_spec
 
 SEED, VOCAB, SEQ = 1234, 128, 32
 
@@ -47,7 +45,8 @@ def model_provider(moe_config, groups):
     torch.manual_seed(SEED)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    return GPTModel(config, gpt_moe_spec(moe_config, config, groups), vocab_size=VOCAB, max_sequence_length=SEQ)
+    spec = moe_plugin.gpt_moe_spec(moe_config, config, groups)
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ)
 
 
 def get_batch(step, rows, device):
@@ -72,7 +71,7 @@ def main():
 
     start = 0
     if args.load:
-        _, client_state = load_checkpoint(run, args.load, tag=args.load_tag)
+        _, client_state = moe_plugin.load_checkpoint(run, args.load, tag=args.load_tag)
         start = client_state["step"]
     losses = {}
     for step in range(start, args.steps):
@@ -90,7 +89,7 @@ def main():
         if dist.get_rank() == 0:
             print(f"step {step + 1} loss {losses[step + 1]:.6f}", flush=True)
         if args.save and step + 1 in (args.save_at, args.steps):
-            save_checkpoint(run, args.save, tag=f"step{step + 1}", client_state={"step": step + 1})
+            moe_plugin.save_checkpoint(run, args.save, tag=f"step{step + 1}", client_state={"step": step + 1})
     if args.losses and dist.get_rank() == 0:
         with open(args.losses, "w") as f:
             json.dump(losses, f)

@@ -87,7 +87,7 @@ def member_config(size: GpuSize, experts: int, cluster) -> tuple[dict, dict]:
 def generate(out: Path = OUT, progress: bool = True) -> list[Path]:
     """Write ``out/configs/<size>_<member>.json`` and ``out/plan.md``; return the files."""
     from moe_plugin.planner import ClusterSpec
-    from moe_plugin.report.params import count_params
+    from moe_plugin_tools.report.params import count_params
 
     cluster = ClusterSpec.load(str(CLUSTER))
     (out / "configs").mkdir(parents=True, exist_ok=True)

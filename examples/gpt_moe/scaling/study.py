@@ -224,7 +224,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         wall[model.name] = train(study, index, model, study_started, durations)
         durations.append(wall[model.name])
 
-    from moe_plugin.report import write_report
+    from moe_plugin_tools.report import write_report
 
     written = write_report([study.run_dir(m) for m in models], out)
     records = json.loads((out / "summary.json").read_text())["runs"]

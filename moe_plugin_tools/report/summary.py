@@ -5,8 +5,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional
 
-from moe_plugin.report.params import ParamCount, count_params, top_k_of
-from moe_plugin.report.rundir import Run
+from moe_plugin_tools.report.params import ParamCount, count_params, top_k_of
+from moe_plugin_tools.report.rundir import Run
 
 
 @dataclass(frozen=True)

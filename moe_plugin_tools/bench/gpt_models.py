@@ -125,7 +125,7 @@ def build_deepspeed_twin(spec: GPTSpec, ours: Any, world_size: int) -> tuple[Any
     ``build_ours`` (see the module docstring). Returns the engine and the MoE wrappers."""
     import deepspeed
 
-    from moe_plugin.bench.deepspeed_moe import deepspeed_twin
+    from moe_plugin_tools.bench.deepspeed_moe import deepspeed_twin
     from moe_plugin.integration.megatron import MegatronMoEMLP
 
     model = gpt_model(spec, ours.moe_config, ours.groups)

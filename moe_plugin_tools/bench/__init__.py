@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_plugin.bench.args import add_bench_parser
+from moe_plugin_tools.bench.args import add_bench_parser
 
 _LAZY = {"LayerBenchSpec": "layer", "bench_layer": "layer", "MemoryProfile": "memory", "memory_profile": "memory",
          "peak_allocated_bytes": "memory", "deepspeed_twin": "deepspeed_moe", "ours_bytes_sent": "traffic",
@@ -20,7 +20,7 @@ __all__ = ["add_bench_parser", *_LAZY]
 
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
-        raise AttributeError(f"module 'moe_plugin.bench' has no attribute {name!r}")
+        raise AttributeError(f"module 'moe_plugin_tools.bench' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(f"moe_plugin.bench.{_LAZY[name]}"), name)
+    return getattr(importlib.import_module(f"moe_plugin_tools.bench.{_LAZY[name]}"), name)

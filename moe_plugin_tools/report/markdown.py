@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from moe_plugin.report.summary import RunSummary
+from moe_plugin_tools.report.summary import RunSummary
 
 
 def _num(value: Optional[float], fmt: str) -> str:
@@ -46,7 +46,7 @@ ROWS: list[tuple[str, Callable[[RunSummary], str]]] = [
     ("wall time (s)", lambda s: _num(s.wall_s, ".1f")),
 ]
 
-PARAMS_NOTE = ("Parameters are the whole model's by the formula of `moe_plugin/report/params.py` (embeddings "
+PARAMS_NOTE = ("Parameters are the whole model's by the formula of `moe_plugin_tools/report/params.py` (embeddings "
                "Vh + Ph and output layer Vh; per layer 4h² + 8h attention and norms; 2hf + f + h per dense MLP, "
                "hE + E·m·h·f_e per MoE MLP, m = 3 for swiglu, else 2); active counts the router and the top-k "
                "experts instead of all E; \"counted on the model\" is what the run counted on its ranks. "

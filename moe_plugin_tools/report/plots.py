@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from moe_plugin.report.rundir import Run
-from moe_plugin.report.summary import RunSummary
+from moe_plugin_tools.report.rundir import Run
+from moe_plugin_tools.report.summary import RunSummary
 
 
 def _pyplot():

@@ -1,6 +1,7 @@
-"""``bench layer --ep N``: the layer bench on N expert-parallel ranks (gloo, one process each).
+"""The ``bench layer`` command (``run``): the layer bench in this process, or with ``--ep N`` on N
+expert-parallel ranks (gloo, one process each).
 
-Layout: a world of N ranks with EP = N (``RankLayout.build(N, ep=N)``: dp N, edp 1). Rank r
+With ``--ep N``: a world of N ranks with EP = N (``RankLayout.build(N, ep=N)``: dp N, edp 1). Rank r
 hosts experts ``[r * E/N, (r + 1) * E/N)`` in our layer and in DeepSpeed's (its own
 ``ep_size_N`` group over the same ranks), and routes its own ``--tokens`` tokens (tokens are per
 rank, like a micro-batch). Every rank runs ``bench_layer`` with ``Ranks(groups)``: a step starts
@@ -27,7 +28,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_plugin.bench.layer import LayerBenchSpec, Ranks, bench_layer, specs_from_args
+from moe_plugin_tools.bench.layer import LayerBenchSpec, Ranks, bench_layer, specs_from_args, summary
+
+
+def run(args: argparse.Namespace) -> None:
+    """The ``bench layer`` command: one line per configuration (JSON with ``--json``)."""
+
+    def emit(record: dict) -> None:
+        print(json.dumps(record) if args.json else summary(record), flush=True)
+
+    if args.ep > 1:
+        run_expert_parallel(args, emit)
+        return
+    torch.set_num_threads(args.threads)
+    for spec in specs_from_args(args):
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep stdout for results
+            record = bench_layer(spec)
+        emit(record)
 
 
 def run_expert_parallel(args: argparse.Namespace, emit) -> None:
@@ -60,7 +77,7 @@ def _spawned(rank: int, world: int, specs: list[LayerBenchSpec], threads: int, t
 def rank_main(rank: int, world: int, specs: list[LayerBenchSpec], threads: int, init_method: str) -> list[dict]:
     """One rank of the job: groups, every configuration, teardown. Uses the default group when
     one exists (a test harness's), else creates it with ``init_method``."""
-    from moe_plugin.bench.deepspeed_moe import forget_deepspeed_groups
+    from moe_plugin_tools.bench.deepspeed_moe import forget_deepspeed_groups
     from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
     from moe_plugin.groups.layout import RankLayout
 

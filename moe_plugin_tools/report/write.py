@@ -7,9 +7,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional, Sequence
 
-from moe_plugin.report import markdown, plots
-from moe_plugin.report.rundir import Run, read_run
-from moe_plugin.report.summary import RunSummary, as_record, summarize
+from moe_plugin_tools.report import markdown, plots
+from moe_plugin_tools.report.rundir import Run, read_run
+from moe_plugin_tools.report.summary import RunSummary, as_record, summarize
 
 
 def _label_duplicates(runs: Sequence[Run]) -> None:

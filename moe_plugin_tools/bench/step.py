@@ -24,7 +24,7 @@ differ a little), ``same_initial_weights``; our expert load of the last step
 
 Processes: ``--ranks N`` starts N gloo ranks itself (``torch.multiprocessing`` spawn, a file
 rendezvous in a temporary directory), each with ``max(1, threads // N)`` threads; under a launcher
-that sets ``RANK`` and ``WORLD_SIZE`` (``deepspeed --num_gpus N --module moe_plugin.bench.step
+that sets ``RANK`` and ``WORLD_SIZE`` (``deepspeed --num_gpus N --module moe_plugin_tools.bench.step
 --ranks N ...``, checked on CPU; ``torchrun``) this process is one rank.
 """
 from __future__ import annotations
@@ -45,14 +45,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_plugin.bench.gpt_models import GPTSpec
+from moe_plugin_tools.bench.gpt_models import GPTSpec
+from moe_plugin_tools.bench.machine import cpu_seconds, loadavg, others_share
 
 MODELS = ("ours", "deepspeed")
 PHASES = ("forward", "backward", "optimizer", "moe_forward", "moe_backward")
 
 
 class _World:
-    """``bench layer``'s ``Ranks`` interface over the whole job (for ``_others_share``)."""
+    """``bench layer``'s ``Ranks`` interface over the whole job (for ``others_share``)."""
 
     def reduce(self, values: list[float], op: str) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
@@ -161,8 +162,7 @@ def _trainer(engine: Any, timer: MoETimer, aux: Optional[Callable[[], torch.Tens
 def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
     """Build both models and time them (module docstring); every rank calls it with torch.distributed
     initialised (gloo). Returns the record (the same on every rank)."""
-    from moe_plugin.bench.gpt_models import build_deepspeed_twin, build_ours, same_weights, twin_aux_loss
-    from moe_plugin.bench.layer import _cpu_seconds, _loadavg, _others_share
+    from moe_plugin_tools.bench.gpt_models import build_deepspeed_twin, build_ours, same_weights, twin_aux_loss
     from moe_plugin.integration.megatron import MegatronMoEMLP
     from moe_plugin.integration.monitor import ExpertMetrics
 
@@ -183,7 +183,7 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
         busy_before = None
         for r, batch in enumerate(batches):
             if r == warmup:
-                busy_before = _cpu_seconds()
+                busy_before = cpu_seconds()
             for name in (MODELS if r % 2 == 0 else MODELS[::-1]):
                 dist.barrier()
                 cpu_start = _process_cpu_seconds()
@@ -198,7 +198,7 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
                     times[name].append([1e3 * s for s in slowest + cpu_sums])
                 if name == "ours":
                     metrics.collect()   # outside the timed region (a small all-reduce per layer)
-        busy_after = _cpu_seconds()
+        busy_after = cpu_seconds()
         for timer in timers.values():
             timer.close()
         metrics.close()
@@ -223,8 +223,8 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
         record["step0_loss_diff"] = abs(losses["ours"][0] - losses["deepspeed"][0])
         record["same_initial_weights"] = same
         record["moe_metrics"] = metrics.log_line()
-        record["loadavg"] = _loadavg()
-        record["others_cpu"] = _others_share(busy_before, busy_after, world_ranks)
+        record["loadavg"] = loadavg()
+        record["others_cpu"] = others_share(busy_before, busy_after, world_ranks)
         return record
     finally:
         ours.close()
@@ -309,7 +309,9 @@ def summary(record: dict) -> str:
             f"{record['loadavg']}, others_cpu {record['others_cpu']}")
 
 
-if __name__ == "__main__":   # deepspeed --num_gpus N --module moe_plugin.bench.step --ranks N ...
-    from moe_plugin.cli import main
+if __name__ == "__main__":   # deepspeed --num_gpus N --module moe_plugin_tools.bench.step --ranks N ...
+    from moe_plugin.configs.report import exit_on_config_error
+    from moe_plugin_tools.bench.args import parse_step_args
 
-    sys.exit(main(["bench", "step", *sys.argv[1:]]))
+    with exit_on_config_error(ValueError):   # as ``moe-plugin bench step`` does
+        run(parse_step_args(sys.argv[1:]))

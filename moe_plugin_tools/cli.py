@@ -24,14 +24,14 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from moe_plugin.bench.args import add_bench_parser
+from moe_plugin_tools.bench.args import add_bench_parser
 from moe_plugin.configs import ConfigError, MoEConfig, batch_sizes
 from moe_plugin.configs.report import exit_on_config_error
 from moe_plugin.configs.schema import DEFAULT_ORDER, load_ds_config
 from moe_plugin.groups.layout import RankLayout
 from moe_plugin.groups.report import group_lists, rank_groups
 from moe_plugin.planner.plan import add_plan_parser
-from moe_plugin.report import write_report
+from moe_plugin_tools.report import write_report
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json"
 # `layout` takes sizes as flags; name the flag, not the config key, in its errors.
@@ -81,13 +81,13 @@ def demo(args: argparse.Namespace) -> None:
 
 
 def bench_layer(args: argparse.Namespace) -> None:
-    from moe_plugin.bench.layer import run
+    from moe_plugin_tools.bench.layer_ep import run
 
     run(args)
 
 
 def bench_step(args: argparse.Namespace) -> None:
-    from moe_plugin.bench.step import run
+    from moe_plugin_tools.bench.step import run
 
     run(args)
 

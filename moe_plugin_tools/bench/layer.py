@@ -26,12 +26,9 @@ fixed per-expert offset of standard deviation ``skew`` to the logits.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable, Optional
@@ -39,7 +36,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from torch import Tensor
 
-from moe_plugin.bench.memory import memory_profile
+from moe_plugin_tools.bench.machine import cpu_seconds, loadavg, others_share
+from moe_plugin_tools.bench.memory import memory_profile
 from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.layers import GroupedExperts, MoELayer
 
@@ -135,7 +133,7 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
     """Time and measure one configuration; returns the JSON record (see docs/benchmarks.md).
     With ``ranks`` of an expert-parallel job every rank calls it with its own tokens; rank 0's
     record describes the job."""
-    from moe_plugin.bench.deepspeed_moe import deepspeed_capacity, deepspeed_twin
+    from moe_plugin_tools.bench.deepspeed_moe import deepspeed_capacity, deepspeed_twin
 
     ranks = ranks or Ranks()
     gen = torch.Generator().manual_seed(spec.seed * 1000 + ranks.rank)
@@ -187,9 +185,9 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
             "floor": _Run(step_floor, fwd_floor, [x_RH, *ours.experts.parameters()], ours.experts)}
     if twin is not None:
         runs["deepspeed"] = _Run(step_deepspeed, fwd_deepspeed, [x_SBH, *twin.parameters()])
-    busy_before = _cpu_seconds()  # others_cpu covers the timed loop
+    busy_before = cpu_seconds()  # others_cpu covers the timed loop
     times = _time_rotating(runs, spec.warmup, spec.iters, ranks)
-    busy_after = _cpu_seconds()
+    busy_after = cpu_seconds()
     memory = {}
     for name, run in runs.items():
         for key, fn in (("peak_bytes", run.step), ("activation_bytes", run.forward)):
@@ -229,18 +227,18 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
         record.update(_traffic(spec, ranks, kept_E, record["deepspeed_capacity"]))
     record.update(check)
     if spec.breakdown and ranks.size == 1:
-        from moe_plugin.bench.breakdown import time_parts
+        from moe_plugin_tools.bench.breakdown import time_parts
 
         record["ours_parts_ms"] = time_parts(ours, x_SBH.detach().view(spec.tokens, spec.hidden),
                                              spec.warmup, spec.iters)
-    record["loadavg"] = _loadavg()
-    record["others_cpu"] = _others_share(busy_before, busy_after, ranks)
+    record["loadavg"] = loadavg()
+    record["others_cpu"] = others_share(busy_before, busy_after, ranks)
     return record
 
 
 def _traffic(spec: LayerBenchSpec, ranks: Ranks, kept_E: Tensor, ds_capacity: Optional[int]) -> dict:
     """Bytes a rank sends to other ranks per all-to-all, mean over the ranks (``traffic.py``)."""
-    from moe_plugin.bench.traffic import deepspeed_bytes_sent, ours_bytes_sent
+    from moe_plugin_tools.bench.traffic import deepspeed_bytes_sent, ours_bytes_sent
 
     ours_bytes = ours_bytes_sent(kept_E, ranks.size, ranks.rank, spec.hidden, 4)
     out = {"ours_a2a_bytes": round(ranks.reduce([ours_bytes], "sum")[0] / ranks.size)}
@@ -281,36 +279,6 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return round(a / b, 3) if a is not None and b else None
 
 
-def _loadavg() -> Optional[list[float]]:
-    try:
-        with open("/proc/loadavg") as f:
-            return [float(v) for v in f.read().split()[:3]]
-    except OSError:
-        return None
-
-
-def _cpu_seconds() -> Optional[tuple[float, float, float]]:
-    """(CPU seconds busy on the machine, CPU seconds of this process, wall seconds)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except OSError:
-        return None
-    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-    own = os.times()
-    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.perf_counter()
-
-
-def _others_share(before, after, ranks: Ranks) -> Optional[float]:
-    """Mean number of cores processes outside this job kept busy while we were timing (0: a
-    quiet machine). The job's CPU time is summed over its ranks (all on this machine)."""
-    if before is None or after is None:
-        return None
-    wall = after[2] - before[2]
-    job = ranks.reduce([after[1] - before[1]], "sum")[0]
-    return round(max(0.0, (after[0] - before[0]) - job) / wall, 2) if wall > 0 else None
-
-
 def specs_from_args(args: argparse.Namespace) -> list[LayerBenchSpec]:
     return [LayerBenchSpec(tokens=args.tokens, experts=e, hidden=args.hidden, ffn=args.ffn, k=args.top_k,
                            capacity_factor=args.capacity_factor, dropless=args.dropless, skew=s,
@@ -337,21 +305,3 @@ def summary(record: dict) -> str:
                if "ours_a2a_bytes" in record else "")
             + f" | max load {record['max_load']} (mean {record['mean_load']:.0f}) | load avg {record['loadavg']}, "
             f"others_cpu {record['others_cpu']}")
-
-
-def run(args: argparse.Namespace) -> None:
-    """The ``bench layer`` command: one line per configuration (JSON with ``--json``)."""
-
-    def emit(record: dict) -> None:
-        print(json.dumps(record) if args.json else summary(record), flush=True)
-
-    if args.ep > 1:
-        from moe_plugin.bench.layer_ep import run_expert_parallel
-
-        run_expert_parallel(args, emit)
-        return
-    torch.set_num_threads(args.threads)
-    for spec in specs_from_args(args):
-        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep stdout for results
-            record = bench_layer(spec)
-        emit(record)

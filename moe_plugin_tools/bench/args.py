@@ -73,7 +73,7 @@ def add_bench_parser(commands: argparse._SubParsersAction, run_layer, run_step=N
 
 
 def add_step_parser(kinds: argparse._SubParsersAction, run_step) -> None:
-    """``bench step``: see moe_plugin/bench/step.py and docs/benchmarks.md."""
+    """``bench step``: see moe_plugin_tools/bench/step.py and docs/benchmarks.md."""
     step = kinds.add_parser("step", help="whole training step (forward, backward, optimizer) of a tiny Megatron GPT "
                             "with our MoE layers vs the same GPT with DeepSpeed's MoE layers, alternating",
                             description="One line (one JSON object with --json) from rank 0. "
@@ -106,3 +106,11 @@ def add_step_parser(kinds: argparse._SubParsersAction, run_step) -> None:
     step.add_argument("--json", action="store_true", help="print one JSON object")
     step.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)   # the deepspeed launcher passes it
     step.set_defaults(run=run_step)
+
+
+def parse_step_args(argv: list[str]) -> argparse.Namespace:
+    """``moe-plugin bench step``'s arguments without the rest of the command (``python -m
+    moe_plugin_tools.bench.step ...`` under a launcher)."""
+    parser = argparse.ArgumentParser(prog="moe-plugin bench")
+    add_step_parser(parser.add_subparsers(dest="bench", required=True), run_step=None)
+    return parser.parse_args(["step", *argv])

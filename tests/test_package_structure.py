@@ -1,0 +1,116 @@
+"""The packages' shape: no import cycle among the modules of ``moe_plugin`` and ``moe_plugin_tools``
+(every import statement counts, those inside functions too); the runtime ``moe_plugin`` never
+imports the tools; ``import moe_plugin`` stays light (no torch, DeepSpeed or Megatron-Core) and
+every public name resolves."""
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("moe_plugin", "moe_plugin_tools")
+
+
+def module_files(root: Path, packages=PACKAGES) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` file of ``packages`` under ``root``."""
+    files = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def imported_names(module: str, path: Path) -> set[str]:
+    """Every name an import statement of the file imports (``from a import b``: ``a.b``)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]) if node.level else ""
+            source = ".".join(p for p in (base, node.module) if p)
+            names.update(f"{source}.{alias.name}" for alias in node.names)   # a.b, or a where b is no module
+    return names
+
+
+def import_graph(root: Path, packages=PACKAGES) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports (the longest known prefix of each name)."""
+    files = module_files(root, packages)
+
+    def known(name: str) -> Optional[str]:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    return {m: {t for t in map(known, imported_names(m, p)) if t and t != m} for m, p in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> Optional[list[str]]:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or None (depth-first, iterative)."""
+    state: dict[str, int] = {}   # 1: on the current path, 2: done
+    for root in sorted(graph):
+        if root in state:
+            continue
+        path, todo = [root], [iter(sorted(graph[root]))]
+        state[root] = 1
+        while todo:
+            nxt = next(todo[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                todo.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                todo.append(iter(sorted(graph.get(nxt, ()))))
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path):
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "x.py").write_text("def f():\n    from .sub import y\n    return y\n")
+    (pkg / "sub" / "y.py").write_text("import os\nfrom pkg.x import f\n")
+    graph = import_graph(tmp_path, ("pkg",))
+    assert graph["pkg.x"] == {"pkg.sub.y"} and graph["pkg.sub.y"] == {"pkg.x"}
+    assert find_cycle(graph) == ["pkg.sub.y", "pkg.x", "pkg.sub.y"]
+
+
+def test_no_import_cycle():
+    graph = import_graph(REPO)
+    assert len(graph) > 80 and "moe_plugin_tools.cli" in graph
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_runtime_never_imports_the_tools():
+    found = sorted(f"{m} imports {name}" for m, path in module_files(REPO, ("moe_plugin",)).items()
+                   for name in imported_names(m, path) if name.split(".")[0] == "moe_plugin_tools")
+    assert len(found) == 0, "; ".join(found)
+
+
+def test_import_moe_plugin_is_light_and_every_public_name_resolves():
+    code = ("import json, sys\nimport moe_plugin\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'megatron'))\n"
+            "missing = [n for n in moe_plugin.__all__ if getattr(moe_plugin, n, None) is None]\n"
+            "print(json.dumps({'heavy': heavy, 'missing': missing, 'all': moe_plugin.__all__, 'dir': dir(moe_plugin)}))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["heavy"] == [], "import moe_plugin imported " + ", ".join(seen["heavy"][:10])
+    assert seen["missing"] == []
+    user_needs = {"initialize", "MoEConfig", "MoELayer", "gpt_moe_spec", "save_checkpoint", "load_checkpoint",
+                  "ExpertMetrics", "training_placement", "transformer_config", "gpt_pipeline_module", "ConfigError",
+                  "exit_on_error", "report_error"}
+    assert user_needs <= set(seen["all"]) and set(seen["all"]) <= set(seen["dir"])
