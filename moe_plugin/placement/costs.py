@@ -175,7 +175,8 @@ def moe_layer_collectives(tp: int, dp: int, ep: int, etp: int, sequence_parallel
     of size 1 runs nothing). The router's finite flags ride in the EP counts exchange when the
     EP group is the stage's TP x DP ranks, else they take an all-to-all of their own over those.
     ETP rows move as all-to-alls (``comm.gather_rows``/``reduce_scatter_rows``); replicated
-    input (tp > 1 without sequence parallelism) is split and its output all-gathered over TP."""
+    input (tp > 1 without sequence parallelism) is split and its output all-gathered over TP. Not
+    listed: a shared expert's gradient all-reduces over TP (the planner models none)."""
     split = tp > 1 and not sequence_parallel
     a2a, fwd, bwd = "all_to_all_single", "forward", "backward"
     plan = [
