@@ -312,7 +312,7 @@ def test_align_moves_few_experts():
 def test_cost_model_by_hand():
     """2 ranks on 2 nodes, 2 experts: rank 0 sends 10 routes to expert 1 (on rank 1), rank 1
     sends 4 to expert 0; expert 0 also gets 6 from rank 0, expert 1 gets 2 from rank 1."""
-    from moe_plugin.placement.controller import CostModel
+    from moe_plugin.placement.costs import CostModel
     cost = CostModel(seconds_per_route=1.0, seconds_per_byte_intra=0.0, seconds_per_byte_inter=0.5)
     T = torch.tensor([[6.0, 10.0], [4.0, 2.0]])
     t = cost.layer_time(T, torch.tensor([0, 1]), [0, 1], bytes_per_route=2.0)
@@ -334,7 +334,8 @@ def _controller_child(rank, world_size, run_dir, variants):
     from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
     from moe_plugin.groups.layout import RankLayout
     from moe_plugin.layers import MoELayer
-    from moe_plugin.placement.controller import CostModel, PlacementController
+    from moe_plugin.placement.controller import PlacementController
+    from moe_plugin.placement.costs import CostModel
 
     groups = build_process_groups(RankLayout.build(world_size, ep=2))
     out = {}

@@ -25,7 +25,7 @@ import torch
 import test_layers_dist as base
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.layers import MoELayer
-from moe_plugin.placement.controller import CostModel
+from moe_plugin.placement.costs import CostModel
 
 E = base.E
 SHUFFLED = base.SHUFFLED          # slot of expert e: expert 1 in slot 2, expert 6 in slot 1, ...

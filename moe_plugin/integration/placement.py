@@ -42,7 +42,8 @@ from typing import Any, Optional, Union
 
 from moe_plugin.layers.moe_layer import MoELayer
 from moe_plugin.placement import migration
-from moe_plugin.placement.controller import CostModel, Decision, PlacementController
+from moe_plugin.placement.controller import Decision, PlacementController
+from moe_plugin.placement.costs import CostModel
 from moe_plugin.placement.tracking import LoadTracker
 
 CPU_FLOPS = 2e10   # FLOP/s of one CPU core running fp32 GEMMs, order of magnitude

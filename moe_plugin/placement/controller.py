@@ -8,47 +8,25 @@
 Every ``check_interval`` steps, for every MoE layer of the rank's stage: the policy
 (``moe.placement.policy``) proposes a placement from the layer's window load
 (``LoadTracker.window_loads``), relabelled to move as few experts as possible
-(``policies.align``). The cost model predicts the layer's time per step under the current and
-the proposed placement; the saving until the next check is weighed against the migration:
+(``policies.align``). The cost model (``costs.CostModel``: per layer and step, the busiest EP
+rank's routes, all-to-all bytes within and across nodes, shadowed experts' replication) predicts
+the layer's time per step under the current and the proposed placement, and the switching rule
+``costs.should_switch`` weighs the saving until the next check (``check_interval`` steps) against
+the migration, ``moved_bytes(now -> new) * migration_seconds_per_byte``, with the config's
+``min_gain`` as margin and hysteresis (``costs.py`` states it). All layers that switch at a check
+go to one ``migrate_fn`` call. ``CostModel.fit`` calibrates ``seconds_per_route`` from measured
+layer times (``step(..., layer_seconds=...)``); the migration engineer's ``moved_bytes`` replaces
+the default estimate (experts that change EP rank x parameters x (element bytes + 12 bytes of
+fp32 master and Adam state)).
 
-    saving = (t_now - t_new) * check_interval            (seconds, predicted)
-    cost   = moved_bytes(now -> new) * migration_seconds_per_byte
-    switch iff saving > (1 + min_gain) * cost   and   t_new <= (1 - min_gain) * t_now
-
-The first condition is the config's ``min_gain`` over the cost. The second is the hysteresis:
-a switch must buy at least ``min_gain`` of the layer's time per step, so switching back needs
-the load itself to move by about ``2 * min_gain``; noise in the window smaller than that never
-flips a layer back and forth (the gate's load does not depend on the placement, so the window
-stays valid across a switch). All layers that switch at a check go to one ``migrate_fn`` call.
-
-Cost model (``CostModel``), per layer and step, from the mean traffic per step ``T[p, e]``:
-
-* compute: ``seconds_per_route * max over EP ranks r of sum of T[:, e] over e on r`` -- the
-  slowest rank sets the pace (forward and backward of a kept route through its expert);
-* all-to-all: each route leaves its sender's rank for its expert's rank and comes back, in the
-  forward and the backward (``4 * hidden * element bytes``); per rank, the larger of bytes sent
-  and received, inter-node and intra-node at their own seconds per byte; the slowest rank again.
-
-* shadow experts (``replica_budget > 0``, EP without ETP; ``layers/shadow.py``): the routes to a
-  shadowed expert are computed by every EP rank for its own tokens and leave the all-to-all, so
-  rank r computes ``sum of T[:, e] over its unshadowed e + sum of T[r, e] over shadowed e``;
-  the price per step is its weights fetched in the forward and its gradients reduced in the
-  backward, two all-reduces over EP: ``2 * expert_bytes * 2 (P - 1) / P`` per shadowed expert
-  at the inter-node seconds per byte when the EP group spans nodes, else intra-node.
-
-The constants are defaults for a GPU cluster to be replaced by measurement: ``CostModel.fit``
-calibrates ``seconds_per_route`` from measured layer times (``step(..., layer_seconds=...)``),
-the migration engineer's ``moved_bytes`` replaces the default estimate (experts that change EP
-rank x parameters x (element bytes + 12 bytes of fp32 master and Adam state)).
-
-Shadowing, after the placement decision and under the placement in effect after it: the
-candidates are the ``k`` hottest experts (by window load, ``k = 0 .. replica_budget``, loaded
-experts only); the cheapest predicted per-step time wins, ties to the smaller set. The layer's
-set changes iff the winner differs from it and ``t_best <= (1 - min_gain) * t_current`` (the
-same hysteresis; a change moves no state, so there is no migration term). The load and traffic
-for this are per EP group (the tracked sums over the stage divided by the number of EP groups).
-A change is ``MoELayer.set_shadow`` on every rank of the stage and an ``"event": "shadow"``
-record in the log.
+Shadowing (``replica_budget > 0``, EP without ETP; ``layers/shadow.py``), after the placement
+decision and under the placement in effect after it: the candidates are the ``k`` hottest experts
+(by window load, ``k = 0 .. replica_budget``, loaded experts only); the cheapest predicted
+per-step time wins, ties to the smaller set. The layer's set changes iff the winner differs from
+it and ``should_switch`` takes it with no migration (a change moves no state). The load and
+traffic for this are per EP group (the tracked sums over the stage divided by the number of EP
+groups). A change is ``MoELayer.set_shadow`` on every rank of the stage and an
+``"event": "shadow"`` record in the log.
 
 Decisions are the same on every rank of a stage (the window loads are; everything after is
 deterministic). ``migrate_fn`` is collective over the job (``migration.migrate``): with
@@ -62,7 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -73,6 +51,7 @@ from torch import Tensor, nn
 from moe_plugin.configs.schema import PlacementConfig
 from moe_plugin.layers.moe_layer import MoELayer, moe_layers
 from moe_plugin.placement import policies
+from moe_plugin.placement.costs import CostModel, hottest, should_switch
 from moe_plugin.placement.tracking import LoadTracker, WindowLoad
 
 logger = logging.getLogger("moe_plugin.placement")
@@ -80,68 +59,6 @@ logger = logging.getLogger("moe_plugin.placement")
 MigrateFn = Callable[[dict[str, Tensor]], Any]
 MovedBytesFn = Callable[[str, MoELayer, Tensor, Tensor], int]
 STATE_BYTES_PER_PARAM = 12   # fp32 master weight + Adam's two moments
-
-
-@dataclass(frozen=True)
-class LayerTime:
-    """Predicted seconds of one layer step under one placement."""
-
-    compute: float
-    all_to_all: float
-    replication: float = 0.0     # shadowed experts: weights fetched and gradients reduced
-
-    @property
-    def total(self) -> float:
-        return self.compute + self.all_to_all + self.replication
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds of an MoE layer step and of a migration (module docstring). Defaults: a route
-    through an expert FFN in 0.2 us, 100 GB/s within a node, 12.5 GB/s between nodes, migration
-    at 10 GB/s; replace them by measured values."""
-
-    seconds_per_route: float = 2e-7
-    seconds_per_byte_intra: float = 1e-11
-    seconds_per_byte_inter: float = 8e-11
-    migration_seconds_per_byte: float = 1e-10
-
-    def layer_time(self, traffic_PE: Tensor, placement: Tensor, node_of_rank: Sequence[int],
-                   bytes_per_route: float, shadow: Sequence[int] = (), expert_bytes: float = 0.0) -> LayerTime:
-        """``traffic_PE``: mean routes per step [P, E]; ``placement``: slots [E]. ``shadow``: the
-        shadowed experts (each rank computes its own routes to them; they leave the all-to-all)
-        and ``expert_bytes`` the bytes of one expert's weights (module docstring)."""
-        T = torch.as_tensor(traffic_PE).double()
-        P, E = T.shape
-        rank_E = policies.rank_of(placement, P)
-        shadow_E = torch.zeros(E, dtype=torch.bool)
-        shadow_E[list(shadow)] = True
-        T_sent = T.masked_fill(shadow_E, 0.0)                              # routes the exchange carries
-        loads = torch.zeros(P, dtype=torch.float64).index_add_(0, rank_E, T_sent.sum(0)) + T[:, shadow_E].sum(1)
-        compute = self.seconds_per_route * loads.max().item()
-        node = torch.as_tensor(list(node_of_rank))
-        sender = torch.arange(P)[:, None]
-        remote = sender != rank_E[None, :]                                 # [P, E]
-        inter = node[:, None] != node[rank_E][None, :]
-        seconds = torch.zeros(P, dtype=torch.float64)
-        for mask, per_byte in ((inter, self.seconds_per_byte_inter), (remote & ~inter, self.seconds_per_byte_intra)):
-            routes = T_sent * mask
-            sent = routes.sum(1)                                           # [P] by sender
-            received = torch.zeros(P, dtype=torch.float64).index_add_(0, rank_E, routes.sum(0))
-            seconds += torch.maximum(sent, received) * bytes_per_route * per_byte
-        replication = 0.0
-        if len(shadow) and P > 1:
-            per_byte = self.seconds_per_byte_inter if len(set(node.tolist())) > 1 else self.seconds_per_byte_intra
-            replication = 2 * len(shadow) * expert_bytes * 2 * (P - 1) / P * per_byte
-        return LayerTime(compute=compute, all_to_all=seconds.max().item(), replication=replication)
-
-    def fit(self, max_rank_routes: Sequence[float], seconds: Sequence[float]) -> "CostModel":
-        """``seconds_per_route`` by least squares through the origin from measured compute
-        seconds of layer steps and the routes of their busiest rank."""
-        x, y = torch.as_tensor(max_rank_routes).double(), torch.as_tensor(seconds).double()
-        if x.numel() == 0 or float((x * x).sum()) == 0.0:
-            raise ValueError(f"cannot fit seconds_per_route from routes {x.tolist()}: need a nonzero sample")
-        return replace(self, seconds_per_route=float((x * y).sum() / (x * x).sum()))
 
 
 @dataclass(frozen=True)
@@ -289,15 +206,11 @@ class PlacementController:
         moved = int(self.moved_bytes_fn(name, layer, current, new)) if not torch.equal(new, current) else 0
         saving = (now.total - after.total) * self.config.check_interval
         cost = moved * self.cost.migration_seconds_per_byte
-        gain = self.config.min_gain
         if torch.equal(new, current):
             switch, reason = False, "the policy keeps the current placement"
-        elif saving <= (1 + gain) * cost:
-            switch, reason = False, f"saving {saving:.3g}s <= (1 + {gain}) x migration {cost:.3g}s"
-        elif after.total > (1 - gain) * now.total:
-            switch, reason = False, f"per-step gain {1 - after.total / now.total:.1%} < min_gain {gain:.0%}"
         else:
-            switch, reason = True, f"saving {saving:.3g}s > (1 + {gain}) x migration {cost:.3g}s"
+            switch, reason = should_switch(now.total, after.total, cost, self.config.check_interval,
+                                           self.config.min_gain)
         measured = self._measured.get(name) or None
         kept = load.kept_E
         shadow = self.decide_shadow(name, load, new if switch else current)
@@ -322,20 +235,17 @@ class PlacementController:
         x = layer.experts
         expert_bytes = (x.weight1[0].numel() + x.weight2[0].numel()) * x.weight1.element_size()
         args = (placement, self.node_of_rank, 4 * layer.hidden_size * x.weight1.element_size())
-        kept = T.sum(0).tolist()
-        hot = sorted((e for e in range(len(kept)) if kept[e] > 0), key=lambda e: (-kept[e], e))[:budget]
+        hot = hottest(T.sum(0).tolist(), budget)
         times = [self.cost.layer_time(T, *args, shadow=hot[:k], expert_bytes=expert_bytes).total
                  for k in range(len(hot) + 1)]
         k = min(range(len(times)), key=lambda i: (times[i], i))
         best, now = sorted(hot[:k]), layer.shadowed_experts()
         t_now = self.cost.layer_time(T, *args, shadow=now, expert_bytes=expert_bytes).total
-        gain = self.config.min_gain
         if best == now:
             change, reason = False, "the best shadow set is the current one"
-        elif times[k] > (1 - gain) * t_now:
-            change, reason = False, f"shadow per-step gain {1 - times[k] / max(t_now, 1e-30):.1%} < min_gain {gain:.0%}"
         else:
-            change, reason = True, f"shadow {best}: {t_now * 1e3:.3g} -> {times[k] * 1e3:.3g} ms/step"
+            change, reason = should_switch(t_now, times[k], 0.0, self.config.check_interval, self.config.min_gain)
+            reason = f"shadow {best}: {t_now * 1e3:.3g} -> {times[k] * 1e3:.3g} ms/step, " + reason
         return dict(shadow_now=now, shadow_new=best if change else None, shadow_seconds_now=t_now,
                     shadow_seconds_new=times[k], shadow_reason=reason)
 
@@ -387,4 +297,4 @@ class PlacementController:
         self.tracker.close()
 
 
-__all__ = ["CostModel", "Decision", "LayerTime", "PlacementController", "default_moved_bytes"]
+__all__ = ["Decision", "PlacementController", "default_moved_bytes"]

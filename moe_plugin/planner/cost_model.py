@@ -12,8 +12,12 @@ per data-parallel replica, H hidden, F ffn, V vocab, b activation bytes:
                                               * R / E)): the layer's expert_capacity, min_capacity at its default
          rows of expert e                     ep * etp senders * kept_e
          expert FLOPs of a rank (fwd)         sum over its experts of 4 * rows_e * H * F / etp
-         all-to-all (4 per layer)             latency * (ep - 1) + max(sent, received) bytes / bandwidth,
-                                              plus two latency-bound collectives (finite check, counts)
+         collectives                          those the layer runs (``costs.moe_layer_collectives``), each
+                                              priced: 4 row all-to-alls over EP (the busiest rank's larger of
+                                              bytes sent and received, within and across nodes, + a latency
+                                              per peer), the EP counts all-to-all (carrying the router's finite
+                                              flags, or those take one over the TP x DP ranks), ETP counts and
+                                              4 row gathers, TP: 2 token all-gathers, router-gradient all-reduce
          shadowed experts (``shadow_E``)      every EP rank computes its own senders' share of their rows
                                               and sends them nowhere; 2 EP all-reduces (weights forward,
                                               gradients backward) of 2 (ep-1)/ep * N * expert bytes
@@ -45,6 +49,7 @@ import numpy as np
 
 from moe_plugin.configs.capacity import expert_capacity
 from moe_plugin.configs.schema import MoEConfig
+from moe_plugin.placement.costs import computed_routes, exchanged_routes, moe_layer_collectives, replication_bytes
 from moe_plugin.planner.spec import ClusterSpec, Layout, ModelSpec
 
 # The generated configs leave min_capacity at its default; the model charges the same.
@@ -121,16 +126,25 @@ def _collective(cluster: ClusterSpec, n: int, nbytes: float, span: int, kind: st
     return factor * ((n - 1) / n * nbytes / bw + (n - 1) * lat)
 
 
-def _all_to_all(cluster: ClusterSpec, n: int, sent: float, received: float, stride: int) -> float:
-    """One all-to-all over ``n`` ranks ``stride`` apart; ``sent``/``received`` are the bytes that
-    leave / reach the busiest rank. Peers inside the node go at intra-node bandwidth."""
+def _peers_in_node(cluster: ClusterSpec, n: int, span: int) -> int:
+    """Ranks of a group of ``n`` over ``span`` consecutive ranks that share a node with one of them."""
+    return max(1, min(n, n * cluster.gpus_per_node // max(1, span)))
+
+
+def _all_to_all(cluster: ClusterSpec, n: int, intra_P, inter_P, peers: int) -> float:
+    """One all-to-all over ``n`` ranks, ``peers`` of them per node: the busiest rank's bytes
+    within the node and across nodes (``intra_P``, ``inter_P``) at their bandwidths, plus a
+    message to every peer."""
     if n <= 1:
         return 0.0
-    peers_in_node = max(1, min(n, cluster.gpus_per_node // max(1, stride)))
-    remote_share = (n - peers_in_node) / max(1, n - 1)     # of the peers, those on other nodes
-    volume = max(sent, received)
-    t = (1 - remote_share) * volume / cluster.intra_bandwidth + remote_share * volume / cluster.inter_bandwidth
-    return t + (peers_in_node - 1) * cluster.intra_latency + (n - peers_in_node) * cluster.inter_latency
+    t = float(np.max(np.asarray(intra_P) / cluster.intra_bandwidth + np.asarray(inter_P) / cluster.inter_bandwidth))
+    return t + (peers - 1) * cluster.intra_latency + (n - peers) * cluster.inter_latency
+
+
+def _small_all_to_all(cluster: ClusterSpec, n: int, nbytes: float, span: int) -> float:
+    """An all-to-all of ``nbytes`` to every peer (counts, flags): latency-bound."""
+    peers = _peers_in_node(cluster, n, span)
+    return _all_to_all(cluster, n, nbytes * (peers - 1), nbytes * (n - peers), peers)
 
 
 def stage_layers(model: ModelSpec, pp: int) -> list[list[int]]:
@@ -163,68 +177,85 @@ def expert_rows(model: ModelSpec, layout: Layout, load_E: Optional[np.ndarray], 
     return np.bincount(slot_E // per_rank, weights=rows_E, minlength=layout.ep)
 
 
-def shadow_rows(model: ModelSpec, layout: Layout, load_E, shadow_E, senders_PE=None) -> np.ndarray:
-    """[ep] rows of shadowed experts each EP rank computes itself: its own tokens' share of each
-    shadowed expert's rows, ``senders_PE[p, e]`` (fractions over p; None: 1/ep each)."""
-    rows_E = np.where(np.asarray(shadow_E, dtype=bool), expert_rows_by_expert(model, layout, load_E), 0.0)
-    if senders_PE is None:
-        return np.full(layout.ep, rows_E.sum() / layout.ep)
-    return np.asarray(senders_PE, dtype=float) @ rows_E
+def ep_routes(model: ModelSpec, layout: Layout, load_E, senders_PE=None) -> np.ndarray:
+    """[ep, E] kept routes of one micro-batch from each rank of an EP group to each expert:
+    ``senders_PE[p, e]`` (fractions over p; None: 1/ep each) of the group's rows of expert e."""
+    rows_E = expert_rows_by_expert(model, layout, load_E) / layout.etp
+    share = np.full((layout.ep, model.experts), 1.0 / layout.ep) if senders_PE is None else np.asarray(senders_PE, float)
+    return share * rows_E
+
+
+def _shadow_all_reduce(model: ModelSpec, cluster: ClusterSpec, layout: Layout, shadowed: int) -> float:
+    """One all-reduce over EP of ``shadowed`` experts' weights (or gradients) on the EP group's link."""
+    P = layout.ep
+    bw, lat = cluster.link(group_span(layout, "ep", expert_grid=True))
+    expert_bytes = model.expert_params() / layout.etp * model.param_bytes
+    return replication_bytes(P, shadowed, expert_bytes) / bw + 2 * (P - 1) * lat
 
 
 def replication_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, shadowed: int) -> float:
     """Seconds of one layer's shadowed experts per micro-batch: the weights' all-reduce over EP in
-    the forward and the gradients' in the backward, each ``2 (ep-1)/ep x shadowed x expert bytes``
-    per rank plus ``2 (ep-1)`` latencies, on the EP group's link (inter-node when it spans nodes)."""
-    P = layout.ep
-    if shadowed == 0 or P == 1:
-        return 0.0
-    nbytes = shadowed * model.expert_params() / layout.etp * model.param_bytes
-    bw, lat = cluster.link(group_span(layout, "ep", expert_grid=True))
-    return 2 * (2 * (P - 1) / P * nbytes / bw + 2 * (P - 1) * lat)
+    the forward and the gradients' in the backward (``costs.replication_bytes`` each plus
+    ``2 (ep-1)`` latencies), on the EP group's link (inter-node when it spans nodes)."""
+    return 0.0 if shadowed == 0 or layout.ep == 1 else 2 * _shadow_all_reduce(model, cluster, layout, shadowed)
+
+
+def moe_comm_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, routes_PE, rank_E, shadow_E,
+                  exchanged: float) -> dict[str, float]:
+    """Seconds of the collectives one MoE layer runs per micro-batch (``costs.moe_layer_collectives``,
+    each priced here), by ``StepCost`` part. ``exchanged``: rows the busiest rank's experts receive."""
+    H, b, E, T = model.hidden, model.activation_bytes, model.experts, layout.micro_batch * model.seq
+    shadowed = int(np.count_nonzero(shadow_E)) if shadow_E is not None else 0
+    ep_span, tp_span = group_span(layout, "ep", expert_grid=True), group_span(layout, "tp")
+    peers = _peers_in_node(cluster, layout.ep, ep_span)
+    intra, inter = exchanged_routes(routes_PE, rank_E, np.arange(layout.ep) // peers, shadow_E)
+    etp_span = group_span(layout, "tp", expert_grid=True)
+    price = {   # (group, what) -> (part, seconds)
+        ("tokens", "finite flags"): ("all_to_all", _small_all_to_all(cluster, layout.tp * layout.dp, 4,
+                                                                     group_span(layout, "dp"))),
+        ("ep", "counts"): ("all_to_all", _small_all_to_all(cluster, layout.ep, 8 * (E + 1), ep_span)),
+        ("etp", "counts"): ("tp_comm", _small_all_to_all(cluster, layout.etp, 8 * E, etp_span)),
+        ("ep", "rows"): ("all_to_all", _all_to_all(cluster, layout.ep, intra * H * b, inter * H * b, peers)),
+        ("etp", "rows"): ("tp_comm", _collective(cluster, layout.etp, exchanged * H * b, etp_span, "gather")),
+        ("tp", "tokens"): ("tp_comm", _collective(cluster, layout.tp, T * H * b, tp_span, "gather")),
+        ("tp", "router gradient"): ("tp_comm", _collective(cluster, layout.tp, 4 * H * E, tp_span, "all_reduce")),
+    }
+    if shadowed:
+        price["ep", "shadow weights"] = price["ep", "shadow gradients"] = (
+            "replication", _shadow_all_reduce(model, cluster, layout, shadowed))
+    out = {"all_to_all": 0.0, "tp_comm": 0.0, **({"replication": 0.0} if shadowed else {})}
+    for c in moe_layer_collectives(layout.tp, layout.dp, layout.ep, layout.etp, shadowed=shadowed > 0):
+        part, seconds = price[c.group, c.what]
+        out[part] += seconds
+    return out
 
 
 def moe_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E=None, placement_E=None,
                    shadow_E=None, senders_PE=None) -> dict[str, float]:
     """Seconds of one MoE layer for one micro-batch, forward + backward: expert GEMMs on the most
-    loaded rank, the four all-to-alls, ETP gathers and the TP token split/gather. ``shadow_E``
-    (bool [E], EP without ETP): shadowed experts, computed by every rank for its own tokens
-    (``senders_PE``: each rank's share of an expert's routes, None: uniform), out of the
+    loaded rank, router, dispatch work and the layer's collectives (``moe_comm_time``).
+    ``shadow_E`` (bool [E], EP without ETP): shadowed experts, computed by every rank for its own
+    tokens (``senders_PE``: each rank's share of an expert's routes, None: uniform), out of the
     all-to-all, plus their ``replication`` (``replication_time``)."""
-    H, F, b = model.hidden, model.expert_ffn_size, model.activation_bytes
+    H, F = model.hidden, model.expert_ffn_size
     T = layout.micro_batch * model.seq
     shadowed = int(np.count_nonzero(shadow_E)) if shadow_E is not None and layout.ep > 1 else 0
-    rows_R = expert_rows(model, layout, load_E, placement_E, shadow_E if shadowed else None)
-    per_rank = model.experts // layout.ep
-    exchanged = float(rows_R.max())                                    # rows the busiest receiver gets
-    if shadowed:
-        compute_R = rows_R + shadow_rows(model, layout, load_E, shadow_E, senders_PE)
-        all_kept = float(expert_rows_by_expert(model, layout, load_E).sum()) / (layout.ep * layout.etp)
-    else:
-        compute_R, all_kept = rows_R, float(rows_R.sum()) / (layout.ep * layout.etp)
-    busiest = float(compute_R.max())
-    local = per_rank + shadowed                                         # experts a rank runs
+    shadow = np.asarray(shadow_E, dtype=bool) if shadowed else None
+    routes_PE = ep_routes(model, layout, load_E, senders_PE)
+    slot_E = np.arange(model.experts) if placement_E is None else np.asarray(placement_E)
+    rank_E = slot_E // (model.experts // layout.ep)
+    rows_R = expert_rows(model, layout, load_E, placement_E, shadow)         # rows received, by rank
+    busiest = float(layout.etp * computed_routes(routes_PE, rank_E, shadow).max())
+    local = model.experts // layout.ep + shadowed                          # experts a rank runs
     gemm = 2 * (busiest / max(local, 1)) * H * F / layout.etp           # one expert's GEMM, average size
     experts = 3 * cluster.gemm_time(gemm, 2 * local)                    # fc1 and fc2 per expert, fwd + 2x bwd
     routes = model.top_k * T / layout.tp
-    kept_routes = float(rows_R.sum()) / (layout.ep * layout.etp)       # kept rows one sender sends
-    remote = (layout.ep - 1) / layout.ep
-    sent = kept_routes * remote * H * b
-    received = exchanged / layout.etp * remote * H * b
-    a2a = 4 * _all_to_all(cluster, layout.ep, sent, received, layout.etp)
-    etp = 4 * _collective(cluster, layout.etp, exchanged * H * b, group_span(layout, "tp", True), "gather")
-    split = 2 * _collective(cluster, layout.tp, T * H * b, group_span(layout, "tp"), "gather")
     router = 3 * cluster.gemm_time(2 * routes / model.top_k * H * model.experts)
     # non-GEMM work: a fixed part, and gathers / scatters / activation over the rows a rank sends and receives
+    all_kept = float(routes_PE.sum()) / layout.ep
     dispatch = cluster.moe_layer_overhead + cluster.moe_element_time * (all_kept + busiest / layout.etp) * H
-    # latency-bound: the router's finite check over the stage's token ranks and the count exchange over EP
-    small = (_collective(cluster, layout.tp * layout.dp, 4 * layout.tp * layout.dp, group_span(layout, "dp"), "all_reduce")
-             + _collective(cluster, layout.ep, 4 * model.experts * layout.ep, group_span(layout, "ep", True), "gather"))
-    out = {"experts": experts, "all_to_all": a2a + small, "tp_comm": etp + split, "compute": router,
-           "dispatch": dispatch}
-    if shadowed:
-        out["replication"] = replication_time(model, cluster, layout, shadowed)
-    return out
+    comm = moe_comm_time(model, cluster, layout, routes_PE, rank_E, shadow, float(rows_R.max()))
+    return {"experts": experts, "compute": router, "dispatch": dispatch, **comm}
 
 
 def dense_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, moe: bool) -> dict[str, float]:
@@ -366,5 +397,5 @@ def tokens_per_step(model: ModelSpec) -> int:
 
 
 __all__ = ["StepCost", "bubble_fraction", "dense_layer_time", "expert_rows", "expert_rows_by_expert", "fits",
-           "group_span", "moe_layer_time", "replication_time", "shadow_rows", "stage_layers", "stage_memory",
+           "ep_routes", "group_span", "moe_comm_time", "moe_layer_time", "replication_time", "stage_layers", "stage_memory",
            "stage_params", "step_cost", "tokens_per_step"]

@@ -12,11 +12,11 @@ Policies (``Policy``):
 * ``static``: expert e in slot e for the whole run.
 * ``greedy`` every ``interval`` steps: ``placement.policies.greedy`` on the load of the last
   ``window`` steps (what the runtime would have seen), relabelled by ``align`` so that as few
-  experts as possible move; the steps before the first check run static. The new placement is
-  taken only when it pays (hysteresis, as ``moe.placement.min_gain``): predicted on the window's
-  load, the step gets at least ``min_speedup`` faster and the saving until the next check exceeds
-  the migration cost by ``min_gain``; routing noise on a uniform load therefore moves nothing.
-  A move is paid on the
+  experts as possible move; the steps before the first check run static. Each layer takes its
+  new placement by the runtime's rule (``placement.costs.should_switch``, ``min_gain``): predicted
+  on the window's load, the layer's seconds per step (``gas`` x ``moe_layer_time``) get at least
+  ``min_gain`` shorter and the saving until the next check exceeds the layer's migration cost by
+  ``min_gain``; routing noise on a uniform load therefore moves nothing. A move is paid on the
   step it happens: every rank receives the experts that arrive at it -- weights and optimizer
   state, ``(param_bytes + optimizer_bytes / edp_shards) * expert_params / etp`` each -- over
   its EP link (``migration_seconds``).
@@ -24,8 +24,8 @@ Policies (``Policy``):
   decided at every check as the runtime controller does, after the placement decision and under
   the placement in effect after it: in each layer the candidates are the 0..k hottest experts of
   the window (loaded ones only), the cheapest predicted MoE-layer time wins (ties to the smaller
-  set), and the layer's set changes only when the winner is another set at least ``min_gain``
-  faster than the current one (a change moves no state: no migration term). A step with
+  set), and the layer's set changes only when the winner is another set that ``should_switch``
+  takes with no migration (a change moves no state). A step with
   shadowed experts is costed by ``step_cost`` with them (``cost_model.moe_layer_time``): every
   rank computes its own tokens' routes to a shadowed expert -- its share from the trace's
   ``traffic`` when that has one sender per EP rank of the layout, else 1/ep -- and those routes
@@ -45,6 +45,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from moe_plugin.placement import costs
 from moe_plugin.planner.cost_model import group_span, moe_layer_time, step_cost
 from moe_plugin.planner.spec import ClusterSpec, Layout, ModelSpec
 
@@ -58,7 +59,6 @@ class Policy:
     interval: int = 100
     window: Optional[int] = None
     min_gain: float = 0.05
-    min_speedup: float = 0.01
     replica_budget: int = 0
 
     def __post_init__(self) -> None:
@@ -123,7 +123,7 @@ def migration_seconds(model: ModelSpec, cluster: ClusterSpec, layout: Layout, ol
     per_expert = model.expert_params() / layout.etp * (model.param_bytes + model.optimizer_bytes / shards)
     busiest = np.bincount(new_r[moved], minlength=layout.ep).max()
     bw, lat = cluster.link(group_span(layout, "ep", expert_grid=True))
-    return float(busiest * per_expert / bw + lat * (layout.ep - 1))
+    return costs.migration_seconds(busiest * per_expert, 1 / bw, lat * (layout.ep - 1))
 
 
 def sender_fractions(traffic_SLPE: Optional[np.ndarray], moe_layers: int, ep: int) -> Optional[np.ndarray]:
@@ -140,12 +140,12 @@ def sender_fractions(traffic_SLPE: Optional[np.ndarray], moe_layers: int, ep: in
 
 
 def choose_shadow(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E, placement_E, current_E,
-                  budget: int, min_gain: float, senders_PE=None) -> np.ndarray:
-    """One layer's shadowed experts (bool [E]) after a check: of the sets of the 0..``budget``
+                  policy: Policy, senders_PE=None) -> np.ndarray:
+    """One layer's shadowed experts (bool [E]) after a check: of the sets of the 0..``replica_budget``
     hottest loaded experts the one with the lowest predicted MoE-layer time (ties to the smaller),
-    taken only when it is another set and at least ``min_gain`` faster than ``current_E``."""
+    taken only when it is another set and ``should_switch`` takes it with no migration."""
     load = np.asarray(load_E, dtype=float)
-    hot = sorted((e for e in range(len(load)) if load[e] > 0), key=lambda e: (-load[e], e))[:budget]
+    hot = costs.hottest(load, policy.replica_budget)
 
     def seconds(mask) -> float:
         return sum(moe_layer_time(model, cluster, layout, load, placement_E, mask, senders_PE).values())
@@ -157,9 +157,23 @@ def choose_shadow(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E
         sets.append(mask)
     times = [seconds(mask) for mask in sets]
     k = min(range(len(times)), key=lambda i: (times[i], i))
-    if (sets[k] == current_E).all() or times[k] > (1 - min_gain) * seconds(current_E):
+    if (sets[k] == current_E).all():
         return current_E
-    return sets[k]
+    switch, _ = costs.should_switch(seconds(current_E), times[k], 0.0, policy.interval, policy.min_gain)
+    return sets[k] if switch else current_E
+
+
+def choose_placement(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E, current_E, new_E,
+                     policy: Policy) -> tuple[np.ndarray, float]:
+    """One layer's placement after a check and the seconds of its migration (0 when it stays):
+    ``new_E`` when ``should_switch`` takes it, with the layer's seconds per step (``gas``
+    micro-batches) and ``policy.interval`` steps to the next check."""
+    def per_step(placement_E) -> float:
+        return layout.gas * sum(moe_layer_time(model, cluster, layout, load_E, placement_E).values())
+
+    cost = migration_seconds(model, cluster, layout, current_E, new_E)
+    switch, _ = costs.should_switch(per_step(current_E), per_step(new_E), cost, policy.interval, policy.min_gain)
+    return (new_E, cost) if switch and (new_E != current_E).any() else (current_E, 0.0)
 
 
 def replay(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_SLE: np.ndarray, policy: Policy,
@@ -186,19 +200,17 @@ def replay(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_SLE: np.
         if check:
             seen = frac[max(0, s - window):s].mean(axis=0)
         if check and policy.kind == "greedy":
-            new = np.stack([align(greedy(seen[j], P), placement[j], P).numpy() for j in range(moe_layers)])
-            cost = sum(migration_seconds(model, cluster, layout, placement[j], new[j]) for j in range(moe_layers))
-            now = step_cost(model, cluster, layout, seen, placement).total
-            then = step_cost(model, cluster, layout, seen, new).total
-            pays = (now - then) * policy.interval > (1 + policy.min_gain) * cost
-            if pays and now - then > policy.min_speedup * now:
+            chosen = [choose_placement(model, cluster, layout, seen[j], placement[j],
+                                       align(greedy(seen[j], P), placement[j], P).numpy(), policy)
+                      for j in range(moe_layers)]
+            new = np.stack([c[0] for c in chosen])
+            if (new != placement).any():
                 moves += int((new // (E // P) != placement // (E // P)).sum())
-                placement, extra = new, cost
+                placement, extra = new, sum(c[1] for c in chosen)
                 history.append((s, placement.copy()))
         if check and can_shadow:
             seen_senders = senders[max(0, s - window):s].mean(axis=0) if senders is not None else None
-            new_shadow = np.stack([choose_shadow(model, cluster, layout, seen[j], placement[j], shadow[j],
-                                                 policy.replica_budget, policy.min_gain,
+            new_shadow = np.stack([choose_shadow(model, cluster, layout, seen[j], placement[j], shadow[j], policy,
                                                  None if seen_senders is None else seen_senders[j])
                                    for j in range(moe_layers)])
             if (new_shadow != shadow).any():
@@ -249,5 +261,5 @@ def compare(model: ModelSpec, cluster: ClusterSpec, layouts: Sequence[Layout], l
     return [replay(model, cluster, lay, load_SLE, pol, stride) for lay in layouts for pol in policies]
 
 
-__all__ = ["Policy", "Replay", "choose_shadow", "compare", "load_fractions", "migration_seconds", "replay",
+__all__ = ["Policy", "Replay", "choose_placement", "choose_shadow", "compare", "load_fractions", "migration_seconds", "replay",
            "sender_fractions", "synthetic_trace"]

@@ -1,0 +1,204 @@
+"""Costs of one MoE layer under one expert placement, the collectives it runs, and the switching rule.
+
+Pure (numpy and Python, no process group): the runtime controller (``controller.py``, with the
+runtime's prices ``CostModel``) and the planner (``planner/cost_model.py`` with a
+``ClusterSpec``'s prices, ``planner/simulator.py``) both call it. Shape letters: P EP ranks (the
+senders, and the ranks that host experts), E experts.
+
+Per layer, from ``routes_PE[p, e]`` (kept routes of EP rank p's tokens to expert e), the EP rank
+of every expert ``rank_E`` and the shadowed experts ``shadow_E`` (bool [E]):
+
+* compute (``computed_routes``): rank r computes the routes of every sender to its unshadowed
+  experts plus its own routes to every shadowed expert; the busiest rank sets the pace.
+* all-to-all (``exchanged_routes``): a route to an unshadowed expert on another rank leaves its
+  sender and comes back; per rank the larger of routes sent and received, within its node and
+  across nodes apart (each at its own price); the busiest rank again.
+* replication of shadowed experts (``replication_bytes``): the weights' all-reduce over EP in the
+  forward and the gradients' in the backward, ``2 (P-1)/P x N x expert_bytes`` each per rank.
+* migration (``migration_seconds``): bytes x seconds per byte + latency.
+
+Switching rule (``should_switch``), per layer at a check, with ``horizon`` the steps until the
+next check, ``t_now`` / ``t_new`` the layer's predicted seconds per step under the current and the
+proposed placement (or shadow set) and ``migration`` the seconds of the move (0 for a shadow set)::
+
+    saving = (t_now - t_new) * horizon
+    switch iff saving > (1 + min_gain) * migration   and   t_new <= (1 - min_gain) * t_now
+
+``min_gain`` is the config's (``moe.placement.min_gain``): a margin over the migration, and a
+hysteresis -- a switch must buy ``min_gain`` of the layer's time, so switching back needs the load
+to move by about ``2 * min_gain``. The planner's replay once decided all layers together on the
+whole step's time, with a separate ``min_speedup`` (1% of the step) for the second condition;
+it now applies this rule to each layer with the layer's seconds per step, as the runtime does.
+
+Collectives (``moe_layer_collectives``): the ones one MoE layer runs per micro-batch, forward and
+backward, by layout (``layers/``: ``moe_layer.py``, ``ep_dispatcher.py``, ``comm.py``,
+``router.py``, ``shadow.py``); the planner prices exactly this list and
+``tests/test_cost_collectives.py`` counts them in a forward and backward of the layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+
+
+# -- per layer and placement ----------------------------------------------------------------------
+def _shadow_mask(shadow_E, E: int) -> np.ndarray:
+    mask = np.zeros(E, dtype=bool)
+    if shadow_E is not None:
+        shadow = np.asarray(shadow_E)
+        if shadow.size:
+            mask[shadow if shadow.dtype != bool else np.flatnonzero(shadow)] = True
+    return mask
+
+
+def computed_routes(routes_PE, rank_E, shadow_E=None) -> np.ndarray:
+    """[P] routes each rank computes: everyone's to its unshadowed experts, its own to the shadowed."""
+    T = np.asarray(routes_PE, dtype=float)
+    P, E = T.shape
+    shadow = _shadow_mask(shadow_E, E)
+    received = np.bincount(np.asarray(rank_E)[~shadow], weights=T[:, ~shadow].sum(0), minlength=P)
+    return received + T[:, shadow].sum(1)
+
+
+def exchanged_routes(routes_PE, rank_E, node_P: Sequence[int], shadow_E=None) -> tuple[np.ndarray, np.ndarray]:
+    """([P] within the node, [P] across nodes): per rank the larger of routes sent and received."""
+    T = np.asarray(routes_PE, dtype=float)
+    P, E = T.shape
+    rank = np.asarray(rank_E)
+    node = np.asarray(list(node_P))
+    T_sent = np.where(_shadow_mask(shadow_E, E)[None, :], 0.0, T)          # routes the exchange carries
+    remote = np.arange(P)[:, None] != rank[None, :]                        # [P, E]
+    inter = node[:, None] != node[rank][None, :]
+    out = []
+    for mask in (remote & ~inter, inter):
+        routes = T_sent * mask
+        received = np.bincount(rank, weights=routes.sum(0), minlength=P)
+        out.append(np.maximum(routes.sum(1), received))
+    return out[0], out[1]
+
+
+def replication_bytes(P: int, shadowed: int, expert_bytes: float) -> float:
+    """Bytes per rank of one of the two all-reduces of ``shadowed`` experts' weights over EP."""
+    return 2 * (P - 1) / P * shadowed * expert_bytes if P > 1 else 0.0
+
+
+def migration_seconds(nbytes: float, seconds_per_byte: float, latency: float = 0.0) -> float:
+    """Seconds of a migration that moves ``nbytes`` (0 bytes: nothing moves, no latency)."""
+    return nbytes * seconds_per_byte + latency if nbytes > 0 else 0.0
+
+
+# -- the switching rule ---------------------------------------------------------------------------
+def should_switch(t_now: float, t_new: float, migration: float, horizon: int, min_gain: float) -> tuple[bool, str]:
+    """The rule of the module docstring: (switch, why)."""
+    saving = (t_now - t_new) * horizon
+    if saving <= (1 + min_gain) * migration:
+        return False, f"saving {saving:.3g}s <= (1 + {min_gain}) x migration {migration:.3g}s"
+    if t_new > (1 - min_gain) * t_now:
+        return False, f"per-step gain {1 - t_new / max(t_now, 1e-30):.1%} < min_gain {min_gain:.0%}"
+    return True, f"saving {saving:.3g}s > (1 + {min_gain}) x migration {migration:.3g}s"
+
+
+def hottest(load_E, budget: int) -> list[int]:
+    """The shadow candidates: up to ``budget`` loaded experts, hottest first (ties by id)."""
+    load = [float(v) for v in load_E]
+    return sorted((e for e in range(len(load)) if load[e] > 0), key=lambda e: (-load[e], e))[:budget]
+
+
+# -- the runtime's prices -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerTime:
+    """Predicted seconds of one layer step under one placement."""
+
+    compute: float
+    all_to_all: float
+    replication: float = 0.0     # shadowed experts: weights fetched and gradients reduced
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.all_to_all + self.replication
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The runtime controller's prices of an MoE layer step and of a migration. Defaults: a route
+    through an expert FFN (forward and backward) in 0.2 us, 100 GB/s within a node, 12.5 GB/s
+    between nodes, migration at 10 GB/s; replace them by measured values (``fit``)."""
+
+    seconds_per_route: float = 2e-7
+    seconds_per_byte_intra: float = 1e-11
+    seconds_per_byte_inter: float = 8e-11
+    migration_seconds_per_byte: float = 1e-10
+
+    def layer_time(self, traffic_PE, placement, node_of_rank: Sequence[int], bytes_per_route: float,
+                   shadow: Sequence[int] = (), expert_bytes: float = 0.0) -> LayerTime:
+        """``traffic_PE``: mean routes per step [P, E]; ``placement``: slots [E]; ``bytes_per_route``:
+        a route's bytes there and back, forward and backward; ``shadow``: the shadowed experts and
+        ``expert_bytes`` the bytes of one expert's weights."""
+        T = np.asarray(traffic_PE, dtype=float)
+        P, E = T.shape
+        rank_E = np.asarray(placement, dtype=np.int64) // (E // P)
+        shadow = list(shadow)
+        compute = self.seconds_per_route * computed_routes(T, rank_E, shadow).max()
+        intra, inter = exchanged_routes(T, rank_E, node_of_rank, shadow)
+        seconds = (intra * bytes_per_route * self.seconds_per_byte_intra
+                   + inter * bytes_per_route * self.seconds_per_byte_inter)
+        per_byte = self.seconds_per_byte_inter if len(set(node_of_rank)) > 1 else self.seconds_per_byte_intra
+        replication = 2 * replication_bytes(P, len(shadow), expert_bytes) * per_byte if shadow else 0.0
+        return LayerTime(compute=float(compute), all_to_all=float(seconds.max()), replication=replication)
+
+    def fit(self, max_rank_routes: Sequence[float], seconds: Sequence[float]) -> "CostModel":
+        """``seconds_per_route`` by least squares through the origin from measured compute
+        seconds of layer steps and the routes of their busiest rank."""
+        x, y = np.asarray(max_rank_routes, dtype=float), np.asarray(seconds, dtype=float)
+        if x.size == 0 or float((x * x).sum()) == 0.0:
+            raise ValueError(f"cannot fit seconds_per_route from routes {x.tolist()}: need a nonzero sample")
+        return replace(self, seconds_per_route=float((x * y).sum() / (x * x).sum()))
+
+
+# -- the collectives of one MoE layer -------------------------------------------------------------
+@dataclass(frozen=True)
+class Collective:
+    """One collective of an MoE layer's micro-batch: ``op`` the torch.distributed call, ``group``
+    one of ``ep``, ``etp``, ``tp``, ``tokens`` (the stage's TP x DP ranks), ``what`` it moves."""
+
+    phase: str      # "forward" or "backward"
+    op: str         # "all_to_all_single", "all_gather", "all_reduce"
+    group: str
+    what: str
+
+
+def moe_layer_collectives(tp: int, dp: int, ep: int, etp: int, sequence_parallel: bool = False,
+                          shadowed: bool = False) -> list[Collective]:
+    """What one MoE layer runs per micro-batch on a rank of a stage with these sizes (a group
+    of size 1 runs nothing). The router's finite flags ride in the EP counts exchange when the
+    EP group is the stage's TP x DP ranks, else they take an all-to-all of their own over those.
+    ETP rows move as all-to-alls (``comm.gather_rows``/``reduce_scatter_rows``); replicated
+    input (tp > 1 without sequence parallelism) is split and its output all-gathered over TP. Not
+    listed: a shared expert's gradient all-reduces over TP (the planner models none)."""
+    split = tp > 1 and not sequence_parallel
+    a2a, fwd, bwd = "all_to_all_single", "forward", "backward"
+    plan = [
+        (tp * dp > 1 and ep != tp * dp, Collective(fwd, a2a, "tokens", "finite flags")),
+        (ep > 1, Collective(fwd, a2a, "ep", "counts")),
+        (etp > 1, Collective(fwd, a2a, "etp", "counts")),
+        (ep > 1, Collective(fwd, a2a, "ep", "rows")),
+        (etp > 1, Collective(fwd, a2a, "etp", "rows")),
+        (shadowed and ep > 1, Collective(fwd, "all_reduce", "ep", "shadow weights")),
+        (etp > 1, Collective(fwd, a2a, "etp", "rows")),
+        (ep > 1, Collective(fwd, a2a, "ep", "rows")),
+        (split, Collective(fwd, "all_gather", "tp", "tokens")),
+        (ep > 1, Collective(bwd, a2a, "ep", "rows")),
+        (etp > 1, Collective(bwd, a2a, "etp", "rows")),
+        (etp > 1, Collective(bwd, a2a, "etp", "rows")),
+        (ep > 1, Collective(bwd, a2a, "ep", "rows")),
+        (shadowed and ep > 1, Collective(bwd, "all_reduce", "ep", "shadow gradients")),
+        (tp > 1, Collective(bwd, "all_reduce", "tp", "router gradient")),
+        (split, Collective(bwd, "all_gather", "tp", "tokens")),
+    ]
+    return [c for on, c in plan if on]
+
+
+__all__ = ["Collective", "CostModel", "LayerTime", "computed_routes", "exchanged_routes", "hottest",
+           "migration_seconds", "moe_layer_collectives", "replication_bytes", "should_switch"]
