@@ -36,7 +36,7 @@ With pipeline parallelism (``moe.parallel.pipeline`` > 1) the model is the same 
 stages (``moe_plugin.integration.pipeline.gpt_pipeline_module``), the engine is DeepSpeed's
 ``PipelineEngine``, and a step is one ``engine.train_batch`` over the same micro-batches: the
 pipeline branch is ``gpt_pipeline_provider`` / ``pipeline_train_step`` / ``pipeline_evaluate``.
-Checkpoints (``--save``/``--load``) go through ``moe_plugin.integration.checkpoint`` (experts
+Checkpoints (``--save``/``--load``) go through ``moe_plugin.checkpoint`` (experts
 saved by global id, dense weights re-cut on load, so a run may resume under another TP, PP or EP
 layout; with ``--no-load-optim`` then, as the optimizer state does not follow).
 
@@ -391,7 +391,7 @@ def per_rank(value: float, device) -> list[float]:
 # --- checkpoints ----------------------------------------------------------------------------------
 def save_checkpoint(run, directory: str, step: int) -> None:
     """Collective. Experts are saved by global id, the rest by DeepSpeed (``integration.checkpoint``)."""
-    from moe_plugin.integration.checkpoint import save_checkpoint as save
+    from moe_plugin.checkpoint import save_checkpoint as save
 
     save(run, directory, tag=f"step{step}", client_state={"step": step})
 
@@ -403,8 +403,8 @@ def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = Tru
     name its ``--save`` directory in ``--load``. One that holds a tag but no ``latest`` is an error."""
     import torch.distributed as dist
 
-    from moe_plugin.integration.checkpoint import CheckpointError, checkpoint_exists
-    from moe_plugin.integration.checkpoint import load_checkpoint as load
+    from moe_plugin.checkpoint import CheckpointError, checkpoint_exists
+    from moe_plugin.checkpoint import load_checkpoint as load
 
     if not checkpoint_exists(directory):
         if dist.get_rank() == 0:
@@ -500,7 +500,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return report_error(err)   # one line, on rank 0; status 2 on every rank
     configure_threads()
     from moe_plugin.compat.shm_buffers import remove_shm_buffers
-    from moe_plugin.integration.checkpoint import CheckpointError
+    from moe_plugin.checkpoint import CheckpointError
     from moe_plugin.integration.guard import TrainingStopped
 
     atexit.register(remove_shm_buffers, range(world_size))   # DeepSpeed's /dev/shm buffers, every rank's

@@ -14,7 +14,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 import moe_plugin
-from moe_plugin.integration.checkpoint import load_checkpoint, save_checkpoint
+from moe_plugin.checkpoint import load_checkpoint, save_checkpoint
 from moe_plugin.integration.megatron import gpt_moe_spec
 
 SEED, VOCAB, SEQ = 1234, 128, 32
