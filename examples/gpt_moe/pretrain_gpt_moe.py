@@ -390,7 +390,7 @@ def per_rank(value: float, device) -> list[float]:
 
 # --- checkpoints ----------------------------------------------------------------------------------
 def save_checkpoint(run, directory: str, step: int) -> None:
-    """Collective. Experts are saved by global id, the rest by DeepSpeed (``integration.checkpoint``)."""
+    """Collective. Experts are saved by global id, the rest by DeepSpeed (``moe_plugin.checkpoint``)."""
     from moe_plugin.checkpoint import save_checkpoint as save
 
     save(run, directory, tag=f"step{step}", client_state={"step": step})
