@@ -112,7 +112,7 @@ def report(args: argparse.Namespace) -> None:
 
 
 def export(args: argparse.Namespace) -> None:
-    from moe_plugin.integration.checkpoint_export import export_checkpoint
+    from moe_plugin.checkpoint import export_checkpoint
 
     export_checkpoint(args.checkpoint, args.out, tag=args.tag, progress=lambda line: print(line, flush=True))
 

@@ -99,7 +99,7 @@ def shard_full(model: torch.nn.Module, full: dict, groups, *, pipelined: bool, n
     """This rank's part of the full ``GPTModel``-named tensors ``full``, under ``model``'s own names
     (a pipeline stage's pieces, tensor and expert shards)."""
     from moe_plugin.integration.pipeline import pipeline_state_dict_key
-    from moe_plugin.integration.tp_shard import shard_state_dict
+    from moe_plugin.checkpoint.reshard import shard_state_dict
 
     if pipelined:
         full = {pipeline_state_dict_key(k, num_layers): v for k, v in full.items()}

@@ -1,4 +1,4 @@
-"""Checkpoints through DeepSpeed's engine (``integration/checkpoint.py``) on 4 gloo ranks, one spawn.
+"""Checkpoints through DeepSpeed's engine (``moe_plugin/checkpoint/``) on 4 gloo ranks, one spawn.
 
 The model is a tiny Megatron-Core GPT (2 layers, both MoE) built by ``gpt_moe_spec`` and trained
 by ``moe_plugin.initialize``'s engine with Adam/AdamW, so the optimizer state matters; router
@@ -157,7 +157,7 @@ def _entries(directory: str) -> list[str]:
 
 
 def _resume(root: str, name: str, case: dict) -> dict:
-    from moe_plugin.integration.checkpoint import load_checkpoint, save_checkpoint
+    from moe_plugin.checkpoint import load_checkpoint, save_checkpoint
 
     out = {}
     run = _engine(case)
@@ -190,7 +190,7 @@ def _load_resharded(run, path: str, with_optimizer: bool, evaluate, resume) -> d
     """Load ``path`` into ``run`` (another layout): without optimizer states the plain load must
     be refused first (the error is returned). Then the eval loss, the step counter and, with
     optimizer states, the losses of ``resume()``. Closes ``run``."""
-    from moe_plugin.integration.checkpoint import CheckpointError, load_checkpoint
+    from moe_plugin.checkpoint import CheckpointError, load_checkpoint
 
     out = {}
     try:
@@ -227,8 +227,8 @@ def _reshard(root: str, saved: str, case: dict, with_optimizer: bool) -> dict:
 
 def _bad_inputs(root: str) -> dict:
     """Checkpoints of another model, or incomplete: the error, and nothing changed."""
-    from moe_plugin.integration import checkpoint
-    from moe_plugin.integration.checkpoint import CheckpointError, load_checkpoint
+    from moe_plugin.checkpoint import api as checkpoint
+    from moe_plugin.checkpoint import CheckpointError, load_checkpoint
 
     saved = os.path.join(root, "ep2-zero1-adamw")
     broken = os.path.join(root, "broken")
@@ -257,7 +257,7 @@ def _bad_inputs(root: str) -> dict:
 
 def _killed_save(root: str) -> dict:
     """A save that fails after DeepSpeed wrote its files: ``latest`` and the previous tag survive."""
-    from moe_plugin.integration import checkpoint
+    from moe_plugin.checkpoint import api as checkpoint
 
     directory = os.path.join(root, "atomic")
     out = {}
@@ -342,7 +342,7 @@ def _pipe_train(run, steps: range) -> list[float]:
 
 
 def _pipe_resume(root: str, name: str, parallel: dict, stage: int) -> dict:
-    from moe_plugin.integration.checkpoint import load_checkpoint, save_checkpoint
+    from moe_plugin.checkpoint import load_checkpoint, save_checkpoint
 
     out = {}
     run = _pipe_engine(parallel, stage)
@@ -374,9 +374,9 @@ def _pipe_reshard(root: str, saved: str, parallel: dict, stage: int, with_optimi
 
 def _pipe_into_plain_engine(root: str) -> dict:
     """A pipeline checkpoint offered to the plain engine (pp 1, a GPTModel): with its optimizer state
-    refused, saying why; weights only, it loads (names mapped: ``checkpoint_keys``; that the loaded
+    refused, saying why; weights only, it loads (names mapped: ``checkpoint/keys.py``; that the loaded
     model computes the pipeline's function is tests/test_example_layouts.py's)."""
-    from moe_plugin.integration.checkpoint import CheckpointError, load_checkpoint
+    from moe_plugin.checkpoint import CheckpointError, load_checkpoint
 
     run = _engine(RESUME["ep2-zero1-adamw"])
     try:

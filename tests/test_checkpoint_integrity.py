@@ -1,4 +1,4 @@
-"""Checkpoint integrity and export (``integration/checkpoint_files.py``, ``checkpoint_export.py``).
+"""Checkpoint integrity and export (``checkpoint/files.py``, ``checkpoint/export.py``).
 
 One 4-rank spawn saves two checkpoints of the tiny GPT-MoE (``test_checkpoint``'s model, dropless
 routing): tp2 x ep2 under ZeRO-1 (a ``GPTModel``, untied) and pp2 x ep2 under ZeRO-1 on DeepSpeed's
@@ -127,7 +127,7 @@ def _damage(tag_dir: str, target: str, how: str) -> str:
 def _damaged_copy(root: str, saved: str, name: str, change) -> tuple[str, str]:
     """A copy of checkpoint directory ``saved`` changed by ``change(tag_dir)`` (rank 0); returns
     (copy, what change returned)."""
-    from moe_plugin.integration.checkpoint import read_latest
+    from moe_plugin.checkpoint import read_latest
 
     copy = os.path.join(root, "damaged", name)
     out = [None]
@@ -139,7 +139,7 @@ def _damaged_copy(root: str, saved: str, name: str, change) -> tuple[str, str]:
 
 
 def _refused(run, directory: str) -> dict:
-    from moe_plugin.integration.checkpoint import CheckpointError, load_checkpoint
+    from moe_plugin.checkpoint import CheckpointError, load_checkpoint
 
     before = _weights(run)
     try:   # not pytest.raises: its failure would leave this rank's collectives out of step with the others'
@@ -179,7 +179,7 @@ def _example_load(root: str, run) -> dict:
     """The example's ``load_checkpoint`` (what ``--load`` calls) on missing, empty and tag-only directories."""
     from test_example import _script
 
-    from moe_plugin.integration.checkpoint import CheckpointError
+    from moe_plugin.checkpoint import CheckpointError
 
     example = _script()
     out = {}
@@ -206,7 +206,7 @@ def _example_load(root: str, run) -> dict:
 
 
 def _child(rank: int, world_size: int, root: str) -> dict:
-    from moe_plugin.integration.checkpoint import save_checkpoint
+    from moe_plugin.checkpoint import save_checkpoint
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     results = {}
@@ -245,7 +245,7 @@ def _one_rank_eval(rank: int, world_size: int, export_dirs: list) -> dict:
     import moe_plugin
     from megatron.core.models.gpt import GPTModel
 
-    from moe_plugin.integration.checkpoint_export import exported_transformer_config, load_export
+    from moe_plugin.checkpoint.export import exported_transformer_config, load_export
     from moe_plugin.integration.megatron import gpt_moe_spec
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
@@ -316,8 +316,8 @@ def test_unreadable_file_of_an_unverified_checkpoint_is_named(results):
 
 
 def test_read_torch_names_the_file(tmp_path):
-    from moe_plugin.integration.checkpoint_files import read_torch
-    from moe_plugin.integration.checkpoint_meta import CheckpointError
+    from moe_plugin.checkpoint.files import read_torch
+    from moe_plugin.checkpoint import CheckpointError
 
     path = tmp_path / "x.pt"
     torch.save({"w": torch.ones(1000)}, path)
@@ -340,7 +340,7 @@ def exported(results, tmp_path_factory):
     """Both checkpoints exported: tp2 x ep2 by the Python API, pp2 x ep2 by the CLI."""
     root, _ = results
     out = tmp_path_factory.mktemp("exported")
-    from moe_plugin.integration.checkpoint_export import export_checkpoint
+    from moe_plugin.checkpoint.export import export_checkpoint
 
     lines: list = []
     export_checkpoint(root / "checkpoints" / "tp2ep2", out / "tp2ep2", progress=lines.append)
@@ -376,7 +376,7 @@ def test_export_round_trip_gives_the_parallel_models_loss(results, exported, tmp
 def _killed(rank: int, world_size: int, directory: str, losses_file: str) -> None:
     """Steps 0-2, save ``step3``, steps 3-5 (their losses to ``losses_file.RANK``), then a save that
     dies (``os._exit``, no clean-up) on every rank while writing the rng files."""
-    from moe_plugin.integration import checkpoint
+    from moe_plugin.checkpoint import api as checkpoint
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     run = _engine(RESUME_CASE)
@@ -396,7 +396,7 @@ def _killed(rank: int, world_size: int, directory: str, losses_file: str) -> Non
 
 
 def _resumed(rank: int, world_size: int, directory: str) -> dict:
-    from moe_plugin.integration import checkpoint
+    from moe_plugin.checkpoint import api as checkpoint
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     out = {}
@@ -437,7 +437,7 @@ def _example_dying(rank: int, world_size: int, argv: list, die_in: str, printed_
     ``printed_file`` first."""
     from test_example import _script
 
-    from moe_plugin.integration import checkpoint
+    from moe_plugin.checkpoint import api as checkpoint
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     printed, write = io.StringIO(), checkpoint._write

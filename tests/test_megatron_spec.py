@@ -288,7 +288,7 @@ def _two_ranks(rank: int, world_size: int, tp2_json: str, tp1_json: str) -> dict
 
     from moe_plugin.groups import destroy_process_groups
     from moe_plugin.integration.megatron import gpt_moe_spec, megatron_lm_spec
-    from moe_plugin.integration.tp_shard import shard_state_dict
+    from moe_plugin.checkpoint.reshard import shard_state_dict
 
     out: dict = {}
     for name, (sizes, sp, block, extras) in CASES.items():

@@ -163,7 +163,7 @@ def _state(run) -> dict:
 
 
 def _case(root: str, name: str, layout: str, stage: int, opt: str) -> dict:
-    from moe_plugin.integration.checkpoint import load_checkpoint, save_checkpoint
+    from moe_plugin.checkpoint import load_checkpoint, save_checkpoint
     from moe_plugin.placement.migration import migrate
 
     out = {}

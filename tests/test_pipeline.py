@@ -118,7 +118,7 @@ def _train(rank: int, parallel: dict, stage: int, expected: dict) -> dict:
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     from moe_plugin.integration.pipeline import TransformerLayerPipe
-    from moe_plugin.integration.tp_shard import shard_state_dict
+    from moe_plugin.checkpoint.reshard import shard_state_dict
 
     moe = MoEConfig.from_dict({**MOE, "parallel": parallel})
     sizes = moe.check_world_size(int(os.environ["WORLD_SIZE"]))

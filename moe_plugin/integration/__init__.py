@@ -6,7 +6,6 @@
 * ``sp_grads``: sequence-parallel gradients summed over TP (``sequence_parallel_grad_hooks``, which
   ``initialize`` installs; ``allreduce_sequence_parallel_grads`` for a loop of one's own).
 * ``cpu_modules``: ``SDPAttention`` and ``TorchNorm``, the CPU-capable spec pieces.
-* ``tp_shard``: ``shard_state_dict``, a full state dict cut for one tensor-parallel rank.
 * ``megatron_lm_spec``: the module-level ``spec`` for Megatron-LM's ``--spec``.
 * ``deepspeed``: ``initialize`` (re-exported as ``moe_plugin.initialize``): config and world size
   checked, groups built and registered, dense/expert param groups, ``deepspeed.initialize``.
@@ -22,10 +21,7 @@
 * ``guard``: ``TrainingGuard`` (``initialize``'s ``result.guard``), checked after every optimizer step:
   non-finite gradients (fp32/bf16) or fp16 steps skipped in a row stop the run on every rank with
   one message; slow-step line. ``GradientWatch``: the hooks that name the parameter.
-* ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` through DeepSpeed's engine or its
-  ``PipelineEngine``, experts stored by global expert id per stage (``expert_state``), atomic tags,
-  resharding of the expert layout; ``checkpoint_meta`` (metadata, fit checks), ``checkpoint_state``
-  (expert files, RNG, the ZeRO-0 optimizer re-cut), ``checkpoint_files`` (checksums, named read
-  errors, stale temporary directories), ``checkpoint_export`` (one fp32 state dict of the 1-rank
-  ``GPTModel`` and its config: ``moe-plugin export``).
+
+Checkpoints (``save_checkpoint``, ``load_checkpoint``, resharding, export) are the package
+``moe_plugin.checkpoint``.
 """

@@ -70,8 +70,8 @@ Pipeline parallelism (``moe.parallel.pipeline`` > 1): ``model_provider`` returns
 
 Supported: ZeRO stages 0, 1 and 2 (0 and 1 with PP); TP, EP, ETP, DP and PP in any layout of
 ``moe.parallel``. Verified against a single process in fp32 (``tests/test_deepspeed_engine.py``,
-``tests/test_pipeline.py``). Checkpoints: use ``checkpoint.save_checkpoint(result, dir)`` /
-``checkpoint.load_checkpoint(result, dir)``, not the engine's own methods: DeepSpeed's MoE
+``tests/test_pipeline.py``). Checkpoints: use ``moe_plugin.checkpoint.save_checkpoint(result, dir)`` /
+``load_checkpoint(result, dir)``, not the engine's own methods: DeepSpeed's MoE
 checkpointing finds experts by its own module names (``deepspeed_moe.experts``) and saves the
 module from data-parallel rank 0 only, so alone it would lose the expert shards of the other EP
 ranks.

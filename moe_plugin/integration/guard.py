@@ -245,7 +245,7 @@ class TrainingGuard:
     def _last_checkpoint(self) -> str:
         if self.checkpoint_dir is None:
             return "none (no checkpoint directory)"
-        from moe_plugin.integration.checkpoint_meta import CheckpointError, read_latest
+        from moe_plugin.checkpoint import CheckpointError, read_latest
 
         try:
             return f"{self.checkpoint_dir}/{read_latest(self.checkpoint_dir)}"

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from moe_plugin.checkpoint.optimizer import basic_optimizer, param_state_names
 from moe_plugin.layers.moe_layer import MoELayer, moe_layers
 from moe_plugin.placement.exchange import Piece, Pieces, exchange
 from moe_plugin.placement.zero_partitions import Move, add_partition_moves, expert_group_indices, \
@@ -138,7 +139,7 @@ def migrate(run: Any, new_placements: Mapping[str, PlacementLike], *, groups: An
             check_step_boundary(engine)
     except ValueError as exc:
         error = str(exc)
-    optimizer = _basic_optimizer(engine)
+    optimizer = _per_parameter_optimizer(engine)
     zero = engine.optimizer if engine is not None and is_zero_optimizer(engine.optimizer) else None
     plan = {name: moves(layers[name].placement.cpu(), new) for name, new in wanted.items()}
     pieces = _plan_pieces(layers, plan, optimizer, zero, groups)
@@ -167,10 +168,7 @@ def _plan_pieces(layers: dict[str, MoELayer], plan: dict[str, list[Move]], optim
         for w in (experts.weight1, experts.weight2):
             layer_of[id(w)] = (experts.num_local, plan[name])
             tensors = [w.data] + ([w.grad] if w.grad is not None else [])
-            if optimizer is not None:
-                state = optimizer.state.get(w, {})
-                tensors += [state[k] for k in sorted(state)
-                            if isinstance(state[k], Tensor) and state[k].shape == w.shape]
+            tensors += [optimizer.state[w][k] for k in param_state_names(optimizer, w)]
             _add_whole_moves(pieces, tensors, experts.num_local, plan[name], lambda ep: _rank_at(groups, ep, None),
                              coords["ep"])
     if zero is not None:
@@ -234,18 +232,17 @@ def _unpack(run: Any, groups: Any) -> tuple[nn.Module, Any, Any]:
     return engine.module, engine, groups if groups is not None else run.groups
 
 
-def _basic_optimizer(engine: Any) -> Optional[torch.optim.Optimizer]:
-    """The torch optimizer that holds per-parameter state (ZeRO-0), else None."""
+def _per_parameter_optimizer(engine: Any) -> Optional[torch.optim.Optimizer]:
+    """The optimizer that holds per-parameter state (``checkpoint.optimizer.basic_optimizer``); None
+    without an engine or under ZeRO-1/2 (its partitions move apart); any other is refused."""
     if engine is None or is_zero_optimizer(engine.optimizer):
         return None
-    opt = engine.optimizer
-    if isinstance(opt, torch.optim.Optimizer) and not hasattr(opt, "optimizer"):
-        return opt
-    if engine.zero_optimization_stage() == 0 and isinstance(opt, torch.optim.Optimizer):
-        return opt
-    raise NotImplementedError(f"migrate does not know the optimizer {type(opt).__name__} (ZeRO stage "
-                              f"{engine.zero_optimization_stage()}): supported are the basic fp32 optimizer "
-                              "(ZeRO-0) and DeepSpeed's ZeRO-1/2 optimizer")
+    opt = basic_optimizer(engine)
+    if opt is None:
+        raise NotImplementedError(f"migrate does not know the optimizer {type(engine.optimizer).__name__} (ZeRO "
+                                  f"stage {engine.zero_optimization_stage()}): supported are the basic fp32 optimizer "
+                                  "(ZeRO-0) and DeepSpeed's ZeRO-1/2 optimizer")
+    return opt
 
 
 def _checked(layers: dict[str, MoELayer], new_placements: Mapping[str, PlacementLike]) -> dict[str, Tensor]:
@@ -263,9 +260,7 @@ def _signature(layers: dict[str, MoELayer], wanted: dict[str, Tensor], optimizer
     for name in sorted(wanted):
         x = layers[name].experts
         for w in (x.weight1, x.weight2):
-            state = optimizer.state.get(w, {}) if optimizer is not None else {}
-            out.append((name, w.grad is not None, sorted(k for k, v in state.items()
-                                                         if isinstance(v, Tensor) and v.shape == w.shape)))
+            out.append((name, w.grad is not None, param_state_names(optimizer, w)))
     return out
 
 

@@ -26,7 +26,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from moe_plugin.integration.checkpoint_meta import META_FILE, CheckpointError, agree, first_line
+from moe_plugin.checkpoint.errors import CheckpointError, agree, first_line
+from moe_plugin.checkpoint.metadata import META_FILE
 
 logger = logging.getLogger(__name__)
 

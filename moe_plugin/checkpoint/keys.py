@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
-from moe_plugin.integration.checkpoint_meta import CheckpointError
+from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.integration.pipeline import gpt_state_dict_key, pipeline_state_dict_key
 
 WORD = "embedding.word_embeddings.weight"

@@ -18,7 +18,8 @@ expert shards of the other EP ranks are lost. The PipelineEngine takes the same 
 * DeepSpeed still writes and reads everything it owns (dense weights, optimizer and ZeRO
   partitions, lr scheduler, step counters, client state); the marker reports no local experts
   while the engine loads, and a ``load_state_dict`` pre-hook puts our experts into the module
-  state it loads (``checkpoint_state.experts_into_load``).
+  state it loads (``expert_files.experts_into_load``; DeepSpeed's own names and loader:
+  ``compat.deepspeed_checkpoint``).
 * Experts are stored by **global expert id**, one file per id and pipeline stage holding the full
   expert (ETP shards joined) of every MoE layer of that stage, whatever EP rank each layer placed
   it on (``experts.placement``; the metadata records every layer's placement). Under ZeRO-0 the
@@ -27,7 +28,7 @@ expert shards of the other EP ranks are lost. The PipelineEngine takes the same 
   matter) and cuts the experts for them, so DeepSpeed's ZeRO partitions, saved in that order, fit.
 * Each rank saves its RNG states and its routers' noise generators and not-yet-applied load counts;
   the aux-loss-free bias is a module buffer.
-* ``moe_plugin.json`` (``checkpoint_meta``) records shapes per stage, the ``moe`` block, layout, ZeRO
+* ``moe_plugin.json`` (``metadata``) records shapes per stage, the ``moe`` block, layout, ZeRO
   stage, engine kind and placement. ``load_checkpoint`` checks it against the running model on every
   rank, before anything is read into the model, and fails on all ranks alike.
 
@@ -43,14 +44,14 @@ On disk (``tag`` a directory of ``save_dir``)::
 Atomicity: everything is written into ``save_dir/.tmp-TAG``; after a barrier rank 0 renames it
 to ``TAG`` and then replaces ``latest``. A run killed during a save leaves the previous tag and
 ``latest`` as they were (the next save or load removes the stale temporary directories:
-``checkpoint_files.remove_stale``). All ranks must see the same file system.
+``files.remove_stale``). All ranks must see the same file system.
 
-Integrity (``checkpoint_files``): the metadata records the size and sha256 of every file of the
+Integrity (``files``): the metadata records the size and sha256 of every file of the
 tag, hashed once by one rank each after all are written; a load checks them (each rank a share)
 before anything is read, and every file is read through ``read_torch`` / ``read_json``, so a
 damaged, truncated or garbled file is a ``CheckpointError`` naming it on every rank.
 ``checkpoint_exists`` tells a missing or empty directory (start from scratch) from one whose
-checkpoint is broken. ``checkpoint_export`` writes any checkpoint as the 1-rank model's state dict.
+checkpoint is broken. ``export`` writes any checkpoint as the 1-rank model's state dict.
 
 Resharding: the expert layout (EP, ETP, and with them DP/EDP at the same world size) may change,
 with or without a pipeline: experts are cut again from the global-id files of their stage. The
@@ -61,12 +62,12 @@ counters only). The TP and pipeline sizes may change too, where the weights allo
 shapes must agree: a vocabulary padded to a multiple of 128 x TP may not): the dense weights
 of every saved TP rank (and, after a pipeline change, of every saved stage: a
 ``PipelineModule`` names its pieces globally) are joined and each rank cuts its own
-(``tp_shard.join_dense_tp``, ``shard_state_dict``); experts come from the expert files of
+(``reshard.join_dense_tp``, ``shard_state_dict``); experts come from the expert files of
 whichever saved stage held their layer. Their optimizer state does not follow
 (``load_optimizer_states=False``, else an error says so), and RNG streams are not restored
 (the token split changed). The model kind may change too: a ``PipelineModule`` checkpoint
 loads into the plain ``GPTModel`` (pp 1) and back, its state read in the running kind's names
-(``checkpoint_keys``; weights only, as for a pipeline-size change). Not yet: fp16/bf16 (unverified).
+(``keys``; weights only, as for a pipeline-size change). Not yet: fp16/bf16 (unverified).
 """
 from __future__ import annotations
 
@@ -74,37 +75,21 @@ import contextlib
 import json
 import os
 import pickle
-import re
 import shutil
-import tempfile
-from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_plugin.integration.checkpoint_keys import KIND_KEY, running_state
-from moe_plugin.integration.checkpoint_meta import (
-    EXPERT_DIR,
-    LATEST,
-    META_FILE,
-    RNG_DIR,
-    TOKEN_LAYOUT_KEYS,
-    CheckpointError,
-    agree,
-    check_fits,
-    check_optimizer_can_follow,
-    layout,
-    metadata,
-    read_latest,
-    read_metadata,
-    rng_file,
-    dense_recut,
-    saved_model_files,
-    saved_stages,
+from moe_plugin.checkpoint.errors import CheckpointError, agree
+from moe_plugin.checkpoint.expert_files import (
+    expert_files,
+    experts_into_load,
+    marker_without_local_experts,
+    read_experts,
 )
-from moe_plugin.integration.checkpoint_files import (
+from moe_plugin.checkpoint.files import (
     OLD_PREFIX,
     TMP_PREFIX,
     checksums,
@@ -113,19 +98,28 @@ from moe_plugin.integration.checkpoint_files import (
     remove_stale_collective,
     verify,
 )
-from moe_plugin.integration.checkpoint_state import (
-    expert_files,
-    experts_into_load,
-    load_basic_optimizer,
-    marker_without_local_experts,
-    read_experts,
-    rng_state,
-    set_rng_state,
+from moe_plugin.checkpoint.keys import KIND_KEY, running_state
+from moe_plugin.checkpoint.metadata import (
+    EXPERT_DIR,
+    LATEST,
+    META_FILE,
+    RNG_DIR,
+    TOKEN_LAYOUT_KEYS,
+    check_fits,
+    check_optimizer_can_follow,
+    dense_recut,
+    layout,
+    metadata,
+    read_latest,
+    read_metadata,
+    rng_file,
+    saved_model_files,
+    saved_stages,
 )
-from moe_plugin.integration.tp_shard import join_dense_tp, shard_state_dict
-
-MODEL_FILE = re.compile(r"mp_rank_\d+_model_states\.pt")
-RECOVERY_SCRIPT = re.compile(r"zero_to_\w+\.py")   # DeepSpeed copies these beside the tags at every save
+from moe_plugin.checkpoint.optimizer import load_basic_optimizer
+from moe_plugin.checkpoint.reshard import join_dense_tp, shard_state_dict
+from moe_plugin.checkpoint.rng import rng_state, set_rng_state
+from moe_plugin.compat.deepspeed_checkpoint import is_recovery_script, one_file_per_mp_rank, optimizer_file_name
 
 
 def _write(obj: Any, path: str) -> None:
@@ -210,7 +204,7 @@ def checkpoint_exists(load_dir: os.PathLike | str) -> bool:
                 raise CheckpointError(f"{load_dir}: not a directory")
             return False
         entries = sorted(e for e in os.listdir(load_dir) if not e.startswith((TMP_PREFIX, OLD_PREFIX))
-                         and not RECOVERY_SCRIPT.fullmatch(e))
+                         and not is_recovery_script(e))
         if LATEST in entries:
             return True
         if entries:
@@ -253,7 +247,7 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     dense, header = agree(lambda: recut_dense(run, path, meta)) if recut else ({}, {})
 
     with marker_without_local_experts(engine.module), experts_into_load(engine.module, {**dense, **experts}), \
-            (_one_file_per_mp_rank(load_dir, tag, engine, dense, header) if recut
+            (one_file_per_mp_rank(load_dir, tag, engine, {**header, "module": dense}) if recut
              else contextlib.nullcontext(load_dir)) as source:
         try:
             load_path, client_state = engine.load_checkpoint(
@@ -267,7 +261,8 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
         raise CheckpointError(f"{path}: DeepSpeed found no model states to load")
     _check_experts_loaded(engine.module, experts, path)
     if recut_optimizer:
-        load_basic_optimizer(run, path, expert_moments)
+        saved = read_torch(os.path.join(path, optimizer_file_name(engine.checkpoint_mp_rank)))["optimizer"]
+        load_basic_optimizer(run, path, saved, expert_moments)
     if rng is not None:
         set_rng_state(engine.module, rng)
     dist.barrier()
@@ -278,7 +273,7 @@ def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:
     """This rank's dense entries, cut for the running layout out of the full weights joined from
     the DeepSpeed files of every saved TP rank of its pipeline stage -- of every saved stage after a
     pipeline-size change (pipeline keys name global pieces, so each stage takes its own) --
-    (``tp_shard.join_dense_tp``), and the rest of the first file read (counters, lr scheduler,
+    (``reshard.join_dense_tp``), and the rest of the first file read (counters, lr scheduler,
     client state)."""
     full, header = {}, None
     for stage in saved_stages(meta, run.groups):
@@ -287,30 +282,6 @@ def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:
         header = header or {k: v for k, v in files[0].items() if k != "module"}
     dense = shard_state_dict(full, run.engine.module, run.groups.layout, dist.get_rank(), strict=False)
     return dense, header
-
-
-@contextlib.contextmanager
-def _one_file_per_mp_rank(load_dir: str, tag: str, engine: Any, dense: dict, header: dict) -> Iterator[str]:
-    """A load directory (private to this rank, removed afterwards) holding the tag's other files
-    (links) and one module file per *running* model-parallel rank, so DeepSpeed loads one file
-    without trying its own merge or split of several (made for Megatron-LM's key names): this
-    rank's, written here from ``recut_dense`` (``header`` with the re-cut dense ``module`` and the
-    running ``mp_world_size``; the experts come in through ``experts_into_load``), and links to it
-    under the other ranks' names."""
-    source = os.path.join(load_dir, tag)
-    with tempfile.TemporaryDirectory(prefix="moe_plugin_tp_") as staging:
-        target = os.path.join(staging, tag)
-        os.makedirs(target)
-        for name in os.listdir(source):
-            if not MODEL_FILE.fullmatch(name):
-                os.symlink(os.path.join(source, name), os.path.join(target, name))
-        mine = os.path.join(target, f"mp_rank_{engine.checkpoint_mp_rank:02d}_model_states.pt")
-        torch.save({**header, "module": dense, "mp_world_size": engine.mp_world_size}, mine)
-        for r in range(engine.mp_world_size):
-            name = os.path.join(target, f"mp_rank_{r:02d}_model_states.pt")
-            if name != mine:
-                os.symlink(mine, name)
-        yield staging
 
 
 def _check_experts_loaded(model: nn.Module, experts: dict, path: str) -> None:

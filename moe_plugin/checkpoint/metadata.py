@@ -3,22 +3,25 @@
 ``moe_plugin.json`` (one per tag, written last) records the model's shapes per pipeline stage
 (full, unsharded: TP and ETP shards joined), the ``moe`` block, the layout sizes, the ZeRO stage,
 the engine kind (a ``PipelineModule`` keys its state by piece, ``0.embedding...``; a ``GPTModel``
-by name) and the expert placement. ``check_fits`` compares it with the running model on one rank;
-``agree`` turns one rank's failure into the same ``CheckpointError`` on every rank, so no rank
-goes on to load while another stops. Nothing here writes or changes the model.
+by name) and the expert placement. ``check_fits`` compares it with the running model on one rank
+(``errors.agree`` makes one rank's failure every rank's); ``check_optimizer_can_follow`` whether
+the saved optimizer state can follow a layout change. Nothing here writes or changes the model.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_plugin.integration.expert_state import expert_weights
+from moe_plugin.checkpoint.errors import CheckpointError, first_line
+from moe_plugin.checkpoint.experts import expert_weights
+from moe_plugin.checkpoint.optimizer import basic_optimizer
+from moe_plugin.compat.deepspeed_checkpoint import model_file_name
 
 FORMAT, FORMAT_VERSION = "moe_plugin.checkpoint", 1
 META_FILE, EXPERT_DIR, RNG_DIR, LATEST = "moe_plugin.json", "experts", "rng", "latest"
@@ -28,10 +31,6 @@ MODEL_KEYS = ("num_experts", "top_k", "router", "normalize_gates", "second_exper
 LAYOUT_KEYS = ("world_size", "tp", "pp", "dp", "ep", "etp", "edp", "order")
 # Which tokens a rank sees (and so its RNG streams: dropout, router noise) depends on these only.
 TOKEN_LAYOUT_KEYS = ("world_size", "tp", "pp", "dp", "order")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into the running model; the message says what differs."""
 
 
 def read_json(path: str) -> Any:
@@ -44,11 +43,6 @@ def read_json(path: str) -> Any:
     except (ValueError, OSError) as exc:  # JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"{path}: unreadable JSON, truncated or damaged ({type(exc).__name__}: "
                               f"{first_line(exc)})") from exc
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "no message"
 
 
 def expert_file(path: str, expert_id: int, stage: int) -> str:
@@ -64,7 +58,7 @@ def deepspeed_model_file(path: str, engine: Any) -> str:
     """DeepSpeed's module/optimizer-metadata file of this rank's model-parallel slice. Its MoE save
     path writes one per slice for both engines (the PipelineEngine too: the grid's model-parallel
     rank numbers (stage, TP rank) pairs, and no ``layer_XX`` files are written with MoE layers)."""
-    return os.path.join(path, f"mp_rank_{engine.checkpoint_mp_rank:02d}_model_states.pt")
+    return os.path.join(path, model_file_name(engine.checkpoint_mp_rank))
 
 
 def saved_model_files(path: str, meta: dict, stage: int) -> list[str]:
@@ -74,7 +68,7 @@ def saved_model_files(path: str, meta: dict, stage: int) -> list[str]:
     names = meta.get("model_files", {}).get(str(stage))
     if names is None:
         tp = meta["layout"]["tp"]
-        names = [f"mp_rank_{stage * tp + r:02d}_model_states.pt" for r in range(tp)]
+        names = [model_file_name(stage * tp + r) for r in range(tp)]
     return [os.path.join(path, name) for name in names]
 
 
@@ -88,7 +82,7 @@ def pp_changed(meta: dict, groups: Any) -> bool:
 
 def dense_recut(meta: dict, groups: Any) -> bool:
     """Whether the dense weights must be joined and cut again (the TP or pipeline size changed, or
-    the checkpoint is of the other model kind: ``checkpoint_keys``)."""
+    the checkpoint is of the other model kind: ``keys``)."""
     return tp_changed(meta, groups) or pp_changed(meta, groups) or "kind_from" in meta
 
 
@@ -96,14 +90,6 @@ def is_pipeline(engine: Any) -> bool:
     from deepspeed.runtime.pipe.module import PipelineModule
 
     return isinstance(engine.module, PipelineModule)
-
-
-def basic_optimizer(engine: Any) -> Optional[torch.optim.Optimizer]:
-    """The torch optimizer itself when DeepSpeed runs it unwrapped (ZeRO-0 in fp32), else None."""
-    opt = engine.optimizer
-    if engine.zero_optimization_stage() == 0 and isinstance(opt, torch.optim.Optimizer):
-        return opt
-    return None
 
 
 def layout(groups: Any) -> dict:
@@ -257,24 +243,6 @@ def read_metadata(load_dir: os.PathLike | str, tag: str) -> dict:
     return meta
 
 
-def agree(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on every rank; if it raised ``CheckpointError`` on any, raise it on all."""
-    error, value = None, None
-    try:
-        value = fn()
-    except CheckpointError as exc:
-        error = str(exc)
-    except (OSError, RuntimeError, KeyError, EOFError) as exc:  # an unreadable file on this rank only
-        error = f"{type(exc).__name__}: {exc}"
-    errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointError(message if rank == dist.get_rank() or error == message else f"rank {rank}: {message}")
-    return value
-
-
 def _differences(what: str, saved: dict, mine: dict) -> list[str]:
     out = [f"{what} {k}: shape {saved[k]} in the checkpoint, {mine[k]} in the model"
            for k in mine if k in saved and list(saved[k]) != list(mine[k])]
@@ -352,7 +320,7 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
     engine, groups, moe_config = run.engine, run.groups, run.moe_config
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: missing; no checkpoint tag {tag!r} there")
-    from moe_plugin.integration.checkpoint_keys import as_running_kind   # it reads this module's errors
+    from moe_plugin.checkpoint.keys import as_running_kind   # imports Megatron: not for ``export``
 
     meta = as_running_kind(read_metadata(os.path.dirname(path), tag), is_pipeline(engine),
                            bool(getattr(engine.module, "share_embeddings_and_output_weights", False)))

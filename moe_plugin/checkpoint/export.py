@@ -36,16 +36,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from moe_plugin.integration.checkpoint_files import read_torch, verify_all
-from moe_plugin.integration.checkpoint_meta import (
-    CheckpointError,
-    expert_file,
-    placement_key,
-    read_latest,
-    read_metadata,
-    saved_model_files,
-)
-from moe_plugin.integration.tp_shard import tp_join
+from moe_plugin.checkpoint.errors import CheckpointError
+from moe_plugin.checkpoint.files import read_torch, verify_all
+from moe_plugin.checkpoint.metadata import expert_file, placement_key, read_latest, read_metadata, saved_model_files
+from moe_plugin.checkpoint.shards import tp_join
 
 logger = logging.getLogger(__name__)
 

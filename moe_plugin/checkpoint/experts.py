@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe_plugin.integration.tp_shard import tp_slice
+from moe_plugin.checkpoint.shards import tp_join, tp_slice
 from moe_plugin.layers.experts import GroupedExperts
 
 
@@ -59,14 +59,6 @@ def expert_weights(model: nn.Module) -> list[ExpertWeight]:
             out.append(ExpertWeight(base + "weight1", module, module.weight1, 2, stride1))
             out.append(ExpertWeight(base + "weight2", module, module.weight2, 1, 1))
     return out
-
-
-def tp_join(pieces: list[Tensor], dim: int, stride: int) -> Tensor:
-    """The inverse of ``tp_shard.tp_slice``: ``pieces[r]`` is rank r's part of one tensor."""
-    if len(pieces) == 1:
-        return pieces[0]
-    chunks = [p.chunk(stride, dim=dim) for p in pieces]
-    return torch.cat([chunks[r][s] for s in range(stride) for r in range(len(pieces))], dim=dim)
 
 
 def full_experts(stacked_LXY: Tensor, weight: ExpertWeight, etp_group, etp: int,

@@ -5,14 +5,11 @@ not from parameter names:
 
 * Megatron tensor-parallel parameters carry ``tensor_model_parallel``, ``partition_dim`` and
   ``partition_stride`` (column-parallel: output dim 0; row-parallel: input dim 1; vocab-parallel
-  embedding: dim 0). With stride ``s`` the dimension is cut into ``s * tp`` equal pieces and
-  TP rank ``r`` holds pieces ``r, r + tp, ...`` in order: the GLU ``linear_fc1`` (stride 2) keeps
-  a slice of the gate half and of the up half, as Megatron's own initialisation splits it. The
+  embedding: dim 0), cut by ``shards.tp_slice`` (the GLU ``linear_fc1`` with stride 2). The
   fused QKV weight needs no special case: Megatron lays it out by query group.
 * ``GroupedExperts`` weights ``weight1`` [E, H, F1] and ``weight2`` [E, F, H]: the module's
   slots ``first_slot ... first_slot + num_local - 1`` (expert parallelism; the full and the
-  sharded model share one placement), then the
-  rank's F-shard over the expert-tensor-parallel group (``weight1`` dim 2 with stride 2 for
+  sharded model share one placement; ``experts.expert_weights``), then the rank's F-shard over the expert-tensor-parallel group (``weight1`` dim 2 with stride 2 for
   swiglu's gate and up halves, ``weight2`` dim 1), as ``layers.experts.ffn_shard`` cuts it.
 * Anything else (norms, router, shared expert, position embedding, buffers) is replicated.
 
@@ -23,32 +20,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import torch
 from torch import Tensor, nn
 
+from moe_plugin.checkpoint.experts import expert_weights
+from moe_plugin.checkpoint.shards import tp_join, tp_slice
 from moe_plugin.groups.layout import RankLayout
-from moe_plugin.layers.experts import GroupedExperts
-
-
-def tp_slice(full: Tensor, dim: int, stride: int, rank: int, size: int) -> Tensor:
-    """Rank ``rank``'s part of ``full`` along ``dim``: pieces ``rank::size`` of ``stride * size``."""
-    if size == 1:
-        return full
-    pieces = stride * size
-    if full.shape[dim] % pieces:
-        raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split into {pieces} pieces "
-                         f"(parallel size {size} x stride {stride})")
-    chunks = full.split(full.shape[dim] // pieces, dim=dim)
-    return torch.cat(chunks[rank::size], dim=dim)
-
-
-def tp_join(shards: list[Tensor], dim: int, stride: int) -> Tensor:
-    """The inverse of ``tp_slice``: the full tensor from every rank's part, in rank order."""
-    size = len(shards)
-    if size == 1:
-        return shards[0]
-    pieces = [shard.chunk(stride, dim=dim) for shard in shards]       # rank r holds pieces r, r + size, ...
-    return torch.cat([pieces[j % size][j // size] for j in range(stride * size)], dim=dim)
 
 
 def join_dense_tp(states: list[Mapping[str, Any]], model: nn.Module) -> dict[str, Any]:
@@ -57,7 +33,7 @@ def join_dense_tp(states: list[Mapping[str, Any]], model: nn.Module) -> dict[str
     (the same model at any TP size): tensor-parallel tensors joined with ``tp_join``, the rest
     (replicated over TP) taken from rank 0. Expert weights are left out (checkpoints keep them
     per global expert id)."""
-    experts = _expert_rules(model)
+    experts = {w.key for w in expert_weights(model)}
     out: dict[str, Any] = {}
     for key, mine in model.state_dict(keep_vars=True).items():
         if key in experts or key not in states[0]:
@@ -67,18 +43,6 @@ def join_dense_tp(states: list[Mapping[str, Any]], model: nn.Module) -> dict[str
             out[key] = tp_join([state[key] for state in states], mine.partition_dim, stride)
         else:
             out[key] = states[0][key]
-    return out
-
-
-def _expert_rules(model: nn.Module) -> dict[str, tuple[GroupedExperts, int, int]]:
-    """State-dict key -> (its GroupedExperts, F dimension, F stride) for every expert weight."""
-    out = {}
-    for prefix, module in model.named_modules():
-        if isinstance(module, GroupedExperts):
-            stride1 = 2 if module.activation == "swiglu" else 1
-            base = f"{prefix}." if prefix else ""
-            out[base + "weight1"] = (module, 2, stride1)
-            out[base + "weight2"] = (module, 1, 1)
     return out
 
 
@@ -93,7 +57,7 @@ def shard_state_dict(full: Mapping[str, Any], model: nn.Module, layout: RankLayo
     """
     coords, sizes = layout.coords(rank), layout.sizes
     local = model.state_dict(keep_vars=True)
-    experts = _expert_rules(model)
+    experts = {w.key: w for w in expert_weights(model)}
     missing = [k for k in local if k not in full]
     if missing and strict:
         raise KeyError(f"the full state dict lacks {len(missing)} key(s) of the model, e.g. {missing[:3]}")
@@ -106,9 +70,9 @@ def shard_state_dict(full: Mapping[str, Any], model: nn.Module, layout: RankLayo
             out[key] = whole
             continue
         if key in experts:
-            module, dim, stride = experts[key]
-            part = whole.narrow(0, module.first_slot, module.num_local)
-            part = tp_slice(part, dim, stride, coords["etp"], sizes.etp)
+            w = experts[key]
+            part = whole.narrow(0, w.module.first_slot, w.module.num_local)
+            part = tp_slice(part, w.f_dim, w.f_stride, coords["etp"], sizes.etp)
         elif getattr(mine, "tensor_model_parallel", False):
             part = tp_slice(whole, mine.partition_dim, getattr(mine, "partition_stride", 1), coords["tp"], sizes.tp)
         else:

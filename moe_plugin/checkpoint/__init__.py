@@ -1,0 +1,35 @@
+"""Checkpoints of a model with the plugin's MoE layers, through DeepSpeed's engine.
+
+    from moe_plugin.checkpoint import load_checkpoint, save_checkpoint
+    save_checkpoint(run, "ckpt")                          # every rank; tag default "global_step{N}"
+    load_path, client_state = load_checkpoint(run, "ckpt")   # tag default: the "latest" file
+
+* ``api``: ``save_checkpoint``, ``load_checkpoint``, ``checkpoint_exists`` (atomic tags, the load's
+  order of checks; the on-disk layout in its docstring).
+* ``metadata``: ``moe_plugin.json`` (shapes per stage, layout, placement) and whether a checkpoint
+  fits the running model. ``errors``: ``CheckpointError``, raised alike on every rank.
+* ``experts``: expert weights by global id (ETP shards joined, cut again); ``expert_files``: the
+  files holding them and how they go back in; ``optimizer``: the basic (ZeRO-0) optimizer's state;
+  ``rng``: every rank's random streams.
+* ``shards``, ``reshard``: tensors and state dicts cut for and joined from TP / ETP ranks;
+  ``keys``: a ``PipelineModule`` checkpoint read as a ``GPTModel`` and back.
+* ``files``: checksums, named read errors, stale temporary directories; ``export``: any
+  checkpoint as the 1-rank ``GPTModel``'s fp32 state dict (``moe-plugin export``).
+
+DeepSpeed's file names and the loader behaviour relied on: ``moe_plugin.compat.deepspeed_checkpoint``.
+The names below are imported on first use, so ``export`` runs without DeepSpeed or Megatron.
+"""
+from __future__ import annotations
+
+_FROM = {"save_checkpoint": "api", "load_checkpoint": "api", "checkpoint_exists": "api", "read_latest": "metadata",
+         "read_metadata": "metadata", "CheckpointError": "errors", "export_checkpoint": "export",
+         "load_export": "export"}
+__all__ = sorted(_FROM)
+
+
+def __getattr__(name: str):
+    if name in _FROM:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_FROM[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,49 @@
+"""A rank's random streams in a checkpoint: torch, Python, NumPy, the accelerator's, and every
+router's noise generators and not-yet-applied load counts (``rng/rank_XXXXX.pt``). Restored only
+where every rank sees the tokens it saw when saving (``metadata.TOKEN_LAYOUT_KEYS``).
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from torch import nn
+
+from moe_plugin.layers.router import Router
+
+try:
+    import numpy
+except ImportError:  # NumPy's RNG is then neither saved nor restored
+    numpy = None
+
+
+def rng_state(model: nn.Module) -> dict:
+    """This rank's random streams: torch, Python, NumPy, the accelerator's, and every router's
+    noise generators and not-yet-applied load counts."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": numpy.random.get_state() if numpy is not None else None, "accelerator": None, "routers": {}}
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu" and accelerator.is_available():
+        state["accelerator"] = accelerator.get_rng_state()
+    for name, module in model.named_modules():
+        if isinstance(module, Router):
+            state["routers"][name] = {"generators": {str(d): g.get_state() for d, g in module._generators.items()},
+                                      "load_E": module.load_E.detach().clone()}
+    return state
+
+
+def set_rng_state(model: nn.Module, state: dict) -> None:
+    """The inverse of ``rng_state``."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if numpy is not None and state.get("numpy") is not None:
+        numpy.random.set_state(state["numpy"])
+    if state.get("accelerator") is not None:
+        get_accelerator().set_rng_state(state["accelerator"])
+    for name, module in model.named_modules():
+        if isinstance(module, Router) and name in state["routers"]:
+            saved = state["routers"][name]
+            for device, gen_state in saved["generators"].items():
+                module.generator(torch.device(device)).set_state(gen_state)
+            module.load_E.copy_(saved["load_E"])

@@ -1,0 +1,87 @@
+"""What moe_plugin's checkpoints rely on in DeepSpeed 0.19.8's checkpoint code (``runtime/engine.py``).
+
+* File names DeepSpeed writes and reads in a tag: ``mp_rank_XX_model_states.pt`` per model-parallel
+  rank (``_get_ckpt_name``, ZeRO 0-2), ``expp_rank_E_mp_rank_XX_optim_states.pt`` per expert-parallel
+  rank (``_get_optimizer_ckpt_name``, its MoE save path), and the ``zero_to_*.py`` recovery scripts
+  it copies beside the tags.
+* ``load_moe_state_dict`` reads ``num_local_experts`` of every ``deepspeed.moe.layer.MoE`` module to
+  look for its ``layer_*_expert_*`` files: ``no_local_experts`` sets it to 0 on the plugin's markers
+  while the engine loads (the experts come from the plugin's own files).
+* ``_load_checkpoint`` globs the tag's ``mp_rank_*_model_states.pt`` and, when their number differs
+  from the running model-parallel size, merges or splits them for Megatron-LM's key names
+  (``state_dict_factory``): ``one_file_per_mp_rank`` stages a load directory with exactly one module
+  file per running model-parallel rank, so the loader reads this rank's file as it is.
+
+``tests/test_compat_checkpoint.py`` checks each against the installed DeepSpeed.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+MODEL_FILE = re.compile(r"mp_rank_\d+_model_states\.pt")
+RECOVERY_SCRIPT = re.compile(r"zero_to_\w+\.py")   # DeepSpeed copies these beside the tags at every save
+
+
+def model_file_name(mp_rank: int) -> str:
+    """DeepSpeed's module file of model-parallel rank ``mp_rank`` (ZeRO 0-2)."""
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def optimizer_file_name(mp_rank: int, ep_rank: int = 0) -> str:
+    """DeepSpeed's optimizer file of expert-parallel rank ``ep_rank`` and model-parallel rank
+    ``mp_rank`` (its MoE save path writes one per EP rank)."""
+    return f"expp_rank_{ep_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def is_recovery_script(name: str) -> bool:
+    """Whether ``name`` is one of the ``zero_to_*.py`` scripts DeepSpeed copies into a save directory."""
+    return RECOVERY_SCRIPT.fullmatch(name) is not None
+
+
+@contextlib.contextmanager
+def no_local_experts(markers: Iterable[nn.Module]) -> Iterator[None]:
+    """Inside, the DeepSpeed ``MoE`` modules ``markers`` report no local experts, so the engine's
+    ``load_moe_state_dict`` looks for no ``layer_*_expert_*`` files of theirs."""
+    markers = list(markers)
+    saved = [m.num_local_experts for m in markers]
+    for m in markers:
+        m.num_local_experts = 0
+    try:
+        yield
+    finally:
+        for m, n in zip(markers, saved):
+            m.num_local_experts = n
+
+
+@contextlib.contextmanager
+def one_file_per_mp_rank(load_dir: str, tag: str, engine: Any, state: dict) -> Iterator[str]:
+    """A load directory (private to this rank, removed afterwards) for ``engine.load_checkpoint``:
+    the tag's files other than the module files (links), this rank's module file holding ``state``
+    (with the running ``mp_world_size``), and links to it under the other running model-parallel
+    ranks' names, so DeepSpeed loads one file without its own merge or split of several."""
+    source = os.path.join(load_dir, tag)
+    with tempfile.TemporaryDirectory(prefix="moe_plugin_tp_") as staging:
+        target = os.path.join(staging, tag)
+        os.makedirs(target)
+        for name in os.listdir(source):
+            if not MODEL_FILE.fullmatch(name):
+                os.symlink(os.path.join(source, name), os.path.join(target, name))
+        mine = os.path.join(target, model_file_name(engine.checkpoint_mp_rank))
+        torch.save({**state, "mp_world_size": engine.mp_world_size}, mine)
+        for r in range(engine.mp_world_size):
+            name = os.path.join(target, model_file_name(r))
+            if name != mine:
+                os.symlink(mine, name)
+        yield staging
+
+
+__all__ = ["MODEL_FILE", "is_recovery_script", "model_file_name", "no_local_experts", "one_file_per_mp_rank",
+           "optimizer_file_name"]
