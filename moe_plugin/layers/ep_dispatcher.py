@@ -29,8 +29,8 @@ experts as their row index ``sort_R`` (``GroupedExperts(x, counts, gather_R)``),
 chunk by chunk and keep only the received rows for backward. Return path (``from_experts``): the inverse
 re-sort, ``reduce_scatter_rows`` over ETP (sums the F-shards' partial outputs, keeps this
 rank's received block), the reverse ``all_to_all`` over EP. The collectives' backwards are the
-reverse exchanges (``comm.py``). The rows each expert sees are then ordered by source rank and,
-within a source, in that rank's priority order.
+reverse exchanges (``comm.py``). The rows each expert sees are then ordered by sender and,
+within a sender, in its priority order.
 
 Shadow experts (``shadow.py``): ``layout(kept_D, finite, shadow_D)`` leaves the routes of the
 shadowed slots out of the send and receive counts (they are computed where they are);
