@@ -32,7 +32,7 @@ optimizer states over the data-parallel group, stage 2 also the gradients; exper
 over edp), plus activations of min(pp, m) micro-batches in flight (1F1B) and fp32 logits on the
 last stage. See docs/planner.md for the derivation and the validation against measured steps.
 
-A load profile is a route fraction per expert (``load_LE``: one row per MoE layer, or one row
+A load profile is a route fraction per expert (``load_ME``: one row per MoE layer, or one row
 for all); a placement is the slot of every expert (rank ``slot // (E / ep)`` of the EP group),
 as ``moe_plugin.placement`` writes it. None means uniform load and the static placement.
 """
@@ -194,20 +194,20 @@ def moe_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_
     H, F, b = model.hidden, model.expert_ffn_size, model.activation_bytes
     T = layout.micro_batch * model.seq
     shadowed = int(np.count_nonzero(shadow_E)) if shadow_E is not None and layout.ep > 1 else 0
-    rows_R = expert_rows(model, layout, load_E, placement_E, shadow_E if shadowed else None)
+    rows_P = expert_rows(model, layout, load_E, placement_E, shadow_E if shadowed else None)
     per_rank = model.experts // layout.ep
-    exchanged = float(rows_R.max())                                    # rows the busiest receiver gets
+    exchanged = float(rows_P.max())                                    # rows the busiest receiver gets
     if shadowed:
-        compute_R = rows_R + shadow_rows(model, layout, load_E, shadow_E, senders_PE)
+        compute_P = rows_P + shadow_rows(model, layout, load_E, shadow_E, senders_PE)
         all_kept = float(expert_rows_by_expert(model, layout, load_E).sum()) / (layout.ep * layout.etp)
     else:
-        compute_R, all_kept = rows_R, float(rows_R.sum()) / (layout.ep * layout.etp)
-    busiest = float(compute_R.max())
+        compute_P, all_kept = rows_P, float(rows_P.sum()) / (layout.ep * layout.etp)
+    busiest = float(compute_P.max())
     local = per_rank + shadowed                                         # experts a rank runs
     gemm = 2 * (busiest / max(local, 1)) * H * F / layout.etp           # one expert's GEMM, average size
     experts = 3 * cluster.gemm_time(gemm, 2 * local)                    # fc1 and fc2 per expert, fwd + 2x bwd
     routes = model.top_k * T / layout.tp
-    kept_routes = float(rows_R.sum()) / (layout.ep * layout.etp)       # kept rows one sender sends
+    kept_routes = float(rows_P.sum()) / (layout.ep * layout.etp)       # kept rows one sender sends
     remote = (layout.ep - 1) / layout.ep
     sent = kept_routes * remote * H * b
     received = exchanged / layout.etp * remote * H * b
@@ -282,11 +282,11 @@ def stage_memory(model: ModelSpec, layout: Layout, layers: Sequence[int], first:
     return mem
 
 
-def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_LE=None, placement_LE=None,
-              shadow_LE=None, senders_LPE=None) -> StepCost:
-    """Predicted ``StepCost`` of one optimizer step. ``load_LE``: route fractions per MoE layer
-    ([moe_layers, E], or [E] for all); ``placement_LE``: expert slots, same shapes; ``shadow_LE``:
-    shadowed experts (bool, same shapes) and ``senders_LPE`` each EP rank's share of an expert's
+def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_ME=None, placement_ME=None,
+              shadow_ME=None, senders_MPE=None) -> StepCost:
+    """Predicted ``StepCost`` of one optimizer step. ``load_ME``: route fractions per MoE layer
+    ([moe_layers, E], or [E] for all); ``placement_ME``: expert slots, same shapes; ``shadow_ME``:
+    shadowed experts (bool, same shapes) and ``senders_MPE`` each EP rank's share of an expert's
     routes ([moe_layers, ep, E]; None: uniform), see ``moe_layer_time``."""
     moe_ids = [i for i in range(model.layers) if model.is_moe(i)]
     m, pp = layout.gas, layout.pp
@@ -305,8 +305,8 @@ def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_LE=No
                 parts[k] += v
             if moe:
                 j = moe_ids.index(i)
-                for k, v in moe_layer_time(model, cluster, layout, _row(load_LE, j), _row(placement_LE, j),
-                                           _row(shadow_LE, j), _row(senders_LPE, j, 2)).items():
+                for k, v in moe_layer_time(model, cluster, layout, _row(load_ME, j), _row(placement_ME, j),
+                                           _row(shadow_ME, j), _row(senders_MPE, j, 2)).items():
                     parts[k] += v
         if last:
             parts["compute"] += 3 * cluster.gemm_time(2 * T * model.hidden * model.vocab / layout.tp)
