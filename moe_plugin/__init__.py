@@ -30,10 +30,10 @@ _LAZY = {
     "ExpertMetrics": "moe_plugin.integration.monitor:ExpertMetrics",
     "training_placement": "moe_plugin.integration.placement:training_placement",
     "TrainingStopped": "moe_plugin.integration.guard:TrainingStopped",
-    "save_checkpoint": "moe_plugin.integration.checkpoint:save_checkpoint",
-    "load_checkpoint": "moe_plugin.integration.checkpoint:load_checkpoint",
-    "checkpoint_exists": "moe_plugin.integration.checkpoint:checkpoint_exists",
-    "CheckpointError": "moe_plugin.integration.checkpoint:CheckpointError",
+    "save_checkpoint": "moe_plugin.checkpoint:save_checkpoint",
+    "load_checkpoint": "moe_plugin.checkpoint:load_checkpoint",
+    "checkpoint_exists": "moe_plugin.checkpoint:checkpoint_exists",
+    "CheckpointError": "moe_plugin.checkpoint:CheckpointError",
 }
 
 __all__ = ["ConfigError", "MoEConfig", "ParallelSizes", "RankLayout", "__version__", "alike_on_every_rank",

@@ -215,7 +215,7 @@ def test_replay_shadows_the_hot_expert_when_it_pays():
     lay = layout(ep=4, dp=8)
     load, traffic = synthetic_trace(40, 2, 8, 4096, zipf=2.0, senders=4, seed=1)
     greedy = replay(m, c, lay, load, Policy("greedy", interval=10))
-    shadow = replay(m, c, lay, load, Policy("greedy", interval=10, replica_budget=1), traffic_SLPE=traffic)
+    shadow = replay(m, c, lay, load, Policy("greedy", interval=10, replica_budget=1), traffic_IMPE=traffic)
     assert shadow.policy.name == "greedy/10+shadow1"
     assert shadow.mean_s < greedy.mean_s and shadow.replication_s > 0
     assert shadow.shadow_steps == 30 and greedy.shadow_steps == 0 and greedy.replication_s == 0.0
@@ -224,9 +224,9 @@ def test_replay_shadows_the_hot_expert_when_it_pays():
     hottest = load[:10].sum(axis=0).argmax(axis=-1)                         # per layer
     assert step == 10 and [np.flatnonzero(first[j]).tolist() for j in range(2)] == [[e] for e in hottest]
     # a larger budget may shadow more, never replays slower here
-    assert replay(m, c, lay, load, Policy("greedy", 10, replica_budget=2), traffic_SLPE=traffic).mean_s <= shadow.mean_s
+    assert replay(m, c, lay, load, Policy("greedy", 10, replica_budget=2), traffic_IMPE=traffic).mean_s <= shadow.mean_s
     # budget 0 is greedy exactly, with or without the traffic
-    zero = replay(m, c, lay, load, Policy("greedy", 10, replica_budget=0), traffic_SLPE=traffic)
+    zero = replay(m, c, lay, load, Policy("greedy", 10, replica_budget=0), traffic_IMPE=traffic)
     assert zero.step_s.tolist() == greedy.step_s.tolist() and zero.shadows == [] and zero.replication_s == 0.0
     # no shadowing without expert parallelism or with ETP
     for other in (layout(ep=1, dp=8), layout(tp=2, ep=4, etp=2, dp=4)):
@@ -242,7 +242,7 @@ def test_replay_shadows_nothing_on_a_uniform_load():
     lay = layout(ep=4, dp=8)
     uniform, traffic = synthetic_trace(40, 2, 8, 4096, zipf=0.0, senders=4, seed=2)
     greedy = replay(m, c, lay, uniform, Policy("greedy", 10))
-    shadow = replay(m, c, lay, uniform, Policy("greedy", 10, replica_budget=2), traffic_SLPE=traffic)
+    shadow = replay(m, c, lay, uniform, Policy("greedy", 10, replica_budget=2), traffic_IMPE=traffic)
     assert shadow.shadow_steps == 0 and shadow.shadows == [] and shadow.step_s.tolist() == greedy.step_s.tolist()
 
 

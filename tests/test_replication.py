@@ -143,7 +143,7 @@ def test_shadow_needs_expert_parallelism():
         layer.set_shadow([0])
     layer.set_shadow([])                                          # none: allowed anywhere
     with pytest.raises(ValueError, match=r"distinct ids in 0..3, got \[1, 1\]"):
-        layer.experts.set_shadow([1, 1])
+        layer.shadow.set([1, 1])
     assert layer.shadowed_experts() == []
 
 

@@ -1,7 +1,6 @@
 """Expert weights by global expert id: gather a rank's shards into full experts, cut them again.
 
-Shape suffixes: L local experts, H hidden, F ffn, F1 the first GEMM's width (F, or 2F for
-swiglu: gate half first, then up half), E experts.
+Shape suffixes: see ``moe_plugin.layers`` (swiglu's F1 holds the gate half first, then the up half).
 
 A ``GroupedExperts`` on EP rank ``r`` holds the experts of slots ``r * L ... r * L + L - 1``
 (``GroupedExperts.local_ids()``, from its ``placement`` buffer), each cut along F over

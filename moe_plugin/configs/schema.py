@@ -203,7 +203,7 @@ class MoEConfig(_Block):
 
     def check_world_size(self, world_size: int) -> "ParallelSizes":
         """Cross-checks that need the world size; run before any process group exists."""
-        return ParallelSizes.resolve(self, world_size)
+        return ParallelSizes.resolve(self.parallel, world_size)
 
     @classmethod
     def from_ds_config(cls, ds_config: Union[dict, str, os.PathLike]) -> "MoEConfig":
@@ -257,8 +257,8 @@ class ParallelSizes(BaseModel):
     order: str
 
     @classmethod
-    def resolve(cls, config: MoEConfig, world_size: int) -> "ParallelSizes":
-        p = config.parallel
+    def resolve(cls, p: ParallelConfig, world_size: int) -> "ParallelSizes":
+        """The sizes of the ``parallel`` block ``p`` on ``world_size`` ranks, or a ``ConfigError``."""
         path = f"{ROOT_KEY}.parallel"
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ConfigError("world_size", world_size, "expected a positive integer")
@@ -286,16 +286,23 @@ class ParallelSizes(BaseModel):
             raise ConfigError(f"{path}.order", p.order, f"with pipeline > 1 the order must end in 'pp' (e.g. "
                               f"{DEFAULT_ORDER!r}) unless the expert data-parallel size ({edp}) equals the "
                               f"data-parallel size ({dp})")
-        attn = _span_before_pp(order, {"tp": p.tensor, "dp": dp})
-        expert = _span_before_pp(order, {"tp": p.etp, "ep": p.expert, "dp": edp})
-        if p.pipeline > 1 and attn != expert:
-            # Both grids must cut the ranks into the same pipeline stages (as Megatron-Core asserts).
-            raise ConfigError(f"{path}.order", order, f"puts pipeline stages {attn} ranks apart in attention "
-                              f"(tp {p.tensor}, dp {dp}) but {expert} apart in the experts (etp {p.etp}, ep "
-                              f"{p.expert}, edp {edp}); the dimensions before 'pp' must span as many ranks in "
-                              f"both grids: put 'pp' last, e.g. {DEFAULT_ORDER!r}")
-        return cls(world_size=world_size, tp=p.tensor, pp=p.pipeline, dp=dp, ep=p.expert, etp=p.etp,
-                   edp=edp, order=order)
+        sizes = cls(world_size=world_size, tp=p.tensor, pp=p.pipeline, dp=dp, ep=p.expert, etp=p.etp,
+                    edp=edp, order=order)
+        sizes.check_pipeline_span()
+        return sizes
+
+    def check_pipeline_span(self) -> None:
+        """Both grids must cut the ranks into the same pipeline stages (Megatron-Core asserts the
+        same): the dimensions laid out before 'pp' must span as many ranks in each. The order rule
+        of ``resolve`` (order ends in pp, or EDP == DP) does not imply it: with "tp-pp-dp-ep", tp 2,
+        etp 1, ep 2 on 8 ranks EDP == DP but the stages differ."""
+        attn = _span_before_pp(self.order, {"tp": self.tp, "dp": self.dp})
+        expert = _span_before_pp(self.order, {"tp": self.etp, "ep": self.ep, "dp": self.edp})
+        if self.pp > 1 and attn != expert:
+            raise ConfigError(f"{ROOT_KEY}.parallel.order", self.order, f"puts pipeline stages {attn} ranks apart in "
+                              f"attention (tp {self.tp}, dp {self.dp}) but {expert} apart in the experts (etp "
+                              f"{self.etp}, ep {self.ep}, edp {self.edp}); the dimensions before 'pp' must span "
+                              f"as many ranks in both grids: put 'pp' last, e.g. {DEFAULT_ORDER!r}")
 
 
 def _divisors(n: int, shown: int = 32) -> str:

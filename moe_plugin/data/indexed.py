@@ -44,7 +44,8 @@ from moe_plugin.configs.errors import ConfigError
 
 PathLike = Union[str, os.PathLike]
 # Megatron's .idx: magic, version <Q (1), token type code <B, sequence count <Q, document count <Q,
-# then int32 lengths [S], int64 byte offsets into the .bin [S], int64 document bounds [D].
+# then int32 lengths [sequences], int64 byte offsets into the .bin [sequences], int64 document
+# bounds [documents].
 IDX_MAGIC = b"MMIDIDX\x00\x00"
 IDX_HEADER = struct.Struct("<9sQBQQ")
 _CHUNK = 1 << 22   # sequences checked at a time: memory stays small on billion-token indexes

@@ -19,8 +19,10 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from moe_plugin.configs.errors import ConfigError
-from moe_plugin.configs.schema import DEFAULT_ORDER, ROOT_KEY, ParallelSizes
+from pydantic import ValidationError
+
+from moe_plugin.configs.errors import from_validation_error
+from moe_plugin.configs.schema import DEFAULT_ORDER, ROOT_KEY, ParallelConfig, ParallelSizes
 
 # kind -> (grid, dimensions); "mp" is DeepSpeed's model parallelism, TP x PP.
 GROUP_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -96,30 +98,17 @@ class RankLayout:
     sizes: ParallelSizes
 
     def __post_init__(self) -> None:
-        # Both grids must cut the ranks into the same pipeline stages (Megatron-Core asserts
-        # the same): the dimensions laid out before "pp" must span as many ranks in each.
-        # The order rule (order ends in pp, or EDP == DP) does not imply it: with "tp-pp-dp-ep",
-        # tp 2, etp 1, ep 2 on 8 ranks EDP == DP but the stages differ. ParallelSizes.resolve
-        # checks it as well; this guards sizes that were built some other way.
-        attn, expert = self.attention_grid.stride("pp"), self.expert_grid.stride("pp")
-        if self.sizes.pp > 1 and attn != expert:
-            s = self.sizes
-            raise ConfigError(
-                f"{ROOT_KEY}.parallel.order", s.order,
-                f"puts pipeline stages {attn} ranks apart in attention (tp {s.tp}, dp {s.dp}) but {expert} "
-                f"apart in the experts (etp {s.etp}, ep {s.ep}, edp {s.edp}); the dimensions before 'pp' "
-                f"must span as many ranks in both grids: put 'pp' last, e.g. {DEFAULT_ORDER!r}")
+        self.sizes.check_pipeline_span()   # also for sizes that did not come through ``resolve``
 
     @classmethod
     def build(cls, world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
-              order: str = "tp-cp-ep-dp-pp") -> "RankLayout":
+              order: str = DEFAULT_ORDER) -> "RankLayout":
         """A layout from sizes alone, with the same checks as the config's ``parallel`` block."""
-        from moe_plugin.configs.schema import MoEConfig
-
-        config = MoEConfig.from_dict({"num_experts": ep, "router": "topk", "top_k": 1, "parallel": {
-            "tensor": tp, "pipeline": pp, "expert": ep, "expert_tensor": etp if etp is not None else tp,
-            "order": order}})
-        return cls(config.check_world_size(world_size))
+        try:
+            parallel = ParallelConfig(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp, order=order)
+        except ValidationError as err:
+            raise from_validation_error(err, ParallelConfig, f"{ROOT_KEY}.parallel") from None
+        return cls(ParallelSizes.resolve(parallel, world_size))
 
     @property
     def world_size(self) -> int:

@@ -65,7 +65,7 @@ class TrainingStopped(RuntimeError):
 
 class GradientWatch:
     """Post-accumulate gradient hooks that keep each parameter's largest gradient norm since the
-    last ``reset`` (``norm_P``, on the parameters' device; no sync in backward)."""
+    last ``reset`` (``norm_W``, on the parameters' device; no sync in backward)."""
 
     def __init__(self, model: nn.Module):
         from moe_plugin.layers import MoELayer
@@ -75,28 +75,28 @@ class GradientWatch:
         moe_layers = [prefix for prefix, module in model.named_modules() if isinstance(module, MoELayer)]
         self.moe_layer = [next((m for m in moe_layers if name.startswith(m + ".")), None) for name in self.names]
         # follows the gradients' device at the first hook (DeepSpeed moves the model after this)
-        self.norm_P = torch.zeros(len(named), dtype=torch.float32)
+        self.norm_W = torch.zeros(len(named), dtype=torch.float32)
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, (_, p) in enumerate(named)]
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if param.grad is not None:
-                if self.norm_P.device != param.grad.device:
-                    self.norm_P = self.norm_P.to(param.grad.device)
+                if self.norm_W.device != param.grad.device:
+                    self.norm_W = self.norm_W.to(param.grad.device)
                 norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32)
-                self.norm_P[index] = torch.maximum(self.norm_P[index], norm)   # NaN stays NaN
+                self.norm_W[index] = torch.maximum(self.norm_W[index], norm)   # NaN stays NaN
         return hook
 
     def first_bad(self) -> Optional[int]:
         """Index (model order) of the first parameter with a non-finite gradient norm, or None (syncs)."""
-        flagged = (~torch.isfinite(self.norm_P)).nonzero()
+        flagged = (~torch.isfinite(self.norm_W)).nonzero()
         return int(flagged[0, 0]) if flagged.numel() else None
 
     def largest(self) -> tuple[Optional[int], float]:
         """(index, norm) of the parameter with the largest gradient norm; (None, 0.0) without any."""
         if not len(self.names):
             return None, 0.0
-        value, index = self.norm_P.max(dim=0)
+        value, index = self.norm_W.max(dim=0)
         return int(index), float(value)
 
     def describe(self, index: int) -> str:
@@ -106,7 +106,7 @@ class GradientWatch:
                                      f" (in the MoE layer {layer})" if layer else "")
 
     def reset(self) -> None:
-        self.norm_P.zero_()
+        self.norm_W.zero_()
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -1,4 +1,24 @@
-"""MoE layers: router, token dispatchers, grouped experts, the MoE layer and its reference oracle."""
+"""MoE layers: router, token dispatchers, grouped experts, the MoE layer and its reference oracle.
+
+Shape suffixes, one meaning per letter in all of ``moe_plugin`` (listed here only; the other
+modules point here). A tensor's name ends in its dimensions: ``x_TH`` is [tokens, hidden].
+
+    B  batch: sequences in a micro-batch         S  sequence: positions in a sequence
+    T  tokens (S * B, or this rank's share)      H  hidden size
+    E  experts, by expert id                     D  expert slots: the experts in placement order
+    L  local experts: this EP rank's slots       K  choices per token (top-k)
+    R  kept routes: rows in slot order           N  the rows a gather reads from (tokens or received rows)
+    F  expert FFN width                          F1 the first expert GEMM's width (F, or 2F for swiglu)
+    P  EP peers: the ranks of an EP group        Q  ETP peers: the ranks of an ETP group
+    G  senders of received rows (Q * P, ETP peer major)
+    C  a chunk of tokens or rows, worked on at once
+    M  MoE layers of a model                     I  steps (iterations) of a trace
+    V  vocabulary                                W  parameters (weights) of a model
+    X, Y  any other width, e.g. a flattened one (said where the tensor is made)
+
+A digit after a letter adds that many (``count_D1``: D + 1 entries). A tensor over part of an
+axis keeps the axis's letter (``tied_T``: the tokens with a tie; ``exchanged_R``).
+"""
 from moe_plugin.layers.dispatcher import TokenDispatcher
 from moe_plugin.layers.ep_dispatcher import ExpertParallelDispatcher, source_to_expert_order
 from moe_plugin.layers.experts import GroupedExperts, SharedExpert, ffn_shard, grouped_mm_supported
@@ -6,10 +26,11 @@ from moe_plugin.layers.moe_layer import AttachAuxLoss, MoELayer, MoEStats, Stats
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.reference import ReferenceResult, reference_moe
 from moe_plugin.layers.router import Router, RouterNoise, RoutingPlan, expert_capacity, route
+from moe_plugin.layers.shadow import ShadowExperts, ShadowingDispatcher
 
 __all__ = [
     "AttachAuxLoss", "ExpertParallelDispatcher", "GroupedExperts", "LayerParallelism", "MoELayer", "MoEStats",
-    "ReferenceResult", "Router", "RouterNoise", "RoutingPlan", "SharedExpert", "StatsSum", "TokenDispatcher",
-    "expert_capacity", "ffn_shard", "grouped_mm_supported", "moe_layers", "reduce_stats", "reference_moe", "route",
-    "source_to_expert_order",
+    "ReferenceResult", "Router", "RouterNoise", "RoutingPlan", "ShadowExperts", "ShadowingDispatcher",
+    "SharedExpert", "StatsSum", "TokenDispatcher", "expert_capacity", "ffn_shard", "grouped_mm_supported",
+    "moe_layers", "reduce_stats", "reference_moe", "route", "source_to_expert_order",
 ]

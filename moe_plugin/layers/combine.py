@@ -1,7 +1,6 @@
 """Combine: each token's gate-weighted sum of its routes' expert outputs, as one autograd function.
 
-Shape suffixes: T tokens, H hidden, K choices per token, R kept routes (rows in expert order),
-C a chunk of tokens or of rows.
+Shape suffixes: see ``moe_plugin.layers``.
 
 ``gate_combine(y_RH, gate_R, token_R, route_R, num_tokens, k) -> out_TH``::
 

@@ -1,28 +1,27 @@
 """Expert-parallel token dispatcher: counts exchange, uneven all-to-all, ETP gather, local re-sort.
 
-Shape suffixes: R rows, H hidden, E experts, L local experts (E / ep), P EP peers, Q ETP peers,
-S sources of received rows (Q * P, ETP peer major).
+Shape suffixes: see ``moe_plugin.layers``.
 
-``ExpertParallelDispatcher`` overrides the three hooks of ``TokenDispatcher``; permute, gate
+``ExpertParallelDispatcher`` overrides the hooks of ``TokenDispatcher``; permute, gate
 weighting and unpermute stay there. Per batch (``prepare``), on the routing plan of this rank's
-own tokens:
+own tokens, it builds the batch's ``Exchange``:
 
-1. ``send_PL = kept_S.view(P, L)``: the rows of slot ``p * L + l`` go to EP peer p. Slots are
+1. ``send_PL = kept_D.view(P, L)``: the rows of slot ``p * L + l`` go to EP peer p. Slots are
    the placement's order (``placement/``): EP rank p hosts the experts in slots
    ``[p * L, (p + 1) * L)``, the router already sorted the routes by slot.
-2. ``traffic_PS = gather_counts(kept_S, ep)``: every peer's kept routes per slot, one all-gather
+2. ``traffic_PD = gather_counts(kept_D, ep)``: every peer's kept routes per slot, one all-gather
    of P * E integers; ``recv_PL`` (the rows each peer sends per local slot) is its column block.
    The whole sender x slot matrix comes with it: the load record of ``placement/`` reads it
-   from ``Exchange.traffic_PS`` at no extra cost. When the EP group is exactly the ranks that
+   from ``Exchange.traffic_PD`` (``traffic``) at no extra cost. When the EP group is exactly the ranks that
    route distinct tokens (``LayerParallelism.ep_is_tokens``), every rank's finite flag rides
    along as one more integer, and the router starts no collective of its own.
 3. With ETP, every ETP peer's ``recv_PL`` (``exchange_counts`` of the flattened counts, one row
-   per peer) -> ``counts_SL`` [Q * P, L]. Without ETP ``counts_SL = recv_PL``.
+   per peer) -> ``counts_GL`` [Q * P, L]. Without ETP ``counts_GL = recv_PL``.
 4. One ``.tolist()`` of the split sizes and the router's finite flags (the only host sync; a
    rank whose logits are not finite makes every rank that shares the verdict raise here,
    before any row moves), and the permutation that re-sorts
-   received rows from (source, local expert) order to (local expert, source) order, built with
-   tensor ops from ``counts_SL`` (``source_to_expert_order``).
+   received rows from (sender, local expert) order to (local expert, sender) order, built with
+   tensor ops from ``counts_GL`` (``source_to_expert_order``).
 
 Forward (``to_experts``): gather of the kept routes' tokens, uneven ``all_to_all`` over EP (no
 padding; zero rows either way is fine), ``gather_rows`` over ETP; the re-sort is left to the
@@ -30,16 +29,15 @@ experts as their row index ``sort_R`` (``GroupedExperts(x, counts, gather_R)``),
 chunk by chunk and keep only the received rows for backward. Return path (``from_experts``): the inverse
 re-sort, ``reduce_scatter_rows`` over ETP (sums the F-shards' partial outputs, keeps this
 rank's received block), the reverse ``all_to_all`` over EP. The collectives' backwards are the
-reverse exchanges (``comm.py``). The rows each expert sees are then ordered by source rank and,
-within a source, in that rank's priority order.
+reverse exchanges (``comm.py``). The rows each expert sees are then ordered by sender and,
+within a sender, in its priority order.
 
-Shadow experts (``shadow.py``): ``prepare(plan, shadow_S)`` leaves the routes of the shadowed
-slots out of the send and receive counts (they are computed where they are); ``traffic_PS``
-still counts them, so the load record does not depend on shadowing.
+Shadow experts (``shadow.py``): ``layout(kept_D, finite, shadow_D)`` leaves the routes of the
+shadowed slots out of the send and receive counts (they are computed where they are);
+``traffic_PD`` still counts them, so the load record does not depend on shadowing.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,36 +45,37 @@ import torch
 from torch import Tensor
 
 from moe_plugin.layers import comm
-from moe_plugin.layers.dispatcher import TokenDispatcher
+from moe_plugin.layers.dispatcher import Dispatch, TokenDispatcher
 from moe_plugin.layers.parallel import LayerParallelism
-from moe_plugin.layers.router import RoutingPlan
+from moe_plugin.layers.router import FiniteCheck, RoutingPlan
 
 
 @dataclass(frozen=True)
-class Exchange:
-    """One batch's expert-parallel exchange layout (kept in ``RoutingPlan.exchange``)."""
+class Exchange(Dispatch):
+    """One batch as ``ExpertParallelDispatcher`` sends it: the tokens, the routes that go
+    through the exchange (``plan``) and the exchange layout."""
 
-    traffic_PS: Tensor       # [P, S] kept routes of each EP peer's tokens per slot
+    traffic_PD: Tensor       # [P, D] kept routes of each EP peer's tokens per slot
     send_splits: list[int]   # [P] rows to each EP peer
     recv_splits: list[int]   # [P] rows from each EP peer
     etp_splits: list[int]    # [Q] rows each ETP peer received over EP (its block of the gather)
     counts_L: Tensor         # rows per local expert, after the gather
-    sort_R: Tensor           # received (source, expert) order -> (expert, source) order
+    sort_R: Tensor           # received (sender, expert) order -> (expert, sender) order
     unsort_R: Tensor         # its inverse
 
 
-def source_to_expert_order(counts_SL: Tensor, total: int | None = None) -> tuple[Tensor, Tensor]:
-    """Permutation for rows laid out in blocks ``(s, l)`` (source major, ``counts_SL[s, l]`` rows
-    each): ``rows[sort]`` lists the blocks ``(l, s)`` (local expert major), ``sorted[unsort]``
+def source_to_expert_order(counts_GL: Tensor, total: int | None = None) -> tuple[Tensor, Tensor]:
+    """Permutation for rows laid out in blocks ``(g, l)`` (sender major, ``counts_GL[g, l]`` rows
+    each): ``rows[sort]`` lists the blocks ``(l, g)`` (local expert major), ``sorted[unsort]``
     undoes it. No Python loop over rows or blocks; ``total`` (the number of rows, when known)
     saves a host sync."""
-    blocks_SL = counts_SL.long()
-    sizes_LS = blocks_SL.t().reshape(-1)                        # block sizes in target order
-    start_src_LS = (torch.cumsum(blocks_SL.reshape(-1), 0) - blocks_SL.reshape(-1)).view_as(blocks_SL).t().reshape(-1)
-    start_dst_LS = torch.cumsum(sizes_LS, 0) - sizes_LS
-    total = int(sizes_LS.sum()) if total is None else total
-    row_R = torch.arange(total, device=counts_SL.device)
-    shift_R = torch.repeat_interleave(start_src_LS - start_dst_LS, sizes_LS, output_size=total)
+    blocks_GL = counts_GL.long()
+    sizes_LG = blocks_GL.t().reshape(-1)                        # block sizes in target order
+    start_src_LG = (torch.cumsum(blocks_GL.reshape(-1), 0) - blocks_GL.reshape(-1)).view_as(blocks_GL).t().reshape(-1)
+    start_dst_LG = torch.cumsum(sizes_LG, 0) - sizes_LG
+    total = int(sizes_LG.sum()) if total is None else total
+    row_R = torch.arange(total, device=counts_GL.device)
+    shift_R = torch.repeat_interleave(start_src_LG - start_dst_LG, sizes_LG, output_size=total)
     sort_R = row_R + shift_R
     unsort_R = torch.empty_like(sort_R)
     unsort_R[sort_R] = row_R
@@ -94,52 +93,56 @@ class ExpertParallelDispatcher(TokenDispatcher):
         self.parallel = parallel
         self.num_local = num_experts // parallel.ep_size
 
-    def prepare(self, plan: RoutingPlan, shadow_S: Optional[Tensor] = None) -> RoutingPlan:
-        """``shadow_S`` (bool [S], the same on every EP rank): slots whose routes every rank
-        computes itself (``shadow.py``); they are counted in ``traffic_PS`` but not exchanged."""
+    def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Exchange:
+        return Exchange(x_TH, plan, **self.layout(plan.kept_D, finite))
+
+    def layout(self, kept_D: Tensor, finite: Optional[FiniteCheck] = None,
+               shadow_D: Optional[Tensor] = None) -> dict:
+        """The layout fields of an ``Exchange`` for this rank's kept routes per slot, after the
+        finite verdict. ``shadow_D`` (bool [D], the same on every EP rank): slots whose routes
+        every rank computes itself (``shadow.py``); counted in ``traffic_PD``, not exchanged."""
         p = self.parallel
-        S = plan.kept_S.numel()
-        finite = plan.finite
+        D = kept_D.numel()
         if finite is not None and finite.group is None and p.ep_is_tokens:
             # The finite flag rides along with the counts: the EP group is every rank that
             # routes distinct tokens, so this exchange is the agreement, at no extra cost.
-            gathered = comm.gather_counts(torch.cat([plan.kept_S, finite.bad_1.to(plan.kept_S.dtype)]), p.ep)
-            traffic_PS, flags_P, flag_group = gathered[:, :S].contiguous(), gathered[:, S], p.ep
+            gathered = comm.gather_counts(torch.cat([kept_D, finite.bad_1.to(kept_D.dtype)]), p.ep)
+            traffic_PD, flags_P, flag_group = gathered[:, :D].contiguous(), gathered[:, D], p.ep
         else:
-            traffic_PS = comm.gather_counts(plan.kept_S, p.ep)
-            flags_P = finite.flags() if finite is not None else traffic_PS.new_zeros(0)
+            traffic_PD = comm.gather_counts(kept_D, p.ep)
+            flags_P = finite.flags() if finite is not None else traffic_PD.new_zeros(0)
             flag_group = finite.group if finite is not None else None
-        send_S, sent_PS = plan.kept_S, traffic_PS
-        if shadow_S is not None:
-            if p.etp is not None:
-                raise ValueError("shadow experts need expert_tensor 1 (no expert tensor parallelism)")
-            send_S, sent_PS = plan.kept_S.masked_fill(shadow_S, 0), traffic_PS.masked_fill(shadow_S, 0)
-        send_PL = send_S.view(p.ep_size, self.num_local)
-        recv_PL = sent_PS[:, p.ep_rank * self.num_local:(p.ep_rank + 1) * self.num_local].contiguous()
+        send_D, sent_PD = kept_D, traffic_PD
+        if shadow_D is not None:
+            send_D, sent_PD = kept_D.masked_fill(shadow_D, 0), traffic_PD.masked_fill(shadow_D, 0)
+        send_PL = send_D.view(p.ep_size, self.num_local)
+        recv_PL = sent_PD[:, p.ep_rank * self.num_local:(p.ep_rank + 1) * self.num_local].contiguous()
         if p.etp is not None:
             mine_QX = recv_PL.reshape(1, -1).repeat(p.etp_size, 1)
-            counts_SL = comm.exchange_counts(mine_QX, p.etp).view(-1, self.num_local)
+            counts_GL = comm.exchange_counts(mine_QX, p.etp).view(-1, self.num_local)
         else:
-            counts_SL = recv_PL
+            counts_GL = recv_PL
         P = p.ep_size
-        splits = torch.cat([send_PL.sum(1), recv_PL.sum(1), counts_SL.view(p.etp_size, -1).sum(1),
+        splits = torch.cat([send_PL.sum(1), recv_PL.sum(1), counts_GL.view(p.etp_size, -1).sum(1),
                             flags_P.to(send_PL.dtype)]).tolist()   # the one host sync
         if finite is not None:
             finite.verdict(splits[2 * P + p.etp_size:], flag_group)       # before any row leaves
         splits = splits[:2 * P + p.etp_size]
-        sort_R, unsort_R = source_to_expert_order(counts_SL, total=sum(splits[2 * P:]))
-        exchange = Exchange(traffic_PS=traffic_PS, send_splits=splits[:P], recv_splits=splits[P:2 * P],
-                            etp_splits=splits[2 * P:], counts_L=counts_SL.sum(0), sort_R=sort_R, unsort_R=unsort_R)
-        return dataclasses.replace(plan, exchange=exchange, finite=None)
+        sort_R, unsort_R = source_to_expert_order(counts_GL, total=sum(splits[2 * P:]))
+        return dict(traffic_PD=traffic_PD, send_splits=splits[:P], recv_splits=splits[P:2 * P],
+                    etp_splits=splits[2 * P:], counts_L=counts_GL.sum(0), sort_R=sort_R, unsort_R=unsort_R)
 
-    def to_experts(self, x_TH: Tensor, plan: RoutingPlan) -> tuple[Tensor, Tensor, Tensor]:
-        ex: Exchange = plan.exchange
-        x_RH = comm.all_to_all(x_TH.index_select(0, plan.token_R), ex.recv_splits, ex.send_splits, self.parallel.ep)
-        x_RH = comm.gather_rows(x_RH, ex.etp_splits, self.parallel.etp)
-        return x_RH, ex.sort_R, ex.counts_L      # the experts gather the re-sorted rows themselves
+    def to_experts(self, state: Exchange) -> tuple[Tensor, Tensor, Tensor]:
+        p = self.parallel
+        x_RH = comm.all_to_all(state.x_TH.index_select(0, state.plan.token_R), state.recv_splits,
+                               state.send_splits, p.ep)
+        x_RH = comm.gather_rows(x_RH, state.etp_splits, p.etp)
+        return x_RH, state.sort_R, state.counts_L      # the experts gather the re-sorted rows themselves
 
-    def from_experts(self, y_RH: Tensor, plan: RoutingPlan) -> Tensor:
-        ex: Exchange = plan.exchange
-        y_RH = y_RH.index_select(0, ex.unsort_R)
-        y_RH = comm.reduce_scatter_rows(y_RH, ex.etp_splits, self.parallel.etp)
-        return comm.all_to_all(y_RH, ex.send_splits, ex.recv_splits, self.parallel.ep)
+    def from_experts(self, y_RH: Tensor, state: Exchange) -> Tensor:
+        y_RH = y_RH.index_select(0, state.unsort_R)
+        y_RH = comm.reduce_scatter_rows(y_RH, state.etp_splits, self.parallel.etp)
+        return comm.all_to_all(y_RH, state.send_splits, state.recv_splits, self.parallel.ep)
+
+    def traffic(self, state: Exchange) -> Tensor:
+        return state.traffic_PD

@@ -1,7 +1,7 @@
 """Experts: the local experts as one grouped GEMM, and the optional dense shared expert.
 
-Shape suffixes: R routes (rows sorted by local expert), H hidden, F ffn, F1 the first GEMM's
-width (F, or 2F for swiglu: gate half first, then up half), L local experts.
+Shape suffixes: see ``moe_plugin.layers`` (rows ``R`` sorted by local expert; swiglu's F1 holds
+the gate half first, then the up half).
 
 ``GroupedExperts`` holds the stacked ``weight1`` [L, H, F1] and ``weight2`` [L, F, H]. Rows of
 ``x_RH`` come grouped by local expert with ``counts_L`` rows each (zero allowed).
@@ -42,7 +42,6 @@ from torch import Tensor, nn
 from moe_plugin.layers import comm
 from moe_plugin.layers.ffn_autograd import GradStore, expert_ffn
 from moe_plugin.layers.init import seeded_generator
-from moe_plugin.layers.shadow import ShadowRoutes, shadow_weights
 
 EXPERT_STREAM = 2
 SHARED_STREAM = 3
@@ -130,9 +129,6 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"placement must give each of the {num_experts} experts its own slot "
                              f"0..{num_experts - 1}; got {slot_E.tolist()}")
         self.register_buffer("placement", slot_E.clone())
-        # Shadowed experts by id (``shadow.py``): scheduling state, set by ``set_shadow``, not saved.
-        self.register_buffer("shadow", torch.zeros(num_experts, dtype=torch.bool), persistent=False)
-        self.shadow_ids: tuple[int, ...] = ()
         for e in self.local_ids():
             gen = seeded_generator(seed, EXPERT_STREAM, e)
             w1_HF1 = torch.randn(hidden_size, width, generator=gen) * init_std
@@ -146,24 +142,6 @@ class GroupedExperts(nn.Module):
         for p in (self.weight1, self.weight2):
             p.allreduce = False
             p.group_name = group_name
-
-    def set_shadow(self, expert_ids) -> None:
-        """Shadow these experts (global ids; empty: none). The same on every EP rank."""
-        given = [int(e) for e in expert_ids]
-        ids = sorted(set(given))
-        if len(ids) != len(given) or any(not 0 <= e < self.num_experts for e in ids):
-            raise ValueError(f"shadowed experts must be distinct ids in 0..{self.num_experts - 1}, got {given}")
-        self.shadow.zero_()
-        self.shadow[ids] = True
-        self.shadow_ids = tuple(ids)
-
-    def shadow_forward(self, x_TH: Tensor, routes: ShadowRoutes, group) -> Tensor:
-        """The rows ``routes`` of this rank's tokens through copies of the shadowed experts'
-        weights, fetched from their owners over ``group`` (``shadow.py``) -> [R, H]."""
-        w1_NHF, w2_NFH = shadow_weights(self.weight1.to(x_TH.dtype), self.weight2.to(x_TH.dtype), routes.slots,
-                                        self.first_slot, group)
-        return expert_ffn(x_TH, w1_NHF, w2_NFH, routes.counts, self.act, self.pick_backend(x_TH), routes.token_R,
-                          save_pre=not self.recompute_pre_activation, grad_scale=self.grad_scale)
 
     def release_grad_storage(self) -> None:
         """Drop the weight gradients' kept storage (``ffn_autograd.GradStore``); the next

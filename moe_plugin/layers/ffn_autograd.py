@@ -1,8 +1,7 @@
 """The grouped expert FFN as one autograd function that keeps no [rows, ffn] tensor for backward.
 
-Shape suffixes: N rows of the source tensor, R rows grouped by local expert, H hidden, F1 the
-first GEMM's width (F, or 2F for swiglu), F ffn, L local experts; a chunk's tensors carry the
-same letters (they hold a slice of the rows or of the experts).
+Shape suffixes: see ``moe_plugin.layers`` (R: rows grouped by local expert); a chunk's tensors
+carry the same letters (they hold a slice of the rows or of the experts).
 
 ``expert_ffn(x_NH, w1_LHF1, w2_LFH, counts, act, backend, gather_R=None)`` returns, for rows
 grouped by local expert (``counts[l]`` rows for expert l, zero allowed)::

@@ -1,6 +1,6 @@
 """MoELayer: router -> dispatcher -> grouped experts -> combine (+ shared expert).
 
-Shape suffixes: S sequence, B batch, H hidden, T = S*B tokens, R kept routes, L local experts.
+Shape suffixes: see ``moe_plugin.layers``.
 
 ``MoELayer(config, hidden_size, ffn_hidden_size, groups=None)`` replaces a Megatron MLP:
 ``forward(hidden_SBH) -> (output_SBH, None)``. The router runs in fp32, the experts and the
@@ -15,14 +15,15 @@ gradient factors that make the gradients layout-independent, bias and noise) and
 every layout-dependent factor. Forward on one rank::
 
     x_TH = hidden_SBH.reshape(T, H)  -> split_tokens over TP (replicated input, no SP)
-    plan = router(x_TH)               (this rank's tokens: capacity and losses per rank)
-    dispatch / experts / combine      (ExpertParallelDispatcher when EP or ETP > 1)
+    plan, finite = router(x_TH)       (this rank's tokens: capacity and losses per rank)
+    dispatch / experts / combine      (ShadowingDispatcher, an ExpertParallelDispatcher, when EP or ETP > 1)
     + shared expert, attach aux loss  (its gradient scaled by 1/tp)
     out_TH -> gather_tokens over TP   (replicated input, no SP)
 
 Shadow experts (``set_shadow``, ``shadow.py``): the routes to a shadowed expert skip the
-exchange and run on this rank through a copy of the owner's weights; one combine takes both
-row sets. With none shadowed (the default) the forward is the one above.
+exchange and run on this rank through a copy of the owner's weights (``ShadowExperts``, next to
+``experts``); the dispatcher's combine takes both row sets. With none shadowed (the default) the
+dispatcher is plain expert parallelism.
 """
 from __future__ import annotations
 
@@ -34,13 +35,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_plugin.configs.schema import MoEConfig
-from moe_plugin.layers import comm, shadow
-from moe_plugin.layers.combine import gate_combine
-from moe_plugin.layers.dispatcher import TokenDispatcher
-from moe_plugin.layers.ep_dispatcher import ExpertParallelDispatcher
+from moe_plugin.layers import comm
+from moe_plugin.layers.dispatcher import Dispatch, TokenDispatcher
 from moe_plugin.layers.experts import GroupedExperts, SharedExpert
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import Router, RouterNoise, RoutingPlan
+from moe_plugin.layers.shadow import ShadowExperts, ShadowingDispatcher
 
 if TYPE_CHECKING:
     from moe_plugin.groups.process_groups import ProcessGroups
@@ -174,13 +174,14 @@ class MoELayer(nn.Module):
             _check_sizes(config, p)
         self.router = Router(config, hidden_size, seed=seed, init_std=init_std, noise_index=p.token_rank,
                              grad_group=p.dense_grad_group, check_group=None if p.ep_is_tokens else p.tokens)
-        self.dispatcher = (ExpertParallelDispatcher(config.num_experts, p) if p.expert_parallel
-                           else TokenDispatcher(config.num_experts))
         self.experts = GroupedExperts(config.num_experts, hidden_size, ffn, config.activation, placement=placement,
                                       ep_size=p.ep_size, ep_rank=p.ep_rank, etp_size=p.etp_size, etp_rank=p.etp_rank,
                                       group_name=p.expert_group_name, seed=seed, init_std=init_std,
                                       output_init_std=output_init_std, grad_scale=p.expert_grad_scale,
                                       recompute_pre_activation=config.recompute_fc1)
+        self.shadow = ShadowExperts(self.experts, p.ep)
+        self.dispatcher = (ShadowingDispatcher(config.num_experts, p, self.shadow) if p.expert_parallel
+                           else TokenDispatcher(config.num_experts))
         self.shared_expert = None
         if config.shared_expert_ffn_hidden_size > 0:
             self.shared_expert = SharedExpert(hidden_size, config.shared_expert_ffn_hidden_size, config.activation,
@@ -203,34 +204,18 @@ class MoELayer(nn.Module):
         x_TH = hidden_SBH.reshape(-1, self.hidden_size)
         if p.splits_input:
             x_TH = comm.split_tokens(x_TH, p.tp)
-        if self.experts.shadow_ids:
-            shadow_S = shadow.shadow_slots(self.placement, self.experts.shadow)
-            plan = self.dispatcher.prepare(self.router(x_TH, noise, self.placement), shadow_S)
-            self.router.record_load(plan)
-            out_TH = self._shadowed_experts(x_TH, plan, shadow_S)
-        else:
-            plan = self.dispatcher.prepare(self.router(x_TH, noise, self.placement))
-            self.router.record_load(plan)
-            x_NH, gather_R, counts_L = self.dispatcher.to_experts(x_TH, plan)
-            out_TH = self.dispatcher.combine(self.experts(x_NH, counts_L, gather_R), plan)
+        plan, finite = self.router(x_TH, noise, self.placement)
+        state = self.dispatcher.prepare(x_TH, plan, finite)
+        self.router.record_load(plan)
+        x_NH, gather_R, counts_L = self.dispatcher.to_experts(state)
+        out_TH = self.dispatcher.combine(self.experts(x_NH, counts_L, gather_R), state)
         if self.shared_expert is not None:
             out_TH = out_TH + self.shared_expert(x_TH)
         out_TH = self._attach_losses(out_TH, plan)
-        self.last_stats = self._stats(plan)
+        self.last_stats = self._stats(plan, state)
         if p.splits_input:
             out_TH = comm.gather_tokens(out_TH, p.tp)
         return out_TH.view(hidden_SBH.shape), None
-
-    def _shadowed_experts(self, x_TH: Tensor, plan: RoutingPlan, shadow_S: Tensor) -> Tensor:
-        """Experts and combine with shadowed experts (``shadow.py``): the other routes go through
-        the exchange, the shadowed ones through local copies; one combine over both row sets."""
-        exchanged, local = shadow.split_routes(plan, shadow_S)
-        x_NH, gather_R, counts_L = self.dispatcher.to_experts(x_TH, exchanged)
-        y_RH = self.dispatcher.from_experts(self.experts(x_NH, counts_L, gather_R), exchanged)
-        y_LH = self.experts.shadow_forward(x_TH, local, self.parallel.ep)
-        return gate_combine(torch.cat([y_RH, y_LH]), torch.cat([exchanged.gate_R, local.gate_R]),
-                            torch.cat([exchanged.token_R, local.token_R]),
-                            torch.cat([exchanged.route_R, local.route_R]), plan.num_tokens, plan.k)
 
     def set_shadow(self, expert_ids) -> None:
         """Shadow these experts (global ids; ``[]``: none): every EP rank computes its own routes
@@ -241,11 +226,11 @@ class MoELayer(nn.Module):
         if expert_ids and (self.parallel.ep is None or self.parallel.etp is not None):
             raise ValueError(f"shadow experts need expert parallelism without expert tensor parallelism; this "
                              f"layer has expert {self.parallel.ep_size}, expert_tensor {self.parallel.etp_size}")
-        self.experts.set_shadow(expert_ids)
+        self.shadow.set(expert_ids)
 
     def shadowed_experts(self) -> list[int]:
         """Global ids of the shadowed experts, ascending."""
-        return list(self.experts.shadow_ids)
+        return list(self.shadow.expert_ids)
 
     @property
     def placement(self) -> Tensor:
@@ -263,9 +248,9 @@ class MoELayer(nn.Module):
         loss = cfg.aux_loss_coeff * plan.balance_loss + cfg.z_loss_coeff * plan.z_loss
         return AttachAuxLoss.apply(out_TH, loss, self.aux_loss_scale * self.parallel.aux_grad_scale)
 
-    def _stats(self, plan: RoutingPlan) -> MoEStats:
-        traffic_PS = getattr(plan.exchange, "traffic_PS", None)
-        traffic_PE = None if traffic_PS is None or self.parallel.ep is None else traffic_PS[:, self.placement]
+    def _stats(self, plan: RoutingPlan, state: Dispatch) -> MoEStats:
+        traffic_PD = self.dispatcher.traffic(state)
+        traffic_PE = None if traffic_PD is None or self.parallel.ep is None else traffic_PD[:, self.placement]
         return MoEStats(kept_per_expert=plan.kept_E.detach(), routed_per_expert=plan.routed_E.detach(),
                         dropped_fraction=plan.dropped_fraction.detach(), balance_loss=plan.balance_loss.detach(),
                         z_loss=plan.z_loss.detach(), capacity=plan.capacity, traffic_PE=traffic_PE)

@@ -1,7 +1,6 @@
 """Router: which experts each token goes to, with what gate weight, and which routes fit.
 
-Shape suffixes: T tokens, H hidden, E experts, S expert slots (E of them, in placement
-order), K choices per token (top-k), R kept routes.
+Shape suffixes: see ``moe_plugin.layers``.
 
 ``Router`` owns the gate weight ``weight`` [E, H], the aux-loss-free balancing bias
 ``expert_bias`` [E] and a ``torch.Generator`` for its random numbers. Its work is done by
@@ -33,13 +32,14 @@ Routing rules (GShard, arXiv 2006.16668; Switch Transformer):
 In a parallel layer each rank routes its own tokens as one GShard group (``parallel.py``): the
 weight's gradient is summed over TP (``grad_group``), the finite check is agreed over the ranks
 that route distinct tokens (``check_group``: an asynchronous exchange read at the dispatcher's
-host sync, or, with ``check_group`` None, the dispatcher's counts exchange), and the default
+host sync, or, with ``check_group`` None, the dispatcher's counts exchange; ``Router.forward``
+returns the pending check next to the plan), and the default
 noise generator is seeded per token group (``noise_index``), so ranks draw different numbers unless a test injects them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -71,17 +71,15 @@ class RoutingPlan:
     """One batch's routing, built by argsort (never a dense [T, E, C] tensor).
 
     A route is ``(choice j, token t)`` with id ``j * T + t`` -- priority order. Kept routes
-    are listed sorted by expert slot (placement order), within a slot in priority order.
+    are listed sorted by expert slot (placement order), within a slot in priority order. Only
+    routing: what a dispatcher adds per batch is its own state (``dispatcher.py``).
 
     route_R: route id of each kept route.            token_R: its token (``route_R % T``).
-    gate_R: its gate weight (fp32, differentiable).  kept_S: kept routes per slot (dispatch order).
-    kept_E: kept routes per expert (expert id order; ``kept_S`` itself without a placement).
+    gate_R: its gate weight (fp32, differentiable).  kept_D: kept routes per slot (dispatch order).
+    kept_E: kept routes per expert (expert id order; ``kept_D`` itself without a placement).
     routed_E: routes per expert before capacity (after random routing): the load.
     capacity: per-expert capacity, None when dropless.
     balance_loss, z_loss: fp32 scalars, unweighted, differentiable.
-    exchange: filled in by an expert-parallel dispatcher's ``prepare``; None locally.
-    finite: the logits' pending ``FiniteCheck`` (None: checked already); the dispatcher's
-    ``prepare`` reads it before any row leaves the rank.
     """
 
     num_tokens: int
@@ -94,13 +92,11 @@ class RoutingPlan:
     capacity: Optional[int]
     balance_loss: Tensor
     z_loss: Tensor
-    kept_S: Optional[Tensor] = None
-    exchange: Any = None
-    finite: Any = None
+    kept_D: Optional[Tensor] = None
 
     def __post_init__(self):
-        if self.kept_S is None:
-            object.__setattr__(self, "kept_S", self.kept_E)
+        if self.kept_D is None:
+            object.__setattr__(self, "kept_D", self.kept_E)
 
     @property
     def num_experts(self) -> int:
@@ -183,24 +179,24 @@ def top_k_experts(choice_TE: Tensor, k: int) -> Tensor:
     tie_T = (choice_TE >= values_TK[:, -1:]).sum(-1) > k
     if k > 1:
         tie_T |= (values_TK[:, 1:] == values_TK[:, :-1]).any(-1)
-    tied_N = tie_T.nonzero().squeeze(1)
-    if tied_N.numel():
-        expert_TK[tied_N] = torch.sort(choice_TE[tied_N], dim=-1, descending=True, stable=True).indices[:, :k]
+    tied_T = tie_T.nonzero().squeeze(1)
+    if tied_T.numel():
+        expert_TK[tied_T] = torch.sort(choice_TE[tied_T], dim=-1, descending=True, stable=True).indices[:, :k]
     return expert_TK
 
 
 def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Optional[int],
           expert_bias_E: Optional[Tensor] = None, uniform_T: Optional[Tensor] = None,
-          slot_E: Optional[Tensor] = None, finite: Optional[FiniteCheck] = None) -> RoutingPlan:
+          slot_E: Optional[Tensor] = None, defer_check: bool = False) -> RoutingPlan:
     """The routing plan for fp32 ``logits_TE``.
 
     ``uniform_T`` switches on GShard random routing of the 2nd choice (kind gshard only).
     ``normalize`` renormalises the k gates of a token to sum 1 (gshard always does).
     ``slot_E``: the placement, a permutation of the expert ids (None: slot e is expert e).
-    ``finite``: a pending check of these logits, kept in the plan for the caller to read
+    ``defer_check``: the caller holds a pending ``FiniteCheck`` of these logits and reads it
     before anything leaves the rank; by default the logits are checked here, at once.
     """
-    if finite is None:
+    if not defer_check:
         check_finite(logits_TE)
     T, E = logits_TE.shape
     probs_TE = F.softmax(logits_TE, dim=-1)
@@ -222,18 +218,18 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
     key_R = torch.where(valid_TK.t().reshape(-1), slot_TK.t().reshape(-1), E)
     order_R = torch.argsort(key_R, stable=True)
     key_sorted_R = key_R[order_R]
-    count_S1 = torch.bincount(key_R, minlength=E + 1)
-    routed_S = count_S1[:E]
+    count_D1 = torch.bincount(key_R, minlength=E + 1)
+    routed_D = count_D1[:E]
     keep_sorted_R = key_sorted_R < E
     if capacity is not None:
-        start_S1 = torch.cumsum(count_S1, 0) - count_S1
-        position_R = torch.arange(key_R.numel(), device=key_R.device) - start_S1[key_sorted_R]
+        start_D1 = torch.cumsum(count_D1, 0) - count_D1
+        position_R = torch.arange(key_R.numel(), device=key_R.device) - start_D1[key_sorted_R]
         keep_sorted_R &= position_R < capacity
-        kept_S = routed_S.clamp(max=capacity)
+        kept_D = routed_D.clamp(max=capacity)
     else:
-        kept_S = routed_S
+        kept_D = routed_D
     route_R = order_R[keep_sorted_R]
-    routed_E, kept_E = (routed_S, kept_S) if slot_E is None else (routed_S[slot_E], kept_S[slot_E])
+    routed_E, kept_E = (routed_D, kept_D) if slot_E is None else (routed_D[slot_E], kept_D[slot_E])
 
     n = max(T, 1)
     first_E = torch.bincount(expert_TK[:, 0], minlength=E).float() / n
@@ -241,12 +237,11 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
     z_loss = torch.logsumexp(logits_TE, dim=-1).square().sum() / n
     return RoutingPlan(num_tokens=T, k=k, route_R=route_R, token_R=route_R % max(T, 1),
                        gate_R=gate_TK.t().reshape(-1)[route_R], kept_E=kept_E, routed_E=routed_E,
-                       capacity=capacity, balance_loss=balance_loss, z_loss=z_loss, kept_S=kept_S,
-                       finite=finite)
+                       capacity=capacity, balance_loss=balance_loss, z_loss=z_loss, kept_D=kept_D)
 
 
 class Router(nn.Module):
-    """The gate of one MoE layer. ``forward(x_TH, noise=None) -> RoutingPlan``.
+    """The gate of one MoE layer. ``forward(x_TH, noise=None) -> (RoutingPlan, FiniteCheck)``.
 
     ``seed`` seeds the weight init (the same on every rank) and, with ``noise_index``, the noise
     generator: a parallel layer passes its rank's index among the ranks that route distinct
@@ -314,21 +309,21 @@ class Router(nn.Module):
         return x_TH @ comm.all_reduce_grad(self.weight.float(), self.grad_group).t()
 
     def forward(self, x_TH: Tensor, noise: Optional[RouterNoise] = None,
-                slot_E: Optional[Tensor] = None) -> RoutingPlan:
+                slot_E: Optional[Tensor] = None) -> tuple[RoutingPlan, FiniteCheck]:
         """Route ``x_TH``. In training ``noise`` defaults to a fresh draw; eval uses none.
-        ``slot_E``: the layer's placement (see ``route``). The plan carries the pending finite
-        check (``plan.finite``); the caller reads it (``prepare`` of a dispatcher) and then
-        calls ``record_load``."""
+        ``slot_E``: the layer's placement (see ``route``). Returns the plan and the pending
+        finite check of its logits; the caller reads the check (``prepare`` of a dispatcher)
+        and then calls ``record_load``."""
         if self.training and noise is None:
             noise = self.draw_noise(x_TH.shape[0], x_TH.shape[1], x_TH.device)
         if not self.training:
             noise = None
         logits_TE = self.logits(x_TH, noise)
+        finite = FiniteCheck(logits_TE, self.check_group)
         return route(logits_TE, kind=self.kind, k=self.k, normalize=self.normalize,
-                     capacity=self.capacity(x_TH.shape[0]),
-                     expert_bias_E=self.expert_bias,
+                     capacity=self.capacity(x_TH.shape[0]), expert_bias_E=self.expert_bias,
                      uniform_T=noise.uniform_T if noise is not None else None, slot_E=slot_E,
-                     finite=FiniteCheck(logits_TE, self.check_group))
+                     defer_check=True), finite
 
     @torch.no_grad()
     def record_load(self, plan: RoutingPlan) -> None:

@@ -1,17 +1,18 @@
 """Shadow experts (FasterMoE's hot-expert replication): a few experts computed where the tokens are.
 
-Shape suffixes: T tokens, H hidden, F1 the first GEMM's width, F ffn, L local experts, S expert
-slots, R kept routes, N shadowed experts (in slot order).
+Shape suffixes: see ``moe_plugin.layers`` (the shadowed experts are a subset of the slots: D).
 
 A shadowed expert keeps its one owner, the EP rank whose slot holds it (``experts.placement``),
-and its one set of parameters and optimizer state there. Per forward of a layer with shadowed
-experts (``MoELayer.set_shadow``; every EP rank has the same set):
+and its one set of parameters and optimizer state there. ``ShadowExperts`` (next to the layer's
+``GroupedExperts``) holds which experts are shadowed and runs the copies; ``ShadowingDispatcher``
+(an ``ExpertParallelDispatcher`` behind the same interface) uses it. Per forward of a layer with
+shadowed experts (``MoELayer.set_shadow``; every EP rank has the same set):
 
 1. The routes to shadowed experts stay out of the exchange: the dispatcher sends and receives
-   the other routes only (``ExpertParallelDispatcher.prepare(plan, shadow_S)``; the count
+   the other routes only (``ExpertParallelDispatcher.layout(kept_D, finite, shadow_D)``; the count
    all-gather still carries every kept route, so the load record is unchanged).
 2. ``ShadowWeights``: every EP rank gets the shadowed experts' weights from their owners, in
-   one all-reduce over EP of an [N, H*F1 + F*H] buffer in which each owner fills its rows
+   one all-reduce over EP of a [D, H*F1 + F*H] buffer in which each owner fills its rows
    (adding exact zeros: the copies are bit-identical to the owner's weights).
 3. Every EP rank runs its own tokens' routes to shadowed experts through those copies
    (``ffn_autograd.expert_ffn``, with the layer's expert gradient factor).
@@ -33,103 +34,174 @@ it runs after the exchange), and one reduce per owner in backward instead of the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moe_plugin.layers.router import RoutingPlan
+from moe_plugin.layers.combine import gate_combine
+from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher
+from moe_plugin.layers.ffn_autograd import expert_ffn
+from moe_plugin.layers.parallel import LayerParallelism
+from moe_plugin.layers.router import FiniteCheck, RoutingPlan
+
+if TYPE_CHECKING:
+    from moe_plugin.layers.experts import GroupedExperts
 
 
 @dataclass(frozen=True)
 class ShadowRoutes:
     """This rank's kept routes to shadowed experts, grouped by expert in slot order."""
 
-    slots: list[int]       # [N] the shadowed experts' slots, ascending
-    counts: list[int]      # [N] routes per shadowed expert
+    slots: list[int]       # [D] the shadowed experts' slots, ascending
+    counts: list[int]      # [D] routes per shadowed expert
     token_R: Tensor        # token of each route
     gate_R: Tensor         # its gate (differentiable)
     route_R: Tensor        # its route id
 
 
-def shadow_slots(placement_E: Tensor, shadow_E: Tensor) -> Tensor:
-    """[S] bool: the slots that hold a shadowed expert (``shadow_E`` is by expert id)."""
-    slot_mask_S = torch.zeros_like(shadow_E)
-    slot_mask_S[placement_E] = shadow_E
-    return slot_mask_S
+@dataclass(frozen=True)
+class ShadowExchange(Exchange):
+    """``Exchange`` of the routes that go through it (``plan``), plus the routes to shadowed experts."""
+
+    shadowed: ShadowRoutes
 
 
-def split_routes(plan: RoutingPlan, shadow_S: Tensor) -> tuple[RoutingPlan, ShadowRoutes]:
-    """``plan`` (kept routes sorted by slot) -> the plan of the exchanged routes (``kept_S`` zero
+def split_routes(plan: RoutingPlan, shadow_D: Tensor) -> tuple[RoutingPlan, ShadowRoutes]:
+    """``plan`` (kept routes sorted by slot) -> the plan of the exchanged routes (``kept_D`` zero
     at shadowed slots) and the routes to shadowed experts. One host sync."""
-    S = plan.kept_S.numel()
+    D = plan.kept_D.numel()
     R = plan.route_R.numel()
-    slot_R = torch.repeat_interleave(torch.arange(S, device=plan.kept_S.device), plan.kept_S, output_size=R)
-    local_R = shadow_S[slot_R]
+    slot_R = torch.repeat_interleave(torch.arange(D, device=plan.kept_D.device), plan.kept_D, output_size=R)
+    local_R = shadow_D[slot_R]
     exchanged_R = (~local_R).nonzero().squeeze(1)
     shadowed_R = local_R.nonzero().squeeze(1)
-    slots_N = shadow_S.nonzero().squeeze(1)
-    host = torch.cat([slots_N, plan.kept_S[slots_N].long()]).tolist()
-    N = slots_N.numel()
-    routes = ShadowRoutes(slots=host[:N], counts=host[N:], token_R=plan.token_R[shadowed_R],
+    slots_D = shadow_D.nonzero().squeeze(1)
+    host = torch.cat([slots_D, plan.kept_D[slots_D].long()]).tolist()
+    n = slots_D.numel()
+    routes = ShadowRoutes(slots=host[:n], counts=host[n:], token_R=plan.token_R[shadowed_R],
                           gate_R=plan.gate_R[shadowed_R], route_R=plan.route_R[shadowed_R])
     exchanged = RoutingPlan(num_tokens=plan.num_tokens, k=plan.k, route_R=plan.route_R[exchanged_R],
                             token_R=plan.token_R[exchanged_R], gate_R=plan.gate_R[exchanged_R], kept_E=plan.kept_E,
                             routed_E=plan.routed_E, capacity=plan.capacity, balance_loss=plan.balance_loss,
-                            z_loss=plan.z_loss, kept_S=plan.kept_S.masked_fill(shadow_S, 0), exchange=plan.exchange)
+                            z_loss=plan.z_loss, kept_D=plan.kept_D.masked_fill(shadow_D, 0))
     return exchanged, routes
 
 
 class ShadowWeights(torch.autograd.Function):
-    """Forward: the N shadowed experts' weights on every rank of ``group`` (module docstring, 2).
+    """Forward: the D shadowed experts' weights on every rank of ``group`` (module docstring, 2).
     Backward: their gradients summed over ``group``; the owner gets its rows (5).
 
-    ``owned``: (position in the N, local index) of the shadowed experts this rank owns."""
+    ``owned``: (position in the D, local index) of the shadowed experts this rank owns."""
 
     @staticmethod
-    def forward(ctx, w1_LHF1: Tensor, w2_LFH: Tensor, owned: list[tuple[int, int]], N: int,
+    def forward(ctx, w1_LHF1: Tensor, w2_LFH: Tensor, owned: list[tuple[int, int]], n: int,
                 group: Optional[dist.ProcessGroup]):
         _, H, F1 = w1_LHF1.shape
         F = w2_LFH.shape[1]
-        buf_NX = w1_LHF1.new_zeros(N, H * F1 + F * H)
+        buf_DX = w1_LHF1.new_zeros(n, H * F1 + F * H)
         if owned:
             pos, local = (torch.tensor(v, dtype=torch.long, device=w1_LHF1.device) for v in zip(*owned))
-            buf_NX[pos] = torch.cat([w1_LHF1[local].reshape(len(owned), -1),
+            buf_DX[pos] = torch.cat([w1_LHF1[local].reshape(len(owned), -1),
                                      w2_LFH[local].reshape(len(owned), -1)], dim=1)
         if group is not None:
-            dist.all_reduce(buf_NX, group=group)
+            dist.all_reduce(buf_DX, group=group)
         ctx.owned, ctx.group, ctx.shapes = owned, group, (w1_LHF1.shape, w2_LFH.shape)
-        return (buf_NX[:, :H * F1].reshape(N, H, F1).contiguous(),
-                buf_NX[:, H * F1:].reshape(N, F, H).contiguous())
+        return (buf_DX[:, :H * F1].reshape(n, H, F1).contiguous(),
+                buf_DX[:, H * F1:].reshape(n, F, H).contiguous())
 
     @staticmethod
-    def backward(ctx, grad_w1_NHF1: Optional[Tensor], grad_w2_NFH: Optional[Tensor]):
+    def backward(ctx, grad_w1_DHF1: Optional[Tensor], grad_w2_DFH: Optional[Tensor]):
         (L, H, F1), (_, F, _) = ctx.shapes
-        N = len(grad_w1_NHF1) if grad_w1_NHF1 is not None else len(grad_w2_NFH)
-        parts = [g.reshape(N, -1) if g is not None else None for g in (grad_w1_NHF1, grad_w2_NFH)]
+        n = len(grad_w1_DHF1) if grad_w1_DHF1 is not None else len(grad_w2_DFH)
+        parts = [g.reshape(n, -1) if g is not None else None for g in (grad_w1_DHF1, grad_w2_DFH)]
         ref = next(p for p in parts if p is not None)
-        parts = [p if p is not None else ref.new_zeros(N, size) for p, size in zip(parts, (H * F1, F * H))]
-        buf_NX = torch.cat(parts, dim=1)
+        parts = [p if p is not None else ref.new_zeros(n, size) for p, size in zip(parts, (H * F1, F * H))]
+        buf_DX = torch.cat(parts, dim=1)
         if ctx.group is not None:
-            dist.all_reduce(buf_NX, group=ctx.group)
+            dist.all_reduce(buf_DX, group=ctx.group)
         if not ctx.owned:
             return None, None, None, None, None
-        pos, local = (torch.tensor(v, dtype=torch.long, device=buf_NX.device) for v in zip(*ctx.owned))
-        grad_w1 = buf_NX.new_zeros(L, H, F1)
-        grad_w2 = buf_NX.new_zeros(L, F, H)
-        grad_w1[local] = buf_NX[pos, :H * F1].reshape(-1, H, F1)
-        grad_w2[local] = buf_NX[pos, H * F1:].reshape(-1, F, H)
+        pos, local = (torch.tensor(v, dtype=torch.long, device=buf_DX.device) for v in zip(*ctx.owned))
+        grad_w1 = buf_DX.new_zeros(L, H, F1)
+        grad_w2 = buf_DX.new_zeros(L, F, H)
+        grad_w1[local] = buf_DX[pos, :H * F1].reshape(-1, H, F1)
+        grad_w2[local] = buf_DX[pos, H * F1:].reshape(-1, F, H)
         return grad_w1, grad_w2, None, None, None
 
 
 def shadow_weights(w1_LHF1: Tensor, w2_LFH: Tensor, slots: list[int], first_slot: int,
                    group: Optional[dist.ProcessGroup]) -> tuple[Tensor, Tensor]:
-    """[N, H, F1] and [N, F, H]: the weights of the experts in ``slots`` (ascending), from their
+    """[D, H, F1] and [D, F, H]: the weights of the experts in ``slots`` (ascending), from their
     owners; this rank owns slots ``[first_slot, first_slot + L)``."""
     L = w1_LHF1.shape[0]
     owned = [(j, s - first_slot) for j, s in enumerate(slots) if first_slot <= s < first_slot + L]
     return ShadowWeights.apply(w1_LHF1, w2_LFH, owned, len(slots), group)
 
 
-__all__ = ["ShadowRoutes", "ShadowWeights", "shadow_slots", "shadow_weights", "split_routes"]
+class ShadowExperts:
+    """The shadowed experts of one layer, next to its ``GroupedExperts`` (``experts``): their ids
+    (scheduling state, not saved) and their copies, fetched from the owners over ``group``."""
+
+    def __init__(self, experts: "GroupedExperts", group: Optional[dist.ProcessGroup]):
+        self.experts = experts
+        self.group = group
+        self.expert_ids: tuple[int, ...] = ()
+
+    def set(self, expert_ids) -> None:
+        """Shadow these experts (global ids; empty: none). The same on every EP rank."""
+        given = [int(e) for e in expert_ids]
+        ids = sorted(set(given))
+        E = self.experts.num_experts
+        if len(ids) != len(given) or any(not 0 <= e < E for e in ids):
+            raise ValueError(f"shadowed experts must be distinct ids in 0..{E - 1}, got {given}")
+        self.expert_ids = tuple(ids)
+
+    def slots(self) -> Tensor:
+        """[D] bool: the slots that hold a shadowed expert."""
+        placement_E = self.experts.placement
+        shadow_D = torch.zeros(placement_E.numel(), dtype=torch.bool, device=placement_E.device)
+        shadow_D[placement_E[list(self.expert_ids)]] = True
+        return shadow_D
+
+    def __call__(self, x_TH: Tensor, routes: ShadowRoutes) -> Tensor:
+        """The rows ``routes`` of this rank's tokens through copies of the shadowed experts'
+        weights, fetched from their owners (module docstring, 2-3) -> [R, H]."""
+        e = self.experts
+        w1_DHF1, w2_DFH = shadow_weights(e.weight1.to(x_TH.dtype), e.weight2.to(x_TH.dtype), routes.slots,
+                                         e.first_slot, self.group)
+        return expert_ffn(x_TH, w1_DHF1, w2_DFH, routes.counts, e.act, e.pick_backend(x_TH), routes.token_R,
+                          save_pre=not e.recompute_pre_activation, grad_scale=e.grad_scale)
+
+
+class ShadowingDispatcher(ExpertParallelDispatcher):
+    """``ExpertParallelDispatcher`` that leaves the routes to ``shadow``'s experts out of the
+    exchange and runs them here (module docstring). With none shadowed it is its parent."""
+
+    def __init__(self, num_experts: int, parallel: LayerParallelism, shadow: ShadowExperts):
+        super().__init__(num_experts, parallel)
+        self.shadow = shadow
+
+    def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Exchange:
+        if not self.shadow.expert_ids:
+            return super().prepare(x_TH, plan, finite)
+        shadow_D = self.shadow.slots()
+        layout = self.layout(plan.kept_D, finite, shadow_D)
+        exchanged, shadowed = split_routes(plan, shadow_D)
+        return ShadowExchange(x_TH, exchanged, **layout, shadowed=shadowed)
+
+    def combine(self, y_RH: Tensor, state: Exchange) -> Tensor:
+        """One combine over the exchanged rows and the shadowed routes' rows."""
+        if not isinstance(state, ShadowExchange):
+            return super().combine(y_RH, state)
+        ex, sh = state.plan, state.shadowed
+        y_RH = self.from_experts(y_RH, state)
+        y_shadow_RH = self.shadow(state.x_TH, sh)
+        return gate_combine(torch.cat([y_RH, y_shadow_RH]), torch.cat([ex.gate_R, sh.gate_R]),
+                            torch.cat([ex.token_R, sh.token_R]), torch.cat([ex.route_R, sh.route_R]),
+                            ex.num_tokens, ex.k)
+
+
+__all__ = ["ShadowExchange", "ShadowExperts", "ShadowRoutes", "ShadowWeights", "ShadowingDispatcher",
+           "shadow_weights", "split_routes"]

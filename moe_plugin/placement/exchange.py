@@ -77,14 +77,14 @@ def _exchange_one_dtype(tensors: list[Tensor], sends: list[Piece], recvs: list[P
     in_splits = [sum(p.length for p in send_by.get(r, [])) for r in range(world_size)]
     out_splits = [sum(p.length for p in recv_by.get(r, [])) for r in range(world_size)]
     views = [tensors[p.tensor].narrow(0, p.offset, p.length) for r in range(world_size) for p in send_by.get(r, [])]
-    send_N = torch.cat(views) if views else torch.empty(0, dtype=dtype, device=device)
-    recv_N = torch.empty(sum(out_splits), dtype=dtype, device=device)
+    send_X = torch.cat(views) if views else torch.empty(0, dtype=dtype, device=device)
+    recv_X = torch.empty(sum(out_splits), dtype=dtype, device=device)
     if world_size > 1:
-        dist.all_to_all_single(recv_N, send_N, out_splits, in_splits)
+        dist.all_to_all_single(recv_X, send_X, out_splits, in_splits)
     else:
-        recv_N.copy_(send_N)
+        recv_X.copy_(send_X)
     pos = 0
     for r in range(world_size):
         for p in recv_by.get(r, []):
-            tensors[p.tensor].narrow(0, p.offset, p.length).copy_(recv_N.narrow(0, pos, p.length))
+            tensors[p.tensor].narrow(0, p.offset, p.length).copy_(recv_X.narrow(0, pos, p.length))
             pos += p.length

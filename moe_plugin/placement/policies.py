@@ -203,7 +203,7 @@ def _improve_by_swaps(ranks: list[int], load: Tensor, traffic: Tensor, node: lis
     ranks_E = torch.as_tensor(ranks, dtype=torch.int64)
     node_P = torch.as_tensor(node, dtype=torch.int64)
     # cross[e, n]: routes to expert e from senders outside node n
-    cross = torch.stack([traffic[node_P != n].sum(0) for n in range(int(node_P.max()) + 1)], dim=1)  # [E, N]
+    cross = torch.stack([traffic[node_P != n].sum(0) for n in range(int(node_P.max()) + 1)], dim=1)  # [E, nodes]
     loads = torch.zeros(P, dtype=torch.float64).index_add_(0, ranks_E, load)
     delta = load[:, None] - load[None, :]                    # [a, b]: what a's rank loses, b's gains
     for _ in range(max_swaps if max_swaps is not None else 4 * E):

@@ -36,7 +36,7 @@ optimizer states over the data-parallel group, stage 2 also the gradients; exper
 over edp), plus activations of min(pp, m) micro-batches in flight (1F1B) and fp32 logits on the
 last stage. See docs/planner.md for the derivation and the validation against measured steps.
 
-A load profile is a route fraction per expert (``load_LE``: one row per MoE layer, or one row
+A load profile is a route fraction per expert (``load_ME``: one row per MoE layer, or one row
 for all); a placement is the slot of every expert (rank ``slot // (E / ep)`` of the EP group),
 as ``moe_plugin.placement`` writes it. None means uniform load and the static placement.
 """
@@ -244,7 +244,7 @@ def moe_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_
     routes_PE = ep_routes(model, layout, load_E, senders_PE)
     slot_E = np.arange(model.experts) if placement_E is None else np.asarray(placement_E)
     rank_E = slot_E // (model.experts // layout.ep)
-    rows_R = expert_rows(model, layout, load_E, placement_E, shadow)         # rows received, by rank
+    rows_P = expert_rows(model, layout, load_E, placement_E, shadow)         # rows received, by rank
     busiest = float(layout.etp * computed_routes(routes_PE, rank_E, shadow).max())
     local = model.experts // layout.ep + shadowed                          # experts a rank runs
     gemm = 2 * (busiest / max(local, 1)) * H * F / layout.etp           # one expert's GEMM, average size
@@ -254,7 +254,7 @@ def moe_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_
     # non-GEMM work: a fixed part, and gathers / scatters / activation over the rows a rank sends and receives
     all_kept = float(routes_PE.sum()) / layout.ep
     dispatch = cluster.moe_layer_overhead + cluster.moe_element_time * (all_kept + busiest / layout.etp) * H
-    comm = moe_comm_time(model, cluster, layout, routes_PE, rank_E, shadow, float(rows_R.max()))
+    comm = moe_comm_time(model, cluster, layout, routes_PE, rank_E, shadow, float(rows_P.max()))
     return {"experts": experts, "compute": router, "dispatch": dispatch, **comm}
 
 
@@ -313,11 +313,11 @@ def stage_memory(model: ModelSpec, layout: Layout, layers: Sequence[int], first:
     return mem
 
 
-def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_LE=None, placement_LE=None,
-              shadow_LE=None, senders_LPE=None) -> StepCost:
-    """Predicted ``StepCost`` of one optimizer step. ``load_LE``: route fractions per MoE layer
-    ([moe_layers, E], or [E] for all); ``placement_LE``: expert slots, same shapes; ``shadow_LE``:
-    shadowed experts (bool, same shapes) and ``senders_LPE`` each EP rank's share of an expert's
+def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_ME=None, placement_ME=None,
+              shadow_ME=None, senders_MPE=None) -> StepCost:
+    """Predicted ``StepCost`` of one optimizer step. ``load_ME``: route fractions per MoE layer
+    ([moe_layers, E], or [E] for all); ``placement_ME``: expert slots, same shapes; ``shadow_ME``:
+    shadowed experts (bool, same shapes) and ``senders_MPE`` each EP rank's share of an expert's
     routes ([moe_layers, ep, E]; None: uniform), see ``moe_layer_time``."""
     moe_ids = [i for i in range(model.layers) if model.is_moe(i)]
     m, pp = layout.gas, layout.pp
@@ -336,8 +336,8 @@ def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_LE=No
                 parts[k] += v
             if moe:
                 j = moe_ids.index(i)
-                for k, v in moe_layer_time(model, cluster, layout, _row(load_LE, j), _row(placement_LE, j),
-                                           _row(shadow_LE, j), _row(senders_LPE, j, 2)).items():
+                for k, v in moe_layer_time(model, cluster, layout, _row(load_ME, j), _row(placement_ME, j),
+                                           _row(shadow_ME, j), _row(senders_MPE, j, 2)).items():
                     parts[k] += v
         if last:
             parts["compute"] += 3 * cluster.gemm_time(2 * T * model.hidden * model.vocab / layout.tp)

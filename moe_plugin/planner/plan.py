@@ -119,13 +119,13 @@ def plan(model: ModelSpec, cluster: ClusterSpec, out: Path, *, top: int = 5, tra
     """Search, write the pool, print the table; returns the pool."""
     from moe_plugin.planner.simulator import load_fractions
 
-    load_SLE = traffic_SLPE = None
+    load_IME = traffic_IMPE = None
     if trace is not None:
-        load_SLE, traffic_SLPE = trace_load(trace, model, traffic=True)
+        load_IME, traffic_IMPE = trace_load(trace, model, traffic=True)
     moe_layers = sum(model.is_moe(i) for i in range(model.layers))
-    load_LE = load_fractions(load_SLE, moe_layers).mean(axis=0) if load_SLE is not None else None
+    load_ME = load_fractions(load_IME, moe_layers).mean(axis=0) if load_IME is not None else None
     progress = Progress("plan") if sys.stderr.isatty() else None
-    candidates = search(model, cluster, load_LE=load_LE, world_size=world_size, progress=progress)
+    candidates = search(model, cluster, load_ME=load_ME, world_size=world_size, progress=progress)
     pool = candidate_pool(candidates, top)
     if not pool:
         best = min(candidates, key=lambda c: c.cost.memory_total)
@@ -134,9 +134,9 @@ def plan(model: ModelSpec, cluster: ClusterSpec, out: Path, *, top: int = 5, tra
                           f"{cluster.memory_usable:.0%} usable")
     out.mkdir(parents=True, exist_ok=True)
     extra, replays = "", None
-    if load_SLE is not None:
-        replays = [_replay(model, cluster, c.layout, load_SLE, interval, replica_budget, traffic_SLPE) for c in pool]
-        extra = _replay_table(pool, replays, load_SLE.shape[0], interval)
+    if load_IME is not None:
+        replays = [_replay(model, cluster, c.layout, load_IME, interval, replica_budget, traffic_IMPE) for c in pool]
+        extra = _replay_table(pool, replays, load_IME.shape[0], interval)
     placements = [placement_block(c.layout, interval, replays[i] if replays else None) for i, c in enumerate(pool)]
     paths = write_pool(out, pool, model, placements, replays)
     write_markdown(out, model, cluster, candidates, pool, extra)
@@ -169,20 +169,20 @@ def placement_block(layout, interval: int, replay: Optional[dict] = None) -> dic
     return {"policy": "greedy", "check_interval": interval}
 
 
-def _replay(model: ModelSpec, cluster: ClusterSpec, layout, load_SLE: np.ndarray, interval: int,
-            replica_budget: int = 0, traffic_SLPE: Optional[np.ndarray] = None) -> dict:
+def _replay(model: ModelSpec, cluster: ClusterSpec, layout, load_IME: np.ndarray, interval: int,
+            replica_budget: int = 0, traffic_IMPE: Optional[np.ndarray] = None) -> dict:
     """Mean step time of ``layout`` on the trace under static and greedy placement (migrations
     included), and with ``replica_budget`` > 0 under greedy placement with shadow experts."""
     from moe_plugin.planner.simulator import Policy, replay
 
-    stride = max(1, load_SLE.shape[0] // 500)     # at most ~500 replayed steps per run
-    static = replay(model, cluster, layout, load_SLE, Policy("static"), stride)
-    greedy = replay(model, cluster, layout, load_SLE, Policy("greedy", interval), stride)
+    stride = max(1, load_IME.shape[0] // 500)     # at most ~500 replayed steps per run
+    static = replay(model, cluster, layout, load_IME, Policy("static"), stride)
+    greedy = replay(model, cluster, layout, load_IME, Policy("greedy", interval), stride)
     out = {"stride": stride, "static_ms": 1e3 * static.mean_s, "greedy_ms": 1e3 * greedy.mean_s,
            "experts_moved": greedy.moves, "migration_ms": 1e3 * greedy.migration_s}
     if replica_budget:
-        shadow = replay(model, cluster, layout, load_SLE, Policy("greedy", interval, replica_budget=replica_budget),
-                        stride, traffic_SLPE)
+        shadow = replay(model, cluster, layout, load_IME, Policy("greedy", interval, replica_budget=replica_budget),
+                        stride, traffic_IMPE)
         out.update(replica_budget=replica_budget, shadow_ms=1e3 * shadow.mean_s, shadow_steps=shadow.shadow_steps,
                    replication_ms_per_step=1e3 * shadow.replication_s / len(shadow.step_s))
     return out

@@ -114,7 +114,7 @@ def _valid(model: ModelSpec, world: int, tp: int, pp: int, ep: int, etp: int) ->
     return True
 
 
-def search(model: ModelSpec, cluster: ClusterSpec, *, load_LE=None, world_size: Optional[int] = None,
+def search(model: ModelSpec, cluster: ClusterSpec, *, load_ME=None, world_size: Optional[int] = None,
            progress: Optional[Callable[[int, int], None]] = None) -> list[Candidate]:
     """All valid layouts, costed and sorted: those that fit first, fastest first."""
     todo = list(layouts(model, cluster, world_size))
@@ -123,7 +123,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, *, load_LE=None, world_size: 
                           "on this many ranks (check model.global_batch, model.micro_batches, heads and layers)")
     out = []
     for n, layout in enumerate(todo, 1):
-        cost = step_cost(model, cluster, layout, load_LE)
+        cost = step_cost(model, cluster, layout, load_ME)
         out.append(Candidate(layout, cost, fits(cost, cluster)))
         if progress is not None:
             progress(n, len(todo))

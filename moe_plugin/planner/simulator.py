@@ -100,9 +100,9 @@ class Replay:
         return float(self.step_s.sum())
 
 
-def load_fractions(load_SLE: np.ndarray, moe_layers: int) -> np.ndarray:
+def load_fractions(load_IME: np.ndarray, moe_layers: int) -> np.ndarray:
     """[steps, moe_layers, E] route fractions from a trace's [steps, layers, E] counts."""
-    load = np.asarray(load_SLE, dtype=float)
+    load = np.asarray(load_IME, dtype=float)
     if load.ndim != 3:
         raise ValueError(f"a trace load must be [steps, layers, experts], got shape {load.shape}")
     load = load[:, [j % load.shape[1] for j in range(moe_layers)], :]
@@ -126,12 +126,12 @@ def migration_seconds(model: ModelSpec, cluster: ClusterSpec, layout: Layout, ol
     return costs.migration_seconds(busiest * per_expert, 1 / bw, lat * (layout.ep - 1))
 
 
-def sender_fractions(traffic_SLPE: Optional[np.ndarray], moe_layers: int, ep: int) -> Optional[np.ndarray]:
+def sender_fractions(traffic_IMPE: Optional[np.ndarray], moe_layers: int, ep: int) -> Optional[np.ndarray]:
     """[steps, moe_layers, ep, E]: each EP rank's share of every expert's routes, from a trace's
     ``traffic``; None (uniform senders) without one or where its sender count is not ``ep``."""
-    if traffic_SLPE is None or ep == 1:
+    if traffic_IMPE is None or ep == 1:
         return None
-    traffic = np.asarray(traffic_SLPE, dtype=float)
+    traffic = np.asarray(traffic_IMPE, dtype=float)
     if traffic.ndim != 4 or traffic.shape[2] != ep:
         return None
     traffic = traffic[:, [j % traffic.shape[1] for j in range(moe_layers)]]
@@ -176,20 +176,20 @@ def choose_placement(model: ModelSpec, cluster: ClusterSpec, layout: Layout, loa
     return (new_E, cost) if switch and (new_E != current_E).any() else (current_E, 0.0)
 
 
-def replay(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_SLE: np.ndarray, policy: Policy,
-           stride: int = 1, traffic_SLPE: Optional[np.ndarray] = None) -> Replay:
+def replay(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_IME: np.ndarray, policy: Policy,
+           stride: int = 1, traffic_IMPE: Optional[np.ndarray] = None) -> Replay:
     """Replay every ``stride``-th step of a trace's loads (``[steps, layers, E]``) on ``layout``;
-    ``traffic_SLPE`` (the trace's ``[steps, layers, P, E]``) gives the senders of shadowed routes."""
+    ``traffic_IMPE`` (the trace's ``[steps, layers, P, E]``) gives the senders of shadowed routes."""
     from moe_plugin.placement.policies import align, greedy, static
 
     moe_layers = sum(model.is_moe(i) for i in range(model.layers))
-    frac = load_fractions(load_SLE, moe_layers)
+    frac = load_fractions(load_IME, moe_layers)
     if frac.shape[-1] != model.experts:
         raise ValueError(f"the trace has {frac.shape[-1]} experts per layer, the model {model.experts}")
     E, P = model.experts, layout.ep
     placement = np.stack([static(E, P).numpy() for _ in range(moe_layers)])
     window = policy.window or policy.interval
-    senders = sender_fractions(traffic_SLPE, moe_layers, P) if policy.replica_budget else None
+    senders = sender_fractions(traffic_IMPE, moe_layers, P) if policy.replica_budget else None
     shadow = np.zeros((moe_layers, E), dtype=bool)
     can_shadow = policy.replica_budget > 0 and P > 1 and layout.etp == 1
     times, migration, moves, history = [], 0.0, 0, []
@@ -255,10 +255,10 @@ def synthetic_trace(steps: int, layers: int, experts: int, tokens: int, *, zipf:
     return load, traffic
 
 
-def compare(model: ModelSpec, cluster: ClusterSpec, layouts: Sequence[Layout], load_SLE: np.ndarray,
+def compare(model: ModelSpec, cluster: ClusterSpec, layouts: Sequence[Layout], load_IME: np.ndarray,
             policies: Sequence[Policy], stride: int = 1) -> list[Replay]:
     """Every layout under every policy."""
-    return [replay(model, cluster, lay, load_SLE, pol, stride) for lay in layouts for pol in policies]
+    return [replay(model, cluster, lay, load_IME, pol, stride) for lay in layouts for pol in policies]
 
 
 __all__ = ["Policy", "Replay", "choose_placement", "choose_shadow", "compare", "load_fractions", "migration_seconds", "replay",

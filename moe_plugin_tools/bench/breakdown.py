@@ -1,6 +1,6 @@
 """Where our MoE layer's time goes beyond the expert GEMMs: its parts timed one by one.
 
-Shape suffixes: T tokens, H hidden, E experts, K choices per token, R kept routes.
+Shape suffixes: see ``moe_plugin.layers``.
 
 Each part runs forward + backward alone on the same data as in the layer, through the layer's
 own objects (router, dispatcher, experts), in a rotating order like the main bench:
@@ -36,14 +36,15 @@ def time_parts(layer: MoELayer, x_TH: Tensor, warmup: int = 1, iters: int = 5) -
     """Median ms of each part's forward + backward (see the module docstring)."""
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        plan = layer.dispatcher.prepare(layer.router(x_TH))
+        plan, finite = layer.router(x_TH)
+        state = layer.dispatcher.prepare(x_TH, plan, finite)
     T, H = x_TH.shape
     R = plan.token_R.numel()
     x_leaf_TH = x_TH.detach().requires_grad_(True)
     x_RH = torch.randn(R, H, generator=gen).requires_grad_(True)
     y_RH = torch.randn(R, H, generator=gen).requires_grad_(True)
     gate_R = plan.gate_R.detach().requires_grad_(True)
-    combine_plan = dataclasses.replace(plan, gate_R=gate_R)
+    combine_state = dataclasses.replace(state, plan=dataclasses.replace(plan, gate_R=gate_R))
     grad_RH = torch.randn(R, H, generator=gen)
     grad_TH = torch.randn(T, H, generator=gen)
     coeff = layer.config.aux_loss_coeff
@@ -51,7 +52,7 @@ def time_parts(layer: MoELayer, x_TH: Tensor, warmup: int = 1, iters: int = 5) -
     keys = torch.randint(0, plan.num_experts + 1, (plan.k * T,), generator=gen)
 
     def router() -> None:
-        p = layer.router(x_leaf_TH)
+        p, _ = layer.router(x_leaf_TH)
         (p.gate_R.sum() + coeff * p.balance_loss).backward()
 
     def permute() -> None:
@@ -64,7 +65,7 @@ def time_parts(layer: MoELayer, x_TH: Tensor, warmup: int = 1, iters: int = 5) -
         layer.experts(x_leaf_TH, plan.kept_E, plan.token_R).backward(grad_RH)
 
     def combine() -> None:
-        layer.dispatcher.combine(y_RH, combine_plan).backward(grad_TH)
+        layer.dispatcher.combine(y_RH, combine_state).backward(grad_TH)
 
     def route_topk() -> None:
         top_k_experts(logits_TE, plan.k)

@@ -1,6 +1,6 @@
 """``moe-plugin bench layer``: our MoE layer against DeepSpeed's, forward + backward, and the floor.
 
-Shape suffixes: T tokens, H hidden, E experts, R kept routes (rows in expert order).
+Shape suffixes: see ``moe_plugin.layers``.
 
 For each configuration (``LayerBenchSpec``) ``bench_layer`` builds
 
