@@ -90,3 +90,15 @@ def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any, t
         payload, text = pickle.loads((first if first.exists() else errors[0]).read_bytes())
         raise pickle.loads(payload) from RemoteTraceback(text)
     return [torch.load(Path(workdir) / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def attempts(results: dict, rank: int) -> Callable:
+    """``attempt(name, fn, *args)``: ``results[name] = fn(*args)``, or this rank's traceback as a string
+    when it raises, so that one spawn serves several cases and each case's test reports its own failure
+    (a refused checkpoint load must not leave the ranks out of step)."""
+    def attempt(name: str, fn: Callable, *args: Any) -> None:
+        try:
+            results[name] = fn(*args)
+        except Exception:   # reported by the case's test; the next case goes on
+            results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+    return attempt

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import traceback
 
 import pytest
 import torch
@@ -293,7 +292,7 @@ def _killed_save(root: str) -> dict:
 
 
 # -- pipeline (DeepSpeed's PipelineEngine) ---------------------------------------------------------
-def _pipe_engine(parallel: dict, stage: int):
+def _pipe_engine(parallel: dict, stage: int, moe: dict = MOE, tied: bool = False, warmup: bool = True):
     import moe_plugin
     from megatron.core.transformer import TransformerConfig
 
@@ -310,13 +309,15 @@ def _pipe_engine(parallel: dict, stage: int):
                                    gradient_accumulation_fusion=False, masked_softmax_fusion=False,
                                    apply_rope_fusion=False)
         torch.manual_seed(1234)   # dropout's stream (the pieces are built under their own seeds)
-        return gpt_pipeline_module(config, moe_config, groups, vocab_size=VOCAB, max_sequence_length=SEQ, seed=5)
+        return gpt_pipeline_module(config, moe_config, groups, vocab_size=VOCAB, max_sequence_length=SEQ, seed=5,
+                                   share_embeddings_and_output_weights=tied)
 
     cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // (dp * GAS),
            "gradient_accumulation_steps": GAS, "steps_per_print": 10 ** 6, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}},
-           "zero_optimization": {"stage": stage}, "moe": {**MOE, "parallel": parallel}}
+           "zero_optimization": {"stage": stage}, "moe": {**moe, "parallel": parallel}}
+    if warmup:
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}}
     return moe_plugin.initialize(cfg, provide)
 
 
@@ -390,14 +391,11 @@ def _pipe_into_plain_engine(root: str) -> dict:
 
 
 def _child(rank: int, world_size: int, root: str) -> dict:
+    from dist import attempts
+
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     results = {}
-
-    def attempt(name, fn, *args):
-        try:
-            results[name] = fn(*args)
-        except Exception:   # reported by the case's test; the next case goes on
-            results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+    attempt = attempts(results, rank)
 
     for name, (size, parallel, stage) in PIPE_RESUME.items():
         if size == world_size:

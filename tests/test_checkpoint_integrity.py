@@ -34,7 +34,6 @@ import os
 import shutil
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -42,16 +41,13 @@ import torch
 
 from test_checkpoint import (
     BATCH,
-    FFN,
-    GAS,
-    HIDDEN,
     MOE,
-    SEQ,
     VOCAB,
-    _batch,
     _engine,
     _entries,
     _eval_loss,
+    _micro_batches,
+    _pipe_engine,
     _train,
     _weights,
 )
@@ -73,37 +69,6 @@ DAMAGE = {
 
 
 # -- inside the ranks ------------------------------------------------------------------------------
-def _pipe_engine(stage: int = 1):
-    import moe_plugin
-    from megatron.core.transformer import TransformerConfig
-
-    from moe_plugin.integration.pipeline import gpt_pipeline_module
-
-    def provide(moe_config, groups):
-        config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
-                                   pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
-                                   use_cpu_initialization=True, hidden_dropout=0.1, attention_dropout=0.0,
-                                   bias_dropout_fusion=False, gradient_accumulation_fusion=False,
-                                   masked_softmax_fusion=False, apply_rope_fusion=False)
-        torch.manual_seed(1234)
-        return gpt_pipeline_module(config, moe_config, groups, vocab_size=VOCAB, max_sequence_length=SEQ, seed=5,
-                                   share_embeddings_and_output_weights=True)
-
-    cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // (2 * GAS),
-           "gradient_accumulation_steps": GAS, "steps_per_print": 10 ** 6, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
-           "zero_optimization": {"stage": stage}, "moe": {**DROPLESS, "parallel": {"pipeline": 2, "expert": 2}}}
-    return moe_plugin.initialize(cfg, provide)
-
-
-def _pipe_batches(run, step: int):
-    dp, dp_rank = run.groups.layout.sizes.dp, run.groups.rank_in("dp")
-    ids, pos, labels = _batch(step)
-    micro = BATCH // (dp * GAS)
-    rows = [slice((dp_rank * GAS + m) * micro, (dp_rank * GAS + m + 1) * micro) for m in range(GAS)]
-    return iter([((ids[r], pos[r].contiguous()), labels[r]) for r in rows])
-
-
 def _damage(tag_dir: str, target: str, how: str) -> str:
     if target == "optim":
         target = sorted(f for f in os.listdir(tag_dir) if f.endswith("optim_states.pt"))[0]
@@ -206,24 +171,20 @@ def _example_load(root: str, run) -> dict:
 
 
 def _child(rank: int, world_size: int, root: str) -> dict:
+    from dist import attempts
     from moe_plugin.checkpoint import save_checkpoint
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     results = {}
-
-    def attempt(name, fn, *args):
-        try:
-            results[name] = fn(*args)
-        except Exception:   # reported by the case's test; the next case goes on
-            results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+    attempt = attempts(results, rank)
 
     def pipe():
-        run = _pipe_engine()
+        run = _pipe_engine({"pipeline": 2, "expert": 2}, 1, DROPLESS, tied=True, warmup=False)
         try:
             for step in range(STEPS):
-                run.engine.train_batch(_pipe_batches(run, step))
+                run.engine.train_batch(_micro_batches(run, step))
             save_checkpoint(run, os.path.join(root, "pp2ep2"))
-            return {"eval": run.engine.eval_batch(_pipe_batches(run, 999)).item()}
+            return {"eval": run.engine.eval_batch(_micro_batches(run, 999)).item()}
         finally:
             run.close()
 

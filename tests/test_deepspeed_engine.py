@@ -24,7 +24,6 @@ One 4-rank spawn serves all cases: the engine is rebuilt per case and its groups
 from __future__ import annotations
 
 import os
-import traceback
 from typing import Optional
 
 import pytest
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist import run_distributed
+from dist import attempts, run_distributed
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.layers import MoELayer
 
@@ -186,11 +185,9 @@ def _cases_child(rank: int, world_size: int, cases: dict) -> dict:
     # What the deepspeed launcher sets (DeepSpeed's engine asserts LOCAL_RANK).
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     results = {"bad-inputs": _bad_inputs(rank), "norm": _norm_ownership(rank, world_size)}
+    attempt = attempts(results, rank)
     for name, case in cases.items():
-        try:
-            results[name] = _train(rank, case)
-        except Exception:   # reported by the case's test; the next case goes on
-            results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+        attempt(name, _train, rank, case)
     return results
 
 

@@ -31,12 +31,11 @@ trained and ``close()``d per case), the 8-rank layout in another.
 from __future__ import annotations
 
 import os
-import traceback
 
 import pytest
 import torch
 
-from dist import run_distributed
+from dist import attempts, run_distributed
 from gpt_tiny import MODEL as TINY
 from gpt_tiny import (cpu_sequence_parallel, global_batch, gpt_provider, micro_batches, one_rank_groups,
                       pipeline_provider, shard_full, torch_steps)
@@ -189,11 +188,9 @@ def _one_rank(rank: int, world_size: int) -> dict:
 def _ranks(rank: int, world_size: int, layouts: dict, initial: dict, final: dict) -> dict:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))   # as the launcher
     results = {}
+    attempt = attempts(results, rank)
     for name, (_, parallel, stage, gas) in layouts.items():
-        try:
-            results[name] = _train(rank, world_size, parallel, stage, gas, initial, final)
-        except Exception:   # reported by the layout's test; the next layout goes on
-            results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+        attempt(name, _train, rank, world_size, parallel, stage, gas, initial, final)
     return results
 
 

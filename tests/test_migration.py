@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist import run_distributed
+from dist import attempts, run_distributed
 from moe_plugin.configs import MoEConfig
 from moe_plugin.layers import MoELayer
 from moe_plugin.placement.migration import check_placement, moved_bytes
@@ -293,11 +292,9 @@ def _cases_child(rank: int, world_size: int, root: str, cases: dict) -> dict:
     results = {}
     jobs = {name: (lambda case=case, name=name: _case(root, name, *case)) for name, case in cases.items()}
     jobs["pipe/pp2-ep2/zero1/adamw"] = _pipeline_case
+    attempt = attempts(results, rank)
     for name, job in jobs.items():
-        try:
-            results[name] = job()
-        except Exception:   # reported by the case's test; the next case goes on
-            results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+        attempt(name, job)
     return results
 
 
