@@ -174,6 +174,19 @@ def test_deepspeed_zero_flat_buffers():
           "DeepSpeedZeroOptimizer no longer makes its parameters views of bit16_groups_flat", DS, "deepspeed_zero")
 
 
+def test_deepspeed_pipeline_module_partitioning():
+    from deepspeed.runtime.pipe import module
+
+    source = inspect.getsource(module.PipelineModule)
+    _must("self._partition_layers(method=partition_method)" in source,
+          "PipelineModule.__init__ no longer partitions through _partition_layers", DS, "deepspeed_pipe")
+    _must("self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])" in source
+          and "stage_id = self._topo.get_coord(self.global_rank).pipe" in source,
+          "PipelineModule._partition_layers no longer sets its bounds from parts and _topo", DS, "deepspeed_pipe")
+    bounds = list(inspect.signature(module.PipelineModule._set_bounds).parameters)
+    _must(bounds == ["self", "start", "stop"], f"PipelineModule._set_bounds takes {bounds}", DS, "deepspeed_pipe")
+
+
 @pytest.mark.parametrize("module", sorted(p.stem for p in (Path(__file__).parent.parent / "moe_plugin" / "compat")
                                            .glob("*.py") if p.stem != "__init__"))
 def test_compat_module_names_its_pinned_versions(module):

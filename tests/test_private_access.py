@@ -11,12 +11,14 @@ The package's AST (and ``moe_plugin_tools``' where it exists) is walked; flagged
 (c) ``getattr`` / ``setattr`` / ``hasattr`` / ``delattr`` with a constant ``'_name'``: as (a) and
     (b); ``setattr`` / ``delattr`` with a computed name on a DeepSpeed or Megatron object;
 (d) ``from deepspeed... import _x`` / ``from megatron... import _x``;
-(e) ``Base.__init__(self, ...)`` in a class derived from a DeepSpeed or Megatron class: a
-    subclass that skips its upstream constructor.
+(e) in a class derived from a DeepSpeed or Megatron class: ``Base.__init__(self, ...)`` (a
+    subclass that skips its upstream constructor), ``self._name`` as in (b), and a method that
+    overrides a private one of the upstream base (the base is imported to tell).
 """
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 import textwrap
 from pathlib import Path
@@ -46,16 +48,37 @@ class _Bindings(ast.NodeVisitor):
     def __init__(self) -> None:
         self.upstream: set[str] = set()
         self.other: set[str] = set()
+        self.origin: dict[str, tuple[str, str]] = {}   # upstream name -> (module, attribute or "")
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
             bound = alias.asname or alias.name.split(".")[0]
             (self.upstream if UPSTREAM.match(alias.name) else self.other).add(bound)
+            self.origin[bound] = (alias.name if alias.asname else bound, "")
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
         upstream = node.level == 0 and UPSTREAM.match(node.module or "")
         for alias in node.names:
             (self.upstream if upstream else self.other).add(alias.asname or alias.name)
+            if upstream:
+                self.origin[alias.asname or alias.name] = (node.module, alias.name)
+
+    def resolve(self, expr: ast.AST) -> object:
+        """The upstream object ``expr`` (a name or attribute chain) names, or None."""
+        root, chain = _root(expr), []
+        while isinstance(expr, ast.Attribute):
+            chain.insert(0, expr.attr)
+            expr = expr.value
+        if not isinstance(root, ast.Name) or root.id not in self.origin:
+            return None
+        module, attr = self.origin[root.id]
+        try:
+            obj = importlib.import_module(module)
+            for name in ([attr] if attr else []) + chain:
+                obj = getattr(obj, name)
+        except (ImportError, AttributeError):
+            return None
+        return obj
 
     def visit_Assign(self, node: ast.Assign) -> None:
         if any(isinstance(c, ast.Constant) and isinstance(c.value, str) and UPSTREAM.match(c.value)
@@ -110,11 +133,19 @@ def _offences(tree: ast.AST, own: set[str]) -> list[tuple[int, str]]:
             found += [(node.lineno, f"import of {a.name} from {node.module}") for a in node.names if _private(a.name)]
         elif isinstance(node, ast.ClassDef) and any(isinstance(_root(b), ast.Name) and _root(b).id in bind.upstream
                                                     for b in node.bases):
-            for call in ast.walk(node):
-                if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) \
-                        and call.func.attr == "__init__" and not isinstance(call.func.value, ast.Call):
-                    found.append((call.lineno, f"{ast.unparse(call.func)} in {node.name}, a subclass of an "
-                                               "upstream class: its own constructor skipped"))
+            bases = [bind.resolve(b) for b in node.bases]
+            found += [(item.lineno, f"{item.name} of {node.name} overrides a private method of {type_.__name__}")
+                      for item in node.body if isinstance(item, ast.FunctionDef) and _private(item.name)
+                      for type_ in bases if isinstance(type_, type) and hasattr(type_, item.name)][:1]
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) \
+                        and inner.func.attr == "__init__" and not isinstance(inner.func.value, ast.Call):
+                    found.append((inner.lineno, f"{ast.unparse(inner.func)} in {node.name}, a subclass of an "
+                                                "upstream class: its own constructor skipped"))
+                elif isinstance(inner, ast.Attribute) and _private(inner.attr) and isinstance(inner.value, ast.Name) \
+                        and inner.value.id == "self" and inner.attr not in own:
+                    found.append((inner.lineno, f"attribute {inner.attr} of self in {node.name}, a subclass of an "
+                                                "upstream class (not a name moe_plugin defines)"))
     return found
 
 
@@ -146,6 +177,10 @@ SNIPPET = textwrap.dedent("""
     class Marker(MoE):
         def __init__(self):
             torch.nn.Module.__init__(self)
+            self._mine = self._gate
+
+        def _apply(self, fn):
+            return self
 
     def f(optimizer, model):
         ds_groups._EXPERT_PARALLEL_GROUP["x"] = 1
@@ -163,8 +198,9 @@ def test_checker_flags_a_synthetic_offender():
     found = _offences(ast.parse(SNIPPET), own={"_mine"})
     text = "\n".join(what for _, what in found)
     lines = sorted(line for line, _ in found)
-    assert lines == [4, 10, 13, 14, 16, 18, 19], text
+    assert lines == [4, 10, 11, 13, 17, 18, 20, 22, 23], text
     for expected in ("import of _TENSOR_MODEL_PARALLEL_GROUP", "Module.__init__ in Marker", "_EXPERT_PARALLEL_GROUP of ds_groups",
                      "_global_grad_norm of optimizer", "setattr _MPU_DATA_PARALLEL_RANK of ps",
-                     "setattr of a computed name on ds_groups", "getattr _secret of model"):
+                     "setattr of a computed name on ds_groups", "getattr _secret of model",
+                     "attribute _gate of self in Marker", "_apply of Marker overrides a private method of MoE"):
         assert expected in text, text
