@@ -54,7 +54,7 @@ def allow_cpu_fp16() -> None:
 
 def _ranks(rank: int, world_size: int) -> dict:
     import moe_plugin
-    from moe_plugin.integration.expert_params import engine_loss_scale
+    from moe_plugin.compat.deepspeed_engine import engine_loss_scale
     from moe_plugin.layers import MoELayer
 
     allow_cpu_fp16()

@@ -8,7 +8,7 @@ Both engines: ``DeepSpeedEngine`` (a ``GPTModel``) and ``PipelineEngine`` (``moe
 > 1, ``pipeline.gpt_pipeline_module``; also the marker, the experts and the RNG per stage).
 
 What DeepSpeed 0.19.8 does by itself, and why this module exists: our engine marker
-(``expert_params.DeepSpeedMoEMarker``) is a ``deepspeed.moe.layer.MoE`` without experts of its own,
+(``compat.deepspeed_moe.DeepSpeedMoEMarker``) is a ``deepspeed.moe.layer.MoE`` without experts of its own,
 so ``engine.save_checkpoint`` takes its MoE path, writes no expert files (``_save_moe_checkpoint``
 looks for ``deepspeed_experts`` keys) and saves the module state from data-parallel rank 0 only: the
 expert shards of the other EP ranks are lost. The PipelineEngine takes the same path: one

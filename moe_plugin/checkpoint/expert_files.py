@@ -27,7 +27,7 @@ from moe_plugin.checkpoint.keys import running_state
 from moe_plugin.checkpoint.metadata import expert_file, local_ids, placement_key, saved_local_ids, stage_view
 from moe_plugin.checkpoint.optimizer import basic_optimizer, param_state_names
 from moe_plugin.compat.deepspeed_checkpoint import no_local_experts
-from moe_plugin.integration.expert_params import DeepSpeedMoEMarker
+from moe_plugin.compat.deepspeed_moe import DeepSpeedMoEMarker
 from moe_plugin.placement.migration import copies_in_placement
 
 

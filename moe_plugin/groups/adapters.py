@@ -11,7 +11,9 @@
   groups instead of creating its own, and ``groups.mpu``, an object with the methods DeepSpeed
   calls on a Megatron ``mpu`` (also what to pass as ``deepspeed.initialize(mpu=...)``).
 
-Megatron and DeepSpeed are imported inside the functions: importing this module is cheap.
+Their private globals are written through ``compat/megatron_parallel_state.py`` and
+``compat/deepspeed_groups.py``. Megatron and DeepSpeed are imported inside the functions:
+importing this module is cheap.
 """
 from __future__ import annotations
 
@@ -21,6 +23,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from moe_plugin.compat.deepspeed_groups import clear_mpu, expert_groups, forget_expert_groups, registered_mpu, \
+    set_expert_groups, set_mpu
+from moe_plugin.compat.megatron_parallel_state import clear_parallel_state, held_tensor_parallel_group, \
+    parallel_state_values, restore_parallel_state, set_parallel_state
 from moe_plugin.groups.builder import rank_lists
 from moe_plugin.groups.layout import RankLayout
 from moe_plugin.groups.process_groups import ProcessGroups
@@ -29,15 +35,6 @@ from moe_plugin.groups.process_groups import ProcessGroups
 def _my_ranks(groups: ProcessGroups, kind: str) -> Optional[list[int]]:
     """This rank's list of ``kind`` (layout kinds and the builder's Megatron-only kinds)."""
     return next((r for r in rank_lists(groups.layout)[kind] if groups.rank in r), None)
-
-
-def _unique(handles) -> list:
-    """Each handle once (handles are shared between kinds with the same ranks)."""
-    out: list = []
-    for h in handles:
-        if all(h is not o for o in out):
-            out.append(h)
-    return out
 
 
 # --- Megatron-Core ----------------------------------------------------------------------------
@@ -52,104 +49,29 @@ def register_with_megatron(groups: ProcessGroups, over_existing: bool = False) -
     ``over_existing``: parallel_state may already hold groups (the user's ``initialize_model_parallel``;
     ``check_megatron_groups`` checked that their rank lists are ours): they are set aside, not
     destroyed, and ``unregister_megatron`` puts them back."""
-    from megatron.core import parallel_state as ps
-
     global _SAVED_MEGATRON_STATE
-    h = groups.handles
-    theirs = ps._TENSOR_MODEL_PARALLEL_GROUP is not None and ps._TENSOR_MODEL_PARALLEL_GROUP is not h["tp"]
+    held = held_tensor_parallel_group()
+    theirs = held is not None and held is not groups.handles["tp"]
     if theirs and not over_existing:
         raise RuntimeError("megatron.core.parallel_state already holds other groups "
                            "(initialize_model_parallel?); call unregister_megatron() first, or check them with "
                            "check_megatron_groups and register with over_existing=True")
-    # Megatron keeps separate gloo copies of the DP groups; on a gloo job ours are gloo already.
-    gloo = groups.backend == "gloo"
-    values = {
-        "_TENSOR_MODEL_PARALLEL_GROUP": h["tp"],
-        "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": groups.ranks("tp"),
-        "_PIPELINE_MODEL_PARALLEL_GROUP": h["pp"],
-        "_PIPELINE_GLOBAL_RANKS": groups.ranks("pp"),
-        "_MODEL_PARALLEL_GROUP": h["mp"],
-        "_MODEL_PARALLEL_GLOBAL_RANKS": groups.ranks("mp"),
-        # Only the first and last stage are members; the others keep None, as in Megatron.
-        "_EMBEDDING_GROUP": h.get("embedding"),
-        "_EMBEDDING_GLOBAL_RANKS": _my_ranks(groups, "embedding"),
-        "_POSITION_EMBEDDING_GROUP": h.get("pos_embedding"),
-        "_POSITION_EMBEDDING_GLOBAL_RANKS": _my_ranks(groups, "pos_embedding"),
-        "_DATA_PARALLEL_GROUP": h["dp"],
-        "_DATA_PARALLEL_GROUP_GLOO": h["dp"] if gloo else None,
-        "_DATA_PARALLEL_GLOBAL_RANKS": groups.ranks("dp"),
-        # Context parallel is 1: "with CP" groups are the plain ones.
-        "_CONTEXT_PARALLEL_GROUP": h["cp"],
-        "_CONTEXT_PARALLEL_GLOBAL_RANKS": [groups.rank],
-        "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": None,
-        "_DATA_PARALLEL_GROUP_WITH_CP": h["dp"],
-        "_DATA_PARALLEL_GROUP_WITH_CP_AG": None,
-        "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": h["dp"] if gloo else None,
-        "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": groups.ranks("dp"),
-        # One distributed-optimizer instance: the "partial" DP groups are the whole DP groups.
-        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": h["dp"],
-        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": h["dp"] if gloo else None,
-        "_TENSOR_AND_DATA_PARALLEL_GROUP": h["tp_dp"],
-        "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": h["tp_dp"],
-        "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": h["tp"],
-        "_EXPERT_MODEL_PARALLEL_GROUP": h["ep"],
-        "_EXPERT_MODEL_PARALLEL_RANKS": groups.ranks("ep"),
-        "_EXPERT_TENSOR_PARALLEL_GROUP": h["etp"],
-        "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": h["etp_ep"],
-        "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": h["etp_ep_pp"],
-        "_EXPERT_DATA_PARALLEL_GROUP": h["edp"],
-        "_EXPERT_DATA_PARALLEL_GROUP_GLOO": h["edp"] if gloo else None,
-        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": h["edp"],
-        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": h["edp"] if gloo else None,
-        "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": None,
-        "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": dist.group.WORLD,
-        # Sizes and ranks come from the groups, not from overrides.
-        "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": None,
-        "_MPU_TENSOR_MODEL_PARALLEL_RANK": None,
-        "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": None,
-        "_MPU_PIPELINE_MODEL_PARALLEL_RANK": None,
-        "_MPU_DATA_PARALLEL_WORLD_SIZE": None,
-        "_MPU_DATA_PARALLEL_RANK": None,
-        "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE": None,
-        "_MPU_EXPERT_MODEL_PARALLEL_RANK": None,
-        "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE": None,
-        "_MPU_EXPERT_TENSOR_PARALLEL_RANK": None,
-        "_global_process_group_list": [None] + _unique(h.values()),
-    }
-    for name in values:
-        if not hasattr(ps, name):
-            raise RuntimeError(f"megatron.core.parallel_state has no {name}: unsupported megatron-core version")
+    ranks = {kind: groups.ranks(kind) for kind in ("tp", "pp", "mp", "dp", "ep")}
+    ranks.update({kind: _my_ranks(groups, kind) for kind in ("embedding", "pos_embedding")})
+    before = set_parallel_state(parallel_state_values(groups.handles, ranks, groups.rank, groups.backend == "gloo"))
     if theirs:
-        _SAVED_MEGATRON_STATE = {name: getattr(ps, name) for name in values}
-    for name, value in values.items():
-        setattr(ps, name, value)
-    if ps._GLOBAL_MEMORY_BUFFER is None:
-        ps._set_global_memory_buffer()
+        _SAVED_MEGATRON_STATE = before
 
 
 def unregister_megatron() -> None:
     """Empty Megatron-Core's registry without destroying our groups; where ``register_with_megatron``
     set the user's own groups aside, put them back instead (they stay alive)."""
     global _SAVED_MEGATRON_STATE
-    from megatron.core import parallel_state as ps
-
     if _SAVED_MEGATRON_STATE is not None:
-        for name, value in _SAVED_MEGATRON_STATE.items():
-            setattr(ps, name, value)
+        restore_parallel_state(_SAVED_MEGATRON_STATE)
         _SAVED_MEGATRON_STATE = None
         return
-    # destroy_model_parallel() destroys the gloo DP groups it holds; ours are owned elsewhere.
-    for name in ("_DATA_PARALLEL_GROUP_GLOO", "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
-                 "_EXPERT_DATA_PARALLEL_GROUP_GLOO", "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO"):
-        setattr(ps, name, None)
-    ps.destroy_model_parallel()
-    # Rank lists and groups destroy_model_parallel() leaves set.
-    for name in ("_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", "_PIPELINE_GLOBAL_RANKS", "_MODEL_PARALLEL_GLOBAL_RANKS",
-                 "_EMBEDDING_GLOBAL_RANKS", "_DATA_PARALLEL_GLOBAL_RANKS", "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP",
-                 "_EXPERT_MODEL_PARALLEL_RANKS", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
-                 "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO", "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS",
-                 "_MPU_DATA_PARALLEL_WORLD_SIZE", "_MPU_DATA_PARALLEL_RANK"):
-        setattr(ps, name, None)
+    clear_parallel_state()
 
 
 # kind -> parallel_state's getter of this rank's group (context parallel must be 1)
@@ -161,15 +83,9 @@ _MEGATRON_GETTERS = {"tp": "get_tensor_model_parallel_group", "pp": "get_pipelin
 def megatron_holds_groups() -> bool:
     """Whether ``megatron.core.parallel_state`` holds groups that are not the plugin's (the user
     called ``initialize_model_parallel``)."""
-    ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is None or ps._TENSOR_MODEL_PARALLEL_GROUP is None:
+    if held_tensor_parallel_group() is None:
         return False
-    return not isinstance(_registered_mpu(), GroupsMPU)
-
-
-def _registered_mpu():
-    ds_groups = sys.modules.get("deepspeed.utils.groups")
-    return getattr(ds_groups, "mpu", None)
+    return not isinstance(registered_mpu(), GroupsMPU)
 
 
 def check_megatron_groups(layout: RankLayout, rank: int, device: str = "cpu") -> None:
@@ -262,38 +178,25 @@ def register_with_deepspeed(groups: ProcessGroups) -> GroupsMPU:
     (DeepSpeed's getters assert it).
     """
     import deepspeed.comm as ds_comm
-    from deepspeed.utils import groups as ds_groups
 
     if not ds_comm.is_initialized():
         ds_comm.init_distributed(dist_backend=groups.backend, auto_mpi_discovery=False, verbose=False)
-    name = groups.expert_group_name
-    for registry, kind in ((ds_groups._EXPERT_PARALLEL_GROUP, "ep"), (ds_groups._EXPERT_DATA_PARALLEL_GROUP, "edp")):
-        if registry.get(name, groups.handles[kind]) is not groups.handles[kind]:
-            raise RuntimeError(f"deepspeed.utils.groups already holds other {name!r} groups "
-                               "(a DeepSpeed MoE layer created them?); call unregister_deepspeed() first")
-    ds_groups._EXPERT_PARALLEL_GROUP[name] = groups.handles["ep"]
-    ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = groups.ranks("ep")
-    ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = groups.handles["edp"]
-    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = groups.ranks("edp")
-    ds_groups.expert_tensor_parallel_world_size = groups.size("etp")
-    ds_groups.mpu = make_mpu(groups)
-    return ds_groups.mpu
+    name, h = groups.expert_group_name, groups.handles
+    if any(theirs is not None and theirs is not h[kind] for theirs, kind in zip(expert_groups(name), ("ep", "edp"))):
+        raise RuntimeError(f"deepspeed.utils.groups already holds other {name!r} groups "
+                           "(a DeepSpeed MoE layer created them?); call unregister_deepspeed() first")
+    set_expert_groups(name, h["ep"], groups.ranks("ep"), h["edp"], groups.ranks("edp"), groups.size("etp"))
+    mpu = make_mpu(groups)
+    set_mpu(mpu)
+    return mpu
 
 
 def unregister_deepspeed() -> None:
     """Remove what ``register_with_deepspeed`` put into ``deepspeed.utils.groups``."""
-    from deepspeed.utils import groups as ds_groups
-
-    mpu = ds_groups.mpu
+    mpu = registered_mpu()
     if isinstance(mpu, GroupsMPU):
-        name = mpu.groups.expert_group_name
-        for registry, ranks in ((ds_groups._EXPERT_PARALLEL_GROUP, ds_groups._EXPERT_PARALLEL_GROUP_RANKS),
-                                (ds_groups._EXPERT_DATA_PARALLEL_GROUP, ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS)):
-            if any(registry.get(name) is h for h in mpu.groups.handles.values()):
-                registry.pop(name)
-                ranks.pop(name, None)
-        ds_groups.mpu = None
-        ds_groups.expert_tensor_parallel_world_size = 1
+        forget_expert_groups(mpu.groups.expert_group_name, list(mpu.groups.handles.values()))
+        clear_mpu()
 
 
 # --- both -------------------------------------------------------------------------------------

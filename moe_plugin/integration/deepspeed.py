@@ -276,7 +276,7 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
             args = copy.copy(args)
             args.deepspeed_config = None  # the config goes as config=...; DeepSpeed takes one of the two
         # DeepSpeed takes a PipelineModule's own grid as mpu (same ranks as ours: check_topology) and
-        # makes it deepspeed.utils.groups.mpu; registering again puts ours back for the getters.
+        # makes it deepspeed.utils.groups.mpu (compat/deepspeed_groups.py); registering again puts ours back.
         engine, optimizer, loader, scheduler = deepspeed.initialize(
             args=args, model=model, model_parameters=param_groups, config=engine_config,
             mpu=None if pipelined else mpu, **deepspeed_kwargs)

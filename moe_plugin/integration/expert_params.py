@@ -8,8 +8,8 @@ DeepSpeed 0.19.8 decides everything MoE from three things; ``prepare_model`` and
    gradients over their expert-data-parallel group (ZeRO-0 even fails: its gradient buckets are
    keyed by the registered expert groups) nor hands the expert groups to ZeRO. Our layer is not
    DeepSpeed's, so ``prepare_model`` adds one parameter-free ``DeepSpeedMoEMarker`` child (an
-   ``MoE`` subclass that builds nothing and creates no groups) under ``MARKER_NAME``. State dicts
-   do not change: the marker has no parameters or buffers.
+   ``MoE`` subclass that builds nothing and creates no groups, ``compat/deepspeed_moe.py``) under
+   ``MARKER_NAME``. State dicts do not change: the marker has no parameters or buffers.
 2. Optimizer param groups (``moe_param_groups``). ZeRO-1/2 partitions each param group over one
    group of ranks: an expert group must hold expert parameters only and carry ``'moe': True``
    and ``'name'``: the key of its expert-data-parallel group in ``deepspeed.utils.groups``
@@ -41,12 +41,11 @@ from collections.abc import Iterable
 from typing import Any, Union
 
 import torch
-from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.moe.utils import is_moe_param
-from deepspeed.runtime.base_optimizer import ZeROOptimizer
-from deepspeed.utils import groups as ds_groups
 from torch import nn
 
+from moe_plugin.compat.deepspeed_engine import engine_loss_scale
+from moe_plugin.compat.deepspeed_moe import DeepSpeedMoEMarker, is_deepspeed_moe, mark_model_parallel
 from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.groups.process_groups import ProcessGroups
 from moe_plugin.layers.experts import GroupedExperts
@@ -58,41 +57,6 @@ MARKER_NAME = "deepspeed_moe_marker"
 DEEPSPEED_EXPERT_GRAD_SCALE = 1.0
 
 ParamsLike = Union[nn.Module, Iterable[torch.Tensor], Iterable[dict]]
-
-
-class DeepSpeedMoEMarker(DeepSpeedMoE):
-    """Makes ``DeepSpeedEngine`` take its MoE code paths (``has_moe_layers``) for the plugin's layers.
-
-    A ``deepspeed.moe.layer.MoE`` in type only: ``MoE.__init__`` (DeepSpeed's own gate and
-    experts) is skipped, and ``set_deepspeed_parallelism`` creates no groups, it checks that
-    DeepSpeed's registry holds ours. The attributes are the ones the engine reads from an ``MoE``.
-    """
-
-    def __init__(self, moe_config: MoEConfig, groups: ProcessGroups):
-        nn.Module.__init__(self)
-        self.ep_size = groups.layout.sizes.ep
-        self.expert_group_name = groups.expert_group_name
-        self.num_experts = moe_config.num_experts
-        self.num_local_experts = moe_config.num_experts // self.ep_size
-        self.use_residual = False
-        self._group_handles = (groups.handles["ep"], groups.handles["edp"])
-
-    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        if use_data_before_expert_parallel_:
-            raise ValueError("use_data_before_expert_parallel_ is DeepSpeed's own rank layout; the plugin's "
-                             "layout comes from moe.parallel.order")
-        name = self.expert_group_name
-        registered = (ds_groups._get_expert_parallel_group_dict().get(name),
-                      ds_groups._get_expert_data_parallel_group_dict().get(name))
-        if any(mine is not theirs for mine, theirs in zip(self._group_handles, registered)):
-            raise RuntimeError(f"deepspeed.utils.groups does not hold the plugin's {name!r} groups; "
-                               "register them first (moe_plugin.groups.register)")
-
-    def forward(self, *args: Any, **kwargs: Any):
-        raise RuntimeError("DeepSpeedMoEMarker only marks the model for DeepSpeed's engine; it has no forward")
-
-    def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, group={self.expert_group_name}"
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
@@ -114,42 +78,22 @@ def prepare_model(model: nn.Module, moe_config: MoEConfig, groups: ProcessGroups
     for module in model.modules():
         if isinstance(module, GroupedExperts):
             module.grad_scale = DEEPSPEED_EXPERT_GRAD_SCALE
-    for p in experts:
-        p.model_parallel = True
-    if not any(isinstance(m, DeepSpeedMoE) for m in model.modules()):
-        model.add_module(MARKER_NAME, DeepSpeedMoEMarker(moe_config, groups))
+    mark_model_parallel(experts)
+    if not any(is_deepspeed_moe(m) for m in model.modules()):
+        model.add_module(MARKER_NAME, DeepSpeedMoEMarker(moe_config.num_experts, groups.layout.sizes.ep,
+                                                         groups.expert_group_name, groups.handles["ep"],
+                                                         groups.handles["edp"]))
     return True
-
-
-def engine_loss_scale(engine: Any) -> float:
-    """The factor DeepSpeed's ``engine.backward`` multiplies the loss by, besides 1 / gas: what
-    0.19.8's ``backward`` does, branch for branch. A ZeRO optimizer scales it
-    (``scale_if_loss``): by the user's external scale, torch autocast's grad scaler, or its
-    fp16 loss scaler's ``cur_scale`` (1 in bf16 and fp32). Otherwise only ZeRO-0's torch autocast
-    grad scaler scales it; in particular ZeRO-0 fp16 (``FP16_UnfusedOptimizer``) does not: that
-    optimizer divides the gradients by its loss scale in ``step`` whatever ``backward`` did, so
-    the aux-loss gradient must be left as the main loss's is."""
-    optimizer = getattr(engine, "optimizer", None)
-    if isinstance(optimizer, ZeROOptimizer):
-        if getattr(optimizer, "custom_loss_scaler", False):
-            return float(optimizer.external_loss_scale)
-        scaler = getattr(optimizer, "torch_autocast_gradscaler", None)
-        if scaler is not None:
-            return float(scaler.get_scale())
-        loss_scaler = getattr(optimizer, "loss_scaler", None)
-        return 1.0 if loss_scaler is None else float(loss_scaler.cur_scale)
-    scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
-    return 1.0 if scaler is None else float(scaler.get_scale())
 
 
 def follow_loss_scale(engine: Any, model: nn.Module):
     """Keep the aux/z-loss gradients of ``model``'s MoE layers scaled like the main loss's.
 
     The engine's ``backward`` multiplies the loss by 1 / gradient accumulation steps and, in fp16
-    under ZeRO-1/2, by the current loss scale (``engine_loss_scale``); the layer's aux-loss
-    gradient enters at its output in backward (``AttachAuxLoss``) with ``aux_loss_scale``, which
-    must carry the same factors: with 1 / gas alone such an fp16 run would divide the balance
-    loss's gradient by the loss scale (4,096 to 65,536) when the optimizer unscales, and lose it.
+    under ZeRO-1/2, by the current loss scale (``compat/deepspeed_engine.py``: ``engine_loss_scale``);
+    the layer's aux-loss gradient enters at its output in backward (``AttachAuxLoss``) with
+    ``aux_loss_scale``, which must carry the same factors: with 1 / gas alone such an fp16 run would
+    divide the balance loss's gradient by the loss scale (4,096 to 65,536) when the optimizer unscales, and lose it.
     A forward pre-hook on ``model`` sets it from the engine's scale before every forward (and once
     now); the scale only changes in ``step``, so the backward that follows sees the same one.
     Returns the hook's handle (``.remove()``)."""

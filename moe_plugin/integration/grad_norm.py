@@ -12,7 +12,7 @@ then *averages the norms* over the data-parallel group. Expert gradients differ 
 so that average is not the norm of anything (it is right only without expert parallelism), and
 the engine reports no norm at all (``get_global_grad_norm()`` is None). ``GlobalNormClipping`` is an
 optimizer step pre-hook that clips by the right norm and leaves it where the engine reads it
-(``optimizer._global_grad_norm``, as ZeRO's optimizers do). ZeRO-1/2 compute the right norm
+(``compat/deepspeed_engine.py``, as ZeRO's optimizers do). ZeRO-1/2 compute the right norm
 themselves once expert parameters are marked (``expert_params.prepare_model``).
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import is_moe_param
 
+from moe_plugin.compat.deepspeed_engine import set_global_grad_norm
 from moe_plugin.groups.process_groups import ProcessGroups
 
 EPS = 1e-6  # as DeepSpeed and torch: clip coefficient max_norm / (norm + EPS)
@@ -73,7 +74,7 @@ def distinct_parameter_count(params: Iterable[torch.Tensor], groups: Optional[Pr
 
 class GlobalNormClipping:
     """Optimizer step pre-hook: computes the global norm, clips the gradients to ``max_norm``
-    (0: no clipping) and stores the norm as ``optimizer._global_grad_norm``."""
+    (0: no clipping) and stores the norm where the engine reads it (``set_global_grad_norm``)."""
 
     def __init__(self, groups: ProcessGroups, max_norm: float):
         self.groups = groups
@@ -87,7 +88,7 @@ class GlobalNormClipping:
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(coef.to(p.grad.dtype))
-        optimizer._global_grad_norm = norm
+        set_global_grad_norm(optimizer, norm)
 
     def install(self, optimizer: torch.optim.Optimizer):
         """Register on ``optimizer``; returns the handle (``.remove()``)."""

@@ -50,6 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_plugin.compat.deepspeed_engine import optimizer_loss_scale
+
 SLOW_FACTOR = 10.0     # a step this many times the median so far is logged
 SLOW_MIN_STEPS = 3     # steps timed before the median counts
 SLOW_MIN_S = 1.0       # and never for a step under a second (a busy machine's jitter on tiny steps)
@@ -268,8 +270,8 @@ def _all_max(values: list[int]) -> list[int]:
 
 
 def _loss_scale(engine: Any) -> str:
-    scale = getattr(getattr(engine, "optimizer", None), "loss_scale", None)
-    return f", loss scale now {scale:g}" if isinstance(scale, (int, float)) else ""
+    scale = optimizer_loss_scale(engine)
+    return f", loss scale now {scale:g}" if scale is not None else ""
 
 
 def _print_on_rank0(text: str) -> None:

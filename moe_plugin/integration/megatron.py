@@ -42,13 +42,9 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import (
-    TransformerLayer,
-    TransformerLayerSubmodules,
-    get_transformer_layer_offset,
-)
-from megatron.core.utils import get_pg_rank
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from moe_plugin.compat.megatron_layer import BuildSpec, check_layer_number, global_layer_index
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.groups.process_groups import ProcessGroups
 from moe_plugin.integration.cpu_modules import SDPAttention, TorchNorm
@@ -117,38 +113,24 @@ class MoEPlan:
     placements: Optional[Mapping[int, Sequence[int]]] = None
 
 
-@dataclass(frozen=True)
-class _Build:
-    """What ``build_module`` reads (module, params, submodules), deliberately not a ``ModuleSpec``:
-    for a ``ModuleSpec`` of a class it does not know, ``TransformerLayer`` logs "Unknown MLP
-    type" on every layer, and passes nothing but ``config`` to it either way."""
-
-    module: type
-    params: dict
-    submodules: Any = None
-
-
 class MoEAwareTransformerLayer(TransformerLayer):
     """A ``TransformerLayer`` that builds ``MegatronMoEMLP`` where ``moe.moe_config`` names its
     global index, and the spec's dense MLP elsewhere. Megatron's ``is_moe_layer`` stays False:
     it describes Megatron's own MoE layer, whose extras (CUDA graphs of the router, ...) do not
-    apply; ``moe_layer_index`` is the global index on MoE layers, None on dense ones."""
+    apply; ``moe_layer_index`` is the global index on MoE layers, None on dense ones. What it relies
+    on in Megatron's constructor: ``compat/megatron_layer.py``."""
 
     def __init__(self, config: TransformerConfig, submodules: TransformerLayerSubmodules, layer_number: int = 1,
                  hidden_dropout: Optional[float] = None, pg_collection: Optional[ProcessGroupCollection] = None,
                  vp_stage: Optional[int] = None, *, moe: MoEPlan, **kwargs):
-        if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        index = layer_number - 1 + get_transformer_layer_offset(config, vp_stage, get_pg_rank(pg_collection.pp))
+        index, pg_collection = global_layer_index(config, layer_number, vp_stage, pg_collection)
         check_against_model(moe.moe_config, config)
         is_moe = moe.moe_config.is_moe_layer(index)
         if is_moe:
             submodules = _with_moe_mlp(submodules, moe, index)
         with seeded(layer_seed(moe.seed, index)):   # the same weights on whichever pipeline stage builds it
             super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage, **kwargs)
-        if self.layer_number != index + 1:
-            raise RuntimeError(f"Megatron numbers this layer {self.layer_number}, the MoE spec computed "
-                               f"{index + 1}: unsupported megatron-core version")
+        check_layer_number(self, index)
         self.moe_layer_index = index if is_moe else None
 
 
@@ -209,7 +191,7 @@ def check_against_model(moe_config: MoEConfig, config: TransformerConfig) -> Non
 def _with_moe_mlp(submodules: TransformerLayerSubmodules, moe: MoEPlan, index: int) -> TransformerLayerSubmodules:
     params = dict(moe_config=moe.moe_config, groups=moe.groups, seed=moe.seed, layer_index=index,
                   placement=(moe.placements or {}).get(index))
-    changes: dict[str, Any] = {"mlp": _Build(MegatronMoEMLP, params)}
+    changes: dict[str, Any] = {"mlp": BuildSpec(MegatronMoEMLP, params)}
     if _fuses_pre_mlp_norm(submodules):
         changes["pre_mlp_layernorm"] = moe.norm or _default_fused_norm()
     return dataclasses.replace(submodules, **changes)
@@ -383,11 +365,11 @@ def _megatron_lm_args() -> Optional[Any]:
 
 def registered_groups() -> Optional[ProcessGroups]:
     """The groups ``moe_plugin.groups.register`` put into DeepSpeed's registry, if any."""
-    from deepspeed.utils import groups as ds_groups
-
+    from moe_plugin.compat.deepspeed_groups import registered_mpu
     from moe_plugin.groups.adapters import GroupsMPU
 
-    return ds_groups.mpu.groups if isinstance(ds_groups.mpu, GroupsMPU) else None
+    mpu = registered_mpu()
+    return mpu.groups if isinstance(mpu, GroupsMPU) else None
 
 
 def _groups_for_megatron_lm(moe_config: MoEConfig) -> ProcessGroups:

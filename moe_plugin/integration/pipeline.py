@@ -48,7 +48,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
+from deepspeed.runtime.pipe.module import LayerSpec
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.transformer.spec_utils import build_module
@@ -57,6 +57,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from torch import Tensor, nn
 
+from moe_plugin.compat.deepspeed_pipe import GivenPartsPipelineModule
 from moe_plugin.configs import MoEConfig
 from moe_plugin.groups.process_groups import ProcessGroups
 from moe_plugin.integration.megatron import check_against_model, gpt_moe_spec
@@ -174,7 +175,7 @@ def stage_boundaries(config: TransformerConfig) -> list[int]:
     return [0] + [1 + r.start for r in ranges[1:]] + [config.num_layers + 3]
 
 
-class GPTPipelineModule(PipelineModule):
+class GPTPipelineModule(GivenPartsPipelineModule):
     """A ``PipelineModule`` whose stage boundaries are given (``parts``) instead of searched:
     DeepSpeed's partitioners balance parameter counts, Megatron's layer offsets must hold.
 
@@ -188,23 +189,11 @@ class GPTPipelineModule(PipelineModule):
 
     def __init__(self, layers: list, *, parts: list[int], tie: Optional[tuple[Any, list[int]]] = None,
                  **kwargs: Any):
-        if not all(hasattr(PipelineModule, name) for name in ("_partition_layers", "_set_bounds")):
-            raise RuntimeError("deepspeed.pipe.PipelineModule lacks _partition_layers/_set_bounds: unsupported "
-                               "DeepSpeed version")
-        if len(parts) != kwargs["topology"].get_dim("pipe") + 1 or parts[-1] != len(layers):
-            raise ValueError(f"parts {parts} do not split {len(layers)} pieces into "
-                             f"{kwargs['topology'].get_dim('pipe')} stages")
-        self._given_parts = list(parts)
-        super().__init__(layers, **kwargs)
+        super().__init__(layers, parts=parts, **kwargs)
         self.tied_weights: list[tuple[nn.Parameter, Any]] = []
         self.share_embeddings_and_output_weights = tie is not None   # on every stage, as GPTModel's attribute
         if tie is not None:
             self._tie_embedding(*tie)
-
-    def _partition_layers(self, method: str = "uniform") -> None:
-        self.parts = list(self._given_parts)
-        stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
     def _tie_embedding(self, group: Any, ranks: list[int]) -> None:
         pieces = dict(self.named_children())

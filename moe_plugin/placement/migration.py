@@ -52,10 +52,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_plugin.checkpoint.optimizer import basic_optimizer, param_state_names
+from moe_plugin.compat.deepspeed_zero import expert_group_indices, is_zero_optimizer, my_partition
 from moe_plugin.layers.moe_layer import MoELayer, moe_layers
 from moe_plugin.placement.exchange import Piece, Pieces, exchange
-from moe_plugin.placement.zero_partitions import Move, add_partition_moves, expert_group_indices, \
-    is_zero_optimizer, my_partition
+from moe_plugin.placement.zero_partitions import Move, add_partition_moves
 
 PlacementLike = Union[Tensor, Sequence[int]]
 CPU_GLOO_SECONDS_PER_BYTE = 0.8e-9  # measured, see the module docstring

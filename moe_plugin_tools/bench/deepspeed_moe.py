@@ -74,12 +74,9 @@ def deepspeed_twin(ours: MoELayer, ep_size: int = 1, set_parallelism: bool = Tru
 
 def forget_deepspeed_groups(ep_size: int) -> None:
     """Remove DeepSpeed's ``ep_size_<n>`` groups from its registry (before the world is destroyed)."""
-    from deepspeed.utils import groups
+    from moe_plugin.compat.deepspeed_groups import forget_expert_groups
 
-    name = f"ep_size_{ep_size}"
-    for registry in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
-                     groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
-        registry.pop(name, None)
+    forget_expert_groups(f"ep_size_{ep_size}")
 
 
 def deepspeed_capacity(ours: MoELayer, num_tokens: int, routed_E: Tensor) -> int:

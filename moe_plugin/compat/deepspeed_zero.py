@@ -1,0 +1,66 @@
+"""DeepSpeed's ZeRO-1/2 flat buffers and partitions, read and edited in place.
+
+Relies on deepspeed 0.19.8's ``DeepSpeedZeroOptimizer`` (``runtime/zero/stage_1_and_2.py``): each
+param group's parameters are flattened into one buffer ``bit16_groups_flat[i]`` (parameters in
+group order, each padded to 16 bytes, the whole padded to a multiple of the group's
+data-parallel size), every parameter of ``bit16_groups[i]`` has its ``.data`` viewing into it. The
+buffer is cut into ``dp`` equal partitions of ``partition_size[i]`` elements; rank ``j`` of
+``real_dp_process_group[i]`` owns partition ``j``: the fp32 master copy
+``single_partition_of_fp32_groups[i]`` and the inner optimizer's (``optimizer.optimizer``) state
+of that tensor (Adam's ``exp_avg``, ``exp_avg_sq``: same shape; ``step``: a scalar). The inner
+optimizer's param groups keep the ``'moe'`` key of the groups given to ``deepspeed.initialize``.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+ZERO_ATTRIBUTES = ("bit16_groups", "bit16_groups_flat", "partition_size", "single_partition_of_fp32_groups",
+                   "real_dp_process_group")
+
+
+def is_zero_optimizer(optimizer) -> bool:
+    """Whether ``optimizer`` is DeepSpeed's ZeRO-1/2 optimizer with the attributes read here."""
+    return all(hasattr(optimizer, a) for a in ZERO_ATTRIBUTES)
+
+
+def expert_group_indices(optimizer) -> list[int]:
+    """Indices of the param groups that hold expert parameters (``'moe': True``)."""
+    return [i for i, g in enumerate(optimizer.optimizer.param_groups) if g.get("moe", False)]
+
+
+def group_params(optimizer, i: int) -> list[nn.Parameter]:
+    """The parameters of param group ``i``, in their flat buffer's order."""
+    return optimizer.bit16_groups[i]
+
+
+def partition_size(optimizer, i: int) -> int:
+    """Elements of each data-parallel partition of param group ``i``'s flat buffer."""
+    return int(optimizer.partition_size[i])
+
+
+def partition_state(optimizer, i: int) -> list[Tensor]:
+    """The fp32 master partition of group ``i`` and every optimizer state tensor of its size, by
+    state name (the same list on every rank that has stepped as often); edited in place."""
+    fp32 = optimizer.single_partition_of_fp32_groups[i]
+    state = optimizer.optimizer.state.get(fp32, {})
+    return [fp32.data] + [state[k] for k in sorted(state)
+                          if isinstance(state[k], Tensor) and state[k].numel() == fp32.numel() and state[k].dim() > 0]
+
+
+def my_partition(optimizer, i: int) -> int:
+    """The partition of param group ``i`` this rank owns."""
+    return dist.get_rank(group=optimizer.real_dp_process_group[i])
+
+
+def flat_offset(optimizer, i: int, param: nn.Parameter) -> int:
+    """Element offset of ``param``'s storage inside param group ``i``'s flat buffer (read from the
+    storage: DeepSpeed's per-parameter padding and order need no modelling)."""
+    flat = optimizer.bit16_groups_flat[i]
+    delta = param.data.data_ptr() - flat.data_ptr()
+    size = flat.element_size()
+    if delta % size or not 0 <= delta // size <= flat.numel() - param.numel() or not param.data.is_contiguous():
+        raise RuntimeError(f"an expert parameter of shape {tuple(param.shape)} is not a contiguous view into "
+                           "DeepSpeed's flat ZeRO buffer of its param group; this DeepSpeed version lays out "
+                           "ZeRO-1/2 parameters in a way migration does not know")
+    return delta // size

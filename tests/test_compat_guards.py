@@ -1,0 +1,196 @@
+"""Version guards: what each ``moe_plugin/compat/`` module relies on in DeepSpeed and Megatron-Core
+is still there. A failure names the upstream change and the compat file that must follow it.
+No process group is created."""
+from __future__ import annotations
+
+import inspect
+import re
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import torch
+
+DS = f"deepspeed {version('deepspeed')}"
+MCORE = f"megatron-core {version('megatron-core')}"
+
+
+def _must(condition: bool, what: str, upstream: str, compat: str) -> None:
+    assert condition, f"{what} ({upstream}): moe_plugin/compat/{compat}.py must follow it"
+
+
+def test_megatron_parallel_state_globals():
+    from megatron.core import parallel_state as ps
+
+    from moe_plugin.compat.megatron_parallel_state import GLOO_GROUPS, RANK_LISTS_KEPT, parallel_state_values
+
+    kinds = ("tp", "pp", "mp", "embedding", "pos_embedding", "dp", "cp", "tp_dp", "ep", "etp", "etp_ep",
+             "etp_ep_pp", "edp")
+    values = parallel_state_values({k: object() for k in kinds}, {k: [0] for k in kinds}, 0, gloo=True)
+    source = inspect.getsource(ps)
+    for name in sorted(set(values) | set(GLOO_GROUPS) | set(RANK_LISTS_KEPT) | {"_GLOBAL_MEMORY_BUFFER"}):
+        _must(hasattr(ps, name), f"megatron.core.parallel_state no longer has {name}", MCORE,
+              "megatron_parallel_state")
+        _must(re.search(rf"global [^\n]*\b{name}\b", source) is not None,
+              f"no function of megatron.core.parallel_state sets {name} any more", MCORE, "megatron_parallel_state")
+    for name in ("_set_global_memory_buffer", "destroy_model_parallel", "initialize_model_parallel"):
+        _must(callable(getattr(ps, name, None)), f"megatron.core.parallel_state no longer has {name}()", MCORE,
+              "megatron_parallel_state")
+    destroy = inspect.getsource(ps.destroy_model_parallel)
+    for name in GLOO_GROUPS:
+        _must(name in destroy, f"destroy_model_parallel() no longer destroys {name}", MCORE, "megatron_parallel_state")
+
+
+def test_megatron_layer_construction():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import transformer_layer
+    from megatron.core.transformer.spec_utils import build_module
+
+    from moe_plugin.compat.megatron_layer import TRANSFORMER_LAYER_ARGS, BuildSpec
+
+    params = list(inspect.signature(transformer_layer.TransformerLayer.__init__).parameters)[1:]
+    _must(tuple(params[:len(TRANSFORMER_LAYER_ARGS)]) == TRANSFORMER_LAYER_ARGS,
+          f"TransformerLayer.__init__ takes {params}, not {list(TRANSFORMER_LAYER_ARGS)} first", MCORE, "megatron_layer")
+    offset = list(inspect.signature(transformer_layer.get_transformer_layer_offset).parameters)
+    _must(offset[:3] == ["config", "vp_stage", "pp_rank"],
+          f"get_transformer_layer_offset takes {offset}", MCORE, "megatron_layer")
+    _must("self.layer_number = layer_number + get_transformer_layer_offset(" in inspect.getsource(transformer_layer),
+          "TransformerLayer numbers its layer in another way", MCORE, "megatron_layer")
+    _must(callable(getattr(ProcessGroupCollection, "use_mpu_process_groups", None)),
+          "ProcessGroupCollection.use_mpu_process_groups is gone", MCORE, "megatron_layer")
+
+    class Built:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    built = build_module(BuildSpec(Built, {"a": 1}, submodules="s"), config="c")
+    _must(isinstance(built, Built) and built.kwargs == {"a": 1, "submodules": "s", "config": "c"},
+          "build_module no longer builds module(**params, submodules=..., config=...) from a non-ModuleSpec",
+          MCORE, "megatron_layer")
+
+
+def test_deepspeed_group_registry():
+    import deepspeed
+    from deepspeed.utils import groups as ds_groups
+
+    from moe_plugin.compat.deepspeed_groups import expert_groups, forget_expert_groups, set_expert_groups
+
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS"):
+        _must(isinstance(getattr(ds_groups, name, None), dict), f"deepspeed.utils.groups no longer has the dict {name}",
+              DS, "deepspeed_groups")
+    for name in ("mpu", "expert_tensor_parallel_world_size"):
+        _must(hasattr(ds_groups, name), f"deepspeed.utils.groups no longer has {name}", DS, "deepspeed_groups")
+    engine = inspect.getsource(deepspeed.runtime.engine)
+    _must("groups.mpu = self.mpu" in engine, "DeepSpeedEngine no longer sets deepspeed.utils.groups.mpu", DS,
+          "deepspeed_groups")
+    ep, edp, etp = object(), object(), ds_groups.expert_tensor_parallel_world_size
+    try:
+        set_expert_groups("compat_guard", ep, [0, 1], edp, [0], etp)
+        _must(ds_groups._get_expert_parallel_group("compat_guard") is ep
+              and ds_groups._get_expert_data_parallel_group("compat_guard") is edp
+              and ds_groups._get_expert_parallel_group_ranks("compat_guard") == [0, 1],
+              "DeepSpeed's expert-group getters no longer read the registered dicts", DS, "deepspeed_groups")
+        assert expert_groups("compat_guard") == (ep, edp)
+    finally:
+        forget_expert_groups("compat_guard")
+    assert expert_groups("compat_guard") == (None, None)
+
+
+def test_deepspeed_moe_marker():
+    import deepspeed
+    from deepspeed.moe.layer import MoE
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    from moe_plugin.compat.deepspeed_moe import MARKER_READS, DeepSpeedMoEMarker, mark_model_parallel
+
+    engine = inspect.getsource(deepspeed.runtime.engine)
+    _must("if isinstance(module, MoE):\n                self.has_moe_layers = True" in engine,
+          "DeepSpeedEngine no longer detects MoE layers by isinstance(module, deepspeed.moe.layer.MoE)", DS,
+          "deepspeed_moe")
+    for name in MARKER_READS:
+        _must(f"module.{name}" in engine, f"DeepSpeedEngine no longer reads {name} of an MoE module", DS,
+              "deepspeed_moe")
+    _must("module.set_deepspeed_parallelism(self._config.use_data_before_expert_parallel_)" in engine,
+          "DeepSpeedEngine calls set_deepspeed_parallelism in another way", DS, "deepspeed_moe")
+    own = [n for n in inspect.signature(MoE.set_deepspeed_parallelism).parameters if n != "self"]
+    _must(own == ["use_data_before_expert_parallel_"], f"MoE.set_deepspeed_parallelism takes {own}", DS,
+          "deepspeed_moe")
+    marker = DeepSpeedMoEMarker(8, 2, "ep_size_2", object(), object())
+    assert isinstance(marker, MoE) and not list(marker.parameters())
+    p = torch.nn.Parameter(torch.zeros(2))
+    mark_model_parallel([p])
+    _must(is_model_parallel_parameter(p), "is_model_parallel_parameter no longer reads model_parallel", DS,
+          "deepspeed_moe")
+
+
+def test_deepspeed_engine_loss_scale_and_norm():
+    import deepspeed
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from moe_plugin.compat.deepspeed_engine import engine_loss_scale, optimizer_loss_scale
+
+    backward = inspect.getsource(deepspeed.runtime.engine)   # backward is wrapped (nvtx): the module's text
+    _must("if isinstance(self.optimizer, ZeROOptimizer):\n                loss = self.optimizer.scale_if_loss(loss)\n"
+          "            elif self.torch_autocast_z0_gradscaler:" in backward,
+          "engine.backward scales the loss in another way", DS, "deepspeed_engine")
+    scale = inspect.getsource(ZeROOptimizer.scale_if_loss)
+    for name in ("custom_loss_scaler", "external_loss_scale", "torch_autocast_gradscaler", "loss_scaler"):
+        _must(f"self.{name}" in scale, f"ZeROOptimizer.scale_if_loss no longer reads {name}", DS, "deepspeed_engine")
+    _must("self._global_grad_norm = self.optimizer._global_grad_norm" in inspect.getsource(deepspeed.runtime.engine),
+          "engine.step no longer takes the optimizer's _global_grad_norm", DS, "deepspeed_engine")
+    for cls in (FP16_Optimizer, FP16_UnfusedOptimizer, DeepSpeedZeroOptimizer):
+        _must(isinstance(inspect.getattr_static(cls, "loss_scale", None), property),
+              f"{cls.__name__} has no loss_scale property", DS, "deepspeed_engine")
+
+    class Scaler:
+        def get_scale(self):
+            return 8.0
+
+    zero = ZeROOptimizer.__new__(ZeROOptimizer)
+    zero.custom_loss_scaler, zero.torch_autocast_gradscaler, zero.loss_scaler = False, None, None
+    engine = type("Engine", (), {})()
+    engine.optimizer = zero
+    assert engine_loss_scale(engine) == 1.0 and optimizer_loss_scale(engine) is None
+    zero.torch_autocast_gradscaler = Scaler()
+    assert engine_loss_scale(engine) == 8.0
+    engine.optimizer, engine.torch_autocast_z0_gradscaler = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), None
+    assert engine_loss_scale(engine) == 1.0
+
+
+def test_deepspeed_zero_flat_buffers():
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from moe_plugin.compat.deepspeed_zero import ZERO_ATTRIBUTES
+
+    source = inspect.getsource(DeepSpeedZeroOptimizer.__init__)
+    for name in ZERO_ATTRIBUTES + ("optimizer",):
+        _must(re.search(rf"self\.{name}(: [^=]+)? = ", source) is not None,
+              f"DeepSpeedZeroOptimizer no longer sets {name}", DS, "deepspeed_zero")
+    _must("self.bit16_groups_flat[i]" in source and "_update_model_bit16_weights(i)" in source,
+          "DeepSpeedZeroOptimizer no longer makes its parameters views of bit16_groups_flat", DS, "deepspeed_zero")
+
+
+def test_deepspeed_pipeline_module_partitioning():
+    from deepspeed.runtime.pipe import module
+
+    source = inspect.getsource(module.PipelineModule)
+    _must("self._partition_layers(method=partition_method)" in source,
+          "PipelineModule.__init__ no longer partitions through _partition_layers", DS, "deepspeed_pipe")
+    _must("self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])" in source
+          and "stage_id = self._topo.get_coord(self.global_rank).pipe" in source,
+          "PipelineModule._partition_layers no longer sets its bounds from parts and _topo", DS, "deepspeed_pipe")
+    bounds = list(inspect.signature(module.PipelineModule._set_bounds).parameters)
+    _must(bounds == ["self", "start", "stop"], f"PipelineModule._set_bounds takes {bounds}", DS, "deepspeed_pipe")
+
+
+@pytest.mark.parametrize("module", sorted(p.stem for p in (Path(__file__).parent.parent / "moe_plugin" / "compat")
+                                           .glob("*.py") if p.stem != "__init__"))
+def test_compat_module_names_its_pinned_versions(module):
+    import importlib
+
+    doc = importlib.import_module(f"moe_plugin.compat.{module}").__doc__ or ""
+    assert re.search(r"(deepspeed|megatron-core|DeepSpeed)\s+\d+\.\d+", doc), f"compat/{module}.py: no pinned version"
