@@ -311,7 +311,7 @@ def test_grouped_mm_matches_loop_with_empty_experts(dtype):
     counts_L = torch.tensor([5, 0, 7, 0, 3, 1, 0, 4])
     x = torch.randn(int(counts_L.sum()), H, dtype=dtype)
     results = {}
-    for backend in ("grouped_mm", "loop"):
+    for backend in ("grouped_mm", "bmm", "loop"):
         experts = GroupedExperts(E, H, F, "swiglu", backend=backend).to(dtype)
         xb = x.clone().requires_grad_(True)
         experts(xb, counts_L).sum().backward()      # an expanded gradient: grouped_mm needs it contiguous
