@@ -18,14 +18,9 @@ size [R, F] kept for backward but the pre-activation (and not even that with
 rows are gathered from the tokens chunk by chunk rather than kept. The backend (``backend``:
 ``auto``, ``grouped_mm``, ``bmm``, ``loop``) is chosen per device and dtype in ``expert_backend.py``.
 
-Measured (``tests/test_layers_gemm_bench.py``; 2-core CPU, 2 threads, torch 2.13, fp32,
-4096 routes x 64 experts, H 512, F 1024, gelu FFN; best of 8, ms forward / forward+backward):
-
-    counts 38..83 (balanced)     grouped_mm  81 / 355   loop  88 / 384   padded bmm  95 / 380
-    counts 19..315 (skewed)      grouped_mm 121 / 410   loop 109 / 444   padded bmm 347 / 1084
-    loop over x[a:b] / w[i] slices (skewed): 95 / 11723 -- the slicing backward
-
-grouped_mm is the fastest or tied, and needs no padding, so ``auto`` picks it where supported.
+Measured on the 2-core CPU (docs/benchmarks.md, "Expert GEMM backends"): grouped_mm is the
+fastest or tied and needs no padding, so ``auto`` takes it where supported; where it is not,
+``loop`` beats ``bmm`` there (the padding costs most at skewed counts).
 """
 from __future__ import annotations
 
