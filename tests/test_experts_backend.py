@@ -2,8 +2,8 @@
 
 Every backend against the loop oracle ``reference_moe`` on CPU, fp32 (atol = rtol = 1e-5) and
 bf16 input against the fp32 oracle (fp32 weights cast in forward; atol 0.1, rtol 3e-2: bf16
-keeps 8 bits and the router gradient reaches 43 here): output and every gradient, with uneven counts, an expert that gets no rows and the chunked path
-cut down to one or two experts per chunk. The choice of ``auto`` with a faked CUDA capability
+keeps 8 bits and the router gradient reaches 43 here): output and every gradient, with uneven
+counts, experts that get no rows and the chunked path cut down to one or two experts per chunk. The choice of ``auto`` with a faked CUDA capability
 and probe, so the CUDA branch runs without a GPU.
 """
 from __future__ import annotations
