@@ -44,14 +44,13 @@ def _is_sync(func, args, kwargs) -> bool:
     name = func._overloadpacket.__name__
     if name in SYNC_OPS:
         return True
-    if name == "repeat_interleave":
-        return isinstance(args[0], torch.Tensor) and args[0].dim() == 1 and kwargs.get("output_size") is None \
-            and (len(args) < 2 or not isinstance(args[1], torch.Tensor) or args[1].numel() > 1)
+    if func is torch.ops.aten.repeat_interleave.Tensor:     # the others decompose into this one
+        return kwargs.get("output_size") is None
     if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
         return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
     if name in ("_to_copy", "copy_"):   # device -> host copies (none on a CPU run)
         src = args[1] if name == "copy_" else args[0]
-        dst = args[0].device if name == "copy_" else kwargs.get("device", src.device)
+        dst = args[0].device if name == "copy_" else kwargs.get("device") or src.device
         return src.device.type != "cpu" and torch.device(dst).type == "cpu"
     return False
 
@@ -68,13 +67,16 @@ class SyncCounter(TorchDispatchMode):
 
     def __enter__(self):
         for name in PY_READS:
-            self._saved[name] = getattr(torch.Tensor, name)
-            setattr(torch.Tensor, name, self._counting(name, self._saved[name]))
+            self._saved[name] = torch.Tensor.__dict__.get(name)     # None: inherited from TensorBase
+            setattr(torch.Tensor, name, self._counting(name, getattr(torch.Tensor, name)))
         return super().__enter__()
 
     def __exit__(self, *exc):
         for name, method in self._saved.items():
-            setattr(torch.Tensor, name, method)
+            if method is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, method)
         return super().__exit__(*exc)
 
     def _counting(self, name, method):
@@ -159,7 +161,7 @@ def test_the_counter_sees_syncs():
     assert [what for what, _ in counter.take()] == ["tolist", "_local_scalar_dense", "_local_scalar_dense",
                                                     "_local_scalar_dense", "index", "nonzero", "bincount",
                                                     "repeat_interleave", "_unique2", "cpu", "numpy"]
-    assert torch.Tensor.tolist is torch._C.TensorBase.tolist     # restored
+    assert "tolist" not in torch.Tensor.__dict__     # restored
 
 
 # -- expert parallelism on 2 gloo ranks: one spawn for every case ----------------------------------

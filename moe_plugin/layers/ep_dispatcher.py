@@ -82,6 +82,15 @@ def source_to_expert_order(counts_GL: Tensor, total: int | None = None) -> tuple
     return sort_R, unsort_R
 
 
+def cut(values: list, *sizes: int) -> list[list]:
+    """``values`` cut into consecutive pieces of ``sizes``, and what is left as one more piece."""
+    pieces, start = [], 0
+    for n in sizes:
+        pieces.append(values[start:start + n])
+        start += n
+    return pieces + [values[start:]]
+
+
 class ExpertParallelDispatcher(TokenDispatcher):
     """Dispatcher for experts spread over ``parallel.ep`` and split over ``parallel.etp``."""
 
@@ -124,17 +133,14 @@ class ExpertParallelDispatcher(TokenDispatcher):
             counts_GL = comm.exchange_counts(mine_QX, p.etp).view(-1, self.num_local)
         else:
             counts_GL = recv_PL
-        P, Q, L = p.ep_size, p.etp_size, self.num_local
-        parts = [send_PL.sum(1), recv_PL.sum(1), counts_GL.view(Q, -1).sum(1), counts_GL.sum(0), flags_P]
-        host = torch.cat([t.to(send_PL.dtype) for t in parts + [extra_X]
-                          if t is not None]).tolist()                     # the one host sync
-        flags_end = 2 * P + Q + L + flags_P.numel()
+        parts = [send_PL.sum(1), recv_PL.sum(1), counts_GL.view(p.etp_size, -1).sum(1), counts_GL.sum(0), flags_P]
+        host = torch.cat([t.to(send_PL.dtype) for t in parts + [extra_X] if t is not None]).tolist()  # one sync
+        send, recv, etp, counts_L, flags, extra = cut(host, *(t.numel() for t in parts))
         if finite is not None:
-            finite.verdict(host[2 * P + Q + L:flags_end], flag_group)     # before any row leaves
-        sort_R, unsort_R = source_to_expert_order(counts_GL, total=sum(host[2 * P:2 * P + Q]))
-        return dict(traffic_PD=traffic_PD, send_splits=host[:P], recv_splits=host[P:2 * P],
-                    etp_splits=host[2 * P:2 * P + Q], counts_L=host[2 * P + Q:2 * P + Q + L], sort_R=sort_R,
-                    unsort_R=unsort_R), host[flags_end:]
+            finite.verdict(flags, flag_group)                             # before any row leaves
+        sort_R, unsort_R = source_to_expert_order(counts_GL, total=sum(etp))
+        return dict(traffic_PD=traffic_PD, send_splits=send, recv_splits=recv, etp_splits=etp, counts_L=counts_L,
+                    sort_R=sort_R, unsort_R=unsort_R), extra
 
     def to_experts(self, state: Exchange) -> tuple[Tensor, Tensor, Tensor]:
         p = self.parallel

@@ -174,17 +174,16 @@ class FiniteCheck:
 
 def top_k_experts(choice_TE: Tensor, k: int) -> Tensor:
     """The k largest of each row, largest first, equal values in lower-index-first order: what a
-    stable descending sort gives, at the cost of one ``torch.topk`` (which promises nothing about
-    ties) and without a host sync: the topk of int64 keys that hold the value's order in their
-    high 32 bits and the reversed column in the low ones, so no two keys of a row are equal.
-    float32 and narrower (widened exactly); other dtypes are sorted stably."""
-    if choice_TE.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return torch.sort(choice_TE, dim=-1, descending=True, stable=True).indices[:, :k]
-    bits_TE = (choice_TE.float() + 0.0).view(torch.int32)      # + 0.0: -0.0 becomes 0.0, its equal
-    order_TE = bits_TE ^ ((bits_TE >> 31) & 0x7FFFFFFF)         # ints in the order of the floats
-    E = choice_TE.shape[-1]
-    column_E = torch.arange(E - 1, -1, -1, device=choice_TE.device)
-    return torch.topk(order_TE.long() * (1 << 32) + column_E, k, dim=-1, sorted=True).indices
+    stable descending sort gives, without a host sync and at about the cost of ``torch.topk``
+    (which promises nothing about ties): k rounds of ``argmax``, which returns the first of equal
+    maxima, each round masking its pick with -inf. Exact for rows with at least k values above
+    -inf (any finite logits; non-finite ones make the layer raise, see ``FiniteCheck``)."""
+    picks, work_TE = [], choice_TE
+    for j in range(k):
+        picks.append(work_TE.argmax(-1, keepdim=True))
+        if j + 1 < k:
+            work_TE = (work_TE.clone() if j == 0 else work_TE).scatter_(1, picks[-1], float("-inf"))
+    return torch.cat(picks, 1)
 
 
 def stable_partition(index_X: Tensor, first_X: Tensor) -> Tensor:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_plugin.layers.combine import gate_combine
-from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher
+from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher, cut
 from moe_plugin.layers.ffn_autograd import expert_ffn
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan, stable_partition
@@ -187,7 +187,7 @@ class ShadowingDispatcher(ExpertParallelDispatcher):
             return super().prepare(x_TH, plan, finite)
         shadow_D, slot_X = self.shadow.slots()
         layout, host = self.layout(plan.kept_D, finite, shadow_D, torch.cat([slot_X, plan.kept_D[slot_X]]))
-        slots, counts = host[:slot_X.numel()], host[slot_X.numel():]
+        slots, counts = cut(host, slot_X.numel())
         plan = plan.kept(sum(layout["send_splits"]) + sum(counts))
         exchanged, shadowed = split_routes(plan, shadow_D, slots, counts)
         return ShadowExchange(x_TH, exchanged, **layout, shadowed=shadowed)
