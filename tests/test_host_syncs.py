@@ -172,6 +172,7 @@ DIST_CASES = {
     "dp2-ep2/gshard-capacity": (dict(ep=2), "gshard", True, []),
     "etp2-dp2/top2-capacity": (dict(etp=2), "top2", True, []),
     "tp2-ep2/top2-dropless": (dict(tp=2, ep=2, etp=1), "top2", False, []),
+    "tp2/gshard-capacity": (dict(tp=2, etp=1), "gshard", True, []),          # no EP: the finite flags over TP
     "dp2-ep2/shadow-top2-capacity": (dict(ep=2), "top2", True, [0, 5]),
     "dp2-ep2/shadow-top1-dropless": (dict(ep=2), "top1", False, [3]),
 }
