@@ -143,15 +143,17 @@ class GroupedExperts(nn.Module):
         _, hidden, width = self.weight1.shape
         return choose_backend(self.backend, x_RH.device, x_RH.dtype, (hidden, width, self.weight2.shape[1]))
 
-    def forward(self, x_RH: Tensor, counts_L: Tensor, gather_R: Optional[Tensor] = None) -> Tensor:
-        """Rows of ``x_RH`` grouped by local expert, ``counts_L`` rows each -> [R, H], input dtype
+    def forward(self, x_RH: Tensor, counts_L: list[int] | Tensor, gather_R: Optional[Tensor] = None) -> Tensor:
+        """Rows of ``x_RH`` grouped by local expert, ``counts_L`` rows each (a list, as the
+        dispatchers give it; a tensor costs a host sync) -> [R, H], input dtype
         (a partial sum over the F-shards when expert-tensor-parallel). With ``gather_R`` the rows
         are ``x_RH[gather_R]`` (e.g. the tokens and ``plan.token_R``): gathered chunk by chunk
         and again in backward, never kept whole (``ffn_autograd.py``)."""
         w1_LHF = self.weight1.to(x_RH.dtype)
         w2_LFH = self.weight2.to(x_RH.dtype)
         own_grads = w1_LHF is self.weight1 and w2_LFH is self.weight2   # no cast in between
-        return expert_ffn(x_RH, w1_LHF, w2_LFH, counts_L.tolist(), self.act, self.pick_backend(x_RH), gather_R,
+        counts = counts_L if isinstance(counts_L, list) else counts_L.tolist()
+        return expert_ffn(x_RH, w1_LHF, w2_LFH, counts, self.act, self.pick_backend(x_RH), gather_R,
                           save_pre=not self.recompute_pre_activation, grad_scale=self.grad_scale,
                           grad_stores=self._grad_stores if own_grads else None)
 
