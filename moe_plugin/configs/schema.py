@@ -35,6 +35,7 @@ DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 # Beyond any real job (a million ranks, a million experts per layer); larger sizes are refused
 # at once rather than enumerated (their divisors, a layout of every rank).
 MAX_SIZE = 2 ** 20
+ExpertsBackend = Literal["auto", "grouped_mm", "bmm", "loop"]
 
 
 class _Block(BaseModel):
@@ -136,6 +137,12 @@ class MoEConfig(_Block):
     recompute_fc1: bool = Field(False, description="Experts keep no [routes, ffn] pre-activation for "
                                 "backward and recompute it there: one more expert GEMM per step for "
                                 "routes x ffn fewer values held per MoE layer.")
+    experts_backend: ExpertsBackend = Field(
+        "auto", description="The experts' GEMMs. auto: grouped_mm where torch's grouped GEMM supports the device "
+        "and dtype (CPU: fp32, bf16, fp16; CUDA: bf16 on compute capability >= 8.0; rows of 16 bytes), else loop on "
+        "CPU and bmm elsewhere, the choice logged once. grouped_mm: torch's grouped GEMM; where it cannot run, the "
+        "first forward raises an error naming this key. bmm: rows padded per expert to the largest count, one "
+        "batched GEMM. loop: one GEMM per expert.")
     shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="FFN size of a dense shared expert "
                                                "every token passes through; 0: none.")
     shared_expert_gate: bool = Field(False, description="Scale the shared expert by a learned sigmoid gate.")

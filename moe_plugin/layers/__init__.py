@@ -21,7 +21,8 @@ axis keeps the axis's letter (``tied_T``: the tokens with a tie; ``exchanged_R``
 """
 from moe_plugin.layers.dispatcher import TokenDispatcher
 from moe_plugin.layers.ep_dispatcher import ExpertParallelDispatcher, source_to_expert_order
-from moe_plugin.layers.experts import GroupedExperts, SharedExpert, ffn_shard, grouped_mm_supported
+from moe_plugin.layers.expert_backend import choose_backend
+from moe_plugin.layers.experts import GroupedExperts, SharedExpert, ffn_shard
 from moe_plugin.layers.moe_layer import AttachAuxLoss, MoELayer, MoEStats, StatsSum, moe_layers, reduce_stats
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.reference import ReferenceResult, reference_moe
@@ -31,6 +32,6 @@ from moe_plugin.layers.shadow import ShadowExperts, ShadowingDispatcher
 __all__ = [
     "AttachAuxLoss", "ExpertParallelDispatcher", "GroupedExperts", "LayerParallelism", "MoELayer", "MoEStats",
     "ReferenceResult", "Router", "RouterNoise", "RoutingPlan", "ShadowExperts", "ShadowingDispatcher",
-    "SharedExpert", "StatsSum", "TokenDispatcher", "expert_capacity", "ffn_shard", "grouped_mm_supported",
+    "SharedExpert", "StatsSum", "TokenDispatcher", "choose_backend", "expert_capacity", "ffn_shard",
     "moe_layers", "reduce_stats", "reference_moe", "route", "source_to_expert_order",
 ]

@@ -13,6 +13,11 @@ The interface, used by ``MoELayer`` in this order::
 ``prepare`` returns the dispatcher's own frozen state for the batch (``Dispatch`` here): what it
 needs between dispatch and combine. The routing plan holds routing only.
 
+``prepare`` holds the layer's one host sync: a single transfer brings what the forward needs on
+the host (here the kept routes per slot, which are the experts' row counts, and the router's
+finite flags); the router's plan lists every route, the kept ones first, and is cut to the kept
+ones with the count read there (``RoutingPlan.kept``).
+
 ``TokenDispatcher`` is the single-process one: the expert input is the tokens themselves and
 ``plan.token_R``, so the experts gather the rows chunk by chunk (and again in backward)
 instead of a [R, H] copy being kept for backward. Combine is ``combine.gate_combine``: a
@@ -22,9 +27,9 @@ gather per token over its routes, summed in fp32, with a gather backward; determ
 Expert parallelism slots in by subclassing and overriding the hooks
 (``ep_dispatcher.ExpertParallelDispatcher``):
 
-* ``prepare``: read the router's finite verdict before anything leaves the rank, exchange the
-  per-expert counts across the EP (and ETP) group and return an ``Exchange`` (a ``Dispatch``
-  with the splits and the re-sort permutation);
+* ``prepare``: exchange the per-expert counts across the EP (and ETP) group, read them and the
+  router's finite verdict in the one host sync before anything leaves the rank, and return an
+  ``Exchange`` (a ``Dispatch`` with the splits and the re-sort permutation);
 * ``to_experts``: the uneven all-to-all of the expert-sorted rows; returns the received rows,
   the local re-sort as a row index the experts gather by, and the per-local-expert counts;
 * ``from_experts``: the inverse re-sort and the reverse all-to-all;
@@ -38,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from moe_plugin.layers.combine import gate_combine
@@ -46,10 +52,11 @@ from moe_plugin.layers.router import FiniteCheck, RoutingPlan
 
 @dataclass(frozen=True)
 class Dispatch:
-    """One batch as ``TokenDispatcher`` sends it: the tokens and their checked routing."""
+    """One batch as ``TokenDispatcher`` sends it: the tokens and their checked routing (its kept routes)."""
 
     x_TH: Tensor
     plan: RoutingPlan
+    counts_L: list[int]      # rows per local expert, on the host
 
 
 class TokenDispatcher:
@@ -60,17 +67,20 @@ class TokenDispatcher:
 
     # -- hooks an expert-parallel dispatcher overrides ---------------------------------------
     def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Dispatch:
-        """The batch's state; ``finite`` (the router's pending check of the logits) is read first.
-        Nothing to exchange in a single process."""
+        """The batch's state, after ``finite`` (the router's pending check of the logits). Nothing
+        to exchange in a single process; one host sync (module docstring)."""
+        D = plan.kept_D.numel()
+        flags = finite.flags() if finite is not None else plan.kept_D.new_zeros(0)
+        host = torch.cat([plan.kept_D, flags.to(plan.kept_D.dtype)]).tolist()   # the one host sync
         if finite is not None:
-            finite.check()
-        return Dispatch(x_TH, plan)
+            finite.verdict(host[D:], finite.group)
+        return Dispatch(x_TH, plan.kept(sum(host[:D])), host[:D])
 
-    def to_experts(self, state: Dispatch) -> tuple[Tensor, Optional[Tensor], Tensor]:
+    def to_experts(self, state: Dispatch) -> tuple[Tensor, Optional[Tensor], list[int]]:
         """(x_NH, gather_R, counts_L): the experts' rows are ``x_NH[gather_R]`` (``x_NH`` itself
-        when ``gather_R`` is None), grouped by local expert, ``counts_L`` rows each.
+        when ``gather_R`` is None), grouped by local expert, ``counts_L`` rows each (on the host).
         Locally: the tokens and ``plan.token_R``; the local experts are the slots."""
-        return state.x_TH, state.plan.token_R, state.plan.kept_D
+        return state.x_TH, state.plan.token_R, state.counts_L
 
     def from_experts(self, y_RH: Tensor, state: Dispatch) -> Tensor:
         """Expert outputs (rows grouped by local expert) -> rows in this rank's kept-route order."""

@@ -17,9 +17,10 @@ own tokens, it builds the batch's ``Exchange``:
    along as one more integer, and the router starts no collective of its own.
 3. With ETP, every ETP peer's ``recv_PL`` (``exchange_counts`` of the flattened counts, one row
    per peer) -> ``counts_GL`` [Q * P, L]. Without ETP ``counts_GL = recv_PL``.
-4. One ``.tolist()`` of the split sizes and the router's finite flags (the only host sync; a
-   rank whose logits are not finite makes every rank that shares the verdict raise here,
-   before any row moves), and the permutation that re-sorts
+4. One ``.tolist()`` of the split sizes, the rows per local expert and the router's finite
+   flags (the layer's one host sync; a rank whose logits are not finite makes every rank that
+   shares the verdict raise here, before any row moves); the router's plan is cut to its kept
+   routes (as many as the rows sent), and the permutation that re-sorts
    received rows from (sender, local expert) order to (local expert, sender) order, built with
    tensor ops from ``counts_GL`` (``source_to_expert_order``).
 
@@ -59,7 +60,6 @@ class Exchange(Dispatch):
     send_splits: list[int]   # [P] rows to each EP peer
     recv_splits: list[int]   # [P] rows from each EP peer
     etp_splits: list[int]    # [Q] rows each ETP peer received over EP (its block of the gather)
-    counts_L: Tensor         # rows per local expert, after the gather
     sort_R: Tensor           # received (sender, expert) order -> (expert, sender) order
     unsort_R: Tensor         # its inverse
 
@@ -82,6 +82,15 @@ def source_to_expert_order(counts_GL: Tensor, total: int | None = None) -> tuple
     return sort_R, unsort_R
 
 
+def cut(values: list, *sizes: int) -> list[list]:
+    """``values`` cut into consecutive pieces of ``sizes``, and what is left as one more piece."""
+    pieces, start = [], 0
+    for n in sizes:
+        pieces.append(values[start:start + n])
+        start += n
+    return pieces + [values[start:]]
+
+
 class ExpertParallelDispatcher(TokenDispatcher):
     """Dispatcher for experts spread over ``parallel.ep`` and split over ``parallel.etp``."""
 
@@ -94,13 +103,15 @@ class ExpertParallelDispatcher(TokenDispatcher):
         self.num_local = num_experts // parallel.ep_size
 
     def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Exchange:
-        return Exchange(x_TH, plan, **self.layout(plan.kept_D, finite))
+        layout, _ = self.layout(plan.kept_D, finite)
+        return Exchange(x_TH, plan.kept(sum(layout["send_splits"])), **layout)
 
-    def layout(self, kept_D: Tensor, finite: Optional[FiniteCheck] = None,
-               shadow_D: Optional[Tensor] = None) -> dict:
+    def layout(self, kept_D: Tensor, finite: Optional[FiniteCheck] = None, shadow_D: Optional[Tensor] = None,
+               extra_X: Optional[Tensor] = None) -> tuple[dict, list[int]]:
         """The layout fields of an ``Exchange`` for this rank's kept routes per slot, after the
-        finite verdict. ``shadow_D`` (bool [D], the same on every EP rank): slots whose routes
-        every rank computes itself (``shadow.py``); counted in ``traffic_PD``, not exchanged."""
+        finite verdict, and ``extra_X`` (integers the caller needs on the host too, read in the
+        same transfer) as a list. ``shadow_D`` (bool [D], the same on every EP rank): slots whose
+        routes every rank computes itself (``shadow.py``); counted in ``traffic_PD``, not exchanged."""
         p = self.parallel
         D = kept_D.numel()
         if finite is not None and finite.group is None and p.ep_is_tokens:
@@ -122,15 +133,14 @@ class ExpertParallelDispatcher(TokenDispatcher):
             counts_GL = comm.exchange_counts(mine_QX, p.etp).view(-1, self.num_local)
         else:
             counts_GL = recv_PL
-        P = p.ep_size
-        splits = torch.cat([send_PL.sum(1), recv_PL.sum(1), counts_GL.view(p.etp_size, -1).sum(1),
-                            flags_P.to(send_PL.dtype)]).tolist()   # the one host sync
+        parts = [send_PL.sum(1), recv_PL.sum(1), counts_GL.view(p.etp_size, -1).sum(1), counts_GL.sum(0), flags_P]
+        host = torch.cat([t.to(send_PL.dtype) for t in parts + [extra_X] if t is not None]).tolist()  # one sync
+        send, recv, etp, counts_L, flags, extra = cut(host, *(t.numel() for t in parts))
         if finite is not None:
-            finite.verdict(splits[2 * P + p.etp_size:], flag_group)       # before any row leaves
-        splits = splits[:2 * P + p.etp_size]
-        sort_R, unsort_R = source_to_expert_order(counts_GL, total=sum(splits[2 * P:]))
-        return dict(traffic_PD=traffic_PD, send_splits=splits[:P], recv_splits=splits[P:2 * P],
-                    etp_splits=splits[2 * P:], counts_L=counts_GL.sum(0), sort_R=sort_R, unsort_R=unsort_R)
+            finite.verdict(flags, flag_group)                             # before any row leaves
+        sort_R, unsort_R = source_to_expert_order(counts_GL, total=sum(etp))
+        return dict(traffic_PD=traffic_PD, send_splits=send, recv_splits=recv, etp_splits=etp, counts_L=counts_L,
+                    sort_R=sort_R, unsort_R=unsort_R), extra
 
     def to_experts(self, state: Exchange) -> tuple[Tensor, Tensor, Tensor]:
         p = self.parallel

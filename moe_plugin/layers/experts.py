@@ -15,37 +15,29 @@ gradients (``LayerParallelism.expert_grad_scale``).
 Forward and backward run in ``ffn_autograd.expert_ffn``: chunks of whole experts, nothing of
 size [R, F] kept for backward but the pre-activation (and not even that with
 ``recompute_pre_activation=True``: one more GEMM in backward); with ``gather_R`` the input
-rows are gathered from the tokens chunk by chunk rather than kept. Backends:
+rows are gathered from the tokens chunk by chunk rather than kept. The backend (``backend``:
+``auto``, ``grouped_mm``, ``bmm``, ``loop``) is chosen per device and dtype in ``expert_backend.py``.
 
-* ``grouped_mm``: ``torch._grouped_mm(x_RH, w_LHF, offs=cumsum(counts_L) as int32)``; needs
-  16-byte aligned strides (H and F multiples of 4 in fp32, of 8 in bf16). Used on CPU.
-* ``loop``: one GEMM per expert over ``split``/``unbind`` views. Never ``x[a:b]``/``w[i]`` in a
-  loop: their backward allocates a full-size zero gradient per slice.
-
-Measured (``tests/test_layers_gemm_bench.py``; 2-core CPU, 2 threads, torch 2.13, fp32,
-4096 routes x 64 experts, H 512, F 1024, gelu FFN; best of 8, ms forward / forward+backward):
-
-    counts 38..83 (balanced)     grouped_mm  81 / 355   loop  88 / 384   padded bmm  95 / 380
-    counts 19..315 (skewed)      grouped_mm 121 / 410   loop 109 / 444   padded bmm 347 / 1084
-    loop over x[a:b] / w[i] slices (skewed): 95 / 11723 -- the slicing backward
-
-grouped_mm is the fastest or tied, and needs no padding, so ``auto`` picks it where supported.
+Measured on the 2-core CPU (docs/benchmarks.md, "Expert GEMM backends"): grouped_mm is the
+fastest or tied and needs no padding, so ``auto`` takes it where supported; where it is not,
+``loop`` beats ``bmm`` there (the padding costs most at skewed counts).
 """
 from __future__ import annotations
 
-from typing import Callable, Literal, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_plugin.configs.schema import ExpertsBackend
 from moe_plugin.layers import comm
+from moe_plugin.layers.expert_backend import check_backend, choose_backend
 from moe_plugin.layers.ffn_autograd import GradStore, expert_ffn
 from moe_plugin.layers.init import seeded_generator
 
 EXPERT_STREAM = 2
 SHARED_STREAM = 3
-Backend = Literal["auto", "grouped_mm", "loop"]
 
 
 def activation_fn(name: str) -> Callable[[Tensor], Tensor]:
@@ -61,14 +53,6 @@ def activation_fn(name: str) -> Callable[[Tensor], Tensor]:
 def _swiglu(h_RF1: Tensor) -> Tensor:
     gate_RF, up_RF = h_RF1.chunk(2, dim=-1)
     return F.silu(gate_RF) * up_RF
-
-
-def grouped_mm_supported(x_RH: Tensor, *sizes: int) -> bool:
-    """Whether ``torch._grouped_mm`` is usable for contiguous operands whose row lengths are
-    ``sizes`` (16-byte aligned strides). Tested on CPU only, so CPU only."""
-    return (hasattr(torch, "_grouped_mm") and x_RH.device.type == "cpu"
-            and x_RH.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and all(n * x_RH.element_size() % 16 == 0 for n in sizes))
 
 
 def ffn_shard(w1_HF1: Tensor, w2_FH: Tensor, activation: str, etp_size: int, etp_rank: int) -> tuple[Tensor, Tensor]:
@@ -104,7 +88,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu", *,
                  ep_size: int = 1, ep_rank: int = 0, etp_size: int = 1, etp_rank: int = 0,
                  group_name: str = "ep_size_1", seed: int = 0, init_std: float = 0.02,
-                 output_init_std: float | None = None, backend: Backend = "auto", grad_scale: float = 1.0,
+                 output_init_std: float | None = None, backend: ExpertsBackend = "auto", grad_scale: float = 1.0,
                  recompute_pre_activation: bool = False, placement: Optional[Tensor] = None):
         super().__init__()
         if num_experts % ep_size or not 0 <= ep_rank < ep_size:
@@ -117,6 +101,7 @@ class GroupedExperts(nn.Module):
         self.first_slot = ep_rank * self.num_local
         self.activation = activation
         self.act = activation_fn(activation)
+        check_backend(backend)
         self.backend = backend
         self.grad_scale = grad_scale
         self._grad_stores = (GradStore(), GradStore())   # weight1's and weight2's gradient storage (CPU)
@@ -154,21 +139,21 @@ class GroupedExperts(nn.Module):
         return torch.argsort(self.placement)[self.first_slot:self.first_slot + self.num_local].tolist()
 
     def pick_backend(self, x_RH: Tensor) -> str:
-        if self.backend != "auto":
-            return self.backend
+        """The backend for rows like ``x_RH`` (``expert_backend.choose_backend``)."""
         _, hidden, width = self.weight1.shape
-        ffn = self.weight2.shape[1]
-        return "grouped_mm" if grouped_mm_supported(x_RH, hidden, width, ffn) else "loop"
+        return choose_backend(self.backend, x_RH.device, x_RH.dtype, (hidden, width, self.weight2.shape[1]))
 
-    def forward(self, x_RH: Tensor, counts_L: Tensor, gather_R: Optional[Tensor] = None) -> Tensor:
-        """Rows of ``x_RH`` grouped by local expert, ``counts_L`` rows each -> [R, H], input dtype
+    def forward(self, x_RH: Tensor, counts_L: list[int] | Tensor, gather_R: Optional[Tensor] = None) -> Tensor:
+        """Rows of ``x_RH`` grouped by local expert, ``counts_L`` rows each (a list, as the
+        dispatchers give it; a tensor costs a host sync) -> [R, H], input dtype
         (a partial sum over the F-shards when expert-tensor-parallel). With ``gather_R`` the rows
         are ``x_RH[gather_R]`` (e.g. the tokens and ``plan.token_R``): gathered chunk by chunk
         and again in backward, never kept whole (``ffn_autograd.py``)."""
         w1_LHF = self.weight1.to(x_RH.dtype)
         w2_LFH = self.weight2.to(x_RH.dtype)
         own_grads = w1_LHF is self.weight1 and w2_LFH is self.weight2   # no cast in between
-        return expert_ffn(x_RH, w1_LHF, w2_LFH, counts_L.tolist(), self.act, self.pick_backend(x_RH), gather_R,
+        counts = counts_L if isinstance(counts_L, list) else counts_L.tolist()
+        return expert_ffn(x_RH, w1_LHF, w2_LFH, counts, self.act, self.pick_backend(x_RH), gather_R,
                           save_pre=not self.recompute_pre_activation, grad_scale=self.grad_scale,
                           grad_stores=self._grad_stores if own_grads else None)
 

@@ -24,10 +24,11 @@ separate scaling step would allocate a second copy of the weight gradients); on 
 storage is kept for the next backward where it is large and free (``GradStore``). One host sync:
 ``counts`` is a Python list.
 
-Backends: ``grouped_mm`` (``torch._grouped_mm`` with the chunk's int32 row offsets; needs
-16-byte aligned row strides) or ``loop`` (one GEMM per expert over ``split``/``unbind`` views).
-Not done: fusing the gather into the GEMM (the rows are a chunk-sized copy), or anything for
-devices other than CPU beyond what these two backends already do there.
+Backends (chosen in ``expert_backend.py``): ``grouped_mm`` (torch's grouped GEMM with the chunk's
+int32 row offsets), ``bmm`` (the chunk's rows padded per expert to its largest count, one batched
+GEMM, the weight gradients too) or ``loop`` (one GEMM per expert over ``split``/``unbind`` views).
+Not done: fusing the gather into the GEMM (the rows are a chunk-sized copy); the grouped weight
+gradient (``grouped_mm`` with two 2-D operands) returns a new tensor, not written in place.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from moe_plugin.layers.expert_backend import GROUPED_MM
 
 CHUNK_BYTES = 4 << 20
 REUSE_MIN_BYTES = 32 << 20   # glibc's largest mmap threshold: bigger blocks are always fresh pages
@@ -109,13 +112,26 @@ def expert_chunks(counts: list[int], row_bytes: int, chunk_bytes: int = CHUNK_BY
 def _rows_at_weights(a_RX: Tensor, w_LXY: Tensor, chunk: Chunk, backend: str) -> Tensor:
     """``a_r @ w[l(r)]`` for the chunk's rows grouped by expert -> [R, Y]."""
     if backend == "grouped_mm":
-        return torch._grouped_mm(a_RX, w_LXY, offs=chunk.offs)
+        return GROUPED_MM(a_RX, w_LXY, offs=chunk.offs)
+    if backend == "bmm":
+        slot_R, pad = _pad_slots(chunk)
+        y_LCY = torch.bmm(_padded(a_RX, slot_R, len(chunk.counts), pad), w_LXY)
+        return y_LCY.flatten(0, 1).index_select(0, slot_R)
     parts = [a @ w for a, w in zip(a_RX.split(chunk.counts), w_LXY.unbind(0))]
     return torch.cat(parts) if parts else a_RX.new_zeros(0, w_LXY.shape[-1])
 
 
-def _weight_grad_into(out_LXY: Tensor, a_RX: Tensor, g_RY: Tensor, chunk: Chunk, scale: float) -> None:
-    """``out[l] = scale * a_l^T @ g_l`` over each expert's rows, written in place (zero for no rows)."""
+def _weight_grad_into(out_LXY: Tensor, a_RX: Tensor, g_RY: Tensor, chunk: Chunk, scale: float, backend: str) -> None:
+    """``out[l] = scale * a_l^T @ g_l`` over each expert's rows, written in place (zero for no rows):
+    one ``bmm`` for ``bmm``, one GEMM per expert otherwise (``torch.mm(out=...)`` writes the
+    gradient without the copy a grouped GEMM's result would need)."""
+    if backend == "bmm":
+        slot_R, pad = _pad_slots(chunk)
+        L = len(chunk.counts)
+        torch.bmm(_padded(a_RX, slot_R, L, pad).transpose(1, 2), _padded(g_RY, slot_R, L, pad), out=out_LXY)
+        if scale != 1.0:
+            out_LXY.mul_(scale)
+        return
     for out_XY, a, g, n in zip(out_LXY.unbind(0), a_RX.split(chunk.counts), g_RY.split(chunk.counts), chunk.counts):
         if n:
             torch.mm(a.t(), g, out=out_XY)
@@ -123,6 +139,22 @@ def _weight_grad_into(out_LXY: Tensor, a_RX: Tensor, g_RY: Tensor, chunk: Chunk,
                 out_XY.mul_(scale)
         else:
             out_XY.zero_()
+
+
+def _pad_slots(chunk: Chunk) -> tuple[Tensor, int]:
+    """Where each of the chunk's rows goes in an [L, C, X] buffer padded to C, the largest count
+    (``slot_R``, indices into its first two dimensions flattened), and C. On the device, no sync."""
+    pad = max(chunk.counts)
+    offs_L = chunk.offs.long()
+    counts_L = torch.diff(offs_L, prepend=offs_L.new_zeros(1))
+    shift_L = torch.arange(len(chunk.counts), device=offs_L.device) * pad - (offs_L - counts_L)
+    rows = chunk.r1 - chunk.r0
+    return torch.arange(rows, device=offs_L.device) + shift_L.repeat_interleave(counts_L, output_size=rows), pad
+
+
+def _padded(a_RX: Tensor, slot_R: Tensor, experts: int, pad: int) -> Tensor:
+    """The rows in an [L, C, X] buffer, zeros after each expert's rows."""
+    return a_RX.new_zeros(experts * pad, a_RX.shape[-1]).index_copy_(0, slot_R, a_RX).view(experts, pad, -1)
 
 
 class ExpertFFN(torch.autograd.Function):
@@ -177,14 +209,14 @@ class ExpertFFN(torch.autograd.Function):
                 act_RF = ctx.act(pre_leaf)
             del pre_RF1
             if need_w2:
-                _weight_grad_into(grad_w2[c.l0:c.l1], act_RF.detach(), g_y, c, ctx.grad_scale)
+                _weight_grad_into(grad_w2[c.l0:c.l1], act_RF.detach(), g_y, c, ctx.grad_scale, ctx.backend)
             if not (need_x or need_w1):
                 continue
             grad_act_RF = _rows_at_weights(g_y, w2c.transpose(1, 2), c, ctx.backend)
             (grad_pre_RF1,) = torch.autograd.grad(act_RF, pre_leaf, grad_act_RF)
             del act_RF, pre_leaf, grad_act_RF
             if need_w1:
-                _weight_grad_into(grad_w1[c.l0:c.l1], rows_RH, grad_pre_RF1, c, ctx.grad_scale)
+                _weight_grad_into(grad_w1[c.l0:c.l1], rows_RH, grad_pre_RF1, c, ctx.grad_scale, ctx.backend)
             del rows_RH
             if need_x:
                 grad_rows_RH = _rows_at_weights(grad_pre_RF1, w1c.transpose(1, 2), c, ctx.backend)

@@ -178,7 +178,7 @@ class MoELayer(nn.Module):
                                       ep_size=p.ep_size, ep_rank=p.ep_rank, etp_size=p.etp_size, etp_rank=p.etp_rank,
                                       group_name=p.expert_group_name, seed=seed, init_std=init_std,
                                       output_init_std=output_init_std, grad_scale=p.expert_grad_scale,
-                                      recompute_pre_activation=config.recompute_fc1)
+                                      recompute_pre_activation=config.recompute_fc1, backend=config.experts_backend)
         self.shadow = ShadowExperts(self.experts, p.ep)
         self.dispatcher = (ShadowingDispatcher(config.num_experts, p, self.shadow) if p.expert_parallel
                            else TokenDispatcher(config.num_experts))

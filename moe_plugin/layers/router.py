@@ -35,10 +35,15 @@ that route distinct tokens (``check_group``: an asynchronous exchange read at th
 host sync, or, with ``check_group`` None, the dispatcher's counts exchange; ``Router.forward``
 returns the pending check next to the plan), and the default
 noise generator is seeded per token group (``noise_index``), so ranks draw different numbers unless a test injects them.
+
+No host sync: routing runs on the device from end to end. The number of kept routes depends on
+the data, so ``Router.forward`` returns a plan that lists every route, the kept ones first; the
+dispatcher reads the kept count with the layer's one host sync and cuts the plan
+(``RoutingPlan.kept``). ``route`` called on its own does that itself.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -80,6 +85,9 @@ class RoutingPlan:
     routed_E: routes per expert before capacity (after random routing): the load.
     capacity: per-expert capacity, None when dropless.
     balance_loss, z_loss: fp32 scalars, unweighted, differentiable.
+
+    A plan of ``route(..., deferred=True)`` lists every route in ``route_R``, ``token_R`` and
+    ``gate_R``, the kept ones first, in the order above: ``kept(n)`` cuts it to the kept ones.
     """
 
     num_tokens: int
@@ -102,6 +110,13 @@ class RoutingPlan:
     def num_experts(self) -> int:
         return self.kept_E.numel()
 
+    def kept(self, num_kept: int) -> "RoutingPlan":
+        """This plan's first ``num_kept`` routes: the kept ones, given ``kept_D.sum()`` as read on the host."""
+        if self.route_R.numel() == num_kept:
+            return self
+        return replace(self, route_R=self.route_R[:num_kept], token_R=self.token_R[:num_kept],
+                       gate_R=self.gate_R[:num_kept])
+
     @property
     def dropped_fraction(self) -> Tensor:
         """Fraction of routes (after random routing) dropped by capacity."""
@@ -109,28 +124,20 @@ class RoutingPlan:
         return (routed - self.kept_E.sum()).float() / routed.clamp(min=1).float()
 
 
-def check_finite(logits_TE: Tensor, group: comm.Group = None) -> None:
-    """Raise instead of routing silently wrong. Checked on the small [T, E] logits.
-
-    With a ``group`` the verdict is agreed over it first (one small collective), so every
-    rank of the group raises, naming the ranks whose logits are not finite, rather than the
-    healthy ranks waiting forever in the next collective. ``FiniteCheck`` is the same verdict
-    without waiting for it.
-    """
-    FiniteCheck(logits_TE, group).check()
-
-
 class FiniteCheck:
-    """The finite check of one forward's logits, agreed over ``group`` without blocking.
+    """The finite check of one forward's logits, agreed over ``group`` without blocking: raise
+    instead of routing silently wrong, checked on the small [T, E] logits.
 
     The flags (one int32 per rank of the group, 1 where the logits are not finite) are
     gathered asynchronously in one all-to-all round (every pair of ranks exchanges directly; a
-    ring all-reduce takes ``2 * (ranks - 1)`` dependent steps); the caller reads them at its
-    next host sync (``flags``, then ``verdict``), or waits now (``check``). A routing plan made
-    from bad logits is well formed (indices in range, NaN gates), so routing may go on while the
-    verdict travels, as long as nothing leaves the rank before it. With ``group`` None the verdict is this rank's alone:
-    ``bad_1`` is what a dispatcher's counts exchange can carry to its peers instead
-    (``ExpertParallelDispatcher``, when its group is the ranks that route distinct tokens).
+    ring all-reduce takes ``2 * (ranks - 1)`` dependent steps); the caller reads them with its
+    one host sync (``flags``, then ``verdict``), so every rank of the group raises, naming the
+    ranks whose logits are not finite, rather than the healthy ranks waiting forever in the next
+    collective. A routing plan made from bad logits is well formed (indices in range, NaN gates),
+    so routing may go on while the verdict travels, as long as nothing leaves the rank before it.
+    With ``group`` None the verdict is this rank's alone: ``bad_1`` is what a dispatcher's counts
+    exchange can carry to its peers instead (``ExpertParallelDispatcher``, when its group is the
+    ranks that route distinct tokens).
     """
 
     def __init__(self, logits_TE: Tensor, group: comm.Group = None):
@@ -152,10 +159,6 @@ class FiniteCheck:
             self._work = None
         return self._flags
 
-    def check(self) -> None:
-        """Wait for the verdict and raise if any rank's logits are not finite (one host sync)."""
-        self.verdict(self.flags().tolist(), self.group)
-
     @staticmethod
     def verdict(flags: list[int], group: comm.Group = None) -> None:
         """Raise if any flag is set; ``flags[i]`` belongs to rank i of ``group``."""
@@ -171,33 +174,46 @@ class FiniteCheck:
 
 def top_k_experts(choice_TE: Tensor, k: int) -> Tensor:
     """The k largest of each row, largest first, equal values in lower-index-first order: what a
-    stable descending sort gives, at the cost of ``torch.topk`` (which promises nothing about
-    ties) plus one compare pass. Rows with a tie that could matter (two equal values among the
-    k, or the k-th value repeated outside them) are sorted stably; with float logits these are
-    rare, and all-equal logits (a test's favourite) work the same."""
-    values_TK, expert_TK = torch.topk(choice_TE, k, dim=-1, sorted=True)
-    tie_T = (choice_TE >= values_TK[:, -1:]).sum(-1) > k
-    if k > 1:
-        tie_T |= (values_TK[:, 1:] == values_TK[:, :-1]).any(-1)
-    tied_T = tie_T.nonzero().squeeze(1)
-    if tied_T.numel():
-        expert_TK[tied_T] = torch.sort(choice_TE[tied_T], dim=-1, descending=True, stable=True).indices[:, :k]
-    return expert_TK
+    stable descending sort gives, without a host sync and at about the cost of ``torch.topk``
+    (which promises nothing about ties): k rounds of ``argmax``, which returns the first of equal
+    maxima, each round masking its pick with -inf. Exact for rows with at least k values above
+    -inf (any finite logits; non-finite ones make the layer raise, see ``FiniteCheck``)."""
+    picks, work_TE = [], choice_TE
+    for j in range(k):
+        picks.append(work_TE.argmax(-1, keepdim=True))
+        if j + 1 < k:
+            work_TE = (work_TE.clone() if j == 0 else work_TE).scatter_(1, picks[-1], float("-inf"))
+    return torch.cat(picks, 1)
+
+
+def stable_partition(index_X: Tensor, first_X: Tensor) -> Tensor:
+    """``index_X`` with its entries where ``first_X`` is true moved to the front, both parts in
+    their order: ``index_X[first_X.nonzero()]`` and the rest after it, without a host sync (the
+    sizes are the caller's to know)."""
+    before_X = torch.cumsum(first_X, 0)          # entries that go first, up to and including each
+    i_X = torch.arange(index_X.numel(), device=index_X.device)
+    dest_X = torch.where(first_X, before_X - 1, before_X[-1:] + i_X - before_X)
+    return torch.empty_like(index_X).index_copy_(0, dest_X, index_X)
+
+
+def count_values(index_X: Tensor, n: int) -> Tensor:
+    """``torch.bincount(index_X, minlength=n)`` for values below ``n``, without the host sync
+    of bincount on CUDA (it reads the largest value to size its result)."""
+    return torch.zeros(n, dtype=torch.long, device=index_X.device).index_add_(0, index_X, torch.ones_like(index_X))
 
 
 def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Optional[int],
           expert_bias_E: Optional[Tensor] = None, uniform_T: Optional[Tensor] = None,
-          slot_E: Optional[Tensor] = None, defer_check: bool = False) -> RoutingPlan:
+          slot_E: Optional[Tensor] = None, deferred: bool = False) -> RoutingPlan:
     """The routing plan for fp32 ``logits_TE``.
 
     ``uniform_T`` switches on GShard random routing of the 2nd choice (kind gshard only).
     ``normalize`` renormalises the k gates of a token to sum 1 (gshard always does).
     ``slot_E``: the placement, a permutation of the expert ids (None: slot e is expert e).
-    ``defer_check``: the caller holds a pending ``FiniteCheck`` of these logits and reads it
-    before anything leaves the rank; by default the logits are checked here, at once.
+    ``deferred``: the caller holds a pending ``FiniteCheck`` of these logits and reads it, with
+    the kept count, at its one host sync, before anything leaves the rank, and then cuts the
+    plan to the kept routes (``RoutingPlan.kept``); by default both happen here, at once.
     """
-    if not defer_check:
-        check_finite(logits_TE)
     T, E = logits_TE.shape
     probs_TE = F.softmax(logits_TE, dim=-1)
     choice_TE = logits_TE.detach()
@@ -218,7 +234,7 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
     key_R = torch.where(valid_TK.t().reshape(-1), slot_TK.t().reshape(-1), E)
     order_R = torch.argsort(key_R, stable=True)
     key_sorted_R = key_R[order_R]
-    count_D1 = torch.bincount(key_R, minlength=E + 1)
+    count_D1 = count_values(key_R, E + 1)
     routed_D = count_D1[:E]
     keep_sorted_R = key_sorted_R < E
     if capacity is not None:
@@ -228,16 +244,21 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
         kept_D = routed_D.clamp(max=capacity)
     else:
         kept_D = routed_D
-    route_R = order_R[keep_sorted_R]
+    route_R = stable_partition(order_R, keep_sorted_R)     # every route, the kept ones first
     routed_E, kept_E = (routed_D, kept_D) if slot_E is None else (routed_D[slot_E], kept_D[slot_E])
 
     n = max(T, 1)
-    first_E = torch.bincount(expert_TK[:, 0], minlength=E).float() / n
+    first_E = count_values(expert_TK[:, 0], E).float() / n
     balance_loss = E * (first_E * (probs_TE.sum(0) / n)).sum()
     z_loss = torch.logsumexp(logits_TE, dim=-1).square().sum() / n
-    return RoutingPlan(num_tokens=T, k=k, route_R=route_R, token_R=route_R % max(T, 1),
+    plan = RoutingPlan(num_tokens=T, k=k, route_R=route_R, token_R=route_R % max(T, 1),
                        gate_R=gate_TK.t().reshape(-1)[route_R], kept_E=kept_E, routed_E=routed_E,
                        capacity=capacity, balance_loss=balance_loss, z_loss=z_loss, kept_D=kept_D)
+    if deferred:
+        return plan
+    bad, num_kept = torch.cat([FiniteCheck(logits_TE).bad_1.long(), kept_D.sum().reshape(1)]).tolist()
+    FiniteCheck.verdict([bad])
+    return plan.kept(num_kept)
 
 
 class Router(nn.Module):
@@ -247,7 +268,7 @@ class Router(nn.Module):
     generator: a parallel layer passes its rank's index among the ranks that route distinct
     tokens, so token groups draw different jitter and U(0, 1). ``grad_group``: the weight's
     gradient is summed over it in backward (TP ranks route different token shares).
-    ``check_group``: the finite check is agreed over it (see ``check_finite``).
+    ``check_group``: the finite check is agreed over it (see ``FiniteCheck``).
     """
 
     def __init__(self, config: MoEConfig, hidden_size: int, *, seed: int = 0, init_std: float = 0.02,
@@ -311,8 +332,9 @@ class Router(nn.Module):
     def forward(self, x_TH: Tensor, noise: Optional[RouterNoise] = None,
                 slot_E: Optional[Tensor] = None) -> tuple[RoutingPlan, FiniteCheck]:
         """Route ``x_TH``. In training ``noise`` defaults to a fresh draw; eval uses none.
-        ``slot_E``: the layer's placement (see ``route``). Returns the plan and the pending
-        finite check of its logits; the caller reads the check (``prepare`` of a dispatcher)
+        ``slot_E``: the layer's placement (see ``route``). Returns the plan (every route, the
+        kept ones first) and the pending finite check of its logits; the caller reads the check
+        and the kept count at its host sync and cuts the plan (``prepare`` of a dispatcher),
         and then calls ``record_load``."""
         if self.training and noise is None:
             noise = self.draw_noise(x_TH.shape[0], x_TH.shape[1], x_TH.device)
@@ -323,7 +345,7 @@ class Router(nn.Module):
         return route(logits_TE, kind=self.kind, k=self.k, normalize=self.normalize,
                      capacity=self.capacity(x_TH.shape[0]), expert_bias_E=self.expert_bias,
                      uniform_T=noise.uniform_T if noise is not None else None, slot_E=slot_E,
-                     defer_check=True), finite
+                     deferred=True), finite
 
     @torch.no_grad()
     def record_load(self, plan: RoutingPlan) -> None:

@@ -41,10 +41,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_plugin.layers.combine import gate_combine
-from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher
+from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher, cut
 from moe_plugin.layers.ffn_autograd import expert_ffn
 from moe_plugin.layers.parallel import LayerParallelism
-from moe_plugin.layers.router import FiniteCheck, RoutingPlan
+from moe_plugin.layers.router import FiniteCheck, RoutingPlan, stable_partition
 
 if TYPE_CHECKING:
     from moe_plugin.layers.experts import GroupedExperts
@@ -68,19 +68,17 @@ class ShadowExchange(Exchange):
     shadowed: ShadowRoutes
 
 
-def split_routes(plan: RoutingPlan, shadow_D: Tensor) -> tuple[RoutingPlan, ShadowRoutes]:
+def split_routes(plan: RoutingPlan, shadow_D: Tensor, slots: list[int],
+                 counts: list[int]) -> tuple[RoutingPlan, ShadowRoutes]:
     """``plan`` (kept routes sorted by slot) -> the plan of the exchanged routes (``kept_D`` zero
-    at shadowed slots) and the routes to shadowed experts. One host sync."""
+    at shadowed slots) and the routes to shadowed experts, ``counts[i]`` of them to slot
+    ``slots[i]`` (ascending; read on the host with the exchange's counts). No host sync."""
     D = plan.kept_D.numel()
     R = plan.route_R.numel()
     slot_R = torch.repeat_interleave(torch.arange(D, device=plan.kept_D.device), plan.kept_D, output_size=R)
-    local_R = shadow_D[slot_R]
-    exchanged_R = (~local_R).nonzero().squeeze(1)
-    shadowed_R = local_R.nonzero().squeeze(1)
-    slots_D = shadow_D.nonzero().squeeze(1)
-    host = torch.cat([slots_D, plan.kept_D[slots_D].long()]).tolist()
-    n = slots_D.numel()
-    routes = ShadowRoutes(slots=host[:n], counts=host[n:], token_R=plan.token_R[shadowed_R],
+    order_R = stable_partition(torch.arange(R, device=slot_R.device), shadow_D[slot_R])
+    shadowed_R, exchanged_R = order_R[:sum(counts)], order_R[sum(counts):]
+    routes = ShadowRoutes(slots=slots, counts=counts, token_R=plan.token_R[shadowed_R],
                           gate_R=plan.gate_R[shadowed_R], route_R=plan.route_R[shadowed_R])
     exchanged = RoutingPlan(num_tokens=plan.num_tokens, k=plan.k, route_R=plan.route_R[exchanged_R],
                             token_R=plan.token_R[exchanged_R], gate_R=plan.gate_R[exchanged_R], kept_E=plan.kept_E,
@@ -158,12 +156,13 @@ class ShadowExperts:
             raise ValueError(f"shadowed experts must be distinct ids in 0..{E - 1}, got {given}")
         self.expert_ids = tuple(ids)
 
-    def slots(self) -> Tensor:
-        """[D] bool: the slots that hold a shadowed expert."""
+    def slots(self) -> tuple[Tensor, Tensor]:
+        """([D] bool: the slots that hold a shadowed expert, those slots ascending)."""
         placement_E = self.experts.placement
+        slot_X = torch.sort(placement_E[list(self.expert_ids)]).values
         shadow_D = torch.zeros(placement_E.numel(), dtype=torch.bool, device=placement_E.device)
-        shadow_D[placement_E[list(self.expert_ids)]] = True
-        return shadow_D
+        shadow_D[slot_X] = True
+        return shadow_D, slot_X
 
     def __call__(self, x_TH: Tensor, routes: ShadowRoutes) -> Tensor:
         """The rows ``routes`` of this rank's tokens through copies of the shadowed experts'
@@ -186,9 +185,11 @@ class ShadowingDispatcher(ExpertParallelDispatcher):
     def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Exchange:
         if not self.shadow.expert_ids:
             return super().prepare(x_TH, plan, finite)
-        shadow_D = self.shadow.slots()
-        layout = self.layout(plan.kept_D, finite, shadow_D)
-        exchanged, shadowed = split_routes(plan, shadow_D)
+        shadow_D, slot_X = self.shadow.slots()
+        layout, host = self.layout(plan.kept_D, finite, shadow_D, torch.cat([slot_X, plan.kept_D[slot_X]]))
+        slots, counts = cut(host, slot_X.numel())
+        plan = plan.kept(sum(layout["send_splits"]) + sum(counts))
+        exchanged, shadowed = split_routes(plan, shadow_D, slots, counts)
         return ShadowExchange(x_TH, exchanged, **layout, shadowed=shadowed)
 
     def combine(self, y_RH: Tensor, state: Exchange) -> Tensor:

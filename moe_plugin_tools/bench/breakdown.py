@@ -38,6 +38,7 @@ def time_parts(layer: MoELayer, x_TH: Tensor, warmup: int = 1, iters: int = 5) -
     with torch.no_grad():
         plan, finite = layer.router(x_TH)
         state = layer.dispatcher.prepare(x_TH, plan, finite)
+    plan = state.plan                                     # the kept routes
     T, H = x_TH.shape
     R = plan.token_R.numel()
     x_leaf_TH = x_TH.detach().requires_grad_(True)

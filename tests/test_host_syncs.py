@@ -1,0 +1,212 @@
+"""At most one host synchronisation per MoE layer forward, none in backward.
+
+On a GPU every read of a tensor's values into Python, and every op whose output size depends
+on the data, stalls the stream until the device catches up. On CPU nothing stalls, so the test
+counts what would: Python-level reads (``tolist``, ``numpy``, ``cpu``, patched here only) and,
+in a ``TorchDispatchMode``, the aten ops that read values on the host (``_local_scalar_dense``:
+``item``, ``bool``, ``int``, ``float``) or size their output by the data (``nonzero``,
+``masked_select``, ``unique``, boolean-mask indexing, ``repeat_interleave`` without
+``output_size``, ``bincount``, which reads the largest index on CUDA). A read inside a counted
+Python-level call is not counted again. Each sync is recorded with the innermost
+``moe_plugin`` line that caused it, for the failure message.
+
+The one sync a forward needs: the per-expert counts (and, with expert parallelism, the
+exchanged counts that size the uneven all-to-all) reach the host in one transfer.
+"""
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dist import run_distributed
+from moe_plugin.configs import MoEConfig
+from moe_plugin.groups.layout import RankLayout
+from moe_plugin.layers import MoELayer
+
+H, F, E = 16, 16, 8
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
+            "unique_consecutive", "unique_dim_consecutive", "bincount", "histc", "equal"}
+PY_READS = ("tolist", "numpy", "cpu")
+
+
+def _where() -> str:
+    """The innermost ``moe_plugin`` line on the stack (outside the test's own frames)."""
+    for frame in reversed(traceback.extract_stack()):
+        if "/moe_plugin/" in frame.filename:
+            return f"{frame.filename.split('/moe_plugin/')[-1]}:{frame.lineno}"
+    return "?"
+
+
+def _is_sync(func, args, kwargs) -> bool:
+    name = func._overloadpacket.__name__
+    if name in SYNC_OPS:
+        return True
+    if func is torch.ops.aten.repeat_interleave.Tensor:     # the others decompose into this one
+        return kwargs.get("output_size") is None
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    if name in ("_to_copy", "copy_"):   # device -> host copies (none on a CPU run)
+        src = args[1] if name == "copy_" else args[0]
+        dst = args[0].device if name == "copy_" else kwargs.get("device") or src.device
+        return src.device.type != "cpu" and torch.device(dst).type == "cpu"
+    return False
+
+
+class SyncCounter(TorchDispatchMode):
+    """Records ``(what, where)`` of every host sync inside ``with counter:`` (module docstring);
+    ``take()`` returns them and starts over."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[tuple[str, str]] = []
+        self._inside = 0
+        self._saved: dict = {}
+
+    def __enter__(self):
+        for name in PY_READS:
+            self._saved[name] = torch.Tensor.__dict__.get(name)     # None: inherited from TensorBase
+            setattr(torch.Tensor, name, self._counting(name, getattr(torch.Tensor, name)))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self._saved.items():
+            if method is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, method)
+        return super().__exit__(*exc)
+
+    def _counting(self, name, method):
+        def read(tensor, *args, **kwargs):
+            if self._inside == 0:
+                self.syncs.append((name, _where()))
+            self._inside += 1
+            try:
+                return method(tensor, *args, **kwargs)
+            finally:
+                self._inside -= 1
+        return read
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._inside == 0 and _is_sync(func, args, kwargs):
+            self.syncs.append((func._overloadpacket.__name__, _where()))
+        return func(*args, **kwargs)
+
+    def take(self) -> list[tuple[str, str]]:
+        syncs, self.syncs = self.syncs, []
+        return syncs
+
+
+def count_syncs(layer: MoELayer, x_SBH: torch.Tensor) -> tuple[list, list]:
+    """The host syncs of one training forward of ``layer`` and of its backward."""
+    x_SBH = x_SBH.clone().requires_grad_(True)
+    grad_SBH = torch.randn(x_SBH.shape, generator=torch.Generator().manual_seed(7))
+    counter = SyncCounter()
+    with counter:
+        out_SBH, _ = layer(x_SBH)
+    forward = counter.take()
+    with counter:
+        out_SBH.backward(grad_SBH)
+    return forward, counter.take()
+
+
+ROUTERS = {
+    "top1": dict(router="switch"),
+    "top2": dict(router="topk", top_k=2, aux_loss_coeff=0.1, z_loss_coeff=1e-2),
+    "gshard": dict(router="gshard", jitter_eps=0.1, aux_loss_coeff=0.1),   # random routing of the 2nd choice
+}
+
+
+def _layer(router: str, drop: bool, parallel=None, groups=None, placement=None, **moe) -> MoELayer:
+    block = {"num_experts": E, "capacity_factor": 1.0, "min_capacity": 1, "drop_tokens": drop,
+             **ROUTERS[router], **moe}
+    if parallel is not None:
+        block["parallel"] = parallel
+    return MoELayer(MoEConfig.from_dict(block), H, F, groups, seed=3, init_std=0.3, placement=placement).train()
+
+
+def _x(S=8, B=2, seed=11) -> torch.Tensor:
+    return torch.randn(S, B, H, generator=torch.Generator().manual_seed(seed))
+
+
+def _check(forward: list, backward: list) -> None:
+    assert len(forward) <= 1, f"{len(forward)} host syncs in one forward: {forward}"
+    assert not backward, f"{len(backward)} host syncs in backward: {backward}"
+
+
+@pytest.mark.parametrize("drop", [True, False], ids=["capacity", "dropless"])
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_one_host_sync_per_forward(router, drop):
+    _check(*count_syncs(_layer(router, drop), _x()))
+
+
+def test_one_host_sync_with_shared_expert_and_placement():
+    layer = _layer("top2", False, activation="swiglu", shared_expert_ffn_hidden_size=8, shared_expert_gate=True,
+                   placement=[5, 2, 7, 0, 3, 6, 1, 4])
+    _check(*count_syncs(layer, _x()))
+
+
+def test_the_counter_sees_syncs():
+    """Each kind of read the module docstring names is counted once."""
+    x = torch.arange(6.0)
+    counter = SyncCounter()
+    with counter:
+        x.tolist(), x[0].item(), bool(x[1]), int(x[2]), x[x > 2], x.nonzero(), torch.bincount(x.long())
+        torch.repeat_interleave(x, x.long()), torch.repeat_interleave(x, x.long(), output_size=15)
+        torch.unique(x), x.cpu(), x.numpy()
+    assert [what for what, _ in counter.take()] == ["tolist", "_local_scalar_dense", "_local_scalar_dense",
+                                                    "_local_scalar_dense", "index", "nonzero", "bincount",
+                                                    "repeat_interleave", "_unique2", "cpu", "numpy"]
+    assert "tolist" not in torch.Tensor.__dict__     # restored
+
+
+# -- expert parallelism on 2 gloo ranks: one spawn for every case ----------------------------------
+# name -> (RankLayout.build sizes, router, drop, shadowed experts)
+DIST_CASES = {
+    "dp2-ep2/top1-capacity": (dict(ep=2), "top1", True, []),
+    "dp2-ep2/top2-dropless": (dict(ep=2), "top2", False, []),
+    "dp2-ep2/gshard-capacity": (dict(ep=2), "gshard", True, []),
+    "etp2-dp2/top2-capacity": (dict(etp=2), "top2", True, []),
+    "tp2-ep2/top2-dropless": (dict(tp=2, ep=2, etp=1), "top2", False, []),
+    "tp2/gshard-capacity": (dict(tp=2, etp=1), "gshard", True, []),          # no EP: the finite flags over TP
+    "dp2-ep2/shadow-top2-capacity": (dict(ep=2), "top2", True, [0, 5]),
+    "dp2-ep2/shadow-top1-dropless": (dict(ep=2), "top1", False, [3]),
+}
+
+
+def _dist_child(rank: int, world_size: int, cases: dict) -> dict:
+    from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
+
+    results = {}
+    for name, (sizes, router, drop, shadow) in cases.items():
+        layout = RankLayout.build(world_size, **sizes)
+        s = layout.sizes
+        groups = build_process_groups(layout)
+        try:
+            parallel = {"tensor": s.tp, "expert": s.ep, "expert_tensor": s.etp, "order": s.order}
+            layer = _layer(router, drop, parallel, groups)
+            if shadow:
+                layer.set_shadow(shadow)
+            results[name] = count_syncs(layer, _x(seed=11 + layout.coords(rank)["dp"]))
+        except Exception:   # reported by the case's test
+            results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+        finally:
+            destroy_process_groups(groups)
+    return results
+
+
+@pytest.fixture(scope="module")
+def dist_counts(tmp_path_factory):
+    return run_distributed(_dist_child, 2, tmp_path_factory.mktemp("syncs"), DIST_CASES)
+
+
+@pytest.mark.parametrize("name", list(DIST_CASES))
+def test_one_host_sync_per_forward_expert_parallel(dist_counts, name):
+    for result in dist_counts:
+        if isinstance(result[name], str):
+            pytest.fail(result[name], pytrace=False)
+        _check(*result[name])
