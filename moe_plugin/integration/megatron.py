@@ -49,10 +49,6 @@ from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.groups.process_groups import ProcessGroups
 from moe_plugin.integration.cpu_modules import SDPAttention, TorchNorm
 from moe_plugin.integration.seeding import layer_seed, resolve_seed, seeded
-from moe_plugin.integration.sp_grads import (  # noqa: F401  (re-exported)
-    allreduce_sequence_parallel_grads,
-    sequence_parallel_grad_hooks,
-)
 from moe_plugin.layers.moe_layer import MoELayer
 
 Spec = Union[ModuleSpec, TransformerBlockSubmodules]

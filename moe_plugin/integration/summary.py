@@ -24,7 +24,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 from torch import nn

@@ -95,10 +95,6 @@ class Replay:
     def mean_s(self) -> float:
         return float(self.step_s.mean())
 
-    @property
-    def total_s(self) -> float:
-        return float(self.step_s.sum())
-
 
 def load_fractions(load_IME: np.ndarray, moe_layers: int) -> np.ndarray:
     """[steps, moe_layers, E] route fractions from a trace's [steps, layers, E] counts."""
