@@ -68,14 +68,17 @@ def rank_of(placement: Tensor, P: int) -> Tensor:
     return torch.as_tensor(placement).long() // _slots_per_rank(len(placement), P)
 
 
-def check_placement(placement, E: int, P: int) -> Tensor:
-    """``placement`` as an int64 tensor after checking that it is a permutation of the E slots."""
-    _slots_per_rank(E, P)
-    tensor = torch.as_tensor(placement).long().cpu()
-    if tensor.shape != (E,) or not torch.equal(torch.sort(tensor).values, torch.arange(E)):
-        raise ValueError(f"a placement must give each of the {E} experts a distinct slot 0..{E - 1}, "
-                         f"got {tensor.tolist()}")
-    return tensor
+def check_placement(slot_E, E: int, name: str = "placement") -> Tensor:
+    """``slot_E`` as an int64 CPU tensor once it is a permutation of the slots ``0..E-1``."""
+    t = torch.as_tensor(slot_E)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() != 1 or t.numel() != E:
+        raise ValueError(f"{name}: expected {E} integer slots (a 1-D tensor, one per expert), got "
+                         f"shape {tuple(t.shape)} dtype {t.dtype}")
+    t = t.detach().to("cpu", torch.long)
+    if sorted(t.tolist()) != list(range(E)):
+        raise ValueError(f"{name}: {t.tolist()} is not a permutation of the slots 0..{E - 1} (each expert "
+                         "needs a distinct slot)")
+    return t
 
 
 def rank_loads(load_E, placement, P: int) -> Tensor:
@@ -273,7 +276,7 @@ def align(new, current, P: int, node_of_rank: Optional[Sequence[int]] = None) ->
     """
     E = len(new)
     L = _slots_per_rank(E, P)
-    new, current = check_placement(new, E, P), check_placement(current, E, P)
+    new, current = check_placement(new, E), check_placement(current, E)
     node = list(node_of_rank) if node_of_rank is not None else [0] * P
     new_rank, cur_rank = (new // L).tolist(), (current // L).tolist()
     overlap = torch.zeros(P, P, dtype=torch.int64)           # [new rank, current rank]
