@@ -8,16 +8,12 @@
 Every ``check_interval`` steps, for every MoE layer of the rank's stage: the policy
 (``moe.placement.policy``) proposes a placement from the layer's window load
 (``LoadTracker.window_loads``), relabelled to move as few experts as possible
-(``policies.align``). The cost model (``costs.CostModel``: per layer and step, the busiest EP
-rank's routes, all-to-all bytes within and across nodes, shadowed experts' replication) predicts
-the layer's time per step under the current and the proposed placement, and the switching rule
-``costs.should_switch`` weighs the saving until the next check (``check_interval`` steps) against
-the migration, ``moved_bytes(now -> new) * migration_seconds_per_byte``, with the config's
-``min_gain`` as margin and hysteresis (``costs.py`` states it). All layers that switch at a check
-go to one ``migrate_fn`` call. ``CostModel.fit`` calibrates ``seconds_per_route`` from measured
-layer times (``step(..., layer_seconds=...)``); the migration engineer's ``moved_bytes`` replaces
-the default estimate (experts that change EP rank x parameters x (element bytes + 12 bytes of
-fp32 master and Adam state)).
+(``policies.align``); ``costs.CostModel`` predicts the layer's time per step under the current
+and the proposed placement and ``costs.should_switch`` decides (both stated in ``costs.py``),
+with the migration at ``moved_bytes(now -> new) * migration_seconds_per_byte``. All layers that
+switch at a check go to one ``migrate_fn`` call. ``CostModel.fit`` calibrates
+``seconds_per_route`` from measured layer times (``step(..., layer_seconds=...)``);
+``migration.moved_bytes`` replaces the default estimate (``default_moved_bytes``).
 
 Shadowing (``replica_budget > 0``, EP without ETP; ``layers/shadow.py``), after the placement
 decision and under the placement in effect after it: the candidates are the ``k`` hottest experts
