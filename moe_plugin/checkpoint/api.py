@@ -111,7 +111,6 @@ from moe_plugin.checkpoint.metadata import (
     layout,
     metadata,
     read_latest,
-    read_metadata,
     rng_file,
     saved_model_files,
     saved_stages,
@@ -292,6 +291,3 @@ def _check_experts_loaded(model: nn.Module, experts: dict, path: str) -> None:
     if wrong:
         raise RuntimeError(f"{path}: DeepSpeed's load left other values in the experts {wrong[:4]}; this DeepSpeed "
                            "version loads the module without load_state_dict (unsupported)")
-
-
-__all__ = ["CheckpointError", "checkpoint_exists", "load_checkpoint", "read_latest", "read_metadata", "save_checkpoint"]

@@ -100,6 +100,3 @@ def _output_from_word(entries: dict, num_layers: int) -> None:
     word, output = pipeline_state_dict_key(WORD, num_layers), pipeline_state_dict_key(OUTPUT, num_layers)
     if word in entries and output not in entries:
         entries[output] = entries[word]
-
-
-__all__ = ["KIND_KEY", "as_running_kind", "running_state"]

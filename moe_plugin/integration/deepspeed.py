@@ -387,6 +387,3 @@ def _check_engine(engine: Any, zero_stage: int, plugin_clips: bool) -> None:
         raise alike_on_every_rank(RuntimeError(
             f"DeepSpeed runs ZeRO stage {engine.zero_optimization_stage()} (fp32: {fp32}) but the plugin read stage "
             f"{zero_stage} from the config: unsupported DeepSpeed version?"))
-
-
-__all__ = ["Initialized", "ModelProvider", "initialize", "launcher_world_size"]

@@ -277,6 +277,3 @@ def _loss_scale(engine: Any) -> str:
 def _print_on_rank0(text: str) -> None:
     if _rank_and_world()[0] == 0:
         print(text, flush=True)
-
-
-__all__ = ["GradientWatch", "StepHealth", "TrainingGuard", "TrainingStopped"]

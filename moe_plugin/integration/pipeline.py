@@ -313,8 +313,3 @@ def pipeline_state_dict_key(gpt_key: str, num_layers: int) -> str:
     if gpt_key.startswith("output_layer."):
         return f"{num_layers + 2}.{gpt_key}"
     raise KeyError(f"{gpt_key!r} is no GPTModel key that gpt_pipeline_module has")
-
-
-__all__ = ["EmbeddingPipe", "FinalNormPipe", "GPTPipelineModule", "OutputLayerPipe", "TransformerLayerPipe",
-           "gpt_loss", "gpt_pipeline_module", "gpt_state_dict_key", "pipeline_state_dict_key",
-           "stage_boundaries", "stage_layers"]

@@ -178,6 +178,3 @@ def training_placement(run: Any, run_dir: Union[str, Path, None] = None, *, cost
 def read_placement_log(path: Union[str, Path]) -> list[dict]:
     """The records of a ``placement.jsonl`` (one JSON object per line)."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-__all__ = ["CPU_FLOPS", "TrainingPlacement", "cpu_cost_model", "read_placement_log", "training_placement"]

@@ -124,6 +124,3 @@ def _memory_estimate(params: list, sizes: Any, zero_stage: int, dtype: str,
     total, weights, grads, optimizer = (v / _MB for v in mine)
     return {"weights": round(weights, 3), "grads": round(grads, 3), "optimizer": round(optimizer, 3),
             "total": round(total, 3)}
-
-
-__all__ = ["BYTES", "RunSummary", "run_summary"]

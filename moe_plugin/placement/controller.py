@@ -291,6 +291,3 @@ class PlacementController:
 
     def close(self) -> None:
         self.tracker.close()
-
-
-__all__ = ["Decision", "PlacementController", "default_moved_bytes"]

@@ -198,7 +198,3 @@ def moe_layer_collectives(tp: int, dp: int, ep: int, etp: int, sequence_parallel
         (split, Collective(bwd, "all_gather", "tp", "tokens")),
     ]
     return [c for on, c in plan if on]
-
-
-__all__ = ["Collective", "CostModel", "LayerTime", "computed_routes", "exchanged_routes", "hottest",
-           "migration_seconds", "moe_layer_collectives", "replication_bytes", "should_switch"]

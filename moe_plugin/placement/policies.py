@@ -308,7 +308,3 @@ def moved_experts(old, new, P: Optional[int] = None) -> list[int]:
     if P is not None:
         old, new = rank_of(old, P), rank_of(new, P)
     return (old != new).nonzero().flatten().tolist()
-
-
-__all__ = ["align", "check_placement", "cross_node_routes", "greedy", "imbalance", "moved_experts", "network_aware",
-           "nodes_of", "rank_loads", "rank_of", "static"]

@@ -245,6 +245,3 @@ def read_trace(path: Union[str, os.PathLike]) -> GateTrace:
     records = np.frombuffer(data[:count * dtype.itemsize], dtype=dtype)
     return GateTrace(meta=meta, steps=records["step"].copy(), load=records["load"].copy(),
                      traffic=records["traffic"].copy())
-
-
-__all__ = ["GateTrace", "MAGIC", "TraceMeta", "TraceWriter", "VERSION", "read_trace"]

@@ -262,6 +262,3 @@ class LoadTracker:
                 base = i * E * (1 + P)
                 out[name] = (flat[base:base + E], flat[base + E:base + E * (1 + P)].view(P, E))
         return out
-
-
-__all__ = ["LoadTracker", "WindowLoad"]

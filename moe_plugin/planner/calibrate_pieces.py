@@ -274,6 +274,3 @@ def _mean(pieces: list[dict]) -> dict:
             return [avg([v[i] for v in values]) for i in range(len(first))]
         return statistics.mean(values)
     return avg(pieces)
-
-
-__all__ = ["PIECE_MODEL", "fit", "measure_pieces"]

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> None:
         return
     for flag in ("model", "cluster"):
         if getattr(args, flag) is None:
-            raise ConfigError(f"--{flag}", None, f"required to plan (or use --calibrate / --validate)")
+            raise ConfigError(f"--{flag}", None, "required to plan (or use --calibrate / --validate)")
     if args.top < 1:
         raise ConfigError("--top", args.top, "expected a positive integer")
     if args.replica_budget < 0:
@@ -205,6 +205,3 @@ def _replay_table(pool, replays: list[dict], steps: int, interval: int) -> str:
     head += ["placement in its JSON"]
     return (f"Trace replay ({steps} steps, every {replays[0]['stride']}): mean step time\n\n"
             + markdown_table(head, rows))
-
-
-__all__ = ["add_plan_parser", "placement_block", "plan", "run", "trace_load"]

@@ -246,7 +246,3 @@ def compare(model: ModelSpec, cluster: ClusterSpec, layouts: Sequence[Layout], l
             policies: Sequence[Policy], stride: int = 1) -> list[Replay]:
     """Every layout under every policy."""
     return [replay(model, cluster, lay, load_IME, pol, stride) for lay in layouts for pol in policies]
-
-
-__all__ = ["Policy", "Replay", "choose_placement", "choose_shadow", "compare", "load_fractions", "migration_seconds", "replay",
-           "sender_fractions", "synthetic_trace"]
