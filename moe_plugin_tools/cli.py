@@ -29,7 +29,7 @@ from moe_plugin.configs import ConfigError, MoEConfig, batch_sizes
 from moe_plugin.configs.report import exit_on_config_error
 from moe_plugin.configs.schema import DEFAULT_ORDER, load_ds_config
 from moe_plugin.groups.layout import RankLayout
-from moe_plugin.groups.report import group_lists, rank_groups
+from moe_plugin_tools.layout_views import group_lists, rank_groups
 from moe_plugin_tools.plan_args import add_plan_parser
 from moe_plugin_tools.report import write_report
 
