@@ -177,13 +177,11 @@ def _refine_max(ranks: list[int], load: Tensor, P: int, max_swaps: int = 10_000)
     return ranks
 
 
-def _node_preferring(load: Tensor, traffic: Tensor, node: list[int], cap: float) -> list[int]:
+def _node_preferring(load: Tensor, cross_EN: Tensor, node: list[int], cap: float) -> list[int]:
     """Step (1) of ``network_aware``: each expert onto the in-bound rank that crosses least."""
-    P, E = traffic.shape
+    P, (E, _) = len(node), cross_EN.shape
     L = E // P
-    node_P = torch.as_tensor(node)
-    # crossing[n][e]: routes to expert e from senders outside node n (plain lists: a Python loop)
-    crossing = [traffic[node_P != n].sum(0).tolist() for n in range(max(node) + 1)]
+    crossing = cross_EN.T.tolist()   # crossing[n][e], plain lists for a Python loop
     w = load.tolist()
     loads, free, ranks = [0.0] * P, [L] * P, [0] * E
     for e in _order(load):
@@ -197,22 +195,20 @@ def _node_preferring(load: Tensor, traffic: Tensor, node: list[int], cap: float)
     return ranks
 
 
-def _improve_by_swaps(ranks: list[int], load: Tensor, traffic: Tensor, node: list[int], cap: float,
+def _improve_by_swaps(ranks: list[int], load: Tensor, cross_EN: Tensor, node: list[int], cap: float,
                       max_swaps: Optional[int] = None) -> list[int]:
     """Step (2) of ``network_aware``: repeatedly the swap of two experts on different nodes that
     cuts the most cross-node routes while both ranks stay within ``cap`` (all pairs at once as an
     [E, E] gain matrix; ties to the lowest pair, so every rank picks the same)."""
-    P, E = traffic.shape
+    P, (E, _) = len(node), cross_EN.shape
     ranks_E = torch.as_tensor(ranks, dtype=torch.int64)
     node_P = torch.as_tensor(node, dtype=torch.int64)
-    # cross[e, n]: routes to expert e from senders outside node n
-    cross = torch.stack([traffic[node_P != n].sum(0) for n in range(int(node_P.max()) + 1)], dim=1)  # [E, nodes]
     loads = torch.zeros(P, dtype=torch.float64).index_add_(0, ranks_E, load)
     delta = load[:, None] - load[None, :]                    # [a, b]: what a's rank loses, b's gains
     for _ in range(max_swaps if max_swaps is not None else 4 * E):
         node_E = node_P[ranks_E]
-        own = cross[torch.arange(E), node_E]                   # [E] routes crossing now
-        there = cross[:, node_E]                               # [a, b] a's crossing on b's node
+        own = cross_EN[torch.arange(E), node_E]                # [E] routes crossing now
+        there = cross_EN[:, node_E]                            # [a, b] a's crossing on b's node
         gain = own[:, None] + own[None, :] - there - there.T
         rank_load = loads[ranks_E]
         ok = ((node_E[:, None] != node_E[None, :]) & (rank_load[:, None] - delta <= cap + 1e-9)
@@ -257,9 +253,12 @@ def network_aware(load_E, traffic_PE, P: int, node_of_rank: Optional[Sequence[in
     if len(dense) == 1:
         return base
     cap = (1.0 + slack) * rank_loads(load, base, P).max().item()
+    node_P = torch.as_tensor(node)
+    # cross_EN[e, n]: routes to expert e from senders outside node n
+    cross_EN = torch.stack([traffic[node_P != n].sum(0) for n in range(len(dense))], dim=1)
     candidates = []
-    for start in (rank_of(base, P).tolist(), _node_preferring(load, traffic, node, cap)):
-        ranks = _improve_by_swaps(start, load, traffic, node, cap)
+    for start in (rank_of(base, P).tolist(), _node_preferring(load, cross_EN, node, cap)):
+        ranks = _improve_by_swaps(start, load, cross_EN, node, cap)
         placement = _to_placement(ranks, P)
         if rank_loads(load, placement, P).max().item() <= cap + 1e-9:
             candidates.append(placement)

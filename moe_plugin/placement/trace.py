@@ -138,7 +138,6 @@ class TraceWriter:
         self.meta = meta
         self._dtype = meta.record_dtype
         self._index = {name: i for i, name in enumerate(meta.layers)}
-        self.last_step: Optional[int] = None
         if append and self.path.exists() and self.path.stat().st_size > 0:
             with open(self.path, "rb") as handle:
                 found, start = _read_header(handle, self.path)
@@ -180,7 +179,6 @@ class TraceWriter:
             record["traffic"][i] = _as_int32(traffic_PE, (P, E), f"step {step} layer {name} traffic")
         self._file.write(record.tobytes())
         self._file.flush()
-        self.last_step = int(step)
 
     def close(self) -> None:
         if self._file is not None:

@@ -93,7 +93,9 @@ def _collective_device(group: dist.ProcessGroup, tensors: dict[str, Tensor]) -> 
     return torch.device(get_accelerator().current_device_name())
 
 
-def _trace_name(name: str, layer: MoELayer, stage: int, pp: int) -> str:
+def trace_name(name: str, layer: MoELayer, stage: int = 0, pp: int = 1) -> str:
+    """A layer's name in a trace: ``layer<global index>`` where it has one, else its module name
+    (prefixed by its pipeline stage when there are several)."""
     index = getattr(layer, "layer_index", None)
     if index is not None:
         return f"layer{int(index)}"
@@ -205,7 +207,7 @@ class LoadTracker:
         rank = dist.get_rank() if dist.is_initialized() else 0
         pp = g.layout.sizes.pp if g is not None else 1
         stage = g.layout.coords(rank)["pp"] if g is not None else 0
-        mine = [_trace_name(n, m, stage, pp) for n, m in self.layers.items()]
+        mine = [trace_name(n, m, stage, pp) for n, m in self.layers.items()]
         stages = [mine]
         if pp > 1:
             stages = [None] * pp

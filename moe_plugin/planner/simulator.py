@@ -137,11 +137,7 @@ def choose_shadow(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E
     def seconds(mask) -> float:
         return sum(moe_layer_time(model, cluster, layout, load, placement_E, mask, senders_PE).values())
 
-    sets = []
-    for k in range(len(hot) + 1):
-        mask = np.zeros(len(load), dtype=bool)
-        mask[hot[:k]] = True
-        sets.append(mask)
+    sets = [np.isin(np.arange(len(load)), hot[:k]) for k in range(len(hot) + 1)]
     times = [seconds(mask) for mask in sets]
     k = min(range(len(times)), key=lambda i: (times[i], i))
     if (sets[k] == current_E).all():
