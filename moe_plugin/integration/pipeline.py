@@ -6,7 +6,7 @@
     engine, *_ = moe_plugin.initialize(ds_config, model_provider)   # a PipelineEngine when pp > 1
     loss = engine.train_batch(iter(batches))   # each item: ((tokens_BS, position_ids_BS), labels_BS)
 
-Shapes: B micro-batch, S sequence, H hidden, V vocabulary (V/TP on a tensor-parallel rank).
+Shape letters: ``layers/__init__.py`` (V/TP on a tensor-parallel rank).
 
 The pipe is a flat list of pieces; DeepSpeed builds only the pieces of a rank's stage:
 

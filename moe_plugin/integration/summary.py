@@ -79,8 +79,7 @@ def run_summary(model: nn.Module, moe_config: MoEConfig, groups: ProcessGroups, 
     counts = {"total": total, "dense": total - expert, "expert": expert,
               "active": total - expert + expert * k // experts}
     return RunSummary(
-        sizes={"world_size": sizes.world_size, "tp": sizes.tp, "pp": sizes.pp, "dp": sizes.dp, "ep": sizes.ep,
-               "etp": sizes.etp, "edp": sizes.edp, "order": sizes.order},
+        sizes=sizes.model_dump(),
         moe_layers=layers, num_experts=experts, top_k=k, experts_per_rank=experts // sizes.ep if layers else 0,
         parameters=counts, zero_stage=zero_stage, dtype=dtype,
         memory_per_rank_mb=_memory_estimate(params, sizes, zero_stage, dtype, groups))
