@@ -44,7 +44,7 @@ from moe_plugin.layers.moe_layer import MoELayer
 from moe_plugin.placement import migration
 from moe_plugin.placement.controller import Decision, PlacementController
 from moe_plugin.placement.costs import CostModel
-from moe_plugin.placement.tracking import LoadTracker, trace_name
+from moe_plugin.placement.tracking import trace_name
 
 CPU_FLOPS = 2e10   # FLOP/s of one CPU core running fp32 GEMMs, order of magnitude
 
@@ -93,13 +93,8 @@ class TrainingPlacement:
         self.migration_seconds += float(getattr(report, "seconds", 0.0) or 0.0)
         return report
 
-    @property
-    def config(self):
-        return self.controller.config
-
-    @property
-    def tracker(self) -> LoadTracker:
-        return self.controller.tracker
+    config = property(lambda self: self.controller.config)
+    tracker = property(lambda self: self.controller.tracker)
 
     def step(self, step: int) -> list[Decision]:
         """Close step ``step`` (every rank, after ``engine.step()`` / ``train_batch``): track its load,

@@ -202,17 +202,10 @@ class GateTrace:
     load: np.ndarray
     traffic: np.ndarray
 
-    @property
-    def layers(self) -> tuple[str, ...]:
-        return self.meta.layers
-
-    @property
-    def num_experts(self) -> int:
-        return self.meta.num_experts
-
-    @property
-    def ep_size(self) -> int:
-        return self.meta.ep_size
+    # the header's, for short
+    layers = property(lambda self: self.meta.layers)
+    num_experts = property(lambda self: self.meta.num_experts)
+    ep_size = property(lambda self: self.meta.ep_size)
 
     def layer(self, name: str) -> int:
         """Index of layer ``name`` on the layers axis."""
