@@ -5,8 +5,6 @@ What a training script needs is here by name: ``moe_plugin.initialize``, ``moe_p
 Megatron-Core (the ``moe-plugin`` command and the config checks stay light): the names that do
 are imported on first use.
 """
-import importlib
-
 from moe_plugin.configs import ConfigError, MoEConfig, ParallelSizes
 from moe_plugin.configs.report import (
     alike_on_every_rank,
@@ -17,34 +15,29 @@ from moe_plugin.configs.report import (
     report_error,
 )
 from moe_plugin.groups.layout import RankLayout
+from moe_plugin.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
-# name -> "module:attribute", imported on first use (each imports torch, DeepSpeed or Megatron-Core)
+# name -> the submodule that defines it, imported on first use (each imports torch, DeepSpeed or Megatron-Core)
 _LAZY = {
-    "initialize": "moe_plugin.integration.deepspeed:initialize",
-    "transformer_config": "moe_plugin.integration.megatron:transformer_config",
-    "gpt_moe_spec": "moe_plugin.integration.megatron:gpt_moe_spec",
-    "gpt_pipeline_module": "moe_plugin.integration.pipeline:gpt_pipeline_module",
-    "MoELayer": "moe_plugin.layers.moe_layer:MoELayer",
-    "ExpertMetrics": "moe_plugin.integration.monitor:ExpertMetrics",
-    "training_placement": "moe_plugin.integration.placement:training_placement",
-    "TrainingStopped": "moe_plugin.integration.guard:TrainingStopped",
-    "save_checkpoint": "moe_plugin.checkpoint:save_checkpoint",
-    "load_checkpoint": "moe_plugin.checkpoint:load_checkpoint",
-    "checkpoint_exists": "moe_plugin.checkpoint:checkpoint_exists",
-    "CheckpointError": "moe_plugin.checkpoint:CheckpointError",
+    "initialize": "integration.deepspeed",
+    "transformer_config": "integration.megatron",
+    "gpt_moe_spec": "integration.megatron",
+    "gpt_pipeline_module": "integration.pipeline",
+    "MoELayer": "layers.moe_layer",
+    "ExpertMetrics": "integration.monitor",
+    "training_placement": "integration.placement",
+    "TrainingStopped": "integration.guard",
+    "save_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "checkpoint_exists": "checkpoint",
+    "CheckpointError": "checkpoint",
 }
 
 __all__ = ["ConfigError", "MoEConfig", "ParallelSizes", "RankLayout", "__version__", "alike_on_every_rank",
            "exit_on_config_error", "exit_on_error", "raised_alike", "report_config_error", "report_error", *_LAZY]
-
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attribute = _LAZY[name].split(":")
-    return getattr(importlib.import_module(module), attribute)
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

@@ -29,8 +29,8 @@ from moe_plugin.configs import ConfigError, MoEConfig, batch_sizes
 from moe_plugin.configs.report import exit_on_config_error
 from moe_plugin.configs.schema import DEFAULT_ORDER, load_ds_config
 from moe_plugin.groups.layout import RankLayout
-from moe_plugin.groups.report import group_lists, rank_groups
-from moe_plugin.planner.plan import add_plan_parser
+from moe_plugin_tools.layout_views import group_lists, rank_groups
+from moe_plugin_tools.plan_args import add_plan_parser
 from moe_plugin_tools.report import write_report
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json"
@@ -88,12 +88,6 @@ def bench_layer(args: argparse.Namespace) -> None:
 
 def bench_step(args: argparse.Namespace) -> None:
     from moe_plugin_tools.bench.step import run
-
-    run(args)
-
-
-def plan(args: argparse.Namespace) -> None:
-    from moe_plugin.planner.plan import run
 
     run(args)
 
@@ -172,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.set_defaults(run=export)
 
     add_bench_parser(commands, bench_layer, bench_step)
-    add_plan_parser(commands, plan)
+    add_plan_parser(commands)
     return parser
 
 

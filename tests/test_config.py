@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from moe_plugin.configs import ConfigError, MoEConfig, ParallelConfig, ParallelSizes, PlacementConfig
-from moe_plugin.configs.docs import full_example, render_markdown
+from moe_plugin_tools.config_docs import full_example, render_markdown
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_4RANK = REPO / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json"
@@ -293,7 +293,8 @@ def test_config_code_never_imports_torch():
 
 def test_docs_config_md_is_up_to_date():
     written = (REPO / "docs" / "config.md").read_text()
-    assert written == render_markdown(), "docs/config.md is stale: python -m moe_plugin.configs.docs > docs/config.md"
+    assert written == render_markdown(), ("docs/config.md is stale: "
+                                          "python -m moe_plugin_tools.config_docs > docs/config.md")
 
 
 def test_docs_list_every_field_and_the_formulas():

@@ -69,7 +69,7 @@ def _moe_indices(model) -> list:
 
 def _train_step(model, groups=None) -> dict:
     """Logits (one forward), then loss and gradients (a second forward and backward)."""
-    from moe_plugin.integration.megatron import allreduce_sequence_parallel_grads
+    from moe_plugin.integration.sp_grads import allreduce_sequence_parallel_grads
 
     ids, pos, labels = _batch()
     logits = model(ids, pos, None)

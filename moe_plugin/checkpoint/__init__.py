@@ -21,15 +21,10 @@ The names below are imported on first use, so ``export`` runs without DeepSpeed 
 """
 from __future__ import annotations
 
+from moe_plugin.lazy import lazy_getattr
+
 _FROM = {"save_checkpoint": "api", "load_checkpoint": "api", "checkpoint_exists": "api", "read_latest": "metadata",
          "read_metadata": "metadata", "CheckpointError": "errors", "export_checkpoint": "export",
          "load_export": "export"}
 __all__ = sorted(_FROM)
-
-
-def __getattr__(name: str):
-    if name in _FROM:
-        import importlib
-
-        return getattr(importlib.import_module(f"{__name__}.{_FROM[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _FROM)

@@ -1,8 +1,4 @@
-"""Checkpoints of a model with the plugin's MoE layers, through DeepSpeed's engine.
-
-    run = moe_plugin.initialize(ds_config, model_provider)
-    save_checkpoint(run, "ckpt")                       # every rank; tag default "global_step{N}"
-    load_path, client_state = load_checkpoint(run, "ckpt")   # tag default: the "latest" file
+"""``save_checkpoint``, ``load_checkpoint``, ``checkpoint_exists`` (usage: the package docstring).
 
 Both engines: ``DeepSpeedEngine`` (a ``GPTModel``) and ``PipelineEngine`` (``moe.parallel.pipeline``
 > 1, ``pipeline.gpt_pipeline_module``; also the marker, the experts and the RNG per stage).
@@ -32,42 +28,18 @@ expert shards of the other EP ranks are lost. The PipelineEngine takes the same 
   stage, engine kind and placement. ``load_checkpoint`` checks it against the running model on every
   rank, before anything is read into the model, and fails on all ranks alike.
 
-On disk (``tag`` a directory of ``save_dir``)::
-
-    save_dir/latest                         the last committed tag (written last, atomically)
-    save_dir/TAG/moe_plugin.json            metadata, checksums of the other files (written last inside the tag)
-    save_dir/TAG/mp_rank_XX_model_states.pt ... DeepSpeed's own files (XX: the model-parallel slice,
-                                            with a pipeline (stage, TP rank); optimizer, ZeRO partitions)
-    save_dir/TAG/experts/expert_{id:05d}_pp_{stage:02d}.pt   one full expert per global id and stage
-    save_dir/TAG/rng/rank_{rank:05d}.pt     per-rank RNG and router state
-
-Atomicity: everything is written into ``save_dir/.tmp-TAG``; after a barrier rank 0 renames it
-to ``TAG`` and then replaces ``latest``. A run killed during a save leaves the previous tag and
-``latest`` as they were (the next save or load removes the stale temporary directories:
-``files.remove_stale``). All ranks must see the same file system.
-
-Integrity (``files``): the metadata records the size and sha256 of every file of the
-tag, hashed once by one rank each after all are written; a load checks them (each rank a share)
-before anything is read, and every file is read through ``read_torch`` / ``read_json``, so a
-damaged, truncated or garbled file is a ``CheckpointError`` naming it on every rank.
-``checkpoint_exists`` tells a missing or empty directory (start from scratch) from one whose
-checkpoint is broken. ``export`` writes any checkpoint as the 1-rank model's state dict.
-
-Resharding: the expert layout (EP, ETP, and with them DP/EDP at the same world size) may change,
-with or without a pipeline: experts are cut again from the global-id files of their stage. The
-optimizer state follows under ZeRO-0 (expert rows re-cut by global id, dense state as saved);
-ZeRO-1/2 partition it over (expert-)data-parallel groups that DeepSpeed cannot re-cut, so loading
-into another layout raises unless ``load_optimizer_states=False`` (weights, lr scheduler and
-counters only). The TP and pipeline sizes may change too, where the weights allow (the full
-shapes must agree: a vocabulary padded to a multiple of 128 x TP may not): the dense weights
-of every saved TP rank (and, after a pipeline change, of every saved stage: a
-``PipelineModule`` names its pieces globally) are joined and each rank cuts its own
-(``reshard.join_dense_tp``, ``shard_state_dict``); experts come from the expert files of
-whichever saved stage held their layer. Their optimizer state does not follow
-(``load_optimizer_states=False``, else an error says so), and RNG streams are not restored
-(the token split changed). The model kind may change too: a ``PipelineModule`` checkpoint
-loads into the plain ``GPTModel`` (pp 1) and back, its state read in the running kind's names
-(``keys``; weights only, as for a pipeline-size change). Not yet: fp16/bf16 (unverified).
+On disk, atomicity, integrity and what may change between save and load: docs/checkpoints.md. In
+code: everything is written into ``save_dir/.tmp-TAG`` and, after a barrier, rank 0 renames it to
+``TAG`` and then replaces ``latest`` (``_commit``; stale temporary directories: ``files.remove_stale``).
+``files`` records the size and sha256 of every file in the metadata, checks them before a load reads
+anything, and reads every file through ``read_torch`` / ``read_json``, so a damaged file is a
+``CheckpointError`` naming it on every rank. Resharding: experts are cut again from the global-id
+files of their stage (``expert_files.read_experts``), their ZeRO-0 optimizer rows with them
+(``optimizer``); after a TP or pipeline-size change the dense weights of every saved TP rank (and
+stage) are joined and each rank cuts its own (``recut_dense``: ``reshard.join_dense_tp``,
+``shard_state_dict``), read in the running model kind's names (``keys``); the optimizer state does
+not follow then (``metadata.check_optimizer_can_follow``), nor do RNG streams (the token split
+changed). Not yet: fp16/bf16 (unverified).
 """
 from __future__ import annotations
 
@@ -111,7 +83,6 @@ from moe_plugin.checkpoint.metadata import (
     layout,
     metadata,
     read_latest,
-    read_metadata,
     rng_file,
     saved_model_files,
     saved_stages,
@@ -292,6 +263,3 @@ def _check_experts_loaded(model: nn.Module, experts: dict, path: str) -> None:
     if wrong:
         raise RuntimeError(f"{path}: DeepSpeed's load left other values in the experts {wrong[:4]}; this DeepSpeed "
                            "version loads the module without load_state_dict (unsupported)")
-
-
-__all__ = ["CheckpointError", "checkpoint_exists", "load_checkpoint", "read_latest", "read_metadata", "save_checkpoint"]

@@ -219,6 +219,3 @@ def exported_moe_config(config: dict):
     from moe_plugin.configs import MoEConfig
 
     return MoEConfig.from_dict(config["moe"])
-
-
-__all__ = ["export_checkpoint", "export_config", "exported_moe_config", "exported_transformer_config", "load_export"]

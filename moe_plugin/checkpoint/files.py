@@ -98,8 +98,9 @@ def checksums(path: str) -> dict[str, dict]:
     return dict(sorted((name, digest) for part in gathered for name, digest in part.items()))
 
 
-def problems(path: str, recorded: dict[str, dict], names: list[str]) -> list[str]:
-    """What is wrong with the files ``names`` of tag ``path`` against their ``recorded`` digests."""
+def check_files(path: str, recorded: dict[str, dict], names: list[str]) -> None:
+    """Raise a ``CheckpointError`` naming what is wrong with the files ``names`` of tag ``path``
+    against their ``recorded`` digests."""
     out = []
     for name in names:
         full, expected = os.path.join(path, name), recorded[name]
@@ -113,7 +114,8 @@ def problems(path: str, recorded: dict[str, dict], names: list[str]) -> list[str
         found = file_digest(full)["sha256"]
         if found != expected["sha256"]:
             out.append(f"{full}: sha256 {found}, the save recorded {expected['sha256']} (the content changed)")
-    return out
+    if out:
+        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(out))
 
 
 def verify(path: str, meta: dict) -> None:
@@ -126,13 +128,7 @@ def verify(path: str, meta: dict) -> None:
             logger.warning("%s: no checksums recorded (saved by an older moe_plugin); loading it unverified", path)
         return
     names = share({name: entry["bytes"] for name, entry in recorded.items()}, dist.get_world_size(), dist.get_rank())
-
-    def check() -> None:
-        found = problems(path, recorded, names)
-        if found:
-            raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(found))
-
-    agree(check)
+    agree(lambda: check_files(path, recorded, names))
 
 
 def verify_all(path: str, meta: dict) -> None:
@@ -141,9 +137,7 @@ def verify_all(path: str, meta: dict) -> None:
     if recorded is None:
         logger.warning("%s: no checksums recorded (saved by an older moe_plugin); reading it unverified", path)
         return
-    found = problems(path, recorded, sorted(recorded))
-    if found:
-        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(found))
+    check_files(path, recorded, sorted(recorded))
 
 
 # -- interrupted saves ----------------------------------------------------------------------------

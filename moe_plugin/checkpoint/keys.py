@@ -15,8 +15,8 @@ weight of its own (untied) does not load into a tied model: its output weights w
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.integration.pipeline import gpt_state_dict_key, pipeline_state_dict_key
@@ -26,21 +26,16 @@ OUTPUT = "output_layer.weight"
 KIND_KEY = "kind_from"   # set on metadata read in the other kind's names: the saved kind
 
 
-def _renamer(to_pipeline: bool, num_layers: int) -> Callable[[str], Optional[str]]:
-    def rename(key: str) -> Optional[str]:
-        try:
-            return pipeline_state_dict_key(key, num_layers) if to_pipeline else gpt_state_dict_key(key, num_layers)
-        except KeyError:
-            return None
-    return rename
-
-
-def _rename(entries: Mapping[str, Any], rename: Callable[[str], Optional[str]]) -> dict:
+def _renamed(entries: Mapping[str, Any], to_pipeline: bool, num_layers: int) -> dict:
+    """``entries`` in the pipeline's (``to_pipeline``) or the ``GPTModel``'s names; keys the other
+    kind has no name for are left out."""
+    rename = pipeline_state_dict_key if to_pipeline else gpt_state_dict_key
     out = {}
     for key, value in entries.items():
-        new = rename(key)
-        if new is not None:
-            out[new] = value
+        try:
+            out[rename(key, num_layers)] = value
+        except KeyError:
+            continue
     return out
 
 
@@ -54,10 +49,10 @@ def as_running_kind(meta: dict, running_pipeline: bool, running_tied: bool) -> d
     if saved_pipeline == running_pipeline:
         return meta
     num_layers = _num_layers(meta)
-    rename = _renamer(running_pipeline, num_layers)
     stages = {}
     for number, saved in meta["stages"].items():
-        stage = {part: _rename(saved.get(part, {}), rename) for part in ("dense", "experts", "placements")}
+        stage = {part: _renamed(saved.get(part, {}), running_pipeline, num_layers)
+                 for part in ("dense", "experts", "placements")}
         stages[number] = {**saved, **stage}
     if running_pipeline:   # a GPTModel checkpoint has the one stage of pp 1
         for saved in stages.values():
@@ -88,7 +83,7 @@ def running_state(meta: dict, state: Mapping[str, Any]) -> dict:
         return dict(state)
     num_layers = _num_layers(meta)
     to_pipeline = bool(meta["pipeline_module"])
-    out = _rename(state, _renamer(to_pipeline, num_layers))
+    out = _renamed(state, to_pipeline, num_layers)
     if to_pipeline:
         _output_from_word(out, num_layers)
     return out
@@ -100,6 +95,3 @@ def _output_from_word(entries: dict, num_layers: int) -> None:
     word, output = pipeline_state_dict_key(WORD, num_layers), pipeline_state_dict_key(OUTPUT, num_layers)
     if word in entries and output not in entries:
         entries[output] = entries[word]
-
-
-__all__ = ["KIND_KEY", "as_running_kind", "running_state"]

@@ -28,7 +28,6 @@ META_FILE, EXPERT_DIR, RNG_DIR, LATEST = "moe_plugin.json", "experts", "rng", "l
 # Keys of the "moe" block that change the function the model computes (parallel sizes do not).
 MODEL_KEYS = ("num_experts", "top_k", "router", "normalize_gates", "second_expert_policy", "activation",
               "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate", "layer_interval", "layers")
-LAYOUT_KEYS = ("world_size", "tp", "pp", "dp", "ep", "etp", "edp", "order")
 # Which tokens a rank sees (and so its RNG streams: dropout, router noise) depends on these only.
 TOKEN_LAYOUT_KEYS = ("world_size", "tp", "pp", "dp", "order")
 
@@ -72,18 +71,15 @@ def saved_model_files(path: str, meta: dict, stage: int) -> list[str]:
     return [os.path.join(path, name) for name in names]
 
 
-def tp_changed(meta: dict, groups: Any) -> bool:
-    return meta["layout"]["tp"] != layout(groups)["tp"]
-
-
-def pp_changed(meta: dict, groups: Any) -> bool:
-    return meta["layout"]["pp"] != layout(groups)["pp"]
+def stages_changed(meta: dict, groups: Any) -> bool:
+    """Whether the saved stages hold other pieces than the running ones: the pipeline size changed,
+    or the checkpoint is of the other model kind (``keys``)."""
+    return meta["layout"]["pp"] != groups.layout.sizes.pp or "kind_from" in meta
 
 
 def dense_recut(meta: dict, groups: Any) -> bool:
-    """Whether the dense weights must be joined and cut again (the TP or pipeline size changed, or
-    the checkpoint is of the other model kind: ``keys``)."""
-    return tp_changed(meta, groups) or pp_changed(meta, groups) or "kind_from" in meta
+    """Whether the dense weights must be joined and cut again (the TP size changed, or ``stages_changed``)."""
+    return meta["layout"]["tp"] != groups.layout.sizes.tp or stages_changed(meta, groups)
 
 
 def is_pipeline(engine: Any) -> bool:
@@ -93,8 +89,8 @@ def is_pipeline(engine: Any) -> bool:
 
 
 def layout(groups: Any) -> dict:
-    s = groups.layout.sizes
-    return {k: getattr(s, k) for k in LAYOUT_KEYS}
+    """The layout sizes (``ParallelSizes``' fields: world_size, tp, pp, dp, ep, etp, edp, order)."""
+    return groups.layout.sizes.model_dump()
 
 
 def full_shapes(model: nn.Module, groups: Any) -> dict:
@@ -272,7 +268,7 @@ def stage_view(meta: dict, model: nn.Module, groups: Any) -> Optional[dict]:
     same index (None if there is none); after a pipeline-size change, the keys of this stage's
     model gathered from whichever saved stages held them (pipeline keys name global pieces)."""
     stage = groups.layout.coords(dist.get_rank())["pp"]
-    if not pp_changed(meta, groups) and "kind_from" not in meta:
+    if not stages_changed(meta, groups):
         saved = meta["stages"].get(str(stage))
         return None if saved is None else {**saved, "from": {k: stage for k in saved.get("experts", {})}}
     keys = set(model.state_dict().keys())
@@ -290,7 +286,7 @@ def stage_view(meta: dict, model: nn.Module, groups: Any) -> Optional[dict]:
 def saved_stages(meta: dict, groups: Any) -> list[int]:
     """The saved pipeline stages this rank's stage reads dense weights from: its own, or after a
     pipeline-size or model-kind change every saved stage."""
-    if pp_changed(meta, groups) or "kind_from" in meta:
+    if stages_changed(meta, groups):
         return list(range(meta["layout"]["pp"]))
     return [groups.layout.coords(dist.get_rank())["pp"]]
 
@@ -354,11 +350,10 @@ def check_optimizer_can_follow(run: Any, meta: dict) -> None:
     stage = engine.zero_optimization_stage()
     if meta["zero_stage"] != stage:
         changed["ZeRO stage"] = (meta["zero_stage"], stage)
-    what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
     if "kind_from" in meta:
         changed["model kind"] = ("PipelineModule" if meta["kind_from"] else "plain module",
                                  "PipelineModule" if meta["pipeline_module"] else "plain module")
-        what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+    what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
     if "tp" in changed or "pp" in changed or "model kind" in changed:
         raise CheckpointError(
             f"the optimizer state cannot follow the layout change ({what}): the dense weights are re-cut for the "

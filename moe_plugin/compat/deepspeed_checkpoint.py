@@ -81,7 +81,3 @@ def one_file_per_mp_rank(load_dir: str, tag: str, engine: Any, state: dict) -> I
             if name != mine:
                 os.symlink(mine, name)
         yield staging
-
-
-__all__ = ["MODEL_FILE", "is_recovery_script", "model_file_name", "no_local_experts", "one_file_per_mp_rank",
-           "optimizer_file_name"]

@@ -67,6 +67,3 @@ def job_shm_buffers(master_addr: Optional[str] = None, master_port: Optional[str
     """The segments of this job's address and port that exist now, any rank."""
     stem = shm_buffer_name(0, master_addr, master_port)[:-1]
     return sorted(p for p in Path(directory).glob(f"{stem}*") if p.name[len(stem):].isdigit())
-
-
-__all__ = ["BUFFER_PREFIX", "job_shm_buffers", "job_uses_shm", "remove_shm_buffers", "shm_buffer_name"]

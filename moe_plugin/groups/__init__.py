@@ -7,9 +7,8 @@
 The names below torch.distributed are imported on first use, so ``import moe_plugin`` (the CLI,
 config validation) does not import torch.
 """
-from importlib import import_module
-
 from moe_plugin.groups.layout import GROUP_KINDS, RankLayout
+from moe_plugin.lazy import lazy_getattr
 
 _LAZY = {
     "ProcessGroups": "process_groups",
@@ -26,9 +25,4 @@ _LAZY = {
 }
 
 __all__ = ["GROUP_KINDS", "RankLayout", *_LAZY]
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(import_module(f"moe_plugin.groups.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

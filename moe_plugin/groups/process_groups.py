@@ -39,34 +39,14 @@ class ProcessGroups:
         """The group of ``kind``, or ``None`` where its size is 1."""
         return self.handles[kind] if self.size(kind) > 1 else None
 
-    # -- what layers read ----------------------------------------------------------------
-    @property
-    def tp(self) -> Optional[dist.ProcessGroup]:
-        return self.group("tp")
-
-    @property
-    def pp(self) -> Optional[dist.ProcessGroup]:
-        return self.group("pp")
-
-    @property
-    def dp(self) -> Optional[dist.ProcessGroup]:
-        return self.group("dp")
-
-    @property
-    def ep(self) -> Optional[dist.ProcessGroup]:
-        return self.group("ep")
-
-    @property
-    def etp(self) -> Optional[dist.ProcessGroup]:
-        return self.group("etp")
-
-    @property
-    def edp(self) -> Optional[dist.ProcessGroup]:
-        return self.group("edp")
-
-    @property
-    def mp(self) -> Optional[dist.ProcessGroup]:
-        return self.group("mp")
+    # -- what layers read: the group of each kind, None where its size is 1 ----------------
+    tp = property(lambda self: self.group("tp"))
+    pp = property(lambda self: self.group("pp"))
+    dp = property(lambda self: self.group("dp"))
+    ep = property(lambda self: self.group("ep"))
+    etp = property(lambda self: self.group("etp"))
+    edp = property(lambda self: self.group("edp"))
+    mp = property(lambda self: self.group("mp"))
 
     @property
     def expert_group_name(self) -> str:

@@ -36,18 +36,14 @@ Steps, in order (every rank runs them):
    in fp32 the plugin clips: DeepSpeed sees ``gradient_clipping`` 0 and ``GlobalNormClipping``
    (``grad_norm.py``) clips the basic optimizer's gradients by the true global norm, which
    ``engine.get_global_grad_norm()`` then reports.
-6. ``result.guard`` (``guard.TrainingGuard``): the loop calls ``result.guard.check(step)`` (or
-   ``after_step``) after each optimizer step; a non-finite gradient in fp32/bf16, or
-   ``max_skipped_steps`` fp16 steps skipped in a row, raise ``TrainingStopped`` on every rank with
-   one message (step, first parameter with a non-finite gradient, last checkpoint). Its gradient
-   hooks (``guard.GradientWatch``) go on before DeepSpeed's own, in step 4.
+6. ``result.guard`` (``guard.TrainingGuard``, what it checks is in ``guard.py``): the loop calls
+   ``result.guard.check(step)`` after each optimizer step. Its gradient hooks
+   (``guard.GradientWatch``) go on before DeepSpeed's own, in step 4.
 7. On the CPU accelerator DeepSpeed's shared-memory all-reduce buffers (``/dev/shm``) are
-   unlinked once every rank has mapped them (``compat/shm_buffers.py``): nothing stays behind
-   when the job ends, however it ends; ``close()`` tries again.
-8. ``result.summary`` (``summary.RunSummary``): group sizes, MoE layers, experts per rank,
-   dense / expert / active parameters and an estimate of each rank's memory, printed on rank 0
-   (``print_summary=False`` not to). ``result.data_parallel_rank`` / ``data_parallel_size``: the
-   replica a data loader feeds and how many there are (DeepSpeed's ``engine.dp_world_size``).
+   unlinked once every rank has mapped them (``compat/shm_buffers.py``); ``close()`` tries again.
+8. ``result.summary`` (``summary.RunSummary``), printed on rank 0 (``print_summary=False`` not
+   to). ``result.data_parallel_rank`` / ``data_parallel_size``: the replica a data loader feeds
+   and how many there are (DeepSpeed's ``engine.dp_world_size``).
 
 Pipeline parallelism (``moe.parallel.pipeline`` > 1): ``model_provider`` returns a DeepSpeed
 ``PipelineModule`` (``pipeline.gpt_pipeline_module``) and ``deepspeed.initialize`` gives back a
@@ -71,10 +67,7 @@ Pipeline parallelism (``moe.parallel.pipeline`` > 1): ``model_provider`` returns
 Supported: ZeRO stages 0, 1 and 2 (0 and 1 with PP); TP, EP, ETP, DP and PP in any layout of
 ``moe.parallel``. Verified against a single process in fp32 (``tests/test_deepspeed_engine.py``,
 ``tests/test_pipeline.py``). Checkpoints: use ``moe_plugin.checkpoint.save_checkpoint(result, dir)`` /
-``load_checkpoint(result, dir)``, not the engine's own methods: DeepSpeed's MoE
-checkpointing finds experts by its own module names (``deepspeed_moe.experts``) and saves the
-module from data-parallel rank 0 only, so alone it would lose the expert shards of the other EP
-ranks.
+``load_checkpoint(result, dir)``, not the engine's own methods (why: ``checkpoint/api.py``).
 
 Mixed precision: fp16 (ZeRO 0/1/2) and bf16 run DeepSpeed's own optimizers; the aux-loss gradient
 follows the engine's loss scale (``expert_params.follow_loss_scale``). Checked against fp32 on 2
@@ -387,6 +380,3 @@ def _check_engine(engine: Any, zero_stage: int, plugin_clips: bool) -> None:
         raise alike_on_every_rank(RuntimeError(
             f"DeepSpeed runs ZeRO stage {engine.zero_optimization_stage()} (fp32: {fp32}) but the plugin read stage "
             f"{zero_stage} from the config: unsupported DeepSpeed version?"))
-
-
-__all__ = ["Initialized", "ModelProvider", "initialize", "launcher_world_size"]

@@ -9,33 +9,21 @@
         health.raise_if_stopped()                      # TrainingStopped on every rank, the same message
     # without a log in between: result.guard.check(step + 1) does both
 
-Checked after every optimizer step (``engine.step()`` at the gradient-accumulation boundary, or
-``engine.train_batch()`` on the PipelineEngine), with one all-reduce of three numbers:
+Checked after every optimizer step, with one all-reduce of three numbers (the rules, the message
+and how the parameter is found, in full: docs/long_runs.md):
 
-* **fp32 and bf16**: a non-finite gradient is an error. Seen three ways: a non-finite global
-  gradient norm (``engine.get_global_grad_norm()``), a step DeepSpeed skipped for overflow
-  (ZeRO skips those silently but for one "OVERFLOW!" line), or a non-finite gradient that a
-  ``GradientWatch`` hook saw on any rank.
-* **fp16**: overflow is how the dynamic loss scale finds its level, so a skipped step alone is
-  not an error; ``max_skipped_steps`` (default 10) skipped *in a row* is.
-* **slow steps**: a step that takes more than ``slow_factor`` (10) times the median step so far,
-  and over ``SLOW_MIN_S`` (1 s), gives one line (rank 0): a stalled rank shows as a step that took
-  minutes. A step stalled for
-  good ends at the collective timeout (``initialize(..., timeout=)``), not here.
+* **fp32 and bf16**: a non-finite gradient is an error: a non-finite global gradient norm, a step
+  DeepSpeed skipped for overflow, or a non-finite gradient that a ``GradientWatch`` hook saw.
+* **fp16**: ``max_skipped_steps`` (default 10) steps skipped *in a row* is an error (single
+  overflows are how the dynamic loss scale finds its level).
+* **slow steps**: a step over ``slow_factor`` (10) times the median step so far and over
+  ``SLOW_MIN_S`` gives one line (rank 0). A step stalled for good ends at the collective timeout.
 
-The message names the step, the first parameter (model order) whose gradient has a non-finite
-norm (a NaN or inf element, or finite values so large that their squares overflow) and the rank
-that saw it (and its MoE layer when it is an expert weight) -- or, when only the sum over all
-parameters overflowed, the parameter with the largest gradient norm -- and the last checkpoint
-(the ``latest`` tag of ``checkpoint_dir``). Every rank raises ``TrainingStopped`` with the same
-text, so a loop may print it on rank 0 and exit non-zero.
-
-Finding the parameter needs the gradients before DeepSpeed moves them into its buffers (ZeRO-2
-does so in backward) or zeroes them (at the step): ``GradientWatch`` registers a post-accumulate
-hook on every trainable parameter, which ``moe_plugin.initialize`` installs before DeepSpeed's own
-(hooks run in registration order). Each hook adds one reduction of the gradient (its fp32 norm,
-kept as the largest of the step's micro-batches) into a small tensor, no device sync; the norms
-are read once per step by ``after_step``.
+Every rank raises ``TrainingStopped`` with the same text: the step, the first parameter (model
+order) with a non-finite gradient norm and its rank (or the largest norm when only their sum
+overflowed), and the last checkpoint. ``GradientWatch``'s post-accumulate hooks go on before
+DeepSpeed's own (``moe_plugin.initialize`` installs them), so they see each gradient before ZeRO
+moves or the step zeroes it.
 """
 from __future__ import annotations
 
@@ -277,6 +265,3 @@ def _loss_scale(engine: Any) -> str:
 def _print_on_rank0(text: str) -> None:
     if _rank_and_world()[0] == 0:
         print(text, flush=True)
-
-
-__all__ = ["GradientWatch", "StepHealth", "TrainingGuard", "TrainingStopped"]

@@ -49,10 +49,6 @@ from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.groups.process_groups import ProcessGroups
 from moe_plugin.integration.cpu_modules import SDPAttention, TorchNorm
 from moe_plugin.integration.seeding import layer_seed, resolve_seed, seeded
-from moe_plugin.integration.sp_grads import (  # noqa: F401  (re-exported)
-    allreduce_sequence_parallel_grads,
-    sequence_parallel_grad_hooks,
-)
 from moe_plugin.layers.moe_layer import MoELayer
 
 Spec = Union[ModuleSpec, TransformerBlockSubmodules]
@@ -231,16 +227,15 @@ def moe_layer_spec(spec: Spec, moe_config: MoEConfig, groups: Optional[ProcessGr
     back. The base spec's MLP must be dense: it stays on the other layers. ``groups`` are passed
     to every ``MoELayer`` (None on one process); ``seed`` (default: ``torch.initial_seed()``, the
     seed the user gave torch), ``norm`` and ``placements``: see ``MoEPlan``."""
-    seed = resolve_seed(seed)
-    plan = MoEPlan(moe_config, groups, seed, norm, placements)
+    return _with_plan(spec, MoEPlan(moe_config, groups, resolve_seed(seed), norm, placements))
+
+
+def _with_plan(spec: Spec, plan: MoEPlan) -> Spec:
     if isinstance(spec, TransformerBlockSubmodules):
-        return dataclasses.replace(spec, layer_specs=[moe_layer_spec(s, moe_config, groups, seed=seed, norm=norm,
-                                                                     placements=placements)
-                                                      for s in spec.layer_specs])
+        return dataclasses.replace(spec, layer_specs=[_with_plan(s, plan) for s in spec.layer_specs])
     module = _module_of(spec)
     if isinstance(spec, ModuleSpec) and isinstance(module, type) and issubclass(module, TransformerBlock):
-        return dataclasses.replace(spec, submodules=moe_layer_spec(spec.submodules, moe_config, groups,
-                                                                   seed=seed, norm=norm, placements=placements))
+        return dataclasses.replace(spec, submodules=_with_plan(spec.submodules, plan))
     if not (isinstance(spec, ModuleSpec) and module in (TransformerLayer, MoEAwareTransformerLayer)):
         raise TypeError(f"moe_layer_spec expects a ModuleSpec of TransformerLayer or a TransformerBlockSubmodules, "
                         f"got {module.__name__ if isinstance(module, type) else type(spec).__name__}")

@@ -169,6 +169,3 @@ class ExpertMetrics:
         z = sum(m.z_loss for m in self.metrics) / len(self.metrics)
         line = f"moe: imb {worst.imbalance:.2f} (max L{worst.layer}) drop {drop:.1f}% aux {aux:.3f}"
         return line + (f" z {z:.3g}" if self._z_on else "")
-
-
-__all__ = ["EVENT_PREFIX", "ExpertMetrics", "LayerMetrics"]

@@ -54,6 +54,3 @@ def check_topology(topology: ProcessTopology, layout: RankLayout) -> None:
                                   f"{axes}, dims {topology.dims}, last axis fastest) puts rank {rank} at {theirs} "
                                   f"{got} but the layout at {ours} {mine[ours]}; the topology cannot express this "
                                   f"order: build the PipelineModule with moe_plugin's pipeline_topology(layout)")
-
-
-__all__ = ["AXES", "check_topology", "pipeline_topology"]

@@ -6,7 +6,7 @@
     engine, *_ = moe_plugin.initialize(ds_config, model_provider)   # a PipelineEngine when pp > 1
     loss = engine.train_batch(iter(batches))   # each item: ((tokens_BS, position_ids_BS), labels_BS)
 
-Shapes: B micro-batch, S sequence, H hidden, V vocabulary (V/TP on a tensor-parallel rank).
+Shape letters: ``layers/__init__.py`` (V/TP on a tensor-parallel rank).
 
 The pipe is a flat list of pieces; DeepSpeed builds only the pieces of a rank's stage:
 
@@ -313,8 +313,3 @@ def pipeline_state_dict_key(gpt_key: str, num_layers: int) -> str:
     if gpt_key.startswith("output_layer."):
         return f"{num_layers + 2}.{gpt_key}"
     raise KeyError(f"{gpt_key!r} is no GPTModel key that gpt_pipeline_module has")
-
-
-__all__ = ["EmbeddingPipe", "FinalNormPipe", "GPTPipelineModule", "OutputLayerPipe", "TransformerLayerPipe",
-           "gpt_loss", "gpt_pipeline_module", "gpt_state_dict_key", "pipeline_state_dict_key",
-           "stage_boundaries", "stage_layers"]

@@ -44,7 +44,7 @@ from moe_plugin.layers.moe_layer import MoELayer
 from moe_plugin.placement import migration
 from moe_plugin.placement.controller import Decision, PlacementController
 from moe_plugin.placement.costs import CostModel
-from moe_plugin.placement.tracking import LoadTracker
+from moe_plugin.placement.tracking import trace_name
 
 CPU_FLOPS = 2e10   # FLOP/s of one CPU core running fp32 GEMMs, order of magnitude
 
@@ -67,11 +67,6 @@ def _default_cost(layers: dict[str, MoELayer]) -> CostModel:
     return CostModel()
 
 
-def _trace_name(name: str, layer: MoELayer) -> str:
-    index = getattr(layer, "layer_index", None)
-    return f"layer{int(index)}" if index is not None else name
-
-
 class TrainingPlacement:
     """A ``PlacementController`` driven from a training loop, with its totals (module docstring).
     Build it with ``training_placement``."""
@@ -88,7 +83,7 @@ class TrainingPlacement:
         controller._log({"event": "start", "policy": controller.config.policy,
                          "check_interval": controller.config.check_interval, "window": controller.config.window,
                          "ep_size": controller.ep_size, "cost_model": controller.cost.__dict__,
-                         "layers": {n: _trace_name(n, m) for n, m in layers.items()},
+                         "layers": {n: trace_name(n, m) for n, m in layers.items()},
                          "placements": {n: m.placement.tolist() for n, m in layers.items()}},
                         f"placement: policy {controller.config.policy}, check every "
                         f"{controller.config.check_interval} steps over a window of {controller.config.window}")
@@ -98,13 +93,8 @@ class TrainingPlacement:
         self.migration_seconds += float(getattr(report, "seconds", 0.0) or 0.0)
         return report
 
-    @property
-    def config(self):
-        return self.controller.config
-
-    @property
-    def tracker(self) -> LoadTracker:
-        return self.controller.tracker
+    config = property(lambda self: self.controller.config)
+    tracker = property(lambda self: self.controller.tracker)
 
     def step(self, step: int) -> list[Decision]:
         """Close step ``step`` (every rank, after ``engine.step()`` / ``train_batch``): track its load,
@@ -154,15 +144,9 @@ def training_placement(run: Any, run_dir: Union[str, Path, None] = None, *, cost
     config = run.moe_config.placement
     if config.policy == "static" and config.trace_file is None and config.replica_budget == 0:
         return None
-    model = run.engine.module
-    layers = migration.moe_layers(model)
-    trace = config.trace_file
-    if trace is not None and run_dir is not None and not Path(trace).is_absolute():
-        trace = Path(run_dir) / trace
+    layers = migration.moe_layers(run.engine.module)
     info = {"policy": config.policy, "check_interval": config.check_interval,
-            "module_names": {n: _trace_name(n, m) for n, m in layers.items()}}
-    tracker = LoadTracker(model, config.window, groups=run.groups, trace_path=trace, trace_info=info,
-                          trace_append=resumed)
+            "module_names": {n: trace_name(n, m) for n, m in layers.items()}}
     zero_stage = int(run.engine.zero_optimization_stage())
 
     def moved_bytes(_name: str, layer: MoELayer, old, new) -> int:
@@ -170,14 +154,11 @@ def training_placement(run: Any, run_dir: Union[str, Path, None] = None, *, cost
         return migration.moved_bytes(old, new, layer.parallel.ep_size, per_expert)
 
     controller = PlacementController(run, config, lambda placements: migration.migrate(run, placements),
-                                     tracker=tracker, cost=cost if cost is not None else _default_cost(layers),
-                                     run_dir=run_dir, moved_bytes_fn=moved_bytes, append_log=resumed)
+                                     cost=cost if cost is not None else _default_cost(layers), run_dir=run_dir,
+                                     moved_bytes_fn=moved_bytes, append_log=resumed, trace_info=info)
     return TrainingPlacement(run, controller)
 
 
 def read_placement_log(path: Union[str, Path]) -> list[dict]:
     """The records of a ``placement.jsonl`` (one JSON object per line)."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-__all__ = ["CPU_FLOPS", "TrainingPlacement", "cpu_cost_model", "read_placement_log", "training_placement"]

@@ -47,6 +47,3 @@ def seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
-
-
-__all__ = ["layer_seed", "resolve_seed", "seeded"]

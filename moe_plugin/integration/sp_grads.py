@@ -48,12 +48,10 @@ def sequence_parallel_grad_hooks(model: torch.nn.Module, groups: Optional[Proces
     backward, so no training loop has to: a hook on the parameter sums each incoming gradient
     before autograd accumulates it into ``.grad``.
 
-    Under sequence parallelism a norm (or a row-parallel bias) is replicated over TP but sees
-    only its rank's part of the sequence; its gradient is the sum of the TP ranks' parts. Summed
-    in backward, the sum is in place before DeepSpeed's ZeRO-1/2 moves ``.grad`` into its
-    buffers (ZeRO-2 does so as soon as autograd has accumulated it) and before the
-    PipelineEngine steps, which an all-reduce after ``engine.backward`` could not be. The sum is
-    linear, so gradient accumulation over micro-batches gets the same result. Cost: one
+    Summed in backward, the sum (why: the module docstring) is in place before DeepSpeed's ZeRO-1/2
+    moves ``.grad`` into its buffers (ZeRO-2 does so as soon as autograd has accumulated it) and
+    before the PipelineEngine steps, which an all-reduce after ``engine.backward`` could not be. The
+    sum is linear, so gradient accumulation over micro-batches gets the same result. Cost: one
     all-reduce of one small tensor per such parameter and micro-batch (norm weights and biases:
     a few per layer). Idempotent; returns the number of parameters hooked now."""
     tp = groups.tp if groups is not None else None

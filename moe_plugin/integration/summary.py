@@ -24,7 +24,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 from torch import nn
@@ -80,8 +79,7 @@ def run_summary(model: nn.Module, moe_config: MoEConfig, groups: ProcessGroups, 
     counts = {"total": total, "dense": total - expert, "expert": expert,
               "active": total - expert + expert * k // experts}
     return RunSummary(
-        sizes={"world_size": sizes.world_size, "tp": sizes.tp, "pp": sizes.pp, "dp": sizes.dp, "ep": sizes.ep,
-               "etp": sizes.etp, "edp": sizes.edp, "order": sizes.order},
+        sizes=sizes.model_dump(),
         moe_layers=layers, num_experts=experts, top_k=k, experts_per_rank=experts // sizes.ep if layers else 0,
         parameters=counts, zero_stage=zero_stage, dtype=dtype,
         memory_per_rank_mb=_memory_estimate(params, sizes, zero_stage, dtype, groups))
@@ -125,6 +123,3 @@ def _memory_estimate(params: list, sizes: Any, zero_stage: int, dtype: str,
     total, weights, grads, optimizer = (v / _MB for v in mine)
     return {"weights": round(weights, 3), "grads": round(grads, 3), "optimizer": round(optimizer, 3),
             "total": round(total, 3)}
-
-
-__all__ = ["BYTES", "RunSummary", "run_summary"]

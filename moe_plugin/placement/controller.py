@@ -8,16 +8,12 @@
 Every ``check_interval`` steps, for every MoE layer of the rank's stage: the policy
 (``moe.placement.policy``) proposes a placement from the layer's window load
 (``LoadTracker.window_loads``), relabelled to move as few experts as possible
-(``policies.align``). The cost model (``costs.CostModel``: per layer and step, the busiest EP
-rank's routes, all-to-all bytes within and across nodes, shadowed experts' replication) predicts
-the layer's time per step under the current and the proposed placement, and the switching rule
-``costs.should_switch`` weighs the saving until the next check (``check_interval`` steps) against
-the migration, ``moved_bytes(now -> new) * migration_seconds_per_byte``, with the config's
-``min_gain`` as margin and hysteresis (``costs.py`` states it). All layers that switch at a check
-go to one ``migrate_fn`` call. ``CostModel.fit`` calibrates ``seconds_per_route`` from measured
-layer times (``step(..., layer_seconds=...)``); the migration engineer's ``moved_bytes`` replaces
-the default estimate (experts that change EP rank x parameters x (element bytes + 12 bytes of
-fp32 master and Adam state)).
+(``policies.align``); ``costs.CostModel`` predicts the layer's time per step under the current
+and the proposed placement and ``costs.should_switch`` decides (both stated in ``costs.py``),
+with the migration at ``moved_bytes(now -> new) * migration_seconds_per_byte``. All layers that
+switch at a check go to one ``migrate_fn`` call. ``CostModel.fit`` calibrates
+``seconds_per_route`` from measured layer times (``step(..., layer_seconds=...)``);
+``migration.moved_bytes`` replaces the default estimate (``default_moved_bytes``).
 
 Shadowing (``replica_budget > 0``, EP without ETP; ``layers/shadow.py``), after the placement
 decision and under the placement in effect after it: the candidates are the ``k`` hottest experts
@@ -107,15 +103,17 @@ class PlacementController:
     ``model``: the model, or what ``moe_plugin.initialize`` returned (its engine's module and
     groups are used). ``migrate_fn(new_placements)``: moves the experts, collective over the job,
     e.g. ``lambda p: migration.migrate(run, p)``. ``tracker``: a ``LoadTracker`` of the model
-    (default: one with ``config.window`` and ``config.trace_file``, relative to ``run_dir``).
-    ``node_of_rank``: the node of each EP rank (default: from the first EP group of the stage
-    and ``config.gpus_per_node``, else ``LOCAL_WORLD_SIZE``).
+    (default: one with ``config.window`` and ``config.trace_file``, relative to ``run_dir``, and
+    ``trace_info`` in the trace's header). ``append_log``: a resumed run; ``placement.jsonl`` and the
+    default tracker's trace are appended to. ``node_of_rank``: the node of each EP rank (default:
+    from the first EP group of the stage and ``config.gpus_per_node``, else ``LOCAL_WORLD_SIZE``).
     """
 
     def __init__(self, model: Union[nn.Module, Any], config: PlacementConfig, migrate_fn: MigrateFn, *,
                  tracker: Optional[LoadTracker] = None, cost: CostModel = CostModel(),
                  run_dir: Union[str, Path, None] = None, moved_bytes_fn: MovedBytesFn = default_moved_bytes,
-                 node_of_rank: Optional[Sequence[int]] = None, groups: Any = None, append_log: bool = False):
+                 node_of_rank: Optional[Sequence[int]] = None, groups: Any = None, append_log: bool = False,
+                 trace_info: Optional[dict] = None):
         if hasattr(model, "engine") and hasattr(model, "groups"):
             model, groups = model.engine.module, groups or model.groups
         self.model, self.config, self.migrate_fn = model, config, migrate_fn
@@ -128,7 +126,8 @@ class PlacementController:
             trace = config.trace_file
             if trace is not None and self.run_dir is not None and not os.path.isabs(trace):
                 trace = self.run_dir / trace
-            tracker = LoadTracker(model, config.window, groups=self.groups, trace_path=trace)
+            tracker = LoadTracker(model, config.window, groups=self.groups, trace_path=trace, trace_info=trace_info,
+                                  trace_append=append_log)
         self.tracker = tracker
         self.ep_size = first.parallel.ep_size if first is not None else 1
         self.node_of_rank = list(node_of_rank) if node_of_rank is not None else self._nodes()
@@ -141,7 +140,7 @@ class PlacementController:
         self._writes_log = self.groups is None or self.groups.rank_in("tp_dp") == 0
         self._log_path = self._log_file() if self._writes_log else None
         if self._log_path is not None and not append_log:
-            self._log_path.write_text("")      # a new run's log; a resumed run passes append_log=True
+            self._log_path.write_text("")      # a new run's log
 
     # -- setup -------------------------------------------------------------------------------
     def _nodes(self) -> list[int]:
@@ -295,6 +294,3 @@ class PlacementController:
 
     def close(self) -> None:
         self.tracker.close()
-
-
-__all__ = ["Decision", "PlacementController", "default_moved_bytes"]

@@ -2,8 +2,7 @@
 
 Pure (numpy and Python, no process group): the runtime controller (``controller.py``, with the
 runtime's prices ``CostModel``) and the planner (``planner/cost_model.py`` with a
-``ClusterSpec``'s prices, ``planner/simulator.py``) both call it. Shape letters: P EP ranks (the
-senders, and the ranks that host experts), E experts.
+``ClusterSpec``'s prices, ``planner/simulator.py``) both call it (shape letters: ``layers/__init__.py``).
 
 Per layer, from ``routes_PE[p, e]`` (kept routes of EP rank p's tokens to expert e), the EP rank
 of every expert ``rank_E`` and the shadowed experts ``shadow_E`` (bool [E]):
@@ -198,7 +197,3 @@ def moe_layer_collectives(tp: int, dp: int, ep: int, etp: int, sequence_parallel
         (split, Collective(bwd, "all_gather", "tp", "tokens")),
     ]
     return [c for on, c in plan if on]
-
-
-__all__ = ["Collective", "CostModel", "LayerTime", "computed_routes", "exchanged_routes", "hottest",
-           "migration_seconds", "moe_layer_collectives", "replication_bytes", "should_switch"]

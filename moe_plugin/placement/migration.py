@@ -55,6 +55,7 @@ from moe_plugin.checkpoint.optimizer import basic_optimizer, param_state_names
 from moe_plugin.compat.deepspeed_zero import expert_group_indices, is_zero_optimizer, my_partition
 from moe_plugin.layers.moe_layer import MoELayer, moe_layers
 from moe_plugin.placement.exchange import Piece, Pieces, exchange
+from moe_plugin.placement.policies import check_placement, moved_experts
 from moe_plugin.placement.zero_partitions import Move, add_partition_moves
 
 PlacementLike = Union[Tensor, Sequence[int]]
@@ -77,19 +78,6 @@ def placements(model: nn.Module) -> dict[str, Tensor]:
     return {name: m.placement.detach().clone() for name, m in moe_layers(model).items()}
 
 
-def check_placement(slot_E: PlacementLike, num_experts: int, name: str = "placement") -> Tensor:
-    """``slot_E`` as an int64 CPU tensor once it is a permutation of ``0..num_experts-1``."""
-    t = torch.as_tensor(slot_E)
-    if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() != 1 or t.numel() != num_experts:
-        raise ValueError(f"{name}: expected {num_experts} integer slots (a 1-D tensor, one per expert), got "
-                         f"shape {tuple(t.shape)} dtype {t.dtype}")
-    t = t.detach().to("cpu", torch.long)
-    if sorted(t.tolist()) != list(range(num_experts)):
-        raise ValueError(f"{name}: {t.tolist()} is not a permutation of the slots 0..{num_experts - 1} (each "
-                         "expert needs its own slot)")
-    return t
-
-
 def moves(old_E: Tensor, new_E: Tensor) -> list[Move]:
     """(expert, source slot, destination slot) for every expert whose slot changes, by expert id."""
     return [(e, int(s), int(d)) for e, (s, d) in enumerate(zip(old_E.tolist(), new_E.tolist())) if s != d]
@@ -99,9 +87,7 @@ def moved_bytes(old_E: PlacementLike, new_E: PlacementLike, ep_size: int, bytes_
     """Bytes a placement change of one layer sends between EP ranks: ``bytes_per_expert`` (one
     expert's weights and state over all of its ETP shards and EDP replicas, ``expert_bytes``)
     for every expert whose EP rank changes. Experts reordered within an EP rank are copies, 0."""
-    old, new = torch.as_tensor(old_E), torch.as_tensor(new_E)
-    local = old.numel() // ep_size
-    return int(((old // local) != (new // local)).sum()) * bytes_per_expert
+    return len(moved_experts(old_E, new_E, ep_size)) * bytes_per_expert
 
 
 def expert_bytes(layer: MoELayer, zero_stage: int, with_grads: bool = False, state_tensors: int = 2,

@@ -68,14 +68,17 @@ def rank_of(placement: Tensor, P: int) -> Tensor:
     return torch.as_tensor(placement).long() // _slots_per_rank(len(placement), P)
 
 
-def check_placement(placement, E: int, P: int) -> Tensor:
-    """``placement`` as an int64 tensor after checking that it is a permutation of the E slots."""
-    _slots_per_rank(E, P)
-    tensor = torch.as_tensor(placement).long().cpu()
-    if tensor.shape != (E,) or not torch.equal(torch.sort(tensor).values, torch.arange(E)):
-        raise ValueError(f"a placement must give each of the {E} experts a distinct slot 0..{E - 1}, "
-                         f"got {tensor.tolist()}")
-    return tensor
+def check_placement(slot_E, E: int, name: str = "placement") -> Tensor:
+    """``slot_E`` as an int64 CPU tensor once it is a permutation of the slots ``0..E-1``."""
+    t = torch.as_tensor(slot_E)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() != 1 or t.numel() != E:
+        raise ValueError(f"{name}: expected {E} integer slots (a 1-D tensor, one per expert), got "
+                         f"shape {tuple(t.shape)} dtype {t.dtype}")
+    t = t.detach().to("cpu", torch.long)
+    if sorted(t.tolist()) != list(range(E)):
+        raise ValueError(f"{name}: {t.tolist()} is not a permutation of the slots 0..{E - 1} (each expert "
+                         "needs a distinct slot)")
+    return t
 
 
 def rank_loads(load_E, placement, P: int) -> Tensor:
@@ -174,13 +177,11 @@ def _refine_max(ranks: list[int], load: Tensor, P: int, max_swaps: int = 10_000)
     return ranks
 
 
-def _node_preferring(load: Tensor, traffic: Tensor, node: list[int], cap: float) -> list[int]:
+def _node_preferring(load: Tensor, cross_EN: Tensor, node: list[int], cap: float) -> list[int]:
     """Step (1) of ``network_aware``: each expert onto the in-bound rank that crosses least."""
-    P, E = traffic.shape
+    P, (E, _) = len(node), cross_EN.shape
     L = E // P
-    node_P = torch.as_tensor(node)
-    # crossing[n][e]: routes to expert e from senders outside node n (plain lists: a Python loop)
-    crossing = [traffic[node_P != n].sum(0).tolist() for n in range(max(node) + 1)]
+    crossing = cross_EN.T.tolist()   # crossing[n][e], plain lists for a Python loop
     w = load.tolist()
     loads, free, ranks = [0.0] * P, [L] * P, [0] * E
     for e in _order(load):
@@ -194,22 +195,20 @@ def _node_preferring(load: Tensor, traffic: Tensor, node: list[int], cap: float)
     return ranks
 
 
-def _improve_by_swaps(ranks: list[int], load: Tensor, traffic: Tensor, node: list[int], cap: float,
+def _improve_by_swaps(ranks: list[int], load: Tensor, cross_EN: Tensor, node: list[int], cap: float,
                       max_swaps: Optional[int] = None) -> list[int]:
     """Step (2) of ``network_aware``: repeatedly the swap of two experts on different nodes that
     cuts the most cross-node routes while both ranks stay within ``cap`` (all pairs at once as an
     [E, E] gain matrix; ties to the lowest pair, so every rank picks the same)."""
-    P, E = traffic.shape
+    P, (E, _) = len(node), cross_EN.shape
     ranks_E = torch.as_tensor(ranks, dtype=torch.int64)
     node_P = torch.as_tensor(node, dtype=torch.int64)
-    # cross[e, n]: routes to expert e from senders outside node n
-    cross = torch.stack([traffic[node_P != n].sum(0) for n in range(int(node_P.max()) + 1)], dim=1)  # [E, nodes]
     loads = torch.zeros(P, dtype=torch.float64).index_add_(0, ranks_E, load)
     delta = load[:, None] - load[None, :]                    # [a, b]: what a's rank loses, b's gains
     for _ in range(max_swaps if max_swaps is not None else 4 * E):
         node_E = node_P[ranks_E]
-        own = cross[torch.arange(E), node_E]                   # [E] routes crossing now
-        there = cross[:, node_E]                               # [a, b] a's crossing on b's node
+        own = cross_EN[torch.arange(E), node_E]                # [E] routes crossing now
+        there = cross_EN[:, node_E]                            # [a, b] a's crossing on b's node
         gain = own[:, None] + own[None, :] - there - there.T
         rank_load = loads[ranks_E]
         ok = ((node_E[:, None] != node_E[None, :]) & (rank_load[:, None] - delta <= cap + 1e-9)
@@ -254,9 +253,12 @@ def network_aware(load_E, traffic_PE, P: int, node_of_rank: Optional[Sequence[in
     if len(dense) == 1:
         return base
     cap = (1.0 + slack) * rank_loads(load, base, P).max().item()
+    node_P = torch.as_tensor(node)
+    # cross_EN[e, n]: routes to expert e from senders outside node n
+    cross_EN = torch.stack([traffic[node_P != n].sum(0) for n in range(len(dense))], dim=1)
     candidates = []
-    for start in (rank_of(base, P).tolist(), _node_preferring(load, traffic, node, cap)):
-        ranks = _improve_by_swaps(start, load, traffic, node, cap)
+    for start in (rank_of(base, P).tolist(), _node_preferring(load, cross_EN, node, cap)):
+        ranks = _improve_by_swaps(start, load, cross_EN, node, cap)
         placement = _to_placement(ranks, P)
         if rank_loads(load, placement, P).max().item() <= cap + 1e-9:
             candidates.append(placement)
@@ -273,7 +275,7 @@ def align(new, current, P: int, node_of_rank: Optional[Sequence[int]] = None) ->
     """
     E = len(new)
     L = _slots_per_rank(E, P)
-    new, current = check_placement(new, E, P), check_placement(current, E, P)
+    new, current = check_placement(new, E), check_placement(current, E)
     node = list(node_of_rank) if node_of_rank is not None else [0] * P
     new_rank, cur_rank = (new // L).tolist(), (current // L).tolist()
     overlap = torch.zeros(P, P, dtype=torch.int64)           # [new rank, current rank]
@@ -305,7 +307,3 @@ def moved_experts(old, new, P: Optional[int] = None) -> list[int]:
     if P is not None:
         old, new = rank_of(old, P), rank_of(new, P)
     return (old != new).nonzero().flatten().tolist()
-
-
-__all__ = ["align", "check_placement", "cross_node_routes", "greedy", "imbalance", "moved_experts", "network_aware",
-           "nodes_of", "rank_loads", "rank_of", "static"]

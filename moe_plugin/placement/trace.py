@@ -138,7 +138,6 @@ class TraceWriter:
         self.meta = meta
         self._dtype = meta.record_dtype
         self._index = {name: i for i, name in enumerate(meta.layers)}
-        self.last_step: Optional[int] = None
         if append and self.path.exists() and self.path.stat().st_size > 0:
             with open(self.path, "rb") as handle:
                 found, start = _read_header(handle, self.path)
@@ -180,7 +179,6 @@ class TraceWriter:
             record["traffic"][i] = _as_int32(traffic_PE, (P, E), f"step {step} layer {name} traffic")
         self._file.write(record.tobytes())
         self._file.flush()
-        self.last_step = int(step)
 
     def close(self) -> None:
         if self._file is not None:
@@ -204,17 +202,10 @@ class GateTrace:
     load: np.ndarray
     traffic: np.ndarray
 
-    @property
-    def layers(self) -> tuple[str, ...]:
-        return self.meta.layers
-
-    @property
-    def num_experts(self) -> int:
-        return self.meta.num_experts
-
-    @property
-    def ep_size(self) -> int:
-        return self.meta.ep_size
+    # the header's, for short
+    layers = property(lambda self: self.meta.layers)
+    num_experts = property(lambda self: self.meta.num_experts)
+    ep_size = property(lambda self: self.meta.ep_size)
 
     def layer(self, name: str) -> int:
         """Index of layer ``name`` on the layers axis."""
@@ -245,6 +236,3 @@ def read_trace(path: Union[str, os.PathLike]) -> GateTrace:
     records = np.frombuffer(data[:count * dtype.itemsize], dtype=dtype)
     return GateTrace(meta=meta, steps=records["step"].copy(), load=records["load"].copy(),
                      traffic=records["traffic"].copy())
-
-
-__all__ = ["GateTrace", "MAGIC", "TraceMeta", "TraceWriter", "VERSION", "read_trace"]

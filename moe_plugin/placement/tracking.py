@@ -93,7 +93,9 @@ def _collective_device(group: dist.ProcessGroup, tensors: dict[str, Tensor]) -> 
     return torch.device(get_accelerator().current_device_name())
 
 
-def _trace_name(name: str, layer: MoELayer, stage: int, pp: int) -> str:
+def trace_name(name: str, layer: MoELayer, stage: int = 0, pp: int = 1) -> str:
+    """A layer's name in a trace: ``layer<global index>`` where it has one, else its module name
+    (prefixed by its pipeline stage when there are several)."""
     index = getattr(layer, "layer_index", None)
     if index is not None:
         return f"layer{int(index)}"
@@ -187,25 +189,15 @@ class LoadTracker:
     # -- reduction ---------------------------------------------------------------------------
     def _reduce(self, routed: Optional[dict[str, Tensor]], traffic: dict[str, Tensor]):
         """Sums over the stage's token groups: one all-reduce of every layer's tensors packed."""
-        if not self.needs_reduce and routed is None:
+        if self._tokens is None or (not self.needs_reduce and routed is None):
             return routed, traffic
-        if self._tokens is None:
-            return routed, traffic
-        parts = [t.flatten() for t in traffic.values()] + ([r.flatten() for r in routed.values()] if routed else [])
-        packed = torch.cat(parts)
+        tensors = [*traffic.values(), *(routed or {}).values()]
+        packed = torch.cat([t.flatten() for t in tensors])
         dist.all_reduce(packed, group=self._tokens)
-        out_traffic, at = {}, 0
-        for name, t in traffic.items():
-            # every member of an EP group holds that group's matrix: count each group once
-            out_traffic[name] = packed[at:at + t.numel()].view_as(t) // self.ep_size
-            at += t.numel()
-        out_routed = None
-        if routed is not None:
-            out_routed = {}
-            for name, r in routed.items():
-                out_routed[name] = packed[at:at + r.numel()].view_as(r)
-                at += r.numel()
-        return out_routed, out_traffic
+        summed = [part.view_as(t) for part, t in zip(packed.split([t.numel() for t in tensors]), tensors)]
+        # every member of an EP group holds that group's matrix: count each group once
+        out_traffic = {name: t // self.ep_size for name, t in zip(traffic, summed)}
+        return (None if routed is None else dict(zip(routed, summed[len(traffic):]))), out_traffic
 
     # -- trace -------------------------------------------------------------------------------
     def _setup_trace(self, path: Path, info: dict, append: bool) -> None:
@@ -215,7 +207,7 @@ class LoadTracker:
         rank = dist.get_rank() if dist.is_initialized() else 0
         pp = g.layout.sizes.pp if g is not None else 1
         stage = g.layout.coords(rank)["pp"] if g is not None else 0
-        mine = [_trace_name(n, m, stage, pp) for n, m in self.layers.items()]
+        mine = [trace_name(n, m, stage, pp) for n, m in self.layers.items()]
         stages = [mine]
         if pp > 1:
             stages = [None] * pp
@@ -230,9 +222,7 @@ class LoadTracker:
         names = [n for s in stages for n in s]
         header = dict(info)
         if g is not None:
-            s = g.layout.sizes
-            header.setdefault("sizes", {"world_size": s.world_size, "tp": s.tp, "pp": s.pp, "dp": s.dp, "ep": s.ep,
-                                        "etp": s.etp, "edp": s.edp, "order": s.order})
+            header.setdefault("sizes", g.layout.sizes.model_dump())
             header.setdefault("ep_groups", g.layout.groups("ep"))
         header.setdefault("load", "routes chosen per expert, before capacity, summed over the step")
         header.setdefault("traffic", "kept routes [EP rank of the sender, expert], summed over the stage's EP groups")
@@ -274,6 +264,3 @@ class LoadTracker:
                 base = i * E * (1 + P)
                 out[name] = (flat[base:base + E], flat[base + E:base + E * (1 + P)].view(P, E))
         return out
-
-
-__all__ = ["LoadTracker", "WindowLoad"]

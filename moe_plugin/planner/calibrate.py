@@ -178,6 +178,3 @@ def calibrate(out: Path, world: int) -> dict:
           f"(ZeRO 0/1/2) {'/'.join(f'{1e3 * x:.0f}' for x in spec['zero_step_overhead'])} ms + "
           f"{'/'.join(f'{1e9 * x:.0f}' for x in spec['zero_param_time'])} ns/param; wrote {out}")
     return spec
-
-
-__all__ = ["calibrate", "cluster_from", "measure", "run_calibration"]

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
 
 PIECE_MODEL = dict(layers=2, hidden=256, ffn=1024, heads=4, vocab=1024, seq=128, experts=8, top_k=2,
                    capacity_factor=1.25, moe_layer_interval=1, global_batch=1, micro_batches=[1],
@@ -275,6 +274,3 @@ def _mean(pieces: list[dict]) -> dict:
             return [avg([v[i] for v in values]) for i in range(len(first))]
         return statistics.mean(values)
     return avg(pieces)
-
-
-__all__ = ["PIECE_MODEL", "fit", "measure_pieces"]

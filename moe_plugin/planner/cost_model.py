@@ -394,8 +394,3 @@ def _row(values, j: int, ndim: int = 1):
 
 def tokens_per_step(model: ModelSpec) -> int:
     return model.global_batch * model.seq
-
-
-__all__ = ["StepCost", "bubble_fraction", "dense_layer_time", "expert_rows", "expert_rows_by_expert", "fits",
-           "ep_routes", "group_span", "moe_comm_time", "moe_layer_time", "replication_time", "stage_layers", "stage_memory",
-           "stage_params", "step_cost", "tokens_per_step"]

@@ -120,6 +120,3 @@ def plot(out: Path, candidates: Sequence[Candidate], pool: Sequence[Candidate], 
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-__all__ = ["COLUMNS", "markdown_table", "plot", "table_rows", "text_table", "write_markdown", "write_pool"]

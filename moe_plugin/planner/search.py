@@ -157,6 +157,3 @@ class Progress:
             end = "\n" if done == total else ""
             self.stream.write(f"\r{self.label}: {done}/{total} layouts{end}")
             self.stream.flush()
-
-
-__all__ = ["Candidate", "Progress", "candidate_pool", "divisors", "ds_config", "layouts", "moe_block", "search"]

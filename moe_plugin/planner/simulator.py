@@ -13,26 +13,17 @@ Policies (``Policy``):
 * ``greedy`` every ``interval`` steps: ``placement.policies.greedy`` on the load of the last
   ``window`` steps (what the runtime would have seen), relabelled by ``align`` so that as few
   experts as possible move; the steps before the first check run static. Each layer takes its
-  new placement by the runtime's rule (``placement.costs.should_switch``, ``min_gain``): predicted
-  on the window's load, the layer's seconds per step (``gas`` x ``moe_layer_time``) get at least
-  ``min_gain`` shorter and the saving until the next check exceeds the layer's migration cost by
-  ``min_gain``; routing noise on a uniform load therefore moves nothing. A move is paid on the
-  step it happens: every rank receives the experts that arrive at it -- weights and optimizer
-  state, ``(param_bytes + optimizer_bytes / edp_shards) * expert_params / etp`` each -- over
-  its EP link (``migration_seconds``).
+  new placement by the runtime's rule (``placement/costs.py``: ``should_switch``, ``min_gain``) on
+  its seconds per step (``gas`` x ``moe_layer_time``) predicted on the window's load. A move is
+  paid on the step it happens: every rank receives the experts that arrive at it -- weights and
+  optimizer state, ``(param_bytes + optimizer_bytes / edp_shards) * expert_params / etp`` each --
+  over its EP link (``migration_seconds``).
 * either, with ``replica_budget`` k > 0: shadow experts (FasterMoE; ``moe_plugin.layers.shadow``),
-  decided at every check as the runtime controller does, after the placement decision and under
-  the placement in effect after it: in each layer the candidates are the 0..k hottest experts of
-  the window (loaded ones only), the cheapest predicted MoE-layer time wins (ties to the smaller
-  set), and the layer's set changes only when the winner is another set that ``should_switch``
-  takes with no migration (a change moves no state). A step with
-  shadowed experts is costed by ``step_cost`` with them (``cost_model.moe_layer_time``): every
-  rank computes its own tokens' routes to a shadowed expert -- its share from the trace's
-  ``traffic`` when that has one sender per EP rank of the layout, else 1/ep -- and those routes
-  leave the all-to-all; per layer and micro-batch the weights' and the gradients' all-reduces
-  over EP cost ``2 x (2 (ep-1)/ep x N x expert_bytes / bw + 2 (ep-1) x latency)`` for N shadowed
-  experts, on the EP group's link (``replication_time``). Needs ep > 1 and etp 1 (else nothing
-  is shadowed, as the runtime refuses it).
+  decided at every check by the runtime controller's rule (``placement/controller.py``,
+  ``choose_shadow``). A step with shadowed experts is costed by ``step_cost`` with them
+  (``cost_model.moe_layer_time``, ``replication_time``), each rank's share of a shadowed expert's
+  routes from the trace's ``traffic`` when that has one sender per EP rank of the layout, else
+  1/ep. Needs ep > 1 and etp 1 (else nothing is shadowed, as the runtime refuses it).
 
 Trace layers map onto the model's MoE layers in order (trace layer ``j % n`` for MoE layer ``j``
 when the counts differ). ``synthetic_trace`` makes Zipf-skewed loads whose hot experts drift
@@ -95,10 +86,6 @@ class Replay:
     def mean_s(self) -> float:
         return float(self.step_s.mean())
 
-    @property
-    def total_s(self) -> float:
-        return float(self.step_s.sum())
-
 
 def load_fractions(load_IME: np.ndarray, moe_layers: int) -> np.ndarray:
     """[steps, moe_layers, E] route fractions from a trace's [steps, layers, E] counts."""
@@ -150,11 +137,7 @@ def choose_shadow(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E
     def seconds(mask) -> float:
         return sum(moe_layer_time(model, cluster, layout, load, placement_E, mask, senders_PE).values())
 
-    sets = []
-    for k in range(len(hot) + 1):
-        mask = np.zeros(len(load), dtype=bool)
-        mask[hot[:k]] = True
-        sets.append(mask)
+    sets = [np.isin(np.arange(len(load)), hot[:k]) for k in range(len(hot) + 1)]
     times = [seconds(mask) for mask in sets]
     k = min(range(len(times)), key=lambda i: (times[i], i))
     if (sets[k] == current_E).all():
@@ -259,7 +242,3 @@ def compare(model: ModelSpec, cluster: ClusterSpec, layouts: Sequence[Layout], l
             policies: Sequence[Policy], stride: int = 1) -> list[Replay]:
     """Every layout under every policy."""
     return [replay(model, cluster, lay, load_IME, pol, stride) for lay in layouts for pol in policies]
-
-
-__all__ = ["Policy", "Replay", "choose_placement", "choose_shadow", "compare", "load_fractions", "migration_seconds", "replay",
-           "sender_fractions", "synthetic_trace"]

@@ -250,6 +250,3 @@ def _load(cls: type[_Strict], source: Union[dict, str, os.PathLike], root: str) 
         return cls.model_validate(source)
     except ValidationError as err:
         raise from_validation_error(err, cls, root) from None
-
-
-__all__ = ["ClusterSpec", "Layout", "ModelSpec"]

@@ -227,6 +227,3 @@ def validate(worlds: list[int], out: Path, calibration: Optional[Path], rounds: 
     (out / "validation.json").write_text(json.dumps({"mape": mape, "records": records}, indent=2) + "\n")
     (out / "validation.md").write_text(markdown_table(head, rows) + f"\n\nMAPE {100 * mape:.1f}% ({loads})\n")
     return records
-
-
-__all__ = ["LAYOUTS", "VALIDATION_MODEL", "measure", "measure_layout", "validate", "validation_model"]

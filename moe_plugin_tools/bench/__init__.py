@@ -5,8 +5,7 @@ The torch-free argument parser is imported eagerly (the CLI imports it); the res
 """
 from __future__ import annotations
 
-from typing import Any
-
+from moe_plugin.lazy import lazy_getattr
 from moe_plugin_tools.bench.args import add_bench_parser
 
 _LAZY = {"LayerBenchSpec": "layer", "bench_layer": "layer", "MemoryProfile": "memory", "memory_profile": "memory",
@@ -16,11 +15,4 @@ _LAZY = {"LayerBenchSpec": "layer", "bench_layer": "layer", "MemoryProfile": "me
          "build_ours": "gpt_models", "build_deepspeed_twin": "gpt_models"}
 
 __all__ = ["add_bench_parser", *_LAZY]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'moe_plugin_tools.bench' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(f"moe_plugin_tools.bench.{_LAZY[name]}"), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)

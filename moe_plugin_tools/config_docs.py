@@ -1,6 +1,7 @@
-"""``docs/config.md``, rendered from the field descriptions of the config models.
+"""``docs/config.md``, rendered from the field descriptions of the config models (a tool: the runtime
+never imports it).
 
-Regenerate after changing a field:  python -m moe_plugin.configs.docs > docs/config.md
+Regenerate after changing a field:  python -m moe_plugin_tools.config_docs > docs/config.md
 (a test fails while the file and this renderer disagree).
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ a file with
 which prints the resolved block (every field, defaults included) and the rank layout.
 
 *This page is generated from the field descriptions in `moe_plugin/configs/schema.py` by
-`python -m moe_plugin.configs.docs > docs/config.md`; edit the descriptions, not this page.*
+`python -m moe_plugin_tools.config_docs > docs/config.md`; edit the descriptions, not this page.*
 
 ## What is checked, and when
 

@@ -1,4 +1,5 @@
-"""Text views of a RankLayout for people: every group of each kind, and the groups of each rank."""
+"""Text views of a RankLayout for people (``moe-plugin layout`` and ``demo``): every group of each kind,
+and the groups of each rank."""
 from __future__ import annotations
 
 from moe_plugin.groups.layout import PUBLIC_KINDS, RankLayout
