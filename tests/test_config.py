@@ -99,6 +99,16 @@ MALFORMED_BLOCKS = {
                            "expected one of 'gelu', 'swiglu', 'relu'"),
     "experts backend unknown": (with_experts(experts_backend="cuda"), "moe.experts_backend", "got 'cuda'",
                                 "expected one of 'auto', 'grouped_mm', 'bmm', 'loop'"),
+    "sigmoid with gshard": (with_experts(score_function="sigmoid"), "moe.score_function", "got 'sigmoid'",
+                            "router 'gshard' is defined on softmax probabilities; sigmoid scores need router 'topk'"),
+    "sigmoid with switch": (with_experts(router="switch", score_function="sigmoid"), "moe.score_function",
+                            "got 'sigmoid'", "router 'switch' is defined on softmax probabilities"),
+    "score function unknown": (with_experts(score_function="tanh"), "moe.score_function", "got 'tanh'",
+                               "expected one of 'softmax', 'sigmoid'"),
+    "gate_scale zero": (with_experts(gate_scale=0.0), "moe.gate_scale", "got 0.0", "expected a number > 0"),
+    "gate_scale negative": (with_experts(gate_scale=-2.5), "moe.gate_scale", "got -2.5", "expected a number > 0"),
+    "drop policy unknown": (with_experts(drop_policy="probs"), "moe.drop_policy", "got 'probs'",
+                            "expected one of 'position', 'probability'"),
     "shared gate without expert": (with_experts(shared_expert_gate=True), "moe.shared_expert_gate", "got True",
                                    "set shared_expert_ffn_hidden_size > 0 or shared_expert_gate false"),
     "block not an object": ([8], "moe", "got [8]", "expected a JSON object with at least num_experts"),
@@ -207,7 +217,8 @@ def test_errors_inside_a_file_keep_the_key_path(tmp_path):
 
 # The resolved defaults of the smallest valid block, {"num_experts": 8}; docs/config.md says why.
 DEFAULTS = {
-    "num_experts": 8, "top_k": 2, "router": "gshard", "normalize_gates": True, "second_expert_policy": "random",
+    "num_experts": 8, "top_k": 2, "router": "gshard", "normalize_gates": True, "score_function": "softmax",
+    "gate_scale": 1.0, "second_expert_policy": "random", "drop_policy": "position",
     "capacity_factor": 1.25, "eval_capacity_factor": 2.0, "min_capacity": 4, "drop_tokens": True,
     "aux_loss_coeff": 0.01, "z_loss_coeff": 0.0, "bias_update_rate": 0.0, "jitter_eps": 0.0,
     "layer_interval": 1, "layers": None, "ffn_hidden_size": None, "activation": "gelu",

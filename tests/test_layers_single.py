@@ -71,6 +71,13 @@ ROUTERS = {
     "switch": dict(router="switch", z_loss_coeff=1e-2, aux_loss_coeff=0.1),
     "topk3-normalized": dict(router="topk", top_k=3, aux_loss_coeff=0.1),
     "topk3-raw": dict(router="topk", top_k=3, normalize_gates=False, z_loss_coeff=1e-3),
+    "sigmoid2-normalized": dict(router="topk", top_k=2, score_function="sigmoid", gate_scale=2.5, aux_loss_coeff=0.1,
+                                z_loss_coeff=1e-3),
+    "sigmoid4-raw": dict(router="topk", top_k=4, score_function="sigmoid", normalize_gates=False, gate_scale=0.5,
+                         aux_loss_coeff=0.1),
+    "probability-top1": dict(router="switch", drop_policy="probability", capacity_factor=0.5, aux_loss_coeff=0.1),
+    "probability-top2": dict(router="topk", top_k=2, drop_policy="probability", capacity_factor=0.5,
+                             gate_scale=1.5, z_loss_coeff=1e-3),
 }
 
 

@@ -111,6 +111,14 @@ class MoEConfig(_Block):
         "topk: general k.")
     normalize_gates: bool = Field(True, description="Renormalise the k kept gates of a token to sum to 1 "
                                   "(always done by gshard; ignored by switch).")
+    score_function: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="softmax: gates are softmax probabilities over the experts (GShard, Switch). "
+        "sigmoid (DeepSeek-V3): each expert's score is the sigmoid of its logit; experts are chosen on score + "
+        "expert bias, the gates are the chosen scores (renormalised when normalize_gates); router 'topk' only. Its "
+        "balance loss is E/k * sum_e f_e * P_e: f_e the fraction of the k*T routes choosing e (before capacity), "
+        "P_e the mean over tokens of e's score divided by the token's sum of scores (1.0 when uniform).")
+    gate_scale: float = Field(1.0, gt=0, description="Routed scaling factor: every gate is multiplied by it, after "
+                              "normalisation (DeepSeek-V3 uses 2.5 with sigmoid scores).")
     second_expert_policy: Literal["random", "all"] = Field(
         "random", description="gshard only. random: keep the 2nd expert when 2*g2 > U(0,1) (GShard). "
         "all: always keep it.")
@@ -120,11 +128,18 @@ class MoEConfig(_Block):
     min_capacity: int = Field(4, ge=0, description="Lower bound on the per-expert capacity.")
     drop_tokens: bool = Field(True, description="Drop routes over capacity (their tokens keep the residual). "
                               "false: dropless, no capacity at all.")
-    aux_loss_coeff: float = Field(1e-2, ge=0, description="Weight of the GShard balance loss "
-                                  "(1.0 before weighting when routing is perfectly uniform).")
-    z_loss_coeff: float = Field(0.0, ge=0, description="Weight of the router z-loss (Switch/ST-MoE).")
+    drop_policy: Literal["position", "probability"] = Field(
+        "position", description="Which routes an expert over capacity keeps. position (GShard): all first choices "
+        "before any second choice, earlier tokens before later ones. probability (DeepSpeed's top-k gate): the "
+        "routes with the highest scores (softmax probability or sigmoid score of the expert, before normalisation "
+        "and gate_scale), equal scores in position order. Ignored when drop_tokens is false.")
+    aux_loss_coeff: float = Field(1e-2, ge=0, description="Weight of the balance loss (GShard's; "
+                                  "for sigmoid scores see score_function; 1.0 before weighting when routing is "
+                                  "perfectly uniform).")
+    z_loss_coeff: float = Field(0.0, ge=0, description="Weight of the router z-loss (Switch/ST-MoE), "
+                                "mean_t logsumexp(logits_t)^2, for either score_function.")
     bias_update_rate: float = Field(0.0, ge=0, description="Aux-loss-free balancing: step of the per-expert "
-                                    "bias added to logits for expert choice; 0 turns it off.")
+                                    "bias added to logits (sigmoid: scores) for expert choice; 0 turns it off.")
     jitter_eps: float = Field(0.0, ge=0, lt=1, description="Multiplicative jitter U(1-eps, 1+eps) on the "
                               "router input in training; 0 turns it off.")
     layer_interval: int = Field(1, ge=1, description="Layer i (0-based) is MoE when i % layer_interval == 0.")
@@ -167,6 +182,9 @@ class MoEConfig(_Block):
             raise FieldProblem("top_k", k, "router 'gshard' routes to exactly 2 experts; use router 'topk' for other k")
         if self.router == "switch" and k != 1:
             raise FieldProblem("top_k", k, "router 'switch' routes to exactly 1 expert; use router 'topk' for other k")
+        if self.score_function == "sigmoid" and self.router != "topk":
+            raise FieldProblem("score_function", "sigmoid", f"router {self.router!r} is defined on softmax "
+                               "probabilities; sigmoid scores need router 'topk' (with top_k 1 for switch's k)")
         if k > self.num_experts:
             raise FieldProblem("top_k", k, f"must be at most num_experts ({self.num_experts})")
         if self.parallel.expert > self.num_experts or self.num_experts % self.parallel.expert:

@@ -1,8 +1,9 @@
 """A naive reference MoE: plain Python loops over tokens and their choices. The test oracle.
 
 Written to be obviously right, not fast: one token at a time, GShard's priority rule as a
-literal double loop (all first choices, then all second choices, each in token order), every
-expert applied to one token vector. It shares no code with the layer but the capacity formula
+literal double loop (all first choices, then all second choices, each in token order), the
+probability drop policy as a per-expert list sorted by (score high to low, that same order),
+every expert applied to one token vector. It shares no code with the layer but the capacity formula
 (``configs/capacity.py``, exact integer arithmetic, so both agree on every slot); it takes the layer's
 weights by state-dict name and the same random numbers (``RouterNoise``).
 
@@ -89,6 +90,7 @@ def _one_group(x_TH, params, config, training, jitter_TH, uniform_T, kept, route
     bias = params.get("router.expert_bias")
     bias = [0.0] * E if bias is None else [float(b) for b in bias]
     normalize = config.router == "gshard" or (config.router == "topk" and config.normalize_gates)
+    sigmoid = config.score_function == "sigmoid"
     random_second = training and config.router == "gshard" and config.second_expert_policy == "random"
 
     # 1. Each token's choices and gates.
@@ -100,8 +102,9 @@ def _one_group(x_TH, params, config, training, jitter_TH, uniform_T, kept, route
         logit = W @ x
         if not torch.isfinite(logit).all():
             raise ValueError("reference MoE: the layer input contains NaN or inf")
-        prob = torch.softmax(logit, dim=0)
-        score = [float(logit[e].detach()) + bias[e] for e in range(E)]
+        prob = torch.sigmoid(logit) if sigmoid else torch.softmax(logit, dim=0)
+        choice = prob if sigmoid else logit
+        score = [float(choice[e].detach()) + bias[e] for e in range(E)]
         experts = sorted(range(E), key=lambda e: (-score[e], e))[:k]
         g = [prob[e] for e in experts]
         if normalize:
@@ -110,29 +113,34 @@ def _one_group(x_TH, params, config, training, jitter_TH, uniform_T, kept, route
         keep = [True] * k
         if random_second:
             keep[1] = 2 * float(g[1].detach()) > float(uniform_T[t])
+        if config.gate_scale != 1.0:
+            g = [gi * config.gate_scale for gi in g]
         logits.append(logit)
         probs.append(prob)
         chosen.append(experts)
         gates.append(g)
         wanted.append(keep)
 
-    # 2. Capacity, GShard priority: choice by choice, token by token.
+    # 2. Capacity. Each expert's routes in GShard's priority (choice by choice, token by token),
+    # or by drop_policy probability; an expert keeps the first `capacity` of them.
     capacity = None
     if config.drop_tokens:
         factor = config.capacity_factor if training else config.eval_capacity_factor
         capacity = expert_capacity(T, E, k, factor, config.min_capacity)   # the layer's exact formula
-    filled = [0] * E
-    kept_routes = []                           # (token, choice)
+    queue = [[] for _ in range(E)]             # per expert: (token, choice) in GShard's order
     for j in range(k):
         for t in range(T):
-            if not wanted[t][j]:
-                continue
-            e = chosen[t][j]
-            routed[e] += 1
-            if capacity is None or filled[e] < capacity:
-                filled[e] += 1
-                kept[e] += 1
-                kept_routes.append((t, j))
+            if wanted[t][j]:
+                queue[chosen[t][j]].append((t, j))
+    if capacity is not None and config.drop_policy == "probability":   # highest score first, then the order above
+        for e in range(E):
+            queue[e] = sorted(queue[e], key=lambda tj: -float(probs[tj[0]][e].detach()))
+    kept_routes = []                           # (token, choice)
+    for e in range(E):
+        keep = queue[e] if capacity is None else queue[e][:capacity]
+        routed[e] += len(queue[e])
+        kept[e] += len(keep)
+        kept_routes.extend(keep)
 
     # 3. Outputs: each kept route's gate times its expert applied to the token.
     w1, w2 = params["experts.weight1"], params["experts.weight2"]
@@ -148,10 +156,16 @@ def _one_group(x_TH, params, config, training, jitter_TH, uniform_T, kept, route
                 y = y * torch.sigmoid(x_TH[t] @ params["shared_expert.gate_weight"].to(x_TH.dtype))
             out[t] = out[t] + y
 
-    # 4. Losses.
+    # 4. Losses. Softmax: GShard's (first choices x mean probability); sigmoid: DeepSeek-V3's
+    # (all k choices x mean score share of the token's scores).
     n = max(T, 1)
-    first_fraction = [sum(1 for t in range(T) if chosen[t][0] == e) / n for e in range(E)]
-    mean_prob = [sum((probs[t][e] for t in range(T)), torch.zeros(())) / n for e in range(E)]
-    balance = E * sum((first_fraction[e] * mean_prob[e] for e in range(E)), torch.zeros(()))
+    if sigmoid:
+        fraction = [sum(chosen[t].count(e) for t in range(T)) / (n * k) for e in range(E)]
+        share = [[probs[t][e] / probs[t].sum() for e in range(E)] for t in range(T)]
+    else:
+        fraction = [sum(1 for t in range(T) if chosen[t][0] == e) / n for e in range(E)]
+        share = [[probs[t][e] for e in range(E)] for t in range(T)]
+    mean_share = [sum((share[t][e] for t in range(T)), torch.zeros(())) / n for e in range(E)]
+    balance = E * sum((fraction[e] * mean_share[e] for e in range(E)), torch.zeros(()))
     z = sum((torch.logsumexp(logits[t], dim=0) ** 2 for t in range(T)), torch.zeros(())) / n
     return out, balance, z, capacity

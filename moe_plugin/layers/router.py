@@ -13,15 +13,23 @@ Routing rules (GShard, arXiv 2006.16668; Switch Transformer):
   ``2 * g2 > U(0, 1)`` (random routing, training only; policy ``all`` keeps it always);
   ``switch`` top-1 with the raw softmax probability as gate; ``topk`` any k, gates
   renormalised when ``normalize_gates``.
-* expert choice uses ``logits + expert_bias``; gate values come from the unbiased softmax.
-  Ties go to the lower expert index (``top_k_experts``), on every rank alike.
+* scores (``score_function``): the softmax over the experts, or (DeepSeek-V3) each expert's
+  sigmoid, topk only, its gates renormalised when ``normalize_gates``. Every gate is then
+  multiplied by ``gate_scale`` (after random routing and ranking, which use the unscaled ones).
+* expert choice uses ``logits + expert_bias`` (sigmoid: ``scores + expert_bias``); gate values
+  come from the unbiased scores. Ties go to the lower expert index (``top_k_experts``), on every
+  rank alike.
 * capacity ``C = max(min_capacity, ceil(capacity_factor * k * T / E))`` per expert, computed
   exactly (``configs/capacity.py``: the factor's decimal value, integer arithmetic)
   (``eval_capacity_factor`` in eval; no capacity when ``drop_tokens`` is false). Buffer slots
-  go to all first choices before any second choice, earlier tokens before later ones; a
-  route past capacity is dropped and its token keeps only the residual from that expert.
-* balance loss ``E * sum_e f_e * P_e``: ``f_e`` the fraction of tokens whose first choice is
-  ``e`` (before capacity), ``P_e`` the mean softmax probability of ``e``. It is exactly 1.0
+  go, with ``drop_policy`` position, to all first choices before any second choice, earlier
+  tokens before later ones; with probability, to the highest (unnormalised) scores, equal ones
+  in that position order. A route past capacity is dropped and its token keeps only the
+  residual from that expert.
+* balance loss ``E * sum_e f_e * P_e``: softmax, ``f_e`` the fraction of tokens whose first
+  choice is ``e`` (before capacity), ``P_e`` the mean softmax probability of ``e``; sigmoid
+  (DeepSeek-V3's, over the batch), ``f_e`` the fraction of the ``k * T`` routes choosing ``e``,
+  ``P_e`` the mean of ``e``'s score divided by its token's sum of scores. It is exactly 1.0
   when either is uniform (e.g. all logits equal) -- its value before ``aux_loss_coeff``.
 * z-loss ``mean_t logsumexp(logits_t)^2``.
 * placement: ``slot_E[e]`` is the slot of expert e (``ep_rank * L + local index``, see
@@ -75,8 +83,9 @@ class RouterNoise:
 class RoutingPlan:
     """One batch's routing, built by argsort (never a dense [T, E, C] tensor).
 
-    A route is ``(choice j, token t)`` with id ``j * T + t`` -- priority order. Kept routes
-    are listed sorted by expert slot (placement order), within a slot in priority order. Only
+    A route is ``(choice j, token t)`` with id ``j * T + t`` -- position order. Kept routes
+    are listed sorted by expert slot (placement order), within a slot in the drop policy's
+    priority order (position, or score then position). Only
     routing: what a dispatcher adds per batch is its own state (``dispatcher.py``).
 
     route_R: route id of each kept route.            token_R: its token (``route_R % T``).
@@ -202,37 +211,73 @@ def count_values(index_X: Tensor, n: int) -> Tensor:
     return torch.zeros(n, dtype=torch.long, device=index_X.device).index_add_(0, index_X, torch.ones_like(index_X))
 
 
+def choose(logits_TE: Tensor, *, score: str, k: int, normalize: bool,
+           expert_bias_E: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Each token's k experts and their gates, and every expert's score: ``(expert_TK, gate_TK,
+    scores_TE)``. ``score``: softmax or sigmoid; gates are the chosen unbiased scores, divided by
+    their sum when ``normalize``; the choice adds the bias to the logits (softmax) or scores."""
+    scores_TE = F.softmax(logits_TE, dim=-1) if score == "softmax" else torch.sigmoid(logits_TE)
+    choice_TE = (logits_TE if score == "softmax" else scores_TE).detach()
+    if expert_bias_E is not None:
+        choice_TE = choice_TE + expert_bias_E.to(choice_TE)
+    expert_TK = top_k_experts(choice_TE, k)
+    gate_TK = scores_TE.gather(1, expert_TK)
+    if normalize:
+        gate_TK = gate_TK / gate_TK.sum(dim=-1, keepdim=True)
+    return expert_TK, gate_TK, scores_TE
+
+
+def priority_order(key_R: Tensor, score_R: Optional[Tensor]) -> Tensor:
+    """Routes sorted by ``key_R`` (slot), within a key by route id, or, given ``score_R``, by
+    score, highest first, equal scores by route id: two stable sorts, no host sync."""
+    if score_R is None:
+        return torch.argsort(key_R, stable=True)
+    by_score_R = torch.argsort(score_R, descending=True, stable=True)
+    return by_score_R[torch.argsort(key_R[by_score_R], stable=True)]
+
+
+def balance_loss(score: str, expert_TK: Tensor, scores_TE: Tensor) -> Tensor:
+    """``E * sum_e f_e * P_e`` (module docstring): GShard's first-choice form for softmax,
+    DeepSeek-V3's all-routes form over per-token normalised scores for sigmoid."""
+    (T, E), k = scores_TE.shape, expert_TK.shape[1]
+    n = max(T, 1)
+    if score == "softmax":
+        f_E = count_values(expert_TK[:, 0], E).float() / n
+    else:
+        f_E = count_values(expert_TK.reshape(-1), E).float() / (n * k)
+        scores_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+    return E * (f_E * (scores_TE.sum(0) / n)).sum()
+
+
 def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Optional[int],
           expert_bias_E: Optional[Tensor] = None, uniform_T: Optional[Tensor] = None,
-          slot_E: Optional[Tensor] = None, deferred: bool = False) -> RoutingPlan:
+          slot_E: Optional[Tensor] = None, deferred: bool = False, score: str = "softmax",
+          scale: float = 1.0, drop_policy: str = "position") -> RoutingPlan:
     """The routing plan for fp32 ``logits_TE``.
 
     ``uniform_T`` switches on GShard random routing of the 2nd choice (kind gshard only).
     ``normalize`` renormalises the k gates of a token to sum 1 (gshard always does).
+    ``score``, ``scale``, ``drop_policy``: ``score_function``, ``gate_scale`` and ``drop_policy``
+    of the config (module docstring).
     ``slot_E``: the placement, a permutation of the expert ids (None: slot e is expert e).
     ``deferred``: the caller holds a pending ``FiniteCheck`` of these logits and reads it, with
     the kept count, at its one host sync, before anything leaves the rank, and then cuts the
     plan to the kept routes (``RoutingPlan.kept``); by default both happen here, at once.
     """
     T, E = logits_TE.shape
-    probs_TE = F.softmax(logits_TE, dim=-1)
-    choice_TE = logits_TE.detach()
-    if expert_bias_E is not None:
-        choice_TE = choice_TE + expert_bias_E.to(choice_TE)
-    expert_TK = top_k_experts(choice_TE, k)
-    gate_TK = probs_TE.gather(1, expert_TK)
-    if normalize or kind == "gshard":
-        gate_TK = gate_TK / gate_TK.sum(dim=-1, keepdim=True)
+    expert_TK, gate_TK, scores_TE = choose(logits_TE, score=score, k=k, normalize=normalize or kind == "gshard",
+                                           expert_bias_E=expert_bias_E)
     valid_TK = torch.ones_like(expert_TK, dtype=torch.bool)
     if uniform_T is not None:
         if kind != "gshard":
             raise ValueError(f"random routing is GShard's; router kind is {kind!r}")
         valid_TK[:, 1] = 2 * gate_TK[:, 1].detach() > uniform_T.to(gate_TK)
 
-    # Priority order: route id j*T + t. Invalid routes sort last under the sentinel key E.
+    # Priority order (drop policy): route id j*T + t. Invalid routes sort last under the sentinel key E.
     slot_TK = expert_TK if slot_E is None else slot_E[expert_TK]
     key_R = torch.where(valid_TK.t().reshape(-1), slot_TK.t().reshape(-1), E)
-    order_R = torch.argsort(key_R, stable=True)
+    by_score = capacity is not None and drop_policy == "probability"
+    order_R = priority_order(key_R, scores_TE.detach().gather(1, expert_TK).t().reshape(-1) if by_score else None)
     key_sorted_R = key_R[order_R]
     count_D1 = count_values(key_R, E + 1)
     routed_D = count_D1[:E]
@@ -247,13 +292,13 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
     route_R = stable_partition(order_R, keep_sorted_R)     # every route, the kept ones first
     routed_E, kept_E = (routed_D, kept_D) if slot_E is None else (routed_D[slot_E], kept_D[slot_E])
 
-    n = max(T, 1)
-    first_E = count_values(expert_TK[:, 0], E).float() / n
-    balance_loss = E * (first_E * (probs_TE.sum(0) / n)).sum()
-    z_loss = torch.logsumexp(logits_TE, dim=-1).square().sum() / n
+    if scale != 1.0:
+        gate_TK = gate_TK * scale
+    z_loss = torch.logsumexp(logits_TE, dim=-1).square().sum() / max(T, 1)
     plan = RoutingPlan(num_tokens=T, k=k, route_R=route_R, token_R=route_R % max(T, 1),
                        gate_R=gate_TK.t().reshape(-1)[route_R], kept_E=kept_E, routed_E=routed_E,
-                       capacity=capacity, balance_loss=balance_loss, z_loss=z_loss, kept_D=kept_D)
+                       capacity=capacity, balance_loss=balance_loss(score, expert_TK, scores_TE), z_loss=z_loss,
+                       kept_D=kept_D)
     if deferred:
         return plan
     bad, num_kept = torch.cat([FiniteCheck(logits_TE).bad_1.long(), kept_D.sum().reshape(1)]).tolist()
@@ -342,10 +387,11 @@ class Router(nn.Module):
             noise = None
         logits_TE = self.logits(x_TH, noise)
         finite = FiniteCheck(logits_TE, self.check_group)
+        c = self.config
         return route(logits_TE, kind=self.kind, k=self.k, normalize=self.normalize,
                      capacity=self.capacity(x_TH.shape[0]), expert_bias_E=self.expert_bias,
                      uniform_T=noise.uniform_T if noise is not None else None, slot_E=slot_E,
-                     deferred=True), finite
+                     deferred=True, score=c.score_function, scale=c.gate_scale, drop_policy=c.drop_policy), finite
 
     @torch.no_grad()
     def record_load(self, plan: RoutingPlan) -> None:
