@@ -38,7 +38,15 @@ ROUTERS = {
     "gshard": dict(router="gshard", jitter_eps=0.1, z_loss_coeff=1e-2, aux_loss_coeff=0.1),  # random routing
     "switch": dict(router="switch", z_loss_coeff=1e-2, aux_loss_coeff=0.1),
     "topk3": dict(router="topk", top_k=3, aux_loss_coeff=0.1, z_loss_coeff=1e-3),
+    # not swept over layouts: the edge cases below place them
+    "sigmoid2": dict(router="topk", top_k=2, score_function="sigmoid", gate_scale=2.5, aux_loss_coeff=0.1),
+    "sigmoid4-raw": dict(router="topk", top_k=4, score_function="sigmoid", normalize_gates=False, gate_scale=0.5,
+                         aux_loss_coeff=0.1, z_loss_coeff=1e-3),
+    "probability1": dict(router="switch", drop_policy="probability", capacity_factor=0.5, aux_loss_coeff=0.1),
+    "probability2": dict(router="topk", top_k=2, drop_policy="probability", capacity_factor=0.5, z_loss_coeff=1e-3),
 }
+SWEPT = ("gshard", "switch", "topk3")
+
 SWIGLU_SHARED = dict(activation="swiglu", shared_expert_ffn_hidden_size=8, shared_expert_gate=True)
 
 # name -> (RankLayout.build sizes, sequence parallel). Comments: dp, edp, expert grad factor edp/dp.
@@ -78,7 +86,7 @@ SHUFFLED = [5, 2, 7, 0, 3, 6, 1, 4]
 def _cases(layouts, full_sweep, edge) -> dict[str, dict]:
     cases = {}
     for layout in layouts:
-        routers = list(ROUTERS) if layout in full_sweep else ["gshard"]
+        routers = SWEPT if layout in full_sweep else ["gshard"]
         for router in routers:
             for drop in (True, False):
                 extra = SWIGLU_SHARED if not drop else {}
@@ -106,6 +114,12 @@ CASES4 = _cases(LAYOUTS4, full_sweep=("ep4", "tp2sp-ep2-etp2-dp2", "tp2-ep2-dp2"
     "placement-hot": ("tp2sp-ep4-dp2", dict(router="switch", edit="hot0", placement=SHUFFLED)),
     "nan-on-one-rank": ("tp2sp-ep2-etp2-dp2", dict(nan_rank=3)),
     "inf-on-one-rank": ("ep4", dict(nan_rank=0, nan_value=-float("inf"))),
+    "sigmoid2-drop": ("ep4", dict(router="sigmoid2")),
+    "sigmoid2-dropless": ("tp2-ep2-dp2", dict(router="sigmoid2", drop=False)),
+    "sigmoid4-raw-drop": ("tp2sp-ep2-etp2-dp2", dict(router="sigmoid4-raw")),
+    "sigmoid4-raw-dropless": ("ep4", dict(router="sigmoid4-raw", drop=False, **SWIGLU_SHARED)),
+    "probability1-drop": ("tp2sp-ep4-dp2", dict(router="probability1")),
+    "probability2-drop": ("ep4", dict(router="probability2", placement=SHUFFLED)),
 })
 CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
     "all-to-expert-0": ("tp2-ep2", dict(router="gshard", edit="hot0")),
@@ -116,6 +130,12 @@ CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
     "bias-update": ("dp2-ep2", dict(router="switch", bias_update=True, bias_update_rate=0.1)),
     "placement": ("tp2-ep2", dict(router="gshard", placement=SHUFFLED)),
     "nan-on-one-rank": ("tp2-ep2", dict(nan_rank=1)),
+    "sigmoid2-drop": ("tp2-ep2", dict(router="sigmoid2")),
+    "sigmoid2-dropless": ("dp2-ep2", dict(router="sigmoid2", drop=False)),
+    "sigmoid4-raw-drop": ("dp2-ep2", dict(router="sigmoid4-raw")),
+    "sigmoid4-raw-dropless": ("tp2sp", dict(router="sigmoid4-raw", drop=False)),
+    "probability1-drop": ("dp2-ep2", dict(router="probability1")),
+    "probability2-drop": ("tp2sp-ep2", dict(router="probability2")),
 })
 
 
@@ -280,6 +300,10 @@ def _check_case(case: dict, world_size: int, results: list) -> None:
         assert routed[3] == 0
     elif case["drop"] and case["S"] == S:
         assert sum(kept) < sum(routed), "the case should exercise capacity dropping"
+    if case["drop"] and config.drop_policy == "probability":   # it keeps other routes than position would
+        position = config.model_copy(update={"drop_policy": "position"})
+        other = reference_moe(x_ref.detach(), params, position, training=True, group_sizes=[n] * (dp * tp))
+        assert not torch.allclose(other.out, ref.out), "the case should tell the drop policies apart"
 
     tol = TOL if case["dtype"] == "float32" else BF16_TOL
     for rank, result in enumerate(results):
