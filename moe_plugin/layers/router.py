@@ -13,19 +13,16 @@ Routing rules (GShard, arXiv 2006.16668; Switch Transformer):
   ``2 * g2 > U(0, 1)`` (random routing, training only; policy ``all`` keeps it always);
   ``switch`` top-1 with the raw softmax probability as gate; ``topk`` any k, gates
   renormalised when ``normalize_gates``.
-* scores (``score_function``): the softmax over the experts, or (DeepSeek-V3) each expert's
-  sigmoid, topk only, its gates renormalised when ``normalize_gates``. Every gate is then
-  multiplied by ``gate_scale`` (after random routing and ranking, which use the unscaled ones).
-* expert choice uses ``logits + expert_bias`` (sigmoid: ``scores + expert_bias``); gate values
-  come from the unbiased scores. Ties go to the lower expert index (``top_k_experts``), on every
-  rank alike.
+* scores (``score_function``): softmax over the experts, or (DeepSeek-V3, topk only) each
+  expert's sigmoid. Expert choice uses ``logits + expert_bias`` (sigmoid: ``scores +
+  expert_bias``), ties to the lower expert index (``top_k_experts``); gates are the unbiased
+  scores, times ``gate_scale`` after random routing and drop ranking, which use unscaled ones.
 * capacity ``C = max(min_capacity, ceil(capacity_factor * k * T / E))`` per expert, computed
   exactly (``configs/capacity.py``: the factor's decimal value, integer arithmetic)
   (``eval_capacity_factor`` in eval; no capacity when ``drop_tokens`` is false). Buffer slots
-  go, with ``drop_policy`` position, to all first choices before any second choice, earlier
-  tokens before later ones; with probability, to the highest (unnormalised) scores, equal ones
-  in that position order. A route past capacity is dropped and its token keeps only the
-  residual from that expert.
+  go (``drop_policy`` position) to all first choices before any second choice, earlier tokens
+  before later ones, or (probability) to the highest unnormalised scores, equal ones in that
+  order; a route past capacity is dropped: its token keeps only the residual from that expert.
 * balance loss ``E * sum_e f_e * P_e``: softmax, ``f_e`` the fraction of tokens whose first
   choice is ``e`` (before capacity), ``P_e`` the mean softmax probability of ``e``; sigmoid
   (DeepSeek-V3's, over the batch), ``f_e`` the fraction of the ``k * T`` routes choosing ``e``,
@@ -84,9 +81,8 @@ class RoutingPlan:
     """One batch's routing, built by argsort (never a dense [T, E, C] tensor).
 
     A route is ``(choice j, token t)`` with id ``j * T + t`` -- position order. Kept routes
-    are listed sorted by expert slot (placement order), within a slot in the drop policy's
-    priority order (position, or score then position). Only
-    routing: what a dispatcher adds per batch is its own state (``dispatcher.py``).
+    are listed sorted by expert slot (placement order), within a slot in the drop policy's order.
+    Only routing: what a dispatcher adds per batch is its own state (``dispatcher.py``).
 
     route_R: route id of each kept route.            token_R: its token (``route_R % T``).
     gate_R: its gate weight (fp32, differentiable).  kept_D: kept routes per slot (dispatch order).
@@ -257,8 +253,7 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
 
     ``uniform_T`` switches on GShard random routing of the 2nd choice (kind gshard only).
     ``normalize`` renormalises the k gates of a token to sum 1 (gshard always does).
-    ``score``, ``scale``, ``drop_policy``: ``score_function``, ``gate_scale`` and ``drop_policy``
-    of the config (module docstring).
+    ``score``, ``scale``, ``drop_policy``: the config's score_function, gate_scale, drop_policy.
     ``slot_E``: the placement, a permutation of the expert ids (None: slot e is expert e).
     ``deferred``: the caller holds a pending ``FiniteCheck`` of these logits and reads it, with
     the kept count, at its one host sync, before anything leaves the rank, and then cuts the
@@ -294,11 +289,10 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
 
     if scale != 1.0:
         gate_TK = gate_TK * scale
-    z_loss = torch.logsumexp(logits_TE, dim=-1).square().sum() / max(T, 1)
     plan = RoutingPlan(num_tokens=T, k=k, route_R=route_R, token_R=route_R % max(T, 1),
                        gate_R=gate_TK.t().reshape(-1)[route_R], kept_E=kept_E, routed_E=routed_E,
-                       capacity=capacity, balance_loss=balance_loss(score, expert_TK, scores_TE), z_loss=z_loss,
-                       kept_D=kept_D)
+                       capacity=capacity, balance_loss=balance_loss(score, expert_TK, scores_TE),
+                       z_loss=torch.logsumexp(logits_TE, dim=-1).square().sum() / max(T, 1), kept_D=kept_D)
     if deferred:
         return plan
     bad, num_kept = torch.cat([FiniteCheck(logits_TE).bad_1.long(), kept_D.sum().reshape(1)]).tolist()
