@@ -25,6 +25,7 @@ aux-loss-free bias moves every step, so RNG and router state matter too. fp32.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -230,17 +231,33 @@ def _bad_inputs(root: str) -> dict:
     from moe_plugin.checkpoint import CheckpointError, load_checkpoint
 
     saved = os.path.join(root, "ep2-zero1-adamw")
-    broken = os.path.join(root, "broken")
+    broken, older = os.path.join(root, "broken"), os.path.join(root, "older")
     if torch.distributed.get_rank() == 0:
         shutil.copytree(saved, broken)
         tag = checkpoint.read_latest(broken)
         os.remove(os.path.join(broken, tag, "experts", "expert_00003_pp_00.pt"))
+        shutil.copytree(saved, older)   # saved before score_function and gate_scale existed
+        meta_path = os.path.join(older, tag, "moe_plugin.json")
+        with open(meta_path) as f:
+            meta = json.load(f)
+        for key in ("score_function", "gate_scale"):
+            del meta["moe"][key]
+        with open(meta_path, "w") as f:
+            json.dump(meta, f)
     torch.distributed.barrier()
     out = {}
     case = RESUME["ep2-zero1-adamw"]
+    run = _engine(case, MOE, HIDDEN)
+    try:
+        load_checkpoint(run, older)
+        out["older"] = run.engine.global_steps
+    finally:
+        run.close()
+    sigmoid = {**MOE, "router": "topk", "top_k": 2, "score_function": "sigmoid"}
     for name, (directory, moe, hidden) in {"num_experts": (saved, {**MOE, "num_experts": 8}, HIDDEN),
                                            "hidden": (saved, MOE, 2 * HIDDEN),
-                                           "missing": (broken, MOE, HIDDEN)}.items():
+                                           "missing": (broken, MOE, HIDDEN),
+                                           "score_function": (saved, sigmoid, HIDDEN)}.items():
         run = _engine(case, moe, hidden)
         try:
             before, files = _weights(run), _files(root)
@@ -471,7 +488,10 @@ def test_bad_checkpoints_fail_clearly_and_change_nothing(results):
         hidden = "dense embedding.word_embeddings.weight: shape [32, 16] in the checkpoint, [32, 32] in the model"
         assert hidden in r["hidden"], r["hidden"]
         assert "experts/expert_00003_pp_00.pt: missing" in r["missing"], r["missing"]
-        assert all(r[k + "-unchanged"] for k in ("num_experts", "hidden", "missing"))
+        assert "moe.score_function: 'softmax' in the checkpoint, 'sigmoid' in the model" in r["score_function"], \
+            r["score_function"]
+        assert all(r[k + "-unchanged"] for k in ("num_experts", "hidden", "missing", "score_function"))
+        assert r["older"] == SAVE_AT   # a checkpoint without the newer keys loads as their defaults
 
 
 def test_killed_save_leaves_previous_checkpoint(results):

@@ -26,8 +26,11 @@ from moe_plugin.compat.deepspeed_checkpoint import model_file_name
 FORMAT, FORMAT_VERSION = "moe_plugin.checkpoint", 1
 META_FILE, EXPERT_DIR, RNG_DIR, LATEST = "moe_plugin.json", "experts", "rng", "latest"
 # Keys of the "moe" block that change the function the model computes (parallel sizes do not).
+# A key a checkpoint lacks (saved before the field existed) counts as its default, ``SINCE_DEFAULTS``.
 MODEL_KEYS = ("num_experts", "top_k", "router", "normalize_gates", "second_expert_policy", "activation",
-              "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate", "layer_interval", "layers")
+              "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate", "layer_interval", "layers",
+              "score_function", "gate_scale")
+SINCE_DEFAULTS = {"score_function": "softmax", "gate_scale": 1.0}
 # Which tokens a rank sees (and so its RNG streams: dropout, router noise) depends on these only.
 TOKEN_LAYOUT_KEYS = ("world_size", "tp", "pp", "dp", "order")
 
@@ -321,8 +324,9 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
     meta = as_running_kind(read_metadata(os.path.dirname(path), tag), is_pipeline(engine),
                            bool(getattr(engine.module, "share_embeddings_and_output_weights", False)))
     mine = moe_config.resolved_dict()
-    problems = [f"moe.{k}: {meta['moe'].get(k)!r} in the checkpoint, {mine.get(k)!r} in the model"
-                for k in MODEL_KEYS if meta["moe"].get(k) != mine.get(k)]
+    saved = {k: meta["moe"].get(k, SINCE_DEFAULTS.get(k)) for k in MODEL_KEYS}
+    problems = [f"moe.{k}: {saved[k]!r} in the checkpoint, {mine.get(k)!r} in the model"
+                for k in MODEL_KEYS if saved[k] != mine.get(k)]
     stage = stage_view(meta, engine.module, groups) if not problems else None
     if stage is not None:
         shapes = full_shapes(engine.module, groups)
