@@ -38,6 +38,8 @@ def run(args: argparse.Namespace) -> None:
         print(json.dumps(record) if args.json else summary(record), flush=True)
 
     if args.ep > 1:
+        if args.vs == "megatron":
+            raise ValueError("--vs megatron runs on one rank (--ep 1)")
         run_expert_parallel(args, emit)
         return
     torch.set_num_threads(args.threads)
@@ -74,6 +76,16 @@ def _spawned(rank: int, world: int, specs: list[LayerBenchSpec], threads: int, t
         (Path(tmp) / "records.json").write_text(json.dumps(records))
 
 
+def distributed_backend(rank: int) -> str:
+    """Off the CPU: this rank's device is ``LOCAL_RANK`` (else the rank itself: spawned ranks on
+    one machine), and the backend DeepSpeed's accelerator names (nccl on CUDA)."""
+    from moe_plugin_tools.bench.device import accelerator
+
+    acc = accelerator()
+    acc.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    return acc.communication_backend_name()
+
+
 def rank_main(rank: int, world: int, specs: list[LayerBenchSpec], threads: int, init_method: str) -> list[dict]:
     """One rank of the job: groups, every configuration, teardown. Uses the default group when
     one exists (a test harness's), else creates it with ``init_method``."""
@@ -82,10 +94,11 @@ def rank_main(rank: int, world: int, specs: list[LayerBenchSpec], threads: int, 
     from moe_plugin.groups.layout import RankLayout
 
     torch.set_num_threads(threads)
+    backend = "gloo" if specs[0].target.on_cpu else distributed_backend(rank)
     owns_world = not dist.is_initialized()
     if owns_world:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    groups = build_process_groups(RankLayout.build(world, ep=world), backend="gloo")
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    groups = build_process_groups(RankLayout.build(world, ep=world), backend=backend)
     try:
         return [bench_layer(spec, Ranks(groups)) for spec in specs]
     finally:
