@@ -209,3 +209,30 @@ def test_timed_steps_are_bracketed_by_syncs(monkeypatch):
     times = _time_rotating({"ours": run}, warmup=1, iters=2, ranks=Ranks(), target=device.Target("cuda"))
     assert len(times["ours"]) == 2
     assert seen == [1, 3, 5] and fake.syncs == 6    # one sync before each step, one after
+
+
+@pytest.mark.parametrize("dropless", [False, True], ids=["capacity", "dropless"])
+def test_megatron_config_matches_the_spec(dropless):
+    from moe_plugin_tools.bench.layer import AUX_LOSS_COEFF
+    from moe_plugin_tools.bench.megatron_moe import megatron_config
+
+    spec = LayerBenchSpec(experts=16, hidden=64, ffn=96, k=2, capacity_factor=1.5, dropless=dropless, device="cuda",
+                          dtype="bf16")
+    c = megatron_config(spec, AUX_LOSS_COEFF)
+    assert (c.num_moe_experts, c.moe_router_topk, c.hidden_size, c.moe_ffn_hidden_size) == (16, 2, 64, 96)
+    assert c.moe_token_dispatcher_type == "alltoall" and c.moe_grouped_gemm and not c.add_bias_linear
+    assert c.moe_expert_capacity_factor == (None if dropless else 1.5) and not c.moe_pad_expert_input_to_capacity
+    assert c.bf16 and c.params_dtype == torch.bfloat16 and c.moe_aux_loss_coeff == AUX_LOSS_COEFF
+
+
+def test_distributed_backend_sets_the_local_device(monkeypatch):
+    from moe_plugin_tools.bench import device
+
+    fake = FakeAccelerator("cuda")
+    fake.set_device = lambda index: setattr(fake, "device_index", index)
+    fake.communication_backend_name = lambda: "nccl"
+    monkeypatch.setattr(device, "accelerator", lambda: fake)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert device.distributed_backend(rank=11) == "nccl" and fake.device_index == 3
+    monkeypatch.delenv("LOCAL_RANK")
+    assert device.distributed_backend(rank=1) == "nccl" and fake.device_index == 1

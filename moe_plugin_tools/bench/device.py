@@ -9,6 +9,7 @@ on the CPU it is the profiler's allocator events (``memory.py``).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -78,6 +79,14 @@ class Target:
                                 retained_bytes=acc.memory_allocated() - base, allocations=0)
         del result
         return profile
+
+
+def distributed_backend(rank: int) -> str:
+    """Off the CPU: this rank's device is ``LOCAL_RANK`` (else the rank itself: spawned ranks on
+    one machine), and the backend DeepSpeed's accelerator names (nccl on CUDA)."""
+    acc = accelerator()
+    acc.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    return acc.communication_backend_name()
 
 
 def target_from_args(args: Any) -> Target:

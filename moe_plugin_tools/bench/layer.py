@@ -162,7 +162,7 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
     if spec.vs_megatron:
         from moe_plugin_tools.bench.megatron_moe import megatron_twin
 
-        rival = megatron_twin(spec, ranks.size)
+        rival = megatron_twin(spec, AUX_LOSS_COEFF, ranks.size)
 
     with torch.no_grad():   # routing check, and the floor's per-expert counts
         out_ours = ours(x_SBH)[0]

@@ -76,20 +76,11 @@ def _spawned(rank: int, world: int, specs: list[LayerBenchSpec], threads: int, t
         (Path(tmp) / "records.json").write_text(json.dumps(records))
 
 
-def distributed_backend(rank: int) -> str:
-    """Off the CPU: this rank's device is ``LOCAL_RANK`` (else the rank itself: spawned ranks on
-    one machine), and the backend DeepSpeed's accelerator names (nccl on CUDA)."""
-    from moe_plugin_tools.bench.device import accelerator
-
-    acc = accelerator()
-    acc.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    return acc.communication_backend_name()
-
-
 def rank_main(rank: int, world: int, specs: list[LayerBenchSpec], threads: int, init_method: str) -> list[dict]:
     """One rank of the job: groups, every configuration, teardown. Uses the default group when
     one exists (a test harness's), else creates it with ``init_method``."""
     from moe_plugin_tools.bench.deepspeed_moe import forget_deepspeed_groups
+    from moe_plugin_tools.bench.device import distributed_backend
     from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
     from moe_plugin.groups.layout import RankLayout
 

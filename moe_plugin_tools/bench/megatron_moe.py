@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-if TYPE_CHECKING:
-    from moe_plugin_tools.bench.layer import LayerBenchSpec
 
 
 def require_cuda(device: str) -> None:
@@ -38,7 +35,8 @@ def require_cuda(device: str) -> None:
         raise ValueError(f"--vs megatron needs CUDA (Megatron-Core's MoELayer with grouped GEMM), got --device {device}")
 
 
-def megatron_config(spec: "LayerBenchSpec", aux_loss_coeff: float):
+def megatron_config(spec: Any, aux_loss_coeff: float):
+    """The ``TransformerConfig`` of ``spec`` (a ``layer.LayerBenchSpec``; module docstring)."""
     from megatron.core.transformer import TransformerConfig
 
     dtype = spec.target.torch_dtype
@@ -54,8 +52,8 @@ def megatron_config(spec: "LayerBenchSpec", aux_loss_coeff: float):
         gradient_accumulation_fusion=False, bias_dropout_fusion=False)
 
 
-def megatron_twin(spec: "LayerBenchSpec", ep_size: int = 1) -> nn.Module:
-    """Megatron-Core's MoELayer for ``spec`` on CUDA (module docstring)."""
+def megatron_twin(spec: Any, aux_loss_coeff: float, ep_size: int = 1) -> nn.Module:
+    """Megatron-Core's MoELayer for ``spec`` (a ``layer.LayerBenchSpec``) on CUDA (module docstring)."""
     require_cuda(spec.device)
     if ep_size != 1:
         raise ValueError("--vs megatron runs on one rank (--ep 1)")
@@ -63,15 +61,13 @@ def megatron_twin(spec: "LayerBenchSpec", ep_size: int = 1) -> nn.Module:
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    from moe_plugin_tools.bench.layer import AUX_LOSS_COEFF
-
     _one_rank_world()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(spec.seed)
     module_spec = get_moe_module_spec(use_te=_have_transformer_engine(), num_experts=spec.experts,
                                       moe_grouped_gemm=True)
-    layer = build_module(module_spec, config=megatron_config(spec, AUX_LOSS_COEFF), layer_number=1)
+    layer = build_module(module_spec, config=megatron_config(spec, aux_loss_coeff), layer_number=1)
     return layer.to(spec.target.torch_device, spec.target.torch_dtype).train()
 
 

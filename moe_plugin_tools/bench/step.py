@@ -315,7 +315,7 @@ def rank_main(rank: int, world: int, spec: GPTSpec, rounds: int, warmup: int, th
     os.environ.update(RANK=str(rank), LOCAL_RANK=os.environ.get("LOCAL_RANK", str(rank)), WORLD_SIZE=str(world))
     backend = "gloo"
     if torch.device(spec.device).type != "cpu":   # e.g. nccl on cuda:LOCAL_RANK
-        from moe_plugin_tools.bench.layer_ep import distributed_backend
+        from moe_plugin_tools.bench.device import distributed_backend
 
         backend = distributed_backend(rank)
     owns_world = not dist.is_initialized()
