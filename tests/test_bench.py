@@ -236,3 +236,11 @@ def test_distributed_backend_sets_the_local_device(monkeypatch):
     assert device.distributed_backend(rank=11) == "nccl" and fake.device_index == 3
     monkeypatch.delenv("LOCAL_RANK")
     assert device.distributed_backend(rank=1) == "nccl" and fake.device_index == 1
+
+
+def test_breakdown_runs_on_the_layers_dtype():
+    record = bench_layer(LayerBenchSpec(**TINY, vs_deepspeed=False, breakdown=True, dtype="bf16"))
+    parts = record["ours_parts_ms"]
+    assert set(parts) == {"router", "route_topk", "route_argsort", "permute", "experts_gathering", "experts",
+                          "combine"}
+    assert all(v >= 0 for v in parts.values()) and parts["experts"] > 0

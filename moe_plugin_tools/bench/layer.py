@@ -260,7 +260,7 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
         from moe_plugin_tools.bench.breakdown import time_parts
 
         record["ours_parts_ms"] = time_parts(ours, x_SBH.detach().view(spec.tokens, spec.hidden),
-                                             spec.warmup, spec.iters)
+                                             spec.warmup, spec.iters, target.sync)
     record["loadavg"] = loadavg()
     record["others_cpu"] = others_share(busy_before, busy_after, ranks)
     return record
