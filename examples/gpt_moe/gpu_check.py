@@ -130,7 +130,8 @@ def ep2_case(case: str, device: torch.device, dtype_name: str, groups) -> dict:
         if not getattr(p, "allreduce", True):
             full = full[rank * local:(rank + 1) * local]
         diffs[f"{name}_grad"] = max_diff(grad, full, tol)
-    flags = torch.tensor([float(not all(ok for _, ok in diffs.values()))] + [d for d, _ in diffs.values()])
+    flags = torch.tensor([float(not all(ok for _, ok in diffs.values()))] + [d for d, _ in diffs.values()],
+                         device=device)   # nccl reduces device tensors only
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)   # the job's verdict and largest differences
     return {"check": "ep2", "device": device.type, "dtype": dtype_name, "case": case, "ranks": world,
             "backend": dist.get_backend(), "ok": flags[0].item() == 0, "tolerance": tol,

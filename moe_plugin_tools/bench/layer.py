@@ -120,10 +120,12 @@ def skew_router(layer: MoELayer, x_TH: Tensor, skew: float, gen: torch.Generator
 class Ranks:
     """The processes one configuration runs on: this process alone (``groups=None``), or every
     rank of an expert-parallel job (``layer_ep.py``): then the steps start together and a step
-    takes as long as its slowest rank."""
+    takes as long as its slowest rank. ``device``: where the values of ``reduce`` travel (the
+    device of the job's backend: the CPU for gloo, the rank's GPU for nccl)."""
 
-    def __init__(self, groups: Optional["ProcessGroups"] = None):
+    def __init__(self, groups: Optional["ProcessGroups"] = None, device: str = "cpu"):
         self.groups = groups
+        self.device = device
         self.size = 1 if groups is None else groups.size("ep")
         self.rank = 0 if groups is None else groups.rank_in("ep")
 
@@ -135,7 +137,7 @@ class Ranks:
         """Element-wise max or sum over the ranks."""
         if self.groups is None:
             return values
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
         torch.distributed.all_reduce(t, op=reduce_op, group=self.groups.ep)
         return t.tolist()

@@ -91,7 +91,7 @@ def rank_main(rank: int, world: int, specs: list[LayerBenchSpec], threads: int, 
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     groups = build_process_groups(RankLayout.build(world, ep=world), backend=backend)
     try:
-        return [bench_layer(spec, Ranks(groups)) for spec in specs]
+        return [bench_layer(spec, Ranks(groups, spec.device)) for spec in specs]
     finally:
         if "deepspeed.utils.groups" in sys.modules:
             forget_deepspeed_groups(world)

@@ -60,10 +60,14 @@ PHASES = ("forward", "backward", "optimizer", "moe_forward", "moe_backward")
 
 
 class _World:
-    """``bench layer``'s ``Ranks`` interface over the whole job (for ``others_share``)."""
+    """``bench layer``'s ``Ranks`` interface over the whole job (for ``others_share``); the values
+    travel on ``device`` (the backend's: the CPU for gloo, the rank's GPU for nccl)."""
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
 
     def reduce(self, values: list[float], op: str) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return t.tolist()
 
@@ -197,7 +201,7 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
         metrics = ExpertMetrics(ours.engine.module, per_expert=False)
         batches = [tuple(t.to(ours.engine.device) for t in batch)
                    for batch in make_batches(spec, warmup + rounds, rank)]
-        world_ranks = _World()
+        world_ranks = _World(spec.device)
         times: dict[str, list[list[float]]] = {name: [] for name in MODELS}
         losses: dict[str, list[float]] = {name: [] for name in MODELS}
         busy_before = None
