@@ -244,3 +244,10 @@ def test_breakdown_runs_on_the_layers_dtype():
     assert set(parts) == {"router", "route_topk", "route_argsort", "permute", "experts_gathering", "experts",
                           "combine"}
     assert all(v >= 0 for v in parts.values()) and parts["experts"] > 0
+
+
+def test_bench_layer_expert_parallel_bf16_sends_two_bytes_a_value(dist_run):
+    spec = LayerBenchSpec(**dict(TINY, experts=8), vs_deepspeed=True, dtype="bf16")
+    record = dist_run(_ep_child, 2, spec)[0]
+    assert record["dtype"] == "bfloat16" and record["routing_agrees"]
+    assert record["deepspeed_a2a_bytes"] == deepspeed_bytes_sent(8, record["deepspeed_capacity"], 2, spec.hidden, 2)
