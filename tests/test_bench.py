@@ -196,6 +196,8 @@ def test_device_defaults_to_the_accelerator_and_syncs_and_measures_through_it(mo
     assert fake.syncs == 2                          # before and after the measured call
     device.Target("cpu").sync()
     assert fake.syncs == 2                          # nothing to wait for on the CPU
+    target.reset_peak()
+    assert target.peak_bytes() == fake.allocated == 400 and device.Target("cpu").peak_bytes() is None
 
 
 def test_timed_steps_are_bracketed_by_syncs(monkeypatch):

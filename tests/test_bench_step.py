@@ -71,6 +71,7 @@ def test_bench_step_bf16_on_the_cpu(dist_run):
     spec = dataclasses.replace(TOY, layers=1, dtype="bf16")
     record = dist_run(_child, 2, spec, timeout=300)[0]
     assert record["dtype"] == "bfloat16" and record["device"] == "cpu"
+    assert record["ours_peak_bytes"] is None and record["deepspeed_peak_bytes"] is None   # a device's only
     for name in ("ours", "deepspeed"):
         assert record[f"{name}_ms"] > 0 and all(math.isfinite(v) for v in record[f"{name}_losses"])
     assert record["same_initial_weights"]

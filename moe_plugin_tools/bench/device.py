@@ -65,6 +65,14 @@ class Target:
         if not self.on_cpu:
             accelerator().synchronize()
 
+    def reset_peak(self) -> None:
+        if not self.on_cpu:
+            accelerator().reset_peak_memory_stats()
+
+    def peak_bytes(self) -> Optional[int]:
+        """Bytes allocated on the device at the peak since ``reset_peak`` (None on the CPU)."""
+        return None if self.on_cpu else accelerator().max_memory_allocated()
+
     def memory_profile(self, fn: Callable[[], object]) -> MemoryProfile:
         """Peak and retained bytes of ``fn()`` above what was allocated before it."""
         if self.on_cpu:

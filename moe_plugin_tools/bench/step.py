@@ -30,7 +30,9 @@ that sets ``RANK`` and ``WORLD_SIZE`` (``deepspeed --num_gpus N --module moe_plu
 Device and dtype (``--device``, ``--dtype``; ``device.py``): the engine puts the model on its
 accelerator's device, so ``--device`` must be of that type; off the CPU each rank takes device
 ``LOCAL_RANK`` and the accelerator's backend (nccl on CUDA), and every clock reading (phases and
-MoE hooks included) follows the accelerator's ``synchronize``. ``--dtype bf16`` / ``fp16`` adds
+MoE hooks included) follows the accelerator's ``synchronize``; ``*_peak_bytes`` is then the
+device's peak allocated bytes during a step (``max_memory_allocated``, the largest rank, the
+largest timed round; model, gradients and optimizer states included), None on the CPU. ``--dtype bf16`` / ``fp16`` adds
 DeepSpeed's ``"bf16"`` / ``"fp16"`` block to both engines' JSON (the engine casts the model;
 ZeRO keeps fp32 master weights) and sets Megatron's ``bf16`` / ``fp16`` and ``params_dtype``.
 """
@@ -189,7 +191,8 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
     from moe_plugin_tools.bench.device import DTYPES, Target
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    sync = Target(spec.device, spec.dtype).sync
+    target = Target(spec.device, spec.dtype)
+    sync = target.sync
     ours = build_ours(spec, world)
     try:
         twin, wrappers = build_deepspeed_twin(spec, ours, world)
@@ -204,12 +207,14 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
         world_ranks = _World(spec.device)
         times: dict[str, list[list[float]]] = {name: [] for name in MODELS}
         losses: dict[str, list[float]] = {name: [] for name in MODELS}
+        peaks: dict[str, list[float]] = {name: [] for name in MODELS}
         busy_before = None
         for r, batch in enumerate(batches):
             if r == warmup:
                 busy_before = cpu_seconds()
             for name in (MODELS if r % 2 == 0 else MODELS[::-1]):
                 sync()
+                target.reset_peak()
                 dist.barrier()
                 cpu_start = _process_cpu_seconds()
                 start = time.perf_counter()
@@ -221,6 +226,8 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
                 losses[name].append(lm_sum / world)
                 if r >= warmup:   # [wall total, wall phases..., CPU total, CPU phases...] in ms
                     times[name].append([1e3 * s for s in slowest + cpu_sums])
+                    if target.peak_bytes() is not None:
+                        peaks[name].append(world_ranks.reduce([target.peak_bytes()], "max")[0])
                 if name == "ours":
                     metrics.collect()   # outside the timed region (a small all-reduce per layer)
         busy_after = cpu_seconds()
@@ -234,6 +241,8 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
         for name in MODELS:
             record[f"{name}_ms"] = round(statistics.median(t[0] for t in times[name]), 2)
         record["deepspeed_over_ours"] = round(record["deepspeed_ms"] / record["ours_ms"], 3)
+        for name in MODELS:   # off the CPU: the device's peak allocated bytes in a step, largest rank
+            record[f"{name}_peak_bytes"] = int(max(peaks[name])) if peaks[name] else None
         record.update({f"{name}_rounds_ms": [round(t[0]) for t in times[name]] for name in MODELS})
         n = 1 + len(PHASES)
         for name in MODELS:
