@@ -9,7 +9,7 @@
 # then OUT_DIR/gpu_check.json gathers them (its path is printed). Exit status 1 when a check failed.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python || command -v python3)}
 OUT=${1:-gpu_check_$(date +%Y%m%d_%H%M%S)}
 mkdir -p "$OUT"
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
