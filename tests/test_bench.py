@@ -122,3 +122,134 @@ def test_traffic_formulas():
     # DeepSpeed: 8 experts x capacity 10 slots, 3/4 of them leave the rank
     assert deepspeed_bytes_sent(8, 10, 4, hidden=16, element_size=4) == 60 * 16 * 4
     assert deepspeed_bytes_sent(8, 10, 1, hidden=16, element_size=4) == 0
+
+
+def test_bench_layer_bf16_on_the_cpu():
+    record = bench_layer(LayerBenchSpec(**TINY, dropless=True, vs_deepspeed=True, device="cpu", dtype="bf16"))
+    assert record["dtype"] == "bfloat16" and record["device"] == "cpu"
+    assert record["ours_ms"] > 0 and record["deepspeed_ms"] > 0 and record["ours_peak_bytes"] > 0
+    assert record["routing_agrees"] and record["max_abs_diff"] < 0.1   # bf16 rounding of the same sums
+    assert record["megatron_ms"] is None
+
+
+def test_cli_layer_device_and_dtype_reach_the_record(capsys):
+    assert main(["bench", "layer", "--experts", "4", "--tokens", "64", "--hidden", "16", "--ffn", "32", "--iters",
+                 "1", "--device", "cpu", "--dtype", "bf16", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["device"] == "cpu" and record["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cuda", "--dtype", "bf16"], "error: --device cuda: torch finds no cuda device on this machine"),
+    (["--vs", "megatron"], "error: --vs megatron needs CUDA (Megatron-Core's MoELayer with grouped GEMM), "
+                           "got --device cpu"),
+])
+def test_cli_layer_refuses_what_needs_cuda(capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as caught:
+        main(["bench", "layer", "--experts", "4", "--tokens", "64", *argv])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
+
+
+class FakeAccelerator:
+    """DeepSpeed's accelerator interface, as much as device.py uses, counting its calls."""
+
+    def __init__(self, name="xpu"):
+        self.name, self.syncs, self.allocated, self.peak = name, 0, 100, 100
+
+    def device_name(self):
+        return self.name
+
+    def synchronize(self):
+        self.syncs += 1
+
+    def reset_peak_memory_stats(self):
+        self.peak = self.allocated
+
+    def memory_allocated(self):
+        return self.allocated
+
+    def max_memory_allocated(self):
+        return self.peak
+
+
+def test_device_defaults_to_the_accelerator_and_syncs_and_measures_through_it(monkeypatch):
+    from moe_plugin_tools.bench import device
+
+    fake = FakeAccelerator("xpu")
+    monkeypatch.setattr(device, "accelerator", lambda: fake)
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^--device xpu: torch finds no xpu device"):
+        device.check_device(None)                   # the default is the accelerator's device, checked
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
+    assert device.check_device(None) == "xpu"
+    target = device.Target("xpu", "bf16")
+    assert target.torch_dtype == torch.bfloat16 and not target.on_cpu
+
+    def work():
+        fake.peak, fake.allocated = 100 + 5000, 100 + 300   # 5000 bytes at the peak, 300 kept
+
+    profile = target.memory_profile(work)
+    assert (profile.peak_bytes, profile.retained_bytes) == (5000, 300)
+    assert fake.syncs == 2                          # before and after the measured call
+    device.Target("cpu").sync()
+    assert fake.syncs == 2                          # nothing to wait for on the CPU
+    target.reset_peak()
+    assert target.peak_bytes() == fake.allocated == 400 and device.Target("cpu").peak_bytes() is None
+
+
+def test_timed_steps_are_bracketed_by_syncs(monkeypatch):
+    from moe_plugin_tools.bench import device
+    from moe_plugin_tools.bench.layer import Ranks, _Run, _time_rotating
+
+    fake = FakeAccelerator("cuda")
+    monkeypatch.setattr(device, "accelerator", lambda: fake)
+    seen = []
+    run = _Run(step=lambda: seen.append(fake.syncs), forward=lambda: None, tensors=[])
+    times = _time_rotating({"ours": run}, warmup=1, iters=2, ranks=Ranks(), target=device.Target("cuda"))
+    assert len(times["ours"]) == 2
+    assert seen == [1, 3, 5] and fake.syncs == 6    # one sync before each step, one after
+
+
+@pytest.mark.parametrize("dropless", [False, True], ids=["capacity", "dropless"])
+def test_megatron_config_matches_the_spec(dropless):
+    from moe_plugin_tools.bench.layer import AUX_LOSS_COEFF
+    from moe_plugin_tools.bench.megatron_moe import megatron_config
+
+    spec = LayerBenchSpec(experts=16, hidden=64, ffn=96, k=2, capacity_factor=1.5, dropless=dropless, device="cuda",
+                          dtype="bf16")
+    c = megatron_config(spec, AUX_LOSS_COEFF)
+    assert (c.num_moe_experts, c.moe_router_topk, c.hidden_size, c.moe_ffn_hidden_size) == (16, 2, 64, 96)
+    assert c.moe_token_dispatcher_type == "alltoall" and c.moe_grouped_gemm and not c.add_bias_linear
+    assert c.moe_expert_capacity_factor == (None if dropless else 1.5) and not c.moe_pad_expert_input_to_capacity
+    assert c.bf16 and c.params_dtype == torch.bfloat16 and c.moe_aux_loss_coeff == AUX_LOSS_COEFF
+
+
+def test_distributed_backend_sets_the_local_device(monkeypatch):
+    from moe_plugin_tools.bench import device
+
+    fake = FakeAccelerator("cuda")
+    fake.set_device = lambda index: setattr(fake, "device_index", index)
+    fake.communication_backend_name = lambda: "nccl"
+    monkeypatch.setattr(device, "accelerator", lambda: fake)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert device.distributed_backend(rank=11) == "nccl" and fake.device_index == 3
+    monkeypatch.delenv("LOCAL_RANK")
+    assert device.distributed_backend(rank=1) == "nccl" and fake.device_index == 1
+
+
+def test_breakdown_runs_on_the_layers_dtype():
+    record = bench_layer(LayerBenchSpec(**TINY, vs_deepspeed=False, breakdown=True, dtype="bf16"))
+    parts = record["ours_parts_ms"]
+    assert set(parts) == {"router", "route_topk", "route_argsort", "permute", "experts_gathering", "experts",
+                          "combine"}
+    assert all(v >= 0 for v in parts.values()) and parts["experts"] > 0
+
+
+def test_bench_layer_expert_parallel_bf16_sends_two_bytes_a_value(dist_run):
+    spec = LayerBenchSpec(**dict(TINY, experts=8), vs_deepspeed=True, dtype="bf16")
+    record = dist_run(_ep_child, 2, spec)[0]
+    assert record["dtype"] == "bfloat16" and record["routing_agrees"]
+    assert record["deepspeed_a2a_bytes"] == deepspeed_bytes_sent(8, record["deepspeed_capacity"], 2, spec.hidden, 2)

@@ -65,3 +65,42 @@ def test_cli_step_checks_sizes_and_the_launcher(capsys, monkeypatch):
         main(["bench", "step", "--ranks", "2", "--local_rank=0"])
     assert caught.value.code == 2
     assert "--ranks 2 but the launcher started WORLD_SIZE=3" in capsys.readouterr().err
+
+
+def test_bench_step_bf16_on_the_cpu(dist_run):
+    spec = dataclasses.replace(TOY, layers=1, dtype="bf16")
+    record = dist_run(_child, 2, spec, timeout=300)[0]
+    assert record["dtype"] == "bfloat16" and record["device"] == "cpu"
+    assert record["ours_peak_bytes"] is None and record["deepspeed_peak_bytes"] is None   # a device's only
+    for name in ("ours", "deepspeed"):
+        assert record[f"{name}_ms"] > 0 and all(math.isfinite(v) for v in record[f"{name}_losses"])
+    assert record["same_initial_weights"]
+
+
+def test_bf16_and_fp16_reach_the_deepspeed_config():
+    assert "bf16" not in TOY.ds_config(2) and "fp16" not in TOY.ds_config(2)
+    assert dataclasses.replace(TOY, dtype="bf16").ds_config(2)["bf16"] == {"enabled": True}
+    assert dataclasses.replace(TOY, dtype="fp16").ds_config(2, moe=False)["fp16"] == {"enabled": True}
+
+
+def test_cli_step_refuses_a_device_this_machine_lacks(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as caught:
+        main(["bench", "step", "--ranks", "2", "--device", "cuda", "--dtype", "bf16"])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --device cuda: torch finds no cuda device"), err
+
+
+def test_cli_step_device_must_be_the_accelerators(capsys, monkeypatch):
+    """A CUDA device that exists (faked) while DeepSpeed's accelerator is the CPU's: refused."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit) as caught:
+        main(["bench", "step", "--ranks", "2", "--device", "cuda"])
+    assert caught.value.code == 2
+    assert "bench step trains where DeepSpeed's engine puts the model, on its accelerator's device ('cpu')" in \
+        capsys.readouterr().err

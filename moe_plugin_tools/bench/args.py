@@ -34,6 +34,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_target_args(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype`` (moe_plugin_tools/bench/device.py)."""
+    parser.add_argument("--device", default=None, help="torch device to run on (default: DeepSpeed's "
+                        "accelerator's: cpu here, cuda on NVIDIA GPUs)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="default fp32")
+
+
 def add_bench_parser(commands: argparse._SubParsersAction, run_layer, run_step=None) -> None:
     """Add ``bench layer`` (and ``bench step`` when ``run_step`` is given) to the ``moe-plugin``
     subcommands; ``run_layer(args)`` / ``run_step(args)`` run them."""
@@ -54,8 +61,9 @@ def add_bench_parser(commands: argparse._SubParsersAction, run_layer, run_step=N
     layer.add_argument("--dropless", action="store_true", help="no capacity (DeepSpeed: capacity = largest load)")
     layer.add_argument("--skew", type=float_list, default=[0.0], help="comma-separated routing skews: std of a "
                        "per-expert logit offset (default 0; at 64 experts 0.1 makes the largest load 3.4x the mean)")
-    layer.add_argument("--vs", choices=["deepspeed", "none"], default="none",
-                       help="also run DeepSpeed's MoE layer (--vs deepspeed)")
+    layer.add_argument("--vs", choices=["deepspeed", "megatron", "none"], default="none",
+                       help="also run DeepSpeed's MoE layer (--vs deepspeed) or Megatron-Core's (--vs megatron: "
+                       "alltoall dispatcher, grouped GEMM; CUDA only)")
     layer.add_argument("--iters", type=positive_int, default=5, help="timed iterations (default 5)")
     layer.add_argument("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
     layer.add_argument("--breakdown", action="store_true", help="also time our layer's parts alone "
@@ -67,6 +75,7 @@ def add_bench_parser(commands: argparse._SubParsersAction, run_layer, run_step=N
     layer.add_argument("--ep", type=positive_int, default=1, help="expert-parallel ranks: starts N gloo "
                        "processes (or is one rank under a launcher); --tokens is per rank (default 1)")
     layer.add_argument("--json", action="store_true", help="print one JSON object per configuration")
+    add_target_args(layer)
     layer.set_defaults(run=run_layer)
     if run_step is not None:
         add_step_parser(kinds, run_step)
@@ -104,6 +113,7 @@ def add_step_parser(kinds: argparse._SubParsersAction, run_step) -> None:
                       "ranks (default 2)")
     step.add_argument("--seed", type=int, default=0)
     step.add_argument("--json", action="store_true", help="print one JSON object")
+    add_target_args(step)
     step.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)   # the deepspeed launcher passes it
     step.set_defaults(run=run_step)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -32,9 +33,15 @@ from moe_plugin.layers import MoELayer
 from moe_plugin.layers.router import top_k_experts
 
 
-def time_parts(layer: MoELayer, x_TH: Tensor, warmup: int = 1, iters: int = 5) -> dict[str, float]:
-    """Median ms of each part's forward + backward (see the module docstring)."""
+def time_parts(layer: MoELayer, x_TH: Tensor, warmup: int = 1, iters: int = 5,
+               sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """Median ms of each part's forward + backward (see the module docstring); the data is on
+    ``x_TH``'s device and dtype, and ``sync()`` (the device's, off the CPU) brackets each part."""
     gen = torch.Generator().manual_seed(1)
+
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen).to(x_TH.device, x_TH.dtype)
+
     with torch.no_grad():
         plan, finite = layer.router(x_TH)
         state = layer.dispatcher.prepare(x_TH, plan, finite)
@@ -42,15 +49,15 @@ def time_parts(layer: MoELayer, x_TH: Tensor, warmup: int = 1, iters: int = 5) -
     T, H = x_TH.shape
     R = plan.token_R.numel()
     x_leaf_TH = x_TH.detach().requires_grad_(True)
-    x_RH = torch.randn(R, H, generator=gen).requires_grad_(True)
-    y_RH = torch.randn(R, H, generator=gen).requires_grad_(True)
+    x_RH = randn(R, H).requires_grad_(True)
+    y_RH = randn(R, H).requires_grad_(True)
     gate_R = plan.gate_R.detach().requires_grad_(True)
     combine_state = dataclasses.replace(state, plan=dataclasses.replace(plan, gate_R=gate_R))
-    grad_RH = torch.randn(R, H, generator=gen)
-    grad_TH = torch.randn(T, H, generator=gen)
+    grad_RH = randn(R, H)
+    grad_TH = randn(T, H)
     coeff = layer.config.aux_loss_coeff
     logits_TE = layer.router.logits(x_TH.detach()).detach()
-    keys = torch.randint(0, plan.num_experts + 1, (plan.k * T,), generator=gen)
+    keys = torch.randint(0, plan.num_experts + 1, (plan.k * T,), generator=gen).to(x_TH.device)
 
     def router() -> None:
         p, _ = layer.router(x_leaf_TH)
@@ -84,8 +91,10 @@ def time_parts(layer: MoELayer, x_TH: Tensor, warmup: int = 1, iters: int = 5) -
         for name in names[shift:] + names[:shift]:
             for t in leaves:
                 t.grad = None
+            sync()
             start = time.perf_counter()
             parts[name]()
+            sync()
             if i >= warmup:
                 times[name].append((time.perf_counter() - start) * 1e3)
     for t in leaves:

@@ -64,12 +64,13 @@ def deepspeed_twin(ours: MoELayer, ep_size: int = 1, set_parallelism: bool = Tru
     if ep_size > 1 and set_parallelism:
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        backend = "gloo" if weight1_LHF.device.type == "cpu" else torch.distributed.get_backend()
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         twin.set_deepspeed_parallelism()
         group = twin.deepspeed_moe.ep_group
         if group is None or torch.distributed.get_world_size(group) != ep_size:
             raise RuntimeError(f"DeepSpeed's expert-parallel group is not of size {ep_size}")
-    return twin.to(weight1_LHF.dtype).train(ours.training)
+    return twin.to(weight1_LHF.device, weight1_LHF.dtype).train(ours.training)
 
 
 def forget_deepspeed_groups(ep_size: int) -> None:

@@ -50,6 +50,8 @@ class GPTSpec:
     zero_stage: int = 1
     lr: float = 1e-4
     seed: int = 0
+    device: str = "cpu"         # where DeepSpeed's engine puts the model: its accelerator's device
+    dtype: str = "fp32"         # fp32, or bf16 / fp16: DeepSpeed's "bf16" / "fp16" block
 
     def moe_block(self) -> dict:
         router = {1: "switch", 2: "gshard"}.get(self.k)
@@ -71,6 +73,8 @@ class GPTSpec:
                   "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "betas": [0.9, 0.95], "eps": 1e-8,
                                                             "weight_decay": 0.1, "torch_adam": True}},
                   "zero_optimization": {"stage": self.zero_stage}}
+        if self.dtype != "fp32":
+            config["bf16" if self.dtype == "bf16" else "fp16"] = {"enabled": True}
         if moe:
             config["moe"] = self.moe_block()
         return config
@@ -78,7 +82,10 @@ class GPTSpec:
     def transformer_config(self) -> Any:
         from megatron.core.transformer import TransformerConfig
 
-        return TransformerConfig(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
+        from moe_plugin_tools.bench.device import DTYPES
+
+        return TransformerConfig(bf16=self.dtype == "bf16", fp16=self.dtype == "fp16", params_dtype=DTYPES[self.dtype],
+                                 num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
                                  ffn_hidden_size=self.ffn, use_cpu_initialization=True, hidden_dropout=0.0,
                                  attention_dropout=0.0, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
                                  masked_softmax_fusion=False, apply_rope_fusion=False)

@@ -7,12 +7,17 @@ For each configuration (``LayerBenchSpec``) ``bench_layer`` builds
 * ``ours``: ``MoELayer`` (router, permute, grouped experts, combine, attached balance loss);
 * ``deepspeed``: ``deepspeed.moe.layer.MoE`` routing the same way with copies of our weights
   (``deepspeed_moe.py`` states what "the same" means and where the two differ);
+* ``megatron`` (``vs_megatron``, CUDA only): Megatron-Core's own ``MoELayer`` with the same sizes,
+  top-k, capacity and its alltoall dispatcher and grouped GEMM (``megatron_moe.py``; its own
+  weights and routing, so no output check);
 * ``floor``: our ``GroupedExperts`` alone on the rows our router kept (same per-expert counts,
   no routing, no permutation): what any design must at least spend on the expert GEMMs;
 
-feeds all three the same input [T, 1, H] and output gradient, and times forward + backward of
+feeds them the same input [T, 1, H] and output gradient, and times forward + backward of
 each, the three in a rotating order every iteration (gradients set to None outside the timed
-region), after ``warmup`` untimed iterations. Medians are reported, with the machine's load
+region), after ``warmup`` untimed iterations. Everything runs on ``device`` in ``dtype`` (weights and
+activations; ``device.py``): off the CPU each timed step is bracketed by the accelerator's
+``synchronize`` and peak memory is the accelerator's ``max_memory_allocated``. Medians are reported, with the machine's load
 average and ``others_cpu``: the cores other processes kept busy meanwhile (``/proc/stat`` minus
 our own CPU time; near 0 on a quiet machine, and the timings are suspect when it is not). Then
 one more call of each runs under the allocator profiler for its peak memory (``memory.py``).
@@ -36,15 +41,15 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from torch import Tensor
 
+from moe_plugin_tools.bench.device import Target
 from moe_plugin_tools.bench.machine import cpu_seconds, loadavg, others_share
-from moe_plugin_tools.bench.memory import memory_profile
 from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.layers import GroupedExperts, MoELayer
 
 if TYPE_CHECKING:
     from moe_plugin.groups.process_groups import ProcessGroups
 
-VARIANTS = ("ours", "deepspeed", "floor")
+VARIANTS = ("ours", "deepspeed", "megatron", "floor")
 AUX_LOSS_COEFF = 1e-2
 
 
@@ -61,9 +66,16 @@ class LayerBenchSpec:
     iters: int = 5
     warmup: int = 1
     vs_deepspeed: bool = True
+    vs_megatron: bool = False
     breakdown: bool = False
     recompute_pre_activation: bool = False
     seed: int = 0
+    device: str = "cpu"
+    dtype: str = "fp32"
+
+    @property
+    def target(self) -> Target:
+        return Target(self.device, self.dtype)
 
     def moe_config(self, ep: int = 1) -> MoEConfig:
         router = {1: "switch", 2: "gshard"}.get(self.k, "topk")
@@ -108,10 +120,12 @@ def skew_router(layer: MoELayer, x_TH: Tensor, skew: float, gen: torch.Generator
 class Ranks:
     """The processes one configuration runs on: this process alone (``groups=None``), or every
     rank of an expert-parallel job (``layer_ep.py``): then the steps start together and a step
-    takes as long as its slowest rank."""
+    takes as long as its slowest rank. ``device``: where the values of ``reduce`` travel (the
+    device of the job's backend: the CPU for gloo, the rank's GPU for nccl)."""
 
-    def __init__(self, groups: Optional["ProcessGroups"] = None):
+    def __init__(self, groups: Optional["ProcessGroups"] = None, device: str = "cpu"):
         self.groups = groups
+        self.device = device
         self.size = 1 if groups is None else groups.size("ep")
         self.rank = 0 if groups is None else groups.rank_in("ep")
 
@@ -123,7 +137,7 @@ class Ranks:
         """Element-wise max or sum over the ranks."""
         if self.groups is None:
             return values
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
         torch.distributed.all_reduce(t, op=reduce_op, group=self.groups.ep)
         return t.tolist()
@@ -136,13 +150,21 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
     from moe_plugin_tools.bench.deepspeed_moe import deepspeed_capacity, deepspeed_twin
 
     ranks = ranks or Ranks()
+    target = spec.target
+    device, dtype = target.torch_device, target.torch_dtype
     gen = torch.Generator().manual_seed(spec.seed * 1000 + ranks.rank)
     ours = MoELayer(spec.moe_config(ranks.size), spec.hidden, spec.ffn, ranks.groups, seed=spec.seed).train()
     x_SBH = torch.randn(spec.tokens, 1, spec.hidden, generator=gen)
     skew_router(ours, x_SBH.view(spec.tokens, spec.hidden), spec.skew, torch.Generator().manual_seed(spec.seed))
-    x_SBH.requires_grad_(True)
-    grad_SBH = torch.randn(spec.tokens, 1, spec.hidden, generator=gen)
+    ours.to(device, dtype)
+    x_SBH = x_SBH.to(device, dtype).requires_grad_(True)
+    grad_SBH = torch.randn(spec.tokens, 1, spec.hidden, generator=gen).to(device, dtype)
     twin = deepspeed_twin(ours, ranks.size) if spec.vs_deepspeed else None
+    rival = None
+    if spec.vs_megatron:
+        from moe_plugin_tools.bench.megatron_moe import megatron_twin
+
+        rival = megatron_twin(spec, AUX_LOSS_COEFF, ranks.size)
 
     with torch.no_grad():   # routing check, and the floor's per-expert counts
         out_ours = ours(x_SBH)[0]
@@ -159,8 +181,8 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
     # the floor: the rows this rank's experts receive (from every rank), in the same groups
     job_kept_E = torch.tensor(ranks.reduce(kept_E.double().tolist(), "sum")).long()
     counts_L = job_kept_E.view(ranks.size, -1)[ranks.rank].clone()
-    x_RH = torch.randn(int(counts_L.sum()), spec.hidden, generator=gen).requires_grad_(True)
-    grad_RH = torch.randn(x_RH.shape, generator=gen)
+    x_RH = torch.randn(int(counts_L.sum()), spec.hidden, generator=gen).to(device, dtype).requires_grad_(True)
+    grad_RH = torch.randn(x_RH.shape, generator=gen).to(device, dtype)
 
     def fwd_ours():
         return ours(x_SBH)[0]
@@ -176,7 +198,13 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
 
     def step_deepspeed() -> None:
         out, l_aux, _ = fwd_deepspeed()
-        torch.autograd.backward((out, l_aux), (grad_SBH, torch.tensor(AUX_LOSS_COEFF)))
+        torch.autograd.backward((out, l_aux), (grad_SBH, l_aux.new_tensor(AUX_LOSS_COEFF)))
+
+    def fwd_megatron():
+        return rival(x_SBH)[0]   # Megatron attaches its aux loss to the output itself
+
+    def step_megatron() -> None:
+        fwd_megatron().backward(grad_SBH)
 
     def step_floor() -> None:
         fwd_floor().backward(grad_RH)
@@ -185,8 +213,10 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
             "floor": _Run(step_floor, fwd_floor, [x_RH, *ours.experts.parameters()], ours.experts)}
     if twin is not None:
         runs["deepspeed"] = _Run(step_deepspeed, fwd_deepspeed, [x_SBH, *twin.parameters()])
+    if rival is not None:
+        runs["megatron"] = _Run(step_megatron, fwd_megatron, [x_SBH, *rival.parameters()])
     busy_before = cpu_seconds()  # others_cpu covers the timed loop
-    times = _time_rotating(runs, spec.warmup, spec.iters, ranks)
+    times = _time_rotating(runs, spec.warmup, spec.iters, ranks, target)
     busy_after = cpu_seconds()
     memory = {}
     for name, run in runs.items():
@@ -197,15 +227,16 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
             for _ in range(1 if ranks.size == 1 else 3):
                 run.clear(storage=True)
                 gc.collect()
-                profile = memory_profile(fn)
+                profile = target.memory_profile(fn)
                 values.append(profile.peak_bytes if key == "peak_bytes" else profile.retained_bytes)
             memory[f"{name}_{key}"] = statistics.median(values)
         run.clear()
     memory = dict(zip(memory, (int(v) for v in ranks.reduce(list(memory.values()), "max"))))
 
     job_routed_E = torch.tensor(ranks.reduce(stats.routed_per_expert.double().tolist(), "sum")).long()
-    record = {"bench": "layer", **{k: v for k, v in asdict(spec).items() if k not in ("vs_deepspeed", "breakdown")},
-              "dtype": "float32", "threads": torch.get_num_threads(), "ep": ranks.size,
+    record = {"bench": "layer", **{k: v for k, v in asdict(spec).items()
+                                   if k not in ("vs_deepspeed", "vs_megatron", "breakdown")},
+              "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(), "ep": ranks.size,
               "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")},
               "capacity": stats.capacity,
               "deepspeed_capacity": deepspeed_capacity(ours, spec.tokens, stats.routed_per_expert) if twin else None,
@@ -215,6 +246,7 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
     for name in VARIANTS:
         record[f"{name}_ms"] = _round(statistics.median(times[name])) if name in times else None
     record["deepspeed_over_ours"] = _ratio(record["deepspeed_ms"], record["ours_ms"])
+    record["megatron_over_ours"] = _ratio(record["megatron_ms"], record["ours_ms"])
     record["ours_over_floor"] = _ratio(record["ours_ms"], record["floor_ms"])
     # the most any dispatcher over these GEMMs could reach: DeepSpeed's time over ours with free routing
     record["deepspeed_over_floor"] = _ratio(record["deepspeed_ms"], record["floor_ms"])
@@ -224,35 +256,37 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
         record[f"ours_over_deepspeed_{key.split('_')[0]}"] = _ratio(memory["ours_" + key],
                                                                     memory.get("deepspeed_" + key))
     if ranks.size > 1:
-        record.update(_traffic(spec, ranks, kept_E, record["deepspeed_capacity"]))
+        record.update(_traffic(spec, ranks, kept_E, record["deepspeed_capacity"], dtype.itemsize))
     record.update(check)
     if spec.breakdown and ranks.size == 1:
         from moe_plugin_tools.bench.breakdown import time_parts
 
         record["ours_parts_ms"] = time_parts(ours, x_SBH.detach().view(spec.tokens, spec.hidden),
-                                             spec.warmup, spec.iters)
+                                             spec.warmup, spec.iters, target.sync)
     record["loadavg"] = loadavg()
     record["others_cpu"] = others_share(busy_before, busy_after, ranks)
     return record
 
 
-def _traffic(spec: LayerBenchSpec, ranks: Ranks, kept_E: Tensor, ds_capacity: Optional[int]) -> dict:
+def _traffic(spec: LayerBenchSpec, ranks: Ranks, kept_E: Tensor, ds_capacity: Optional[int], itemsize: int) -> dict:
     """Bytes a rank sends to other ranks per all-to-all, mean over the ranks (``traffic.py``)."""
     from moe_plugin_tools.bench.traffic import deepspeed_bytes_sent, ours_bytes_sent
 
-    ours_bytes = ours_bytes_sent(kept_E, ranks.size, ranks.rank, spec.hidden, 4)
+    ours_bytes = ours_bytes_sent(kept_E, ranks.size, ranks.rank, spec.hidden, itemsize)
     out = {"ours_a2a_bytes": round(ranks.reduce([ours_bytes], "sum")[0] / ranks.size)}
     if ds_capacity is not None:
         # DeepSpeed pads every rank to the same capacity (dropless: the max over the EP group)
         capacity = int(ranks.reduce([ds_capacity], "max")[0])
-        out["deepspeed_a2a_bytes"] = deepspeed_bytes_sent(spec.experts, capacity, ranks.size, spec.hidden, 4)
+        out["deepspeed_a2a_bytes"] = deepspeed_bytes_sent(spec.experts, capacity, ranks.size, spec.hidden, itemsize)
         out["ours_over_deepspeed_a2a"] = _ratio(out["ours_a2a_bytes"], out["deepspeed_a2a_bytes"])
     return out
 
 
-def _time_rotating(runs: dict[str, _Run], warmup: int, iters: int, ranks: Ranks) -> dict[str, list[float]]:
+def _time_rotating(runs: dict[str, _Run], warmup: int, iters: int, ranks: Ranks,
+                   target: Target) -> dict[str, list[float]]:
     """ms per forward + backward; iteration i starts with variant ``i % len(runs)``. Across ranks
-    a step starts after a barrier and counts as long as the slowest rank."""
+    a step starts after a barrier and counts as long as the slowest rank; off the CPU the device
+    is synchronised before the clock starts and before it stops."""
     names = list(runs)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(warmup + iters):
@@ -260,9 +294,11 @@ def _time_rotating(runs: dict[str, _Run], warmup: int, iters: int, ranks: Ranks)
         for name in names[shift:] + names[:shift]:
             run = runs[name]
             run.clear()
+            target.sync()
             ranks.barrier()
             start = time.perf_counter()
             run.step()
+            target.sync()
             elapsed = ranks.reduce([(time.perf_counter() - start) * 1e3], "max")[0]
             if i >= warmup:
                 times[name].append(elapsed)
@@ -280,11 +316,20 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 def specs_from_args(args: argparse.Namespace) -> list[LayerBenchSpec]:
+    """One spec per expert count and skew; checks ``--device`` (``device.check_device``)."""
+    from moe_plugin_tools.bench.device import target_from_args
+
+    target = target_from_args(args)
+    if args.vs == "megatron":
+        from moe_plugin_tools.bench.megatron_moe import require_cuda
+
+        require_cuda(target.device)
     return [LayerBenchSpec(tokens=args.tokens, experts=e, hidden=args.hidden, ffn=args.ffn, k=args.top_k,
                            capacity_factor=args.capacity_factor, dropless=args.dropless, skew=s,
                            iters=args.iters, warmup=args.warmup, vs_deepspeed=args.vs == "deepspeed",
-                           breakdown=args.breakdown, recompute_pre_activation=args.recompute_pre_activation,
-                           seed=args.seed)
+                           vs_megatron=args.vs == "megatron", breakdown=args.breakdown,
+                           recompute_pre_activation=args.recompute_pre_activation, seed=args.seed,
+                           device=target.device, dtype=target.dtype)
             for e in args.experts for s in args.skew]
 
 
@@ -296,7 +341,9 @@ def summary(record: dict) -> str:
 
     return (f"ep={record['ep']} T={record['tokens']} E={record['experts']} H={record['hidden']} F={record['ffn']} k={record['k']} "
             f"cf={record['capacity_factor']}{' dropless' if record['dropless'] else ''} skew={record['skew']}: "
-            f"ours {ms('ours')} ms, deepspeed {ms('deepspeed')} ms, floor {ms('floor')} ms | "
+            f"ours {ms('ours')} ms, deepspeed {ms('deepspeed')} ms, "
+            + (f"megatron {ms('megatron')} ms, " if record["megatron_ms"] is not None else "")
+            + f"floor {ms('floor')} ms | "
             f"deepspeed/ours {record['deepspeed_over_ours']} (at most {record['deepspeed_over_floor']}: "
             f"deepspeed/floor), ours/floor {record['ours_over_floor']} | peak MiB "
             + ", ".join(f"{n} {record[f'{n}_peak_bytes'] / 2**20:.0f}" for n in VARIANTS

@@ -38,6 +38,8 @@ def run(args: argparse.Namespace) -> None:
         print(json.dumps(record) if args.json else summary(record), flush=True)
 
     if args.ep > 1:
+        if args.vs == "megatron":
+            raise ValueError("--vs megatron runs on one rank (--ep 1)")
         run_expert_parallel(args, emit)
         return
     torch.set_num_threads(args.threads)
@@ -78,16 +80,18 @@ def rank_main(rank: int, world: int, specs: list[LayerBenchSpec], threads: int, 
     """One rank of the job: groups, every configuration, teardown. Uses the default group when
     one exists (a test harness's), else creates it with ``init_method``."""
     from moe_plugin_tools.bench.deepspeed_moe import forget_deepspeed_groups
+    from moe_plugin_tools.bench.device import distributed_backend
     from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
     from moe_plugin.groups.layout import RankLayout
 
     torch.set_num_threads(threads)
+    backend = "gloo" if specs[0].target.on_cpu else distributed_backend(rank)
     owns_world = not dist.is_initialized()
     if owns_world:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    groups = build_process_groups(RankLayout.build(world, ep=world), backend="gloo")
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    groups = build_process_groups(RankLayout.build(world, ep=world), backend=backend)
     try:
-        return [bench_layer(spec, Ranks(groups)) for spec in specs]
+        return [bench_layer(spec, Ranks(groups, spec.device)) for spec in specs]
     finally:
         if "deepspeed.utils.groups" in sys.modules:
             forget_deepspeed_groups(world)

@@ -26,6 +26,15 @@ Processes: ``--ranks N`` starts N gloo ranks itself (``torch.multiprocessing`` s
 rendezvous in a temporary directory), each with ``max(1, threads // N)`` threads; under a launcher
 that sets ``RANK`` and ``WORLD_SIZE`` (``deepspeed --num_gpus N --module moe_plugin_tools.bench.step
 --ranks N ...``, checked on CPU; ``torchrun``) this process is one rank.
+
+Device and dtype (``--device``, ``--dtype``; ``device.py``): the engine puts the model on its
+accelerator's device, so ``--device`` must be of that type; off the CPU each rank takes device
+``LOCAL_RANK`` and the accelerator's backend (nccl on CUDA), and every clock reading (phases and
+MoE hooks included) follows the accelerator's ``synchronize``; ``*_peak_bytes`` is then the
+device's peak allocated bytes during a step (``max_memory_allocated``, the largest rank, the
+largest timed round; model, gradients and optimizer states included), None on the CPU. ``--dtype bf16`` / ``fp16`` adds
+DeepSpeed's ``"bf16"`` / ``"fp16"`` block to both engines' JSON (the engine casts the model;
+ZeRO keeps fp32 master weights) and sets Megatron's ``bf16`` / ``fp16`` and ``params_dtype``.
 """
 from __future__ import annotations
 
@@ -53,10 +62,14 @@ PHASES = ("forward", "backward", "optimizer", "moe_forward", "moe_backward")
 
 
 class _World:
-    """``bench layer``'s ``Ranks`` interface over the whole job (for ``others_share``)."""
+    """``bench layer``'s ``Ranks`` interface over the whole job (for ``others_share``); the values
+    travel on ``device`` (the backend's: the CPU for gloo, the rank's GPU for nccl)."""
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
 
     def reduce(self, values: list[float], op: str) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return t.tolist()
 
@@ -82,7 +95,8 @@ class MoETimer:
     On CPU, backward runs on the thread that called it, so its CPU time is this thread's.
     """
 
-    def __init__(self, modules: list[torch.nn.Module]):
+    def __init__(self, modules: list[torch.nn.Module], sync: Callable[[], None] = lambda: None):
+        self.sync = sync   # the device's synchronize, before every clock reading (off the CPU)
         self.forward = [0.0, 0.0]
         self.backward = [0.0, 0.0]
         self._start: dict[int, tuple[float, float]] = {}
@@ -94,19 +108,23 @@ class MoETimer:
         key = id(module)
         if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].requires_grad:
             inputs[0].register_hook(lambda grad: self._backward_end(key))
+        self.sync()
         self._start[key] = _clock()
 
     def _end(self, module: torch.nn.Module, _inputs: tuple, output: Any) -> None:
         key = id(module)
+        self.sync()
         self._add(self.forward, _since(self._start[key]))
         out = output[0] if isinstance(output, tuple) else output
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda grad: self._backward_begin(key))
 
     def _backward_begin(self, key: int) -> None:
+        self.sync()
         self._backward_start[key] = _clock()
 
     def _backward_end(self, key: int) -> None:
+        self.sync()
         start = self._backward_start.pop(key, None)
         if start is not None:
             self._add(self.backward, _since(start))
@@ -139,7 +157,8 @@ def make_batches(spec: GPTSpec, count: int, rank: int) -> list[tuple[torch.Tenso
 
 def _trainer(engine: Any, timer: MoETimer, aux: Optional[Callable[[], torch.Tensor]]):
     """A function that trains one step on a batch: returns the LM loss and, per phase of ``PHASES``
-    (forward, backward, optimizer, moe_forward, moe_backward), (wall, this thread's CPU) seconds."""
+    (forward, backward, optimizer, moe_forward, moe_backward), (wall, this thread's CPU) seconds;
+    each phase ends with ``timer.sync()``."""
 
     def step(batch) -> tuple[float, list[tuple[float, float]]]:
         ids, pos, labels = batch
@@ -147,12 +166,15 @@ def _trainer(engine: Any, timer: MoETimer, aux: Optional[Callable[[], torch.Tens
         t0 = _clock()
         lm = engine(ids, pos, None, labels=labels).float().mean()
         loss = lm if aux is None else lm + aux()
+        timer.sync()
         forward = _since(t0)
         t1 = _clock()
         engine.backward(loss)
+        timer.sync()
         backward = _since(t1)
         t2 = _clock()
         engine.step()
+        timer.sync()
         optimizer = _since(t2)
         return float(lm.detach()), [forward, backward, optimizer, tuple(timer.forward), tuple(timer.backward)]
 
@@ -166,25 +188,33 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
     from moe_plugin.integration.megatron import MegatronMoEMLP
     from moe_plugin.integration.monitor import ExpertMetrics
 
+    from moe_plugin_tools.bench.device import DTYPES, Target
+
     world, rank = dist.get_world_size(), dist.get_rank()
+    target = Target(spec.device, spec.dtype)
+    sync = target.sync
     ours = build_ours(spec, world)
     try:
         twin, wrappers = build_deepspeed_twin(spec, ours, world)
         same = same_weights(ours.engine, twin)
         ours_moe = [m for m in ours.engine.module.modules() if isinstance(m, MegatronMoEMLP)]
-        timers = {"ours": MoETimer(ours_moe), "deepspeed": MoETimer(wrappers)}
+        timers = {"ours": MoETimer(ours_moe, sync), "deepspeed": MoETimer(wrappers, sync)}
         steps = {"ours": _trainer(ours.engine, timers["ours"], None),
                  "deepspeed": _trainer(twin, timers["deepspeed"], lambda: twin_aux_loss(spec, wrappers))}
         metrics = ExpertMetrics(ours.engine.module, per_expert=False)
-        batches = make_batches(spec, warmup + rounds, rank)
-        world_ranks = _World()
+        batches = [tuple(t.to(ours.engine.device) for t in batch)
+                   for batch in make_batches(spec, warmup + rounds, rank)]
+        world_ranks = _World(spec.device)
         times: dict[str, list[list[float]]] = {name: [] for name in MODELS}
         losses: dict[str, list[float]] = {name: [] for name in MODELS}
+        peaks: dict[str, list[float]] = {name: [] for name in MODELS}
         busy_before = None
         for r, batch in enumerate(batches):
             if r == warmup:
                 busy_before = cpu_seconds()
             for name in (MODELS if r % 2 == 0 else MODELS[::-1]):
+                sync()
+                target.reset_peak()
                 dist.barrier()
                 cpu_start = _process_cpu_seconds()
                 start = time.perf_counter()
@@ -196,6 +226,8 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
                 losses[name].append(lm_sum / world)
                 if r >= warmup:   # [wall total, wall phases..., CPU total, CPU phases...] in ms
                     times[name].append([1e3 * s for s in slowest + cpu_sums])
+                    if target.peak_bytes() is not None:
+                        peaks[name].append(world_ranks.reduce([target.peak_bytes()], "max")[0])
                 if name == "ours":
                     metrics.collect()   # outside the timed region (a small all-reduce per layer)
         busy_after = cpu_seconds()
@@ -203,12 +235,14 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
             timer.close()
         metrics.close()
         record = {"bench": "step", "ranks": world, **asdict(spec), "rounds": rounds, "warmup": warmup,
-                  "threads": torch.get_num_threads(), "dtype": "float32",
+                  "threads": torch.get_num_threads(), "dtype": str(DTYPES[spec.dtype]).removeprefix("torch."),
                   "moe_layers": [m.layer_index for m in ours_moe], "tokens_per_rank": spec.seq * spec.micro_batch,
                   "params_per_rank": {"ours": _count(ours.engine.module), "deepspeed": _count(twin.module)}}
         for name in MODELS:
             record[f"{name}_ms"] = round(statistics.median(t[0] for t in times[name]), 2)
         record["deepspeed_over_ours"] = round(record["deepspeed_ms"] / record["ours_ms"], 3)
+        for name in MODELS:   # off the CPU: the device's peak allocated bytes in a step, largest rank
+            record[f"{name}_peak_bytes"] = int(max(peaks[name])) if peaks[name] else None
         record.update({f"{name}_rounds_ms": [round(t[0]) for t in times[name]] for name in MODELS})
         n = 1 + len(PHASES)
         for name in MODELS:
@@ -246,11 +280,17 @@ def spec_from_args(args: argparse.Namespace) -> GPTSpec:
                    ep=args.ep or args.ranks, moe_every=args.moe_every, seq=args.seq, micro_batch=args.micro_batch,
                    vocab=args.vocab, k=args.top_k, capacity_factor=args.capacity_factor,
                    min_capacity=args.min_capacity, dropless=args.dropless, zero_stage=args.zero_stage,
-                   seed=args.seed)
+                   seed=args.seed, device=args.device, dtype=args.dtype)
 
 
 def run(args: argparse.Namespace) -> None:
     """The ``bench step`` command: one line (JSON with ``--json``) from rank 0."""
+    from moe_plugin_tools.bench.device import accelerator, check_device
+
+    args.device = check_device(args.device)
+    if torch.device(args.device).type != accelerator().device_name():
+        raise ValueError(f"--device {args.device}: bench step trains where DeepSpeed's engine puts the model, "
+                         f"on its accelerator's device ({accelerator().device_name()!r})")
     spec = spec_from_args(args)
     world = args.ranks
     if spec.experts % spec.ep or world % spec.ep:
@@ -286,9 +326,14 @@ def rank_main(rank: int, world: int, spec: GPTSpec, rounds: int, warmup: int, th
     torch.set_num_threads(threads)
     # what the deepspeed launcher sets (DeepSpeed's engine asserts LOCAL_RANK)
     os.environ.update(RANK=str(rank), LOCAL_RANK=os.environ.get("LOCAL_RANK", str(rank)), WORLD_SIZE=str(world))
+    backend = "gloo"
+    if torch.device(spec.device).type != "cpu":   # e.g. nccl on cuda:LOCAL_RANK
+        from moe_plugin_tools.bench.device import distributed_backend
+
+        backend = distributed_backend(rank)
     owns_world = not dist.is_initialized()
     if owns_world:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     try:
         return bench_step(spec, rounds, warmup)
     finally:

@@ -1,0 +1,206 @@
+"""The python part of ``gpu_check.sh``: the MoE layer against the loop oracle, and ep2 against 1 rank.
+
+    python examples/gpt_moe/gpu_check.py oracle [--device cuda]
+    python -m torch.distributed.run --nproc_per_node 2 examples/gpt_moe/gpu_check.py ep2 [--device cuda]
+    python examples/gpt_moe/gpu_check.py collect OUT_DIR     # OUT_DIR/*.jsonl + *.status -> one JSON
+
+``oracle``: ``MoELayer`` on ``--device`` against ``reference_moe`` (fp32, on the CPU) with the same
+weights, top-2, 8 experts, dropless and with capacity, for each experts backend that can run
+there (``loop``, ``bmm``, ``grouped_mm`` where ``grouped_mm_unsupported`` finds no reason
+against it, and ``auto``), fp32 and bf16 input (fp32 weights, cast in forward, as training under
+DeepSpeed's bf16 sees them): the output and every gradient (input, router, experts). Tolerances:
+fp32 atol = rtol = 1e-4 (TF32 off), bf16 atol 0.1, rtol 3e-2 (as tests/test_experts_backend.py).
+
+``ep2``: every rank of a 2-rank job (gloo on the CPU, else the accelerator's backend: nccl)
+runs the layer with EP = 2 on its own tokens and, in the same process, the 1-rank layer (same
+seed) on each rank's tokens; with DeepSpeed's convention (dense gradients averaged over the
+ranks, expert gradients as they are) output, input gradient and every gradient (expert shards
+against their slice) agree within the same tolerances.
+
+Each check prints one JSON line per case (``ok``, the largest differences, the backend taken)
+and exits 1 when a case fails; ``collect`` merges a run directory into ``gpu_check.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_plugin.configs import MoEConfig
+from moe_plugin.layers import MoELayer, reference_moe
+from moe_plugin.layers.expert_backend import grouped_mm_unsupported
+
+S, B, H, F, E = 8, 4, 16, 32, 8   # the sizes of tests/test_layers_single.py, where these tolerances hold
+TOLERANCE = {"fp32": dict(atol=1e-4, rtol=1e-4), "bf16": dict(atol=1e-1, rtol=3e-2)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CASES = {"dropless": dict(drop_tokens=False), "capacity": dict(drop_tokens=True, capacity_factor=1.0)}
+
+
+def moe_config(case: str, backend: str, ep: int = 1) -> MoEConfig:
+    return MoEConfig.from_dict({"num_experts": E, "router": "topk", "top_k": 2, "min_capacity": 1,
+                                "activation": "gelu", "aux_loss_coeff": 0.1, "experts_backend": backend,
+                                "parallel": {"expert": ep}, **CASES[case]})
+
+
+def inputs(seed: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x_SBH = torch.randn(S, B, H, generator=gen)
+    return x_SBH.to(device, dtype).requires_grad_(True), torch.randn(S, B, H, generator=gen).to(device)
+
+
+def train_step(layer: MoELayer, x_SBH: torch.Tensor, grad_SBH: torch.Tensor) -> torch.Tensor:
+    out_SBH, _ = layer(x_SBH)
+    (out_SBH.float() * grad_SBH).sum().backward()
+    return out_SBH.detach()
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor, tol: dict) -> tuple[float, bool]:
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    return float((a - b).abs().max()), bool(torch.allclose(a, b, **tol))
+
+
+def backends(device: torch.device, dtype: torch.dtype) -> tuple[list[str], dict[str, str]]:
+    """The backends to check here, and the skipped ones with why."""
+    why_not = grouped_mm_unsupported(device, dtype, (H, F, F))
+    runnable = ["loop", "bmm"] + ([] if why_not else ["grouped_mm"]) + ["auto"]
+    return runnable, ({"grouped_mm": why_not} if why_not else {})
+
+
+def oracle_case(case: str, backend: str, device: torch.device, dtype_name: str) -> dict:
+    """One layer-vs-oracle comparison (module docstring); the JSON line."""
+    dtype, tol = DTYPES[dtype_name], TOLERANCE[dtype_name]
+    layer = MoELayer(moe_config(case, backend), H, F, seed=0, init_std=0.3).to(device).train()
+    x_SBH, grad_SBH = inputs(1, device, dtype)
+    out_SBH = train_step(layer, x_SBH, grad_SBH)
+    params = {n: p.detach().cpu().float().clone().requires_grad_(True) for n, p in layer.named_parameters()}
+    params["router.expert_bias"] = layer.router.expert_bias.detach().cpu().float()
+    x_ref = x_SBH.detach().cpu().float().reshape(S * B, H).requires_grad_(True)
+    ref = reference_moe(x_ref, params, layer.config, training=True)
+    ((ref.out * grad_SBH.cpu().reshape(S * B, H)).sum() + ref.weighted_aux_loss(layer.config)).backward()
+    diffs = {"out": max_diff(out_SBH.reshape(S * B, H), ref.out, tol),
+             "x_grad": max_diff(x_SBH.grad.reshape(S * B, H), x_ref.grad, tol)}
+    diffs.update({f"{n}_grad": max_diff(p.grad, params[n].grad, tol) for n, p in layer.named_parameters()})
+    same_routes = layer.last_stats.kept_per_expert.tolist() == ref.kept_per_expert
+    return {"check": "oracle", "device": str(device), "dtype": dtype_name, "case": case, "backend": backend,
+            "ran": layer.experts.pick_backend(x_SBH), "ok": same_routes and all(ok for _, ok in diffs.values()),
+            "same_routes": same_routes, "max_abs_diff": {k: d for k, (d, _) in diffs.items()}, "tolerance": tol}
+
+
+def run_oracle(device: torch.device) -> bool:
+    ok = True
+    for dtype_name in DTYPES:
+        runnable, skipped = backends(device, DTYPES[dtype_name])
+        for backend, why in skipped.items():
+            print(json.dumps({"check": "oracle", "device": str(device), "dtype": dtype_name, "backend": backend,
+                              "skipped": why}), flush=True)
+        for case in CASES:
+            for backend in runnable:
+                record = oracle_case(case, backend, device, dtype_name)
+                ok &= record["ok"]
+                print(json.dumps(record), flush=True)
+    return ok
+
+
+def ep2_case(case: str, device: torch.device, dtype_name: str, groups) -> dict:
+    """EP = world ranks against the 1-rank layer on every rank's tokens (module docstring)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype, tol = DTYPES[dtype_name], TOLERANCE[dtype_name]
+    layer = MoELayer(moe_config(case, "auto", world), H, F, groups, seed=0, init_std=0.3).to(device).train()
+    x_SBH, grad_SBH = inputs(100 + rank, device, dtype)
+    out_SBH = train_step(layer, x_SBH, grad_SBH)
+    single = MoELayer(moe_config(case, "auto"), H, F, seed=0, init_std=0.3).to(device).train()
+    for r in range(world):   # every rank's tokens, gradients summed
+        x_r, grad_r = inputs(100 + r, device, dtype)
+        out_r = train_step(single, x_r, grad_r)
+        if r == rank:
+            diffs = {"out": max_diff(out_SBH, out_r, tol), "x_grad": max_diff(x_SBH.grad, x_r.grad, tol)}
+    local = len(layer.experts.weight1)
+    for name, p in layer.named_parameters():
+        grad = p.grad.detach().clone()
+        if getattr(p, "allreduce", True):   # dense: DeepSpeed averages over the data-parallel ranks
+            dist.all_reduce(grad)
+            grad /= world
+        full = dict(single.named_parameters())[name].grad / world
+        if not getattr(p, "allreduce", True):
+            full = full[rank * local:(rank + 1) * local]
+        diffs[f"{name}_grad"] = max_diff(grad, full, tol)
+    flags = torch.tensor([float(not all(ok for _, ok in diffs.values()))] + [d for d, _ in diffs.values()],
+                         device=device)   # nccl reduces device tensors only
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)   # the job's verdict and largest differences
+    return {"check": "ep2", "device": device.type, "dtype": dtype_name, "case": case, "ranks": world,
+            "backend": dist.get_backend(), "ok": flags[0].item() == 0, "tolerance": tol,
+            "max_abs_diff": dict(zip(diffs, flags[1:].tolist()))}
+
+
+def run_ep2(device_type: str) -> bool:
+    from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
+    from moe_plugin.groups.layout import RankLayout
+
+    backend = "gloo"
+    if device_type != "cpu":
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+        backend = get_accelerator().communication_backend_name()
+    dist.init_process_group(backend)
+    device = torch.device(device_type, int(os.environ["LOCAL_RANK"])) if device_type != "cpu" else torch.device("cpu")
+    groups = build_process_groups(RankLayout.build(dist.get_world_size(), ep=dist.get_world_size()), backend=backend)
+    ok = True
+    try:
+        for dtype_name in DTYPES:
+            for case in CASES:
+                record = ep2_case(case, device, dtype_name, groups)
+                ok &= record["ok"]
+                if dist.get_rank() == 0:
+                    print(json.dumps(record), flush=True)
+    finally:
+        destroy_process_groups(groups)
+        dist.destroy_process_group()
+    return ok
+
+
+def collect(out_dir: Path) -> bool:
+    """``gpu_check.json``: the machine, and per check its status and JSON lines (module docstring)."""
+    checks = {}
+    for status in sorted(out_dir.glob("*.status")):
+        name, text = status.stem, status.read_text().strip()
+        lines = out_dir / f"{name}.jsonl"
+        records = [json.loads(l) for l in lines.read_text().splitlines() if l.startswith("{")] if lines.exists() else []
+        checks[name] = {"status": "skipped" if text.startswith("skip") else "ok" if text == "0" else "failed",
+                        "exit_code": int(text) if text.lstrip("-").isdigit() else None,
+                        "note": text if text.startswith("skip") else None, "records": records}
+    result = {"machine": {"host": platform.node(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                          "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]},
+              "ok": all(c["status"] != "failed" for c in checks.values()), "checks": checks}
+    path = out_dir / "gpu_check.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(path)
+    return result["ok"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("check", choices=["oracle", "ep2", "collect"])
+    parser.add_argument("out_dir", nargs="?", type=Path, help="collect: the run directory")
+    parser.add_argument("--device", default="cuda", help="default cuda (cpu: the same checks, for a dry run)")
+    args = parser.parse_args(argv)
+    if args.check == "collect":
+        return 0 if collect(args.out_dir) else 1
+    if torch.device(args.device).type == "cuda":
+        if not torch.cuda.is_available():
+            print(f"error: --device {args.device}: torch finds no CUDA device", file=sys.stderr)
+            return 2
+        torch.backends.cuda.matmul.allow_tf32 = False   # fp32 tolerances are for fp32 GEMMs
+        torch.backends.cudnn.allow_tf32 = False
+    ok = run_oracle(torch.device(args.device)) if args.check == "oracle" else run_ep2(torch.device(args.device).type)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

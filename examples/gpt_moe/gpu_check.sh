@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The first run on a GPU machine (docs/benchmarks.md, "On a GPU"):
+#   examples/gpt_moe/gpu_check.sh [OUT_DIR]        (default: gpu_check_<date>; PYTHON=python)
+# 1. oracle:   the MoE layer on CUDA against the loop oracle, every experts backend that runs there, fp32 and bf16
+# 2. ep2:      2 ranks (nccl) with EP 2 against the 1-rank layer; skipped with fewer than 2 GPUs
+# 3. bench_deepspeed: moe-plugin bench layer --device cuda --dtype bf16 --vs deepspeed
+# 4. bench_megatron:  the same against Megatron-Core's MoELayer (alltoall dispatcher, grouped GEMM)
+# Each writes OUT_DIR/<check>.jsonl (its JSON lines), .log (stderr) and .status (exit code or "skip: why");
+# then OUT_DIR/gpu_check.json gathers them (its path is printed). Exit status 1 when a check failed.
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+PY=${PYTHON:-$(command -v python || command -v python3)}
+OUT=${1:-gpu_check_$(date +%Y%m%d_%H%M%S)}
+mkdir -p "$OUT"
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ "$GPUS" -lt 1 ]; then
+    echo "error: gpu_check.sh needs a CUDA device (torch finds none)" >&2
+    exit 2
+fi
+
+check() {   # check NAME COMMAND...: run it, keep its output, record its status
+    local name=$1; shift
+    echo "== $name: $*"
+    "$@" > "$OUT/$name.jsonl" 2> "$OUT/$name.log"
+    local status=$?
+    echo "$status" > "$OUT/$name.status"
+    if [ "$status" -eq 0 ]; then echo "   ok"; else echo "   FAILED (exit $status; see $OUT/$name.log)"; fi
+}
+
+skip() {    # skip NAME WHY
+    echo "== $1: skipped ($2)"
+    echo "skip: $2" > "$OUT/$1.status"
+}
+
+check oracle "$PY" examples/gpt_moe/gpu_check.py oracle --device cuda
+if [ "$GPUS" -ge 2 ]; then
+    check ep2 "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 examples/gpt_moe/gpu_check.py ep2 --device cuda
+else
+    skip ep2 "$GPUS GPU: the 2-rank check needs 2"
+fi
+check bench_deepspeed "$PY" -m moe_plugin_tools.cli bench layer --device cuda --dtype bf16 --vs deepspeed --json
+if "$PY" -c "import transformer_engine" 2> /dev/null || "$PY" -c "import grouped_gemm" 2> /dev/null; then
+    check bench_megatron "$PY" -m moe_plugin_tools.cli bench layer --device cuda --dtype bf16 --vs megatron --json
+else
+    skip bench_megatron "Megatron-Core's grouped GEMM needs transformer_engine or grouped_gemm, neither is installed"
+fi
+"$PY" examples/gpt_moe/gpu_check.py collect "$OUT"

@@ -1,0 +1,83 @@
+"""examples/gpt_moe/gpu_check.{sh,py} on a machine without a GPU: the shell script's syntax and its
+refusal, and the python checks' logic on the CPU (the same code path as on CUDA but the device):
+the layer against the loop oracle for every backend, the 2-rank EP check under the torch
+launcher (gloo), a check that must fail when the layer is wrong, and the merged JSON."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "gpt_moe"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_check", EXAMPLE / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_shell_script_parses_and_refuses_a_machine_without_cuda(tmp_path):
+    subprocess.run(["bash", "-n", str(EXAMPLE / "gpu_check.sh")], check=True)
+    done = subprocess.run(["bash", str(EXAMPLE / "gpu_check.sh"), str(tmp_path / "out")], env=
+                          {**ENV, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True)
+    assert done.returncode == 2, done
+    assert done.stderr.strip() == "error: gpu_check.sh needs a CUDA device (torch finds none)"
+
+
+def test_oracle_check_on_the_cpu(capsys):
+    gpu_check = _module()
+    torch.set_num_threads(1)
+    assert gpu_check.main(["oracle", "--device", "cpu"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ran = {(r["dtype"], r["case"], r["backend"]) for r in records if r["ok"]}
+    assert ran == {(d, c, b) for d in ("fp32", "bf16") for c in ("dropless", "capacity")
+                   for b in ("loop", "bmm", "grouped_mm", "auto")}
+    assert all(r["same_routes"] for r in records)
+
+
+def test_oracle_check_fails_on_a_wrong_layer(monkeypatch):
+    gpu_check = _module()
+    real_step = gpu_check.train_step
+    monkeypatch.setattr(gpu_check, "train_step", lambda layer, x, g: real_step(layer, x, g) * 1.01)
+    record = gpu_check.oracle_case("dropless", "loop", torch.device("cpu"), "fp32")
+    assert not record["ok"] and record["max_abs_diff"]["out"] > 1e-3
+
+
+def test_ep2_check_under_the_launcher_on_the_cpu():
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(EXAMPLE / "gpu_check.py"), "ep2", "--device", "cpu"], env=ENV, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [(r["dtype"], r["case"]) for r in records] == [("fp32", "dropless"), ("fp32", "capacity"),
+                                                         ("bf16", "dropless"), ("bf16", "capacity")]
+    assert all(r["ok"] and r["ranks"] == 2 and r["backend"] == "gloo" for r in records), records
+
+
+def test_collect_merges_a_run_directory(tmp_path, capsys):
+    gpu_check = _module()
+    (tmp_path / "oracle.status").write_text("0\n")
+    (tmp_path / "oracle.jsonl").write_text('{"check": "oracle", "ok": true}\n')
+    (tmp_path / "ep2.status").write_text("skip: 1 GPU: the 2-rank check needs 2\n")
+    assert gpu_check.main(["collect", str(tmp_path)]) == 0
+    (tmp_path / "bench_megatron.status").write_text("1\n")
+    assert gpu_check.main(["collect", str(tmp_path)]) == 1
+    paths = capsys.readouterr().out.split()
+    assert paths == [str(tmp_path / "gpu_check.json")] * 2
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert not result["ok"] and set(result["machine"]) == {"host", "torch", "cuda", "gpus"}
+    checks = result["checks"]
+    assert checks["oracle"] == {"status": "ok", "exit_code": 0, "note": None,
+                                "records": [{"check": "oracle", "ok": True}]}
+    assert checks["ep2"]["status"] == "skipped" and checks["ep2"]["note"].startswith("skip: 1 GPU")
+    assert checks["bench_megatron"]["status"] == "failed" and checks["bench_megatron"]["exit_code"] == 1
