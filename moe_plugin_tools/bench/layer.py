@@ -63,6 +63,7 @@ class LayerBenchSpec:
     vs_deepspeed: bool = True
     breakdown: bool = False
     recompute_pre_activation: bool = False
+    overlap_chunks: int = 1
     seed: int = 0
 
     def moe_config(self, ep: int = 1) -> MoEConfig:
@@ -70,7 +71,8 @@ class LayerBenchSpec:
         block = {"num_experts": self.experts, "router": router, "capacity_factor": self.capacity_factor,
                  "eval_capacity_factor": self.capacity_factor, "drop_tokens": not self.dropless,
                  "activation": "gelu", "aux_loss_coeff": AUX_LOSS_COEFF, "parallel": {"expert": ep},
-                 "recompute_fc1": self.recompute_pre_activation}
+                 "recompute_fc1": self.recompute_pre_activation,
+                 "overlap_chunks": self.overlap_chunks if ep > 1 else 1}
         if router == "gshard":
             block["second_expert_policy"] = "all"  # see deepspeed_moe.py
         if router == "topk":
@@ -284,7 +286,7 @@ def specs_from_args(args: argparse.Namespace) -> list[LayerBenchSpec]:
                            capacity_factor=args.capacity_factor, dropless=args.dropless, skew=s,
                            iters=args.iters, warmup=args.warmup, vs_deepspeed=args.vs == "deepspeed",
                            breakdown=args.breakdown, recompute_pre_activation=args.recompute_pre_activation,
-                           seed=args.seed)
+                           overlap_chunks=args.overlap_chunks, seed=args.seed)
             for e in args.experts for s in args.skew]
 
 
@@ -295,7 +297,8 @@ def summary(record: dict) -> str:
         return "-" if value is None else f"{value:.1f}"
 
     return (f"ep={record['ep']} T={record['tokens']} E={record['experts']} H={record['hidden']} F={record['ffn']} k={record['k']} "
-            f"cf={record['capacity_factor']}{' dropless' if record['dropless'] else ''} skew={record['skew']}: "
+            f"cf={record['capacity_factor']}{' dropless' if record['dropless'] else ''} skew={record['skew']}"
+            f"{' chunks=%d' % record['overlap_chunks'] if record.get('overlap_chunks', 1) > 1 else ''}: "
             f"ours {ms('ours')} ms, deepspeed {ms('deepspeed')} ms, floor {ms('floor')} ms | "
             f"deepspeed/ours {record['deepspeed_over_ours']} (at most {record['deepspeed_over_floor']}: "
             f"deepspeed/floor), ours/floor {record['ours_over_floor']} | peak MiB "
