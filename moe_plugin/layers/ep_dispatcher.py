@@ -137,7 +137,8 @@ class ExpertParallelDispatcher(TokenDispatcher):
             counts_GL = recv_PL
         parts = [send_PL.sum(1), recv_PL.sum(1), counts_GL.view(p.etp_size, -1).sum(1), counts_GL.sum(0), flags_P]
         extras = [send_PL.reshape(-1), recv_PL.reshape(-1)] if per_slot else []
-        host = torch.cat([t.to(send_PL.dtype) for t in parts + extras + [extra_X] if t is not None]).tolist()  # one sync
+        host = torch.cat([t.to(send_PL.dtype) for t in parts + extras + [extra_X] if t is not None])
+        host = host.tolist()                                              # the one sync
         send, recv, etp, counts_L, flags, extra = cut(host, *(t.numel() for t in parts))
         if finite is not None:
             finite.verdict(flags, flag_group)                             # before any row leaves
