@@ -27,7 +27,8 @@ top-2; tests/test_overlap.py). The weights are split per chunk once (one ``split
 gradient concatenation in backward).
 
 Not done: expert tensor parallelism (its gather over ETP would need its own chunking; the config
-refuses it), and layers with shadowed experts (they exchange at once).
+refuses it), layers with shadowed experts (they exchange at once), and the kept storage of the
+weight gradients (``ffn_autograd.GradStore``): the split's backward allocates them anew.
 """
 from __future__ import annotations
 
