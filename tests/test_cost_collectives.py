@@ -22,7 +22,7 @@ S, B, H, F, E = 8, 2, 16, 16, 4
 WRAPPED = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_reduce",
            "reduce_scatter", "reduce_scatter_tensor", "broadcast", "barrier", "send", "recv")
 
-# name -> (RankLayout.build sizes, sequence parallel, shadowed experts)
+# name -> (RankLayout.build sizes, sequence parallel, shadowed experts[, overlap_chunks])
 LAYOUTS2 = {
     "dp2-ep2": (dict(ep=2), False, []),
     "dp2-ep2-shadow": (dict(ep=2), False, [0]),
@@ -30,17 +30,21 @@ LAYOUTS2 = {
     "tp2": (dict(tp=2, etp=1), False, []),
     "tp2-ep2": (dict(tp=2, ep=2, etp=1), False, []),
     "tp2sp-ep2": (dict(tp=2, ep=2, etp=1), True, []),
+    "dp2-ep2-overlap2": (dict(ep=2), False, [], 2),
+    "dp2-ep2-overlap2-shadow": (dict(ep=2), False, [1], 2),    # shadowed: one exchange
 }
 LAYOUTS4 = {
     "dp4-ep2": (dict(ep=2), False, []),
     "tp2-ep2-etp2-dp2": (dict(tp=2, ep=2, etp=2), False, []),
     "tp2sp-ep4-dp2": (dict(tp=2, ep=4, etp=1), True, [1]),
+    "tp2-ep2-dp2-overlap2": (dict(tp=2, ep=2, etp=1), False, [], 2),
 }
 
 
-def _layer(world_size: int, groups, sizes: dict, sp: bool) -> MoELayer:
+def _layer(world_size: int, groups, sizes: dict, sp: bool, chunks: int) -> MoELayer:
     s = RankLayout.build(world_size, **sizes).sizes
     config = MoEConfig.from_dict({"num_experts": E, "router": "topk", "top_k": 2, "aux_loss_coeff": 0.1,
+                                  "overlap_chunks": chunks,
                                   "parallel": {"tensor": s.tp, "expert": s.ep, "expert_tensor": s.etp,
                                                "sequence_parallel": sp}})
     return MoELayer(config, H, F, groups, seed=3).train()
@@ -51,10 +55,11 @@ def _counted(rank: int, world_size: int, layouts: dict) -> dict:
     from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
 
     out = {}
-    for name, (sizes, sp, shadow) in layouts.items():
+    for name, (sizes, sp, shadow, *chunks) in layouts.items():
         groups = build_process_groups(RankLayout.build(world_size, **sizes))
         try:
-            layer = _layer(world_size, groups, sizes, sp)
+            n = chunks[0] if chunks else 1
+            layer = _layer(world_size, groups, sizes, sp, n)
             layer.set_shadow(shadow)
             s, p = groups.layout.sizes, layer.parallel
             ranks = {k: tuple(sorted(dist.get_process_group_ranks(g))) if g is not None else (rank,)
@@ -74,7 +79,8 @@ def _counted(rank: int, world_size: int, layouts: dict) -> dict:
                 phase[0] = "backward"
                 y.square().sum().backward()
             charged = [(c.phase, c.op, ranks[c.group])
-                       for c in moe_layer_collectives(s.tp, s.dp, s.ep, s.etp, sp, shadowed=bool(shadow))]
+                       for c in moe_layer_collectives(s.tp, s.dp, s.ep, s.etp, sp, shadowed=bool(shadow),
+                                                      overlap_chunks=n)]
             out[name] = (Counter(calls), Counter(charged))
         finally:
             destroy_process_groups(groups)
@@ -110,3 +116,7 @@ def test_the_list_by_layout():
     assert tp[("forward", "all_gather", "tp", "tokens")] == tp[("backward", "all_gather", "tp", "tokens")] == 1
     assert kinds(2, 1, 2, 1, sequence_parallel=True)[("forward", "all_gather", "tp", "tokens")] == 0
     assert kinds(1, 2, 2, 1, shadowed=True)[("backward", "all_reduce", "ep", "shadow gradients")] == 1
+    overlapped = kinds(1, 4, 4, 1, overlap_chunks=3)
+    assert overlapped[("forward", "all_to_all_single", "ep", "row chunk")] == 6 and not overlapped[
+        ("forward", "all_to_all_single", "ep", "rows")]
+    assert kinds(1, 4, 4, 1, shadowed=True, overlap_chunks=3)[("backward", "all_to_all_single", "ep", "rows")] == 2

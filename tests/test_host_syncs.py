@@ -167,7 +167,7 @@ def test_the_counter_sees_syncs():
 
 
 # -- expert parallelism on 2 gloo ranks: one spawn for every case ----------------------------------
-# name -> (RankLayout.build sizes, router, drop, shadowed experts)
+# name -> (RankLayout.build sizes, router, drop, shadowed experts[, overlap_chunks])
 DIST_CASES = {
     "dp2-ep2/top1-capacity": (dict(ep=2), "top1", True, []),
     "dp2-ep2/top2-dropless": (dict(ep=2), "top2", False, []),
@@ -179,6 +179,9 @@ DIST_CASES = {
     "tp2-ep2/probability-capacity": (dict(tp=2, ep=2, etp=1), "probability", True, []),
     "dp2-ep2/shadow-top2-capacity": (dict(ep=2), "top2", True, [0, 5]),
     "dp2-ep2/shadow-top1-dropless": (dict(ep=2), "top1", False, [3]),
+    "dp2-ep2/overlap2-top2-dropless": (dict(ep=2), "top2", False, [], 2),          # the exchange in chunks
+    "dp2-ep2/overlap4-top1-capacity": (dict(ep=2), "top1", True, [], 4),
+    "dp2-ep2/overlap2-shadow-top2-capacity": (dict(ep=2), "top2", True, [1], 2),
 }
 
 
@@ -186,13 +189,13 @@ def _dist_child(rank: int, world_size: int, cases: dict) -> dict:
     from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
 
     results = {}
-    for name, (sizes, router, drop, shadow) in cases.items():
+    for name, (sizes, router, drop, shadow, *chunks) in cases.items():
         layout = RankLayout.build(world_size, **sizes)
         s = layout.sizes
         groups = build_process_groups(layout)
         try:
             parallel = {"tensor": s.tp, "expert": s.ep, "expert_tensor": s.etp, "order": s.order}
-            layer = _layer(router, drop, parallel, groups)
+            layer = _layer(router, drop, parallel, groups, overlap_chunks=chunks[0] if chunks else 1)
             if shadow:
                 layer.set_shadow(shadow)
             results[name] = count_syncs(layer, _x(seed=11 + layout.coords(rank)["dp"]))

@@ -158,6 +158,12 @@ class MoEConfig(_Block):
         "CPU and bmm elsewhere, the choice logged once. grouped_mm: torch's grouped GEMM; where it cannot run, the "
         "first forward raises an error naming this key. bmm: rows padded per expert to the largest count, one "
         "batched GEMM. loop: one GEMM per expert.")
+    overlap_chunks: int = Field(1, ge=1, description="Overlap the expert-parallel exchange with the experts: the "
+                                "local experts in this many consecutive groups, each group's all-to-all started "
+                                "while the previous group computes, on the way there and back, in backward too; "
+                                "the shared expert runs while the first all-to-all is in flight. 1: one exchange. "
+                                "At most the local experts (num_experts / parallel.expert); needs "
+                                "parallel.expert_tensor 1. Layers with shadowed experts exchange at once.")
     shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="FFN size of a dense shared expert "
                                                "every token passes through; 0: none.")
     shared_expert_gate: bool = Field(False, description="Scale the shared expert by a learned sigmoid gate.")
@@ -199,6 +205,11 @@ class MoEConfig(_Block):
             raise FieldProblem("placement.replica_budget", budget, "shadow experts need parallel.expert > 1 and "
                                f"parallel.expert_tensor 1 (got expert {self.parallel.expert}, expert_tensor "
                                f"{self.parallel.etp}); set replica_budget 0 or change the layout")
+        local = self.num_experts // self.parallel.expert
+        if self.overlap_chunks > 1 and (self.parallel.etp > 1 or self.overlap_chunks > local):
+            raise FieldProblem("overlap_chunks", self.overlap_chunks, f"must be 1 with parallel.expert_tensor > 1 "
+                               f"(got {self.parallel.etp}) and at most the local experts ({local}: num_experts "
+                               f"{self.num_experts} / parallel.expert {self.parallel.expert})")
         if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
             raise FieldProblem("shared_expert_gate", True, "there is no shared expert to gate; set "
                                "shared_expert_ffn_hidden_size > 0 or shared_expert_gate false")

@@ -107,11 +107,13 @@ class ExpertParallelDispatcher(TokenDispatcher):
         return Exchange(x_TH, plan.kept(sum(layout["send_splits"])), **layout)
 
     def layout(self, kept_D: Tensor, finite: Optional[FiniteCheck] = None, shadow_D: Optional[Tensor] = None,
-               extra_X: Optional[Tensor] = None) -> tuple[dict, list[int]]:
+               extra_X: Optional[Tensor] = None, per_slot: bool = False) -> tuple[dict, list[int]]:
         """The layout fields of an ``Exchange`` for this rank's kept routes per slot, after the
         finite verdict, and ``extra_X`` (integers the caller needs on the host too, read in the
         same transfer) as a list. ``shadow_D`` (bool [D], the same on every EP rank): slots whose
-        routes every rank computes itself (``shadow.py``); counted in ``traffic_PD``, not exchanged."""
+        routes every rank computes itself (``shadow.py``); counted in ``traffic_PD``, not exchanged.
+        ``per_slot``: the list starts with the rows to and from each peer per local slot
+        (``send_PL``, ``recv_PL`` flattened; ``overlap.py``)."""
         p = self.parallel
         D = kept_D.numel()
         if finite is not None and finite.group is None and p.ep_is_tokens:
@@ -134,7 +136,9 @@ class ExpertParallelDispatcher(TokenDispatcher):
         else:
             counts_GL = recv_PL
         parts = [send_PL.sum(1), recv_PL.sum(1), counts_GL.view(p.etp_size, -1).sum(1), counts_GL.sum(0), flags_P]
-        host = torch.cat([t.to(send_PL.dtype) for t in parts + [extra_X] if t is not None]).tolist()  # one sync
+        extras = [send_PL.reshape(-1), recv_PL.reshape(-1)] if per_slot else []
+        host = torch.cat([t.to(send_PL.dtype) for t in parts + extras + [extra_X] if t is not None])
+        host = host.tolist()                                              # the one sync
         send, recv, etp, counts_L, flags, extra = cut(host, *(t.numel() for t in parts))
         if finite is not None:
             finite.verdict(flags, flag_group)                             # before any row leaves

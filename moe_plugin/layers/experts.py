@@ -152,6 +152,17 @@ class GroupedExperts(nn.Module):
         w1_LHF = self.weight1.to(x_RH.dtype)
         w2_LFH = self.weight2.to(x_RH.dtype)
         own_grads = w1_LHF is self.weight1 and w2_LFH is self.weight2   # no cast in between
+        return self.ffn(x_RH, counts_L, gather_R, w1_LHF, w2_LFH, own_grads)
+
+    def split_weights(self, sizes: list[int], dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+        """The weights in ``dtype``, cut into consecutive groups of ``sizes`` local experts (one
+        ``split`` each: their gradients are joined once in backward)."""
+        return list(zip(self.weight1.to(dtype).split(sizes), self.weight2.to(dtype).split(sizes)))
+
+    def ffn(self, x_RH: Tensor, counts_L: list[int] | Tensor, gather_R: Optional[Tensor], w1_LHF: Tensor,
+            w2_LFH: Tensor, own_grads: bool = False) -> Tensor:
+        """``forward`` with given weights (all local experts, or a group of them, ``counts_L`` rows
+        each); ``own_grads``: they are the parameters themselves (``ffn_autograd.expert_ffn``)."""
         counts = counts_L if isinstance(counts_L, list) else counts_L.tolist()
         return expert_ffn(x_RH, w1_LHF, w2_LFH, counts, self.act, self.pick_backend(x_RH), gather_R,
                           save_pre=not self.recompute_pre_activation, grad_scale=self.grad_scale,

@@ -18,6 +18,8 @@ every layout-dependent factor. Forward on one rank::
     plan, finite = router(x_TH)       (this rank's tokens: capacity and losses per rank)
     dispatch / experts / combine      (ShadowingDispatcher, an ExpertParallelDispatcher, when EP or ETP > 1)
     + shared expert, attach aux loss  (its gradient scaled by 1/tp)
+    (``overlap_chunks`` > 1: ChunkedDispatcher, the exchange overlapped with the experts and the
+    shared expert, ``overlap.py``)
     out_TH -> gather_tokens over TP   (replicated input, no SP)
 
 Shadow experts (``set_shadow``, ``shadow.py``): the routes to a shadowed expert skip the
@@ -38,6 +40,7 @@ from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.layers import comm
 from moe_plugin.layers.dispatcher import Dispatch, TokenDispatcher
 from moe_plugin.layers.experts import GroupedExperts, SharedExpert
+from moe_plugin.layers.overlap import ChunkedDispatcher, ChunkedExchange
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import Router, RouterNoise, RoutingPlan
 from moe_plugin.layers.shadow import ShadowExperts, ShadowingDispatcher
@@ -180,8 +183,11 @@ class MoELayer(nn.Module):
                                       output_init_std=output_init_std, grad_scale=p.expert_grad_scale,
                                       recompute_pre_activation=config.recompute_fc1, backend=config.experts_backend)
         self.shadow = ShadowExperts(self.experts, p.ep)
-        self.dispatcher = (ShadowingDispatcher(config.num_experts, p, self.shadow) if p.expert_parallel
-                           else TokenDispatcher(config.num_experts))
+        self.dispatcher = TokenDispatcher(config.num_experts)
+        if p.expert_parallel and config.overlap_chunks > 1:
+            self.dispatcher = ChunkedDispatcher(config.num_experts, p, self.shadow, config.overlap_chunks)
+        elif p.expert_parallel:
+            self.dispatcher = ShadowingDispatcher(config.num_experts, p, self.shadow)
         self.shared_expert = None
         if config.shared_expert_ffn_hidden_size > 0:
             self.shared_expert = SharedExpert(hidden_size, config.shared_expert_ffn_hidden_size, config.activation,
@@ -207,10 +213,13 @@ class MoELayer(nn.Module):
         plan, finite = self.router(x_TH, noise, self.placement)
         state = self.dispatcher.prepare(x_TH, plan, finite)
         self.router.record_load(plan)
-        x_NH, gather_R, counts_L = self.dispatcher.to_experts(state)
-        out_TH = self.dispatcher.combine(self.experts(x_NH, counts_L, gather_R), state)
-        if self.shared_expert is not None:
-            out_TH = out_TH + self.shared_expert(x_TH)
+        if isinstance(state, ChunkedExchange):     # the shared expert runs during the exchange
+            out_TH = self.dispatcher.overlapped(state, self.experts, self.shared_expert)
+        else:
+            x_NH, gather_R, counts_L = self.dispatcher.to_experts(state)
+            out_TH = self.dispatcher.combine(self.experts(x_NH, counts_L, gather_R), state)
+            if self.shared_expert is not None:
+                out_TH = out_TH + self.shared_expert(x_TH)
         out_TH = self._attach_losses(out_TH, plan)
         self.last_stats = self._stats(plan, state)
         if p.splits_input:

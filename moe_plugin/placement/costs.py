@@ -169,29 +169,34 @@ class Collective:
 
 
 def moe_layer_collectives(tp: int, dp: int, ep: int, etp: int, sequence_parallel: bool = False,
-                          shadowed: bool = False) -> list[Collective]:
+                          shadowed: bool = False, overlap_chunks: int = 1) -> list[Collective]:
     """What one MoE layer runs per micro-batch on a rank of a stage with these sizes (a group
     of size 1 runs nothing). The router's finite flags ride in the EP counts exchange when the
     EP group is the stage's TP x DP ranks, else they take an all-to-all of their own over those.
     ETP rows move as all-to-alls (``comm.gather_rows``/``reduce_scatter_rows``); replicated
     input (tp > 1 without sequence parallelism) is split and its output all-gathered over TP. Not
-    listed: a shared expert's gradient all-reduces over TP (the planner models none)."""
+    listed: a shared expert's gradient all-reduces over TP (the planner models none).
+    ``overlap_chunks`` n > 1 without shadowed experts (``layers/overlap.py``): each EP ``rows``
+    all-to-all is n ``row chunk`` ones (1/n of the rows each, overlapped with the experts); the
+    planner prices the one-exchange list (an upper bound: it models no overlap)."""
     split = tp > 1 and not sequence_parallel
     a2a, fwd, bwd = "all_to_all_single", "forward", "backward"
+    chunks = overlap_chunks if ep > 1 and not shadowed else 1
+    rows = "rows" if chunks == 1 else "row chunk"
     plan = [
         (tp * dp > 1 and ep != tp * dp, Collective(fwd, a2a, "tokens", "finite flags")),
         (ep > 1, Collective(fwd, a2a, "ep", "counts")),
         (etp > 1, Collective(fwd, a2a, "etp", "counts")),
-        (ep > 1, Collective(fwd, a2a, "ep", "rows")),
+        *[(ep > 1, Collective(fwd, a2a, "ep", rows))] * chunks,
         (etp > 1, Collective(fwd, a2a, "etp", "rows")),
         (shadowed and ep > 1, Collective(fwd, "all_reduce", "ep", "shadow weights")),
         (etp > 1, Collective(fwd, a2a, "etp", "rows")),
-        (ep > 1, Collective(fwd, a2a, "ep", "rows")),
+        *[(ep > 1, Collective(fwd, a2a, "ep", rows))] * chunks,
         (split, Collective(fwd, "all_gather", "tp", "tokens")),
-        (ep > 1, Collective(bwd, a2a, "ep", "rows")),
+        *[(ep > 1, Collective(bwd, a2a, "ep", rows))] * chunks,
         (etp > 1, Collective(bwd, a2a, "etp", "rows")),
         (etp > 1, Collective(bwd, a2a, "etp", "rows")),
-        (ep > 1, Collective(bwd, a2a, "ep", "rows")),
+        *[(ep > 1, Collective(bwd, a2a, "ep", rows))] * chunks,
         (shadowed and ep > 1, Collective(bwd, "all_reduce", "ep", "shadow gradients")),
         (tp > 1, Collective(bwd, "all_reduce", "tp", "router gradient")),
         (split, Collective(bwd, "all_gather", "tp", "tokens")),

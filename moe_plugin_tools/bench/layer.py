@@ -15,12 +15,12 @@ For each configuration (``LayerBenchSpec``) ``bench_layer`` builds
 
 feeds them the same input [T, 1, H] and output gradient, and times forward + backward of
 each, the three in a rotating order every iteration (gradients set to None outside the timed
-region), after ``warmup`` untimed iterations. Everything runs on ``device`` in ``dtype`` (weights and
-activations; ``device.py``): off the CPU each timed step is bracketed by the accelerator's
-``synchronize`` and peak memory is the accelerator's ``max_memory_allocated``. Medians are reported, with the machine's load
-average and ``others_cpu``: the cores other processes kept busy meanwhile (``/proc/stat`` minus
-our own CPU time; near 0 on a quiet machine, and the timings are suspect when it is not). Then
-one more call of each runs under the allocator profiler for its peak memory (``memory.py``).
+region), after ``warmup`` untimed iterations. Everything runs on ``device`` in ``dtype`` (weights
+and activations; ``device.py``): off the CPU each timed step is bracketed by the accelerator's
+``synchronize`` and peak memory is the accelerator's ``max_memory_allocated``. Medians are
+reported, with the machine's load average and ``others_cpu``: the cores other processes kept
+busy meanwhile (``/proc/stat`` minus our own CPU time; near 0 on a quiet machine, and the timings
+are suspect when it is not). Then one more call of each runs under the allocator profiler for its peak memory (``memory.py``).
 An untimed first call checks that the two layers route alike (per-expert loads equal) and
 reports how far apart their outputs are.
 
@@ -69,6 +69,7 @@ class LayerBenchSpec:
     vs_megatron: bool = False
     breakdown: bool = False
     recompute_pre_activation: bool = False
+    overlap_chunks: int = 1
     seed: int = 0
     device: str = "cpu"
     dtype: str = "fp32"
@@ -82,7 +83,8 @@ class LayerBenchSpec:
         block = {"num_experts": self.experts, "router": router, "capacity_factor": self.capacity_factor,
                  "eval_capacity_factor": self.capacity_factor, "drop_tokens": not self.dropless,
                  "activation": "gelu", "aux_loss_coeff": AUX_LOSS_COEFF, "parallel": {"expert": ep},
-                 "recompute_fc1": self.recompute_pre_activation}
+                 "recompute_fc1": self.recompute_pre_activation,
+                 "overlap_chunks": self.overlap_chunks if ep > 1 else 1}
         if router == "gshard":
             block["second_expert_policy"] = "all"  # see deepspeed_moe.py
         if router == "topk":
@@ -328,7 +330,8 @@ def specs_from_args(args: argparse.Namespace) -> list[LayerBenchSpec]:
                            capacity_factor=args.capacity_factor, dropless=args.dropless, skew=s,
                            iters=args.iters, warmup=args.warmup, vs_deepspeed=args.vs == "deepspeed",
                            vs_megatron=args.vs == "megatron", breakdown=args.breakdown,
-                           recompute_pre_activation=args.recompute_pre_activation, seed=args.seed,
+                           recompute_pre_activation=args.recompute_pre_activation,
+                           overlap_chunks=args.overlap_chunks, seed=args.seed,
                            device=target.device, dtype=target.dtype)
             for e in args.experts for s in args.skew]
 
@@ -340,7 +343,8 @@ def summary(record: dict) -> str:
         return "-" if value is None else f"{value:.1f}"
 
     return (f"ep={record['ep']} T={record['tokens']} E={record['experts']} H={record['hidden']} F={record['ffn']} k={record['k']} "
-            f"cf={record['capacity_factor']}{' dropless' if record['dropless'] else ''} skew={record['skew']}: "
+            f"cf={record['capacity_factor']}{' dropless' if record['dropless'] else ''} skew={record['skew']}"
+            f"{' chunks=%d' % record['overlap_chunks'] if record.get('overlap_chunks', 1) > 1 else ''}: "
             f"ours {ms('ours')} ms, deepspeed {ms('deepspeed')} ms, "
             + (f"megatron {ms('megatron')} ms, " if record["megatron_ms"] is not None else "")
             + f"floor {ms('floor')} ms | "
