@@ -20,7 +20,8 @@ and activations; ``device.py``): off the CPU each timed step is bracketed by the
 ``synchronize`` and peak memory is the accelerator's ``max_memory_allocated``. Medians are
 reported, with the machine's load average and ``others_cpu``: the cores other processes kept
 busy meanwhile (``/proc/stat`` minus our own CPU time; near 0 on a quiet machine, and the timings
-are suspect when it is not). Then one more call of each runs under the allocator profiler for its peak memory (``memory.py``).
+are suspect when it is not). Then one more call of each runs under the allocator profiler for its
+peak memory (``memory.py``).
 An untimed first call checks that the two layers route alike (per-expert loads equal) and
 reports how far apart their outputs are.
 
