@@ -27,6 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
@@ -102,3 +103,13 @@ def attempts(results: dict, rank: int) -> Callable:
         except Exception:   # reported by the case's test; the next case goes on
             results[name] = f"rank {rank}:\n{traceback.format_exc()}"
     return attempt
+
+
+def case_results(results: list, name: str) -> list:
+    """Every rank's result of case ``name`` (one entry of each rank's ``attempts`` dict); a rank's
+    traceback fails the calling test with that traceback."""
+    out = [r[name] for r in results]
+    for r in out:
+        if isinstance(r, str):
+            pytest.fail(r, pytrace=False)
+    return out

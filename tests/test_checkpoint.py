@@ -450,11 +450,9 @@ def results8(tmp_path_factory):
 
 
 def _per_rank(results, name) -> list:
-    out = [r[name] for r in results]
-    for r in out:
-        if isinstance(r, str):
-            pytest.fail(r, pytrace=False)
-    return out
+    from dist import case_results
+
+    return case_results(results, name)
 
 
 @pytest.mark.parametrize("name", list(RESUME))

@@ -243,11 +243,9 @@ def results(tmp_path_factory):
 
 
 def _case(results, name) -> list:
-    out = [r[name] for r in results[1]]
-    for r in out:
-        if isinstance(r, str):
-            pytest.fail(r, pytrace=False)
-    return out
+    from dist import case_results
+
+    return case_results(results[1], name)
 
 
 @pytest.mark.parametrize("name", list(DAMAGE))

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist import attempts, run_distributed
+from dist import attempts, case_results, run_distributed
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.layers import MoELayer
 
@@ -219,10 +219,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_engine_matches_single_process(name, results):
     case = CASES[name]
-    per_rank = [r[name] for r in results]
-    for result in per_rank:
-        if isinstance(result, str):
-            pytest.fail(result, pytrace=False)
+    per_rank = case_results(results, name)
     sizes = MoEConfig.from_dict({**MOE, "parallel": case["parallel"]}).check_world_size(4)
     ref = reference(case["parallel"], case["gas"], sizes.dp)
     assert all(n > CLIP for n in ref["norms"]), "clipping should be active in every step"

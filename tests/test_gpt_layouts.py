@@ -35,7 +35,7 @@ import os
 import pytest
 import torch
 
-from dist import attempts, run_distributed
+from dist import attempts, case_results, run_distributed
 from gpt_tiny import MODEL as TINY
 from gpt_tiny import (cpu_sequence_parallel, global_batch, gpt_provider, micro_batches, one_rank_groups,
                       pipeline_provider, shard_full, torch_steps)
@@ -247,10 +247,7 @@ def test_one_rank_engine_is_plain_torch_and_training_moves(one_rank):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_trains_like_one_rank(name, one_rank, runs):
-    per_rank = [r[name] for r in runs(LAYOUTS[name][0])]
-    for result in per_rank:
-        if isinstance(result, str):
-            pytest.fail(result, pytrace=False)
+    per_rank = case_results(runs(LAYOUTS[name][0]), name)
     torch.testing.assert_close(step_losses(per_rank), torch.tensor(one_rank["losses"], dtype=torch.float64), **TOL,
                                msg=lambda m: f"{name} per-step losses: {m}")
     for rank, result in enumerate(per_rank):

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dist import run_distributed
+from dist import case_results, run_distributed
 from moe_plugin.configs import MoEConfig
 from moe_plugin.groups.layout import RankLayout
 from moe_plugin.layers import MoELayer
@@ -213,7 +213,5 @@ def dist_counts(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(DIST_CASES))
 def test_one_host_sync_per_forward_expert_parallel(dist_counts, name):
-    for result in dist_counts:
-        if isinstance(result[name], str):
-            pytest.fail(result[name], pytrace=False)
-        _check(*result[name])
+    for result in case_results(dist_counts, name):
+        _check(*result)

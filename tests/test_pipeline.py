@@ -27,7 +27,7 @@ import traceback
 import pytest
 import torch
 
-from dist import run_distributed
+from dist import case_results, run_distributed
 from gpt_tiny import (MODEL, SEQ, VOCAB, global_batch, micro_batches, one_rank_groups, pipeline_provider, torch_steps,
                       transformer_config)
 from moe_plugin.configs import ConfigError, MoEConfig
@@ -195,10 +195,7 @@ def test_pipeline_module_is_the_gpt_model(oracle):
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipeline_engine_matches_single_process(name, oracle, runs):
     world_size = CASES[name][0]
-    per_rank = [r[name] for r in runs(world_size)]
-    for result in per_rank:
-        if isinstance(result, str):
-            pytest.fail(result, pytrace=False)
+    per_rank = case_results(runs(world_size), name)
     ref = oracle["z"]
     for rank, result in enumerate(per_rank):
         def close(actual, expected, what):
