@@ -4,24 +4,23 @@ from __future__ import annotations
 import argparse
 
 
-def int_list(text: str) -> list[int]:
+def _number_list(text: str, parse, least, noun: str, bounded: str) -> list:
+    """``text`` as comma-separated ``parse`` values, each at least ``least``."""
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [parse(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated {noun}, got {text!r}") from None
+    if not values or min(values) < least:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {bounded}, got {text!r}")
     return values
+
+
+def int_list(text: str) -> list[int]:
+    return _number_list(text, int, 1, "integers", "positive integers")
 
 
 def float_list(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 0, got {text!r}")
-    return values
+    return _number_list(text, float, 0, "numbers", "numbers >= 0")
 
 
 def positive_int(text: str) -> int:
