@@ -115,7 +115,7 @@ class MoEConfig(_Block):
         "softmax", description="softmax: gates are softmax probabilities over the experts (GShard, Switch). "
         "sigmoid (DeepSeek-V3): each expert's score is the sigmoid of its logit; experts are chosen on score + "
         "expert bias, the gates are the chosen scores (renormalised when normalize_gates); router 'topk' only. Its "
-        "balance loss is E/k * sum_e f_e * P_e: f_e the fraction of the k*T routes choosing e (before capacity), "
+        "balance loss is E * sum_e f_e * P_e: f_e the fraction of the k*T routes choosing e (before capacity), "
         "P_e the mean over tokens of e's score divided by the token's sum of scores (1.0 when uniform).")
     gate_scale: float = Field(1.0, gt=0, description="Routed scaling factor: every gate is multiplied by it, after "
                               "normalisation (DeepSeek-V3 uses 2.5 with sigmoid scores).")
