@@ -93,12 +93,9 @@ def chunked(state: Exchange, n: int, send_PL: list[int], recv_PL: list[int]) -> 
         counts = [sum(recv_PL[p * L + l] for p in range(P)) for l in range(l0, l1)]
         sort_R, unsort_R = source_to_expert_order(recv_PL_t[:, l0:l1], total=sum(recv))
         chunks.append(ExchangeChunk(l0, l1, send, recv, counts, sort_R, unsort_R))
-    kept_D = state.plan.kept_D
-    R = state.plan.token_R.numel()
-    slot_R = torch.repeat_interleave(torch.arange(kept_D.numel(), device=device), kept_D, output_size=R)
-    order_R = torch.sort(chunk_L[slot_R % L], stable=True).indices
+    order_R = torch.sort(chunk_L[state.plan.slot_R() % L], stable=True).indices
     unorder_R = torch.empty_like(order_R)
-    unorder_R[order_R] = torch.arange(R, device=device)
+    unorder_R[order_R] = torch.arange(order_R.numel(), device=device)
     fields = {name: getattr(state, name) for name in state.__dataclass_fields__}
     return ChunkedExchange(**fields, chunks=chunks, order_R=order_R, unorder_R=unorder_R)
 

@@ -122,6 +122,12 @@ class RoutingPlan:
         return replace(self, route_R=self.route_R[:num_kept], token_R=self.token_R[:num_kept],
                        gate_R=self.gate_R[:num_kept])
 
+    def slot_R(self) -> Tensor:
+        """The slot of each listed route, once the plan lists its kept routes only (``kept``):
+        route r of the slot-sorted list lies in slot s while ``kept_D`` up to s covers it."""
+        slots_D = torch.arange(self.kept_D.numel(), device=self.kept_D.device)
+        return torch.repeat_interleave(slots_D, self.kept_D, output_size=self.route_R.numel())
+
     @property
     def dropped_fraction(self) -> Tensor:
         """Fraction of routes (after random routing) dropped by capacity."""

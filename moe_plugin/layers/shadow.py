@@ -73,10 +73,8 @@ def split_routes(plan: RoutingPlan, shadow_D: Tensor, slots: list[int],
     """``plan`` (kept routes sorted by slot) -> the plan of the exchanged routes (``kept_D`` zero
     at shadowed slots) and the routes to shadowed experts, ``counts[i]`` of them to slot
     ``slots[i]`` (ascending; read on the host with the exchange's counts). No host sync."""
-    D = plan.kept_D.numel()
-    R = plan.route_R.numel()
-    slot_R = torch.repeat_interleave(torch.arange(D, device=plan.kept_D.device), plan.kept_D, output_size=R)
-    order_R = stable_partition(torch.arange(R, device=slot_R.device), shadow_D[slot_R])
+    slot_R = plan.slot_R()
+    order_R = stable_partition(torch.arange(slot_R.numel(), device=slot_R.device), shadow_D[slot_R])
     shadowed_R, exchanged_R = order_R[:sum(counts)], order_R[sum(counts):]
     routes = ShadowRoutes(slots=slots, counts=counts, token_R=plan.token_R[shadowed_R],
                           gate_R=plan.gate_R[shadowed_R], route_R=plan.route_R[shadowed_R])
