@@ -19,16 +19,22 @@ TOY = GPTSpec(layers=2, hidden=32, heads=4, ffn=64, experts=4, ep=2, moe_every=1
               capacity_factor=4.0)
 
 
-def _child(rank, world_size, spec):
+def _child(rank, world_size, spec, parts=0):
     from moe_plugin_tools.bench.step import rank_main
 
-    return rank_main(rank, world_size, spec, rounds=2, warmup=1, threads=1, init_method="unused: harness group")
+    return rank_main(rank, world_size, spec, rounds=2, warmup=1, threads=1, init_method="unused: harness group",
+                     parts=parts)
 
 
 @pytest.mark.parametrize("dropless", [False, True], ids=["capacity", "dropless"])
 def test_bench_step_record(dist_run, dropless):
-    records = dist_run(_child, 2, dataclasses.replace(TOY, dropless=dropless), timeout=300)
+    records = dist_run(_child, 2, dataclasses.replace(TOY, dropless=dropless), 0 if dropless else 2, timeout=300)
     record = records[0]
+    if not dropless:   # --parts 2: where the time of two more steps of each model goes
+        _check_parts(record["ours_parts_ms"], ours=True)
+        _check_parts(record["deepspeed_parts_ms"], ours=False)
+    else:
+        assert "ours_parts_ms" not in record
     assert records[1]["ours_losses"] == record["ours_losses"]       # the record is the job's, on every rank
     for field in ("ours_ms", "deepspeed_ms", "deepspeed_over_ours", "ours_cpu_ms", "deepspeed_cpu_ms",
                   "deepspeed_over_ours_cpu"):
@@ -52,6 +58,21 @@ def test_bench_step_record(dist_run, dropless):
     from moe_plugin_tools.bench.step import summary
 
     assert summary(record).startswith(f"ranks=2 ep=2 L=2 H=32 F=64 E=4 {'dropless' if dropless else 'cf=4.0'} ")
+
+
+def _check_parts(parts: dict, ours: bool) -> None:
+    from moe_plugin_tools.bench.step_parts import PARTS
+
+    assert set(parts) == {*PARTS, "total"} and all(v >= 0 for v in parts.values()), parts
+    assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"], rel=0.02), parts
+    for part in ("attention", "norms", "embedding", "output", "optimizer", "moe.all_to_all"):
+        assert parts[part] > 0, (part, parts)
+    layer_parts = ("moe.router", "moe.dispatch", "moe.experts", "moe.combine")
+    if ours:   # the layer's own scopes; the MoE MLP wrapper outside them is small
+        assert all(parts[p] > 0 for p in layer_parts) and parts["moe.experts"] > parts["moe"], parts
+    else:      # DeepSpeed's MoE is one part, its all-to-alls apart
+        assert all(parts[p] == 0 for p in layer_parts) and parts["moe"] > 0, parts
+    assert parts["mlp"] == 0, parts   # every layer of the toy model is an MoE layer
 
 
 def test_cli_step_checks_sizes_and_the_launcher(capsys, monkeypatch):

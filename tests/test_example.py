@@ -75,7 +75,12 @@ def _train(tmp_path: Path, name: str, world_size: int, *extra: str, **moe_parall
 
 
 def test_two_ranks_train_and_match_one_rank(tmp_path):
-    two = _train(tmp_path, "dp2_ep2", 2, expert=2)
+    two = _train(tmp_path, "dp2_ep2", 2, "--profile", "--profile-step-start", "2", "--profile-step-end", "4",
+                 expert=2)
+    parts = json.loads((tmp_path / "runs" / "dp2_ep2" / "parts.json").read_text())   # --profile
+    assert parts["steps"] == [2, 4] and parts["mean"]["total"] > 0
+    for part in ("attention", "moe.router", "moe.all_to_all", "moe.experts", "moe.combine", "optimizer"):
+        assert 0 < parts["mean"][part] <= parts["max"][part], (part, parts)
     train = [r for r in two if r["split"] == "train"]
     valid = [r for r in two if r["split"] == "valid"]
     losses = [r["loss"] for r in train]
@@ -130,6 +135,8 @@ def test_two_ranks_train_and_match_one_rank(tmp_path):
                                                            r"num_experts \(4\)"),
     ({"argv": ["--num-attention-heads", "3"]}, r"^error: --num-attention-heads: got 3; must divide --hidden-size"),
     ({"argv": ["--valid-fraction", "1.5"]}, r"^error: --valid-fraction: got 1.5; expected a fraction of the documents"),
+    ({"argv": ["--profile", "--profile-step-end", "99"]}, r"^error: --profile-step-end: got 99; the profiled steps "
+                                                         r"must lie in 0 <= --profile-step-start \(10\) < "),
 ])
 def test_bad_flags_stop_before_anything_is_written(tmp_path, monkeypatch, capsys, change, message):
     import re

@@ -60,6 +60,10 @@ def check_flags(args: argparse.Namespace) -> None:
     for name in ("eval_interval", "save_interval"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "expected an integer >= 0")
+    if args.profile and not 0 <= args.profile_step_start < args.profile_step_end <= args.train_iters:
+        raise ConfigError("--profile-step-end", args.profile_step_end, f"the profiled steps must lie in "
+                          f"0 <= --profile-step-start ({args.profile_step_start}) < --profile-step-end <= "
+                          f"--train-iters ({args.train_iters})")
     if args.hidden_size % args.num_attention_heads:
         raise ConfigError("--num-attention-heads", args.num_attention_heads, f"must divide --hidden-size "
                           f"({args.hidden_size})")

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch.autograd.profiler import record_function
 
 from moe_plugin import alike_on_every_rank, raised_alike, report_error
 from moe_plugin.configs import ConfigError, MoEConfig
@@ -128,6 +129,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     data.add_argument("--vocab-size", type=int, default=None,
                       help="tokenizer vocabulary of --data-path data (default: its largest token id + 1)")
     data.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    train.add_argument("--profile", action="store_true",
+                       help="time the parts of the steps from --profile-step-start to --profile-step-end (attention, "
+                       "MLPs, the MoE layer's router / dispatch / all-to-all / experts / combine, collectives, "
+                       "optimizer; torch.profiler, CPU) and log them, mean and max over the ranks, to the console and "
+                       "parts.json in the run directory (Megatron-LM's flags)")
+    train.add_argument("--profile-step-start", type=int, default=10, help="first profiled step (0-based)")
+    train.add_argument("--profile-step-end", type=int, default=12, help="the profile stops before this step")
     out = parser.add_argument_group("output")
     out.add_argument("--run-dir", default=None, help="metrics and plot go here (default: runs/<config name>)")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
@@ -300,9 +308,12 @@ def train_step(run, data: Data, plan: RunPlan, step: int) -> float:
     optimizer at the last one). Returns the global batch's loss (averaged over data parallelism)."""
     engine, losses = run.engine, []
     for tokens_BS, labels_BS in micro_batches(data.train, data.schedule, plan, run.groups, step):
-        loss = micro_batch_loss(engine, tokens_BS, labels_BS)
-        engine.backward(loss)     # sequence-parallel norm gradients are summed over TP in here
-        engine.step()
+        with record_function("step.forward"):      # profiler scopes: the phases of --profile's parts
+            loss = micro_batch_loss(engine, tokens_BS, labels_BS)
+        with record_function("step.backward"):
+            engine.backward(loss)     # sequence-parallel norm gradients are summed over TP in here
+        with record_function("optimizer"):
+            engine.step()
         losses.append(loss.detach())
     return data_parallel_mean(torch.stack(losses).mean(), run.groups)
 
@@ -389,6 +400,19 @@ def per_rank(value: float, device) -> list[float]:
     return [round(float(v.item()), 1) for v in values]
 
 
+def log_parts(log: TrainingLog, parts: dict[str, float], args, device) -> None:
+    """``--profile``: the parts of the profiled steps, mean and max over the ranks (collective)."""
+    from moe_plugin_tools.bench.step_parts import over_ranks, table
+
+    ranks = over_ranks(parts, device)
+    if log.enabled:
+        log.run_dir.mkdir(parents=True, exist_ok=True)
+        (log.run_dir / "parts.json").write_text(json.dumps(
+            {"steps": [args.profile_step_start, args.profile_step_end], "unit": "ms per step", **ranks}, indent=1))
+    log.info(f"parts of steps {args.profile_step_start}-{args.profile_step_end - 1}, ms per step "
+             f"(torch.profiler; mean and max over the ranks):\n" + table({"mean": ranks["mean"], "max": ranks["max"]}))
+
+
 # --- checkpoints ----------------------------------------------------------------------------------
 def save_checkpoint(run, directory: str, step: int) -> None:
     """Collective. Experts are saved by global id, the rest by DeepSpeed (``moe_plugin.save_checkpoint``)."""
@@ -442,7 +466,12 @@ def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics,
     step_fn, eval_fn = (pipeline_train_step, pipeline_evaluate) if plan.sizes.pp > 1 else (train_step, evaluate)
     tokens_per_step = plan.global_batch_size * args.seq_length
     interval_s, interval_steps = 0.0, 0   # training time only: validation and checkpoints excluded
+    profile = None
     for step in range(start, args.train_iters):
+        if args.profile and step == args.profile_step_start:
+            from moe_plugin_tools.bench.step_parts import PartsProfile
+            profile = PartsProfile(engine.module)
+            profile.start()
         began = time.perf_counter()
         loss = step_fn(result, data, plan, step)
         if placement is not None:
@@ -451,6 +480,9 @@ def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics,
         interval_s += step_s
         interval_steps += 1
         done = step + 1
+        if profile is not None and done == args.profile_step_end:
+            log_parts(log, profile.stop(done - args.profile_step_start), args, engine.device)
+            profile = None
         health = result.guard.after_step(done, step_s)   # collective: non-finite gradients, skipped steps, slow step
         if not math.isfinite(loss) and health.stopped is None:
             raise FloatingPointError(f"step {done}: the loss is {loss}; lower the learning rate or check the data")

@@ -53,6 +53,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.autograd.profiler import record_function
 
 from moe_plugin_tools.bench.gpt_models import GPTSpec
 from moe_plugin_tools.bench.machine import cpu_seconds, loadavg, others_share
@@ -164,26 +165,30 @@ def _trainer(engine: Any, timer: MoETimer, aux: Optional[Callable[[], torch.Tens
         ids, pos, labels = batch
         timer.reset()
         t0 = _clock()
-        lm = engine(ids, pos, None, labels=labels).float().mean()
-        loss = lm if aux is None else lm + aux()
-        timer.sync()
+        with record_function("step.forward"):    # the phase scopes of ``step_parts`` (--parts)
+            lm = engine(ids, pos, None, labels=labels).float().mean()
+            loss = lm if aux is None else lm + aux()
+            timer.sync()
         forward = _since(t0)
         t1 = _clock()
-        engine.backward(loss)
-        timer.sync()
+        with record_function("step.backward"):
+            engine.backward(loss)
+            timer.sync()
         backward = _since(t1)
         t2 = _clock()
-        engine.step()
-        timer.sync()
+        with record_function("optimizer"):
+            engine.step()
+            timer.sync()
         optimizer = _since(t2)
         return float(lm.detach()), [forward, backward, optimizer, tuple(timer.forward), tuple(timer.backward)]
 
     return step
 
 
-def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
+def bench_step(spec: GPTSpec, rounds: int, warmup: int, parts: int = 0) -> dict:
     """Build both models and time them (module docstring); every rank calls it with torch.distributed
-    initialised (gloo). Returns the record (the same on every rank)."""
+    initialised (gloo). Returns the record (the same on every rank). ``parts``: profile that many
+    more steps of each model (``step_parts.py``) for ``{model}_parts_ms``."""
     from moe_plugin_tools.bench.gpt_models import build_deepspeed_twin, build_ours, same_weights, twin_aux_loss
     from moe_plugin.integration.megatron import MegatronMoEMLP
     from moe_plugin.integration.monitor import ExpertMetrics
@@ -231,6 +236,8 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
                 if name == "ours":
                     metrics.collect()   # outside the timed region (a small all-reduce per layer)
         busy_after = cpu_seconds()
+        profiled = {name: _parts(model.module, steps[name], batches, parts, spec.device)
+                    for name, model in (("ours", ours.engine), ("deepspeed", twin)) if parts}
         for timer in timers.values():
             timer.close()
         metrics.close()
@@ -253,6 +260,7 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
                                            for i, p in enumerate(PHASES)}
             record[f"{name}_phases_cpu_ms"] = {p: round(statistics.median(t[n + i + 1] for t in times[name]), 2)
                                                for i, p in enumerate(PHASES)}
+        record.update({f"{name}_parts_ms": {k: round(v, 2) for k, v in p.items()} for name, p in profiled.items()})
         record.update({f"{name}_losses": [round(v, 5) for v in losses[name]] for name in MODELS})
         record["step0_loss_diff"] = abs(losses["ours"][0] - losses["deepspeed"][0])
         record["same_initial_weights"] = same
@@ -262,6 +270,18 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int) -> dict:
         return record
     finally:
         ours.close()
+
+
+def _parts(model: torch.nn.Module, step: Callable, batches: list, count: int, device: str) -> dict[str, float]:
+    """Where ``count`` more steps of a model spend their time, mean over the ranks (``step_parts``)."""
+    from moe_plugin_tools.bench.step_parts import PartsProfile, over_ranks
+
+    profile = PartsProfile(model)
+    dist.barrier()
+    profile.start()
+    for i in range(count):
+        step(batches[i % len(batches)])
+    return over_ranks(profile.stop(count), device)["mean"]
 
 
 def _process_cpu_seconds() -> float:
@@ -304,24 +324,26 @@ def run(args: argparse.Namespace) -> None:
         if int(os.environ["WORLD_SIZE"]) != world:
             raise ValueError(f"--ranks {world} but the launcher started WORLD_SIZE={os.environ['WORLD_SIZE']} ranks")
         rank = int(os.environ["RANK"])
-        record = rank_main(rank, world, spec, args.rounds, args.warmup, threads, "env://")
+        record = rank_main(rank, world, spec, args.rounds, args.warmup, threads, "env://", args.parts)
         if rank == 0:
             emit(record)
         return
     with tempfile.TemporaryDirectory(prefix="moe_bench_step_") as tmp:
-        mp.spawn(_spawned, args=(world, spec, args.rounds, args.warmup, threads, tmp), nprocs=world, join=True)
+        mp.spawn(_spawned, args=(world, spec, args.rounds, args.warmup, threads, tmp, args.parts), nprocs=world,
+                 join=True)
         emit(json.loads((Path(tmp) / "record.json").read_text()))
 
 
-def _spawned(rank: int, world: int, spec: GPTSpec, rounds: int, warmup: int, threads: int, tmp: str) -> None:
+def _spawned(rank: int, world: int, spec: GPTSpec, rounds: int, warmup: int, threads: int, tmp: str,
+             parts: int = 0) -> None:
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep stdout for results
-        record = rank_main(rank, world, spec, rounds, warmup, threads, f"file://{tmp}/store")
+        record = rank_main(rank, world, spec, rounds, warmup, threads, f"file://{tmp}/store", parts)
     if rank == 0:
         (Path(tmp) / "record.json").write_text(json.dumps(record))
 
 
 def rank_main(rank: int, world: int, spec: GPTSpec, rounds: int, warmup: int, threads: int,
-              init_method: str) -> dict:
+              init_method: str, parts: int = 0) -> dict:
     """One rank: the default group (unless one exists, a test harness's), the bench, teardown."""
     torch.set_num_threads(threads)
     # what the deepspeed launcher sets (DeepSpeed's engine asserts LOCAL_RANK)
@@ -335,7 +357,7 @@ def rank_main(rank: int, world: int, spec: GPTSpec, rounds: int, warmup: int, th
     if owns_world:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     try:
-        return bench_step(spec, rounds, warmup)
+        return bench_step(spec, rounds, warmup, parts)
     finally:
         if owns_world:
             dist.destroy_process_group()
