@@ -15,7 +15,8 @@ gradient factors that make the gradients layout-independent, bias and noise) and
 every layout-dependent factor. Forward on one rank::
 
     x_TH = hidden_SBH.reshape(T, H)  -> split_tokens over TP (replicated input, no SP)
-    plan, finite = router(x_TH)       (this rank's tokens: capacity and losses per rank)
+    plan, finite = router(x_TH)       (this rank's tokens: capacity and z loss per rank; the
+                                       balance loss per aux_loss_scope, ``balance.py``)
     dispatch / experts / combine      (ShadowingDispatcher, an ExpertParallelDispatcher, when EP or ETP > 1)
     + shared expert, attach aux loss  (its gradient scaled by 1/tp)
     (``overlap_chunks`` > 1: ChunkedDispatcher, the exchange overlapped with the experts and the
@@ -38,6 +39,7 @@ from torch import Tensor, nn
 
 from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.layers import comm
+from moe_plugin.layers.balance import BalanceScope
 from moe_plugin.layers.dispatcher import Dispatch, TokenDispatcher
 from moe_plugin.layers.experts import GroupedExperts, SharedExpert
 from moe_plugin.layers.overlap import ChunkedDispatcher, ChunkedExchange
@@ -177,6 +179,7 @@ class MoELayer(nn.Module):
             _check_sizes(config, p)
         self.router = Router(config, hidden_size, seed=seed, init_std=init_std, noise_index=p.token_rank,
                              grad_group=p.dense_grad_group, check_group=None if p.ep_is_tokens else p.tokens)
+        self.balance = BalanceScope(config.aux_loss_scope, p)
         self.experts = GroupedExperts(config.num_experts, hidden_size, ffn, config.activation, placement=placement,
                                       ep_size=p.ep_size, ep_rank=p.ep_rank, etp_size=p.etp_size, etp_rank=p.etp_rank,
                                       group_name=p.expert_group_name, seed=seed, init_std=init_std,
@@ -210,7 +213,9 @@ class MoELayer(nn.Module):
         x_TH = hidden_SBH.reshape(-1, self.hidden_size)
         if p.splits_input:
             x_TH = comm.split_tokens(x_TH, p.tp)
-        plan, finite = self.router(x_TH, noise, self.placement)
+        first_row = comm.group_rank(p.tp) * x_TH.shape[0] if p.splits_input else 0
+        balance = self.balance.loss_for(hidden_SBH.shape[1], first_row, self.training)
+        plan, finite = self.router(x_TH, noise, self.placement, balance)
         state = self.dispatcher.prepare(x_TH, plan, finite)
         self.router.record_load(plan)
         if isinstance(state, ChunkedExchange):     # the shared expert runs during the exchange
@@ -269,6 +274,12 @@ class MoELayer(nn.Module):
         if self.last_stats is None:
             return None
         return reduce_stats(self.last_stats, self.parallel.tokens)
+
+    def reset_balance_counts(self) -> None:
+        """With ``aux_loss_scope`` global: a new optimizer step starts, the next training forward's
+        balance loss counts only its own load (``balance.py``). Call it after every optimizer step
+        (``moe_plugin.initialize`` does, before the first forward of each step)."""
+        self.balance.reset()
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:
