@@ -53,6 +53,8 @@ def test_sequence_scope_is_the_mean_over_sequences(score):
     torch.testing.assert_close(grad, expected_grad, atol=1e-6, rtol=1e-6)
     micro, _ = _aux_only(make_layer(aux_loss_coeff=COEFF, drop_tokens=False, **SCORES[score]).train(), x_SBH)
     assert not torch.allclose(micro, loss, atol=1e-4), "the case should tell the scopes apart"
+    with pytest.raises(ValueError, match=r"aux_loss_scope 'sequence' needs the MoE layer input as \[S, B, H\]"):
+        layer(x_SBH.reshape(-1, H))
 
 
 @pytest.mark.parametrize("score", list(SCORES))

@@ -76,10 +76,14 @@ class BalanceScope:
         """Forget the counts of earlier micro-batches: a new optimizer step starts."""
         self.count_E = None
 
-    def loss_for(self, sequences: int, first_row: int, training: bool) -> BalanceFn:
-        """The balance loss of a forward of ``sequences`` sequences whose local rows start at row
-        ``first_row`` of the micro-batch; a training forward adds its counts (global)."""
+    def loss_for(self, sequences: Optional[int], first_row: int, training: bool) -> BalanceFn:
+        """The balance loss of a forward of ``sequences`` sequences (None: the input is not
+        [S, B, H]) whose local rows start at row ``first_row`` of the micro-batch; a training
+        forward adds its counts (global)."""
         if self.scope == "sequence":
+            if sequences is None:
+                raise ValueError("moe.aux_loss_scope 'sequence' needs the MoE layer input as [S, B, H] "
+                                 "(sequence, batch, hidden): it forms the balance loss per sequence")
             return partial(sequence_balance_loss, sequences=sequences, first_row=first_row, group=self.sequence_group)
         if self.scope == "global":
             return partial(self._global_loss, training=training)

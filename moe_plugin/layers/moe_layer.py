@@ -214,7 +214,8 @@ class MoELayer(nn.Module):
         if p.splits_input:
             x_TH = comm.split_tokens(x_TH, p.tp)
         first_row = comm.group_rank(p.tp) * x_TH.shape[0] if p.splits_input else 0
-        balance = self.balance.loss_for(hidden_SBH.shape[1], first_row, self.training)
+        balance = self.balance.loss_for(hidden_SBH.shape[1] if hidden_SBH.dim() == 3 else None, first_row,
+                                        self.training)
         plan, finite = self.router(x_TH, noise, self.placement, balance)
         state = self.dispatcher.prepare(x_TH, plan, finite)
         self.router.record_load(plan)
