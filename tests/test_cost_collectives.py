@@ -22,7 +22,7 @@ S, B, H, F, E = 8, 2, 16, 16, 4
 WRAPPED = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_reduce",
            "reduce_scatter", "reduce_scatter_tensor", "broadcast", "barrier", "send", "recv")
 
-# name -> (RankLayout.build sizes, sequence parallel, shadowed experts[, overlap_chunks])
+# name -> (RankLayout.build sizes, sequence parallel, shadowed experts[, overlap_chunks[, aux_loss_scope]])
 LAYOUTS2 = {
     "dp2-ep2": (dict(ep=2), False, []),
     "dp2-ep2-shadow": (dict(ep=2), False, [0]),
@@ -32,19 +32,23 @@ LAYOUTS2 = {
     "tp2sp-ep2": (dict(tp=2, ep=2, etp=1), True, []),
     "dp2-ep2-overlap2": (dict(ep=2), False, [], 2),
     "dp2-ep2-overlap2-shadow": (dict(ep=2), False, [1], 2),    # shadowed: one exchange
+    "tp2-ep2-sequence": (dict(tp=2, ep=2, etp=1), False, [], 1, "sequence"),
+    "dp2-ep2-global": (dict(ep=2), False, [], 1, "global"),
 }
 LAYOUTS4 = {
     "dp4-ep2": (dict(ep=2), False, []),
     "tp2-ep2-etp2-dp2": (dict(tp=2, ep=2, etp=2), False, []),
     "tp2sp-ep4-dp2": (dict(tp=2, ep=4, etp=1), True, [1]),
     "tp2-ep2-dp2-overlap2": (dict(tp=2, ep=2, etp=1), False, [], 2),
+    "tp2sp-ep2-dp2-sequence": (dict(tp=2, ep=2, etp=1), True, [], 1, "sequence"),
+    "tp2-dp2-global": (dict(tp=2, etp=1), False, [], 1, "global"),
 }
 
 
-def _layer(world_size: int, groups, sizes: dict, sp: bool, chunks: int) -> MoELayer:
+def _layer(world_size: int, groups, sizes: dict, sp: bool, chunks: int, scope: str) -> MoELayer:
     s = RankLayout.build(world_size, **sizes).sizes
     config = MoEConfig.from_dict({"num_experts": E, "router": "topk", "top_k": 2, "aux_loss_coeff": 0.1,
-                                  "overlap_chunks": chunks,
+                                  "overlap_chunks": chunks, "aux_loss_scope": scope,
                                   "parallel": {"tensor": s.tp, "expert": s.ep, "expert_tensor": s.etp,
                                                "sequence_parallel": sp}})
     return MoELayer(config, H, F, groups, seed=3).train()
@@ -55,11 +59,11 @@ def _counted(rank: int, world_size: int, layouts: dict) -> dict:
     from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
 
     out = {}
-    for name, (sizes, sp, shadow, *chunks) in layouts.items():
+    for name, (sizes, sp, shadow, *more) in layouts.items():
         groups = build_process_groups(RankLayout.build(world_size, **sizes))
         try:
-            n = chunks[0] if chunks else 1
-            layer = _layer(world_size, groups, sizes, sp, n)
+            n, scope = (more + [1, "micro_batch"][len(more):])[:2]
+            layer = _layer(world_size, groups, sizes, sp, n, scope)
             layer.set_shadow(shadow)
             s, p = groups.layout.sizes, layer.parallel
             ranks = {k: tuple(sorted(dist.get_process_group_ranks(g))) if g is not None else (rank,)
@@ -80,7 +84,7 @@ def _counted(rank: int, world_size: int, layouts: dict) -> dict:
                 y.square().sum().backward()
             charged = [(c.phase, c.op, ranks[c.group])
                        for c in moe_layer_collectives(s.tp, s.dp, s.ep, s.etp, sp, shadowed=bool(shadow),
-                                                      overlap_chunks=n)]
+                                                      overlap_chunks=n, aux_loss_scope=scope)]
             out[name] = (Counter(calls), Counter(charged))
         finally:
             destroy_process_groups(groups)
@@ -120,3 +124,9 @@ def test_the_list_by_layout():
     assert overlapped[("forward", "all_to_all_single", "ep", "row chunk")] == 6 and not overlapped[
         ("forward", "all_to_all_single", "ep", "rows")]
     assert kinds(1, 4, 4, 1, shadowed=True, overlap_chunks=3)[("backward", "all_to_all_single", "ep", "rows")] == 2
+    sequence = kinds(2, 2, 1, 1, aux_loss_scope="sequence")
+    assert sequence[("forward", "all_reduce", "tp", "sequence load")] == 1
+    assert sequence[("backward", "all_reduce", "tp", "sequence load gradient")] == 1
+    assert not kinds(1, 4, 4, 1, aux_loss_scope="sequence")[("forward", "all_reduce", "tp", "sequence load")]
+    assert kinds(1, 4, 4, 1, aux_loss_scope="global")[("forward", "all_reduce", "tokens", "global load")] == 1
+    assert moe_layer_collectives(1, 1, 1, 1, aux_loss_scope="global") == []

@@ -19,6 +19,8 @@ the same global batch as the single-process oracle: plain torch, the whole batch
 Routing is dropless top-2 without noise, and only the z-loss is on (a mean over tokens): the
 GShard balance loss and capacity are per token group (per rank), so they differ from one
 process by design (``tests/test_layers_dist.py`` checks them against the oracle's groups).
+One case turns the balance loss on with ``aux_loss_scope`` global, which makes it the one
+process's: it also checks that ``initialize`` starts every step's load counts afresh.
 One 4-rank spawn serves all cases: the engine is rebuilt per case and its groups released.
 """
 from __future__ import annotations
@@ -54,6 +56,8 @@ CASES = {f"{layout}/zero{stage}": dict(parallel=parallel, stage=stage, gas=1)
 NORM_LAYOUTS = {"tp2-ep2-etp2": dict(tp=2, ep=2, etp=2), "tp2-ep2": dict(tp=2, ep=2, etp=1),
                 "ep2": dict(ep=2), "tp2": dict(tp=2, etp=1)}
 CASES.update({f"ep2/zero{stage}/gas2": dict(parallel=LAYOUTS["ep2"], stage=stage, gas=2) for stage in (0, 2)})
+CASES["tp2-ep2/zero1/global-balance"] = dict(parallel=LAYOUTS["tp2-ep2"], stage=1, gas=1,
+                                             moe={"aux_loss_coeff": 0.1, "aux_loss_scope": "global"})
 
 
 # -- the model, the data, the configs (parent and children) --------------------------------------
@@ -84,7 +88,7 @@ def ds_config(case: dict, dp: int) -> dict:
             "optimizer": {"type": "SGD", "params": {"lr": LR}},
             "zero_optimization": {"stage": case["stage"]}, "zero_allow_untested_optimizer": True,
             "steps_per_print": 10 ** 6,
-            "moe": {**MOE, "parallel": case["parallel"]}}
+            "moe": {**MOE, **case.get("moe", {}), "parallel": case["parallel"]}}
 
 
 def expert_slice(name: str, full: torch.Tensor, coords: dict, ep: int, etp: int) -> torch.Tensor:
@@ -192,8 +196,8 @@ def _cases_child(rank: int, world_size: int, cases: dict) -> dict:
 
 
 # -- the single-process oracle and the checks ------------------------------------------------------
-def reference(parallel: dict, gas: int, dp: int) -> dict:
-    model = TinyMoE(MoEConfig.from_dict(MOE))
+def reference(parallel: dict, gas: int, dp: int, moe: Optional[dict] = None) -> dict:
+    model = TinyMoE(MoEConfig.from_dict({**MOE, **(moe or {})}))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     blocks = dp * gas
     out = {"losses": [], "norms": []}
@@ -202,6 +206,7 @@ def reference(parallel: dict, gas: int, dp: int) -> dict:
         with torch.no_grad():   # the loss of each (replica, micro-batch) block, in block order
             out["losses"].append([model(x_b, y_b).item() for x_b, y_b in zip(x.chunk(blocks, 1), y.chunk(blocks, 1))])
         optimizer.zero_grad()
+        model.moe.reset_balance_counts()    # a new step (the blocks above ran in training mode)
         model(x, y).backward()
         if step == 0:
             out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -221,7 +226,7 @@ def test_engine_matches_single_process(name, results):
     case = CASES[name]
     per_rank = case_results(results, name)
     sizes = MoEConfig.from_dict({**MOE, "parallel": case["parallel"]}).check_world_size(4)
-    ref = reference(case["parallel"], case["gas"], sizes.dp)
+    ref = reference(case["parallel"], case["gas"], sizes.dp, case.get("moe"))
     assert all(n > CLIP for n in ref["norms"]), "clipping should be active in every step"
 
     for rank, result in enumerate(per_rank):

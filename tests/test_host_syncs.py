@@ -120,6 +120,8 @@ ROUTERS = {
     "gshard": dict(router="gshard", jitter_eps=0.1, aux_loss_coeff=0.1),   # random routing of the 2nd choice
     "sigmoid": dict(router="topk", top_k=2, score_function="sigmoid", gate_scale=2.5, aux_loss_coeff=0.1),
     "probability": dict(router="topk", top_k=2, drop_policy="probability", capacity_factor=0.5),
+    "sequence": dict(router="topk", top_k=2, aux_loss_coeff=0.1, aux_loss_scope="sequence"),
+    "global": dict(router="switch", aux_loss_coeff=0.1, aux_loss_scope="global"),
 }
 
 
@@ -177,6 +179,8 @@ DIST_CASES = {
     "tp2/gshard-capacity": (dict(tp=2, etp=1), "gshard", True, []),          # no EP: the finite flags over TP
     "dp2-ep2/sigmoid-capacity": (dict(ep=2), "sigmoid", True, []),
     "tp2-ep2/probability-capacity": (dict(tp=2, ep=2, etp=1), "probability", True, []),
+    "tp2-ep2/sequence-dropless": (dict(tp=2, ep=2, etp=1), "sequence", False, []),   # all-reduces over TP
+    "tp2/global-capacity": (dict(tp=2, etp=1), "global", True, []),                   # over TP x DP
     "dp2-ep2/shadow-top2-capacity": (dict(ep=2), "top2", True, [0, 5]),
     "dp2-ep2/shadow-top1-dropless": (dict(ep=2), "top1", False, [3]),
     "dp2-ep2/overlap2-top2-dropless": (dict(ep=2), "top2", False, [], 2),          # the exchange in chunks

@@ -73,10 +73,11 @@ LAYOUTS2 = {
 
 
 def _case(layouts, layout, router="gshard", drop=True, *, S=S, B=B, edit=None, dtype="float32",
-          bias_update=False, nan_rank=None, nan_value=float("nan"), placement=None, **moe):
+          bias_update=False, nan_rank=None, nan_value=float("nan"), placement=None, earlier=False, **moe):
     sizes, sp = layouts[layout]
     return dict(layout=layout, sizes=sizes, sp=sp, router=router, drop=drop, S=S, B=B, edit=edit, dtype=dtype,
-                bias_update=bias_update, nan_rank=nan_rank, nan_value=nan_value, placement=placement, moe=moe)
+                bias_update=bias_update, nan_rank=nan_rank, nan_value=nan_value, placement=placement,
+                earlier=earlier, moe=moe)
 
 
 # A placement that moves every expert to another EP rank: slot of expert e.
@@ -120,6 +121,14 @@ CASES4 = _cases(LAYOUTS4, full_sweep=("ep4", "tp2sp-ep2-etp2-dp2", "tp2-ep2-dp2"
     "sigmoid4-raw-dropless": ("ep4", dict(router="sigmoid4-raw", drop=False, **SWIGLU_SHARED)),
     "probability1-drop": ("tp2sp-ep4-dp2", dict(router="probability1")),
     "probability2-drop": ("ep4", dict(router="probability2", placement=SHUFFLED)),
+    # aux_loss_scope: against one rank routing the whole global batch (``_check_scope_case``)
+    "scope-global": ("ep4", dict(router="switch", drop=False, aux_loss_scope="global")),
+    "scope-global-sp": ("tp2sp-ep4-dp2", dict(router="topk3", drop=False, aux_loss_scope="global")),
+    "scope-global-accumulated": ("ep2-dp4", dict(router="sigmoid2", drop=False, aux_loss_scope="global",
+                                                 earlier=True)),
+    "scope-sequence-sp": ("tp2sp-ep2-etp2-dp2", dict(router="topk3", drop=False, aux_loss_scope="sequence")),
+    "scope-sequence-tp": ("tp2-ep2-dp2", dict(router="sigmoid2", drop=False, aux_loss_scope="sequence",
+                                              earlier=True)),
 })
 CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
     "all-to-expert-0": ("tp2-ep2", dict(router="gshard", edit="hot0")),
@@ -136,6 +145,10 @@ CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
     "sigmoid4-raw-dropless": ("tp2sp", dict(router="sigmoid4-raw", drop=False)),
     "probability1-drop": ("dp2-ep2", dict(router="probability1")),
     "probability2-drop": ("tp2sp-ep2", dict(router="probability2")),
+    "scope-global": ("tp2sp-ep2", dict(router="switch", drop=False, aux_loss_scope="global", earlier=True)),
+    "scope-sequence": ("dp2-ep2", dict(router="switch", drop=False, aux_loss_scope="sequence")),
+    # 3 positions x 2 sequences split over 2 TP ranks: rank 1's share starts inside position 1
+    "scope-sequence-tp-odd": ("tp2", dict(router="sigmoid2", drop=False, S=3, aux_loss_scope="sequence")),
 })
 
 
@@ -203,6 +216,9 @@ def _run_case(rank: int, groups, case: dict) -> dict:
         out, _ = layer(x, noise=noise)
         return {"message": str(failure.value), "after": out.detach()}
 
+    if case["earlier"]:       # an earlier micro-batch of the same optimizer step (gradient accumulation)
+        earlier, _ = layer(-x, noise=noise)
+        (earlier.float() * grad).sum().backward()
     x.requires_grad_(True)
     out, _ = layer(x, noise=noise)
     (out.float() * grad).sum().backward()
@@ -271,6 +287,8 @@ def _check_case(case: dict, world_size: int, results: list) -> None:
     layout = RankLayout.build(world_size, **case["sizes"])
     sizes = layout.sizes
     tp, dp = sizes.tp, sizes.dp
+    if case["moe"].get("aux_loss_scope", "micro_batch") != "micro_batch":
+        return _check_scope_case(case, layout, results)
     if case["nan_rank"] is not None:
         for result in results:
             assert f"rank(s) [{case['nan_rank']}]" in result["message"]
@@ -344,6 +362,46 @@ def _check_case(case: dict, world_size: int, results: list) -> None:
         stage = [r for r in range(world_size) if layout.coords(r)["pp"] == 0]
         draws = {tuple(results[r]["noise"].tolist()) for r in stage}
         assert len(draws) == len(stage)
+
+
+def _check_scope_case(case: dict, layout, results: list) -> None:
+    """aux_loss_scope sequence / global: every rank's output, input gradient and (averaged)
+    gradients, and the balance loss averaged over the ranks, equal one process that routes the
+    whole global batch in one micro-batch (the DP replicas' sequences side by side; before it, with
+    ``earlier``, the earlier micro-batch's whole batch). Dropless, so capacity does not depend on
+    the layout either."""
+    sizes = layout.sizes
+    tp, dp = sizes.tp, sizes.dp
+    x_all, grad_all, _, _ = _inputs(case, dp)
+    S_, B_ = case["S"], case["B"]
+    whole = lambda t: t.transpose(0, 1).reshape(S_, dp * B_, H)      # [dp, S, B, H] -> [S, dp * B, H]
+    single = _layer({**case, "placement": None})
+    x1, grad1 = whole(x_all), whole(grad_all)
+    if case["earlier"]:
+        earlier, _ = single(-x1)
+        (earlier * grad1).sum().div(dp).backward()
+    x1.requires_grad_(True)
+    out1, _ = single(x1)
+    (out1 * grad1).sum().div(dp).backward()
+    per_rank = lambda t, c: t.view(S_, dp, B_, H)[:, c["dp"]].chunk(tp if case["sp"] else 1)[c["tp"] if case["sp"] else 0]
+    params = {name: p.detach() for name, p in single.named_parameters()}
+    micro = reference_moe(x_all.reshape(-1, H), params, single.config, training=True,   # each rank's own loss
+                          group_sizes=[S_ * B_ // tp] * (dp * tp))
+    assert not torch.allclose(micro.balance_loss, single.last_stats.balance_loss, **TOL), "the scopes should differ"
+    for rank, result in enumerate(results):
+        c = layout.coords(rank)
+
+        def close(actual, expected, what):
+            torch.testing.assert_close(actual.float(), expected.float(), **TOL, msg=lambda m: f"rank {rank} {what}: {m}")
+
+        close(result["out"], per_rank(out1.detach(), c), "output")
+        close(result["x_grad"], per_rank(x1.grad, c) * dp, "input gradient")
+        close(result["global"].balance_loss, single.last_stats.balance_loss, "balance loss (mean over ranks)")
+        for name, grad in result["grads"].items():
+            full = dict(single.named_parameters())[name].grad
+            if name.startswith("experts."):
+                full = _expert_slice(name, full, c, sizes, single.config.activation)
+            close(grad, full, f"{name} gradient")
 
 
 @pytest.fixture(scope="module")

@@ -131,6 +131,10 @@ def test_spec_transformations_keep_the_kind_and_swap_only_the_cpu_pieces():
     with pytest.raises(ConfigError, match=r"moe\.second_expert_policy: got 'random'; must be 'all' with Megatron's"):
         check_against_model(moe, recompute)
     check_against_model(MoEConfig.from_dict({"num_experts": 4, "second_expert_policy": "all"}), recompute)
+    with pytest.raises(ConfigError, match=r"moe\.aux_loss_scope: got 'global'; cannot be used with Megatron's "
+                                          r"activation recomputation of the MLP"):
+        check_against_model(MoEConfig.from_dict({"num_experts": 4, "second_expert_policy": "all",
+                                                 "aux_loss_scope": "global"}), recompute)
 
     with pytest.raises(TypeError, match="ModuleSpec of TransformerLayer"):
         moe_layer_spec(base.submodules.self_attention, moe)

@@ -60,7 +60,8 @@ Pipeline parallelism (``moe.parallel.pipeline`` > 1): ``model_provider`` returns
   clips with ``GlobalNormClipping`` (one all-reduce over all ranks, every stage's gradients once).
 * The aux loss needs nothing: its gradient enters at each MoE layer's output in backward, on
   whichever stage the layer sits; ``follow_loss_scale`` gives it 1/gas (and fp16's loss scale)
-  as the main loss gets.
+  as the main loss gets. With ``aux_loss_scope`` global, ``reset_balance_each_step`` starts each
+  optimizer step's load counts afresh (engine and ``PipelineEngine`` alike).
 * Sequence parallelism needs ``"pipeline": {"pipe_partitioned": false, "grad_partitioned": false}``;
   its norm gradients are summed over TP in backward (step 4), on every stage.
 
@@ -113,6 +114,7 @@ from moe_plugin.integration.expert_params import (
     moe_param_groups,
     prepare_model,
     follow_loss_scale,
+    reset_balance_each_step,
 )
 from moe_plugin.integration.grad_norm import GlobalNormClipping
 from moe_plugin.integration.guard import GradientWatch, TrainingGuard
@@ -287,6 +289,9 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         result = Initialized(engine, optimizer, loader, scheduler, moe_config, groups, mpu, guard, summary)
         result._hooks.append(watch)
         result._hooks.append(follow_loss_scale(engine, model))   # aux-loss gradient: 1/gas, fp16 loss scale
+        step_counts = reset_balance_each_step(engine, model)     # aux_loss_scope global: counts per step
+        if step_counts is not None:
+            result._hooks.append(step_counts)
         if plugin_clips:
             result._hooks.append(GlobalNormClipping(groups, max_norm).install(engine.optimizer))
         return result

@@ -161,7 +161,8 @@ def _moe_config_of(source: Any) -> MoEConfig:
 def check_against_model(moe_config: MoEConfig, config: TransformerConfig) -> None:
     """The ``"moe"`` block must describe the Megatron model: its layer list within the model,
     its tensor / pipeline / sequence parallelism equal to the ``TransformerConfig``'s, no router
-    noise where Megatron recomputes the MLP (the router's generator is not rewound)."""
+    noise where Megatron recomputes the MLP (the router's generator is not rewound), and no
+    global-batch balance loss there (a recomputed forward would count its load again)."""
     outside = [i for i in (moe_config.layers or []) if i >= config.num_layers]
     if outside:
         raise ConfigError("moe.layers", moe_config.layers, f"the model has {config.num_layers} layers (0-based "
@@ -182,6 +183,10 @@ def check_against_model(moe_config: MoEConfig, config: TransformerConfig) -> Non
     if recomputed and moe_config.router == "gshard" and moe_config.second_expert_policy == "random":
         raise ConfigError("moe.second_expert_policy", "random", "must be 'all' with Megatron's activation "
                           "recomputation of the MLP: the recomputed router would draw other random numbers")
+    if recomputed and moe_config.aux_loss_scope == "global":
+        raise ConfigError("moe.aux_loss_scope", "global", "cannot be used with Megatron's activation recomputation "
+                          "of the MLP: the recomputed router would count its load twice; use 'micro_batch' or "
+                          "'sequence', or recompute other modules")
 
 
 def _with_moe_mlp(submodules: TransformerLayerSubmodules, moe: MoEPlan, index: int) -> TransformerLayerSubmodules:

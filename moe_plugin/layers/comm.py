@@ -205,3 +205,27 @@ def all_reduce_grad(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group is None:
         return x
     return _AllReduceGrad.apply(x, group)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """The sum of ``x`` over ``group``, on every rank; backward sums the gradients over the group
+    (every rank's result depends on every rank's ``x``). For small partial sums that each rank
+    completes, e.g. per-sequence statistics when the group's ranks hold parts of the sequences."""
+    if group is None:
+        return x
+    return _AllReduceSum.apply(x, group)

@@ -15,7 +15,8 @@ gradient factors that make the gradients layout-independent, bias and noise) and
 every layout-dependent factor. Forward on one rank::
 
     x_TH = hidden_SBH.reshape(T, H)  -> split_tokens over TP (replicated input, no SP)
-    plan, finite = router(x_TH)       (this rank's tokens: capacity and losses per rank)
+    plan, finite = router(x_TH)       (this rank's tokens: capacity and z loss per rank; the
+                                       balance loss per aux_loss_scope, ``balance.py``)
     dispatch / experts / combine      (ShadowingDispatcher, an ExpertParallelDispatcher, when EP or ETP > 1)
     + shared expert, attach aux loss  (its gradient scaled by 1/tp)
     (``overlap_chunks`` > 1: ChunkedDispatcher, the exchange overlapped with the experts and the
@@ -39,6 +40,7 @@ from torch.autograd.profiler import record_function
 
 from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.layers import comm
+from moe_plugin.layers.balance import BalanceScope
 from moe_plugin.layers.dispatcher import Dispatch, TokenDispatcher
 from moe_plugin.layers.experts import GroupedExperts, SharedExpert
 from moe_plugin.layers.overlap import ChunkedDispatcher, ChunkedExchange
@@ -178,6 +180,7 @@ class MoELayer(nn.Module):
             _check_sizes(config, p)
         self.router = Router(config, hidden_size, seed=seed, init_std=init_std, noise_index=p.token_rank,
                              grad_group=p.dense_grad_group, check_group=None if p.ep_is_tokens else p.tokens)
+        self.balance = BalanceScope(config.aux_loss_scope, p)
         self.experts = GroupedExperts(config.num_experts, hidden_size, ffn, config.activation, placement=placement,
                                       ep_size=p.ep_size, ep_rank=p.ep_rank, etp_size=p.etp_size, etp_rank=p.etp_rank,
                                       group_name=p.expert_group_name, seed=seed, init_std=init_std,
@@ -213,7 +216,10 @@ class MoELayer(nn.Module):
             x_TH = comm.split_tokens(x_TH, p.tp)
         # Profiler scopes (``record_function``, a few microseconds each): the parts of ``bench step --parts``.
         with record_function("moe.router"):
-            plan, finite = self.router(x_TH, noise, self.placement)
+            first_row = comm.group_rank(p.tp) * x_TH.shape[0] if p.splits_input else 0
+            balance = self.balance.loss_for(hidden_SBH.shape[1] if hidden_SBH.dim() == 3 else None, first_row,
+                                            self.training)
+            plan, finite = self.router(x_TH, noise, self.placement, balance)
         with record_function("moe.dispatch"):
             state = self.dispatcher.prepare(x_TH, plan, finite)
             self.router.record_load(plan)
@@ -279,6 +285,12 @@ class MoELayer(nn.Module):
         if self.last_stats is None:
             return None
         return reduce_stats(self.last_stats, self.parallel.tokens)
+
+    def reset_balance_counts(self) -> None:
+        """With ``aux_loss_scope`` global: a new optimizer step starts, the next training forward's
+        balance loss counts only its own load (``balance.py``). Call it after every optimizer step
+        (``moe_plugin.initialize`` does, before the first forward of each step)."""
+        self.balance.reset()
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:

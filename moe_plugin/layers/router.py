@@ -27,7 +27,9 @@ Routing rules (GShard, arXiv 2006.16668; Switch Transformer):
   choice is ``e`` (before capacity), ``P_e`` the mean softmax probability of ``e``; sigmoid
   (DeepSeek-V3's, over the batch), ``f_e`` the fraction of the ``k * T`` routes choosing ``e``,
   ``P_e`` the mean of ``e``'s score divided by its token's sum of scores. It is exactly 1.0
-  when either is uniform (e.g. all logits equal) -- its value before ``aux_loss_coeff``.
+  when either is uniform (e.g. all logits equal) -- its value before ``aux_loss_coeff``. Over
+  which tokens ``f_e`` and ``P_e`` are taken (``aux_loss_scope``): this batch here; per sequence
+  or over the global batch in ``balance.py``.
 * z-loss ``mean_t logsumexp(logits_t)^2``.
 * placement: ``slot_E[e]`` is the slot of expert e (``ep_rank * L + local index``, see
   ``placement/``); kept routes are listed by slot, so a dispatcher sends slot ranges to ranks.
@@ -238,28 +240,35 @@ def priority_order(key_R: Tensor, score_R: Optional[Tensor]) -> Tensor:
     return by_score_R[torch.argsort(key_R[by_score_R], stable=True)]
 
 
-def balance_loss(score: str, expert_TK: Tensor, scores_TE: Tensor) -> Tensor:
-    """``E * sum_e f_e * P_e`` (module docstring): GShard's first-choice form for softmax,
-    DeepSeek-V3's all-routes form over per-token normalised scores for sigmoid."""
-    (T, E), k = scores_TE.shape, expert_TK.shape[1]
-    n = max(T, 1)
+def balance_terms(score: str, expert_TK: Tensor, scores_TE: Tensor) -> tuple[Tensor, Tensor]:
+    """What the balance loss counts and what it averages: ``(counted_TX, share_TE)``. Softmax
+    (GShard): the first choices [T, 1] and the probabilities; sigmoid (DeepSeek-V3): all k choices
+    and each score divided by its token's sum of scores."""
     if score == "softmax":
-        f_E = count_values(expert_TK[:, 0], E).float() / n
-    else:
-        f_E = count_values(expert_TK.reshape(-1), E).float() / (n * k)
-        scores_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-    return E * (f_E * (scores_TE.sum(0) / n)).sum()
+        return expert_TK[:, :1], scores_TE
+    return expert_TK, scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+
+
+def balance_loss(score: str, expert_TK: Tensor, scores_TE: Tensor) -> Tensor:
+    """``E * sum_e f_e * P_e`` over this batch (module docstring; aux_loss_scope micro_batch):
+    ``f_e`` the fraction of the counted choices that choose e, ``P_e`` the mean share of e
+    (``balance_terms``). The other scopes: ``balance.py``."""
+    counted_TX, share_TE = balance_terms(score, expert_TK, scores_TE)
+    T, E = share_TE.shape
+    f_E = count_values(counted_TX.reshape(-1), E).float() / max(counted_TX.numel(), 1)
+    return E * (f_E * (share_TE.sum(0) / max(T, 1))).sum()
 
 
 def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Optional[int],
           expert_bias_E: Optional[Tensor] = None, uniform_T: Optional[Tensor] = None,
           slot_E: Optional[Tensor] = None, deferred: bool = False, score: str = "softmax",
-          scale: float = 1.0, drop_policy: str = "position") -> RoutingPlan:
+          scale: float = 1.0, drop_policy: str = "position", balance=balance_loss) -> RoutingPlan:
     """The routing plan for fp32 ``logits_TE``.
 
     ``uniform_T`` switches on GShard random routing of the 2nd choice (kind gshard only).
     ``normalize`` renormalises the k gates of a token to sum 1 (gshard always does).
     ``score``, ``scale``, ``drop_policy``: the config's score_function, gate_scale, drop_policy.
+    ``balance(score, expert_TK, scores_TE)`` forms the balance loss (the layer's aux_loss_scope).
     ``slot_E``: the placement, a permutation of the expert ids (None: slot e is expert e).
     ``deferred``: the caller holds a pending ``FiniteCheck`` of these logits and reads it, with
     the kept count, at its one host sync, before anything leaves the rank, and then cuts the
@@ -297,7 +306,7 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
         gate_TK = gate_TK * scale
     plan = RoutingPlan(num_tokens=T, k=k, route_R=route_R, token_R=route_R % max(T, 1),
                        gate_R=gate_TK.t().reshape(-1)[route_R], kept_E=kept_E, routed_E=routed_E,
-                       capacity=capacity, balance_loss=balance_loss(score, expert_TK, scores_TE),
+                       capacity=capacity, balance_loss=balance(score, expert_TK, scores_TE),
                        z_loss=torch.logsumexp(logits_TE, dim=-1).square().sum() / max(T, 1), kept_D=kept_D)
     if deferred:
         return plan
@@ -374,10 +383,10 @@ class Router(nn.Module):
             x_TH = x_TH * noise.jitter_TH
         return x_TH @ comm.all_reduce_grad(self.weight.float(), self.grad_group).t()
 
-    def forward(self, x_TH: Tensor, noise: Optional[RouterNoise] = None,
-                slot_E: Optional[Tensor] = None) -> tuple[RoutingPlan, FiniteCheck]:
+    def forward(self, x_TH: Tensor, noise: Optional[RouterNoise] = None, slot_E: Optional[Tensor] = None,
+                balance=balance_loss) -> tuple[RoutingPlan, FiniteCheck]:
         """Route ``x_TH``. In training ``noise`` defaults to a fresh draw; eval uses none.
-        ``slot_E``: the layer's placement (see ``route``). Returns the plan (every route, the
+        ``slot_E``, ``balance``: the layer's placement and balance loss (see ``route``). Returns the plan (every route, the
         kept ones first) and the pending finite check of its logits; the caller reads the check
         and the kept count at its host sync and cuts the plan (``prepare`` of a dispatcher),
         and then calls ``record_load``."""
@@ -391,7 +400,8 @@ class Router(nn.Module):
         return route(logits_TE, kind=self.kind, k=self.k, normalize=self.normalize,
                      capacity=self.capacity(x_TH.shape[0]), expert_bias_E=self.expert_bias,
                      uniform_T=noise.uniform_T if noise is not None else None, slot_E=slot_E,
-                     deferred=True, score=c.score_function, scale=c.gate_scale, drop_policy=c.drop_policy), finite
+                     deferred=True, score=c.score_function, scale=c.gate_scale, drop_policy=c.drop_policy,
+                     balance=balance), finite
 
     @torch.no_grad()
     def record_load(self, plan: RoutingPlan) -> None:

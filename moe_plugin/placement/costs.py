@@ -169,7 +169,8 @@ class Collective:
 
 
 def moe_layer_collectives(tp: int, dp: int, ep: int, etp: int, sequence_parallel: bool = False,
-                          shadowed: bool = False, overlap_chunks: int = 1) -> list[Collective]:
+                          shadowed: bool = False, overlap_chunks: int = 1,
+                          aux_loss_scope: str = "micro_batch") -> list[Collective]:
     """What one MoE layer runs per micro-batch on a rank of a stage with these sizes (a group
     of size 1 runs nothing). The router's finite flags ride in the EP counts exchange when the
     EP group is the stage's TP x DP ranks, else they take an all-to-all of their own over those.
@@ -178,7 +179,9 @@ def moe_layer_collectives(tp: int, dp: int, ep: int, etp: int, sequence_parallel
     listed: a shared expert's gradient all-reduces over TP (the planner models none).
     ``overlap_chunks`` n > 1 without shadowed experts (``layers/overlap.py``): each EP ``rows``
     all-to-all is n ``row chunk`` ones (1/n of the rows each, overlapped with the experts); the
-    planner prices the one-exchange list (an upper bound: it models no overlap)."""
+    planner prices the one-exchange list (an upper bound: it models no overlap). ``aux_loss_scope``
+    (``layers/balance.py``): sequence sums the [B, 2E] per-sequence counts and share sums over TP
+    (forward) and their gradient (backward); global sums the [E] counts over the TP x DP ranks."""
     split = tp > 1 and not sequence_parallel
     a2a, fwd, bwd = "all_to_all_single", "forward", "backward"
     chunks = overlap_chunks if ep > 1 and not shadowed else 1
@@ -199,6 +202,9 @@ def moe_layer_collectives(tp: int, dp: int, ep: int, etp: int, sequence_parallel
         *[(ep > 1, Collective(bwd, a2a, "ep", rows))] * chunks,
         (shadowed and ep > 1, Collective(bwd, "all_reduce", "ep", "shadow gradients")),
         (tp > 1, Collective(bwd, "all_reduce", "tp", "router gradient")),
+        (aux_loss_scope == "sequence" and tp > 1, Collective(fwd, "all_reduce", "tp", "sequence load")),
+        (aux_loss_scope == "sequence" and tp > 1, Collective(bwd, "all_reduce", "tp", "sequence load gradient")),
+        (aux_loss_scope == "global" and tp * dp > 1, Collective(fwd, "all_reduce", "tokens", "global load")),
         (split, Collective(bwd, "all_gather", "tp", "tokens")),
     ]
     return [c for on, c in plan if on]
