@@ -120,6 +120,7 @@ ROUTERS = {
     "gshard": dict(router="gshard", jitter_eps=0.1, aux_loss_coeff=0.1),   # random routing of the 2nd choice
     "sigmoid": dict(router="topk", top_k=2, score_function="sigmoid", gate_scale=2.5, aux_loss_coeff=0.1),
     "probability": dict(router="topk", top_k=2, drop_policy="probability", capacity_factor=0.5),
+    "grouped": dict(router="topk", top_k=3, score_function="sigmoid", router_groups=4, group_topk=2),
 }
 
 
@@ -177,6 +178,7 @@ DIST_CASES = {
     "tp2/gshard-capacity": (dict(tp=2, etp=1), "gshard", True, []),          # no EP: the finite flags over TP
     "dp2-ep2/sigmoid-capacity": (dict(ep=2), "sigmoid", True, []),
     "tp2-ep2/probability-capacity": (dict(tp=2, ep=2, etp=1), "probability", True, []),
+    "dp2-ep2/grouped-dropless": (dict(ep=2), "grouped", False, []),
     "dp2-ep2/shadow-top2-capacity": (dict(ep=2), "top2", True, [0, 5]),
     "dp2-ep2/shadow-top1-dropless": (dict(ep=2), "top1", False, [3]),
     "dp2-ep2/overlap2-top2-dropless": (dict(ep=2), "top2", False, [], 2),          # the exchange in chunks
