@@ -231,7 +231,8 @@ def test_errors_inside_a_file_keep_the_key_path(tmp_path):
 # The resolved defaults of the smallest valid block, {"num_experts": 8}; docs/config.md says why.
 DEFAULTS = {
     "num_experts": 8, "top_k": 2, "router": "gshard", "normalize_gates": True, "score_function": "softmax",
-    "gate_scale": 1.0, "group_topk": None, "router_groups": None, "second_expert_policy": "random", "drop_policy": "position",
+    "gate_scale": 1.0, "group_topk": None, "router_groups": None, "second_expert_policy": "random",
+    "drop_policy": "position",
     "capacity_factor": 1.25, "eval_capacity_factor": 2.0, "min_capacity": 4, "drop_tokens": True,
     "aux_loss_coeff": 0.01, "z_loss_coeff": 0.0, "bias_update_rate": 0.0, "jitter_eps": 0.0,
     "layer_interval": 1, "layers": None, "ffn_hidden_size": None, "activation": "gelu",
@@ -258,7 +259,8 @@ def test_top_k_default_follows_the_router(router, k):
 def test_router_groups_default_to_the_expert_parallel_ranks():
     assert MoEConfig.from_dict(with_experts()).group_limit is None
     assert MoEConfig.from_dict(with_experts(group_topk=1, parallel={"expert": 4})).group_limit == (4, 1)
-    assert MoEConfig.from_dict(with_experts(group_topk=2, router_groups=8, parallel={"expert": 2})).group_limit == (8, 2)
+    explicit = MoEConfig.from_dict(with_experts(group_topk=2, router_groups=8, parallel={"expert": 2}))
+    assert explicit.group_limit == (8, 2)
     assert MoEConfig.from_dict(with_experts(group_topk=2, router_groups=2)).group_limit is None   # M = G: no limit
 
 

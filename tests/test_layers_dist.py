@@ -45,7 +45,8 @@ ROUTERS = {
     "probability1": dict(router="switch", drop_policy="probability", capacity_factor=0.5, aux_loss_coeff=0.1),
     "probability2": dict(router="topk", top_k=2, drop_policy="probability", capacity_factor=0.5, z_loss_coeff=1e-3),
     # group-limited, router_groups explicit: the same model on 1, 2 and 4 ranks
-    "grouped3": dict(router="topk", top_k=3, score_function="sigmoid", router_groups=4, group_topk=2, aux_loss_coeff=0.1),
+    "grouped3": dict(router="topk", top_k=3, score_function="sigmoid", router_groups=4, group_topk=2,
+                     aux_loss_coeff=0.1),
     "grouped2": dict(router="topk", top_k=2, router_groups=2, group_topk=1, aux_loss_coeff=0.1, z_loss_coeff=1e-3),
 }
 SWEPT = ("gshard", "switch", "topk3")

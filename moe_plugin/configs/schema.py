@@ -126,8 +126,8 @@ class MoEConfig(_Block):
         "expert bias; the highest alone when a group has one expert), then its top_k experts inside them. Any "
         "router kind (gshard's random routing and switch's top-1 act inside the chosen groups); gates, capacity and "
         "losses are unchanged. With groups = expert-parallel ranks and static placement it bounds the ranks a "
-        "token's routes go to (the all-to-all still carries one row per route: docs/benchmarks.md). null: no limit; at most router_groups, and top_k <= group_topk * num_experts / "
-        "router_groups.")
+        "token's routes go to (the all-to-all still carries one row per route: docs/benchmarks.md). null: no "
+        "limit; at most router_groups, and top_k <= group_topk * num_experts / router_groups.")
     router_groups: Optional[int] = Field(
         None, ge=1, description="Expert groups of group_topk (it needs group_topk): group g is the experts "
         "g * E/G .. (g + 1) * E/G - 1 by expert id, wherever placement puts them. Must divide num_experts. null: "

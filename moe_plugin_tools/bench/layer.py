@@ -365,10 +365,12 @@ def summary(record: dict) -> str:
         value = record[f"{name}_ms"]
         return "-" if value is None else f"{value:.1f}"
 
+    limit = (f" group_topk={record['group_topk']} of {record['router_groups'] or 'ep'}"
+             if record.get("group_topk") else "")
     return (f"ep={record['ep']} T={record['tokens']} E={record['experts']} H={record['hidden']} F={record['ffn']} k={record['k']} "
             f"cf={record['capacity_factor']}{' dropless' if record['dropless'] else ''} skew={record['skew']}"
             f"{' chunks=%d' % record['overlap_chunks'] if record.get('overlap_chunks', 1) > 1 else ''}"
-            f"{' group_topk=%s of %s' % (record['group_topk'], record['router_groups'] or 'ep') if record.get('group_topk') else ''}: "
+            f"{limit}: "
             f"ours {ms('ours')} ms, deepspeed {ms('deepspeed')} ms, "
             + (f"megatron {ms('megatron')} ms, " if record["megatron_ms"] is not None else "")
             + f"floor {ms('floor')} ms | "
