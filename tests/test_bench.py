@@ -11,7 +11,7 @@ import torch
 from moe_plugin_tools.bench.layer import LayerBenchSpec, bench_layer
 from moe_plugin_tools.bench.layer_ep import rank_main
 from moe_plugin_tools.bench.memory import memory_profile, peak_allocated_bytes
-from moe_plugin_tools.bench.traffic import deepspeed_bytes_sent, ours_bytes_sent, ours_rows_sent
+from moe_plugin_tools.bench.traffic import deepspeed_bytes_sent, ours_bytes_sent, ours_rows_sent, token_rank_rows_sent
 from moe_plugin_tools.cli import main
 
 MiB = 2**20
@@ -97,13 +97,23 @@ def test_cli_ep_checks_the_launcher_world_size(capsys, monkeypatch):
     assert "--ep 2 but the launcher started WORLD_SIZE=3" in capsys.readouterr().err
 
 
-def _ep_child(rank, world_size, spec):
-    return rank_main(rank, world_size, [spec], threads=1, init_method="unused: the harness made the group")[0]
+def _ep_child(rank, world_size, spec, *more):
+    records = rank_main(rank, world_size, [spec, *more], threads=1, init_method="unused: the harness made the group")
+    return records if more else records[0]
 
 
 def test_bench_layer_expert_parallel(dist_run):
     spec = LayerBenchSpec(**dict(TINY, experts=8), dropless=True, vs_deepspeed=True)
-    record = dist_run(_ep_child, 2, spec)[0]
+    grouped = LayerBenchSpec(**dict(TINY, experts=8), dropless=True, vs_deepspeed=False, group_topk=1)
+    record, limited = dist_run(_ep_child, 2, spec, grouped)[0]
+    # one row per route: a top-2 token sends both rows when its experts are remote; group_topk 1 of the
+    # 2 groups (the EP ranks) puts both on one rank, so it reaches one rank, twice
+    for r in (record, limited):
+        assert abs(r["ours_a2a_step_bytes"] - 4 * r["ours_a2a_bytes"]) <= 4
+        assert 0 < r["token_rank_a2a_step_bytes"] <= r["ours_a2a_step_bytes"]
+    assert limited["ours_a2a_step_bytes"] == 2 * limited["token_rank_a2a_step_bytes"]
+    assert record["token_rank_a2a_step_bytes"] > limited["token_rank_a2a_step_bytes"]
+    assert limited["group_topk"] == 1 and limited["routed_rows"] == 2 * spec.tokens * spec.k
     assert record["ep"] == 2
     for field in FIELDS_POSITIVE + ["ours_a2a_bytes", "deepspeed_a2a_bytes"]:
         value = record[field]
@@ -111,6 +121,14 @@ def test_bench_layer_expert_parallel(dist_run):
     # both layers exchange rows over EP and still compute the same thing
     assert record["routing_agrees"] and record["max_abs_diff"] < 1e-5
     assert record["routed_rows"] == 2 * spec.tokens * spec.k
+
+
+def test_token_rank_rows_count_each_remote_rank_of_a_token_once():
+    token_R = torch.tensor([0, 0, 1, 1, 2, 2, 3])
+    slot_R = torch.tensor([2, 3, 0, 5, 4, 5, 1])      # 2 experts per rank on 3 ranks; this is rank 0
+    # token 0 -> rank 1 twice, token 1 -> rank 0 (own) and rank 2, token 2 -> rank 2 twice, token 3 -> own
+    assert token_rank_rows_sent(token_R, slot_R, num_local=2, ep_size=3, ep_rank=0) == 3
+    assert ours_rows_sent(torch.tensor([1, 1, 1, 1, 1, 2]), 3, 0) == 5
 
 
 def test_traffic_formulas():
@@ -146,6 +164,19 @@ def test_cli_layer_device_and_dtype_reach_the_record(capsys):
 ])
 def test_cli_layer_refuses_what_needs_cuda(capsys, monkeypatch, argv, message):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as caught:
+        main(["bench", "layer", "--experts", "4", "--tokens", "64", *argv])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--group-topk", "1", "--vs", "deepspeed"], "error: --group-topk needs --vs none"),
+    (["--router-groups", "2"], "error: moe.router_groups: got 2; has no effect without group_topk"),
+    (["--group-topk", "2"], "error: moe.group_topk: got 2; must be at most the router groups (1: router_groups unset"),
+])
+def test_cli_layer_refuses_a_bad_group_limit(capsys, argv, message):
     with pytest.raises(SystemExit) as caught:
         main(["bench", "layer", "--experts", "4", "--tokens", "64", *argv])
     assert caught.value.code == 2

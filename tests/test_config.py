@@ -114,6 +114,19 @@ MALFORMED_BLOCKS = {
     "aux loss scope without the loss": (with_experts(aux_loss_scope="global", aux_loss_coeff=0.0),
                                         "moe.aux_loss_scope", "got 'global'",
                                         "the balance loss is off (aux_loss_coeff 0): set aux_loss_coeff > 0"),
+    "router_groups not dividing": (with_experts(router_groups=3, group_topk=1), "moe.router_groups", "got 3",
+                                   "must divide num_experts (8); valid: 1, 2, 4, 8"),
+    "router_groups alone": (with_experts(router_groups=4), "moe.router_groups", "got 4",
+                            "has no effect without group_topk"),
+    "group_topk above groups": (with_experts(router_groups=4, group_topk=5), "moe.group_topk", "got 5",
+                                "must be at most router_groups (4)"),
+    "group_topk above ep groups": (with_experts(group_topk=2, parallel={"expert": 1}), "moe.group_topk", "got 2",
+                                   "must be at most the router groups (1: router_groups unset, one group per "
+                                   "expert-parallel rank, parallel.expert)"),
+    "group_topk too few experts": (with_experts(router="topk", top_k=3, router_groups=4, group_topk=1),
+                                   "moe.group_topk", "got 1", "its groups hold 1 x 2 experts, fewer than top_k (3); "
+                                   "with router_groups (4) of num_experts 8 it must be at least 2"),
+    "group_topk zero": (with_experts(group_topk=0), "moe.group_topk", "got 0", "expected an integer >= 1"),
     "shared gate without expert": (with_experts(shared_expert_gate=True), "moe.shared_expert_gate", "got True",
                                    "set shared_expert_ffn_hidden_size > 0 or shared_expert_gate false"),
     "block not an object": ([8], "moe", "got [8]", "expected a JSON object with at least num_experts"),
@@ -223,9 +236,11 @@ def test_errors_inside_a_file_keep_the_key_path(tmp_path):
 # The resolved defaults of the smallest valid block, {"num_experts": 8}; docs/config.md says why.
 DEFAULTS = {
     "num_experts": 8, "top_k": 2, "router": "gshard", "normalize_gates": True, "score_function": "softmax",
-    "gate_scale": 1.0, "second_expert_policy": "random", "drop_policy": "position",
+    "gate_scale": 1.0, "group_topk": None, "router_groups": None, "second_expert_policy": "random",
+    "drop_policy": "position",
     "capacity_factor": 1.25, "eval_capacity_factor": 2.0, "min_capacity": 4, "drop_tokens": True,
-    "aux_loss_coeff": 0.01, "aux_loss_scope": "micro_batch", "z_loss_coeff": 0.0, "bias_update_rate": 0.0, "jitter_eps": 0.0,
+    "aux_loss_coeff": 0.01, "aux_loss_scope": "micro_batch", "z_loss_coeff": 0.0, "bias_update_rate": 0.0,
+    "jitter_eps": 0.0,
     "layer_interval": 1, "layers": None, "ffn_hidden_size": None, "activation": "gelu",
     "recompute_fc1": False, "experts_backend": "auto", "overlap_chunks": 1, "shared_expert_ffn_hidden_size": 0,
     "shared_expert_gate": False,
@@ -245,6 +260,14 @@ def test_defaults_resolve():
 @pytest.mark.parametrize("router, k", [("gshard", 2), ("switch", 1)])
 def test_top_k_default_follows_the_router(router, k):
     assert MoEConfig.from_dict(with_experts(router=router)).k == k
+
+
+def test_router_groups_default_to_the_expert_parallel_ranks():
+    assert MoEConfig.from_dict(with_experts()).group_limit is None
+    assert MoEConfig.from_dict(with_experts(group_topk=1, parallel={"expert": 4})).group_limit == (4, 1)
+    explicit = MoEConfig.from_dict(with_experts(group_topk=2, router_groups=8, parallel={"expert": 2}))
+    assert explicit.group_limit == (8, 2)
+    assert MoEConfig.from_dict(with_experts(group_topk=2, router_groups=2)).group_limit is None   # M = G: no limit
 
 
 def test_expert_tensor_defaults_to_tensor():

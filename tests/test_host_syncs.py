@@ -122,6 +122,7 @@ ROUTERS = {
     "probability": dict(router="topk", top_k=2, drop_policy="probability", capacity_factor=0.5),
     "sequence": dict(router="topk", top_k=2, aux_loss_coeff=0.1, aux_loss_scope="sequence"),
     "global": dict(router="switch", aux_loss_coeff=0.1, aux_loss_scope="global"),
+    "grouped": dict(router="topk", top_k=3, score_function="sigmoid", router_groups=4, group_topk=2),
 }
 
 
@@ -181,6 +182,7 @@ DIST_CASES = {
     "tp2-ep2/probability-capacity": (dict(tp=2, ep=2, etp=1), "probability", True, []),
     "tp2-ep2/sequence-dropless": (dict(tp=2, ep=2, etp=1), "sequence", False, []),   # all-reduces over TP
     "tp2/global-capacity": (dict(tp=2, etp=1), "global", True, []),                   # over TP x DP
+    "dp2-ep2/grouped-dropless": (dict(ep=2), "grouped", False, []),
     "dp2-ep2/shadow-top2-capacity": (dict(ep=2), "top2", True, [0, 5]),
     "dp2-ep2/shadow-top1-dropless": (dict(ep=2), "top1", False, [3]),
     "dp2-ep2/overlap2-top2-dropless": (dict(ep=2), "top2", False, [], 2),          # the exchange in chunks

@@ -44,6 +44,10 @@ ROUTERS = {
                          aux_loss_coeff=0.1, z_loss_coeff=1e-3),
     "probability1": dict(router="switch", drop_policy="probability", capacity_factor=0.5, aux_loss_coeff=0.1),
     "probability2": dict(router="topk", top_k=2, drop_policy="probability", capacity_factor=0.5, z_loss_coeff=1e-3),
+    # group-limited, router_groups explicit: the same model on 1, 2 and 4 ranks
+    "grouped3": dict(router="topk", top_k=3, score_function="sigmoid", router_groups=4, group_topk=2,
+                     aux_loss_coeff=0.1),
+    "grouped2": dict(router="topk", top_k=2, router_groups=2, group_topk=1, aux_loss_coeff=0.1, z_loss_coeff=1e-3),
 }
 SWEPT = ("gshard", "switch", "topk3")
 
@@ -129,6 +133,8 @@ CASES4 = _cases(LAYOUTS4, full_sweep=("ep4", "tp2sp-ep2-etp2-dp2", "tp2-ep2-dp2"
     "scope-sequence-sp": ("tp2sp-ep2-etp2-dp2", dict(router="topk3", drop=False, aux_loss_scope="sequence")),
     "scope-sequence-tp": ("tp2-ep2-dp2", dict(router="sigmoid2", drop=False, aux_loss_scope="sequence",
                                               earlier=True)),
+    "grouped3-drop": ("ep4", dict(router="grouped3", placement=SHUFFLED)),    # groups by expert id, not slot
+    "grouped2-dropless": ("tp2-ep2-dp2", dict(router="grouped2", drop=False)),
 })
 CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
     "all-to-expert-0": ("tp2-ep2", dict(router="gshard", edit="hot0")),
@@ -149,6 +155,8 @@ CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
     "scope-sequence": ("dp2-ep2", dict(router="switch", drop=False, aux_loss_scope="sequence")),
     # 3 positions x 2 sequences split over 2 TP ranks: rank 1's share starts inside position 1
     "scope-sequence-tp-odd": ("tp2", dict(router="sigmoid2", drop=False, S=3, aux_loss_scope="sequence")),
+    "grouped3-drop": ("dp2-ep2", dict(router="grouped3")),
+    "grouped2-dropless": ("tp2-ep2", dict(router="grouped2", drop=False, placement=SHUFFLED)),
 })
 
 

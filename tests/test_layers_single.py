@@ -78,6 +78,9 @@ ROUTERS = {
     "probability-top1": dict(router="switch", drop_policy="probability", capacity_factor=0.5, aux_loss_coeff=0.1),
     "probability-top2": dict(router="topk", top_k=2, drop_policy="probability", capacity_factor=0.5,
                              gate_scale=1.5, z_loss_coeff=1e-3),
+    "grouped-sigmoid3": dict(router="topk", top_k=3, score_function="sigmoid", router_groups=4, group_topk=2,
+                             gate_scale=2.5, aux_loss_coeff=0.1),
+    "grouped-gshard": dict(router="gshard", router_groups=2, group_topk=1, jitter_eps=0.1, aux_loss_coeff=0.1),
 }
 
 

@@ -1,14 +1,17 @@
 """Sigmoid scores (DeepSeek-V3), gate_scale and drop_policy, beyond the oracle sweep of
 ``test_layers_single.py`` (whose ROUTERS hold their oracle cases): hand-worked routings, the
-sigmoid balance loss by its definition, and that the bias acts on scores, not on logits."""
+sigmoid balance loss by its definition, that the bias acts on scores, not on logits, and group-limited
+routing against a brute-force choice."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
 from moe_plugin.layers import route
+from moe_plugin.layers.router import choose
 from test_layers_single import E, H, check_against_oracle, make_layer, tokens
 
 SIGMOID = dict(router="topk", top_k=2, score_function="sigmoid")
@@ -75,3 +78,50 @@ def test_sigmoid_choice_adds_the_bias_to_scores_not_logits(drop):
     by_logits = (logits_TE + bias_E).topk(2).indices.sort().values
     assert not torch.equal(by_scores, by_logits), "the case should tell the two choices apart"
     check_against_oracle(layer, tokens())
+
+
+def _brute_force_group_choice(choice_TE, group_TE, G, M, k):
+    """Per token: the M-subset of groups with the largest sum of group scores (each the sum of
+    the group's two best ``group_TE`` values, sorted by hand), then the k best experts in it."""
+    E = choice_TE.shape[1]
+    n = E // G
+    experts = []
+    for choice, weight in zip(choice_TE.tolist(), group_TE.tolist()):
+        score = [sum(sorted(weight[g * n:(g + 1) * n])[::-1][:2]) for g in range(G)]
+        best = max(itertools.combinations(range(G), M), key=lambda groups: sum(score[g] for g in groups))
+        allowed = [e for e in range(E) if e // n in best]
+        experts.append(sorted(sorted(allowed, key=lambda e: -choice[e])[:k]))
+    return experts
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("G, M, k", [(4, 1, 2), (4, 2, 3), (2, 1, 4), (8, 3, 3)])
+def test_group_limit_keeps_each_token_inside_m_groups(score, G, M, k):
+    logits_TE = torch.randn(64, E, generator=torch.Generator().manual_seed(G * 10 + M))
+    bias_E = torch.randn(E, generator=torch.Generator().manual_seed(3)) * 0.3
+    expert_TK, _, scores_TE = choose(logits_TE, score=score, k=k, normalize=True, expert_bias_E=bias_E,
+                                     group_limit=(G, M))
+    groups_used = [len(set(row)) for row in (expert_TK // (E // G)).tolist()]
+    assert max(groups_used) <= M
+    choice_TE = (logits_TE if score == "softmax" else scores_TE) + bias_E
+    group_TE = torch.softmax(choice_TE, -1) if score == "softmax" else choice_TE
+    assert expert_TK.sort(1).values.tolist() == _brute_force_group_choice(choice_TE, group_TE, G, M, k)
+    free_TK = choose(logits_TE, score=score, k=k, normalize=True, expert_bias_E=bias_E)[0]
+    # groups of one expert: the best M >= k groups hold the k best experts, so nothing changes
+    assert torch.equal(free_TK, expert_TK) == (G == E), "the limit should bind unless groups are single experts"
+
+
+GROUPED = dict(router="topk", top_k=2, router_groups=4, group_topk=1, score_function="sigmoid")
+
+
+@pytest.mark.parametrize("drop", [True, False], ids=["dropping", "dropless"])
+def test_group_limit_ranks_groups_on_score_plus_bias(drop):
+    routed = []
+    for bias in ([0.0] * E, [0.0, 0.0, 0.3, 0.3, 0.0, 0.0, -0.2, 0.0]):
+        layer = make_layer(drop_tokens=drop, **GROUPED)
+        layer.router.expert_bias.copy_(torch.tensor(bias))
+        routed.append(check_against_oracle(layer, tokens())[0].routed_per_expert)
+    unbiased, biased = routed
+    assert biased[2:4].sum() > unbiased[2:4].sum()           # group 1 wins more tokens with the bias
+    for routed in (biased, unbiased):   # k = 2 in one group of 2: every token's routes go to a whole group
+        assert routed.view(4, 2)[:, 0].tolist() == routed.view(4, 2)[:, 1].tolist()

@@ -119,6 +119,20 @@ class MoEConfig(_Block):
         "P_e the mean over tokens of e's score divided by the token's sum of scores (1.0 when uniform).")
     gate_scale: float = Field(1.0, gt=0, description="Routed scaling factor: every gate is multiplied by it, after "
                               "normalisation (DeepSeek-V3 uses 2.5 with sigmoid scores).")
+    group_topk: Optional[int] = Field(
+        None, ge=1, description="Group-limited routing (DeepSeek-V3): the experts form router_groups groups of "
+        "consecutive expert ids; a token first picks its best group_topk groups, by the sum of the two highest "
+        "selection scores in each group (softmax: the probabilities of logits + expert bias; sigmoid: score + "
+        "expert bias; the highest alone when a group has one expert), then its top_k experts inside them. Any "
+        "router kind (gshard's random routing and switch's top-1 act inside the chosen groups); gates, capacity and "
+        "losses are unchanged. With groups = expert-parallel ranks and static placement it bounds the ranks a "
+        "token's routes go to (the all-to-all still carries one row per route: docs/benchmarks.md). null: no "
+        "limit; at most router_groups, and top_k <= group_topk * num_experts / router_groups.")
+    router_groups: Optional[int] = Field(
+        None, ge=1, description="Expert groups of group_topk (it needs group_topk): group g is the experts "
+        "g * E/G .. (g + 1) * E/G - 1 by expert id, wherever placement puts them. Must divide num_experts. null: "
+        "parallel.expert (with static placement group g is EP rank g's experts), so the routing changes with the "
+        "expert-parallel size; set it to keep the model the same under every layout.")
     second_expert_policy: Literal["random", "all"] = Field(
         "random", description="gshard only. random: keep the 2nd expert when 2*g2 > U(0,1) (GShard). "
         "all: always keep it.")
@@ -212,6 +226,7 @@ class MoEConfig(_Block):
         if self.parallel.expert > self.num_experts or self.num_experts % self.parallel.expert:
             raise FieldProblem("parallel.expert", self.parallel.expert, f"must divide num_experts "
                                f"({self.num_experts}); valid: {_divisors(self.num_experts)}")
+        self._check_group_limit()
         if self.layers is not None:
             _check_layers(self.layers)
         budget = self.placement.replica_budget
@@ -230,6 +245,37 @@ class MoEConfig(_Block):
             raise FieldProblem("shared_expert_gate", True, "there is no shared expert to gate; set "
                                "shared_expert_ffn_hidden_size > 0 or shared_expert_gate false")
         return self
+
+    def _check_group_limit(self) -> None:
+        G, M = self.expert_groups, self.group_topk
+        if self.router_groups is not None and M is None:
+            raise FieldProblem("router_groups", G, "has no effect without group_topk; set group_topk (the groups "
+                               "a token may use) or leave router_groups out")
+        if self.num_experts % G:
+            raise FieldProblem("router_groups", G, f"must divide num_experts ({self.num_experts}); valid: "
+                               f"{_divisors(self.num_experts)}")
+        if M is None:
+            return
+        groups = (f"router_groups ({G})" if self.router_groups is not None else
+                  f"the router groups ({G}: router_groups unset, one group per expert-parallel rank, parallel.expert)")
+        if M > G:
+            raise FieldProblem("group_topk", M, f"must be at most {groups}")
+        if self.k > M * (self.num_experts // G):
+            raise FieldProblem("group_topk", M, f"its groups hold {M} x {self.num_experts // G} experts, fewer than "
+                               f"top_k ({self.k}); with {groups} of num_experts {self.num_experts} it must be at least "
+                               f"{-(-self.k // (self.num_experts // G))}")
+
+    @property
+    def expert_groups(self) -> int:
+        """The router's expert groups G: ``router_groups``, by default one per expert-parallel rank."""
+        return self.router_groups if self.router_groups is not None else self.parallel.expert
+
+    @property
+    def group_limit(self) -> Optional[tuple[int, int]]:
+        """``(G, M)`` when ``group_topk`` restricts the choice (M < G), else None."""
+        if self.group_topk is None or self.group_topk == self.expert_groups:
+            return None
+        return self.expert_groups, self.group_topk
 
     @property
     def k(self) -> int:

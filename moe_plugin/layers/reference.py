@@ -3,15 +3,17 @@
 Written to be obviously right, not fast: one token at a time, GShard's priority rule as a
 literal double loop (all first choices, then all second choices, each in token order), the
 probability drop policy as a per-expert list sorted by (score high to low, that same order),
-every expert applied to one token vector. It shares no code with the layer but the capacity formula
-(``configs/capacity.py``, exact integer arithmetic, so both agree on every slot); it takes the layer's
-weights by state-dict name and the same random numbers (``RouterNoise``).
+every expert applied to one token vector, group_topk as the list of experts a token may choose.
+It shares no code with the layer but the capacity formula (``configs/capacity.py``, exact integer
+arithmetic, so both agree on every slot); it takes the layer's weights by state-dict name and the
+same random numbers (``RouterNoise``).
 
 ``group_sizes`` splits the tokens into consecutive GShard groups, each with its own capacity
 and its own losses: each data/expert-parallel rank's local batch is one group.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -84,6 +86,24 @@ def reference_moe(x_TH: Tensor, params: Mapping[str, Tensor], config: MoEConfig,
                            routed_per_expert=routed, capacities=caps)
 
 
+def _allowed_experts(score: list[float], config: MoEConfig) -> list[int]:
+    """The experts a token with selection scores ``score`` may choose: all, or with group_topk M
+    those in its M groups (consecutive ids) with the highest sums of their two best scores
+    (softmax: of the probabilities of the scores), equal sums to the lower group."""
+    E, M = config.num_experts, config.group_topk
+    if M is None:
+        return list(range(E))
+    G = config.router_groups or config.parallel.expert
+    size = E // G
+    if config.score_function == "softmax":
+        top = max(score)
+        weights = [math.exp(s - top) for s in score]
+        score = [w / sum(weights) for w in weights]
+    group_score = [sum(sorted(score[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(G)]
+    best = sorted(range(G), key=lambda g: (-group_score[g], g))[:M]
+    return [e for e in range(E) if e // size in best]
+
+
 def _one_group(x_TH, params, config, training, jitter_TH, uniform_T, kept, routed):
     T, E, k = x_TH.shape[0], config.num_experts, config.k
     W = params["router.weight"].float()
@@ -105,7 +125,7 @@ def _one_group(x_TH, params, config, training, jitter_TH, uniform_T, kept, route
         prob = torch.sigmoid(logit) if sigmoid else torch.softmax(logit, dim=0)
         choice = prob if sigmoid else logit
         score = [float(choice[e].detach()) + bias[e] for e in range(E)]
-        experts = sorted(range(E), key=lambda e: (-score[e], e))[:k]
+        experts = sorted(_allowed_experts(score, config), key=lambda e: (-score[e], e))[:k]
         g = [prob[e] for e in experts]
         if normalize:
             total = sum(g)

@@ -48,6 +48,7 @@ from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.layers import GroupedExperts, MoELayer
 
 if TYPE_CHECKING:
+    from moe_plugin.layers.router import RoutingPlan
     from moe_plugin.groups.process_groups import ProcessGroups
 
 VARIANTS = ("ours", "deepspeed", "megatron", "floor")
@@ -71,6 +72,8 @@ class LayerBenchSpec:
     breakdown: bool = False
     recompute_pre_activation: bool = False
     overlap_chunks: int = 1
+    router_groups: Optional[int] = None
+    group_topk: Optional[int] = None
     seed: int = 0
     device: str = "cpu"
     dtype: str = "fp32"
@@ -90,6 +93,8 @@ class LayerBenchSpec:
             block["second_expert_policy"] = "all"  # see deepspeed_moe.py
         if router == "topk":
             block["top_k"] = self.k
+        if self.group_topk is not None or self.router_groups is not None:
+            block.update(group_topk=self.group_topk, router_groups=self.router_groups)
         return MoEConfig.from_dict(block)
 
 
@@ -170,7 +175,10 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
         rival = megatron_twin(spec, AUX_LOSS_COEFF, ranks.size)
 
     with torch.no_grad():   # routing check, and the floor's per-expert counts
+        plans = []          # the router's plan, for the traffic record
+        hook = ours.router.register_forward_hook(lambda module, args, out: plans.append(out[0]))
         out_ours = ours(x_SBH)[0]
+        hook.remove()
         stats = ours.last_stats
         check = {}
         if twin is not None:
@@ -259,7 +267,7 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
         record[f"ours_over_deepspeed_{key.split('_')[0]}"] = _ratio(memory["ours_" + key],
                                                                     memory.get("deepspeed_" + key))
     if ranks.size > 1:
-        record.update(_traffic(spec, ranks, kept_E, record["deepspeed_capacity"], dtype.itemsize))
+        record.update(_traffic(spec, ranks, plans[0], record["deepspeed_capacity"], dtype.itemsize))
     record.update(check)
     if spec.breakdown and ranks.size == 1:
         from moe_plugin_tools.bench.breakdown import time_parts
@@ -271,12 +279,20 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
     return record
 
 
-def _traffic(spec: LayerBenchSpec, ranks: Ranks, kept_E: Tensor, ds_capacity: Optional[int], itemsize: int) -> dict:
-    """Bytes a rank sends to other ranks per all-to-all, mean over the ranks (``traffic.py``)."""
-    from moe_plugin_tools.bench.traffic import deepspeed_bytes_sent, ours_bytes_sent
+def _traffic(spec: LayerBenchSpec, ranks: Ranks, plan: "RoutingPlan", ds_capacity: Optional[int],
+             itemsize: int) -> dict:
+    """Bytes a rank sends to other ranks (rows to itself not counted), mean over the ranks
+    (``traffic.py``): per all-to-all, and per training step (dispatch and combine, forward and
+    backward: 4 all-to-alls); ``token_rank_a2a_step_bytes``: the same with each token sent once
+    per destination rank (not what the layer does)."""
+    from moe_plugin_tools.bench.traffic import deepspeed_bytes_sent, ours_rows_sent, token_rank_rows_sent
 
-    ours_bytes = ours_bytes_sent(kept_E, ranks.size, ranks.rank, spec.hidden, itemsize)
-    out = {"ours_a2a_bytes": round(ranks.reduce([ours_bytes], "sum")[0] / ranks.size)}
+    plan = plan.kept(int(plan.kept_D.sum()))
+    rows = [ours_rows_sent(plan.kept_E, ranks.size, ranks.rank),
+            token_rank_rows_sent(plan.token_R, plan.slot_R(), spec.experts // ranks.size, ranks.size, ranks.rank)]
+    per_a2a, token_rank = (v / ranks.size * spec.hidden * itemsize for v in ranks.reduce(rows, "sum"))
+    out = {"ours_a2a_bytes": round(per_a2a), "ours_a2a_step_bytes": round(4 * per_a2a),
+           "token_rank_a2a_step_bytes": round(4 * token_rank)}
     if ds_capacity is not None:
         # DeepSpeed pads every rank to the same capacity (dropless: the max over the EP group)
         capacity = int(ranks.reduce([ds_capacity], "max")[0])
@@ -323,18 +339,24 @@ def specs_from_args(args: argparse.Namespace) -> list[LayerBenchSpec]:
     from moe_plugin_tools.bench.device import target_from_args
 
     target = target_from_args(args)
+    if args.group_topk is not None and args.vs != "none":
+        raise ValueError(f"--group-topk needs --vs none: the {args.vs} layer does not limit the groups alike")
     if args.vs == "megatron":
         from moe_plugin_tools.bench.megatron_moe import require_cuda
 
         require_cuda(target.device)
-    return [LayerBenchSpec(tokens=args.tokens, experts=e, hidden=args.hidden, ffn=args.ffn, k=args.top_k,
-                           capacity_factor=args.capacity_factor, dropless=args.dropless, skew=s,
-                           iters=args.iters, warmup=args.warmup, vs_deepspeed=args.vs == "deepspeed",
-                           vs_megatron=args.vs == "megatron", breakdown=args.breakdown,
-                           recompute_pre_activation=args.recompute_pre_activation,
-                           overlap_chunks=args.overlap_chunks, seed=args.seed,
-                           device=target.device, dtype=target.dtype)
-            for e in args.experts for s in args.skew]
+    specs = [LayerBenchSpec(tokens=args.tokens, experts=e, hidden=args.hidden, ffn=args.ffn, k=args.top_k,
+                            capacity_factor=args.capacity_factor, dropless=args.dropless, skew=s,
+                            iters=args.iters, warmup=args.warmup, vs_deepspeed=args.vs == "deepspeed",
+                            vs_megatron=args.vs == "megatron", breakdown=args.breakdown,
+                            recompute_pre_activation=args.recompute_pre_activation,
+                            overlap_chunks=args.overlap_chunks, router_groups=args.router_groups,
+                            group_topk=args.group_topk, seed=args.seed,
+                            device=target.device, dtype=target.dtype)
+             for e in args.experts for s in args.skew]
+    for spec in specs:      # a bad moe block fails here, before any rank starts
+        spec.moe_config(args.ep)
+    return specs
 
 
 def summary(record: dict) -> str:
@@ -343,9 +365,12 @@ def summary(record: dict) -> str:
         value = record[f"{name}_ms"]
         return "-" if value is None else f"{value:.1f}"
 
+    limit = (f" group_topk={record['group_topk']} of {record['router_groups'] or 'ep'}"
+             if record.get("group_topk") else "")
     return (f"ep={record['ep']} T={record['tokens']} E={record['experts']} H={record['hidden']} F={record['ffn']} k={record['k']} "
             f"cf={record['capacity_factor']}{' dropless' if record['dropless'] else ''} skew={record['skew']}"
-            f"{' chunks=%d' % record['overlap_chunks'] if record.get('overlap_chunks', 1) > 1 else ''}: "
+            f"{' chunks=%d' % record['overlap_chunks'] if record.get('overlap_chunks', 1) > 1 else ''}"
+            f"{limit}: "
             f"ours {ms('ours')} ms, deepspeed {ms('deepspeed')} ms, "
             + (f"megatron {ms('megatron')} ms, " if record["megatron_ms"] is not None else "")
             + f"floor {ms('floor')} ms | "
@@ -353,7 +378,8 @@ def summary(record: dict) -> str:
             f"deepspeed/floor), ours/floor {record['ours_over_floor']} | peak MiB "
             + ", ".join(f"{n} {record[f'{n}_peak_bytes'] / 2**20:.0f}" for n in VARIANTS
                         if record[f"{n}_peak_bytes"] is not None)
-            + (f" | a2a bytes ours {record['ours_a2a_bytes']}, deepspeed {record.get('deepspeed_a2a_bytes')}"
+            + (f" | a2a bytes ours {record['ours_a2a_bytes']} (step {record['ours_a2a_step_bytes']}, token once per "
+               f"rank {record['token_rank_a2a_step_bytes']}), deepspeed {record.get('deepspeed_a2a_bytes')}"
                if "ours_a2a_bytes" in record else "")
             + f" | max load {record['max_load']} (mean {record['mean_load']:.0f}) | load avg {record['loadavg']}, "
             f"others_cpu {record['others_cpu']}")
