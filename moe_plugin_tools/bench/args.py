@@ -116,7 +116,9 @@ def add_step_parser(kinds: argparse._SubParsersAction, run_step) -> None:
     step.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     step.add_argument("--parts", type=int, default=0, help="after the timed rounds, profile this many more steps of "
                       "each model and add where their time goes (attention, MLPs, the MoE layers' parts, collectives, "
-                      "optimizer; mean over the ranks, ms per step) to the record (default 0: off)")
+                      "optimizer; mean over the ranks, ms per step) to the record, and what one more collective round costs in "
+                      "our step (ours_extra_round_ms: 2 x this many steps, with and without 2 tiny all-to-alls before "
+                      "each MoE layer) (default 0: off)")
     step.add_argument("--threads", type=positive_int, default=2, help="threads of the whole job, split over the "
                       "ranks (default 2)")
     step.add_argument("--seed", type=int, default=0)

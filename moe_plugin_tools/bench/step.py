@@ -188,7 +188,8 @@ def _trainer(engine: Any, timer: MoETimer, aux: Optional[Callable[[], torch.Tens
 def bench_step(spec: GPTSpec, rounds: int, warmup: int, parts: int = 0) -> dict:
     """Build both models and time them (module docstring); every rank calls it with torch.distributed
     initialised (gloo). Returns the record (the same on every rank). ``parts``: profile that many
-    more steps of each model (``step_parts.py``) for ``{model}_parts_ms``."""
+    more steps of each model (``step_parts.py``) for ``{model}_parts_ms``, and time 2 x that many
+    of ours for ``ours_extra_round_ms`` (``_round_cost``)."""
     from moe_plugin_tools.bench.gpt_models import build_deepspeed_twin, build_ours, same_weights, twin_aux_loss
     from moe_plugin.integration.megatron import MegatronMoEMLP
     from moe_plugin.integration.monitor import ExpertMetrics
@@ -238,6 +239,7 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int, parts: int = 0) -> dict:
         busy_after = cpu_seconds()
         profiled = {name: _parts(model.module, steps[name], batches, parts, spec.device)
                     for name, model in (("ours", ours.engine), ("deepspeed", twin)) if parts}
+        round_ms = _round_cost(ours_moe, steps["ours"], batches, parts, ours.groups.ep, spec.device) if parts else None
         for timer in timers.values():
             timer.close()
         metrics.close()
@@ -261,6 +263,8 @@ def bench_step(spec: GPTSpec, rounds: int, warmup: int, parts: int = 0) -> dict:
             record[f"{name}_phases_cpu_ms"] = {p: round(statistics.median(t[n + i + 1] for t in times[name]), 2)
                                                for i, p in enumerate(PHASES)}
         record.update({f"{name}_parts_ms": {k: round(v, 2) for k, v in p.items()} for name, p in profiled.items()})
+        if round_ms is not None:
+            record["ours_extra_round_ms"] = round(round_ms, 2)
         record.update({f"{name}_losses": [round(v, 5) for v in losses[name]] for name in MODELS})
         record["step0_loss_diff"] = abs(losses["ours"][0] - losses["deepspeed"][0])
         record["same_initial_weights"] = same
@@ -282,6 +286,35 @@ def _parts(model: torch.nn.Module, step: Callable, batches: list, count: int, de
     for i in range(count):
         step(batches[i % len(batches)])
     return over_ranks(profile.stop(count), device)["mean"]
+
+
+def _round_cost(moe: list[torch.nn.Module], step: Callable, batches: list, count: int, group, device: str,
+                extra: int = 2) -> float:
+    """What one more collective round costs inside our training step: ``count`` steps with ``extra``
+    tiny all-to-alls over ``group`` (the EP group) before every MoE MLP, ``count`` steps without, in
+    alternation; the median difference of the slowest rank's step per added round (ms)."""
+    added = {"on": False}
+
+    def rounds(_module, _inputs):
+        if added["on"]:
+            for _ in range(extra):
+                ones = torch.ones(dist.get_world_size(group), 2, dtype=torch.long, device=device)
+                dist.all_to_all_single(torch.empty_like(ones), ones, group=group)
+
+    hooks = [m.register_forward_pre_hook(rounds) for m in moe]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    world = _World(device)
+    try:
+        for i in range(2 * count):
+            added["on"] = i % 2 == 0
+            dist.barrier()
+            start = time.perf_counter()
+            step(batches[i % len(batches)])
+            times[added["on"]].append(world.reduce([time.perf_counter() - start], "max")[0])
+    finally:
+        for h in hooks:
+            h.remove()
+    return 1e3 * (statistics.median(times[True]) - statistics.median(times[False])) / (extra * len(moe))
 
 
 def _process_cpu_seconds() -> float:
