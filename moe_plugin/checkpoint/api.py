@@ -204,7 +204,9 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     verify(path, meta)   # every file against its checksum, before anything is read
     resharded = (meta["layout"] != layout(groups) or meta["zero_stage"] != engine.zero_optimization_stage()
                  or KIND_KEY in meta)
-    optimizer_follows = load_optimizer_states and not load_module_only
+    fresh = meta.get("fresh_states", [])   # what an upcycled checkpoint does not hold (upcycle.py)
+    optimizer_follows = load_optimizer_states and not load_module_only and "optimizer" not in fresh
+    load_lr_scheduler_states = load_lr_scheduler_states and "lr_scheduler" not in fresh
     recut_optimizer = False
     if resharded and optimizer_follows:
         agree(lambda: check_optimizer_can_follow(run, meta))
