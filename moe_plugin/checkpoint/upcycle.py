@@ -64,7 +64,7 @@ import torch.nn.functional as F
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.export import ONE_RANK, read_full_state
-from moe_plugin.checkpoint.files import TMP_PREFIX, file_digest, read_torch, remove_stale, tag_files
+from moe_plugin.checkpoint.files import TMP_PREFIX, commit_tag, file_digest, read_torch, remove_stale, tag_files
 from moe_plugin.checkpoint.metadata import (
     EXPERT_DIR,
     FORMAT,
@@ -167,9 +167,7 @@ def upcycle_checkpoint(dense_dir: Union[os.PathLike, str], ds_config: Union[dict
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    from moe_plugin.checkpoint.api import _commit
-
-    _commit(out_dir, out_tag, TMP_PREFIX + out_tag, save_latest=True)
+    commit_tag(out_dir, out_tag, TMP_PREFIX + out_tag, save_latest=True)
     say(f"wrote {final}: {len(layers)} MoE layers x {moe.num_experts} experts (granularity {granularity}), "
         f"step {steps}, optimizer fresh")
     return UpcycleResult(final, out_tag, source, tuple(layers), moe.num_experts, granularity, steps, tuple(dropped))
