@@ -8,8 +8,8 @@ pieces each (granularity 2, ``gate_scale`` 2, virtual router groups). Each MoE c
 by ``load_checkpoint`` with its default arguments (the usual resume path: the optimizer starts
 fresh because the metadata says so), and the per-token losses of a fixed batch equal the dense
 model's to fp32 rounding (the experts' GEMMs sum in another order than Megatron's linears, and
-normalised gates sum to 1 within an ulp): on 1 rank, and in a 4-rank spawn under ep 2 (dp 4) and
-tp 2 x ep 2, from a dense checkpoint saved at tp 2. Then one training step runs, continuing the
+normalised gates sum to 1 within an ulp): on 1 rank, and in a 4-rank spawn under ep 2 (dp 4),
+tp 2 x ep 2 and pp 2 x ep 2 (the PipelineEngine), from a dense checkpoint saved at tp 2. Then one training step runs, continuing the
 dense run's step counter (or from 0 with ``keep_iteration=False``). In the parent: bad target
 configs fail naming the key and leave nothing behind, MLP biases are refused unless dropped, and
 the command runs in-process.
@@ -28,6 +28,9 @@ DENSE_STEPS = 2
 BASE = {"num_experts": 4, "router": "topk", "top_k": 2, "drop_tokens": False, "layer_interval": 2}
 TARGETS = {1: BASE, 2: {**BASE, "ffn_hidden_size": FFN // 2, "gate_scale": 2.0}}   # granularity -> "moe" block
 UNNORMALISED = {**BASE, "normalize_gates": False}   # allowed with allow_inexact: gates sum below 1
+# the pipeline case: MoE layers on both stages (DeepSpeed's PipelineEngine loads a stage without any
+# MoE layer through another path, which fails on a plugin checkpoint)
+EVERY_LAYER = {**TARGETS[2], "layer_interval": 1}
 TOLERANCE = 1e-5   # seen: 2.4e-7 (one ulp of a loss near 3.5)
 
 
@@ -109,6 +112,8 @@ def _upcycle_on_rank0(root: str, keep_iteration: bool = True) -> None:
                            keep_iteration=False, progress=lambda line: None)
         upcycle_checkpoint(os.path.join(root, "dense"), {"moe": UNNORMALISED}, os.path.join(root, "g1-unnormalised"),
                            allow_inexact=True, progress=lambda line: None)
+        upcycle_checkpoint(os.path.join(root, "dense"), {"moe": EVERY_LAYER}, os.path.join(root, "g2-every-layer"),
+                           granularity=2, progress=lambda line: None)
     torch.distributed.barrier()
 
 
@@ -121,6 +126,39 @@ def _load_and_train(root: str, name: str, g: int, parallel: dict, world_size: in
         out = {"losses": _token_losses(run), "global_steps": run.engine.global_steps, "client": client.get("step"),
                "optimizer_state": len(run.engine.optimizer.state)}
         out["train"] = _train_step(run, DENSE_STEPS)
+        out["global_steps_after"] = run.engine.global_steps
+        return out
+    finally:
+        run.close()
+
+
+def _pipe_load_and_train(root: str) -> dict:
+    """``g2-every-layer`` into pp 2 x ep 2 (DeepSpeed's PipelineEngine, dp 2): the mean loss of the
+    fixed batch (each replica one half, one micro-batch), then one ``train_batch``."""
+    import moe_plugin
+    from megatron.core.transformer import TransformerConfig
+
+    from moe_plugin.checkpoint import load_checkpoint
+
+    def provide(moe_config, groups):
+        config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
+                                   pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, add_bias_linear=False,
+                                   use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                                   bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+                                   masked_softmax_fusion=False, apply_rope_fusion=False)
+        return moe_plugin.gpt_pipeline_module(config, moe_config, groups, vocab_size=VOCAB, max_sequence_length=SEQ,
+                                              seed=1234, share_embeddings_and_output_weights=False)   # as the GPTModel
+
+    cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // 2, "steps_per_print": 10 ** 6,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+           "zero_optimization": {"stage": 0}, "moe": {**EVERY_LAYER, "parallel": {"pipeline": 2, "expert": 2}}}
+    run = moe_plugin.initialize(cfg, provide)
+    try:
+        load_checkpoint(run, os.path.join(root, "g2-every-layer"))
+        rows = slice(run.groups.rank_in("dp") * BATCH // 2, (run.groups.rank_in("dp") + 1) * BATCH // 2)
+        ids, pos, labels = (t[rows].contiguous() for t in _batch(999))
+        out = {"loss": run.engine.eval_batch(iter([((ids, pos), labels)])).item()}
+        out["train"] = run.engine.train_batch(iter([((ids, pos), labels)])).item()
         out["global_steps_after"] = run.engine.global_steps
         return out
     finally:
@@ -147,6 +185,7 @@ def _child(rank: int, world_size: int, root: str) -> dict:
     for layout, parallel in (("ep2", {"expert": 2}), ("tp2-ep2", {"tensor": 2, "expert": 2})):
         for g in TARGETS:
             attempt(f"{layout}-g{g}", _load_and_train, root, f"g{g}", g, parallel, world_size)
+    attempt("pp2-ep2-g2", _pipe_load_and_train, root)
     return results
 
 
@@ -186,6 +225,16 @@ def test_one_rank_upcycled_model_computes_the_dense_function(one_rank, name):
 @pytest.mark.parametrize("name", ["ep2-g1", "ep2-g2", "tp2-ep2-g1", "tp2-ep2-g2"])
 def test_upcycled_model_computes_the_dense_function_under_a_layout(four_ranks, name):
     _check_case(four_ranks[1], name)
+
+
+def test_upcycled_model_computes_the_dense_function_in_a_pipeline(four_ranks):
+    """pp 2 x ep 2: the 1-rank GPTModel checkpoint read in the pipeline's names (``checkpoint/keys.py``)."""
+    from dist import case_results
+
+    for rank, (result, case) in enumerate(zip(four_ranks[1], case_results(four_ranks[1], "pp2-ep2-g2"))):
+        expected = result["dense"].mean().item()   # eval_batch averages over the data-parallel replicas
+        assert abs(case["loss"] - expected) < TOLERANCE, f"rank {rank}: {case['loss']} vs the dense {expected}"
+        assert math.isfinite(case["train"]) and case["global_steps_after"] == DENSE_STEPS + 1
 
 
 def test_upcycled_experts_are_copies_and_the_function_is_not_trivially_kept(one_rank):

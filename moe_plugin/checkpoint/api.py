@@ -171,7 +171,9 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     DeepSpeed's ``(load_path, client_state)``. Raises ``CheckpointError`` on every rank, before
     the model changes, when the checkpoint does not fit the model. RNG states (and the routers'
     pending load counts) come back when every rank sees the tokens it saw when saving (same world
-    size, tp, dp, pp and order; EP and ETP may differ)."""
+    size, tp, dp, pp and order; EP and ETP may differ). What the metadata lists in ``fresh_states``
+    (an upcycled checkpoint's optimizer, and lr scheduler after ``keep_iteration=False``) is not
+    loaded whatever is asked: the checkpoint holds none."""
     engine, groups = run.engine, run.groups
     load_dir = os.fspath(load_dir)
     remove_stale_collective(load_dir)
