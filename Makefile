@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 TORCH_STAMP := $(VENV)/.torch-2.13.0
 DEPS_STAMP := $(VENV)/.deps-installed
 
-.PHONY: test example scaling scaling-quick install clean
+.PHONY: test example scaling scaling-quick upcycling upcycling-quick install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,14 @@ scaling: $(DEPS_STAMP)
 
 scaling-quick: $(DEPS_STAMP)
 	$(PY) examples/gpt_moe/scaling/study.py --quick
+
+# The upcycling study (examples/gpt_moe/scaling/upcycling.py): the dense model trained half-way, then
+# continued dense, upcycled to 8 experts top-2, or the 8-expert model from scratch; runs/upcycling/.
+upcycling: $(DEPS_STAMP)
+	$(PY) examples/gpt_moe/scaling/upcycling.py
+
+upcycling-quick: $(DEPS_STAMP)
+	$(PY) examples/gpt_moe/scaling/upcycling.py --quick
 
 clean:
 	rm -rf $(VENV) *.egg-info

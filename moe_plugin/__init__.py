@@ -33,6 +33,7 @@ _LAZY = {
     "load_checkpoint": "checkpoint",
     "checkpoint_exists": "checkpoint",
     "CheckpointError": "checkpoint",
+    "upcycle_checkpoint": "checkpoint",
 }
 
 __all__ = ["ConfigError", "MoEConfig", "ParallelSizes", "RankLayout", "__version__", "alike_on_every_rank",

@@ -9,6 +9,7 @@
     moe-plugin plan --calibrate out.json [--ranks 4] | --validate [--ranks 4,8]
     moe-plugin report RUN_DIR [RUN_DIR ...] [--out DIR]
     moe-plugin export CKPT_DIR --out DIR [--tag TAG]
+    moe-plugin upcycle DENSE_CKPT --config ds.json --out MOE_CKPT [--granularity G] [--tag TAG] [--reset-iteration]
 
 A bad config or bad sizes exit with status 2 and one line ``error: <message>`` on stderr (rank 0
 only, when started by a launcher). ``check-config`` with a world size also checks DeepSpeed's
@@ -111,6 +112,21 @@ def export(args: argparse.Namespace) -> None:
     export_checkpoint(args.checkpoint, args.out, tag=args.tag, progress=lambda line: print(line, flush=True))
 
 
+def upcycle(args: argparse.Namespace) -> None:
+    from moe_plugin.checkpoint import upcycle_checkpoint
+
+    done = upcycle_checkpoint(args.checkpoint, args.config, args.out, tag=args.tag, granularity=args.granularity,
+                              keep_iteration=not args.reset_iteration, drop_mlp_bias=args.drop_mlp_bias,
+                              allow_inexact=args.allow_inexact, seed=args.seed,
+                              progress=lambda line: print(line, flush=True))
+    copies = done.num_experts // done.granularity
+    print(f"upcycled {done.source} -> {done.path}\n"
+          f"  MoE layers {list(done.moe_layers)}: {done.num_experts} experts each = {copies} copies of the dense MLP"
+          + (f" x {done.granularity} pieces" if done.granularity > 1 else "") + "\n"
+          f"  resumes at step {done.global_steps}; optimizer state fresh"
+          + (f"; dropped {len(done.dropped_biases)} MLP biases" if done.dropped_biases else ""))
+
+
 def _show_layout(rank_layout: RankLayout) -> None:
     print(rank_layout.table())
     print("\nGroups each rank joins:")
@@ -164,6 +180,23 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--out", type=Path, required=True, help="where model.safetensors and config.json go")
     dump.add_argument("--tag", default=None, help="the tag to export (default: the one CKPT_DIR/latest names)")
     dump.set_defaults(run=export)
+
+    up = commands.add_parser("upcycle", help="an MoE checkpoint whose experts start as copies of a dense "
+                             "checkpoint's MLPs (loads under any layout)")
+    up.add_argument("checkpoint", type=Path, metavar="DENSE_CKPT", help="a --save directory of a dense model")
+    up.add_argument("--config", type=Path, required=True, help="the MoE model's DeepSpeed JSON (its \"moe\" block)")
+    up.add_argument("--out", type=Path, required=True, help="the MoE checkpoint directory to write (a --load)")
+    up.add_argument("--granularity", type=int, default=1, help="cut each copy into G experts of FFN/G "
+                    "(num_experts = copies x G, gate_scale G, top_k a multiple of G)")
+    up.add_argument("--tag", default=None, help="the dense tag (default: the one DENSE_CKPT/latest names)")
+    up.add_argument("--reset-iteration", action="store_true", help="start at step 0 with the lr schedule "
+                    "as built (default: continue the dense run's step, lr schedule and data order)")
+    up.add_argument("--drop-mlp-bias", action="store_true", help="drop the dense MLPs' biases (experts have "
+                    "none; the function changes by them)")
+    up.add_argument("--allow-inexact", action="store_true", help="accept gates that do not reproduce the dense "
+                    "MLP at step 0 (unnormalised, switch, ...): warn instead of refusing")
+    up.add_argument("--seed", type=int, default=1234, help="seed of the fresh router weights")
+    up.set_defaults(run=upcycle)
 
     add_bench_parser(commands, bench_layer, bench_step)
     add_plan_parser(commands)

@@ -7,6 +7,8 @@
   experts; the CSV and the JSON summary agree;
 * run again, it trains nothing (every model already trained) and writes the report again;
 * a bad ``--models`` value exits with status 2 naming it, before anything is written;
+* ``upcycling.py --quick`` (with ``MOE_UPCYCLING_QUICK=1``): the dense model half-way, continued dense,
+  upcycled (the example resumes from the upcycled checkpoint) and e8-top2 from scratch;
 * the GPU recipe's configs pass ``moe-plugin check-config`` at the cluster's size and are what
   ``gpu_recipe.py`` writes now.
 """
@@ -16,6 +18,7 @@ import csv
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +145,28 @@ def test_gpu_recipe_configs_check_and_are_current(tmp_path, capsys):
     for path in committed + [SCALING / "gpu" / "plan.md"]:
         fresh = tmp_path / path.relative_to(SCALING / "gpu")
         assert fresh.read_text() == path.read_text(), f"{path} is stale: run python {SCALING / 'gpu_recipe.py'}"
+
+
+@pytest.mark.skipif(os.environ.get("MOE_UPCYCLING_QUICK") != "1",
+                    reason="four launcher runs, ~2 minutes: set MOE_UPCYCLING_QUICK=1 (or run make upcycling-quick)")
+def test_quick_upcycling_study(tmp_path):
+    """``upcycling.py --quick`` on 2 ranks: the dense model half-way, then continued dense, upcycled
+    (the example loads the upcycled checkpoint with its usual ``--load``), and e8-top2 from scratch;
+    the upcycled model's first training loss (the same batch) is the dense continuation's up to the
+    routes capacity drops; the table, plot and the checkpoint's record of its source are written."""
+    out = tmp_path / "upcycling"
+    done = subprocess.run([sys.executable, str(SCALING / "upcycling.py"), "--quick", "--ranks", "2", "--out", str(out),
+                           "--data-cache", str(tmp_path / "data"), "--master-port", "29625"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((out / "upcycling.json").read_text())
+    half, total = record["half"], _module("family").SIZES["quick"].train_iters
+    dense, upcycled, scratch = record["rows"]
+    assert [r["runs"][-1] for r in record["rows"]] == ["dense-continued", "upcycled-e8-top2", "e8-top2-scratch"]
+    assert [s for s, _ in upcycled["train"]] == list(range(1, total + 1)) == [s for s, _ in scratch["train"]]
+    assert dense["train"][:half] == upcycled["train"][:half] and dense["tokens"] == upcycled["tokens"] == scratch["tokens"]
+    assert abs(dense["train"][half][1] - upcycled["train"][half][1]) < 0.01, (dense["train"][half], upcycled["train"][half])
+    assert all(math.isfinite(r["final_valid_loss"]) for r in record["rows"])
+    meta = json.loads((out / "checkpoints" / "upcycled" / f"step{half}" / "moe_plugin.json").read_text())
+    assert meta["upcycled_from"]["granularity"] == 2 and meta["moe"]["gate_scale"] == 2.0
+    assert (out / "upcycling.png").stat().st_size > 0 and "(b) dense, upcycled to e8-top2" in done.stdout

@@ -91,6 +91,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="give the output layer a weight of its own (default: tied to the word embedding, as "
                        "Megatron-LM ties them; tied across the first and last stage under pipeline parallelism)")
+    model.add_argument("--disable-bias-linear", action="store_true",
+                       help="no biases in the linear layers (Megatron-LM's flag, add_bias_linear=False); a dense model "
+                       "to upcycle needs it: the plugin's experts have none (moe-plugin upcycle)")
     model.add_argument("--dense", action="store_true",
                        help="the dense baseline: Megatron's MLP on every layer; the \"moe\" block still gives the "
                        "parallel layout, its expert settings are unused")
@@ -223,7 +226,7 @@ def transformer_config(args: argparse.Namespace, moe_config: MoEConfig):
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, init_method_std=args.init_method_std,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        add_bias_linear=not args.disable_bias_linear, pipeline_dtype=torch.float32, use_cpu_initialization=True,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False)
 

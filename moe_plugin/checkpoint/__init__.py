@@ -14,7 +14,8 @@
 * ``shards``, ``reshard``: tensors and state dicts cut for and joined from TP / ETP ranks;
   ``keys``: a ``PipelineModule`` checkpoint read as a ``GPTModel`` and back.
 * ``files``: checksums, named read errors, stale temporary directories; ``export``: any
-  checkpoint as the 1-rank ``GPTModel``'s fp32 state dict (``moe-plugin export``).
+  checkpoint as the 1-rank ``GPTModel``'s fp32 state dict (``moe-plugin export``); ``upcycle``: an MoE
+  checkpoint made from a dense one (``moe-plugin upcycle``).
 
 DeepSpeed's file names and the loader behaviour relied on: ``moe_plugin.compat.deepspeed_checkpoint``.
 The names below are imported on first use, so ``export`` runs without DeepSpeed or Megatron.
@@ -25,6 +26,6 @@ from moe_plugin.lazy import lazy_getattr
 
 _FROM = {"save_checkpoint": "api", "load_checkpoint": "api", "checkpoint_exists": "api", "read_latest": "metadata",
          "read_metadata": "metadata", "CheckpointError": "errors", "export_checkpoint": "export",
-         "load_export": "export"}
+         "load_export": "export", "upcycle_checkpoint": "upcycle"}
 __all__ = sorted(_FROM)
 __getattr__ = lazy_getattr(__name__, _FROM)

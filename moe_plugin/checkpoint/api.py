@@ -30,7 +30,7 @@ expert shards of the other EP ranks are lost. The PipelineEngine takes the same 
 
 On disk, atomicity, integrity and what may change between save and load: docs/checkpoints.md. In
 code: everything is written into ``save_dir/.tmp-TAG`` and, after a barrier, rank 0 renames it to
-``TAG`` and then replaces ``latest`` (``_commit``; stale temporary directories: ``files.remove_stale``).
+``TAG`` and then replaces ``latest`` (``files.commit_tag``; stale temporary directories: ``files.remove_stale``).
 ``files`` records the size and sha256 of every file in the metadata, checks them before a load reads
 anything, and reads every file through ``read_torch`` / ``read_json``, so a damaged file is a
 ``CheckpointError`` naming it on every rank. Resharding: experts are cut again from the global-id
@@ -47,7 +47,6 @@ import contextlib
 import json
 import os
 import pickle
-import shutil
 from typing import Any, Optional
 
 import torch
@@ -65,10 +64,12 @@ from moe_plugin.checkpoint.files import (
     OLD_PREFIX,
     TMP_PREFIX,
     checksums,
+    commit_tag,
     read_torch,
     remove_stale,
     remove_stale_collective,
     verify,
+    write_text,
 )
 from moe_plugin.checkpoint.keys import KIND_KEY, running_state
 from moe_plugin.checkpoint.metadata import (
@@ -122,8 +123,8 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
     dist.barrier()  # every file is written
     meta["files"] = checksums(tmp_path)
     if dist.get_rank() == 0:
-        _write_text(os.path.join(tmp_path, META_FILE), json.dumps(meta, indent=1))
-        _commit(save_dir, tag, tmp_tag, save_latest)
+        write_text(os.path.join(tmp_path, META_FILE), json.dumps(meta, indent=1))
+        commit_tag(save_dir, tag, tmp_tag, save_latest)
     dist.barrier()
     return os.path.join(save_dir, tag)
 
@@ -133,30 +134,6 @@ def _check_tag(tag: str) -> str:
         raise CheckpointError(f"tag: got {tag!r}; expected a plain directory name (no '{os.sep}', not starting "
                               f"with '.', not {LATEST!r})")
     return tag
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path + ".part", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".part", path)
-
-
-def _commit(save_dir: str, tag: str, tmp_tag: str, save_latest: bool) -> None:
-    """Rename the finished temporary directory to ``tag`` (replacing an older one of that name),
-    then point ``latest`` at it."""
-    final, tmp = os.path.join(save_dir, tag), os.path.join(save_dir, tmp_tag)
-    if os.path.exists(final):
-        old = os.path.join(save_dir, OLD_PREFIX + tag)
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
-    if save_latest:
-        _write_text(os.path.join(save_dir, LATEST), tag)
 
 
 # -- load ----------------------------------------------------------------------------------------
@@ -194,7 +171,9 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     DeepSpeed's ``(load_path, client_state)``. Raises ``CheckpointError`` on every rank, before
     the model changes, when the checkpoint does not fit the model. RNG states (and the routers'
     pending load counts) come back when every rank sees the tokens it saw when saving (same world
-    size, tp, dp, pp and order; EP and ETP may differ)."""
+    size, tp, dp, pp and order; EP and ETP may differ). What the metadata lists in ``fresh_states``
+    (an upcycled checkpoint's optimizer, and lr scheduler after ``keep_iteration=False``) is not
+    loaded whatever is asked: the checkpoint holds none."""
     engine, groups = run.engine, run.groups
     load_dir = os.fspath(load_dir)
     remove_stale_collective(load_dir)
@@ -204,7 +183,9 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     verify(path, meta)   # every file against its checksum, before anything is read
     resharded = (meta["layout"] != layout(groups) or meta["zero_stage"] != engine.zero_optimization_stage()
                  or KIND_KEY in meta)
-    optimizer_follows = load_optimizer_states and not load_module_only
+    fresh = meta.get("fresh_states", [])   # what an upcycled checkpoint does not hold (upcycle.py)
+    optimizer_follows = load_optimizer_states and not load_module_only and "optimizer" not in fresh
+    load_lr_scheduler_states = load_lr_scheduler_states and "lr_scheduler" not in fresh
     recut_optimizer = False
     if resharded and optimizer_follows:
         agree(lambda: check_optimizer_can_follow(run, meta))

@@ -61,25 +61,8 @@ def export_checkpoint(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, t
     from safetensors.torch import save_file
 
     say = progress or logger.info
-    ckpt_dir, out_dir = os.fspath(ckpt_dir), os.fspath(out_dir)
-    tag = read_latest(ckpt_dir) if tag is None else tag
-    path = os.path.join(ckpt_dir, tag)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: missing; no checkpoint tag {tag!r} there")
-    meta = read_metadata(ckpt_dir, tag)
-    model = meta.get("model")
-    if not model or "transformer_config" not in model or "vocab_size" not in model:
-        raise CheckpointError(f"{os.path.join(path, 'moe_plugin.json')}: records no model config (saved by an older "
-                              "moe_plugin); load it into a model and save it again to export it")
-    say(f"checking {len(meta.get('files', {}))} files of {path} against their checksums")
-    verify_all(path, meta)
-    state: dict[str, torch.Tensor] = {}
-    stages = sorted(int(s) for s in meta["stages"])
-    num_layers = model["transformer_config"]["num_layers"]
-    for stage in stages:
-        state.update(_dense(path, meta, stage, num_layers, say))
-        state.update(_experts(path, meta, stage, num_layers, say))
-    _untie(state, meta, path, say)
+    out_dir = os.fspath(out_dir)
+    state, _extras, meta, path = read_full_state(ckpt_dir, tag, say)
     state = {k: (v.float() if v.is_floating_point() else v).contiguous().clone() for k, v in sorted(state.items())}
     os.makedirs(out_dir, exist_ok=True)
     weights, config = os.path.join(out_dir, WEIGHTS_FILE), os.path.join(out_dir, CONFIG_FILE)
@@ -92,6 +75,35 @@ def export_checkpoint(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, t
     return {"weights": weights, "config": config}
 
 
+def read_full_state(ckpt_dir: os.PathLike | str, tag: Optional[str] = None,
+                    progress: Optional[Callable[[str], None]] = None) -> tuple[dict, dict, dict, str]:
+    """Any checkpoint (``ckpt_dir/tag``, default: its ``latest``) as the 1-rank ``GPTModel``'s state,
+    after checking every file against its checksum: (tensors as saved, TP shards joined, experts
+    stacked by id, under ``GPTModel`` names; the non-tensor entries of the DeepSpeed module files,
+    Megatron's ``_extra_state``, under the same names; the metadata; the tag's path). One process."""
+    say = progress or logger.info
+    ckpt_dir = os.fspath(ckpt_dir)
+    tag = read_latest(ckpt_dir) if tag is None else tag
+    path = os.path.join(ckpt_dir, tag)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: missing; no checkpoint tag {tag!r} there")
+    meta = read_metadata(ckpt_dir, tag)
+    model = meta.get("model")
+    if not model or "transformer_config" not in model or "vocab_size" not in model:
+        raise CheckpointError(f"{os.path.join(path, 'moe_plugin.json')}: records no model config (saved by an older "
+                              "moe_plugin); load it into a model and save it again to export it")
+    say(f"checking {len(meta.get('files', {}))} files of {path} against their checksums")
+    verify_all(path, meta)
+    state: dict[str, torch.Tensor] = {}
+    extras: dict[str, Any] = {}
+    num_layers = model["transformer_config"]["num_layers"]
+    for stage in sorted(int(s) for s in meta["stages"]):
+        state.update(_dense(path, meta, stage, num_layers, say, extras))
+        state.update(_experts(path, meta, stage, num_layers, say))
+    _untie(state, meta, path, say)
+    return state, extras, meta, path
+
+
 def _gpt_key(key: str, meta: dict, num_layers: int) -> str:
     if not meta.get("pipeline_module", False):
         return key
@@ -100,8 +112,9 @@ def _gpt_key(key: str, meta: dict, num_layers: int) -> str:
     return gpt_state_dict_key(key, num_layers)
 
 
-def _dense(path: str, meta: dict, stage: int, num_layers: int, say: Callable[[str], None]) -> dict:
-    """Stage ``stage``'s dense entries, TP shards joined, under GPTModel keys."""
+def _dense(path: str, meta: dict, stage: int, num_layers: int, say: Callable[[str], None], extras: dict) -> dict:
+    """Stage ``stage``'s dense entries, TP shards joined, under GPTModel keys; its non-tensor
+    entries (TP rank 0's) go into ``extras``."""
     saved = meta["stages"][str(stage)]
     files = saved_model_files(path, meta, stage)
     say(f"stage {stage}: dense weights from {', '.join(os.path.basename(f) for f in files)}")
@@ -127,6 +140,12 @@ def _dense(path: str, meta: dict, stage: int, num_layers: int, say: Callable[[st
         if list(value.shape) != list(shape):
             raise CheckpointError(f"{files[0]}: {key} joins to {list(value.shape)}, the metadata records {shape}")
         out[_gpt_key(key, meta, num_layers)] = value
+    for key, value in modules[0].items():
+        if key not in saved["dense"] and not isinstance(value, torch.Tensor):
+            try:
+                extras[_gpt_key(key, meta, num_layers)] = value
+            except KeyError:   # a pipeline-only piece with no GPTModel name
+                continue
     return out
 
 

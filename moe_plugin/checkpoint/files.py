@@ -11,6 +11,8 @@ the file they fail on, and what an interrupted save leaves behind.
   same ``CheckpointError`` naming each bad file, what was recorded and what was found.
 * ``read_torch`` / ``read_json``: a truncated or garbled file becomes a ``CheckpointError``
   naming its path instead of a bare ``PytorchStreamReader`` or ``JSONDecodeError`` traceback.
+* ``commit_tag``: a finished ``.tmp-TAG`` renamed to ``TAG`` (replacing an older one), then
+  ``latest`` pointed at it (``write_text``: written whole, then renamed).
 * ``remove_stale(directory)``: ``.tmp-TAG`` directories of saves that died, and ``.old-TAG``
   ones of a save killed while replacing a tag of the same name (put back when ``TAG`` is gone).
 """
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from moe_plugin.checkpoint.errors import CheckpointError, agree, first_line
-from moe_plugin.checkpoint.metadata import META_FILE
+from moe_plugin.checkpoint.metadata import LATEST, META_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +140,31 @@ def verify_all(path: str, meta: dict) -> None:
         logger.warning("%s: no checksums recorded (saved by an older moe_plugin); reading it unverified", path)
         return
     check_files(path, recorded, sorted(recorded))
+
+
+# -- committing a tag ----------------------------------------------------------------------------
+def write_text(path: str, text: str) -> None:
+    with open(path + ".part", "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".part", path)
+
+
+def commit_tag(save_dir: str, tag: str, tmp_tag: str, save_latest: bool) -> None:
+    """Rename the finished temporary directory to ``tag`` (replacing an older one of that name),
+    then point ``latest`` at it."""
+    final, tmp = os.path.join(save_dir, tag), os.path.join(save_dir, tmp_tag)
+    if os.path.exists(final):
+        old = os.path.join(save_dir, OLD_PREFIX + tag)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    if save_latest:
+        write_text(os.path.join(save_dir, LATEST), tag)
 
 
 # -- interrupted saves ----------------------------------------------------------------------------

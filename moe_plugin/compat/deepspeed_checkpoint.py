@@ -81,3 +81,29 @@ def one_file_per_mp_rank(load_dir: str, tag: str, engine: Any, state: dict) -> I
             if name != mine:
                 os.symlink(mine, name)
         yield staging
+
+
+# What DeepSpeed 0.19.8 writes into a module file itself (``_save_checkpoint``, its MoE path); the
+# other entries are the caller's ``client_state``.
+ENGINE_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "num_experts", "ds_autoep_layers"})
+
+
+def one_rank_moe_file(saved: dict, module: dict, buffer_names: list[str], num_experts: int,
+                      keep_steps: bool) -> dict:
+    """A module file of model-parallel rank 0 of a 1-rank MoE model, made from the module file
+    ``saved`` of another model: ``module`` and its ``buffer_names``; ``num_experts`` as the MoE load
+    path reads it (a list); no optimizer state. ``keep_steps``: ``saved``'s step counters, lr
+    scheduler and client state; else the counters at 0 and neither (the metadata then tells the
+    loader to leave the lr scheduler as it is)."""
+    out = {k: v for k, v in saved.items() if keep_steps or k in ENGINE_KEYS}
+    out.update(module=module, buffer_names=list(buffer_names), optimizer=None, param_shapes=None,
+               frozen_param_shapes=None, frozen_param_fragments=None, shared_params={}, num_experts=[num_experts],
+               ds_autoep_layers=None, mp_world_size=1, dp_world_size=1,
+               checkpoint_parallel_dimensions={"pp_degree": 1, "tp_degree": 1})
+    if not keep_steps:
+        out.update(lr_scheduler=None, global_steps=0, global_samples=0, skipped_steps=0)
+    return out

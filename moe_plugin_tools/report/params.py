@@ -11,6 +11,7 @@ expert's FFN size, E experts, k of them per token, m = 3 for swiglu experts (gat
     embeddings               V h + P h
     every layer              4 h^2 + 4 h  (QKV and output projections, biases)  +  4 h  (two LayerNorms)
     a dense MLP              2 h f + f + h
+    (with ``--disable-bias-linear`` the linears have no biases: no 4 h per layer, no f + h per dense MLP)
     an MoE MLP               h E  +  E m h f_e  +  m h f_s  (+ h for a shared-expert gate)
     final LayerNorm          2 h
     output layer             V h  (untied only; tied, it is the word embedding's weight)
@@ -81,14 +82,15 @@ def count_params(args: dict, moe: dict, vocab_size: Optional[int]) -> Optional[P
     total = vocab_size * h + positions * h + 2 * h + (vocab_size * h if untied else 0)
     expert = 0
     matrices = layers * attention + vocab_size * h     # active weight matrices, for the FLOPs
+    bias = 0 if args.get("disable_bias_linear") else 1
     for i in range(layers):
-        total += attention + 4 * h + 4 * h
+        total += attention + bias * 4 * h + 4 * h
         if i in moe_at:
             total += h * experts + experts * m * h * f_e + shared
             expert += experts * m * h * f_e
             matrices += h * experts + k * m * h * f_e + m * h * f_s
         else:
-            total += 2 * h * f + f + h
+            total += 2 * h * f + bias * (f + h)
             matrices += 2 * h * f
     active = total - expert + expert * k // experts    # of each layer's E experts, k are active
     return ParamCount(total=total, active=active, expert=expert, moe_layers=moe_at,

@@ -91,7 +91,7 @@ def ds_config(model: Model, sizes: Sizes, ranks: int) -> dict:
     """The DeepSpeed JSON of ``model`` on ``ranks`` data-parallel ranks (ZeRO-1, AdamW). MoE
     models put one rank's share of the experts on each rank (expert parallelism = ranks, carved
     out of data parallelism); the dense model keeps its "moe" block only for the layout."""
-    moe: dict = {"num_experts": ranks, "parallel": {"expert": 1}}
+    moe: dict = {"num_experts": max(ranks, 2), "parallel": {"expert": 1}}   # 2 at least: the default top-2
     if not model.dense:
         moe = {"num_experts": model.experts, "router": "gshard" if model.top_k == 2 else "switch",
                "top_k": model.top_k, "ffn_hidden_size": sizes.ffn_hidden_size // model.top_k,

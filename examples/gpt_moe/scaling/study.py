@@ -77,6 +77,10 @@ class Study:
         except (OSError, json.JSONDecodeError):
             return False
 
+    def config(self, model: Model) -> dict:
+        """``model``'s DeepSpeed JSON."""
+        return ds_config(model, self.sizes, self.ranks)
+
     def command(self, model: Model) -> list[str]:
         config = self.out / "configs" / f"{model.name}.json"
         return [launcher(), "--num_gpus", str(self.ranks), "--master_port", str(self.master_port), str(SCRIPT),
@@ -108,7 +112,8 @@ def progress_line(index: int, study: Study, model: Model, started: float, study_
     except (OSError, json.JSONDecodeError, KeyError):
         pass   # not written yet, or a line being written
     now = time.monotonic()
-    text = f"[{index}/{len(study.models)}] {model.name:9s} | step {step}/{study.sizes.train_iters}"
+    total = getattr(model, "steps", 0) or study.sizes.train_iters   # a model trained for other steps says so
+    text = f"[{index}/{len(study.models)}] {model.name:9s} | step {step}/{total}"
     if loss is not None:
         text += f" | loss {loss:.3f}"
     if valid is not None:
@@ -134,7 +139,7 @@ def train(study: Study, index: int, model: Model, study_started: float, duration
     log_path.parent.mkdir(parents=True, exist_ok=True)
     config = study.out / "configs" / f"{model.name}.json"
     config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(json.dumps(ds_config(model, study.sizes, study.ranks), indent=2) + "\n")
+    config.write_text(json.dumps(study.config(model), indent=2) + "\n")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     started = time.monotonic()
     tty = sys.stdout.isatty()

@@ -1,0 +1,301 @@
+"""Upcycling: an MoE checkpoint made from a dense one, whose model computes the dense model's function.
+
+    from moe_plugin.checkpoint import upcycle_checkpoint
+    upcycle_checkpoint("ckpt_dense", "ds_moe.json", "ckpt_moe", granularity=2)
+    # then train it under any layout: pretrain_gpt_moe.py --deepspeed_config ds_moe.json --load ckpt_moe ...
+    # (the command: moe-plugin upcycle ckpt_dense --config ds_moe.json --out ckpt_moe --granularity 2)
+
+The dense checkpoint (``DENSE_CKPT``, any TP / PP layout the plugin saved, e.g. the example's
+``--dense`` run) is read as the 1-rank ``GPTModel``'s state (``export.read_full_state``); the MoE
+checkpoint is written as if the MoE model had been saved on one rank (tp, pp, ep 1, no optimizer
+state), so that ``load_checkpoint`` cuts it for any layout with the resharding code every
+checkpoint goes through (dense weights re-cut for TP and PP, experts by global id).
+
+What each MoE layer (the layers the ``"moe"`` block of ``ds_config`` names) gets:
+
+* **experts**: copies of that layer's dense MLP (``linear_fc1`` [F1, H] and ``linear_fc2`` [H, F],
+  Megatron's names; F1 = 2F for a gated MLP, gate half first, as the experts' swiglu reads it).
+  With ``granularity`` g each copy is cut into g experts of F/g (``layers.experts.ffn_shard``: fc1
+  columns, fc2 rows of piece p), so E experts are E/g copies: expert ``e`` is piece ``e % g`` of copy
+  ``e // g``. A dense MLP is the sum of its g pieces.
+* **router**: fresh, with **virtual groups**: the g pieces of one copy share one router row (drawn
+  like the layer's own router init, std ``init_method_std``, seeded by ``seed`` and the layer
+  index; row c of a g = 1 upcycle is the from-scratch model's row c). Equal rows give equal logits,
+  so top-k with k = k0 * g picks whole copies at step 0 (the k0 best), each piece with gate
+  p_c / (g * sum of the chosen p); ``gate_scale`` g makes a copy's pieces weigh p_c / sum p, and
+  the normalised gates of the chosen copies sum to 1: the layer computes the dense MLP. (GShard's
+  random routing keeps a second expert when 2 * g2 > U(0, 1): always for g = 2, whose g2 is 1/2.)
+  The rows then train apart, like any router. The aux-loss-free bias starts at 0.
+* **everything else** (embeddings, attention, norms, the dense layers' MLPs) copied.
+
+Exact at step 0 (to fp32 rounding: the experts' GEMMs sum in another order than Megatron's
+linears, and normalised gates sum to 1 within an ulp) when every route is kept: the target config
+is checked before anything is written (``ConfigError`` naming the key and value): hidden and layer
+count come from the dense model, ``moe.layers`` within it, ``num_experts`` divisible by g,
+``ffn_hidden_size`` F/g, ``activation`` the dense MLP's, ``gate_scale`` g, gates normalised
+(``router`` topk with ``normalize_gates``, or gshard), ``top_k`` a multiple of g, gshard's random
+routing only with g = 2, no shared expert; ``allow_inexact`` lets the gate checks pass with a warning. Capacity is the
+config's: with ``drop_tokens`` true, routes over capacity are dropped as in any MoE run (the
+dense function holds for the kept ones). The plugin's experts have no biases: a dense MLP with
+``linear_fc1.bias`` / ``linear_fc2.bias`` (Megatron's ``add_bias_linear``, on by default; the
+example's ``--disable-bias-linear`` turns it off) is refused unless ``drop_mlp_bias``, which drops
+them (the function then changes by them).
+
+Training state: the optimizer starts fresh (no optimizer state is written; the metadata's
+``fresh_states`` tells ``load_checkpoint`` so, at any layout, without ``--no-load-optim``). With
+``keep_iteration`` (default) the step counters, lr scheduler and client state (the example's
+``step``) are the dense checkpoint's, so training continues its schedule and data order, under the
+dense tag's name; otherwise they restart at 0 (tag ``step0``, the lr scheduler left as built).
+The metadata records ``upcycled_from`` (the dense checkpoint, its step, granularity, seed).
+Nothing is left behind on failure: files go to ``OUT/.tmp-TAG``, renamed to ``OUT/TAG`` at the end.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from moe_plugin.checkpoint.errors import CheckpointError
+from moe_plugin.checkpoint.export import ONE_RANK, read_full_state
+from moe_plugin.checkpoint.files import TMP_PREFIX, commit_tag, file_digest, read_torch, remove_stale, tag_files
+from moe_plugin.checkpoint.metadata import (
+    EXPERT_DIR,
+    FORMAT,
+    FORMAT_VERSION,
+    META_FILE,
+    expert_file,
+    placement_key,
+    saved_model_files,
+)
+from moe_plugin.configs import ConfigError, MoEConfig, ParallelConfig, ParallelSizes
+from moe_plugin.layers.experts import ffn_shard
+from moe_plugin.layers.init import seeded_generator
+from moe_plugin.layers.router import ROUTER_STREAM
+
+logger = logging.getLogger(__name__)
+
+# (Megatron's activation_func, gated_linear_unit) -> the experts' activation of the same MLP
+ACTIVATIONS = {(F.gelu, False): "gelu", (F.relu, False): "relu", (F.silu, True): "swiglu"}
+LAYER_SEED_MIX = 1_000_003   # a MoE MLP's seed: seed * LAYER_SEED_MIX + layer index (integration.megatron)
+
+
+@dataclass(frozen=True)
+class UpcycleResult:
+    path: str                    # the tag directory written
+    tag: str
+    source: str                  # the dense tag directory read
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    granularity: int
+    global_steps: int            # where training resumes
+    dropped_biases: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DenseModel:
+    """What the checks need from the dense checkpoint's metadata."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    activation: Optional[str]    # the experts' name for the dense MLP's activation; None: no equivalent
+    init_std: float
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "DenseModel":
+        tc = meta["model"]["transformer_config"]
+        act = ACTIVATIONS.get((_function(tc.get("activation_func")), bool(tc.get("gated_linear_unit", False))))
+        return cls(int(tc["num_layers"]), int(tc["hidden_size"]), int(tc.get("ffn_hidden_size") or 4 * tc["hidden_size"]),
+                   act, float(tc.get("init_method_std", 0.02)))
+
+
+def _function(path: Optional[str]) -> Any:
+    """The function a ``transformer_config_dict`` names ``module:qualname`` (None: Megatron's default, gelu)."""
+    if path is None:
+        return F.gelu
+    module, _, name = path.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part, None)
+    return target
+
+
+def upcycle_checkpoint(dense_dir: Union[os.PathLike, str], ds_config: Union[dict, os.PathLike, str],
+                       out_dir: Union[os.PathLike, str], *, tag: Optional[str] = None, granularity: int = 1,
+                       keep_iteration: bool = True, drop_mlp_bias: bool = False, allow_inexact: bool = False,
+                       seed: int = 1234, progress: Optional[Callable[[str], None]] = None) -> UpcycleResult:
+    """Write the MoE checkpoint of ``ds_config``'s ``"moe"`` block made from ``dense_dir/tag``
+    (default: its ``latest``) into ``out_dir`` (module docstring). One process, no process group.
+    ``seed``: the routers' (the example's ``--seed``). Raises ``ConfigError`` / ``CheckpointError``
+    before anything is written."""
+    say = progress or logger.info
+    if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity < 1:
+        raise ConfigError("granularity", granularity, "expected an integer >= 1")
+    moe = MoEConfig.from_ds_config(ds_config)
+    state, extras, meta, source = read_full_state(dense_dir, tag, say)
+    dense = DenseModel.from_meta(meta)
+    layers = _moe_layers(moe, dense)
+    dropped = _check(moe, dense, granularity, layers, state, drop_mlp_bias, allow_inexact, say)
+    out_dir = os.fspath(out_dir)
+    out_tag = meta["tag"] if keep_iteration else "step0"
+    final = os.path.join(out_dir, out_tag)
+    if os.path.exists(final):
+        raise CheckpointError(f"{final}: exists; upcycle into another --out directory (nothing was written)")
+    os.makedirs(out_dir, exist_ok=True)
+    remove_stale(out_dir)
+    tmp = os.path.join(out_dir, TMP_PREFIX + out_tag)
+    os.makedirs(os.path.join(tmp, EXPERT_DIR))
+    try:
+        module, experts = _moe_state(state, extras, moe, dense, layers, granularity, seed, dropped)
+        header = read_torch(saved_model_files(source, meta, 0)[0])
+        _write_files(tmp, header, module, experts, moe.num_experts, keep_iteration, say)
+        steps = int(meta["global_steps"]) if keep_iteration else 0
+        record = {"checkpoint": os.path.abspath(source), "tag": meta["tag"], "global_steps": meta["global_steps"],
+                  "granularity": granularity, "seed": seed, "kept_iteration": keep_iteration,
+                  "dropped_biases": list(dropped)}
+        new_meta = _metadata(meta, moe, out_tag, steps, module, experts, layers, keep_iteration, record)
+        new_meta["files"] = {name: file_digest(os.path.join(tmp, name)) for name in tag_files(tmp)}
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump(new_meta, f, indent=1)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit_tag(out_dir, out_tag, TMP_PREFIX + out_tag, save_latest=True)
+    say(f"wrote {final}: {len(layers)} MoE layers x {moe.num_experts} experts (granularity {granularity}), "
+        f"step {steps}, optimizer fresh")
+    return UpcycleResult(final, out_tag, source, tuple(layers), moe.num_experts, granularity, steps, tuple(dropped))
+
+
+# -- checks --------------------------------------------------------------------------------------
+def _moe_layers(moe: MoEConfig, dense: DenseModel) -> list[int]:
+    moe.check_num_layers(dense.num_layers, flag="the dense checkpoint's num_layers")
+    layers = [i for i in range(dense.num_layers) if moe.is_moe_layer(i)]
+    if not layers:
+        raise ConfigError("moe.layer_interval", moe.layer_interval, f"names no layer of the dense model's "
+                          f"{dense.num_layers}; upcycling needs at least one MoE layer")
+    return layers
+
+
+def _mlp(index: int, name: str) -> str:
+    return f"decoder.layers.{index}.mlp.{name}"
+
+
+def _check(moe: MoEConfig, dense: DenseModel, g: int, layers: list[int], state: dict, drop_mlp_bias: bool,
+           allow_inexact: bool, say: Callable[[str], None]) -> list[str]:
+    """Raise a ``ConfigError`` for a target that does not fit the dense model; return the biases to drop."""
+    for i in layers:
+        if _mlp(i, "experts.weight1") in state:
+            raise CheckpointError(f"layer {i} of the checkpoint is already an MoE layer ({_mlp(i, 'experts.weight1')}); "
+                                  "upcycling takes a dense checkpoint (the example's --dense)")
+        if _mlp(i, "linear_fc1.weight") not in state:
+            raise CheckpointError(f"the checkpoint has no dense MLP weight {_mlp(i, 'linear_fc1.weight')!r}")
+    if moe.shared_expert_ffn_hidden_size:
+        raise ConfigError("moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size,
+                          "must be 0 for upcycling: the layer's function is its dense MLP's, a shared expert adds to it")
+    if dense.activation is None or moe.activation != dense.activation:
+        raise ConfigError("moe.activation", moe.activation, f"must be the dense MLP's activation ({dense.activation or 'one the experts lack'})")
+    if moe.num_experts % g:
+        raise ConfigError("moe.num_experts", moe.num_experts, f"must be a multiple of the granularity {g}")
+    expert_ffn, f = moe.ffn_hidden_size or dense.ffn_hidden_size, dense.ffn_hidden_size
+    if f % g or expert_ffn * g != f:
+        raise ConfigError("moe.ffn_hidden_size", expert_ffn, f"must be the dense FFN size / granularity = {f} / {g}"
+                          + (f" = {f // g}" if not f % g else " (which does not divide)"))
+    inexact = _inexact(moe, g)
+    if inexact and not allow_inexact:
+        raise inexact[0]
+    for err in inexact:
+        say(f"warning: {err} (allow_inexact: the upcycled layers differ from the dense MLPs at step 0)")
+    biases = [k for i in layers for k in (_mlp(i, "linear_fc1.bias"), _mlp(i, "linear_fc2.bias")) if k in state]
+    if biases and not drop_mlp_bias:
+        raise CheckpointError(f"the dense MLPs have biases ({biases[0]}, ...): the plugin's experts have none, so the "
+                              "upcycled layers would compute another function. Train the dense model without them "
+                              "(Megatron's add_bias_linear=False, the example's --disable-bias-linear), or drop them "
+                              "(drop_mlp_bias=True, --drop-mlp-bias)")
+    return biases
+
+
+def _inexact(moe: MoEConfig, g: int) -> list[ConfigError]:
+    """Why the gates of ``moe`` would not reproduce the dense MLP (first reason first)."""
+    out = []
+    if moe.gate_scale != g:
+        out.append(ConfigError("moe.gate_scale", moe.gate_scale, f"must be the granularity {g}: each copy's {g} "
+                               "pieces share its gate, normalised over the pieces"))
+    if moe.router == "switch" or (moe.router == "topk" and not moe.normalize_gates):
+        key, value = ("moe.router", "switch") if moe.router == "switch" else ("moe.normalize_gates", False)
+        out.append(ConfigError(key, value, "the gates must be normalised to sum 1 for the copies to add up to the "
+                               "dense MLP (router 'topk' with normalize_gates true, or 'gshard')"))
+    if moe.k % g:
+        out.append(ConfigError("moe.top_k", moe.k, f"must be a multiple of the granularity {g}, so that whole "
+                               "copies are chosen"))
+    if moe.router == "gshard" and moe.second_expert_policy == "random" and g != 2:
+        out.append(ConfigError("moe.second_expert_policy", "random", f"must be 'all' at granularity {g}: random "
+                               "routing drops second choices whose gate is below 1/2"))
+    return out
+
+
+# -- the MoE model's state -----------------------------------------------------------------------
+def _moe_state(state: dict, extras: dict, moe: MoEConfig, dense: DenseModel, layers: list[int], g: int, seed: int,
+               dropped: list[str]) -> tuple[dict, dict]:
+    """(the module entries of the MoE model but its expert weights, {expert weight key: [E, ...]})."""
+    mlp_keys = {_mlp(i, n) for i in layers for n in ("linear_fc1.weight", "linear_fc1.bias", "linear_fc1._extra_state",
+                                                    "linear_fc2.weight", "linear_fc2.bias", "linear_fc2._extra_state")}
+    module = {k: v for k, v in {**extras, **state}.items() if k not in mlp_keys}
+    experts = {}
+    E, copies = moe.num_experts, moe.num_experts // g
+    for i in layers:
+        w1_HF1 = state[_mlp(i, "linear_fc1.weight")].t()
+        w2_FH = state[_mlp(i, "linear_fc2.weight")].t()
+        pieces = [ffn_shard(w1_HF1, w2_FH, moe.activation, g, p) for p in range(g)]
+        experts[_mlp(i, "experts.weight1")] = torch.stack([pieces[e % g][0] for e in range(E)])
+        experts[_mlp(i, "experts.weight2")] = torch.stack([pieces[e % g][1] for e in range(E)])
+        gen = seeded_generator(seed * LAYER_SEED_MIX + i, ROUTER_STREAM)
+        rows_CH = torch.randn(copies, dense.hidden_size, generator=gen) * dense.init_std
+        module[_mlp(i, "router.weight")] = rows_CH.repeat_interleave(g, dim=0)   # virtual groups
+        module[_mlp(i, "router.expert_bias")] = torch.zeros(E)
+        module[_mlp(i, "experts.placement")] = torch.arange(E)
+    return module, experts
+
+
+def _write_files(tmp: str, header: dict, module: dict, experts: dict, num_experts: int, keep_iteration: bool,
+                 say: Callable[[str], None]) -> None:
+    from moe_plugin.compat.deepspeed_checkpoint import model_file_name, one_rank_moe_file
+
+    buffers = [k for k in module if k.endswith(("router.expert_bias", "experts.placement"))]
+    content = one_rank_moe_file(header, dict(sorted(module.items())), buffers, num_experts, keep_iteration)
+    torch.save(content, os.path.join(tmp, model_file_name(0)))
+    for e in range(num_experts):
+        torch.save({"expert_id": e, "stage": 0, "optimizer": {}, "placement": {"ep_rank": 0, "slot": e},
+                    "weights": {k: w[e].contiguous().clone() for k, w in experts.items()}}, expert_file(tmp, e, 0))
+    say(f"wrote {model_file_name(0)} ({len(module)} entries) and {num_experts} expert files")
+
+
+def _metadata(dense_meta: dict, moe: MoEConfig, tag: str, steps: int, module: dict, experts: dict, layers: list[int],
+              keep_iteration: bool, record: dict) -> dict:
+    """``moe_plugin.json`` of the MoE model saved on one rank (``metadata.metadata``'s fields)."""
+    from moe_plugin.compat.deepspeed_checkpoint import model_file_name
+
+    model = dict(dense_meta["model"])
+    model["transformer_config"] = {**model["transformer_config"], **ONE_RANK}
+    shapes = {k: list(v.shape) for k, v in module.items() if isinstance(v, torch.Tensor)}
+    sizes = ParallelSizes.resolve(ParallelConfig(order=moe.parallel.order), 1)
+    E = moe.num_experts
+    return {
+        "format": FORMAT, "version": FORMAT_VERSION, "tag": tag, "global_steps": steps, "zero_stage": 0,
+        "pipeline_module": False, "num_experts": E, "moe": moe.resolved_dict(), "layout": sizes.model_dump(),
+        "stages": {"0": {"dense": shapes, "experts": {k: list(v.shape) for k, v in experts.items()}, "tp_split": {},
+                         "placements": {placement_key(_mlp(i, "experts.weight1")): list(range(E)) for i in layers}}},
+        "model": model, "model_files": {"0": [model_file_name(0)]},
+        "placement": {"policy": "static", "ep_size": 1,
+                      "experts": [{"id": e, "ep_rank": 0, "slot": e} for e in range(E)]},
+        "expert_optimizer_state": False,
+        # what load_checkpoint starts fresh whatever it is asked (api.load_checkpoint)
+        "fresh_states": ["optimizer"] if keep_iteration else ["optimizer", "lr_scheduler"],
+        "upcycled_from": record,
+    }
