@@ -250,11 +250,14 @@ class MoELayer(nn.Module):
         """Shadow these experts (global ids; ``[]``: none): every EP rank computes its own routes
         to them with copies of the owner's weights, the gradients are summed back to the owner
         (``shadow.py``). Call it on every EP rank with the same ids, between steps. The model
-        function does not change. Needs EP > 1 and no expert tensor parallelism."""
+        function does not change. Needs EP > 1 and no expert tensor parallelism; a layer whose
+        ``exchange`` auto resolved to padded switches to counts."""
         expert_ids = list(expert_ids)
         if expert_ids and self.exchange == "padded":
-            raise ValueError("shadow experts need moe.exchange 'counts' (the padded exchange learns no traffic); "
-                             "this layer's exchange is padded")
+            if self.config.exchange == "padded":
+                raise ValueError("shadow experts need moe.exchange 'counts' or 'auto'; this layer's is 'padded'")
+            self.exchange = "counts"       # auto: shadow experts take the counts layout from now on
+            self.dispatcher = ShadowingDispatcher(self.config.num_experts, self.parallel, self.shadow)
         if expert_ids and (self.parallel.ep is None or self.parallel.etp is not None):
             raise ValueError(f"shadow experts need expert parallelism without expert tensor parallelism; this "
                              f"layer has expert {self.parallel.ep_size}, expert_tensor {self.parallel.etp_size}")
