@@ -130,7 +130,9 @@ class StatsSum:
         else:
             self.kept += stats.kept_per_expert
             self.routed += stats.routed_per_expert
-            if self.traffic is not None:
+            if self.traffic is not None and stats.traffic_PE is None:
+                self.traffic = None                  # a forward without it (padded exchange): no sum
+            elif self.traffic is not None:
                 self.traffic += stats.traffic_PE
             self.balance += stats.balance_loss
             self.z += stats.z_loss
@@ -253,15 +255,23 @@ class MoELayer(nn.Module):
         function does not change. Needs EP > 1 and no expert tensor parallelism; a layer whose
         ``exchange`` auto resolved to padded switches to counts."""
         expert_ids = list(expert_ids)
-        if expert_ids and self.exchange == "padded":
-            if self.config.exchange == "padded":
-                raise ValueError("shadow experts need moe.exchange 'counts' or 'auto'; this layer's is 'padded'")
-            self.exchange = "counts"       # auto: shadow experts take the counts layout from now on
-            self.dispatcher = ShadowingDispatcher(self.config.num_experts, self.parallel, self.shadow)
         if expert_ids and (self.parallel.ep is None or self.parallel.etp is not None):
             raise ValueError(f"shadow experts need expert parallelism without expert tensor parallelism; this "
                              f"layer has expert {self.parallel.ep_size}, expert_tensor {self.parallel.etp_size}")
+        if expert_ids:
+            self.use_counts_exchange("shadow experts")
         self.shadow.set(expert_ids)
+
+    def use_counts_exchange(self, what: str) -> None:
+        """``what`` needs the counts exchange (shadow experts, the sender x expert traffic of a load
+        tracker): a layer whose ``exchange`` auto resolved to padded takes counts from now on;
+        ``exchange`` padded by name raises."""
+        if self.exchange != "padded":
+            return
+        if self.config.exchange == "padded":
+            raise ValueError(f"{what}: not with moe.exchange 'padded' (set 'counts' or 'auto')")
+        self.exchange = "counts"
+        self.dispatcher = ShadowingDispatcher(self.config.num_experts, self.parallel, self.shadow)
 
     def shadowed_experts(self) -> list[int]:
         """Global ids of the shadowed experts, ascending."""
