@@ -202,8 +202,8 @@ class MoEConfig(_Block):
         "longer sees every peer's traffic), overlap_chunks 1, and a hidden size that holds the header (local "
         "experts x digits + 1; fp32: one digit per count, bf16/fp16: the count in base 256/2048 digits). auto: "
         "padded where all that holds and the EP group's backend is gloo (latency-bound on CPU; on NCCL the counts "
-        "round is cheap and padding costs bytes), else counts, the choice logged once. The outputs and gradients "
-        "are the same bits either way.")
+        "round is cheap and padding costs bytes), else counts, the choice logged once; shadow experts or a load "
+        "tracker switch such a layer to counts. The outputs and gradients are the same bits either way.")
     shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="FFN size of a dense shared expert "
                                                "every token passes through; 0: none.")
     shared_expert_gate: bool = Field(False, description="Scale the shared expert by a learned sigmoid gate.")
