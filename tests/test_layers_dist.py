@@ -10,7 +10,9 @@ the oracle's, since a rank back-propagates its replica's loss ``L_d``), the bala
 of the rank's group, every parameter (the init) and every gradient -- router, shared expert,
 and the expert shards mapped to their global slices -- fp32 at atol = rtol = 1e-5, bf16
 inputs at 3e-2. Also: the summed statistics, the aux-loss-free bias update and the default
-per-rank noise.
+per-rank noise. On gloo, ``exchange`` auto runs the EP layouts with a capacity (and no ETP) in the
+padded exchange (``layers/padded.py``); the ``counts-`` cases are twins in the counts layout, and
+outputs, losses and gradients of each pair are bit-identical (``EXCHANGE_TWINS``).
 
 Starting ranks costs seconds on two cores, so one 4-rank and one 2-rank run (module-scoped
 fixtures) serve all cases; each case is its own test id. A case that raises in the children
@@ -139,7 +141,8 @@ CASES4 = _cases(LAYOUTS4, full_sweep=("ep4", "tp2sp-ep2-etp2-dp2", "tp2-ep2-dp2"
     "counts-gshard-drop": ("ep4", dict(router="gshard", exchange="counts")),
     "counts-ep2-gshard-drop": ("ep2-dp4", dict(router="gshard", exchange="counts")),   # flags over TP x DP
     "counts-bf16-ep4": ("ep4", dict(router="topk3", dtype="bfloat16", exchange="counts")),
-    "nan-padded": ("ep2-dp4", dict(nan_rank=2, exchange="padded")),
+    "nan-padded": ("ep2-dp4", dict(nan_rank=2, exchange="padded")),        # the flags over TP x DP
+    "nan-padded-header": ("ep4", dict(nan_rank=1, exchange="padded")),   # the flags ride in the headers
 })
 CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
     "all-to-expert-0": ("tp2-ep2", dict(router="gshard", edit="hot0")),
