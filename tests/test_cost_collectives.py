@@ -1,8 +1,8 @@
 """The collectives the cost model charges for an MoE layer are the ones the layer runs.
 
 On 2 and 4 gloo ranks, per layout (EP, ETP, TP with and without sequence parallelism, shadowed
-experts, the counts and the padded exchange): one training forward and backward of ``MoELayer`` with torch.distributed's collectives
-wrapped and counted by (phase, call, ranks of the group), against
+experts, the counts and the padded exchange): one training forward and backward of ``MoELayer``
+with torch.distributed's collectives wrapped and counted by (phase, call, ranks of the group), against
 ``placement.costs.moe_layer_collectives`` for the layout's sizes, mapped to the same groups.
 """
 from __future__ import annotations

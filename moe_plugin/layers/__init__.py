@@ -33,7 +33,7 @@ from moe_plugin.layers.shadow import ShadowExperts, ShadowingDispatcher
 
 __all__ = [
     "AttachAuxLoss", "ChunkedDispatcher", "ExpertParallelDispatcher", "GroupedExperts", "LayerParallelism",
-    "MoELayer", "MoEStats", "PaddedDispatcher", "ReferenceResult", "Router", "RouterNoise", "RoutingPlan", "ShadowExperts",
-    "ShadowingDispatcher", "SharedExpert", "StatsSum", "TokenDispatcher", "choose_backend", "expert_capacity",
-    "ffn_shard", "moe_layers", "reduce_stats", "reference_moe", "route", "source_to_expert_order",
+    "MoELayer", "MoEStats", "PaddedDispatcher", "ReferenceResult", "Router", "RouterNoise", "RoutingPlan",
+    "ShadowExperts", "ShadowingDispatcher", "SharedExpert", "StatsSum", "TokenDispatcher", "choose_backend",
+    "expert_capacity", "ffn_shard", "moe_layers", "reduce_stats", "reference_moe", "route", "source_to_expert_order",
 ]

@@ -65,7 +65,7 @@ def resolve_exchange(config: MoEConfig, parallel: LayerParallelism) -> str:
     why_not = config.padded_exchange_unfit()
     backend = dist.get_backend(parallel.ep)
     if why_not is None and backend != "gloo":
-        why_not = f"the EP group's backend is {backend}, not gloo (a small all-to-all is cheap there; padding costs bytes)"
+        why_not = f"the EP group's backend is {backend}, not gloo (a small all-to-all is cheap there, padding costs)"
     _log_choice("counts" if why_not else "padded", why_not)
     return "counts" if why_not else "padded"
 
