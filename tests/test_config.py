@@ -130,6 +130,20 @@ MALFORMED_BLOCKS = {
     "shared gate without expert": (with_experts(shared_expert_gate=True), "moe.shared_expert_gate", "got True",
                                    "set shared_expert_ffn_hidden_size > 0 or shared_expert_gate false"),
     "block not an object": ([8], "moe", "got [8]", "expected a JSON object with at least num_experts"),
+    "exchange unknown": (with_experts(exchange="dense"), "moe.exchange", "got 'dense'",
+                         "expected one of 'auto', 'counts', 'padded'"),
+    **{f"padded exchange {why}": (with_experts(exchange="padded", parallel={"expert": 2}, **fields), "moe.exchange",
+                                  "got 'padded'", valid)
+       for why, fields, valid in (
+           ("dropless", dict(drop_tokens=False), "needs drop_tokens true"),
+           ("with overlap", dict(overlap_chunks=2), "needs overlap_chunks 1 (got 2)"),
+           ("with shadows", dict(placement={"replica_budget": 1}), "needs placement.replica_budget 0 (got 1)"),
+           ("with greedy", dict(placement={"policy": "greedy"}), "needs placement.policy 'static' (got 'greedy')"),
+           ("with traces", dict(placement={"trace_file": "t.npz"}), "needs no placement.trace_file"))},
+    "padded exchange without ep": (with_experts(exchange="padded"), "moe.exchange", "got 'padded'",
+                                   "needs parallel.expert > 1; use 'counts' or 'auto'"),
+    "padded exchange with etp": (with_experts(exchange="padded", parallel={"expert": 2, "expert_tensor": 2}),
+                                 "moe.exchange", "got 'padded'", "needs parallel.expert_tensor 1 (got 2)"),
 }
 
 
@@ -242,7 +256,8 @@ DEFAULTS = {
     "aux_loss_coeff": 0.01, "aux_loss_scope": "micro_batch", "z_loss_coeff": 0.0, "bias_update_rate": 0.0,
     "jitter_eps": 0.0,
     "layer_interval": 1, "layers": None, "ffn_hidden_size": None, "activation": "gelu",
-    "recompute_fc1": False, "experts_backend": "auto", "overlap_chunks": 1, "shared_expert_ffn_hidden_size": 0,
+    "recompute_fc1": False, "experts_backend": "auto", "overlap_chunks": 1, "exchange": "auto",
+    "shared_expert_ffn_hidden_size": 0,
     "shared_expert_gate": False,
     "parallel": {"tensor": 1, "pipeline": 1, "expert": 1, "expert_tensor": 1, "order": "tp-cp-ep-dp-pp",
                  "sequence_parallel": False},
@@ -268,6 +283,42 @@ def test_router_groups_default_to_the_expert_parallel_ranks():
     explicit = MoEConfig.from_dict(with_experts(group_topk=2, router_groups=8, parallel={"expert": 2}))
     assert explicit.group_limit == (8, 2)
     assert MoEConfig.from_dict(with_experts(group_topk=2, router_groups=2)).group_limit is None   # M = G: no limit
+
+
+@pytest.mark.parametrize("block, backend, mode", [
+    ({}, "gloo", "padded"),
+    ({}, "nccl", "counts"),                                     # the counts round is cheap there
+    ({"drop_tokens": False}, "gloo", "counts"),                 # no capacity bounds the rows
+    ({"overlap_chunks": 2}, "gloo", "counts"),
+    ({"placement": {"replica_budget": 1}}, "gloo", "counts"),
+    ({"placement": {"policy": "network-aware"}}, "gloo", "counts"),
+    ({"exchange": "counts"}, "gloo", "counts"),
+    ({"exchange": "padded"}, "nccl", "padded"),
+])
+def test_exchange_auto_resolves_by_config_and_backend(block, backend, mode, monkeypatch):
+    import torch.distributed as dist
+
+    from moe_plugin.layers.padded import resolve_exchange
+    from moe_plugin.layers.parallel import LayerParallelism
+
+    monkeypatch.setattr(dist, "get_backend", lambda group: backend)
+    config = MoEConfig.from_dict({"num_experts": 8, "parallel": {"expert": 2}, **block})
+    assert resolve_exchange(config, LayerParallelism(ep=object(), ep_size=2)) == mode
+    assert resolve_exchange(config.model_copy(update={"exchange": "auto"}), LayerParallelism()) == "counts"  # no EP
+
+
+def test_padded_header_digits_are_exact_in_the_dtype():
+    import torch
+
+    from moe_plugin.layers.padded import header_digits
+
+    assert header_digits(torch.float32, 2 ** 24 - 1) == (2 ** 24, 1)
+    assert header_digits(torch.bfloat16, 255) == (256, 1) and header_digits(torch.bfloat16, 256) == (256, 2)
+    assert header_digits(torch.float16, 3000) == (2048, 2)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        base, _ = header_digits(dtype, 1)
+        values = torch.arange(base)
+        assert torch.equal(values.to(dtype).long(), values), dtype
 
 
 def test_expert_tensor_defaults_to_tensor():

@@ -1,8 +1,8 @@
 """The collectives the cost model charges for an MoE layer are the ones the layer runs.
 
 On 2 and 4 gloo ranks, per layout (EP, ETP, TP with and without sequence parallelism, shadowed
-experts): one training forward and backward of ``MoELayer`` with torch.distributed's collectives
-wrapped and counted by (phase, call, ranks of the group), against
+experts, the counts and the padded exchange): one training forward and backward of ``MoELayer``
+with torch.distributed's collectives wrapped and counted by (phase, call, ranks of the group), against
 ``placement.costs.moe_layer_collectives`` for the layout's sizes, mapped to the same groups.
 """
 from __future__ import annotations
@@ -22,9 +22,11 @@ S, B, H, F, E = 8, 2, 16, 16, 4
 WRAPPED = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_reduce",
            "reduce_scatter", "reduce_scatter_tensor", "broadcast", "barrier", "send", "recv")
 
-# name -> (RankLayout.build sizes, sequence parallel, shadowed experts[, overlap_chunks[, aux_loss_scope]])
+# name -> (RankLayout.build sizes, sequence parallel, shadowed experts[, overlap_chunks[, aux_loss_scope[, exchange]]])
+# (exchange "auto" on gloo: padded where the layout allows it, ``layers/padded.py``; ``_counted`` checks which)
 LAYOUTS2 = {
     "dp2-ep2": (dict(ep=2), False, []),
+    "dp2-ep2-counts": (dict(ep=2), False, [], 1, "micro_batch", "counts"),
     "dp2-ep2-shadow": (dict(ep=2), False, [0]),
     "dp2-etp2": (dict(etp=2), False, []),
     "tp2": (dict(tp=2, etp=1), False, []),
@@ -36,7 +38,9 @@ LAYOUTS2 = {
     "dp2-ep2-global": (dict(ep=2), False, [], 1, "global"),
 }
 LAYOUTS4 = {
-    "dp4-ep2": (dict(ep=2), False, []),
+    "dp4-ep2": (dict(ep=2), False, []),                          # padded, the finite flags over TP x DP
+    "dp4-ep2-counts": (dict(ep=2), False, [], 1, "micro_batch", "counts"),
+    "ep4-padded": (dict(ep=4), False, [], 1, "micro_batch", "padded"),
     "tp2-ep2-etp2-dp2": (dict(tp=2, ep=2, etp=2), False, []),
     "tp2sp-ep4-dp2": (dict(tp=2, ep=4, etp=1), True, [1]),
     "tp2-ep2-dp2-overlap2": (dict(tp=2, ep=2, etp=1), False, [], 2),
@@ -45,10 +49,10 @@ LAYOUTS4 = {
 }
 
 
-def _layer(world_size: int, groups, sizes: dict, sp: bool, chunks: int, scope: str) -> MoELayer:
+def _layer(world_size: int, groups, sizes: dict, sp: bool, chunks: int, scope: str, exchange: str) -> MoELayer:
     s = RankLayout.build(world_size, **sizes).sizes
     config = MoEConfig.from_dict({"num_experts": E, "router": "topk", "top_k": 2, "aux_loss_coeff": 0.1,
-                                  "overlap_chunks": chunks, "aux_loss_scope": scope,
+                                  "overlap_chunks": chunks, "aux_loss_scope": scope, "exchange": exchange,
                                   "parallel": {"tensor": s.tp, "expert": s.ep, "expert_tensor": s.etp,
                                                "sequence_parallel": sp}})
     return MoELayer(config, H, F, groups, seed=3).train()
@@ -62,9 +66,12 @@ def _counted(rank: int, world_size: int, layouts: dict) -> dict:
     for name, (sizes, sp, shadow, *more) in layouts.items():
         groups = build_process_groups(RankLayout.build(world_size, **sizes))
         try:
-            n, scope = (more + [1, "micro_batch"][len(more):])[:2]
-            layer = _layer(world_size, groups, sizes, sp, n, scope)
+            n, scope, exchange = (more + [1, "micro_batch", "auto"][len(more):])[:3]
+            layer = _layer(world_size, groups, sizes, sp, n, scope, exchange)
             layer.set_shadow(shadow)
+            g = groups.layout.sizes
+            padded = g.ep > 1 and g.etp == 1 and not shadow and n == 1 and exchange != "counts"
+            assert layer.exchange == ("padded" if padded else "counts"), (name, layer.exchange)
             s, p = groups.layout.sizes, layer.parallel
             ranks = {k: tuple(sorted(dist.get_process_group_ranks(g))) if g is not None else (rank,)
                      for k, g in (("ep", p.ep), ("etp", p.etp), ("tp", p.tp), ("tokens", p.tokens))}
@@ -84,7 +91,8 @@ def _counted(rank: int, world_size: int, layouts: dict) -> dict:
                 y.square().sum().backward()
             charged = [(c.phase, c.op, ranks[c.group])
                        for c in moe_layer_collectives(s.tp, s.dp, s.ep, s.etp, sp, shadowed=bool(shadow),
-                                                      overlap_chunks=n, aux_loss_scope=scope)]
+                                                      overlap_chunks=n, aux_loss_scope=scope,
+                                                      exchange=layer.exchange)]
             out[name] = (Counter(calls), Counter(charged))
         finally:
             destroy_process_groups(groups)
@@ -130,3 +138,7 @@ def test_the_list_by_layout():
     assert not kinds(1, 4, 4, 1, aux_loss_scope="sequence")[("forward", "all_reduce", "tp", "sequence load")]
     assert kinds(1, 4, 4, 1, aux_loss_scope="global")[("forward", "all_reduce", "tokens", "global load")] == 1
     assert moe_layer_collectives(1, 1, 1, 1, aux_loss_scope="global") == []
+    padded = kinds(1, 4, 4, 1, exchange="padded")
+    assert not padded[("forward", "all_to_all_single", "ep", "counts")]
+    assert padded[("forward", "all_to_all_single", "ep", "rows")] == 2
+    assert kinds(1, 4, 2, 1, exchange="padded")[("forward", "all_to_all_single", "tokens", "finite flags")] == 1

@@ -170,7 +170,7 @@ def test_the_counter_sees_syncs():
 
 
 # -- expert parallelism on 2 gloo ranks: one spawn for every case ----------------------------------
-# name -> (RankLayout.build sizes, router, drop, shadowed experts[, overlap_chunks])
+# name -> (RankLayout.build sizes, router, drop, shadowed experts[, overlap_chunks[, exchange]])
 DIST_CASES = {
     "dp2-ep2/top1-capacity": (dict(ep=2), "top1", True, []),
     "dp2-ep2/top2-dropless": (dict(ep=2), "top2", False, []),
@@ -188,6 +188,9 @@ DIST_CASES = {
     "dp2-ep2/overlap2-top2-dropless": (dict(ep=2), "top2", False, [], 2),          # the exchange in chunks
     "dp2-ep2/overlap4-top1-capacity": (dict(ep=2), "top1", True, [], 4),
     "dp2-ep2/overlap2-shadow-top2-capacity": (dict(ep=2), "top2", True, [1], 2),
+    "dp2-ep2/padded-top2-capacity": (dict(ep=2), "top2", True, [], 1, "padded"),     # no counts round
+    "dp2-ep2/padded-gshard-capacity": (dict(ep=2), "gshard", True, [], 1, "padded"),
+    "dp2-ep2/counts-top1-capacity": (dict(ep=2), "top1", True, [], 1, "counts"),
 }
 
 
@@ -195,13 +198,15 @@ def _dist_child(rank: int, world_size: int, cases: dict) -> dict:
     from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
 
     results = {}
-    for name, (sizes, router, drop, shadow, *chunks) in cases.items():
+    for name, (sizes, router, drop, shadow, *more) in cases.items():
+        chunks, exchange = (more + [1, "auto"][len(more):])[:2]
         layout = RankLayout.build(world_size, **sizes)
         s = layout.sizes
         groups = build_process_groups(layout)
         try:
             parallel = {"tensor": s.tp, "expert": s.ep, "expert_tensor": s.etp, "order": s.order}
-            layer = _layer(router, drop, parallel, groups, overlap_chunks=chunks[0] if chunks else 1)
+            layer = _layer(router, drop, parallel, groups, overlap_chunks=chunks, exchange=exchange)
+            assert exchange == "auto" or layer.exchange == exchange
             if shadow:
                 layer.set_shadow(shadow)
             results[name] = count_syncs(layer, _x(seed=11 + layout.coords(rank)["dp"]))

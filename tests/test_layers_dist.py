@@ -10,7 +10,9 @@ the oracle's, since a rank back-propagates its replica's loss ``L_d``), the bala
 of the rank's group, every parameter (the init) and every gradient -- router, shared expert,
 and the expert shards mapped to their global slices -- fp32 at atol = rtol = 1e-5, bf16
 inputs at 3e-2. Also: the summed statistics, the aux-loss-free bias update and the default
-per-rank noise.
+per-rank noise. On gloo, ``exchange`` auto runs the EP layouts with a capacity (and no ETP) in the
+padded exchange (``layers/padded.py``); the ``counts-`` cases are twins in the counts layout, and
+outputs, losses and gradients of each pair are bit-identical (``EXCHANGE_TWINS``).
 
 Starting ranks costs seconds on two cores, so one 4-rank and one 2-rank run (module-scoped
 fixtures) serve all cases; each case is its own test id. A case that raises in the children
@@ -135,6 +137,12 @@ CASES4 = _cases(LAYOUTS4, full_sweep=("ep4", "tp2sp-ep2-etp2-dp2", "tp2-ep2-dp2"
                                               earlier=True)),
     "grouped3-drop": ("ep4", dict(router="grouped3", placement=SHUFFLED)),    # groups by expert id, not slot
     "grouped2-dropless": ("tp2-ep2-dp2", dict(router="grouped2", drop=False)),
+    # moe.exchange: auto is padded on gloo; each "counts-" case is the twin of a padded one (EXCHANGE_TWINS)
+    "counts-gshard-drop": ("ep4", dict(router="gshard", exchange="counts")),
+    "counts-ep2-gshard-drop": ("ep2-dp4", dict(router="gshard", exchange="counts")),   # flags over TP x DP
+    "counts-bf16-ep4": ("ep4", dict(router="topk3", dtype="bfloat16", exchange="counts")),
+    "nan-padded": ("ep2-dp4", dict(nan_rank=2, exchange="padded")),        # the flags over TP x DP
+    "nan-padded-header": ("ep4", dict(nan_rank=1, exchange="padded")),   # the flags ride in the headers
 })
 CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
     "all-to-expert-0": ("tp2-ep2", dict(router="gshard", edit="hot0")),
@@ -157,7 +165,25 @@ CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
     "scope-sequence-tp-odd": ("tp2", dict(router="sigmoid2", drop=False, S=3, aux_loss_scope="sequence")),
     "grouped3-drop": ("dp2-ep2", dict(router="grouped3")),
     "grouped2-dropless": ("tp2-ep2", dict(router="grouped2", drop=False, placement=SHUFFLED)),
+    "counts-gshard-drop": ("dp2-ep2", dict(router="gshard", exchange="counts")),
+    "counts-bf16": ("tp2-ep2", dict(router="switch", dtype="bfloat16", exchange="counts", **SWIGLU_SHARED)),
+    # no route dropped (S 4: the oracle check skips its "drops something"); bf16 counts of capacity 300 take
+    # two base-256 digits in the header
+    "padded-no-drop": ("dp2-ep2", dict(router="topk3", S=4, capacity_factor=4.0, exchange="padded")),
+    "counts-no-drop": ("dp2-ep2", dict(router="topk3", S=4, capacity_factor=4.0, exchange="counts")),
+    "padded-bf16-two-digits": ("dp2-ep2", dict(router="topk3", S=4, dtype="bfloat16", min_capacity=300,
+                                               exchange="padded")),
+    "counts-bf16-two-digits": ("dp2-ep2", dict(router="topk3", S=4, dtype="bfloat16", min_capacity=300,
+                                               exchange="counts")),
 })
+# (padded case, its counts twin): outputs, losses and gradients bit-identical
+EXCHANGE_TWINS = {
+    4: [("ep4/gshard-drop", "ep4/counts-gshard-drop"), ("ep2-dp4/gshard-drop", "ep2-dp4/counts-ep2-gshard-drop"),
+        ("ep4/bf16-ep4", "ep4/counts-bf16-ep4")],
+    2: [("dp2-ep2/gshard-drop", "dp2-ep2/counts-gshard-drop"), ("tp2-ep2/bf16", "tp2-ep2/counts-bf16"),
+        ("dp2-ep2/padded-no-drop", "dp2-ep2/counts-no-drop"),
+        ("dp2-ep2/padded-bf16-two-digits", "dp2-ep2/counts-bf16-two-digits")],
+}
 
 
 # -- shared by parent and children -------------------------------------------------------------
@@ -168,6 +194,8 @@ def _config(case: dict, world_size: int | None = None) -> MoEConfig:
         s = RankLayout.build(world_size, **case["sizes"]).sizes
         block["parallel"] = {"tensor": s.tp, "pipeline": s.pp, "expert": s.ep, "expert_tensor": s.etp,
                              "order": s.order, "sequence_parallel": case["sp"]}
+    else:   # one process exchanges nothing
+        block.pop("exchange", None)
     return MoEConfig.from_dict(block)
 
 
@@ -222,7 +250,7 @@ def _run_case(rank: int, groups, case: dict) -> dict:
             layer(x, noise=noise)
         x = torch.where(torch.isfinite(x), x, 0.0)     # the ranks are still in step afterwards
         out, _ = layer(x, noise=noise)
-        return {"message": str(failure.value), "after": out.detach()}
+        return {"message": str(failure.value), "after": out.detach(), "exchange": layer.exchange}
 
     if case["earlier"]:       # an earlier micro-batch of the same optimizer step (gradient accumulation)
         earlier, _ = layer(-x, noise=noise)
@@ -243,9 +271,11 @@ def _run_case(rank: int, groups, case: dict) -> dict:
               "params": {n: p.detach().clone() for n, p in layer.named_parameters()},
               "balance": stats.balance_loss, "z": stats.z_loss, "global": layer.global_stats(),
               "noise": layer.router.draw_noise(4, H).uniform_T, "local_experts": layer.local_experts(),
-              "placement": layer.state_dict()["experts.placement"]}
-    if layout.sizes.ep > 1:   # every EP peer's kept routes per expert, agreed over the EP group
-        result["traffic"] = stats.traffic_PE
+              "placement": layer.state_dict()["experts.placement"], "exchange": layer.exchange}
+    if layout.sizes.ep > 1 and layer.exchange == "counts":   # every EP peer's kept routes per expert, agreed
+        result["traffic"] = stats.traffic_PE                # over the EP group (the padded exchange has none)
+    elif layout.sizes.ep > 1:
+        assert stats.traffic_PE is None
     if case["bias_update"]:
         layer.update_expert_bias()
         result["bias"] = layer.router.expert_bias.clone()
@@ -300,6 +330,7 @@ def _check_case(case: dict, world_size: int, results: list) -> None:
     if case["nan_rank"] is not None:
         for result in results:
             assert f"rank(s) [{case['nan_rank']}]" in result["message"]
+            assert result["exchange"] == case["moe"].get("exchange", result["exchange"])
             assert torch.isfinite(result["after"]).all()
         return
 
@@ -432,6 +463,22 @@ def test_layer_on_2_ranks(name, results2):
     _check_case(CASES2[name], 2, [r[name] for r in results2])
 
 
+@pytest.mark.parametrize("size, padded, counts", [(n, *twin) for n, twins in EXCHANGE_TWINS.items()
+                                                   for twin in twins])
+def test_padded_exchange_is_bit_identical_to_counts(size, padded, counts, request):
+    """The same rows reach the same experts in the same order, and the way back is the same."""
+    results = request.getfixturevalue(f"results{size}")
+    for rank, r in enumerate(results):
+        a, b = r[padded], r[counts]
+        assert not isinstance(a, str) and not isinstance(b, str), a if isinstance(a, str) else b
+        assert (a["exchange"], b["exchange"]) == ("padded", "counts"), rank
+        for key in ("out", "x_grad", "balance", "z"):
+            assert torch.equal(a[key], b[key]), f"rank {rank}: {key} differs"
+        assert a["grads"].keys() == b["grads"].keys()
+        for name in a["grads"]:
+            assert torch.equal(a["grads"][name], b["grads"][name]), f"rank {rank}: {name} gradient differs"
+
+
 def _failing_child(rank: int, world_size: int) -> None:
     from moe_plugin.groups.builder import build_process_groups
 
@@ -470,10 +517,13 @@ def _count_collectives(rank: int, world_size: int) -> dict:
     from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
 
     counts = {}
-    for name, sizes in (("ep4", dict(ep=4)), ("ep2-dp2", dict(ep=2))):
+    for name, sizes in (("ep4", dict(ep=4)), ("ep2-dp2", dict(ep=2)), ("ep4-padded", dict(ep=4)),
+                        ("ep2-dp2-padded", dict(ep=2))):
         groups = build_process_groups(RankLayout.build(world_size, **sizes))
         try:
-            layer = _layer(dict(CASES4["ep4/gshard-drop"], sizes=sizes), world_size, groups)
+            case = CASES4["ep4/gshard-drop"]
+            moe = {**case["moe"], "exchange": "padded" if name.endswith("padded") else "counts"}
+            layer = _layer(dict(case, sizes=sizes, moe=moe), world_size, groups)
             calls = []
 
             def spy(real, kind):
@@ -496,7 +546,10 @@ def test_collectives_per_forward(dist_run):
     """ep4 on 4 ranks: the counts exchange carries the finite check (no all-reduce of its own):
     three all-to-alls over the 4 EP ranks (counts, rows out, rows back). ep2 x dp2: the finite
     flags go to the 4 token groups in one all-to-all (started without waiting), then the same
-    three all-to-alls over the 2 EP ranks. No ring collective (all-reduce, all-gather) at all."""
+    three all-to-alls over the 2 EP ranks. No ring collective (all-reduce, all-gather) at all.
+    The padded exchange (``exchange`` padded) runs no counts all-to-all: two over EP."""
     for counts in dist_run(_count_collectives, 4):
         assert counts["ep4"] == [("all_to_all", 4)] * 3
         assert counts["ep2-dp2"] == [("all_to_all", 2)] * 3 + [("all_to_all", 4)]
+        assert counts["ep4-padded"] == [("all_to_all", 4)] * 2
+        assert counts["ep2-dp2-padded"] == [("all_to_all", 2)] * 2 + [("all_to_all", 4)]

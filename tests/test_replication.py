@@ -32,7 +32,8 @@ SHUFFLED = base.SHUFFLED          # slot of expert e: expert 1 in slot 2, expert
 
 
 def _case(layouts, layout, router, shadow, *, cold=None, **kwargs):
-    case = base._case(layouts, layout, router, **kwargs)
+    # the plain run in the counts layout, whose all-to-all sends exactly the kept routes (not padded)
+    case = base._case(layouts, layout, router, exchange="counts", **kwargs)
     return {**case, "shadow": shadow, "cold": cold}
 
 

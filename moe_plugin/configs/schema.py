@@ -36,6 +36,7 @@ DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 # at once rather than enumerated (their divisors, a layout of every rank).
 MAX_SIZE = 2 ** 20
 ExpertsBackend = Literal["auto", "grouped_mm", "bmm", "loop"]
+ExchangeMode = Literal["auto", "counts", "padded"]
 
 
 class _Block(BaseModel):
@@ -191,6 +192,18 @@ class MoEConfig(_Block):
                                 "the shared expert runs while the first all-to-all is in flight. 1: one exchange. "
                                 "At most the local experts (num_experts / parallel.expert); needs "
                                 "parallel.expert_tensor 1. Layers with shadowed experts exchange at once.")
+    exchange: ExchangeMode = Field(
+        "auto", description="How the expert-parallel all-to-all learns its sizes. counts: the kept routes per "
+        "expert are exchanged first (one small all-to-all), then exactly the routed rows move. padded (DeepSpeed's "
+        "way, without the counts round): every rank sends each EP peer a block of capacity rows per expert of that "
+        "peer, zero-padded, headed by one row carrying the counts (and the router's finite flag) in the activation "
+        "dtype; one equal all-to-all, more bytes. Needs drop_tokens true, parallel.expert > 1, "
+        "parallel.expert_tensor 1, placement.policy static, no placement.replica_budget or trace_file (the layer no "
+        "longer sees every peer's traffic), overlap_chunks 1, and a hidden size that holds the header (local "
+        "experts x digits + 1; fp32: one digit per count, bf16/fp16: the count in base 256/2048 digits). auto: "
+        "padded where all that holds and the EP group's backend is gloo (latency-bound on CPU; on NCCL the counts "
+        "round is cheap and padding costs bytes), else counts, the choice logged once; shadow experts or a load "
+        "tracker switch such a layer to counts. The outputs and gradients are the same bits either way.")
     shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="FFN size of a dense shared expert "
                                                "every token passes through; 0: none.")
     shared_expert_gate: bool = Field(False, description="Scale the shared expert by a learned sigmoid gate.")
@@ -241,6 +254,8 @@ class MoEConfig(_Block):
             raise FieldProblem("overlap_chunks", self.overlap_chunks, f"must be 1 with parallel.expert_tensor > 1 "
                                f"(got {self.parallel.etp}) and at most the local experts ({local}: num_experts "
                                f"{self.num_experts} / parallel.expert {self.parallel.expert})")
+        if self.exchange == "padded" and self.padded_exchange_unfit():
+            raise FieldProblem("exchange", "padded", f"{self.padded_exchange_unfit()}; use 'counts' or 'auto'")
         if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
             raise FieldProblem("shared_expert_gate", True, "there is no shared expert to gate; set "
                                "shared_expert_ffn_hidden_size > 0 or shared_expert_gate false")
@@ -264,6 +279,22 @@ class MoEConfig(_Block):
             raise FieldProblem("group_topk", M, f"its groups hold {M} x {self.num_experts // G} experts, fewer than "
                                f"top_k ({self.k}); with {groups} of num_experts {self.num_experts} it must be at least "
                                f"{-(-self.k // (self.num_experts // G))}")
+
+    def padded_exchange_unfit(self) -> Optional[str]:
+        """Why this config cannot use the padded exchange (``layers/padded.py``); None when it can."""
+        p, pl = self.parallel, self.placement
+        for bad, why in ((not self.drop_tokens, "needs drop_tokens true (a capacity bounds the rows)"),
+                         (p.expert == 1, "needs parallel.expert > 1"),
+                         (p.etp > 1, f"needs parallel.expert_tensor 1 (got {p.etp})"),
+                         (self.overlap_chunks > 1, f"needs overlap_chunks 1 (got {self.overlap_chunks})"),
+                         (pl.replica_budget > 0, f"needs placement.replica_budget 0 (got {pl.replica_budget})"),
+                         (pl.policy != "static", f"needs placement.policy 'static' (got {pl.policy!r}): the "
+                                                 "policies read the sender x expert traffic the counts round gives"),
+                         (pl.trace_file is not None, "needs no placement.trace_file (the traces hold the sender x "
+                                                     "expert traffic the counts round gives)")):
+            if bad:
+                return why
+        return None
 
     @property
     def expert_groups(self) -> int:

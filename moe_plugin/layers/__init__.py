@@ -25,6 +25,7 @@ from moe_plugin.layers.expert_backend import choose_backend
 from moe_plugin.layers.experts import GroupedExperts, SharedExpert, ffn_shard
 from moe_plugin.layers.moe_layer import AttachAuxLoss, MoELayer, MoEStats, StatsSum, moe_layers, reduce_stats
 from moe_plugin.layers.overlap import ChunkedDispatcher
+from moe_plugin.layers.padded import PaddedDispatcher
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.reference import ReferenceResult, reference_moe
 from moe_plugin.layers.router import Router, RouterNoise, RoutingPlan, expert_capacity, route
@@ -32,7 +33,7 @@ from moe_plugin.layers.shadow import ShadowExperts, ShadowingDispatcher
 
 __all__ = [
     "AttachAuxLoss", "ChunkedDispatcher", "ExpertParallelDispatcher", "GroupedExperts", "LayerParallelism",
-    "MoELayer", "MoEStats", "ReferenceResult", "Router", "RouterNoise", "RoutingPlan", "ShadowExperts",
-    "ShadowingDispatcher", "SharedExpert", "StatsSum", "TokenDispatcher", "choose_backend", "expert_capacity",
-    "ffn_shard", "moe_layers", "reduce_stats", "reference_moe", "route", "source_to_expert_order",
+    "MoELayer", "MoEStats", "PaddedDispatcher", "ReferenceResult", "Router", "RouterNoise", "RoutingPlan",
+    "ShadowExperts", "ShadowingDispatcher", "SharedExpert", "StatsSum", "TokenDispatcher", "choose_backend",
+    "expert_capacity", "ffn_shard", "moe_layers", "reduce_stats", "reference_moe", "route", "source_to_expert_order",
 ]

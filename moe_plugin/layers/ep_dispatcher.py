@@ -56,7 +56,7 @@ class Exchange(Dispatch):
     """One batch as ``ExpertParallelDispatcher`` sends it: the tokens, the routes that go
     through the exchange (``plan``) and the exchange layout."""
 
-    traffic_PD: Tensor       # [P, D] kept routes of each EP peer's tokens per slot
+    traffic_PD: Optional[Tensor]   # [P, D] kept routes of each EP peer's tokens per slot (None: ``padded.py``)
     send_splits: list[int]   # [P] rows to each EP peer
     recv_splits: list[int]   # [P] rows from each EP peer
     etp_splits: list[int]    # [Q] rows each ETP peer received over EP (its block of the gather)

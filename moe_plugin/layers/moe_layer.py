@@ -20,7 +20,7 @@ every layout-dependent factor. Forward on one rank::
     dispatch / experts / combine      (ShadowingDispatcher, an ExpertParallelDispatcher, when EP or ETP > 1)
     + shared expert, attach aux loss  (its gradient scaled by 1/tp)
     (``overlap_chunks`` > 1: ChunkedDispatcher, the exchange overlapped with the experts and the
-    shared expert, ``overlap.py``)
+    shared expert, ``overlap.py``; ``exchange`` padded: PaddedDispatcher, no counts round, ``padded.py``)
     out_TH -> gather_tokens over TP   (replicated input, no SP)
 
 Shadow experts (``set_shadow``, ``shadow.py``): the routes to a shadowed expert skip the
@@ -44,6 +44,7 @@ from moe_plugin.layers.balance import BalanceScope
 from moe_plugin.layers.dispatcher import Dispatch, TokenDispatcher
 from moe_plugin.layers.experts import GroupedExperts, SharedExpert
 from moe_plugin.layers.overlap import ChunkedDispatcher, ChunkedExchange
+from moe_plugin.layers.padded import PaddedDispatcher, resolve_exchange
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import Router, RouterNoise, RoutingPlan
 from moe_plugin.layers.shadow import ShadowExperts, ShadowingDispatcher
@@ -129,7 +130,9 @@ class StatsSum:
         else:
             self.kept += stats.kept_per_expert
             self.routed += stats.routed_per_expert
-            if self.traffic is not None:
+            if self.traffic is not None and stats.traffic_PE is None:
+                self.traffic = None                  # a forward without it (padded exchange): no sum
+            elif self.traffic is not None:
                 self.traffic += stats.traffic_PE
             self.balance += stats.balance_loss
             self.z += stats.z_loss
@@ -188,7 +191,10 @@ class MoELayer(nn.Module):
                                       recompute_pre_activation=config.recompute_fc1, backend=config.experts_backend)
         self.shadow = ShadowExperts(self.experts, p.ep)
         self.dispatcher = TokenDispatcher(config.num_experts)
-        if p.expert_parallel and config.overlap_chunks > 1:
+        self.exchange = resolve_exchange(config, p)    # counts | padded (``padded.py``)
+        if p.expert_parallel and self.exchange == "padded":
+            self.dispatcher = PaddedDispatcher(config.num_experts, p, forced=config.exchange == "padded")
+        elif p.expert_parallel and config.overlap_chunks > 1:
             self.dispatcher = ChunkedDispatcher(config.num_experts, p, self.shadow, config.overlap_chunks)
         elif p.expert_parallel:
             self.dispatcher = ShadowingDispatcher(config.num_experts, p, self.shadow)
@@ -246,12 +252,26 @@ class MoELayer(nn.Module):
         """Shadow these experts (global ids; ``[]``: none): every EP rank computes its own routes
         to them with copies of the owner's weights, the gradients are summed back to the owner
         (``shadow.py``). Call it on every EP rank with the same ids, between steps. The model
-        function does not change. Needs EP > 1 and no expert tensor parallelism."""
+        function does not change. Needs EP > 1 and no expert tensor parallelism; a layer whose
+        ``exchange`` auto resolved to padded switches to counts."""
         expert_ids = list(expert_ids)
         if expert_ids and (self.parallel.ep is None or self.parallel.etp is not None):
             raise ValueError(f"shadow experts need expert parallelism without expert tensor parallelism; this "
                              f"layer has expert {self.parallel.ep_size}, expert_tensor {self.parallel.etp_size}")
+        if expert_ids:
+            self.use_counts_exchange("shadow experts")
         self.shadow.set(expert_ids)
+
+    def use_counts_exchange(self, what: str) -> None:
+        """``what`` needs the counts exchange (shadow experts, the sender x expert traffic of a load
+        tracker): a layer whose ``exchange`` auto resolved to padded takes counts from now on;
+        ``exchange`` padded by name raises."""
+        if self.exchange != "padded":
+            return
+        if self.config.exchange == "padded":
+            raise ValueError(f"{what}: not with moe.exchange 'padded' (set 'counts' or 'auto')")
+        self.exchange = "counts"
+        self.dispatcher = ShadowingDispatcher(self.config.num_experts, self.parallel, self.shadow)
 
     def shadowed_experts(self) -> list[int]:
         """Global ids of the shadowed experts, ascending."""

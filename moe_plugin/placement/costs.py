@@ -170,7 +170,7 @@ class Collective:
 
 def moe_layer_collectives(tp: int, dp: int, ep: int, etp: int, sequence_parallel: bool = False,
                           shadowed: bool = False, overlap_chunks: int = 1,
-                          aux_loss_scope: str = "micro_batch") -> list[Collective]:
+                          aux_loss_scope: str = "micro_batch", exchange: str = "counts") -> list[Collective]:
     """What one MoE layer runs per micro-batch on a rank of a stage with these sizes (a group
     of size 1 runs nothing). The router's finite flags ride in the EP counts exchange when the
     EP group is the stage's TP x DP ranks, else they take an all-to-all of their own over those.
@@ -181,14 +181,16 @@ def moe_layer_collectives(tp: int, dp: int, ep: int, etp: int, sequence_parallel
     all-to-all is n ``row chunk`` ones (1/n of the rows each, overlapped with the experts); the
     planner prices the one-exchange list (an upper bound: it models no overlap). ``aux_loss_scope``
     (``layers/balance.py``): sequence sums the [B, 2E] per-sequence counts and share sums over TP
-    (forward) and their gradient (backward); global sums the [E] counts over the TP x DP ranks."""
+    (forward) and their gradient (backward); global sums the [E] counts over the TP x DP ranks.
+    ``exchange`` (the layer's resolved mode, ``MoELayer.exchange``): padded runs no EP counts
+    all-to-all (the counts and the finite flags ride in the rows' headers, ``layers/padded.py``)."""
     split = tp > 1 and not sequence_parallel
     a2a, fwd, bwd = "all_to_all_single", "forward", "backward"
     chunks = overlap_chunks if ep > 1 and not shadowed else 1
     rows = "rows" if chunks == 1 else "row chunk"
     plan = [
         (tp * dp > 1 and ep != tp * dp, Collective(fwd, a2a, "tokens", "finite flags")),
-        (ep > 1, Collective(fwd, a2a, "ep", "counts")),
+        (ep > 1 and exchange != "padded", Collective(fwd, a2a, "ep", "counts")),
         (etp > 1, Collective(fwd, a2a, "etp", "counts")),
         *[(ep > 1, Collective(fwd, a2a, "ep", rows))] * chunks,
         (etp > 1, Collective(fwd, a2a, "etp", "rows")),

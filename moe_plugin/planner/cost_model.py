@@ -17,7 +17,10 @@ per data-parallel replica, H hidden, F ffn, V vocab, b activation bytes:
                                               bytes sent and received, within and across nodes, + a latency
                                               per peer), the EP counts all-to-all (carrying the router's finite
                                               flags, or those take one over the TP x DP ranks), ETP counts and
-                                              4 row gathers, TP: 2 token all-gathers, router-gradient all-reduce
+                                              4 row gathers, TP: 2 token all-gathers, router-gradient all-reduce;
+                                              the counts layout (``moe.exchange`` auto takes it on NCCL; the
+                                              padded one, gloo only by default, swaps the counts round for
+                                              padded row bytes and is not priced)
          shadowed experts (``shadow_E``)      every EP rank computes its own senders' share of their rows
                                               and sends them nowhere; 2 EP all-reduces (weights forward,
                                               gradients backward) of 2 (ep-1)/ep * N * expert bytes

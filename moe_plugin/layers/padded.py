@@ -1,0 +1,172 @@
+"""The padded expert-parallel exchange: no counts round (``moe.exchange`` padded).
+
+Shape suffixes: see ``moe_plugin.layers``; here N counts the rows of a padded buffer.
+
+With a capacity C per expert slot every rank's rows to an EP peer fit a fixed block, so one
+equal all-to-all can move them without exchanging the counts first (DeepSpeed's capacity-padded
+exchange). ``PaddedDispatcher.prepare`` builds, per EP peer p, a block of ``B = 1 + L * C`` rows:
+
+* row 0, the header: this rank's kept routes to p's L slots and its finite flag (the router's
+  ``FiniteCheck.bad_1``), written in the activation dtype as digits of the base its integers are
+  exact in (fp32: 2^24, one digit for any capacity below that; bf16: 256; fp16: 2048), so every
+  value arrives exact (``header_digits``);
+* rows ``1 + l * C + i``: the i-th kept route to p's slot l (the router sorted the kept routes by
+  slot), zeros where a slot has fewer than C.
+
+The rows are one ``index_copy`` into a zero buffer (differentiable: the gradient of each route's
+row goes back to its token); the plan still lists every route (its kept count is read only at
+the host sync), so the dropped ones land in rows of their own past the blocks, left unsent. One
+equal all-to-all (``comm.all_to_all``, its backward the reverse one) moves the blocks; the layer's
+one host sync then reads the P headers: the counts per (sender, local slot), the flags (every EP
+peer sees every peer's flag when the EP group is the ranks that route distinct tokens; otherwise
+the router's own flag exchange, as in the counts layout), and this rank's own split sizes. The
+verdict raises on every rank alike, after the exchange (the rows of a bad rank travel, nothing
+is computed from them). The experts gather their rows from the padded buffer in
+(local expert, sender) order (``gather_R``: ``source_to_expert_order`` mapped to the padded
+rows), so they see the same rows in the same order as with the counts layout; the way back is
+the counts layout's uneven all-to-all (both sides know the counts now). Outputs and gradients
+are the same bits as with ``exchange`` counts (tests/test_layers_dist.py).
+
+Not learnt: the sender x slot traffic (``traffic`` is None, as without EP), which is why the
+config refuses placement policies, traces and shadow experts with it. A capacity needs the same
+token count on every EP rank (it always is so in training); the buffer sizes follow from it.
+
+``resolve_exchange`` turns ``auto`` into a mode (module ``schema``: ``MoEConfig.exchange``): padded
+where the config allows it and the EP group's backend is gloo, the choice logged once. A header
+that the hidden size cannot hold (known at the first forward: dtype and capacity) makes a forced
+padded exchange raise a ``ConfigError`` and ``auto`` fall back to counts for that forward.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from moe_plugin.configs.errors import ConfigError
+from moe_plugin.configs.schema import ROOT_KEY, MoEConfig
+from moe_plugin.layers import comm
+from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher, cut, source_to_expert_order
+from moe_plugin.layers.parallel import LayerParallelism
+from moe_plugin.layers.router import FiniteCheck, RoutingPlan
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_exchange(config: MoEConfig, parallel: LayerParallelism) -> str:
+    """``counts`` or ``padded`` for a layer of ``config`` on ``parallel`` (module docstring)."""
+    if config.exchange != "auto" or parallel.ep is None:
+        return config.exchange if parallel.ep is not None else "counts"
+    why_not = config.padded_exchange_unfit()
+    backend = dist.get_backend(parallel.ep)
+    if why_not is None and backend != "gloo":
+        why_not = f"the EP group's backend is {backend}, not gloo (a small all-to-all is cheap there, padding costs)"
+    _log_choice("counts" if why_not else "padded", why_not)
+    return "counts" if why_not else "padded"
+
+
+@functools.cache
+def _log_choice(mode: str, why_not: Optional[str]) -> None:
+    logger.info("moe.exchange auto: %s%s", mode, f" ({why_not})" if why_not else " (gloo, capacity-bound rows)")
+
+
+def header_digits(dtype: torch.dtype, capacity: int) -> tuple[int, int]:
+    """(base, digits): every count 0..``capacity`` written in ``digits`` digits of ``base``, each
+    an integer ``dtype`` holds exactly."""
+    base = min(int(2 / torch.finfo(dtype).eps), 2 ** 24)    # 2^(mantissa bits + 1): 2^24 fp32, 256 bf16
+    digits = 1
+    while base ** digits <= capacity:
+        digits += 1
+    return base, digits
+
+
+@dataclass(frozen=True)
+class PaddedExchange(Exchange):
+    """``Exchange`` whose rows arrived padded: ``recv_NH`` [P * B, H], the experts' rows ``recv_NH[gather_R]``."""
+
+    recv_NH: Tensor
+    gather_R: Tensor
+
+
+class PaddedDispatcher(ExpertParallelDispatcher):
+    """``ExpertParallelDispatcher`` with the padded exchange (module docstring); ``forced``: the
+    config asked for it by name, so a header that does not fit raises instead of falling back."""
+
+    def __init__(self, num_experts: int, parallel: LayerParallelism, forced: bool = False):
+        super().__init__(num_experts, parallel)
+        self.forced = forced
+
+    def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Exchange:
+        P, L, H = self.parallel.ep_size, self.num_local, x_TH.shape[1]
+        base, digits = header_digits(x_TH.dtype, plan.capacity)
+        if L * digits + 1 > H:
+            why = (f"its header row needs {L * digits + 1} values ({L} local experts x {digits} {x_TH.dtype} digits "
+                   f"of capacity {plan.capacity}, + 1 flag), the hidden size is {H}")
+            if self.forced:
+                raise ConfigError(f"{ROOT_KEY}.exchange", "padded", f"{why}; use 'counts' or 'auto'")
+            _log_choice("counts", why)
+            return super().prepare(x_TH, plan, finite)
+        B = 1 + L * plan.capacity
+        send_NH = self._send_buffer(x_TH, plan, finite, B, base, digits)
+        recv_NH = comm.all_to_all(send_NH, [B] * P, [B] * P, self.parallel.ep)
+        return self._read(x_TH, plan, finite, recv_NH, B, base, digits)
+
+    def _send_buffer(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck], B: int, base: int,
+                     digits: int) -> Tensor:
+        """[P * B, H]: per peer the header and the kept routes' rows at their slot's place."""
+        P, L, C, H = self.parallel.ep_size, self.num_local, plan.capacity, x_TH.shape[1]
+        kept_D = plan.kept_D
+        D, R = kept_D.numel(), plan.route_R.numel()
+        end_D = torch.cumsum(kept_D, 0)
+        r_R = torch.arange(R, device=kept_D.device)
+        slot_R = torch.searchsorted(end_D, r_R, right=True).clamp(max=D - 1)   # past the kept ones: dropped
+        place_R = (slot_R // L) * B + 1 + (slot_R % L) * C + r_R - (end_D - kept_D)[slot_R]
+        place_R = torch.where(r_R < end_D[-1], place_R, P * B + r_R)           # dropped: rows left unsent
+        powers_X = base ** torch.arange(digits, device=kept_D.device)
+        digits_PX = (kept_D.view(P, L, 1) // powers_X % base).view(P, L * digits)
+        bad_1 = finite.bad_1 if finite is not None else kept_D.new_zeros(1)
+        header_PH = F.pad(torch.cat([digits_PX, bad_1.to(kept_D.dtype).expand(P, 1)], 1).to(x_TH.dtype),
+                          (0, H - L * digits - 1))
+        rows_XH = torch.cat([x_TH.index_select(0, plan.token_R), header_PH])
+        place_X = torch.cat([place_R, torch.arange(P, device=kept_D.device) * B])
+        return x_TH.new_zeros(P * B + R, H).index_copy(0, place_X, rows_XH)[:P * B]
+
+    def _read(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck], recv_NH: Tensor, B: int,
+              base: int, digits: int) -> PaddedExchange:
+        """The headers, in the layer's one host sync, and the experts' gather index."""
+        p, P, L, C = self.parallel, self.parallel.ep_size, self.num_local, plan.capacity
+        head_PX = recv_NH.detach().view(P, B, -1)[:, 0, :L * digits + 1].long()
+        powers_X = base ** torch.arange(digits, device=head_PX.device)
+        recv_PL = (head_PX[:, :-1].view(P, L, digits) * powers_X).sum(-1)
+        if finite is not None and finite.group is None and p.ep_is_tokens:
+            flags_P, flag_group = head_PX[:, -1], p.ep                  # every peer's flag came with its header
+        else:
+            flags_P = finite.flags() if finite is not None else recv_PL.new_zeros(0)
+            flag_group = finite.group if finite is not None else None
+        parts = [plan.kept_D.view(P, L).sum(1), recv_PL.sum(1), recv_PL.sum(0), flags_P]
+        host = torch.cat([t.to(recv_PL.dtype) for t in parts]).tolist()      # the one sync
+        send, recv, counts_L, flags, _ = cut(host, P, P, L, flags_P.numel())
+        if finite is not None:
+            finite.verdict(flags, flag_group)
+        total = sum(recv)
+        sort_R, unsort_R = source_to_expert_order(recv_PL, total=total)
+        padded_PL = torch.arange(P, device=recv_PL.device)[:, None] * B + 1 + torch.arange(L, device=recv_PL.device) * C
+        compact_PL = (torch.cumsum(recv_PL.view(-1), 0) - recv_PL.view(-1)).view(P, L)
+        shift_R = torch.repeat_interleave((padded_PL - compact_PL).view(-1), recv_PL.view(-1), output_size=total)
+        gather_R = (torch.arange(total, device=recv_PL.device) + shift_R)[sort_R]
+        return PaddedExchange(x_TH, plan.kept(sum(send)), traffic_PD=None, send_splits=send, recv_splits=recv,
+                              etp_splits=[total], counts_L=counts_L, sort_R=sort_R, unsort_R=unsort_R,
+                              recv_NH=recv_NH, gather_R=gather_R)
+
+    def to_experts(self, state: Exchange) -> tuple[Tensor, Tensor, list[int]]:
+        if not isinstance(state, PaddedExchange):           # ``auto`` fell back to counts
+            return super().to_experts(state)
+        return state.recv_NH, state.gather_R, state.counts_L
+
+    def traffic(self, state: Exchange) -> Optional[Tensor]:
+        return None if isinstance(state, PaddedExchange) else state.traffic_PD
