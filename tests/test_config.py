@@ -256,7 +256,7 @@ DEFAULTS = {
     "aux_loss_coeff": 0.01, "aux_loss_scope": "micro_batch", "z_loss_coeff": 0.0, "bias_update_rate": 0.0,
     "jitter_eps": 0.0,
     "layer_interval": 1, "layers": None, "ffn_hidden_size": None, "activation": "gelu",
-    "recompute_fc1": False, "experts_backend": "auto", "overlap_chunks": 1, "exchange": "auto",
+    "recompute_fc1": False, "experts_backend": "auto", "overlap_chunks": 1, "exchange": "counts",
     "shared_expert_ffn_hidden_size": 0,
     "shared_expert_gate": False,
     "parallel": {"tensor": 1, "pipeline": 1, "expert": 1, "expert_tensor": 1, "order": "tp-cp-ep-dp-pp",
@@ -302,7 +302,7 @@ def test_exchange_auto_resolves_by_config_and_backend(block, backend, mode, monk
     from moe_plugin.layers.parallel import LayerParallelism
 
     monkeypatch.setattr(dist, "get_backend", lambda group: backend)
-    config = MoEConfig.from_dict({"num_experts": 8, "parallel": {"expert": 2}, **block})
+    config = MoEConfig.from_dict({"num_experts": 8, "parallel": {"expert": 2}, "exchange": "auto", **block})
     assert resolve_exchange(config, LayerParallelism(ep=object(), ep_size=2)) == mode
     assert resolve_exchange(config.model_copy(update={"exchange": "auto"}), LayerParallelism()) == "counts"  # no EP
 

@@ -193,7 +193,7 @@ class MoEConfig(_Block):
                                 "At most the local experts (num_experts / parallel.expert); needs "
                                 "parallel.expert_tensor 1. Layers with shadowed experts exchange at once.")
     exchange: ExchangeMode = Field(
-        "auto", description="How the expert-parallel all-to-all learns its sizes. counts: the kept routes per "
+        "counts", description="How the expert-parallel all-to-all learns its sizes. counts: the kept routes per "
         "expert are exchanged first (one small all-to-all), then exactly the routed rows move. padded (DeepSpeed's "
         "way, without the counts round): every rank sends each EP peer a block of capacity rows per expert of that "
         "peer, zero-padded, headed by one row carrying the counts (and the router's finite flag) in the activation "
@@ -203,7 +203,9 @@ class MoEConfig(_Block):
         "experts x digits + 1; fp32: one digit per count, bf16/fp16: the count in base 256/2048 digits). auto: "
         "padded where all that holds and the EP group's backend is gloo (latency-bound on CPU; on NCCL the counts "
         "round is cheap and padding costs bytes), else counts, the choice logged once; shadow experts or a load "
-        "tracker switch such a layer to counts. The outputs and gradients are the same bits either way.")
+        "tracker switch such a layer to counts. The outputs and gradients are the same bits either way. Default "
+        "counts: on 4 gloo ranks of 2 cores padded saved nothing (the scaling study's e8-top2: 192.9 ms per step "
+        "padded, 188.8 counts; docs/benchmarks.md, 'The MoE tax').")
     shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="FFN size of a dense shared expert "
                                                "every token passes through; 0: none.")
     shared_expert_gate: bool = Field(False, description="Scale the shared expert by a learned sigmoid gate.")
