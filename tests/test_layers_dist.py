@@ -10,8 +10,8 @@ the oracle's, since a rank back-propagates its replica's loss ``L_d``), the bala
 of the rank's group, every parameter (the init) and every gradient -- router, shared expert,
 and the expert shards mapped to their global slices -- fp32 at atol = rtol = 1e-5, bf16
 inputs at 3e-2. Also: the summed statistics, the aux-loss-free bias update and the default
-per-rank noise. On gloo, ``exchange`` auto runs the EP layouts with a capacity (and no ETP) in the
-padded exchange (``layers/padded.py``); the ``counts-`` cases are twins in the counts layout, and
+per-rank noise. The ``padded-`` cases run the padded exchange (``layers/padded.py``; ``exchange``
+padded, or auto, which is padded on gloo) as twins of counts-layout cases (the default), and
 outputs, losses and gradients of each pair are bit-identical (``EXCHANGE_TWINS``).
 
 Starting ranks costs seconds on two cores, so one 4-rank and one 2-rank run (module-scoped
@@ -137,10 +137,11 @@ CASES4 = _cases(LAYOUTS4, full_sweep=("ep4", "tp2sp-ep2-etp2-dp2", "tp2-ep2-dp2"
                                               earlier=True)),
     "grouped3-drop": ("ep4", dict(router="grouped3", placement=SHUFFLED)),    # groups by expert id, not slot
     "grouped2-dropless": ("tp2-ep2-dp2", dict(router="grouped2", drop=False)),
-    # moe.exchange: auto is padded on gloo; each "counts-" case is the twin of a padded one (EXCHANGE_TWINS)
-    "counts-gshard-drop": ("ep4", dict(router="gshard", exchange="counts")),
-    "counts-ep2-gshard-drop": ("ep2-dp4", dict(router="gshard", exchange="counts")),   # flags over TP x DP
-    "counts-bf16-ep4": ("ep4", dict(router="topk3", dtype="bfloat16", exchange="counts")),
+    # moe.exchange (default counts): each "padded-" case is the padded twin of a counts one (EXCHANGE_TWINS);
+    # auto is padded on gloo
+    "padded-gshard-drop": ("ep4", dict(router="gshard", exchange="auto")),
+    "padded-ep2-gshard-drop": ("ep2-dp4", dict(router="gshard", exchange="padded")),   # flags over TP x DP
+    "padded-bf16-ep4": ("ep4", dict(router="topk3", dtype="bfloat16", exchange="padded")),
     "nan-padded": ("ep2-dp4", dict(nan_rank=2, exchange="padded")),        # the flags over TP x DP
     "nan-padded-header": ("ep4", dict(nan_rank=1, exchange="padded")),   # the flags ride in the headers
 })
@@ -165,8 +166,8 @@ CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
     "scope-sequence-tp-odd": ("tp2", dict(router="sigmoid2", drop=False, S=3, aux_loss_scope="sequence")),
     "grouped3-drop": ("dp2-ep2", dict(router="grouped3")),
     "grouped2-dropless": ("tp2-ep2", dict(router="grouped2", drop=False, placement=SHUFFLED)),
-    "counts-gshard-drop": ("dp2-ep2", dict(router="gshard", exchange="counts")),
-    "counts-bf16": ("tp2-ep2", dict(router="switch", dtype="bfloat16", exchange="counts", **SWIGLU_SHARED)),
+    "padded-gshard-drop": ("dp2-ep2", dict(router="gshard", exchange="padded")),
+    "padded-bf16": ("tp2-ep2", dict(router="switch", dtype="bfloat16", exchange="padded", **SWIGLU_SHARED)),
     # no route dropped (S 4: the oracle check skips its "drops something"); bf16 counts of capacity 300 take
     # two base-256 digits in the header
     "padded-no-drop": ("dp2-ep2", dict(router="topk3", S=4, capacity_factor=4.0, exchange="padded")),
@@ -178,9 +179,9 @@ CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
 })
 # (padded case, its counts twin): outputs, losses and gradients bit-identical
 EXCHANGE_TWINS = {
-    4: [("ep4/gshard-drop", "ep4/counts-gshard-drop"), ("ep2-dp4/gshard-drop", "ep2-dp4/counts-ep2-gshard-drop"),
-        ("ep4/bf16-ep4", "ep4/counts-bf16-ep4")],
-    2: [("dp2-ep2/gshard-drop", "dp2-ep2/counts-gshard-drop"), ("tp2-ep2/bf16", "tp2-ep2/counts-bf16"),
+    4: [("ep4/padded-gshard-drop", "ep4/gshard-drop"), ("ep2-dp4/padded-ep2-gshard-drop", "ep2-dp4/gshard-drop"),
+        ("ep4/padded-bf16-ep4", "ep4/bf16-ep4")],
+    2: [("dp2-ep2/padded-gshard-drop", "dp2-ep2/gshard-drop"), ("tp2-ep2/padded-bf16", "tp2-ep2/bf16"),
         ("dp2-ep2/padded-no-drop", "dp2-ep2/counts-no-drop"),
         ("dp2-ep2/padded-bf16-two-digits", "dp2-ep2/counts-bf16-two-digits")],
 }

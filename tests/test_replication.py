@@ -102,15 +102,12 @@ def _child(rank, world_size, cases):
 
 
 def _check(cases, world_size, results, monkeypatch):
-    from moe_plugin.groups.layout import RankLayout
-
     monkeypatch.setattr(base, "_layer", _layer_with(False))     # the oracle gets the cold expert too
     for name, case in cases.items():
         plain = [r[(name, "plain")] for r in results]
         shadow = [r[(name, "shadow")] for r in results]
         base._check_case(case, world_size, plain)
         base._check_case(case, world_size, shadow)
-        layout = RankLayout.build(world_size, **case["sizes"])
         tol = dict(rtol=1e-5, atol=1e-6) if case["dtype"] == "float32" else base.BF16_TOL
         for rank, (a, b) in enumerate(zip(plain, shadow)):
             torch.testing.assert_close(b["out"], a["out"], **tol)
