@@ -36,7 +36,7 @@ DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 # at once rather than enumerated (their divisors, a layout of every rank).
 MAX_SIZE = 2 ** 20
 ExpertsBackend = Literal["auto", "grouped_mm", "bmm", "loop"]
-ExchangeMode = Literal["auto", "counts", "padded"]
+ExchangeMode = Literal["auto", "counts", "padded", "token"]
 
 
 class _Block(BaseModel):
@@ -205,7 +205,13 @@ class MoEConfig(_Block):
         "round is cheap and padding costs bytes), else counts, the choice logged once; shadow experts or a load "
         "tracker switch such a layer to counts. The outputs and gradients are the same bits either way. Default "
         "counts: on 4 gloo ranks of 2 cores padded saved nothing (the scaling study's e8-top2: 192.9 ms per step "
-        "padded, 188.8 counts; docs/benchmarks.md, 'The MoE tax').")
+        "padded, 188.8 counts; docs/benchmarks.md, 'The MoE tax'). token: the counts round, then each token "
+        "crosses the wire once per destination EP rank (not once per route) with a mask of that rank's experts it "
+        "goes to in extra columns, and is fanned out there; the way back is one row per route as with counts. "
+        "Fewer bytes when a token's routes share a rank (group_topk: docs/benchmarks.md, 'Group-limited routing: "
+        "bytes on the wire'); the same collectives as counts, the same outputs, gradients equal to rounding. "
+        "Needs parallel.expert > 1, parallel.expert_tensor 1, overlap_chunks 1, placement.policy static and "
+        "placement.replica_budget 0 (no shadow experts).")
     shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="FFN size of a dense shared expert "
                                                "every token passes through; 0: none.")
     shared_expert_gate: bool = Field(False, description="Scale the shared expert by a learned sigmoid gate.")
@@ -258,6 +264,8 @@ class MoEConfig(_Block):
                                f"{self.num_experts} / parallel.expert {self.parallel.expert})")
         if self.exchange == "padded" and self.padded_exchange_unfit():
             raise FieldProblem("exchange", "padded", f"{self.padded_exchange_unfit()}; use 'counts' or 'auto'")
+        if self.exchange == "token" and self.token_exchange_unfit():
+            raise FieldProblem("exchange", "token", f"{self.token_exchange_unfit()}; use 'counts'")
         if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
             raise FieldProblem("shared_expert_gate", True, "there is no shared expert to gate; set "
                                "shared_expert_ffn_hidden_size > 0 or shared_expert_gate false")
@@ -281,6 +289,19 @@ class MoEConfig(_Block):
             raise FieldProblem("group_topk", M, f"its groups hold {M} x {self.num_experts // G} experts, fewer than "
                                f"top_k ({self.k}); with {groups} of num_experts {self.num_experts} it must be at least "
                                f"{-(-self.k // (self.num_experts // G))}")
+
+    def token_exchange_unfit(self) -> Optional[str]:
+        """Why this config cannot use the token exchange (``layers/token.py``); None when it can."""
+        p, pl = self.parallel, self.placement
+        for bad, why in ((p.expert == 1, "needs parallel.expert > 1"),
+                         (p.etp > 1, f"needs parallel.expert_tensor 1 (got {p.etp})"),
+                         (self.overlap_chunks > 1, f"needs overlap_chunks 1 (got {self.overlap_chunks})"),
+                         (pl.replica_budget > 0, f"needs placement.replica_budget 0 (got {pl.replica_budget}): "
+                                                 "no shadow experts"),
+                         (pl.policy != "static", f"needs placement.policy 'static' (got {pl.policy!r})")):
+            if bad:
+                return why
+        return None
 
     def padded_exchange_unfit(self) -> Optional[str]:
         """Why this config cannot use the padded exchange (``layers/padded.py``); None when it can."""

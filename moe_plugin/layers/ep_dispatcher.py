@@ -107,24 +107,31 @@ class ExpertParallelDispatcher(TokenDispatcher):
         return Exchange(x_TH, plan.kept(sum(layout["send_splits"])), **layout)
 
     def layout(self, kept_D: Tensor, finite: Optional[FiniteCheck] = None, shadow_D: Optional[Tensor] = None,
-               extra_X: Optional[Tensor] = None, per_slot: bool = False) -> tuple[dict, list[int]]:
+               extra_X: Optional[Tensor] = None, per_slot: bool = False,
+               to_peers_P: Optional[Tensor] = None) -> tuple[dict, list[int]]:
         """The layout fields of an ``Exchange`` for this rank's kept routes per slot, after the
         finite verdict, and ``extra_X`` (integers the caller needs on the host too, read in the
         same transfer) as a list. ``shadow_D`` (bool [D], the same on every EP rank): slots whose
         routes every rank computes itself (``shadow.py``); counted in ``traffic_PD``, not exchanged.
         ``per_slot``: the list starts with the rows to and from each peer per local slot
-        (``send_PL``, ``recv_PL`` flattened; ``overlap.py``)."""
+        (``send_PL``, ``recv_PL`` flattened; ``overlap.py``). ``to_peers_P``: one more integer per
+        EP peer that rides along with the counts (``token.py``: its rows to each peer); the list
+        then starts with what each peer sent this rank."""
         p = self.parallel
         D = kept_D.numel()
+        X = 0 if to_peers_P is None else p.ep_size
+        payload = [kept_D] if to_peers_P is None else [kept_D, to_peers_P.to(kept_D.dtype)]
         if finite is not None and finite.group is None and p.ep_is_tokens:
             # The finite flag rides along with the counts: the EP group is every rank that
             # routes distinct tokens, so this exchange is the agreement, at no extra cost.
-            gathered = comm.gather_counts(torch.cat([kept_D, finite.bad_1.to(kept_D.dtype)]), p.ep)
-            traffic_PD, flags_P, flag_group = gathered[:, :D].contiguous(), gathered[:, D], p.ep
+            gathered = comm.gather_counts(torch.cat(payload + [finite.bad_1.to(kept_D.dtype)]), p.ep)
+            flags_P, flag_group = gathered[:, D + X], p.ep
         else:
-            traffic_PD = comm.gather_counts(kept_D, p.ep)
-            flags_P = finite.flags() if finite is not None else traffic_PD.new_zeros(0)
+            gathered = comm.gather_counts(torch.cat(payload), p.ep) if X else comm.gather_counts(kept_D, p.ep)
+            flags_P = finite.flags() if finite is not None else gathered.new_zeros(0)
             flag_group = finite.group if finite is not None else None
+        traffic_PD = gathered[:, :D].contiguous() if gathered.shape[1] > D else gathered
+        from_peers_P = gathered[:, D + p.ep_rank] if X else None
         send_D, sent_PD = kept_D, traffic_PD
         if shadow_D is not None:
             send_D, sent_PD = kept_D.masked_fill(shadow_D, 0), traffic_PD.masked_fill(shadow_D, 0)
@@ -136,7 +143,7 @@ class ExpertParallelDispatcher(TokenDispatcher):
         else:
             counts_GL = recv_PL
         parts = [send_PL.sum(1), recv_PL.sum(1), counts_GL.view(p.etp_size, -1).sum(1), counts_GL.sum(0), flags_P]
-        extras = [send_PL.reshape(-1), recv_PL.reshape(-1)] if per_slot else []
+        extras = ([send_PL.reshape(-1), recv_PL.reshape(-1)] if per_slot else []) + [from_peers_P]
         host = torch.cat([t.to(send_PL.dtype) for t in parts + extras + [extra_X] if t is not None])
         host = host.tolist()                                              # the one sync
         send, recv, etp, counts_L, flags, extra = cut(host, *(t.numel() for t in parts))

@@ -20,7 +20,8 @@ every layout-dependent factor. Forward on one rank::
     dispatch / experts / combine      (ShadowingDispatcher, an ExpertParallelDispatcher, when EP or ETP > 1)
     + shared expert, attach aux loss  (its gradient scaled by 1/tp)
     (``overlap_chunks`` > 1: ChunkedDispatcher, the exchange overlapped with the experts and the
-    shared expert, ``overlap.py``; ``exchange`` padded: PaddedDispatcher, no counts round, ``padded.py``)
+    shared expert, ``overlap.py``; ``exchange`` padded: PaddedDispatcher, no counts round, ``padded.py``;
+    ``exchange`` token: TokenExchangeDispatcher, a token once per destination rank, ``token.py``)
     out_TH -> gather_tokens over TP   (replicated input, no SP)
 
 Shadow experts (``set_shadow``, ``shadow.py``): the routes to a shadowed expert skip the
@@ -48,6 +49,7 @@ from moe_plugin.layers.padded import PaddedDispatcher, resolve_exchange
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import Router, RouterNoise, RoutingPlan
 from moe_plugin.layers.shadow import ShadowExperts, ShadowingDispatcher
+from moe_plugin.layers.token import TokenExchangeDispatcher
 
 if TYPE_CHECKING:
     from moe_plugin.groups.process_groups import ProcessGroups
@@ -191,8 +193,10 @@ class MoELayer(nn.Module):
                                       recompute_pre_activation=config.recompute_fc1, backend=config.experts_backend)
         self.shadow = ShadowExperts(self.experts, p.ep)
         self.dispatcher = TokenDispatcher(config.num_experts)
-        self.exchange = resolve_exchange(config, p)    # counts | padded (``padded.py``)
-        if p.expert_parallel and self.exchange == "padded":
+        self.exchange = resolve_exchange(config, p)    # counts | padded (``padded.py``) | token (``token.py``)
+        if p.expert_parallel and self.exchange == "token":
+            self.dispatcher = TokenExchangeDispatcher(config.num_experts, p)
+        elif p.expert_parallel and self.exchange == "padded":
             self.dispatcher = PaddedDispatcher(config.num_experts, p, forced=config.exchange == "padded")
         elif p.expert_parallel and config.overlap_chunks > 1:
             self.dispatcher = ChunkedDispatcher(config.num_experts, p, self.shadow, config.overlap_chunks)
@@ -258,6 +262,8 @@ class MoELayer(nn.Module):
         if expert_ids and (self.parallel.ep is None or self.parallel.etp is not None):
             raise ValueError(f"shadow experts need expert parallelism without expert tensor parallelism; this "
                              f"layer has expert {self.parallel.ep_size}, expert_tensor {self.parallel.etp_size}")
+        if expert_ids and self.exchange == "token":
+            raise ValueError("shadow experts: not with moe.exchange 'token' (set 'counts')")
         if expert_ids:
             self.use_counts_exchange("shadow experts")
         self.shadow.set(expert_ids)

@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_exchange(config: MoEConfig, parallel: LayerParallelism) -> str:
-    """``counts`` or ``padded`` for a layer of ``config`` on ``parallel`` (module docstring)."""
+    """``counts``, ``padded`` or ``token`` (named only) for a layer of ``config`` on ``parallel`` (module docstring)."""
     if config.exchange != "auto" or parallel.ep is None:
         return config.exchange if parallel.ep is not None else "counts"
     why_not = config.padded_exchange_unfit()

@@ -1,0 +1,122 @@
+"""The token exchange: each token sent once per destination EP rank (``moe.exchange`` token).
+
+Shape suffixes: see ``moe_plugin.layers``; here U counts unique (destination rank, token) rows
+and C the mask columns appended to them.
+
+With the counts exchange (``ep_dispatcher.py``) a token with two routes to experts on the same
+EP rank crosses the wire twice. Group-limited routing (``router.limit_to_groups``) makes that the
+common case: with one group per EP rank and ``group_topk`` 1 every route of a token goes to the
+same rank. ``TokenDispatcher`` sends such a token once and fans it out on arrival:
+
+* Sender (``prepare``): the kept routes are sorted by slot, so by destination rank
+  ``p = slot // L``. The unique ``(p, token)`` pairs become one row each, ordered ``(p, token)``,
+  carrying the token's activations and, in C extra columns, the mask of p's L local slots it
+  goes to: bit ``l % b`` of column ``l // b``, with ``b`` the bits an integer of the activation
+  dtype holds exactly (fp32: 24, bf16: 8, fp16: 11; ``padded.header_digits``), so C =
+  ceil(L / b). The rows per peer ride along with the counts exchange (``layout(...,
+  to_peers_P=...)``) and are read in the layer's one host sync: no collective is added.
+* Receiver (``to_experts``): one uneven all-to-all of the unique rows; from the masks the
+  experts' gather index (local expert major, then sender, then the sender's row order) into the
+  received rows, with the counts per local expert from the counts exchange. The experts gather
+  their rows by index anyway (``GroupedExperts(x, counts, gather_R)``), so the fan-out costs
+  nothing, and its backward sums a token's routes on the expert rank before the gradient goes
+  back (once per token and rank as well).
+* Return path (``from_experts``): one row per route, as with counts: the outputs re-sorted to
+  (sender, local slot, token) order (``source_to_expert_order`` of the counts, its inverse),
+  the counts layout's uneven all-to-all, and on the sender a local permutation from
+  (slot, token) order to its kept-route order (slot, then the drop policy's order). Not done:
+  summing a token's gated outputs on the expert rank so that the way back also carries one row
+  per (token, rank); the gates would travel as more columns.
+
+Everything is built from differentiable ops (``index_select``, ``cat``, ``comm.all_to_all``); the
+mask columns carry no gradient. The experts see the same rows as with counts, in (sender,
+token) order within an expert instead of (sender, priority) order, so the outputs are the same
+and the weight gradients equal to rounding (tests/test_layers_dist.py, the ``token-`` twins).
+Collectives: those of the counts layout (tests/test_cost_collectives.py). Needs
+``parallel.expert`` > 1 and refuses expert tensor parallelism, shadow experts, ``overlap_chunks``
+> 1 and placement policies other than static (``MoEConfig.token_exchange_unfit``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from moe_plugin.layers import comm
+from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher
+from moe_plugin.layers.padded import header_digits
+from moe_plugin.layers.parallel import LayerParallelism
+from moe_plugin.layers.router import FiniteCheck, RoutingPlan
+
+
+def mask_bits(dtype: torch.dtype) -> int:
+    """Bits of a slot mask one column of ``dtype`` holds exactly (fp32 24, bf16 8, fp16 11)."""
+    return header_digits(dtype, 0)[0].bit_length() - 1
+
+
+@dataclass(frozen=True)
+class TokenExchange(Exchange):
+    """``Exchange`` with unique rows: ``row_send``/``row_recv`` [P] unique rows to / from each
+    peer (``send_splits``/``recv_splits`` are the routes, for the way back), ``send_UX`` the rows
+    with their mask columns, ``back_R`` the sender's (slot, token) order -> kept-route order."""
+
+    row_send: list[int]
+    row_recv: list[int]
+    send_UX: Tensor
+    back_R: Tensor
+
+
+class TokenExchangeDispatcher(ExpertParallelDispatcher):
+    """``ExpertParallelDispatcher`` that sends each token once per destination rank (module docstring)."""
+
+    def __init__(self, num_experts: int, parallel: LayerParallelism):
+        super().__init__(num_experts, parallel)
+        if parallel.etp is not None:
+            raise ValueError("moe.exchange 'token' needs parallel.expert_tensor 1")
+
+    def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> TokenExchange:
+        P, L, T = self.parallel.ep_size, self.num_local, plan.num_tokens
+        bits = mask_bits(x_TH.dtype)
+        C = -(-L // bits)
+        kept_D = plan.kept_D
+        D, R = kept_D.numel(), plan.route_R.numel()
+        end_D = torch.cumsum(kept_D, 0)
+        r_R = torch.arange(R, device=kept_D.device)
+        slot_R = torch.searchsorted(end_D, r_R, right=True).clamp(max=D - 1)   # past the kept ones: dropped
+        key_R = torch.where(r_R < end_D[-1], (slot_R // L) * T + plan.token_R, P * T)   # dropped: a spare row
+        local_R = slot_R % L
+        mask_XC = kept_D.new_zeros(P * T + 1, C).index_put_((key_R, local_R // bits), 2 ** (local_R % bits),
+                                                             accumulate=True)   # distinct slots: sum = or
+        used_X = mask_XC[:P * T].sum(1) > 0
+        rows_P = used_X.view(P, T).sum(1)
+        layout, extra = self.layout(kept_D, finite, to_peers_P=rows_P, extra_X=rows_P)   # one host sync
+        return self._exchange(x_TH, plan.kept(sum(layout["send_splits"])), layout, extra[:P], extra[P:], used_X,
+                              mask_XC)
+
+    def _exchange(self, x_TH: Tensor, plan: RoutingPlan, layout: dict, row_recv: list[int], row_send: list[int],
+                  used_X: Tensor, mask_XC: Tensor) -> TokenExchange:
+        """The unique rows with their masks, and the way back's permutation ``back_R``."""
+        T, U = plan.num_tokens, sum(row_send)
+        row_U = torch.nonzero_static(used_X, size=U).view(-1)             # (p, token) order
+        send_UX = torch.cat([x_TH.index_select(0, row_U % T), mask_XC.index_select(0, row_U).to(x_TH.dtype)], 1)
+        key_R = plan.slot_R() * T + plan.token_R
+        back_R = torch.empty_like(key_R)
+        back_R[torch.argsort(key_R)] = torch.arange(key_R.numel(), device=key_R.device)
+        return TokenExchange(x_TH, plan, row_send=row_send, row_recv=row_recv, send_UX=send_UX, back_R=back_R, **layout)
+
+    def to_experts(self, state: TokenExchange) -> tuple[Tensor, Tensor, list[int]]:
+        H, L = state.x_TH.shape[1], self.num_local
+        recv_UX = comm.all_to_all(state.send_UX, state.row_recv, state.row_send, self.parallel.ep)
+        bits = mask_bits(recv_UX.dtype)
+        l_L = torch.arange(L, device=recv_UX.device)
+        mask_UC = recv_UX[:, H:].detach().long()
+        goes_LU = ((mask_UC[:, l_L // bits] >> (l_L % bits)) & 1).t().reshape(-1)
+        gather_R = torch.nonzero_static(goes_LU, size=sum(state.counts_L)).view(-1) % recv_UX.shape[0]
+        return recv_UX[:, :H], gather_R, state.counts_L
+
+    def from_experts(self, y_RH: Tensor, state: TokenExchange) -> Tensor:
+        y_RH = comm.all_to_all(y_RH.index_select(0, state.unsort_R), state.send_splits, state.recv_splits,
+                               self.parallel.ep)
+        return y_RH.index_select(0, state.back_R)
