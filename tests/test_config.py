@@ -131,7 +131,7 @@ MALFORMED_BLOCKS = {
                                    "set shared_expert_ffn_hidden_size > 0 or shared_expert_gate false"),
     "block not an object": ([8], "moe", "got [8]", "expected a JSON object with at least num_experts"),
     "exchange unknown": (with_experts(exchange="dense"), "moe.exchange", "got 'dense'",
-                         "expected one of 'auto', 'counts', 'padded'"),
+                         "expected one of 'auto', 'counts', 'padded', 'token'"),
     **{f"padded exchange {why}": (with_experts(exchange="padded", parallel={"expert": 2}, **fields), "moe.exchange",
                                   "got 'padded'", valid)
        for why, fields, valid in (
@@ -144,6 +144,15 @@ MALFORMED_BLOCKS = {
                                    "needs parallel.expert > 1; use 'counts' or 'auto'"),
     "padded exchange with etp": (with_experts(exchange="padded", parallel={"expert": 2, "expert_tensor": 2}),
                                  "moe.exchange", "got 'padded'", "needs parallel.expert_tensor 1 (got 2)"),
+    **{f"token exchange {why}": (with_experts(exchange="token", **fields), "moe.exchange", "got 'token'", valid)
+       for why, fields, valid in (
+           ("without ep", {}, "needs parallel.expert > 1; use 'counts'"),
+           ("with etp", dict(parallel={"expert": 2, "expert_tensor": 2}), "needs parallel.expert_tensor 1 (got 2)"),
+           ("with overlap", dict(parallel={"expert": 2}, overlap_chunks=2), "needs overlap_chunks 1 (got 2)"),
+           ("with shadows", dict(parallel={"expert": 2}, placement={"replica_budget": 1}),
+            "needs placement.replica_budget 0 (got 1): no shadow experts"),
+           ("with greedy", dict(parallel={"expert": 2}, placement={"policy": "greedy"}),
+            "needs placement.policy 'static' (got 'greedy')"))},
 }
 
 
@@ -294,6 +303,7 @@ def test_router_groups_default_to_the_expert_parallel_ranks():
     ({"placement": {"policy": "network-aware"}}, "gloo", "counts"),
     ({"exchange": "counts"}, "gloo", "counts"),
     ({"exchange": "padded"}, "nccl", "padded"),
+    ({"exchange": "token"}, "gloo", "token"),                   # named only, never chosen by auto
 ])
 def test_exchange_auto_resolves_by_config_and_backend(block, backend, mode, monkeypatch):
     import torch.distributed as dist
