@@ -105,7 +105,8 @@ def _ep_child(rank, world_size, spec, *more):
 def test_bench_layer_expert_parallel(dist_run):
     spec = LayerBenchSpec(**dict(TINY, experts=8), dropless=True, vs_deepspeed=True)
     grouped = LayerBenchSpec(**dict(TINY, experts=8), dropless=True, vs_deepspeed=False, group_topk=1)
-    record, limited = dist_run(_ep_child, 2, spec, grouped)[0]
+    token = LayerBenchSpec(**dict(TINY, experts=8), dropless=True, vs_deepspeed=False, group_topk=1, exchange="token")
+    record, limited, once = dist_run(_ep_child, 2, spec, grouped, token)[0]
     # one row per route: a top-2 token sends both rows when its experts are remote; group_topk 1 of the
     # 2 groups (the EP ranks) puts both on one rank, so it reaches one rank, twice
     for r in (record, limited):
@@ -114,6 +115,13 @@ def test_bench_layer_expert_parallel(dist_run):
     assert limited["ours_a2a_step_bytes"] == 2 * limited["token_rank_a2a_step_bytes"]
     assert record["token_rank_a2a_step_bytes"] > limited["token_rank_a2a_step_bytes"]
     assert limited["group_topk"] == 1 and limited["routed_rows"] == 2 * spec.tokens * spec.k
+    # exchange token: the dispatch sends each token once per remote rank, H values + one mask column (4 local
+    # experts), the combine still one row per route; the same routing as the counts layer beside it
+    H = spec.hidden
+    assert once["exchange"] == "token" and once["token_rank_a2a_step_bytes"] == limited["token_rank_a2a_step_bytes"]
+    assert once["ours_dispatch_step_bytes"] * H == once["token_rank_dispatch_step_bytes"] * (H + 1)
+    assert once["ours_a2a_step_bytes"] - once["ours_dispatch_step_bytes"] == limited["ours_a2a_step_bytes"] // 2
+    assert limited["ours_dispatch_step_bytes"] == 2 * limited["token_rank_dispatch_step_bytes"]
     assert record["ep"] == 2
     for field in FIELDS_POSITIVE + ["ours_a2a_bytes", "deepspeed_a2a_bytes"]:
         value = record[field]

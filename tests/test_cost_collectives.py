@@ -36,11 +36,13 @@ LAYOUTS2 = {
     "dp2-ep2-overlap2-shadow": (dict(ep=2), False, [1], 2),    # shadowed: one exchange
     "tp2-ep2-sequence": (dict(tp=2, ep=2, etp=1), False, [], 1, "sequence"),
     "dp2-ep2-global": (dict(ep=2), False, [], 1, "global"),
+    "dp2-ep2-token": (dict(ep=2), False, [], 1, "micro_batch", "token"),    # the collectives of counts
 }
 LAYOUTS4 = {
     "dp4-ep2": (dict(ep=2), False, []),                          # padded, the finite flags over TP x DP
     "dp4-ep2-counts": (dict(ep=2), False, [], 1, "micro_batch", "counts"),
     "ep4-padded": (dict(ep=4), False, [], 1, "micro_batch", "padded"),
+    "ep4-token": (dict(ep=4), False, [], 1, "micro_batch", "token"),
     "tp2-ep2-etp2-dp2": (dict(tp=2, ep=2, etp=2), False, []),
     "tp2sp-ep4-dp2": (dict(tp=2, ep=4, etp=1), True, [1]),
     "tp2-ep2-dp2-overlap2": (dict(tp=2, ep=2, etp=1), False, [], 2),
@@ -70,8 +72,9 @@ def _counted(rank: int, world_size: int, layouts: dict) -> dict:
             layer = _layer(world_size, groups, sizes, sp, n, scope, exchange)
             layer.set_shadow(shadow)
             g = groups.layout.sizes
-            padded = g.ep > 1 and g.etp == 1 and not shadow and n == 1 and exchange != "counts"
-            assert layer.exchange == ("padded" if padded else "counts"), (name, layer.exchange)
+            padded = g.ep > 1 and g.etp == 1 and not shadow and n == 1 and exchange not in ("counts", "token")
+            assert layer.exchange == ("padded" if padded else exchange if exchange == "token" else "counts"), \
+                (name, layer.exchange)
             s, p = groups.layout.sizes, layer.parallel
             ranks = {k: tuple(sorted(dist.get_process_group_ranks(g))) if g is not None else (rank,)
                      for k, g in (("ep", p.ep), ("etp", p.etp), ("tp", p.tp), ("tokens", p.tokens))}

@@ -191,6 +191,8 @@ DIST_CASES = {
     "dp2-ep2/padded-top2-capacity": (dict(ep=2), "top2", True, [], 1, "padded"),     # no counts round
     "dp2-ep2/padded-gshard-capacity": (dict(ep=2), "gshard", True, [], 1, "padded"),
     "dp2-ep2/counts-top1-capacity": (dict(ep=2), "top1", True, [], 1, "counts"),
+    "dp2-ep2/token-top2-capacity": (dict(ep=2), "top2", True, [], 1, "token"),     # the unique rows ride along
+    "tp2-ep2/token-grouped-dropless": (dict(tp=2, ep=2, etp=1), "grouped", False, [], 1, "token"),
 }
 
 

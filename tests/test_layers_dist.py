@@ -12,7 +12,10 @@ and the expert shards mapped to their global slices -- fp32 at atol = rtol = 1e-
 inputs at 3e-2. Also: the summed statistics, the aux-loss-free bias update and the default
 per-rank noise. The ``padded-`` cases run the padded exchange (``layers/padded.py``; ``exchange``
 padded, or auto, which is padded on gloo) as twins of counts-layout cases (the default), and
-outputs, losses and gradients of each pair are bit-identical (``EXCHANGE_TWINS``).
+outputs, losses and gradients of each pair are bit-identical (``EXCHANGE_TWINS``). The ``token-``
+cases run the token exchange (``layers/token.py``) as twins of counts cases (``TOKEN_TWINS``):
+the same outputs, gradients within 1e-6 (fp32), and the rows sent are the distinct (token,
+destination rank) pairs.
 
 Starting ranks costs seconds on two cores, so one 4-rank and one 2-rank run (module-scoped
 fixtures) serve all cases; each case is its own test id. A case that raises in the children
@@ -50,6 +53,7 @@ ROUTERS = {
     "grouped3": dict(router="topk", top_k=3, score_function="sigmoid", router_groups=4, group_topk=2,
                      aux_loss_coeff=0.1),
     "grouped2": dict(router="topk", top_k=2, router_groups=2, group_topk=1, aux_loss_coeff=0.1, z_loss_coeff=1e-3),
+    "grouped2-of-4": dict(router="topk", top_k=2, router_groups=4, group_topk=1, aux_loss_coeff=0.1),
 }
 SWEPT = ("gshard", "switch", "topk3")
 
@@ -144,6 +148,14 @@ CASES4 = _cases(LAYOUTS4, full_sweep=("ep4", "tp2sp-ep2-etp2-dp2", "tp2-ep2-dp2"
     "padded-bf16-ep4": ("ep4", dict(router="topk3", dtype="bfloat16", exchange="padded")),
     "nan-padded": ("ep2-dp4", dict(nan_rank=2, exchange="padded")),        # the flags over TP x DP
     "nan-padded-header": ("ep4", dict(nan_rank=1, exchange="padded")),   # the flags ride in the headers
+    # "token-" cases: the token exchange (``layers/token.py``), twins of counts cases (TOKEN_TWINS)
+    "token-topk3-drop": ("ep4", dict(router="topk3", exchange="token")),
+    "token-topk3-dropless": ("ep4", dict(router="topk3", drop=False, exchange="token", **SWIGLU_SHARED)),
+    "grouped2-of-4-drop": ("ep4", dict(router="grouped2-of-4")),       # groups = the EP ranks: one rank a token
+    "token-grouped2-of-4-drop": ("ep4", dict(router="grouped2-of-4", exchange="token")),
+    "token-grouped3-drop": ("ep4", dict(router="grouped3", placement=SHUFFLED, exchange="token")),
+    "token-bf16-ep4": ("ep4", dict(router="topk3", dtype="bfloat16", exchange="token")),
+    "nan-token": ("ep2-dp4", dict(nan_rank=2, exchange="token")),
 })
 CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
     "all-to-expert-0": ("tp2-ep2", dict(router="gshard", edit="hot0")),
@@ -176,6 +188,11 @@ CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
                                                exchange="padded")),
     "counts-bf16-two-digits": ("dp2-ep2", dict(router="topk3", S=4, dtype="bfloat16", min_capacity=300,
                                                exchange="counts")),
+    "token-gshard-drop": ("dp2-ep2", dict(router="gshard", exchange="token")),
+    "token-topk3-dropless": ("dp2-ep2", dict(router="topk3", drop=False, exchange="token", **SWIGLU_SHARED)),
+    "token-grouped2-dropless": ("tp2-ep2", dict(router="grouped2", drop=False, placement=SHUFFLED,
+                                                exchange="token")),
+    "token-grouped3-drop": ("dp2-ep2", dict(router="grouped3", exchange="token")),
 })
 # (padded case, its counts twin): outputs, losses and gradients bit-identical
 EXCHANGE_TWINS = {
@@ -185,6 +202,16 @@ EXCHANGE_TWINS = {
         ("dp2-ep2/padded-no-drop", "dp2-ep2/counts-no-drop"),
         ("dp2-ep2/padded-bf16-two-digits", "dp2-ep2/counts-bf16-two-digits")],
 }
+# (token case, its counts twin): the same outputs, gradients equal to rounding (``TWIN_TOL``)
+TOKEN_TWINS = {
+    4: [("ep4/token-topk3-drop", "ep4/topk3-drop"), ("ep4/token-topk3-dropless", "ep4/topk3-dropless"),
+        ("ep4/token-grouped2-of-4-drop", "ep4/grouped2-of-4-drop"), ("ep4/token-grouped3-drop", "ep4/grouped3-drop"),
+        ("ep4/token-bf16-ep4", "ep4/bf16-ep4")],
+    2: [("dp2-ep2/token-gshard-drop", "dp2-ep2/gshard-drop"), ("dp2-ep2/token-topk3-dropless", "dp2-ep2/topk3-dropless"),
+        ("tp2-ep2/token-grouped2-dropless", "tp2-ep2/grouped2-dropless"),
+        ("dp2-ep2/token-grouped3-drop", "dp2-ep2/grouped3-drop")],
+}
+TWIN_TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
 
 
 # -- shared by parent and children -------------------------------------------------------------
@@ -256,6 +283,10 @@ def _run_case(rank: int, groups, case: dict) -> dict:
     if case["earlier"]:       # an earlier micro-batch of the same optimizer step (gradient accumulation)
         earlier, _ = layer(-x, noise=noise)
         (earlier.float() * grad).sum().backward()
+    sent = []            # the token exchange's state: the rows it really sends
+    if layer.exchange == "token":
+        prepare = layer.dispatcher.prepare
+        layer.dispatcher.prepare = lambda *args: sent.append(prepare(*args)) or sent[-1]
     x.requires_grad_(True)
     out, _ = layer(x, noise=noise)
     (out.float() * grad).sum().backward()
@@ -273,10 +304,17 @@ def _run_case(rank: int, groups, case: dict) -> dict:
               "balance": stats.balance_loss, "z": stats.z_loss, "global": layer.global_stats(),
               "noise": layer.router.draw_noise(4, H).uniform_T, "local_experts": layer.local_experts(),
               "placement": layer.state_dict()["experts.placement"], "exchange": layer.exchange}
-    if layout.sizes.ep > 1 and layer.exchange == "counts":   # every EP peer's kept routes per expert, agreed
+    if layout.sizes.ep > 1 and layer.exchange != "padded":   # every EP peer's kept routes per expert, agreed
         result["traffic"] = stats.traffic_PE                # over the EP group (the padded exchange has none)
     elif layout.sizes.ep > 1:
         assert stats.traffic_PE is None
+    if sent:
+        from moe_plugin_tools.bench.traffic import token_rank_rows_sent
+
+        state, P, me = sent[-1], layout.sizes.ep, c["ep"]
+        result["rows_sent"] = sum(state.row_send) - state.row_send[me]     # to the other EP ranks
+        result["token_rank_rows"] = token_rank_rows_sent(state.plan.token_R, state.plan.slot_R(), E // P, P, me)
+        result["row_width"] = state.send_UX.shape[1]
     if case["bias_update"]:
         layer.update_expert_bias()
         result["bias"] = layer.router.expert_bias.clone()
@@ -478,6 +516,29 @@ def test_padded_exchange_is_bit_identical_to_counts(size, padded, counts, reques
         assert a["grads"].keys() == b["grads"].keys()
         for name in a["grads"]:
             assert torch.equal(a["grads"][name], b["grads"][name]), f"rank {rank}: {name} gradient differs"
+
+
+@pytest.mark.parametrize("size, token, counts", [(n, *twin) for n, twins in TOKEN_TWINS.items() for twin in twins])
+def test_token_exchange_matches_counts(size, token, counts, request):
+    """Each token sent once per destination rank: the same outputs, losses and gradients as one
+    row per route (to rounding: the experts sum their rows in token order), and the rows on the
+    wire are the distinct (token, rank) pairs the bench's ``token_rank_a2a_step_bytes`` counts."""
+    results = request.getfixturevalue(f"results{size}")
+    for rank, r in enumerate(results):
+        a, b = r[token], r[counts]
+        assert not isinstance(a, str) and not isinstance(b, str), a if isinstance(a, str) else b
+        assert (a["exchange"], b["exchange"]) == ("token", "counts"), rank
+        tol = TWIN_TOL[a["out"].dtype]
+        assert torch.equal(a["out"], b["out"]), f"rank {rank}: out differs"
+        assert torch.equal(a["traffic"], b["traffic"]), rank
+        for key in ("x_grad", "balance", "z"):
+            torch.testing.assert_close(a[key], b[key], **tol, msg=lambda m: f"rank {rank}: {key}: {m}")
+        assert a["grads"].keys() == b["grads"].keys()
+        for name in a["grads"]:
+            torch.testing.assert_close(a["grads"][name], b["grads"][name], **tol,
+                                       msg=lambda m: f"rank {rank}: {name} gradient: {m}")
+        assert a["rows_sent"] == a["token_rank_rows"], rank
+        assert a["row_width"] == H + 1, rank        # 2 or 4 local experts: one mask column
 
 
 def _failing_child(rank: int, world_size: int) -> None:

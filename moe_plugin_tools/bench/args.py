@@ -73,6 +73,8 @@ def add_bench_parser(commands: argparse._SubParsersAction, run_layer, run_step=N
                        "moe.overlap_chunks, the exchange in chunks overlapped with the experts (default 1)")
     layer.add_argument("--group-topk", type=positive_int, default=None, help="our layer's moe.group_topk: each "
                        "token's experts come from its best M expert groups (default: no limit; needs --vs none)")
+    layer.add_argument("--exchange", choices=["counts", "padded", "token"], default="counts", help="with --ep > 1: "
+                       "our layer's moe.exchange (token: each token sent once per destination rank; default counts)")
     layer.add_argument("--router-groups", type=positive_int, default=None, help="our layer's moe.router_groups "
                        "(default: one group per EP rank)")
     layer.add_argument("--threads", type=positive_int, default=2, help="torch.set_num_threads (default 2)")

@@ -74,6 +74,7 @@ class LayerBenchSpec:
     overlap_chunks: int = 1
     router_groups: Optional[int] = None
     group_topk: Optional[int] = None
+    exchange: str = "counts"
     seed: int = 0
     device: str = "cpu"
     dtype: str = "fp32"
@@ -88,7 +89,8 @@ class LayerBenchSpec:
                  "eval_capacity_factor": self.capacity_factor, "drop_tokens": not self.dropless,
                  "activation": "gelu", "aux_loss_coeff": AUX_LOSS_COEFF, "parallel": {"expert": ep},
                  "recompute_fc1": self.recompute_pre_activation,
-                 "overlap_chunks": self.overlap_chunks if ep > 1 else 1}
+                 "overlap_chunks": self.overlap_chunks if ep > 1 else 1,
+                 "exchange": self.exchange if ep > 1 else "counts"}
         if router == "gshard":
             block["second_expert_policy"] = "all"  # see deepspeed_moe.py
         if router == "topk":
@@ -267,7 +269,7 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
         record[f"ours_over_deepspeed_{key.split('_')[0]}"] = _ratio(memory["ours_" + key],
                                                                     memory.get("deepspeed_" + key))
     if ranks.size > 1:
-        record.update(_traffic(spec, ranks, plans[0], record["deepspeed_capacity"], dtype.itemsize))
+        record.update(_traffic(spec, ranks, plans[0], record["deepspeed_capacity"], dtype))
     record.update(check)
     if spec.breakdown and ranks.size == 1:
         from moe_plugin_tools.bench.breakdown import time_parts
@@ -280,19 +282,31 @@ def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
 
 
 def _traffic(spec: LayerBenchSpec, ranks: Ranks, plan: "RoutingPlan", ds_capacity: Optional[int],
-             itemsize: int) -> dict:
+             dtype: torch.dtype) -> dict:
     """Bytes a rank sends to other ranks (rows to itself not counted), mean over the ranks
-    (``traffic.py``): per all-to-all, and per training step (dispatch and combine, forward and
-    backward: 4 all-to-alls); ``token_rank_a2a_step_bytes``: the same with each token sent once
-    per destination rank (not what the layer does)."""
+    (``traffic.py``): per all-to-all of the dispatch (``ours_a2a_bytes``), and per training step
+    (dispatch and combine, forward and backward: 4 all-to-alls; ``ours_dispatch_step_bytes``: the
+    dispatch's two). With ``exchange`` token the dispatch sends the distinct (token, rank) pairs,
+    each with its slot-mask columns (``layers/token.py``), the combine one row per route.
+    ``token_rank_a2a_step_bytes``: each token sent once per destination rank both ways, rows of H
+    (``token_rank_dispatch_step_bytes``: the dispatch's two)."""
+    from moe_plugin.layers.token import mask_bits
     from moe_plugin_tools.bench.traffic import deepspeed_bytes_sent, ours_rows_sent, token_rank_rows_sent
 
+    itemsize, L = dtype.itemsize, spec.experts // ranks.size
     plan = plan.kept(int(plan.kept_D.sum()))
     rows = [ours_rows_sent(plan.kept_E, ranks.size, ranks.rank),
-            token_rank_rows_sent(plan.token_R, plan.slot_R(), spec.experts // ranks.size, ranks.size, ranks.rank)]
-    per_a2a, token_rank = (v / ranks.size * spec.hidden * itemsize for v in ranks.reduce(rows, "sum"))
-    out = {"ours_a2a_bytes": round(per_a2a), "ours_a2a_step_bytes": round(4 * per_a2a),
-           "token_rank_a2a_step_bytes": round(4 * token_rank)}
+            token_rank_rows_sent(plan.token_R, plan.slot_R(), L, ranks.size, ranks.rank)]
+    per_route, token_rank = (v / ranks.size for v in ranks.reduce(rows, "sum"))
+    combine = per_route * spec.hidden * itemsize
+    dispatch = combine
+    if spec.exchange == "token":
+        columns = spec.hidden + -(-L // mask_bits(dtype))         # H + the mask columns
+        dispatch = token_rank * columns * itemsize
+    out = {"ours_a2a_bytes": round(dispatch), "ours_a2a_step_bytes": round(2 * dispatch + 2 * combine),
+           "ours_dispatch_step_bytes": round(2 * dispatch),
+           "token_rank_a2a_step_bytes": round(4 * token_rank * spec.hidden * itemsize),
+           "token_rank_dispatch_step_bytes": round(2 * token_rank * spec.hidden * itemsize)}
     if ds_capacity is not None:
         # DeepSpeed pads every rank to the same capacity (dropless: the max over the EP group)
         capacity = int(ranks.reduce([ds_capacity], "max")[0])
@@ -351,7 +365,7 @@ def specs_from_args(args: argparse.Namespace) -> list[LayerBenchSpec]:
                             vs_megatron=args.vs == "megatron", breakdown=args.breakdown,
                             recompute_pre_activation=args.recompute_pre_activation,
                             overlap_chunks=args.overlap_chunks, router_groups=args.router_groups,
-                            group_topk=args.group_topk, seed=args.seed,
+                            group_topk=args.group_topk, exchange=args.exchange, seed=args.seed,
                             device=target.device, dtype=target.dtype)
              for e in args.experts for s in args.skew]
     for spec in specs:      # a bad moe block fails here, before any rank starts
@@ -370,7 +384,7 @@ def summary(record: dict) -> str:
     return (f"ep={record['ep']} T={record['tokens']} E={record['experts']} H={record['hidden']} F={record['ffn']} k={record['k']} "
             f"cf={record['capacity_factor']}{' dropless' if record['dropless'] else ''} skew={record['skew']}"
             f"{' chunks=%d' % record['overlap_chunks'] if record.get('overlap_chunks', 1) > 1 else ''}"
-            f"{limit}: "
+            f"{limit}{' exchange=' + record['exchange'] if record.get('exchange', 'counts') != 'counts' else ''}: "
             f"ours {ms('ours')} ms, deepspeed {ms('deepspeed')} ms, "
             + (f"megatron {ms('megatron')} ms, " if record["megatron_ms"] is not None else "")
             + f"floor {ms('floor')} ms | "
