@@ -207,7 +207,8 @@ TOKEN_TWINS = {
     4: [("ep4/token-topk3-drop", "ep4/topk3-drop"), ("ep4/token-topk3-dropless", "ep4/topk3-dropless"),
         ("ep4/token-grouped2-of-4-drop", "ep4/grouped2-of-4-drop"), ("ep4/token-grouped3-drop", "ep4/grouped3-drop"),
         ("ep4/token-bf16-ep4", "ep4/bf16-ep4")],
-    2: [("dp2-ep2/token-gshard-drop", "dp2-ep2/gshard-drop"), ("dp2-ep2/token-topk3-dropless", "dp2-ep2/topk3-dropless"),
+    2: [("dp2-ep2/token-gshard-drop", "dp2-ep2/gshard-drop"),
+        ("dp2-ep2/token-topk3-dropless", "dp2-ep2/topk3-dropless"),
         ("tp2-ep2/token-grouped2-dropless", "tp2-ep2/grouped2-dropless"),
         ("dp2-ep2/token-grouped3-drop", "dp2-ep2/grouped3-drop")],
 }

@@ -30,10 +30,12 @@ from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.reference import ReferenceResult, reference_moe
 from moe_plugin.layers.router import Router, RouterNoise, RoutingPlan, expert_capacity, route
 from moe_plugin.layers.shadow import ShadowExperts, ShadowingDispatcher
+from moe_plugin.layers.token import TokenExchangeDispatcher
 
 __all__ = [
     "AttachAuxLoss", "ChunkedDispatcher", "ExpertParallelDispatcher", "GroupedExperts", "LayerParallelism",
     "MoELayer", "MoEStats", "PaddedDispatcher", "ReferenceResult", "Router", "RouterNoise", "RoutingPlan",
-    "ShadowExperts", "ShadowingDispatcher", "SharedExpert", "StatsSum", "TokenDispatcher", "choose_backend",
+    "ShadowExperts", "ShadowingDispatcher", "SharedExpert", "StatsSum", "TokenDispatcher", "TokenExchangeDispatcher",
+    "choose_backend",
     "expert_capacity", "ffn_shard", "moe_layers", "reduce_stats", "reference_moe", "route", "source_to_expert_order",
 ]

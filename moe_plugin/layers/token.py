@@ -104,7 +104,8 @@ class TokenExchangeDispatcher(ExpertParallelDispatcher):
         key_R = plan.slot_R() * T + plan.token_R
         back_R = torch.empty_like(key_R)
         back_R[torch.argsort(key_R)] = torch.arange(key_R.numel(), device=key_R.device)
-        return TokenExchange(x_TH, plan, row_send=row_send, row_recv=row_recv, send_UX=send_UX, back_R=back_R, **layout)
+        return TokenExchange(x_TH, plan, row_send=row_send, row_recv=row_recv, send_UX=send_UX, back_R=back_R,
+                             **layout)
 
     def to_experts(self, state: TokenExchange) -> tuple[Tensor, Tensor, list[int]]:
         H, L = state.x_TH.shape[1], self.num_local
