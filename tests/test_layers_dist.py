@@ -286,6 +286,8 @@ def _run_case(rank: int, groups, case: dict) -> dict:
         (earlier.float() * grad).sum().backward()
     sent = []            # the token exchange's state: the rows it really sends
     if layer.exchange == "token":
+        with pytest.raises(ValueError, match="shadow experts: not with moe.exchange 'token'"):
+            layer.set_shadow([0])
         prepare = layer.dispatcher.prepare
         layer.dispatcher.prepare = lambda *args: sent.append(prepare(*args)) or sent[-1]
     x.requires_grad_(True)
