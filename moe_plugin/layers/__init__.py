@@ -11,6 +11,7 @@ modules point here). A tensor's name ends in its dimensions: ``x_TH`` is [tokens
     F  expert FFN width                          F1 the first expert GEMM's width (F, or 2F for swiglu)
     P  EP peers: the ranks of an EP group        Q  ETP peers: the ranks of an ETP group
     G  senders of received rows (Q * P, ETP peer major)
+    U  unique rows: distinct (EP peer, token) pairs (``token.py``)
     C  a chunk of tokens or rows, worked on at once
     M  MoE layers of a model                     I  steps (iterations) of a trace
     V  vocabulary                                W  parameters (weights) of a model

@@ -1,19 +1,20 @@
 """The token exchange: each token sent once per destination EP rank (``moe.exchange`` token).
 
-Shape suffixes: see ``moe_plugin.layers``; here U counts unique (destination rank, token) rows
-and C the mask columns appended to them.
+Shape suffixes: see ``moe_plugin.layers``; U the unique (destination rank, token) rows, X in
+``mask_XY`` the (rank, token) pairs plus one spare row, Y the mask columns, X in ``send_UX`` the
+row width H + Y.
 
 With the counts exchange (``ep_dispatcher.py``) a token with two routes to experts on the same
 EP rank crosses the wire twice. Group-limited routing (``router.limit_to_groups``) makes that the
 common case: with one group per EP rank and ``group_topk`` 1 every route of a token goes to the
-same rank. ``TokenDispatcher`` sends such a token once and fans it out on arrival:
+same rank. ``TokenExchangeDispatcher`` sends such a token once and fans it out on arrival:
 
 * Sender (``prepare``): the kept routes are sorted by slot, so by destination rank
   ``p = slot // L``. The unique ``(p, token)`` pairs become one row each, ordered ``(p, token)``,
-  carrying the token's activations and, in C extra columns, the mask of p's L local slots it
+  carrying the token's activations and, in Y extra columns, the mask of p's L local slots it
   goes to: bit ``l % b`` of column ``l // b``, with ``b`` the bits an integer of the activation
-  dtype holds exactly (fp32: 24, bf16: 8, fp16: 11; ``padded.header_digits``), so C =
-  ceil(L / b). The rows per peer ride along with the counts exchange (``layout(...,
+  dtype holds exactly (fp32: 24, bf16: 8, fp16: 11; ``padded.header_digits``), so
+  ceil(L / b) columns. The rows per peer ride along with the counts exchange (``layout(...,
   to_peers_P=...)``) and are read in the layer's one host sync: no collective is added.
 * Receiver (``to_experts``): one uneven all-to-all of the unique rows; from the masks the
   experts' gather index (local expert major, then sender, then the sender's row order) into the
@@ -35,6 +36,11 @@ and the weight gradients equal to rounding (tests/test_layers_dist.py, the ``tok
 Collectives: those of the counts layout (tests/test_cost_collectives.py). Needs
 ``parallel.expert`` > 1 and refuses expert tensor parallelism, shadow experts, ``overlap_chunks``
 > 1 and placement policies other than static (``MoEConfig.token_exchange_unfit``).
+
+Bytes (docs/benchmarks.md, 'Group-limited routing: bytes on the wire'; ``moe-plugin bench layer
+--exchange token``): 4 ranks, 16 experts, fp32, a step sends 0.75 of the counts exchange's bytes
+at top-2 with ``group_topk`` 1 and 0.63 at top-4; the dispatch alone sends the distinct (token,
+rank) rows, H + 1 values each.
 """
 from __future__ import annotations
 
@@ -79,7 +85,7 @@ class TokenExchangeDispatcher(ExpertParallelDispatcher):
     def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> TokenExchange:
         P, L, T = self.parallel.ep_size, self.num_local, plan.num_tokens
         bits = mask_bits(x_TH.dtype)
-        C = -(-L // bits)
+        Y = -(-L // bits)
         kept_D = plan.kept_D
         D, R = kept_D.numel(), plan.route_R.numel()
         end_D = torch.cumsum(kept_D, 0)
@@ -87,20 +93,20 @@ class TokenExchangeDispatcher(ExpertParallelDispatcher):
         slot_R = torch.searchsorted(end_D, r_R, right=True).clamp(max=D - 1)   # past the kept ones: dropped
         key_R = torch.where(r_R < end_D[-1], (slot_R // L) * T + plan.token_R, P * T)   # dropped: a spare row
         local_R = slot_R % L
-        mask_XC = kept_D.new_zeros(P * T + 1, C).index_put_((key_R, local_R // bits), 2 ** (local_R % bits),
+        mask_XY = kept_D.new_zeros(P * T + 1, Y).index_put_((key_R, local_R // bits), 2 ** (local_R % bits),
                                                              accumulate=True)   # distinct slots: sum = or
-        used_X = mask_XC[:P * T].sum(1) > 0
+        used_X = mask_XY[:P * T].sum(1) > 0
         rows_P = used_X.view(P, T).sum(1)
         layout, extra = self.layout(kept_D, finite, to_peers_P=rows_P, extra_X=rows_P)   # one host sync
         return self._exchange(x_TH, plan.kept(sum(layout["send_splits"])), layout, extra[:P], extra[P:], used_X,
-                              mask_XC)
+                              mask_XY)
 
     def _exchange(self, x_TH: Tensor, plan: RoutingPlan, layout: dict, row_recv: list[int], row_send: list[int],
-                  used_X: Tensor, mask_XC: Tensor) -> TokenExchange:
+                  used_X: Tensor, mask_XY: Tensor) -> TokenExchange:
         """The unique rows with their masks, and the way back's permutation ``back_R``."""
         T, U = plan.num_tokens, sum(row_send)
         row_U = torch.nonzero_static(used_X, size=U).view(-1)             # (p, token) order
-        send_UX = torch.cat([x_TH.index_select(0, row_U % T), mask_XC.index_select(0, row_U).to(x_TH.dtype)], 1)
+        send_UX = torch.cat([x_TH.index_select(0, row_U % T), mask_XY.index_select(0, row_U).to(x_TH.dtype)], 1)
         key_R = plan.slot_R() * T + plan.token_R
         back_R = torch.empty_like(key_R)
         back_R[torch.argsort(key_R)] = torch.arange(key_R.numel(), device=key_R.device)
@@ -112,8 +118,8 @@ class TokenExchangeDispatcher(ExpertParallelDispatcher):
         recv_UX = comm.all_to_all(state.send_UX, state.row_recv, state.row_send, self.parallel.ep)
         bits = mask_bits(recv_UX.dtype)
         l_L = torch.arange(L, device=recv_UX.device)
-        mask_UC = recv_UX[:, H:].detach().long()
-        goes_LU = ((mask_UC[:, l_L // bits] >> (l_L % bits)) & 1).t().reshape(-1)
+        mask_UY = recv_UX[:, H:].detach().long()
+        goes_LU = ((mask_UY[:, l_L // bits] >> (l_L % bits)) & 1).t().reshape(-1)
         gather_R = torch.nonzero_static(goes_LU, size=sum(state.counts_L)).view(-1) % recv_UX.shape[0]
         return recv_UX[:, :H], gather_R, state.counts_L
 
