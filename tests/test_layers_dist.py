@@ -544,6 +544,31 @@ def test_token_exchange_matches_counts(size, token, counts, request):
         assert a["row_width"] == H + 1, rank        # 2 or 4 local experts: one mask column
 
 
+@pytest.mark.parametrize("dtype, columns", [(torch.float32, 1), (torch.bfloat16, 2), (torch.float16, 2)])
+def test_token_exchange_masks_over_columns(dtype, columns):
+    """One process, 16 slots: the masks need 2 columns in bf16 (8 bits each) and fp16 (11); the
+    fan-out and the way back give the local dispatcher's outputs and gradients."""
+    from moe_plugin.layers import LayerParallelism, TokenExchangeDispatcher
+
+    config = MoEConfig.from_dict({"num_experts": 16, "router": "topk", "top_k": 6, "capacity_factor": 1.0,
+                                  "min_capacity": 1, "aux_loss_coeff": 0.1})
+    runs, states = [], []
+    for token in (False, True):
+        layer = MoELayer(config, H, F, seed=3, init_std=0.3).train()
+        if token:
+            layer.dispatcher = TokenExchangeDispatcher(16, LayerParallelism())
+            prepare = layer.dispatcher.prepare
+            layer.dispatcher.prepare = lambda *args: states.append(prepare(*args)) or states[-1]
+        x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_(True)
+        out, _ = layer(x)
+        (out.float() * torch.arange(H)).sum().backward()
+        runs.append([out, x.grad] + [p.grad for p in layer.parameters()])
+    assert states[0].send_UX.shape[1] == H + columns and states[0].plan.route_R.numel() > states[0].row_send[0]
+    assert layer.last_stats.dropped_fraction > 0
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, **TWIN_TOL[torch.float32 if dtype == torch.float32 else torch.bfloat16])
+
+
 def _failing_child(rank: int, world_size: int) -> None:
     from moe_plugin.groups.builder import build_process_groups
 
