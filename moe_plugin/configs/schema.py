@@ -262,10 +262,10 @@ class MoEConfig(_Block):
             raise FieldProblem("overlap_chunks", self.overlap_chunks, f"must be 1 with parallel.expert_tensor > 1 "
                                f"(got {self.parallel.etp}) and at most the local experts ({local}: num_experts "
                                f"{self.num_experts} / parallel.expert {self.parallel.expert})")
-        if self.exchange == "padded" and self.padded_exchange_unfit():
-            raise FieldProblem("exchange", "padded", f"{self.padded_exchange_unfit()}; use 'counts' or 'auto'")
-        if self.exchange == "token" and self.token_exchange_unfit():
-            raise FieldProblem("exchange", "token", f"{self.token_exchange_unfit()}; use 'counts'")
+        why = self.exchange_unfit(self.exchange) if self.exchange in ("padded", "token") else None
+        if why:
+            raise FieldProblem("exchange", self.exchange, why + ("; use 'counts' or 'auto'" if self.exchange == "padded"
+                                                                 else "; use 'counts'"))
         if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
             raise FieldProblem("shared_expert_gate", True, "there is no shared expert to gate; set "
                                "shared_expert_ffn_hidden_size > 0 or shared_expert_gate false")
@@ -290,34 +290,24 @@ class MoEConfig(_Block):
                                f"top_k ({self.k}); with {groups} of num_experts {self.num_experts} it must be at least "
                                f"{-(-self.k // (self.num_experts // G))}")
 
-    def token_exchange_unfit(self) -> Optional[str]:
-        """Why this config cannot use the token exchange (``layers/token.py``); None when it can."""
+    def exchange_unfit(self, mode: str) -> Optional[str]:
+        """Why this config cannot use the ``padded`` (``layers/padded.py``) or ``token``
+        (``layers/token.py``) exchange; None when it can. Both need one exchange per layer of
+        unreplicated experts under EP without ETP; padded also a capacity and no consumer of the
+        sender x expert traffic that only the counts round gives."""
         p, pl = self.parallel, self.placement
-        for bad, why in ((p.expert == 1, "needs parallel.expert > 1"),
-                         (p.etp > 1, f"needs parallel.expert_tensor 1 (got {p.etp})"),
-                         (self.overlap_chunks > 1, f"needs overlap_chunks 1 (got {self.overlap_chunks})"),
-                         (pl.replica_budget > 0, f"needs placement.replica_budget 0 (got {pl.replica_budget}): "
-                                                 "no shadow experts"),
-                         (pl.policy != "static", f"needs placement.policy 'static' (got {pl.policy!r})")):
-            if bad:
-                return why
-        return None
-
-    def padded_exchange_unfit(self) -> Optional[str]:
-        """Why this config cannot use the padded exchange (``layers/padded.py``); None when it can."""
-        p, pl = self.parallel, self.placement
-        for bad, why in ((not self.drop_tokens, "needs drop_tokens true (a capacity bounds the rows)"),
-                         (p.expert == 1, "needs parallel.expert > 1"),
-                         (p.etp > 1, f"needs parallel.expert_tensor 1 (got {p.etp})"),
-                         (self.overlap_chunks > 1, f"needs overlap_chunks 1 (got {self.overlap_chunks})"),
-                         (pl.replica_budget > 0, f"needs placement.replica_budget 0 (got {pl.replica_budget})"),
-                         (pl.policy != "static", f"needs placement.policy 'static' (got {pl.policy!r}): the "
-                                                 "policies read the sender x expert traffic the counts round gives"),
-                         (pl.trace_file is not None, "needs no placement.trace_file (the traces hold the sender x "
-                                                     "expert traffic the counts round gives)")):
-            if bad:
-                return why
-        return None
+        padded = mode == "padded"
+        traffic = ": the policies read the sender x expert traffic the counts round gives" if padded else ""
+        checks = ((padded and not self.drop_tokens, "needs drop_tokens true (a capacity bounds the rows)"),
+                  (p.expert == 1, "needs parallel.expert > 1"),
+                  (p.etp > 1, f"needs parallel.expert_tensor 1 (got {p.etp})"),
+                  (self.overlap_chunks > 1, f"needs overlap_chunks 1 (got {self.overlap_chunks})"),
+                  (pl.replica_budget > 0, f"needs placement.replica_budget 0 (got {pl.replica_budget}): "
+                                          "no shadow experts"),
+                  (pl.policy != "static", f"needs placement.policy 'static' (got {pl.policy!r}){traffic}"),
+                  (padded and pl.trace_file is not None, "needs no placement.trace_file (the traces hold the "
+                                                         "sender x expert traffic the counts round gives)"))
+        return next((why for bad, why in checks if bad), None)
 
     @property
     def expert_groups(self) -> int:

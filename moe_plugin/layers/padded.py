@@ -62,7 +62,7 @@ def resolve_exchange(config: MoEConfig, parallel: LayerParallelism) -> str:
     """``counts``, ``padded`` or ``token`` (named only) for a layer of ``config`` on ``parallel`` (module docstring)."""
     if config.exchange != "auto" or parallel.ep is None:
         return config.exchange if parallel.ep is not None else "counts"
-    why_not = config.padded_exchange_unfit()
+    why_not = config.exchange_unfit("padded")
     backend = dist.get_backend(parallel.ep)
     if why_not is None and backend != "gloo":
         why_not = f"the EP group's backend is {backend}, not gloo (a small all-to-all is cheap there, padding costs)"

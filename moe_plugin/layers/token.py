@@ -35,7 +35,7 @@ token) order within an expert instead of (sender, priority) order, so the output
 and the weight gradients equal to rounding (tests/test_layers_dist.py, the ``token-`` twins).
 Collectives: those of the counts layout (tests/test_cost_collectives.py). Needs
 ``parallel.expert`` > 1 and refuses expert tensor parallelism, shadow experts, ``overlap_chunks``
-> 1 and placement policies other than static (``MoEConfig.token_exchange_unfit``).
+> 1 and placement policies other than static (``MoEConfig.exchange_unfit``).
 
 Bytes (docs/benchmarks.md, 'Group-limited routing: bytes on the wire'; ``moe-plugin bench layer
 --exchange token``): 4 ranks, 16 experts, fp32, a step sends 0.75 of the counts exchange's bytes
