@@ -378,7 +378,8 @@ def moe_report(metrics) -> dict:
     return {"imbalance": sum(m.imbalance for m in layers) / len(layers),
             "dropped_fraction": 1.0 - kept / routed if routed else 0.0, "moe": metrics.log_line(),
             "moe_layers": [{"layer": m.layer, "imbalance": m.imbalance, "dropped_fraction": m.dropped_fraction,
-                            "balance_loss": m.aux_loss, "tokens_per_expert": m.tokens_per_expert} for m in layers]}
+                            "balance_loss": m.aux_loss, "tokens_per_expert": m.tokens_per_expert,
+                            "expert_bias": m.expert_bias} for m in layers]}
 
 
 def peak_memory_mb(device: str) -> float:

@@ -90,7 +90,7 @@ from moe_plugin.checkpoint.metadata import (
 )
 from moe_plugin.checkpoint.optimizer import load_basic_optimizer
 from moe_plugin.checkpoint.reshard import join_dense_tp, shard_state_dict
-from moe_plugin.checkpoint.rng import rng_state, set_rng_state
+from moe_plugin.checkpoint.rng import clear_pending_load, rng_state, set_rng_state
 from moe_plugin.compat.deepspeed_checkpoint import is_recovery_script, one_file_per_mp_rank, optimizer_file_name
 
 
@@ -103,7 +103,11 @@ def _write(obj: Any, path: str) -> None:
 def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = None,
                     client_state: Optional[dict] = None, save_latest: bool = True) -> str:
     """Save ``run`` (what ``moe_plugin.initialize`` returned: ``engine``, ``groups``, ``moe_config``)
-    into ``save_dir/tag``; collective, every rank calls it. Returns the tag's directory."""
+    into ``save_dir/tag``; collective, every rank calls it. Returns the tag's directory. The step
+    boundary is applied first (``run.end_step()``): the routers' ``expert_bias`` is saved with the
+    last step's aux-loss-free update, and no load is left pending."""
+    if hasattr(run, "end_step"):
+        run.end_step()
     engine = run.engine
     save_dir = os.fspath(save_dir)
     tag = _check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
@@ -217,6 +221,10 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
         load_basic_optimizer(run, path, saved, expert_moments)
     if rng is not None:
         set_rng_state(engine.module, rng)
+    else:
+        clear_pending_load(engine.module)   # what this run's forwards counted before the load
+    if getattr(run, "step_boundary", None) is not None:
+        run.step_boundary.restart()   # the next forward starts the loaded run's step
     dist.barrier()
     return load_path, client_state
 

@@ -47,3 +47,10 @@ def set_rng_state(model: nn.Module, state: dict) -> None:
             for device, gen_state in saved["generators"].items():
                 module.generator(torch.device(device)).set_state(gen_state)
             module.load_E.copy_(saved["load_E"])
+
+
+def clear_pending_load(model: nn.Module) -> None:
+    """Zero every router's not-yet-applied load counts (a load that restores no RNG states)."""
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.load_E.zero_()

@@ -7,6 +7,7 @@
     result = moe_plugin.initialize(ds_config, model_provider)   # the same, plus
     result.groups, result.moe_config, result.mpu                 # what the model was built with
     result.guard.check(step)                                     # after each optimizer step (guard.py)
+    result.end_step()                 # only where the loop steps other than engine.step() / train_batch
 
 Steps, in order (every rank runs them):
 
@@ -39,6 +40,12 @@ Steps, in order (every rank runs them):
 6. ``result.guard`` (``guard.TrainingGuard``, what it checks is in ``guard.py``): the loop calls
    ``result.guard.check(step)`` after each optimizer step. Its gradient hooks
    (``guard.GradientWatch``) go on before DeepSpeed's own, in step 4.
+   ``result.step_boundary`` (``step_boundary.StepBoundary``): once per optimizer step, at the
+   first forward after it, the aux-loss-free bias update (``moe.bias_update_rate``) and, with
+   ``aux_loss_scope`` global, the balance counts started afresh. A loop that calls
+   ``engine.step()`` or ``train_batch`` needs nothing more; ``result.end_step()`` applies it at
+   once (``save_checkpoint`` does; a loop whose optimizer steps outside ``engine.step()`` calls it
+   after each step).
 7. On the CPU accelerator DeepSpeed's shared-memory all-reduce buffers (``/dev/shm``) are
    unlinked once every rank has mapped them (``compat/shm_buffers.py``); ``close()`` tries again.
 8. ``result.summary`` (``summary.RunSummary``), printed on rank 0 (``print_summary=False`` not
@@ -60,8 +67,9 @@ Pipeline parallelism (``moe.parallel.pipeline`` > 1): ``model_provider`` returns
   clips with ``GlobalNormClipping`` (one all-reduce over all ranks, every stage's gradients once).
 * The aux loss needs nothing: its gradient enters at each MoE layer's output in backward, on
   whichever stage the layer sits; ``follow_loss_scale`` gives it 1/gas (and fp16's loss scale)
-  as the main loss gets. With ``aux_loss_scope`` global, ``reset_balance_each_step`` starts each
-  optimizer step's load counts afresh (engine and ``PipelineEngine`` alike).
+  as the main loss gets. The step boundary (``step_boundary.py``: aux-loss-free bias update, the
+  global balance counts started afresh) works for the engine and the ``PipelineEngine`` alike, each
+  stage for its own layers.
 * Sequence parallelism needs ``"pipeline": {"pipe_partitioned": false, "grad_partitioned": false}``;
   its norm gradients are summed over TP in backward (step 4), on every stage.
 
@@ -114,12 +122,12 @@ from moe_plugin.integration.expert_params import (
     moe_param_groups,
     prepare_model,
     follow_loss_scale,
-    reset_balance_each_step,
 )
 from moe_plugin.integration.grad_norm import GlobalNormClipping
 from moe_plugin.integration.guard import GradientWatch, TrainingGuard
 from moe_plugin.integration.pipe_topology import check_topology
 from moe_plugin.integration.sp_grads import sequence_parallel_grad_hooks
+from moe_plugin.integration.step_boundary import StepBoundary
 from moe_plugin.integration.summary import RunSummary, run_summary
 
 logger = logging.getLogger(__name__)
@@ -144,6 +152,7 @@ class Initialized:
     mpu: GroupsMPU
     guard: Optional[TrainingGuard] = None
     summary: Optional[RunSummary] = None
+    step_boundary: Optional[StepBoundary] = None
     _hooks: list = field(default_factory=list, repr=False)
     _closed: bool = field(default=False, repr=False)
 
@@ -157,6 +166,16 @@ class Initialized:
     def data_parallel_size(self) -> int:
         """The number of data-parallel replicas (``groups.size("dp")``, DeepSpeed's ``engine.dp_world_size``)."""
         return self.groups.size("dp")
+
+    def end_step(self) -> None:
+        """The optimizer step is over: apply the step boundary now (the aux-loss-free bias update
+        from the step's load, the global balance counts reset) rather than at the next forward,
+        where ``step_boundary`` does it by itself after ``engine.step()`` / ``train_batch``.
+        Collective over the ranks of each MoE layer's token group, when ``bias_update_rate`` > 0.
+        ``save_checkpoint`` calls it; call it after each step where the optimizer steps other than
+        through ``engine.step()``, or to read the bias right after a step."""
+        if self.step_boundary is not None:
+            self.step_boundary.apply()
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.engine, self.optimizer, self.training_dataloader, self.lr_scheduler))
@@ -289,9 +308,8 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         result = Initialized(engine, optimizer, loader, scheduler, moe_config, groups, mpu, guard, summary)
         result._hooks.append(watch)
         result._hooks.append(follow_loss_scale(engine, model))   # aux-loss gradient: 1/gas, fp16 loss scale
-        step_counts = reset_balance_each_step(engine, model)     # aux_loss_scope global: counts per step
-        if step_counts is not None:
-            result._hooks.append(step_counts)
+        result.step_boundary = StepBoundary(engine, model)   # once per optimizer step: bias update, balance counts
+        result._hooks.append(result.step_boundary)
         if plugin_clips:
             result._hooks.append(GlobalNormClipping(groups, max_norm).install(engine.optimizer))
         return result

@@ -109,26 +109,6 @@ def follow_loss_scale(engine: Any, model: nn.Module):
     return model.register_forward_pre_hook(before_forward)
 
 
-def reset_balance_each_step(engine: Any, model: nn.Module):
-    """With ``aux_loss_scope`` global, start every optimizer step's load counts afresh: a forward
-    pre-hook on ``model`` calls ``reset_balance_counts`` of its MoE layers at the first forward
-    after ``engine.global_steps`` changed (the engine and the ``PipelineEngine`` count it up in
-    every ``step``, skipped fp16 steps included), so the micro-batches of one step count together
-    (``layers/balance.py``). Returns the hook's handle, or None when no layer uses that scope."""
-    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.config.aux_loss_scope == "global"]
-    if not layers:
-        return None
-    seen = [None]
-
-    def before_forward(module: nn.Module, args: Any) -> None:
-        if engine.global_steps != seen[0]:
-            seen[0] = engine.global_steps
-            for layer in layers:
-                layer.reset_balance_counts()
-
-    return model.register_forward_pre_hook(before_forward)
-
-
 def moe_param_groups(params: ParamsLike) -> list[dict]:
     """Optimizer param groups with the expert parameters split off, as ZeRO expects them.
 

@@ -16,6 +16,8 @@ micro-batches of a step, summed over the ranks that route distinct tokens):
 * ``dropped_fraction``: routes dropped by capacity / routes chosen (after random routing);
 * ``aux_loss`` / ``z_loss``: the balance and z losses *before* their coefficients, mean over the
   forwards and the token groups (GShard's balance loss is 1.0 when perfectly balanced).
+* ``expert_bias``: the router's ``expert_bias`` the last of those forwards chose experts with (it
+  moves once per optimizer step with ``bias_update_rate`` > 0: ``integration/step_boundary.py``).
 
 Accumulation uses a forward hook on each ``MoELayer`` that adds its ``last_stats`` (detached
 [E] count tensors and two scalars: no host sync, no collective) for training forwards: training
@@ -30,7 +32,7 @@ else by their order in the model.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -56,6 +58,7 @@ class LayerMetrics:
     aux_loss: float
     z_loss: float
     forwards: int
+    expert_bias: list[float] = field(default_factory=list)
 
     @property
     def imbalance(self) -> float:
@@ -85,6 +88,7 @@ class ExpertMetrics:
         self.per_expert = per_expert
         self._z_on = any(layer.config.z_loss_coeff > 0 for _, layer in self.layers)
         self._sums = {index: StatsSum() for index, _ in self.layers}
+        self._bias: dict[int, torch.Tensor] = {}
         self._hooks = [layer.register_forward_hook(self._hook(index)) for index, layer in self.layers]
         self.metrics: list[LayerMetrics] = []
 
@@ -92,6 +96,7 @@ class ExpertMetrics:
         def add(module: MoELayer, _inputs: Any, _output: Any) -> None:
             if module.training and torch.is_grad_enabled() and module.last_stats is not None:
                 self._sums[index].add(module.last_stats)
+                self._bias[index] = module.router.expert_bias.detach().clone()
         return add
 
     def close(self) -> None:
@@ -119,7 +124,7 @@ class ExpertMetrics:
             local.append(LayerMetrics(layer=index, tokens_per_expert=routed, kept_per_expert=kept,
                                       dropped_fraction=1.0 - sum(kept) / sum(routed) if sum(routed) else 0.0,
                                       aux_loss=float(stats.balance_loss), z_loss=float(stats.z_loss),
-                                      forwards=acc.forwards))
+                                      forwards=acc.forwards, expert_bias=self._bias[index].tolist()))
             acc.reset()
         self.metrics = sorted(self._gather_stages(local), key=lambda m: m.layer)
         return self.metrics
