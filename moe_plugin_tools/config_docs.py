@@ -95,6 +95,17 @@ and the `moe-plugin` command do.
   whose first choice is expert `e` and `p_e` the mean gate probability of expert `e`. It is
   exactly 1 for uniform routing; `aux_loss_coeff * balance` is added to the loss.
 - **Router z-loss** (ST-MoE): `z = mean_t (logsumexp_e logits_te)^2`; `z_loss_coeff * z` is added.
+- **Aux-loss-free balancing** (DeepSeek-V3; `bias_update_rate` = `u` > 0): each router holds a
+  buffer `expert_bias` [E] added to the logits (sigmoid: the scores) for choosing experts only;
+  the gates stay unbiased. Once per optimizer step `b_e += u * sign(mean(load) - load_e)`, with
+  `load_e` the routes expert `e` was chosen for (before capacity) in every training forward of
+  the step (all micro-batches; evaluation forwards do not count), summed over the ranks that
+  route distinct tokens: the bias is the same on every rank and for every layout.
+  `moe_plugin.initialize` applies it by itself after `engine.step()` / `train_batch` (at the
+  next forward; fp16 steps skipped for overflow included), `save_checkpoint` saves it with the
+  last step's update (`docs/long_runs.md`, *Once per optimizer step*). A loop whose optimizer
+  steps outside `engine.step()` calls `result.end_step()` after each step; a model built
+  without `initialize` calls `MoELayer.update_expert_bias()` of every MoE layer, on every rank.
 - **Sizes** for a world of `W` ranks: data-parallel `dp = W / (tensor * pipeline)`,
   expert-data-parallel `edp = W / (pipeline * expert * expert_tensor)`. `expert` must divide
   `num_experts`; `tensor * pipeline` and `expert * expert_tensor * pipeline` must divide `W`.

@@ -3,7 +3,8 @@
 The model is a tiny Megatron-Core GPT (2 layers, both MoE) built by ``gpt_moe_spec`` and trained
 by ``moe_plugin.initialize``'s engine with Adam/AdamW, so the optimizer state matters; router
 jitter, GShard random routing and hidden dropout draw random numbers every step, and the
-aux-loss-free bias moves every step, so RNG and router state matter too. fp32.
+aux-loss-free bias moves every step (``initialize``'s step boundary: the loops call nothing for it), so RNG
+and router state matter too. fp32.
 
 * exact resume: 20 steps with a save after step 10; a fresh engine loads it and runs steps
   11-20: the losses equal the uninterrupted run's bit for bit (dp x ep, ZeRO-0/1/2, tp x etp);
@@ -113,8 +114,6 @@ def _batch(step: int):
 
 
 def _train(run, steps: range) -> list[float]:
-    from moe_plugin.layers.moe_layer import MoELayer
-
     engine = run.engine
     c = run.groups.layout.coords(torch.distributed.get_rank())
     micro = BATCH // run.groups.layout.sizes.dp
@@ -125,9 +124,6 @@ def _train(run, steps: range) -> list[float]:
         loss = engine(ids, pos, None, labels=labels).float().mean()
         engine.backward(loss)
         engine.step()
-        for m in engine.module.modules():
-            if isinstance(m, MoELayer):
-                m.update_expert_bias()
         losses.append(loss.item())
     return losses
 
@@ -348,14 +344,9 @@ def _micro_batches(run, step: int):
 
 
 def _pipe_train(run, steps: range) -> list[float]:
-    from moe_plugin.layers.moe_layer import MoELayer
-
     losses = []
     for step in steps:
         losses.append(run.engine.train_batch(_micro_batches(run, step)).item())
-        for m in run.engine.module.modules():
-            if isinstance(m, MoELayer):
-                m.update_expert_bias()
     return losses
 
 

@@ -167,7 +167,8 @@ class MoEConfig(_Block):
     z_loss_coeff: float = Field(0.0, ge=0, description="Weight of the router z-loss (Switch/ST-MoE), "
                                 "mean_t logsumexp(logits_t)^2, for either score_function.")
     bias_update_rate: float = Field(0.0, ge=0, description="Aux-loss-free balancing: step of the per-expert "
-                                    "bias added to logits (sigmoid: scores) for expert choice; 0 turns it off.")
+                                    "bias added to logits (sigmoid: scores) for expert choice, once per optimizer "
+                                    "step (docs/config.md, Formulas); 0 turns it off.")
     jitter_eps: float = Field(0.0, ge=0, lt=1, description="Multiplicative jitter U(1-eps, 1+eps) on the "
                               "router input in training; 0 turns it off.")
     layer_interval: int = Field(1, ge=1, description="Layer i (0-based) is MoE when i % layer_interval == 0.")
