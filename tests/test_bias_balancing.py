@@ -32,7 +32,7 @@ MOE = {"num_experts": 4, "router": "topk", "top_k": 2, "drop_tokens": False, "au
 
 
 def _ds_config(path: Path, world_size: int, rate: float, gas: int, **parallel) -> str:
-    """Global batch 8 in micro-batches of 4 / (the data-parallel size) ... : ``gas`` accumulation steps."""
+    """Global batch 8 = micro-batch x ``gas`` accumulation steps x the data-parallel size."""
     dp = world_size // parallel.get("pipeline", 1)
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8 // (dp * gas),
               "gradient_accumulation_steps": gas, "gradient_clipping": 1.0, "steps_per_print": 10 ** 6,

@@ -369,7 +369,9 @@ def moe_report(metrics) -> dict:
     """The MoE part of a progress report from ``ExpertMetrics`` (``integration/monitor.py``), whose
     sums cover every training forward since the previous report. ``imbalance``: max / mean of the
     tokens routed to each expert, averaged over the MoE layers (1.0 is perfectly even);
-    ``dropped_fraction``: routes over capacity over all layers; ``moe``: the compact log line."""
+    ``dropped_fraction``: routes over capacity over all layers; ``moe``: the compact log line;
+    ``moe_layers``: each layer's figures, with the ``expert_bias`` its last forward chose experts with
+    (moved once per optimizer step by ``moe.bias_update_rate``)."""
     layers = metrics.metrics
     if not layers:
         return {}

@@ -18,6 +18,8 @@
 * ``monitor``: ``ExpertMetrics``, expert load per MoE layer over a step (tokens per expert,
   imbalance, dropped fraction, aux and z loss) into DeepSpeed's monitor, and a short log line.
 * ``grad_norm``: the global gradient norm over dense, TP-sharded and expert gradients, each once.
+* ``step_boundary``: ``StepBoundary`` (``initialize``'s ``result.step_boundary``): once per optimizer
+  step, the aux-loss-free bias update (``bias_update_rate``) and the global balance counts reset.
 * ``guard``: ``TrainingGuard`` (``initialize``'s ``result.guard``), checked after every optimizer step:
   non-finite gradients (fp32/bf16) or fp16 steps skipped in a row stop the run on every rank with
   one message; slow-step line. ``GradientWatch``: the hooks that name the parameter.
