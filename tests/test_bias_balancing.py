@@ -11,6 +11,9 @@ into ``expert_bias``, expert 0 hottest). Nothing in the tests calls ``update_exp
   ``PipelineEngine``: the bias of every layer moves, is the same on every rank holding the layer
   (each data-parallel peer routes other tokens), and follows the 1-rank run's trajectory, as do
   the losses; a validation between steps applies the boundary but adds no load.
+* the boundary's rules on one layer with a stand-in step counter: once per step from all
+  micro-batches, evaluation adds no load, a skipped fp16 step updates, ``apply`` (``end_step``)
+  is idempotent.
 """
 from __future__ import annotations
 
@@ -43,10 +46,16 @@ def _ds_config(path: Path, world_size: int, rate: float, gas: int, **parallel) -
     return str(path)
 
 
-def _argv(tmp_path: Path, name: str, config: str) -> list[str]:
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory) -> Path:
+    """One corpus for the module's runs (building it takes a while)."""
+    return tmp_path_factory.mktemp("data")
+
+
+def _argv(tmp_path: Path, data: Path, name: str, config: str) -> list[str]:
     return [*MODEL_FLAGS, "--train-iters", str(STEPS), "--log-interval", "4", "--eval-interval", "0",
             "--router-skew", SKEW, "--deepspeed_config", config, "--run-dir", str(tmp_path / "runs" / name),
-            "--data-cache", str(tmp_path / "data")]
+            "--data-cache", str(data)]
 
 
 def _mains(rank: int, world_size: int, argvs: list) -> list:
@@ -61,8 +70,8 @@ def _records(tmp_path: Path, name: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["split"] == "train"]
 
 
-def test_bias_evens_the_load_through_the_example_on_two_ranks(tmp_path):
-    runs = {name: _argv(tmp_path, name, _ds_config(tmp_path / f"{name}.json", 2, rate, 1, expert=2))
+def test_bias_evens_the_load_through_the_example_on_two_ranks(tmp_path, data_cache):
+    runs = {name: _argv(tmp_path, data_cache, name, _ds_config(tmp_path / f"{name}.json", 2, rate, 1, expert=2))
             for name, rate in (("rate", RATE), ("off", 0.0))}
     assert run_distributed(_mains, 2, tmp_path, list(runs.values()), timeout=300) == [[0, 0]] * 2
     rate, off = _records(tmp_path, "rate"), _records(tmp_path, "off")
@@ -125,10 +134,11 @@ def _pipeline_steps(rank: int, world_size: int, argv: list, steps: int) -> dict:
     return out
 
 
-def test_pipeline_bias_is_the_same_on_every_rank_and_layout(tmp_path):
-    one = _argv(tmp_path, "one", _ds_config(tmp_path / "one.json", 1, RATE, 2))
+def test_pipeline_bias_is_the_same_on_every_rank_and_layout(tmp_path, data_cache):
+    one = _argv(tmp_path, data_cache, "one", _ds_config(tmp_path / "one.json", 1, RATE, 2))
     [single] = run_distributed(_pipeline_steps, 1, tmp_path, one, 4, timeout=300)
-    pipe = _argv(tmp_path, "pipe", _ds_config(tmp_path / "pipe.json", 4, RATE, 1, pipeline=2, expert=2))
+    pipe_config = _ds_config(tmp_path / "pipe.json", 4, RATE, 1, pipeline=2, expert=2)
+    pipe = _argv(tmp_path, data_cache, "pipe", pipe_config)
     ranks = run_distributed(_pipeline_steps, 4, tmp_path, pipe, 4, timeout=300)
     assert sorted(single["bias"]) == [0, 1]
     for index, trajectory in single["bias"].items():
@@ -140,3 +150,52 @@ def test_pipeline_bias_is_the_same_on_every_rank_and_layout(tmp_path):
     for r in ranks:
         assert r["losses"] == pytest.approx(single["losses"], rel=1e-5)
         assert r["valid"] == pytest.approx(single["valid"], rel=1e-5)
+
+
+# -- the boundary's rules, one process, a stand-in engine (only its step counter) -----------------
+def test_boundary_once_per_step_from_training_forwards_only():
+    """Two micro-batches per step update the bias once, from both; an evaluation forward adds no
+    load and applies a pending step; a step fp16 skipped (DeepSpeed counts ``global_steps`` up all
+    the same) updates it; ``apply`` twice changes nothing; ``restart`` makes the next forward a step."""
+    from types import SimpleNamespace
+
+    from moe_plugin.configs import MoEConfig
+    from moe_plugin.integration.step_boundary import StepBoundary
+    from moe_plugin.layers import MoELayer
+
+    config = MoEConfig.from_dict({"num_experts": 4, "router": "topk", "top_k": 1, "drop_tokens": False,
+                                  "aux_loss_coeff": 0.0, "bias_update_rate": RATE})
+    layer = MoELayer(config, 8, 16, init_std=0.3)
+    model = torch.nn.Sequential(layer)
+    engine = SimpleNamespace(global_steps=0)
+    boundary = StepBoundary(engine, model)
+    x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(0))
+
+    def forward(train: bool = True):
+        model.train(train)
+        with torch.no_grad():
+            model(x)
+        return layer.router.load_E.clone(), layer.router.expert_bias.clone()
+
+    forward(), forward()                       # step 1: two micro-batches
+    step_load, bias = forward(False)           # evaluation, same step: nothing applied, nothing added
+    assert step_load.sum() == 2 * x.shape[0] * x.shape[1] and not bias.any()
+    engine.global_steps = 1                    # engine.step()
+    load, bias = forward(False)                # the evaluation after the step applies it
+    assert not load.any() and torch.equal(bias, RATE * torch.sign(step_load.mean() - step_load)) and bias.any()
+    forward()
+    engine.global_steps = 2                    # a skipped fp16 step still counts
+    _, moved = forward()
+    assert not torch.equal(moved, bias)
+    boundary.apply()                           # end_step(): applies the pending forward's load
+    after = layer.router.expert_bias.clone()
+    boundary.apply()
+    assert torch.equal(layer.router.expert_bias, after)   # nothing pending: no change
+    layer.router.load_E.fill_(1.0)
+    boundary.restart()
+    forward(False)
+    assert not layer.router.load_E.any()       # the restarted boundary applied the pending load
+    boundary.remove()
+    forward()
+    assert layer.router.load_E.any()           # no hook any more: the load stays pending
+
