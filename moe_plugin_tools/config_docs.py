@@ -100,7 +100,8 @@ and the `moe-plugin` command do.
   the gates stay unbiased. Once per optimizer step `b_e += u * sign(mean(load) - load_e)`, with
   `load_e` the routes expert `e` was chosen for (before capacity) in every training forward of
   the step (all micro-batches; evaluation forwards do not count), summed over the ranks that
-  route distinct tokens: the bias is the same on every rank and for every layout.
+  route distinct tokens (one all-reduce of [E] per layer and step): the bias is the same on
+  every rank and for every layout.
   `moe_plugin.initialize` applies it by itself after `engine.step()` / `train_batch` (at the
   next forward; fp16 steps skipped for overflow included), `save_checkpoint` saves it with the
   last step's update (`docs/long_runs.md`, *Once per optimizer step*). A loop whose optimizer
