@@ -511,3 +511,19 @@ def test_config_error_survives_pickling():
             MoEConfig.from_dict(block)
         again = pickle.loads(pickle.dumps(info.value))
         assert type(again) is ConfigError and str(again) == str(info.value)
+
+
+@pytest.mark.parametrize("how", [dict(overlap_chunks=2, placement={"policy": "greedy", "check_interval": 10}),
+                                 dict(exchange="token", placement={"replica_budget": 0, "trace_file": "g.trace"}),
+                                 dict(exchange="padded"), dict(placement={"replica_budget": 2, "window": 5})])
+def test_an_export_config_of_any_layout_validates_on_one_rank(how):
+    from moe_plugin.checkpoint.export import export_config, exported_moe_config
+
+    block = with_experts(router="topk", top_k=2, group_topk=1, router_groups=4, **how,
+                         parallel={"tensor": 2, "expert": 2, "expert_tensor": 1, "sequence_parallel": True})
+    source = MoEConfig.from_dict(block)
+    meta = {"model": {"transformer_config": {}, "vocab_size": 32, "max_sequence_length": 8}, "moe":
+            source.resolved_dict(), "tag": "t", "global_steps": 1, "layout": {}, "zero_stage": 1}
+    one = exported_moe_config(export_config(meta, "ckpt"))
+    assert (one.parallel.expert, one.overlap_chunks, one.exchange, one.placement) == (1, 1, "counts", PlacementConfig())
+    assert one.group_limit == source.group_limit and one.k == source.k
