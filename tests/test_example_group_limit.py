@@ -8,7 +8,8 @@ trains 8 steps with validation, seed 7, 8 experts in 4 groups of 2, each token's
 its best group (``group_topk`` 1), dropless, on 1 rank (4 micro-batches of 2 accumulated), dp2 x ep2
 (2 each) and dp4 x ep4 (1 each, one group per rank): the per-step training losses and the validation
 losses must equal the one-rank run's to 1e-5 relative. The limit must bind: without it the one-rank
-losses differ.
+losses differ. Without ``router_groups`` (and with a value the other settings never read) the
+example stops before anything is written, naming the key.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dist import run_distributed
-from test_example import MODEL_FLAGS, STEPS, _run_main
+from test_example import MODEL_FLAGS, STEPS, _ds_config, _run_main, _script
 
 MOE = {"num_experts": 8, "router": "topk", "top_k": 2, "router_groups": 4, "group_topk": 1, "drop_tokens": False,
        "aux_loss_coeff": 0.01, "z_loss_coeff": 1e-3, "layer_interval": 1}
@@ -52,3 +53,25 @@ def test_group_limited_routing_gives_the_one_rank_losses_at_ep2_and_ep4(tmp_path
         got = _losses(tmp_path, f"ep{ep}", ep, MOE)
         for split in ("train", "valid"):
             assert got[split] == pytest.approx(one[split], rel=1e-5), (ep, split, got[split], one[split])
+
+
+@pytest.mark.parametrize("moe, message", [
+    ({"group_topk": 1}, r"^error: moe.router_groups: missing; group_topk \(1\) needs router_groups"),
+    ({"router": "gshard", "top_k": None, "normalize_gates": False},
+     r"^error: moe.normalize_gates: got False; router 'gshard' always renormalises"),
+    ({"drop_tokens": False}, r"^error: moe.capacity_factor: got 1.5; drop_tokens is false"),
+])
+def test_a_group_limit_without_groups_or_an_unread_value_stops_the_example(tmp_path, monkeypatch, capsys, moe,
+                                                                         message):
+    import re
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    config = json.loads(_ds_config(tmp_path / "ds.json", 2, expert=2).read_text())
+    config["moe"] = {k: v for k, v in {**config["moe"], **moe}.items() if v is not None}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    status = _script().main([*MODEL_FLAGS, "--deepspeed_config", "ds.json"])
+    err = capsys.readouterr().err
+    assert status == 2 and re.search(message, err, re.MULTILINE), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]   # no runs/, no data/
