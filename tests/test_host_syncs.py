@@ -132,7 +132,8 @@ def _layer(router: str, drop: bool, parallel=None, groups=None, placement=None, 
              **ROUTERS[router], **moe}
     if parallel is not None:
         block["parallel"] = parallel
-    return MoELayer(MoEConfig.from_dict(capacity_if_dropping(block)), H, F, groups, seed=3, init_std=0.3, placement=placement).train()
+    config = MoEConfig.from_dict(capacity_if_dropping(block))
+    return MoELayer(config, H, F, groups, seed=3, init_std=0.3, placement=placement).train()
 
 
 def _x(S=8, B=2, seed=11) -> torch.Tensor:

@@ -254,7 +254,8 @@ class MoEConfig(_Block):
     @classmethod
     def _layers_or_interval(cls, data: Any) -> Any:
         interval = cls.model_fields["layer_interval"].default
-        if isinstance(data, dict) and data.get("layer_interval", interval) != interval and data.get("layers") is not None:
+        if (isinstance(data, dict) and data.get("layer_interval", interval) != interval
+                and data.get("layers") is not None):
             raise FieldProblem("layers", data["layers"], "set either layers or layer_interval, not both")
         return data
 
