@@ -59,6 +59,13 @@ path (or flag, or file), the value found and what is valid.
   resembles (`moe.num_experts: missing; ...; the block has 'num_expert' (did you mean
   'num_experts'?)`); `num_experts` and the world size are at most 2^20, larger values are refused
   at once (divisor lists are computed by trial division up to the square root and cut when long).
+- **Values nothing would read**: a field set to another value than its default that the other
+  settings ignore is an error naming why (`normalize_gates` false with gshard or switch,
+  `second_expert_policy` without gshard, the capacity fields and `drop_policy` when dropless,
+  `overlap_chunks` or a placement policy without expert parallelism, the placement's tuning
+  fields under static placement, `slack` without network-aware placement, `sequence_parallel`
+  without tensor parallelism); writing a default out is never an error. No default depends on
+  the layout: `router_groups` is written whenever `group_topk` is.
 - **The layout** against the world size (`Sizes` below).
 - **DeepSpeed's batch arithmetic** against the layout's data-parallel size `dp`:
   `train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp`, each an

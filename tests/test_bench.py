@@ -182,7 +182,8 @@ def test_cli_layer_refuses_what_needs_cuda(capsys, monkeypatch, argv, message):
 @pytest.mark.parametrize("argv, message", [
     (["--group-topk", "1", "--vs", "deepspeed"], "error: --group-topk needs --vs none"),
     (["--router-groups", "2"], "error: moe.router_groups: got 2; has no effect without group_topk"),
-    (["--group-topk", "2"], "error: moe.group_topk: got 2; must be at most the router groups (1: router_groups unset"),
+    (["--group-topk", "1"], "error: moe.router_groups: got 1; one group holds every expert"),   # --ep 1
+    (["--group-topk", "2", "--ep", "2"], "error: moe.group_topk: got 2; must be less than router_groups (2)"),
 ])
 def test_cli_layer_refuses_a_bad_group_limit(capsys, argv, message):
     with pytest.raises(SystemExit) as caught:

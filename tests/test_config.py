@@ -115,20 +115,67 @@ MALFORMED_BLOCKS = {
                                         "moe.aux_loss_scope", "got 'global'",
                                         "the balance loss is off (aux_loss_coeff 0): set aux_loss_coeff > 0"),
     "router_groups not dividing": (with_experts(router_groups=3, group_topk=1), "moe.router_groups", "got 3",
-                                   "must divide num_experts (8); valid: 1, 2, 4, 8"),
+                                   "must divide num_experts (8); valid: 2, 4 (the divisors of num_experts 8 but "
+                                   "1 and 8)"),
     "router_groups alone": (with_experts(router_groups=4), "moe.router_groups", "got 4",
                             "has no effect without group_topk"),
+    # a model constant: never the expert-parallel size, which would make the model depend on the layout
+    **{f"group_topk without router_groups at ep{ep}": (
+        with_experts(group_topk=1, parallel={"expert": ep}), "moe.router_groups", "missing",
+        "group_topk (1) needs router_groups, the number of expert groups (a model constant, the same under every "
+        "layout); valid: 2, 4") for ep in (1, 2)},
+    "router_groups of prime experts": ({"num_experts": 7, "group_topk": 1}, "moe.router_groups", "missing",
+                                       "num_experts 7 has no divisor but 1 and 7, so its experts cannot be grouped"),
+    "router_groups one": (with_experts(router_groups=1, group_topk=1), "moe.router_groups", "got 1",
+                          "one group holds every expert, so group_topk limits nothing; valid: 2, 4"),
+    "router_groups of single experts": (with_experts(router_groups=8, group_topk=2), "moe.router_groups", "got 8",
+                                        "groups of one expert limit nothing (the best group_topk >= top_k (2) "
+                                        "groups hold a token's best experts)"),
     "group_topk above groups": (with_experts(router_groups=4, group_topk=5), "moe.group_topk", "got 5",
-                                "must be at most router_groups (4)"),
-    "group_topk above ep groups": (with_experts(group_topk=2, parallel={"expert": 1}), "moe.group_topk", "got 2",
-                                   "must be at most the router groups (1: router_groups unset, one group per "
-                                   "expert-parallel rank, parallel.expert)"),
+                                "must be less than router_groups (4)"),
+    "group_topk all groups": (with_experts(router_groups=2, group_topk=2), "moe.group_topk", "got 2",
+                              "must be less than router_groups (2): 2 of 2 groups keep every expert, so nothing is "
+                              "limited; valid: 1 to 1"),
     "group_topk too few experts": (with_experts(router="topk", top_k=3, router_groups=4, group_topk=1),
                                    "moe.group_topk", "got 1", "its groups hold 1 x 2 experts, fewer than top_k (3); "
                                    "with router_groups (4) of num_experts 8 it must be at least 2"),
     "group_topk zero": (with_experts(group_topk=0), "moe.group_topk", "got 0", "expected an integer >= 1"),
     "shared gate without expert": (with_experts(shared_expert_gate=True), "moe.shared_expert_gate", "got True",
                                    "set shared_expert_ffn_hidden_size > 0 or shared_expert_gate false"),
+    # a value the other settings never read is refused (non-default values only: REFUSED_WHEN_IGNORED)
+    "unnormalised gshard": (with_experts(normalize_gates=False), "moe.normalize_gates", "got False",
+                            "router 'gshard' always renormalises its two gates, so it has no effect; use router "
+                            "'topk' or leave normalize_gates out"),
+    "unnormalised switch": (with_experts(router="switch", normalize_gates=False), "moe.normalize_gates",
+                            "got False", "router 'switch' never renormalises (its one gate is the softmax "
+                            "probability), so it has no effect"),
+    **{f"second expert policy with {router}": (
+        with_experts(router=router, top_k=k, second_expert_policy="all"), "moe.second_expert_policy", "got 'all'",
+        f"only router 'gshard' has a second expert to keep at random (router is {router!r})")
+       for router, k in (("switch", 1), ("topk", 2))},
+    **{f"dropless with {key}": (with_experts(drop_tokens=False, **{key: value}), f"moe.{key}", f"got {value!r}",
+                                "drop_tokens is false (dropless: no capacity, nothing dropped), so it has no effect; "
+                                f"set drop_tokens true or leave {key} out")
+       for key, value in (("capacity_factor", 1.0), ("eval_capacity_factor", 1.0), ("min_capacity", 0),
+                          ("drop_policy", "probability"))},
+    "overlap without ep": (with_experts(overlap_chunks=2), "moe.overlap_chunks", "got 2",
+                           "there is no expert-parallel exchange to overlap (parallel.expert 1); set "
+                           "parallel.expert > 1 or overlap_chunks 1"),
+    **{f"placement {policy} without ep": (with_experts(placement={"policy": policy}), "moe.placement.policy",
+                                          f"got {policy!r}", "with parallel.expert 1 every rank holds every expert: "
+                                          "there is nothing to place")
+       for policy in ("greedy", "network-aware")},
+    **{f"static placement with {key}": (with_experts(placement={key: value}), f"moe.placement.{key}",
+                                        f"got {value!r}", "policy 'static' with replica_budget 0 never checks the "
+                                        f"load, so it has no effect; set policy 'greedy' or 'network-aware' (or "
+                                        f"replica_budget > 0), or leave {key} out")
+       for key, value in (("check_interval", 10), ("window", 10), ("min_gain", 0.0), ("gpus_per_node", 8))},
+    "slack with greedy": (with_experts(parallel={"expert": 2}, placement={"policy": "greedy", "slack": 0.2}),
+                          "moe.placement.slack", "got 0.2", "only policy 'network-aware' reads it (policy is "
+                          "'greedy'); set policy 'network-aware' or leave slack out"),
+    "sequence parallel without tp": (with_experts(parallel={"sequence_parallel": True}),
+                                     "moe.parallel.sequence_parallel", "got True",
+                                     "splits tokens across the tensor-parallel ranks, and tensor is 1"),
     "block not an object": ([8], "moe", "got [8]", "expected a JSON object with at least num_experts"),
     "exchange unknown": (with_experts(exchange="dense"), "moe.exchange", "got 'dense'",
                          "expected one of 'auto', 'counts', 'padded', 'token'"),
@@ -286,12 +333,54 @@ def test_top_k_default_follows_the_router(router, k):
     assert MoEConfig.from_dict(with_experts(router=router)).k == k
 
 
-def test_router_groups_default_to_the_expert_parallel_ranks():
+def test_router_groups_never_follow_the_layout():
     assert MoEConfig.from_dict(with_experts()).group_limit is None
-    assert MoEConfig.from_dict(with_experts(group_topk=1, parallel={"expert": 4})).group_limit == (4, 1)
-    explicit = MoEConfig.from_dict(with_experts(group_topk=2, router_groups=8, parallel={"expert": 2}))
-    assert explicit.group_limit == (8, 2)
-    assert MoEConfig.from_dict(with_experts(group_topk=2, router_groups=2)).group_limit is None   # M = G: no limit
+    for ep in (1, 2, 4, 8):
+        config = MoEConfig.from_dict(with_experts(group_topk=1, router_groups=4, parallel={"expert": ep}))
+        assert config.group_limit == (4, 1)
+    wide = with_experts(num_experts=16, router="topk", top_k=4, group_topk=2, router_groups=8)
+    assert MoEConfig.from_dict(dict(wide, parallel={"expert": 2})).group_limit == (8, 2)
+
+
+# Settings under which a field is never read, and a value of it for each (valid but ignored there).
+REFUSED_WHEN_IGNORED = {
+    "normalize_gates": (dict(router="gshard"), False),
+    "second_expert_policy": (dict(router="topk", top_k=2), "all"),
+    "capacity_factor": (dict(drop_tokens=False), 2.0),
+    "eval_capacity_factor": (dict(drop_tokens=False), 1.0),
+    "min_capacity": (dict(drop_tokens=False), 0),
+    "drop_policy": (dict(drop_tokens=False), "probability"),
+    "overlap_chunks": ({}, 2),
+    "placement.check_interval": ({}, 10),
+    "placement.window": ({}, 10),
+    "placement.min_gain": ({}, 0.0),
+    "placement.gpus_per_node": ({}, 8),
+    "placement.slack": (dict(parallel={"expert": 2}, placement={"policy": "greedy"}), 0.3),
+}
+
+
+def _with(block: dict, key: str, value) -> dict:
+    block = json.loads(json.dumps(block))
+    if key.startswith("placement."):
+        block.setdefault("placement", {})[key.split(".")[1]] = value
+    else:
+        block[key] = value
+    return block
+
+
+@pytest.mark.parametrize("key", REFUSED_WHEN_IGNORED)
+def test_an_ignored_field_is_refused_only_when_it_differs_from_its_default(key):
+    settings, value = REFUSED_WHEN_IGNORED[key]
+    with pytest.raises(ConfigError, match=message(f"moe.{key}", f"got {value!r}", "")):
+        MoEConfig.from_dict(_with(with_experts(**settings), key, value))
+    model, name = (PlacementConfig, key.split(".")[1]) if key.startswith("placement.") else (MoEConfig, key)
+    default = model.model_fields[name].default
+    written = MoEConfig.from_dict(_with(with_experts(**settings), key, default))   # the default written out
+    assert written == MoEConfig.from_dict(with_experts(**settings))
+
+
+def test_layers_with_the_default_interval_written_out():
+    assert MoEConfig.from_dict(with_experts(layers=[1], layer_interval=1)).layers == [1]
 
 
 @pytest.mark.parametrize("block, backend, mode", [
@@ -422,3 +511,19 @@ def test_config_error_survives_pickling():
             MoEConfig.from_dict(block)
         again = pickle.loads(pickle.dumps(info.value))
         assert type(again) is ConfigError and str(again) == str(info.value)
+
+
+@pytest.mark.parametrize("how", [dict(overlap_chunks=2, placement={"policy": "greedy", "check_interval": 10}),
+                                 dict(exchange="token", placement={"replica_budget": 0, "trace_file": "g.trace"}),
+                                 dict(exchange="padded"), dict(placement={"replica_budget": 2, "window": 5})])
+def test_an_export_config_of_any_layout_validates_on_one_rank(how):
+    from moe_plugin.checkpoint.export import export_config, exported_moe_config
+
+    block = with_experts(router="topk", top_k=2, group_topk=1, router_groups=4, **how,
+                         parallel={"tensor": 2, "expert": 2, "expert_tensor": 1, "sequence_parallel": True})
+    source = MoEConfig.from_dict(block)
+    meta = {"model": {"transformer_config": {}, "vocab_size": 32, "max_sequence_length": 8}, "moe":
+            source.resolved_dict(), "tag": "t", "global_steps": 1, "layout": {}, "zero_stage": 1}
+    one = exported_moe_config(export_config(meta, "ckpt"))
+    assert (one.parallel.expert, one.overlap_chunks, one.exchange, one.placement) == (1, 1, "counts", PlacementConfig())
+    assert one.group_limit == source.group_limit and one.k == source.k

@@ -25,6 +25,7 @@ from dist import case_results, run_distributed
 from moe_plugin.configs import MoEConfig
 from moe_plugin.groups.layout import RankLayout
 from moe_plugin.layers import MoELayer
+from test_layers_single import capacity_if_dropping
 
 H, F, E = 16, 16, 8
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
@@ -131,7 +132,8 @@ def _layer(router: str, drop: bool, parallel=None, groups=None, placement=None, 
              **ROUTERS[router], **moe}
     if parallel is not None:
         block["parallel"] = parallel
-    return MoELayer(MoEConfig.from_dict(block), H, F, groups, seed=3, init_std=0.3, placement=placement).train()
+    config = MoEConfig.from_dict(capacity_if_dropping(block))
+    return MoELayer(config, H, F, groups, seed=3, init_std=0.3, placement=placement).train()
 
 
 def _x(S=8, B=2, seed=11) -> torch.Tensor:

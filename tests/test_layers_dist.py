@@ -33,6 +33,7 @@ from dist import run_distributed
 from moe_plugin.configs import MoEConfig
 from moe_plugin.groups.layout import RankLayout
 from moe_plugin.layers import MoELayer, RouterNoise, reference_moe
+from test_layers_single import capacity_if_dropping
 
 S, B, H, F, E = 8, 2, 16, 16, 8        # per DP replica: T = S * B = 16 tokens
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -219,6 +220,7 @@ TWIN_TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.bfloat16: dict(rtol
 def _config(case: dict, world_size: int | None = None) -> MoEConfig:
     block = {"num_experts": E, "capacity_factor": 1.0, "min_capacity": 1, **ROUTERS[case["router"]],
              "drop_tokens": case["drop"], **case["moe"]}
+    block = capacity_if_dropping(block)
     if world_size is not None:   # the parallel layer's config describes its layout
         s = RankLayout.build(world_size, **case["sizes"]).sizes
         block["parallel"] = {"tensor": s.tp, "pipeline": s.pp, "expert": s.ep, "expert_tensor": s.etp,

@@ -19,8 +19,20 @@ S, B, H, F, E = 8, 4, 16, 32, 8
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
+CAPACITY_KEYS = ("capacity_factor", "eval_capacity_factor", "min_capacity", "drop_policy")
+
+
+def capacity_if_dropping(block: dict) -> dict:
+    """``block`` without the capacity fields when it is dropless (``drop_tokens`` false): the config
+    refuses them there, as nothing reads them."""
+    if block.get("drop_tokens", True):
+        return block
+    return {key: value for key, value in block.items() if key not in CAPACITY_KEYS}
+
+
 def make_layer(seed: int = 0, hidden: int = H, ffn: int = F, placement=None, **moe) -> MoELayer:
-    config = MoEConfig.from_dict({"num_experts": E, "capacity_factor": 1.0, "min_capacity": 1, **moe})
+    config = MoEConfig.from_dict(capacity_if_dropping({"num_experts": E, "capacity_factor": 1.0, "min_capacity": 1,
+                                                       **moe}))
     # init_std 0.3: logits of order 1 and outputs of order 1, so the tolerance means something.
     return MoELayer(config, hidden, ffn, seed=seed, init_std=0.3, placement=placement)
 

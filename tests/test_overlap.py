@@ -19,6 +19,7 @@ from dist import case_results, run_distributed
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.groups.layout import RankLayout
 from moe_plugin.layers import MoELayer
+from test_layers_single import capacity_if_dropping
 
 H, F, E = 16, 24, 8
 ROUTERS = {
@@ -49,7 +50,7 @@ def _layer(sizes, router, drop, chunks, extra, groups) -> MoELayer:
     block = {"num_experts": E, "capacity_factor": 1.0, "min_capacity": 1, "drop_tokens": drop,
              "overlap_chunks": chunks, **ROUTERS[router], **extra,
              "parallel": {"tensor": s.tp, "expert": s.ep, "expert_tensor": s.etp, "order": s.order}}
-    return MoELayer(MoEConfig.from_dict(block), H, F, groups, seed=3, init_std=0.3).train()
+    return MoELayer(MoEConfig.from_dict(capacity_if_dropping(block)), H, F, groups, seed=3, init_std=0.3).train()
 
 
 def _run(layer: MoELayer, x_SBH: torch.Tensor) -> dict:

@@ -221,10 +221,11 @@ def _controller_child(rank, world_size, run_dir, variants):
     out = {}
     try:
         for key, (policy, budget) in variants.items():
+            # static without a budget checks nothing: the check settings would be refused as unread
+            checks = {"check_interval": 2, "window": 2} if policy != "static" or budget else {}
             config = MoEConfig.from_dict({"num_experts": CTRL_E, "router": "gshard", "second_expert_policy": "all",
                                           "drop_tokens": False, "parallel": {"expert": 2},
-                                          "placement": {"policy": policy, "check_interval": 2, "window": 2,
-                                                        "replica_budget": budget}})
+                                          "placement": {"policy": policy, "replica_budget": budget, **checks}})
             model = torch.nn.ModuleDict({"hot": MoELayer(config, 8, 16, groups, seed=1),
                                          "even": MoELayer(config, 8, 16, groups, seed=2)}).train()
             with torch.no_grad():        # hot: every token to experts 0 and 1 (both on rank 0); even: 0 and 2

@@ -39,11 +39,11 @@ from moe_plugin.layers.expert_backend import grouped_mm_unsupported
 S, B, H, F, E = 8, 4, 16, 32, 8   # the sizes of tests/test_layers_single.py, where these tolerances hold
 TOLERANCE = {"fp32": dict(atol=1e-4, rtol=1e-4), "bf16": dict(atol=1e-1, rtol=3e-2)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-CASES = {"dropless": dict(drop_tokens=False), "capacity": dict(drop_tokens=True, capacity_factor=1.0)}
+CASES = {"dropless": dict(drop_tokens=False), "capacity": dict(drop_tokens=True, capacity_factor=1.0, min_capacity=1)}
 
 
 def moe_config(case: str, backend: str, ep: int = 1) -> MoEConfig:
-    return MoEConfig.from_dict({"num_experts": E, "router": "topk", "top_k": 2, "min_capacity": 1,
+    return MoEConfig.from_dict({"num_experts": E, "router": "topk", "top_k": 2,
                                 "activation": "gelu", "aux_loss_coeff": 0.1, "experts_backend": backend,
                                 "parallel": {"expert": ep}, **CASES[case]})
 

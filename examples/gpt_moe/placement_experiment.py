@@ -6,9 +6,10 @@
 
 Both runs train the same GPT-MoE (``pretrain_gpt_moe.py`` under the ``deepspeed`` launcher, same
 seed, same data, same skewed router: ``--router-skew``, a Zipf-like load on experts 0, 1, 2, ...)
-back to back; they differ only in ``moe.placement.policy``: ``static`` (expert e on EP rank
-``e // (E / EP)``, so the hot experts share rank 0) and ``greedy`` (every ``--check-interval``
-steps the controller may migrate experts, ``integration/placement.py``). Both write a gate trace.
+back to back; they differ only in ``moe.placement`` (the policy, and for greedy its check settings):
+``static`` (expert e on EP rank ``e // (E / EP)``, so the hot experts share rank 0) and ``greedy``
+(every ``--check-interval`` steps the controller may migrate experts, ``integration/placement.py``).
+Both write a gate trace.
 The sizes make the experts' GEMMs most of a step on CPU (top-1 dropless routing, FFN 16 x
 hidden, one layer, MoE, 8 experts per rank, 4,096 tokens per rank and step: measured, the
 busiest rank spends ~70 % of a static step in its experts). The defaults are 2 ranks of one
@@ -99,9 +100,16 @@ def ds_config(args: argparse.Namespace, policy: str) -> dict:
         "moe": {"num_experts": args.num_experts, "router": "topk", "top_k": 1, "drop_tokens": False,
                 "aux_loss_coeff": args.aux_loss_coeff,
                 "layer_interval": 1, "parallel": {"expert": args.ep},
-                "placement": {"policy": policy, "check_interval": args.check_interval, "window": args.check_interval,
-                              "min_gain": 0.05, "trace_file": "gate.trace"}},
+                "placement": placement_block(args, policy)},
     }
+
+
+def placement_block(args: argparse.Namespace, policy: str) -> dict:
+    """The runs' ``moe.placement``: the policy, a trace, and the check settings where the policy reads them."""
+    block = {"policy": policy, "trace_file": "gate.trace"}
+    if policy != "static":
+        block.update(check_interval=args.check_interval, window=args.check_interval, min_gain=0.05)
+    return block
 
 
 def free_port() -> int:

@@ -194,8 +194,11 @@ def export_config(meta: dict, path: str) -> dict:
     moe = copy.deepcopy(meta["moe"])
     moe["parallel"] = {**moe.get("parallel", {}), "tensor": 1, "pipeline": 1, "expert": 1, "expert_tensor": 1,
                        "sequence_parallel": False}
-    if isinstance(moe.get("placement"), dict) and moe["placement"].get("replica_budget"):
-        moe["placement"]["replica_budget"] = 0   # shadow experts need EP > 1
+    # how the source ran, not the model: one rank has no exchange to overlap or pad and nothing to
+    # place or shadow (the config refuses those settings there)
+    moe.update(overlap_chunks=1, placement={})
+    if moe.get("exchange") in ("padded", "token"):
+        moe["exchange"] = "counts"
     return {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "weights": WEIGHTS_FILE,
             "transformer_config": {**model["transformer_config"], **ONE_RANK},
             "vocab_size": model["vocab_size"], "max_sequence_length": model["max_sequence_length"],

@@ -39,6 +39,12 @@ ExpertsBackend = Literal["auto", "grouped_mm", "bmm", "loop"]
 ExchangeMode = Literal["auto", "counts", "padded", "token"]
 
 
+def not_default(block: BaseModel, name: str) -> bool:
+    """Whether field ``name`` of ``block`` holds another value than its default. A value that the
+    rest of the block ignores is refused only then: writing a default out is never an error."""
+    return getattr(block, name) != type(block).model_fields[name].get_default(call_default_factory=True)
+
+
 class _Block(BaseModel):
     # strict: "8" is not 8 and true is not 1; unknown keys are an error; numbers are finite.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
@@ -56,7 +62,7 @@ class ParallelConfig(_Block):
     order: str = Field(DEFAULT_ORDER, description="Order of the rank grid, fastest-varying first, "
                        "tokens from tp, cp, ep, dp, pp joined by '-' (Megatron-Core's default).")
     sequence_parallel: bool = Field(False, description="Megatron sequence parallelism: tokens are split "
-                                    "across the TP group outside the tensor-parallel GEMMs.")
+                                    "across the TP group outside the tensor-parallel GEMMs; needs tensor > 1.")
 
     @model_validator(mode="after")
     def _check_order(self) -> "ParallelConfig":
@@ -73,6 +79,9 @@ class ParallelConfig(_Block):
         if missing:
             raise FieldProblem("order", self.order, f"lacks {', '.join(missing)}; "
                              f"it must name tp, ep, dp and pp, e.g. {DEFAULT_ORDER!r}")
+        if self.sequence_parallel and self.tensor == 1:
+            raise FieldProblem("sequence_parallel", True, "splits tokens across the tensor-parallel ranks, and "
+                               "tensor is 1; set tensor > 1 or sequence_parallel false")
         return self
 
     @property
@@ -85,8 +94,10 @@ class PlacementConfig(_Block):
 
     policy: Literal["static", "greedy", "network-aware"] = Field(
         "static", description="static: expert e lives on rank e // (E/EP). greedy: heaviest expert first "
-        "onto the least-loaded rank with a free slot. network-aware: also cuts cross-node traffic.")
-    check_interval: int = Field(100, ge=1, description="Steps between two placement checks.")
+        "onto the least-loaded rank with a free slot. network-aware: also cuts cross-node traffic. Not static: "
+        "needs parallel.expert > 1.")
+    check_interval: int = Field(100, ge=1, description="Steps between two placement checks; needs a policy "
+                                "other than static or replica_budget > 0 (as window and min_gain do).")
     window: int = Field(100, ge=1, description="Steps of routing history the load estimate averages.")
     min_gain: float = Field(0.05, ge=0.0, description="Switch only when the predicted saving until the next "
                             "check exceeds the predicted migration cost by this fraction (hysteresis).")
@@ -95,10 +106,25 @@ class PlacementConfig(_Block):
                                 "fetched from the owner, gradients reduced back) when the cost model predicts a "
                                 "gain; 0 turns it off. Needs expert > 1 and expert_tensor 1; at most num_experts.")
     slack: float = Field(0.1, ge=0.0, description="network-aware: the busiest rank may carry this fraction "
-                         "more load than under greedy placement when that cuts cross-node routes.")
-    gpus_per_node: Optional[int] = Field(None, ge=1, description="Ranks per node, for network-aware placement; "
-                                         "default: the launcher's local world size.")
+                         "more load than under greedy placement when that cuts cross-node routes; network-aware only.")
+    gpus_per_node: Optional[int] = Field(None, ge=1, description="Ranks per node, for network-aware placement "
+                                         "and the cross-node prices of the switching decisions; default: the "
+                                         "launcher's local world size. Needs a policy other than static or "
+                                         "replica_budget > 0.")
     trace_file: Optional[str] = Field(None, description="Write per-layer, per-step gate traces to this path.")
+
+    @model_validator(mode="after")
+    def _check_used(self) -> "PlacementConfig":
+        if self.policy == "static" and self.replica_budget == 0:
+            for name in ("check_interval", "window", "min_gain", "gpus_per_node"):
+                if not_default(self, name):
+                    raise FieldProblem(name, getattr(self, name), "policy 'static' with replica_budget 0 never "
+                                       "checks the load, so it has no effect; set policy 'greedy' or "
+                                       f"'network-aware' (or replica_budget > 0), or leave {name} out")
+        if self.policy != "network-aware" and not_default(self, "slack"):
+            raise FieldProblem("slack", self.slack, f"only policy 'network-aware' reads it (policy is "
+                               f"{self.policy!r}); set policy 'network-aware' or leave slack out")
+        return self
 
 
 class MoEConfig(_Block):
@@ -110,8 +136,9 @@ class MoEConfig(_Block):
     router: Literal["gshard", "switch", "topk"] = Field(
         "gshard", description="gshard: top-2 with random routing of the 2nd expert. switch: top-1. "
         "topk: general k.")
-    normalize_gates: bool = Field(True, description="Renormalise the k kept gates of a token to sum to 1 "
-                                  "(always done by gshard; ignored by switch).")
+    normalize_gates: bool = Field(True, description="Renormalise the k kept gates of a token to sum to 1; "
+                                  "router topk only: gshard always renormalises, switch never (its one gate is the "
+                                  "softmax probability), so false is refused with them.")
     score_function: Literal["softmax", "sigmoid"] = Field(
         "softmax", description="softmax: gates are softmax probabilities over the experts (GShard, Switch). "
         "sigmoid (DeepSeek-V3): each expert's score is the sigmoid of its logit; experts are chosen on score + "
@@ -126,28 +153,30 @@ class MoEConfig(_Block):
         "selection scores in each group (softmax: the probabilities of logits + expert bias; sigmoid: score + "
         "expert bias; the highest alone when a group has one expert), then its top_k experts inside them. Any "
         "router kind (gshard's random routing and switch's top-1 act inside the chosen groups); gates, capacity and "
-        "losses are unchanged. With groups = expert-parallel ranks and static placement it bounds the ranks a "
+        "losses are unchanged. With router_groups = parallel.expert and static placement it bounds the ranks a "
         "token's routes go to (the all-to-all still carries one row per route: docs/benchmarks.md). null: no "
-        "limit; at most router_groups, and top_k <= group_topk * num_experts / router_groups.")
+        "limit. Needs router_groups; less than router_groups, top_k <= group_topk * num_experts / router_groups, "
+        "and with groups of one expert less than top_k (else nothing is limited).")
     router_groups: Optional[int] = Field(
-        None, ge=1, description="Expert groups of group_topk (it needs group_topk): group g is the experts "
-        "g * E/G .. (g + 1) * E/G - 1 by expert id, wherever placement puts them. Must divide num_experts. null: "
-        "parallel.expert (with static placement group g is EP rank g's experts), so the routing changes with the "
-        "expert-parallel size; set it to keep the model the same under every layout.")
+        None, ge=1, description="Expert groups of group_topk: group g is the experts g * E/G .. (g + 1) * E/G - 1 "
+        "by expert id, wherever placement puts them. A model constant, never taken from the layout: required with "
+        "group_topk, refused without it; at least 2, a divisor of num_experts.")
     second_expert_policy: Literal["random", "all"] = Field(
-        "random", description="gshard only. random: keep the 2nd expert when 2*g2 > U(0,1) (GShard). "
-        "all: always keep it.")
+        "random", description="gshard only (all is refused with another router). random: keep the 2nd expert "
+        "when 2*g2 > U(0,1) (GShard). all: always keep it.")
     capacity_factor: float = Field(1.25, gt=0, description="Training capacity per expert, as a multiple "
-                                   "of the even share k*T/E of routed tokens.")
-    eval_capacity_factor: float = Field(2.0, gt=0, description="Capacity factor in evaluation.")
-    min_capacity: int = Field(4, ge=0, description="Lower bound on the per-expert capacity.")
+                                   "of the even share k*T/E of routed tokens; needs drop_tokens true.")
+    eval_capacity_factor: float = Field(2.0, gt=0, description="Capacity factor in evaluation; needs drop_tokens true.")
+    min_capacity: int = Field(4, ge=0, description="Lower bound on the per-expert capacity; needs "
+                              "drop_tokens true.")
     drop_tokens: bool = Field(True, description="Drop routes over capacity (their tokens keep the residual). "
-                              "false: dropless, no capacity at all.")
+                              "false: dropless, no capacity at all (capacity_factor, eval_capacity_factor, "
+                              "min_capacity and drop_policy then keep their defaults).")
     drop_policy: Literal["position", "probability"] = Field(
         "position", description="Which routes an expert over capacity keeps. position (GShard): all first choices "
         "before any second choice, earlier tokens before later ones. probability (DeepSpeed's top-k gate): the "
         "routes with the highest scores (softmax probability or sigmoid score of the expert, before normalisation "
-        "and gate_scale), equal scores in position order. Ignored when drop_tokens is false.")
+        "and gate_scale), equal scores in position order. probability needs drop_tokens true.")
     aux_loss_coeff: float = Field(1e-2, ge=0, description="Weight of the balance loss (GShard's; "
                                   "for sigmoid scores see score_function; 1.0 before weighting when routing is "
                                   "perfectly uniform).")
@@ -192,7 +221,8 @@ class MoEConfig(_Block):
                                 "while the previous group computes, on the way there and back, in backward too; "
                                 "the shared expert runs while the first all-to-all is in flight. 1: one exchange. "
                                 "At most the local experts (num_experts / parallel.expert); needs "
-                                "parallel.expert_tensor 1. Layers with shadowed experts exchange at once.")
+                                "parallel.expert > 1 and parallel.expert_tensor 1. Layers with shadowed experts "
+                                "exchange at once.")
     exchange: ExchangeMode = Field(
         "counts", description="How the expert-parallel all-to-all learns its sizes. counts: the kept routes per "
         "expert are exchanged first (one small all-to-all), then exactly the routed rows move. padded (DeepSpeed's "
@@ -224,7 +254,9 @@ class MoEConfig(_Block):
     @model_validator(mode="before")
     @classmethod
     def _layers_or_interval(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "layer_interval" in data and data.get("layers") is not None:
+        interval = cls.model_fields["layer_interval"].default
+        if (isinstance(data, dict) and data.get("layer_interval", interval) != interval
+                and data.get("layers") is not None):
             raise FieldProblem("layers", data["layers"], "set either layers or layer_interval, not both")
         return data
 
@@ -240,6 +272,7 @@ class MoEConfig(_Block):
         if self.score_function == "sigmoid" and self.router != "topk":
             raise FieldProblem("score_function", "sigmoid", f"router {self.router!r} is defined on softmax "
                                "probabilities; sigmoid scores need router 'topk' (with top_k 1 for switch's k)")
+        self._check_router_fields()
         if self.aux_loss_scope != "micro_batch" and self.aux_loss_coeff == 0:
             raise FieldProblem("aux_loss_scope", self.aux_loss_scope, "the balance loss is off (aux_loss_coeff 0): "
                                "set aux_loss_coeff > 0 or aux_loss_scope 'micro_batch'")
@@ -259,6 +292,12 @@ class MoEConfig(_Block):
                                f"parallel.expert_tensor 1 (got expert {self.parallel.expert}, expert_tensor "
                                f"{self.parallel.etp}); set replica_budget 0 or change the layout")
         local = self.num_experts // self.parallel.expert
+        if self.overlap_chunks > 1 and self.parallel.expert == 1:
+            raise FieldProblem("overlap_chunks", self.overlap_chunks, "there is no expert-parallel exchange to "
+                               "overlap (parallel.expert 1); set parallel.expert > 1 or overlap_chunks 1")
+        if self.placement.policy != "static" and self.parallel.expert == 1:
+            raise FieldProblem("placement.policy", self.placement.policy, "with parallel.expert 1 every rank holds "
+                               "every expert: there is nothing to place; set parallel.expert > 1 or policy 'static'")
         if self.overlap_chunks > 1 and (self.parallel.etp > 1 or self.overlap_chunks > local):
             raise FieldProblem("overlap_chunks", self.overlap_chunks, f"must be 1 with parallel.expert_tensor > 1 "
                                f"(got {self.parallel.etp}) and at most the local experts ({local}: num_experts "
@@ -272,24 +311,50 @@ class MoEConfig(_Block):
                                "shared_expert_ffn_hidden_size > 0 or shared_expert_gate false")
         return self
 
+    def _check_router_fields(self) -> None:
+        """Refuse a value that the router kind or the dropless setting never reads (non-default only)."""
+        if not self.normalize_gates and self.router != "topk":
+            what = ("always renormalises its two gates" if self.router == "gshard" else
+                    "never renormalises (its one gate is the softmax probability)")
+            raise FieldProblem("normalize_gates", False, f"router {self.router!r} {what}, so it has no effect; "
+                               "use router 'topk' or leave normalize_gates out")
+        if not_default(self, "second_expert_policy") and self.router != "gshard":
+            raise FieldProblem("second_expert_policy", self.second_expert_policy, f"only router 'gshard' has a "
+                               f"second expert to keep at random (router is {self.router!r}); use router 'gshard' "
+                               "or leave second_expert_policy out")
+        if not self.drop_tokens:
+            for name in ("capacity_factor", "eval_capacity_factor", "min_capacity", "drop_policy"):
+                if not_default(self, name):
+                    raise FieldProblem(name, getattr(self, name), "drop_tokens is false (dropless: no capacity, "
+                                       f"nothing dropped), so it has no effect; set drop_tokens true or leave "
+                                       f"{name} out")
+
     def _check_group_limit(self) -> None:
-        G, M = self.expert_groups, self.group_topk
-        if self.router_groups is not None and M is None:
-            raise FieldProblem("router_groups", G, "has no effect without group_topk; set group_topk (the groups "
-                               "a token may use) or leave router_groups out")
-        if self.num_experts % G:
-            raise FieldProblem("router_groups", G, f"must divide num_experts ({self.num_experts}); valid: "
-                               f"{_divisors(self.num_experts)}")
+        G, M, E = self.router_groups, self.group_topk, self.num_experts
         if M is None:
+            if G is not None:
+                raise FieldProblem("router_groups", G, "has no effect without group_topk; set group_topk (the groups "
+                                   "a token may use) or leave router_groups out")
             return
-        groups = (f"router_groups ({G})" if self.router_groups is not None else
-                  f"the router groups ({G}: router_groups unset, one group per expert-parallel rank, parallel.expert)")
-        if M > G:
-            raise FieldProblem("group_topk", M, f"must be at most {groups}")
-        if self.k > M * (self.num_experts // G):
-            raise FieldProblem("group_topk", M, f"its groups hold {M} x {self.num_experts // G} experts, fewer than "
-                               f"top_k ({self.k}); with {groups} of num_experts {self.num_experts} it must be at least "
-                               f"{-(-self.k // (self.num_experts // G))}")
+        valid = _divisors(E, proper=True)
+        valid = (f"valid: {valid} (the divisors of num_experts {E} but 1 and {E})" if valid else
+                 f"num_experts {E} has no divisor but 1 and {E}, so its experts cannot be grouped")
+        if G is None:
+            raise FieldProblem("router_groups", MISSING, f"group_topk ({M}) needs router_groups, the number of "
+                               f"expert groups (a model constant, the same under every layout); {valid}")
+        if E % G or G in (1, E):
+            why = {1: "one group holds every expert, so group_topk limits nothing",
+                   E: f"groups of one expert limit nothing (the best group_topk >= top_k ({self.k}) groups hold "
+                      "a token's best experts)"}.get(G, f"must divide num_experts ({E})")
+            raise FieldProblem("router_groups", G, f"{why}; {valid}")
+        if M >= G:
+            raise FieldProblem("group_topk", M, f"must be less than router_groups ({G}): {M} of {G} groups keep "
+                               f"every expert, so nothing is limited; valid: 1 to {G - 1} (no limit: leave "
+                               "group_topk and router_groups out)")
+        if self.k > M * (E // G):
+            raise FieldProblem("group_topk", M, f"its groups hold {M} x {E // G} experts, fewer than top_k "
+                               f"({self.k}); with router_groups ({G}) of num_experts {E} it must be at least "
+                               f"{-(-self.k // (E // G))}")
 
     def exchange_unfit(self, mode: str) -> Optional[str]:
         """Why this config cannot use the ``padded`` (``layers/padded.py``) or ``token``
@@ -311,16 +376,11 @@ class MoEConfig(_Block):
         return next((why for bad, why in checks if bad), None)
 
     @property
-    def expert_groups(self) -> int:
-        """The router's expert groups G: ``router_groups``, by default one per expert-parallel rank."""
-        return self.router_groups if self.router_groups is not None else self.parallel.expert
-
-    @property
     def group_limit(self) -> Optional[tuple[int, int]]:
-        """``(G, M)`` when ``group_topk`` restricts the choice (M < G), else None."""
-        if self.group_topk is None or self.group_topk == self.expert_groups:
+        """``(router_groups, group_topk)`` when group-limited routing is on, else None."""
+        if self.group_topk is None:
             return None
-        return self.expert_groups, self.group_topk
+        return self.router_groups, self.group_topk
 
     @property
     def k(self) -> int:
@@ -448,10 +508,13 @@ class ParallelSizes(BaseModel):
                               f"as many ranks in both grids: put 'pp' last, e.g. {DEFAULT_ORDER!r}")
 
 
-def _divisors(n: int, shown: int = 32) -> str:
-    """The divisors of ``n`` as text (trial division up to sqrt(n)); a long list is cut in the middle."""
+def _divisors(n: int, shown: int = 32, proper: bool = False) -> str:
+    """The divisors of ``n`` as text (trial division up to sqrt(n)); a long list is cut in the middle.
+    ``proper``: without 1 and ``n`` (empty text when none is left)."""
     low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     found = low + [n // d for d in reversed(low) if d * d != n]
+    if proper:
+        found = [d for d in found if d not in (1, n)]
     if len(found) <= shown:
         return ", ".join(map(str, found))
     return f"{', '.join(map(str, found[:shown - 4]))}, ..., {', '.join(map(str, found[-4:]))} ({len(found)} divisors)"

@@ -93,7 +93,7 @@ def _allowed_experts(score: list[float], config: MoEConfig) -> list[int]:
     E, M = config.num_experts, config.group_topk
     if M is None:
         return list(range(E))
-    G = config.router_groups or config.parallel.expert
+    G = config.router_groups
     size = E // G
     if config.score_function == "softmax":
         top = max(score)

@@ -76,7 +76,7 @@ def add_bench_parser(commands: argparse._SubParsersAction, run_layer, run_step=N
     layer.add_argument("--exchange", choices=["counts", "padded", "token"], default="counts", help="with --ep > 1: "
                        "our layer's moe.exchange (token: each token sent once per destination rank; default counts)")
     layer.add_argument("--router-groups", type=positive_int, default=None, help="our layer's moe.router_groups "
-                       "(default: one group per EP rank)")
+                       "with --group-topk (default: --ep, one group per EP rank)")
     layer.add_argument("--threads", type=positive_int, default=2, help="torch.set_num_threads (default 2)")
     layer.add_argument("--seed", type=int, default=0)
     layer.add_argument("--ep", type=positive_int, default=1, help="expert-parallel ranks: starts N gloo "

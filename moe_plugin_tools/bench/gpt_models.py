@@ -57,10 +57,12 @@ class GPTSpec:
         router = {1: "switch", 2: "gshard"}.get(self.k)
         if router is None:
             raise ValueError(f"bench step compares top-1 or top-2 routing (DeepSpeed's MoE gates), got k={self.k}")
-        block = {"num_experts": self.experts, "router": router, "capacity_factor": self.capacity_factor,
-                 "eval_capacity_factor": self.capacity_factor, "min_capacity": self.min_capacity,
+        block = {"num_experts": self.experts, "router": router,
                  "drop_tokens": not self.dropless, "activation": "gelu", "aux_loss_coeff": self.aux_loss_coeff,
                  "layer_interval": self.moe_every, "parallel": {"expert": self.ep}}
+        if not self.dropless:      # dropless has no capacity: the block leaves its fields out
+            block.update(capacity_factor=self.capacity_factor, eval_capacity_factor=self.capacity_factor,
+                         min_capacity=self.min_capacity)
         if router == "gshard":
             block["second_expert_policy"] = "all"   # DeepSpeed has no GShard random routing (deepspeed_moe.py)
         return block

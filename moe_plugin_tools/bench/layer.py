@@ -85,8 +85,7 @@ class LayerBenchSpec:
 
     def moe_config(self, ep: int = 1) -> MoEConfig:
         router = {1: "switch", 2: "gshard"}.get(self.k, "topk")
-        block = {"num_experts": self.experts, "router": router, "capacity_factor": self.capacity_factor,
-                 "eval_capacity_factor": self.capacity_factor, "drop_tokens": not self.dropless,
+        block = {"num_experts": self.experts, "router": router, "drop_tokens": not self.dropless,
                  "activation": "gelu", "aux_loss_coeff": AUX_LOSS_COEFF, "parallel": {"expert": ep},
                  "recompute_fc1": self.recompute_pre_activation,
                  "overlap_chunks": self.overlap_chunks if ep > 1 else 1,
@@ -95,8 +94,12 @@ class LayerBenchSpec:
             block["second_expert_policy"] = "all"  # see deepspeed_moe.py
         if router == "topk":
             block["top_k"] = self.k
+        if not self.dropless:
+            block.update(capacity_factor=self.capacity_factor, eval_capacity_factor=self.capacity_factor)
         if self.group_topk is not None or self.router_groups is not None:
-            block.update(group_topk=self.group_topk, router_groups=self.router_groups)
+            # the bench's default (a bench at one EP size): one group per EP rank, written into the block
+            groups = self.router_groups if self.router_groups is not None or self.group_topk is None else ep
+            block.update(group_topk=self.group_topk, router_groups=groups)
         return MoEConfig.from_dict(block)
 
 
