@@ -250,7 +250,9 @@ def _bad_inputs(root: str) -> dict:
     finally:
         run.close()
     sigmoid = {**MOE, "router": "topk", "top_k": 2, "score_function": "sigmoid"}
+    grouped = {**MOE, "group_topk": 1, "router_groups": 2}
     for name, (directory, moe, hidden) in {"num_experts": (saved, {**MOE, "num_experts": 8}, HIDDEN),
+                                           "group_topk": (saved, grouped, HIDDEN),
                                            "hidden": (saved, MOE, 2 * HIDDEN),
                                            "missing": (broken, MOE, HIDDEN),
                                            "score_function": (saved, sigmoid, HIDDEN)}.items():
@@ -479,7 +481,9 @@ def test_bad_checkpoints_fail_clearly_and_change_nothing(results):
         assert "experts/expert_00003_pp_00.pt: missing" in r["missing"], r["missing"]
         assert "moe.score_function: 'softmax' in the checkpoint, 'sigmoid' in the model" in r["score_function"], \
             r["score_function"]
-        assert all(r[k + "-unchanged"] for k in ("num_experts", "hidden", "missing", "score_function"))
+        assert "moe.group_topk: None in the checkpoint, 1 in the model" in r["group_topk"], r["group_topk"]
+        assert "moe.router_groups: None in the checkpoint, 2 in the model" in r["group_topk"], r["group_topk"]
+        assert all(r[k + "-unchanged"] for k in ("num_experts", "hidden", "missing", "score_function", "group_topk"))
         assert r["older"] == SAVE_AT   # a checkpoint without the newer keys loads as their defaults
 
 

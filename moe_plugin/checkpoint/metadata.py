@@ -29,7 +29,7 @@ META_FILE, EXPERT_DIR, RNG_DIR, LATEST = "moe_plugin.json", "experts", "rng", "l
 # A key a checkpoint lacks (saved before the field existed) counts as its default, ``SINCE_DEFAULTS``.
 MODEL_KEYS = ("num_experts", "top_k", "router", "normalize_gates", "second_expert_policy", "activation",
               "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate", "layer_interval", "layers",
-              "score_function", "gate_scale")
+              "score_function", "gate_scale", "group_topk", "router_groups")
 SINCE_DEFAULTS = {"score_function": "softmax", "gate_scale": 1.0}
 # Which tokens a rank sees (and so its RNG streams: dropout, router noise) depends on these only.
 TOKEN_LAYOUT_KEYS = ("world_size", "tp", "pp", "dp", "order")
