@@ -28,6 +28,15 @@ dispatcher gives them): the chunks' row offsets are cut from one running sum on 
 Backends (chosen in ``expert_backend.py``): ``grouped_mm`` (torch's grouped GEMM with the chunk's
 int32 row offsets), ``bmm`` (the chunk's rows padded per expert to its largest count, one batched
 GEMM, the weight gradients too) or ``loop`` (one GEMM per expert over ``split``/``unbind`` views).
+
+Determinism: backward adds each row's input gradient to its token with ``index_add_`` (one call
+per chunk). A token routed to several experts of one chunk is a repeated index there; on CUDA
+``index_add_`` adds repeated rows by atomics in no fixed order, so the input gradient can differ
+in the last bits from run to run. Under ``torch.use_deterministic_algorithms(True)`` torch's
+``index_add_`` sorts the index instead (the route Megatron-Core's unpermute takes too): the
+layer is then deterministic on CUDA (``tests/test_deterministic.py`` checks every accumulating
+op a training step runs is one that mode makes deterministic). On CPU it always is.
+
 Not done: fusing the gather into the GEMM (the rows are a chunk-sized copy); the grouped weight
 gradient (``grouped_mm`` with two 2-D operands) returns a new tensor, not written in place.
 """
