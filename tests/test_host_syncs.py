@@ -269,6 +269,23 @@ def test_expert_chunks_copy_no_offsets_to_the_device():
         assert all(torch.equal(a, b) for a, b in zip(from_list, from_device))
 
 
+def test_row_ends_from_a_list_leave_pinned_memory_without_blocking(monkeypatch):
+    """The one copy a plain list costs: on an accelerator (here the meta device, ``pin_memory``
+    faked, as this machine has no accelerator to pin for) from pinned memory, not blocking; on the
+    CPU none; from device counts no copy at all."""
+    from moe_plugin.layers.ffn_autograd import row_ends
+
+    pinned, copies, to = [], [], torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self.tolist()) or self)
+    monkeypatch.setattr(torch.Tensor, "to",
+                        lambda self, *a, **k: copies.append(k.get("non_blocking")) or to(self, *a, **k))
+    ends_L = row_ends([3, 0, 2], torch.device("meta"))
+    assert (ends_L.device.type, ends_L.dtype, pinned, copies) == ("meta", torch.int32, [[3, 3, 5]], [True])
+    assert row_ends([3, 0, 2], torch.device("cpu")).tolist() == [3, 3, 5] and len(pinned) == 1
+    counts_L = torch.tensor([3, 0, 2], device="meta")
+    assert row_ends([3, 0, 2], torch.device("meta"), counts_L).device.type == "meta" and len(pinned) == 1
+
+
 # -- expert parallelism on 2 gloo ranks: one spawn for every case ----------------------------------
 # name -> (RankLayout.build sizes, router, drop, shadowed experts[, overlap_chunks[, exchange]])
 DIST_CASES = {
