@@ -165,6 +165,24 @@ def test_cli_layer_device_and_dtype_reach_the_record(capsys):
     assert record["device"] == "cpu" and record["dtype"] == "bfloat16"
 
 
+def test_cli_layer_deterministic_runs_under_torchs_mode_and_restores_it(capsys, monkeypatch):
+    """``--deterministic``: the layers run under ``torch.use_deterministic_algorithms(True)``
+    (seen from the experts' forward), the record says so, and the mode is off again afterwards."""
+    from moe_plugin.layers.experts import GroupedExperts
+
+    seen, forward = [], GroupedExperts.forward
+    monkeypatch.setattr(GroupedExperts, "forward", lambda self, *args: seen.append(
+        torch.are_deterministic_algorithms_enabled()) or forward(self, *args))
+    argv = ["bench", "layer", "--experts", "4", "--tokens", "64", "--hidden", "16", "--ffn", "32", "--iters", "1",
+            "--json"]
+    assert main(argv + ["--deterministic"]) == 0 and main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    records = [json.loads(line) for line in out if line.startswith("{")]    # not DeepSpeed's first log line
+    assert [r["deterministic"] for r in records] == [True, False]
+    assert seen and seen.count(True) == len(seen) // 2 and seen[0] and not seen[-1]
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--device", "cuda", "--dtype", "bf16"], "error: --device cuda: torch finds no cuda device on this machine"),
     (["--vs", "megatron"], "error: --vs megatron needs CUDA (Megatron-Core's MoELayer with grouped GEMM), "

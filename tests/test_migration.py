@@ -370,6 +370,31 @@ def test_check_placement_and_moved_bytes():
     assert moved_bytes([0, 1, 2, 3], [1, 2, 0, 3], 2, 10) == 20
 
 
+def test_a_rank_with_nothing_to_move_joins_on_the_accelerators_device(monkeypatch):
+    """A rank without a tensor of a dtype (a stage without MoE layers) still joins that dtype's
+    all-to-all: its empty buffers live on DeepSpeed's accelerator's device (NCCL takes no CPU
+    tensor), here a faked one; a rank with tensors uses theirs."""
+    import deepspeed.accelerator
+    from moe_plugin.placement.exchange import Pieces, exchange
+
+    class FakeAccelerator:
+        def current_device_name(self):
+            return "meta"
+
+    calls = []
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", FakeAccelerator)
+    monkeypatch.setattr(torch.distributed, "all_to_all_single",
+                        lambda out, inp, out_splits, in_splits: calls.append((out.device, inp.device, out.dtype)))
+    exchange(Pieces(), 2, [torch.float32, torch.bfloat16])
+    meta = torch.device("meta")
+    assert calls == [(meta, meta, torch.float32), (meta, meta, torch.bfloat16)]
+    calls.clear()
+    pieces = Pieces()
+    pieces.add_tensor(torch.zeros(4))
+    exchange(pieces, 2, [torch.float32])
+    assert calls == [(torch.device("cpu"), torch.device("cpu"), torch.float32)]
+
+
 # -- cost ------------------------------------------------------------------------------------------
 COST = dict(E=64, H=512, F=1024)
 

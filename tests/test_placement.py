@@ -410,3 +410,33 @@ def test_controller_switches_only_when_it_pays(dist_run, tmp_path):
     assert results[0]["costly"]["calls"] == []
     greedy_gain = {d["layer"]: d for d in results[0]["greedy_gain"]["checks"][1]}
     assert not greedy_gain["hot"]["switch"] and "min_gain" in greedy_gain["hot"]["reason"]
+
+
+class _FakeAccelerator:
+    """DeepSpeed's accelerator as a GPU's would answer (its device the meta device here)."""
+
+    def device_name(self):
+        return "cuda"
+
+    def current_device_name(self):
+        return "meta"
+
+
+def test_nccl_branches_take_the_accelerators_device(monkeypatch):
+    """Lines that run only on an accelerator, reached with a faked one: a collective of the load
+    tracker (or the controller's switch flag) over a non-gloo group with no counts of its own (a
+    stage without MoE layers) uses the accelerator's device, and the controller's default prices
+    on it are ``CostModel``'s defaults, not the CPU's."""
+    import deepspeed.accelerator
+    import torch.distributed as dist
+    from moe_plugin.integration.placement import _default_cost
+    from moe_plugin.placement.costs import CostModel
+    from moe_plugin.placement.tracking import collective_device
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", _FakeAccelerator)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert collective_device(None, {}) == torch.device("meta")
+    assert collective_device(None, {"x": torch.zeros(1)}) == torch.device("cpu")     # the counts' own
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert collective_device(None, {}) == torch.device("cpu")
+    assert _default_cost({"layer": object()}) == CostModel()

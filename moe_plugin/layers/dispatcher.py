@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from moe_plugin.layers.combine import gate_combine
+from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
 
 
@@ -56,7 +57,7 @@ class Dispatch:
 
     x_TH: Tensor
     plan: RoutingPlan
-    counts_L: list[int]      # rows per local expert, on the host
+    counts_L: RowCounts      # rows per local expert, on the host and on the device
 
 
 class TokenDispatcher:
@@ -74,11 +75,12 @@ class TokenDispatcher:
         host = torch.cat([plan.kept_D, flags.to(plan.kept_D.dtype)]).tolist()   # the one host sync
         if finite is not None:
             finite.verdict(host[D:], finite.group)
-        return Dispatch(x_TH, plan.kept(sum(host[:D])), host[:D])
+        return Dispatch(x_TH, plan.kept(sum(host[:D])), RowCounts(host[:D], plan.kept_D))
 
-    def to_experts(self, state: Dispatch) -> tuple[Tensor, Optional[Tensor], list[int]]:
+    def to_experts(self, state: Dispatch) -> tuple[Tensor, Optional[Tensor], RowCounts]:
         """(x_NH, gather_R, counts_L): the experts' rows are ``x_NH[gather_R]`` (``x_NH`` itself
-        when ``gather_R`` is None), grouped by local expert, ``counts_L`` rows each (on the host).
+        when ``gather_R`` is None), grouped by local expert, ``counts_L`` rows each (on the host
+        and on the device).
         Locally: the tokens and ``plan.token_R``; the local experts are the slots."""
         return state.x_TH, state.plan.token_R, state.counts_L
 

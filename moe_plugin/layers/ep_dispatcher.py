@@ -47,6 +47,7 @@ from torch import Tensor
 
 from moe_plugin.layers import comm
 from moe_plugin.layers.dispatcher import Dispatch, TokenDispatcher
+from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
 
@@ -142,7 +143,8 @@ class ExpertParallelDispatcher(TokenDispatcher):
             counts_GL = comm.exchange_counts(mine_QX, p.etp).view(-1, self.num_local)
         else:
             counts_GL = recv_PL
-        parts = [send_PL.sum(1), recv_PL.sum(1), counts_GL.view(p.etp_size, -1).sum(1), counts_GL.sum(0), flags_P]
+        counts_dev_L = counts_GL.sum(0)
+        parts = [send_PL.sum(1), recv_PL.sum(1), counts_GL.view(p.etp_size, -1).sum(1), counts_dev_L, flags_P]
         extras = ([send_PL.reshape(-1), recv_PL.reshape(-1)] if per_slot else []) + [from_peers_P]
         host = torch.cat([t.to(send_PL.dtype) for t in parts + extras + [extra_X] if t is not None])
         host = host.tolist()                                              # the one sync
@@ -150,10 +152,11 @@ class ExpertParallelDispatcher(TokenDispatcher):
         if finite is not None:
             finite.verdict(flags, flag_group)                             # before any row leaves
         sort_R, unsort_R = source_to_expert_order(counts_GL, total=sum(etp))
-        return dict(traffic_PD=traffic_PD, send_splits=send, recv_splits=recv, etp_splits=etp, counts_L=counts_L,
+        return dict(traffic_PD=traffic_PD, send_splits=send, recv_splits=recv, etp_splits=etp,
+                    counts_L=RowCounts(counts_L, counts_dev_L),
                     sort_R=sort_R, unsort_R=unsort_R), extra
 
-    def to_experts(self, state: Exchange) -> tuple[Tensor, Tensor, Tensor]:
+    def to_experts(self, state: Exchange) -> tuple[Tensor, Tensor, RowCounts]:
         p = self.parallel
         x_RH = comm.all_to_all(state.x_TH.index_select(0, state.plan.token_R), state.recv_splits,
                                state.send_splits, p.ep)

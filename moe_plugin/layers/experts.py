@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from moe_plugin.configs.schema import ExpertsBackend
 from moe_plugin.layers import comm
 from moe_plugin.layers.expert_backend import check_backend, choose_backend
-from moe_plugin.layers.ffn_autograd import GradStore, expert_ffn
+from moe_plugin.layers.ffn_autograd import GradStore, RowCounts, expert_ffn
 from moe_plugin.layers.init import seeded_generator
 
 EXPERT_STREAM = 2
@@ -143,9 +143,10 @@ class GroupedExperts(nn.Module):
         _, hidden, width = self.weight1.shape
         return choose_backend(self.backend, x_RH.device, x_RH.dtype, (hidden, width, self.weight2.shape[1]))
 
-    def forward(self, x_RH: Tensor, counts_L: list[int] | Tensor, gather_R: Optional[Tensor] = None) -> Tensor:
-        """Rows of ``x_RH`` grouped by local expert, ``counts_L`` rows each (a list, as the
-        dispatchers give it; a tensor costs a host sync) -> [R, H], input dtype
+    def forward(self, x_RH: Tensor, counts_L: RowCounts | list[int] | Tensor,
+                gather_R: Optional[Tensor] = None) -> Tensor:
+        """Rows of ``x_RH`` grouped by local expert, ``counts_L`` rows each (``RowCounts``, as the
+        dispatchers give them; a list costs a host-to-device copy, a tensor a host sync) -> [R, H], input dtype
         (a partial sum over the F-shards when expert-tensor-parallel). With ``gather_R`` the rows
         are ``x_RH[gather_R]`` (e.g. the tokens and ``plan.token_R``): gathered chunk by chunk
         and again in backward, never kept whole (``ffn_autograd.py``)."""
@@ -159,11 +160,11 @@ class GroupedExperts(nn.Module):
         ``split`` each: their gradients are joined once in backward)."""
         return list(zip(self.weight1.to(dtype).split(sizes), self.weight2.to(dtype).split(sizes)))
 
-    def ffn(self, x_RH: Tensor, counts_L: list[int] | Tensor, gather_R: Optional[Tensor], w1_LHF: Tensor,
+    def ffn(self, x_RH: Tensor, counts_L: RowCounts | list[int] | Tensor, gather_R: Optional[Tensor], w1_LHF: Tensor,
             w2_LFH: Tensor, own_grads: bool = False) -> Tensor:
         """``forward`` with given weights (all local experts, or a group of them, ``counts_L`` rows
         each); ``own_grads``: they are the parameters themselves (``ffn_autograd.expert_ffn``)."""
-        counts = counts_L if isinstance(counts_L, list) else counts_L.tolist()
+        counts = counts_L if isinstance(counts_L, (list, RowCounts)) else RowCounts(counts_L.tolist(), counts_L)
         return expert_ffn(x_RH, w1_LHF, w2_LFH, counts, self.act, self.pick_backend(x_RH), gather_R,
                           save_pre=not self.recompute_pre_activation, grad_scale=self.grad_scale,
                           grad_stores=self._grad_stores if own_grads else None)

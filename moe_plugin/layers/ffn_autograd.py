@@ -22,17 +22,28 @@ step. The weight gradients are written per expert into the full [L, H, F1] / [L,
 gradients (``torch.mm(out=...)``: no copy) and scaled there by ``grad_scale`` (in place: a
 separate scaling step would allocate a second copy of the weight gradients); on CPU their
 storage is kept for the next backward where it is large and free (``GradStore``). One host sync:
-``counts`` is a Python list.
+``counts`` is a Python list. No host-to-device copy when the counts come as ``RowCounts`` (as every
+dispatcher gives them): the chunks' row offsets are cut from one running sum on the device.
 
 Backends (chosen in ``expert_backend.py``): ``grouped_mm`` (torch's grouped GEMM with the chunk's
 int32 row offsets), ``bmm`` (the chunk's rows padded per expert to its largest count, one batched
 GEMM, the weight gradients too) or ``loop`` (one GEMM per expert over ``split``/``unbind`` views).
+
+Determinism: backward adds each row's input gradient to its token with ``index_add_`` (one call
+per chunk). A token routed to several experts of one chunk is a repeated index there; on CUDA
+``index_add_`` adds repeated rows by atomics in no fixed order, so the input gradient can differ
+in the last bits from run to run. Under ``torch.use_deterministic_algorithms(True)`` torch's
+``index_add_`` sorts the index instead (the route Megatron-Core's unpermute takes too): the
+layer is then deterministic on CUDA (``tests/test_deterministic.py`` checks every accumulating
+op a training step runs is one that mode makes deterministic). On CPU it always is.
+
 Not done: fusing the gather into the GEMM (the rows are a chunk-sized copy); the grouped weight
 gradient (``grouped_mm`` with two 2-D operands) returns a new tensor, not written in place.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Optional
 
 import torch
@@ -83,6 +94,19 @@ def _held_elsewhere(buf: Tensor) -> bool:
 
 
 @dataclass(frozen=True)
+class RowCounts:
+    """Rows per local expert, twice: ``host`` (read in the layer's one host sync: the chunks are
+    cut there) and ``device_L`` (the integer tensor they were read from, on the rows' device:
+    the chunks' row offsets are built from it, with no host-to-device copy)."""
+
+    host: list[int]
+    device_L: Tensor
+
+    def __getitem__(self, experts: slice) -> "RowCounts":
+        return RowCounts(self.host[experts], self.device_L[experts])
+
+
+@dataclass(frozen=True)
 class Chunk:
     """Experts ``[l0, l1)`` and their rows ``[r0, r1)``; ``offs`` the int32 row offsets within."""
 
@@ -94,17 +118,27 @@ class Chunk:
     offs: Tensor
 
 
+def row_ends(counts: list[int], device: torch.device, counts_L: Optional[Tensor] = None) -> Tensor:
+    """[L] int32: where each expert's rows end, on ``device``. From ``counts_L`` (the same numbers
+    on the device) with no copy; else one copy of ``counts``' running sum, which on an accelerator
+    leaves pinned host memory without blocking the host (the only host-to-device copy here)."""
+    if counts_L is not None and counts_L.device == device:
+        return counts_L.cumsum(0, dtype=torch.int32)
+    ends_L = torch.tensor(list(accumulate(counts)), dtype=torch.int32)
+    return ends_L if device.type == "cpu" else ends_L.pin_memory().to(device, non_blocking=True)
+
+
 def expert_chunks(counts: list[int], row_bytes: int, chunk_bytes: int = CHUNK_BYTES,
-                  device: torch.device = torch.device("cpu")) -> list[Chunk]:
+                  device: torch.device = torch.device("cpu"), counts_L: Optional[Tensor] = None) -> list[Chunk]:
     """Consecutive experts grouped until their rows reach ``chunk_bytes`` (``row_bytes`` each);
-    an expert with more rows forms a chunk alone. Experts with no rows join a chunk too."""
+    an expert with more rows forms a chunk alone. Experts with no rows join a chunk too. The
+    offsets of every chunk are cut from one tensor of row ends (``row_ends``), built once."""
     chunks, l0, r0, rows = [], 0, 0, 0
+    ends_L = row_ends(counts, device, counts_L) if counts else None
     for l, n in enumerate(counts):
         rows += n
         if rows * row_bytes >= chunk_bytes or l == len(counts) - 1:
-            part = counts[l0:l + 1]
-            offs = torch.tensor(part, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
-            chunks.append(Chunk(l0, l + 1, r0, r0 + rows, part, offs))
+            chunks.append(Chunk(l0, l + 1, r0, r0 + rows, counts[l0:l + 1], ends_L[l0:l + 1] - r0))
             l0, r0, rows = l + 1, r0 + rows, 0
     return chunks
 
@@ -234,22 +268,24 @@ def _rows(x_NH: Tensor, gather_R: Optional[Tensor], chunk: Chunk) -> Tensor:
     return x_NH.index_select(0, gather_R[chunk.r0:chunk.r1])
 
 
-def expert_ffn(x_NH: Tensor, w1_LHF1: Tensor, w2_LFH: Tensor, counts: list[int], act: Callable[[Tensor], Tensor],
-               backend: str, gather_R: Optional[Tensor] = None, *, save_pre: bool = False,
-               grad_scale: float = 1.0, chunk_bytes: int = CHUNK_BYTES,
+def expert_ffn(x_NH: Tensor, w1_LHF1: Tensor, w2_LFH: Tensor, counts: list[int] | RowCounts,
+               act: Callable[[Tensor], Tensor], backend: str, gather_R: Optional[Tensor] = None, *,
+               save_pre: bool = False, grad_scale: float = 1.0, chunk_bytes: int = CHUNK_BYTES,
                grad_stores: Optional[tuple[GradStore, GradStore]] = None) -> Tensor:
-    """``y_RH`` of the module docstring; ``counts`` rows per local expert (a list: the chunks
-    are cut on the host). ``save_pre`` keeps the pre-activation (R * F1 values) instead of
-    recomputing it in backward; ``grad_scale`` multiplies the weight gradients;
+    """``y_RH`` of the module docstring; ``counts`` rows per local expert (on the host: the chunks
+    are cut there; a ``RowCounts`` also brings them on the device, a plain list costs one
+    host-to-device copy of their running sum). ``save_pre`` keeps the pre-activation (R * F1
+    values) instead of recomputing it in backward; ``grad_scale`` multiplies the weight gradients;
     ``grad_stores`` hold the storage of the two weight gradients between backwards
     (``GradStore``; pass them only when ``w1_LHF1`` and ``w2_LFH`` are the parameters
     themselves, so the gradients returned are the parameters' ``.grad``)."""
+    counts, counts_L = (counts.host, counts.device_L) if isinstance(counts, RowCounts) else (counts, None)
     if len(counts) != w1_LHF1.shape[0]:
         raise ValueError(f"{len(counts)} expert row counts for {w1_LHF1.shape[0]} local experts")
     rows = sum(counts)
     available = x_NH.shape[0] if gather_R is None else gather_R.numel()
     if rows != available:
         raise ValueError(f"expert row counts sum to {rows} but {available} rows were given")
-    chunks = expert_chunks(counts, w1_LHF1.shape[-1] * x_NH.element_size(), chunk_bytes, x_NH.device)
+    chunks = expert_chunks(counts, w1_LHF1.shape[-1] * x_NH.element_size(), chunk_bytes, x_NH.device, counts_L)
     return ExpertFFN.apply(x_NH.contiguous(), w1_LHF1, w2_LFH, gather_R, chunks, act, backend, save_pre,
                            grad_scale, grad_stores)

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from moe_plugin.layers.combine import gate_combine
 from moe_plugin.layers.ep_dispatcher import Exchange, source_to_expert_order
+from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
 from moe_plugin.layers.shadow import ShadowExperts, ShadowingDispatcher
@@ -57,7 +58,7 @@ class ExchangeChunk:
     l1: int
     send_splits: list[int]   # [P] rows to each EP peer
     recv_splits: list[int]   # [P] rows from each EP peer
-    counts_L: list[int]      # rows per local expert of the chunk
+    counts_L: RowCounts      # rows per local expert of the chunk
     sort_R: Tensor           # the chunk's received (sender, expert) order -> (expert, sender) order
     unsort_R: Tensor         # its inverse
 
@@ -78,21 +79,20 @@ def chunk_bounds(num_local: int, n: int) -> list[tuple[int, int]]:
     return [(s, s + size) for s, size in zip(starts, sizes)]
 
 
-def chunked(state: Exchange, n: int, send_PL: list[int], recv_PL: list[int]) -> ChunkedExchange:
+def chunked(state: Exchange, n: int, send_PL: list[int], recv_PL: list[int], recv_dev_PL: Tensor) -> ChunkedExchange:
     """``state`` cut into ``n`` chunks; ``send_PL`` / ``recv_PL``: the rows to / from each peer
-    per local slot, read on the host in the layer's one sync. No host sync here."""
+    per local slot, read on the host in the layer's one sync, ``recv_dev_PL`` [P, L] the latter
+    on the device. No host sync and no host-to-device copy here."""
     P = len(state.send_splits)
     L = len(send_PL) // P
     device = state.plan.kept_D.device
-    recv_PL_t = torch.tensor(recv_PL, dtype=torch.long, device=device).view(P, L)
     chunks, chunk_L = [], torch.empty(L, dtype=torch.long, device=device)
     for i, (l0, l1) in enumerate(chunk_bounds(L, n)):
         chunk_L[l0:l1] = i
         send = [sum(send_PL[p * L + l0:p * L + l1]) for p in range(P)]
         recv = [sum(recv_PL[p * L + l0:p * L + l1]) for p in range(P)]
-        counts = [sum(recv_PL[p * L + l] for p in range(P)) for l in range(l0, l1)]
-        sort_R, unsort_R = source_to_expert_order(recv_PL_t[:, l0:l1], total=sum(recv))
-        chunks.append(ExchangeChunk(l0, l1, send, recv, counts, sort_R, unsort_R))
+        sort_R, unsort_R = source_to_expert_order(recv_dev_PL[:, l0:l1], total=sum(recv))
+        chunks.append(ExchangeChunk(l0, l1, send, recv, state.counts_L[l0:l1], sort_R, unsort_R))
     order_R = torch.sort(chunk_L[state.plan.slot_R() % L], stable=True).indices
     unorder_R = torch.empty_like(order_R)
     unorder_R[order_R] = torch.arange(order_R.numel(), device=device)
@@ -192,8 +192,9 @@ class ChunkedDispatcher(ShadowingDispatcher):
             return super().prepare(x_TH, plan, finite)
         layout, slots = self.layout(plan.kept_D, finite, per_slot=True)
         state = Exchange(x_TH, plan.kept(sum(layout["send_splits"])), **layout)
-        n = len(slots) // 2
-        return chunked(state, self.chunks, slots[:n], slots[n:])
+        n, L, rank = len(slots) // 2, self.num_local, self.parallel.ep_rank
+        recv_dev_PL = state.traffic_PD[:, rank * L:(rank + 1) * L]      # nothing shadowed: what each peer sends
+        return chunked(state, self.chunks, slots[:n], slots[n:], recv_dev_PL)
 
     def overlapped(self, state: ChunkedExchange, experts: "GroupedExperts",
                    shared: Optional["SharedExpert"] = None) -> Tensor:

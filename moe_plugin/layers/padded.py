@@ -52,6 +52,7 @@ from moe_plugin.configs.errors import ConfigError
 from moe_plugin.configs.schema import ROOT_KEY, MoEConfig
 from moe_plugin.layers import comm
 from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher, cut, source_to_expert_order
+from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
 
@@ -148,7 +149,8 @@ class PaddedDispatcher(ExpertParallelDispatcher):
         else:
             flags_P = finite.flags() if finite is not None else recv_PL.new_zeros(0)
             flag_group = finite.group if finite is not None else None
-        parts = [plan.kept_D.view(P, L).sum(1), recv_PL.sum(1), recv_PL.sum(0), flags_P]
+        counts_dev_L = recv_PL.sum(0)
+        parts = [plan.kept_D.view(P, L).sum(1), recv_PL.sum(1), counts_dev_L, flags_P]
         host = torch.cat([t.to(recv_PL.dtype) for t in parts]).tolist()      # the one sync
         send, recv, counts_L, flags, _ = cut(host, P, P, L, flags_P.numel())
         if finite is not None:
@@ -160,10 +162,10 @@ class PaddedDispatcher(ExpertParallelDispatcher):
         shift_R = torch.repeat_interleave((padded_PL - compact_PL).view(-1), recv_PL.view(-1), output_size=total)
         gather_R = (torch.arange(total, device=recv_PL.device) + shift_R)[sort_R]
         return PaddedExchange(x_TH, plan.kept(sum(send)), traffic_PD=None, send_splits=send, recv_splits=recv,
-                              etp_splits=[total], counts_L=counts_L, sort_R=sort_R, unsort_R=unsort_R,
-                              recv_NH=recv_NH, gather_R=gather_R)
+                              etp_splits=[total], counts_L=RowCounts(counts_L, counts_dev_L), sort_R=sort_R,
+                              unsort_R=unsort_R, recv_NH=recv_NH, gather_R=gather_R)
 
-    def to_experts(self, state: Exchange) -> tuple[Tensor, Tensor, list[int]]:
+    def to_experts(self, state: Exchange) -> tuple[Tensor, Tensor, RowCounts]:
         if not isinstance(state, PaddedExchange):           # ``auto`` fell back to counts
             return super().to_experts(state)
         return state.recv_NH, state.gather_R, state.counts_L

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from moe_plugin.layers.combine import gate_combine
 from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher, cut
-from moe_plugin.layers.ffn_autograd import expert_ffn
+from moe_plugin.layers.ffn_autograd import RowCounts, expert_ffn
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan, stable_partition
 
@@ -55,7 +55,8 @@ class ShadowRoutes:
     """This rank's kept routes to shadowed experts, grouped by expert in slot order."""
 
     slots: list[int]       # [D] the shadowed experts' slots, ascending
-    counts: list[int]      # [D] routes per shadowed expert
+    slot_X: Tensor         # the same slots on the device
+    counts: RowCounts      # [D] routes per shadowed expert
     token_R: Tensor        # token of each route
     gate_R: Tensor         # its gate (differentiable)
     route_R: Tensor        # its route id
@@ -68,15 +69,15 @@ class ShadowExchange(Exchange):
     shadowed: ShadowRoutes
 
 
-def split_routes(plan: RoutingPlan, shadow_D: Tensor, slots: list[int],
-                 counts: list[int]) -> tuple[RoutingPlan, ShadowRoutes]:
+def split_routes(plan: RoutingPlan, shadow_D: Tensor, slots: list[int], slot_X: Tensor,
+                 counts: RowCounts) -> tuple[RoutingPlan, ShadowRoutes]:
     """``plan`` (kept routes sorted by slot) -> the plan of the exchanged routes (``kept_D`` zero
     at shadowed slots) and the routes to shadowed experts, ``counts[i]`` of them to slot
-    ``slots[i]`` (ascending; read on the host with the exchange's counts). No host sync."""
+    ``slots[i]`` (ascending; read on the host with the exchange's counts from ``slot_X``). No host sync."""
     slot_R = plan.slot_R()
     order_R = stable_partition(torch.arange(slot_R.numel(), device=slot_R.device), shadow_D[slot_R])
-    shadowed_R, exchanged_R = order_R[:sum(counts)], order_R[sum(counts):]
-    routes = ShadowRoutes(slots=slots, counts=counts, token_R=plan.token_R[shadowed_R],
+    shadowed_R, exchanged_R = order_R[:sum(counts.host)], order_R[sum(counts.host):]
+    routes = ShadowRoutes(slots=slots, slot_X=slot_X, counts=counts, token_R=plan.token_R[shadowed_R],
                           gate_R=plan.gate_R[shadowed_R], route_R=plan.route_R[shadowed_R])
     exchanged = RoutingPlan(num_tokens=plan.num_tokens, k=plan.k, route_R=plan.route_R[exchanged_R],
                             token_R=plan.token_R[exchanged_R], gate_R=plan.gate_R[exchanged_R], kept_E=plan.kept_E,
@@ -89,27 +90,35 @@ class ShadowWeights(torch.autograd.Function):
     """Forward: the D shadowed experts' weights on every rank of ``group`` (module docstring, 2).
     Backward: their gradients summed over ``group``; the owner gets its rows (5).
 
-    ``owned``: (position in the D, local index) of the shadowed experts this rank owns."""
+    ``slot_X`` [D]: the shadowed experts' slots on the device; this rank owns slots
+    ``[first_slot, first_slot + L)``, and ``owns`` says whether any of them is shadowed (known
+    on the host). Which rows are this rank's is found on the device: no index list is copied
+    to it."""
 
     @staticmethod
-    def forward(ctx, w1_LHF1: Tensor, w2_LFH: Tensor, owned: list[tuple[int, int]], n: int,
+    def forward(ctx, w1_LHF1: Tensor, w2_LFH: Tensor, slot_X: Tensor, first_slot: int, owns: bool,
                 group: Optional[dist.ProcessGroup]):
-        _, H, F1 = w1_LHF1.shape
-        F = w2_LFH.shape[1]
-        buf_DX = w1_LHF1.new_zeros(n, H * F1 + F * H)
-        if owned:
-            pos, local = (torch.tensor(v, dtype=torch.long, device=w1_LHF1.device) for v in zip(*owned))
-            buf_DX[pos] = torch.cat([w1_LHF1[local].reshape(len(owned), -1),
-                                     w2_LFH[local].reshape(len(owned), -1)], dim=1)
+        L, H, F1 = w1_LHF1.shape
+        F, n = w2_LFH.shape[1], slot_X.numel()
+        local_X = slot_X - first_slot
+        mine_X = (local_X >= 0) & (local_X < L)
+        if owns:
+            pick_X = local_X.clamp(0, L - 1)
+            buf_DX = torch.cat([w1_LHF1[pick_X].reshape(n, -1), w2_LFH[pick_X].reshape(n, -1)], dim=1)
+            buf_DX.masked_fill_(~mine_X[:, None], 0)
+        else:
+            buf_DX = w1_LHF1.new_zeros(n, H * F1 + F * H)
         if group is not None:
             dist.all_reduce(buf_DX, group=group)
-        ctx.owned, ctx.group, ctx.shapes = owned, group, (w1_LHF1.shape, w2_LFH.shape)
+        ctx.save_for_backward(torch.where(mine_X, local_X, L))     # row L: a spare for the others
+        ctx.owns, ctx.group, ctx.shapes = owns, group, (w1_LHF1.shape, w2_LFH.shape)
         return (buf_DX[:, :H * F1].reshape(n, H, F1).contiguous(),
                 buf_DX[:, H * F1:].reshape(n, F, H).contiguous())
 
     @staticmethod
     def backward(ctx, grad_w1_DHF1: Optional[Tensor], grad_w2_DFH: Optional[Tensor]):
         (L, H, F1), (_, F, _) = ctx.shapes
+        (row_X,) = ctx.saved_tensors
         n = len(grad_w1_DHF1) if grad_w1_DHF1 is not None else len(grad_w2_DFH)
         parts = [g.reshape(n, -1) if g is not None else None for g in (grad_w1_DHF1, grad_w2_DFH)]
         ref = next(p for p in parts if p is not None)
@@ -117,23 +126,20 @@ class ShadowWeights(torch.autograd.Function):
         buf_DX = torch.cat(parts, dim=1)
         if ctx.group is not None:
             dist.all_reduce(buf_DX, group=ctx.group)
-        if not ctx.owned:
-            return None, None, None, None, None
-        pos, local = (torch.tensor(v, dtype=torch.long, device=buf_DX.device) for v in zip(*ctx.owned))
-        grad_w1 = buf_DX.new_zeros(L, H, F1)
-        grad_w2 = buf_DX.new_zeros(L, F, H)
-        grad_w1[local] = buf_DX[pos, :H * F1].reshape(-1, H, F1)
-        grad_w2[local] = buf_DX[pos, H * F1:].reshape(-1, F, H)
-        return grad_w1, grad_w2, None, None, None
+        if not ctx.owns:
+            return None, None, None, None, None, None
+        grad_w1 = buf_DX.new_zeros(L + 1, H * F1).index_copy_(0, row_X, buf_DX[:, :H * F1])[:L].view(L, H, F1)
+        grad_w2 = buf_DX.new_zeros(L + 1, F * H).index_copy_(0, row_X, buf_DX[:, H * F1:])[:L].view(L, F, H)
+        return grad_w1, grad_w2, None, None, None, None
 
 
-def shadow_weights(w1_LHF1: Tensor, w2_LFH: Tensor, slots: list[int], first_slot: int,
+def shadow_weights(w1_LHF1: Tensor, w2_LFH: Tensor, slots: list[int], slot_X: Tensor, first_slot: int,
                    group: Optional[dist.ProcessGroup]) -> tuple[Tensor, Tensor]:
-    """[D, H, F1] and [D, F, H]: the weights of the experts in ``slots`` (ascending), from their
-    owners; this rank owns slots ``[first_slot, first_slot + L)``."""
+    """[D, H, F1] and [D, F, H]: the weights of the experts in ``slots`` (ascending; ``slot_X``
+    on the device), from their owners; this rank owns slots ``[first_slot, first_slot + L)``."""
     L = w1_LHF1.shape[0]
-    owned = [(j, s - first_slot) for j, s in enumerate(slots) if first_slot <= s < first_slot + L]
-    return ShadowWeights.apply(w1_LHF1, w2_LFH, owned, len(slots), group)
+    owns = any(first_slot <= s < first_slot + L for s in slots)
+    return ShadowWeights.apply(w1_LHF1, w2_LFH, slot_X, first_slot, owns, group)
 
 
 class ShadowExperts:
@@ -144,6 +150,7 @@ class ShadowExperts:
         self.experts = experts
         self.group = group
         self.expert_ids: tuple[int, ...] = ()
+        self._ids_X: Optional[Tensor] = None      # the ids on the placement's device, made once per ``set``
 
     def set(self, expert_ids) -> None:
         """Shadow these experts (global ids; empty: none). The same on every EP rank."""
@@ -153,11 +160,14 @@ class ShadowExperts:
         if len(ids) != len(given) or any(not 0 <= e < E for e in ids):
             raise ValueError(f"shadowed experts must be distinct ids in 0..{E - 1}, got {given}")
         self.expert_ids = tuple(ids)
+        self._ids_X = None
 
     def slots(self) -> tuple[Tensor, Tensor]:
         """([D] bool: the slots that hold a shadowed expert, those slots ascending)."""
         placement_E = self.experts.placement
-        slot_X = torch.sort(placement_E[list(self.expert_ids)]).values
+        if self._ids_X is None or self._ids_X.device != placement_E.device:
+            self._ids_X = torch.tensor(self.expert_ids, dtype=torch.long, device=placement_E.device)
+        slot_X = torch.sort(placement_E[self._ids_X]).values
         shadow_D = torch.zeros(placement_E.numel(), dtype=torch.bool, device=placement_E.device)
         shadow_D[slot_X] = True
         return shadow_D, slot_X
@@ -167,7 +177,7 @@ class ShadowExperts:
         weights, fetched from their owners (module docstring, 2-3) -> [R, H]."""
         e = self.experts
         w1_DHF1, w2_DFH = shadow_weights(e.weight1.to(x_TH.dtype), e.weight2.to(x_TH.dtype), routes.slots,
-                                         e.first_slot, self.group)
+                                         routes.slot_X, e.first_slot, self.group)
         return expert_ffn(x_TH, w1_DHF1, w2_DFH, routes.counts, e.act, e.pick_backend(x_TH), routes.token_R,
                           save_pre=not e.recompute_pre_activation, grad_scale=e.grad_scale)
 
@@ -184,10 +194,11 @@ class ShadowingDispatcher(ExpertParallelDispatcher):
         if not self.shadow.expert_ids:
             return super().prepare(x_TH, plan, finite)
         shadow_D, slot_X = self.shadow.slots()
-        layout, host = self.layout(plan.kept_D, finite, shadow_D, torch.cat([slot_X, plan.kept_D[slot_X]]))
+        counts_X = plan.kept_D[slot_X]
+        layout, host = self.layout(plan.kept_D, finite, shadow_D, torch.cat([slot_X, counts_X]))
         slots, counts = cut(host, slot_X.numel())
         plan = plan.kept(sum(layout["send_splits"]) + sum(counts))
-        exchanged, shadowed = split_routes(plan, shadow_D, slots, counts)
+        exchanged, shadowed = split_routes(plan, shadow_D, slots, slot_X, RowCounts(counts, counts_X))
         return ShadowExchange(x_TH, exchanged, **layout, shadowed=shadowed)
 
     def combine(self, y_RH: Tensor, state: Exchange) -> Tensor:

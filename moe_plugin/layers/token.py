@@ -52,6 +52,7 @@ from torch import Tensor
 
 from moe_plugin.layers import comm
 from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher
+from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.padded import header_digits
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
@@ -113,14 +114,14 @@ class TokenExchangeDispatcher(ExpertParallelDispatcher):
         return TokenExchange(x_TH, plan, row_send=row_send, row_recv=row_recv, send_UX=send_UX, back_R=back_R,
                              **layout)
 
-    def to_experts(self, state: TokenExchange) -> tuple[Tensor, Tensor, list[int]]:
+    def to_experts(self, state: TokenExchange) -> tuple[Tensor, Tensor, RowCounts]:
         H, L = state.x_TH.shape[1], self.num_local
         recv_UX = comm.all_to_all(state.send_UX, state.row_recv, state.row_send, self.parallel.ep)
         bits = mask_bits(recv_UX.dtype)
         l_L = torch.arange(L, device=recv_UX.device)
         mask_UY = recv_UX[:, H:].detach().long()
         goes_LU = ((mask_UY[:, l_L // bits] >> (l_L % bits)) & 1).t().reshape(-1)
-        gather_R = torch.nonzero_static(goes_LU, size=sum(state.counts_L)).view(-1) % recv_UX.shape[0]
+        gather_R = torch.nonzero_static(goes_LU, size=sum(state.counts_L.host)).view(-1) % recv_UX.shape[0]
         return recv_UX[:, :H], gather_R, state.counts_L
 
     def from_experts(self, y_RH: Tensor, state: TokenExchange) -> Tensor:

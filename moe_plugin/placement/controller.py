@@ -48,7 +48,7 @@ from moe_plugin.configs.schema import PlacementConfig
 from moe_plugin.layers.moe_layer import MoELayer, moe_layers
 from moe_plugin.placement import policies
 from moe_plugin.placement.costs import CostModel, hottest, should_switch
-from moe_plugin.placement.tracking import LoadTracker, WindowLoad
+from moe_plugin.placement.tracking import LoadTracker, WindowLoad, collective_device
 
 logger = logging.getLogger("moe_plugin.placement")
 
@@ -285,10 +285,7 @@ class PlacementController:
         pp = self.groups.pp if self.groups is not None else None
         if pp is None:
             return mine
-        flag = torch.tensor([int(mine)], dtype=torch.int64)
-        if dist.get_backend(pp) != "gloo":
-            from deepspeed.accelerator import get_accelerator
-            flag = flag.to(get_accelerator().current_device_name())
+        flag = torch.tensor([int(mine)], dtype=torch.int64, device=collective_device(pp, {}))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pp)
         return bool(flag.item())
 

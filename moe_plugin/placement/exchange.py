@@ -7,7 +7,9 @@ are, in order, the pieces q receives from p, with equal lengths. ``exchange`` th
 piece bound for every peer into one buffer per dtype, runs one uneven ``all_to_all_single``
 over the whole job per dtype (ranks that share nothing send and receive zero elements; a piece
 sent to oneself goes through the same call), and copies what arrived into place. All sends are
-packed before anything is written, so a tensor may be both a source and a destination.
+packed before anything is written, so a tensor may be both a source and a destination. A rank
+with no tensor at all (a pipeline stage without MoE layers) joins with empty buffers on the
+accelerator's device.
 """
 from __future__ import annotations
 
@@ -61,6 +63,13 @@ def exchange(pieces: Pieces, world_size: int, dtypes: list[torch.dtype]) -> None
         _exchange_one_dtype(pieces.tensors, sends, recvs, world_size, dtype)
 
 
+def accelerator_device() -> torch.device:
+    """Where a rank with no tensor to move puts its (empty) buffers: DeepSpeed's accelerator's
+    current device, the one the job's backend takes (NCCL refuses CPU tensors)."""
+    from deepspeed.accelerator import get_accelerator
+    return torch.device(get_accelerator().current_device_name())
+
+
 def _by_peer(items: list[Piece], world_size: int) -> dict[int, list[Piece]]:
     out: dict[int, list[Piece]] = defaultdict(list)
     for p in items:  # stable: the list order within each peer
@@ -72,7 +81,7 @@ def _by_peer(items: list[Piece], world_size: int) -> dict[int, list[Piece]]:
 
 def _exchange_one_dtype(tensors: list[Tensor], sends: list[Piece], recvs: list[Piece], world_size: int,
                         dtype: torch.dtype) -> None:
-    device = tensors[0].device if tensors else torch.device("cpu")
+    device = tensors[0].device if tensors else accelerator_device()
     send_by, recv_by = _by_peer(sends, world_size), _by_peer(recvs, world_size)
     in_splits = [sum(p.length for p in send_by.get(r, [])) for r in range(world_size)]
     out_splits = [sum(p.length for p in recv_by.get(r, [])) for r in range(world_size)]

@@ -82,7 +82,7 @@ class _Ring:
         return min(self.count, self.values.shape[0])
 
 
-def _collective_device(group: dist.ProcessGroup, tensors: dict[str, Tensor]) -> torch.device:
+def collective_device(group: dist.ProcessGroup, tensors: dict[str, Tensor]) -> torch.device:
     """Where a tensor for a collective over ``group`` lives: the counts' device, else the
     accelerator's for a backend other than gloo (a stage without MoE layers)."""
     if tensors:
@@ -253,7 +253,7 @@ class LoadTracker:
             mine[at:at + E] = routed[n].cpu()
             mine[at + E:at + E * (1 + P)] = traffic[n].cpu().flatten()
             at += E * (1 + P)
-        mine = mine.to(_collective_device(self.groups.pp, traffic))
+        mine = mine.to(collective_device(self.groups.pp, traffic))
         rank = dist.get_rank()
         gathered = [torch.zeros_like(mine) for _ in stages] if rank == 0 else None
         dist.gather(mine, gathered, dst=0, group=self.groups.pp)

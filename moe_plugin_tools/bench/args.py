@@ -78,6 +78,8 @@ def add_bench_parser(commands: argparse._SubParsersAction, run_layer, run_step=N
     layer.add_argument("--router-groups", type=positive_int, default=None, help="our layer's moe.router_groups "
                        "with --group-topk (default: --ep, one group per EP rank)")
     layer.add_argument("--threads", type=positive_int, default=2, help="torch.set_num_threads (default 2)")
+    layer.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True) "
+                       "while the layers run (what a reproducible GPU run sets; its cost here)")
     layer.add_argument("--seed", type=int, default=0)
     layer.add_argument("--ep", type=positive_int, default=1, help="expert-parallel ranks: starts N gloo "
                        "processes (or is one rank under a launcher); --tokens is per rank (default 1)")

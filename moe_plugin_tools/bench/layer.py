@@ -75,6 +75,7 @@ class LayerBenchSpec:
     router_groups: Optional[int] = None
     group_topk: Optional[int] = None
     exchange: str = "counts"
+    deterministic: bool = False
     seed: int = 0
     device: str = "cpu"
     dtype: str = "fp32"
@@ -159,7 +160,16 @@ class Ranks:
 def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
     """Time and measure one configuration; returns the JSON record (see docs/benchmarks.md).
     With ``ranks`` of an expert-parallel job every rank calls it with its own tokens; rank 0's
-    record describes the job."""
+    record describes the job. ``spec.deterministic``: under ``torch.use_deterministic_algorithms``."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(before or spec.deterministic)
+    try:
+        return _bench_layer(spec, ranks)
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def _bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks]) -> dict:
     from moe_plugin_tools.bench.deepspeed_moe import deepspeed_capacity, deepspeed_twin
 
     ranks = ranks or Ranks()
@@ -368,7 +378,8 @@ def specs_from_args(args: argparse.Namespace) -> list[LayerBenchSpec]:
                             vs_megatron=args.vs == "megatron", breakdown=args.breakdown,
                             recompute_pre_activation=args.recompute_pre_activation,
                             overlap_chunks=args.overlap_chunks, router_groups=args.router_groups,
-                            group_topk=args.group_topk, exchange=args.exchange, seed=args.seed,
+                            group_topk=args.group_topk, exchange=args.exchange,
+                            deterministic=args.deterministic, seed=args.seed,
                             device=target.device, dtype=target.dtype)
              for e in args.experts for s in args.skew]
     for spec in specs:      # a bad moe block fails here, before any rank starts
