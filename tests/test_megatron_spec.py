@@ -197,13 +197,12 @@ def _attention_vs_megatron() -> dict:
 
     from moe_plugin.integration.cpu_modules import SDPAttention
 
-    # DotProductAttention takes its score buffer on torch.cuda.current_device() and forks the CUDA
-    # RNG tracker for dropout: point the former at the CPU in this rank and take Megatron's no-op
-    # tracker. Its own causal mask is built on "cuda", so it always gets explicit masks.
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    # DotProductAttention takes its score buffer on torch.cuda.current_device() and forks the RNG
+    # tracker for dropout: seed_megatron_rng, what a script that builds its model itself calls, gives
+    # both their CPU stand-ins. Its own causal mask is built on "cuda", so it always gets explicit masks.
+    from moe_plugin.integration.seeding import seed_megatron_rng
 
-    torch.cuda.current_device = lambda: "cpu"
-    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    seed_megatron_rng(0, None)
     config = _config(num_query_groups=2, apply_query_key_layer_scaling=True)
     args = dict(config=config, layer_number=3, attn_mask_type=AttnMaskType.causal, attention_type="self")
     theirs, mine = DotProductAttention(**args), SDPAttention(**args)
@@ -292,14 +291,11 @@ def _two_ranks(rank: int, world_size: int, tp2_json: str, tp1_json: str) -> dict
 
     from moe_plugin.groups import destroy_process_groups
     from moe_plugin.integration.megatron import gpt_moe_spec, megatron_lm_spec
+    from moe_plugin.integration.seeding import seed_megatron_rng
     from moe_plugin.checkpoint.reshard import shard_state_dict
 
     out: dict = {}
     for name, (sizes, sp, block, extras) in CASES.items():
-        if sp:
-            from gpt_tiny import cpu_sequence_parallel
-
-            cpu_sequence_parallel()   # megatron-core has no CPU path for it; the package patches nothing
         groups = _groups(world_size)  # tp 1, dp 2: each rank runs the single-process model
         ref_config = _config(**extras)
         ref_model = _gpt(gpt_moe_spec(MoEConfig.from_dict(block), ref_config, groups), ref_config)
@@ -312,6 +308,7 @@ def _two_ranks(rank: int, world_size: int, tp2_json: str, tp1_json: str) -> dict
         moe = MoEConfig.from_dict({**block, "parallel": {"tensor": s.tp, "expert": s.ep, "expert_tensor": s.etp,
                                                          "sequence_parallel": sp}})
         config = _config(tp=s.tp, sp=sp, **extras)
+        seed_megatron_rng(0, groups)   # what a script that builds its model itself calls (README)
         model = _gpt(gpt_moe_spec(moe, config, groups), config)
         model.load_state_dict(shard_state_dict(full_state, model, groups.layout, rank))
         got = _train_step(model, groups)

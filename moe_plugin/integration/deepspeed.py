@@ -24,7 +24,11 @@ Steps, in order (every rank runs them):
    dp; ep, etp, edp when its expert-parallel size is above 1: ``adapters.check_megatron_groups``,
    else one ``ConfigError`` on every rank naming both layouts); they are set aside while the run
    is registered and ``close()`` puts them back, undestroyed.
-3. ``model_provider(moe_config, groups)`` builds the model: it must pass ``groups`` to every
+3. Megatron-Core's RNG tracker is seeded from ``seed`` (default ``torch.initial_seed()``, the
+   seed the script gave ``torch.manual_seed``) as Megatron-LM seeds it, on the CUDA accelerator
+   and, over the CPU generator, on the CPU one (``seeding.seed_megatron_rng``): Megatron's
+   attention forks it on every forward, its embedding and block under sequence parallelism.
+   Then ``model_provider(moe_config, groups)`` builds the model: it must pass ``groups`` to every
    MoE layer (``MoELayer(..., groups)``, ``gpt_moe_spec(moe_config, config, groups)``).
 4. ``expert_params.prepare_model`` gets the model ready for DeepSpeed's MoE paths,
    ``sp_grads.sequence_parallel_grad_hooks`` makes backward sum the gradients of parameters
@@ -119,6 +123,7 @@ from moe_plugin.integration.expert_params import (
 from moe_plugin.integration.grad_norm import GlobalNormClipping
 from moe_plugin.integration.guard import GradientWatch, TrainingGuard
 from moe_plugin.integration.pipe_topology import check_topology
+from moe_plugin.integration.seeding import seed_megatron_rng
 from moe_plugin.integration.sp_grads import sequence_parallel_grad_hooks
 from moe_plugin.integration.summary import RunSummary, run_summary
 
@@ -178,7 +183,8 @@ class Initialized:
 
 def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: ModelProvider, *,
                args: Any = None, world_size: Optional[int] = None, timeout: Optional[datetime.timedelta] = None,
-               max_skipped_steps: int = 10, print_summary: bool = True, **deepspeed_kwargs: Any) -> Initialized:
+               max_skipped_steps: int = 10, print_summary: bool = True, seed: Optional[int] = None,
+               **deepspeed_kwargs: Any) -> Initialized:
     """Validate, build groups and model, and start DeepSpeed's engine (see the module docstring).
 
     ``ds_config``: the DeepSpeed config with its ``"moe"`` block, as a dict or JSON path; None
@@ -188,6 +194,8 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
     on the default group (when ``initialize`` creates it) and on the plugin's groups (default:
     torch's). ``max_skipped_steps``: fp16 steps skipped in a row that stop the run (``result.guard``).
     ``print_summary``: print ``result.summary`` (what was built, ``summary.py``) on rank 0.
+    ``seed``: the run's seed, which Megatron's RNG tracker is seeded from before the model is built
+    (step 3); default ``torch.initial_seed()``.
     ``deepspeed_kwargs`` go to
     ``deepspeed.initialize`` (``optimizer``, ``lr_scheduler``, ``training_data``, ...);
     ``model_parameters`` may be parameters, param-group dicts or a callable ``model -> those``,
@@ -210,6 +218,8 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
     if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or max_skipped_steps < 1:
         raise ConfigError("max_skipped_steps", max_skipped_steps, "expected an integer >= 1 (fp16 steps skipped "
                           "in a row before the run stops)")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ConfigError("seed", seed, "expected an integer >= 0 (the run's seed, as given to torch.manual_seed)")
     if timeout is not None and (not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0):
         raise ConfigError("timeout", timeout, "expected a positive datetime.timedelta")
     if sizes.pp > 1:
@@ -237,7 +247,8 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
     watch = None
     try:
         mpu = register(groups, over_existing=users_groups)   # the user's groups set aside, back at close()
-        # 3, 4. Model, param groups.
+        # 3, 4. Megatron's RNG tracker, model, param groups.
+        seed_megatron_rng(seed, groups)
         model = model_provider(moe_config, groups)
         if not isinstance(model, nn.Module):
             raise alike_on_every_rank(TypeError(f"model_provider must return a torch.nn.Module, got "
