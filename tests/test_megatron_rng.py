@@ -216,6 +216,7 @@ def test_initialize_seeds_megatron_tracker_before_the_gpu_model_is_built(tmp_pat
         "tp2-ep2": ({"tensor": 2, "expert": 2, "expert_tensor": 1}, True, True),
         "tp2-ep2 unseeded": ({"tensor": 2, "expert": 2, "expert_tensor": 1}, True, False),
         "tp2 gpu init": ({"tensor": 2}, False, True),
+        "tp2sp-ep2": ({"tensor": 2, "expert": 2, "expert_tensor": 1, "sequence_parallel": True}, True, True),
         "pp2": ({"pipeline": 2}, True, True),
     }
     results = run_distributed(_fake_cuda, 2, tmp_path, str(ds), layouts, timeout=300)
@@ -234,6 +235,7 @@ def test_initialize_seeds_megatron_tracker_before_the_gpu_model_is_built(tmp_pat
                 continue
             assert record["modules"] == ["DotProductAttention"], (name, record)   # Megatron's, not the CPU swap
             assert "error" not in record and record["loss"] > 0, (name, record)
-            assert record["forward_forks"] == ["model-parallel-rng"] * 2, record   # each layer's attention
+            # without SP each layer's attention forks; under SP the embedding's dropout and the block do
+            assert record["forward_forks"] == ["model-parallel-rng"] * 2, record
             assert record["init_forks"] == (["model-parallel-rng"] if name == "tp2 gpu init" else []), (name, record)
         assert out["tp2-ep2"]["ranks"] == {"tp": rank, "pp": 0, "ep": rank, "etp": 0}
