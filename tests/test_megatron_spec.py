@@ -27,9 +27,9 @@ TOL = dict(rtol=1e-4, atol=1e-5)  # fp32; tensor parallelism only reorders sums
 def _config(tp: int = 1, pp: int = 1, sp: bool = False, **overrides):
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(**{**MODEL, **overrides}, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                             sequence_parallel=sp, use_cpu_initialization=True, hidden_dropout=0.0,
-                             attention_dropout=0.0, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+    return TransformerConfig(**{**MODEL, "attention_dropout": 0.0, **overrides}, tensor_model_parallel_size=tp,
+                             pipeline_model_parallel_size=pp, sequence_parallel=sp, use_cpu_initialization=True,
+                             hidden_dropout=0.0, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
                              masked_softmax_fusion=False, apply_rope_fusion=False)
 
 
@@ -180,6 +180,7 @@ def _single_rank(rank: int, world_size: int, ds_config_path: str) -> dict:
         gpt_moe_spec(MoEConfig.from_dict({"num_experts": 4, "layers": [1, 4]}), config, groups)
 
     out["attention"] = _attention_vs_megatron()
+    out["attention_dropout"] = _attention_dropout()
 
     # Megatron-LM: --spec MODULE NAME is resolved by Megatron's own import_module.
     os.environ["MOE_PLUGIN_DS_CONFIG"] = ds_config_path
@@ -221,6 +222,26 @@ def _attention_vs_megatron() -> dict:
     return diffs
 
 
+def _attention_dropout() -> dict:
+    """SDPAttention's dropout draws inside Megatron's RNG tracker's model-parallel state (as
+    DotProductAttention's): the same seed and tp rank give the same output, another tp rank another,
+    torch's default generator is where it was."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from moe_plugin.integration.cpu_modules import SDPAttention
+
+    attention = SDPAttention(_config(attention_dropout=0.5), layer_number=1, attn_mask_type=AttnMaskType.causal,
+                             attention_type="self").train()
+    qkv = [torch.randn(SEQ, BATCH, 4, 8, generator=torch.Generator().manual_seed(4)) for _ in range(3)]
+    outs, before = [], torch.get_rng_state()
+    for tp_rank in (0, 0, 1):   # the tracker seed_megatron_rng installed, seeded as that tp rank's
+        model_parallel_cuda_manual_seed(5, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+        outs.append(attention(*qkv, None))
+    return {"same": torch.equal(outs[0], outs[1]), "other_tp_rank_differs": not torch.equal(outs[0], outs[2]),
+            "default_untouched": torch.equal(before, torch.get_rng_state())}
+
+
 def test_one_rank_moe_layers_names_loss_and_aux_loss(dist_run, tmp_path):
     ds_config = tmp_path / "ds.json"
     ds_config.write_text(json.dumps({"train_batch_size": 2, "moe": {"num_experts": 4, "layers": [3]}}))
@@ -237,6 +258,7 @@ def test_one_rank_moe_layers_names_loss_and_aux_loss(dist_run, tmp_path):
     assert not any(n.startswith("decoder.layers.1.mlp.router") for n in names)
 
     assert all(d < 1e-5 for d in out["attention"].values()), out["attention"]
+    assert out["attention_dropout"] == {"same": True, "other_tp_rank_differs": True, "default_untouched": True}
     assert torch.isfinite(out["loss"]) and 3.0 < out["loss"] < 6.0  # ~ln(64) at init
     assert torch.isfinite(out["router_grad"]).all() and out["router_grad"].abs().sum() > 0
     # With the main loss multiplied by 0 every gradient is the aux loss's: linear in its coefficient,

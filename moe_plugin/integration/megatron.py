@@ -48,7 +48,7 @@ from moe_plugin.compat.megatron_layer import BuildSpec, check_layer_number, glob
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.groups.process_groups import ProcessGroups
 from moe_plugin.integration.cpu_modules import SDPAttention, TorchNorm
-from moe_plugin.integration.seeding import layer_seed, resolve_seed, seeded
+from moe_plugin.integration.seeding import layer_seed, resolve_seed, seed_megatron_rng, seeded
 from moe_plugin.layers.moe_layer import MoELayer
 
 Spec = Union[ModuleSpec, TransformerBlockSubmodules]
@@ -333,7 +333,8 @@ def megatron_lm_spec() -> ModuleSpec:
     Megatron's own. Base spec: Transformer Engine's when ``--transformer-impl transformer_engine``,
     else the local one (made CPU-friendly on a CPU accelerator). Megatron-LM imports an
     *attribute*, not a function: use ``--spec moe_plugin.integration.megatron_lm_spec spec``
-    (docs/megatron_lm.md).
+    (docs/megatron_lm.md). On the CPU accelerator it also seeds Megatron's RNG tracker from
+    Megatron-LM's ``--seed`` (``seeding.seed_megatron_rng``), which Megatron-LM does on GPUs only.
     """
     args = _megatron_lm_args()
     path = os.environ.get(DS_CONFIG_ENV) or getattr(args, "deepspeed_config", None)
@@ -351,6 +352,8 @@ def megatron_lm_spec() -> ModuleSpec:
                                         qk_layernorm=getattr(args, "qk_layernorm", False))
         if on_cpu():
             base = cpu_friendly_spec(base)
+    if on_cpu():   # Megatron-LM seeds its RNG tracker on GPUs only
+        seed_megatron_rng(getattr(args, "seed", None), groups)
     return moe_layer_spec(base, moe_config, groups)
 
 
