@@ -239,3 +239,23 @@ def test_initialize_seeds_megatron_tracker_before_the_gpu_model_is_built(tmp_pat
             assert record["forward_forks"] == ["model-parallel-rng"] * 2, record
             assert record["init_forks"] == (["model-parallel-rng"] if name == "tp2 gpu init" else []), (name, record)
         assert out["tp2-ep2"]["ranks"] == {"tp": rank, "pp": 0, "ep": rank, "etp": 0}
+
+
+def test_checkpoint_keeps_the_tracker_states(megatron_globals):
+    """``checkpoint/rng.py``: a resumed run's dropout inside a fork goes on where the saved one was."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from moe_plugin.checkpoint.rng import rng_state, set_rng_state
+    from moe_plugin.integration.seeding import seed_megatron_rng
+
+    model = torch.nn.Linear(2, 2)
+    seed_megatron_rng(SEED, None)
+    with get_cuda_rng_tracker().fork():
+        torch.rand(3)
+    saved = rng_state(model)
+    with get_cuda_rng_tracker().fork():
+        expected = torch.rand(3)
+    seed_megatron_rng(SEED + 1, None)   # another run's tracker
+    set_rng_state(model, saved)
+    with get_cuda_rng_tracker().fork():
+        assert torch.equal(torch.rand(3), expected)
