@@ -8,7 +8,8 @@
 * On the CUDA accelerator (faked on the CPU: DeepSpeed's accelerator says ``cuda``, Megatron's
   tracker is a recording stand-in over the CPU generator, Megatron's buffers go to the CPU), the
   example's GPU model (Megatron's ``DotProductAttention`` and norms, no CPU swaps,
-  ``use_cpu_initialization`` as ``run_gpu_125m.sh`` runs it) is built by ``initialize`` with the
+  ``use_cpu_initialization`` as ``run_gpu_125m.sh`` runs it) is built by ``initialize`` with device
+  ``LOCAL_RANK`` made the process's (else every rank starts on device 0) and the
   tracker's three states already seeded as Megatron-LM seeds them (``--seed`` + 100 x pipeline
   rank; + 2718 + tp rank; + 1024 + 100 x ep rank + etp rank); its first forward forks the
   model-parallel state in every attention. Without the seeding that forward fails as it would on a
@@ -139,8 +140,13 @@ def _fake_cuda(rank: int, world_size: int, ds_path: str, layouts: dict) -> dict:
     from moe_plugin.integration import deepspeed as plugin_deepspeed
 
     class FakeCuda(CPU_Accelerator):   # what the plugin asks of the accelerator's kind: "cuda"
+        devices = []
+
         def device_name(self, device_index=None):
             return "cuda"
+
+        def set_device(self, device_index):
+            self.devices.append(device_index)
 
     class RecordingTracker(CpuRNGStatesTracker):   # Megatron's CUDA tracker, over the CPU generator
         def __init__(self):
@@ -174,6 +180,8 @@ def _fake_cuda(rank: int, world_size: int, ds_path: str, layouts: dict) -> dict:
             record["states"] = sorted(tracker.get_states())
             record["seeds"] = sorted(tracker.seeds_)
             record["ranks"] = {k: groups.rank_in(k) for k in ("tp", "pp", "ep", "etp")}
+            record["set_device"] = list(FakeCuda.devices)   # before the tracker was seeded (initialize, step 2)
+            FakeCuda.devices.clear()
             if pipelined:   # (DeepSpeed's PipelineModule moves itself to the accelerator's device: not here)
                 raise _Stop
             model = inner(moe_config, groups)
@@ -228,6 +236,7 @@ def test_initialize_seeds_megatron_tracker_before_the_gpu_model_is_built(tmp_pat
                 assert record["error"] == "cuda rng state model-parallel-rng is not added", record
                 continue
             base = SEED + 100 * r["pp"]
+            assert record["set_device"] == [rank], record   # device LOCAL_RANK, before any work on it
             assert record["states"] == list(NAMES), (name, record)
             assert record["seeds"] == sorted([base, base + 2718 + r["tp"], base + 1024 + 100 * r["ep"] + r["etp"]])
             if name == "pp2":

@@ -16,8 +16,9 @@ Steps, in order (every rank runs them):
    data-parallel size (``configs/batch.py``). Every mistake here is a ``ConfigError`` raised
    before any process group or file exists (``moe_plugin.exit_on_error()`` reports it
    once under the launcher, as it does the errors below that every rank raises alike).
-2. Initialise distributed (``deepspeed.init_distributed`` with the accelerator's backend and
-   ``timeout``) unless it is, build the layout's process groups (each with ``timeout``: a
+2. On an accelerator other than the CPU, make device ``LOCAL_RANK`` this process's (before NCCL
+   or the RNG tracker touch one). Initialise distributed (``deepspeed.init_distributed`` with the
+   accelerator's backend and ``timeout``) unless it is, build the layout's process groups (each with ``timeout``: a
    collective that waits longer raises instead of hanging for torch's default 30 minutes) and
    register them with Megatron-Core and DeepSpeed. Where the script called Megatron's
    ``initialize_model_parallel`` itself, its groups must have the layout's rank lists (tp, pp,
@@ -231,6 +232,9 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
     plugin_clips = zero_stage == 0 and not _enabled(ds_dict, "fp16") and not _enabled(ds_dict, "bf16", "bfloat16")
 
     # 2. Distributed, groups.
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":   # before any work on the device (NCCL, the RNG tracker), as
+        accelerator.set_device(local_rank())  # Megatron-LM does: else every rank starts on device 0
     if not dist.is_initialized():
         extra = {} if timeout is None else {"timeout": timeout}
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **extra)
@@ -312,6 +316,14 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         unregister()
         destroy_process_groups(groups)
         raise
+
+
+def local_rank() -> int:
+    """This process's index on its machine: the launcher's ``LOCAL_RANK``, else 0."""
+    text = os.environ.get("LOCAL_RANK", "0")
+    if not text.isdigit():
+        raise ConfigError("LOCAL_RANK", text, "expected an integer >= 0 (the launcher sets it)")
+    return int(text)
 
 
 def launcher_world_size(world_size: Optional[int] = None) -> int:
