@@ -30,7 +30,6 @@ from collections.abc import Iterator
 import torch
 from megatron.core.tensor_parallel import random as megatron_random
 
-RANDOM_MODULE = "megatron.core.tensor_parallel.random"
 # the modules whose buffers go to torch.cuda.current_device(); cpu_buffers() redirects exactly these
 BUFFER_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers",
                   "megatron.core.utils")
