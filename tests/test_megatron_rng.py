@@ -268,3 +268,16 @@ def test_checkpoint_keeps_the_tracker_states(megatron_globals):
     set_rng_state(model, saved)
     with get_cuda_rng_tracker().fork():
         assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True, "7"])
+def test_initialize_refuses_a_bad_seed_before_any_group(seed, monkeypatch):
+    import torch.distributed as dist
+
+    import moe_plugin
+    from moe_plugin.configs import ConfigError
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match=rf"^seed: got {seed!r}; expected an integer >= 0"):
+        moe_plugin.initialize({"train_batch_size": 1, "moe": {"num_experts": 2}}, None, seed=seed)
+    assert not dist.is_initialized()
