@@ -98,7 +98,9 @@ class _TorchOnCpu(types.ModuleType):
         self.cuda = _CudaOnCpu()
 
     def __getattr__(self, name: str):
-        return getattr(torch, name)
+        value = getattr(torch, name)
+        setattr(self, name, value)   # kept: the next lookup of torch.matmul & co. is a plain one
+        return value
 
 
 def cpu_buffers() -> None:
