@@ -136,7 +136,7 @@ def _fake_cuda(rank: int, world_size: int, ds_path: str, layouts: dict) -> dict:
     from megatron.core.tensor_parallel import random as megatron_random
 
     import moe_plugin
-    from moe_plugin.compat.megatron_cpu import CpuRNGStatesTracker, cpu_buffers
+    from moe_plugin.compat.megatron_cpu import CpuRNGStatesTracker, buffers_on_cpu, cpu_buffers
     from moe_plugin.integration import deepspeed as plugin_deepspeed
 
     class FakeCuda(CPU_Accelerator):   # what the plugin asks of the accelerator's kind: "cuda"
@@ -159,7 +159,6 @@ def _fake_cuda(rank: int, world_size: int, ds_path: str, layouts: dict) -> dict:
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))   # as the launcher sets
     set_accelerator(FakeCuda())
-    cpu_buffers()   # Megatron allocates on the current CUDA device: here the CPU
     example = _example()
     out = {}
     for name, (parallel, cpu_init, seeded) in layouts.items():
@@ -182,6 +181,8 @@ def _fake_cuda(rank: int, world_size: int, ds_path: str, layouts: dict) -> dict:
             record["ranks"] = {k: groups.rank_in(k) for k in ("tp", "pp", "ep", "etp")}
             record["set_device"] = list(FakeCuda.devices)   # before the tracker was seeded (initialize, step 2)
             FakeCuda.devices.clear()
+            record["cpu_stand_ins"] = buffers_on_cpu()   # the plugin's CPU buffers: not on CUDA
+            cpu_buffers()   # Megatron allocates on the current CUDA device: here the CPU
             if pipelined:   # (DeepSpeed's PipelineModule moves itself to the accelerator's device: not here)
                 raise _Stop
             model = inner(moe_config, groups)
@@ -248,6 +249,7 @@ def test_initialize_seeds_megatron_tracker_before_the_gpu_model_is_built(tmp_pat
             assert record["forward_forks"] == ["model-parallel-rng"] * 2, record
             assert record["init_forks"] == (["model-parallel-rng"] if name == "tp2 gpu init" else []), (name, record)
         assert out["tp2-ep2"]["ranks"] == {"tp": rank, "pp": 0, "ep": rank, "etp": 0}
+        assert out["tp2-ep2"]["cpu_stand_ins"] is False   # the first layout: nothing had applied them
 
 
 def test_checkpoint_keeps_the_tracker_states(megatron_globals):
