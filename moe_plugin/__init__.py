@@ -25,6 +25,7 @@ _LAZY = {
     "transformer_config": "integration.megatron",
     "gpt_moe_spec": "integration.megatron",
     "gpt_pipeline_module": "integration.pipeline",
+    "seed_megatron_rng": "integration.seeding",
     "MoELayer": "layers.moe_layer",
     "ExpertMetrics": "integration.monitor",
     "training_placement": "integration.placement",

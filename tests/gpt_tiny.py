@@ -5,7 +5,6 @@
     micro = micro_batches(step, batch_size, dp_rank, dp, gas)   # [((tokens, positions), labels)] * gas
     provider = gpt_provider(MODEL, tp)                          # GPTModel(config, gpt_moe_spec(...))
     provider = pipeline_provider(MODEL, tp, pp, seed)           # gpt_pipeline_module(...)
-    cpu_sequence_parallel()                                     # before a sequence-parallel model runs
     with one_rank_groups() as groups: ...                       # the one-rank oracle's groups, registered
     losses, norms = torch_steps(model, optimizer, batches, clip)   # the oracle's plain torch training
 
@@ -33,18 +32,6 @@ def transformer_config(model: dict, tp: int = 1, pp: int = 1, sp: bool = False):
                              sequence_parallel=sp, pipeline_dtype=torch.float32, use_cpu_initialization=True,
                              hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
                              gradient_accumulation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False)
-
-
-def cpu_sequence_parallel() -> None:
-    """Let this rank run Megatron-Core's sequence parallelism on CPU (tests only; the package
-    patches nothing). megatron-core 0.16 has no CPU path for it: its gather/scatter buffers are
-    allocated on ``torch.cuda.current_device()`` (tensor_parallel/layers.py, mappings.py) and the
-    embedding's dropout forks the CUDA RNG tracker. Point the former at the CPU and take
-    Megatron's no-op (inference) tracker (dropout is 0 in these tests)."""
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker
-
-    torch.cuda.current_device = lambda: "cpu"
-    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
 @contextlib.contextmanager

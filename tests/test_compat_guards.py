@@ -3,6 +3,7 @@ is still there. A failure names the upstream change and the compat file that mus
 No process group is created."""
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 from importlib.metadata import version
@@ -194,3 +195,37 @@ def test_compat_module_names_its_pinned_versions(module):
 
     doc = importlib.import_module(f"moe_plugin.compat.{module}").__doc__ or ""
     assert re.search(r"(deepspeed|megatron-core|DeepSpeed)\s+\d+\.\d+", doc), f"compat/{module}.py: no pinned version"
+
+
+def test_megatron_cpu_rng_tracker_and_buffers():
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    from moe_plugin.compat import megatron_cpu
+
+    for name in ("_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED", "_MODEL_PARALLEL_RNG_TRACKER_NAME"):
+        _must(hasattr(megatron_random, name), f"megatron.core.tensor_parallel.random no longer has {name}", MCORE,
+              "megatron_cpu")
+    init = inspect.getsource(megatron_random.initialize_rng_tracker)
+    _must("if _CUDA_RNG_STATE_TRACKER_INITIALIZED:\n        return" in init,
+          "initialize_rng_tracker() no longer keeps an initialised tracker", MCORE, "megatron_cpu")
+    seed = inspect.signature(megatron_random.model_parallel_cuda_manual_seed).parameters
+    _must(list(seed)[0] == "seed" and {"tp_rank", "ep_rank", "etp_rank"} <= set(seed),
+          f"model_parallel_cuda_manual_seed takes {list(seed)}", MCORE, "megatron_cpu")
+    seeding = inspect.getsource(megatron_random.model_parallel_cuda_manual_seed)
+    _must("_CUDA_RNG_STATE_TRACKER.reset()" in seeding and seeding.count("_CUDA_RNG_STATE_TRACKER.add(") == 3,
+          "model_parallel_cuda_manual_seed no longer resets the tracker and adds its three states", MCORE,
+          "megatron_cpu")
+    tracker = megatron_random.CudaRNGStatesTracker
+    for name in ("reset", "get_states", "set_states", "add", "fork", "is_initialized"):
+        _must(callable(getattr(tracker, name, None)), f"CudaRNGStatesTracker.{name} is gone", MCORE, "megatron_cpu")
+    fields = set(vars(tracker()))
+    _must({"states_", "seeds_", "_is_initialized", "_current_state_name"} <= fields,
+          f"CudaRNGStatesTracker keeps {sorted(fields)}", MCORE, "megatron_cpu")
+    fork = inspect.getsource(tracker.fork)
+    _must('"default-rng"' in fork, "CudaRNGStatesTracker.fork no longer nests by state name", MCORE, "megatron_cpu")
+    for name in megatron_cpu.BUFFER_MODULES:
+        module = importlib.import_module(name)
+        _must(isinstance(module.torch, (type(torch), megatron_cpu._TorchOnCpu)) and module.torch.__name__ == "torch",
+              f"{name} no longer imports torch as torch", MCORE, "megatron_cpu")
+        _must("torch.cuda.current_device()" in inspect.getsource(module),
+              f"{name} no longer allocates on torch.cuda.current_device()", MCORE, "megatron_cpu")

@@ -1,10 +1,12 @@
-"""The example trains one model under every layout: pipeline layouts give the one-rank run's losses.
+"""The example trains one model under every layout: pipeline and sequence-parallel runs give the 1-rank losses.
 
 ``examples/gpt_moe/pretrain_gpt_moe.py`` (its ``main``, on gloo ranks as the launcher would start it)
 trains 8 steps of the same global batches, seed 7, with dropless GShard routing whose second expert
 is deterministic (``second_expert_policy: "all"``) and the example's optimizer (AdamW warmed up over
 20 steps), on 1 rank and under pp2 x ep2 (ZeRO-0), tp2 x pp2
-x ep2 and pp2 x dp2 x ep2 (ZeRO-1, the second with 2 micro-batches per replica). The per-step
+x ep2 and pp2 x dp2 x ep2 (ZeRO-1, the second with 2 micro-batches per replica), and tp2 x ep2
+with sequence parallelism (ZeRO-1: Megatron's RNG tracker and sequence-parallel buffers on the CPU
+are what ``moe_plugin.initialize`` sets up, ``compat/megatron_cpu.py``). The per-step
 training losses must equal the one-rank run's to 1e-4 relative: the pipeline stages hold the
 one-rank ``GPTModel``'s weights, the word embedding and output layer tied across the first and last
 stage as the one-rank model ties them (the example's default, Megatron-LM's), and the same with
@@ -29,6 +31,7 @@ LAYOUTS = {
     "pp2-ep2": (4, {"pipeline": 2, "expert": 2}, 0),
     "tp2-pp2-ep2": (4, {"tensor": 2, "pipeline": 2, "expert": 2, "expert_tensor": 1}, 1),
     "pp2-dp2-ep2": (4, {"pipeline": 2, "expert": 2}, 1),
+    "tp2sp-ep2": (4, {"tensor": 2, "expert": 2, "sequence_parallel": True}, 1),
 }
 BATCH, MICRO = 8, 2
 # the example's JSON (configs/tiny_cpu_4rank.json): AdamW warmed up over 20 steps

@@ -37,7 +37,7 @@ import torch
 
 from dist import attempts, case_results, run_distributed
 from gpt_tiny import MODEL as TINY
-from gpt_tiny import (cpu_sequence_parallel, global_batch, gpt_provider, micro_batches, one_rank_groups,
+from gpt_tiny import (global_batch, gpt_provider, micro_batches, one_rank_groups,
                       pipeline_provider, shard_full, torch_steps)
 from moe_plugin.configs import MoEConfig
 
@@ -101,8 +101,6 @@ def _train(rank: int, world_size: int, parallel: dict, stage: int, gas: int, ini
 
     sizes = MoEConfig.from_dict({**MOE, "parallel": parallel}).check_world_size(world_size)
     pipelined = sizes.pp > 1
-    if parallel.get("sequence_parallel"):
-        cpu_sequence_parallel()
     provider = (pipeline_provider(MODEL, sizes.tp, sizes.pp, seed=SEED, initial=initial) if pipelined
                 else gpt_provider(MODEL, sizes.tp, seed=SEED, initial=initial))
     result = moe_plugin.initialize(ds_config(parallel, stage, sizes.dp, gas), provider)

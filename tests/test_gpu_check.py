@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,3 +81,33 @@ def test_collect_merges_a_run_directory(tmp_path, capsys):
                                 "records": [{"check": "oracle", "ok": True}]}
     assert checks["ep2"]["status"] == "skipped" and checks["ep2"]["note"].startswith("skip: 1 GPU")
     assert checks["bench_megatron"]["status"] == "failed" and checks["bench_megatron"]["exit_code"] == 1
+
+
+def test_example_check_runs_the_example_under_every_layout_on_the_cpu(tmp_path, capsys):
+    """``gpu_check.py example --ranks 2``: the example itself under the torch launcher (gloo here, the
+    GPUs there), 1 rank and three 2-rank layouts, each with the 1-rank run's losses."""
+    gpu_check = _module()
+    assert gpu_check.main(["example", str(tmp_path), "--ranks", "2"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["layout"], r["ranks"]) for r in records] == [("1rank", 1), ("tp2-ep2", 2), ("tp2sp-ep2", 2),
+                                                           ("dp2-ep2", 2)]
+    one = records[0]["losses"]
+    assert len(one) == gpu_check.EXAMPLE_STEPS and one[-1] < one[0]
+    for r in records[1:]:
+        assert r["ok"] and r["exit_code"] == 0 and r["reference"] == "1rank", r
+        assert r["losses"] == pytest.approx(one, rel=gpu_check.EXAMPLE_RTOL) and r["max_rel_diff"] <= 1e-4, r
+    assert not [p for p in Path("/dev/shm").glob("deepspeed_*") if str(tmp_path) in p.name]
+
+
+def test_example_check_fails_on_a_failing_run_or_other_losses(tmp_path, capsys, monkeypatch):
+    gpu_check = _module()
+    monkeypatch.setattr(gpu_check, "EXAMPLE_LAYOUTS", {"1rank": (1, {"expert": 3}), "ep2": (2, {"expert": 2})})
+    assert gpu_check.main(["example", str(tmp_path), "--ranks", "1"]) == 1
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert records[0]["exit_code"] != 0 and not records[0]["ok"], records   # torch.distributed.run: 1
+    assert "moe.parallel.expert: got 3" in records[0]["error"], records
+    assert records[1] == {"check": "example", "layout": "ep2", "ranks": 2, "skipped": "needs 2 ranks, --ranks 1"}
+    steps = gpu_check.EXAMPLE_STEPS
+    assert gpu_check.compare_losses([5.0] * steps, [5.0] * steps) == (True, 0.0)
+    assert not gpu_check.compare_losses([5.0] * (steps - 1) + [5.01], [5.0] * steps)[0]
+    assert not gpu_check.compare_losses([5.0] * (steps - 1) + [float("nan")], None)[0]

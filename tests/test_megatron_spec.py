@@ -27,9 +27,9 @@ TOL = dict(rtol=1e-4, atol=1e-5)  # fp32; tensor parallelism only reorders sums
 def _config(tp: int = 1, pp: int = 1, sp: bool = False, **overrides):
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(**{**MODEL, **overrides}, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                             sequence_parallel=sp, use_cpu_initialization=True, hidden_dropout=0.0,
-                             attention_dropout=0.0, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+    return TransformerConfig(**{**MODEL, "attention_dropout": 0.0, **overrides}, tensor_model_parallel_size=tp,
+                             pipeline_model_parallel_size=pp, sequence_parallel=sp, use_cpu_initialization=True,
+                             hidden_dropout=0.0, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
                              masked_softmax_fusion=False, apply_rope_fusion=False)
 
 
@@ -180,6 +180,7 @@ def _single_rank(rank: int, world_size: int, ds_config_path: str) -> dict:
         gpt_moe_spec(MoEConfig.from_dict({"num_experts": 4, "layers": [1, 4]}), config, groups)
 
     out["attention"] = _attention_vs_megatron()
+    out["attention_dropout"] = _attention_dropout()
 
     # Megatron-LM: --spec MODULE NAME is resolved by Megatron's own import_module.
     os.environ["MOE_PLUGIN_DS_CONFIG"] = ds_config_path
@@ -197,13 +198,12 @@ def _attention_vs_megatron() -> dict:
 
     from moe_plugin.integration.cpu_modules import SDPAttention
 
-    # DotProductAttention takes its score buffer on torch.cuda.current_device() and forks the CUDA
-    # RNG tracker for dropout: point the former at the CPU in this rank and take Megatron's no-op
-    # tracker. Its own causal mask is built on "cuda", so it always gets explicit masks.
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    # DotProductAttention takes its score buffer on torch.cuda.current_device() and forks the RNG
+    # tracker for dropout: seed_megatron_rng, what a script that builds its model itself calls, gives
+    # both their CPU stand-ins. Its own causal mask is built on "cuda", so it always gets explicit masks.
+    from moe_plugin.integration.seeding import seed_megatron_rng
 
-    torch.cuda.current_device = lambda: "cpu"
-    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    seed_megatron_rng(0, None)
     config = _config(num_query_groups=2, apply_query_key_layer_scaling=True)
     args = dict(config=config, layer_number=3, attn_mask_type=AttnMaskType.causal, attention_type="self")
     theirs, mine = DotProductAttention(**args), SDPAttention(**args)
@@ -222,6 +222,26 @@ def _attention_vs_megatron() -> dict:
     return diffs
 
 
+def _attention_dropout() -> dict:
+    """SDPAttention's dropout draws inside Megatron's RNG tracker's model-parallel state (as
+    DotProductAttention's): the same seed and tp rank give the same output, another tp rank another,
+    torch's default generator is where it was."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from moe_plugin.integration.cpu_modules import SDPAttention
+
+    attention = SDPAttention(_config(attention_dropout=0.5), layer_number=1, attn_mask_type=AttnMaskType.causal,
+                             attention_type="self").train()
+    qkv = [torch.randn(SEQ, BATCH, 4, 8, generator=torch.Generator().manual_seed(4)) for _ in range(3)]
+    outs, before = [], torch.get_rng_state()
+    for tp_rank in (0, 0, 1):   # the tracker seed_megatron_rng installed, seeded as that tp rank's
+        model_parallel_cuda_manual_seed(5, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+        outs.append(attention(*qkv, None))
+    return {"same": torch.equal(outs[0], outs[1]), "other_tp_rank_differs": not torch.equal(outs[0], outs[2]),
+            "default_untouched": torch.equal(before, torch.get_rng_state())}
+
+
 def test_one_rank_moe_layers_names_loss_and_aux_loss(dist_run, tmp_path):
     ds_config = tmp_path / "ds.json"
     ds_config.write_text(json.dumps({"train_batch_size": 2, "moe": {"num_experts": 4, "layers": [3]}}))
@@ -238,6 +258,7 @@ def test_one_rank_moe_layers_names_loss_and_aux_loss(dist_run, tmp_path):
     assert not any(n.startswith("decoder.layers.1.mlp.router") for n in names)
 
     assert all(d < 1e-5 for d in out["attention"].values()), out["attention"]
+    assert out["attention_dropout"] == {"same": True, "other_tp_rank_differs": True, "default_untouched": True}
     assert torch.isfinite(out["loss"]) and 3.0 < out["loss"] < 6.0  # ~ln(64) at init
     assert torch.isfinite(out["router_grad"]).all() and out["router_grad"].abs().sum() > 0
     # With the main loss multiplied by 0 every gradient is the aux loss's: linear in its coefficient,
@@ -292,14 +313,11 @@ def _two_ranks(rank: int, world_size: int, tp2_json: str, tp1_json: str) -> dict
 
     from moe_plugin.groups import destroy_process_groups
     from moe_plugin.integration.megatron import gpt_moe_spec, megatron_lm_spec
+    from moe_plugin.integration.seeding import seed_megatron_rng
     from moe_plugin.checkpoint.reshard import shard_state_dict
 
     out: dict = {}
     for name, (sizes, sp, block, extras) in CASES.items():
-        if sp:
-            from gpt_tiny import cpu_sequence_parallel
-
-            cpu_sequence_parallel()   # megatron-core has no CPU path for it; the package patches nothing
         groups = _groups(world_size)  # tp 1, dp 2: each rank runs the single-process model
         ref_config = _config(**extras)
         ref_model = _gpt(gpt_moe_spec(MoEConfig.from_dict(block), ref_config, groups), ref_config)
@@ -312,6 +330,7 @@ def _two_ranks(rank: int, world_size: int, tp2_json: str, tp1_json: str) -> dict
         moe = MoEConfig.from_dict({**block, "parallel": {"tensor": s.tp, "expert": s.ep, "expert_tensor": s.etp,
                                                          "sequence_parallel": sp}})
         config = _config(tp=s.tp, sp=sp, **extras)
+        seed_megatron_rng(0, groups)   # what a script that builds its model itself calls (README)
         model = _gpt(gpt_moe_spec(moe, config, groups), config)
         model.load_state_dict(shard_state_dict(full_state, model, groups.layout, rank))
         got = _train_step(model, groups)

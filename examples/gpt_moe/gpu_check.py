@@ -2,6 +2,7 @@
 
     python examples/gpt_moe/gpu_check.py oracle [--device cuda]
     python -m torch.distributed.run --nproc_per_node 2 examples/gpt_moe/gpu_check.py ep2 [--device cuda]
+    python examples/gpt_moe/gpu_check.py example OUT_DIR [--ranks 2]   # the example itself, a few steps
     python examples/gpt_moe/gpu_check.py collect OUT_DIR     # OUT_DIR/*.jsonl + *.status -> one JSON
 
 ``oracle``: ``MoELayer`` on ``--device`` against ``reference_moe`` (fp32, on the CPU) with the same
@@ -17,6 +18,13 @@ seed) on each rank's tokens; with DeepSpeed's convention (dense gradients averag
 ranks, expert gradients as they are) output, input gradient and every gradient (expert shards
 against their slice) agree within the same tolerances.
 
+``example``: ``pretrain_gpt_moe.py`` itself, as a user runs it (``torch.distributed.run``, on the
+accelerator DeepSpeed finds: the GPUs there), 8 steps of a tiny GPT-MoE (fp32, dropless deterministic top-2, the
+stdlib corpus written to ``OUT_DIR/data``) on 1 rank and, with ``--ranks 2``, under tp2 x ep2,
+tp2 x ep2 with sequence parallelism and dp2 x ep2: each run must exit 0 with finite losses, and
+the 2-rank runs must give the 1-rank run's losses (rtol ``EXAMPLE_RTOL``). Each run's console
+output is kept in ``OUT_DIR/<layout>.log``, its metrics in ``OUT_DIR/runs/<layout>``.
+
 Each check prints one JSON line per case (``ok``, the largest differences, the backend taken)
 and exits 1 when a case fails; ``collect`` merges a run directory into ``gpu_check.json``.
 """
@@ -24,8 +32,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -165,6 +176,99 @@ def run_ep2(device_type: str) -> bool:
     return ok
 
 
+EXAMPLE = Path(__file__).resolve().parent / "pretrain_gpt_moe.py"
+EXAMPLE_STEPS = 8
+EXAMPLE_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--ffn-hidden-size", "64",
+                 "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", str(EXAMPLE_STEPS),
+                 "--eval-interval", "4", "--eval-iters", "1", "--log-interval", "4", "--seed", "7",
+                 "--corpus-bytes", str(192 * 1024), "--valid-fraction", "0.25"]
+# deterministic top-2 (GShard's 2nd expert always kept), dropless: the same routes under every layout
+EXAMPLE_MOE = {"num_experts": 4, "router": "gshard", "second_expert_policy": "all", "drop_tokens": False,
+               "aux_loss_coeff": 0.01, "layer_interval": 1}
+# name -> ranks, moe.parallel: one model under each layout (global batch 8 of micro-batches of 2)
+EXAMPLE_LAYOUTS = {"1rank": (1, {}),
+                   "tp2-ep2": (2, {"tensor": 2, "expert": 2, "expert_tensor": 1}),
+                   "tp2sp-ep2": (2, {"tensor": 2, "expert": 2, "expert_tensor": 1, "sequence_parallel": True}),
+                   "dp2-ep2": (2, {"expert": 2})}
+EXAMPLE_RTOL = 1e-3   # fp32; reductions in another order per layout
+
+
+def example_config(path: Path, ranks: int, parallel: dict) -> Path:
+    """The DeepSpeed JSON of one layout: global batch 8, micro-batches of 2, ZeRO-1, the optimizer of
+    ``configs/tiny_cpu_4rank.json`` (AdamW warmed up over 20 steps; torch's Adam: no CUDA op to build)."""
+    dp = ranks // parallel.get("tensor", 1)
+    path.write_text(json.dumps({
+        "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4 // dp,
+        "gradient_clipping": 1.0, "steps_per_print": 10 ** 6, "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.002, "betas": [0.9, 0.95], "eps": 1e-08,
+                                                  "weight_decay": 0.1, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.002,
+                                                     "warmup_num_steps": 20}},
+        "moe": {**EXAMPLE_MOE, "parallel": parallel}}))
+    return path
+
+
+def compare_losses(losses: list, reference: list | None) -> tuple[bool, float | None]:
+    """Finite, one per step, and (given a reference run) equal to it within ``EXAMPLE_RTOL``."""
+    ok = len(losses) == EXAMPLE_STEPS and all(math.isfinite(x) for x in losses)
+    if reference is None or not ok:
+        return ok, None
+    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference))
+    return worst <= EXAMPLE_RTOL, worst
+
+
+def example_run(out_dir: Path, name: str, ranks: int, parallel: dict, reference: list | None) -> dict:
+    """One layout through the example (module docstring); its JSON record."""
+    root = EXAMPLE.parents[2]
+    run_dir = out_dir / "runs" / name
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+               str(EXAMPLE), *EXAMPLE_FLAGS, "--deepspeed_config", str(example_config(out_dir / f"{name}.json", ranks,
+                                                                                     parallel)),
+               "--run-dir", str(run_dir), "--data-cache", str(out_dir / "data")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    log = out_dir / f"{name}.log"
+    with open(log, "w") as console:
+        done = subprocess.run(command, cwd=root, env=env, stdout=console, stderr=subprocess.STDOUT, timeout=1800)
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    losses = [r["loss"] for r in records if r.get("split") == "train"]
+    same, worst = compare_losses(losses, reference)
+    record = {"check": "example", "layout": name, "ranks": ranks, "parallel": parallel, "exit_code": done.returncode,
+              "ok": done.returncode == 0 and same, "losses": losses, "reference": "1rank" if reference else None,
+              "max_rel_diff": worst, "rtol": EXAMPLE_RTOL, "log": str(log)}
+    if done.returncode != 0:
+        record["error"] = first_error(log.read_text())
+    return record
+
+
+def first_error(console: str) -> str:
+    """The example's one-line error (``error: ...``), else the first exception a traceback ends in,
+    else the last lines of the console."""
+    lines = [line.strip() for line in console.splitlines() if line.strip()]
+    for pattern in (r"^error: ", r"^[\w.]*(Error|Exception)\b[^:]*: "):
+        found = [line for line in lines if re.match(pattern, line)]
+        if found:
+            return found[0]
+    return " | ".join(lines[-3:])
+
+
+def run_example(out_dir: Path, max_ranks: int) -> bool:
+    """Every ``EXAMPLE_LAYOUTS`` entry that fits in ``max_ranks``; the 2-rank ones against the 1-rank run."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ok, reference = True, None
+    for name, (ranks, parallel) in EXAMPLE_LAYOUTS.items():
+        if ranks > max_ranks:
+            print(json.dumps({"check": "example", "layout": name, "ranks": ranks,
+                              "skipped": f"needs {ranks} ranks, --ranks {max_ranks}"}), flush=True)
+            continue
+        record = example_run(out_dir, name, ranks, parallel, reference if ranks > 1 else None)
+        if ranks == 1 and record["ok"]:
+            reference = record["losses"]
+        ok &= record["ok"]
+        print(json.dumps(record), flush=True)
+    return ok
+
+
 def collect(out_dir: Path) -> bool:
     """``gpu_check.json``: the machine, and per check its status and JSON lines (module docstring)."""
     checks = {}
@@ -186,12 +290,18 @@ def collect(out_dir: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("check", choices=["oracle", "ep2", "collect"])
-    parser.add_argument("out_dir", nargs="?", type=Path, help="collect: the run directory")
-    parser.add_argument("--device", default="cuda", help="default cuda (cpu: the same checks, for a dry run)")
+    parser.add_argument("check", choices=["oracle", "ep2", "example", "collect"])
+    parser.add_argument("out_dir", nargs="?", type=Path, help="collect: the run directory; example: where it runs")
+    parser.add_argument("--device", default="cuda", help="default cuda (cpu: the same checks, for a dry run); "
+                        "example: the accelerator DeepSpeed finds")
+    parser.add_argument("--ranks", type=int, default=1, help="example: the most ranks (GPUs) a layout may take")
     args = parser.parse_args(argv)
     if args.check == "collect":
         return 0 if collect(args.out_dir) else 1
+    if args.check == "example":
+        if args.out_dir is None:
+            parser.error("example needs OUT_DIR")
+        return 0 if run_example(args.out_dir, args.ranks) else 1
     if torch.device(args.device).type == "cuda":
         if not torch.cuda.is_available():
             print(f"error: --device {args.device}: torch finds no CUDA device", file=sys.stderr)

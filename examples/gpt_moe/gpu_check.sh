@@ -3,8 +3,10 @@
 #   examples/gpt_moe/gpu_check.sh [OUT_DIR]        (default: gpu_check_<date>; PYTHON=python)
 # 1. oracle:   the MoE layer on CUDA against the loop oracle, every experts backend that runs there, fp32 and bf16
 # 2. ep2:      2 ranks (nccl) with EP 2 against the 1-rank layer; skipped with fewer than 2 GPUs
-# 3. bench_deepspeed: moe-plugin bench layer --device cuda --dtype bf16 --vs deepspeed
-# 4. bench_megatron:  the same against Megatron-Core's MoELayer (alltoall dispatcher, grouped GEMM)
+# 3. example:  pretrain_gpt_moe.py itself for 8 steps on 1 GPU and, with 2 GPUs, under tp2 x ep2 (with and
+#              without sequence parallelism) and dp2 x ep2, against the 1-GPU losses (OUT_DIR/example/)
+# 4. bench_deepspeed: moe-plugin bench layer --device cuda --dtype bf16 --vs deepspeed
+# 5. bench_megatron:  the same against Megatron-Core's MoELayer (alltoall dispatcher, grouped GEMM)
 # Each writes OUT_DIR/<check>.jsonl (its JSON lines), .log (stderr) and .status (exit code or "skip: why");
 # then OUT_DIR/gpu_check.json gathers them (its path is printed). Exit status 1 when a check failed.
 set -u
@@ -38,6 +40,7 @@ if [ "$GPUS" -ge 2 ]; then
 else
     skip ep2 "$GPUS GPU: the 2-rank check needs 2"
 fi
+check example "$PY" examples/gpt_moe/gpu_check.py example "$OUT/example" --ranks "$(( GPUS >= 2 ? 2 : 1 ))"
 check bench_deepspeed "$PY" -m moe_plugin_tools.cli bench layer --device cuda --dtype bf16 --vs deepspeed --json
 if "$PY" -c "import transformer_engine" 2> /dev/null || "$PY" -c "import grouped_gemm" 2> /dev/null; then
     check bench_megatron "$PY" -m moe_plugin_tools.cli bench layer --device cuda --dtype bf16 --vs megatron --json

@@ -278,11 +278,12 @@ def gpt_pipeline_provider(args: argparse.Namespace, vocab_size: int):
 
 
 def build_engine(args: argparse.Namespace, plan: RunPlan, data: Data):
-    """``moe_plugin.initialize``: groups, model, DeepSpeed engine (a PipelineEngine when pp > 1)."""
+    """``moe_plugin.initialize``: groups, Megatron's RNG tracker seeded from ``--seed`` (as Megatron-LM
+    seeds it: its attention's dropout forks it), model, DeepSpeed engine (a PipelineEngine when pp > 1)."""
     import moe_plugin
 
     provider = gpt_pipeline_provider if plan.sizes.pp > 1 else gpt_model_provider
-    return moe_plugin.initialize(plan.ds_config, provider(args, data.vocab_size), args=args,
+    return moe_plugin.initialize(plan.ds_config, provider(args, data.vocab_size), args=args, seed=args.seed,
                                  timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
                                  max_skipped_steps=args.max_skipped_steps)
 

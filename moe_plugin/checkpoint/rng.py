@@ -1,5 +1,6 @@
-"""A rank's random streams in a checkpoint: torch, Python, NumPy, the accelerator's, and every
-router's noise generators and not-yet-applied load counts (``rng/rank_XXXXX.pt``). Restored only
+"""A rank's random streams in a checkpoint: torch, Python, NumPy, the accelerator's, Megatron's RNG
+tracker's named states (its attention's dropout, and under sequence parallelism the block's), and
+every router's noise generators and not-yet-applied load counts (``rng/rank_XXXXX.pt``). Restored only
 where every rank sees the tokens it saw when saving (``metadata.TOKEN_LAYOUT_KEYS``).
 """
 from __future__ import annotations
@@ -19,10 +20,13 @@ except ImportError:  # NumPy's RNG is then neither saved nor restored
 
 
 def rng_state(model: nn.Module) -> dict:
-    """This rank's random streams: torch, Python, NumPy, the accelerator's, and every router's
-    noise generators and not-yet-applied load counts."""
+    """This rank's random streams: torch, Python, NumPy, the accelerator's, Megatron's tracker's, and
+    every router's noise generators and not-yet-applied load counts."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": numpy.random.get_state() if numpy is not None else None, "accelerator": None, "routers": {}}
+             "numpy": numpy.random.get_state() if numpy is not None else None, "accelerator": None, "routers": {},
+             "megatron_tracker": {name: s.clone() for name, s in get_cuda_rng_tracker().get_states().items()}}
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu" and accelerator.is_available():
         state["accelerator"] = accelerator.get_rng_state()
@@ -41,6 +45,10 @@ def set_rng_state(model: nn.Module, state: dict) -> None:
         numpy.random.set_state(state["numpy"])
     if state.get("accelerator") is not None:
         get_accelerator().set_rng_state(state["accelerator"])
+    if state.get("megatron_tracker"):   # (absent from checkpoints saved before it was kept)
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().set_states({name: s.clone() for name, s in state["megatron_tracker"].items()})
     for name, module in model.named_modules():
         if isinstance(module, Router) and name in state["routers"]:
             saved = state["routers"][name]

@@ -14,6 +14,9 @@
 * ``pipeline``: ``gpt_pipeline_module``, a Megatron-Core GPT with MoE layers as a DeepSpeed
   ``PipelineModule`` (Megatron's stage split, per-piece seeds, ``GPTModel`` key names).
 * ``pipe_topology``: ``pipeline_topology``, DeepSpeed's ``ProcessTopology`` from the rank layout.
+* ``seeding``: layer seeds that make every layout start from the same weights; ``seed_megatron_rng``
+  (re-exported as ``moe_plugin.seed_megatron_rng``, ``initialize`` calls it): Megatron's RNG tracker
+  seeded as Megatron-LM seeds it, over the CPU generator on the CPU accelerator.
 * ``expert_params``: what DeepSpeed's engine needs to treat our expert parameters as MoE ones.
 * ``monitor``: ``ExpertMetrics``, expert load per MoE layer over a step (tokens per expert,
   imbalance, dropped fraction, aux and z loss) into DeepSpeed's monitor, and a short log line.

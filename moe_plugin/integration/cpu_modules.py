@@ -17,12 +17,14 @@ tensor-parallel rank, hn head dim, hp = np * hn.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -35,8 +37,9 @@ class SDPAttention(MegatronModule):
 
     Not supported (an error says so): context parallelism, sliding windows, softmax types
     other than ``vanilla``, attention bias, packed sequences. ``apply_query_key_layer_scaling``
-    needs nothing: it cancels out of an fp32 softmax. Dropout draws from torch's default
-    generator (Megatron's forks the CUDA RNG tracker).
+    needs nothing: it cancels out of an fp32 softmax. Dropout draws inside Megatron's RNG tracker's
+    model-parallel state without sequence parallelism, as Megatron's does (under it the transformer
+    block has forked it already); ``moe_plugin.initialize`` seeds the tracker (``seeding.py``).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -92,9 +95,11 @@ class SDPAttention(MegatronModule):
             if sq != sk:
                 raise ValueError(f"a causal mask needs as many queries as keys, got {sq} and {sk}")
             causal = True
-        context = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=keep_mask, dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=causal, scale=self.softmax_scale)  # [b, np, sq, hn]
+        dropout_p = self.dropout_p if self.training else 0.0
+        forked = dropout_p > 0 and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if forked else contextlib.nullcontext():
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep_mask, dropout_p=dropout_p,
+                                                     is_causal=causal, scale=self.softmax_scale)  # [b, np, sq, hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
 

@@ -17,15 +17,20 @@ Steps, in order (every rank runs them):
    data-parallel size (``configs/batch.py``). Every mistake here is a ``ConfigError`` raised
    before any process group or file exists (``moe_plugin.exit_on_error()`` reports it
    once under the launcher, as it does the errors below that every rank raises alike).
-2. Initialise distributed (``deepspeed.init_distributed`` with the accelerator's backend and
-   ``timeout``) unless it is, build the layout's process groups (each with ``timeout``: a
+2. On an accelerator other than the CPU, make device ``LOCAL_RANK`` this process's (before NCCL
+   or the RNG tracker touch one). Initialise distributed (``deepspeed.init_distributed`` with the
+   accelerator's backend and ``timeout``) unless it is, build the layout's process groups (each with ``timeout``: a
    collective that waits longer raises instead of hanging for torch's default 30 minutes) and
    register them with Megatron-Core and DeepSpeed. Where the script called Megatron's
    ``initialize_model_parallel`` itself, its groups must have the layout's rank lists (tp, pp,
    dp; ep, etp, edp when its expert-parallel size is above 1: ``adapters.check_megatron_groups``,
    else one ``ConfigError`` on every rank naming both layouts); they are set aside while the run
    is registered and ``close()`` puts them back, undestroyed.
-3. ``model_provider(moe_config, groups)`` builds the model: it must pass ``groups`` to every
+3. Megatron-Core's RNG tracker is seeded from ``seed`` (default ``torch.initial_seed()``, the
+   seed the script gave ``torch.manual_seed``) as Megatron-LM seeds it, on the CUDA accelerator
+   and, over the CPU generator, on the CPU one (``seeding.seed_megatron_rng``): Megatron's
+   attention forks it on every forward, its embedding and block under sequence parallelism.
+   Then ``model_provider(moe_config, groups)`` builds the model: it must pass ``groups`` to every
    MoE layer (``MoELayer(..., groups)``, ``gpt_moe_spec(moe_config, config, groups)``).
 4. ``expert_params.prepare_model`` gets the model ready for DeepSpeed's MoE paths,
    ``sp_grads.sequence_parallel_grad_hooks`` makes backward sum the gradients of parameters
@@ -126,6 +131,7 @@ from moe_plugin.integration.expert_params import (
 from moe_plugin.integration.grad_norm import GlobalNormClipping
 from moe_plugin.integration.guard import GradientWatch, TrainingGuard
 from moe_plugin.integration.pipe_topology import check_topology
+from moe_plugin.integration.seeding import seed_megatron_rng
 from moe_plugin.integration.sp_grads import sequence_parallel_grad_hooks
 from moe_plugin.integration.step_boundary import StepBoundary
 from moe_plugin.integration.summary import RunSummary, run_summary
@@ -197,7 +203,8 @@ class Initialized:
 
 def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: ModelProvider, *,
                args: Any = None, world_size: Optional[int] = None, timeout: Optional[datetime.timedelta] = None,
-               max_skipped_steps: int = 10, print_summary: bool = True, **deepspeed_kwargs: Any) -> Initialized:
+               max_skipped_steps: int = 10, print_summary: bool = True, seed: Optional[int] = None,
+               **deepspeed_kwargs: Any) -> Initialized:
     """Validate, build groups and model, and start DeepSpeed's engine (see the module docstring).
 
     ``ds_config``: the DeepSpeed config with its ``"moe"`` block, as a dict or JSON path; None
@@ -207,6 +214,8 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
     on the default group (when ``initialize`` creates it) and on the plugin's groups (default:
     torch's). ``max_skipped_steps``: fp16 steps skipped in a row that stop the run (``result.guard``).
     ``print_summary``: print ``result.summary`` (what was built, ``summary.py``) on rank 0.
+    ``seed``: the run's seed, which Megatron's RNG tracker is seeded from before the model is built
+    (step 3); default ``torch.initial_seed()``.
     ``deepspeed_kwargs`` go to
     ``deepspeed.initialize`` (``optimizer``, ``lr_scheduler``, ``training_data``, ...);
     ``model_parameters`` may be parameters, param-group dicts or a callable ``model -> those``,
@@ -229,6 +238,8 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
     if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or max_skipped_steps < 1:
         raise ConfigError("max_skipped_steps", max_skipped_steps, "expected an integer >= 1 (fp16 steps skipped "
                           "in a row before the run stops)")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ConfigError("seed", seed, "expected an integer >= 0 (the run's seed, as given to torch.manual_seed)")
     if timeout is not None and (not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0):
         raise ConfigError("timeout", timeout, "expected a positive datetime.timedelta")
     if sizes.pp > 1:
@@ -240,6 +251,9 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
     plugin_clips = zero_stage == 0 and not _enabled(ds_dict, "fp16") and not _enabled(ds_dict, "bf16", "bfloat16")
 
     # 2. Distributed, groups.
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":   # before any work on the device (NCCL, the RNG tracker), as
+        accelerator.set_device(local_rank())  # Megatron-LM does: else every rank starts on device 0
     if not dist.is_initialized():
         extra = {} if timeout is None else {"timeout": timeout}
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **extra)
@@ -256,7 +270,8 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
     watch = None
     try:
         mpu = register(groups, over_existing=users_groups)   # the user's groups set aside, back at close()
-        # 3, 4. Model, param groups.
+        # 3, 4. Megatron's RNG tracker, model, param groups.
+        seed_megatron_rng(seed, groups)
         model = model_provider(moe_config, groups)
         if not isinstance(model, nn.Module):
             raise alike_on_every_rank(TypeError(f"model_provider must return a torch.nn.Module, got "
@@ -319,6 +334,14 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         unregister()
         destroy_process_groups(groups)
         raise
+
+
+def local_rank() -> int:
+    """This process's index on its machine: the launcher's ``LOCAL_RANK``, else 0."""
+    text = os.environ.get("LOCAL_RANK", "0")
+    if not text.isdigit():
+        raise ConfigError("LOCAL_RANK", text, "expected an integer >= 0 (the launcher sets it)")
+    return int(text)
 
 
 def launcher_world_size(world_size: Optional[int] = None) -> int:

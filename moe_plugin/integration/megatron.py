@@ -48,12 +48,14 @@ from moe_plugin.compat.megatron_layer import BuildSpec, check_layer_number, glob
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.groups.process_groups import ProcessGroups
 from moe_plugin.integration.cpu_modules import SDPAttention, TorchNorm
-from moe_plugin.integration.seeding import layer_seed, resolve_seed, seeded
+from moe_plugin.integration.seeding import layer_seed, resolve_seed, seed_megatron_rng, seeded
 from moe_plugin.layers.moe_layer import MoELayer
 
 Spec = Union[ModuleSpec, TransformerBlockSubmodules]
 DS_CONFIG_ENV = "MOE_PLUGIN_DS_CONFIG"
 CPU_SWAPS = {DotProductAttention: SDPAttention, WrappedTorchNorm: TorchNorm}
+# on every device: Megatron's torch norm (its choice without apex) asserts not sequence_parallel
+NORM_SWAPS = {WrappedTorchNorm: TorchNorm}
 
 
 # --- the MoE MLP as Megatron builds it -------------------------------------------------------
@@ -296,14 +298,15 @@ def gpt_moe_spec(moe_config: MoEConfig, config: TransformerConfig, groups: Optio
                  placements: Optional[Mapping[int, Sequence[int]]] = None) -> TransformerBlockSubmodules:
     """The block spec of this pipeline stage: Megatron's dense local GPT layer spec (norm and
     qk-layernorm from ``config``) with MoE MLPs where ``moe_config`` says, CPU-friendly when
-    ``cpu`` (default: when DeepSpeed's accelerator is the CPU; Megatron's pieces stay on GPUs).
+    ``cpu`` (default: when DeepSpeed's accelerator is the CPU; Megatron's attention stays on GPUs,
+    its torch norm, which refuses sequence parallelism, becomes ``TorchNorm`` everywhere).
     ``placements``: {global layer index: slots} of MoE layers built with their experts placed.
     ``seed``: every layer's weights come from it and the layer's global index, on any pipeline
     stage (``seeding``); default ``torch.initial_seed()``, the seed the user gave torch."""
     check_against_model(moe_config, config)
     spec = moe_layer_spec(_local_block_spec(config, vp_stage, pp_rank), moe_config, groups, seed=seed,
                           placements=placements)
-    return cpu_friendly_spec(spec) if (on_cpu() if cpu is None else cpu) else spec
+    return cpu_friendly_spec(spec) if (on_cpu() if cpu is None else cpu) else _swap(spec, NORM_SWAPS)
 
 
 def gpt_dense_spec(config: TransformerConfig, *, cpu: Optional[bool] = None, vp_stage: Optional[int] = None,
@@ -311,7 +314,7 @@ def gpt_dense_spec(config: TransformerConfig, *, cpu: Optional[bool] = None, vp_
     """``gpt_moe_spec`` without the MoE layers: Megatron's dense MLP on every layer, the same
     attention, norms and CPU swaps. The dense baseline of a comparison (``--dense`` in the example)."""
     spec = _local_block_spec(config, vp_stage, pp_rank)
-    return cpu_friendly_spec(spec) if (on_cpu() if cpu is None else cpu) else spec
+    return cpu_friendly_spec(spec) if (on_cpu() if cpu is None else cpu) else _swap(spec, NORM_SWAPS)
 
 
 def _local_block_spec(config: TransformerConfig, vp_stage: Optional[int], pp_rank: Optional[int]):
@@ -330,7 +333,8 @@ def megatron_lm_spec() -> ModuleSpec:
     Megatron's own. Base spec: Transformer Engine's when ``--transformer-impl transformer_engine``,
     else the local one (made CPU-friendly on a CPU accelerator). Megatron-LM imports an
     *attribute*, not a function: use ``--spec moe_plugin.integration.megatron_lm_spec spec``
-    (docs/megatron_lm.md).
+    (docs/megatron_lm.md). On the CPU accelerator it also seeds Megatron's RNG tracker from
+    Megatron-LM's ``--seed`` (``seeding.seed_megatron_rng``), which Megatron-LM does on GPUs only.
     """
     args = _megatron_lm_args()
     path = os.environ.get(DS_CONFIG_ENV) or getattr(args, "deepspeed_config", None)
@@ -348,6 +352,8 @@ def megatron_lm_spec() -> ModuleSpec:
                                         qk_layernorm=getattr(args, "qk_layernorm", False))
         if on_cpu():
             base = cpu_friendly_spec(base)
+    if on_cpu():   # Megatron-LM seeds its RNG tracker on GPUs only
+        seed_megatron_rng(getattr(args, "seed", None), groups)
     return moe_layer_spec(base, moe_config, groups)
 
 

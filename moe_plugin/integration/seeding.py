@@ -19,14 +19,27 @@ weights of the one-rank ``GPTModel``.
 ``seed=None`` everywhere means ``torch.initial_seed()``: the seed the user last gave
 ``torch.manual_seed`` (which ``deepspeed.runtime.utils.set_random_seed`` and Megatron-LM's seeding
 call). Without any seed every process draws its own, and the ranks would disagree.
+
+Megatron-Core's RNG tracker (``seed_megatron_rng``, which ``moe_plugin.initialize`` calls before
+the model provider runs) is seeded as Megatron-LM seeds it (``megatron/training/initialize.py``,
+``_set_random_seed``): ``model_parallel_cuda_manual_seed(seed + 100 * pipeline rank)``, whose
+data-parallel state takes that seed, the model-parallel state that + 2718 + the tensor-parallel
+rank, the expert-parallel state that + 1024 + 100 * the expert-parallel rank + the expert-tensor
+rank. Megatron's attention forks the model-parallel state for its dropout on every forward, its
+embedding and transformer block under sequence parallelism, its tensor-parallel layers when they
+initialise on the GPU (without ``use_cpu_initialization``): a model that is not seeded fails there.
+On the CPU accelerator the tracker holds CPU generator states (``compat/megatron_cpu.py``).
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from moe_plugin.groups.process_groups import ProcessGroups
 
 _SEED_RANGE = 2 ** 63   # torch.manual_seed takes 64-bit values; stay clear of the sign bit
 
@@ -47,3 +60,33 @@ def seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
+
+
+def megatron_rng_seed(seed: int, pp_rank: int) -> int:
+    """The seed Megatron-LM gives ``model_parallel_cuda_manual_seed`` on pipeline stage ``pp_rank``
+    (without ``--data-parallel-random-init``): ``seed + 100 * pp_rank``."""
+    return seed + 100 * pp_rank
+
+
+def seed_megatron_rng(seed: Optional[int], groups: Optional["ProcessGroups"]) -> Optional[int]:
+    """Seed Megatron-Core's RNG tracker for this rank (module docstring) from ``seed`` (None:
+    ``torch.initial_seed()``) and this rank's place in ``groups`` (None: one process). On the CUDA
+    accelerator Megatron's own tracker; on the CPU accelerator the CPU stand-ins of
+    ``compat/megatron_cpu.py`` first (a tracker over the CPU generator, sequence-parallel buffers on
+    the CPU). Other accelerators: nothing. Returns the seed the tracker got, or None. Call it after
+    the process groups exist and before the model is built (``moe_plugin.initialize`` does)."""
+    from deepspeed.accelerator import get_accelerator
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    device = get_accelerator().device_name()
+    if device not in ("cpu", "cuda"):
+        return None
+    if device == "cpu":
+        from moe_plugin.compat.megatron_cpu import cpu_buffers, install_cpu_rng_tracker
+
+        install_cpu_rng_tracker()
+        cpu_buffers()
+    rank = (lambda kind: 0) if groups is None else groups.rank_in
+    tracker_seed = megatron_rng_seed(resolve_seed(seed), rank("pp"))
+    model_parallel_cuda_manual_seed(tracker_seed, tp_rank=rank("tp"), ep_rank=rank("ep"), etp_rank=rank("etp"))
+    return tracker_seed

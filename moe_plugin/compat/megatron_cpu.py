@@ -1,0 +1,116 @@
+"""Megatron-Core's CUDA-only RNG tracker and buffers, given CPU stand-ins on the CPU accelerator.
+
+Relies on megatron-core 0.16:
+
+* ``megatron/core/tensor_parallel/random.py`` keeps one tracker of named RNG states in the module
+  globals ``_CUDA_RNG_STATE_TRACKER`` / ``_CUDA_RNG_STATE_TRACKER_INITIALIZED`` (made by
+  ``initialize_rng_tracker``, a ``CudaRNGStatesTracker``); ``model_parallel_cuda_manual_seed`` resets
+  it and ``add``s its three states. ``fork(name)`` swaps the CUDA generator to a named state; the
+  embedding and the transformer block fork it under sequence parallelism, ``DotProductAttention``
+  on every forward, the tensor-parallel layers at GPU initialisation. ``install_cpu_rng_tracker()``
+  puts a ``CpuRNGStatesTracker`` there: the same interface and named states, held as CPU generator
+  states and swapped into torch's CPU generator, so that dropout inside a fork (under sequence
+  parallelism: per tensor-parallel rank) draws from the model-parallel state as it would on a GPU.
+* ``tensor_parallel/mappings.py`` (gather / reduce-scatter along the sequence), ``tensor_parallel/layers.py``
+  (the all-gathered input's gradient) and ``utils.py`` (``GlobalMemoryBuffer``, the all-gather buffer
+  of sequence parallelism, the attention's score buffer) allocate on ``torch.cuda.current_device()``.
+  ``cpu_buffers()`` gives these three modules, and only them, a ``torch`` whose
+  ``cuda.current_device()`` is ``"cpu"`` (their global ``torch`` is replaced; torch itself is untouched).
+
+Applied by ``integration.seeding.seed_megatron_rng`` (which ``moe_plugin.initialize`` calls before
+the model is built) on the CPU accelerator only.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+from collections.abc import Iterator
+
+import torch
+from megatron.core.tensor_parallel import random as megatron_random
+
+# the modules whose buffers go to torch.cuda.current_device(); cpu_buffers() redirects exactly these
+BUFFER_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers",
+                  "megatron.core.utils")
+
+
+class CpuRNGStatesTracker(megatron_random.CudaRNGStatesTracker):
+    """Megatron's ``CudaRNGStatesTracker`` over torch's CPU generator: ``add(name, seed)`` keeps the
+    state a CPU generator seeded with ``seed`` has; ``fork(name)`` runs its block with that state in
+    torch's default CPU generator and keeps where the block left it (nested forks as Megatron's)."""
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")   # Megatron's messages
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        if name not in self.states_:
+            raise Exception(f"cuda rng state {name} is not added")
+        outer_state, outer_name = torch.get_rng_state(), self._current_state_name
+        if outer_name != "default-rng":
+            self.states_[outer_name] = outer_state
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            if outer_name != "default-rng":
+                outer_state = self.states_[outer_name]
+            torch.set_rng_state(outer_state)
+            self._current_state_name = outer_name
+
+
+def install_cpu_rng_tracker() -> None:
+    """Make Megatron's tracker a ``CpuRNGStatesTracker`` (kept if it is one already); seed it
+    afterwards with ``model_parallel_cuda_manual_seed``, which keeps an initialised tracker."""
+    if not isinstance(megatron_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
+        megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+        megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+class _CudaOnCpu(types.ModuleType):
+    """``torch.cuda`` as the ``BUFFER_MODULES`` see it: ``current_device()`` is the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` as the ``BUFFER_MODULES`` see it: torch, but ``cuda`` is ``_CudaOnCpu``."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CudaOnCpu()
+
+    def __getattr__(self, name: str):
+        value = getattr(torch, name)
+        setattr(self, name, value)   # kept: the next lookup of torch.matmul & co. is a plain one
+        return value
+
+
+def cpu_buffers() -> None:
+    """Point the buffers of the ``BUFFER_MODULES`` at the CPU (idempotent)."""
+    for name in BUFFER_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _TorchOnCpu):
+            module.torch = _TorchOnCpu()
+
+
+def buffers_on_cpu() -> bool:
+    """Whether ``cpu_buffers()`` has been applied in this process."""
+    return all(isinstance(importlib.import_module(name).torch, _TorchOnCpu) for name in BUFFER_MODULES)
