@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dist import case_results, run_distributed
 from moe_plugin.configs import MoEConfig
 from moe_plugin.layers import MoELayer
+from test_layers_single import capacity_if_dropping
 
 H, F, E = 16, 16, 8
 # accumulating ops that torch.use_deterministic_algorithms(True) makes deterministic on CUDA
@@ -88,7 +89,7 @@ def _layer(router: str, drop: bool, parallel=None, groups=None, **moe) -> MoELay
              "activation": "swiglu", **ROUTERS[router], **moe}
     if parallel is not None:
         block["parallel"] = parallel
-    return MoELayer(MoEConfig.from_dict(block), H, F, groups, seed=3, init_std=0.3).train()
+    return MoELayer(MoEConfig.from_dict(capacity_if_dropping(block)), H, F, groups, seed=3, init_std=0.3).train()
 
 
 def _step(layer: MoELayer, seed: int = 11, deterministic: bool = False) -> tuple[set, dict]:
