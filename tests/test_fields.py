@@ -19,6 +19,11 @@ example is not classified. The same runs, where the schema accepts the value the
 and on 4 ranks (ep 4): ``test_same_losses_under_every_layout`` asks for the 2-rank losses at 1e-5
 (no field may make the model depend on the layout), except where ``one_layout`` says why not.
 
+Findings the table holds (by design today, each case says so): each TP rank routes its own share of
+the tokens as one group, so the default capacity and micro-batch balance loss make tp2 another
+model (its first ``parallel.tensor`` case); GShard's random routing and the jitter draw per rank,
+as dropout does, so those values are not compared across layouts.
+
 Cost: every run of a world size shares one spawn (the example's ``main`` called once per run in
 the same ranks), so a run is the engine's set-up and 3 steps; ``test_repeated_main_leaks_nothing``
 checks that the reference run, repeated at the end of a spawn, gives its first losses to the bit.
@@ -31,6 +36,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +71,7 @@ A_LAYOUT = "the value is itself a layout of the reference model: its case compar
 SKEW = ("--router-skew", "4.0")   # placement cases: a skewed load, so that greedy placement moves experts
 GREEDY = {"policy": "greedy", "check_interval": 1, "min_gain": 0.0}
 TP_SAFE = {"drop_tokens": False, "aux_loss_scope": "sequence"}   # routing groups do not matter
+MOVED = r"[1-9]\d* switch"   # the progress line of a placement that moved experts
 NETWORK = {"policy": "network-aware", "check_interval": 1, "min_gain": 0.0, "gpus_per_node": 1}
 
 
@@ -74,7 +81,8 @@ class Case:
     ``flags``: the example's flags; ``ref`` / ``ref_flags``: what the reference run adds to ``BASE``
     (``value`` and ``flags`` go on top of them); ``gas1``: one micro-batch per rank (the micro-batch
     is the global batch over the data-parallel size) in the case and its reference; ``world``: the
-    ranks of a layout case; ``moves``: the final progress line must report a placement switch."""
+    ranks of a layout case; ``shows``: a pattern the placement part of the last progress line must
+    match at the main layout (that experts moved, were shadowed, traced: not a vacuous EQUAL)."""
 
     field: str
     expect: str = CHANGES
@@ -86,7 +94,7 @@ class Case:
     one_layout: str = ""
     gas1: bool = False
     world: int = 2
-    moves: bool = False
+    shows: str = ""
     label: str = ""
 
     @property
@@ -180,18 +188,20 @@ CASES = [
          value={"parallel": {"tensor": 2, "expert": 2, "expert_tensor": 1, "sequence_parallel": True}},
          ref=TP_SAFE, one_layout=A_LAYOUT),
     # --- placement: experts move, the model stays (against the static run of the same skewed router)
-    Case("placement.policy", EQUAL, value={"placement": GREEDY}, ref_flags=SKEW, moves=True),
+    Case("placement.policy", EQUAL, value={"placement": GREEDY}, ref_flags=SKEW, shows=MOVED),
     Case("placement.policy", EQUAL, value={"placement": {**NETWORK, "policy": "network-aware"}}, ref_flags=SKEW,
-         moves=True, label="placement.policy=network-aware"),
+         shows=MOVED, label="placement.policy=network-aware"),
     Case("placement.check_interval", EQUAL, value={"placement": {**GREEDY, "check_interval": 2}}, ref_flags=SKEW,
-         moves=True),
-    Case("placement.window", EQUAL, value={"placement": {**GREEDY, "window": 1}}, ref_flags=SKEW, moves=True),
-    Case("placement.min_gain", EQUAL, value={"placement": {**GREEDY, "min_gain": 0.0}}, ref_flags=SKEW, moves=True,
+         shows=MOVED),
+    Case("placement.window", EQUAL, value={"placement": {**GREEDY, "window": 1}}, ref_flags=SKEW, shows=MOVED),
+    Case("placement.min_gain", EQUAL, value={"placement": {**GREEDY, "min_gain": 0.0}}, ref_flags=SKEW, shows=MOVED,
          label="placement.min_gain=0.0"),
-    Case("placement.slack", EQUAL, value={"placement": {**NETWORK, "slack": 0.5}}, ref_flags=SKEW, moves=True),
+    Case("placement.slack", EQUAL, value={"placement": {**NETWORK, "slack": 0.5}}, ref_flags=SKEW, shows=MOVED),
     Case("placement.gpus_per_node", EQUAL, value={"placement": {**NETWORK, "gpus_per_node": 2}}, ref_flags=SKEW),
-    Case("placement.replica_budget", EQUAL, value={"placement": {"replica_budget": 2}}, ref_flags=SKEW),
-    Case("placement.trace_file", EQUAL, value={"placement": {"trace_file": "gate_trace.jsonl"}}, ref_flags=SKEW),
+    Case("placement.replica_budget", EQUAL, value={"placement": {"replica_budget": 2, "check_interval": 1}},
+         ref_flags=SKEW, shows=r"\([1-9]\d* shadowed"),
+    Case("placement.trace_file", EQUAL, value={"placement": {"trace_file": "gate_trace.jsonl"}}, ref_flags=SKEW,
+         shows="tracing"),
     # --- the example's model flags (and the two training flags that change the model)
     Case("--num-layers", flags=("--num-layers", "3")),
     Case("--hidden-size", flags=("--hidden-size", "64")),
@@ -260,9 +270,6 @@ def case_run(case: Case, layout: str, reference: bool = False) -> Run:
     if reference:
         moe["parallel"] = parallel
     return Run(world, moe, case.argv(reference), case.gas1)
-
-
-REFERENCE = Run(LAYOUTS[MAIN][0], {**BASE, "parallel": LAYOUTS[MAIN][1]}, (), False)
 
 
 def _cross_layouts(case: Case) -> dict[str, Optional[Run]]:
@@ -440,9 +447,9 @@ def test_field_value(case, outcomes, field_table):
                                 f"them by {diff:.2e}: {got} vs {want}")
     else:
         assert diff <= TOL, f"{case.name} should leave the losses equal but moved them by {diff:.2e}: {got} vs {want}"
-    if case.moves:
+    if case.shows:
         text = outcomes[run.key]["placement"]
-        assert " 0 switches" not in text and "switch" in text, f"{case.name}: no expert moved ({text!r})"
+        assert re.search(case.shows, text), f"{case.name}: the progress line does not show {case.shows!r}: {text!r}"
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.not_run], ids=lambda c: c.name)
