@@ -486,6 +486,7 @@ def field_table(outcomes):
     for case in CASES:
         row = table.get(case.name, {})
         diff = f"{row['diff']:.1e}" if "diff" in row else "-"
-        lay = ", ".join(f"{k} {v:.0e}" if isinstance(v, float) else f"{k} {v}" for k, v in row.get("layouts", {}).items())
+        lay = ", ".join(f"{k} {v:.0e}" if isinstance(v, float) else f"{k} {v}"
+                        for k, v in row.get("layouts", {}).items())
         lines.append(f"{case.name[:58]:58} {case.expect:8} {diff:>9}  {lay or case.one_layout[:40] or '-'}")
     print("\n" + "\n".join(lines))
