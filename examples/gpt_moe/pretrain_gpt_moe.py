@@ -141,6 +141,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     train.add_argument("--profile-step-end", type=int, default=12, help="the profile stops before this step")
     out = parser.add_argument_group("output")
     out.add_argument("--run-dir", default=None, help="metrics and plot go here (default: runs/<config name>)")
+    out.add_argument("--no-plot", action="store_true", help="write no metrics.png (matplotlib takes longer than "
+                     "a few steps of a small model)")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                         help="set by the deepspeed launcher")
     deepspeed.add_config_arguments(parser)
@@ -576,7 +578,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         started = time.perf_counter()
         train(args, plan, data, result, log, placement)
         log.info(f"reached step {args.train_iters} in {time.perf_counter() - started:.1f} s")
-        plot = log.plot()
+        plot = None if args.no_plot else log.plot()
         log.info(f"metrics: {log.metrics_path}" + (f"\nplot:    {plot}" if plot else ""))
     except (TrainingStopped, FloatingPointError, CheckpointError) as err:   # raised on every rank together
         return report_error(alike_on_every_rank(err))   # one line on rank 0, status 1 on every rank
