@@ -5,7 +5,9 @@
   reason (the other rank was never signalled); SIGUSR1 alike; a wall-time limit passed on one rank's
   clock stops both; nothing stops a run without a signal or a limit; ``close`` gives the previous
   handlers back. Without the handler the signalled rank dies and the test fails.
-* the example refuses the flags without ``--save`` in one line, before writing anything.
+* the example refuses the flags without ``--save`` in one line, before writing anything; with
+  ``--exit-duration-in-mins`` (2 spawned ranks running its ``main``) both ranks save the step and
+  return 75.
 * through the real ``deepspeed`` launcher, 2 ranks, a tiny model: SIGTERM to the launcher
   (``deepspeed.launcher.launch``) once a step is done -> the ranks save a tag for the step they
   agreed on and leave (the launcher, signalled itself, exits 1); ``--load`` resumes it, SIGTERM to
@@ -120,6 +122,35 @@ def test_example_refuses_the_exit_flags_without_save_before_writing_anything(tmp
     assert not run_dir.exists() and not data.exists()
 
 
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory) -> Path:
+    """One stdlib corpus for the example runs of this module (written by the first)."""
+    return tmp_path_factory.mktemp("data")
+
+
+def _main_child(rank: int, world_size: int, argv: list) -> dict:
+    """The example's ``main`` on a spawned rank, as the launcher would start it, with what it printed."""
+    import contextlib
+    import io
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        status = _example().main(argv)
+    return {"status": status, "out": out.getvalue()}
+
+
+def test_example_exit_duration_saves_and_exits_75_on_every_rank(tmp_path, data_cache):
+    ckpt = tmp_path / "ckpt"
+    argv = ["--deepspeed_config", str(_config(tmp_path)), *TINY, "--run-dir", str(tmp_path / "run"),
+            "--data-cache", str(data_cache), "--train-iters", "50", "--save", str(ckpt),
+            "--exit-duration-in-mins", "0.001"]   # 60 ms: over before the first step ends
+    results = run_distributed(_main_child, 2, tmp_path, argv, timeout=300)
+    assert [r["status"] for r in results] == [EXIT_STATUS, EXIT_STATUS], results[0]["out"][-3000:]
+    assert "step 1: the wall time passed 0.001 minutes: saved checkpoint step1 to " in results[0]["out"]
+    assert (ckpt / "latest").read_text().strip() == "step1" and max(_losses(tmp_path / "run")) == 1
+
+
 # -- through the deepspeed launcher -------------------------------------------------------------------
 def _config(tmp_path: Path) -> Path:
     config = json.loads((REPO / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json").read_text())
@@ -134,7 +165,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
 
 
-def _launch(tmp_path: Path, port: int, run_dir: Path, *flags: str, signal_to: str | None = None,
+def _launch(tmp_path: Path, port: int, data: Path, run_dir: Path, *flags: str, signal_to: str | None = None,
             after_step: int = 0) -> tuple[int, str, float | None]:
     """The example through ``deepspeed`` (2 ranks). ``signal_to``: "launcher" (DeepSpeed's
     ``launch.py``, which the ``deepspeed`` command starts) or "rank1", sent SIGTERM once
@@ -144,7 +175,7 @@ def _launch(tmp_path: Path, port: int, run_dir: Path, *flags: str, signal_to: st
 
     command = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(SCRIPT),
                "--deepspeed_config", str(_config(tmp_path)), *TINY, "--run-dir", str(run_dir),
-               "--data-cache", str(tmp_path / "data"), *flags]
+               "--data-cache", str(data), *flags]
     log = tmp_path / f"{run_dir.name}-{signal_to}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(command, cwd=tmp_path, env=launcher_env(), stdout=out, stderr=subprocess.STDOUT,
@@ -176,22 +207,23 @@ def _left(output: str) -> int:
     return step
 
 
-def test_sigterm_to_the_launcher_saves_that_step_and_load_continues_the_run(tmp_path, launcher_port):
+def test_sigterm_to_the_launcher_saves_that_step_and_load_continues_the_run(tmp_path, launcher_port, data_cache):
     iters = "60"   # far more steps than the signal needs to arrive: a run that ends first fails below
     ckpt = tmp_path / "ckpt"
-    status, out, _ = _launch(tmp_path, launcher_port, tmp_path / "whole", "--train-iters", iters)
+    status, out, _ = _launch(tmp_path, launcher_port, data_cache, tmp_path / "whole", "--train-iters", iters)
     assert status == 0, out[-3000:]
     whole = _losses(tmp_path / "whole")
 
     flags = ("--train-iters", iters, "--save", str(ckpt), "--exit-signal-handler")
-    status, out, took = _launch(tmp_path, launcher_port, tmp_path / "cut", *flags, signal_to="launcher", after_step=1)
+    status, out, took = _launch(tmp_path, launcher_port, data_cache, tmp_path / "cut", *flags,
+                                signal_to="launcher", after_step=1)
     first = _left(out)
     assert status == 1, out[-3000:]   # DeepSpeed's launch.py exits 1 after it forwarded a signal it got itself
     assert (ckpt / "latest").read_text().strip() == f"step{first}" and (ckpt / f"step{first}").is_dir()
     assert 1 < first < int(iters) and max(_losses(tmp_path / "cut")) == first
     assert took < 30, took   # within the launcher's grace for the first rank
 
-    status, out, _ = _launch(tmp_path, launcher_port, tmp_path / "cut", *flags, "--load", str(ckpt),
+    status, out, _ = _launch(tmp_path, launcher_port, data_cache, tmp_path / "cut", *flags, "--load", str(ckpt),
                              signal_to="rank1", after_step=first + 1)
     second = _left(out)
     assert status == EXIT_STATUS, out[-3000:]   # a rank's own status, passed on by the launcher

@@ -31,6 +31,8 @@ ZeRO stage and the ``"moe"`` block (experts, router, parallel layout). The scrip
    gradient, the last checkpoint of ``--save``) and the exit status is 1; skipped steps are
    counted in the log line and ``metrics.jsonl``; a step 10x slower than the median is reported.
    A stalled rank ends in an error after ``--distributed-timeout-minutes``.
+   ``--exit-signal-handler`` (SIGTERM, SIGUSR1) and ``--exit-duration-in-mins`` stop every rank after
+   the same step (``moe_plugin.ExitRequest``): the step is saved to ``--save``, the status is 75.
 
 With pipeline parallelism (``moe.parallel.pipeline`` > 1) the model is the same GPT cut into
 stages (``moe_plugin.gpt_pipeline_module``), the engine is DeepSpeed's

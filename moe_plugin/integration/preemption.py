@@ -14,12 +14,14 @@ allocation runs out (a wall-time limit), every rank at the same step.
 
 The handler (SIGTERM and SIGUSR1: SLURM's ``--signal`` sends the latter) only sets a flag, so a
 signal never interrupts a collective, a save or a half-done step. ``after_step`` turns the flags
-into one all-reduce (MAX, the world group) of a small tensor: a signal that reached one rank, or the
-wall time that passed on one rank's clock, stops every rank after the same step. Megatron-LM's
-``--exit-signal-handler`` and ``--exit-duration-in-mins``, with the signal's name and the agreed
-reason returned. ``EXIT_STATUS`` (also ``ExitRequest.EXIT_STATUS``: 75, ``EX_TEMPFAIL`` of sysexits.h: "try again later") is what a
-run that left this way exits with: not 0 (not finished), 1 (a failure), 2 (bad input) or 143 (killed
-by SIGTERM). docs/long_runs.md has what the ``deepspeed`` launcher does with the signal.
+into one all-reduce (MAX, the world group) of two numbers: a signal that reached one rank, or the
+wall time that passed on one rank's clock, stops every rank after the same step, with the same
+reason. Megatron-LM's ``--exit-signal-handler`` and ``--exit-duration-in-mins``.
+
+``EXIT_STATUS`` (also ``ExitRequest.EXIT_STATUS``) is 75, ``EX_TEMPFAIL`` of sysexits.h ("try again
+later"): what a run that left this way exits with, so that a job script can tell it from 0 (finished),
+1 (a failure), 2 (bad input) and 143 (killed by SIGTERM) and requeue it. What DeepSpeed's launcher
+does with a signal, and which status it returns: docs/long_runs.md, *Preemption and time limits*.
 """
 from __future__ import annotations
 
