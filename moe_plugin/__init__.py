@@ -30,6 +30,7 @@ _LAZY = {
     "ExpertMetrics": "integration.monitor",
     "training_placement": "integration.placement",
     "TrainingStopped": "integration.guard",
+    "ExitRequest": "integration.preemption",
     "save_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
     "checkpoint_exists": "checkpoint",

@@ -77,6 +77,12 @@ def check_flags(args: argparse.Namespace) -> None:
         flag = "--router-skew" if args.router_skew else "--freeze-router"
         raise ConfigError(flag, getattr(args, flag[2:].replace("-", "_")), "the dense baseline (--dense) has no "
                           "router; drop one of the two flags")
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
+        raise ConfigError("--exit-duration-in-mins", args.exit_duration_in_mins, "expected minutes > 0")
+    for flag, given in (("--exit-signal-handler", args.exit_signal_handler),
+                        ("--exit-duration-in-mins", args.exit_duration_in_mins)):
+        if given not in (None, False) and args.save is None:   # before anything is written
+            raise ConfigError(flag, given, "it saves a checkpoint before it exits: pass --save DIR too")
     if args.deepspeed_config is None:
         raise ConfigError("--deepspeed_config", None, "pass the DeepSpeed JSON with the \"moe\" block, e.g. "
                           "examples/gpt_moe/configs/tiny_cpu_4rank.json", shown="missing")

@@ -31,6 +31,8 @@ ZeRO stage and the ``"moe"`` block (experts, router, parallel layout). The scrip
    gradient, the last checkpoint of ``--save``) and the exit status is 1; skipped steps are
    counted in the log line and ``metrics.jsonl``; a step 10x slower than the median is reported.
    A stalled rank ends in an error after ``--distributed-timeout-minutes``.
+   ``--exit-signal-handler`` (SIGTERM, SIGUSR1) and ``--exit-duration-in-mins`` stop every rank after
+   the same step (``moe_plugin.ExitRequest``): the step is saved to ``--save``, the status is 75.
 
 With pipeline parallelism (``moe.parallel.pipeline`` > 1) the model is the same GPT cut into
 stages (``moe_plugin.gpt_pipeline_module``), the engine is DeepSpeed's
@@ -118,6 +120,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     train.add_argument("--distributed-timeout-minutes", type=int, default=10,
                        help="a collective that waits longer (a stalled or dead rank) raises an error (Megatron-LM's "
                        "flag; torch's default would be 30)")
+    train.add_argument("--exit-signal-handler", action="store_true",
+                       help="on SIGTERM or SIGUSR1 (to the launcher or any rank) finish the step, save to --save and "
+                       "exit with status 75, every rank at the same step (Megatron-LM's flag; docs/long_runs.md)")
+    train.add_argument("--exit-duration-in-mins", type=float, default=None,
+                       help="save to --save and exit with status 75 once the run's wall time passes this many minutes "
+                       "(checked after every step; Megatron-LM's flag)")
     train.add_argument("--router-skew", type=float, default=0.0,
                        help="bias every router towards low expert ids, offset -S*log(1+e) on the logits that choose "
                        "experts: a Zipf-like load for placement experiments (router_skew.py); 0: off")
@@ -455,9 +463,12 @@ def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = Tru
 
 
 # --- the run -------------------------------------------------------------------------------------
-def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: TrainingLog, placement=None) -> None:
+def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: TrainingLog, placement=None,
+          exit_request=None) -> Optional[str]:
     """The training loop. ``placement`` (a ``TrainingPlacement`` or None) is stepped after every
-    optimizer step, at the step boundary, on every rank; its time counts as training time."""
+    optimizer step, at the step boundary, on every rank; its time counts as training time.
+    ``exit_request`` (``moe_plugin.ExitRequest`` or None): checked after every step; returns its
+    reason once it stopped the run early (a checkpoint of that step saved), else None."""
     from moe_plugin import ExpertMetrics
 
     start = load_checkpoint(result, args.load, not args.no_load_optim, not args.no_load_rng) if args.load else 0
@@ -465,12 +476,13 @@ def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: Trai
         log.info(f"resumed from {args.load} after {start} steps")
     metrics = ExpertMetrics(result.engine.module, groups=result.groups)   # expert load, also to DeepSpeed's monitor
     try:
-        _train_steps(args, plan, data, result, log, placement, metrics, start)
+        return _train_steps(args, plan, data, result, log, placement, metrics, start, exit_request)
     finally:
         metrics.close()
 
 
-def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics, start: int) -> None:
+def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics, start: int,
+                 exit_request=None) -> Optional[str]:
     engine = result.engine
     step_fn, eval_fn = (pipeline_train_step, pipeline_evaluate) if plan.sizes.pp > 1 else (train_step, evaluate)
     tokens_per_step = plan.global_batch_size * args.seq_length
@@ -508,11 +520,19 @@ def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics,
             interval_s, interval_steps = 0.0, 0
         log.train(done, loss, engine.get_lr()[0], report, step_s=step_s, skipped_steps=health.skipped_steps)
         health.raise_if_stopped()   # TrainingStopped on every rank, the same message
+        leaving = exit_request.after_step(done) if exit_request is not None else None   # collective
+        if leaving is not None and done < args.train_iters:   # a signal, or --exit-duration-in-mins: save, leave
+            began = time.perf_counter()
+            save_checkpoint(result, args.save, done)
+            log.info(f"{leaving}: saved checkpoint step{done} to {args.save} in {time.perf_counter() - began:.1f} s; "
+                     f"exiting with status {exit_request.EXIT_STATUS} (resume with --load {args.save})")
+            return leaving
         if (args.eval_interval and done % args.eval_interval == 0) or done == args.train_iters:
             log.valid(done, eval_fn(result, data, plan, args.eval_iters))
         if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters):
             save_checkpoint(result, args.save, done)
             log.info(f"saved checkpoint step{done} to {args.save}")
+    return None
 
 
 def configure_threads() -> None:
@@ -531,6 +551,7 @@ def quiet_other_ranks(rank: int) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    started_at = time.monotonic()   # --exit-duration-in-mins counts from here
     rank = int(os.environ.get("RANK", "0"))
     quiet_other_ranks(rank)
     args = parse_args(argv)
@@ -542,7 +563,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return report_error(err)   # one line, on rank 0; status 2 on every rank
     configure_threads()
     from moe_plugin.compat.shm_buffers import remove_shm_buffers
-    from moe_plugin import CheckpointError, TrainingStopped
+    from moe_plugin import CheckpointError, ExitRequest, TrainingStopped
+
+    exit_request = None   # the handler stays until the process exits: the launcher signals each rank in turn
+    if args.exit_signal_handler or args.exit_duration_in_mins is not None:
+        exit_request = ExitRequest(args.exit_signal_handler, args.exit_duration_in_mins, start=started_at)
 
     atexit.register(remove_shm_buffers, range(world_size))   # DeepSpeed's /dev/shm buffers, every rank's
     run_dir = Path(args.run_dir or Path("runs") / Path(args.deepspeed_config).stem)
@@ -576,7 +601,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "parameters": result.summary.parameters, "memory_before_model_mb": memory_before},
                 indent=2, default=str) + "\n")
         started = time.perf_counter()
-        train(args, plan, data, result, log, placement)
+        if train(args, plan, data, result, log, placement, exit_request) is not None:
+            return ExitRequest.EXIT_STATUS   # 75: stopped early with a checkpoint (the finally below still runs)
         log.info(f"reached step {args.train_iters} in {time.perf_counter() - started:.1f} s")
         plot = None if args.no_plot else log.plot()
         log.info(f"metrics: {log.metrics_path}" + (f"\nplot:    {plot}" if plot else ""))

@@ -26,6 +26,9 @@
 * ``guard``: ``TrainingGuard`` (``initialize``'s ``result.guard``), checked after every optimizer step:
   non-finite gradients (fp32/bf16) or fp16 steps skipped in a row stop the run on every rank with
   one message; slow-step line. ``GradientWatch``: the hooks that name the parameter.
+* ``preemption``: ``ExitRequest`` (re-exported as ``moe_plugin.ExitRequest``): SIGTERM / SIGUSR1 caught
+  as a flag and a wall-time limit, agreed by every rank at a step boundary (one all-reduce), so that a
+  loop saves and exits with ``EXIT_STATUS`` (75) together.
 
 Checkpoints (``save_checkpoint``, ``load_checkpoint``, resharding, export) are the package
 ``moe_plugin.checkpoint``.

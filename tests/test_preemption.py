@@ -1,0 +1,235 @@
+"""Preemption and time limits (``moe_plugin.ExitRequest``, the example's ``--exit-signal-handler`` and
+``--exit-duration-in-mins``; docs/long_runs.md, *Preemption and time limits*).
+
+* on 2 spawned ranks: a SIGTERM that reaches one rank stops both after the same step with the same
+  reason (the other rank was never signalled); SIGUSR1 alike; a wall-time limit passed on one rank's
+  clock stops both; nothing stops a run without a signal or a limit; ``close`` gives the previous
+  handlers back. Without the handler the signalled rank dies and the test fails.
+* the example refuses the flags without ``--save`` in one line, before writing anything; with
+  ``--exit-duration-in-mins`` (2 spawned ranks running its ``main``) both ranks save the step and
+  return 75.
+* through the real ``deepspeed`` launcher, 2 ranks, a tiny model: SIGTERM to the launcher
+  (``deepspeed.launcher.launch``) once a step is done -> the ranks save a tag for the step they
+  agreed on and leave (the launcher, signalled itself, exits 1); ``--load`` resumes it, SIGTERM to
+  rank 1 alone -> a second tag and the launcher exits with the ranks' status 75; the resumed steps'
+  losses equal an uninterrupted run's (rel 1e-5).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist import run_distributed
+from launcher import BIN, launcher_env
+from moe_plugin.integration.preemption import EXIT_STATUS, ExitRequest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--ffn-hidden-size", "64",
+        "--seq-length", "32", "--eval-interval", "0", "--eval-iters", "1", "--log-interval", "1",
+        "--corpus-bytes", str(192 * 1024), "--valid-fraction", "0.25"]
+
+
+# -- the agreement, 2 spawned ranks -------------------------------------------------------------------
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _stops(request: ExitRequest, kick, steps: int = 8):
+    """(step, reason) of the first step after which ``request`` stops, or (None, None); ``kick(step)``
+    runs during each step (a signal to this process, a clock moved)."""
+    try:
+        for step in range(1, steps + 1):
+            kick(step)
+            reason = request.after_step(step)
+            if reason is not None:
+                return step, reason
+        return None, None
+    finally:
+        request.close()
+
+
+def _agree_child(rank: int, world_size: int) -> dict:
+    out = {"before": signal.getsignal(signal.SIGTERM)}
+
+    def signal_on(who: int, at: int, signum: int):
+        return lambda step: os.kill(os.getpid(), signum) if rank == who and step == at else None
+
+    out["sigterm"] = _stops(ExitRequest(), signal_on(1, 3, signal.SIGTERM))
+    out["after_close"] = signal.getsignal(signal.SIGTERM)
+    out["sigusr1"] = _stops(ExitRequest(), signal_on(0, 2, signal.SIGUSR1))
+    clock = FakeClock()
+
+    def late_on_rank1(step: int) -> None:   # rank 1's clock passes the minute during step 4
+        clock.now = 61.0 if rank == 1 and step >= 4 else 10.0 * step / 4
+    out["duration"] = _stops(ExitRequest(signals=False, duration_mins=1, clock=clock), late_on_rank1)
+    out["nothing"] = _stops(ExitRequest(duration_mins=60), lambda step: None)
+    return out
+
+
+def test_one_rank_signalled_or_late_stops_every_rank_after_the_same_step(tmp_path):
+    results = run_distributed(_agree_child, 2, tmp_path, timeout=120)
+    for r in results:
+        assert r["sigterm"] == (3, "step 3: SIGTERM received")
+        assert r["sigusr1"] == (2, "step 2: SIGUSR1 received")
+        assert r["duration"] == (4, "step 4: the wall time passed 1 minutes")
+        assert r["nothing"] == (None, None)
+        assert r["after_close"] == r["before"]
+
+
+def test_exit_request_refuses_a_duration_that_is_not_positive():
+    with pytest.raises(ValueError, match=r"^duration_mins: got 0; expected a number of minutes > 0, or None$"):
+        ExitRequest(signals=False, duration_mins=0)
+    assert not ExitRequest(signals=False).enabled and ExitRequest(signals=False).after_step(1) is None
+
+
+# -- the example's flags ------------------------------------------------------------------------------
+def _example():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_moe_preemption", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--exit-signal-handler"], "error: --exit-signal-handler: got True; it saves a checkpoint before it exits: "
+                                "pass --save DIR too"),
+    (["--exit-duration-in-mins", "30"], "error: --exit-duration-in-mins: got 30.0; it saves a checkpoint before "
+                                        "it exits: pass --save DIR too"),
+    (["--exit-duration-in-mins", "0", "--save", "x"], "error: --exit-duration-in-mins: got 0.0; expected "
+                                                      "minutes > 0"),
+])
+def test_example_refuses_the_exit_flags_without_save_before_writing_anything(tmp_path, capsys, flags, line):
+    run_dir, data = tmp_path / "run", tmp_path / "data"
+    status = _example().main(["--deepspeed_config", str(REPO / "examples/gpt_moe/configs/tiny_cpu_4rank.json"),
+                              "--run-dir", str(run_dir), "--data-cache", str(data), *flags])
+    out = capsys.readouterr()
+    assert status == 2
+    assert [x for x in (out.out + out.err).splitlines() if x.startswith("error: ")] == [line]
+    assert not run_dir.exists() and not data.exists()
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory) -> Path:
+    """One stdlib corpus for the example runs of this module (written by the first)."""
+    return tmp_path_factory.mktemp("data")
+
+
+def _main_child(rank: int, world_size: int, argv: list) -> dict:
+    """The example's ``main`` on a spawned rank, as the launcher would start it, with what it printed."""
+    import contextlib
+    import io
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        status = _example().main(argv)
+    return {"status": status, "out": out.getvalue()}
+
+
+def test_example_exit_duration_saves_and_exits_75_on_every_rank(tmp_path, data_cache):
+    ckpt = tmp_path / "ckpt"
+    argv = ["--deepspeed_config", str(_config(tmp_path)), *TINY, "--run-dir", str(tmp_path / "run"),
+            "--data-cache", str(data_cache), "--train-iters", "50", "--save", str(ckpt),
+            "--exit-duration-in-mins", "0.001"]   # 60 ms: over before the first step ends
+    results = run_distributed(_main_child, 2, tmp_path, argv, timeout=300)
+    assert [r["status"] for r in results] == [EXIT_STATUS, EXIT_STATUS], results[0]["out"][-3000:]
+    assert "step 1: the wall time passed 0.001 minutes: saved checkpoint step1 to " in results[0]["out"]
+    assert (ckpt / "latest").read_text().strip() == "step1" and max(_losses(tmp_path / "run")) == 1
+
+
+# -- through the deepspeed launcher -------------------------------------------------------------------
+def _config(tmp_path: Path) -> Path:
+    config = json.loads((REPO / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json").read_text())
+    config.update(train_batch_size=8, csv_monitor={"enabled": False})
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+
+
+def _launch(tmp_path: Path, port: int, data: Path, run_dir: Path, *flags: str, signal_to: str | None = None,
+            after_step: int = 0) -> tuple[int, str, float | None]:
+    """The example through ``deepspeed`` (2 ranks). ``signal_to``: "launcher" (DeepSpeed's
+    ``launch.py``, which the ``deepspeed`` command starts) or "rank1", sent SIGTERM once
+    ``run_dir``'s metrics show a step past ``after_step``. Returns (status, output, seconds from the
+    signal to the launcher's exit)."""
+    import psutil
+
+    command = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(SCRIPT),
+               "--deepspeed_config", str(_config(tmp_path)), *TINY, "--run-dir", str(run_dir),
+               "--data-cache", str(data), *flags]
+    log = tmp_path / f"{run_dir.name}-{signal_to}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, cwd=tmp_path, env=launcher_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    sent, deadline = None, time.monotonic() + 600
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if signal_to and sent is None and (run_dir / "metrics.jsonl").exists() \
+                    and max(_losses(run_dir), default=0) > after_step:
+                launch = psutil.Process(proc.pid).children()[0]   # python -m deepspeed.launcher.launch
+                if signal_to == "rank1":
+                    launch = next(p for p in launch.children() if "--local_rank=1" in p.cmdline())
+                launch.send_signal(signal.SIGTERM)
+                sent = time.monotonic()
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        status = proc.wait()
+    return status, log.read_text(), None if sent is None else time.monotonic() - sent
+
+
+def _left(output: str) -> int:
+    """The step the ranks agreed on, from rank 0's line; fails when there is none."""
+    lines = [x for x in output.splitlines() if ": SIGTERM received: saved checkpoint step" in x]
+    assert len(lines) == 1, output[-3000:]
+    step = int(lines[0].split()[1].rstrip(":"))
+    assert lines[0].endswith(f"exiting with status {EXIT_STATUS} (resume with --load {lines[0].split()[-1][:-1]})")
+    return step
+
+
+def test_sigterm_to_the_launcher_saves_that_step_and_load_continues_the_run(tmp_path, launcher_port, data_cache):
+    iters = "60"   # far more steps than the signal needs to arrive: a run that ends first fails below
+    ckpt = tmp_path / "ckpt"
+    status, out, _ = _launch(tmp_path, launcher_port, data_cache, tmp_path / "whole", "--train-iters", iters)
+    assert status == 0, out[-3000:]
+    whole = _losses(tmp_path / "whole")
+
+    flags = ("--train-iters", iters, "--save", str(ckpt), "--exit-signal-handler")
+    status, out, took = _launch(tmp_path, launcher_port, data_cache, tmp_path / "cut", *flags,
+                                signal_to="launcher", after_step=1)
+    first = _left(out)
+    assert status == 1, out[-3000:]   # DeepSpeed's launch.py exits 1 after it forwarded a signal it got itself
+    assert (ckpt / "latest").read_text().strip() == f"step{first}" and (ckpt / f"step{first}").is_dir()
+    assert 1 < first < int(iters) and max(_losses(tmp_path / "cut")) == first
+    assert took < 30, took   # within the launcher's grace for the first rank
+
+    status, out, _ = _launch(tmp_path, launcher_port, data_cache, tmp_path / "cut", *flags, "--load", str(ckpt),
+                             signal_to="rank1", after_step=first + 1)
+    second = _left(out)
+    assert status == EXIT_STATUS, out[-3000:]   # a rank's own status, passed on by the launcher
+    assert f"resumed from {ckpt} after {first} steps" in out
+    assert (ckpt / "latest").read_text().strip() == f"step{second}" and first + 1 < second < int(iters)
+    resumed = _losses(tmp_path / "cut")
+    assert sorted(resumed) == list(range(1, second + 1))
+    for step in range(1, second + 1):
+        assert resumed[step] == pytest.approx(whole[step], rel=1e-5), step
