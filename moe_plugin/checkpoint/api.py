@@ -86,6 +86,7 @@ from moe_plugin.checkpoint.metadata import (
     dense_recut,
     layout,
     metadata,
+    read_latest,
     rng_file,
     saved_model_files,
     saved_stages,
@@ -120,12 +121,15 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
     tag = _check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
     tmp_tag = TMP_PREFIX + tag
     tmp_path = os.path.join(save_dir, tmp_tag)
-    if dist.get_rank() == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        remove_stale(save_dir)  # what saves that died left
-        os.makedirs(os.path.join(tmp_path, EXPERT_DIR))
-        os.makedirs(os.path.join(tmp_path, RNG_DIR))
-    dist.barrier()
+
+    def prepare() -> None:
+        if dist.get_rank() == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            remove_stale(save_dir)  # what saves that died left
+            os.makedirs(os.path.join(tmp_path, EXPERT_DIR))
+            os.makedirs(os.path.join(tmp_path, RNG_DIR))
+
+    saving(save_dir, tag, prepare)   # an unwritable directory: one error on every rank
     engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state or {}, save_latest=False)
     meta, ours = metadata(run, tag), expert_files(run, tmp_path)
 
