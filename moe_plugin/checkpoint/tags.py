@@ -71,17 +71,22 @@ def choose_tag(load_dir: str, tag: Optional[str], strict: bool) -> tuple[str, bo
     if tag is not None or strict:
         return agree(lambda: tag if tag is not None else read_latest(load_dir)), False
     latest, failed = agree(lambda: _latest(load_dir))
-    listed = [newest_first(tag_steps(load_dir)) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(listed, src=0)
-    candidates = ([latest] if latest is not None else []) + [t for t in listed[0] if t != latest]
     failures = [] if failed is None else [(LATEST, failed)]
-    for candidate in candidates:
+    if latest is not None:
         try:
-            _verify_tag(load_dir, candidate, fallback=candidate != latest)
+            _verify_tag(load_dir, latest, fallback=False)
+            return latest, True
+        except CheckpointError as err:
+            failures.append((latest, str(err)))
+    listed = [newest_first(tag_steps(load_dir)) if dist.get_rank() == 0 else None]   # only now: a damaged latest
+    dist.broadcast_object_list(listed, src=0)
+    for candidate in (t for t in listed[0] if t != latest):
+        try:
+            _verify_tag(load_dir, candidate, fallback=True)
         except CheckpointError as err:
             failures.append((candidate, str(err)))
             continue
-        if failures and dist.get_rank() == 0:
+        if dist.get_rank() == 0:
             logger.warning(_fallback_line(load_dir, failures, candidate))
         return candidate, True
     _first, message = failures[0]
