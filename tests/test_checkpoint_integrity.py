@@ -6,8 +6,9 @@ PipelineEngine (tied word embedding and output layer), then, into the running tp
 
 * damaged copies: 8 KB of zeros inside an expert file and the optimizer file, a flipped byte in
   DeepSpeed's model file and an rng file, truncated model and rng files, a truncated metadata
-  file (bad JSON), ``latest`` naming a missing tag: each a ``CheckpointError`` naming the file,
-  what was recorded and what was found, on every rank, with no weight changed; a checkpoint
+  file (bad JSON), ``latest`` naming a missing tag (loaded strictly; else the tag that is there
+  loads): each a ``CheckpointError`` naming the file, what was recorded and what was found, on
+  every rank, with no weight changed (no other tag to fall back to); a checkpoint
   without checksums (older saves) whose rng file is truncated names that file too;
 * the example's ``load_checkpoint`` (``--load``): a missing or empty directory (or one holding only
   what a killed first save left) starts from scratch with a log line; a directory with a tag but no
@@ -103,12 +104,12 @@ def _damaged_copy(root: str, saved: str, name: str, change) -> tuple[str, str]:
     return copy, out[0]
 
 
-def _refused(run, directory: str) -> dict:
+def _refused(run, directory: str, strict: bool = False) -> dict:
     from moe_plugin.checkpoint import CheckpointError, load_checkpoint
 
     before = _weights(run)
     try:   # not pytest.raises: its failure would leave this rank's collectives out of step with the others'
-        load_checkpoint(run, directory)
+        load_checkpoint(run, directory, strict=strict)
         error = "no error: the load went through"
     except CheckpointError as failure:
         error = str(failure)
@@ -117,6 +118,8 @@ def _refused(run, directory: str) -> dict:
 
 
 def _integrity(root: str, run, saved: str) -> dict:
+    from moe_plugin.checkpoint import load_checkpoint
+
     out = {}
     for name, (target, how) in DAMAGE.items():
         directory, path = _damaged_copy(root, saved, name, lambda tag_dir: _damage(tag_dir, target, how))
@@ -127,7 +130,8 @@ def _integrity(root: str, run, saved: str) -> dict:
         return os.path.join(Path(tag_dir).parent, "global_step999")
 
     directory, path = _damaged_copy(root, saved, "latest-missing-tag", latest_to_missing_tag)
-    out["latest-missing-tag"] = {**_refused(run, directory), "path": path}
+    out["latest-missing-tag"] = {**_refused(run, directory, strict=True), "path": path}
+    out["latest-missing-tag-fallback"] = load_checkpoint(run, directory)[0]   # not strict: the tag that is there
 
     def unverified(tag_dir):   # an older save: no checksums; its rng file truncated
         meta = json.loads(Path(tag_dir, "moe_plugin.json").read_text())
@@ -264,8 +268,9 @@ def test_damaged_file_is_named_and_nothing_loads(results, name):
 
 def test_latest_naming_a_missing_tag_is_named(results):
     for r in _case(results, "integrity"):
-        case = r["latest-missing-tag"]
+        case = r["latest-missing-tag"]   # strict; without, the newest tag that verifies loads
         assert f"{case['path']}: missing" in case["error"] and case["unchanged"], case["error"]
+        assert os.path.basename(os.path.dirname(r["latest-missing-tag-fallback"])) == "global_step3", r
 
 
 def test_unreadable_file_of_an_unverified_checkpoint_is_named(results):

@@ -60,6 +60,11 @@ def check_flags(args: argparse.Namespace) -> None:
     for name in ("eval_interval", "save_interval"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "expected an integer >= 0")
+    keep_last = getattr(args, "keep_last", None)
+    if keep_last is not None and keep_last < 1:
+        raise ConfigError("--keep-last", keep_last, "expected an integer >= 1 (the number of newest tags to keep)")
+    if keep_last is not None and args.save is None:
+        raise ConfigError("--keep-last", keep_last, "removes old tags of --save, which is not given")
     if args.profile and not 0 <= args.profile_step_start < args.profile_step_end <= args.train_iters:
         raise ConfigError("--profile-step-end", args.profile_step_end, f"the profiled steps must lie in "
                           f"0 <= --profile-step-start ({args.profile_step_start}) < --profile-step-end <= "

@@ -109,7 +109,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     train.add_argument("--seed", type=int, default=1234, help="model init and data order")
     train.add_argument("--save", default=None, help="checkpoint directory to save to")
     train.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (default: at the end)")
+    train.add_argument("--keep-last", type=int, default=None,
+                       help="after each save, remove the tags beyond the newest N (by step), never the one just "
+                       "written nor the one 'latest' names (default: keep every tag)")
     train.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    train.add_argument("--strict-load", action="store_true",
+                       help="with --load: a 'latest' tag that fails verification is an error (default: say so in one "
+                       "line and load the newest tag that verifies)")
     train.add_argument("--no-load-optim", action="store_true",
                        help="load weights, lr scheduler and step only, not the optimizer state: what a checkpoint "
                        "of another layout needs (its TP, PP or EP size, or its ZeRO stage, differ)")
@@ -431,15 +437,18 @@ def log_parts(log: TrainingLog, parts: dict[str, float], args, device) -> None:
 
 
 # --- checkpoints ----------------------------------------------------------------------------------
-def save_checkpoint(run, directory: str, step: int) -> None:
-    """Collective. Experts are saved by global id, the rest by DeepSpeed (``moe_plugin.save_checkpoint``)."""
+def save_checkpoint(run, directory: str, step: int, keep_last: Optional[int] = None) -> None:
+    """Collective. Experts are saved by global id, the rest by DeepSpeed (``moe_plugin.save_checkpoint``);
+    ``keep_last`` (``--keep-last``): the newest tags kept."""
     from moe_plugin import save_checkpoint as save
 
-    save(run, directory, tag=f"step{step}", client_state={"step": step})
+    save(run, directory, tag=f"step{step}", client_state={"step": step}, keep_last=keep_last)
 
 
-def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = True) -> int:
-    """Resume from the ``latest`` tag of ``directory``; returns the number of steps already trained.
+def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = True, strict: bool = False) -> int:
+    """Resume from the ``latest`` tag of ``directory`` (if it fails verification, from the newest tag
+    that verifies, with one line saying why; ``strict`` (``--strict-load``): an error instead);
+    returns the number of steps already trained.
     ``optimizer=False`` (``--no-load-optim``): weights only, e.g. into another parallel layout.
     A missing or empty ``directory`` starts from scratch (0), as Megatron-LM does: a first run may
     name its ``--save`` directory in ``--load``. One that holds a tag but no ``latest`` is an error."""
@@ -454,7 +463,8 @@ def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = Tru
                   flush=True)
         return 0
     try:
-        _path, client_state = load(run, directory, load_optimizer_states=optimizer, load_rng_states=rng)
+        _path, client_state = load(run, directory, strict=strict, load_optimizer_states=optimizer,
+                                   load_rng_states=rng)
     except CheckpointError as err:
         if "load_optimizer_states=False" in str(err):
             raise CheckpointError(f"{err} (in this script: --no-load-optim)") from None
@@ -471,7 +481,8 @@ def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: Trai
     reason once it stopped the run early (a checkpoint of that step saved), else None."""
     from moe_plugin import ExpertMetrics
 
-    start = load_checkpoint(result, args.load, not args.no_load_optim, not args.no_load_rng) if args.load else 0
+    start = (load_checkpoint(result, args.load, not args.no_load_optim, not args.no_load_rng, args.strict_load)
+             if args.load else 0)
     if start:
         log.info(f"resumed from {args.load} after {start} steps")
     metrics = ExpertMetrics(result.engine.module, groups=result.groups)   # expert load, also to DeepSpeed's monitor
@@ -530,7 +541,7 @@ def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics,
         if (args.eval_interval and done % args.eval_interval == 0) or done == args.train_iters:
             log.valid(done, eval_fn(result, data, plan, args.eval_iters))
         if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters):
-            save_checkpoint(result, args.save, done)
+            save_checkpoint(result, args.save, done, args.keep_last)
             log.info(f"saved checkpoint step{done} to {args.save}")
     return None
 

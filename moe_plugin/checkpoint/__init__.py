@@ -13,8 +13,9 @@
   ``rng``: every rank's random streams.
 * ``shards``, ``reshard``: tensors and state dicts cut for and joined from TP / ETP ranks;
   ``keys``: a ``PipelineModule`` checkpoint read as a ``GPTModel`` and back.
-* ``files``: checksums, named read errors, stale temporary directories; ``export``: any
-  checkpoint as the 1-rank ``GPTModel``'s fp32 state dict (``moe-plugin export``); ``upcycle``: an MoE
+* ``files``: checksums, named read errors, stale temporary directories; ``tags``: the tag a load
+  takes (falling back from a damaged ``latest``), the tags a save keeps, a write that fails;
+  ``export``: any checkpoint as the 1-rank ``GPTModel``'s fp32 state dict (``moe-plugin export``); ``upcycle``: an MoE
   checkpoint made from a dense one (``moe-plugin upcycle``).
 
 DeepSpeed's file names and the loader behaviour relied on: ``moe_plugin.compat.deepspeed_checkpoint``.

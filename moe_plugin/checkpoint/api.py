@@ -40,6 +40,9 @@ stage) are joined and each rank cuts its own (``recut_dense``: ``reshard.join_de
 ``shard_state_dict``), read in the running model kind's names (``keys``); the optimizer state does
 not follow then (``metadata.check_optimizer_can_follow``), nor do RNG streams (the token split
 changed). Not yet: fp16/bf16 (unverified).
+
+Which tag a load takes (the newest that verifies when ``latest``'s does not), which tags a save
+keeps (``keep_last``), a write that fails on any rank: ``tags``.
 """
 from __future__ import annotations
 
@@ -91,6 +94,7 @@ from moe_plugin.checkpoint.metadata import (
 from moe_plugin.checkpoint.optimizer import load_basic_optimizer
 from moe_plugin.checkpoint.reshard import join_dense_tp, shard_state_dict
 from moe_plugin.checkpoint.rng import clear_pending_load, rng_state, set_rng_state
+from moe_plugin.checkpoint.tags import check_keep_last, choose_tag, prune, saving
 from moe_plugin.compat.deepspeed_checkpoint import is_recovery_script, one_file_per_mp_rank, optimizer_file_name
 
 
@@ -101,11 +105,15 @@ def _write(obj: Any, path: str) -> None:
 
 # -- save ----------------------------------------------------------------------------------------
 def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = None,
-                    client_state: Optional[dict] = None, save_latest: bool = True) -> str:
+                    client_state: Optional[dict] = None, save_latest: bool = True,
+                    keep_last: Optional[int] = None) -> str:
     """Save ``run`` (what ``moe_plugin.initialize`` returned: ``engine``, ``groups``, ``moe_config``)
     into ``save_dir/tag``; collective, every rank calls it. Returns the tag's directory. The step
     boundary is applied first (``run.end_step()``): the routers' ``expert_bias`` is saved with the
-    last step's aux-loss-free update, and no load is left pending."""
+    last step's aux-loss-free update, and no load is left pending. ``keep_last`` N: once committed,
+    the tags beyond the newest N are removed (``tags.prune``). A write that fails on any rank (no
+    space left) is a ``CheckpointError`` on every rank naming ``save_dir``; nothing is committed."""
+    check_keep_last(keep_last)
     if hasattr(run, "end_step"):
         run.end_step()
     engine = run.engine
@@ -113,23 +121,34 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
     tag = _check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
     tmp_tag = TMP_PREFIX + tag
     tmp_path = os.path.join(save_dir, tmp_tag)
-    if dist.get_rank() == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        remove_stale(save_dir)  # what saves that died left
-        os.makedirs(os.path.join(tmp_path, EXPERT_DIR))
-        os.makedirs(os.path.join(tmp_path, RNG_DIR))
-    dist.barrier()
+
+    def prepare() -> None:
+        if dist.get_rank() == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            remove_stale(save_dir)  # what saves that died left
+            os.makedirs(os.path.join(tmp_path, EXPERT_DIR))
+            os.makedirs(os.path.join(tmp_path, RNG_DIR))
+
+    saving(save_dir, tag, prepare)   # an unwritable directory: one error on every rank
     engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state or {}, save_latest=False)
-    meta = metadata(run, tag)
-    for path, entry in expert_files(run, tmp_path).items():
-        _write(entry, path)
-    _write(rng_state(engine.module), rng_file(tmp_path, dist.get_rank()))
-    dist.barrier()  # every file is written
+    meta, ours = metadata(run, tag), expert_files(run, tmp_path)
+
+    def write_ours() -> None:
+        for path, entry in ours.items():
+            _write(entry, path)
+        _write(rng_state(engine.module), rng_file(tmp_path, dist.get_rank()))
+
+    saving(save_dir, tag, write_ours)  # every file is written (or a failure on any rank raised on all)
     meta["files"] = checksums(tmp_path)
-    if dist.get_rank() == 0:
-        write_text(os.path.join(tmp_path, META_FILE), json.dumps(meta, indent=1))
-        commit_tag(save_dir, tag, tmp_tag, save_latest)
-    dist.barrier()
+
+    def commit() -> None:
+        if dist.get_rank() == 0:
+            write_text(os.path.join(tmp_path, META_FILE), json.dumps(meta, indent=1))
+            commit_tag(save_dir, tag, tmp_tag, save_latest)
+            if keep_last is not None:
+                prune(save_dir, keep_last, tag)
+
+    saving(save_dir, tag, commit)
     return os.path.join(save_dir, tag)
 
 
@@ -168,7 +187,7 @@ def checkpoint_exists(load_dir: os.PathLike | str) -> bool:
     return agree(look)
 
 
-def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = None, *,
+def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = None, *, strict: bool = False,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, load_rng_states: bool = True) -> tuple[str, dict]:
     """Load ``load_dir/tag`` (default: the ``latest`` tag) into ``run``; collective. Returns
@@ -177,14 +196,17 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     pending load counts) come back when every rank sees the tokens it saw when saving (same world
     size, tp, dp, pp and order; EP and ETP may differ). What the metadata lists in ``fresh_states``
     (an upcycled checkpoint's optimizer, and lr scheduler after ``keep_iteration=False``) is not
-    loaded whatever is asked: the checkpoint holds none."""
+    loaded whatever is asked: the checkpoint holds none. Without ``tag``, a ``latest`` tag that fails
+    verification is reported in one line (rank 0) and the newest tag that verifies is loaded
+    (``tags.choose_tag``); ``strict=True`` raises instead, as a named tag that fails always does."""
     engine, groups = run.engine, run.groups
     load_dir = os.fspath(load_dir)
     remove_stale_collective(load_dir)
-    tag = agree(lambda: tag if tag is not None else read_latest(load_dir))
+    tag, verified = choose_tag(load_dir, tag, strict)
     path = os.path.join(load_dir, tag)
     meta = agree(lambda: check_fits(run, path, tag))
-    verify(path, meta)   # every file against its checksum, before anything is read
+    if not verified:
+        verify(path, meta)   # every file against its checksum, before anything is read
     resharded = (meta["layout"] != layout(groups) or meta["zero_stage"] != engine.zero_optimization_stage()
                  or KIND_KEY in meta)
     fresh = meta.get("fresh_states", [])   # what an upcycled checkpoint does not hold (upcycle.py)
