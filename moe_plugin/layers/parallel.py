@@ -24,7 +24,7 @@ Semantics (a "replica" is one DP rank's micro-batch of T tokens, replicated over
    exchanges routed rows with its EP peers (``ExpertParallelDispatcher``).
 3. Expert tensor parallelism (``etp``): each expert's FFN dimension is split over the ETP group;
    rows received over EP are gathered over ETP, each rank computes a partial output with its
-   F-shard and the partial outputs are reduce-scattered back. Routing stays on own tokens.
+   F-shard and the partial outputs are reduce-scattered back. Routing does not depend on etp.
 4. Gradients do not depend on the layout. Convention of the layer on its own: after backward
    every rank averages dense-parameter gradients over ``dp`` and expert-parameter gradients
    over ``edp``. (DeepSpeed 0.19's engine differs: it sums expert gradients over ``edp`` and
