@@ -91,7 +91,8 @@ and the `moe-plugin` command do.
 
 - **Capacity** (tokens one expert takes per step, when `drop_tokens` is true):
   `capacity = max(min_capacity, ceil(capacity_factor * k * T / E))`, with `k` the experts per
-  token (`top_k`), `T` the tokens the layer routes on this rank in one forward pass and `E` =
+  token (`top_k`), `T` the tokens of one forward pass's micro-batch (of one data-parallel replica: its
+  tensor/sequence-parallel ranks route their shares together, as one rank would) and `E` =
   `num_experts`; `eval_capacity_factor` replaces `capacity_factor` in evaluation. It is
   computed exactly: the factor is the decimal number written (1.1 is 11/10) and the rest is
   integer arithmetic, so 1.1 x 2 x 200 / 8 gives 55 on every rank (floating point would give

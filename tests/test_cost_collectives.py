@@ -77,7 +77,7 @@ def _counted(rank: int, world_size: int, layouts: dict) -> dict:
                 (name, layer.exchange)
             s, p = groups.layout.sizes, layer.parallel
             ranks = {k: tuple(sorted(dist.get_process_group_ranks(g))) if g is not None else (rank,)
-                     for k, g in (("ep", p.ep), ("etp", p.etp), ("tp", p.tp), ("tokens", p.tokens))}
+                     for k, g in (("ep", p.ep), ("etp", p.etp), ("tp", p.tp), ("tokens", p.tokens), ("dp", p.dp))}
             phase, calls = ["forward"], []
 
             def spy(real, call):
@@ -135,11 +135,11 @@ def test_the_list_by_layout():
     assert overlapped[("forward", "all_to_all_single", "ep", "row chunk")] == 6 and not overlapped[
         ("forward", "all_to_all_single", "ep", "rows")]
     assert kinds(1, 4, 4, 1, shadowed=True, overlap_chunks=3)[("backward", "all_to_all_single", "ep", "rows")] == 2
-    sequence = kinds(2, 2, 1, 1, aux_loss_scope="sequence")
-    assert sequence[("forward", "all_reduce", "tp", "sequence load")] == 1
-    assert sequence[("backward", "all_reduce", "tp", "sequence load gradient")] == 1
-    assert not kinds(1, 4, 4, 1, aux_loss_scope="sequence")[("forward", "all_reduce", "tp", "sequence load")]
-    assert kinds(1, 4, 4, 1, aux_loss_scope="global")[("forward", "all_reduce", "tokens", "global load")] == 1
+    assert tp[("forward", "all_gather", "tp", "router logits")] == 1
+    assert not kinds(1, 4, 4, 1)[("forward", "all_gather", "tp", "router logits")]
+    assert kinds(2, 2, 1, 1, aux_loss_scope="sequence") == kinds(2, 2, 1, 1)
+    assert kinds(1, 4, 4, 1, aux_loss_scope="global")[("forward", "all_reduce", "dp", "global load")] == 1
+    assert not kinds(4, 1, 4, 1, aux_loss_scope="global")[("forward", "all_reduce", "dp", "global load")]
     assert moe_layer_collectives(1, 1, 1, 1, aux_loss_scope="global") == []
     padded = kinds(1, 4, 4, 1, exchange="padded")
     assert not padded[("forward", "all_to_all_single", "ep", "counts")]

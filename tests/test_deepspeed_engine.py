@@ -17,8 +17,8 @@ the same global batch as the single-process oracle: plain torch, the whole batch
 * every parameter after the last step (so clipping used the right norm), rtol 1e-5, atol 1e-6.
 
 Routing is dropless top-2 without noise, and only the z-loss is on (a mean over tokens): the
-GShard balance loss and capacity are per token group (per rank), so they differ from one
-process by design (``tests/test_layers_dist.py`` checks them against the oracle's groups).
+GShard balance loss and capacity are per micro-batch (of a data-parallel replica), so they
+differ from one process on the whole batch by design (``tests/test_layers_dist.py`` checks them against the oracle's groups).
 One case turns the balance loss on with ``aux_loss_scope`` global, which makes it the one
 process's: it also checks that ``initialize`` starts every step's load counts afresh.
 One 4-rank spawn serves all cases: the engine is rebuilt per case and its groups released.

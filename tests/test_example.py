@@ -6,7 +6,7 @@ mistakes that must stop it before anything is written.
 * the same model, seed and global batch on 1 rank (gradient accumulation 2 instead of data
   parallelism 2): the same per-step losses (rtol 1e-5). The router is deterministic top-2 and
   each rank's micro-batch is one of the 1-rank run's micro-batches, so capacity and balance
-  loss (per token group) agree too;
+  loss (per micro-batch) agree too;
 * stopped after 4 steps with ``--save`` and resumed with ``--load``: the same losses again; the
   same checkpoint resumed on 2 ranks with EP 2 and ``--no-load-optim``: step 5's loss again;
 * a micro-batch flag that disagrees with the JSON and a JSON without "moe" exit with status 2

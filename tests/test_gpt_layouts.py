@@ -3,9 +3,9 @@
 The model: a Megatron-Core GPT (``tests/gpt_tiny.py``: 4 layers, hidden 16, vocabulary 64, sequences
 of 8) with the plugin's MoE MLP on layers 0, 2 and 3 (8 experts). Routing is dropless top-2 without
 noise or random second-expert routing, so a token's experts do not depend on which rank sees it;
-``aux_loss_coeff`` is 0 because the GShard balance loss is computed per token group (per rank and
-micro-batch: fractions and mean gate probabilities of *its* tokens), so it differs from the one-rank
-run by design; the router z-loss (a mean over tokens) is on instead and moves the routers.
+``aux_loss_coeff`` is 0 because the GShard balance loss is computed per micro-batch of a data-parallel
+replica (fractions and mean gate probabilities of *its* tokens; its TP ranks route it together), so it
+differs from the one-rank run by design where the micro-batches differ; the router z-loss (a mean over tokens) is on instead and moves the routers.
 
 Every run goes through ``moe_plugin.initialize`` and DeepSpeed's engine, fp32, AdamW (DeepSpeed's
 ``torch_adam``, weight decay) with gradient clipping (active: ``CLIP`` is below every step's

@@ -299,8 +299,8 @@ DIST_CASES = {
     "tp2/gshard-capacity": (dict(tp=2, etp=1), "gshard", True, []),          # no EP: the finite flags over TP
     "dp2-ep2/sigmoid-capacity": (dict(ep=2), "sigmoid", True, []),
     "tp2-ep2/probability-capacity": (dict(tp=2, ep=2, etp=1), "probability", True, []),
-    "tp2-ep2/sequence-dropless": (dict(tp=2, ep=2, etp=1), "sequence", False, []),   # all-reduces over TP
-    "tp2/global-capacity": (dict(tp=2, etp=1), "global", True, []),                   # over TP x DP
+    "tp2-ep2/sequence-dropless": (dict(tp=2, ep=2, etp=1), "sequence", False, []),   # from the gathered logits
+    "tp2/global-capacity": (dict(tp=2, etp=1), "global", True, []),                   # counts over DP (dp 1)
     "dp2-ep2/grouped-dropless": (dict(ep=2), "grouped", False, []),
     "dp2-ep2/shadow-top2-capacity": (dict(ep=2), "top2", True, [0, 5]),
     "dp2-ep2/shadow-top1-dropless": (dict(ep=2), "top1", False, [3]),

@@ -4,18 +4,18 @@ Each case builds the layer for one layout (``RankLayout.build`` -> ``build_proce
 runs one training forward and backward on every rank with the same seed and injected router
 noise, and then applies DeepSpeed's gradient convention in the child: dense gradients averaged
 over ``dp``, expert gradients over ``edp``. The parent runs ``reference_moe`` once over all
-DP replicas' tokens (one GShard group per rank that routes distinct tokens) with the loss
+DP replicas' tokens (one GShard group per replica: its TP ranks' shares together) with the loss
 ``mean_d L_d + aux`` and compares, for every rank: the output, the input gradient (``dp`` x
 the oracle's, since a rank back-propagates its replica's loss ``L_d``), the balance and z loss
-of the rank's group, every parameter (the init) and every gradient -- router, shared expert,
+of the rank's replica, every parameter (the init) and every gradient -- router, shared expert,
 and the expert shards mapped to their global slices -- fp32 at atol = rtol = 1e-5, bf16
 inputs at 3e-2. Also: the summed statistics, the aux-loss-free bias update and the default
-per-rank noise. The ``padded-`` cases run the padded exchange (``layers/padded.py``; ``exchange``
-padded, or auto, which is padded on gloo) as twins of counts-layout cases (the default), and
-outputs, losses and gradients of each pair are bit-identical (``EXCHANGE_TWINS``). The ``token-``
-cases run the token exchange (``layers/token.py``) as twins of counts cases (``TOKEN_TWINS``):
-the same outputs, gradients within 1e-6 (fp32), and the rows sent are the distinct (token,
-destination rank) pairs.
+noise (the same on a replica's TP ranks, different across replicas). The ``padded-`` cases run
+the padded exchange (``layers/padded.py``; ``exchange`` padded, or auto, which is padded on
+gloo) as twins of counts-layout cases (the default), and outputs, losses and gradients of each
+pair are bit-identical (``EXCHANGE_TWINS``). The ``token-`` cases run the token exchange
+(``layers/token.py``) as twins of counts cases (``TOKEN_TWINS``): the same outputs, gradients
+within 1e-6 (fp32), and the rows sent are the distinct (token, destination rank) pairs.
 
 Starting ranks costs seconds on two cores, so one 4-rank and one 2-rank run (module-scoped
 fixtures) serve all cases; each case is its own test id. A case that raises in the children
@@ -268,9 +268,8 @@ def _run_case(rank: int, groups, case: dict) -> dict:
     x, grad = x_all[c["dp"]], grad_all[c["dp"]]
     if case["sp"]:
         x, grad = x.chunk(tp)[c["tp"]], grad.chunk(tp)[c["tp"]]
-    n = case["S"] * case["B"] // tp                   # tokens this rank routes
-    group = c["dp"] * tp + c["tp"]                    # its token group, in the oracle's order
-    rows = slice(group * n, (group + 1) * n)
+    T = case["S"] * case["B"]                         # the replica's tokens: one GShard group
+    rows = slice(c["dp"] * T, (c["dp"] + 1) * T)
     noise = RouterNoise(jitter_TH=None if jitter is None else jitter[rows],
                         uniform_T=None if uniform is None else uniform[rows])
     x = x.clone()
@@ -382,12 +381,11 @@ def _check_case(case: dict, world_size: int, results: list) -> None:
     config = layer.config
     x_all, grad_all, jitter, uniform = _inputs(case, dp)
     T = case["S"] * case["B"]
-    n = T // tp
     params = {name: p.detach().clone().requires_grad_(True) for name, p in layer.named_parameters()}
     params["router.expert_bias"] = layer.router.expert_bias.clone()
     x_ref = x_all.reshape(-1, H).float().requires_grad_(True)
     ref = reference_moe(x_ref, params, config, training=True, jitter_TH=jitter, uniform_T=uniform,
-                        group_sizes=[n] * (dp * tp))
+                        group_sizes=[T] * dp)
     loss = (ref.out.float() * grad_all.reshape(-1, H)).sum() / dp + ref.weighted_aux_loss(config)
     loss.backward()
 
@@ -403,14 +401,15 @@ def _check_case(case: dict, world_size: int, results: list) -> None:
         assert sum(kept) < sum(routed), "the case should exercise capacity dropping"
     if case["drop"] and config.drop_policy == "probability":   # it keeps other routes than position would
         position = config.model_copy(update={"drop_policy": "position"})
-        other = reference_moe(x_ref.detach(), params, position, training=True, group_sizes=[n] * (dp * tp))
+        other = reference_moe(x_ref.detach(), params, position, training=True, group_sizes=[T] * dp)
         assert not torch.allclose(other.out, ref.out), "the case should tell the drop policies apart"
 
     tol = TOL if case["dtype"] == "float32" else BF16_TOL
     for rank, result in enumerate(results):
         c = layout.coords(rank)
-        group = c["dp"] * tp + c["tp"]
-        rows = slice(group * n, (group + 1) * n) if case["sp"] else slice(c["dp"] * T, (c["dp"] + 1) * T)
+        group, n = c["dp"], T // tp                   # its replica's GShard group; its SP share
+        rows = slice((group * tp + c["tp"]) * n, (group * tp + c["tp"] + 1) * n) if case["sp"] \
+            else slice(group * T, (group + 1) * T)
 
         def close(actual, expected, what, tol=tol):
             torch.testing.assert_close(actual.float(), expected.float(), **tol, msg=lambda m: f"rank {rank} {what}: {m}")
@@ -441,10 +440,11 @@ def _check_case(case: dict, world_size: int, results: list) -> None:
             load = torch.tensor(ref.routed_per_expert, dtype=torch.float32)
             expected = config.bias_update_rate * torch.sign(load.mean() - load) + params["router.expert_bias"]
             assert torch.equal(result["bias"], expected), (rank, result["bias"], expected)
-    if uniform is not None:   # the default generator: different numbers for different token groups
+    if uniform is not None:   # the default generator: the same numbers within a replica, others across
         stage = [r for r in range(world_size) if layout.coords(r)["pp"] == 0]
-        draws = {tuple(results[r]["noise"].tolist()) for r in stage}
-        assert len(draws) == len(stage)
+        draws = {layout.coords(r)["dp"]: tuple(results[r]["noise"].tolist()) for r in stage}
+        assert all(tuple(results[r]["noise"].tolist()) == draws[layout.coords(r)["dp"]] for r in stage)
+        assert len(set(draws.values())) == dp
 
 
 def _check_scope_case(case: dict, layout, results: list) -> None:
@@ -469,7 +469,7 @@ def _check_scope_case(case: dict, layout, results: list) -> None:
     per_rank = lambda t, c: t.view(S_, dp, B_, H)[:, c["dp"]].chunk(tp if case["sp"] else 1)[c["tp"] if case["sp"] else 0]
     params = {name: p.detach() for name, p in single.named_parameters()}
     micro = reference_moe(x_all.reshape(-1, H), params, single.config, training=True,   # each rank's own loss
-                          group_sizes=[S_ * B_ // tp] * (dp * tp))
+                          group_sizes=[S_ * B_] * dp)
     assert not torch.allclose(micro.balance_loss, single.last_stats.balance_loss, **TOL), "the scopes should differ"
     for rank, result in enumerate(results):
         c = layout.coords(rank)

@@ -404,3 +404,34 @@ def test_padded_exchange_refuses_a_header_the_hidden_size_cannot_hold():
     with pytest.raises(ConfigError, match=r"moe.exchange: got 'padded'; its header row needs 13 values .* the "
                                           r"hidden size is 8; use 'counts' or 'auto'"):
         dispatcher.prepare(torch.randn(6, 8, dtype=torch.bfloat16), plan)
+
+
+@pytest.mark.parametrize("kind", [dict(kind="gshard", k=2), dict(kind="topk", k=3, score="sigmoid"),
+                                  dict(kind="topk", k=2, drop_policy="probability")])
+def test_route_of_own_tokens_is_the_whole_routing_cut_to_them(kind):
+    """``route(own=(first, n))`` (a TP rank's share of the micro-batch): the routing of all T tokens
+    as one group (capacity, priority, losses), its plan cut to tokens first .. first + n - 1, in the
+    same order, with ids among those tokens; the shares' counts add up to the whole's."""
+    gen = torch.Generator().manual_seed(5)
+    T, E, shares = 12, 4, 3
+    n = T // shares
+    logits_TE = torch.randn(T, E, generator=gen)
+    logits_TE[:, 0] += 1.0                                        # crowd expert 0: capacity drops routes
+    uniform_T = torch.rand(T, generator=gen) if kind["kind"] == "gshard" else None
+    args = dict(normalize=True, capacity=3, uniform_T=uniform_T, slot_E=torch.tensor([2, 0, 3, 1]), **kind)
+    whole = route(logits_TE, **args)
+    assert whole.kept_E.sum() < whole.routed_E.sum()
+    kept, routed = torch.zeros(E, dtype=torch.long), torch.zeros(E, dtype=torch.long)
+    for s in range(shares):
+        part = route(logits_TE, own=(s * n, n), **args)
+        mine = (whole.token_R >= s * n) & (whole.token_R < (s + 1) * n)
+        expected = whole.route_R[mine]
+        assert part.num_tokens == n and part.capacity == whole.capacity
+        assert torch.equal((part.route_R // n) * T + part.route_R % n + s * n, expected)
+        assert torch.equal(part.token_R, whole.token_R[mine] - s * n)
+        assert torch.equal(part.gate_R, whole.gate_R[mine])
+        assert torch.equal(part.balance_loss, whole.balance_loss) and torch.equal(part.z_loss, whole.z_loss)
+        assert torch.equal(part.slot_R(), whole.slot_R()[mine])
+        kept += part.kept_E
+        routed += part.routed_E
+    assert torch.equal(kept, whole.kept_E) and torch.equal(routed, whole.routed_E)

@@ -3,7 +3,7 @@
 The model: 4 layers, hidden 16, 4 experts on layers 0 and 2 (one MoE layer per stage with two
 stages), vocabulary 64, sequences of 8, global batch 4, 2 micro-batches per step. Routing is dropless
 top-2 without noise and the only aux loss is the z-loss (a mean over tokens): the GShard balance loss
-is per token group by design, so it would differ from one process. Each case trains ``STEPS`` SGD
+is per micro-batch by design, so it would differ from one process. Each case trains ``STEPS`` SGD
 steps with gradient clipping (active: ``CLIP`` is below every step's norm) through
 ``moe_plugin.initialize`` -> ``PipelineEngine.train_batch``, from the weights of
 ``gpt_pipeline_module`` (layout independent by construction). The oracle runs on one process: a

@@ -182,17 +182,17 @@ class MoEConfig(_Block):
                                   "perfectly uniform).")
     aux_loss_scope: Literal["micro_batch", "sequence", "global"] = Field(
         "micro_batch", description="Over which tokens the balance loss's f_e (load) and P_e (mean probability) "
-        "are taken. micro_batch (GShard): each rank's tokens of its micro-batch. sequence (DeepSeek-V3's "
-        "sequence-wise loss): per sequence of the micro-batch (the parts of a sequence on other tensor-parallel "
-        "ranks summed in), the loss averaged over the sequences. global: f_e from the loads summed over every rank "
-        "that routes distinct tokens (data, expert and tensor/sequence parallel) and over the gradient-accumulation "
-        "micro-batches of the optimizer step so far, P_e the rank's own mean (the data-parallel gradient average "
-        "makes it the global one): with one micro-batch per rank the loss and gradients are one rank's on the "
-        "whole global batch, whatever the layout. With gradient accumulation micro-batch m's loss can only use the "
+        "are taken. micro_batch (GShard): the tokens of a micro-batch (of one data-parallel replica; its "
+        "tensor/sequence-parallel ranks route it together, as one rank would). sequence (DeepSeek-V3's "
+        "sequence-wise loss): per sequence of the micro-batch, the loss averaged over the sequences. global: f_e "
+        "from the loads summed over the data-parallel replicas and over the gradient-accumulation micro-batches "
+        "of the optimizer step so far, P_e the micro-batch's own mean (the data-parallel gradient average makes "
+        "it the global one): with one micro-batch per rank the loss and gradients are one rank's on the whole "
+        "global batch, whatever the layout. With gradient accumulation micro-batch m's loss can only use the "
         "loads of micro-batches 1..m (the later ones are not routed when its backward runs); only the last sees "
-        "the whole step. Not micro_batch: needs aux_loss_coeff > 0. sequence: one all-reduce of [B, 2E] over TP "
-        "per forward and one in backward; global: one of [E] over TP x DP per forward, and no Megatron activation "
-        "recomputation of the MLP (a recomputed forward would count its load twice).")
+        "the whole step. Not micro_batch: needs aux_loss_coeff > 0. global: one all-reduce of [E] over DP per "
+        "forward, and no Megatron activation recomputation of the MLP (a recomputed forward would count its load "
+        "twice).")
     z_loss_coeff: float = Field(0.0, ge=0, description="Weight of the router z-loss (Switch/ST-MoE), "
                                 "mean_t logsumexp(logits_t)^2, for either score_function.")
     bias_update_rate: float = Field(0.0, ge=0, description="Aux-loss-free balancing: step of the per-expert "

@@ -7,20 +7,18 @@ The loss is ``E * sum_e f_e * P_e`` on what ``router.balance_terms`` counts and 
 first choices and probabilities; sigmoid: all k choices and each token's score shares). The scopes
 differ only in the tokens ``f_e`` and ``P_e`` are taken over:
 
-* micro_batch (GShard, the default): this rank's tokens, ``router.balance_loss``. No collective.
+Under tensor parallelism every TP rank routes the replica's whole micro-batch from the gathered
+logits (``parallel.py`` 1, 4(b)), so each scope sees the micro-batch as one process does.
+
+* micro_batch (GShard, the default): the micro-batch's tokens, ``router.balance_loss``. No collective.
 * sequence (DeepSeek-V3's sequence-wise loss): per sequence of the micro-batch, the loss the mean
   over its B sequences. Row t of the [S, B, H] input flattened to [S*B, H] is position ``t // B``
-  of sequence ``t % B``; a TP rank's share of replicated input starts at row ``first_row``, a
-  sequence-parallel share at a whole position. Under tensor parallelism every TP rank holds part
-  of every sequence: the [B, E] counts and share sums are summed over TP in one differentiable
-  all-reduce (``comm.all_reduce_sum``: backward sums the gradients over TP), so every TP rank
-  forms the unsplit run's loss; with the layer's 1/tp factor on the aux-loss gradient and the
-  router weight's gradient summed over TP (``parallel.py`` 4) the gradients are the unsplit ones.
-* global: ``f_e`` from the counts of every rank that routes distinct tokens (one all-reduce of the
-  [E] counts over ``parallel.tokens``, no gradient), added to those of the training forwards since
+  of sequence ``t % B``. No collective.
+* global: ``f_e`` from the counts of every DP replica (one all-reduce of the [E] counts over
+  ``parallel.dp``, no gradient), added to those of the training forwards since
   the last ``reset``: with gradient accumulation, micro-batch m uses the counts of micro-batches
   1..m (the later ones are not routed when m's backward runs), only the last one the whole global
-  batch's. ``P_e`` is the mean over this rank's tokens: the data-parallel gradient average (with
+  batch's. ``P_e`` is the mean over the micro-batch: the data-parallel gradient average (with
   the layer's TP factors) makes it the global batch's mean, so loss (averaged over the ranks) and
   gradients are those of one rank routing the whole global batch in one micro-batch. An
   evaluation forward uses its own counts only and adds nothing. Call ``reset`` once per optimizer
@@ -43,18 +41,13 @@ from moe_plugin.layers.router import balance_loss, balance_terms, count_values
 BalanceFn = Callable[[str, Tensor, Tensor], Tensor]   # (score, expert_TK, scores_TE) -> loss
 
 
-def sequence_balance_loss(score: str, expert_TK: Tensor, scores_TE: Tensor, *, sequences: int,
-                          first_row: int = 0, group: comm.Group = None) -> Tensor:
-    """The mean over ``sequences`` of each sequence's ``E * sum_e f_e * P_e`` (module docstring);
-    ``group``: the ranks that hold the other parts of the same sequences (TP), or None."""
+def sequence_balance_loss(score: str, expert_TK: Tensor, scores_TE: Tensor, *, sequences: int) -> Tensor:
+    """The mean over ``sequences`` of each sequence's ``E * sum_e f_e * P_e`` (module docstring)."""
     counted_TX, share_TE = balance_terms(score, expert_TK, scores_TE)
     (T, E), B = share_TE.shape, sequences
-    seq_T = (torch.arange(T, device=share_TE.device) + first_row) % B
-    count_BE = count_values((seq_T[:, None] * E + counted_TX).reshape(-1), B * E).view(B, E)
-    lead = first_row % B                       # pad to whole positions, then sum over them
-    share_BE = F.pad(share_TE, (0, 0, lead, -(lead + T) % B)).view(-1, B, E).sum(0)
-    sums_BX = comm.all_reduce_sum(torch.cat([count_BE.to(share_BE.dtype), share_BE], 1), group)
-    count_BE, share_BE = sums_BX[:, :E], sums_BX[:, E:]
+    seq_T = torch.arange(T, device=share_TE.device) % B
+    count_BE = count_values((seq_T[:, None] * E + counted_TX).reshape(-1), B * E).view(B, E).to(share_TE.dtype)
+    share_BE = F.pad(share_TE, (0, 0, 0, -T % B)).view(-1, B, E).sum(0)    # pad to whole positions
     counted_B1 = count_BE.sum(1, keepdim=True)                 # choices counted per sequence
     tokens_B1 = counted_B1 / counted_TX.shape[1]
     f_BE = count_BE / counted_B1.clamp(min=1)
@@ -68,23 +61,21 @@ class BalanceScope:
 
     def __init__(self, scope: str, parallel: LayerParallelism):
         self.scope = scope
-        self.sequence_group = parallel.tp      # holds the other parts of this rank's sequences
-        self.token_group = parallel.tokens     # routes the rest of the global batch
+        self.replica_group = parallel.dp       # the other replicas route the rest of the global batch
         self.count_E: Optional[Tensor] = None  # global: counts of this step's training forwards
 
     def reset(self) -> None:
         """Forget the counts of earlier micro-batches: a new optimizer step starts."""
         self.count_E = None
 
-    def loss_for(self, sequences: Optional[int], first_row: int, training: bool) -> BalanceFn:
+    def loss_for(self, sequences: Optional[int], training: bool) -> BalanceFn:
         """The balance loss of a forward of ``sequences`` sequences (None: the input is not
-        [S, B, H]) whose local rows start at row ``first_row`` of the micro-batch; a training
-        forward adds its counts (global)."""
+        [S, B, H]); a training forward adds its counts (global)."""
         if self.scope == "sequence":
             if sequences is None:
                 raise ValueError("moe.aux_loss_scope 'sequence' needs the MoE layer input as [S, B, H] "
                                  "(sequence, batch, hidden): it forms the balance loss per sequence")
-            return partial(sequence_balance_loss, sequences=sequences, first_row=first_row, group=self.sequence_group)
+            return partial(sequence_balance_loss, sequences=sequences)
         if self.scope == "global":
             return partial(self._global_loss, training=training)
         return balance_loss
@@ -93,8 +84,8 @@ class BalanceScope:
         counted_TX, share_TE = balance_terms(score, expert_TK, scores_TE)
         T, E = share_TE.shape
         count_E = count_values(counted_TX.reshape(-1), E)
-        if self.token_group is not None:
-            dist.all_reduce(count_E, group=self.token_group)
+        if self.replica_group is not None:
+            dist.all_reduce(count_E, group=self.replica_group)
         if training:
             if self.count_E is not None:
                 count_E = count_E + self.count_E.to(count_E.device)

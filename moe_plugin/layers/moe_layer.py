@@ -10,15 +10,16 @@ router without adding the losses by hand. ``last_stats`` describes the latest fo
 rank's tokens; ``global_stats()`` sums it over the ranks that route distinct tokens.
 
 With ``groups`` the layer runs under any parallel layout; ``parallel.py`` states the semantics
-(token split over TP, one GShard group per rank, expert and expert-tensor parallelism, the
+(token split over TP, one GShard group per DP replica, expert and expert-tensor parallelism, the
 gradient factors that make the gradients layout-independent, bias and noise) and computes
 every layout-dependent factor. Forward on one rank::
 
     x_TH = hidden_SBH.reshape(T, H)  -> split_tokens over TP (replicated input, no SP)
-    plan, finite = router(x_TH)       (this rank's tokens: capacity and z loss per rank; the
-                                       balance loss per aux_loss_scope, ``balance.py``)
+    plan, finite = router(x_TH)       (logits all-gathered over TP, the replica's micro-batch routed
+                                       as one group: capacity, z loss; the balance loss per
+                                       aux_loss_scope, ``balance.py``; the plan of this rank's tokens)
     dispatch / experts / combine      (ShadowingDispatcher, an ExpertParallelDispatcher, when EP or ETP > 1)
-    + shared expert, attach aux loss  (its gradient scaled by 1/tp)
+    + shared expert, attach aux loss  (the replica's, on each TP rank; ``parallel.py`` 4(b))
     (``overlap_chunks`` > 1: ChunkedDispatcher, the exchange overlapped with the experts and the
     shared expert, ``overlap.py``; ``exchange`` padded: PaddedDispatcher, no counts round, ``padded.py``;
     ``exchange`` token: TokenExchangeDispatcher, a token once per destination rank, ``token.py``)
@@ -89,7 +90,7 @@ class MoEStats:
 
 
 def reduce_stats(stats: MoEStats, group: comm.Group) -> MoEStats:
-    """``stats`` of every rank of ``group`` (each one token group) in one: counts summed, losses
+    """``stats`` of every rank of ``group`` (each with distinct tokens) in one: counts summed, losses
     averaged, the dropped fraction recomputed from the sums. One all-reduce; for logging. The
     traffic matrix is already agreed over the EP group and is kept as it is."""
     if group is None:
@@ -183,8 +184,9 @@ class MoELayer(nn.Module):
         self.parallel = p = LayerParallelism.from_groups(groups, config.parallel.sequence_parallel)
         if groups is not None:
             _check_sizes(config, p)
-        self.router = Router(config, hidden_size, seed=seed, init_std=init_std, noise_index=p.token_rank,
-                             grad_group=p.dense_grad_group, check_group=None if p.ep_is_tokens else p.tokens)
+        self.router = Router(config, hidden_size, seed=seed, init_std=init_std, noise_index=p.dp_rank,
+                             grad_group=p.dense_grad_group, check_group=None if p.ep_is_tokens else p.tokens,
+                             share_group=p.tp)
         self.balance = BalanceScope(config.aux_loss_scope, p)
         self.experts = GroupedExperts(config.num_experts, hidden_size, ffn, config.activation, placement=placement,
                                       ep_size=p.ep_size, ep_rank=p.ep_rank, etp_size=p.etp_size, etp_rank=p.etp_rank,
@@ -215,8 +217,8 @@ class MoELayer(nn.Module):
     def forward(self, hidden_SBH: Tensor, noise: Optional[RouterNoise] = None) -> tuple[Tensor, None]:
         """``hidden_SBH``: [S, B, H], or this TP rank's [S/tp, B, H] share with sequence parallelism.
 
-        ``noise`` replays given random numbers (tests) for the tokens this rank routes (its TP
-        share of the S*B tokens when the input is split); by default the router draws its own.
+        ``noise`` replays given random numbers (tests) for the replica's S*B tokens (all TP
+        shares; ``Router.forward``); by default the router draws its own.
         """
         if hidden_SBH.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE layer input has hidden size {hidden_SBH.shape[-1]}, expected {self.hidden_size}")
@@ -226,9 +228,7 @@ class MoELayer(nn.Module):
             x_TH = comm.split_tokens(x_TH, p.tp)
         # Profiler scopes (``record_function``, a few microseconds each): the parts of ``bench step --parts``.
         with record_function("moe.router"):
-            first_row = comm.group_rank(p.tp) * x_TH.shape[0] if p.splits_input else 0
-            balance = self.balance.loss_for(hidden_SBH.shape[1] if hidden_SBH.dim() == 3 else None, first_row,
-                                            self.training)
+            balance = self.balance.loss_for(hidden_SBH.shape[1] if hidden_SBH.dim() == 3 else None, self.training)
             plan, finite = self.router(x_TH, noise, self.placement, balance)
         with record_function("moe.dispatch"):
             state = self.dispatcher.prepare(x_TH, plan, finite)
@@ -297,7 +297,7 @@ class MoELayer(nn.Module):
         if not (self.training and torch.is_grad_enabled()) or (cfg.aux_loss_coeff == 0 and cfg.z_loss_coeff == 0):
             return out_TH
         loss = cfg.aux_loss_coeff * plan.balance_loss + cfg.z_loss_coeff * plan.z_loss
-        return AttachAuxLoss.apply(out_TH, loss, self.aux_loss_scale * self.parallel.aux_grad_scale)
+        return AttachAuxLoss.apply(out_TH, loss, self.aux_loss_scale)
 
     def _stats(self, plan: RoutingPlan, state: Dispatch) -> MoEStats:
         traffic_PD = self.dispatcher.traffic(state)

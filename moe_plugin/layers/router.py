@@ -38,12 +38,15 @@ Routing rules (GShard, arXiv 2006.16668; Switch Transformer):
   Relabelling experts changes neither capacity nor priority (both are per expert), so the routing
   itself does not depend on the placement.
 
-In a parallel layer each rank routes its own tokens as one GShard group (``parallel.py``): the
-weight's gradient is summed over TP (``grad_group``), the finite check is agreed over the ranks
-that route distinct tokens (``check_group``: an asynchronous exchange read at the dispatcher's
+In a parallel layer the GShard group is the replica's micro-batch (``parallel.py`` 1): a TP rank
+computes the logits of its token share, all-gathers them over ``share_group`` (TP) and routes
+the whole micro-batch, keeping its own tokens' routes (``route(own=...)``); the weight's gradient
+is summed over TP (``grad_group``), the finite check of its own logits is agreed over the ranks
+that hold distinct tokens (``check_group``: an asynchronous exchange read at the dispatcher's
 host sync, or, with ``check_group`` None, the dispatcher's counts exchange; ``Router.forward``
-returns the pending check next to the plan), and the default
-noise generator is seeded per token group (``noise_index``), so ranks draw different numbers unless a test injects them.
+returns the pending check next to the plan), and the default noise generator is seeded per DP
+replica (``noise_index``): the TP ranks of a replica draw the same numbers, other replicas
+others, unless a test injects them.
 
 No host sync: routing runs on the device from end to end. The number of kept routes depends on
 the data, so ``Router.forward`` returns a plan that lists every route, the kept ones first; the
@@ -65,7 +68,7 @@ from moe_plugin.layers import comm
 from moe_plugin.layers.init import seeded_generator
 
 ROUTER_STREAM = 1  # seed stream of the router weight (see init.py)
-NOISE_STREAM = 4   # seed stream of the router's noise; index: the rank's token group
+NOISE_STREAM = 4   # seed stream of the router's noise; index: the rank's DP replica
 
 
 @dataclass(frozen=True)
@@ -283,7 +286,7 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
           expert_bias_E: Optional[Tensor] = None, uniform_T: Optional[Tensor] = None,
           slot_E: Optional[Tensor] = None, deferred: bool = False, score: str = "softmax",
           scale: float = 1.0, drop_policy: str = "position", balance=balance_loss,
-          group_limit: Optional[tuple[int, int]] = None) -> RoutingPlan:
+          group_limit: Optional[tuple[int, int]] = None, own: Optional[tuple[int, int]] = None) -> RoutingPlan:
     """The routing plan for fp32 ``logits_TE``.
 
     ``uniform_T`` switches on GShard random routing of the 2nd choice (kind gshard only).
@@ -295,6 +298,10 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
     ``deferred``: the caller holds a pending ``FiniteCheck`` of these logits and reads it, with
     the kept count, at its one host sync, before anything leaves the rank, and then cuts the
     plan to the kept routes (``RoutingPlan.kept``); by default both happen here, at once.
+    ``own`` ``(first, n)``: all T tokens are one GShard group (capacity, priority, losses), but
+    the plan lists only the routes of tokens ``first .. first + n - 1``, as a plan of those n
+    tokens (token and route ids relative to ``first``; ``kept_E``, ``routed_E`` count them
+    only). A tensor-parallel layer routes its replica this way (``parallel.py`` 1).
     """
     T, E = logits_TE.shape
     expert_TK, gate_TK, scores_TE = choose(logits_TE, score=score, k=k, normalize=normalize or kind == "gshard",
@@ -321,13 +328,24 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
         kept_D = routed_D.clamp(max=capacity)
     else:
         kept_D = routed_D
-    route_R = stable_partition(order_R, keep_sorted_R)     # every route, the kept ones first
+    if own is None:
+        n, full_R = T, None
+        route_R = stable_partition(order_R, keep_sorted_R)     # every route, the kept ones first
+    else:                                                      # only my tokens' routes, in that order
+        first, n = own
+        mine_sorted_R = (order_R % T >= first) & (order_R % T < first + n)
+        routed_D = count_values(torch.where(mine_sorted_R, key_sorted_R, E), E + 1)[:E]
+        kept_D = count_values(torch.where(mine_sorted_R & keep_sorted_R, key_sorted_R, E), E + 1)[:E]
+        keep_mine_R = stable_partition(keep_sorted_R, mine_sorted_R)[:k * n]
+        full_R = stable_partition(stable_partition(order_R, mine_sorted_R)[:k * n], keep_mine_R)
+        route_R = (full_R // T) * n + full_R % T - first      # ids among my n tokens
     routed_E, kept_E = (routed_D, kept_D) if slot_E is None else (routed_D[slot_E], kept_D[slot_E])
 
     if scale != 1.0:
         gate_TK = gate_TK * scale
-    plan = RoutingPlan(num_tokens=T, k=k, route_R=route_R, token_R=route_R % max(T, 1),
-                       gate_R=gate_TK.t().reshape(-1)[route_R], kept_E=kept_E, routed_E=routed_E,
+    plan = RoutingPlan(num_tokens=n, k=k, route_R=route_R, token_R=route_R % max(n, 1),
+                       gate_R=gate_TK.t().reshape(-1)[route_R if full_R is None else full_R], kept_E=kept_E,
+                       routed_E=routed_E,
                        capacity=capacity, balance_loss=balance(score, expert_TK, scores_TE),
                        z_loss=torch.logsumexp(logits_TE, dim=-1).square().sum() / max(T, 1), kept_D=kept_D)
     if deferred:
@@ -341,16 +359,20 @@ class Router(nn.Module):
     """The gate of one MoE layer. ``forward(x_TH, noise=None) -> (RoutingPlan, FiniteCheck)``.
 
     ``seed`` seeds the weight init (the same on every rank) and, with ``noise_index``, the noise
-    generator: a parallel layer passes its rank's index among the ranks that route distinct
-    tokens, so token groups draw different jitter and U(0, 1). ``grad_group``: the weight's
-    gradient is summed over it in backward (TP ranks route different token shares).
-    ``check_group``: the finite check is agreed over it (see ``FiniteCheck``).
+    generator: a parallel layer passes its DP replica's index, so a replica's TP ranks draw the
+    same jitter and U(0, 1) and other replicas others. ``grad_group``: the weight's gradient is
+    summed over it in backward (TP ranks hold different token shares). ``check_group``: the
+    finite check is agreed over it (see ``FiniteCheck``). ``share_group``: the ranks that hold
+    the other, equal shares of the micro-batch, in token order (TP): the router routes all of
+    them as one group and plans this rank's share (``parallel.py`` 1).
     """
 
     def __init__(self, config: MoEConfig, hidden_size: int, *, seed: int = 0, init_std: float = 0.02,
-                 noise_index: int = 0, grad_group: comm.Group = None, check_group: comm.Group = None):
+                 noise_index: int = 0, grad_group: comm.Group = None, check_group: comm.Group = None,
+                 share_group: comm.Group = None):
         super().__init__()
         self.noise_index = noise_index
+        self.share_group = share_group
         self.grad_group = grad_group
         self.check_group = check_group
         self.config = config
@@ -407,23 +429,33 @@ class Router(nn.Module):
 
     def forward(self, x_TH: Tensor, noise: Optional[RouterNoise] = None, slot_E: Optional[Tensor] = None,
                 balance=balance_loss) -> tuple[RoutingPlan, FiniteCheck]:
-        """Route ``x_TH``. In training ``noise`` defaults to a fresh draw; eval uses none.
+        """Route ``x_TH`` (this rank's share of the micro-batch with a ``share_group``). In training
+        ``noise`` (for the whole micro-batch: jitter [T, H], of which the share's rows apply, and
+        U(0, 1) [T]) defaults to a fresh draw; eval uses none.
         ``slot_E``, ``balance``: the layer's placement and balance loss (see ``route``). Returns the plan (every route, the
         kept ones first) and the pending finite check of its logits; the caller reads the check
         and the kept count at its host sync and cuts the plan (``prepare`` of a dispatcher),
         and then calls ``record_load``."""
+        n = x_TH.shape[0]
+        shares, me = comm.group_size(self.share_group), comm.group_rank(self.share_group)
+        T = n * shares                     # the micro-batch: my share and those of ``share_group``
         if self.training and noise is None:
-            noise = self.draw_noise(x_TH.shape[0], x_TH.shape[1], x_TH.device)
+            noise = self.draw_noise(T, x_TH.shape[1], x_TH.device)
         if not self.training:
             noise = None
+        if noise is not None and noise.jitter_TH is not None and shares > 1:
+            noise = replace(noise, jitter_TH=noise.jitter_TH[me * n:(me + 1) * n])
         logits_TE = self.logits(x_TH, noise)
         finite = FiniteCheck(logits_TE, self.check_group)
+        own = None
+        if shares > 1:                     # route the whole micro-batch, keep my tokens' routes
+            logits_TE, own = comm.gather_tokens(logits_TE, self.share_group), (me * n, n)
         c = self.config
         return route(logits_TE, kind=self.kind, k=self.k, normalize=self.normalize,
-                     capacity=self.capacity(x_TH.shape[0]), expert_bias_E=self.expert_bias,
+                     capacity=self.capacity(T), expert_bias_E=self.expert_bias,
                      uniform_T=noise.uniform_T if noise is not None else None, slot_E=slot_E,
                      deferred=True, score=c.score_function, scale=c.gate_scale, drop_policy=c.drop_policy,
-                     balance=balance, group_limit=c.group_limit), finite
+                     balance=balance, group_limit=c.group_limit, own=own), finite
 
     @torch.no_grad()
     def record_load(self, plan: RoutingPlan) -> None:

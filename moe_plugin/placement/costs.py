@@ -175,13 +175,15 @@ def moe_layer_collectives(tp: int, dp: int, ep: int, etp: int, sequence_parallel
     of size 1 runs nothing). The router's finite flags ride in the EP counts exchange when the
     EP group is the stage's TP x DP ranks, else they take an all-to-all of their own over those.
     ETP rows move as all-to-alls (``comm.gather_rows``/``reduce_scatter_rows``); replicated
-    input (tp > 1 without sequence parallelism) is split and its output all-gathered over TP. Not
-    listed: a shared expert's gradient all-reduces over TP (the planner models none).
+    input (tp > 1 without sequence parallelism) is split and its output all-gathered over TP. With
+    tp > 1 the router logits [T/tp, E] are all-gathered over TP (the replica routes as one group;
+    their backward keeps this rank's rows, no collective). Not listed: a shared expert's gradient
+    all-reduces over TP (the planner models none).
     ``overlap_chunks`` n > 1 without shadowed experts (``layers/overlap.py``): each EP ``rows``
     all-to-all is n ``row chunk`` ones (1/n of the rows each, overlapped with the experts); the
     planner prices the one-exchange list (an upper bound: it models no overlap). ``aux_loss_scope``
-    (``layers/balance.py``): sequence sums the [B, 2E] per-sequence counts and share sums over TP
-    (forward) and their gradient (backward); global sums the [E] counts over the TP x DP ranks.
+    (``layers/balance.py``): sequence needs none (every TP rank holds the replica's logits); global
+    sums the [E] counts over the DP replicas.
     ``exchange`` (the layer's resolved mode, ``MoELayer.exchange``): padded runs no EP counts
     all-to-all (the counts and the finite flags ride in the rows' headers, ``layers/padded.py``)."""
     split = tp > 1 and not sequence_parallel
@@ -190,6 +192,7 @@ def moe_layer_collectives(tp: int, dp: int, ep: int, etp: int, sequence_parallel
     rows = "rows" if chunks == 1 else "row chunk"
     plan = [
         (tp * dp > 1 and ep != tp * dp, Collective(fwd, a2a, "tokens", "finite flags")),
+        (tp > 1, Collective(fwd, "all_gather", "tp", "router logits")),
         (ep > 1 and exchange != "padded", Collective(fwd, a2a, "ep", "counts")),
         (etp > 1, Collective(fwd, a2a, "etp", "counts")),
         *[(ep > 1, Collective(fwd, a2a, "ep", rows))] * chunks,
@@ -204,9 +207,7 @@ def moe_layer_collectives(tp: int, dp: int, ep: int, etp: int, sequence_parallel
         *[(ep > 1, Collective(bwd, a2a, "ep", rows))] * chunks,
         (shadowed and ep > 1, Collective(bwd, "all_reduce", "ep", "shadow gradients")),
         (tp > 1, Collective(bwd, "all_reduce", "tp", "router gradient")),
-        (aux_loss_scope == "sequence" and tp > 1, Collective(fwd, "all_reduce", "tp", "sequence load")),
-        (aux_loss_scope == "sequence" and tp > 1, Collective(bwd, "all_reduce", "tp", "sequence load gradient")),
-        (aux_loss_scope == "global" and tp * dp > 1, Collective(fwd, "all_reduce", "tokens", "global load")),
+        (aux_loss_scope == "global" and dp > 1, Collective(fwd, "all_reduce", "dp", "global load")),
         (split, Collective(bwd, "all_gather", "tp", "tokens")),
     ]
     return [c for on, c in plan if on]

@@ -8,8 +8,9 @@ per data-parallel replica, H hidden, F ffn, V vocab, b activation bytes:
     forward GEMM FLOPs per layer and rank     QKV 6TH^2/tp, scores + context 4TSH/tp, proj 2TH^2/tp,
                                               dense MLP 4THF/tp; backward is twice the forward
     MoE: routes per sender rank               R = k * T / tp  (the layer splits replicated tokens over TP)
-         kept per expert per sender           min(load_e * R, C), C = max(min_capacity, ceil(capacity_factor
-                                              * R / E)): the layer's expert_capacity, min_capacity at its default
+         kept per expert per sender           min(load_e * R, C / tp), C = max(min_capacity, ceil(capacity_factor
+                                              * k * T / E)): the layer's expert_capacity of the replica's T tokens
+                                              (one GShard group over TP), min_capacity at its default
          rows of expert e                     ep * etp senders * kept_e
          expert FLOPs of a rank (fwd)         sum over its experts of 4 * rows_e * H * F / etp
          collectives                          those the layer runs (``costs.moe_layer_collectives``), each
@@ -17,7 +18,8 @@ per data-parallel replica, H hidden, F ffn, V vocab, b activation bytes:
                                               bytes sent and received, within and across nodes, + a latency
                                               per peer), the EP counts all-to-all (carrying the router's finite
                                               flags, or those take one over the TP x DP ranks), ETP counts and
-                                              4 row gathers, TP: 2 token all-gathers, router-gradient all-reduce;
+                                              4 row gathers, TP: 2 token all-gathers, the router-logits all-gather,
+                                              router-gradient all-reduce;
                                               the counts layout (``moe.exchange`` auto takes it on NCCL; the
                                               padded one, gloo only by default, swaps the counts round for
                                               padded row bytes and is not priced)
@@ -162,9 +164,9 @@ def expert_rows_by_expert(model: ModelSpec, layout: Layout, load_E: Optional[np.
     routes = model.top_k * T / layout.tp                       # per sender rank
     share = np.full(E, 1.0 / E) if load_E is None else np.asarray(load_E, dtype=float) / max(np.sum(load_E), 1e-30)
     kept = share * routes
-    if model.capacity_factor is not None:   # the layer's own capacity of the T / tp tokens a sender routes
-        capacity = expert_capacity(-(-T // layout.tp), E, model.top_k, model.capacity_factor, MIN_CAPACITY)
-        kept = np.minimum(kept, capacity)
+    if model.capacity_factor is not None:   # the capacity of the replica's T tokens, shared by its TP senders
+        capacity = expert_capacity(T, E, model.top_k, model.capacity_factor, MIN_CAPACITY)
+        kept = np.minimum(kept, capacity / layout.tp)
     return layout.ep * layout.etp * kept
 
 
@@ -221,6 +223,7 @@ def moe_comm_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, routes
         ("ep", "rows"): ("all_to_all", _all_to_all(cluster, layout.ep, intra * H * b, inter * H * b, peers)),
         ("etp", "rows"): ("tp_comm", _collective(cluster, layout.etp, exchanged * H * b, etp_span, "gather")),
         ("tp", "tokens"): ("tp_comm", _collective(cluster, layout.tp, T * H * b, tp_span, "gather")),
+        ("tp", "router logits"): ("tp_comm", _collective(cluster, layout.tp, 4 * T * E, tp_span, "gather")),
         ("tp", "router gradient"): ("tp_comm", _collective(cluster, layout.tp, 4 * H * E, tp_span, "all_reduce")),
     }
     if shadowed:
