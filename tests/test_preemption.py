@@ -16,12 +16,10 @@
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,13 +27,12 @@ import pytest
 
 from dist import run_distributed
 from launcher import BIN, launcher_env
+from test_example import _script
+from test_guard import TINY
 from moe_plugin.integration.preemption import EXIT_STATUS, ExitRequest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--ffn-hidden-size", "64",
-        "--seq-length", "32", "--eval-interval", "0", "--eval-iters", "1", "--log-interval", "1",
-        "--corpus-bytes", str(192 * 1024), "--valid-fraction", "0.25"]
 
 
 # -- the agreement, 2 spawned ranks -------------------------------------------------------------------
@@ -96,14 +93,6 @@ def test_exit_request_refuses_a_duration_that_is_not_positive():
 
 
 # -- the example's flags ------------------------------------------------------------------------------
-def _example():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_moe_preemption", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("flags, line", [
     (["--exit-signal-handler"], "error: --exit-signal-handler: got True; it saves a checkpoint before it exits: "
                                 "pass --save DIR too"),
@@ -114,7 +103,7 @@ def _example():
 ])
 def test_example_refuses_the_exit_flags_without_save_before_writing_anything(tmp_path, capsys, flags, line):
     run_dir, data = tmp_path / "run", tmp_path / "data"
-    status = _example().main(["--deepspeed_config", str(REPO / "examples/gpt_moe/configs/tiny_cpu_4rank.json"),
+    status = _script().main(["--deepspeed_config", str(REPO / "examples/gpt_moe/configs/tiny_cpu_4rank.json"),
                               "--run-dir", str(run_dir), "--data-cache", str(data), *flags])
     out = capsys.readouterr()
     assert status == 2
@@ -136,7 +125,7 @@ def _main_child(rank: int, world_size: int, argv: list) -> dict:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        status = _example().main(argv)
+        status = _script().main(argv)
     return {"status": status, "out": out.getvalue()}
 
 
