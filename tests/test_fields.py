@@ -65,8 +65,8 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2
 BASE = {"num_experts": 4, "router": "topk", "top_k": 2}
 LAYOUTS = {"ep2": (2, {"expert": 2}), "one": (1, {}), "ep4": (4, {"expert": 4})}   # the first is the main one
 MAIN = "ep2"
-NOISE = ("the router's noise generator is seeded per token group (each rank's index among the ranks that "
-         "route distinct tokens), so its draws follow the layout")
+NOISE = ("the router's noise generator is seeded per data-parallel replica (its index in dp), so its draws "
+         "follow the layout")
 DROPOUT = "dropout draws from each rank's torch generator, so its masks follow the layout"
 A_LAYOUT = "the value is itself a layout of the reference model: its case compares it with the ep2 run"
 SKEW = ("--router-skew", "4.0")   # placement cases: a skewed load, so that greedy placement moves experts
