@@ -13,7 +13,8 @@ Relies on megatron-core 0.16:
   parallelism: per tensor-parallel rank) draws from the model-parallel state as it would on a GPU.
 * ``tensor_parallel/mappings.py`` (gather / reduce-scatter along the sequence), ``tensor_parallel/layers.py``
   (the all-gathered input's gradient) and ``utils.py`` (``GlobalMemoryBuffer``, the all-gather buffer
-  of sequence parallelism, the attention's score buffer) allocate on ``torch.cuda.current_device()``.
+  of sequence parallelism, the attention's score buffer) allocate on the current CUDA device
+  (``current_device()`` of ``torch.cuda``).
   ``cpu_buffers()`` gives these three modules, and only them, a ``torch`` whose
   ``cuda.current_device()`` is ``"cpu"`` (their global ``torch`` is replaced; torch itself is untouched).
 
@@ -30,7 +31,7 @@ from collections.abc import Iterator
 import torch
 from megatron.core.tensor_parallel import random as megatron_random
 
-# the modules whose buffers go to torch.cuda.current_device(); cpu_buffers() redirects exactly these
+# the modules whose buffers go to the current CUDA device; cpu_buffers() redirects exactly these
 BUFFER_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers",
                   "megatron.core.utils")
 
