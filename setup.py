@@ -20,6 +20,8 @@ EXTRAS_REQUIRE = {
     # apex is optional: fused kernels are used when it is importable, torch fallbacks otherwise.
     # It is not on the package index under that name; install it from NVIDIA's sources.
     "apex": [],
+    # moe-plugin import-hf / export-hf / preprocess --tokenizer: Hugging Face models and tokenizers
+    "hf": ["transformers>=5.0,<6", "tokenizers>=0.20,<1"],
 }
 
 setup(
