@@ -19,7 +19,7 @@ $(TORCH_STAMP): | $(PY)
 	touch $@
 
 $(DEPS_STAMP): setup.py $(TORCH_STAMP)
-	DS_BUILD_OPS=0 $(PIP) install -q -e ".[test]"
+	DS_BUILD_OPS=0 $(PIP) install -q -e ".[test,hf]"
 	touch $@
 
 install: $(DEPS_STAMP)
