@@ -52,3 +52,8 @@ def launcher_port():
     yield port
     for path in job_shm_buffers("127.0.0.1", str(port)):
         path.unlink(missing_ok=True)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts ranks through the deepspeed launcher or spawns several "
+                                       "processes (left out by make test-fast)")
