@@ -50,7 +50,7 @@ def megatron_globals(monkeypatch):
     for name in ("_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED"):
         monkeypatch.setattr(megatron_random, name, getattr(megatron_random, name))
     for name in BUFFER_MODULES:
-        module = sys.modules[name]
+        module = importlib.import_module(name)
         monkeypatch.setattr(module, "torch", module.torch)
 
 

@@ -72,6 +72,7 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.hidden_size % args.num_attention_heads:
         raise ConfigError("--num-attention-heads", args.num_attention_heads, f"must divide --hidden-size "
                           f"({args.hidden_size})")
+    check_architecture(args)
     if not 0.0 < args.valid_fraction < 1.0:
         raise ConfigError("--valid-fraction", args.valid_fraction, "expected a fraction of the documents, "
                           "strictly between 0 and 1 (e.g. 0.05)")
@@ -97,6 +98,26 @@ def check_flags(args: argparse.Namespace) -> None:
                           "(Megatron's indexed format), e.g. data/my-corpus_text_document")
 
 
+def check_architecture(args: argparse.Namespace) -> None:
+    """The Llama-style flags: combinations Megatron-LM would take silently or fail on deep inside."""
+    groups = getattr(args, "num_query_groups", None)
+    if groups is not None and not args.group_query_attention:
+        raise ConfigError("--num-query-groups", groups, "needs --group-query-attention (without it every "
+                          "attention head has its own key/value head)")
+    if groups is not None and groups < 1:
+        raise ConfigError("--num-query-groups", groups, "expected an integer >= 1")
+    if args.group_query_attention and args.num_attention_heads % (groups or 1):
+        raise ConfigError("--num-query-groups", groups, f"must divide --num-attention-heads "
+                          f"({args.num_attention_heads}): each key/value head serves as many query heads")
+    if args.rotary_base is not None and args.position_embedding_type != "rope":
+        raise ConfigError("--rotary-base", args.rotary_base, f"needs --position-embedding-type rope (it is "
+                          f"{args.position_embedding_type})")
+    if args.rotary_base is not None and not args.rotary_base > 1:
+        raise ConfigError("--rotary-base", args.rotary_base, "expected a base period > 1 (e.g. 10000)")
+    if not args.norm_epsilon > 0:
+        raise ConfigError("--norm-epsilon", args.norm_epsilon, "expected a number > 0 (e.g. 1e-5)")
+
+
 def check_layout(args: argparse.Namespace, moe_config: MoEConfig) -> None:
     """The ``moe.parallel`` layout against the model flags."""
     p = moe_config.parallel
@@ -105,6 +126,10 @@ def check_layout(args: argparse.Namespace, moe_config: MoEConfig) -> None:
     if args.num_attention_heads % p.tensor:
         raise ConfigError("moe.parallel.tensor", p.tensor, f"must divide --num-attention-heads "
                           f"({args.num_attention_heads})")
+    groups = (args.num_query_groups or 1) if args.group_query_attention else args.num_attention_heads
+    if args.group_query_attention and groups % p.tensor:
+        raise ConfigError("--num-query-groups", groups, f"must be a multiple of moe.parallel.tensor ({p.tensor}): "
+                          "each tensor-parallel rank holds whole key/value heads (--group-query-attention)")
     if getattr(args, "dense", False) and p.pipeline > 1:
         raise ConfigError("moe.parallel.pipeline", p.pipeline, "--dense (the dense baseline) runs without "
                           "pipeline parallelism; use 1")

@@ -96,6 +96,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--disable-bias-linear", action="store_true",
                        help="no biases in the linear layers (Megatron-LM's flag, add_bias_linear=False); a dense model "
                        "to upcycle needs it: the plugin's experts have none (moe-plugin upcycle)")
+    model.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+                       help="the norm of every layer, the final norm and --qk-layernorm's")
+    model.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of every norm (layernorm_epsilon)")
+    model.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
+                       help="learned absolute position embeddings, or rotary embeddings applied to queries and keys")
+    model.add_argument("--rotary-base", type=float, default=None, help="RoPE's base period (default 10000; "
+                       "needs --position-embedding-type rope)")
+    model.add_argument("--swiglu", action="store_true",
+                       help="gated SiLU dense MLPs (gated_linear_unit, activation silu); the experts' activation is "
+                       "moe.activation of the JSON (\"swiglu\")")
+    model.add_argument("--group-query-attention", action="store_true",
+                       help="grouped-query attention: --num-query-groups key/value heads shared by the query heads")
+    model.add_argument("--num-query-groups", type=int, default=None,
+                       help="key/value heads with --group-query-attention (default 1); must divide "
+                       "--num-attention-heads and be a multiple of moe.parallel.tensor")
+    model.add_argument("--qk-layernorm", action="store_true",
+                       help="normalise every query and key head (--normalization) before attention")
     model.add_argument("--dense", action="store_true",
                        help="the dense baseline: Megatron's MLP on every layer; the \"moe\" block still gives the "
                        "parallel layout, its expert settings are unused")
@@ -166,6 +183,22 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     return args
+
+
+def model_architecture(args: argparse.Namespace) -> dict:
+    """The ``TransformerConfig`` fields of the architecture flags (Megatron-LM's translation of them)."""
+    fields: dict = dict(normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+                        add_bias_linear=not args.disable_bias_linear, qk_layernorm=args.qk_layernorm,
+                        num_query_groups=(args.num_query_groups or 1) if args.group_query_attention else None)
+    if args.swiglu:
+        fields.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
+    return fields
+
+
+def position_embedding(args: argparse.Namespace) -> dict:
+    """``GPTModel``'s (and ``gpt_pipeline_module``'s) position arguments from the flags."""
+    return dict(position_embedding_type=args.position_embedding_type,
+                rotary_base=10000 if args.rotary_base is None else args.rotary_base)
 
 
 # --- 2. data -------------------------------------------------------------------------------------
@@ -242,7 +275,7 @@ def transformer_config(args: argparse.Namespace, moe_config: MoEConfig):
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, init_method_std=args.init_method_std,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        add_bias_linear=not args.disable_bias_linear, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        **model_architecture(args), pipeline_dtype=torch.float32, use_cpu_initialization=True,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False)
 
@@ -260,7 +293,8 @@ def gpt_model_provider(args: argparse.Namespace, vocab_size: int):
         torch.manual_seed(args.seed)  # every weight follows it: the embedding, an untied output layer draw from
         spec = gpt_dense_spec(config) if args.dense else gpt_moe_spec(moe_config, config, groups)   # torch's seed
         model = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
-                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                         **position_embedding(args))
         return skewed(args, model)
 
     return provider
@@ -288,7 +322,8 @@ def gpt_pipeline_provider(args: argparse.Namespace, vocab_size: int):
         return skewed(args, gpt_pipeline_module(
             transformer_config(args, moe_config), moe_config, groups, vocab_size=vocab_size,
             max_sequence_length=args.max_position_embeddings, seed=args.seed,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights))
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            **position_embedding(args)))
 
     return provider
 

@@ -14,8 +14,9 @@ Relies on megatron-core 0.16:
 * ``tensor_parallel/mappings.py`` (gather / reduce-scatter along the sequence), ``tensor_parallel/layers.py``
   (the all-gathered input's gradient) and ``utils.py`` (``GlobalMemoryBuffer``, the all-gather buffer
   of sequence parallelism, the attention's score buffer) allocate on the current CUDA device
-  (``current_device()`` of ``torch.cuda``).
-  ``cpu_buffers()`` gives these three modules, and only them, a ``torch`` whose
+  (``current_device()`` of ``torch.cuda``), and ``models/common/embeddings/rotary_pos_embedding.py``
+  (``RotaryEmbedding.get_emb``, RoPE's frequencies) moves its frequencies there on the first forward.
+  ``cpu_buffers()`` gives these four modules, and only them, a ``torch`` whose
   ``cuda.current_device()`` is ``"cpu"`` (their global ``torch`` is replaced; torch itself is untouched).
 
 Applied by ``integration.seeding.seed_megatron_rng`` (which ``moe_plugin.initialize`` calls before
@@ -33,7 +34,7 @@ from megatron.core.tensor_parallel import random as megatron_random
 
 # the modules whose buffers go to the current CUDA device; cpu_buffers() redirects exactly these
 BUFFER_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers",
-                  "megatron.core.utils")
+                  "megatron.core.utils", "megatron.core.models.common.embeddings.rotary_pos_embedding")
 
 
 class CpuRNGStatesTracker(megatron_random.CudaRNGStatesTracker):

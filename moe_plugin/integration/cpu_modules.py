@@ -1,4 +1,4 @@
-"""Two Megatron-Core spec pieces that also run without CUDA; ``cpu_friendly_spec`` swaps them in.
+"""Megatron-Core spec pieces that also run without CUDA; ``cpu_friendly_spec`` swaps them in.
 
 Shapes: sq/sk query/key length, b batch, np/ng attention heads/query groups on this
 tensor-parallel rank, hn head dim, hp = np * hn.
@@ -14,6 +14,11 @@ tensor-parallel rank, hn head dim, hp = np * hn.
   ``sequence_parallel`` the way Megatron's fused norms do, so that whoever all-reduces
   sequence-parallel gradients over the TP group (Megatron's ``finalize_model_grads``,
   ``allreduce_sequence_parallel_grads`` here) includes them.
+* ``TorchQKNorm``: the same norm for the query and key heads (``qk_layernorm``; on every device,
+  ``gpt_moe_spec`` puts it there). Each tensor-parallel rank normalises its own heads with a
+  weight replicated over TP, so the true gradient is the sum over TP: its parameters are marked
+  ``sequence_parallel`` whatever ``config.sequence_parallel`` says, which makes the plugin's
+  hooks (``sp_grads``) sum them (Megatron's ``finalize_model_grads`` sums them by name).
 """
 from __future__ import annotations
 
@@ -117,4 +122,15 @@ class TorchNorm:
         norm = kinds[config.normalization](hidden_size, eps=eps)  # fp32, CPU: as WrappedTorchNorm builds it
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+class TorchQKNorm:
+    """``TorchNorm`` of a query or key head (``hidden_size``: the head dimension), its parameters
+    marked ``sequence_parallel`` so that their gradients are summed over TP (module docstring)."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused) -> nn.Module:
+        norm = TorchNorm(config, hidden_size, eps)
+        for param in norm.parameters():
+            param.sequence_parallel = True
         return norm

@@ -47,7 +47,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from moe_plugin.compat.megatron_layer import BuildSpec, check_layer_number, global_layer_index
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.groups.process_groups import ProcessGroups
-from moe_plugin.integration.cpu_modules import SDPAttention, TorchNorm
+from moe_plugin.integration.cpu_modules import SDPAttention, TorchNorm, TorchQKNorm
 from moe_plugin.integration.seeding import layer_seed, resolve_seed, seed_megatron_rng, seeded
 from moe_plugin.layers.moe_layer import MoELayer
 
@@ -162,7 +162,8 @@ def _moe_config_of(source: Any) -> MoEConfig:
 
 def check_against_model(moe_config: MoEConfig, config: TransformerConfig) -> None:
     """The ``"moe"`` block must describe the Megatron model: its layer list within the model,
-    its tensor / pipeline / sequence parallelism equal to the ``TransformerConfig``'s, no router
+    its tensor / pipeline / sequence parallelism equal to the ``TransformerConfig``'s, TP dividing
+    the query groups (Megatron would also take TP a multiple of them: not on CPU), no router
     noise where Megatron recomputes the MLP (the router's generator is not rewound), and no
     global-batch balance loss there (a recomputed forward would count its load again)."""
     outside = [i for i in (moe_config.layers or []) if i >= config.num_layers]
@@ -177,6 +178,10 @@ def check_against_model(moe_config: MoEConfig, config: TransformerConfig) -> Non
         if mine != theirs:
             raise ConfigError(f"moe.parallel.{key}", mine, f"the Megatron TransformerConfig has {megatron}="
                               f"{theirs}; set both alike (the MoE layer splits tokens by it)")
+    groups = config.num_query_groups or config.num_attention_heads
+    if groups % p.tensor:
+        raise ConfigError("moe.parallel.tensor", p.tensor, f"must divide the TransformerConfig's num_query_groups "
+                          f"({groups}): each tensor-parallel rank holds whole query groups (grouped-query attention)")
     recomputed = config.recompute_granularity == "full" or (
         config.recompute_granularity == "selective" and "mlp" in (config.recompute_modules or []))
     if recomputed and moe_config.jitter_eps > 0:
@@ -319,6 +324,11 @@ def gpt_dense_spec(config: TransformerConfig, *, cpu: Optional[bool] = None, vp_
 
 def _local_block_spec(config: TransformerConfig, vp_stage: Optional[int], pp_rank: Optional[int]):
     base = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+    if config.qk_layernorm:   # summed over TP, which the plugin's training loop needs (cpu_modules)
+        attention = base.submodules.self_attention
+        qk = dataclasses.replace(attention.submodules, q_layernorm=TorchQKNorm, k_layernorm=TorchQKNorm)
+        base = dataclasses.replace(base, submodules=dataclasses.replace(
+            base.submodules, self_attention=dataclasses.replace(attention, submodules=qk)))
     return as_block_spec(base, config, vp_stage=vp_stage, pp_rank=pp_rank)
 
 

@@ -11,7 +11,8 @@ Shape letters: ``layers/__init__.py`` (V/TP on a tensor-parallel rank).
 The pipe is a flat list of pieces; DeepSpeed builds only the pieces of a rank's stage:
 
     0            EmbeddingPipe          ((tokens_BS, position_ids_BS)) -> hidden_SBH
-    1 .. L       TransformerLayerPipe   hidden_SBH -> hidden_SBH   (global layer i at piece 1 + i)
+    1 .. L       TransformerLayerPipe   hidden_SBH -> hidden_SBH   (global layer i at piece 1 + i; RoPE's
+                                        angles computed per piece, as GPTModel computes them per forward)
     L + 1        FinalNormPipe          hidden_SBH -> hidden_SBH
     L + 2        OutputLayerPipe        hidden_SBH -> logits_SBV
     loss_fn      gpt_loss(logits_SBV, labels_BS): mean token cross entropy, vocab-parallel under TP
@@ -51,6 +52,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.module import LayerSpec
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -72,12 +74,15 @@ _OWN_ARGUMENTS = ("layers", "num_stages", "topology", "loss_fn", "partition_meth
 
 # --- the pieces ------------------------------------------------------------------------------------
 class EmbeddingPipe(nn.Module):
-    """Megatron's ``LanguageModelEmbedding`` (vocab-parallel words, learned absolute positions)."""
+    """Megatron's ``LanguageModelEmbedding`` (vocab-parallel words; learned absolute positions
+    unless ``position_embedding_type`` is ``rope``, which the layers apply)."""
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int, seed: int):
+    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int, seed: int,
+                 position_embedding_type: str = "learned_absolute"):
         super().__init__()
         with seeded(seed):   # GPTModel's first draws after torch.manual_seed(seed)
-            self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length)
+            self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
+                                                    position_embedding_type=position_embedding_type)
 
     def forward(self, inputs: tuple[Tensor, Tensor]) -> Tensor:
         """(tokens_BS, position_ids_BS) -> hidden_SBH (replicated over TP)."""
@@ -91,17 +96,29 @@ class EmbeddingPipe(nn.Module):
 class TransformerLayerPipe(nn.Module):
     """One transformer layer of the spec at global index ``layer_index`` on a stage whose first
     layer is ``stage_offset``; the layer itself checks the index Megatron gives it and draws its
-    weights from the seed of that index (``MoEAwareTransformerLayer``)."""
+    weights from the seed of that index (``MoEAwareTransformerLayer``). ``rotary_base``: RoPE
+    (``position_embedding_type`` ``rope``), whose angles ``GPTModel`` computes once and hands to
+    its block: each piece computes them from its input's length, as ``GPTModel`` does (Megatron's
+    ``RotaryEmbedding``, no weights); None: no RoPE."""
 
-    def __init__(self, config: TransformerConfig, layer_spec: Any, layer_index: int, stage_offset: int):
+    def __init__(self, config: TransformerConfig, layer_spec: Any, layer_index: int, stage_offset: int,
+                 rotary_base: Optional[float] = None):
         super().__init__()
         self.layer = build_module(layer_spec, config=config, layer_number=layer_index - stage_offset + 1)
         if self.layer.layer_number != layer_index + 1:
             raise RuntimeError(f"layer {layer_index} was built as Megatron layer number {self.layer.layer_number}: "
                                "the pipeline stage and Megatron's pipeline rank disagree")
+        self.rotary_pos_emb = None if rotary_base is None else RotaryEmbedding(
+            kv_channels=config.kv_channels, rotary_percent=1.0, rotary_interleaved=config.rotary_interleaved,
+            rotary_base=rotary_base, use_cpu_initialization=config.use_cpu_initialization)
 
     def forward(self, hidden_SBH: Tensor) -> Tensor:
-        out_SBH, _context = self.layer(hidden_states=hidden_SBH, attention_mask=None)
+        rotary = None
+        if self.rotary_pos_emb is not None:   # GPTModel's get_rotary_seq_len: the full sequence
+            config = self.layer.config
+            length = hidden_SBH.shape[0] * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
+            rotary = self.rotary_pos_emb(length)
+        out_SBH, _context = self.layer(hidden_states=hidden_SBH, attention_mask=None, rotary_pos_emb=rotary)
         return out_SBH
 
 
@@ -126,10 +143,11 @@ class OutputLayerPipe(nn.Module):
     pipeline keeps the copies equal: ``GPTPipelineModule`` sums their gradients over both stages)."""
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int, seed: int,
-                 tied: bool = False):
+                 tied: bool = False, position_embedding_type: str = "learned_absolute"):
         super().__init__()
         with seeded(seed):
-            embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length)
+            embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
+                                               position_embedding_type=position_embedding_type)
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
                 skip_bias_add=False, gather_output=False)
@@ -188,10 +206,11 @@ class GPTPipelineModule(GivenPartsPipelineModule):
     pieces shares one parameter."""
 
     def __init__(self, layers: list, *, parts: list[int], tie: Optional[tuple[Any, list[int]]] = None,
-                 **kwargs: Any):
+                 position_embedding_type: str = "learned_absolute", rotary_base: float = 10000, **kwargs: Any):
         super().__init__(layers, parts=parts, **kwargs)
         self.tied_weights: list[tuple[nn.Parameter, Any]] = []
         self.share_embeddings_and_output_weights = tie is not None   # on every stage, as GPTModel's attribute
+        self.position_embedding_type, self.rotary_base = position_embedding_type, rotary_base   # the same
         if tie is not None:
             self._tie_embedding(*tie)
 
@@ -223,8 +242,9 @@ class GPTPipelineModule(GivenPartsPipelineModule):
 
 def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups: ProcessGroups, *,
                         vocab_size: int, max_sequence_length: int, seed: Optional[int] = None,
-                        share_embeddings_and_output_weights: bool = False, cpu: Optional[bool] = None,
-                        placements: Optional[Mapping[int, Sequence[int]]] = None,
+                        share_embeddings_and_output_weights: bool = False,
+                        position_embedding_type: str = "learned_absolute", rotary_base: float = 10000,
+                        cpu: Optional[bool] = None, placements: Optional[Mapping[int, Sequence[int]]] = None,
                         **pipeline_kwargs: Any) -> GPTPipelineModule:
     """This rank's stage of a GPT with MoE layers, as a DeepSpeed ``PipelineModule`` (see the
     module docstring). Collective: every rank calls it (DeepSpeed creates its grid's groups).
@@ -235,6 +255,7 @@ def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups
     ``GPTModel(config, gpt_moe_spec(..., seed=seed), ...)`` built right after
     ``torch.manual_seed(seed)`` (``seeding``). ``share_embeddings_and_output_weights``: as
     ``GPTModel``'s argument (Megatron-LM ties unless ``--untie-embeddings-and-output-weights``).
+    ``position_embedding_type`` (``learned_absolute`` or ``rope``) and ``rotary_base``: as ``GPTModel``'s.
     ``cpu``: the CPU-friendly spec (default: on a CPU accelerator). ``placements``: {global layer
     index: slots} of MoE layers built with their experts placed (as ``gpt_moe_spec``'s).
     ``pipeline_kwargs`` go to ``PipelineModule`` (activation checkpointing, ``dynamic_shape``, ...).
@@ -244,6 +265,9 @@ def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups
     if clashes:
         raise TypeError(f"gpt_pipeline_module sets {', '.join(clashes)} itself")
     check_against_model(moe_config, config)
+    if position_embedding_type not in ("learned_absolute", "rope"):
+        raise ValueError(f"position_embedding_type {position_embedding_type!r}: gpt_pipeline_module supports "
+                         "'learned_absolute' and 'rope'")
     sizes = groups.layout.sizes
     if (sizes.pp, sizes.tp) != (config.pipeline_model_parallel_size, config.tensor_model_parallel_size):
         raise ValueError(f"the groups are for pp {sizes.pp} x tp {sizes.tp} but the TransformerConfig has "
@@ -263,19 +287,21 @@ def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups
     layer_spec, norm_spec = block.layer_specs[0], block.layer_norm
     num = config.num_layers
     tied = share_embeddings_and_output_weights
-    pieces: list = [LayerSpec(EmbeddingPipe, config, vocab_size, max_sequence_length, seed)]
+    positions = position_embedding_type
+    rotary = rotary_base if positions == "rope" else None
+    pieces: list = [LayerSpec(EmbeddingPipe, config, vocab_size, max_sequence_length, seed, positions)]
     stage_of = {i: s for s, r in enumerate(ranges) for i in r}
     for i in range(num):
-        pieces.append(LayerSpec(TransformerLayerPipe, config, layer_spec, i, ranges[stage_of[i]].start))
+        pieces.append(LayerSpec(TransformerLayerPipe, config, layer_spec, i, ranges[stage_of[i]].start, rotary))
     pieces.append(LayerSpec(FinalNormPipe, config, norm_spec))
-    pieces.append(LayerSpec(OutputLayerPipe, config, vocab_size, max_sequence_length, seed, tied))
+    pieces.append(LayerSpec(OutputLayerPipe, config, vocab_size, max_sequence_length, seed, tied, positions))
     if groups.rank == 0:
         logger.info("GPT pipeline: %d stages, layers per stage %s, MoE layers %s, embeddings %s", sizes.pp,
                     [(r.start, r.stop) for r in ranges], [i for i in range(num) if moe_config.is_moe_layer(i)],
                     "tied" if tied else "untied")
     tie = (groups.handles.get("embedding"), groups.ranks("embedding")) if tied else None
     return GPTPipelineModule(pieces, parts=stage_boundaries(config), topology=topology, loss_fn=gpt_loss, tie=tie,
-                             **pipeline_kwargs)
+                             position_embedding_type=positions, rotary_base=rotary_base, **pipeline_kwargs)
 
 
 # --- names -------------------------------------------------------------------------------------------
