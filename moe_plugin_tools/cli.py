@@ -10,6 +10,8 @@
     moe-plugin report RUN_DIR [RUN_DIR ...] [--out DIR]
     moe-plugin export CKPT_DIR --out DIR [--tag TAG]
     moe-plugin upcycle DENSE_CKPT --config ds.json --out MOE_CKPT [--granularity G] [--tag TAG] [--reset-iteration]
+    moe-plugin import-hf HF_DIR --config ds.json --out CKPT [--tag TAG]
+    moe-plugin export-hf CKPT --out HF_DIR [--arch mixtral|qwen3_moe|qwen2_moe|llama|mistral|qwen3] [--max-shard-size 5GB]
 
 A bad config or bad sizes exit with status 2 and one line ``error: <message>`` on stderr (rank 0
 only, when started by a launcher). ``check-config`` with a world size also checks DeepSpeed's
@@ -127,6 +129,27 @@ def upcycle(args: argparse.Namespace) -> None:
           + (f"; dropped {len(done.dropped_biases)} MLP biases" if done.dropped_biases else ""))
 
 
+def import_hf(args: argparse.Namespace) -> None:
+    from moe_plugin.interop import import_hf as run
+
+    done = run(args.hf_dir, args.config, args.out, tag=args.tag, progress=lambda line: print(line, flush=True))
+    print(f"imported {args.hf_dir} ({done.model_type}) -> {done.path} in {done.seconds:.2f} s")
+    if done.filled:
+        print(f"  filled in from config.json: moe.{', moe.'.join(done.filled)}; the \"moe\" block to train with:\n"
+              f"  \"moe\": {json.dumps(done.moe_block)}")
+    print("  the example's model flags (recorded in the checkpoint; a load with others is refused):\n"
+          f"  --load {args.out} {' '.join(done.flags)}")
+
+
+def export_hf(args: argparse.Namespace) -> None:
+    from moe_plugin.interop import export_hf as run
+
+    done = run(args.checkpoint, args.out, arch=args.arch, tag=args.tag, max_shard_size=args.max_shard_size,
+               dtype=args.dtype, progress=lambda line: print(line, flush=True))
+    print(f"exported {args.checkpoint} -> {done['path']} ({done['model_type']}, {len(done['files'])} files) in "
+          f"{done['seconds']:.2f} s")
+
+
 def _show_layout(rank_layout: RankLayout) -> None:
     print(rank_layout.table())
     print("\nGroups each rank joins:")
@@ -197,6 +220,27 @@ def build_parser() -> argparse.ArgumentParser:
                     "MLP at step 0 (unnormalised, switch, ...): warn instead of refusing")
     up.add_argument("--seed", type=int, default=1234, help="seed of the fresh router weights")
     up.set_defaults(run=upcycle)
+
+    imp = commands.add_parser("import-hf", help="a Hugging Face model directory (Mixtral, Qwen3-MoE, Qwen2-MoE; "
+                              "dense Llama, Mistral, Qwen3) as a checkpoint that loads under any layout")
+    imp.add_argument("hf_dir", type=Path, metavar="HF_DIR", help="config.json and model.safetensors (or its index)")
+    imp.add_argument("--config", type=Path, required=True, help="the DeepSpeed JSON to train with; its \"moe\" "
+                     "block is checked against config.json (expert fields left out are filled in)")
+    imp.add_argument("--out", type=Path, required=True, help="the checkpoint directory to write (a --load)")
+    imp.add_argument("--tag", default="step0", help="the tag to write (default: step0)")
+    imp.set_defaults(run=import_hf)
+
+    exp = commands.add_parser("export-hf", help="a checkpoint of any layout as a Hugging Face model directory "
+                              "(transformers' AutoModelForCausalLM loads it)")
+    exp.add_argument("checkpoint", type=Path, metavar="CKPT", help="a --save directory (moe_plugin checkpoint)")
+    exp.add_argument("--out", type=Path, required=True, help="the directory to write (new or empty)")
+    exp.add_argument("--arch", default=None, help="mixtral, qwen3_moe, qwen2_moe, llama, mistral or qwen3 (default: "
+                     "the imported model's, else inferred from the checkpoint)")
+    exp.add_argument("--tag", default=None, help="the tag to export (default: the one CKPT/latest names)")
+    exp.add_argument("--max-shard-size", default="5GB", help="largest weights file (default 5GB); more are indexed")
+    exp.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the imported model's, "
+                     "else float32)")
+    exp.set_defaults(run=export_hf)
 
     add_bench_parser(commands, bench_layer, bench_step)
     add_plan_parser(commands)

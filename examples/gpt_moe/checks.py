@@ -114,6 +114,8 @@ def check_architecture(args: argparse.Namespace) -> None:
                           f"{args.position_embedding_type})")
     if args.rotary_base is not None and not args.rotary_base > 1:
         raise ConfigError("--rotary-base", args.rotary_base, "expected a base period > 1 (e.g. 10000)")
+    if args.kv_channels is not None and args.kv_channels < 1:
+        raise ConfigError("--kv-channels", args.kv_channels, "expected an integer >= 1 (the size of a head)")
     if not args.norm_epsilon > 0:
         raise ConfigError("--norm-epsilon", args.norm_epsilon, "expected a number > 0 (e.g. 1e-5)")
 

@@ -113,6 +113,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        "--num-attention-heads and be a multiple of moe.parallel.tensor")
     model.add_argument("--qk-layernorm", action="store_true",
                        help="normalise every query and key head (--normalization) before attention")
+    model.add_argument("--kv-channels", type=int, default=None,
+                       help="size of an attention head (default: --hidden-size / --num-attention-heads)")
+    model.add_argument("--add-qkv-bias", action="store_true",
+                       help="biases on the query, key and value projections only (Qwen2), also with "
+                       "--disable-bias-linear")
     model.add_argument("--dense", action="store_true",
                        help="the dense baseline: Megatron's MLP on every layer; the \"moe\" block still gives the "
                        "parallel layout, its expert settings are unused")
@@ -189,7 +194,8 @@ def model_architecture(args: argparse.Namespace) -> dict:
     """The ``TransformerConfig`` fields of the architecture flags (Megatron-LM's translation of them)."""
     fields: dict = dict(normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
                         add_bias_linear=not args.disable_bias_linear, qk_layernorm=args.qk_layernorm,
-                        num_query_groups=(args.num_query_groups or 1) if args.group_query_attention else None)
+                        num_query_groups=(args.num_query_groups or 1) if args.group_query_attention else None,
+                        kv_channels=args.kv_channels, add_qkv_bias=args.add_qkv_bias)
     if args.swiglu:
         fields.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
     return fields

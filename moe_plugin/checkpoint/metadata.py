@@ -146,7 +146,8 @@ def transformer_config_dict(config: Any) -> dict:
 def model_description(model: nn.Module) -> dict:
     """What this rank knows of the model for rebuilding it on one rank: ``transformer_config``,
     ``vocab_size``, ``max_sequence_length`` (from the word embedding; a pipeline's first stage),
-    ``tied`` (the word embedding and the output layer share their weight). Merged over the ranks
+    ``tied`` (the word embedding and the output layer share their weight), ``position_embedding_type``
+    and ``rotary_base`` (where the model has them). Merged over the ranks
     by ``merge_descriptions``."""
     out: dict = {}
     config = getattr(model, "config", None)
@@ -160,6 +161,9 @@ def model_description(model: nn.Module) -> dict:
             out["vocab_size"] = int(module.vocab_size)
             out["max_sequence_length"] = int(module.max_sequence_length)
             break
+    for name in ("position_embedding_type", "rotary_base"):   # GPTModel's and gpt_pipeline_module's arguments
+        if getattr(model, name, None) is not None:
+            out[name] = getattr(model, name)
     tied = getattr(model, "share_embeddings_and_output_weights", None)
     if tied is None:  # a pipeline stage: the tie marks its copy (GPTPipelineModule)
         tied = bool(getattr(model, "tied_weights", None)) or any(
@@ -171,7 +175,7 @@ def model_description(model: nn.Module) -> dict:
 def merge_descriptions(parts: list[dict]) -> dict:
     """One model description from every rank's (``model_description``)."""
     out: dict = {"tied": any(p.get("tied", False) for p in parts)}
-    for key in ("transformer_config", "vocab_size", "max_sequence_length"):
+    for key in ("transformer_config", "vocab_size", "max_sequence_length", "position_embedding_type", "rotary_base"):
         found = [p[key] for p in parts if key in p]
         if found:
             out[key] = found[0]
@@ -327,6 +331,10 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
     saved = {k: meta["moe"].get(k, SINCE_DEFAULTS.get(k)) for k in MODEL_KEYS}
     problems = [f"moe.{k}: {saved[k]!r} in the checkpoint, {mine.get(k)!r} in the model"
                 for k in MODEL_KEYS if saved[k] != mine.get(k)]
+    if not problems:
+        from moe_plugin.checkpoint.architecture import architecture_problems
+
+        problems += architecture_problems(meta, engine.module)
     stage = stage_view(meta, engine.module, groups) if not problems else None
     if stage is not None:
         shapes = full_shapes(engine.module, groups)

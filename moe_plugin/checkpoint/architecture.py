@@ -1,0 +1,48 @@
+"""Whether the running model is built like the one a checkpoint records (``architecture`` in its metadata).
+
+A checkpoint written by ``moe-plugin import-hf`` records the Megatron ``TransformerConfig`` fields
+and ``GPTModel`` arguments of the imported architecture and the example's flags that set them.
+Shapes alone do not tell a RoPE model from one with learned positions (which has one more weight,
+but a missing one is named by key, not by flag), RMSNorm from LayerNorm without biases, or two
+norm epsilons apart: ``architecture_problems`` names each field that differs and the flag that sets
+it. Checkpoints without the record (saved by a training run) are not checked here.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+# TransformerConfig field / GPTModel argument -> the example's (Megatron-LM's) flag
+FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
+         "num_query_groups": "--group-query-attention --num-query-groups", "kv_channels": "--kv-channels",
+         "ffn_hidden_size": "--ffn-hidden-size", "normalization": "--normalization",
+         "layernorm_epsilon": "--norm-epsilon", "gated_linear_unit": "--swiglu", "activation_func": "--swiglu",
+         "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
+         "qk_layernorm": "--qk-layernorm", "position_embedding_type": "--position-embedding-type",
+         "rotary_base": "--rotary-base", "tied": "--untie-embeddings-and-output-weights"}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+def architecture_problems(meta: dict, model: nn.Module) -> list[str]:
+    """One line per recorded architecture field the running ``model`` has otherwise."""
+    record = meta.get("architecture")
+    if not record:
+        return []
+    from moe_plugin.checkpoint.metadata import model_description
+
+    running = model_description(model)
+    config = running.get("transformer_config", {})
+    mine = {**{k: config.get(k) for k in record.get("transformer_config", {})},
+            "position_embedding_type": getattr(model, "position_embedding_type", "learned_absolute"),
+            "rotary_base": getattr(model, "rotary_base", None), "tied": running.get("tied")}
+    wanted = {**record.get("transformer_config", {}), **record.get("model", {})}
+    return [f"{key} is {wanted[key]!r} in the checkpoint but {mine.get(key)!r} in the model (the example's "
+            f"{FLAGS.get(key, key)}; the checkpoint's flags: {' '.join(record.get('flags', []))})"
+            for key in wanted if key in mine and not _same(wanted[key], mine[key])
+            and not (key == "rotary_base" and wanted.get("position_embedding_type") != "rope")]

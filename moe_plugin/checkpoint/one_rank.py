@@ -1,0 +1,90 @@
+"""A checkpoint written without a training run, as if the model had been saved on one rank.
+
+    write_one_rank("ckpt", "step0", module, experts, moe_config, model, record={...})
+
+``module``: the 1-rank ``GPTModel``'s state-dict entries but the expert weights (``_extra_state``
+entries included); ``experts``: {``decoder.layers.N.mlp.experts.weight1``/``2``: [E, ...]} stacked
+by expert id; ``model``: the metadata's model description (``metadata.model_description``'s keys).
+Written: DeepSpeed's module file of model-parallel rank 0 with step counters at 0 and no optimizer
+or lr scheduler state (``fresh_states`` tells ``load_checkpoint``), one file per expert, and
+``moe_plugin.json`` (``record`` merged in), all into ``OUT/.tmp-TAG`` and renamed to ``OUT/TAG``
+at the end, with ``latest`` pointing at it. ``load_checkpoint`` cuts it for any layout. Files of
+``extra_files`` ({name in the tag: source path}) are copied in too (and checksummed). Nothing is
+left behind on failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Callable, Optional
+
+import torch
+
+from moe_plugin.checkpoint.errors import CheckpointError
+from moe_plugin.checkpoint.files import TMP_PREFIX, commit_tag, file_digest, remove_stale, tag_files
+from moe_plugin.checkpoint.metadata import EXPERT_DIR, FORMAT, FORMAT_VERSION, META_FILE, expert_file, placement_key
+from moe_plugin.configs import MoEConfig, ParallelConfig, ParallelSizes
+
+
+def write_one_rank(out_dir: os.PathLike | str, tag: str, module: dict, experts: dict, moe: MoEConfig, model: dict,
+                   record: dict, extra_files: Optional[dict[str, str]] = None,
+                   say: Callable[[str], None] = lambda line: None) -> str:
+    """Write the checkpoint (module docstring); returns the tag's path."""
+    out_dir = os.fspath(out_dir)
+    final = os.path.join(out_dir, tag)
+    if os.path.exists(final):
+        raise CheckpointError(f"{final}: exists; write into another directory (nothing was written)")
+    os.makedirs(out_dir, exist_ok=True)
+    remove_stale(out_dir)
+    tmp = os.path.join(out_dir, TMP_PREFIX + tag)
+    os.makedirs(os.path.join(tmp, EXPERT_DIR))
+    try:
+        _write_files(tmp, module, experts, moe.num_experts, say)
+        for name, source in (extra_files or {}).items():
+            os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
+            shutil.copyfile(source, os.path.join(tmp, name))
+        meta = _metadata(moe, tag, module, experts, model, record)
+        meta["files"] = {name: file_digest(os.path.join(tmp, name)) for name in tag_files(tmp)}
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump(meta, f, indent=1)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit_tag(out_dir, tag, TMP_PREFIX + tag, save_latest=True)
+    return final
+
+
+def _write_files(tmp: str, module: dict, experts: dict, num_experts: int, say: Callable[[str], None]) -> None:
+    from moe_plugin.compat.deepspeed_checkpoint import model_file_name, one_rank_moe_file
+
+    buffers = [k for k in module if k.endswith(("router.expert_bias", "experts.placement"))]
+    content = one_rank_moe_file({}, dict(sorted(module.items())), buffers, num_experts, keep_steps=False)
+    torch.save(content, os.path.join(tmp, model_file_name(0)))
+    if experts:
+        for e in range(num_experts):
+            torch.save({"expert_id": e, "stage": 0, "optimizer": {}, "placement": {"ep_rank": 0, "slot": e},
+                        "weights": {k: w[e].contiguous().clone() for k, w in experts.items()}},
+                       expert_file(tmp, e, 0))
+    say(f"wrote {model_file_name(0)} ({len(module)} entries)" + (f" and {num_experts} expert files" if experts else ""))
+
+
+def _metadata(moe: MoEConfig, tag: str, module: dict, experts: dict, model: dict, record: dict) -> dict:
+    from moe_plugin.compat.deepspeed_checkpoint import model_file_name
+
+    shapes = {k: list(v.shape) for k, v in module.items() if isinstance(v, torch.Tensor)}
+    sizes = ParallelSizes.resolve(ParallelConfig(order=moe.parallel.order), 1)
+    E = moe.num_experts
+    placements = {placement_key(k): list(range(E)) for k in experts if k.endswith("weight1")}
+    return {
+        "format": FORMAT, "version": FORMAT_VERSION, "tag": tag, "global_steps": 0, "zero_stage": 0,
+        "pipeline_module": False, "num_experts": E, "moe": moe.resolved_dict(), "layout": sizes.model_dump(),
+        "stages": {"0": {"dense": shapes, "experts": {k: list(v.shape) for k, v in experts.items()}, "tp_split": {},
+                         "placements": placements}},
+        "model": model, "model_files": {"0": [model_file_name(0)]},
+        "placement": {"policy": "static", "ep_size": 1,
+                      "experts": [{"id": e, "ep_rank": 0, "slot": e} for e in range(E)]},
+        "expert_optimizer_state": False,
+        "fresh_states": ["optimizer", "lr_scheduler"],   # what load_checkpoint starts fresh whatever it is asked
+        **record,
+    }

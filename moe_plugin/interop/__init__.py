@@ -1,0 +1,27 @@
+"""Model formats of other tools: Hugging Face checkpoints in and out.
+
+    from moe_plugin.interop import import_hf, export_hf
+    import_hf("Mixtral-dir", "ds.json", "ckpt")        # moe-plugin import-hf Mixtral-dir --config ds.json --out ckpt
+    export_hf("ckpt", "hf-out")                        # moe-plugin export-hf ckpt --out hf-out
+
+* ``hf_arch``: a Hugging Face ``config.json`` read as the plugin's model (``HFArchitecture``: the
+  Megatron ``TransformerConfig`` fields, the ``"moe"`` block, the example's flags), or refused
+  naming the key; and the other way for export.
+* ``hf_families``: one name-mapping table per architecture family (Llama-style attention, Mixtral's
+  ``block_sparse_moe``, Qwen's ``mlp.experts`` and shared expert) and the exact tensor joins and
+  cuts between the two layouts (``HFMapping``).
+* ``hf_files``: safetensors shards and their index, read and written; the tokenizer files.
+* ``hf_import`` / ``hf_export``: the commands. The checkpoint package does the sharding: an import
+  is written as the 1-rank model's checkpoint, which ``load_checkpoint`` cuts for any layout, and
+  an export reads any layout as the 1-rank model (``checkpoint.export.read_full_state``).
+
+transformers is optional (``pip install 'moe_plugin[hf]'``): imported on first use, by name.
+"""
+from __future__ import annotations
+
+from moe_plugin.lazy import lazy_getattr
+
+_FROM = {"import_hf": "hf_import", "ImportResult": "hf_import", "export_hf": "hf_export",
+         "HFArchitecture": "hf_arch", "read_hf_config": "hf_arch"}
+__all__ = sorted(_FROM)
+__getattr__ = lazy_getattr(__name__, _FROM)

@@ -1,0 +1,244 @@
+"""A Hugging Face ``config.json`` as the plugin's model, or refused naming the key.
+
+``read_hf_config(hf_dir)`` reads the directory's config with transformers' ``AutoConfig`` (its
+defaults and legacy spellings resolved) into an ``HFArchitecture``: the sizes, the attention
+(grouped-query heads, head size, QKV bias, QK-norm), RoPE, the norms, and for MoE models the
+router's semantics (softmax over all experts, top-k, the k gates renormalised or not), the expert
+and shared-expert FFN sizes and which layers are MoE. From it come Megatron's ``TransformerConfig``
+fields (``transformer_fields``), the ``"moe"`` block fields (``moe_fields``, each with the HF key it
+comes from) and the example's flags that build the same model (``example_flags``).
+
+What the plugin cannot represent is refused before anything is written, naming the config key and
+the model type: an unknown ``model_type``, sliding-window attention, RoPE scaling or partial
+rotary, an activation other than SiLU, biases on the output projection or the MLPs, multi-latent
+attention. The router semantics per family (transformers 5.24):
+
+    mixtral     softmax over the experts, top-k, the k gates renormalised (always)
+    qwen3_moe   softmax, top-k, renormalised iff norm_topk_prob; QK-norm (RMSNorm per head)
+    qwen2_moe   softmax, top-k, renormalised iff norm_topk_prob; shared expert (SwiGLU) scaled by
+                sigmoid(shared_expert_gate(x)); QKV bias (qkv_bias, default true)
+    llama, mistral, qwen3   dense (upcycling); qwen3 with QK-norm
+
+The router choice, capacity and gates map onto the ``"moe"`` block as router ``topk``,
+``normalize_gates``, ``score_function`` softmax, ``drop_tokens`` false (transformers drops no token),
+``gate_scale`` 1, ``shared_expert_gate`` true for Qwen2-MoE.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from moe_plugin.configs import ConfigError
+
+HF_EXTRA = "pip install 'moe_plugin[hf]'"
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe")
+# Keys of models the plugin has no layer for (multi-latent attention, DeepSeek-style routing).
+UNSUPPORTED_KEYS = ("kv_lora_rank", "q_lora_rank", "n_group", "topk_group", "routed_scaling_factor")
+
+
+def transformers_module() -> Any:
+    """transformers, or a one-line error naming the extra that installs it."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("transformers", None, f"the Hugging Face import and export need it: {HF_EXTRA}",
+                          shown="not installed") from None
+    return transformers
+
+
+@dataclass(frozen=True)
+class HFArchitecture:
+    """A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention), dense or with MoE MLPs."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int            # the dense MLPs' (intermediate_size)
+    vocab_size: int
+    max_position_embeddings: int
+    norm_epsilon: float
+    rotary_base: float
+    tied: bool
+    qkv_bias: bool
+    qk_layernorm: bool
+    dtype: str
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    top_k: int = 0
+    normalize_gates: bool = True
+    expert_ffn_hidden_size: int = 0
+    shared_ffn_hidden_size: int = 0
+    shared_gate: bool = False
+    config: Optional[dict] = None   # the config as transformers writes it (to_dict)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+    @property
+    def architecture(self) -> str:
+        return ARCHITECTURES[self.model_type]
+
+    def moe_fields(self) -> dict[str, tuple[Any, str]]:
+        """{"moe" block key: (the value this model needs, the HF key it comes from)}; MoE models only."""
+        t = self.model_type
+        every = tuple(range(self.num_layers))
+        layers = (None, "every layer") if self.moe_layers == every else (list(self.moe_layers),
+                                                                         "decoder_sparse_step / mlp_only_layers")
+        fields = {
+            "num_experts": (self.num_experts, "num_local_experts" if t == "mixtral" else "num_experts"),
+            "top_k": (self.top_k, "num_experts_per_tok"),
+            "router": ("topk", "the router: top-k of a softmax over the experts"),
+            "score_function": ("softmax", "the router: top-k of a softmax over the experts"),
+            "normalize_gates": (self.normalize_gates, "norm_topk_prob" if t != "mixtral"
+                                else "the router (Mixtral renormalises the top-k gates)"),
+            "gate_scale": (1.0, "the router (gates are not scaled)"),
+            "group_topk": (None, "the router (no group limit)"),
+            "activation": ("swiglu", "hidden_act (silu, gated)"),
+            "ffn_hidden_size": (self.expert_ffn_hidden_size, "intermediate_size" if t == "mixtral"
+                                else "moe_intermediate_size"),
+            "shared_expert_ffn_hidden_size": (self.shared_ffn_hidden_size, "shared_expert_intermediate_size"
+                                              if t == "qwen2_moe" else "(no shared expert)"),
+            "shared_expert_gate": (self.shared_gate, "shared_expert_gate (a sigmoid gate)" if t == "qwen2_moe"
+                                   else "(no shared expert)"),
+            "drop_tokens": (False, "the experts (transformers drops no token)"),
+            "layers": layers,
+        }
+        return fields
+
+    def transformer_fields(self) -> dict:
+        """Megatron ``TransformerConfig`` fields of the architecture (as the example's flags set them)."""
+        import torch.nn.functional as F
+
+        return dict(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                    num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
+                    kv_channels=self.kv_channels, ffn_hidden_size=self.ffn_hidden_size, normalization="RMSNorm",
+                    layernorm_epsilon=self.norm_epsilon, gated_linear_unit=True, activation_func=F.silu,
+                    bias_activation_fusion=False, add_bias_linear=False, add_qkv_bias=self.qkv_bias,
+                    qk_layernorm=self.qk_layernorm)
+
+    def model_fields(self) -> dict:
+        """``GPTModel``'s own arguments: position embedding, RoPE base, tied embeddings."""
+        return {"position_embedding_type": "rope", "rotary_base": self.rotary_base, "tied": self.tied}
+
+    def example_flags(self) -> list[str]:
+        """examples/gpt_moe/pretrain_gpt_moe.py flags that build this model (Megatron-LM's names)."""
+        flags = ["--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
+                 "--num-attention-heads", str(self.num_attention_heads), "--ffn-hidden-size", str(self.ffn_hidden_size)]
+        if self.num_query_groups != self.num_attention_heads:
+            flags += ["--group-query-attention", "--num-query-groups", str(self.num_query_groups)]
+        if self.kv_channels * self.num_attention_heads != self.hidden_size:
+            flags += ["--kv-channels", str(self.kv_channels)]
+        flags += ["--normalization", "RMSNorm", "--norm-epsilon", repr(self.norm_epsilon),
+                  "--position-embedding-type", "rope", "--rotary-base", _number(self.rotary_base), "--swiglu",
+                  "--disable-bias-linear"]
+        if self.qkv_bias:
+            flags.append("--add-qkv-bias")
+        if self.qk_layernorm:
+            flags.append("--qk-layernorm")
+        if not self.tied:
+            flags.append("--untie-embeddings-and-output-weights")
+        if not self.is_moe:
+            flags.append("--dense")
+        return flags
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def read_hf_config(hf_dir: os.PathLike | str) -> HFArchitecture:
+    """The model of ``hf_dir/config.json``, or a ``ConfigError`` naming the key it cannot represent."""
+    hf_dir = os.fspath(hf_dir)
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(path, None, "expected a Hugging Face model directory (config.json and model.safetensors "
+                          "or its sharded index, as save_pretrained writes them)", shown="missing")
+    transformers = transformers_module()
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    model_type = raw.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(f"{path}: model_type", model_type, f"the plugin imports {', '.join(ARCHITECTURES)}")
+    cfg = transformers.AutoConfig.from_pretrained(hf_dir)
+    return architecture_of(cfg, path)
+
+
+def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
+    """``HFArchitecture`` of a transformers config object (``where`` names it in errors)."""
+    t = cfg.model_type
+    if t not in ARCHITECTURES:
+        raise ConfigError(f"{where}: model_type", t, f"the plugin imports {', '.join(ARCHITECTURES)}")
+
+    def refuse(key: str, value: Any, why: str) -> ConfigError:
+        return ConfigError(f"{where}: {key}", value, f"{why} (model_type {t}); the plugin cannot represent it")
+
+    for key in UNSUPPORTED_KEYS:
+        if getattr(cfg, key, None) not in (None, 0):
+            raise refuse(key, getattr(cfg, key), "multi-latent attention / group-limited DeepSeek routing")
+    if cfg.hidden_act != "silu":
+        raise refuse("hidden_act", cfg.hidden_act, "the plugin's gated MLPs and experts are SwiGLU (silu)")
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = getattr(cfg, "use_sliding_window", None)
+    if uses_window or (uses_window is None and window not in (None, 0)):
+        key = "use_sliding_window" if uses_window else "sliding_window"
+        raise refuse(key, getattr(cfg, key), "sliding-window attention")
+    kinds = sorted(set(getattr(cfg, "layer_types", None) or ["full_attention"]))
+    if kinds != ["full_attention"]:
+        raise refuse("layer_types", kinds, "layers other than full attention")
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    scaling = getattr(cfg, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        rope = {**scaling, **rope}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise refuse("rope_parameters.rope_type", rope.get("rope_type", rope.get("type")),
+                     "RoPE scaling (the plugin implements plain RoPE)")
+    partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise refuse("partial_rotary_factor", partial, "partial rotary embeddings")
+    theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
+    if theta is None:
+        raise refuse("rope_parameters.rope_theta", None, "RoPE without its base")
+    if getattr(cfg, "attention_bias", False):
+        raise refuse("attention_bias", True, "biases on the query/key/value and output projections (the plugin "
+                     "has QKV biases only, Megatron's add_qkv_bias)")
+    if getattr(cfg, "mlp_bias", False):
+        raise refuse("mlp_bias", True, "MLP biases (the plugin's experts have none)")
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32"
+    common = dict(model_type=t, num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                  num_attention_heads=heads, num_query_groups=getattr(cfg, "num_key_value_heads", None) or heads,
+                  kv_channels=head_dim, ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
+                  max_position_embeddings=cfg.max_position_embeddings, norm_epsilon=float(cfg.rms_norm_eps),
+                  rotary_base=float(theta), tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+                  qkv_bias=t == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True)),
+                  qk_layernorm=t in ("qwen3", "qwen3_moe"), dtype=str(dtype).replace("torch.", ""),
+                  config=cfg.to_dict())
+    if t not in MOE_TYPES:
+        return HFArchitecture(**common)
+    if t == "mixtral":
+        experts, layers, normalize = cfg.num_local_experts, tuple(range(cfg.num_hidden_layers)), True
+    else:
+        experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts")
+        skip = set(getattr(cfg, "mlp_only_layers", None) or [])
+        step = getattr(cfg, "decoder_sparse_step", 1) or 1
+        layers = tuple(i for i in range(cfg.num_hidden_layers) if i not in skip and (i + 1) % step == 0)
+        normalize = bool(cfg.norm_topk_prob)
+    if not experts or not layers:
+        raise refuse("num_experts", experts, "an MoE model type without MoE layers")
+    shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0) if t == "qwen2_moe" else 0
+    return HFArchitecture(**common, moe_layers=layers, num_experts=int(experts), top_k=int(cfg.num_experts_per_tok),
+                          normalize_gates=normalize,
+                          expert_ffn_hidden_size=int(cfg.intermediate_size if t == "mixtral" else
+                                                     cfg.moe_intermediate_size),
+                          shared_ffn_hidden_size=shared, shared_gate=shared > 0)

@@ -1,0 +1,254 @@
+"""``moe-plugin export-hf CKPT --out HF_DIR [--arch mixtral|qwen3_moe|qwen2_moe|llama|qwen3]``.
+
+    export_hf("ckpt", "hf-out")          # then transformers.AutoModelForCausalLM.from_pretrained("hf-out")
+
+Any checkpoint (any layout; ``checkpoint.export.read_full_state`` joins it into the 1-rank model)
+becomes a Hugging Face model directory: ``config.json`` (written by the transformers config class of
+the architecture), the weights in the hub's tensor layout (what ``save_pretrained`` writes, so older
+transformers and vLLM read it too; ``hf_families``) in shards of at most ``max_shard_size`` with
+their index, and the tokenizer files when the checkpoint came from ``import-hf``. The architecture
+is ``arch``, else the imported model's type, else inferred (a shared expert: qwen2_moe; QK-norm:
+qwen3_moe; otherwise mixtral; no MoE layer: llama, or qwen3 with QK-norm). The dtype is the
+imported model's (``dtype`` overrides; default float32 for a model trained from scratch).
+
+A model the architecture cannot express is refused before anything is written, naming what:
+learned position embeddings, LayerNorm, a non-SwiGLU MLP, linear biases, QK-norm where the
+architecture has none (or none where it has it), QKV biases outside Qwen2-MoE, dense layers in
+Mixtral, a shared expert outside Qwen2-MoE (or one without its sigmoid gate), a router that is
+not a plain top-k of a softmax (``moe.router``, ``score_function``, ``gate_scale``, ``group_topk``;
+Mixtral's gates renormalised), a non-zero aux-loss-free expert bias (``router.expert_bias``).
+Qwen2-MoE without QKV biases is written with zero biases (the same function; ``qkv_bias`` is true
+in every Qwen2-MoE reader). The directory is written under a temporary name and renamed at the end.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from moe_plugin.checkpoint.errors import CheckpointError
+from moe_plugin.configs import ConfigError
+from moe_plugin.interop.hf_arch import ARCHITECTURES, MOE_TYPES, HFArchitecture, transformers_module
+from moe_plugin.interop.hf_families import HFMapping
+from moe_plugin.interop.hf_files import parse_size, write_weights
+
+logger = logging.getLogger(__name__)
+
+CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig",
+                  "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen3": "Qwen3Config"}
+DEFAULT_SHARD = "5GB"
+
+
+def export_hf(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, *, arch: Optional[str] = None,
+              tag: Optional[str] = None, max_shard_size: str | int = DEFAULT_SHARD, dtype: Optional[str] = None,
+              progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Write the checkpoint as a Hugging Face model directory (module docstring); returns
+    {"path", "model_type", "files", "seconds"}."""
+    from moe_plugin.checkpoint.export import read_full_state
+
+    say = progress or logger.info
+    began = time.perf_counter()
+    out_dir = os.fspath(out_dir)
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise CheckpointError(f"{out_dir}: exists and is not empty; export into a new directory (nothing was written)")
+    shard_bytes = parse_size(max_shard_size)
+    transformers = transformers_module()
+    state, _extras, meta, path = read_full_state(ckpt_dir, tag, say)
+    model_type = _model_type(arch, meta, state)
+    hf_arch = architecture_from_checkpoint(meta, state, model_type)
+    tensors = hf_tensors(hf_arch, state, meta)
+    torch_dtype = getattr(torch, dtype or meta.get("hf", {}).get("dtype") or "float32", None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ConfigError("--dtype", dtype, "expected a torch dtype name: float32, bfloat16, float16")
+    tensors = {k: v.to(torch_dtype).contiguous() for k, v in tensors.items()}
+    config = hf_config(transformers, hf_arch, meta, str(torch_dtype).replace("torch.", ""))
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".tmp-{os.path.basename(os.path.abspath(out_dir))}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        config.save_pretrained(tmp)
+        files = ["config.json"] + write_weights(tmp, tensors, shard_bytes, say)
+        for name in meta.get("hf", {}).get("tokenizer_files", []):
+            source = os.path.join(path, name)
+            if os.path.isfile(source):
+                shutil.copyfile(source, os.path.join(tmp, os.path.basename(name)))
+                files.append(os.path.basename(name))
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)   # empty (checked above)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - began
+    say(f"wrote {out_dir} ({ARCHITECTURES[model_type]}, {len(tensors)} tensors, {torch_dtype}) in {seconds:.2f} s")
+    return {"path": out_dir, "model_type": model_type, "files": files, "seconds": seconds}
+
+
+def _model_type(arch: Optional[str], meta: dict, state: dict) -> str:
+    if arch is not None:
+        if arch not in ARCHITECTURES:
+            raise ConfigError("--arch", arch, f"expected one of {', '.join(ARCHITECTURES)}")
+        return arch
+    imported = meta.get("hf", {}).get("model_type")
+    if imported:
+        return imported
+    moe = any(k.endswith("mlp.router.weight") for k in state)
+    qk = any(k.endswith("q_layernorm.weight") for k in state)
+    if not moe:
+        return "qwen3" if qk else "llama"
+    if any(".mlp.shared_expert." in k for k in state):
+        return "qwen2_moe"
+    return "qwen3_moe" if qk else "mixtral"
+
+
+def architecture_from_checkpoint(meta: dict, state: dict, model_type: str) -> HFArchitecture:
+    """The checkpoint's model as ``model_type``, or a ``ConfigError`` naming what it cannot express."""
+    model = meta["model"]
+    tc = model["transformer_config"]
+    moe = meta["moe"]
+    name = ARCHITECTURES[model_type]
+
+    def refuse(key: str, value: Any, why: str) -> ConfigError:
+        return ConfigError(key, value, f"{name} cannot express it: {why}; choose another --arch or train the "
+                           "model with what it has")
+
+    num_layers = int(tc["num_layers"])
+    moe_layers = tuple(i for i in range(num_layers) if f"decoder.layers.{i}.mlp.router.weight" in state)
+    position = model.get("position_embedding_type") or (
+        "learned_absolute" if "embedding.position_embeddings.weight" in state else None)
+    if position != "rope":
+        raise refuse("position_embedding_type", position, "rotary position embeddings only (--position-embedding-"
+                     "type rope)")
+    if tc.get("normalization", "LayerNorm") != "RMSNorm":
+        raise refuse("normalization", tc.get("normalization", "LayerNorm"), "RMSNorm only (--normalization RMSNorm)")
+    if not tc.get("gated_linear_unit") or tc.get("activation_func") != "torch.nn.functional:silu":
+        raise refuse("activation_func", tc.get("activation_func"), "SwiGLU MLPs only (--swiglu)")
+    if tc.get("add_bias_linear", True):
+        raise refuse("add_bias_linear", True, "no linear biases (--disable-bias-linear)")
+    qk = bool(tc.get("qk_layernorm"))
+    wants_qk = model_type in ("qwen3", "qwen3_moe")
+    if qk != wants_qk:
+        raise refuse("qk_layernorm", qk, "QK-norm on every layer" if wants_qk else "no QK-norm")
+    qkv_bias = bool(tc.get("add_qkv_bias"))
+    if qkv_bias and model_type != "qwen2_moe":
+        raise refuse("add_qkv_bias", True, "no QKV biases (Qwen2-MoE has them)")
+    if model_type in MOE_TYPES:
+        if not moe_layers:
+            raise refuse("moe.layers", moe.get("layers"), "MoE layers (the checkpoint has none: --arch llama)")
+        _check_router(moe, model_type, refuse)
+        bias = [k for k in state if k.endswith("router.expert_bias") and bool(state[k].abs().max() > 0)]
+        if bias:
+            raise refuse(bias[0], "non-zero", "routers without an expert bias (the aux-loss-free bias chose the "
+                         "experts in training)")
+        if model_type == "mixtral" and len(moe_layers) != num_layers:
+            dense = [i for i in range(num_layers) if i not in moe_layers]
+            raise refuse("moe.layers", moe.get("layers") or f"layer_interval {moe.get('layer_interval')}",
+                         f"an MoE MLP on every layer (dense layers {dense})")
+        shared = int(moe.get("shared_expert_ffn_hidden_size") or 0)
+        if model_type == "qwen2_moe" and (not shared or not moe.get("shared_expert_gate")):
+            key = "moe.shared_expert_gate" if shared else "moe.shared_expert_ffn_hidden_size"
+            raise refuse(key, moe.get(key.split(".")[1]), "a shared expert scaled by a sigmoid gate")
+        if model_type != "qwen2_moe" and shared:
+            raise refuse("moe.shared_expert_ffn_hidden_size", shared, "no shared expert")
+        if moe.get("drop_tokens", True):
+            logger.warning("moe.drop_tokens is true: the plugin's runs dropped routes over capacity; %s drops none",
+                           name)
+    elif moe_layers:
+        raise refuse("moe.layers", moe.get("layers") or moe.get("layer_interval"), "a dense model (the checkpoint "
+                     "has MoE layers: --arch mixtral, qwen3_moe or qwen2_moe)")
+    heads = int(tc["num_attention_heads"])
+    E = int(moe["num_experts"]) if moe_layers else 0
+    first_moe = moe_layers[0] if moe_layers else None
+    expert_ffn = (int(state[f"decoder.layers.{first_moe}.mlp.experts.weight2"].shape[1]) if moe_layers else 0)
+    shared_ffn = (int(state[f"decoder.layers.{first_moe}.mlp.shared_expert.weight2"].shape[0])
+                  if moe_layers and model_type == "qwen2_moe" else 0)
+    return HFArchitecture(
+        model_type=model_type, num_layers=num_layers, hidden_size=int(tc["hidden_size"]), num_attention_heads=heads,
+        num_query_groups=int(tc.get("num_query_groups") or heads),
+        kv_channels=int(tc.get("kv_channels") or int(tc["hidden_size"]) // heads),
+        ffn_hidden_size=int(tc.get("ffn_hidden_size") or 4 * int(tc["hidden_size"])),
+        vocab_size=int(state["embedding.word_embeddings.weight"].shape[0]),
+        max_position_embeddings=int(model.get("max_sequence_length", 4096)),
+        norm_epsilon=float(tc.get("layernorm_epsilon", 1e-5)), rotary_base=float(model.get("rotary_base", 10000)),
+        tied=bool(model.get("tied", False)), qkv_bias=model_type == "qwen2_moe", qk_layernorm=qk,
+        dtype=meta.get("hf", {}).get("dtype", "float32"), moe_layers=moe_layers, num_experts=E,
+        top_k=int(moe.get("top_k") or 0), normalize_gates=bool(moe.get("normalize_gates", True)),
+        expert_ffn_hidden_size=expert_ffn, shared_ffn_hidden_size=shared_ffn, shared_gate=shared_ffn > 0,
+        config=meta.get("hf", {}).get("config"))
+
+
+def _check_router(moe: dict, model_type: str, refuse: Callable[..., ConfigError]) -> None:
+    if moe.get("router") != "topk":
+        raise refuse("moe.router", moe.get("router"), "a plain top-k of a softmax (router 'topk')")
+    for key, plain in (("score_function", "softmax"), ("gate_scale", 1.0), ("group_topk", None),
+                       ("activation", "swiglu")):
+        if moe.get(key, plain) != plain:
+            raise refuse(f"moe.{key}", moe.get(key), f"{key} {plain!r}")
+    if model_type == "mixtral" and not moe.get("normalize_gates", True):
+        raise refuse("moe.normalize_gates", False, "the top-k gates renormalised to sum 1 (Mixtral always does)")
+
+
+def hf_tensors(arch: HFArchitecture, state: dict, meta: dict) -> dict[str, torch.Tensor]:
+    """The HF tensors of the 1-rank plugin ``state``; a plugin tensor with no HF place is refused by name."""
+    mapping = HFMapping(arch)
+    out: dict[str, torch.Tensor] = {}
+    used = set(mapping.plugin_only())
+    tc = meta["model"]["transformer_config"]
+    for rule in mapping.rules:
+        if rule.plugin not in state and rule.plugin.endswith("linear_qkv.bias") and not tc.get("add_qkv_bias"):
+            # Qwen2-MoE always has QKV biases: zeros are the same function
+            w = state[rule.plugin[:-len("bias")] + "weight"]
+            value = torch.zeros(w.shape[0], dtype=w.dtype)
+        elif rule.plugin not in state:
+            raise CheckpointError(f"the checkpoint has no {rule.plugin!r}, which {arch.architecture} needs")
+        else:
+            value = state[rule.plugin]
+        used.add(rule.plugin)
+        for name, tensor in zip(rule.hf, rule.cut(value)):
+            out[name] = tensor
+    left = sorted(k for k in state if k not in used)
+    if left:
+        raise CheckpointError(f"the checkpoint's {left[0]!r} has no place in {arch.architecture}"
+                              + (f" (and {len(left) - 1} more)" if len(left) > 1 else "") + " (nothing was written)")
+    return out
+
+
+def hf_config(transformers: Any, arch: HFArchitecture, meta: dict, dtype: str) -> Any:
+    """The transformers config object of ``arch`` (the imported config's other keys kept)."""
+    t = arch.model_type
+    base = dict(arch.config or {}) if meta.get("hf", {}).get("model_type") == t else {}
+    for key in ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path"):
+        base.pop(key, None)
+    fields = dict(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, num_hidden_layers=arch.num_layers,
+                  num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
+                  head_dim=arch.kv_channels, intermediate_size=arch.ffn_hidden_size, hidden_act="silu",
+                  max_position_embeddings=arch.max_position_embeddings, rms_norm_eps=arch.norm_epsilon,
+                  rope_parameters={"rope_type": "default", "rope_theta": arch.rotary_base},
+                  tie_word_embeddings=arch.tied, attention_dropout=0.0)
+    if t == "mixtral":
+        fields.update(num_local_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
+                      intermediate_size=arch.expert_ffn_hidden_size, sliding_window=None, router_jitter_noise=0.0)
+    elif t in ("qwen3_moe", "qwen2_moe"):
+        dense = [i for i in range(arch.num_layers) if i not in arch.moe_layers]
+        fields.update(num_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
+                      moe_intermediate_size=arch.expert_ffn_hidden_size, decoder_sparse_step=1, mlp_only_layers=dense,
+                      norm_topk_prob=arch.normalize_gates, use_sliding_window=False)
+        if t == "qwen2_moe":
+            fields.update(shared_expert_intermediate_size=arch.shared_ffn_hidden_size, qkv_bias=True)
+        else:
+            fields.update(attention_bias=False)
+    elif t in ("llama", "qwen3"):
+        fields.update(attention_bias=False, **({"mlp_bias": False} if t == "llama" else {}))
+    if t in ("mistral", "qwen3"):
+        fields.update(sliding_window=None)
+    cls = getattr(transformers, CONFIG_CLASSES[t])
+    config = cls(**{**base, **fields})
+    config.architectures = [arch.architecture]
+    config.dtype = dtype
+    return config

@@ -1,0 +1,192 @@
+"""Tensor names and layouts: a Hugging Face Llama-style decoder and the plugin's ``GPTModel``.
+
+One table per architecture family (the MLP part; the attention, norms and embeddings are the
+Llama layout every family shares), and ``HFMapping``: the list of ``Rule``s of one model, each a
+plugin state-dict key made from one or more HF tensors by an exact join (concatenation, stacking,
+transposition, interleaving: no arithmetic), and cut back by its inverse, so HF -> plugin -> HF is
+bit-identical.
+
+    HF (transformers 5.24 save_pretrained)            plugin (GPTModel, 1 rank)
+    model.embed_tokens.weight [V, H]                  embedding.word_embeddings.weight
+    model.layers.N.input_layernorm.weight             decoder.layers.N.input_layernorm.weight
+    model.layers.N.self_attn.{q,k,v}_proj.weight      decoder.layers.N.self_attention.linear_qkv.weight
+        (and .bias with QKV bias)                         [G * (Q/G + 2) * D, H]: per query group g, its
+                                                          Q/G query heads, then its key, then its value head
+    model.layers.N.self_attn.o_proj.weight            ...self_attention.linear_proj.weight
+    model.layers.N.self_attn.{q,k}_norm.weight        ...self_attention.{q,k}_layernorm.weight
+    model.layers.N.post_attention_layernorm.weight    ...pre_mlp_layernorm.weight
+    model.layers.N.mlp.{gate,up,down}_proj.weight     ...mlp.linear_fc1.weight [2F, H] (gate rows, then up),
+                                                      ...mlp.linear_fc2.weight [H, F]
+    MoE layer, expert e (gate, up, down)              ...mlp.experts.weight1 [E, H, 2F]: [e] = cat(gate, up).T
+                                                      ...mlp.experts.weight2 [E, F, H]: [e] = down.T
+    MoE router (gate.weight [E, H])                   ...mlp.router.weight
+    Qwen2-MoE shared_expert.{gate,up,down}_proj       ...mlp.shared_expert.weight1 [H, 2F], weight2 [F, H]
+    Qwen2-MoE shared_expert_gate.weight [1, H]        ...mlp.shared_expert.gate_weight [H]
+    model.norm.weight                                 decoder.final_layernorm.weight
+    lm_head.weight (untied)                           output_layer.weight
+
+Mixtral's MoE block is ``block_sparse_moe`` with experts ``w1`` (gate), ``w3`` (up), ``w2`` (down);
+Qwen's is ``mlp`` with ``gate_proj``, ``up_proj``, ``down_proj``. The plugin's own entries
+(``router.expert_bias`` zeros, ``experts.placement`` the identity, Megatron linears' ``_extra_state``)
+have no HF tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from moe_plugin.interop.hf_arch import HFArchitecture
+
+
+@dataclass(frozen=True)
+class Family:
+    """The MoE MLP's names of one architecture family (HF side, under ``model.layers.N.``)."""
+
+    moe_block: str                  # the MLP module of an MoE layer
+    expert: tuple[str, str, str]    # gate, up, down projection of expert e: "experts.{e}.<name>.weight"
+    router: str = "gate"
+    shared: Optional[tuple[str, str, str]] = None   # shared expert projections
+    shared_gate: Optional[str] = None
+
+
+DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
+FAMILIES = {
+    "mixtral": Family("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": Family("mlp", DENSE_MLP),
+    "qwen2_moe": Family("mlp", DENSE_MLP, shared=DENSE_MLP, shared_gate="shared_expert_gate"),
+}
+# Megatron's linear layers carry a (None) ``_extra_state`` entry in their state dict.
+EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+@dataclass(frozen=True)
+class Rule:
+    plugin: str
+    hf: tuple[str, ...]
+    join: Callable[[list[Tensor]], Tensor]
+    cut: Callable[[Tensor], list[Tensor]]
+
+
+def _copy() -> tuple[Callable, Callable]:
+    return (lambda ts: ts[0]), (lambda t: [t])
+
+
+def _qkv(groups: int, heads: int, head_dim: int) -> tuple[Callable, Callable]:
+    """q [heads*D, ...], k, v [groups*D, ...] <-> Megatron's grouped layout [groups*(heads/groups+2)*D, ...]."""
+    per = heads // groups
+
+    def join(ts: list[Tensor]) -> Tensor:
+        q, k, v = ts
+        rest = q.shape[1:]
+        parts = [q.reshape(groups, per * head_dim, *rest), k.reshape(groups, head_dim, *rest),
+                 v.reshape(groups, head_dim, *rest)]
+        return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+    def cut(t: Tensor) -> list[Tensor]:
+        rest = t.shape[1:]
+        q, k, v = t.reshape(groups, (per + 2) * head_dim, *rest).split([per * head_dim, head_dim, head_dim], dim=1)
+        return [q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(), v.reshape(-1, *rest).contiguous()]
+
+    return join, cut
+
+
+def _rows() -> tuple[Callable, Callable]:
+    """(gate [F, H], up [F, H]) <-> Megatron's fc1 [2F, H]."""
+    return (lambda ts: torch.cat(ts, 0)), (lambda t: [c.contiguous() for c in t.chunk(2, 0)])
+
+
+def _columns() -> tuple[Callable, Callable]:
+    """(gate [F, H], up [F, H]) <-> the plugin's weight1 [H, 2F]."""
+    return (lambda ts: torch.cat(ts, 0).t().contiguous()), (lambda t: [c.contiguous() for c in t.t().chunk(2, 0)])
+
+
+def _transposed() -> tuple[Callable, Callable]:
+    return (lambda ts: ts[0].t().contiguous()), (lambda t: [t.t().contiguous()])
+
+
+def _experts1(num: int) -> tuple[Callable, Callable]:
+    """(gate_0, up_0, gate_1, up_1, ...) <-> weight1 [E, H, 2F]."""
+    join1, cut1 = _columns()
+    return ((lambda ts: torch.stack([join1(ts[2 * e:2 * e + 2]) for e in range(num)])),
+            (lambda t: [c for e in range(num) for c in cut1(t[e])]))
+
+
+def _experts2(num: int) -> tuple[Callable, Callable]:
+    """(down_0, down_1, ...) [H, F] <-> weight2 [E, F, H]."""
+    return ((lambda ts: torch.stack([d.t() for d in ts]).contiguous()),
+            (lambda t: [t[e].t().contiguous() for e in range(num)]))
+
+
+def _gate_vector() -> tuple[Callable, Callable]:
+    """shared_expert_gate.weight [1, H] <-> gate_weight [H]."""
+    return (lambda ts: ts[0].reshape(-1).clone()), (lambda t: [t.reshape(1, -1).clone()])
+
+
+class HFMapping:
+    """The rules of one model (``arch``), and the plugin-only entries it adds."""
+
+    def __init__(self, arch: HFArchitecture):
+        self.arch = arch
+        self.rules: list[Rule] = []
+        a = arch
+        self._add("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], _copy())
+        for i in range(a.num_layers):
+            self._layer(i)
+        self._add("decoder.final_layernorm.weight", ["model.norm.weight"], _copy())
+        if not a.tied:
+            self._add("output_layer.weight", ["lm_head.weight"], _copy())
+
+    def _add(self, plugin: str, hf: list[str], fns: tuple[Callable, Callable]) -> None:
+        self.rules.append(Rule(plugin, tuple(hf), *fns))
+
+    def _layer(self, i: int) -> None:
+        a, p, h = self.arch, f"decoder.layers.{i}.", f"model.layers.{i}."
+        self._add(p + "input_layernorm.weight", [h + "input_layernorm.weight"], _copy())
+        qkv = _qkv(a.num_query_groups, a.num_attention_heads, a.kv_channels)
+        self._add(p + "self_attention.linear_qkv.weight", [h + f"self_attn.{x}_proj.weight" for x in "qkv"], qkv)
+        if a.qkv_bias:
+            self._add(p + "self_attention.linear_qkv.bias", [h + f"self_attn.{x}_proj.bias" for x in "qkv"], qkv)
+        self._add(p + "self_attention.linear_proj.weight", [h + "self_attn.o_proj.weight"], _copy())
+        if a.qk_layernorm:
+            self._add(p + "self_attention.q_layernorm.weight", [h + "self_attn.q_norm.weight"], _copy())
+            self._add(p + "self_attention.k_layernorm.weight", [h + "self_attn.k_norm.weight"], _copy())
+        self._add(p + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"], _copy())
+        if i not in a.moe_layers:
+            gate, up, down = (h + f"mlp.{n}.weight" for n in DENSE_MLP)
+            self._add(p + "mlp.linear_fc1.weight", [gate, up], _rows())
+            self._add(p + "mlp.linear_fc2.weight", [down], _copy())
+            return
+        fam = FAMILIES[a.model_type]
+        m = h + fam.moe_block + "."
+        self._add(p + "mlp.router.weight", [m + f"{fam.router}.weight"], _copy())
+        E = a.num_experts
+        g, u, d = fam.expert
+        self._add(p + "mlp.experts.weight1", [m + f"experts.{e}.{n}.weight" for e in range(E) for n in (g, u)],
+                  _experts1(E))
+        self._add(p + "mlp.experts.weight2", [m + f"experts.{e}.{d}.weight" for e in range(E)], _experts2(E))
+        if fam.shared is not None and a.shared_ffn_hidden_size:
+            sg, su, sd = (m + f"shared_expert.{n}.weight" for n in fam.shared)
+            self._add(p + "mlp.shared_expert.weight1", [sg, su], _columns())
+            self._add(p + "mlp.shared_expert.weight2", [sd], _transposed())
+            self._add(p + "mlp.shared_expert.gate_weight", [m + f"{fam.shared_gate}.weight"], _gate_vector())
+
+    def plugin_only(self) -> dict:
+        """The plugin's entries with no HF tensor: router biases (zeros), static placements, ``_extra_state``."""
+        a, out = self.arch, {}
+        for i in range(a.num_layers):
+            p = f"decoder.layers.{i}."
+            for module in EXTRA_STATE_MODULES:
+                if module.startswith("mlp.linear") and i in a.moe_layers:
+                    continue
+                out[p + module + "._extra_state"] = None
+            if i in a.moe_layers:
+                out[p + "mlp.router.expert_bias"] = torch.zeros(a.num_experts)
+                out[p + "mlp.experts.placement"] = torch.arange(a.num_experts)
+        out["output_layer._extra_state"] = None
+        return out
+
+    def hf_keys(self) -> set[str]:
+        return {k for r in self.rules for k in r.hf}

@@ -1,0 +1,179 @@
+"""``moe-plugin import-hf HF_DIR --config ds.json --out CKPT``: a Hugging Face model as a plugin checkpoint.
+
+    result = import_hf("Mixtral-dir", "ds.json", "ckpt")
+    print(" ".join(result.flags))   # the example's flags that build this model
+    # deepspeed examples/gpt_moe/pretrain_gpt_moe.py --deepspeed_config ds.json --load ckpt <flags> ...
+
+In order, before anything is written: the HF config is read (``hf_arch``; what the plugin cannot
+represent is refused naming the key and the model type); for an MoE model the ``"moe"`` block of
+``ds_config`` is checked against it field by field (``HFArchitecture.moe_fields``): a key the block
+sets to another value is refused naming both keys, a key it leaves out is filled in (the completed
+block is what the checkpoint records; ``ImportResult.moe_block``); every HF tensor is mapped
+(``hf_families``), a tensor left over or missing refused by name. Then the checkpoint is written as
+the 1-rank ``GPTModel``'s (``checkpoint.one_rank``; fp32; step 0, optimizer and lr scheduler fresh),
+with the tokenizer files under ``hf/``. Its metadata records ``architecture`` (the
+``TransformerConfig`` fields and ``GPTModel`` arguments the flags set, and the flags: a load into a
+model built otherwise is refused naming the key and the flag, ``checkpoint.architecture``) and
+``hf`` (model type, dtype, the HF config, the tokenizer files) for ``export-hf``.
+
+A dense model (Llama, Mistral, Qwen3) is imported as the example's ``--dense`` model; ``upcycle``
+(or ``moe-plugin upcycle``) then makes the MoE checkpoint from it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from moe_plugin.checkpoint.errors import CheckpointError
+from moe_plugin.configs import ConfigError, MoEConfig
+from moe_plugin.configs.schema import ROOT_KEY, load_ds_config
+from moe_plugin.interop.hf_arch import HFArchitecture, read_hf_config
+from moe_plugin.interop.hf_families import HFMapping
+from moe_plugin.interop.hf_files import read_weights, tokenizer_files
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_DIR = "hf"
+# HF buffers that follow from the config (older checkpoints saved RoPE's frequencies)
+DERIVED = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    path: str                 # the tag directory written
+    model_type: str
+    flags: tuple[str, ...]    # the example's model flags
+    moe_block: dict           # the "moe" block the checkpoint records (the given one, completed)
+    filled: tuple[str, ...]   # "moe" keys import-hf filled in
+    seconds: float
+
+
+def import_hf(hf_dir: Union[os.PathLike, str], ds_config: Union[dict, os.PathLike, str],
+              out_dir: Union[os.PathLike, str], *, tag: str = "step0",
+              progress: Optional[Callable[[str], None]] = None) -> ImportResult:
+    """Write ``hf_dir`` as a plugin checkpoint ``out_dir/tag`` (module docstring). One process."""
+    say = progress or logger.info
+    began = time.perf_counter()
+    hf_dir = os.fspath(hf_dir)
+    arch = read_hf_config(hf_dir)
+    ds = load_ds_config(ds_config)
+    block = ds.get(ROOT_KEY)
+    if not isinstance(block, dict):
+        raise ConfigError(ROOT_KEY, block, "the DeepSpeed config needs a \"moe\" block (its parallel sizes; for an "
+                          "MoE model the expert fields may be left out: import-hf fills them in)")
+    block, filled = complete_moe_block(arch, block) if arch.is_moe else (block, [])
+    moe = MoEConfig.from_dict(block)
+    say(f"{hf_dir}: {arch.architecture}, {arch.num_layers} layers, hidden {arch.hidden_size}"
+        + (f", {arch.num_experts} experts top-{arch.top_k} on layers {list(arch.moe_layers)}" if arch.is_moe else
+           " (dense)"))
+    weights = read_weights(hf_dir, say)
+    module, experts = plugin_state(arch, weights, hf_dir)
+    record = {"architecture": architecture_record(arch),
+              "hf": {"model_type": arch.model_type, "architecture": arch.architecture, "dtype": arch.dtype,
+                     "source": os.path.abspath(hf_dir), "config": arch.config,
+                     "tokenizer_files": [f"{TOKENIZER_DIR}/{n}" for n in tokenizer_files(hf_dir)]}}
+    extra = {f"{TOKENIZER_DIR}/{n}": os.path.join(hf_dir, n) for n in tokenizer_files(hf_dir)}
+    from moe_plugin.checkpoint.one_rank import write_one_rank
+
+    path = write_one_rank(out_dir, tag, module, experts, moe, model_description(arch), record, extra, say)
+    seconds = time.perf_counter() - began
+    say(f"wrote {path} in {seconds:.2f} s")
+    return ImportResult(path, arch.model_type, tuple(arch.example_flags()), block, tuple(filled), seconds)
+
+
+def complete_moe_block(arch: HFArchitecture, block: dict) -> tuple[dict, list[str]]:
+    """``block`` with the fields ``arch`` needs filled in; a field set otherwise is a ``ConfigError``
+    naming the "moe" key and the HF key."""
+    out, filled = dict(block), []
+    fields = arch.moe_fields()
+    given = MoEConfig.from_dict({**{k: v for k, (v, _) in fields.items() if k != "layers" and v is not None},
+                                 **block}).resolved_dict()
+    for key, (value, hf_key) in fields.items():
+        if key == "layers":
+            layer_keys = MoEConfig.from_dict({"num_experts": 1, "router": "switch", **_layer_keys(block)})
+            mine = [i for i in range(arch.num_layers) if layer_keys.is_moe_layer(i)]
+            if mine == list(arch.moe_layers):
+                continue
+            if "layers" in block or "layer_interval" in block:
+                shown = block.get("layers", f"layer_interval {block.get('layer_interval')}")
+                raise ConfigError(f"{ROOT_KEY}.layers", shown, f"the Hugging Face model ({arch.model_type}) has MoE "
+                                  f"layers {list(arch.moe_layers)} ({hf_key}); set moe.layers to them or leave "
+                                  "layers and layer_interval out (import-hf fills them in)")
+            out["layers"] = value
+            filled.append("layers")
+        elif key in block:
+            if given[key] != value:
+                raise ConfigError(f"{ROOT_KEY}.{key}", block[key], f"the Hugging Face model ({arch.model_type}) has "
+                                  f"{hf_key} = {_show(value)}: set moe.{key} to {_show(value)} or leave it out "
+                                  "(import-hf fills it in)")
+        elif value != MoEConfig.model_fields[key].default:
+            out[key] = value
+            filled.append(key)
+    return out, filled
+
+
+def _layer_keys(block: dict) -> dict:
+    return {k: block[k] for k in ("layers", "layer_interval") if k in block}
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def plugin_state(arch: HFArchitecture, weights: dict[str, torch.Tensor], where: str) -> tuple[dict, dict]:
+    """(module entries, expert weights) of the 1-rank plugin model from the HF tensors, fp32."""
+    mapping = HFMapping(arch)
+    wanted = mapping.hf_keys()
+    left = sorted(k for k in weights if k not in wanted and not k.endswith(DERIVED)
+                  and not (arch.tied and k == "lm_head.weight"))
+    if left:
+        raise CheckpointError(f"{where}: tensor {left[0]!r} has no place in the plugin's {arch.model_type} model"
+                              + (f" (and {len(left) - 1} more)" if len(left) > 1 else "")
+                              + "; the plugin cannot represent it (nothing was written)")
+    if arch.tied and "lm_head.weight" in weights and not torch.equal(weights["lm_head.weight"],
+                                                                     weights["model.embed_tokens.weight"]):
+        raise CheckpointError(f"{where}: tie_word_embeddings is true but lm_head.weight differs from "
+                              "model.embed_tokens.weight (model_type {arch.model_type})")
+    module, experts = mapping.plugin_only(), {}
+    for rule in mapping.rules:
+        missing = [k for k in rule.hf if k not in weights]
+        if missing:
+            raise CheckpointError(f"{where}: tensor {missing[0]!r} is missing (model_type {arch.model_type}, "
+                                  f"needed for {rule.plugin})")
+        value = rule.join([weights[k] for k in rule.hf])
+        value = value.float() if value.is_floating_point() else value
+        (experts if ".mlp.experts.weight" in rule.plugin else module)[rule.plugin] = value
+    return module, experts
+
+
+def architecture_record(arch: HFArchitecture) -> dict:
+    """What ``checkpoint.architecture`` compares a running model with, and the flags that set it."""
+    from moe_plugin.checkpoint.metadata import transformer_config_dict
+
+    config = transformer_config_dict(_transformer_config(arch))
+    fields = {k: config[k] for k in arch.transformer_fields() if k in config and k != "bias_activation_fusion"}
+    return {"transformer_config": fields, "model": arch.model_fields(), "vocab_size": arch.vocab_size,
+            "flags": arch.example_flags()}
+
+
+def _transformer_config(arch: HFArchitecture):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(**arch.transformer_fields(), init_method_std=0.02, hidden_dropout=0.0,
+                             attention_dropout=0.0, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+                             bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+                             masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+
+
+def model_description(arch: HFArchitecture) -> dict:
+    """The metadata's ``model`` (``metadata.model_description``'s keys) of the imported model."""
+    from moe_plugin.checkpoint.metadata import transformer_config_dict
+
+    return {"transformer_config": transformer_config_dict(_transformer_config(arch)), "vocab_size": arch.vocab_size,
+            "max_sequence_length": arch.max_position_embeddings, "tied": arch.tied,
+            "position_embedding_type": "rope", "rotary_base": arch.rotary_base}

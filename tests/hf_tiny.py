@@ -1,0 +1,61 @@
+"""Tiny random Hugging Face models built with transformers' own classes (no download), for the
+import/export tests: 2 layers, hidden 64, 4 heads over 2 key/value groups, 8 experts top-2, vocab 256.
+
+    dirs = save_tiny_models(tmp_path)     # {"mixtral": path, "qwen3_moe": ..., "qwen2_moe": ..., "llama": ...}
+    logits = hf_logits(dirs["mixtral"], tokens_BS)
+
+The weights are drawn with std 0.2 (``initializer_range``), not transformers' 0.02, so that the
+routers' choices and the logits are far from uniform: a wrong gate or a swapped head would show.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB, HIDDEN, LAYERS, EXPERTS, TOP_K = 256, 64, 2, 8, 2
+COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2, rms_norm_eps=1e-5)
+# name -> (transformers config class, model class, the config's own fields)
+MODELS = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=32, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",   # QK-norm, renormalised gates, heads of 32 (not 16)
+                  dict(moe_intermediate_size=32, intermediate_size=96, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                       norm_topk_prob=True, head_dim=32)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",   # shared expert, QKV bias, unnormalised gates
+                  dict(moe_intermediate_size=32, intermediate_size=96, shared_expert_intermediate_size=48,
+                       num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=False)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=64, tie_word_embeddings=True)),
+}
+
+
+def tiny_config(name: str, **overrides):
+    import transformers
+
+    config_cls, _model_cls, fields = MODELS[name]
+    return getattr(transformers, config_cls)(**{**COMMON, **fields, **overrides})
+
+
+def save_tiny_model(name: str, path: str, seed: int = 0, **overrides) -> str:
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, MODELS[name][1])(tiny_config(name, **overrides))
+    model.save_pretrained(path)
+    return path
+
+
+def save_tiny_models(root) -> dict[str, str]:
+    return {name: save_tiny_model(name, os.path.join(str(root), name), seed=i) for i, name in enumerate(MODELS)}
+
+
+def hf_logits(path: str, tokens_BS: torch.Tensor) -> torch.Tensor:
+    """transformers' fp32 logits [B, S, V] of the model in ``path`` (eval, no cache)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=tokens_BS, use_cache=False).logits.float()
