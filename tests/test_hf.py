@@ -32,7 +32,6 @@ from test_example import _script
 SEQ, BATCH = 16, 4
 TOLERANCE = 1e-5
 UPCYCLE = {"num_experts": 4, "router": "topk", "top_k": 2, "drop_tokens": False, "activation": "swiglu"}
-LAYOUTS = {"ep1": (1, {}), "tp2-ep2": (4, {"tensor": 2, "expert": 2}), "pp2-ep2": (4, {"pipeline": 2, "expert": 2})}
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -66,7 +65,8 @@ def _plugin_logits(case: dict, parallel: dict, world_size: int, tokens_BS: torch
         if pp > 1:
             rows = slice(run.groups.rank_in("dp") * BATCH // dp, (run.groups.rank_in("dp") + 1) * BATCH // dp)
             batch = ((tokens_BS[rows].contiguous(), positions_BS[rows].contiguous()), tokens_BS[rows].contiguous())
-            _loss, logits_SBV = run.engine.eval_batch(iter([batch]), return_logits=True)
+            # compute_loss False: Megatron's vocab-parallel cross entropy works on the logits in place
+            _logits, logits_SBV = run.engine.eval_batch(iter([batch]), return_logits=True, compute_loss=False)
             return None if logits_SBV is None else (rows.start, logits_SBV.transpose(0, 1).float().clone())
         model = run.engine.module
         model.eval()
@@ -81,9 +81,26 @@ def _plugin_logits(case: dict, parallel: dict, world_size: int, tokens_BS: torch
         run.close()
 
 
-def _child(rank: int, world_size: int, cases: dict, parallel: dict, tokens_BS: torch.Tensor) -> dict:
+def _child(rank: int, world_size: int, cases: dict, layouts: dict, tokens_BS: torch.Tensor) -> dict:
+    """{layout: {case: _plugin_logits, or the CheckpointError's text for a case marked "refused"}}."""
+    from moe_plugin import CheckpointError
+
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    return {name: _plugin_logits(case, parallel, world_size, tokens_BS) for name, case in cases.items()}
+    out: dict = {}
+    for layout, parallel in layouts.items():
+        out[layout] = {}
+        for name, case in cases.items():
+            if layout.startswith("pp") and "--dense" in case["flags"]:   # the example's --dense runs without pp
+                continue
+            if not case.get("refused"):
+                out[layout][name] = _plugin_logits(case, parallel, world_size, tokens_BS)
+                continue
+            try:
+                _plugin_logits(case, parallel, world_size, tokens_BS)
+                out[layout][name] = "loaded"
+            except CheckpointError as err:
+                out[layout][name] = str(err)
+    return out
 
 
 # -- the models, in the parent ---------------------------------------------------------------------
@@ -108,13 +125,15 @@ def imported(tmp_path_factory):
     return root, tokens_BS, cases
 
 
-def _check_logits(results: list, cases: dict, names: list[str], layout: str) -> None:
-    for name in names:
+def _check_logits(results: list, cases: dict, layout: str) -> None:
+    for name in results[0][layout]:
+        if cases[name].get("refused"):
+            continue
         seen = 0
         for rank, result in enumerate(results):
-            if result[name] is None:
+            if result[layout][name] is None:
                 continue
-            first, logits_BSV = result[name]
+            first, logits_BSV = result[layout][name]
             expected = cases[name]["logits"][first:first + logits_BSV.shape[0]]
             difference = _relative(logits_BSV, expected)
             print(f"{layout} {name} rank {rank}: max |logit difference| / max |logit| = {difference:.3g}")
@@ -127,24 +146,25 @@ def test_one_rank_gives_transformers_logits(imported, tmp_path):
     from dist import run_distributed
 
     _root, tokens_BS, cases = imported
-    names = list(cases)
-    world_size, parallel = LAYOUTS["ep1"]
-    results = run_distributed(_child, world_size, tmp_path, {n: cases[n] for n in names}, parallel, tokens_BS,
-                              timeout=300)
-    _check_logits(results, cases, names, "ep1")
+    flags = cases["mixtral"]["flags"]   # the checkpoint's RoPE base, built with the default one instead
+    other = flags[:flags.index("--rotary-base")] + flags[flags.index("--rotary-base") + 2:]
+    cases = {**cases, "other-flags": {**cases["mixtral"], "flags": other, "refused": True}}
+    results = run_distributed(_child, 1, tmp_path, cases, {"ep1": {}}, tokens_BS, timeout=300)
+    _check_logits(results, cases, "ep1")
+    assert "rotary_base is 1000000.0 in the checkpoint but 10000 in the model (the example's --rotary-base" in \
+        results[0]["ep1"]["other-flags"], results[0]["ep1"]["other-flags"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2-ep2", "pp2-ep2"])
-def test_layouts_give_transformers_logits(imported, tmp_path, layout):
+def test_layouts_give_transformers_logits(imported, tmp_path):
+    """tp2 x ep2 and pp2 x ep2 in one 4-rank spawn."""
     from dist import run_distributed
 
     _root, tokens_BS, cases = imported
-    names = [n for n in cases if not (layout.startswith("pp") and n == "llama")]   # --dense runs without pp
-    world_size, parallel = LAYOUTS[layout]
-    results = run_distributed(_child, world_size, tmp_path, {n: cases[n] for n in names}, parallel, tokens_BS,
-                              timeout=400)
-    _check_logits(results, cases, names, layout)
+    layouts = {"tp2-ep2": {"tensor": 2, "expert": 2}, "pp2-ep2": {"pipeline": 2, "expert": 2}}
+    results = run_distributed(_child, 4, tmp_path, cases, layouts, tokens_BS, timeout=400)
+    for layout in layouts:
+        _check_logits(results, cases, layout)
 
 
 def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_path):
@@ -246,3 +266,55 @@ def test_export_refuses_what_the_architecture_cannot_express(imported, tmp_path)
         with pytest.raises(ConfigError, match=match):
             export_hf(cases[name]["ckpt"], tmp_path / "out", arch=arch, progress=lambda line: None)
         assert _nothing_written(tmp_path / "out")
+
+
+# -- train the imported model with the example, export it ------------------------------------------
+@pytest.mark.slow
+def test_trained_import_exports_to_what_the_plugin_evaluates(imported, tmp_path):
+    """The imported Mixtral trained 2 steps by the example under dp 2 x ep 2 (``--load`` the import),
+    exported: transformers' logits of the export are the plugin's of the saved checkpoint."""
+    from dist import run_distributed
+    from test_example import MODEL_FLAGS, _run_main
+
+    from moe_plugin.interop import export_hf
+
+    _root, tokens_BS, cases = imported
+    case = cases["mixtral"]
+    data = [f for f in MODEL_FLAGS[MODEL_FLAGS.index("--corpus-bytes"):]]
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({**_ds(case["moe"], {"expert": 2}, 2), "train_micro_batch_size_per_gpu": 2,
+                              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}))
+    argv = [*case["flags"], "--seq-length", str(SEQ), "--micro-batch-size", "2", "--train-iters", "2",
+            "--eval-interval", "0", "--eval-iters", "1", "--log-interval", "1", *data, "--no-plot",
+            "--deepspeed_config", str(ds), "--load", case["ckpt"], "--save", str(tmp_path / "trained"),
+            "--run-dir", str(tmp_path / "run"), "--data-cache", str(tmp_path / "data")]
+    assert [r["status"] for r in run_distributed(_run_main, 2, tmp_path, argv, timeout=300)] == [0, 0]
+    done = export_hf(tmp_path / "trained", tmp_path / "exported", progress=lambda line: None)
+    print(f"export-hf of the trained checkpoint: {done['seconds']:.2f} s")
+    theirs = hf_logits(str(tmp_path / "exported"), tokens_BS)
+    assert _relative(theirs, case["logits"]) > 1e-3   # it trained: not the imported model any more
+    trained = {**case, "ckpt": str(tmp_path / "trained")}
+    results = run_distributed(_child, 1, tmp_path, {"trained": trained}, {"ep1": {}}, tokens_BS, timeout=300)
+    _check_logits(results, {"trained": {"logits": theirs}}, "ep1")
+
+
+def test_commands_print_the_flags_and_the_completed_block(imported, tmp_path, capsys):
+    from moe_plugin_tools.cli import main
+
+    _root, _tokens, cases = imported
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 4, "moe": {"num_experts": 8, "parallel": {"expert": 2}}}))
+    assert main(["import-hf", cases["qwen2_moe"]["hf"], "--config", str(ds), "--out", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "filled in from config.json: moe.top_k, moe.router, moe.normalize_gates" in out, out
+    block = json.loads(out.split('"moe": ', 1)[1].splitlines()[0])
+    assert block["shared_expert_ffn_hidden_size"] == 48 and block["shared_expert_gate"] is True
+    assert block["normalize_gates"] is False and block["parallel"] == {"expert": 2}
+    assert f"--load {tmp_path / 'ckpt'} " + " ".join(cases["qwen2_moe"]["flags"]) in out
+    assert "--add-qkv-bias" in out and "--qk-layernorm" not in out
+    assert main(["export-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    assert "exported" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as caught:   # into a directory that is not empty
+        main(["export-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")])
+    assert caught.value.code == 2
+    assert "exists and is not empty" in capsys.readouterr().err

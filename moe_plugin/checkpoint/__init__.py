@@ -16,7 +16,9 @@
 * ``files``: checksums, named read errors, stale temporary directories; ``tags``: the tag a load
   takes (falling back from a damaged ``latest``), the tags a save keeps, a write that fails;
   ``export``: any checkpoint as the 1-rank ``GPTModel``'s fp32 state dict (``moe-plugin export``); ``upcycle``: an MoE
-  checkpoint made from a dense one (``moe-plugin upcycle``).
+  checkpoint made from a dense one (``moe-plugin upcycle``); ``one_rank``: a checkpoint written without a run (as
+  the 1-rank model's; ``moe-plugin import-hf``); ``architecture``: a load into a model built with other flags
+  than the checkpoint records, refused naming the flag.
 
 DeepSpeed's file names and the loader behaviour relied on: ``moe_plugin.compat.deepspeed_checkpoint``.
 The names below are imported on first use, so ``export`` runs without DeepSpeed or Megatron.
