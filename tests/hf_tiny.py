@@ -1,5 +1,6 @@
 """Tiny random Hugging Face models built with transformers' own classes (no download), for the
-import/export tests: 2 layers, hidden 64, 4 heads over 2 key/value groups, 8 experts top-2, vocab 256.
+import/export tests: 2 layers, hidden 64, 4 heads over 2 key/value groups, 8 experts top-2, vocab 384
+(the example's byte-level data: 257 token ids padded to a multiple of 128).
 
     dirs = save_tiny_models(tmp_path)     # {"mixtral": path, "qwen3_moe": ..., "qwen2_moe": ..., "llama": ...}
     logits = hf_logits(dirs["mixtral"], tokens_BS)
@@ -13,7 +14,7 @@ import os
 
 import torch
 
-VOCAB, HIDDEN, LAYERS, EXPERTS, TOP_K = 256, 64, 2, 8, 2
+VOCAB, HIDDEN, LAYERS, EXPERTS, TOP_K = 384, 64, 2, 8, 2
 COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2, rms_norm_eps=1e-5)
 # name -> (transformers config class, model class, the config's own fields)

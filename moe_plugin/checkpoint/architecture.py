@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 # TransformerConfig field / GPTModel argument -> the example's (Megatron-LM's) flag
 FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
          "num_query_groups": "--group-query-attention --num-query-groups", "kv_channels": "--kv-channels",
@@ -29,18 +27,16 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def architecture_problems(meta: dict, model: nn.Module) -> list[str]:
-    """One line per recorded architecture field the running ``model`` has otherwise."""
+def architecture_problems(meta: dict, running: dict) -> list[str]:
+    """One line per recorded architecture field that the running model (its ``metadata.model_description``)
+    has otherwise."""
     record = meta.get("architecture")
     if not record:
         return []
-    from moe_plugin.checkpoint.metadata import model_description
-
-    running = model_description(model)
     config = running.get("transformer_config", {})
     mine = {**{k: config.get(k) for k in record.get("transformer_config", {})},
-            "position_embedding_type": getattr(model, "position_embedding_type", "learned_absolute"),
-            "rotary_base": getattr(model, "rotary_base", None), "tied": running.get("tied")}
+            "position_embedding_type": running.get("position_embedding_type", "learned_absolute"),
+            "rotary_base": running.get("rotary_base"), "tied": running.get("tied")}
     wanted = {**record.get("transformer_config", {}), **record.get("model", {})}
     return [f"{key} is {wanted[key]!r} in the checkpoint but {mine.get(key)!r} in the model (the example's "
             f"{FLAGS.get(key, key)}; the checkpoint's flags: {' '.join(record.get('flags', []))})"

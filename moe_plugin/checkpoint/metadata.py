@@ -334,7 +334,7 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
     if not problems:
         from moe_plugin.checkpoint.architecture import architecture_problems
 
-        problems += architecture_problems(meta, engine.module)
+        problems += architecture_problems(meta, model_description(engine.module))
     stage = stage_view(meta, engine.module, groups) if not problems else None
     if stage is not None:
         shapes = full_shapes(engine.module, groups)
