@@ -45,7 +45,19 @@ def save_tiny_model(name: str, path: str, seed: int = 0, **overrides) -> str:
     torch.manual_seed(seed)
     model = getattr(transformers, MODELS[name][1])(tiny_config(name, **overrides))
     model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
     return path
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer of VOCAB tokens (tokenizer.json, tokenizer_config.json, ...)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
 def save_tiny_models(root) -> dict[str, str]:

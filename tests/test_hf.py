@@ -188,9 +188,21 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_pat
         assert sorted(exported) == sorted(original) == sorted(index), name
         for key, tensor in original.items():
             assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), (name, key)
+        carried = sorted(p.name for p in Path(cases[name]["hf"]).iterdir() if p.name.startswith(("tokenizer",
+                                                                                                  "generation")))
+        assert carried and all((out / f).read_bytes() == (Path(cases[name]["hf"]) / f).read_bytes() for f in carried)
+        assert transformers.AutoTokenizer.from_pretrained(str(out))("w5 w7")["input_ids"] == [5, 7]
         model, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
         assert type(model).__name__ == transformers.AutoConfig.from_pretrained(cases[name]["hf"]).architectures[0]
+    # a sharded directory (the index) imports too: the same tensors again
+    from moe_plugin.interop import import_hf
+
+    import_hf(tmp_path / "mixtral", {"moe": {"num_experts": EXPERTS}}, tmp_path / "again", progress=lambda line: None)
+    export_hf(tmp_path / "again", tmp_path / "again-hf", progress=lambda line: None)
+    again = load_file(str(tmp_path / "again-hf" / "model.safetensors"))
+    original = load_file(str(Path(cases["mixtral"]["hf"]) / "model.safetensors"))
+    assert sorted(again) == sorted(original) and all(torch.equal(again[k], original[k]) for k in original)
 
 
 # -- refusals --------------------------------------------------------------------------------------
@@ -318,3 +330,21 @@ def test_commands_print_the_flags_and_the_completed_block(imported, tmp_path, ca
         main(["export-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")])
     assert caught.value.code == 2
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_without_transformers_the_commands_say_which_extra(imported, tmp_path, monkeypatch, capsys):
+    import sys
+
+    from moe_plugin_tools.cli import main
+
+    _root, _tokens, cases = imported
+    monkeypatch.setitem(sys.modules, "transformers", None)   # import transformers raises ImportError
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"moe": {"num_experts": EXPERTS}}))
+    with pytest.raises(SystemExit) as caught:
+        main(["import-hf", cases["mixtral"]["hf"], "--config", str(ds), "--out", str(tmp_path / "ckpt")])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: transformers: got not installed; the Hugging Face import and export need it: " \
+                  "pip install 'moe_plugin[hf]'", err
+    assert _nothing_written(tmp_path / "ckpt")
