@@ -283,8 +283,8 @@ def test_export_refuses_what_the_architecture_cannot_express(imported, tmp_path)
 # -- train the imported model with the example, export it ------------------------------------------
 @pytest.mark.slow
 def test_trained_import_exports_to_what_the_plugin_evaluates(imported, tmp_path):
-    """The imported Mixtral trained 2 steps by the example under dp 2 x ep 2 (``--load`` the import),
-    exported: transformers' logits of the export are the plugin's of the saved checkpoint."""
+    """The imported Mixtral trained 2 steps by the example under dp 2 x ep 2, ZeRO-1 (``--load`` the
+    import), exported: transformers' logits of the export are the plugin's of the saved checkpoint."""
     from dist import run_distributed
     from test_example import MODEL_FLAGS, _run_main
 
@@ -295,6 +295,7 @@ def test_trained_import_exports_to_what_the_plugin_evaluates(imported, tmp_path)
     data = [f for f in MODEL_FLAGS[MODEL_FLAGS.index("--corpus-bytes"):]]
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({**_ds(case["moe"], {"expert": 2}, 2), "train_micro_batch_size_per_gpu": 2,
+                              "zero_optimization": {"stage": 1},   # the example's configs' stage
                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}))
     argv = [*case["flags"], "--seq-length", str(SEQ), "--micro-batch-size", "2", "--train-iters", "2",
             "--eval-interval", "0", "--eval-iters", "1", "--log-interval", "1", *data, "--no-plot",
@@ -348,3 +349,31 @@ def test_without_transformers_the_commands_say_which_extra(imported, tmp_path, m
     assert err == "error: transformers: got not installed; the Hugging Face import and export need it: " \
                   "pip install 'moe_plugin[hf]'", err
     assert _nothing_written(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda meta, state: meta["moe"].update(activation="gelu"), "moe.activation: got 'gelu'; MixtralForCausalLM"),
+    (lambda meta, state: meta["moe"].update(router="gshard"), "moe.router: got 'gshard'"),
+    (lambda meta, state: meta["model"].update(position_embedding_type="learned_absolute"),
+     "position_embedding_type: got 'learned_absolute'"),
+    (lambda meta, state: meta["model"]["transformer_config"].update(normalization="LayerNorm"),
+     "normalization: got 'LayerNorm'"),
+    (lambda meta, state: meta["model"]["transformer_config"].update(activation_func="torch.nn.functional:gelu"),
+     "activation_func: got 'torch.nn.functional:gelu'"),
+    (lambda meta, state: state["decoder.layers.1.mlp.router.expert_bias"].add_(0.5),
+     "decoder.layers.1.mlp.router.expert_bias: got 'non-zero'"),
+    (lambda meta, state: meta["model"].pop("rotary_base"), "rotary_base: got not recorded; the checkpoint does not record its RoPE base"),
+])
+def test_what_a_checkpoint_cannot_express_as_mixtral_is_named(imported, change, match):
+    import copy
+
+    from moe_plugin.checkpoint.export import read_full_state
+    from moe_plugin.configs import ConfigError
+    from moe_plugin.interop.hf_export import architecture_from_checkpoint
+
+    _root, _tokens, cases = imported
+    state, _extras, meta, _path = read_full_state(cases["mixtral"]["ckpt"], progress=lambda line: None)
+    meta = copy.deepcopy(meta)
+    change(meta, state)
+    with pytest.raises(ConfigError, match=match):
+        architecture_from_checkpoint(meta, state, "mixtral")

@@ -125,6 +125,10 @@ def architecture_from_checkpoint(meta: dict, state: dict, model_type: str) -> HF
     if position != "rope":
         raise refuse("position_embedding_type", position, "rotary position embeddings only (--position-embedding-"
                      "type rope)")
+    if model.get("rotary_base") is None:
+        raise ConfigError("rotary_base", None, "the checkpoint does not record its RoPE base (saved by an older "
+                          "moe_plugin); load it into the example with its flags and save it again to export it",
+                          shown="not recorded")
     if tc.get("normalization", "LayerNorm") != "RMSNorm":
         raise refuse("normalization", tc.get("normalization", "LayerNorm"), "RMSNorm only (--normalization RMSNorm)")
     if not tc.get("gated_linear_unit") or tc.get("activation_func") != "torch.nn.functional:silu":
@@ -175,7 +179,7 @@ def architecture_from_checkpoint(meta: dict, state: dict, model_type: str) -> HF
         ffn_hidden_size=int(tc.get("ffn_hidden_size") or 4 * int(tc["hidden_size"])),
         vocab_size=int(state["embedding.word_embeddings.weight"].shape[0]),
         max_position_embeddings=int(model.get("max_sequence_length", 4096)),
-        norm_epsilon=float(tc.get("layernorm_epsilon", 1e-5)), rotary_base=float(model.get("rotary_base", 10000)),
+        norm_epsilon=float(tc.get("layernorm_epsilon", 1e-5)), rotary_base=float(model["rotary_base"]),
         tied=bool(model.get("tied", False)), qkv_bias=model_type == "qwen2_moe", qk_layernorm=qk,
         dtype=meta.get("hf", {}).get("dtype", "float32"), moe_layers=moe_layers, num_experts=E,
         top_k=int(moe.get("top_k") or 0), normalize_gates=bool(moe.get("normalize_gates", True)),
