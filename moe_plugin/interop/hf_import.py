@@ -138,7 +138,7 @@ def plugin_state(arch: HFArchitecture, weights: dict[str, torch.Tensor], where: 
     if arch.tied and "lm_head.weight" in weights and not torch.equal(weights["lm_head.weight"],
                                                                      weights["model.embed_tokens.weight"]):
         raise CheckpointError(f"{where}: tie_word_embeddings is true but lm_head.weight differs from "
-                              "model.embed_tokens.weight (model_type {arch.model_type})")
+                              f"model.embed_tokens.weight (model_type {arch.model_type})")
     module, experts = mapping.plugin_only(), {}
     for rule in mapping.rules:
         missing = [k for k in rule.hf if k not in weights]
