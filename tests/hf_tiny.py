@@ -39,12 +39,12 @@ def tiny_config(name: str, **overrides):
     return getattr(transformers, config_cls)(**{**COMMON, **fields, **overrides})
 
 
-def save_tiny_model(name: str, path: str, seed: int = 0, **overrides) -> str:
+def save_tiny_model(name: str, path: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> str:
     import transformers
 
     torch.manual_seed(seed)
     model = getattr(transformers, MODELS[name][1])(tiny_config(name, **overrides))
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
 

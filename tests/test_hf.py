@@ -195,8 +195,16 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_pat
         model, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
         assert type(model).__name__ == transformers.AutoConfig.from_pretrained(cases[name]["hf"]).architectures[0]
-    # a sharded directory (the index) imports too: the same tensors again
+    # a bf16 model comes back in bf16, the same bits (the checkpoint holds it in fp32, exactly)
     from moe_plugin.interop import import_hf
+
+    bf16 = save_tiny_model("qwen2_moe", str(tmp_path / "bf16"), dtype=torch.bfloat16)
+    import_hf(bf16, {"moe": {"num_experts": EXPERTS}}, tmp_path / "bf16-ckpt", progress=lambda line: None)
+    export_hf(tmp_path / "bf16-ckpt", tmp_path / "bf16-hf", progress=lambda line: None)
+    again, original = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("bf16-hf", "bf16"))
+    assert {t.dtype for t in again.values()} == {torch.bfloat16} and sorted(again) == sorted(original)
+    assert all(torch.equal(again[k], original[k]) for k in original)
+    # a sharded directory (the index) imports too: the same tensors again
 
     import_hf(tmp_path / "mixtral", {"moe": {"num_experts": EXPERTS}}, tmp_path / "again", progress=lambda line: None)
     export_hf(tmp_path / "again", tmp_path / "again-hf", progress=lambda line: None)
