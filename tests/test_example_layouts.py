@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from dist import run_distributed
 from test_example import MODEL_FLAGS, _run_main
@@ -33,6 +34,16 @@ LAYOUTS = {
     "pp2-dp2-ep2": (4, {"pipeline": 2, "expert": 2}, 1),
     "tp2sp-ep2": (4, {"tensor": 2, "expert": 2, "sequence_parallel": True}, 1),
 }
+# the Llama-style model: every architecture flag at once (4 heads: 2 query groups of 2 heads)
+LLAMA = ("--num-attention-heads", "4", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
+         "--position-embedding-type", "rope", "--rotary-base", "5000", "--swiglu", "--disable-bias-linear",
+         "--group-query-attention", "--num-query-groups", "2", "--qk-layernorm", "--untie-embeddings-and-output-weights")
+LLAMA_MOE = {**MOE, "activation": "swiglu"}
+LLAMA_LAYOUTS = {
+    "tp2-ep2": (4, {"tensor": 2, "expert": 2}, 1),
+    "pp2-ep2": (4, {"pipeline": 2, "expert": 2}, 0),
+    "ep4": (4, {"expert": 4}, 1),
+}
 BATCH, MICRO = 8, 2
 # the example's JSON (configs/tiny_cpu_4rank.json): AdamW warmed up over 20 steps
 OPTIMIZER = {"optimizer": {"type": "AdamW", "params": {"lr": 0.002, "betas": [0.9, 0.95], "eps": 1e-08,
@@ -41,24 +52,25 @@ OPTIMIZER = {"optimizer": {"type": "AdamW", "params": {"lr": 0.002, "betas": [0.
                                                           "warmup_num_steps": 20}}}
 
 
-def _ds_config(path: Path, dp: int, parallel: dict, stage: int) -> Path:
+def _ds_config(path: Path, dp: int, parallel: dict, stage: int, moe: dict = MOE) -> Path:
     config = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": MICRO,
               "gradient_accumulation_steps": BATCH // (MICRO * dp), "gradient_clipping": 1.0,
               "steps_per_print": 10 ** 6, **OPTIMIZER,
-              "zero_optimization": {"stage": stage}, "moe": {**MOE, "parallel": parallel}}
+              "zero_optimization": {"stage": stage}, "moe": {**moe, "parallel": parallel}}
     path.write_text(json.dumps(config))
     return path
 
 
 def _losses(tmp_path: Path, name: str, world_size: int, parallel: dict, stage: int, *extra: str,
-            first_step: int = 1) -> list[float]:
+            first_step: int = 1, moe: dict = MOE) -> list[float]:
     tp, pp = parallel.get("tensor", 1), parallel.get("pipeline", 1)
     run_dir = tmp_path / "runs" / name
     flags = [f for f in MODEL_FLAGS]
     flags[flags.index("--train-iters") + 1] = str(STEPS)   # a later --train-iters in extra wins
     flags[flags.index("--eval-interval") + 1] = "0"
     argv = [*flags, "--micro-batch-size", str(MICRO),
-            "--deepspeed_config", str(_ds_config(tmp_path / f"{name}.json", world_size // (tp * pp), parallel, stage)),
+            "--deepspeed_config", str(_ds_config(tmp_path / f"{name}.json", world_size // (tp * pp), parallel, stage,
+                                                 moe)),
             "--run-dir", str(run_dir), "--data-cache", str(tmp_path / "data"), *extra]
     results = run_distributed(_run_main, world_size, tmp_path, argv, timeout=400)
     assert [r["status"] for r in results] == [0] * world_size
@@ -101,3 +113,35 @@ def test_pipeline_checkpoint_loads_into_the_one_rank_gpt_model_and_back(data_dir
     one = _losses(data_dir, "ckpt-one-c", 1, {}, 1, "--train-iters", "7", "--load", second, "--no-load-optim",
                   first_step=7)
     assert pipe == pytest.approx(one, rel=1e-5), (pipe, one)
+
+
+@pytest.mark.slow
+def test_llama_style_model_under_every_layout(data_dir):
+    """RMSNorm, RoPE, swiglu dense MLPs and experts, no biases, grouped-query attention (2 key/value
+    heads for 4 query heads), QK-norm and an untied output layer: tp2 x ep2, pp2 x ep2 and ep4 give
+    the one-rank run's losses; the tp2 x ep2 checkpoint exports to the one-rank run's weights
+    (QKV of fewer key/value heads, the swiglu ``linear_fc1`` and the QK-norms joined) and loads into
+    the one-rank model (weights only), whose next step computes the uninterrupted run's loss."""
+    from moe_plugin.checkpoint.export import export_checkpoint, load_export
+
+    one = _losses(data_dir, "llama-one", 1, {}, 1, *LLAMA, "--train-iters", str(STEPS + 1), "--save-interval",
+                  str(STEPS), "--save", str(data_dir / "llama-one-ckpt"), moe=LLAMA_MOE)
+    saved = data_dir / "llama-tp2-ckpt"
+    for name, (world, parallel, stage) in LLAMA_LAYOUTS.items():
+        extra = ("--save", str(saved)) if name == "tp2-ep2" else ()
+        got = _losses(data_dir, f"llama-{name}", world, parallel, stage, *LLAMA, *extra, moe=LLAMA_MOE)
+        assert got == pytest.approx(one[:STEPS], rel=1e-5), (name, got, one)
+    exports = {}
+    for run, path in (("one", data_dir / "llama-one-ckpt"), ("tp2", saved)):
+        export_checkpoint(path, data_dir / f"llama-{run}-export", tag=f"step{STEPS}", progress=lambda line: None)
+        exports[run] = load_export(data_dir / f"llama-{run}-export")
+    (mine, config), (theirs, _) = exports["tp2"], exports["one"]
+    assert (config["position_embedding_type"], config["rotary_base"]) == ("rope", 5000.0), config
+    assert {k: config["transformer_config"][k] for k in ("normalization", "num_query_groups", "qk_layernorm")} == \
+        {"normalization": "RMSNorm", "num_query_groups": 2, "qk_layernorm": True}
+    assert sorted(mine) == sorted(theirs) and "decoder.layers.0.self_attention.q_layernorm.weight" in mine
+    for key, value in theirs.items():   # 8 Adam steps of lr <= 8e-4: layouts round differently, in lr units
+        torch.testing.assert_close(mine[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    resumed = _losses(data_dir, "llama-one-resumed", 1, {}, 1, *LLAMA, "--train-iters", str(STEPS + 1), "--load",
+                      str(saved), "--no-load-optim", first_step=STEPS + 1, moe=LLAMA_MOE)
+    assert resumed == pytest.approx(one[STEPS:], rel=1e-5), (resumed, one)
