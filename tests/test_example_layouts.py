@@ -141,22 +141,34 @@ def test_llama_style_model_under_every_layout(data_dir):
     heads for 4 query heads), QK-norm and an untied output layer: tp2 x ep2, pp2 x ep2 and ep4 give
     the one-rank run's losses; the tp2 x ep2 checkpoint exports to the one-rank run's weights
     (QKV of fewer key/value heads, the swiglu ``linear_fc1`` and the QK-norms joined) and loads into
-    the one-rank model (weights only), whose next step computes the uninterrupted run's loss."""
+    the one-rank model (weights only), whose next step computes the uninterrupted run's loss. The
+    dense model (``--dense``) trained at tp2 and upcycled (``moe-plugin upcycle``) computes the dense
+    model's next loss on one rank."""
+    from moe_plugin.checkpoint import upcycle_checkpoint
     from moe_plugin.checkpoint.export import export_checkpoint, load_export
 
-    saved = data_dir / "llama-tp2-ckpt"
+    saved, dense, upcycled = data_dir / "llama-tp2-ckpt", data_dir / "llama-dense-ckpt", data_dir / "llama-upcycled"
     layouts = _runs(data_dir, 4, [   # one spawn, the layouts one after the other; tp2 x ep2 saves after STEPS
         (f"llama-{name}", parallel, stage, LLAMA + (("--save", str(saved)) if name == "tp2-ep2" else ()), 1, LLAMA_MOE)
-        for name, (parallel, stage) in LLAMA_LAYOUTS.items()])
+        for name, (parallel, stage) in LLAMA_LAYOUTS.items()] + [   # and the dense model at tp2, saved after STEPS
+        ("llama-dense", LLAMA_LAYOUTS["tp2-ep2"][0], 1, LLAMA + ("--dense", "--train-iters", str(STEPS + 1),
+                                                                  "--save", str(dense), "--save-interval", str(STEPS)),
+         1, LLAMA_MOE)])
+    dense_next = layouts.pop("llama-dense")[STEPS:]
+    upcycle_checkpoint(dense, {"moe": LLAMA_MOE}, upcycled, tag=f"step{STEPS}", progress=lambda line: None)
     ones = _runs(data_dir, 1, [   # uninterrupted (saved after STEPS), then resumed from the tp2 checkpoint
         ("llama-one", {}, 1, LLAMA + ("--train-iters", str(STEPS + 1), "--save-interval", str(STEPS), "--save",
                                       str(data_dir / "llama-one-ckpt")), 1, LLAMA_MOE),
         ("llama-one-resumed", {}, 1, LLAMA + ("--train-iters", str(STEPS + 1), "--load", str(saved),
-                                              "--no-load-optim"), STEPS + 1, LLAMA_MOE)])
+                                              "--no-load-optim"), STEPS + 1, LLAMA_MOE),
+        ("llama-upcycled", {}, 1, LLAMA + ("--train-iters", str(STEPS + 1), "--load", str(upcycled)), STEPS + 1,
+         LLAMA_MOE)])
     one = ones["llama-one"]
     for name, got in layouts.items():
         assert got == pytest.approx(one[:STEPS], rel=1e-5), (name, got, one)
     assert ones["llama-one-resumed"] == pytest.approx(one[STEPS:], rel=1e-5), (ones, one)
+    # upcycled from the dense model's step STEPS: the MoE model computes the dense function at first
+    assert ones["llama-upcycled"] == pytest.approx(dense_next, rel=1e-5), (ones["llama-upcycled"], dense_next)
     exports = {}
     for run, path in (("one", data_dir / "llama-one-ckpt"), ("tp2", saved)):
         export_checkpoint(path, data_dir / f"llama-{run}-export", tag=f"step{STEPS}", progress=lambda line: None)
