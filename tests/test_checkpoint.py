@@ -79,7 +79,7 @@ PIPE_RESHARD = {  # name -> (saved case, moe.parallel, ZeRO stage, load_optimize
 
 
 # -- inside the ranks ------------------------------------------------------------------------------
-def _provider(hidden: int):
+def _provider(hidden: int, positions: str = "learned_absolute", **architecture):
     def provide(moe_config, groups):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer import TransformerConfig
@@ -90,13 +90,14 @@ def _provider(hidden: int):
                                    tensor_model_parallel_size=groups.layout.sizes.tp, use_cpu_initialization=True,
                                    hidden_dropout=0.1, attention_dropout=0.0, bias_dropout_fusion=False,
                                    gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-                                   apply_rope_fusion=False)
+                                   apply_rope_fusion=False, **architecture)
         torch.manual_seed(1234)
-        return GPTModel(config, gpt_moe_spec(moe_config, config, groups), vocab_size=VOCAB, max_sequence_length=SEQ)
+        return GPTModel(config, gpt_moe_spec(moe_config, config, groups), vocab_size=VOCAB, max_sequence_length=SEQ,
+                        position_embedding_type=positions)
     return provide
 
 
-def _engine(case: dict, moe: dict = MOE, hidden: int = HIDDEN):
+def _engine(case: dict, moe: dict = MOE, hidden: int = HIDDEN, **architecture):
     import moe_plugin
 
     cfg = {"train_batch_size": BATCH, "steps_per_print": 10 ** 6, "gradient_clipping": 1.0,
@@ -105,7 +106,7 @@ def _engine(case: dict, moe: dict = MOE, hidden: int = HIDDEN):
            "zero_optimization": {"stage": case["stage"]}, "moe": {**moe, "parallel": case["parallel"]}}
     dp = 4 // case["parallel"].get("tensor", 1)
     cfg["train_micro_batch_size_per_gpu"] = BATCH // dp
-    return moe_plugin.initialize(cfg, _provider(hidden))
+    return moe_plugin.initialize(cfg, _provider(hidden, **architecture))
 
 
 def _batch(step: int):
@@ -252,12 +253,13 @@ def _bad_inputs(root: str) -> dict:
         run.close()
     sigmoid = {**MOE, "router": "topk", "top_k": 2, "score_function": "sigmoid"}
     grouped = {**MOE, "group_topk": 1, "router_groups": 2}
-    for name, (directory, moe, hidden) in {"num_experts": (saved, {**MOE, "num_experts": 8}, HIDDEN),
-                                           "group_topk": (saved, grouped, HIDDEN),
-                                           "hidden": (saved, MOE, 2 * HIDDEN),
-                                           "missing": (broken, MOE, HIDDEN),
-                                           "score_function": (saved, sigmoid, HIDDEN)}.items():
-        run = _engine(case, moe, hidden)
+    for name, (directory, moe, hidden, *arch) in {
+            "num_experts": (saved, {**MOE, "num_experts": 8}, HIDDEN), "group_topk": (saved, grouped, HIDDEN),
+            "hidden": (saved, MOE, 2 * HIDDEN), "missing": (broken, MOE, HIDDEN),
+            "score_function": (saved, sigmoid, HIDDEN),
+            "architecture": (saved, MOE, HIDDEN, {"normalization": "RMSNorm", "qk_layernorm": True}),
+            "rope": (saved, MOE, HIDDEN, {"positions": "rope"})}.items():
+        run = _engine(case, moe, hidden, **(arch[0] if arch else {}))
         try:
             before, files = _weights(run), _files(root)
             with pytest.raises(CheckpointError) as failure:
@@ -486,7 +488,12 @@ def test_bad_checkpoints_fail_clearly_and_change_nothing(results):
             r["score_function"]
         assert "moe.group_topk: None in the checkpoint, 1 in the model" in r["group_topk"], r["group_topk"]
         assert "moe.router_groups: None in the checkpoint, 2 in the model" in r["group_topk"], r["group_topk"]
-        assert all(r[k + "-unchanged"] for k in ("num_experts", "hidden", "missing", "score_function", "group_topk"))
+        for line in ("normalization: 'LayerNorm' in the checkpoint, 'RMSNorm' in the model",
+                     "qk_layernorm: False in the checkpoint, True in the model"):
+            assert line in r["architecture"], r["architecture"]
+        assert "position_embedding_type: 'learned_absolute' in the checkpoint, 'rope' in the model" in r["rope"], r["rope"]
+        assert all(r[k + "-unchanged"] for k in ("num_experts", "hidden", "missing", "score_function", "group_topk",
+                                                 "architecture", "rope"))
         assert r["older"] == SAVE_AT   # a checkpoint without the newer keys loads as their defaults
 
 

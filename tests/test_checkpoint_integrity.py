@@ -222,7 +222,8 @@ def _one_rank_eval(rank: int, world_size: int, export_dirs: list) -> dict:
             tc = exported_transformer_config(config)
             return GPTModel(tc, gpt_moe_spec(moe_config, tc, groups), vocab_size=config["vocab_size"],
                             max_sequence_length=config["max_sequence_length"],
-                            share_embeddings_and_output_weights=config["share_embeddings_and_output_weights"])
+                            share_embeddings_and_output_weights=config["share_embeddings_and_output_weights"],
+                            position_embedding_type=config["position_embedding_type"], rotary_base=config["rotary_base"])
 
         cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 10 ** 6,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "moe": config["moe"]}

@@ -12,6 +12,10 @@ one-rank ``GPTModel``'s weights, the word embedding and output layer tied across
 stage as the one-rank model ties them (the example's default, Megatron-LM's), and the same with
 ``--untie-embeddings-and-output-weights``. A pp2 x ep2 checkpoint loads into the one-rank
 ``GPTModel`` and a checkpoint of that loads back into pp2 x ep2, with the one-rank run's losses.
+
+The Llama-style model (``LLAMA``: every architecture flag at once, swiglu experts) gives the one-rank
+losses to 1e-5 under tp2 x ep2, pp2 x ep2 and ep4 (one 4-rank spawn runs the three); its tp2 x ep2
+checkpoint exports to the one-rank run's weights and loads into the one-rank model.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from dist import run_distributed
 from test_example import MODEL_FLAGS, _run_main
@@ -33,6 +38,17 @@ LAYOUTS = {
     "pp2-dp2-ep2": (4, {"pipeline": 2, "expert": 2}, 1),
     "tp2sp-ep2": (4, {"tensor": 2, "expert": 2, "sequence_parallel": True}, 1),
 }
+# the Llama-style model: every architecture flag at once (4 heads: 2 query groups of 2 heads)
+LLAMA = ("--num-attention-heads", "4", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
+         "--position-embedding-type", "rope", "--rotary-base", "5000", "--swiglu", "--disable-bias-linear",
+         "--group-query-attention", "--num-query-groups", "2", "--qk-layernorm", "--untie-embeddings-and-output-weights",
+         "--no-plot")
+LLAMA_MOE = {**MOE, "activation": "swiglu"}
+LLAMA_LAYOUTS = {   # 4 ranks each: moe.parallel, ZeRO stage
+    "tp2-ep2": ({"tensor": 2, "expert": 2}, 1),
+    "pp2-ep2": ({"pipeline": 2, "expert": 2}, 0),
+    "ep4": ({"expert": 4}, 1),
+}
 BATCH, MICRO = 8, 2
 # the example's JSON (configs/tiny_cpu_4rank.json): AdamW warmed up over 20 steps
 OPTIMIZER = {"optimizer": {"type": "AdamW", "params": {"lr": 0.002, "betas": [0.9, 0.95], "eps": 1e-08,
@@ -41,32 +57,48 @@ OPTIMIZER = {"optimizer": {"type": "AdamW", "params": {"lr": 0.002, "betas": [0.
                                                           "warmup_num_steps": 20}}}
 
 
-def _ds_config(path: Path, dp: int, parallel: dict, stage: int) -> Path:
+def _ds_config(path: Path, dp: int, parallel: dict, stage: int, moe: dict = MOE) -> Path:
     config = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": MICRO,
               "gradient_accumulation_steps": BATCH // (MICRO * dp), "gradient_clipping": 1.0,
               "steps_per_print": 10 ** 6, **OPTIMIZER,
-              "zero_optimization": {"stage": stage}, "moe": {**MOE, "parallel": parallel}}
+              "zero_optimization": {"stage": stage}, "moe": {**moe, "parallel": parallel}}
     path.write_text(json.dumps(config))
     return path
 
 
 def _losses(tmp_path: Path, name: str, world_size: int, parallel: dict, stage: int, *extra: str,
-            first_step: int = 1) -> list[float]:
-    tp, pp = parallel.get("tensor", 1), parallel.get("pipeline", 1)
-    run_dir = tmp_path / "runs" / name
-    flags = [f for f in MODEL_FLAGS]
-    flags[flags.index("--train-iters") + 1] = str(STEPS)   # a later --train-iters in extra wins
-    flags[flags.index("--eval-interval") + 1] = "0"
-    argv = [*flags, "--micro-batch-size", str(MICRO),
-            "--deepspeed_config", str(_ds_config(tmp_path / f"{name}.json", world_size // (tp * pp), parallel, stage)),
-            "--run-dir", str(run_dir), "--data-cache", str(tmp_path / "data"), *extra]
-    results = run_distributed(_run_main, world_size, tmp_path, argv, timeout=400)
-    assert [r["status"] for r in results] == [0] * world_size
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r["split"] == "train"]
-    last = int(extra[extra.index("--train-iters") + 1]) if "--train-iters" in extra else STEPS
-    assert [r["step"] for r in train] == list(range(first_step, last + 1))
-    return [r["loss"] for r in train]
+            first_step: int = 1, moe: dict = MOE) -> list[float]:
+    return _runs(tmp_path, world_size, [(name, parallel, stage, extra, first_step, moe)])[name]
+
+
+def _runs(tmp_path: Path, world_size: int, runs: list[tuple]) -> dict[str, list[float]]:
+    """The example run after run in one spawn of ``world_size`` ranks (each run: name, moe.parallel, ZeRO
+    stage, extra flags, first step, "moe" block); the training losses of each, by name."""
+    argvs, expected = [], {}
+    for name, parallel, stage, extra, first_step, moe in runs:
+        tp, pp = parallel.get("tensor", 1), parallel.get("pipeline", 1)
+        flags = [f for f in MODEL_FLAGS]
+        flags[flags.index("--train-iters") + 1] = str(STEPS)   # a later --train-iters in extra wins
+        flags[flags.index("--eval-interval") + 1] = "0"
+        ds = _ds_config(tmp_path / f"{name}.json", world_size // (tp * pp), parallel, stage, moe)
+        argvs.append([*flags, "--micro-batch-size", str(MICRO), "--deepspeed_config", str(ds),
+                      "--run-dir", str(tmp_path / "runs" / name), "--data-cache", str(tmp_path / "data"), *extra])
+        last = int(extra[extra.index("--train-iters") + 1]) if "--train-iters" in extra else STEPS
+        expected[name] = list(range(first_step, last + 1))
+    results = run_distributed(_run_mains, world_size, tmp_path, argvs, timeout=400 * len(argvs))
+    assert [r["status"] for r in results] == [[0] * len(argvs)] * world_size
+    out = {}
+    for name, steps in expected.items():
+        records = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in records if r["split"] == "train"]
+        assert [r["step"] for r in train] == steps, name
+        out[name] = [r["loss"] for r in train]
+    return out
+
+
+def _run_mains(rank: int, world_size: int, argvs: list) -> dict:
+    """The example's ``main`` once per argv, one after the other (each builds and closes its engine)."""
+    return {"status": [_run_main(rank, world_size, argv)["status"] for argv in argvs]}
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +133,50 @@ def test_pipeline_checkpoint_loads_into_the_one_rank_gpt_model_and_back(data_dir
     one = _losses(data_dir, "ckpt-one-c", 1, {}, 1, "--train-iters", "7", "--load", second, "--no-load-optim",
                   first_step=7)
     assert pipe == pytest.approx(one, rel=1e-5), (pipe, one)
+
+
+@pytest.mark.slow
+def test_llama_style_model_under_every_layout(data_dir):
+    """RMSNorm, RoPE, swiglu dense MLPs and experts, no biases, grouped-query attention (2 key/value
+    heads for 4 query heads), QK-norm and an untied output layer: tp2 x ep2, pp2 x ep2 and ep4 give
+    the one-rank run's losses; the tp2 x ep2 checkpoint exports to the one-rank run's weights
+    (QKV of fewer key/value heads, the swiglu ``linear_fc1`` and the QK-norms joined) and loads into
+    the one-rank model (weights only), whose next step computes the uninterrupted run's loss. The
+    dense model (``--dense``) trained at tp2 and upcycled (``moe-plugin upcycle``) computes the dense
+    model's next loss on one rank."""
+    from moe_plugin.checkpoint import upcycle_checkpoint
+    from moe_plugin.checkpoint.export import export_checkpoint, load_export
+
+    saved, dense, upcycled = data_dir / "llama-tp2-ckpt", data_dir / "llama-dense-ckpt", data_dir / "llama-upcycled"
+    layouts = _runs(data_dir, 4, [   # one spawn, the layouts one after the other; tp2 x ep2 saves after STEPS
+        (f"llama-{name}", parallel, stage, LLAMA + (("--save", str(saved)) if name == "tp2-ep2" else ()), 1, LLAMA_MOE)
+        for name, (parallel, stage) in LLAMA_LAYOUTS.items()] + [   # and the dense model at tp2, saved after STEPS
+        ("llama-dense", LLAMA_LAYOUTS["tp2-ep2"][0], 1, LLAMA + ("--dense", "--train-iters", str(STEPS + 1),
+                                                                  "--save", str(dense), "--save-interval", str(STEPS)),
+         1, LLAMA_MOE)])
+    dense_next = layouts.pop("llama-dense")[STEPS:]
+    upcycle_checkpoint(dense, {"moe": LLAMA_MOE}, upcycled, tag=f"step{STEPS}", progress=lambda line: None)
+    ones = _runs(data_dir, 1, [   # uninterrupted (saved after STEPS), then resumed from the tp2 checkpoint
+        ("llama-one", {}, 1, LLAMA + ("--train-iters", str(STEPS + 1), "--save-interval", str(STEPS), "--save",
+                                      str(data_dir / "llama-one-ckpt")), 1, LLAMA_MOE),
+        ("llama-one-resumed", {}, 1, LLAMA + ("--train-iters", str(STEPS + 1), "--load", str(saved),
+                                              "--no-load-optim"), STEPS + 1, LLAMA_MOE),
+        ("llama-upcycled", {}, 1, LLAMA + ("--train-iters", str(STEPS + 1), "--load", str(upcycled)), STEPS + 1,
+         LLAMA_MOE)])
+    one = ones["llama-one"]
+    for name, got in layouts.items():
+        assert got == pytest.approx(one[:STEPS], rel=1e-5), (name, got, one)
+    assert ones["llama-one-resumed"] == pytest.approx(one[STEPS:], rel=1e-5), (ones, one)
+    # upcycled from the dense model's step STEPS: the MoE model computes the dense function at first
+    assert ones["llama-upcycled"] == pytest.approx(dense_next, rel=1e-5), (ones["llama-upcycled"], dense_next)
+    exports = {}
+    for run, path in (("one", data_dir / "llama-one-ckpt"), ("tp2", saved)):
+        export_checkpoint(path, data_dir / f"llama-{run}-export", tag=f"step{STEPS}", progress=lambda line: None)
+        exports[run] = load_export(data_dir / f"llama-{run}-export")
+    (mine, config), (theirs, _) = exports["tp2"], exports["one"]
+    assert (config["position_embedding_type"], config["rotary_base"]) == ("rope", 5000.0), config
+    assert {k: config["transformer_config"][k] for k in ("normalization", "num_query_groups", "qk_layernorm")} == \
+        {"normalization": "RMSNorm", "num_query_groups": 2, "qk_layernorm": True}
+    assert sorted(mine) == sorted(theirs) and "decoder.layers.0.self_attention.q_layernorm.weight" in mine
+    for key, value in theirs.items():   # 8 Adam steps of lr <= 8e-4: layouts round differently, in lr units
+        torch.testing.assert_close(mine[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")

@@ -194,6 +194,12 @@ def _dataset(tmp_path, largest: int):
      r"^error: moe\.layers: got \[0, 2\]; names layer 2, but the model has 2 layers \(--num-layers\)"),
     ([], {"gradient_accumulation_steps": 1.5}, r"^error: gradient_accumulation_steps: got 1\.5; expected an integer"),
     ([], {"gradient_accumulation_steps": 0}, r"^error: gradient_accumulation_steps: got 0; expected an integer"),
+    (["--num-query-groups", "2"], None, r"^error: --num-query-groups: got 2; needs --group-query-attention"),
+    (["--group-query-attention", "--num-query-groups", "3"], None,
+     r"^error: --num-query-groups: got 3; must divide --num-attention-heads \(2\)"),
+    (["--rotary-base", "5000"], None, r"^error: --rotary-base: got 5000\.0; needs --position-embedding-type rope"),
+    (["--group-query-attention"], {"moe": {"num_experts": 4, "parallel": {"tensor": 2}}},
+     r"^error: --num-query-groups: got 1; must be a multiple of moe\.parallel\.tensor \(2\)"),
 ])
 def test_example_refuses_before_anything_is_written(tmp_path, monkeypatch, capsys, argv, ds_change, message):
     import re

@@ -136,6 +136,22 @@ def test_spec_transformations_keep_the_kind_and_swap_only_the_cpu_pieces():
         check_against_model(MoEConfig.from_dict({"num_experts": 4, "second_expert_policy": "all",
                                                  "aux_loss_scope": "global"}), recompute)
 
+    # Grouped-query attention: each TP rank holds whole query groups.
+    with pytest.raises(ConfigError, match=r"^moe\.parallel\.tensor: got 2; must divide the TransformerConfig's "
+                                          r"num_query_groups \(1\)"):
+        check_against_model(MoEConfig.from_dict({"num_experts": 4, "parallel": {"tensor": 2}}),
+                            _config(tp=2, num_query_groups=1))
+
+    # QK-norm: the norm of the config, marked for the sum over TP (each rank normalises its own heads).
+    from moe_plugin.integration.cpu_modules import TorchQKNorm
+    from moe_plugin.integration.megatron import gpt_moe_spec
+
+    llama = _config(normalization="RMSNorm", qk_layernorm=True)
+    attention = gpt_moe_spec(moe, llama, cpu=True, pp_rank=0).layer_specs[0].submodules.self_attention.submodules
+    assert attention.q_layernorm is TorchQKNorm and attention.k_layernorm is TorchQKNorm
+    norm = TorchQKNorm(llama, 8, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == 1e-6 and norm.weight.sequence_parallel
+
     with pytest.raises(TypeError, match="ModuleSpec of TransformerLayer"):
         moe_layer_spec(base.submodules.self_attention, moe)
     with pytest.raises(ValueError, match="build the base spec dense"):

@@ -5,7 +5,8 @@ and ``GPTModel`` arguments of the imported architecture and the example's flags 
 Shapes alone do not tell a RoPE model from one with learned positions (which has one more weight,
 but a missing one is named by key, not by flag), RMSNorm from LayerNorm without biases, or two
 norm epsilons apart: ``architecture_problems`` names each field that differs and the flag that sets
-it. Checkpoints without the record (saved by a training run) are not checked here.
+it. Checkpoints without the record (saved by a training run) are compared on their ``"model"``
+record instead (``metadata.architecture_differences``).
 """
 from __future__ import annotations
 

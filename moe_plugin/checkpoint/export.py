@@ -4,13 +4,15 @@
     state, config = load_export("exported")
     model = GPTModel(exported_transformer_config(config), gpt_moe_spec(exported_moe_config(config), ...),
                      vocab_size=config["vocab_size"], max_sequence_length=config["max_sequence_length"],
-                     share_embeddings_and_output_weights=config["share_embeddings_and_output_weights"])
+                     share_embeddings_and_output_weights=config["share_embeddings_and_output_weights"],
+                     position_embedding_type=config["position_embedding_type"], rotary_base=config["rotary_base"])
     model.load_state_dict(state)                     # under a 1-rank layout: every parallel size 1
 
 Written into ``out_dir``: ``model.safetensors`` (every tensor of the ``GPTModel``'s state dict,
 floating point ones as fp32) and ``config.json`` (``transformer_config``: the TransformerConfig
 fields JSON can hold, parallel sizes set to 1; ``vocab_size``; ``max_sequence_length``;
-``share_embeddings_and_output_weights``; the ``moe`` block with parallel sizes 1; ``source``: the
+``share_embeddings_and_output_weights``; ``position_embedding_type`` and ``rotary_base`` (GPTModel's
+arguments); the ``moe`` block with parallel sizes 1; ``source``: the
 checkpoint, tag, step and saved layout).
 
 How: every file is first checked against the checksums the save recorded. Dense weights come
@@ -38,7 +40,8 @@ import torch
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.files import read_torch, verify_all
-from moe_plugin.checkpoint.metadata import expert_file, placement_key, read_latest, read_metadata, saved_model_files
+from moe_plugin.checkpoint.metadata import (POSITION_DEFAULTS, expert_file, placement_key, read_latest, read_metadata,
+                                            saved_model_files)
 from moe_plugin.checkpoint.shards import tp_join
 
 logger = logging.getLogger(__name__)
@@ -202,7 +205,8 @@ def export_config(meta: dict, path: str) -> dict:
     return {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "weights": WEIGHTS_FILE,
             "transformer_config": {**model["transformer_config"], **ONE_RANK},
             "vocab_size": model["vocab_size"], "max_sequence_length": model["max_sequence_length"],
-            "share_embeddings_and_output_weights": bool(model.get("tied", False)), "moe": moe,
+            "share_embeddings_and_output_weights": bool(model.get("tied", False)),
+            **{k: model.get(k, default) for k, default in POSITION_DEFAULTS.items()}, "moe": moe,
             "source": {"checkpoint": path, "tag": meta["tag"], "global_steps": meta["global_steps"],
                        "layout": meta["layout"], "zero_stage": meta["zero_stage"]}}
 

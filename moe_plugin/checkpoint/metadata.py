@@ -31,6 +31,12 @@ MODEL_KEYS = ("num_experts", "top_k", "router", "normalize_gates", "second_exper
               "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate", "layer_interval", "layers",
               "score_function", "gate_scale", "group_topk", "router_groups")
 SINCE_DEFAULTS = {"score_function": "softmax", "gate_scale": 1.0}
+# The model's architecture beyond its shapes, from the ``"model"`` record: TransformerConfig fields
+# and GPTModel's position arguments (``rotary_base`` compared under RoPE only). A record without a
+# position key (saved before it was recorded) counts as GPTModel's default.
+ARCHITECTURE_KEYS = ("normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear",
+                     "num_query_groups", "qk_layernorm")
+POSITION_DEFAULTS = {"position_embedding_type": "learned_absolute", "rotary_base": 10000}
 # Which tokens a rank sees (and so its RNG streams: dropout, router noise) depends on these only.
 TOKEN_LAYOUT_KEYS = ("world_size", "tp", "pp", "dp", "order")
 
@@ -147,8 +153,8 @@ def model_description(model: nn.Module) -> dict:
     """What this rank knows of the model for rebuilding it on one rank: ``transformer_config``,
     ``vocab_size``, ``max_sequence_length`` (from the word embedding; a pipeline's first stage),
     ``tied`` (the word embedding and the output layer share their weight), ``position_embedding_type``
-    and ``rotary_base`` (where the model has them). Merged over the ranks
-    by ``merge_descriptions``."""
+    and ``rotary_base`` (``GPTModel``'s and ``GPTPipelineModule``'s attributes, where the model has
+    them). Merged over the ranks by ``merge_descriptions``."""
     out: dict = {}
     config = getattr(model, "config", None)
     if config is None:
@@ -161,21 +167,39 @@ def model_description(model: nn.Module) -> dict:
             out["vocab_size"] = int(module.vocab_size)
             out["max_sequence_length"] = int(module.max_sequence_length)
             break
-    for name in ("position_embedding_type", "rotary_base"):   # GPTModel's and gpt_pipeline_module's arguments
-        if getattr(model, name, None) is not None:
-            out[name] = getattr(model, name)
     tied = getattr(model, "share_embeddings_and_output_weights", None)
     if tied is None:  # a pipeline stage: the tie marks its copy (GPTPipelineModule)
         tied = bool(getattr(model, "tied_weights", None)) or any(
             getattr(p, "shared_embedding", False) for p in model.parameters())
     out["tied"] = bool(tied)
+    for key in POSITION_DEFAULTS:
+        value = _json_value(getattr(model, key, None))
+        if value is not None and value is not _SKIP:
+            out[key] = value
     return out
+
+
+def architecture_differences(saved: Optional[dict], mine: dict) -> list[str]:
+    """What differs between the architecture of a checkpoint's ``"model"`` record and the running
+    model's (``model_description``), naming each key; nothing where either lacks the record."""
+    if not saved or "transformer_config" not in saved or "transformer_config" not in mine:
+        return []
+    theirs, ours = saved["transformer_config"], mine["transformer_config"]
+    out = [f"{k}: {theirs.get(k)!r} in the checkpoint, {ours.get(k)!r} in the model"
+           for k in ARCHITECTURE_KEYS if theirs.get(k) != ours.get(k)]
+    positions = {k: (saved.get(k, default), mine.get(k, default)) for k, default in POSITION_DEFAULTS.items()}
+    if "position_embedding_type" not in mine:   # a model of the user's own, without GPTModel's attributes
+        return out
+    kinds = positions["position_embedding_type"]
+    compared = ["position_embedding_type"] + (["rotary_base"] if kinds == ("rope", "rope") else [])
+    return out + [f"{k}: {positions[k][0]!r} in the checkpoint, {positions[k][1]!r} in the model"
+                  for k in compared if positions[k][0] != positions[k][1]]
 
 
 def merge_descriptions(parts: list[dict]) -> dict:
     """One model description from every rank's (``model_description``)."""
     out: dict = {"tied": any(p.get("tied", False) for p in parts)}
-    for key in ("transformer_config", "vocab_size", "max_sequence_length", "position_embedding_type", "rotary_base"):
+    for key in ("transformer_config", "vocab_size", "max_sequence_length", *POSITION_DEFAULTS):
         found = [p[key] for p in parts if key in p]
         if found:
             out[key] = found[0]
@@ -331,10 +355,13 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
     saved = {k: meta["moe"].get(k, SINCE_DEFAULTS.get(k)) for k in MODEL_KEYS}
     problems = [f"moe.{k}: {saved[k]!r} in the checkpoint, {mine.get(k)!r} in the model"
                 for k in MODEL_KEYS if saved[k] != mine.get(k)]
-    if not problems:
+    running = model_description(engine.module)
+    if meta.get("architecture"):   # import-hf's record: every field the flags set, named with its flag
         from moe_plugin.checkpoint.architecture import architecture_problems
 
-        problems += architecture_problems(meta, model_description(engine.module))
+        problems += architecture_problems(meta, running)
+    else:
+        problems += architecture_differences(meta.get("model"), running)
     stage = stage_view(meta, engine.module, groups) if not problems else None
     if stage is not None:
         shapes = full_shapes(engine.module, groups)

@@ -163,9 +163,10 @@ def _moe_config_of(source: Any) -> MoEConfig:
 def check_against_model(moe_config: MoEConfig, config: TransformerConfig) -> None:
     """The ``"moe"`` block must describe the Megatron model: its layer list within the model,
     its tensor / pipeline / sequence parallelism equal to the ``TransformerConfig``'s, TP dividing
-    the query groups (Megatron would also take TP a multiple of them: not on CPU), no router
-    noise where Megatron recomputes the MLP (the router's generator is not rewound), and no
-    global-batch balance loss there (a recomputed forward would count its load again)."""
+    the query groups (Megatron's replicated key/value heads for fewer groups than TP ranks are not
+    supported: ``SDPAttention`` and the checkpoint cuts take whole groups), no router noise where
+    Megatron recomputes the MLP (the router's generator is not rewound), and no global-batch
+    balance loss there (a recomputed forward would count its load again)."""
     outside = [i for i in (moe_config.layers or []) if i >= config.num_layers]
     if outside:
         raise ConfigError("moe.layers", moe_config.layers, f"the model has {config.num_layers} layers (0-based "
