@@ -14,8 +14,9 @@ stage as the one-rank model ties them (the example's default, Megatron-LM's), an
 ``GPTModel`` and a checkpoint of that loads back into pp2 x ep2, with the one-rank run's losses.
 
 The Llama-style model (``LLAMA``: every architecture flag at once, swiglu experts) gives the one-rank
-losses to 1e-5 under tp2 x ep2, pp2 x ep2 and ep4 (one 4-rank spawn runs the three); its tp2 x ep2
-checkpoint exports to the one-rank run's weights and loads into the one-rank model.
+losses to 1e-5 under tp2 x ep2, pp2 x ep2, ep4 and tp2 x pp2 x ep2 (one 4-rank spawn runs them); its
+tp2 x ep2 checkpoint exports to the one-rank run's weights and loads into the one-rank model, and its
+dense model (``--dense``) upcycled computes the dense model's next loss.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ LLAMA_LAYOUTS = {   # 4 ranks each: moe.parallel, ZeRO stage
     "tp2-ep2": ({"tensor": 2, "expert": 2}, 1),
     "pp2-ep2": ({"pipeline": 2, "expert": 2}, 0),
     "ep4": ({"expert": 4}, 1),
+    "tp2-pp2-ep2": ({"tensor": 2, "pipeline": 2, "expert": 2, "expert_tensor": 1}, 1),   # RoPE, QK-norm per stage
 }
 BATCH, MICRO = 8, 2
 # the example's JSON (configs/tiny_cpu_4rank.json): AdamW warmed up over 20 steps
@@ -138,8 +140,8 @@ def test_pipeline_checkpoint_loads_into_the_one_rank_gpt_model_and_back(data_dir
 @pytest.mark.slow
 def test_llama_style_model_under_every_layout(data_dir):
     """RMSNorm, RoPE, swiglu dense MLPs and experts, no biases, grouped-query attention (2 key/value
-    heads for 4 query heads), QK-norm and an untied output layer: tp2 x ep2, pp2 x ep2 and ep4 give
-    the one-rank run's losses; the tp2 x ep2 checkpoint exports to the one-rank run's weights
+    heads for 4 query heads), QK-norm and an untied output layer: tp2 x ep2, pp2 x ep2, ep4 and
+    tp2 x pp2 x ep2 give the one-rank run's losses; the tp2 x ep2 checkpoint exports to the one-rank run's weights
     (QKV of fewer key/value heads, the swiglu ``linear_fc1`` and the QK-norms joined) and loads into
     the one-rank model (weights only), whose next step computes the uninterrupted run's loss. The
     dense model (``--dense``) trained at tp2 and upcycled (``moe-plugin upcycle``) computes the dense
