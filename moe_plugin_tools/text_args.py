@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from pathlib import Path
 
 DEFAULT_WORKERS = max(1, min(8, os.cpu_count() or 1))
@@ -55,13 +56,21 @@ def add_text_parsers(commands: argparse._SubParsersAction) -> None:
 def preprocess(args: argparse.Namespace) -> None:
     from moe_plugin.data.preprocess import preprocess_jsonl
 
-    done = preprocess_jsonl(args.input, args.tokenizer, args.output_prefix, json_keys=args.json_keys,
-                            append_eod=args.append_eod, workers=args.workers, overwrite=args.overwrite,
-                            progress=not args.no_progress)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)   # unwind: the temporary files go, as on Ctrl-C
+    try:
+        done = preprocess_jsonl(args.input, args.tokenizer, args.output_prefix, json_keys=args.json_keys,
+                                append_eod=args.append_eod, workers=args.workers, overwrite=args.overwrite,
+                                progress=not args.no_progress)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     for key, prefix in done.prefixes.items():
         skipped = f", {done.skipped[key]:,} empty left out" if done.skipped[key] else ""
         print(f"{prefix}.bin/.idx: {done.documents[key]:,} documents{skipped}, {done.tokens[key]:,} {done.dtype} "
               f"tokens; vocabulary {done.vocab_size:,}, EOS {done.eod} (train with --data-path {prefix})")
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def train_tokenizer(args: argparse.Namespace) -> None:

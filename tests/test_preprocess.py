@@ -14,7 +14,7 @@ and the GPT example trained on their output.
   no string, a directory without a tokenizer, a tokenizer without EOS, transformers missing, an
   existing output without ``--overwrite``; the example's ``--tokenizer`` without ``--data-path``
   and a ``--tokenizer`` whose vocabulary disagrees with the data's ``PREFIX.json``.
-* The example through the ``deepspeed`` launcher, 2 ranks (dp 2 x ep 2), 2 steps on the
+* The example through the ``deepspeed`` launcher, 1 rank (8 experts), 2 steps on the
   preprocessed data with ``--tokenizer``: vocabulary 1,000 padded to 1,024, first loss ln(1024).
 """
 from __future__ import annotations
@@ -49,9 +49,10 @@ def _refused(capsys, argv: list, match: str) -> str:
 
 
 def _ds_config(path: Path) -> Path:
-    """The example's 4-rank JSON for 2 ranks (dp 2 x ep 2)."""
+    """The example's 4-rank JSON for 1 rank (8 experts, all on it)."""
     config = json.loads((REPO / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json").read_text())
-    config.update(train_batch_size=8, csv_monitor={"enabled": False})
+    config.update(train_batch_size=4, csv_monitor={"enabled": False})
+    config["moe"]["parallel"]["expert"] = 1
     path.write_text(json.dumps(config))
     return path
 
@@ -197,9 +198,10 @@ def test_example_refuses_a_tokenizer_that_does_not_fit_the_data(text, tmp_path, 
     from test_example import _script
 
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")   # the JSON's layout (ep 2); the checks run before any process group
+    monkeypatch.setenv("WORLD_SIZE", "1")
     (tmp_path / "in.jsonl").write_text('{"text": "w1 w2"}\n{"text": "w3"}\n')
-    common = ["--deepspeed_config", str(_ds_config(tmp_path / "ds.json")), "--run-dir", str(tmp_path / "run"), "--data-cache", str(tmp_path / "cache")]
+    common = ["--deepspeed_config", str(_ds_config(tmp_path / "ds.json")), "--run-dir", str(tmp_path / "run"),
+              "--data-cache", str(tmp_path / "cache")]
     script = _script()
     assert script.main([*common, "--tokenizer", str(text.tokenizer)]) == 2
     assert re.search(r"--tokenizer: got '.*tok'; gives the vocabulary of --data-path data, which is not given",
@@ -217,12 +219,12 @@ def test_example_refuses_a_tokenizer_that_does_not_fit_the_data(text, tmp_path, 
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 
 
-@pytest.mark.slow   # the deepspeed launcher, 2 ranks
+@pytest.mark.slow   # the deepspeed launcher
 def test_example_trains_on_the_preprocessed_data_through_the_launcher(text, two_workers, tmp_path, launcher_port):
     run = tmp_path / "run"
-    done = deepspeed("--num_gpus", "2", "--master_port", str(launcher_port), str(SCRIPT),
-                     "--deepspeed_config", str(_ds_config(tmp_path / "ds.json")), "--num-layers", "2", "--hidden-size", "32",
-                     "--num-attention-heads", "2", "--ffn-hidden-size", "64", "--seq-length", "32",
+    done = deepspeed("--num_gpus", "1", "--master_port", str(launcher_port), str(SCRIPT),
+                     "--deepspeed_config", str(_ds_config(tmp_path / "ds.json")), "--num-layers", "2",
+                     "--hidden-size", "32", "--num-attention-heads", "2", "--ffn-hidden-size", "64", "--seq-length", "32",
                      "--train-iters", "2", "--eval-interval", "0", "--eval-iters", "1", "--log-interval", "1",
                      "--valid-fraction", "0.25", "--data-path", str(two_workers), "--tokenizer", str(text.tokenizer),
                      "--run-dir", str(run), "--data-cache", str(tmp_path / "cache"), "--no-plot",

@@ -199,7 +199,8 @@ def check_preprocess_args(input_path: Path, output_prefix: PathLike, json_keys: 
         raise ConfigError("--output-prefix", prefix, "expected a path prefix without .bin/.idx, e.g. data/my-corpus "
                           "(written: data/my-corpus.bin and .idx)")
     prefixes = output_prefixes(prefix, json_keys)
-    existing = [f"{p}{ext}" for p in prefixes.values() for ext in (".bin", ".idx", ".json") if Path(f"{p}{ext}").exists()]
+    existing = [f"{p}{ext}" for p in prefixes.values() for ext in (".bin", ".idx", ".json")
+                if Path(f"{p}{ext}").exists()]
     if existing and not overwrite:
         raise ConfigError("--output-prefix", prefix, f"{', '.join(existing)} exist(s); pass --overwrite to replace "
                           "them")
