@@ -14,8 +14,10 @@ What Megatron-LM's ``tools/preprocess_data.py`` does for GPT data, with this pac
   as Megatron-LM leaves it out.
 * Token type on disk from the vocabulary size (``len(tokenizer)``): Megatron-Core's
   ``DType.optimal_dtype``, uint16 below 65,500, else int32.
-* Workers: ``workers`` processes (spawned; each loads the tokenizer once) encode chunks of lines;
-  the results come back in input order, so the output is the same for any number of workers.
+* Workers: ``workers`` processes (spawned; each loads the tokenizer once) encode chunks of lines,
+  a few chunks ahead of the writer; the results are written in input order, so the output is
+  the same for any number of workers. (Spawned: a script that calls this with ``workers > 1``
+  needs the ``if __name__ == "__main__":`` guard.)
 * Checked before any work: the input file, the tokenizer directory (and its EOS token when
   needed), an existing output (refused unless ``overwrite``), the first line. A later line that
   is not a JSON object, lacks a key or holds no string stops the run with a ``ConfigError``
@@ -35,6 +37,7 @@ import multiprocessing
 import os
 import sys
 import warnings
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -47,7 +50,8 @@ from moe_plugin.configs.errors import ConfigError
 from moe_plugin.data.hf_tokenizer import load_hf_tokenizer
 
 PathLike = Union[str, os.PathLike]
-CHUNK_BYTES = 1 << 18   # lines sent to a worker at a time, about this many bytes (at least one line)
+CHUNK_BYTES = 1 << 18   # lines sent to a worker at a time: about this many bytes (at least one line), less
+                        # for a small input so that every worker gets some
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,18 @@ def _encode_chunk(lines: list[tuple[int, bytes]]):
     return _worker.chunk(lines)
 
 
+def _in_order(pool, chunks: Iterator, window: int) -> Iterator:
+    """The workers' results in input order, at most ``window`` chunks read ahead (``Pool.imap`` would
+    read the whole input into its queue when the workers are slower than the disk)."""
+    pending: deque = deque()
+    for chunk in chunks:
+        pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
 def output_prefixes(output_prefix: PathLike, json_keys: Sequence[str]) -> dict:
     """json key -> the prefix its dataset is written to (``PREFIX`` for one key, ``PREFIX_<key>`` for several)."""
     prefix = str(output_prefix)
@@ -133,12 +149,6 @@ def preprocess_jsonl(input: PathLike, tokenizer_dir: PathLike, output_prefix: Pa
                      json_keys: Sequence[str] = ("text",), append_eod: bool = True, workers: int = 1,
                      overwrite: bool = False, progress: bool = True) -> Preprocessed:
     """Tokenize the JSON lines of ``input`` into ``output_prefix.{bin,idx}`` (see the module docstring)."""
-    with warnings.catch_warnings():   # Megatron-Core's package imports its optimizer: "Apex is not installed"
-        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed")
-        from megatron.core.datasets.indexed_dataset import DType   # and torch
-
-        from moe_plugin.data.indexed import IndexedWriter
-
     input_path = Path(input)
     json_keys = list(json_keys)
     prefixes = check_preprocess_args(input_path, output_prefix, json_keys, workers, overwrite)
@@ -148,9 +158,14 @@ def preprocess_jsonl(input: PathLike, tokenizer_dir: PathLike, output_prefix: Pa
     if append_eod and eod is None:
         raise ConfigError("--tokenizer", str(tokenizer_dir), "has no EOS token to end each document with "
                           "(eos_token in its tokenizer_config.json); set one, or pass --no-append-eod")
-    dtype = DType.optimal_dtype(vocab_size)
     first = _first_line(input_path)
     texts_of(first[1], first[0], str(input_path), json_keys)   # a wrong key or a non-JSON file: refused now
+    with warnings.catch_warnings():   # Megatron-Core's package imports its optimizer: "Apex is not installed"
+        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed")
+        from megatron.core.datasets.indexed_dataset import DType   # and torch
+
+        from moe_plugin.data.indexed import IndexedWriter
+    dtype = DType.optimal_dtype(vocab_size)
 
     skipped = dict.fromkeys(json_keys, 0)
     bar = _progress_bar(input_path, prefixes, progress)
@@ -158,12 +173,14 @@ def preprocess_jsonl(input: PathLike, tokenizer_dir: PathLike, output_prefix: Pa
         stack.callback(bar.close)
         writers = {key: stack.enter_context(IndexedWriter(prefix, dtype)) for key, prefix in prefixes.items()}
         if workers == 1:
-            results: Iterator = map(_Encoder(tokenizer, str(input_path), json_keys, eod).chunk, _chunks(input_path))
+            results: Iterator = map(_Encoder(tokenizer, str(input_path), json_keys, eod).chunk,
+                                    _chunks(input_path, CHUNK_BYTES))
         else:
             context = multiprocessing.get_context("spawn")   # no forked copy of the caller's threads
             pool = stack.enter_context(context.Pool(workers, initializer=_start_worker,
                                                     initargs=(str(tokenizer_dir), str(input_path), json_keys, eod)))
-            results = pool.imap(_encode_chunk, _chunks(input_path))
+            size = max(1, min(CHUNK_BYTES, input_path.stat().st_size // (4 * workers)))
+            results = _in_order(pool, _chunks(input_path, size), window=2 * workers)
         for size, per_line in results:
             for arrays in per_line:
                 for key, ids in zip(json_keys, arrays):
@@ -236,14 +253,14 @@ def _first_line(path: Path) -> tuple[int, bytes]:
     raise ConfigError("--input", str(path), "holds no JSON line: the file is empty", shown="an empty file")
 
 
-def _chunks(path: Path) -> Iterator[list[tuple[int, bytes]]]:
-    """The lines with their 1-based numbers, in chunks of about ``CHUNK_BYTES``."""
+def _chunks(path: Path, chunk_bytes: int) -> Iterator[list[tuple[int, bytes]]]:
+    """The lines with their 1-based numbers, in chunks of about ``chunk_bytes``."""
     chunk, size = [], 0
     with open(path, "rb") as stream:
         for number, line in enumerate(stream, start=1):
             chunk.append((number, line))
             size += len(line)
-            if size >= CHUNK_BYTES:
+            if size >= chunk_bytes:
                 yield chunk
                 chunk, size = [], 0
     if chunk:
