@@ -12,6 +12,9 @@
     moe-plugin upcycle DENSE_CKPT --config ds.json --out MOE_CKPT [--granularity G] [--tag TAG] [--reset-iteration]
     moe-plugin import-hf HF_DIR --config ds.json --out CKPT [--tag TAG]
     moe-plugin export-hf CKPT --out HF_DIR [--arch mixtral|qwen3_moe|qwen2_moe|llama|mistral|qwen3] [--max-shard-size 5GB]
+    moe-plugin preprocess --input FILE.jsonl --tokenizer HF_DIR --output-prefix P [--json-keys text] [--workers N]
+    moe-plugin train-tokenizer --input FILE.jsonl --out HF_DIR [--vocab-size 4096]
+    moe-plugin stdlib-jsonl OUT.jsonl [--corpus-bytes N]
 
 A bad config or bad sizes exit with status 2 and one line ``error: <message>`` on stderr (rank 0
 only, when started by a launcher). ``check-config`` with a world size also checks DeepSpeed's
@@ -35,6 +38,7 @@ from moe_plugin.groups.layout import RankLayout
 from moe_plugin_tools.layout_views import group_lists, rank_groups
 from moe_plugin_tools.plan_args import add_plan_parser
 from moe_plugin_tools.report import write_report
+from moe_plugin_tools.text_args import add_text_parsers
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json"
 # `layout` takes sizes as flags; name the flag, not the config key, in its errors.
@@ -244,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(commands, bench_layer, bench_step)
     add_plan_parser(commands)
+    add_text_parsers(commands)
     return parser
 
 

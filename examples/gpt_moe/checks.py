@@ -96,6 +96,13 @@ def check_flags(args: argparse.Namespace) -> None:
                                            and Path(args.data_path + ".idx").exists()):
         raise ConfigError("--data-path", args.data_path, "expected the prefix of PREFIX.bin and PREFIX.idx "
                           "(Megatron's indexed format), e.g. data/my-corpus_text_document")
+    tokenizer = getattr(args, "tokenizer", None)
+    if tokenizer is not None and args.data_path is None:
+        raise ConfigError("--tokenizer", tokenizer, "gives the vocabulary of --data-path data, which is not given "
+                          "(the stdlib corpus is byte tokens)")
+    if tokenizer is not None and args.vocab_size is not None:
+        raise ConfigError("--vocab-size", args.vocab_size, "--tokenizer gives the vocabulary already; pass one of "
+                          "the two")
 
 
 def check_architecture(args: argparse.Namespace) -> None:

@@ -166,7 +166,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     data.add_argument("--corpus-bytes", type=int, default=4 << 20, help="size cap of the stdlib corpus")
     data.add_argument("--valid-fraction", type=float, default=0.05, help="documents held out for validation")
     data.add_argument("--vocab-size", type=int, default=None,
-                      help="tokenizer vocabulary of --data-path data (default: its largest token id + 1)")
+                      help="tokenizer vocabulary of --data-path data (default: the one PREFIX.json of moe-plugin "
+                      "preprocess records, else its largest token id + 1)")
+    data.add_argument("--tokenizer", default=None, help="the Hugging Face tokenizer directory the --data-path data "
+                      "was preprocessed with: its vocabulary size (needs the hf extra)")
     data.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     train.add_argument("--profile", action="store_true",
                        help="time the parts of the steps from --profile-step-start to --profile-step-end (attention, "
@@ -239,8 +242,7 @@ def build_data(args: argparse.Namespace, plan: RunPlan) -> Data:
                 f"byte tokens, sha256 {manifest['sha256'][:12]} ({prefix})")
     else:
         prefix = args.data_path
-        vocab = args.vocab_size
-        what = f"indexed dataset {prefix}"
+        vocab, what = data_vocab_size(args)
     dataset = read_indexed(prefix)   # the .idx/.bin pair checked against each other (ConfigError naming the file)
     largest = max_token_id(f"{prefix}.bin", dataset.index.dtype, args.data_cache)
     if vocab is None:
@@ -266,6 +268,35 @@ def build_data(args: argparse.Namespace, plan: RunPlan) -> Data:
              f"validation {len(valid_docs)} documents, {len(valid):,} samples; vocabulary {vocab} padded to {padded}")
     return Data(train, valid, GlobalBatches(len(train), plan.global_batch_size, seed=args.seed),
                 GlobalBatches(len(valid), plan.global_batch_size, shuffle=False), padded, what)
+
+
+def data_vocab_size(args: argparse.Namespace) -> tuple[Optional[int], str]:
+    """(vocabulary, description) of ``--data-path`` data: ``--vocab-size``, ``--tokenizer``'s size, or
+    the size ``PREFIX.json`` records (``moe-plugin preprocess``); None: the data's largest id + 1.
+    A ``--tokenizer`` or ``--vocab-size`` that disagrees with ``PREFIX.json`` is refused."""
+    manifest_path = Path(f"{args.data_path}.json")
+    try:
+        manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    except (OSError, ValueError):
+        manifest = {}
+    recorded = manifest.get("vocab_size") if isinstance(manifest, dict) else None
+    what = f"indexed dataset {args.data_path}"
+    if args.tokenizer is not None:
+        from moe_plugin.data.hf_tokenizer import load_hf_tokenizer
+
+        vocab, flag = len(load_hf_tokenizer(args.tokenizer, "--tokenizer")), "--tokenizer"
+        what += f", tokenizer {args.tokenizer}"
+    elif args.vocab_size is not None:
+        vocab, flag = args.vocab_size, "--vocab-size"
+    elif isinstance(recorded, int):
+        return recorded, what + f", tokenizer {manifest.get('tokenizer')} ({manifest_path})"
+    else:
+        return None, what
+    if isinstance(recorded, int) and recorded != vocab:
+        raise ConfigError(flag, args.tokenizer if flag == "--tokenizer" else vocab, f"{manifest_path} records a "
+                          f"vocabulary of {recorded:,} (tokenizer {manifest.get('tokenizer')}), this gives {vocab:,}: "
+                          "the data was preprocessed with another tokenizer")
+    return vocab, what
 
 
 # --- 3. model and engine -------------------------------------------------------------------------

@@ -1,35 +1,49 @@
-"""Data for GPT training: Megatron's indexed format, a byte tokenizer, the embedded stdlib corpus,
+"""Data for GPT training: Megatron's indexed format, tokenizers, the embedded stdlib corpus,
 samples over a document stream with a held-out split, and layout-independent global batches.
 
 * ``tokenizer``: ``ByteTokenizer`` (256 bytes + end of document), ``pad_vocab_size``.
-* ``indexed``: ``read_indexed`` / ``write_indexed`` through Megatron-Core's ``IndexedDataset``.
+* ``hf_tokenizer``: ``load_hf_tokenizer`` (a Hugging Face tokenizer directory; the ``hf`` extra),
+  ``train_bpe_tokenizer`` (a small byte-level BPE, trained here).
+* ``preprocess``: ``preprocess_jsonl``, JSON lines of text to an indexed dataset with several workers.
+* ``indexed``: ``read_indexed`` / ``write_indexed`` / ``IndexedWriter`` through Megatron-Core's
+  ``IndexedDataset``.
 * ``stdlib_corpus``: ``ensure_stdlib_corpus(cache_dir)``, the Python stdlib as an offline corpus.
 * ``samples``: ``split_documents``, ``TokenSamples`` (windows of seq_length + 1 tokens).
 * ``batches``: ``GlobalBatches``, the seeded per-step global batch and each rank's rows of it.
 
-Importing this package imports Megatron-Core's dataset module (and torch), not its models.
+Names are imported on first use: importing the package is light, ``read_indexed`` and the
+others that use Megatron-Core's dataset module import it (and torch), the Hugging Face ones
+import ``transformers``.
 """
-from moe_plugin.data.batches import GlobalBatches
-from moe_plugin.data.indexed import (
-    document_sequences,
-    indexed_exists,
-    num_documents,
-    read_indexed,
-    write_indexed,
-)
-from moe_plugin.data.samples import TokenSamples, split_documents
-from moe_plugin.data.stdlib_corpus import (
-    DEFAULT_MAX_BYTES,
-    corpus_manifest,
-    corpus_prefix,
-    ensure_stdlib_corpus,
-    stdlib_documents,
-    stdlib_files,
-)
-from moe_plugin.data.tokenizer import ByteTokenizer, pad_vocab_size
+from moe_plugin.lazy import lazy_getattr
 
-__all__ = [
-    "DEFAULT_MAX_BYTES", "ByteTokenizer", "GlobalBatches", "TokenSamples", "corpus_manifest", "corpus_prefix",
-    "document_sequences", "ensure_stdlib_corpus", "indexed_exists", "num_documents", "pad_vocab_size",
-    "read_indexed", "split_documents", "stdlib_documents", "stdlib_files", "write_indexed",
-]
+_LAZY = {
+    "GlobalBatches": "batches",
+    "IndexedWriter": "indexed",
+    "document_sequences": "indexed",
+    "indexed_exists": "indexed",
+    "num_documents": "indexed",
+    "read_indexed": "indexed",
+    "write_indexed": "indexed",
+    "TokenSamples": "samples",
+    "split_documents": "samples",
+    "DEFAULT_MAX_BYTES": "stdlib_corpus",
+    "corpus_manifest": "stdlib_corpus",
+    "corpus_prefix": "stdlib_corpus",
+    "ensure_stdlib_corpus": "stdlib_corpus",
+    "stdlib_documents": "stdlib_corpus",
+    "stdlib_files": "stdlib_corpus",
+    "stdlib_jsonl": "stdlib_corpus",
+    "ByteTokenizer": "tokenizer",
+    "pad_vocab_size": "tokenizer",
+    "load_hf_tokenizer": "hf_tokenizer",
+    "train_bpe_tokenizer": "hf_tokenizer",
+    "preprocess_jsonl": "preprocess",
+}
+
+__all__ = sorted(_LAZY)
+__getattr__ = lazy_getattr(__name__, _LAZY)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -124,6 +124,64 @@ def check_indexed(prefix: PathLike) -> int:
     return offset // itemsize
 
 
+class IndexedWriter:
+    """Writes ``PREFIX.{bin,idx}`` one document at a time, under temporary names until ``commit``.
+
+        with IndexedWriter("data/corpus", dtype=np.uint16) as writer:
+            for tokens in documents:
+                writer.add(tokens)
+            writer.commit()          # renames into place, the .idx last
+
+    Leaving the ``with`` block without ``commit`` (an error, an interrupt) removes the temporary
+    files: nothing appears under the final names.
+    """
+
+    def __init__(self, prefix: PathLike, dtype: type = np.uint16):
+        self.prefix = str(prefix)
+        self.dtype = dtype
+        self.documents = 0
+        self.tokens = 0
+        Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = f"{self.prefix}.tmp{os.getpid()}"
+        self._builder = IndexedDatasetBuilder(get_bin_path(self._tmp), dtype=dtype)
+
+    def add(self, tokens: np.ndarray) -> None:
+        """Append one document (a non-empty 1-D array of token ids that fit ``dtype``)."""
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError(f"document {self.documents}: expected a non-empty 1-D array of token ids, got shape "
+                             f"{tokens.shape}")
+        info = np.iinfo(self.dtype)
+        if tokens.min() < info.min or tokens.max() > info.max:
+            raise ValueError(f"document {self.documents}: token ids {tokens.min()}..{tokens.max()} do not fit "
+                             f"{self.dtype.__name__}")
+        self._builder.add_item(torch.from_numpy(tokens.astype(self.dtype, copy=False).astype(np.int64)))
+        self._builder.end_document()
+        self.documents += 1
+        self.tokens += tokens.size
+
+    def commit(self) -> None:
+        """Finish the index and rename both files into place (the ``.idx`` last)."""
+        if self.documents == 0:
+            raise ValueError(f"no documents to write to {self.prefix!r}")
+        self._builder.finalize(get_idx_path(self._tmp))
+        os.replace(get_bin_path(self._tmp), get_bin_path(self.prefix))
+        os.replace(get_idx_path(self._tmp), get_idx_path(self.prefix))
+
+    def close(self) -> None:
+        """Close the file and remove what ``commit`` did not rename (safe to call twice)."""
+        self._builder.data_file.close()
+        for path in (get_bin_path(self._tmp), get_idx_path(self._tmp)):
+            if os.path.exists(path):
+                os.remove(path)
+
+    def __enter__(self) -> "IndexedWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def write_indexed(prefix: PathLike, documents: Iterable[np.ndarray], dtype: type = np.uint16,
                   on_document: Optional[Callable[[np.ndarray], None]] = None) -> IndexedDataset:
     """Write ``documents`` (1-D integer arrays, one sequence each) to ``PREFIX.{bin,idx}`` and open it.
@@ -133,35 +191,13 @@ def write_indexed(prefix: PathLike, documents: Iterable[np.ndarray], dtype: type
     document is written (a progress display). Files appear under their final names only when
     everything is written.
     """
-    prefix = str(prefix)
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{prefix}.tmp{os.getpid()}"
-    builder = IndexedDatasetBuilder(get_bin_path(tmp), dtype=dtype)
-    try:
-        count = 0
+    with IndexedWriter(prefix, dtype) as writer:
         for tokens in documents:
-            tokens = np.asarray(tokens)
-            if tokens.ndim != 1 or tokens.size == 0:
-                raise ValueError(f"document {count}: expected a non-empty 1-D array of token ids, got shape "
-                                 f"{tokens.shape}")
-            if tokens.min() < np.iinfo(dtype).min or tokens.max() > np.iinfo(dtype).max:
-                raise ValueError(f"document {count}: token ids {tokens.min()}..{tokens.max()} do not fit {dtype.__name__}")
-            builder.add_item(torch.from_numpy(tokens.astype(dtype, copy=False).astype(np.int64)))
-            builder.end_document()
-            count += 1
+            writer.add(tokens)
             if on_document is not None:
-                on_document(tokens)
-        if count == 0:
-            raise ValueError(f"no documents to write to {prefix!r}")
-        builder.finalize(get_idx_path(tmp))
-        os.replace(get_bin_path(tmp), get_bin_path(prefix))
-        os.replace(get_idx_path(tmp), get_idx_path(prefix))
-    finally:
-        builder.data_file.close()
-        for path in (get_bin_path(tmp), get_idx_path(tmp)):
-            if os.path.exists(path):
-                os.remove(path)
-    return IndexedDataset(prefix)
+                on_document(np.asarray(tokens))
+        writer.commit()
+    return IndexedDataset(str(prefix))
 
 
 def document_sequences(dataset: IndexedDataset, documents: np.ndarray) -> np.ndarray:

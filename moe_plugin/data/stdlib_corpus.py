@@ -31,12 +31,13 @@ import sysconfig
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
-from moe_plugin.data.indexed import PathLike, indexed_exists, write_indexed
 from moe_plugin.data.tokenizer import ByteTokenizer
+
+PathLike = Union[str, os.PathLike]
 
 DEFAULT_MAX_BYTES = 4 << 20
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
@@ -70,6 +71,22 @@ def stdlib_documents(max_bytes: int = DEFAULT_MAX_BYTES, root: Optional[Path] = 
         yield rel.as_posix(), data
 
 
+def stdlib_jsonl(path: PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
+    """The corpus as JSON lines, ``{"text": <file>, "path": <relative path>}`` per file (the input of
+    ``moe-plugin preprocess`` and ``train-tokenizer``); invalid UTF-8 becomes U+FFFD. Returns ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            for rel, data in stdlib_documents(max_bytes):
+                out.write(json.dumps({"text": data.decode("utf-8", errors="replace"), "path": rel}) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
 def corpus_prefix(cache_dir: PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
     """Where the corpus of this Python version and size lives under ``cache_dir``."""
     version = ".".join(map(str, sys.version_info[:3]))
@@ -84,6 +101,8 @@ def corpus_manifest(prefix: PathLike) -> dict:
 def ensure_stdlib_corpus(cache_dir: PathLike = "data", max_bytes: int = DEFAULT_MAX_BYTES,
                          progress: bool = True) -> Path:
     """The prefix of the stdlib corpus under ``cache_dir``, written first if it is not there yet."""
+    from moe_plugin.data.indexed import indexed_exists   # Megatron-Core's dataset module, torch
+
     if max_bytes < 1024:
         raise ValueError(f"max_bytes: got {max_bytes}; the corpus needs at least 1024 bytes")
     prefix = corpus_prefix(cache_dir, max_bytes)
@@ -97,6 +116,8 @@ def ensure_stdlib_corpus(cache_dir: PathLike = "data", max_bytes: int = DEFAULT_
 
 
 def _write_corpus(prefix: Path, max_bytes: int, progress: bool) -> None:
+    from moe_plugin.data.indexed import write_indexed
+
     tokenizer = ByteTokenizer()
     sha = hashlib.sha256()
     files: list[str] = []
