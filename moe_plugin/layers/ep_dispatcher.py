@@ -83,6 +83,16 @@ def source_to_expert_order(counts_GL: Tensor, total: int | None = None) -> tuple
     return sort_R, unsort_R
 
 
+def route_slots(kept_D: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor]:
+    """For the ``R`` routes a plan lists (the kept ones first, sorted by slot, ``kept_D`` per slot):
+    each route's slot, its place among its slot's routes, and whether it is kept (the dropped
+    ones get the last slot). No host sync."""
+    end_D = torch.cumsum(kept_D, 0)
+    r_R = torch.arange(R, device=kept_D.device)
+    slot_R = torch.searchsorted(end_D, r_R, right=True).clamp(max=kept_D.numel() - 1)
+    return slot_R, r_R - (end_D - kept_D)[slot_R], r_R < end_D[-1]
+
+
 def cut(values: list, *sizes: int) -> list[list]:
     """``values`` cut into consecutive pieces of ``sizes``, and what is left as one more piece."""
     pieces, start = [], 0

@@ -15,7 +15,8 @@ one gather of the tokens, then one all-to-all per chunk. Forward on one rank::
 
 While chunk c computes, the all-to-alls of the later chunks (and the way back of the earlier
 ones) run. Backward mirrors it without extra code: the wait's backward starts the reverse
-all-to-all of its gradient and the start's backward waits for it (``_Start``, ``_Wait``); the
+all-to-all of its gradient and the start's backward waits for it (``comm.start_all_to_all``: the
+autograd of ``comm.all_to_all``, started now and waited for later); the
 autograd engine runs the later-made nodes first, so every chunk's way-back gradient is sent
 before the experts' backward of the last chunk begins, and each chunk's input gradient leaves
 while the next chunk's experts run their backward. Every rank makes the same graph, so the
@@ -36,9 +37,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from moe_plugin.layers import comm
 from moe_plugin.layers.combine import gate_combine
 from moe_plugin.layers.ep_dispatcher import Exchange, source_to_expert_order
 from moe_plugin.layers.ffn_autograd import RowCounts
@@ -100,78 +101,20 @@ def chunked(state: Exchange, n: int, send_PL: list[int], recv_PL: list[int], rec
     return ChunkedExchange(**fields, chunks=chunks, order_R=order_R, unorder_R=unorder_R)
 
 
-class _Pending:
-    """The handle of one chunk's all-to-all in flight, and the gradient buffer of its reverse."""
-
-    handle: Optional[dist.Work] = None
-    grad: Optional[Tensor] = None
-
-
-class _Start(torch.autograd.Function):
-    """Forward: start the all-to-all of ``x`` (async), return its (not yet filled) output.
-    Backward: wait for the reverse exchange ``_Wait.backward`` started; its result is the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, pending):
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        pending.handle = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group,
-                                                async_op=True)
-        ctx.pending = pending
-        return out
-
-    @staticmethod
-    def backward(ctx, _unused):
-        pending = ctx.pending
-        pending.handle.wait()
-        grad, pending.grad = pending.grad, None
-        return grad, None, None, None, None
-
-
-class _Wait(torch.autograd.Function):
-    """Forward: wait for ``_Start``'s all-to-all; its output, filled. Backward: start the reverse
-    all-to-all of the gradient (async) for ``_Start.backward``; pass the gradient on as a token."""
-
-    @staticmethod
-    def forward(ctx, out, out_splits, in_splits, group, pending):
-        pending.handle.wait()
-        ctx.splits, ctx.group, ctx.pending = (out_splits, in_splits), group, pending
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        pending = ctx.pending
-        pending.grad = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        pending.handle = dist.all_to_all_single(pending.grad, grad.contiguous(), in_splits, out_splits,
-                                                group=ctx.group, async_op=True)
-        return grad, None, None, None, None
-
-
-def start_all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> tuple[Tensor, tuple]:
-    """Start ``comm.all_to_all`` asynchronously: (output, what ``wait_all_to_all`` needs)."""
-    pending = _Pending()
-    return _Start.apply(x, out_splits, in_splits, group, pending), (out_splits, in_splits, group, pending)
-
-
-def wait_all_to_all(started: tuple[Tensor, tuple]) -> Tensor:
-    out, args = started
-    return _Wait.apply(out, *args)
-
-
 def overlapped_experts(state: ChunkedExchange, experts: "GroupedExperts", group,
                        shared: Optional["SharedExpert"] = None) -> tuple[Tensor, Optional[Tensor]]:
     """The experts' output of every kept route (the plan's kept-route order) and the shared
     expert's output (None without one), the exchange overlapped with both (module docstring)."""
     x_RH = state.x_TH.index_select(0, state.plan.token_R.index_select(0, state.order_R))
     sends = x_RH.split([sum(c.send_splits) for c in state.chunks])
-    started = [start_all_to_all(x_CH, c.recv_splits, c.send_splits, group) for x_CH, c in zip(sends, state.chunks)]
+    started = [comm.start_all_to_all(x_CH, c.recv_splits, c.send_splits, group) for x_CH, c in zip(sends, state.chunks)]
     shared_TH = shared(state.x_TH) if shared is not None else None
     weights = experts.split_weights([c.l1 - c.l0 for c in state.chunks], state.x_TH.dtype)
     back = []
     for c, s, (w1_LHF1, w2_LFH) in zip(state.chunks, started, weights):
-        y_CH = experts.ffn(wait_all_to_all(s), c.counts_L, c.sort_R, w1_LHF1, w2_LFH)
-        back.append(start_all_to_all(y_CH.index_select(0, c.unsort_R), c.send_splits, c.recv_splits, group))
-    y_RH = torch.cat([wait_all_to_all(b) for b in back])
+        y_CH = experts.ffn(comm.wait_all_to_all(s), c.counts_L, c.sort_R, w1_LHF1, w2_LFH)
+        back.append(comm.start_all_to_all(y_CH.index_select(0, c.unsort_R), c.send_splits, c.recv_splits, group))
+    y_RH = torch.cat([comm.wait_all_to_all(b) for b in back])
     return y_RH.index_select(0, state.unorder_R), shared_TH
 
 

@@ -51,7 +51,8 @@ from torch import Tensor
 from moe_plugin.configs.errors import ConfigError
 from moe_plugin.configs.schema import ROOT_KEY, MoEConfig
 from moe_plugin.layers import comm
-from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher, cut, source_to_expert_order
+from moe_plugin.layers.ep_dispatcher import (Exchange, ExpertParallelDispatcher, cut, route_slots,
+                                              source_to_expert_order)
 from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
@@ -121,13 +122,10 @@ class PaddedDispatcher(ExpertParallelDispatcher):
                      digits: int) -> Tensor:
         """[P * B, H]: per peer the header and the kept routes' rows at their slot's place."""
         P, L, C, H = self.parallel.ep_size, self.num_local, plan.capacity, x_TH.shape[1]
-        kept_D = plan.kept_D
-        D, R = kept_D.numel(), plan.route_R.numel()
-        end_D = torch.cumsum(kept_D, 0)
-        r_R = torch.arange(R, device=kept_D.device)
-        slot_R = torch.searchsorted(end_D, r_R, right=True).clamp(max=D - 1)   # past the kept ones: dropped
-        place_R = (slot_R // L) * B + 1 + (slot_R % L) * C + r_R - (end_D - kept_D)[slot_R]
-        place_R = torch.where(r_R < end_D[-1], place_R, P * B + r_R)           # dropped: rows left unsent
+        kept_D, R = plan.kept_D, plan.route_R.numel()
+        slot_R, within_R, kept_R = route_slots(kept_D, R)
+        place_R = torch.where(kept_R, (slot_R // L) * B + 1 + (slot_R % L) * C + within_R,
+                              P * B + torch.arange(R, device=kept_D.device))   # dropped: rows left unsent
         powers_X = base ** torch.arange(digits, device=kept_D.device)
         digits_PX = (kept_D.view(P, L, 1) // powers_X % base).view(P, L * digits)
         bad_1 = finite.bad_1 if finite is not None else kept_D.new_zeros(1)

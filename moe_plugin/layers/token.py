@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from moe_plugin.layers import comm
-from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher
+from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher, route_slots
 from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.padded import header_digits
 from moe_plugin.layers.parallel import LayerParallelism
@@ -88,11 +88,8 @@ class TokenExchangeDispatcher(ExpertParallelDispatcher):
         bits = mask_bits(x_TH.dtype)
         Y = -(-L // bits)
         kept_D = plan.kept_D
-        D, R = kept_D.numel(), plan.route_R.numel()
-        end_D = torch.cumsum(kept_D, 0)
-        r_R = torch.arange(R, device=kept_D.device)
-        slot_R = torch.searchsorted(end_D, r_R, right=True).clamp(max=D - 1)   # past the kept ones: dropped
-        key_R = torch.where(r_R < end_D[-1], (slot_R // L) * T + plan.token_R, P * T)   # dropped: a spare row
+        slot_R, _, kept_R = route_slots(kept_D, plan.route_R.numel())
+        key_R = torch.where(kept_R, (slot_R // L) * T + plan.token_R, P * T)   # dropped: a spare row
         local_R = slot_R % L
         mask_XY = kept_D.new_zeros(P * T + 1, Y).index_put_((key_R, local_R // bits), 2 ** (local_R % bits),
                                                              accumulate=True)   # distinct slots: sum = or
