@@ -358,22 +358,14 @@ class MoEConfig(_Block):
 
     def exchange_unfit(self, mode: str) -> Optional[str]:
         """Why this config cannot use the ``padded`` (``layers/padded.py``) or ``token``
-        (``layers/token.py``) exchange; None when it can. Both need one exchange per layer of
-        unreplicated experts under EP without ETP; padded also a capacity and no consumer of the
-        sender x expert traffic that only the counts round gives."""
+        (``layers/token.py``) exchange; None when it can. The rules are the layer's
+        (``layers/exchange_rules.py``), asked with this block's values."""
+        from moe_plugin.layers.exchange_rules import exchange_unfit
+
         p, pl = self.parallel, self.placement
-        padded = mode == "padded"
-        traffic = ": the policies read the sender x expert traffic the counts round gives" if padded else ""
-        checks = ((padded and not self.drop_tokens, "needs drop_tokens true (a capacity bounds the rows)"),
-                  (p.expert == 1, "needs parallel.expert > 1"),
-                  (p.etp > 1, f"needs parallel.expert_tensor 1 (got {p.etp})"),
-                  (self.overlap_chunks > 1, f"needs overlap_chunks 1 (got {self.overlap_chunks})"),
-                  (pl.replica_budget > 0, f"needs placement.replica_budget 0 (got {pl.replica_budget}): "
-                                          "no shadow experts"),
-                  (pl.policy != "static", f"needs placement.policy 'static' (got {pl.policy!r}){traffic}"),
-                  (padded and pl.trace_file is not None, "needs no placement.trace_file (the traces hold the "
-                                                         "sender x expert traffic the counts round gives)"))
-        return next((why for bad, why in checks if bad), None)
+        return exchange_unfit(mode, expert=p.expert, expert_tensor=p.etp, overlap_chunks=self.overlap_chunks,
+                              drop_tokens=self.drop_tokens, replica_budget=pl.replica_budget, policy=pl.policy,
+                              trace_file=pl.trace_file)
 
     @property
     def group_limit(self) -> Optional[tuple[int, int]]:

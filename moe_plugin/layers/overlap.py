@@ -28,26 +28,27 @@ top-2; tests/test_overlap.py). The weights are split per chunk once (one ``split
 gradient concatenation in backward).
 
 Not done: expert tensor parallelism (its gather over ETP would need its own chunking; the config
-refuses it), layers with shadowed experts (they exchange at once), and the kept storage of the
+refuses it), layers with shadowed experts (``exchange_factory`` gives them one exchange), other
+wire formats than counts (the rules refuse them), and the kept storage of the
 weight gradients (``ffn_autograd.GradStore``): the split's backward allocates them anew.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.profiler import record_function
 
 from moe_plugin.layers import comm
 from moe_plugin.layers.combine import gate_combine
-from moe_plugin.layers.ep_dispatcher import Exchange, source_to_expert_order
-from moe_plugin.layers.ffn_autograd import RowCounts
+from moe_plugin.layers.ep_dispatcher import Exchange, Sizes, source_to_expert_order
+from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.parallel import LayerParallelism
-from moe_plugin.layers.router import FiniteCheck, RoutingPlan
-from moe_plugin.layers.shadow import ShadowExperts, ShadowingDispatcher
 
 if TYPE_CHECKING:
+    from moe_plugin.layers.ep_dispatcher import ExpertParallelDispatcher
     from moe_plugin.layers.experts import GroupedExperts, SharedExpert
 
 
@@ -65,8 +66,8 @@ class ExchangeChunk:
 
 
 @dataclass(frozen=True)
-class ChunkedExchange(Exchange):
-    """``Exchange`` sent chunk by chunk (module docstring)."""
+class Chunks:
+    """The exchange of one batch cut into chunks (``Exchange.chunks``; module docstring)."""
 
     chunks: list[ExchangeChunk]
     order_R: Tensor          # kept routes in chunk order (indices into the plan's routes)
@@ -80,7 +81,7 @@ def chunk_bounds(num_local: int, n: int) -> list[tuple[int, int]]:
     return [(s, s + size) for s, size in zip(starts, sizes)]
 
 
-def chunked(state: Exchange, n: int, send_PL: list[int], recv_PL: list[int], recv_dev_PL: Tensor) -> ChunkedExchange:
+def chunked(state: Exchange, n: int, send_PL: list[int], recv_PL: list[int], recv_dev_PL: Tensor) -> Chunks:
     """``state`` cut into ``n`` chunks; ``send_PL`` / ``recv_PL``: the rows to / from each peer
     per local slot, read on the host in the layer's one sync, ``recv_dev_PL`` [P, L] the latter
     on the device. No host sync and no host-to-device copy here."""
@@ -97,52 +98,47 @@ def chunked(state: Exchange, n: int, send_PL: list[int], recv_PL: list[int], rec
     order_R = torch.sort(chunk_L[state.plan.slot_R() % L], stable=True).indices
     unorder_R = torch.empty_like(order_R)
     unorder_R[order_R] = torch.arange(order_R.numel(), device=device)
-    fields = {name: getattr(state, name) for name in state.__dataclass_fields__}
-    return ChunkedExchange(**fields, chunks=chunks, order_R=order_R, unorder_R=unorder_R)
+    return Chunks(chunks, order_R, unorder_R)
 
 
-def overlapped_experts(state: ChunkedExchange, experts: "GroupedExperts", group,
+def overlapped_experts(state: Exchange, experts: "GroupedExperts", group,
                        shared: Optional["SharedExpert"] = None) -> tuple[Tensor, Optional[Tensor]]:
     """The experts' output of every kept route (the plan's kept-route order) and the shared
     expert's output (None without one), the exchange overlapped with both (module docstring)."""
-    x_RH = state.x_TH.index_select(0, state.plan.token_R.index_select(0, state.order_R))
-    sends = x_RH.split([sum(c.send_splits) for c in state.chunks])
-    started = [comm.start_all_to_all(x_CH, c.recv_splits, c.send_splits, group) for x_CH, c in zip(sends, state.chunks)]
+    x_RH = state.x_TH.index_select(0, state.plan.token_R.index_select(0, state.chunks.order_R))
+    sends = x_RH.split([sum(c.send_splits) for c in state.chunks.chunks])
+    started = [comm.start_all_to_all(x_CH, c.recv_splits, c.send_splits, group) for x_CH, c in zip(sends, state.chunks.chunks)]
     shared_TH = shared(state.x_TH) if shared is not None else None
-    weights = experts.split_weights([c.l1 - c.l0 for c in state.chunks], state.x_TH.dtype)
+    weights = experts.split_weights([c.l1 - c.l0 for c in state.chunks.chunks], state.x_TH.dtype)
     back = []
-    for c, s, (w1_LHF1, w2_LFH) in zip(state.chunks, started, weights):
+    for c, s, (w1_LHF1, w2_LFH) in zip(state.chunks.chunks, started, weights):
         y_CH = experts.ffn(comm.wait_all_to_all(s), c.counts_L, c.sort_R, w1_LHF1, w2_LFH)
         back.append(comm.start_all_to_all(y_CH.index_select(0, c.unsort_R), c.send_splits, c.recv_splits, group))
     y_RH = torch.cat([comm.wait_all_to_all(b) for b in back])
-    return y_RH.index_select(0, state.unorder_R), shared_TH
+    return y_RH.index_select(0, state.chunks.unorder_R), shared_TH
 
 
-class ChunkedDispatcher(ShadowingDispatcher):
-    """``ShadowingDispatcher`` whose ``prepare`` returns a ``ChunkedExchange`` of ``chunks``
-    chunks while no expert is shadowed; the layer then runs ``overlapped`` instead of
-    ``to_experts`` / experts / ``combine``."""
+class Overlapped:
+    """The chunked schedule of the counts wire format: the exchange in ``chunks`` chunks,
+    overlapped with the experts and the shared expert (module docstring)."""
 
-    def __init__(self, num_experts: int, parallel: LayerParallelism, shadow: ShadowExperts, chunks: int):
-        super().__init__(num_experts, parallel, shadow)
-        if parallel.etp is not None or not 1 < chunks <= self.num_local:
-            raise ValueError(f"overlap_chunks {chunks} needs expert_tensor 1 (got {parallel.etp_size}) and "
-                             f"2..{self.num_local} chunks (the local experts)")
+    def __init__(self, parallel: LayerParallelism, chunks: int):
+        self.parallel = parallel
         self.chunks = chunks
 
-    def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Exchange:
-        if self.shadow.expert_ids:
-            return super().prepare(x_TH, plan, finite)
-        layout, slots = self.layout(plan.kept_D, finite, per_slot=True)
-        state = Exchange(x_TH, plan.kept(sum(layout["send_splits"])), **layout)
-        n, L, rank = len(slots) // 2, self.num_local, self.parallel.ep_rank
-        recv_dev_PL = state.traffic_PD[:, rank * L:(rank + 1) * L]      # nothing shadowed: what each peer sends
-        return chunked(state, self.chunks, slots[:n], slots[n:], recv_dev_PL)
+    def plan(self, sizes: Sizes, sync: HostSync) -> tuple[HostValue, HostValue]:
+        """The rows to and from each peer per local slot join the host sync."""
+        return sync.add(sizes.send_PL), sync.add(sizes.recv_PL)
 
-    def overlapped(self, state: ChunkedExchange, experts: "GroupedExperts",
-                   shared: Optional["SharedExpert"] = None) -> Tensor:
+    def finish(self, state: Exchange, pending: tuple[HostValue, HostValue]) -> Exchange:
+        send, recv = pending
+        return replace(state, chunks=chunked(state, self.chunks, send.host, recv.host, recv.device))
+
+    def run(self, dispatcher: "ExpertParallelDispatcher", state: Exchange, experts: "GroupedExperts",
+            shared: Optional["SharedExpert"] = None) -> Tensor:
         """The layer's output: the combined experts' rows plus the shared expert's (if any)."""
-        y_RH, shared_TH = overlapped_experts(state, experts, self.parallel.ep, shared)
-        plan = state.plan
-        out_TH = gate_combine(y_RH, plan.gate_R, plan.token_R, plan.route_R, plan.num_tokens, plan.k)
-        return out_TH if shared_TH is None else out_TH + shared_TH
+        with record_function("moe.overlapped"):
+            y_RH, shared_TH = overlapped_experts(state, experts, self.parallel.ep, shared)
+            plan = state.plan
+            out_TH = gate_combine(y_RH, plan.gate_R, plan.token_R, plan.route_R, plan.num_tokens, plan.k)
+            return out_TH if shared_TH is None else out_TH + shared_TH
