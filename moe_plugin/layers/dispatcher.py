@@ -24,10 +24,11 @@ instead of a [R, H] copy being kept for backward. Combine is ``combine.gate_comb
 gather per token over its routes, summed in fp32, with a gather backward; deterministic, no
 [K*T, H] buffer. Dropped routes add nothing: their token keeps only the residual.
 
-Expert parallelism (``ep_dispatcher.ExpertParallelDispatcher``) overrides ``prepare``,
-``to_experts``, ``from_experts``, ``traffic`` and ``run``: it composes a wire format (counts,
-padded, token: how sizes and rows cross), a schedule (``OneExchange`` here, or the chunks of
-``overlap.py``) and shadowing (``shadow.py``), built by ``exchange_factory.build_dispatcher``.
+``run`` runs the dispatcher's ``schedule`` (``OneExchange`` here). Expert parallelism
+(``ep_dispatcher.ExpertParallelDispatcher``) overrides ``prepare``, ``to_experts``,
+``from_experts``, ``traffic`` and ``combine``: it composes a wire format (counts, padded, token:
+how sizes and rows cross), a schedule (one exchange, or the chunks of ``overlap.py``) and
+shadowing (``shadow.py``), built by ``exchange_factory.build_dispatcher``.
 Everything else (permute, gate weighting, unpermute) stays as it is here.
 """
 from __future__ import annotations
@@ -35,7 +36,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-import torch
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
@@ -62,6 +62,7 @@ class TokenDispatcher:
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
+        self.schedule = OneExchange()
 
     def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Dispatch:
         """The batch's state, after ``finite`` (the router's pending check of the logits). Nothing
@@ -95,8 +96,8 @@ class TokenDispatcher:
 
     def run(self, state: Dispatch, experts: "GroupedExperts", shared: Optional["SharedExpert"] = None) -> Tensor:
         """The layer's output for ``state``: experts, combine and the shared expert (if any), by the
-        dispatcher's schedule (here ``OneExchange``)."""
-        return OneExchange().run(self, state, experts, shared)
+        dispatcher's schedule."""
+        return self.schedule.run(self, state, experts, shared)
 
 
 class OneExchange:

@@ -59,14 +59,13 @@ import torch
 from torch import Tensor
 
 from moe_plugin.layers import comm
-from moe_plugin.layers.dispatcher import Dispatch, OneExchange, TokenDispatcher
+from moe_plugin.layers.dispatcher import Dispatch, TokenDispatcher
 from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
 
 if TYPE_CHECKING:
-    from moe_plugin.layers.experts import GroupedExperts, SharedExpert
     from moe_plugin.layers.shadow import Shadowing, ShadowRoutes
 
 
@@ -218,7 +217,8 @@ class ExpertParallelDispatcher(TokenDispatcher):
         self.parallel = parallel
         self.num_local = num_experts // parallel.ep_size
         self.wire = wire if wire is not None else CountsWire(parallel, self.num_local)
-        self.schedule = schedule if schedule is not None else OneExchange()
+        if schedule is not None:
+            self.schedule = schedule
         self.shadowing = shadowing
 
     def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Exchange:
@@ -249,6 +249,3 @@ class ExpertParallelDispatcher(TokenDispatcher):
         if self.shadowing is None:
             return super().combine(y_RH, state)
         return self.shadowing.combine(self.from_experts(y_RH, state), state)
-
-    def run(self, state: Exchange, experts: "GroupedExperts", shared: Optional["SharedExpert"] = None) -> Tensor:
-        return self.schedule.run(self, state, experts, shared)

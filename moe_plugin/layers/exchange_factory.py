@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from moe_plugin.layers.dispatcher import OneExchange, TokenDispatcher
 from moe_plugin.layers.ep_dispatcher import CountsWire, ExpertParallelDispatcher
-from moe_plugin.layers.exchange_rules import exchange_unfit, overlapped_chunks, shadow_unfit
+from moe_plugin.layers.exchange_rules import exchange_unfit, overlap_unfit, overlapped_chunks, shadow_unfit
 from moe_plugin.layers.overlap import Overlapped
 from moe_plugin.layers.padded import PaddedWire, log_choice
 from moe_plugin.layers.parallel import LayerParallelism
@@ -76,6 +76,9 @@ def build_dispatcher(config, parallel: LayerParallelism, shadow: ShadowExperts,
     L = config.num_experts // parallel.ep_size
     wire = {"counts": lambda: CountsWire(parallel, L), "token": lambda: TokenWire(parallel, L),
             "padded": lambda: PaddedWire(parallel, L, forced=config.exchange == "padded")}[mode]()
+    why = overlap_unfit(config.overlap_chunks, parallel.ep_size, parallel.etp_size, config.num_experts)
+    if why is not None:
+        raise ValueError(f"overlap_chunks {config.overlap_chunks}: {why}")
     chunks = overlapped_chunks(config.overlap_chunks, shadowed)
     schedule = Overlapped(parallel, chunks) if chunks > 1 else OneExchange()
     shadowing = Shadowing(shadow) if shadowed else None

@@ -1,9 +1,9 @@
 """Which exchange options combine: the rules, once (``exchange_factory`` and the config ask them).
 
-Plain values in, a reason out (None: it combines); no torch. The config's validation asks
-``exchange_unfit`` with the ``"moe"`` block's values (``MoEConfig.exchange_unfit``), the
-factory with what the layer knows at run time too: the experts shadowed now and whether a load
-tracker reads the sender x expert traffic.
+Plain values in, a reason out (None: it combines); no torch. The config's validation asks them
+with the ``"moe"`` block's values (``MoEConfig.exchange_unfit``), the factory with what the layer
+knows at run time too: the experts shadowed now and whether a load tracker reads the sender x
+expert traffic.
 """
 from __future__ import annotations
 
@@ -39,8 +39,20 @@ def shadow_unfit(expert: int, expert_tensor: int) -> Optional[str]:
     """Why experts cannot be shadowed under this layout; None when they can."""
     if expert > 1 and expert_tensor == 1:
         return None
-    return f"shadow experts need expert parallelism without expert tensor parallelism (got expert {expert}, " \
-           f"expert_tensor {expert_tensor})"
+    return ("shadow experts need expert parallelism without expert tensor parallelism: they need parallel.expert "
+            f"> 1 and parallel.expert_tensor 1 (got expert {expert}, expert_tensor {expert_tensor})")
+
+
+def overlap_unfit(overlap_chunks: int, expert: int, expert_tensor: int, num_experts: int) -> Optional[str]:
+    """Why the exchange cannot run in ``overlap_chunks`` chunks; None when it can."""
+    if overlap_chunks > 1 and expert == 1:
+        return ("there is no expert-parallel exchange to overlap (parallel.expert 1); set parallel.expert > 1 or "
+                "overlap_chunks 1")
+    local = num_experts // expert
+    if overlap_chunks > 1 and (expert_tensor > 1 or overlap_chunks > local):
+        return (f"must be 1 with parallel.expert_tensor > 1 (got {expert_tensor}) and at most the local experts "
+                f"({local}: num_experts {num_experts} / parallel.expert {expert})")
+    return None
 
 
 def overlapped_chunks(overlap_chunks: int, shadowed: int) -> int:
