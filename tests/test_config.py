@@ -397,7 +397,7 @@ def test_layers_with_the_default_interval_written_out():
 def test_exchange_auto_resolves_by_config_and_backend(block, backend, mode, monkeypatch):
     import torch.distributed as dist
 
-    from moe_plugin.layers.padded import resolve_exchange
+    from moe_plugin.layers.exchange_factory import resolve_exchange
     from moe_plugin.layers.parallel import LayerParallelism
 
     monkeypatch.setattr(dist, "get_backend", lambda group: backend)

@@ -287,21 +287,15 @@ class MoEConfig(_Block):
         budget = self.placement.replica_budget
         if budget > self.num_experts:
             raise FieldProblem("placement.replica_budget", budget, f"must be at most num_experts ({self.num_experts})")
-        if budget and (self.parallel.expert == 1 or self.parallel.etp > 1):
-            raise FieldProblem("placement.replica_budget", budget, "shadow experts need parallel.expert > 1 and "
-                               f"parallel.expert_tensor 1 (got expert {self.parallel.expert}, expert_tensor "
-                               f"{self.parallel.etp}); set replica_budget 0 or change the layout")
-        local = self.num_experts // self.parallel.expert
-        if self.overlap_chunks > 1 and self.parallel.expert == 1:
-            raise FieldProblem("overlap_chunks", self.overlap_chunks, "there is no expert-parallel exchange to "
-                               "overlap (parallel.expert 1); set parallel.expert > 1 or overlap_chunks 1")
+        why = self.exchange_unfit(self.exchange, rule="shadow") if budget else None
+        if why:
+            raise FieldProblem("placement.replica_budget", budget, f"{why}; set replica_budget 0 or change the layout")
+        why = self.exchange_unfit(self.exchange, rule="overlap") if self.overlap_chunks > 1 else None
+        if why:
+            raise FieldProblem("overlap_chunks", self.overlap_chunks, why)
         if self.placement.policy != "static" and self.parallel.expert == 1:
             raise FieldProblem("placement.policy", self.placement.policy, "with parallel.expert 1 every rank holds "
                                "every expert: there is nothing to place; set parallel.expert > 1 or policy 'static'")
-        if self.overlap_chunks > 1 and (self.parallel.etp > 1 or self.overlap_chunks > local):
-            raise FieldProblem("overlap_chunks", self.overlap_chunks, f"must be 1 with parallel.expert_tensor > 1 "
-                               f"(got {self.parallel.etp}) and at most the local experts ({local}: num_experts "
-                               f"{self.num_experts} / parallel.expert {self.parallel.expert})")
         why = self.exchange_unfit(self.exchange) if self.exchange in ("padded", "token") else None
         if why:
             raise FieldProblem("exchange", self.exchange, why + ("; use 'counts' or 'auto'" if self.exchange == "padded"
@@ -356,24 +350,22 @@ class MoEConfig(_Block):
                                f"({self.k}); with router_groups ({G}) of num_experts {E} it must be at least "
                                f"{-(-self.k // (E // G))}")
 
-    def exchange_unfit(self, mode: str) -> Optional[str]:
+    def exchange_unfit(self, mode: str, rule: str = "exchange") -> Optional[str]:
         """Why this config cannot use the ``padded`` (``layers/padded.py``) or ``token``
-        (``layers/token.py``) exchange; None when it can. Both need one exchange per layer of
-        unreplicated experts under EP without ETP; padded also a capacity and no consumer of the
-        sender x expert traffic that only the counts round gives."""
+        (``layers/token.py``) exchange (``rule`` "shadow": shadow experts; "overlap": its
+        ``overlap_chunks``); None when it can. The rules are the layer's (``layers/exchange_rules.py``),
+        asked with this block's values."""
+        from moe_plugin.layers import exchange_rules
+
         p, pl = self.parallel, self.placement
-        padded = mode == "padded"
-        traffic = ": the policies read the sender x expert traffic the counts round gives" if padded else ""
-        checks = ((padded and not self.drop_tokens, "needs drop_tokens true (a capacity bounds the rows)"),
-                  (p.expert == 1, "needs parallel.expert > 1"),
-                  (p.etp > 1, f"needs parallel.expert_tensor 1 (got {p.etp})"),
-                  (self.overlap_chunks > 1, f"needs overlap_chunks 1 (got {self.overlap_chunks})"),
-                  (pl.replica_budget > 0, f"needs placement.replica_budget 0 (got {pl.replica_budget}): "
-                                          "no shadow experts"),
-                  (pl.policy != "static", f"needs placement.policy 'static' (got {pl.policy!r}){traffic}"),
-                  (padded and pl.trace_file is not None, "needs no placement.trace_file (the traces hold the "
-                                                         "sender x expert traffic the counts round gives)"))
-        return next((why for bad, why in checks if bad), None)
+        if rule == "shadow":
+            return exchange_rules.shadow_unfit(p.expert, p.etp)
+        if rule == "overlap":
+            return exchange_rules.overlap_unfit(self.overlap_chunks, p.expert, p.etp, self.num_experts)
+        return exchange_rules.exchange_unfit(mode, expert=p.expert, expert_tensor=p.etp,
+                                             overlap_chunks=self.overlap_chunks, drop_tokens=self.drop_tokens,
+                                             replica_budget=pl.replica_budget, policy=pl.policy,
+                                             trace_file=pl.trace_file)
 
     @property
     def group_limit(self) -> Optional[tuple[int, int]]:

@@ -58,23 +58,76 @@ def gather_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
     return every.view((n,) + tuple(counts.shape))
 
 
-def _all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group,
+                pending: Optional["Pending"] = None) -> torch.Tensor:
+    """The exchange itself; with ``pending`` started asynchronously (its handle kept there)."""
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    if pending is not None:
+        pending.handle = dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group,
+                                                async_op=True)
+        return out
     with record_function("moe.all_to_all"):
         dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
     return out
 
 
+class Pending:
+    """An all-to-all in flight (``start_all_to_all``): its handle, and the gradient buffer its
+    reverse exchange fills in backward."""
+
+    handle: Optional[dist.Work] = None
+    grad: Optional[torch.Tensor] = None
+
+
 class _AllToAll(torch.autograd.Function):
+    """Forward: the exchange (``pending`` None), or its start (``pending``: ``_Wait`` waits for it).
+    Backward: the reverse exchange, or (started) the wait for the reverse ``_Wait.backward`` started."""
+
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _all_to_all(x, out_splits, in_splits, group)
+    def forward(ctx, x, out_splits, in_splits, group, pending):
+        ctx.splits, ctx.group, ctx.pending = (out_splits, in_splits), group, pending
+        return _all_to_all(x, out_splits, in_splits, group, pending)
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
+        pending = ctx.pending
+        if pending is None:
+            return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None, None
+        pending.handle.wait()
+        grad, pending.grad = pending.grad, None
+        return grad, None, None, None, None
+
+
+class _Wait(torch.autograd.Function):
+    """Forward: wait for a started ``_AllToAll``; its output, filled. Backward: start the reverse
+    exchange of the gradient for the start's backward; pass the gradient on as a token."""
+
+    @staticmethod
+    def forward(ctx, out, out_splits, in_splits, group, pending):
+        pending.handle.wait()
+        ctx.splits, ctx.group, ctx.pending = (out_splits, in_splits), group, pending
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        ctx.pending.grad = _all_to_all(grad, in_splits, out_splits, ctx.group, ctx.pending)
+        return grad, None, None, None, None
+
+
+def start_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> tuple:
+    """``all_to_all`` started asynchronously: what ``wait_all_to_all`` takes (the output, not yet
+    filled, and the exchange). Backward: the reverse exchange starts in the wait's backward and is
+    waited for in the start's (``overlap.py``)."""
+    pending = Pending()
+    return _AllToAll.apply(x, out_splits, in_splits, group, pending), (out_splits, in_splits, group, pending)
+
+
+def wait_all_to_all(started: tuple) -> torch.Tensor:
+    """The output of ``start_all_to_all``, once it arrived."""
+    out, args = started
+    return _Wait.apply(out, *args)
 
 
 def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: Group) -> torch.Tensor:
@@ -82,7 +135,7 @@ def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[i
     rows arrive from rank j. Backward runs the reverse exchange."""
     if group is None:
         return x
-    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group, None)
 
 
 class _GatherRows(torch.autograd.Function):

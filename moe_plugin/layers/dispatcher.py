@@ -24,31 +24,28 @@ instead of a [R, H] copy being kept for backward. Combine is ``combine.gate_comb
 gather per token over its routes, summed in fp32, with a gather backward; deterministic, no
 [K*T, H] buffer. Dropped routes add nothing: their token keeps only the residual.
 
-Expert parallelism slots in by subclassing and overriding the hooks
-(``ep_dispatcher.ExpertParallelDispatcher``):
-
-* ``prepare``: exchange the per-expert counts across the EP (and ETP) group, read them and the
-  router's finite verdict in the one host sync before anything leaves the rank, and return an
-  ``Exchange`` (a ``Dispatch`` with the splits and the re-sort permutation);
-* ``to_experts``: the uneven all-to-all of the expert-sorted rows; returns the received rows,
-  the local re-sort as a row index the experts gather by, and the per-local-expert counts;
-* ``from_experts``: the inverse re-sort and the reverse all-to-all;
-* ``traffic``: the sender x slot matrix of the counts exchange.
-
-Shadow experts (``shadow.ShadowingDispatcher``) derive from that, behind the same interface.
+``run`` runs the dispatcher's ``schedule`` (``OneExchange`` here). Expert parallelism
+(``ep_dispatcher.ExpertParallelDispatcher``) overrides ``prepare``, ``to_experts``,
+``from_experts``, ``traffic`` and ``combine``: it composes a wire format (counts, padded, token:
+how sizes and rows cross), a schedule (one exchange, or the chunks of ``overlap.py``) and
+shadowing (``shadow.py``), built by ``exchange_factory.build_dispatcher``.
 Everything else (permute, gate weighting, unpermute) stays as it is here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
 from torch import Tensor
+from torch.autograd.profiler import record_function
 
 from moe_plugin.layers.combine import gate_combine
 from moe_plugin.layers.ffn_autograd import RowCounts
+from moe_plugin.layers.host_sync import HostSync
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
+
+if TYPE_CHECKING:
+    from moe_plugin.layers.experts import GroupedExperts, SharedExpert
 
 
 @dataclass(frozen=True)
@@ -65,17 +62,16 @@ class TokenDispatcher:
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
+        self.schedule = OneExchange()
 
-    # -- hooks an expert-parallel dispatcher overrides ---------------------------------------
     def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Dispatch:
         """The batch's state, after ``finite`` (the router's pending check of the logits). Nothing
         to exchange in a single process; one host sync (module docstring)."""
-        D = plan.kept_D.numel()
-        flags = finite.flags() if finite is not None else plan.kept_D.new_zeros(0)
-        host = torch.cat([plan.kept_D, flags.to(plan.kept_D.dtype)]).tolist()   # the one host sync
-        if finite is not None:
-            finite.verdict(host[D:], finite.group)
-        return Dispatch(x_TH, plan.kept(sum(host[:D])), RowCounts(host[:D], plan.kept_D))
+        sync = HostSync()
+        kept = sync.add(plan.kept_D)
+        sync.check(finite)
+        sync.read()                                                     # the one host sync
+        return Dispatch(x_TH, plan.kept(sum(kept.host)), RowCounts(kept.host, plan.kept_D))
 
     def to_experts(self, state: Dispatch) -> tuple[Tensor, Optional[Tensor], RowCounts]:
         """(x_NH, gather_R, counts_L): the experts' rows are ``x_NH[gather_R]`` (``x_NH`` itself
@@ -97,3 +93,32 @@ class TokenDispatcher:
         plan = state.plan
         y_RH = self.from_experts(y_RH, state)
         return gate_combine(y_RH, plan.gate_R, plan.token_R, plan.route_R, plan.num_tokens, plan.k)
+
+    def run(self, state: Dispatch, experts: "GroupedExperts", shared: Optional["SharedExpert"] = None) -> Tensor:
+        """The layer's output for ``state``: experts, combine and the shared expert (if any), by the
+        dispatcher's schedule."""
+        return self.schedule.run(self, state, experts, shared)
+
+
+class OneExchange:
+    """The schedule of one exchange: every row to the experts, the experts, every row back, combine."""
+
+    def plan(self, sizes, sync: HostSync) -> None:
+        """Nothing of its own to read in the host sync."""
+        return None
+
+    def finish(self, state: Dispatch, pending: None) -> Dispatch:
+        return state
+
+    def run(self, dispatcher: TokenDispatcher, state: Dispatch, experts: "GroupedExperts",
+            shared: Optional["SharedExpert"] = None) -> Tensor:
+        with record_function("moe.dispatch"):
+            x_NH, gather_R, counts_L = dispatcher.to_experts(state)
+        with record_function("moe.experts"):
+            y_NH = experts(x_NH, counts_L, gather_R)
+        with record_function("moe.combine"):
+            out_TH = dispatcher.combine(y_NH, state)
+        if shared is not None:
+            with record_function("moe.shared_expert"):
+                out_TH = out_TH + shared(state.x_TH)
+        return out_TH

@@ -18,17 +18,18 @@ every layout-dependent factor. Forward on one rank::
     plan, finite = router(x_TH)       (logits all-gathered over TP, the replica's micro-batch routed
                                        as one group: capacity, z loss; the balance loss per
                                        aux_loss_scope, ``balance.py``; the plan of this rank's tokens)
-    dispatch / experts / combine      (ShadowingDispatcher, an ExpertParallelDispatcher, when EP or ETP > 1)
+    dispatch / experts / combine      (``dispatcher.run``: the dispatcher's schedule)
     + shared expert, attach aux loss  (the replica's, on each TP rank; ``parallel.py`` 4(b))
-    (``overlap_chunks`` > 1: ChunkedDispatcher, the exchange overlapped with the experts and the
-    shared expert, ``overlap.py``; ``exchange`` padded: PaddedDispatcher, no counts round, ``padded.py``;
-    ``exchange`` token: TokenExchangeDispatcher, a token once per destination rank, ``token.py``)
     out_TH -> gather_tokens over TP   (replicated input, no SP)
 
-Shadow experts (``set_shadow``, ``shadow.py``): the routes to a shadowed expert skip the
-exchange and run on this rank through a copy of the owner's weights (``ShadowExperts``, next to
-``experts``); the dispatcher's combine takes both row sets. With none shadowed (the default) the
-dispatcher is plain expert parallelism.
+The dispatcher (``exchange_factory.build_dispatcher``): ``TokenDispatcher`` in one process, else an
+``ExpertParallelDispatcher`` of a wire format (``exchange`` counts, padded ``padded.py``, token
+``token.py``), a schedule (one exchange, or ``overlap_chunks`` > 1: the exchange overlapped with the
+experts and the shared expert, ``overlap.py``) and shadowing. Shadow experts (``set_shadow``,
+``shadow.py``): the routes to a shadowed expert skip the exchange and run on this rank through a
+copy of the owner's weights (``ShadowExperts``, next to ``experts``). A change of the shadowed
+experts, or a load tracker that reads the sender x expert traffic (``track_traffic``), builds the
+dispatcher again through the factory.
 """
 from __future__ import annotations
 
@@ -43,14 +44,12 @@ from torch.autograd.profiler import record_function
 from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.layers import comm
 from moe_plugin.layers.balance import BalanceScope
-from moe_plugin.layers.dispatcher import Dispatch, TokenDispatcher
+from moe_plugin.layers.dispatcher import Dispatch
+from moe_plugin.layers.exchange_factory import build_dispatcher
 from moe_plugin.layers.experts import GroupedExperts, SharedExpert
-from moe_plugin.layers.overlap import ChunkedDispatcher, ChunkedExchange
-from moe_plugin.layers.padded import PaddedDispatcher, resolve_exchange
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import Router, RouterNoise, RoutingPlan
-from moe_plugin.layers.shadow import ShadowExperts, ShadowingDispatcher
-from moe_plugin.layers.token import TokenExchangeDispatcher
+from moe_plugin.layers.shadow import ShadowExperts
 
 if TYPE_CHECKING:
     from moe_plugin.groups.process_groups import ProcessGroups
@@ -194,16 +193,8 @@ class MoELayer(nn.Module):
                                       output_init_std=output_init_std, grad_scale=p.expert_grad_scale,
                                       recompute_pre_activation=config.recompute_fc1, backend=config.experts_backend)
         self.shadow = ShadowExperts(self.experts, p.ep)
-        self.dispatcher = TokenDispatcher(config.num_experts)
-        self.exchange = resolve_exchange(config, p)    # counts | padded (``padded.py``) | token (``token.py``)
-        if p.expert_parallel and self.exchange == "token":
-            self.dispatcher = TokenExchangeDispatcher(config.num_experts, p)
-        elif p.expert_parallel and self.exchange == "padded":
-            self.dispatcher = PaddedDispatcher(config.num_experts, p, forced=config.exchange == "padded")
-        elif p.expert_parallel and config.overlap_chunks > 1:
-            self.dispatcher = ChunkedDispatcher(config.num_experts, p, self.shadow, config.overlap_chunks)
-        elif p.expert_parallel:
-            self.dispatcher = ShadowingDispatcher(config.num_experts, p, self.shadow)
+        self.traffic_reader: Optional[str] = None      # what reads the sender x expert traffic (``track_traffic``)
+        self.dispatcher, self.exchange = build_dispatcher(config, p, self.shadow)   # exchange: counts | padded | token
         self.shared_expert = None
         if config.shared_expert_ffn_hidden_size > 0:
             self.shared_expert = SharedExpert(hidden_size, config.shared_expert_ffn_hidden_size, config.activation,
@@ -233,19 +224,7 @@ class MoELayer(nn.Module):
         with record_function("moe.dispatch"):
             state = self.dispatcher.prepare(x_TH, plan, finite)
             self.router.record_load(plan)
-        if isinstance(state, ChunkedExchange):     # the shared expert runs during the exchange
-            with record_function("moe.overlapped"):
-                out_TH = self.dispatcher.overlapped(state, self.experts, self.shared_expert)
-        else:
-            with record_function("moe.dispatch"):
-                x_NH, gather_R, counts_L = self.dispatcher.to_experts(state)
-            with record_function("moe.experts"):
-                y_NH = self.experts(x_NH, counts_L, gather_R)
-            with record_function("moe.combine"):
-                out_TH = self.dispatcher.combine(y_NH, state)
-            if self.shared_expert is not None:
-                with record_function("moe.shared_expert"):
-                    out_TH = out_TH + self.shared_expert(x_TH)
+        out_TH = self.dispatcher.run(state, self.experts, self.shared_expert)
         out_TH = self._attach_losses(out_TH, plan)
         self.last_stats = self._stats(plan, state)
         if p.splits_input:
@@ -256,28 +235,24 @@ class MoELayer(nn.Module):
         """Shadow these experts (global ids; ``[]``: none): every EP rank computes its own routes
         to them with copies of the owner's weights, the gradients are summed back to the owner
         (``shadow.py``). Call it on every EP rank with the same ids, between steps. The model
-        function does not change. Needs EP > 1 and no expert tensor parallelism; a layer whose
-        ``exchange`` auto resolved to padded switches to counts."""
-        expert_ids = list(expert_ids)
-        if expert_ids and (self.parallel.ep is None or self.parallel.etp is not None):
-            raise ValueError(f"shadow experts need expert parallelism without expert tensor parallelism; this "
-                             f"layer has expert {self.parallel.ep_size}, expert_tensor {self.parallel.etp_size}")
-        if expert_ids and self.exchange == "token":
-            raise ValueError("shadow experts: not with moe.exchange 'token' (set 'counts')")
-        if expert_ids:
-            self.use_counts_exchange("shadow experts")
+        function does not change. Needs EP > 1 and no expert tensor parallelism; the dispatcher is
+        built again (``exchange_factory``: an ``exchange`` auto that was padded gives counts while
+        experts are shadowed; padded or token by name raise)."""
+        before = self.shadow.expert_ids
         self.shadow.set(expert_ids)
+        try:
+            self.dispatcher, self.exchange = build_dispatcher(self.config, self.parallel, self.shadow,
+                                                              self.traffic_reader)
+        except ValueError:
+            self.shadow.set(before)
+            raise
 
-    def use_counts_exchange(self, what: str) -> None:
-        """``what`` needs the counts exchange (shadow experts, the sender x expert traffic of a load
-        tracker): a layer whose ``exchange`` auto resolved to padded takes counts from now on;
-        ``exchange`` padded by name raises."""
-        if self.exchange != "padded":
-            return
-        if self.config.exchange == "padded":
-            raise ValueError(f"{what}: not with moe.exchange 'padded' (set 'counts' or 'auto')")
-        self.exchange = "counts"
-        self.dispatcher = ShadowingDispatcher(self.config.num_experts, self.parallel, self.shadow)
+    def track_traffic(self, what: str) -> None:
+        """``what`` (a load tracker) reads the sender x expert traffic, which only the counts round
+        gives: the dispatcher is built again for it (an ``exchange`` auto that was padded gives
+        counts; padded by name raises)."""
+        self.dispatcher, self.exchange = build_dispatcher(self.config, self.parallel, self.shadow, what)
+        self.traffic_reader = what
 
     def shadowed_experts(self) -> list[int]:
         """Global ids of the shadowed experts, ascending."""

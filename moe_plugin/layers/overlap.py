@@ -15,7 +15,8 @@ one gather of the tokens, then one all-to-all per chunk. Forward on one rank::
 
 While chunk c computes, the all-to-alls of the later chunks (and the way back of the earlier
 ones) run. Backward mirrors it without extra code: the wait's backward starts the reverse
-all-to-all of its gradient and the start's backward waits for it (``_Start``, ``_Wait``); the
+all-to-all of its gradient and the start's backward waits for it (``comm.start_all_to_all``: the
+autograd of ``comm.all_to_all``, started now and waited for later); the
 autograd engine runs the later-made nodes first, so every chunk's way-back gradient is sent
 before the experts' backward of the last chunk begins, and each chunk's input gradient leaves
 while the next chunk's experts run their backward. Every rank makes the same graph, so the
@@ -27,26 +28,27 @@ top-2; tests/test_overlap.py). The weights are split per chunk once (one ``split
 gradient concatenation in backward).
 
 Not done: expert tensor parallelism (its gather over ETP would need its own chunking; the config
-refuses it), layers with shadowed experts (they exchange at once), and the kept storage of the
+refuses it), layers with shadowed experts (``exchange_factory`` gives them one exchange), other
+wire formats than counts (the rules refuse them), and the kept storage of the
 weight gradients (``ffn_autograd.GradStore``): the split's backward allocates them anew.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.profiler import record_function
 
+from moe_plugin.layers import comm
 from moe_plugin.layers.combine import gate_combine
-from moe_plugin.layers.ep_dispatcher import Exchange, source_to_expert_order
-from moe_plugin.layers.ffn_autograd import RowCounts
+from moe_plugin.layers.ep_dispatcher import Exchange, Sizes, source_to_expert_order
+from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.parallel import LayerParallelism
-from moe_plugin.layers.router import FiniteCheck, RoutingPlan
-from moe_plugin.layers.shadow import ShadowExperts, ShadowingDispatcher
 
 if TYPE_CHECKING:
+    from moe_plugin.layers.ep_dispatcher import ExpertParallelDispatcher
     from moe_plugin.layers.experts import GroupedExperts, SharedExpert
 
 
@@ -64,8 +66,8 @@ class ExchangeChunk:
 
 
 @dataclass(frozen=True)
-class ChunkedExchange(Exchange):
-    """``Exchange`` sent chunk by chunk (module docstring)."""
+class Chunks:
+    """The exchange of one batch cut into chunks (``Exchange.chunks``; module docstring)."""
 
     chunks: list[ExchangeChunk]
     order_R: Tensor          # kept routes in chunk order (indices into the plan's routes)
@@ -79,7 +81,7 @@ def chunk_bounds(num_local: int, n: int) -> list[tuple[int, int]]:
     return [(s, s + size) for s, size in zip(starts, sizes)]
 
 
-def chunked(state: Exchange, n: int, send_PL: list[int], recv_PL: list[int], recv_dev_PL: Tensor) -> ChunkedExchange:
+def chunked(state: Exchange, n: int, send_PL: list[int], recv_PL: list[int], recv_dev_PL: Tensor) -> Chunks:
     """``state`` cut into ``n`` chunks; ``send_PL`` / ``recv_PL``: the rows to / from each peer
     per local slot, read on the host in the layer's one sync, ``recv_dev_PL`` [P, L] the latter
     on the device. No host sync and no host-to-device copy here."""
@@ -96,110 +98,47 @@ def chunked(state: Exchange, n: int, send_PL: list[int], recv_PL: list[int], rec
     order_R = torch.sort(chunk_L[state.plan.slot_R() % L], stable=True).indices
     unorder_R = torch.empty_like(order_R)
     unorder_R[order_R] = torch.arange(order_R.numel(), device=device)
-    fields = {name: getattr(state, name) for name in state.__dataclass_fields__}
-    return ChunkedExchange(**fields, chunks=chunks, order_R=order_R, unorder_R=unorder_R)
+    return Chunks(chunks, order_R, unorder_R)
 
 
-class _Pending:
-    """The handle of one chunk's all-to-all in flight, and the gradient buffer of its reverse."""
-
-    handle: Optional[dist.Work] = None
-    grad: Optional[Tensor] = None
-
-
-class _Start(torch.autograd.Function):
-    """Forward: start the all-to-all of ``x`` (async), return its (not yet filled) output.
-    Backward: wait for the reverse exchange ``_Wait.backward`` started; its result is the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, pending):
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        pending.handle = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group,
-                                                async_op=True)
-        ctx.pending = pending
-        return out
-
-    @staticmethod
-    def backward(ctx, _unused):
-        pending = ctx.pending
-        pending.handle.wait()
-        grad, pending.grad = pending.grad, None
-        return grad, None, None, None, None
-
-
-class _Wait(torch.autograd.Function):
-    """Forward: wait for ``_Start``'s all-to-all; its output, filled. Backward: start the reverse
-    all-to-all of the gradient (async) for ``_Start.backward``; pass the gradient on as a token."""
-
-    @staticmethod
-    def forward(ctx, out, out_splits, in_splits, group, pending):
-        pending.handle.wait()
-        ctx.splits, ctx.group, ctx.pending = (out_splits, in_splits), group, pending
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        pending = ctx.pending
-        pending.grad = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        pending.handle = dist.all_to_all_single(pending.grad, grad.contiguous(), in_splits, out_splits,
-                                                group=ctx.group, async_op=True)
-        return grad, None, None, None, None
-
-
-def start_all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> tuple[Tensor, tuple]:
-    """Start ``comm.all_to_all`` asynchronously: (output, what ``wait_all_to_all`` needs)."""
-    pending = _Pending()
-    return _Start.apply(x, out_splits, in_splits, group, pending), (out_splits, in_splits, group, pending)
-
-
-def wait_all_to_all(started: tuple[Tensor, tuple]) -> Tensor:
-    out, args = started
-    return _Wait.apply(out, *args)
-
-
-def overlapped_experts(state: ChunkedExchange, experts: "GroupedExperts", group,
+def overlapped_experts(state: Exchange, experts: "GroupedExperts", group,
                        shared: Optional["SharedExpert"] = None) -> tuple[Tensor, Optional[Tensor]]:
     """The experts' output of every kept route (the plan's kept-route order) and the shared
     expert's output (None without one), the exchange overlapped with both (module docstring)."""
-    x_RH = state.x_TH.index_select(0, state.plan.token_R.index_select(0, state.order_R))
-    sends = x_RH.split([sum(c.send_splits) for c in state.chunks])
-    started = [start_all_to_all(x_CH, c.recv_splits, c.send_splits, group) for x_CH, c in zip(sends, state.chunks)]
+    x_RH = state.x_TH.index_select(0, state.plan.token_R.index_select(0, state.chunks.order_R))
+    sends = x_RH.split([sum(c.send_splits) for c in state.chunks.chunks])
+    started = [comm.start_all_to_all(x_CH, c.recv_splits, c.send_splits, group) for x_CH, c in zip(sends, state.chunks.chunks)]
     shared_TH = shared(state.x_TH) if shared is not None else None
-    weights = experts.split_weights([c.l1 - c.l0 for c in state.chunks], state.x_TH.dtype)
+    weights = experts.split_weights([c.l1 - c.l0 for c in state.chunks.chunks], state.x_TH.dtype)
     back = []
-    for c, s, (w1_LHF1, w2_LFH) in zip(state.chunks, started, weights):
-        y_CH = experts.ffn(wait_all_to_all(s), c.counts_L, c.sort_R, w1_LHF1, w2_LFH)
-        back.append(start_all_to_all(y_CH.index_select(0, c.unsort_R), c.send_splits, c.recv_splits, group))
-    y_RH = torch.cat([wait_all_to_all(b) for b in back])
-    return y_RH.index_select(0, state.unorder_R), shared_TH
+    for c, s, (w1_LHF1, w2_LFH) in zip(state.chunks.chunks, started, weights):
+        y_CH = experts.ffn(comm.wait_all_to_all(s), c.counts_L, c.sort_R, w1_LHF1, w2_LFH)
+        back.append(comm.start_all_to_all(y_CH.index_select(0, c.unsort_R), c.send_splits, c.recv_splits, group))
+    y_RH = torch.cat([comm.wait_all_to_all(b) for b in back])
+    return y_RH.index_select(0, state.chunks.unorder_R), shared_TH
 
 
-class ChunkedDispatcher(ShadowingDispatcher):
-    """``ShadowingDispatcher`` whose ``prepare`` returns a ``ChunkedExchange`` of ``chunks``
-    chunks while no expert is shadowed; the layer then runs ``overlapped`` instead of
-    ``to_experts`` / experts / ``combine``."""
+class Overlapped:
+    """The chunked schedule of the counts wire format: the exchange in ``chunks`` chunks,
+    overlapped with the experts and the shared expert (module docstring)."""
 
-    def __init__(self, num_experts: int, parallel: LayerParallelism, shadow: ShadowExperts, chunks: int):
-        super().__init__(num_experts, parallel, shadow)
-        if parallel.etp is not None or not 1 < chunks <= self.num_local:
-            raise ValueError(f"overlap_chunks {chunks} needs expert_tensor 1 (got {parallel.etp_size}) and "
-                             f"2..{self.num_local} chunks (the local experts)")
+    def __init__(self, parallel: LayerParallelism, chunks: int):
+        self.parallel = parallel
         self.chunks = chunks
 
-    def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Exchange:
-        if self.shadow.expert_ids:
-            return super().prepare(x_TH, plan, finite)
-        layout, slots = self.layout(plan.kept_D, finite, per_slot=True)
-        state = Exchange(x_TH, plan.kept(sum(layout["send_splits"])), **layout)
-        n, L, rank = len(slots) // 2, self.num_local, self.parallel.ep_rank
-        recv_dev_PL = state.traffic_PD[:, rank * L:(rank + 1) * L]      # nothing shadowed: what each peer sends
-        return chunked(state, self.chunks, slots[:n], slots[n:], recv_dev_PL)
+    def plan(self, sizes: Sizes, sync: HostSync) -> tuple[HostValue, HostValue]:
+        """The rows to and from each peer per local slot join the host sync."""
+        return sync.add(sizes.send_PL), sync.add(sizes.recv_PL)
 
-    def overlapped(self, state: ChunkedExchange, experts: "GroupedExperts",
-                   shared: Optional["SharedExpert"] = None) -> Tensor:
+    def finish(self, state: Exchange, pending: tuple[HostValue, HostValue]) -> Exchange:
+        send, recv = pending
+        return replace(state, chunks=chunked(state, self.chunks, send.host, recv.host, recv.device))
+
+    def run(self, dispatcher: "ExpertParallelDispatcher", state: Exchange, experts: "GroupedExperts",
+            shared: Optional["SharedExpert"] = None) -> Tensor:
         """The layer's output: the combined experts' rows plus the shared expert's (if any)."""
-        y_RH, shared_TH = overlapped_experts(state, experts, self.parallel.ep, shared)
-        plan = state.plan
-        out_TH = gate_combine(y_RH, plan.gate_R, plan.token_R, plan.route_R, plan.num_tokens, plan.k)
-        return out_TH if shared_TH is None else out_TH + shared_TH
+        with record_function("moe.overlapped"):
+            y_RH, shared_TH = overlapped_experts(state, experts, self.parallel.ep, shared)
+            plan = state.plan
+            out_TH = gate_combine(y_RH, plan.gate_R, plan.token_R, plan.route_R, plan.num_tokens, plan.k)
+            return out_TH if shared_TH is None else out_TH + shared_TH

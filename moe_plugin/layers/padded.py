@@ -4,7 +4,7 @@ Shape suffixes: see ``moe_plugin.layers``; here N counts the rows of a padded bu
 
 With a capacity C per expert slot every rank's rows to an EP peer fit a fixed block, so one
 equal all-to-all can move them without exchanging the counts first (DeepSpeed's capacity-padded
-exchange). ``PaddedDispatcher.prepare`` builds, per EP peer p, a block of ``B = 1 + L * C`` rows:
+exchange). ``PaddedWire.sizes`` builds, per EP peer p, a block of ``B = 1 + L * C`` rows:
 
 * row 0, the header: this rank's kept routes to p's L slots and its finite flag (the router's
   ``FiniteCheck.bad_1``), written in the activation dtype as digits of the base its integers are
@@ -31,10 +31,10 @@ Not learnt: the sender x slot traffic (``traffic`` is None, as without EP), whic
 config refuses placement policies, traces and shadow experts with it. A capacity needs the same
 token count on every EP rank (it always is so in training); the buffer sizes follow from it.
 
-``resolve_exchange`` turns ``auto`` into a mode (module ``schema``: ``MoEConfig.exchange``): padded
-where the config allows it and the EP group's backend is gloo, the choice logged once. A header
-that the hidden size cannot hold (known at the first forward: dtype and capacity) makes a forced
-padded exchange raise a ``ConfigError`` and ``auto`` fall back to counts for that forward.
+``exchange_factory.resolve_exchange`` turns ``auto`` into a mode: padded where the rules allow it
+and the EP group's backend is gloo, the choice logged once. A header that the hidden size cannot
+hold (known at a forward: dtype and capacity) makes a forced padded exchange raise a
+``ConfigError`` and ``auto`` send that batch with counts (``for_batch``, logged once).
 """
 from __future__ import annotations
 
@@ -44,35 +44,23 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 from moe_plugin.configs.errors import ConfigError
-from moe_plugin.configs.schema import ROOT_KEY, MoEConfig
 from moe_plugin.layers import comm
-from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher, cut, source_to_expert_order
+from moe_plugin.layers.ep_dispatcher import CountsWire, Exchange, route_slots, source_to_expert_order
 from moe_plugin.layers.ffn_autograd import RowCounts
+from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_exchange(config: MoEConfig, parallel: LayerParallelism) -> str:
-    """``counts``, ``padded`` or ``token`` (named only) for a layer of ``config`` on ``parallel`` (module docstring)."""
-    if config.exchange != "auto" or parallel.ep is None:
-        return config.exchange if parallel.ep is not None else "counts"
-    why_not = config.exchange_unfit("padded")
-    backend = dist.get_backend(parallel.ep)
-    if why_not is None and backend != "gloo":
-        why_not = f"the EP group's backend is {backend}, not gloo (a small all-to-all is cheap there, padding costs)"
-    _log_choice("counts" if why_not else "padded", why_not)
-    return "counts" if why_not else "padded"
-
-
 @functools.cache
-def _log_choice(mode: str, why_not: Optional[str]) -> None:
+def log_choice(mode: str, why_not: Optional[str]) -> None:
+    """The ``auto`` exchange's choice, logged once."""
     logger.info("moe.exchange auto: %s%s", mode, f" ({why_not})" if why_not else " (gloo, capacity-bound rows)")
 
 
@@ -86,7 +74,7 @@ def header_digits(dtype: torch.dtype, capacity: int) -> tuple[int, int]:
     return base, digits
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PaddedExchange(Exchange):
     """``Exchange`` whose rows arrived padded: ``recv_NH`` [P * B, H], the experts' rows ``recv_NH[gather_R]``."""
 
@@ -94,40 +82,69 @@ class PaddedExchange(Exchange):
     gather_R: Tensor
 
 
-class PaddedDispatcher(ExpertParallelDispatcher):
-    """``ExpertParallelDispatcher`` with the padded exchange (module docstring); ``forced``: the
-    config asked for it by name, so a header that does not fit raises instead of falling back."""
+@dataclass(eq=False)
+class PaddedSizes:
+    """The received blocks and what the host sync reads of their headers."""
 
-    def __init__(self, num_experts: int, parallel: LayerParallelism, forced: bool = False):
-        super().__init__(num_experts, parallel)
+    recv_NH: Tensor
+    recv_PL: Tensor          # rows from each EP peer per local slot, read from the headers
+    block: int               # B: rows per peer
+    send: HostValue          # [P] rows to each EP peer
+    recv: HostValue          # [P] rows from each EP peer
+    counts_L: HostValue      # rows per local expert
+
+
+class PaddedWire:
+    """The padded wire format (module docstring); ``forced``: the config asked for it by name, so a
+    header that does not fit raises instead of sending the batch with counts."""
+
+    def __init__(self, parallel: LayerParallelism, num_local: int, forced: bool = False):
+        self.parallel = parallel
+        self.num_local = num_local
         self.forced = forced
+        self.counts = CountsWire(parallel, num_local)
 
-    def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Exchange:
-        P, L, H = self.parallel.ep_size, self.num_local, x_TH.shape[1]
+    def for_batch(self, x_TH: Tensor, plan: RoutingPlan):
+        """Itself, or counts where the header of this batch does not fit (``auto``)."""
+        L, H = self.num_local, x_TH.shape[1]
+        _, digits = header_digits(x_TH.dtype, plan.capacity)
+        if L * digits + 1 <= H:
+            return self
+        why = (f"its header row needs {L * digits + 1} values ({L} local experts x {digits} {x_TH.dtype} digits "
+               f"of capacity {plan.capacity}, + 1 flag), the hidden size is {H}")
+        if self.forced:
+            raise ConfigError("moe.exchange", "padded", f"{why}; use 'counts' or 'auto'")
+        log_choice("counts", why)
+        return self.counts
+
+    def sizes(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck], sync: HostSync,
+              held_D: Optional[Tensor] = None) -> PaddedSizes:
+        """The blocks go out at once; the host sync reads the headers that came back."""
+        p, P, L = self.parallel, self.parallel.ep_size, self.num_local
         base, digits = header_digits(x_TH.dtype, plan.capacity)
-        if L * digits + 1 > H:
-            why = (f"its header row needs {L * digits + 1} values ({L} local experts x {digits} {x_TH.dtype} digits "
-                   f"of capacity {plan.capacity}, + 1 flag), the hidden size is {H}")
-            if self.forced:
-                raise ConfigError(f"{ROOT_KEY}.exchange", "padded", f"{why}; use 'counts' or 'auto'")
-            _log_choice("counts", why)
-            return super().prepare(x_TH, plan, finite)
         B = 1 + L * plan.capacity
         send_NH = self._send_buffer(x_TH, plan, finite, B, base, digits)
-        recv_NH = comm.all_to_all(send_NH, [B] * P, [B] * P, self.parallel.ep)
-        return self._read(x_TH, plan, finite, recv_NH, B, base, digits)
+        recv_NH = comm.all_to_all(send_NH, [B] * P, [B] * P, p.ep)
+        head_PX = recv_NH.detach().view(P, B, -1)[:, 0, :L * digits + 1].long()
+        powers_X = base ** torch.arange(digits, device=head_PX.device)
+        recv_PL = (head_PX[:, :-1].view(P, L, digits) * powers_X).sum(-1)
+        counts_dev_L = recv_PL.sum(0)
+        sizes = PaddedSizes(recv_NH, recv_PL, B, send=sync.add(plan.kept_D.view(P, L).sum(1)),
+                            recv=sync.add(recv_PL.sum(1)), counts_L=sync.add(counts_dev_L))
+        if finite is not None and finite.group is None and p.ep_is_tokens:
+            sync.check(finite, head_PX[:, -1], p.ep)                # every peer's flag came with its header
+        else:
+            sync.check(finite)
+        return sizes
 
     def _send_buffer(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck], B: int, base: int,
                      digits: int) -> Tensor:
         """[P * B, H]: per peer the header and the kept routes' rows at their slot's place."""
         P, L, C, H = self.parallel.ep_size, self.num_local, plan.capacity, x_TH.shape[1]
-        kept_D = plan.kept_D
-        D, R = kept_D.numel(), plan.route_R.numel()
-        end_D = torch.cumsum(kept_D, 0)
-        r_R = torch.arange(R, device=kept_D.device)
-        slot_R = torch.searchsorted(end_D, r_R, right=True).clamp(max=D - 1)   # past the kept ones: dropped
-        place_R = (slot_R // L) * B + 1 + (slot_R % L) * C + r_R - (end_D - kept_D)[slot_R]
-        place_R = torch.where(r_R < end_D[-1], place_R, P * B + r_R)           # dropped: rows left unsent
+        kept_D, R = plan.kept_D, plan.route_R.numel()
+        slot_R, within_R, kept_R = route_slots(kept_D, R)
+        place_R = torch.where(kept_R, (slot_R // L) * B + 1 + (slot_R % L) * C + within_R,
+                              P * B + torch.arange(R, device=kept_D.device))   # dropped: rows left unsent
         powers_X = base ** torch.arange(digits, device=kept_D.device)
         digits_PX = (kept_D.view(P, L, 1) // powers_X % base).view(P, L * digits)
         bad_1 = finite.bad_1 if finite is not None else kept_D.new_zeros(1)
@@ -137,38 +154,23 @@ class PaddedDispatcher(ExpertParallelDispatcher):
         place_X = torch.cat([place_R, torch.arange(P, device=kept_D.device) * B])
         return x_TH.new_zeros(P * B + R, H).index_copy(0, place_X, rows_XH)[:P * B]
 
-    def _read(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck], recv_NH: Tensor, B: int,
-              base: int, digits: int) -> PaddedExchange:
-        """The headers, in the layer's one host sync, and the experts' gather index."""
-        p, P, L, C = self.parallel, self.parallel.ep_size, self.num_local, plan.capacity
-        head_PX = recv_NH.detach().view(P, B, -1)[:, 0, :L * digits + 1].long()
-        powers_X = base ** torch.arange(digits, device=head_PX.device)
-        recv_PL = (head_PX[:, :-1].view(P, L, digits) * powers_X).sum(-1)
-        if finite is not None and finite.group is None and p.ep_is_tokens:
-            flags_P, flag_group = head_PX[:, -1], p.ep                  # every peer's flag came with its header
-        else:
-            flags_P = finite.flags() if finite is not None else recv_PL.new_zeros(0)
-            flag_group = finite.group if finite is not None else None
-        counts_dev_L = recv_PL.sum(0)
-        parts = [plan.kept_D.view(P, L).sum(1), recv_PL.sum(1), counts_dev_L, flags_P]
-        host = torch.cat([t.to(recv_PL.dtype) for t in parts]).tolist()      # the one sync
-        send, recv, counts_L, flags, _ = cut(host, P, P, L, flags_P.numel())
-        if finite is not None:
-            finite.verdict(flags, flag_group)
-        total = sum(recv)
+    def state(self, x_TH: Tensor, plan: RoutingPlan, sizes: PaddedSizes) -> PaddedExchange:
+        """The experts' gather index into the padded rows: (local expert, sender) order."""
+        P, L, C, B, recv_PL = self.parallel.ep_size, self.num_local, plan.capacity, sizes.block, sizes.recv_PL
+        total = sum(sizes.recv.host)
         sort_R, unsort_R = source_to_expert_order(recv_PL, total=total)
         padded_PL = torch.arange(P, device=recv_PL.device)[:, None] * B + 1 + torch.arange(L, device=recv_PL.device) * C
         compact_PL = (torch.cumsum(recv_PL.view(-1), 0) - recv_PL.view(-1)).view(P, L)
         shift_R = torch.repeat_interleave((padded_PL - compact_PL).view(-1), recv_PL.view(-1), output_size=total)
         gather_R = (torch.arange(total, device=recv_PL.device) + shift_R)[sort_R]
-        return PaddedExchange(x_TH, plan.kept(sum(send)), traffic_PD=None, send_splits=send, recv_splits=recv,
-                              etp_splits=[total], counts_L=RowCounts(counts_L, counts_dev_L), sort_R=sort_R,
-                              unsort_R=unsort_R, recv_NH=recv_NH, gather_R=gather_R)
+        return PaddedExchange(x_TH, plan, RowCounts(sizes.counts_L.host, sizes.counts_L.device), wire=self,
+                              send_splits=sizes.send.host, recv_splits=sizes.recv.host, unsort_R=unsort_R,
+                              recv_NH=sizes.recv_NH, gather_R=gather_R)
 
-    def to_experts(self, state: Exchange) -> tuple[Tensor, Tensor, RowCounts]:
-        if not isinstance(state, PaddedExchange):           # ``auto`` fell back to counts
-            return super().to_experts(state)
+    def send(self, state: PaddedExchange) -> tuple[Tensor, Tensor, RowCounts]:
         return state.recv_NH, state.gather_R, state.counts_L
 
-    def traffic(self, state: Exchange) -> Optional[Tensor]:
-        return None if isinstance(state, PaddedExchange) else state.traffic_PD
+    def back(self, y_RH: Tensor, state: PaddedExchange) -> Tensor:
+        """The counts wire format's way back (both sides know the counts now)."""
+        return comm.all_to_all(y_RH.index_select(0, state.unsort_R), state.send_splits, state.recv_splits,
+                               self.parallel.ep)

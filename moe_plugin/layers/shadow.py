@@ -4,19 +4,22 @@ Shape suffixes: see ``moe_plugin.layers`` (the shadowed experts are a subset of 
 
 A shadowed expert keeps its one owner, the EP rank whose slot holds it (``experts.placement``),
 and its one set of parameters and optimizer state there. ``ShadowExperts`` (next to the layer's
-``GroupedExperts``) holds which experts are shadowed and runs the copies; ``ShadowingDispatcher``
-(an ``ExpertParallelDispatcher`` behind the same interface) uses it. Per forward of a layer with
-shadowed experts (``MoELayer.set_shadow``; every EP rank has the same set):
+``GroupedExperts``) holds which experts are shadowed and runs the copies; ``Shadowing`` is the
+transform of the routing plan that the dispatcher applies before and after its exchange
+(``ExpertParallelDispatcher``; ``exchange_factory.build_dispatcher`` adds it when experts are
+shadowed). Per forward of a layer with shadowed experts (``MoELayer.set_shadow``; every EP rank has
+the same set):
 
-1. The routes to shadowed experts stay out of the exchange: the dispatcher sends and receives
-   the other routes only (``ExpertParallelDispatcher.layout(kept_D, finite, shadow_D)``; the count
-   all-gather still carries every kept route, so the load record is unchanged).
+1. Before the exchange (``Shadowing.before``, ``split``): the routes to shadowed experts stay out
+   of it: the wire format sends and receives the other routes only (``CountsWire.sizes(...,
+   held_D)``; the count all-gather still carries every kept route, so the load record is
+   unchanged).
 2. ``ShadowWeights``: every EP rank gets the shadowed experts' weights from their owners, in
    one all-reduce over EP of a [D, H*F1 + F*H] buffer in which each owner fills its rows
    (adding exact zeros: the copies are bit-identical to the owner's weights).
 3. Every EP rank runs its own tokens' routes to shadowed experts through those copies
    (``ffn_autograd.expert_ffn``, with the layer's expert gradient factor).
-4. Combine takes both row sets: each token's routes are found by route id and summed in the
+4. After the exchange, combine takes both row sets (``Shadowing.combine``): each token's routes are found by route id and summed in the
    same order, so the output is the one without shadowing (up to the rounding of the expert
    GEMMs, which see other blocks of rows).
 5. Backward of 2: the copies' gradients (each rank's partial sum over its own tokens) are
@@ -41,10 +44,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_plugin.layers.combine import gate_combine
-from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher, cut
 from moe_plugin.layers.ffn_autograd import RowCounts, expert_ffn
-from moe_plugin.layers.parallel import LayerParallelism
-from moe_plugin.layers.router import FiniteCheck, RoutingPlan, stable_partition
+from moe_plugin.layers.host_sync import HostSync, HostValue
+from moe_plugin.layers.router import RoutingPlan, stable_partition
 
 if TYPE_CHECKING:
     from moe_plugin.layers.experts import GroupedExperts
@@ -62,11 +64,15 @@ class ShadowRoutes:
     route_R: Tensor        # its route id
 
 
-@dataclass(frozen=True)
-class ShadowExchange(Exchange):
-    """``Exchange`` of the routes that go through it (``plan``), plus the routes to shadowed experts."""
+@dataclass(eq=False)
+class Held:
+    """The shadowed slots of one forward, before the host sync, and what it reads of them."""
 
-    shadowed: ShadowRoutes
+    shadow_D: Tensor       # [D] bool: the slots that hold a shadowed expert
+    slot_X: Tensor         # those slots, ascending
+    counts_X: Tensor       # this rank's kept routes to each
+    slots: HostValue
+    counts: HostValue
 
 
 def split_routes(plan: RoutingPlan, shadow_D: Tensor, slots: list[int], slot_X: Tensor,
@@ -182,36 +188,33 @@ class ShadowExperts:
                           save_pre=not e.recompute_pre_activation, grad_scale=e.grad_scale)
 
 
-class ShadowingDispatcher(ExpertParallelDispatcher):
-    """``ExpertParallelDispatcher`` that leaves the routes to ``shadow``'s experts out of the
-    exchange and runs them here (module docstring). With none shadowed it is its parent."""
+class Shadowing:
+    """Shadow experts as a transform of the routing plan (module docstring): ``before`` the
+    exchange the shadowed slots and this rank's routes to them join the host sync, ``split``
+    takes those routes out of the plan the wire format sends, and ``combine`` adds their rows,
+    computed here, to the exchanged ones."""
 
-    def __init__(self, num_experts: int, parallel: LayerParallelism, shadow: ShadowExperts):
-        super().__init__(num_experts, parallel)
+    def __init__(self, shadow: ShadowExperts):
         self.shadow = shadow
 
-    def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Exchange:
-        if not self.shadow.expert_ids:
-            return super().prepare(x_TH, plan, finite)
+    def before(self, plan: RoutingPlan, sync: HostSync) -> Held:
         shadow_D, slot_X = self.shadow.slots()
         counts_X = plan.kept_D[slot_X]
-        layout, host = self.layout(plan.kept_D, finite, shadow_D, torch.cat([slot_X, counts_X]))
-        slots, counts = cut(host, slot_X.numel())
-        plan = plan.kept(sum(layout["send_splits"]) + sum(counts))
-        exchanged, shadowed = split_routes(plan, shadow_D, slots, slot_X, RowCounts(counts, counts_X))
-        return ShadowExchange(x_TH, exchanged, **layout, shadowed=shadowed)
+        return Held(shadow_D, slot_X, counts_X, sync.add(slot_X), sync.add(counts_X))
 
-    def combine(self, y_RH: Tensor, state: Exchange) -> Tensor:
-        """One combine over the exchanged rows and the shadowed routes' rows."""
-        if not isinstance(state, ShadowExchange):
-            return super().combine(y_RH, state)
-        ex, sh = state.plan, state.shadowed
-        y_RH = self.from_experts(y_RH, state)
+    def split(self, plan: RoutingPlan, held: Held) -> tuple[RoutingPlan, ShadowRoutes]:
+        """After the host sync: the plan of the exchanged routes and the routes kept here."""
+        return split_routes(plan, held.shadow_D, held.slots.host, held.slot_X, RowCounts(held.counts.host,
+                                                                                           held.counts_X))
+
+    def combine(self, y_RH: Tensor, state) -> Tensor:
+        """One combine over the exchanged rows (back in kept-route order) and the shadowed routes'
+        rows (``state``: the dispatcher's ``Exchange``, its routes to shadowed experts ``held``)."""
+        ex, sh = state.plan, state.held
         y_shadow_RH = self.shadow(state.x_TH, sh)
         return gate_combine(torch.cat([y_RH, y_shadow_RH]), torch.cat([ex.gate_R, sh.gate_R]),
                             torch.cat([ex.token_R, sh.token_R]), torch.cat([ex.route_R, sh.route_R]),
                             ex.num_tokens, ex.k)
 
 
-__all__ = ["ShadowExchange", "ShadowExperts", "ShadowRoutes", "ShadowWeights", "ShadowingDispatcher",
-           "shadow_weights", "split_routes"]
+__all__ = ["Held", "ShadowExperts", "ShadowRoutes", "ShadowWeights", "Shadowing", "shadow_weights", "split_routes"]

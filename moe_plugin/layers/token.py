@@ -7,22 +7,22 @@ row width H + Y.
 With the counts exchange (``ep_dispatcher.py``) a token with two routes to experts on the same
 EP rank crosses the wire twice. Group-limited routing (``router.limit_to_groups``) makes that the
 common case: with one group per EP rank and ``group_topk`` 1 every route of a token goes to the
-same rank. ``TokenExchangeDispatcher`` sends such a token once and fans it out on arrival:
+same rank. ``TokenWire`` sends such a token once and fans it out on arrival:
 
-* Sender (``prepare``): the kept routes are sorted by slot, so by destination rank
+* Sender (``sizes``, ``state``): the kept routes are sorted by slot, so by destination rank
   ``p = slot // L``. The unique ``(p, token)`` pairs become one row each, ordered ``(p, token)``,
   carrying the token's activations and, in Y extra columns, the mask of p's L local slots it
   goes to: bit ``l % b`` of column ``l // b``, with ``b`` the bits an integer of the activation
   dtype holds exactly (fp32: 24, bf16: 8, fp16: 11; ``padded.header_digits``), so
-  ceil(L / b) columns. The rows per peer ride along with the counts exchange (``layout(...,
+  ceil(L / b) columns. The rows per peer ride along with the counts exchange (``CountsWire.sizes(...,
   to_peers_P=...)``) and are read in the layer's one host sync: no collective is added.
-* Receiver (``to_experts``): one uneven all-to-all of the unique rows; from the masks the
+* Receiver (``send``): one uneven all-to-all of the unique rows; from the masks the
   experts' gather index (local expert major, then sender, then the sender's row order) into the
   received rows, with the counts per local expert from the counts exchange. The experts gather
   their rows by index anyway (``GroupedExperts(x, counts, gather_R)``), so the fan-out costs
   nothing, and its backward sums a token's routes on the expert rank before the gradient goes
   back (once per token and rank as well).
-* Return path (``from_experts``): one row per route, as with counts: the outputs re-sorted to
+* Return path (``back``): one row per route, as with counts: the outputs re-sorted to
   (sender, local slot, token) order (``source_to_expert_order`` of the counts, its inverse),
   the counts layout's uneven all-to-all, and on the sender a local permutation from
   (slot, token) order to its kept-route order (slot, then the drop policy's order). Not done:
@@ -35,7 +35,7 @@ token) order within an expert instead of (sender, priority) order, so the output
 and the weight gradients equal to rounding (tests/test_layers_dist.py, the ``token-`` twins).
 Collectives: those of the counts layout (tests/test_cost_collectives.py). Needs
 ``parallel.expert`` > 1 and refuses expert tensor parallelism, shadow experts, ``overlap_chunks``
-> 1 and placement policies other than static (``MoEConfig.exchange_unfit``).
+> 1 and placement policies other than static (``exchange_rules.exchange_unfit``).
 
 Bytes (docs/benchmarks.md, 'Group-limited routing: bytes on the wire'; ``moe-plugin bench layer
 --exchange token``): 4 ranks, 16 experts, fp32, a step sends 0.75 of the counts exchange's bytes
@@ -51,8 +51,9 @@ import torch
 from torch import Tensor
 
 from moe_plugin.layers import comm
-from moe_plugin.layers.ep_dispatcher import Exchange, ExpertParallelDispatcher
+from moe_plugin.layers.ep_dispatcher import CountsWire, Exchange, Sizes, route_slots, source_to_expert_order
 from moe_plugin.layers.ffn_autograd import RowCounts
+from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.padded import header_digits
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
@@ -63,7 +64,7 @@ def mask_bits(dtype: torch.dtype) -> int:
     return header_digits(dtype, 0)[0].bit_length() - 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenExchange(Exchange):
     """``Exchange`` with unique rows: ``row_send``/``row_recv`` [P] unique rows to / from each
     peer (``send_splits``/``recv_splits`` are the routes, for the way back), ``send_UX`` the rows
@@ -75,46 +76,63 @@ class TokenExchange(Exchange):
     back_R: Tensor
 
 
-class TokenExchangeDispatcher(ExpertParallelDispatcher):
-    """``ExpertParallelDispatcher`` that sends each token once per destination rank (module docstring)."""
+@dataclass(eq=False)
+class TokenSizes:
+    """The counts round's sizes, the unique rows to each peer and the (peer, token) masks."""
 
-    def __init__(self, num_experts: int, parallel: LayerParallelism):
-        super().__init__(num_experts, parallel)
-        if parallel.etp is not None:
-            raise ValueError("moe.exchange 'token' needs parallel.expert_tensor 1")
+    counts: Sizes
+    row_send: HostValue      # [P] unique rows to each EP peer
+    used_X: Tensor           # [P * T] which (peer, token) pairs are sent
+    mask_XY: Tensor          # their slot masks (and a spare row)
 
-    def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> TokenExchange:
+    @property
+    def send(self) -> HostValue:
+        return self.counts.send
+
+
+class TokenWire:
+    """The token wire format: each token sent once per destination rank (module docstring)."""
+
+    def __init__(self, parallel: LayerParallelism, num_local: int):
+        self.parallel = parallel
+        self.num_local = num_local
+        self.counts = CountsWire(parallel, num_local)
+
+    def for_batch(self, x_TH: Tensor, plan: RoutingPlan) -> "TokenWire":
+        return self
+
+    def sizes(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck], sync: HostSync,
+              held_D: Optional[Tensor] = None) -> TokenSizes:
         P, L, T = self.parallel.ep_size, self.num_local, plan.num_tokens
         bits = mask_bits(x_TH.dtype)
         Y = -(-L // bits)
         kept_D = plan.kept_D
-        D, R = kept_D.numel(), plan.route_R.numel()
-        end_D = torch.cumsum(kept_D, 0)
-        r_R = torch.arange(R, device=kept_D.device)
-        slot_R = torch.searchsorted(end_D, r_R, right=True).clamp(max=D - 1)   # past the kept ones: dropped
-        key_R = torch.where(r_R < end_D[-1], (slot_R // L) * T + plan.token_R, P * T)   # dropped: a spare row
+        slot_R, _, kept_R = route_slots(kept_D, plan.route_R.numel())
+        key_R = torch.where(kept_R, (slot_R // L) * T + plan.token_R, P * T)   # dropped: a spare row
         local_R = slot_R % L
         mask_XY = kept_D.new_zeros(P * T + 1, Y).index_put_((key_R, local_R // bits), 2 ** (local_R % bits),
                                                              accumulate=True)   # distinct slots: sum = or
         used_X = mask_XY[:P * T].sum(1) > 0
         rows_P = used_X.view(P, T).sum(1)
-        layout, extra = self.layout(kept_D, finite, to_peers_P=rows_P, extra_X=rows_P)   # one host sync
-        return self._exchange(x_TH, plan.kept(sum(layout["send_splits"])), layout, extra[:P], extra[P:], used_X,
-                              mask_XY)
+        counts = self.counts.sizes(x_TH, plan, finite, sync, to_peers_P=rows_P)
+        return TokenSizes(counts, sync.add(rows_P), used_X, mask_XY)
 
-    def _exchange(self, x_TH: Tensor, plan: RoutingPlan, layout: dict, row_recv: list[int], row_send: list[int],
-                  used_X: Tensor, mask_XY: Tensor) -> TokenExchange:
+    def state(self, x_TH: Tensor, plan: RoutingPlan, sizes: TokenSizes) -> TokenExchange:
         """The unique rows with their masks, and the way back's permutation ``back_R``."""
-        T, U = plan.num_tokens, sum(row_send)
-        row_U = torch.nonzero_static(used_X, size=U).view(-1)             # (p, token) order
-        send_UX = torch.cat([x_TH.index_select(0, row_U % T), mask_XY.index_select(0, row_U).to(x_TH.dtype)], 1)
+        c = sizes.counts
+        _, unsort_R = source_to_expert_order(c.counts_GL, total=sum(c.etp.host))
+        T, U = plan.num_tokens, sum(sizes.row_send.host)
+        row_U = torch.nonzero_static(sizes.used_X, size=U).view(-1)             # (p, token) order
+        send_UX = torch.cat([x_TH.index_select(0, row_U % T), sizes.mask_XY.index_select(0, row_U).to(x_TH.dtype)], 1)
         key_R = plan.slot_R() * T + plan.token_R
         back_R = torch.empty_like(key_R)
         back_R[torch.argsort(key_R)] = torch.arange(key_R.numel(), device=key_R.device)
-        return TokenExchange(x_TH, plan, row_send=row_send, row_recv=row_recv, send_UX=send_UX, back_R=back_R,
-                             **layout)
+        return TokenExchange(x_TH, plan, RowCounts(c.counts_L.host, c.counts_L.device), wire=self,
+                             traffic_PD=c.traffic_PD, send_splits=c.send.host, recv_splits=c.recv.host,
+                             unsort_R=unsort_R, row_send=sizes.row_send.host, row_recv=c.from_peers.host,
+                             send_UX=send_UX, back_R=back_R)
 
-    def to_experts(self, state: TokenExchange) -> tuple[Tensor, Tensor, RowCounts]:
+    def send(self, state: TokenExchange) -> tuple[Tensor, Tensor, RowCounts]:
         H, L = state.x_TH.shape[1], self.num_local
         recv_UX = comm.all_to_all(state.send_UX, state.row_recv, state.row_send, self.parallel.ep)
         bits = mask_bits(recv_UX.dtype)
@@ -124,7 +142,7 @@ class TokenExchangeDispatcher(ExpertParallelDispatcher):
         gather_R = torch.nonzero_static(goes_LU, size=sum(state.counts_L.host)).view(-1) % recv_UX.shape[0]
         return recv_UX[:, :H], gather_R, state.counts_L
 
-    def from_experts(self, y_RH: Tensor, state: TokenExchange) -> Tensor:
+    def back(self, y_RH: Tensor, state: TokenExchange) -> Tensor:
         y_RH = comm.all_to_all(y_RH.index_select(0, state.unsort_R), state.send_splits, state.recv_splits,
                                self.parallel.ep)
         return y_RH.index_select(0, state.back_R)

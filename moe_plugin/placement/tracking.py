@@ -123,7 +123,7 @@ class LoadTracker:
             raise ValueError(f"{type(model).__name__} has no MoELayer to track; on a pipeline stage without MoE "
                              "layers pass groups=...")
         for layer in self.layers.values():   # the traffic comes with the counts exchange
-            layer.use_counts_exchange("a load tracker's sender x expert traffic")
+            layer.track_traffic("a load tracker")
         first = next(iter(self.layers.values()), None)
         self.groups = groups if groups is not None else first.groups
         self.num_experts = first.config.num_experts if first is not None else None

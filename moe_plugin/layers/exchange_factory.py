@@ -1,0 +1,85 @@
+"""The one place a layer's dispatcher is built: wire format x schedule x shadowing.
+
+Shape suffixes: see ``moe_plugin.layers``.
+
+``build_dispatcher(config, parallel, shadow, traffic)`` picks, by the rules of
+``exchange_rules.py`` (the config's validation asks the same rules):
+
+* no expert or expert-tensor parallelism: ``TokenDispatcher`` (nothing crosses);
+* the wire format: ``exchange`` counts, padded or token by name, or ``auto`` (``resolve_exchange``:
+  padded where the rules allow it and the EP group's backend is gloo, else counts; logged once);
+* the schedule: ``overlap.Overlapped`` with ``overlap_chunks`` > 1, else one exchange;
+* shadowing (``shadow.Shadowing``) while ``shadow`` has experts.
+
+The layer builds its dispatcher here at construction and again when its shadowed experts change
+(``MoELayer.set_shadow``) or a load tracker starts reading the sender x expert traffic
+(``MoELayer.track_traffic``): the options are the rules' inputs, and a named option that no longer
+combines raises there, before anything changes.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.distributed as dist
+
+from moe_plugin.layers.dispatcher import OneExchange, TokenDispatcher
+from moe_plugin.layers.ep_dispatcher import CountsWire, ExpertParallelDispatcher
+from moe_plugin.layers.exchange_rules import exchange_unfit, overlap_unfit, overlapped_chunks, shadow_unfit
+from moe_plugin.layers.overlap import Overlapped
+from moe_plugin.layers.padded import PaddedWire, log_choice
+from moe_plugin.layers.parallel import LayerParallelism
+from moe_plugin.layers.shadow import ShadowExperts, Shadowing
+from moe_plugin.layers.token import TokenWire
+
+
+def _unfit(config, parallel: LayerParallelism, mode: str, shadowed: int, traffic: Optional[str]) -> Optional[str]:
+    pl = config.placement
+    return exchange_unfit(mode, expert=parallel.ep_size, expert_tensor=parallel.etp_size,
+                          overlap_chunks=config.overlap_chunks, drop_tokens=config.drop_tokens,
+                          replica_budget=pl.replica_budget, policy=pl.policy, trace_file=pl.trace_file,
+                          shadowed=shadowed, traffic=traffic)
+
+
+def resolve_exchange(config, parallel: LayerParallelism, shadowed: int = 0, traffic: Optional[str] = None) -> str:
+    """``counts``, ``padded`` or ``token`` (named only) for a layer of ``config`` (an ``MoEConfig``)
+    on ``parallel``, with ``shadowed`` experts shadowed and ``traffic`` naming what reads the
+    sender x expert traffic (None: nothing). A named mode that these make unfit raises."""
+    if parallel.ep is None:
+        return "counts"
+    if config.exchange != "auto":
+        why = _unfit(config, parallel, config.exchange, shadowed, traffic)
+        if why is not None:
+            what = "shadow experts" if shadowed else traffic
+            raise ValueError(f"{what}: not with moe.exchange {config.exchange!r} (set 'counts'"
+                             f"{' or ' + repr('auto') if config.exchange == 'padded' else ''}): it {why}")
+        return config.exchange
+    why_not = _unfit(config, parallel, "padded", shadowed, traffic)
+    backend = dist.get_backend(parallel.ep)
+    if why_not is None and backend != "gloo":
+        why_not = f"the EP group's backend is {backend}, not gloo (a small all-to-all is cheap there, padding costs)"
+    log_choice("counts" if why_not else "padded", why_not)
+    return "counts" if why_not else "padded"
+
+
+def build_dispatcher(config, parallel: LayerParallelism, shadow: ShadowExperts,
+                     traffic: Optional[str] = None) -> tuple[TokenDispatcher, str]:
+    """(the dispatcher, its exchange mode) for a layer of ``config`` on ``parallel`` with ``shadow``'s
+    experts shadowed; ``traffic``: what reads the sender x expert traffic (module docstring)."""
+    shadowed = len(shadow.expert_ids)
+    if shadowed:
+        why = shadow_unfit(parallel.ep_size, parallel.etp_size)
+        if why is not None:
+            raise ValueError(why)
+    if not parallel.expert_parallel:
+        return TokenDispatcher(config.num_experts), "counts"
+    mode = resolve_exchange(config, parallel, shadowed, traffic)
+    L = config.num_experts // parallel.ep_size
+    wire = {"counts": lambda: CountsWire(parallel, L), "token": lambda: TokenWire(parallel, L),
+            "padded": lambda: PaddedWire(parallel, L, forced=config.exchange == "padded")}[mode]()
+    why = overlap_unfit(config.overlap_chunks, parallel.ep_size, parallel.etp_size, config.num_experts)
+    if why is not None:
+        raise ValueError(f"overlap_chunks {config.overlap_chunks}: {why}")
+    chunks = overlapped_chunks(config.overlap_chunks, shadowed)
+    schedule = Overlapped(parallel, chunks) if chunks > 1 else OneExchange()
+    shadowing = Shadowing(shadow) if shadowed else None
+    return ExpertParallelDispatcher(config.num_experts, parallel, wire, schedule, shadowing), mode

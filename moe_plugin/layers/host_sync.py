@@ -1,0 +1,62 @@
+"""The layer's one host sync per forward, and what it reads.
+
+Shape suffixes: see ``moe_plugin.layers``.
+
+A forward's dispatch needs a few integers on the host: split sizes, rows per local expert, the
+router's finite flags, and what a schedule (``overlap.py``) or shadowing (``shadow.py``) reads.
+Each part of the dispatch adds its device integers to the forward's ``HostSync`` (``add``, which
+returns a ``HostValue``), the finite check its flags (``check``); ``read`` copies them all in one
+transfer and gives the finite verdict (every rank that shares it raises there); then each part
+reads its own ``HostValue.host``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from moe_plugin.layers import comm
+from moe_plugin.layers.router import FiniteCheck
+
+
+@dataclass(eq=False)
+class HostValue:
+    """Integers on the device (``device``) and, once the sync is read, on the host (``host``, flattened)."""
+
+    device: Tensor
+    host: list[int] = field(default_factory=list)
+
+
+class HostSync:
+    """One forward's host sync: every part adds what it reads, ``read`` copies it in one transfer."""
+
+    def __init__(self) -> None:
+        self._values: list[HostValue] = []
+        self._flags: Optional[tuple[HostValue, comm.Group]] = None
+
+    def add(self, device: Tensor) -> HostValue:
+        value = HostValue(device)
+        self._values.append(value)
+        return value
+
+    def check(self, finite: Optional[FiniteCheck], flags: Optional[Tensor] = None, group: comm.Group = None) -> None:
+        """Read the router's finite flags too and give the verdict in ``read``: ``flags`` agreed over
+        ``group`` when a dispatcher carried them itself, else the check's own exchange."""
+        if finite is None:
+            return
+        if flags is None:
+            flags, group = finite.flags(), finite.group
+        self._flags = (self.add(flags), group)
+
+    def read(self) -> None:
+        """The one host sync, then the finite verdict (before any row leaves the rank)."""
+        dtype = self._values[0].device.dtype
+        host = torch.cat([v.device.reshape(-1).to(dtype) for v in self._values]).tolist()
+        start = 0
+        for value in self._values:
+            value.host, start = host[start:start + value.device.numel()], start + value.device.numel()
+        if self._flags is not None:
+            flags, group = self._flags
+            FiniteCheck.verdict(flags.host, group)
