@@ -6,7 +6,8 @@ One process (1 gloo rank), the GPT-MoE of ``bench step`` (``gpt_models.build_our
 ``moe_plugin.initialize`` builds, the watch included), random tokens. The steps alternate, one
 with the watch's hooks on, one with them removed (put back in front of DeepSpeed's own, where
 ``initialize`` put them), the same batch for both of a pair; per repeat the medians of wall and
-CPU (this thread) time and the ratio. What it printed, with its date and commit: docs/long_runs.md.
+CPU (this thread) time and the ratio, and the CPU time spent inside the watch itself (its hooks and
+its check of the step, timed there: the alternation's ratio is within the noise of a shared machine). What it printed, with its date and commit: docs/long_runs.md.
 """
 from __future__ import annotations
 
@@ -20,10 +21,19 @@ import torch
 import torch.distributed as dist
 
 
-def _watch_on(watch, model: torch.nn.Module) -> None:
-    """The watch's hooks back, first on each parameter (before DeepSpeed's)."""
+def _timed(hook, spent: list[float]):
+    """``hook``, its CPU time (this thread's) added to ``spent[0]``."""
+    def timed(param: torch.Tensor) -> None:
+        began = time.thread_time()
+        hook(param)
+        spent[0] += time.thread_time() - began
+    return timed
+
+
+def _watch_on(watch, model: torch.nn.Module, spent: list[float]) -> None:
+    """The watch's hooks back (timed into ``spent``), first on each parameter (before DeepSpeed's)."""
     params = [p for _n, p in model.named_parameters() if p.requires_grad]
-    watch.handles = [p.register_post_accumulate_grad_hook(watch._hook(i)) for i, p in enumerate(params)]
+    watch.handles = [p.register_post_accumulate_grad_hook(_timed(watch._hook(i), spent)) for i, p in enumerate(params)]
     for p, handle in zip(params, watch.handles):
         p._post_accumulate_grad_hooks.move_to_end(handle.id, last=False)
 
@@ -36,36 +46,48 @@ def measure(rounds: int, repeats: int, layers: int, hidden: int) -> list[dict]:
     run = build_ours(spec, 1)
     engine, watch = run.engine, run.guard.watch
     batches = make_batches(spec, 4, 0)
+    spent = [0.0]   # CPU seconds inside the watch's hooks and its check of the step
     out = []
     try:
         for repeat in range(repeats):
             times = {True: [], False: []}
+            in_hooks = []
             for r in range(2 * (rounds + 2)):
                 on = (r + repeat) % 2 == 0
                 if on and not watch.handles:
-                    _watch_on(watch, engine.module)
+                    _watch_on(watch, engine.module, spent)
                 elif not on and watch.handles:
                     watch.remove()
                 ids, pos, labels = batches[(r // 2) % len(batches)]
+                spent[0] = 0.0
                 wall, cpu = time.perf_counter(), time.thread_time()
                 engine.backward(engine(ids, pos, None, labels=labels).float().mean())
                 engine.step()
+                if on:   # the step's check (GradientWatch.any_bad: collect and one isfinite), timed too
+                    began = time.thread_time()
+                    watch.any_bad()
+                    spent[0] += time.thread_time() - began
                 run.guard.after_step(r + 1)
                 if r >= 4:   # two pairs of warm-up
                     times[on].append((time.perf_counter() - wall, time.thread_time() - cpu))
+                    if on:
+                        in_hooks.append(spent[0])
             row = {}
             for on, name in ((True, "with"), (False, "without")):
                 row[f"{name}_wall_ms"] = 1e3 * statistics.median(t[0] for t in times[on])
                 row[f"{name}_cpu_ms"] = 1e3 * statistics.median(t[1] for t in times[on])
             row["wall_ratio"] = row["with_wall_ms"] / row["without_wall_ms"]
             row["cpu_ratio"] = row["with_cpu_ms"] / row["without_cpu_ms"]
+            row["hooks_cpu_ms"] = 1e3 * statistics.median(in_hooks)
+            row["hooks_share"] = row["hooks_cpu_ms"] / row["with_cpu_ms"]
             out.append(row)
             print(f"repeat {repeat}: step with the watch {row['with_wall_ms']:.1f} ms wall / {row['with_cpu_ms']:.1f} "
                   f"ms CPU, without {row['without_wall_ms']:.1f} / {row['without_cpu_ms']:.1f}; ratio wall "
-                  f"{row['wall_ratio']:.4f}, CPU {row['cpu_ratio']:.4f} ({rounds} steps each)", flush=True)
+                  f"{row['wall_ratio']:.4f}, CPU {row['cpu_ratio']:.4f}; in the watch {row['hooks_cpu_ms']:.2f} ms CPU, "
+                  f"{100 * row['hooks_share']:.2f}% of the step ({rounds} steps each)", flush=True)
     finally:
         if not watch.handles:
-            _watch_on(watch, engine.module)
+            _watch_on(watch, engine.module, spent)
         run.close()
     return out
 
