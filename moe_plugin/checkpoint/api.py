@@ -43,6 +43,8 @@ changed). Not yet: fp16/bf16 (unverified).
 
 Which tag a load takes (the newest that verifies when ``latest``'s does not), which tags a save
 keeps (``keep_last``), a write that fails on any rank: ``tags``.
+``async_save=True``: the files recorded (host copies) instead of written, then written, hashed and
+committed by a background writer, the same steps on a process group of its own (``background``).
 """
 from __future__ import annotations
 
