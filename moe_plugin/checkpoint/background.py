@@ -94,7 +94,12 @@ class Capture:
         """Write every recorded file (in the writer thread), releasing each copy once written."""
         while self.jobs:
             obj, path, write = self.jobs.pop(0)
-            write(obj, path)
+            try:
+                write(obj, path)
+            except (OSError, RuntimeError, CheckpointError):   # agreed as they are (tags.saving)
+                raise
+            except Exception as exc:   # e.g. an object that does not pickle: agreed too, not left to one rank
+                raise CheckpointError(f"{path}: {type(exc).__name__}: {exc}") from exc
 
 
 def capturing() -> Optional[Capture]:
