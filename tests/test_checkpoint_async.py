@@ -11,7 +11,8 @@ optimizer-partition files and its recovery scripts):
   directory; ``latest`` still names the previous tag, which verifies; no ``.tmp-`` directory is left;
 * DeepSpeed's checkpoint engine fails on another rank in the writer: ``wait_for_save`` (what a
   run calls before it exits) raises it on every rank; again nothing committed;
-* a last asynchronous save commits, and loads.
+* a last asynchronous save commits, and loads;
+* the example refuses ``--async-save`` without ``--save``, in one line, before writing anything.
 
 The example through the real ``deepspeed`` launcher (2 ranks, a tiny model, 4 steps, a save every
 2): with ``--async-save`` the checkpoint directory holds the same files, byte for byte, as without,
@@ -195,3 +196,17 @@ def test_example_async_save_writes_what_a_sync_save_writes(tmp_path, launcher_po
             sync, other = (torch.load(io.BytesIO(files[k][f]), weights_only=False) for k in ("sync", "async"))
             assert sorted(sync) == sorted(other) and all(
                 _same(sync[k], other[k]) for k in sync if k not in ("python", "numpy")), f
+
+
+def test_example_refuses_async_save_without_save_before_writing_anything(tmp_path, capsys):
+    from test_example import _script
+
+    run_dir, data = tmp_path / "run", tmp_path / "data"
+    status = _script().main(["--deepspeed_config", str(SCRIPT.parent / "configs" / "tiny_cpu_4rank.json"),
+                              "--run-dir", str(run_dir), "--data-cache", str(data), "--async-save"])
+    out = capsys.readouterr()
+    assert status == 2
+    assert [x for x in (out.out + out.err).splitlines() if x.startswith("error: ")] == [
+        "error: --async-save: got True; writes the checkpoints of --save in the background, which is not given: "
+        "pass --save DIR too"]
+    assert not run_dir.exists() and not data.exists()
