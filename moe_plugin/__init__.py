@@ -34,6 +34,8 @@ _LAZY = {
     "save_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
     "checkpoint_exists": "checkpoint",
+    "wait_for_save": "checkpoint",
+    "poll_save": "checkpoint",
     "CheckpointError": "checkpoint",
     "upcycle_checkpoint": "checkpoint",
 }

@@ -188,6 +188,32 @@ def test_deepspeed_pipeline_module_partitioning():
     _must(bounds == ["self", "start", "stop"], f"PipelineModule._set_bounds takes {bounds}", DS, "deepspeed_pipe")
 
 
+def test_deepspeed_checkpoint_engine_writes_every_file_in_save():
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    from moe_plugin.compat.deepspeed_checkpoint_engine import RecordingCheckpointEngine
+
+    _must(list(inspect.signature(TorchCheckpointEngine.save).parameters) == ["self", "state_dict", "path"]
+          and not TorchCheckpointEngine().is_decoupled(),
+          "TorchCheckpointEngine.save(state_dict, path) changed", DS, "deepspeed_checkpoint_engine")
+    _must("self.checkpoint_engine = create_checkpoint_engine(" in inspect.getsource(DeepSpeedEngine),
+          "DeepSpeedEngine no longer keeps its checkpoint engine in checkpoint_engine", DS,
+          "deepspeed_checkpoint_engine")
+    writers = {name: inspect.getsource(getattr(DeepSpeedEngine, name))
+               for name in ("_save_checkpoint", "_save_moe_checkpoint", "_save_zero_checkpoint")}
+    writers["PipelineModule.save_state_dict"] = inspect.getsource(PipelineModule.save_state_dict)
+    for name, source in writers.items():
+        _must("checkpoint_engine.save(" in source and "torch.save(" not in source,
+              f"{name} no longer writes its files through the checkpoint engine's save", DS,
+              "deepspeed_checkpoint_engine")
+    recorded = []
+    wrapper = RecordingCheckpointEngine(TorchCheckpointEngine(), lambda obj, path: recorded.append(path))
+    wrapper.save({"x": 1}, "/nowhere/file.pt")
+    assert recorded == ["/nowhere/file.pt"] and wrapper.preserves_storage_sharing() in (True, False)
+
+
 @pytest.mark.parametrize("module", sorted(p.stem for p in (Path(__file__).parent.parent / "moe_plugin" / "compat")
                                            .glob("*.py") if p.stem != "__init__"))
 def test_compat_module_names_its_pinned_versions(module):

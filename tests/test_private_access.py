@@ -28,7 +28,9 @@ PACKAGES = ("moe_plugin", "moe_plugin_tools")
 COMPAT = ROOT / "moe_plugin" / "compat"
 UPSTREAM = re.compile(r"^(deepspeed|megatron)(\.|$)")
 # private names on objects of other libraries, reached through a local variable (no import to tell)
-NOT_UPSTREAM = {"_cdata": "torch's storage handle (layers/ffn_autograd.py)"}
+NOT_UPSTREAM = {"_cdata": "torch's storage handle (layers/ffn_autograd.py, checkpoint/background.py)",
+                "_post_accumulate_grad_hooks": "torch's hooks of a parameter (bench/guard_cost.py puts the guard's "
+                                                "back in front of DeepSpeed's)"}
 ACCESSORS = {"getattr", "setattr", "hasattr", "delattr"}
 
 

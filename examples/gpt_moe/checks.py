@@ -85,6 +85,9 @@ def check_flags(args: argparse.Namespace) -> None:
                           "router; drop one of the two flags")
     if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
         raise ConfigError("--exit-duration-in-mins", args.exit_duration_in_mins, "expected minutes > 0")
+    if getattr(args, "async_save", False) and args.save is None:
+        raise ConfigError("--async-save", True, "writes the checkpoints of --save in the background, which is not "
+                          "given: pass --save DIR too")
     for flag, given in (("--exit-signal-handler", args.exit_signal_handler),
                         ("--exit-duration-in-mins", args.exit_duration_in_mins)):
         if given not in (None, False) and args.save is None:   # before anything is written

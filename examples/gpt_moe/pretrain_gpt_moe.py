@@ -40,7 +40,9 @@ stages (``moe_plugin.gpt_pipeline_module``), the engine is DeepSpeed's
 pipeline branch is ``gpt_pipeline_provider`` / ``pipeline_train_step`` / ``pipeline_evaluate``.
 Checkpoints (``--save``/``--load``) go through ``moe_plugin.save_checkpoint`` / ``load_checkpoint`` (experts
 saved by global id, dense weights re-cut on load, so a run may resume under another TP, PP or EP
-layout; with ``--no-load-optim`` then, as the optimizer state does not follow).
+layout; with ``--no-load-optim`` then, as the optimizer state does not follow). ``--async-save``: the
+state is copied to host memory at the save step and written in the background (``moe_plugin.poll_save``
+after every step, ``wait_for_save`` before the run ends; a failure stops every rank at the same step).
 
 Load-adaptive placement: when ``moe.placement.policy`` is not ``static`` or ``trace_file`` is set,
 ``moe_plugin.training_placement`` tracks the gate's load and, at the step
@@ -134,6 +136,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     train.add_argument("--keep-last", type=int, default=None,
                        help="after each save, remove the tags beyond the newest N (by step), never the one just "
                        "written nor the one 'latest' names (default: keep every tag)")
+    train.add_argument("--async-save", action="store_true",
+                       help="copy the state to host memory at the save step and write, hash and commit the checkpoint "
+                            "in the background while training goes on (the same files); a save waits for the previous "
+                            "one, and the run for the last one before it exits")
     train.add_argument("--load", default=None, help="checkpoint directory to resume from")
     train.add_argument("--strict-load", action="store_true",
                        help="with --load: a 'latest' tag that fails verification is an error (default: say so in one "
@@ -509,12 +515,13 @@ def log_parts(log: TrainingLog, parts: dict[str, float], args, device) -> None:
 
 
 # --- checkpoints ----------------------------------------------------------------------------------
-def save_checkpoint(run, directory: str, step: int, keep_last: Optional[int] = None) -> None:
+def save_checkpoint(run, directory: str, step: int, keep_last: Optional[int] = None, async_save: bool = False) -> None:
     """Collective. Experts are saved by global id, the rest by DeepSpeed (``moe_plugin.save_checkpoint``);
-    ``keep_last`` (``--keep-last``): the newest tags kept."""
+    ``keep_last`` (``--keep-last``): the newest tags kept. ``async_save`` (``--async-save``): written in the
+    background (``moe_plugin.poll_save`` after each step, ``wait_for_save`` at the end)."""
     from moe_plugin import save_checkpoint as save
 
-    save(run, directory, tag=f"step{step}", client_state={"step": step}, keep_last=keep_last)
+    save(run, directory, tag=f"step{step}", client_state={"step": step}, keep_last=keep_last, async_save=async_save)
 
 
 def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = True, strict: bool = False) -> int:
@@ -557,15 +564,23 @@ def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: Trai
              if args.load else 0)
     if start:
         log.info(f"resumed from {args.load} after {start} steps")
+    from moe_plugin import wait_for_save
+
     metrics = ExpertMetrics(result.engine.module, groups=result.groups)   # expert load, also to DeepSpeed's monitor
     try:
-        return _train_steps(args, plan, data, result, log, placement, metrics, start, exit_request)
+        leaving = _train_steps(args, plan, data, result, log, placement, metrics, start, exit_request)
+        committed = wait_for_save(result)   # the last --async-save is written before the run ends (or fails it)
+        if committed is not None:
+            log.info(f"checkpoint {os.path.basename(committed)} written to {args.save} in the background")
+        return leaving
     finally:
         metrics.close()
 
 
 def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics, start: int,
                  exit_request=None) -> Optional[str]:
+    from moe_plugin import poll_save
+
     engine = result.engine
     step_fn, eval_fn = (pipeline_train_step, pipeline_evaluate) if plan.sizes.pp > 1 else (train_step, evaluate)
     tokens_per_step = plan.global_batch_size * args.seq_length
@@ -603,6 +618,10 @@ def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics,
             interval_s, interval_steps = 0.0, 0
         log.train(done, loss, engine.get_lr()[0], report, step_s=step_s, skipped_steps=health.skipped_steps)
         health.raise_if_stopped()   # TrainingStopped on every rank, the same message
+        if args.async_save:   # collective while a save is in flight: committed, or its failure on every rank
+            committed = poll_save(result)
+            if committed is not None:
+                log.info(f"checkpoint {os.path.basename(committed)} written to {args.save} in the background")
         leaving = exit_request.after_step(done) if exit_request is not None else None   # collective
         if leaving is not None and done < args.train_iters:   # a signal, or --exit-duration-in-mins: save, leave
             began = time.perf_counter()
@@ -613,8 +632,11 @@ def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics,
         if (args.eval_interval and done % args.eval_interval == 0) or done == args.train_iters:
             log.valid(done, eval_fn(result, data, plan, args.eval_iters))
         if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters):
-            save_checkpoint(result, args.save, done, args.keep_last)
-            log.info(f"saved checkpoint step{done} to {args.save}")
+            began = time.perf_counter()
+            save_checkpoint(result, args.save, done, args.keep_last, args.async_save)
+            took = time.perf_counter() - began   # the step's stall
+            log.info(f"checkpoint step{done}: copied in {took:.2f} s, being written to {args.save} in the background"
+                     if args.async_save else f"saved checkpoint step{done} to {args.save} in {took:.2f} s")
     return None
 
 

@@ -3,6 +3,9 @@
     from moe_plugin.checkpoint import load_checkpoint, save_checkpoint
     save_checkpoint(run, "ckpt")                          # every rank; tag default "global_step{N}"
     load_path, client_state = load_checkpoint(run, "ckpt")   # tag default: the "latest" file
+    save_checkpoint(run, "ckpt", async_save=True)         # written in the background while training goes on;
+    poll_save(run)                                        # after each step (collective): committed, or its error
+    wait_for_save(run)                                    # before exit
 
 * ``api``: ``save_checkpoint``, ``load_checkpoint``, ``checkpoint_exists`` (atomic tags, the load's
   order of checks; the on-disk layout in its docstring).
@@ -10,7 +13,7 @@
   fits the running model. ``errors``: ``CheckpointError``, raised alike on every rank.
 * ``experts``: expert weights by global id (ETP shards joined, cut again); ``expert_files``: the
   files holding them and how they go back in; ``optimizer``: the basic (ZeRO-0) optimizer's state;
-  ``rng``: every rank's random streams.
+  ``rng``: every rank's random streams; ``background``: asynchronous saves (host copy, writer thread).
 * ``shards``, ``reshard``: tensors and state dicts cut for and joined from TP / ETP ranks;
   ``keys``: a ``PipelineModule`` checkpoint read as a ``GPTModel`` and back.
 * ``files``: checksums, named read errors, stale temporary directories; ``tags``: the tag a load
@@ -27,7 +30,8 @@ from __future__ import annotations
 
 from moe_plugin.lazy import lazy_getattr
 
-_FROM = {"save_checkpoint": "api", "load_checkpoint": "api", "checkpoint_exists": "api", "read_latest": "metadata",
+_FROM = {"save_checkpoint": "api", "load_checkpoint": "api", "checkpoint_exists": "api", "wait_for_save": "api",
+         "poll_save": "api", "read_latest": "metadata",
          "read_metadata": "metadata", "CheckpointError": "errors", "export_checkpoint": "export",
          "load_export": "export", "upcycle_checkpoint": "upcycle"}
 __all__ = sorted(_FROM)

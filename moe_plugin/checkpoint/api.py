@@ -43,6 +43,8 @@ changed). Not yet: fp16/bf16 (unverified).
 
 Which tag a load takes (the newest that verifies when ``latest``'s does not), which tags a save
 keeps (``keep_last``), a write that fails on any rank: ``tags``.
+``async_save=True``: the files recorded (host copies) instead of written, then written, hashed and
+committed by a background writer, the same steps on a process group of its own (``background``).
 """
 from __future__ import annotations
 
@@ -50,12 +52,14 @@ import contextlib
 import json
 import os
 import pickle
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_plugin.checkpoint.background import Capture, SaveWriter, capture_into, capturing
 from moe_plugin.checkpoint.errors import CheckpointError, agree
 from moe_plugin.checkpoint.expert_files import (
     expert_files,
@@ -96,24 +100,38 @@ from moe_plugin.checkpoint.reshard import join_dense_tp, shard_state_dict
 from moe_plugin.checkpoint.rng import clear_pending_load, rng_state, set_rng_state
 from moe_plugin.checkpoint.tags import check_keep_last, choose_tag, prune, saving
 from moe_plugin.compat.deepspeed_checkpoint import is_recovery_script, one_file_per_mp_rank, optimizer_file_name
+from moe_plugin.compat.deepspeed_checkpoint_engine import checkpoint_engine, recording_checkpoint_engine
 
 
 def _write(obj: Any, path: str) -> None:
-    """Every file of ours goes through here (one place to make a save fail in tests)."""
+    """Every file of ours goes through here (one place to make a save fail in tests). Inside an
+    asynchronous save's capture, the file is recorded (a host copy) and written by the background
+    writer, through this function again."""
+    capture = capturing()
+    if capture is not None:
+        capture.record(obj, path, _write)
+        return
     torch.save(obj, path)
 
 
 # -- save ----------------------------------------------------------------------------------------
 def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = None,
                     client_state: Optional[dict] = None, save_latest: bool = True,
-                    keep_last: Optional[int] = None) -> str:
+                    keep_last: Optional[int] = None, async_save: bool = False) -> str:
     """Save ``run`` (what ``moe_plugin.initialize`` returned: ``engine``, ``groups``, ``moe_config``)
     into ``save_dir/tag``; collective, every rank calls it. Returns the tag's directory. The step
     boundary is applied first (``run.end_step()``): the routers' ``expert_bias`` is saved with the
     last step's aux-loss-free update, and no load is left pending. ``keep_last`` N: once committed,
     the tags beyond the newest N are removed (``tags.prune``). A write that fails on any rank (no
-    space left) is a ``CheckpointError`` on every rank naming ``save_dir``; nothing is committed."""
+    space left) is a ``CheckpointError`` on every rank naming ``save_dir``; nothing is committed.
+
+    ``async_save``: the state is copied to host memory now and the files are written, hashed and
+    committed by a background thread (``background``; the same files, byte for byte); the
+    returned directory exists once ``poll_save`` / ``wait_for_save`` returned it. A save still in
+    flight is waited for first (its failure raised here); a failure of this one is raised by
+    ``poll_save`` or ``wait_for_save``, on every rank at the same call."""
     check_keep_last(keep_last)
+    wait_for_save(run)   # one save at a time; a failed one is raised here, on every rank
     if hasattr(run, "end_step"):
         run.end_step()
     engine = run.engine
@@ -130,26 +148,73 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
             os.makedirs(os.path.join(tmp_path, RNG_DIR))
 
     saving(save_dir, tag, prepare)   # an unwritable directory: one error on every rank
-    engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state or {}, save_latest=False)
-    meta, ours = metadata(run, tag), expert_files(run, tmp_path)
+    capture = Capture() if async_save else None
+    with capture_into(capture), _deepspeed_files(engine, capture):
+        engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state or {}, save_latest=False)
+        meta, ours = metadata(run, tag), expert_files(run, tmp_path)
 
-    def write_ours() -> None:
-        for path, entry in ours.items():
-            _write(entry, path)
-        _write(rng_state(engine.module), rng_file(tmp_path, dist.get_rank()))
+        def write_ours() -> None:
+            for path, entry in ours.items():
+                _write(entry, path)
+            _write(rng_state(engine.module), rng_file(tmp_path, dist.get_rank()))
 
-    saving(save_dir, tag, write_ours)  # every file is written (or a failure on any rank raised on all)
-    meta["files"] = checksums(tmp_path)
+        saving(save_dir, tag, write_ours)  # every file is written (or a failure on any rank raised on all)
 
-    def commit() -> None:
-        if dist.get_rank() == 0:
-            write_text(os.path.join(tmp_path, META_FILE), json.dumps(meta, indent=1))
-            commit_tag(save_dir, tag, tmp_tag, save_latest)
-            if keep_last is not None:
-                prune(save_dir, keep_last, tag)
+    def commit(group: Optional[dist.ProcessGroup] = None) -> None:
+        if capture is not None:   # the files of the tag, in the background
+            saving(save_dir, tag, capture.write_all, group)
+        meta["files"] = checksums(tmp_path, group)
 
-    saving(save_dir, tag, commit)
-    return os.path.join(save_dir, tag)
+        def rename() -> None:
+            if dist.get_rank() == 0:
+                write_text(os.path.join(tmp_path, META_FILE), json.dumps(meta, indent=1))
+                commit_tag(save_dir, tag, tmp_tag, save_latest)
+                if keep_last is not None:
+                    prune(save_dir, keep_last, tag)
+
+        saving(save_dir, tag, rename, group)
+
+    path = os.path.join(save_dir, tag)
+    if capture is None:
+        commit()
+    else:
+        _writer(run).start(tag, path, commit)
+    return path
+
+
+@contextlib.contextmanager
+def _deepspeed_files(engine: Any, capture: Optional[Capture]) -> Iterator[None]:
+    """DeepSpeed's files of the save: written by its checkpoint engine, or recorded into ``capture``
+    and written by that same engine in the background."""
+    if capture is None:
+        yield
+        return
+    inner = checkpoint_engine(engine)
+    with recording_checkpoint_engine(engine, lambda obj, path: capture.record(obj, path, inner.save)):
+        yield
+
+
+def _writer(run: Any) -> SaveWriter:
+    """The run's background writer (``run.saves``), made at its first asynchronous save."""
+    if getattr(run, "saves", None) is None:
+        run.saves = SaveWriter()
+    return run.saves
+
+
+def wait_for_save(run: Any) -> Optional[str]:
+    """Wait for ``run``'s asynchronous save in flight, if any: the directory of its committed tag,
+    or None without one. Its failure is a ``CheckpointError``, the same on every rank (each rank
+    may call it at a different time: the writers agreed on it). Call it before the process ends."""
+    saves = getattr(run, "saves", None)
+    return saves.wait() if saves is not None else None
+
+
+def poll_save(run: Any) -> Optional[str]:
+    """Collective, e.g. after every step, while an asynchronous save is in flight: once every
+    rank's writer is done, the directory of the committed tag (or its failure raised on every rank
+    at this same call); None while it is still being written, or without one (no collective then)."""
+    saves = getattr(run, "saves", None)
+    return saves.poll() if saves is not None else None
 
 
 def _check_tag(tag: str) -> str:
@@ -199,6 +264,7 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     loaded whatever is asked: the checkpoint holds none. Without ``tag``, a ``latest`` tag that fails
     verification is reported in one line (rank 0) and the newest tag that verifies is loaded
     (``tags.choose_tag``); ``strict=True`` raises instead, as a named tag that fails always does."""
+    wait_for_save(run)   # a save in flight is committed (or its failure raised) before anything is read
     engine, groups = run.engine, run.groups
     load_dir = os.fspath(load_dir)
     remove_stale_collective(load_dir)

@@ -5,7 +5,7 @@ goes on to load while another stops.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -19,8 +19,9 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else "no message"
 
 
-def agree(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on every rank; if it raised ``CheckpointError`` on any, raise it on all."""
+def agree(fn: Callable[[], Any], group: Optional[dist.ProcessGroup] = None) -> Any:
+    """``fn()`` on every rank; if it raised ``CheckpointError`` on any, raise it on all. ``group``:
+    the ranks that agree (default: the world; an asynchronous save's writer: its own group)."""
     error, value = None, None
     try:
         value = fn()
@@ -28,10 +29,10 @@ def agree(fn: Callable[[], Any]) -> Any:
         error = str(exc)
     except (OSError, RuntimeError, KeyError, EOFError) as exc:  # an unreadable file on this rank only
         error = f"{type(exc).__name__}: {exc}"
-    errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    errors: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         rank, message = failed[0]
-        raise CheckpointError(message if rank == dist.get_rank() or error == message else f"rank {rank}: {message}")
+        raise CheckpointError(message if rank == dist.get_rank(group) or error == message else f"rank {rank}: {message}")
     return value

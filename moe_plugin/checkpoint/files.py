@@ -88,15 +88,16 @@ def share(sizes: dict[str, int], world_size: int, rank: int) -> list[str]:
     return mine
 
 
-def checksums(path: str) -> dict[str, dict]:
-    """Every file of the tag directory ``path``: {relative path: {"bytes", "sha256"}}. Collective;
-    call once every rank has finished writing (rank 0 lists, each rank hashes its share)."""
+def checksums(path: str, group: Optional[dist.ProcessGroup] = None) -> dict[str, dict]:
+    """Every file of the tag directory ``path``: {relative path: {"bytes", "sha256"}}. Collective
+    (``group``: default the world, or a group over every rank); call once every rank has finished
+    writing (rank 0 lists, each rank hashes its share)."""
     listing = [tag_files(path) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(listing, src=0)
+    dist.broadcast_object_list(listing, src=0, group=group)
     mine = {name: file_digest(os.path.join(path, name))
-            for name in share(listing[0], dist.get_world_size(), dist.get_rank())}
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+            for name in share(listing[0], dist.get_world_size(group), dist.get_rank(group))}
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
     return dict(sorted((name, digest) for part in gathered for name, digest in part.items()))
 
 

@@ -130,18 +130,19 @@ def _fallback_line(load_dir: str, failures: list[tuple[str, str]], chosen: str) 
 
 
 # -- save ----------------------------------------------------------------------------------------
-def saving(save_dir: str, tag: str, fn: Callable[[], Any]) -> Any:
-    """``fn()`` on every rank (collective); an ``OSError`` or ``CheckpointError`` on any rank is one
-    ``CheckpointError`` on every rank naming ``save_dir``, once rank 0 removed ``.tmp-TAG``."""
+def saving(save_dir: str, tag: str, fn: Callable[[], Any], group: Optional[dist.ProcessGroup] = None) -> Any:
+    """``fn()`` on every rank (collective over ``group``, default the world); an ``OSError`` or
+    ``CheckpointError`` on any rank is one ``CheckpointError`` on every rank naming ``save_dir``,
+    once rank 0 removed ``.tmp-TAG``."""
     try:
-        return agree(fn)
+        return agree(fn, group)
     except CheckpointError as err:
         if dist.get_rank() == 0:
             shutil.rmtree(os.path.join(save_dir, TMP_PREFIX + tag), ignore_errors=True)
             with_part = os.path.join(save_dir, LATEST + ".part")
             if os.path.exists(with_part):
                 os.remove(with_part)
-        dist.barrier()
+        dist.barrier(group=group)
         try:
             before = f"'{LATEST}' still names {read_latest(save_dir)!r}, as before"
         except CheckpointError:

@@ -159,6 +159,7 @@ class Initialized:
     guard: Optional[TrainingGuard] = None
     summary: Optional[RunSummary] = None
     step_boundary: Optional[StepBoundary] = None
+    saves: Any = None   # the background writer of asynchronous checkpoint saves (checkpoint.background)
     _hooks: list = field(default_factory=list, repr=False)
     _closed: bool = field(default=False, repr=False)
 
@@ -193,6 +194,9 @@ class Initialized:
         if self._closed:
             return
         self._closed = True
+        if self.saves is not None:   # a save in flight is finished first (its failure logged)
+            self.saves.close()
+            self.saves = None
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()

@@ -55,7 +55,12 @@ class TrainingStopped(RuntimeError):
 
 class GradientWatch:
     """Post-accumulate gradient hooks that keep each parameter's largest gradient norm since the
-    last ``reset`` (``norm_W``, on the parameters' device; no sync in backward)."""
+    last ``reset`` (``norm_W``, on the parameters' device; no sync in backward).
+
+    The hot path is one op per gradient: each hook only queues the norm of the gradient it sees;
+    ``collect`` folds the queue into ``norm_W`` (a max per parameter, NaN kept) in three ops per
+    step, ``any_bad`` is the one finite check of the step, and the first bad parameter is looked
+    for only once it found one (``first_bad``)."""
 
     def __init__(self, model: nn.Module):
         from moe_plugin.layers import MoELayer
@@ -64,28 +69,51 @@ class GradientWatch:
         self.names = [name for name, _ in named]
         moe_layers = [prefix for prefix, module in model.named_modules() if isinstance(module, MoELayer)]
         self.moe_layer = [next((m for m in moe_layers if name.startswith(m + ".")), None) for name in self.names]
-        # follows the gradients' device at the first hook (DeepSpeed moves the model after this)
+        # follows the gradients' device at the first collect (DeepSpeed moves the model after this)
         self.norm_W = torch.zeros(len(named), dtype=torch.float32)
+        self._index: list[int] = []               # queued since the last collect: parameter index,
+        self._norms: list[torch.Tensor] = []      # and the norm of the gradient its hook saw
+        self._queue_limit = max(64, 4 * len(named))
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, (_, p) in enumerate(named)]
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if param.grad is not None:
-                if self.norm_W.device != param.grad.device:
-                    self.norm_W = self.norm_W.to(param.grad.device)
-                norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32)
-                self.norm_W[index] = torch.maximum(self.norm_W[index], norm)   # NaN stays NaN
+                self._norms.append(torch.linalg.vector_norm(param.grad, dtype=torch.float32))
+                self._index.append(index)
+                if len(self._norms) >= self._queue_limit:   # a loop that never asks: the queue stays short
+                    self.collect()
         return hook
+
+    def collect(self) -> None:
+        """Fold the queued norms into ``norm_W``: the max per parameter, a NaN or inf kept."""
+        if not self._norms:
+            return
+        norms = torch.stack(self._norms)
+        if self.norm_W.device != norms.device:
+            self.norm_W = self.norm_W.to(norms.device)
+        index = torch.tensor(self._index, dtype=torch.long).to(norms.device, non_blocking=True)
+        self.norm_W.scatter_reduce_(0, index, norms, reduce="amax", include_self=True)
+        self._norms.clear()
+        self._index.clear()
+
+    def any_bad(self) -> bool:
+        """Whether any parameter's gradient norm is non-finite since the last ``reset`` (syncs)."""
+        self.collect()
+        return not bool(torch.isfinite(self.norm_W).all())
 
     def first_bad(self) -> Optional[int]:
         """Index (model order) of the first parameter with a non-finite gradient norm, or None (syncs)."""
+        if not self.any_bad():
+            return None
         flagged = (~torch.isfinite(self.norm_W)).nonzero()
-        return int(flagged[0, 0]) if flagged.numel() else None
+        return int(flagged[0, 0])
 
     def largest(self) -> tuple[Optional[int], float]:
         """(index, norm) of the parameter with the largest gradient norm; (None, 0.0) without any."""
         if not len(self.names):
             return None, 0.0
+        self.collect()
         value, index = self.norm_W.max(dim=0)
         return int(index), float(value)
 
@@ -96,6 +124,8 @@ class GradientWatch:
                                      f" (in the MoE layer {layer})" if layer else "")
 
     def reset(self) -> None:
+        self._norms.clear()
+        self._index.clear()
         self.norm_W.zero_()
 
     def remove(self) -> None:

@@ -1,0 +1,52 @@
+"""What an asynchronous save relies on in DeepSpeed 0.19.8's checkpoint engine (``runtime/checkpoint_engine``).
+
+``engine.save_checkpoint`` writes every file of its own (module states, optimizer and ZeRO
+partitions; a ``PipelineEngine``'s layer files through ``PipelineModule.save_state_dict``) with
+``engine.checkpoint_engine.save(state_dict, path)``, and only creates directories, copies its
+``zero_to_*.py`` recovery scripts and calls ``create`` / ``commit`` besides (``commit`` writes
+nothing with the default ``TorchCheckpointEngine``). ``recording_checkpoint_engine`` swaps in an
+engine that hands each ``(state_dict, path)`` to a callback instead of writing it, and delegates
+everything else to the engine it replaces, whose ``save`` then writes the file later (the bytes
+are those a direct save writes: the same serializer and its options).
+
+``tests/test_compat_guards.py`` checks the attribute and the methods against the installed DeepSpeed.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+class RecordingCheckpointEngine:
+    """DeepSpeed's checkpoint engine ``inner`` with ``save`` replaced by ``record(state_dict, path)``."""
+
+    def __init__(self, inner: Any, record: Callable[[Any, str], None]):
+        self.inner = inner
+        self.record = record
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.record(state_dict, path)
+
+    def __getattr__(self, name: str) -> Any:   # create, commit, makedirs, load, preserves_storage_sharing...
+        return getattr(self.inner, name)
+
+
+def checkpoint_engine(engine: Any) -> Any:
+    """The checkpoint engine DeepSpeed writes ``engine``'s files with."""
+    return engine.checkpoint_engine
+
+
+@contextlib.contextmanager
+def recording_checkpoint_engine(engine: Any, record: Callable[[Any, str], None]) -> Iterator[Any]:
+    """Inside, ``engine.save_checkpoint`` hands its files to ``record`` instead of writing them;
+    yields the engine it replaced (whose ``save`` writes one of them)."""
+    inner = engine.checkpoint_engine
+    if inner is None or isinstance(inner, RecordingCheckpointEngine) or inner.is_decoupled():
+        raise RuntimeError(f"asynchronous save: DeepSpeed's checkpoint engine {type(inner).__name__} is not one "
+                           "that writes each file in save() (use the default TorchCheckpointEngine)")
+    engine.checkpoint_engine = RecordingCheckpointEngine(inner, record)
+    try:
+        yield inner
+    finally:
+        engine.checkpoint_engine = inner
