@@ -10,7 +10,10 @@ defaults: optimizer state included), saves under B at once, then loads that unde
   that global id holds (experts moments attached to the wrong experts fail here; checked against
   a permutation);
 * continuation: B's evaluation loss after each of the next steps equals the uninterrupted run's
-  at A (rtol ``TOL``); with the optimizer state dropped it does not (the check has teeth).
+  at A (rtol ``TOL``; bf16 ``BF16_TOL``); with the optimizer state dropped it does not (the check
+  has teeth).
+
+fp32 but one case: bf16 under ZeRO-2 -> ZeRO-1 (the fp32 masters apart from the bf16 weights).
 
 No dropout, no router noise, no aux loss, no capacity (the aux loss and the capacity of a micro-batch
 depend on its tokens, and the micro-batches change with DP and PP): the continuation is deterministic up to the
@@ -26,9 +29,10 @@ import torch
 VOCAB, SEQ, BATCH, HIDDEN, FFN = 32, 8, 8, 16, 32
 SAVE_AT, STEPS, GAS = 4, 7, 2
 TOL = 1e-5
+BF16_TOL = 1e-3   # bf16 GEMMs of other shapes (another EP size) round otherwise: 5.4e-5 seen on 2026-11-25
 MOE = {"num_experts": 4, "router": "topk", "top_k": 2, "aux_loss_coeff": 0.0, "drop_tokens": False}
 
-# a layout: (engine kind, moe.parallel, ZeRO stage)
+# a layout: (engine kind, moe.parallel, ZeRO stage[, "bf16"])
 EP2_Z1 = ("gpt", {"expert": 2}, 1)
 CASES = {  # name -> the chain of layouts: A, B[, C]; then back to A
     # dp 4 -> 2 with tp 1 -> 2 (and etp 1 -> 2: it follows tp unless set)
@@ -40,17 +44,21 @@ CASES = {  # name -> the chain of layouts: A, B[, C]; then back to A
     "pp2-to-pp1-zero1": [("pipe", {"pipeline": 2, "expert": 2}, 1), ("pipe", {"pipeline": 1, "expert": 2}, 1)],
     "tp2pp2ep2-to-ep4-zero1": [("pipe", {"tensor": 2, "pipeline": 2, "expert": 2, "expert_tensor": 1}, 1),
                                ("gpt", {"expert": 4}, 1)],
+    # bf16: the fp32 masters live in DeepSpeed's optimizer, apart from the bf16 weights
+    "bf16-ep2-zero2-to-ep4-zero1": [("gpt", {"expert": 2}, 2, "bf16"), ("gpt", {"expert": 4}, 1, "bf16")],
 }
 
 
 # -- inside the ranks ------------------------------------------------------------------------------
-def _config(parallel: dict, stage: int, pipe: bool) -> dict:
+def _config(parallel: dict, stage: int, pipe: bool, bf16: bool) -> dict:
     world = torch.distributed.get_world_size()
     dp = world // (parallel.get("tensor", 1) * parallel.get("pipeline", 1))
     cfg = {"train_batch_size": BATCH, "steps_per_print": 10 ** 6, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}},
            "zero_optimization": {"stage": stage}, "moe": {**MOE, "parallel": parallel}}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
     if pipe:
         cfg.update(train_micro_batch_size_per_gpu=BATCH // (dp * GAS), gradient_accumulation_steps=GAS)
     else:
@@ -66,7 +74,7 @@ def _engine(layout: tuple):
     from moe_plugin.integration.megatron import gpt_moe_spec
     from moe_plugin.integration.pipeline import gpt_pipeline_module
 
-    kind, parallel, stage = layout
+    kind, parallel, stage, *precision = layout
     tp, pp = parallel.get("tensor", 1), parallel.get("pipeline", 1)
 
     def provide(moe_config, groups):
@@ -81,7 +89,7 @@ def _engine(layout: tuple):
             return gpt_pipeline_module(config, moe_config, groups, vocab_size=VOCAB, max_sequence_length=SEQ, seed=5)
         return GPTModel(config, gpt_moe_spec(moe_config, config, groups), vocab_size=VOCAB, max_sequence_length=SEQ)
 
-    return moe_plugin.initialize(_config(parallel, stage, kind == "pipe"), provide)
+    return moe_plugin.initialize(_config(parallel, stage, kind == "pipe", precision == ["bf16"]), provide)
 
 
 def _batch(step: int):
@@ -302,7 +310,7 @@ def test_optimizer_state_follows_the_layout(results, name):
             by_id = r[f"by_id_{index}"]
             assert by_id["checked"] > 0 and not by_id["wrong"], f"rank {rank}, layout {index + 1}: {by_id}"
             rel = _rel(r[f"continued_{index}"], r["uninterrupted"])
-            assert rel < TOL, (f"rank {rank}, layout {index + 1}: eval losses {r[f'continued_{index}']} vs the "
+            assert rel < (BF16_TOL if name.startswith("bf16") else TOL), (f"rank {rank}, layout {index + 1}: eval losses {r[f'continued_{index}']} vs the "
                                f"uninterrupted {r['uninterrupted']} (rel {rel:.2e})")
         if "permuted_wrong" in r:
             assert r["permuted_wrong"], f"rank {rank}: a permutation of the experts' moments goes unnoticed"
@@ -348,7 +356,7 @@ def test_example_resumes_a_four_rank_zero1_checkpoint_on_two_ranks(tmp_path, lau
     """8 steps on 4 ranks (dp 4, ep 2, ZeRO-1) saving after steps 4 and 8; ``latest`` set back to
     ``step4`` (as one picks an older tag); ``--load`` on 2 ranks (dp 2, ep 2, gradient accumulation
     2: the same global batch): no error, the optimizer state loaded, and steps 5-8 give the 4-rank
-    run's losses (rtol ``TOL``); with ``--no-load-optim`` they do not."""
+    run's losses (rtol ``TOL``; that they differ without the optimizer state is the spawned test's)."""
     ckpt = tmp_path / "ckpt"
     whole = _example(tmp_path, launcher_port, 4, "four", "--train-iters", "8", "--save", str(ckpt),
                      "--save-interval", "4")["losses"]
@@ -360,6 +368,3 @@ def test_example_resumes_a_four_rank_zero1_checkpoint_on_two_ranks(tmp_path, lau
     print(f"4 ranks -> 2 ranks, steps 5-8: {[resumed['losses'][s] for s in range(5, 9)]} vs "
           f"{[whole[s] for s in range(5, 9)]} (max rel {rel:.2e})")
     assert rel < TOL, (resumed["losses"], whole)
-    fresh = _example(tmp_path, launcher_port, 2, "fresh", "--train-iters", "8", "--load", str(ckpt),
-                     "--no-load-optim")["losses"]
-    assert max(abs(fresh[s] - whole[s]) / abs(whole[s]) for s in range(6, 9)) > 100 * TOL, (fresh, whole)

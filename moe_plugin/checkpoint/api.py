@@ -34,12 +34,14 @@ code: everything is written into ``save_dir/.tmp-TAG`` and, after a barrier, ran
 ``files`` records the size and sha256 of every file in the metadata, checks them before a load reads
 anything, and reads every file through ``read_torch`` / ``read_json``, so a damaged file is a
 ``CheckpointError`` naming it on every rank. Resharding: experts are cut again from the global-id
-files of their stage (``expert_files.read_experts``), their ZeRO-0 optimizer rows with them
-(``optimizer``); after a TP or pipeline-size change the dense weights of every saved TP rank (and
-stage) are joined and each rank cuts its own (``recut_dense``: ``reshard.join_dense_tp``,
-``shard_state_dict``), read in the running model kind's names (``keys``); the optimizer state does
-not follow then (``metadata.check_optimizer_can_follow``), nor do RNG streams (the token split
-changed). Not yet: fp16/bf16 (unverified).
+files of their stage (``expert_files.read_experts``), their rows of the optimizer record with them;
+after a TP or pipeline-size change the dense weights of every saved TP rank (and stage) are joined
+and each rank cuts its own (``recut_dense``: ``reshard.join_dense_tp``, ``shard_state_dict``), read
+in the running model kind's names (``keys``). The optimizer state follows any layout or ZeRO-stage
+change through the optimizer record (``optimizer``: written by every save into ``optimizer/`` and
+the expert files, joined and cut like the weights by ``read_record``, written back after DeepSpeed
+loaded the weights only); RNG streams do not (the token split changed). Checkpoints without the
+record: ``metadata.check_optimizer_can_follow``. Not yet: fp16.
 
 Which tag a load takes (the newest that verifies when ``latest``'s does not), which tags a save
 keeps (``keep_last``), a write that fails on any rank: ``tags``.
