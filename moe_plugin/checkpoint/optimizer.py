@@ -86,9 +86,15 @@ def record_kind(engine: Any) -> Optional[str]:
         return None
     if basic_optimizer(engine) is not None:
         return "basic"
-    if engine.zero_optimization_stage() <= 2 and has_hp_mapping(engine.module.parameters()):
+    if engine.zero_optimization_stage() <= 2 and has_hp_mapping(p for _, p in trained(engine)):
         return "hp"
     return None
+
+
+def trained(engine: Any) -> list[tuple[str, nn.Parameter]]:
+    """The module's parameters the optimizer steps (frozen ones, such as routers the example's
+    ``--freeze-router`` keeps, have no optimizer state)."""
+    return [(k, p) for k, p in engine.module.named_parameters() if p.requires_grad]
 
 
 def _inner(engine: Any) -> torch.optim.Optimizer:
@@ -142,7 +148,7 @@ def dense_record(run: Any) -> dict:
     names, scalars = state_names(engine)
     experts = {id(w.param) for w in expert_weights(engine.module)}
     state = {key: dict(zip(names, (t.detach().clone() for t in full_param_state(engine, p, names))))
-             for key, p in engine.module.named_parameters() if id(p) not in experts}
+             for key, p in trained(engine) if id(p) not in experts}
     coords = groups.layout.coords(dist.get_rank())
     if coords["dp"] != 0:
         return {}
@@ -197,7 +203,7 @@ def match_record(run: Any, path: str, dense: dict, names: list[str], scalars: di
     check_record_loads(engine)
     experts = {id(w.param): w.key for w in expert_weights(engine.module)}
     params, missing = {}, []
-    for key, param in engine.module.named_parameters():
+    for key, param in trained(engine):
         saved = expert_state.get(experts[id(param)], {}) if id(param) in experts else {
             n: dense[n][key] for n in names if key in dense.get(n, {})}
         if any(n not in saved for n in names):
@@ -223,7 +229,7 @@ def load_record(run: Any, path: str, record: dict) -> None:
     scalars = record["scalars"]
     if kind == "hp":
         fill_inner_state(engine.optimizer, moments, scalars)
-    for key, param in engine.module.named_parameters():
+    for key, param in trained(engine):
         saved = record["params"][key]
         if kind == "basic":
             entry = {k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()}
