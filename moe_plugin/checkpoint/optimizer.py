@@ -18,8 +18,8 @@ the torch optimizer's state). fp16 (its loss scaler) is refused.
 itself, which DeepSpeed runs unwrapped at ZeRO-0 in fp32 (its fp16/bf16 and ZeRO-1/2 wrappers are
 not torch optimizers). Its per-parameter state tensors of the parameter's shape
 (``param_state_names``: Adam's ``exp_avg``, ``exp_avg_sq``; not the scalar ``step``) follow the
-experts: into the expert files by global id, through ``load_basic_optimizer`` after a change of
-the expert layout, and with a migration (``placement.migration``).
+experts in a migration (``placement.migration``); ``load_basic_optimizer`` loads a checkpoint saved
+before the record existed after a change of the expert layout (its expert rows re-cut by id).
 """
 from __future__ import annotations
 
@@ -217,10 +217,10 @@ def match_record(run: Any, path: str, dense: dict, names: list[str], scalars: di
 
 def load_record(run: Any, path: str, record: dict) -> None:
     """Write every parameter's saved master and state (``match_record``) back into the running
-    optimizer, with the scalars (``step``) and the param groups' scheduled options (``lr``). Master
-    copies only where both the checkpoint and the engine keep them apart from the weights; a
-    checkpoint without one (ZeRO-0 fp32) into a ZeRO or bf16 engine keeps the master DeepSpeed
-    refreshed from the loaded weights."""
+    optimizer, with the scalars (``step``) and the param groups' scheduled options (``lr``). A
+    checkpoint without master copies (ZeRO-0 fp32: the weights are) into a ZeRO or bf16 engine keeps
+    the master DeepSpeed refreshed from the loaded weights; one with them into ZeRO-0 fp32 gives
+    the weights the masters (the same values in fp32; bf16's rounding undone)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     engine = run.engine
@@ -231,7 +231,10 @@ def load_record(run: Any, path: str, record: dict) -> None:
         fill_inner_state(engine.optimizer, moments, scalars)
     for key, param in trained(engine):
         saved = record["params"][key]
-        if kind == "basic":
+        if kind == "basic":   # the weight is the master: a bf16 checkpoint's fp32 master replaces it
+            if MASTER in saved:
+                with torch.no_grad():
+                    param.copy_(saved[MASTER].reshape(param.shape))
             entry = {k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()}
             entry.update({n: saved[n].to(param.device, torch.float32).reshape(param.shape) for n in moments})
             engine.optimizer.state[param] = entry
