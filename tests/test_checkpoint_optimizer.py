@@ -40,7 +40,7 @@ CASES = {  # name -> the chain of layouts: A, B[, C]; then back to A
     "dp4-to-dp2-zero2": [("gpt", {"expert": 2}, 2), ("gpt", {"tensor": 2, "expert": 2}, 2)],
     "ep4-to-ep2-to-ep1-zero1": [("gpt", {"expert": 4}, 1), ("gpt", {"expert": 2}, 1), ("gpt", {"expert": 1}, 1)],
     "tp2-to-tp1-zero0": [("gpt", {"tensor": 2, "expert": 2}, 0), ("gpt", {"expert": 2}, 0)],
-    "zero1-to-zero2": [EP2_Z1, ("gpt", {"expert": 2}, 2)],
+    "zero1-to-zero2-to-zero0": [EP2_Z1, ("gpt", {"expert": 2}, 2), ("gpt", {"expert": 2}, 0)],
     "pp2-to-pp1-zero1": [("pipe", {"pipeline": 2, "expert": 2}, 1), ("pipe", {"pipeline": 1, "expert": 2}, 1)],
     "tp2pp2ep2-to-ep4-zero1": [("pipe", {"tensor": 2, "pipeline": 2, "expert": 2, "expert_tensor": 1}, 1),
                                ("gpt", {"expert": 4}, 1)],
