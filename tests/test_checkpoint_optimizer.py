@@ -310,6 +310,9 @@ def test_optimizer_state_follows_the_layout(results, name):
             by_id = r[f"by_id_{index}"]
             assert by_id["checked"] > 0 and not by_id["wrong"], f"rank {rank}, layout {index + 1}: {by_id}"
             rel = _rel(r[f"continued_{index}"], r["uninterrupted"])
+            if rank == 0:
+                print(f"{name} layout {index + 1}: by id {by_id['checked']} rows, continuation max rel {rel:.2e}; "
+                      f"round trip max diff {trip['max_diff']}")
             assert rel < (BF16_TOL if name.startswith("bf16") else TOL), (f"rank {rank}, layout {index + 1}: eval losses {r[f'continued_{index}']} vs the "
                                f"uninterrupted {r['uninterrupted']} (rel {rel:.2e})")
         if "permuted_wrong" in r:
