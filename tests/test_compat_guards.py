@@ -175,6 +175,23 @@ def test_deepspeed_zero_flat_buffers():
           "DeepSpeedZeroOptimizer no longer makes its parameters views of bit16_groups_flat", DS, "deepspeed_zero")
 
 
+def test_deepspeed_optimizer_state_linking():
+    """``link_inner_state`` / ``fill_inner_state``: both optimizers link their inner state lazily
+    behind ``_hp_optimizer_states_linked``, and the linked fragments are what ``safe_*`` reach."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    tensor_fragment = importlib.import_module("deepspeed.utils.tensor_fragment")
+
+    for cls in (DeepSpeedZeroOptimizer, BF16_Optimizer):
+        lazy = inspect.getsource(cls._lazy_init_hp_params_optimizer_state)
+        _must("if not self._hp_optimizer_states_linked:" in lazy and "self.optimizer.state" in lazy,
+              f"{cls.__name__}._lazy_init_hp_params_optimizer_state no longer links self.optimizer.state behind "
+              "_hp_optimizer_states_linked", DS, "deepspeed_zero")
+    _must("optim_state_key" in inspect.getsource(tensor_fragment.safe_set_full_optimizer_state)
+          and "_hp_mapping" in inspect.getsource(tensor_fragment.safe_get_full_optimizer_state),
+          "safe_get/set_full_optimizer_state no longer go through _hp_mapping", DS, "deepspeed_zero")
+
+
 def test_deepspeed_pipeline_module_partitioning():
     from deepspeed.runtime.pipe import module
 

@@ -39,8 +39,8 @@ stages (``moe_plugin.gpt_pipeline_module``), the engine is DeepSpeed's
 ``PipelineEngine``, and a step is one ``engine.train_batch`` over the same micro-batches: the
 pipeline branch is ``gpt_pipeline_provider`` / ``pipeline_train_step`` / ``pipeline_evaluate``.
 Checkpoints (``--save``/``--load``) go through ``moe_plugin.save_checkpoint`` / ``load_checkpoint`` (experts
-saved by global id, dense weights re-cut on load, so a run may resume under another TP, PP or EP
-layout; with ``--no-load-optim`` then, as the optimizer state does not follow). ``--async-save``: the
+saved by global id, dense weights and the optimizer state re-cut on load, so a run may resume under
+another world size, TP, PP, EP or DP layout or ZeRO stage, Adam's moments included). ``--async-save``: the
 state is copied to host memory at the save step and written in the background (``moe_plugin.poll_save``
 after every step, ``wait_for_save`` before the run ends; a failure stops every rank at the same step).
 
@@ -145,8 +145,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="with --load: a 'latest' tag that fails verification is an error (default: say so in one "
                        "line and load the newest tag that verifies)")
     train.add_argument("--no-load-optim", action="store_true",
-                       help="load weights, lr scheduler and step only, not the optimizer state: what a checkpoint "
-                       "of another layout needs (its TP, PP or EP size, or its ZeRO stage, differ)")
+                       help="load weights, lr scheduler and step only, not the optimizer state (Adam starts "
+                       "afresh); any layout loads with it too, so this is needed only for checkpoints without "
+                       "the optimizer record (saved before it existed, or fp16)")
     train.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states of the checkpoint")
     train.add_argument("--max-skipped-steps", type=int, default=10,
                        help="fp16: stop the run when this many steps in a row were skipped for overflow (fp32 and "
@@ -528,7 +529,7 @@ def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = Tru
     """Resume from the ``latest`` tag of ``directory`` (if it fails verification, from the newest tag
     that verifies, with one line saying why; ``strict`` (``--strict-load``): an error instead);
     returns the number of steps already trained.
-    ``optimizer=False`` (``--no-load-optim``): weights only, e.g. into another parallel layout.
+    ``optimizer=False`` (``--no-load-optim``): weights only (any layout takes the optimizer state too).
     A missing or empty ``directory`` starts from scratch (0), as Megatron-LM does: a first run may
     name its ``--save`` directory in ``--load``. One that holds a tag but no ``latest`` is an error."""
     import torch.distributed as dist

@@ -34,12 +34,14 @@ code: everything is written into ``save_dir/.tmp-TAG`` and, after a barrier, ran
 ``files`` records the size and sha256 of every file in the metadata, checks them before a load reads
 anything, and reads every file through ``read_torch`` / ``read_json``, so a damaged file is a
 ``CheckpointError`` naming it on every rank. Resharding: experts are cut again from the global-id
-files of their stage (``expert_files.read_experts``), their ZeRO-0 optimizer rows with them
-(``optimizer``); after a TP or pipeline-size change the dense weights of every saved TP rank (and
-stage) are joined and each rank cuts its own (``recut_dense``: ``reshard.join_dense_tp``,
-``shard_state_dict``), read in the running model kind's names (``keys``); the optimizer state does
-not follow then (``metadata.check_optimizer_can_follow``), nor do RNG streams (the token split
-changed). Not yet: fp16/bf16 (unverified).
+files of their stage (``expert_files.read_experts``), their rows of the optimizer record with them;
+after a TP or pipeline-size change the dense weights of every saved TP rank (and stage) are joined
+and each rank cuts its own (``recut_dense``: ``reshard.join_dense_tp``, ``shard_state_dict``), read
+in the running model kind's names (``keys``). The optimizer state follows any layout or ZeRO-stage
+change through the optimizer record (``optimizer``: written by every save into ``optimizer/`` and
+the expert files, joined and cut like the weights by ``read_record``, written back after DeepSpeed
+loaded the weights only); RNG streams do not (the token split changed). Checkpoints without the
+record: ``metadata.check_optimizer_can_follow``. Not yet: fp16.
 
 Which tag a load takes (the newest that verifies when ``latest``'s does not), which tags a save
 keeps (``keep_last``), a write that fails on any rank: ``tags``.
@@ -95,7 +97,14 @@ from moe_plugin.checkpoint.metadata import (
     saved_model_files,
     saved_stages,
 )
-from moe_plugin.checkpoint.optimizer import load_basic_optimizer
+from moe_plugin.checkpoint.optimizer import (
+    RECORD_DIR,
+    dense_record,
+    load_basic_optimizer,
+    load_record,
+    match_record,
+    record_file,
+)
 from moe_plugin.checkpoint.reshard import join_dense_tp, shard_state_dict
 from moe_plugin.checkpoint.rng import clear_pending_load, rng_state, set_rng_state
 from moe_plugin.checkpoint.tags import check_keep_last, choose_tag, prune, saving
@@ -146,12 +155,14 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
             remove_stale(save_dir)  # what saves that died left
             os.makedirs(os.path.join(tmp_path, EXPERT_DIR))
             os.makedirs(os.path.join(tmp_path, RNG_DIR))
+            os.makedirs(os.path.join(tmp_path, RECORD_DIR))
 
     saving(save_dir, tag, prepare)   # an unwritable directory: one error on every rank
     capture = Capture() if async_save else None
     with capture_into(capture), _deepspeed_files(engine, capture):
         engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state or {}, save_latest=False)
         meta, ours = metadata(run, tag), expert_files(run, tmp_path)
+        ours.update({os.path.join(tmp_path, name): entry for name, entry in dense_record(run).items()})
 
         def write_ours() -> None:
             for path, entry in ours.items():
@@ -289,6 +300,9 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
                 else None)
     recut = dense_recut(meta, groups)
     dense, header = agree(lambda: recut_dense(run, path, meta)) if recut else ({}, {})
+    record = recut_optimizer and meta.get("optimizer_record", False)
+    optimizer_state = (agree(lambda: match_record(run, path, *read_record(run, path, meta), expert_moments))
+                       if record else None)
 
     with marker_without_local_experts(engine.module), experts_into_load(engine.module, {**dense, **experts}), \
             (one_file_per_mp_rank(load_dir, tag, engine, {**header, "module": dense}) if recut
@@ -304,7 +318,9 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     if load_path is None:
         raise CheckpointError(f"{path}: DeepSpeed found no model states to load")
     _check_experts_loaded(engine.module, experts, path)
-    if recut_optimizer:
+    if optimizer_state is not None:
+        load_record(run, path, optimizer_state)
+    elif recut_optimizer:
         saved = read_torch(os.path.join(path, optimizer_file_name(engine.checkpoint_mp_rank)))["optimizer"]
         load_basic_optimizer(run, path, saved, expert_moments)
     if rng is not None:
@@ -330,6 +346,24 @@ def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:
         header = header or {k: v for k, v in files[0].items() if k != "module"}
     dense = shard_state_dict(full, run.engine.module, run.groups.layout, dist.get_rank(), strict=False)
     return dense, header
+
+
+def read_record(run: Any, path: str, meta: dict) -> tuple[dict, list[str], dict, list[dict]]:
+    """This rank's dense optimizer state for the running layout, cut as ``recut_dense`` cuts the
+    weights out of the optimizer record of every saved TP rank (and stage): ({state name: {key:
+    tensor}}, the state names, the scalars such as Adam's ``step``, the param groups' lr and the like)."""
+    model, groups = run.engine.module, run.groups
+    records = [[read_torch(os.path.join(path, record_file(stage, r))) for r in range(meta["layout"]["tp"])]
+               for stage in saved_stages(meta, groups)]
+    names, scalars = records[0][0]["names"], records[0][0]["scalars"]
+    out = {}
+    for name in names:
+        full = {}
+        for files in records:
+            full.update(join_dense_tp([running_state(meta, {k: v[name] for k, v in f["state"].items()})
+                                       for f in files], model))
+        out[name] = shard_state_dict(full, model, groups.layout, dist.get_rank(), strict=False)
+    return out, names, scalars, records[0][0]["options"]
 
 
 def _check_experts_loaded(model: nn.Module, experts: dict, path: str) -> None:

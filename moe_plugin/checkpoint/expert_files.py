@@ -1,9 +1,9 @@
 """The expert files of a checkpoint (one per global expert id and stage), and how they go back in.
 
 * ``expert_files`` gathers this rank's experts (ETP shards joined) into one entry per global id,
-  with their placement and, under ZeRO-0, the expert rows of the basic optimizer's state
-  (``optimizer.param_state_names``); ``read_experts`` cuts the running layout's shards out of those
-  files.
+  with their placement and the expert rows of the optimizer record (``optimizer``: fp32 master and
+  Adam's moments, whole over the expert-data-parallel group); ``read_experts`` cuts the running
+  layout's shards out of those files.
 * ``experts_into_load``: while DeepSpeed loads the module, our experts replace what its file holds
   (its MoE save path writes the module state of data-parallel rank 0 only, so the expert shards of
   one EP rank). A ``load_state_dict`` pre-hook on the module rather than DeepSpeed's
@@ -25,7 +25,7 @@ from moe_plugin.checkpoint.experts import expert_weights, full_experts, local_ex
 from moe_plugin.checkpoint.files import read_torch
 from moe_plugin.checkpoint.keys import running_state
 from moe_plugin.checkpoint.metadata import expert_file, local_ids, placement_key, saved_local_ids, stage_view
-from moe_plugin.checkpoint.optimizer import basic_optimizer, param_state_names
+from moe_plugin.checkpoint.optimizer import full_param_state, record_kind, state_names
 from moe_plugin.compat.deepspeed_checkpoint import no_local_experts
 from moe_plugin.compat.deepspeed_moe import DeepSpeedMoEMarker
 from moe_plugin.placement.migration import copies_in_placement
@@ -42,12 +42,11 @@ def expert_files(run: Any, path: str) -> dict[str, dict]:
     EP rank p writes the files of experts ``[p * L, (p + 1) * L)``."""
     engine, groups = run.engine, run.groups
     s, coords = groups.layout.sizes, groups.layout.coords(dist.get_rank())
-    optimizer = basic_optimizer(engine)
+    names = state_names(engine)[0] if record_kind(engine) is not None else []
     weights = expert_weights(engine.module)
     items = []
     for w in weights:
-        names = param_state_names(optimizer, w.param)
-        states = [optimizer.state[w.param][n] for n in names]
+        states = full_param_state(engine, w.param, names)   # whole over the expert-data-parallel group
         items.append((w.module, torch.arange(w.module.num_experts), [w.param] + states, names))
     copies = copies_in_placement([(m, target, tensors) for m, target, tensors, _ in items], groups)
     files: dict[int, dict] = {}
@@ -97,7 +96,8 @@ def read_experts(run: Any, path: str, meta: dict, with_optimizer: bool) -> tuple
             mine = [files[e, stage_of[w.key]] for e in ids_of[w.key]]
             names = set.intersection(*(set(f["optimizer"].get(w.key, {})) for f in mine))
             moments[w.key] = {n: local_experts({e: files[e, stage_of[w.key]]["optimizer"][w.key][n]
-                                                for e in ids_of[w.key]}, w, coords["etp"], s.etp, ids_of[w.key])
+                                                for e in ids_of[w.key]}, w, coords["etp"], s.etp, ids_of[w.key],
+                                               dtype=torch.float32)
                               for n in sorted(names)}
     return stacked, moments
 

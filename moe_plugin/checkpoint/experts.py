@@ -75,13 +75,14 @@ def full_experts(stacked_LXY: Tensor, weight: ExpertWeight, etp_group, etp: int,
 
 
 def local_experts(full_by_id: dict[int, Tensor], weight: ExpertWeight, etp_rank: int, etp: int,
-                  ids: list[int] | None = None) -> Tensor:
+                  ids: list[int] | None = None, dtype: torch.dtype | None = None) -> Tensor:
     """This rank's stacked shard [L, ...] of ``weight`` cut from full per-expert tensors: the
-    experts ``ids`` in slot order (default: the model's placement, ``weight.local_ids``)."""
+    experts ``ids`` in slot order (default: the model's placement, ``weight.local_ids``), in
+    ``dtype`` (default: the weight's; optimizer state stays fp32)."""
     ids = weight.local_ids if ids is None else ids
     parts = [tp_slice(full_by_id[e], weight.f_dim - 1, weight.f_stride, etp_rank, etp) for e in ids]
     out = torch.stack(parts)
     if out.shape != weight.param.shape:
         raise ValueError(f"{weight.key}: the saved experts cut to {tuple(out.shape)} on this rank (etp rank "
                          f"{etp_rank} of {etp}), but the model holds {tuple(weight.param.shape)}")
-    return out.to(weight.param.dtype)
+    return out.to(weight.param.dtype if dtype is None else dtype)

@@ -20,7 +20,7 @@ from torch import nn
 
 from moe_plugin.checkpoint.errors import CheckpointError, first_line
 from moe_plugin.checkpoint.experts import expert_weights
-from moe_plugin.checkpoint.optimizer import basic_optimizer
+from moe_plugin.checkpoint.optimizer import basic_optimizer, check_record_loads, record_kind
 from moe_plugin.compat.deepspeed_checkpoint import model_file_name
 
 FORMAT, FORMAT_VERSION = "moe_plugin.checkpoint", 1
@@ -236,6 +236,8 @@ def metadata(run: Any, tag: str) -> dict:
             {"id": e, "ep_rank": e // local, "slot": e % local} for e in range(moe_config.num_experts)]}
         if static else {"policy": "per_layer", "ep_size": s.ep},
         "expert_optimizer_state": basic_optimizer(engine) is not None,
+        # the layout-independent optimizer state (``optimizer``): any layout change takes it
+        "optimizer_record": record_kind(engine) is not None,
     }
 
 
@@ -383,8 +385,13 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
 
 
 def check_optimizer_can_follow(run: Any, meta: dict) -> None:
-    """Raise unless the saved optimizer state can be re-cut for the running layout (ZeRO-0 only)."""
+    """Raise unless the saved optimizer state can be re-cut for the running layout: any change
+    with the checkpoint's optimizer record (``optimizer``) into an engine that takes one; without
+    one (older checkpoints), EP and ETP changes under ZeRO-0 only."""
     engine = run.engine
+    if meta.get("optimizer_record", False):
+        check_record_loads(engine)
+        return
     changed = {k: (meta["layout"][k], v) for k, v in layout(run.groups).items() if meta["layout"][k] != v}
     stage = engine.zero_optimization_stage()
     if meta["zero_stage"] != stage:

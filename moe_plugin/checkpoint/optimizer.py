@@ -1,21 +1,42 @@
 """The optimizer state in a checkpoint, and which optimizer holds it per parameter.
 
+**The optimizer record** (every save; read only when the layout changed): the optimizer state of
+every parameter in the layout-independent form of the weights, so it follows any change of TP, PP,
+EP, ETP, DP, ZeRO stage or model kind. Per parameter: its full fp32 master (``"fp32"``, ZeRO-1/2 and
+bf16: DeepSpeed's partitions joined over the parameter's (expert-)data-parallel group by
+``deepspeed.utils.safe_get_full_fp32_param``; at ZeRO-0 in fp32 the weight is the master) and each
+state tensor of its shape (Adam's ``exp_avg``, ``exp_avg_sq``; ``safe_get_full_optimizer_state``).
+Dense parameters go into ``optimizer/dense_pp_SS_tp_TT.pt`` (data-parallel rank 0 of each stage
+and TP rank, keyed like the module state), expert parameters into the expert files by global id
+(``expert_files``). The scalars (Adam's ``step``, the same for every parameter) are stored once.
+On load DeepSpeed loads the weights only; ``load_record`` then joins the dense entries over the
+saved TP ranks and stages and cuts them like the weights (``reshard``), takes the expert rows
+by global id, and writes every parameter's master and state back (``safe_set_full_*``; at ZeRO-0
+the torch optimizer's state). fp16 (its loss scaler) is refused.
+
 ``basic_optimizer`` is the one answer to "which optimizer is the basic one": the torch optimizer
 itself, which DeepSpeed runs unwrapped at ZeRO-0 in fp32 (its fp16/bf16 and ZeRO-1/2 wrappers are
 not torch optimizers). Its per-parameter state tensors of the parameter's shape
 (``param_state_names``: Adam's ``exp_avg``, ``exp_avg_sq``; not the scalar ``step``) follow the
-experts: into the expert files by global id, through ``load_basic_optimizer`` after a change of
-the expert layout, and with a migration (``placement.migration``).
+experts in a migration (``placement.migration``); ``load_basic_optimizer`` loads a checkpoint saved
+before the record existed after a change of the expert layout (its expert rows re-cut by id).
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.experts import expert_weights
+from moe_plugin.compat.deepspeed_zero import fill_inner_state, has_hp_mapping, link_inner_state
+
+MASTER = "fp32"   # the record's name of the fp32 master copy
+RECORD_DIR = "optimizer"
+SCHEDULED = ("lr", "betas", "momentum")   # param-group options that lr schedulers change as they step
 
 
 def basic_optimizer(engine: Any) -> Optional[torch.optim.Optimizer]:
@@ -55,3 +76,171 @@ def load_basic_optimizer(run: Any, path: str, saved: dict, moments: dict) -> Non
             if option in group:
                 saved_group[option] = group[option]
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+# -- the optimizer record ------------------------------------------------------------------------
+def record_kind(engine: Any) -> Optional[str]:
+    """``"basic"`` (ZeRO-0, fp32: the torch optimizer), ``"hp"`` (ZeRO-1/2 or bf16: DeepSpeed's fp32
+    masters reached through ``safe_get_full_*``), or None (no optimizer, fp16)."""
+    if engine.optimizer is None or engine.fp16_enabled():
+        return None
+    if basic_optimizer(engine) is not None:
+        return "basic"
+    if engine.zero_optimization_stage() <= 2 and has_hp_mapping(p for _, p in trained(engine)):
+        return "hp"
+    return None
+
+
+def trained(engine: Any) -> list[tuple[str, nn.Parameter]]:
+    """The module's parameters the optimizer steps (frozen ones, such as routers the example's
+    ``--freeze-router`` keeps, have no optimizer state)."""
+    return [(k, p) for k, p in engine.module.named_parameters() if p.requires_grad]
+
+
+def _inner(engine: Any) -> torch.optim.Optimizer:
+    return engine.optimizer if record_kind(engine) == "basic" else engine.optimizer.optimizer
+
+
+def state_names(engine: Any) -> tuple[list[str], dict]:
+    """The names of the per-element state tensors of the engine's torch optimizer (``[]`` before
+    its first step) and its scalars (``step``), read from its first stepped tensor; collective (the
+    ranks' answers must agree)."""
+    inner = _inner(engine)
+    names, scalars = [], {}
+    for group in inner.param_groups:
+        for p in group["params"]:
+            state = inner.state.get(p, {})
+            if state:
+                names = [n for n in sorted(state) if isinstance(state[n], Tensor) and state[n].shape == p.shape
+                         and state[n].dim() > 0]
+                scalars = {n: v for n, v in state.items() if n not in names}
+                break
+        if names or scalars:
+            break
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, names)
+    if any(other != names for other in everyone):
+        raise CheckpointError(f"the optimizer state names differ between ranks ({everyone[:4]}): some rank has not "
+                              "stepped; save after the same number of steps on every rank")
+    if record_kind(engine) == "hp":
+        link_inner_state(engine.optimizer)
+        names = [MASTER] + names
+    return names, scalars
+
+
+def full_param_state(engine: Any, param: nn.Parameter, names: list[str]) -> list[Tensor]:
+    """``param``'s fp32 master and state tensors ``names``, whole over its data-parallel group
+    (collective over that group for ZeRO-1/2 and bf16)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if record_kind(engine) == "basic":
+        return [engine.optimizer.state[param][n].detach() for n in names]
+    return [safe_get_full_fp32_param(param) if n == MASTER else safe_get_full_optimizer_state(param, n)
+            for n in names]
+
+
+def dense_record(run: Any) -> dict:
+    """{file name: content} of this rank's dense optimizer record ({} off data-parallel rank 0, and
+    without a supported optimizer); collective."""
+    engine, groups = run.engine, run.groups
+    if record_kind(engine) is None:
+        return {}
+    names, scalars = state_names(engine)
+    experts = {id(w.param) for w in expert_weights(engine.module)}
+    state = {key: dict(zip(names, (t.detach().clone() for t in full_param_state(engine, p, names))))
+             for key, p in trained(engine) if id(p) not in experts}
+    coords = groups.layout.coords(dist.get_rank())
+    if coords["dp"] != 0:
+        return {}
+    return {record_file(coords["pp"], coords["tp"]): {"names": names, "scalars": scalars, "state": state,
+                                                      "options": group_options(engine)}}
+
+
+def group_options(engine: Any) -> list[dict]:
+    """What an lr scheduler sets in each param group of the torch optimizer (``SCHEDULED``)."""
+    return [{k: g[k] for k in SCHEDULED if k in g} for g in _inner(engine).param_groups]
+
+
+def set_group_options(engine: Any, path: str, saved: list[dict]) -> None:
+    """The saved ``group_options`` into the running optimizer: group by group where the number of
+    groups is the same, else the one value every saved group had (the lr of a scheduler)."""
+    groups = _inner(engine).param_groups
+    if len(saved) == len(groups):
+        for group, options in zip(groups, saved):
+            group.update(options)
+        return
+    for key in SCHEDULED:
+        values = [g[key] for g in saved if key in g]
+        if not values:
+            continue
+        if any(v != values[0] for v in values):
+            raise CheckpointError(f"{path}: the optimizer had {len(saved)} param groups with different {key} "
+                                  f"({values[:4]}), now {len(groups)} groups; which takes which is unknown")
+        for group in groups:
+            group[key] = values[0]
+
+
+def record_file(stage: int, tp_rank: int) -> str:
+    """The dense optimizer record of pipeline stage ``stage`` and TP rank ``tp_rank``, in the tag."""
+    return os.path.join(RECORD_DIR, f"dense_pp_{stage:02d}_tp_{tp_rank:02d}.pt")
+
+
+def check_record_loads(engine: Any) -> None:
+    """Raise unless the running engine's optimizer can take a record (not fp16, not ZeRO-3)."""
+    if record_kind(engine) is None:
+        raise CheckpointError("the optimizer state cannot follow the layout change into this engine: its optimizer "
+                              f"is {type(engine.optimizer).__name__} (fp16's loss scaler, ZeRO-3 or no optimizer are "
+                              "not supported); load weights only: load_checkpoint(..., load_optimizer_states=False)")
+
+
+def match_record(run: Any, path: str, dense: dict, names: list[str], scalars: dict, options: list[dict],
+                 expert_state: dict) -> dict:
+    """The record as the running model's parameters take it: {"params": {name: {state name:
+    tensor}}, "names", "scalars", "options"}, from ``dense`` ({state name: this rank's {key: tensor}},
+    cut like the weights) and ``expert_state`` ({key: {state name: stacked tensor}}, cut by global
+    expert id). A parameter the record lacks is an error, before anything is loaded."""
+    engine = run.engine
+    check_record_loads(engine)
+    experts = {id(w.param): w.key for w in expert_weights(engine.module)}
+    params, missing = {}, []
+    for key, param in trained(engine):
+        saved = expert_state.get(experts[id(param)], {}) if id(param) in experts else {
+            n: dense[n][key] for n in names if key in dense.get(n, {})}
+        if any(n not in saved for n in names):
+            missing.append(key)
+        params[key] = saved
+    if missing:
+        raise CheckpointError(f"{path}: the optimizer record lacks the state {names} of {len(missing)} parameter(s), "
+                              f"e.g. {missing[:3]}")
+    return {"params": params, "names": names, "scalars": scalars, "options": options}
+
+
+def load_record(run: Any, path: str, record: dict) -> None:
+    """Write every parameter's saved master and state (``match_record``) back into the running
+    optimizer, with the scalars (``step``) and the param groups' scheduled options (``lr``). A
+    checkpoint without master copies (ZeRO-0 fp32: the weights are) into a ZeRO or bf16 engine keeps
+    the master DeepSpeed refreshed from the loaded weights; one with them into ZeRO-0 fp32 gives
+    the weights the masters (the same values in fp32; bf16's rounding undone)."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    engine = run.engine
+    kind = record_kind(engine)
+    moments = [n for n in record["names"] if n != MASTER]
+    scalars = record["scalars"]
+    if kind == "hp":
+        fill_inner_state(engine.optimizer, moments, scalars)
+    for key, param in trained(engine):
+        saved = record["params"][key]
+        if kind == "basic":   # the weight is the master: a bf16 checkpoint's fp32 master replaces it
+            if MASTER in saved:
+                with torch.no_grad():
+                    param.copy_(saved[MASTER].reshape(param.shape))
+            entry = {k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()}
+            entry.update({n: saved[n].to(param.device, torch.float32).reshape(param.shape) for n in moments})
+            engine.optimizer.state[param] = entry
+            continue
+        if MASTER in saved:
+            safe_set_full_fp32_param(param, saved[MASTER].float())
+        for n in moments:
+            safe_set_full_optimizer_state(param, saved[n].float(), n)
+    set_group_options(engine, path, record["options"])

@@ -9,9 +9,13 @@ buffer is cut into ``dp`` equal partitions of ``partition_size[i]`` elements; ra
 ``single_partition_of_fp32_groups[i]`` and the inner optimizer's (``optimizer.optimizer``) state
 of that tensor (Adam's ``exp_avg``, ``exp_avg_sq``: same shape; ``step``: a scalar). The inner
 optimizer's param groups keep the ``'moe'`` key of the groups given to ``deepspeed.initialize``.
+Its inner optimizer's state is linked to the parameters (``_hp_mapping``) lazily, at the first
+step (``_lazy_init_hp_params_optimizer_state``); DeepSpeed's ``BF16_Optimizer`` the same way
+(``link_inner_state``, ``fill_inner_state``).
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -64,3 +68,37 @@ def flat_offset(optimizer, i: int, param: nn.Parameter) -> int:
                            "DeepSpeed's flat ZeRO buffer of its param group; this DeepSpeed version lays out "
                            "ZeRO-1/2 parameters in a way migration does not know")
     return delta // size
+
+
+def has_hp_mapping(params) -> bool:
+    """Whether every parameter was linked to a fp32 master by DeepSpeed's ZeRO-1/2 or bf16 optimizer
+    (``utils.mixed_precision_linkage.link_hp_params``: ``_hp_mapping`` and ``get_full_hp_param``),
+    so ``deepspeed.utils.safe_get_full_*`` / ``safe_set_full_*`` reach its master and state."""
+    return all(hasattr(p, "_hp_mapping") and hasattr(p, "get_full_hp_param") for p in params)
+
+
+def fill_inner_state(optimizer, names: list[str], scalars: dict) -> None:
+    """Give every fp32 partition of ``optimizer`` (ZeRO-1/2 or bf16: its inner torch optimizer
+    ``optimizer.optimizer`` steps the partitions) the state tensors ``names`` (zeros where absent)
+    and ``scalars`` (Adam's ``step``), then link them to the parameters again, as DeepSpeed does
+    lazily at its first step (``_lazy_init_hp_params_optimizer_state``, guarded by
+    ``_hp_optimizer_states_linked``), so ``safe_set_full_optimizer_state`` can write them before one."""
+    inner = optimizer.optimizer
+    for group in inner.param_groups:
+        for flat in group["params"]:
+            state = inner.state[flat]
+            for name in names:
+                if name not in state:
+                    state[name] = torch.zeros_like(flat)
+            for key, value in scalars.items():
+                state[key] = value.clone() if isinstance(value, Tensor) else value
+    link_inner_state(optimizer)
+
+
+def link_inner_state(optimizer) -> None:
+    """Link the inner optimizer's state of every param group to the parameters again. DeepSpeed
+    links it once, after the first step of the first param group it steps (``_optimizer_step``
+    steps one group at a time), so the expert groups' state stays unlinked and
+    ``safe_get_full_optimizer_state`` cannot find it."""
+    optimizer._hp_optimizer_states_linked = False
+    optimizer._lazy_init_hp_params_optimizer_state()
