@@ -18,14 +18,23 @@ SCRIPT = REPO / "examples" / "hf_workflow" / "run.py"
 LAST = re.compile(r"^workflow: 13/13 steps ran; mixtral logits max\|diff\| (\S+), llama->mixtral (\S+)$")
 
 
-def _run(tmp_path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--train-iters", "2", "--corpus-bytes", str(96 * 1024),
-                           *extra], cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=900)
+def _run(tmp_path, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The script run as a user runs it; past the time limit it gets SIGTERM, on which it kills the
+    launchers it started and removes its temporary directory."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *argv], cwd=tmp_path, env=env or launcher_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate(timeout=120)
+        pytest.fail(f"the workflow ran past 900 s:\n{out[-3000:]}{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.mark.slow
 def test_the_workflow_runs_every_step_and_the_logits_agree(tmp_path):
-    done = _run(tmp_path, "--work", str(tmp_path / "work"))
+    done = _run(tmp_path, "--train-iters", "2", "--corpus-bytes", str(96 * 1024), "--work", str(tmp_path / "work"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
     print(last)
@@ -42,8 +51,7 @@ def test_a_broken_step_stops_the_workflow_naming_it(tmp_path):
     temporary work directory removed, no later step run."""
     env = {**launcher_env(), "TMPDIR": str(tmp_path / "tmp")}   # where the script's temporary work directory goes
     (tmp_path / "tmp").mkdir()
-    done = subprocess.run([sys.executable, str(SCRIPT), "--vocab-size", "100"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = _run(tmp_path, "--vocab-size", "100", env=env)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "workflow: step 2 (train-tokenizer) failed: `moe-plugin train-tokenizer` exited with 2" in done.stderr
     assert "--vocab-size: got 100" in done.stderr

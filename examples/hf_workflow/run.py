@@ -154,20 +154,20 @@ def compare(work: Path, name: str, trained: Path, exported: Path, flags: list[st
         theirs = model(input_ids=tokens_BS, use_cache=False).logits.float()
         before = transformers.AutoModelForCausalLM.from_pretrained(str(original), dtype=torch.float32).eval()
         untrained = before(input_ids=tokens_BS, use_cache=False).logits.float()
-    spec = work / f"eval-{name}.json"
+    spec = work / f"eval-{name.replace('->', '-to-')}.json"
     spec.write_text(json.dumps({"ckpt": str(trained), "flags": flags, "moe": moe, "tokens": tokens_BS.tolist(),
                                 "vocab": len(tokenizer),
-                                "out": str(work / f"plugin-logits-{name}.pt")}))
+                                "out": str(spec.with_suffix(".pt"))}))
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
-    sh(sys.executable, str(Path(__file__).resolve()), "--evaluate", str(spec), work=work, log=f"evaluate-{name}",
+    sh(sys.executable, str(Path(__file__).resolve()), "--evaluate", str(spec), work=work, log=spec.stem,
        env=env)
-    ours = torch.load(work / f"plugin-logits-{name}.pt")
+    ours = torch.load(spec.with_suffix(".pt"))
     difference = (ours - theirs).abs().max().item()
     relative = difference / theirs.abs().max().item()
     moved = ((theirs - untrained).abs().max() / untrained.abs().max()).item()
     print(f"{name}: max |logit difference| plugin vs transformers {difference:.2g} (relative {relative:.2g}); "
-          f"training moved the logits by {moved:.2g} (relative)", flush=True)
+          f"training moved them by {moved:.3g} (relative)", flush=True)
     if relative > TOLERANCE:
         raise StepFailed(f"the logits differ: relative {relative:.3g} > {TOLERANCE}")
     if moved < 1e-3:
@@ -279,6 +279,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.evaluate:
         return evaluate(args.evaluate)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # the finally blocks below kill what runs, remove files
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="moe-hf-workflow-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
