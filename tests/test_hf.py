@@ -14,8 +14,8 @@ unnormalised gates; a dense tied Llama). Each is imported with the "moe" block h
   last stage); the dense Llama at 1 rank and tp2, and upcycled (4 experts top-2, dropless) under
   every layout: the dense model's logits;
 * the imported Mixtral trained 2 steps by the example under dp2 x ep2 (ZeRO-1) and exported gives in
-  transformers the plugin's logits of the saved checkpoint; bf16 and sharded directories round-trip;
-  the tokenizer files are carried over;
+  transformers the plugin's logits of the saved checkpoint, with the import's tokenizer files, config
+  keys and dtype; bf16 and sharded directories round-trip; the tokenizer files are carried over;
 * what the plugin cannot represent is refused before anything is written, naming the key and the
   model type; a "moe" block that disagrees is refused naming both keys; a load with other flags is
   refused naming the flag; what an export's architecture cannot express is refused naming it.
@@ -198,6 +198,10 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_pat
         model, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
         assert type(model).__name__ == transformers.AutoConfig.from_pretrained(cases[name]["hf"]).architectures[0]
+    # the upcycled dense import keeps the tokenizer files and exports as the inferred MoE architecture
+    done = export_hf(cases["llama-upcycled"]["ckpt"], tmp_path / "upcycled", progress=lambda line: None)
+    assert done["model_type"] == "mixtral" and "tokenizer.json" in done["files"]
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "upcycled"))("w5 w7")["input_ids"] == [5, 7]
     # a bf16 model comes back in bf16, the same bits (the checkpoint holds it in fp32, exactly)
     from moe_plugin.interop import import_hf
 
@@ -295,7 +299,11 @@ def test_export_refuses_what_the_architecture_cannot_express(imported, tmp_path)
 @pytest.mark.slow
 def test_trained_import_exports_to_what_the_plugin_evaluates(imported, tmp_path):
     """The imported Mixtral trained 2 steps by the example under dp 2 x ep 2, ZeRO-1 (``--load`` the
-    import), exported: transformers' logits of the export are the plugin's of the saved checkpoint."""
+    import, ``--async-save``), exported: transformers' logits of the export are the plugin's of the
+    saved checkpoint, and the export has the imported model's tokenizer files, config keys and dtype
+    (the trained checkpoint carries the import's ``hf`` and ``architecture`` records and files)."""
+    import transformers
+
     from dist import run_distributed
     from test_example import MODEL_FLAGS, _run_main
 
@@ -311,10 +319,23 @@ def test_trained_import_exports_to_what_the_plugin_evaluates(imported, tmp_path)
     argv = [*case["flags"], "--seq-length", str(SEQ), "--micro-batch-size", "2", "--train-iters", "2",
             "--eval-interval", "0", "--eval-iters", "1", "--log-interval", "1", *data, "--no-plot",
             "--deepspeed_config", str(ds), "--load", case["ckpt"], "--save", str(tmp_path / "trained"),
-            "--run-dir", str(tmp_path / "run"), "--data-cache", str(tmp_path / "data")]
+            "--run-dir", str(tmp_path / "run"), "--data-cache", str(tmp_path / "data"), "--async-save"]
     assert [r["status"] for r in run_distributed(_run_main, 2, tmp_path, argv, timeout=300)] == [0, 0]
+    imported_meta, trained_meta = (json.loads((Path(d) / "moe_plugin.json").read_text())
+                                   for d in (Path(case["ckpt"]) / "step0", tmp_path / "trained" / "step2"))
+    for key in ("hf", "architecture"):
+        assert trained_meta[key] == imported_meta[key], key
+    assert all(name in trained_meta["files"] for name in imported_meta["hf"]["tokenizer_files"])
     done = export_hf(tmp_path / "trained", tmp_path / "exported", progress=lambda line: None)
     print(f"export-hf of the trained checkpoint: {done['seconds']:.2f} s")
+    exported, original = tmp_path / "exported", Path(case["hf"])
+    carried = [Path(name).name for name in imported_meta["hf"]["tokenizer_files"]]
+    assert "tokenizer.json" in carried
+    assert all((exported / f).read_bytes() == (original / f).read_bytes() for f in carried)
+    assert transformers.AutoTokenizer.from_pretrained(str(exported))("w5 w7")["input_ids"] == [5, 7]
+    config, hf_config = (json.loads((d / "config.json").read_text()) for d in (exported, original))
+    assert {k: config.get(k) for k in hf_config if k not in ("transformers_version", "head_dim")} == \
+        {k: v for k, v in hf_config.items() if k not in ("transformers_version", "head_dim")}
     theirs = hf_logits(str(tmp_path / "exported"), tokens_BS)
     assert _relative(theirs, case["logits"]) > 1e-3   # it trained: not the imported model any more
     trained = {**case, "ckpt": str(tmp_path / "trained")}

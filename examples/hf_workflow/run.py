@@ -127,13 +127,9 @@ def train(work: Path, name: str, ckpt: Path, flags: list[str], moe: dict, data: 
     return saved
 
 
-def export(work: Path, trained: Path, out: Path, hf: Path, *extra: str) -> None:
-    """``moe-plugin export-hf``, then the tokenizer saved next to the weights: a checkpoint the
-    example saved does not carry the imported one's tokenizer files (only the import's tag does)."""
-    import transformers
-
+def export(work: Path, trained: Path, out: Path, *extra: str) -> None:
+    """``moe-plugin export-hf``: the trained checkpoint carries the imported model's tokenizer files."""
     sh("moe-plugin", "export-hf", str(trained), "--out", str(out), *extra, work=work, log=f"export-{out.name}")
-    transformers.AutoTokenizer.from_pretrained(str(hf)).save_pretrained(str(out))
 
 
 def compare(work: Path, name: str, trained: Path, exported: Path, flags: list[str], moe: dict, original: Path) -> float:
@@ -242,7 +238,7 @@ def workflow(work: Path, iters: int, corpus_bytes: int, vocab: int) -> str:
     step("import-hf mixtral", import_mixtral)
     step("train mixtral (2 ranks, ep2)", lambda: state.update(
         trained_mixtral=train(work, "mixtral", work / "ckpt-mixtral", *state["mixtral"], data, hf["mixtral"], iters)))
-    step("export-hf mixtral", lambda: export(work, state["trained_mixtral"], work / "out-mixtral", hf["mixtral"]))
+    step("export-hf mixtral", lambda: export(work, state["trained_mixtral"], work / "out-mixtral"))
     step("transformers vs plugin (mixtral)", lambda: state.update(mixtral_diff=compare(
         work, "mixtral", state["trained_mixtral"], work / "out-mixtral", *state["mixtral"], hf["mixtral"])))
     # dense Llama: import, upcycle, train, export as Mixtral, compare
@@ -261,7 +257,7 @@ def workflow(work: Path, iters: int, corpus_bytes: int, vocab: int) -> str:
     step("train upcycled llama (2 ranks, ep2)", lambda: state.update(
         trained_llama=train(work, "llama", work / "ckpt-upcycled", *state["llama"], data, hf["llama"], iters)))
     step("export-hf --arch mixtral", lambda: export(work, state["trained_llama"], work / "out-llama-mixtral",
-                                                    hf["llama"], "--arch", "mixtral"))
+                                                    "--arch", "mixtral"))
     step("transformers vs plugin (llama->mixtral)", lambda: state.update(llama_diff=compare(
         work, "llama->mixtral", state["trained_llama"], work / "out-llama-mixtral", *state["llama"], hf["llama"])))
     return (f"workflow: {len(steps)}/{len(steps)} steps ran; mixtral logits max|diff| {state['mixtral_diff']:.1e}, "

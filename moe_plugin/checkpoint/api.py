@@ -45,12 +45,16 @@ record: ``metadata.check_optimizer_can_follow``. Not yet: fp16.
 
 Which tag a load takes (the newest that verifies when ``latest``'s does not), which tags a save
 keeps (``keep_last``), a write that fails on any rank: ``tags``.
+A run that loaded a checkpoint of ``moe-plugin import-hf`` (or one trained from it) writes its
+``architecture`` and ``hf`` records and tokenizer files into every tag it saves (``hf_origin``), so
+``export-hf`` of the trained checkpoint has the imported model's tokenizer, config keys and dtype.
 ``async_save=True``: the files recorded (host copies) instead of written, then written, hashed and
 committed by a background writer, the same steps on a process group of its own (``background``).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import pickle
@@ -112,6 +116,10 @@ from moe_plugin.compat.deepspeed_checkpoint import is_recovery_script, one_file_
 from moe_plugin.compat.deepspeed_checkpoint_engine import checkpoint_engine, recording_checkpoint_engine
 
 
+# the metadata of an imported checkpoint that every checkpoint trained from it keeps (``hf_origin``)
+ORIGIN_KEYS = ("architecture", "hf")
+
+
 def _write(obj: Any, path: str) -> None:
     """Every file of ours goes through here (one place to make a save fail in tests). Inside an
     asynchronous save's capture, the file is recorded (a host copy) and written by the background
@@ -121,6 +129,17 @@ def _write(obj: Any, path: str) -> None:
         capture.record(obj, path, _write)
         return
     torch.save(obj, path)
+
+
+def _write_bytes(data: bytes, path: str) -> None:
+    """A file copied as it is (the tokenizer files of an imported model), captured like ``_write``."""
+    capture = capturing()
+    if capture is not None:
+        capture.record(data, path, _write_bytes)
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 # -- save ----------------------------------------------------------------------------------------
@@ -163,11 +182,16 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
         engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state or {}, save_latest=False)
         meta, ours = metadata(run, tag), expert_files(run, tmp_path)
         ours.update({os.path.join(tmp_path, name): entry for name, entry in dense_record(run).items()})
+        origin = getattr(run, "hf_origin", None)
+        if origin is not None:   # the loaded checkpoint came from import-hf: so does this one
+            meta.update(copy.deepcopy(origin["record"]))
 
         def write_ours() -> None:
             for path, entry in ours.items():
                 _write(entry, path)
             _write(rng_state(engine.module), rng_file(tmp_path, dist.get_rank()))
+            for name, data in (origin or {}).get("files", {}).items():   # rank 0's only
+                _write_bytes(data, os.path.join(tmp_path, name))
 
         saving(save_dir, tag, write_ours)  # every file is written (or a failure on any rank raised on all)
 
@@ -284,6 +308,7 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     meta = agree(lambda: check_fits(run, path, tag))
     if not verified:
         verify(path, meta)   # every file against its checksum, before anything is read
+    origin = agree(lambda: hf_origin(path, meta))
     resharded = (meta["layout"] != layout(groups) or meta["zero_stage"] != engine.zero_optimization_stage()
                  or KIND_KEY in meta)
     fresh = meta.get("fresh_states", [])   # what an upcycled checkpoint does not hold (upcycle.py)
@@ -329,8 +354,24 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
         clear_pending_load(engine.module)   # what this run's forwards counted before the load
     if getattr(run, "step_boundary", None) is not None:
         run.step_boundary.restart()   # the next forward starts the loaded run's step
+    run.hf_origin = origin
     dist.barrier()
     return load_path, client_state
+
+
+def hf_origin(path: str, meta: dict) -> Optional[dict]:
+    """What a checkpoint ``import-hf`` wrote (or one trained from it) hands on to every save of the
+    run that loads it: {"record": its ``architecture`` and ``hf`` metadata, "files": {name in the
+    tag: bytes} of the tokenizer files, read on rank 0 (which writes them)}; None for others."""
+    if "hf" not in meta:
+        return None
+    record = {key: meta[key] for key in ORIGIN_KEYS if key in meta}
+    files = {}
+    if dist.get_rank() == 0:
+        for name in meta["hf"].get("tokenizer_files", []):
+            with open(os.path.join(path, name), "rb") as f:
+                files[name] = f.read()
+    return {"record": record, "files": files}
 
 
 def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:

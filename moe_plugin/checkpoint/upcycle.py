@@ -156,11 +156,16 @@ def upcycle_checkpoint(dense_dir: Union[os.PathLike, str], ds_config: Union[dict
         module, experts = _moe_state(state, extras, moe, dense, layers, granularity, seed, dropped)
         header = read_torch(saved_model_files(source, meta, 0)[0])
         _write_files(tmp, header, module, experts, moe.num_experts, keep_iteration, say)
+        for name in meta.get("hf", {}).get("tokenizer_files", []):   # an imported model's, for export-hf
+            os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
+            shutil.copyfile(os.path.join(source, name), os.path.join(tmp, name))
         steps = int(meta["global_steps"]) if keep_iteration else 0
         record = {"checkpoint": os.path.abspath(source), "tag": meta["tag"], "global_steps": meta["global_steps"],
                   "granularity": granularity, "seed": seed, "kept_iteration": keep_iteration,
                   "dropped_biases": list(dropped)}
         new_meta = _metadata(meta, moe, out_tag, steps, module, experts, layers, keep_iteration, record)
+        if "hf" in meta:   # not its "architecture": that is the dense model's (its flags have --dense)
+            new_meta["hf"] = meta["hf"]
         new_meta["files"] = {name: file_digest(os.path.join(tmp, name)) for name in tag_files(tmp)}
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(new_meta, f, indent=1)

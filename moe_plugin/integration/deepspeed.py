@@ -160,6 +160,7 @@ class Initialized:
     summary: Optional[RunSummary] = None
     step_boundary: Optional[StepBoundary] = None
     saves: Any = None   # the background writer of asynchronous checkpoint saves (checkpoint.background)
+    hf_origin: Any = None   # the loaded checkpoint's import-hf record and tokenizer files (checkpoint.api.hf_origin)
     _hooks: list = field(default_factory=list, repr=False)
     _closed: bool = field(default=False, repr=False)
 

@@ -7,9 +7,12 @@ becomes a Hugging Face model directory: ``config.json`` (written by the transfor
 the architecture), the weights in the hub's tensor layout (what ``save_pretrained`` writes, so older
 transformers and vLLM read it too; ``hf_families``) in shards of at most ``max_shard_size`` with
 their index, and the tokenizer files when the checkpoint came from ``import-hf``. The architecture
-is ``arch``, else the imported model's type, else inferred (a shared expert: qwen2_moe; QK-norm:
+is ``arch``, else the imported model's type (unless upcycled from a dense one), else inferred (a shared expert: qwen2_moe; QK-norm:
 qwen3_moe; otherwise mixtral; no MoE layer: llama, or qwen3 with QK-norm). The dtype is the
-imported model's (``dtype`` overrides; default float32 for a model trained from scratch).
+imported model's (``dtype`` overrides; default float32 for a model trained from scratch). A checkpoint
+trained from an import carries the import's record and tokenizer files (``checkpoint.api.hf_origin``)
+and exports as the import does (``max_position_embeddings``: the larger of the import's and the
+training run's sequence length).
 
 A model the architecture cannot express is refused before anything is written, naming what:
 learned position embeddings, LayerNorm, a non-SwiGLU MLP, linear biases, QK-norm where the
@@ -96,9 +99,9 @@ def _model_type(arch: Optional[str], meta: dict, state: dict) -> str:
             raise ConfigError("--arch", arch, f"expected one of {', '.join(ARCHITECTURES)}")
         return arch
     imported = meta.get("hf", {}).get("model_type")
-    if imported:
-        return imported
     moe = any(k.endswith("mlp.router.weight") for k in state)
+    if imported and (imported in MOE_TYPES) == moe:   # an upcycled dense import is inferred like any MoE model
+        return imported
     qk = any(k.endswith("q_layernorm.weight") for k in state)
     if not moe:
         return "qwen3" if qk else "llama"
@@ -178,7 +181,9 @@ def architecture_from_checkpoint(meta: dict, state: dict, model_type: str) -> HF
         kv_channels=int(tc.get("kv_channels") or int(tc["hidden_size"]) // heads),
         ffn_hidden_size=int(tc.get("ffn_hidden_size") or 4 * int(tc["hidden_size"])),
         vocab_size=int(state["embedding.word_embeddings.weight"].shape[0]),
-        max_position_embeddings=int(model.get("max_sequence_length", 4096)),
+        # training at a shorter --seq-length does not shorten a RoPE model's context: the imported one's stays
+        max_position_embeddings=max(int(model.get("max_sequence_length", 4096)),
+                                    int((meta.get("hf", {}).get("config") or {}).get("max_position_embeddings", 0))),
         norm_epsilon=float(tc.get("layernorm_epsilon", 1e-5)), rotary_base=float(model["rotary_base"]),
         tied=bool(model.get("tied", False)), qkv_bias=model_type == "qwen2_moe", qk_layernorm=qk,
         dtype=meta.get("hf", {}).get("dtype", "float32"), moe_layers=moe_layers, num_experts=E,
