@@ -7,8 +7,9 @@ becomes a Hugging Face model directory: ``config.json`` (written by the transfor
 the architecture), the weights in the hub's tensor layout (what ``save_pretrained`` writes, so older
 transformers and vLLM read it too; ``hf_families``) in shards of at most ``max_shard_size`` with
 their index, and the tokenizer files when the checkpoint came from ``import-hf``. The architecture
-is ``arch``, else the imported model's type (unless upcycled from a dense one), else inferred (a shared expert: qwen2_moe; QK-norm:
-qwen3_moe; otherwise mixtral; no MoE layer: llama, or qwen3 with QK-norm). The dtype is the
+is ``arch``, else the imported model's type (unless upcycled from a dense one), else inferred (a
+shared expert: qwen2_moe; QK-norm: qwen3_moe; otherwise mixtral; no MoE layer: llama, or qwen3 with
+QK-norm). The dtype is the
 imported model's (``dtype`` overrides; default float32 for a model trained from scratch). A checkpoint
 trained from an import carries the import's record and tokenizer files (``checkpoint.api.hf_origin``)
 and exports as the import does (``max_position_embeddings``: the larger of the import's and the
