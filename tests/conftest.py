@@ -4,6 +4,7 @@ DeepSpeed shared-memory buffers (``/dev/shm``, named by the port) are removed af
 the run have left any."""
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -55,5 +56,12 @@ def launcher_port():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: starts ranks through the deepspeed launcher or spawns several "
-                                       "processes (left out by make test-fast)")
+    config.addinivalue_line("markers", "slow: starts ranks through the deepspeed launcher or spawns ranks "
+                                       "(left out by make test-fast)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # Before the item's fixtures (module-scoped runs included) are set up: tests/launcher.py's
+    # require_slow_mark fails a test that starts several processes without the marker.
+    os.environ["MOE_PLUGIN_TEST_SLOW"] = "1" if item.get_closest_marker("slow") else "0"

@@ -1,10 +1,17 @@
 """Runs through the real ``deepspeed`` launcher (the venv's), several at once if need be, each in
-its own process group: a launch that runs past its time or fails while another still runs has
-every process group it started killed, so no rank outlives the test."""
+its own process group: a launch that runs past its time, or fails while the other nodes of its job
+still run, has every process group it started killed, so no rank outlives the test.
+
+``deepspeed(ARGV)``: one launch; ``deepspeed_together([ARGV, ...])``: the nodes of one job, or
+independent jobs (``independent=True``) run side by side; ``jobs([ARGV, ...], ranks=2)``: independent
+jobs, each on a free port, that must leave nothing in ``/dev/shm``. A test that starts ranks is
+marked ``@pytest.mark.slow`` (``make test-fast`` leaves it out); unmarked, it fails here (see
+``require_slow_mark``)."""
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,15 +38,56 @@ def launcher_env() -> dict:
     return env
 
 
+def require_slow_mark(what: str) -> None:
+    """Fails a test that starts ranks (the launcher's, or spawned ones: ``tests/dist.py``, one rank
+    included) without ``@pytest.mark.slow``, which ``make test-fast`` would run. tests/conftest.py
+    sets what the marker says before the test's fixtures are set up; outside pytest nothing is checked."""
+    if os.environ.get("MOE_PLUGIN_TEST_SLOW") == "0":
+        raise RuntimeError(f"{what} starts ranks: mark the test @pytest.mark.slow "
+                           "(make test-fast leaves such tests out)")
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on 127.0.0.1 (all bound at once, then released)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def deepspeed(*argv: str, cwd: Path = REPO, timeout: float = 600.0) -> Done:
     """``deepspeed ARGV`` in ``cwd``: its exit status and all its output."""
     return deepspeed_together([list(argv)], cwd=cwd, timeout=timeout)[0]
 
 
-def deepspeed_together(argvs: list[list[str]], cwd: Path = REPO, timeout: float = 600.0) -> list[Done]:
-    """One ``deepspeed`` launcher per argument list, all started at once (the nodes of one job);
-    waits for all. On a timeout, or when one fails while the others still run (they would wait for
-    it until their collective timeout), every launcher's process group is killed."""
+def jobs(argvs: list[list[str]], cwd: Path = REPO, ranks: int = 2, timeout: float = 600.0) -> list[Done]:
+    """``deepspeed --num_gpus RANKS --master_port PORT ARGV`` per argument list, each job on its own
+    free port, all at once and independent (one failing stops no other). Afterwards no job may have
+    left DeepSpeed's shared-memory buffers in ``/dev/shm`` (any found are removed, then the call fails)."""
+    from moe_plugin.compat.shm_buffers import job_shm_buffers
+
+    ports = free_ports(len(argvs))
+    try:
+        return deepspeed_together([["--num_gpus", str(ranks), "--master_port", str(port), *argv]
+                                   for port, argv in zip(ports, argvs)], cwd=cwd, timeout=timeout, independent=True)
+    finally:
+        left = [path for port in ports for path in job_shm_buffers("127.0.0.1", str(port))]
+        for path in left:
+            path.unlink(missing_ok=True)
+        assert not left, f"the jobs left {left}"
+
+
+def deepspeed_together(argvs: list[list[str]], cwd: Path = REPO, timeout: float = 600.0,
+                       independent: bool = False) -> list[Done]:
+    """One ``deepspeed`` launcher per argument list, all started at once (the nodes of one job, or
+    with ``independent`` separate jobs); waits for all. On a timeout, or for the nodes of one job
+    when one fails while the others still run (they would wait for it until their collective
+    timeout), every launcher's process group is killed."""
+    require_slow_mark("the deepspeed launcher")
     procs, logs = [], []
     try:
         for argv in argvs:
@@ -49,7 +97,7 @@ def deepspeed_together(argvs: list[list[str]], cwd: Path = REPO, timeout: float 
                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
-            failed = any(p.poll() not in (None, 0) for p in procs)
+            failed = not independent and any(p.poll() not in (None, 0) for p in procs)
             if failed or time.monotonic() > deadline:
                 _kill(procs)
                 break

@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 
 from dist import run_distributed
-from test_example import MODEL_FLAGS, _run_main
+from example_runs import MODEL_FLAGS, run_main
+
+pytestmark = pytest.mark.slow   # through the deepspeed launcher or several processes
 
 STEPS = 8
 MOE = {"num_experts": 4, "router": "gshard", "second_expert_policy": "all", "drop_tokens": False,
@@ -60,7 +62,7 @@ def _losses(tmp_path: Path, name: str, world_size: int, parallel: dict, stage: i
     argv = [*flags, "--micro-batch-size", str(MICRO),
             "--deepspeed_config", str(_ds_config(tmp_path / f"{name}.json", world_size // (tp * pp), parallel, stage)),
             "--run-dir", str(run_dir), "--data-cache", str(tmp_path / "data"), *extra]
-    results = run_distributed(_run_main, world_size, tmp_path, argv, timeout=400)
+    results = run_distributed(run_main, world_size, tmp_path, argv, timeout=400)
     assert [r["status"] for r in results] == [0] * world_size
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["split"] == "train"]
@@ -74,10 +76,17 @@ def data_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("layouts")
 
 
+@pytest.fixture(scope="module")
+def one_rank(data_dir) -> list[float]:
+    """The one-rank run (tied embeddings): the reference of the tied layouts and of the checkpoint's
+    uninterrupted run."""
+    return _losses(data_dir, "one-tied", 1, {}, 1)
+
+
 @pytest.mark.parametrize("tie", ["tied", "untied"])
-def test_pipeline_layouts_give_the_one_rank_losses(data_dir, tie):
+def test_pipeline_layouts_give_the_one_rank_losses(data_dir, one_rank, tie):
     extra = ("--untie-embeddings-and-output-weights",) if tie == "untied" else ()
-    one = _losses(data_dir, f"one-{tie}", 1, {}, 1, *extra)
+    one = one_rank if tie == "tied" else _losses(data_dir, f"one-{tie}", 1, {}, 1, *extra)
     names = list(LAYOUTS) if tie == "tied" else ["pp2-dp2-ep2"]
     for name in names:
         world, parallel, stage = LAYOUTS[name]
@@ -85,12 +94,12 @@ def test_pipeline_layouts_give_the_one_rank_losses(data_dir, tie):
         assert got == pytest.approx(one, rel=1e-4), (name, got, one)
 
 
-def test_pipeline_checkpoint_loads_into_the_one_rank_gpt_model_and_back(data_dir):
+def test_pipeline_checkpoint_loads_into_the_one_rank_gpt_model_and_back(data_dir, one_rank):
     """pp2 x ep2 saves after 4 steps; the one-rank ``GPTModel`` loads it (weights only: another
     model kind) and its step 5 is the uninterrupted one-rank run's; it saves after step 6, and pp2 x
     ep2 and the one-rank model both load that and compute the same step-7 loss."""
     world, parallel, stage = LAYOUTS["pp2-ep2"]
-    uninterrupted = _losses(data_dir, "ckpt-one", 1, {}, 1)
+    uninterrupted = one_rank
     first, second = str(data_dir / "ckpt-pp2"), str(data_dir / "ckpt-one")
     _losses(data_dir, "ckpt-pp2-a", world, parallel, stage, "--train-iters", "4", "--save", first)
     resumed = _losses(data_dir, "ckpt-one-b", 1, {}, 1, "--train-iters", "6", "--load", first, "--no-load-optim",
