@@ -7,11 +7,18 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from dist import run_distributed
+
+# Every process the tests start finds the venv's tools first, as the ranks of the deepspeed launcher
+# do (tests/launcher.py): DeepSpeed builds its CPU ops (the shm all-reduce, CPU Adam) with the first
+# ``ninja`` on PATH into one cache, and two ninja versions (the venv's and the system's) disagree on
+# the build log, so each would rebuild the op after the other (a minute of two cores each time).
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def _clean_up() -> None:
