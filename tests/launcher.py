@@ -31,7 +31,9 @@ class Done:
 
 def launcher_env() -> dict:
     """The test's environment without the variables a launcher sets for its ranks; the venv's
-    ``bin`` first on PATH (the launcher starts the ranks with the python it finds first)."""
+    ``bin`` first on PATH (the launcher starts the ranks with the python it finds first). Only for a
+    test marked slow (``require_slow_mark``)."""
+    require_slow_mark("the deepspeed launcher")
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", OMP_NUM_THREADS="1")
@@ -87,7 +89,6 @@ def deepspeed_together(argvs: list[list[str]], cwd: Path = REPO, timeout: float 
     with ``independent`` separate jobs); waits for all. On a timeout, or for the nodes of one job
     when one fails while the others still run (they would wait for it until their collective
     timeout), every launcher's process group is killed."""
-    require_slow_mark("the deepspeed launcher")
     procs, logs = [], []
     try:
         for argv in argvs:
