@@ -57,9 +57,11 @@ def launches(tmp_path_factory) -> dict:
     """The ported loop (6 steps, a checkpoint after step 3; then steps 4-6 from it) and the plain loop
     through ``tests/plain_loop_on_cpu.py`` (4 steps, a checkpoint after step 2; then steps 3-4 from it),
     each a job of 2 ranks under the launcher: the two first runs side by side, then the two resumes.
-    ``launcher.jobs`` fails when a job leaves its ``/dev/shm`` buffers behind."""
+    ``launcher.jobs`` fails when the ported loop leaves its ``/dev/shm`` buffers behind (the plain loop,
+    without the plugin, leaves DeepSpeed's; they are removed)."""
     root = tmp_path_factory.mktemp("porting")
     ported, plain = root / "ported", root / "plain"
+    ported.mkdir()
     plain.mkdir()
     plain_json = plain / "ds_plain.json"
     config = json.loads((LOOP / "ds_config.json").read_text())
@@ -69,11 +71,12 @@ def launches(tmp_path_factory) -> dict:
     plain_argv = [str(REPO / "tests" / "plain_loop_on_cpu.py"), "--deepspeed_config", str(plain_json), "--steps", "4"]
     first = jobs([[*ported_argv, "--save", str(ported / "ckpt"), "--save-at", "3", "--losses",
                    str(ported / "first.json")],
-                  [*plain_argv, "--save", str(plain / "ckpt"), "--save-at", "2", "--losses", str(plain / "a.json")]])
+                  [*plain_argv, "--save", str(plain / "ckpt"), "--save-at", "2", "--losses", str(plain / "a.json")]],
+                 leaves_shm=(1,))
     resumed = jobs([[*ported_argv, "--load", str(ported / "ckpt"), "--load-tag", "step3", "--losses",
                      str(ported / "resumed.json")],
                     [*plain_argv, "--load", str(plain / "ckpt"), "--load-tag", "step2", "--losses",
-                     str(plain / "b.json")]])
+                     str(plain / "b.json")]], leaves_shm=(1,))
     return {"ported": (ported, first[0], resumed[0]), "plain": (plain, first[1], resumed[1])}
 
 
