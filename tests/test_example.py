@@ -30,7 +30,7 @@ _script, _ds_config, _run_main, _train = example_script, ds_config, run_main, tr
 
 @pytest.mark.slow
 def test_two_ranks_train_and_match_one_rank(tmp_path):
-    two = train(tmp_path, "dp2_ep2", 2, "--profile", "--profile-step-start", "2", "--profile-step-end", "4",
+    two = _train(tmp_path, "dp2_ep2", 2, "--profile", "--profile-step-start", "2", "--profile-step-end", "4",
                  expert=2)
     parts = json.loads((tmp_path / "runs" / "dp2_ep2" / "parts.json").read_text())   # --profile
     assert parts["steps"] == [2, 4] and parts["mean"]["total"] > 0
@@ -59,22 +59,22 @@ def test_two_ranks_train_and_match_one_rank(tmp_path):
     assert [int(row[0]) for row in rows] == [4, 8]
     assert [float(row[1]) for row in rows] == pytest.approx([r["moe_layers"][0]["imbalance"] for r in reports])
 
-    one = train(tmp_path, "single", 1)
+    one = _train(tmp_path, "single", 1)
     one_losses = [r["loss"] for r in one if r["split"] == "train"]
     assert one_losses == pytest.approx(losses, rel=1e-5), (one_losses, losses)
 
     # Stopped after half the steps and resumed from the checkpoint: the same losses again (the
     # batches follow from the step, the optimizer state from the checkpoint).
     ckpt = str(tmp_path / "ckpt")
-    train(tmp_path, "resumed", 1, "--train-iters", str(STEPS // 2), "--save", ckpt)
-    resumed = train(tmp_path, "resumed", 1, "--load", ckpt)
+    _train(tmp_path, "resumed", 1, "--train-iters", str(STEPS // 2), "--save", ckpt)
+    resumed = _train(tmp_path, "resumed", 1, "--load", ckpt)
     assert [r["step"] for r in resumed if r["split"] == "train"] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in resumed if r["split"] == "train"] == pytest.approx(one_losses, rel=1e-5)
 
     # The 1-rank checkpoint into 2 ranks with expert parallelism 2 (weights only: the optimizer state
     # does not follow a layout change): training goes on at step 5, whose loss is the uninterrupted
     # run's (the same weights and batch); later steps start Adam afresh.
-    relaid = train(tmp_path, "relaid", 2, "--load", ckpt, "--no-load-optim", expert=2)
+    relaid = _train(tmp_path, "relaid", 2, "--load", ckpt, "--no-load-optim", expert=2)
     relaid_losses = [r["loss"] for r in relaid if r["split"] == "train"]
     assert [r["step"] for r in relaid if r["split"] == "train"] == list(range(STEPS // 2 + 1, STEPS + 1))
     assert relaid_losses[0] == pytest.approx(one_losses[STEPS // 2], rel=1e-5)
