@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 TORCH_STAMP := $(VENV)/.torch-2.13.0
 DEPS_STAMP := $(VENV)/.deps-installed
 
-.PHONY: test example scaling scaling-quick upcycling upcycling-quick install clean
+.PHONY: test test-fast example scaling scaling-quick upcycling upcycling-quick install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ install: $(DEPS_STAMP)
 
 test: $(DEPS_STAMP)
 	$(PY) -m pytest -q --durations=15 tests
+
+# The edit-test loop: every test but those marked slow (ranks through the deepspeed launcher or spawned).
+test-fast: $(DEPS_STAMP)
+	$(PY) -m pytest -q -m "not slow" --durations=10 tests
 
 # The GPT-MoE training example: a byte-level Megatron-Core GPT with MoE layers (8 experts, EP 2
 # carved out of DP 4 on 4 CPU ranks, ZeRO-1), trained by the DeepSpeed engine on the Python

@@ -4,13 +4,21 @@ DeepSpeed shared-memory buffers (``/dev/shm``, named by the port) are removed af
 the run have left any."""
 from __future__ import annotations
 
+import os
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from dist import run_distributed
+
+# Every process the tests start finds the venv's tools first, as the ranks of the deepspeed launcher
+# do (tests/launcher.py): DeepSpeed builds its CPU ops (the shm all-reduce, CPU Adam) with the first
+# ``ninja`` on PATH into one cache, and two ninja versions (the venv's and the system's) disagree on
+# the build log, so each would rebuild the op after the other (a minute of two cores each time).
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def _clean_up() -> None:
@@ -55,5 +63,12 @@ def launcher_port():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: starts ranks through the deepspeed launcher or spawns several "
-                                       "processes (left out by make test-fast)")
+    config.addinivalue_line("markers", "slow: starts ranks through the deepspeed launcher or spawns ranks "
+                                       "(left out by make test-fast)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # Before the item's fixtures (module-scoped runs included) are set up: tests/launcher.py's
+    # require_slow_mark fails a test that starts several processes without the marker.
+    os.environ["MOE_PLUGIN_TEST_SLOW"] = "1" if item.get_closest_marker("slow") else "0"

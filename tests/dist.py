@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
+from launcher import require_slow_mark
+
 START_METHOD = os.environ.get("MOE_PLUGIN_TEST_START", "forkserver")
 PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron.core.parallel_state", "moe_plugin", "pytest"]
 
@@ -70,6 +72,7 @@ def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any, t
     ``fn`` must be a module-level function; ``args`` and results must pickle. ``timeout`` (seconds)
     bounds the whole run and every collective.
     """
+    require_slow_mark(f"run_distributed ({world_size} rank{'s' if world_size > 1 else ''})")
     if START_METHOD == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server runs
     workdir = tempfile.mkdtemp(prefix="dist-", dir=tmp_path)  # a fresh store per call

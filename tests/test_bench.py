@@ -102,6 +102,7 @@ def _ep_child(rank, world_size, spec, *more):
     return records if more else records[0]
 
 
+@pytest.mark.slow
 def test_bench_layer_expert_parallel(dist_run):
     spec = LayerBenchSpec(**dict(TINY, experts=8), dropless=True, vs_deepspeed=True)
     grouped = LayerBenchSpec(**dict(TINY, experts=8), dropless=True, vs_deepspeed=False, group_topk=1)
@@ -306,6 +307,7 @@ def test_breakdown_runs_on_the_layers_dtype():
     assert all(v >= 0 for v in parts.values()) and parts["experts"] > 0
 
 
+@pytest.mark.slow
 def test_bench_layer_expert_parallel_bf16_sends_two_bytes_a_value(dist_run):
     spec = LayerBenchSpec(**dict(TINY, experts=8), vs_deepspeed=True, dtype="bf16")
     record = dist_run(_ep_child, 2, spec)[0]

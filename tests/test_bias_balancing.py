@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from dist import run_distributed
-from test_example import MODEL_FLAGS, _script
+from example_runs import MODEL_FLAGS, example_script
 
 SKEW = "2.0"
 RATE = 0.05
@@ -61,7 +61,7 @@ def _argv(tmp_path: Path, data: Path, name: str, config: str) -> list[str]:
 def _mains(rank: int, world_size: int, argvs: list) -> list:
     """The example's ``main`` once per argv, one after the other in the same ranks."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    script = _script()
+    script = example_script()
     return [script.main(argv) for argv in argvs]
 
 
@@ -70,6 +70,7 @@ def _records(tmp_path: Path, name: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["split"] == "train"]
 
 
+@pytest.mark.slow
 def test_bias_evens_the_load_through_the_example_on_two_ranks(tmp_path, data_cache):
     runs = {name: _argv(tmp_path, data_cache, name, _ds_config(tmp_path / f"{name}.json", 2, rate, 1, expert=2))
             for name, rate in (("rate", RATE), ("off", 0.0))}
@@ -109,7 +110,7 @@ def _pipeline_steps(rank: int, world_size: int, argv: list, steps: int) -> dict:
     from moe_plugin import MoELayer
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    script = _script()
+    script = example_script()
     args = script.parse_args(argv)
     plan = script.check_run(args, world_size)
     data = script.build_data(args, plan)
@@ -134,6 +135,7 @@ def _pipeline_steps(rank: int, world_size: int, argv: list, steps: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_pipeline_bias_is_the_same_on_every_rank_and_layout(tmp_path, data_cache):
     one = _argv(tmp_path, data_cache, "one", _ds_config(tmp_path / "one.json", 1, RATE, 2))
     [single] = run_distributed(_pipeline_steps, 1, tmp_path, one, 4, timeout=300)

@@ -36,6 +36,8 @@ import shutil
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow   # through the deepspeed launcher or several processes
+
 VOCAB, SEQ, BATCH, HIDDEN, FFN = 32, 8, 8, 16, 32
 STEPS, SAVE_AT = 20, 10
 MOE = {"num_experts": 4, "router": "gshard", "jitter_eps": 0.1, "bias_update_rate": 0.01, "aux_loss_coeff": 0.01,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from test_example import MODEL_FLAGS, _ds_config, _script, _train
+from example_runs import MODEL_FLAGS, ds_config, example_script, train
 
 DAMAGED = os.path.join("experts", "expert_00001_pp_00.pt")
 
@@ -98,8 +98,9 @@ def test_keep_last_below_one_is_refused_before_anything_is_written(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    _ds_config(tmp_path / "ds.json", 2, expert=2)
-    status = _script().main([*MODEL_FLAGS, "--deepspeed_config", "ds.json", "--save", "ckpt", "--keep-last", "0"])
+    ds_config(tmp_path / "ds.json", 2, expert=2)
+    status = example_script().main([*MODEL_FLAGS, "--deepspeed_config", "ds.json", "--save", "ckpt",
+                                    "--keep-last", "0"])
     err = capsys.readouterr().err
     assert status == 2 and re.search(r"^error: --keep-last: got 0; expected an integer >= 1", err, re.MULTILINE), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]   # no ckpt/, runs/, data/
@@ -123,13 +124,14 @@ def _mains(rank: int, world_size: int, runs: list) -> list[dict]:
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err):
-                status = _script().main(argv)
+                status = example_script().main(argv)
         finally:
             checkpoint._write = write
         out.append({"status": status, "stderr": err.getvalue()})
     return out
 
 
+@pytest.mark.slow
 def test_damaged_latest_falls_back_and_keep_last_keeps_two(tmp_path):
     from dist import run_distributed
 
@@ -137,7 +139,7 @@ def test_damaged_latest_falls_back_and_keep_last_keeps_two(tmp_path):
     from moe_plugin.checkpoint.metadata import read_latest, read_metadata
 
     ckpt, full_disk = tmp_path / "ckpt", tmp_path / "full"
-    whole = _train(tmp_path, "whole", 2, "--save", str(ckpt), "--save-interval", "2", "--keep-last", "2", expert=2)
+    whole = train(tmp_path, "whole", 2, "--save", str(ckpt), "--save-interval", "2", "--keep-last", "2", expert=2)
     assert _entries(ckpt) == ["latest", "step6", "step8"]   # 4 saves, 2 kept
     whole = {r["step"]: r["loss"] for r in whole if r["split"] == "train"}
 
@@ -147,7 +149,7 @@ def test_damaged_latest_falls_back_and_keep_last_keeps_two(tmp_path):
     damaged.write_bytes(bytes(data))
 
     def argv(name: str, *extra: str) -> list:
-        return [*MODEL_FLAGS, "--deepspeed_config", str(_ds_config(tmp_path / f"{name}.json", 2, expert=2)),
+        return [*MODEL_FLAGS, "--deepspeed_config", str(ds_config(tmp_path / f"{name}.json", 2, expert=2)),
                 "--run-dir", str(tmp_path / "runs" / name), "--data-cache", str(tmp_path / "data"),
                 "--load", str(ckpt), *extra]
 

@@ -146,11 +146,11 @@ def _integrity(root: str, run, saved: str) -> dict:
 
 def _example_load(root: str, run) -> dict:
     """The example's ``load_checkpoint`` (what ``--load`` calls) on missing, empty and tag-only directories."""
-    from test_example import _script
+    from example_runs import example_script
 
     from moe_plugin.checkpoint import CheckpointError
 
-    example = _script()
+    example = example_script()
     out = {}
     empty, tag_only = os.path.join(root, "load-empty"), os.path.join(root, "load-tag-only")
     interrupted = os.path.join(root, "load-interrupted")   # a first save killed midway
@@ -253,6 +253,7 @@ def _case(results, name) -> list:
     return case_results(results[1], name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(DAMAGE))
 def test_damaged_file_is_named_and_nothing_loads(results, name):
     for rank, r in enumerate(_case(results, "integrity")):
@@ -267,6 +268,7 @@ def test_damaged_file_is_named_and_nothing_loads(results, name):
             assert "sha256" in case["error"] and "the save recorded" in case["error"], case["error"]
 
 
+@pytest.mark.slow
 def test_latest_naming_a_missing_tag_is_named(results):
     for r in _case(results, "integrity"):
         case = r["latest-missing-tag"]   # strict; without, the newest tag that verifies loads
@@ -274,6 +276,7 @@ def test_latest_naming_a_missing_tag_is_named(results):
         assert os.path.basename(os.path.dirname(r["latest-missing-tag-fallback"])) == "global_step3", r
 
 
+@pytest.mark.slow
 def test_unreadable_file_of_an_unverified_checkpoint_is_named(results):
     for r in _case(results, "integrity"):
         case = r["unverified-rng-truncated"]
@@ -291,6 +294,7 @@ def test_read_torch_names_the_file(tmp_path):
         read_torch(str(path))
 
 
+@pytest.mark.slow
 def test_example_load_of_missing_or_empty_directory_starts_fresh(results):
     for rank, r in enumerate(_case(results, "example")):
         assert r["missing"] == 0 and r["empty"] == 0 and r["interrupted"] == 0
@@ -315,6 +319,7 @@ def exported(results, tmp_path_factory):
     return out, lines, cli.stdout
 
 
+@pytest.mark.slow
 def test_export_round_trip_gives_the_parallel_models_loss(results, exported, tmp_path):
     from dist import run_distributed
 
@@ -380,6 +385,7 @@ def _resumed(rank: int, world_size: int, directory: str) -> dict:
 RESUME_CASE = {"parallel": {"expert": 2}, "stage": 1, "opt": "AdamW"}
 
 
+@pytest.mark.slow
 def test_save_killed_midway_resumes_the_uninterrupted_run(tmp_path):
     from dist import run_distributed
 
@@ -400,7 +406,7 @@ def _example_dying(rank: int, world_size: int, argv: list, die_in: str, printed_
     """The example's ``main`` whose save of tag ``die_in`` ends every rank with ``os._exit`` while
     writing the rng files (after DeepSpeed's and the expert files); rank 0's output so far goes to
     ``printed_file`` first."""
-    from test_example import _script
+    from example_runs import example_script
 
     from moe_plugin.checkpoint import api as checkpoint
 
@@ -416,25 +422,26 @@ def _example_dying(rank: int, world_size: int, argv: list, die_in: str, printed_
 
     checkpoint._write = dying
     with contextlib.redirect_stdout(printed):
-        _script().main(argv)
+        example_script().main(argv)
 
 
+@pytest.mark.slow
 def test_example_killed_while_saving_resumes_the_uninterrupted_run(tmp_path):
     from dist import run_distributed
-    from test_example import MODEL_FLAGS, _ds_config, _run_main
+    from example_runs import MODEL_FLAGS, ds_config, run_main
 
     ckpt = str(tmp_path / "ckpt")
 
     def argv(name: str, *extra: str) -> list:
         return [*MODEL_FLAGS, "--train-iters", "6", "--deepspeed_config",
-                str(_ds_config(tmp_path / f"{name}.json", 2, expert=2)), "--run-dir", str(tmp_path / "runs" / name),
+                str(ds_config(tmp_path / f"{name}.json", 2, expert=2)), "--run-dir", str(tmp_path / "runs" / name),
                 "--data-cache", str(tmp_path / "data"), *extra]
 
     def train_losses(name: str) -> dict:
         records = (json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines())
         return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
 
-    assert [r["status"] for r in run_distributed(_run_main, 2, tmp_path, argv("whole"), timeout=600)] == [0, 0]
+    assert [r["status"] for r in run_distributed(run_main, 2, tmp_path, argv("whole"), timeout=600)] == [0, 0]
     same_dir = ("--save", ckpt, "--load", ckpt, "--save-interval", "2")   # a first run: nothing to load yet
     with pytest.raises(Exception, match="exit|signal|code"):
         run_distributed(_example_dying, 2, tmp_path, argv("killed", *same_dir), "step4", str(tmp_path / "printed"),
@@ -442,7 +449,7 @@ def test_example_killed_while_saving_resumes_the_uninterrupted_run(tmp_path):
     assert "no checkpoint there (missing or empty directory); starting from scratch" in (
         tmp_path / "printed").read_text()
     assert _entries(ckpt) == [".tmp-step4", "latest", "step2"], _entries(ckpt)
-    assert [r["status"] for r in run_distributed(_run_main, 2, tmp_path, argv("resumed", *same_dir),
+    assert [r["status"] for r in run_distributed(run_main, 2, tmp_path, argv("resumed", *same_dir),
                                                  timeout=600)] == [0, 0]
     whole, resumed = train_losses("whole"), train_losses("resumed")
     assert sorted(resumed) == [3, 4, 5, 6]

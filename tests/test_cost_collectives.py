@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -109,10 +110,12 @@ def _check(results: list, layouts: dict) -> None:
             assert counted == charged, f"{name} rank {rank}: runs {dict(counted)}, the cost model charges {dict(charged)}"
 
 
+@pytest.mark.slow
 def test_charged_collectives_are_those_of_a_forward_and_backward_on_2_ranks(dist_run):
     _check(dist_run(_counted, 2, LAYOUTS2), LAYOUTS2)
 
 
+@pytest.mark.slow
 def test_charged_collectives_are_those_of_a_forward_and_backward_on_4_ranks(dist_run):
     _check(dist_run(_counted, 4, LAYOUTS4), LAYOUTS4)
 

@@ -221,6 +221,7 @@ def results(tmp_path_factory):
     return run_distributed(_cases_child, 4, tmp_path_factory.mktemp("engine4"), CASES, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_engine_matches_single_process(name, results):
     case = CASES[name]
@@ -256,6 +257,7 @@ def test_engine_matches_single_process(name, results):
             close(param, full_or_shard(pname, ref["params"][pname]), f"{pname} after {STEPS} steps")
 
 
+@pytest.mark.slow
 def test_global_grad_norm_counts_each_gradient_once(results):
     expected = torch.cat(_synthetic_grads(None, 1, 1, 1)).norm()
     for rank, r in enumerate(results):
@@ -263,6 +265,7 @@ def test_global_grad_norm_counts_each_gradient_once(results):
             torch.testing.assert_close(norm, expected, msg=lambda m: f"rank {rank} {name}: {m}")
 
 
+@pytest.mark.slow
 def test_bad_configs_fail_on_every_rank_before_any_group(results):
     for r in results:
         bad = r["bad-inputs"]

@@ -166,6 +166,7 @@ def dist_results(tmp_path_factory):
     return run_distributed(_dist_child, 2, tmp_path_factory.mktemp("deterministic"), DIST_CASES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(DIST_CASES))
 def test_deterministic_mode_expert_parallel(dist_results, name):
     for bad, differ in case_results(dist_results, name):

@@ -13,67 +13,22 @@ mistakes that must stop it before anything is written.
   and one line naming the key, and leave no run directory and no data cache.
 
 The ranks run the script's ``main`` through the project's spawn helper (what the ``deepspeed``
-launcher would do: RANK, LOCAL_RANK, WORLD_SIZE set; torch.distributed initialised with gloo).
+launcher would do: RANK, LOCAL_RANK, WORLD_SIZE set; torch.distributed initialised with gloo), by
+way of ``tests/example_runs.py``.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
-import sys
-from pathlib import Path
 
 import pytest
 
-from dist import run_distributed
+from example_runs import MODEL_FLAGS, MOE, SCRIPT, STEPS, ds_config, example_script, run_main, train
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
-STEPS = 8
-MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--ffn-hidden-size", "64",
-               "--seq-length", "32", "--train-iters", str(STEPS), "--eval-interval", "4", "--eval-iters", "1",
-               "--log-interval", "4", "--seed", "7", "--corpus-bytes", str(192 * 1024), "--valid-fraction", "0.25"]
-MOE = {"num_experts": 4, "router": "topk", "top_k": 2, "capacity_factor": 1.5, "min_capacity": 2,
-       "aux_loss_coeff": 0.01, "layer_interval": 1}
+# the names other test files imported from here before tests/example_runs.py held them
+_script, _ds_config, _run_main, _train = example_script, ds_config, run_main, train
 
-
-def _script():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_moe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def _ds_config(path: Path, world_size: int, **moe_parallel) -> Path:
-    """Global batch 8 of micro-batches of 4: one rank accumulates 2, two ranks take one each."""
-    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
-              "gradient_accumulation_steps": 2 // world_size, "gradient_clipping": 1.0, "steps_per_print": 10 ** 6,
-              "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
-              "zero_optimization": {"stage": 1},
-              "csv_monitor": {"enabled": True, "output_path": str(path.parent / "monitor" / path.stem),
-                              "job_name": "gpt"},
-              "moe": {**MOE, "parallel": moe_parallel}}
-    path.write_text(json.dumps(config))
-    return path
-
-
-def _run_main(rank: int, world_size: int, argv: list) -> dict:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    status = _script().main(argv)
-    return {"status": status}
-
-
-def _train(tmp_path: Path, name: str, world_size: int, *extra: str, **moe_parallel) -> list[dict]:
-    run_dir = tmp_path / "runs" / name
-    argv = [*MODEL_FLAGS, "--deepspeed_config", str(_ds_config(tmp_path / f"{name}.json", world_size, **moe_parallel)),
-            "--run-dir", str(run_dir), "--data-cache", str(tmp_path / "data"), *extra]
-    results = run_distributed(_run_main, world_size, tmp_path, argv, timeout=300)
-    assert [r["status"] for r in results] == [0] * world_size
-    assert (run_dir / "metrics.png").stat().st_size > 0
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
+@pytest.mark.slow
 def test_two_ranks_train_and_match_one_rank(tmp_path):
     two = _train(tmp_path, "dp2_ep2", 2, "--profile", "--profile-step-start", "2", "--profile-step-end", "4",
                  expert=2)
@@ -144,11 +99,11 @@ def test_bad_flags_stop_before_anything_is_written(tmp_path, monkeypatch, capsys
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    config = json.loads(_ds_config(tmp_path / "ds.json", 2, expert=2).read_text())
+    config = json.loads(ds_config(tmp_path / "ds.json", 2, expert=2).read_text())
     config.pop(change.get("drop", "-"), None)
     config.update(change.get("set", {}))
     (tmp_path / "ds.json").write_text(json.dumps(config))
-    status = _script().main([*MODEL_FLAGS, "--deepspeed_config", "ds.json", *change.get("argv", [])])
+    status = example_script().main([*MODEL_FLAGS, "--deepspeed_config", "ds.json", *change.get("argv", [])])
     err = capsys.readouterr().err
     assert status == 2 and re.search(message, err, re.MULTILINE), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]   # no runs/, no data/

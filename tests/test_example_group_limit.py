@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dist import run_distributed
-from test_example import MODEL_FLAGS, STEPS, _ds_config, _run_main, _script
+from example_runs import MODEL_FLAGS, STEPS, ds_config, example_script, run_main
 
 MOE = {"num_experts": 8, "router": "topk", "top_k": 2, "router_groups": 4, "group_topk": 1, "drop_tokens": False,
        "aux_loss_coeff": 0.01, "z_loss_coeff": 1e-3, "layer_interval": 1}
@@ -36,7 +36,7 @@ def _losses(tmp_path: Path, name: str, world_size: int, moe: dict) -> dict[str, 
     run_dir = tmp_path / "runs" / name
     argv = [*MODEL_FLAGS, "--micro-batch-size", str(MICRO), "--deepspeed_config", str(path),
             "--run-dir", str(run_dir), "--data-cache", str(tmp_path / "data")]
-    results = run_distributed(_run_main, world_size, tmp_path, argv, timeout=400)
+    results = run_distributed(run_main, world_size, tmp_path, argv, timeout=400)
     assert [r["status"] for r in results] == [0] * world_size
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = {split: [r["loss"] for r in records if r["split"] == split] for split in ("train", "valid")}
@@ -44,6 +44,7 @@ def _losses(tmp_path: Path, name: str, world_size: int, moe: dict) -> dict[str, 
     return losses
 
 
+@pytest.mark.slow
 def test_group_limited_routing_gives_the_one_rank_losses_at_ep2_and_ep4(tmp_path):
     one = _losses(tmp_path, "one", 1, MOE)
     unlimited = _losses(tmp_path, "unlimited", 1, {k: v for k, v in MOE.items()
@@ -68,10 +69,10 @@ def test_a_group_limit_without_groups_or_an_unread_value_stops_the_example(tmp_p
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    config = json.loads(_ds_config(tmp_path / "ds.json", 2, expert=2).read_text())
+    config = json.loads(ds_config(tmp_path / "ds.json", 2, expert=2).read_text())
     config["moe"] = {k: v for k, v in {**config["moe"], **moe}.items() if v is not None}
     (tmp_path / "ds.json").write_text(json.dumps(config))
-    status = _script().main([*MODEL_FLAGS, "--deepspeed_config", "ds.json"])
+    status = example_script().main([*MODEL_FLAGS, "--deepspeed_config", "ds.json"])
     err = capsys.readouterr().err
     assert status == 2 and re.search(message, err, re.MULTILINE), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]   # no runs/, no data/

@@ -27,7 +27,9 @@ import pytest
 import torch
 
 from dist import run_distributed
-from test_example import MODEL_FLAGS, _run_main
+from example_runs import MODEL_FLAGS, run_main
+
+pytestmark = pytest.mark.slow   # through the deepspeed launcher or several processes
 
 STEPS = 8
 MOE = {"num_experts": 4, "router": "gshard", "second_expert_policy": "all", "drop_tokens": False,
@@ -100,7 +102,7 @@ def _runs(tmp_path: Path, world_size: int, runs: list[tuple]) -> dict[str, list[
 
 def _run_mains(rank: int, world_size: int, argvs: list) -> dict:
     """The example's ``main`` once per argv, one after the other (each builds and closes its engine)."""
-    return {"status": [_run_main(rank, world_size, argv)["status"] for argv in argvs]}
+    return {"status": [run_main(rank, world_size, argv)["status"] for argv in argvs]}
 
 
 @pytest.fixture(scope="module")
@@ -108,10 +110,17 @@ def data_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("layouts")
 
 
+@pytest.fixture(scope="module")
+def one_rank(data_dir) -> list[float]:
+    """The one-rank run (tied embeddings): the reference of the tied layouts and of the checkpoint's
+    uninterrupted run."""
+    return _losses(data_dir, "one-tied", 1, {}, 1)
+
+
 @pytest.mark.parametrize("tie", ["tied", "untied"])
-def test_pipeline_layouts_give_the_one_rank_losses(data_dir, tie):
+def test_pipeline_layouts_give_the_one_rank_losses(data_dir, one_rank, tie):
     extra = ("--untie-embeddings-and-output-weights",) if tie == "untied" else ()
-    one = _losses(data_dir, f"one-{tie}", 1, {}, 1, *extra)
+    one = one_rank if tie == "tied" else _losses(data_dir, f"one-{tie}", 1, {}, 1, *extra)
     names = list(LAYOUTS) if tie == "tied" else ["pp2-dp2-ep2"]
     for name in names:
         world, parallel, stage = LAYOUTS[name]
@@ -119,12 +128,12 @@ def test_pipeline_layouts_give_the_one_rank_losses(data_dir, tie):
         assert got == pytest.approx(one, rel=1e-4), (name, got, one)
 
 
-def test_pipeline_checkpoint_loads_into_the_one_rank_gpt_model_and_back(data_dir):
+def test_pipeline_checkpoint_loads_into_the_one_rank_gpt_model_and_back(data_dir, one_rank):
     """pp2 x ep2 saves after 4 steps; the one-rank ``GPTModel`` loads it (weights only: another
     model kind) and its step 5 is the uninterrupted one-rank run's; it saves after step 6, and pp2 x
     ep2 and the one-rank model both load that and compute the same step-7 loss."""
     world, parallel, stage = LAYOUTS["pp2-ep2"]
-    uninterrupted = _losses(data_dir, "ckpt-one", 1, {}, 1)
+    uninterrupted = one_rank
     first, second = str(data_dir / "ckpt-pp2"), str(data_dir / "ckpt-one")
     _losses(data_dir, "ckpt-pp2-a", world, parallel, stage, "--train-iters", "4", "--save", first)
     resumed = _losses(data_dir, "ckpt-one-b", 1, {}, 1, "--train-iters", "6", "--load", first, "--no-load-optim",

@@ -21,9 +21,10 @@ import json
 import math
 
 import numpy as np
+import pytest
 
 from dist import run_distributed
-from test_example import MODEL_FLAGS, STEPS, _run_main
+from example_runs import MODEL_FLAGS, STEPS, run_main
 
 MOE = {"num_experts": 4, "router": "switch", "drop_tokens": False, "aux_loss_coeff": 0.0, "layer_interval": 1,
        "parallel": {"expert": 2},
@@ -44,6 +45,7 @@ def _config(path, moe):
     return path
 
 
+@pytest.mark.slow
 def test_greedy_placement_switches_and_traces(tmp_path):
     from moe_plugin.placement import read_trace
 
@@ -51,7 +53,7 @@ def test_greedy_placement_switches_and_traces(tmp_path):
     argv = [*MODEL_FLAGS, "--deepspeed_config", str(_config(tmp_path / "greedy.json", MOE)), "--run-dir", str(run_dir),
             "--data-cache", str(tmp_path / "data"), "--router-skew", "1.5",
             "--micro-batch-size", str(MICRO)]
-    results = run_distributed(_run_main, 2, tmp_path, argv, timeout=300)
+    results = run_distributed(run_main, 2, tmp_path, argv, timeout=300)
     assert [r["status"] for r in results] == [0, 0]
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -48,7 +48,7 @@ import pytest
 from pydantic import BaseModel
 
 from dist import attempts, run_distributed
-from test_example import _script
+from example_runs import example_script
 
 from moe_plugin.configs import ConfigError, MoEConfig
 
@@ -306,7 +306,7 @@ def planned_runs() -> dict[int, dict[str, Run]]:
 def _ranks(rank: int, world_size: int, runs: dict[str, list]) -> dict:
     """Every run through the example's ``main``, one after another in this process."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    script = _script()
+    script = example_script()
     results: dict = {}
     attempt = attempts(results, rank)
 
@@ -392,7 +392,7 @@ def _example_groups() -> dict[str, list[str]]:
         raise SystemExit(0)
 
     with mock.patch.object(argparse.ArgumentParser, "parse_args", capture), pytest.raises(SystemExit):
-        _script().parse_args([])
+        example_script().parse_args([])
     return {g.title: [o for a in g._group_actions for o in a.option_strings if o.startswith("--")]
             for g in seen["parser"]._action_groups}
 
@@ -434,6 +434,7 @@ def test_every_field_and_model_flag_has_a_case():
             assert any(_cross_layouts(case).values()), f"{case.name}: the schema refuses it at every other layout"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_field_value(case, outcomes, field_table):
     if case.not_run:
@@ -453,6 +454,7 @@ def test_field_value(case, outcomes, field_table):
         assert re.search(case.shows, text), f"{case.name}: the progress line does not show {case.shows!r}: {text!r}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in CASES if not c.not_run], ids=lambda c: c.name)
 def test_same_losses_under_every_layout(case, outcomes, field_table):
     if case.one_layout:
@@ -471,6 +473,7 @@ def test_same_losses_under_every_layout(case, outcomes, field_table):
     field_table.setdefault(case.name, {})["layouts"] = compared
 
 
+@pytest.mark.slow
 def test_repeated_main_leaks_nothing(outcomes):
     """The reference run first and last in each spawn, with every other run in between: the same bits."""
     for world, runs in planned_runs().items():

@@ -19,6 +19,8 @@ import pytest
 
 from launcher import REPO, launcher_env
 
+pytestmark = pytest.mark.slow   # through the deepspeed launcher or several processes
+
 RUN = REPO / "examples" / "gpt_moe" / "run_tiny_cpu.sh"
 CORPUS = "884489dc84d9"   # sha256 prefix of the 4 MiB stdlib corpus of Python 3.11.7
 # The train losses of steps 1-3 and the validation loss after step 3, measured 2026-11-25 at f2ad9bd.

@@ -229,6 +229,7 @@ def step_losses(per_rank: list[dict]) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float64)
 
 
+@pytest.mark.slow
 def test_one_rank_engine_is_plain_torch_and_training_moves(one_rank):
     ref = one_rank["torch"]
     torch.testing.assert_close(torch.tensor(one_rank["losses"]), torch.tensor(ref["losses"]), **TOL)
@@ -243,6 +244,7 @@ def test_one_rank_engine_is_plain_torch_and_training_moves(one_rank):
     assert min(moved.values()) > 1e3 * TOL["atol"], moved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_trains_like_one_rank(name, one_rank, runs):
     per_rank = case_results(runs(LAYOUTS[name][0]), name)

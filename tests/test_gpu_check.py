@@ -53,6 +53,7 @@ def test_oracle_check_fails_on_a_wrong_layer(monkeypatch):
     assert not record["ok"] and record["max_abs_diff"]["out"] > 1e-3
 
 
+@pytest.mark.slow
 def test_ep2_check_under_the_launcher_on_the_cpu():
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(EXAMPLE / "gpu_check.py"), "ep2", "--device", "cpu"], env=ENV, capture_output=True,
@@ -83,6 +84,7 @@ def test_collect_merges_a_run_directory(tmp_path, capsys):
     assert checks["bench_megatron"]["status"] == "failed" and checks["bench_megatron"]["exit_code"] == 1
 
 
+@pytest.mark.slow
 def test_example_check_runs_the_example_under_every_layout_on_the_cpu(tmp_path, capsys):
     """``gpu_check.py example --ranks 2``: the example itself under the torch launcher (gloo here, the
     GPUs there), 1 rank and three 2-rank layouts, each with the 1-rank run's losses."""
@@ -99,6 +101,7 @@ def test_example_check_runs_the_example_under_every_layout_on_the_cpu(tmp_path, 
     assert not [p for p in Path("/dev/shm").glob("deepspeed_*") if str(tmp_path) in p.name]
 
 
+@pytest.mark.slow
 def test_example_check_fails_on_a_failing_run_or_other_losses(tmp_path, capsys, monkeypatch):
     gpu_check = _module()
     monkeypatch.setattr(gpu_check, "EXAMPLE_LAYOUTS", {"1rank": (1, {"expert": 3}), "ep2": (2, {"expert": 2})})

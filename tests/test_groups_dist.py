@@ -240,6 +240,7 @@ def _layouts_child(rank: int, world_size: int, layouts: dict) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_groups_registered_on_8_ranks(dist_run):
     layouts = {label: sizes for label, sizes in LAYOUTS.items()}
     results = dist_run(_layouts_child, 8, layouts)
@@ -262,6 +263,7 @@ def _mismatch_child(rank: int, world_size: int) -> None:
     build_process_groups(RankLayout.build(4, tp=2))
 
 
+@pytest.mark.slow
 def test_layout_world_size_must_match(dist_run):
     with pytest.raises(ValueError, match=r"layout is for a world of 4 ranks but torch.distributed runs 2"):
         dist_run(_mismatch_child, 2)
@@ -274,6 +276,7 @@ def test_needs_initialised_torch_distributed():
         build_process_groups(RankLayout.build(1))
 
 
+@pytest.mark.slow
 def test_mpu_has_every_method_deepspeed_calls():
     import deepspeed
 

@@ -8,7 +8,7 @@
 * on 2 gloo ranks with DeepSpeed's engine: only rank 1 gets a NaN gradient, both ranks raise the
   same message naming rank 1's parameter; ``initialize(timeout=)`` reaches the plugin's groups (a
   collective with a sleeping peer fails after 2 s instead of waiting) and ``init_distributed``;
-* the example through the real ``deepspeed`` launcher on 2 ranks: lr 1000 in fp32 exits 1
+* the example through the real ``deepspeed`` launcher on 2 ranks (two jobs side by side): lr 1000 in fp32 exits 1
   within a few steps with one line naming the step, a parameter and the last checkpoint; a run
   that succeeds and one that fails leave no DeepSpeed buffer of the job in ``/dev/shm``;
 * the example's ``main`` on 2 spawned ranks in fp16 with a loss scale that always overflows
@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from dist import run_distributed
+from launcher import Done, jobs
 from moe_plugin.integration.guard import GradientWatch, TrainingGuard, TrainingStopped
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,6 +200,7 @@ def _nan_on_rank1(rank: int, world_size: int) -> dict:
         result.close()
 
 
+@pytest.mark.slow
 def test_ranks_agree_and_name_the_rank_that_saw_the_gradient(tmp_path):
     results = run_distributed(_nan_on_rank1, 2, tmp_path, timeout=120)
     assert [r["first"] for r in results] == [None, None]
@@ -229,6 +230,7 @@ def _timeout_child(rank: int, world_size: int) -> dict:
         result.close()
 
 
+@pytest.mark.slow
 def test_the_collective_timeout_reaches_the_plugins_groups(tmp_path):
     """Rank 1 sleeps 8 s; rank 0's all-reduce on the plugin's EP group fails after about 2 s
     (without the timeout it would wait for rank 1 and succeed)."""
@@ -269,33 +271,36 @@ def _config(tmp_path: Path, name: str, **changes) -> Path:
     return path
 
 
-def _launch(tmp_path: Path, port: int, config: Path, *flags: str) -> subprocess.CompletedProcess:
-    launcher = Path(sys.executable).parent / "deepspeed"
-    env = {**os.environ, "PATH": f"{launcher.parent}:{os.environ['PATH']}"}
-    command = [str(launcher), "--num_gpus", "2", "--master_port", str(port), str(SCRIPT), "--deepspeed_config",
-               str(config), *TINY, "--run-dir", str(tmp_path / "run"), "--data-cache", str(tmp_path / "data"), *flags]
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-
-
-def _job_buffers(port: int) -> list[str]:
-    from moe_plugin.compat.shm_buffers import job_shm_buffers
-
-    return [p.name for p in job_shm_buffers("127.0.0.1", str(port))]
-
-
-def _errors(done: subprocess.CompletedProcess) -> list[str]:
-    """The example's own error lines (the launcher prefixes nothing to its ranks' output)."""
-    return [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("error: ")]
-
-
-def test_example_huge_lr_stops_with_one_line_and_leaves_no_shm(tmp_path, launcher_port):
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict[str, tuple[Path, Done]]:
+    """Two jobs of the example through the launcher on 2 ranks, run side by side: "lr1000" (lr 1000 in
+    fp32, up to 30 steps, a checkpoint every 2) and "ok" (2 steps). Name -> (its directory, its
+    ``Done``); ``launcher.jobs`` fails unless both left their ``/dev/shm`` buffers removed."""
+    root = tmp_path_factory.mktemp("launched")
     optimizer = {"type": "AdamW", "params": {"lr": 1000.0, "torch_adam": True}}
-    config = _config(tmp_path, "lr1000", optimizer=optimizer, scheduler={"type": "WarmupLR", "params": {
-        "warmup_min_lr": 1000.0, "warmup_max_lr": 1000.0, "warmup_num_steps": 1}})
-    done = _launch(tmp_path, launcher_port, config, "--train-iters", "30", "--save", str(tmp_path / "ckpt"),
-                   "--save-interval", "2")
-    out = done.stdout + done.stderr
-    assert done.returncode != 0, out[-3000:]
+    scheduler = {"type": "WarmupLR", "params": {"warmup_min_lr": 1000.0, "warmup_max_lr": 1000.0,
+                                                "warmup_num_steps": 1}}
+    flags = {"lr1000": ["--train-iters", "30", "--save", str(root / "lr1000" / "ckpt"), "--save-interval", "2"],
+             "ok": ["--train-iters", "2"]}
+    changes = {"lr1000": {"optimizer": optimizer, "scheduler": scheduler}, "ok": {}}
+    argvs = []
+    for name in flags:
+        (root / name).mkdir()
+        argvs.append([str(SCRIPT), "--deepspeed_config", str(_config(root / name, name, **changes[name])), *TINY,
+                      "--run-dir", str(root / name / "run"), "--data-cache", str(root / name / "data"), *flags[name]])
+    return {name: (root / name, done) for name, done in zip(flags, jobs(argvs, cwd=root, ranks=2))}
+
+
+def _errors(done: Done) -> list[str]:
+    """The example's own error lines (the launcher prefixes nothing to its ranks' output)."""
+    return [line for line in done.output.splitlines() if line.startswith("error: ")]
+
+
+@pytest.mark.slow
+def test_example_huge_lr_stops_with_one_line_and_leaves_no_shm(launched):
+    job, done = launched["lr1000"]
+    out = done.output
+    assert done.status != 0, out[-3000:]
     errors = _errors(done)
     assert len(errors) == 1, out[-3000:]
     step = int(errors[0].split()[2].rstrip(":"))
@@ -304,10 +309,9 @@ def test_example_huge_lr_stops_with_one_line_and_leaves_no_shm(tmp_path, launche
     assert errors[0].startswith(f"error: step {step}: non-finite gradients (global gradient norm ")
     assert "; first parameter with a non-finite gradient norm: " in errors[0] or "; the largest: " in errors[0]
     assert " on rank " in errors[0]
-    assert f"; last checkpoint: {tmp_path / 'ckpt'}/step{saved}." in errors[0]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert f"; last checkpoint: {job / 'ckpt'}/step{saved}." in errors[0]
+    records = [json.loads(line) for line in (job / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == step and records[-1]["skipped_steps"] == 1   # ZeRO-1 skipped it
-    assert _job_buffers(launcher_port) == []
 
 
 def _main_child(rank: int, world_size: int, argv: list) -> dict:
@@ -337,6 +341,7 @@ def _error_lines(results: list) -> list[str]:
     return [line for r in results for line in (r["out"] + r["err"]).splitlines() if line.startswith("error: ")]
 
 
+@pytest.mark.slow
 def test_example_fp16_stops_after_max_skipped_steps(tmp_path):
     """A loss scale of 2^32 overflows fp16 at every step (the scale halves once per skipped step):
     with ``--max-skipped-steps 3`` the run stops at step 3, status 1 on every rank."""
@@ -355,6 +360,7 @@ def test_example_fp16_stops_after_max_skipped_steps(tmp_path):
     assert "| skipped 3" in results[0]["out"]
 
 
+@pytest.mark.slow
 def test_example_pipeline_engine_stops_too(tmp_path):
     """pp 2 (DeepSpeed's PipelineEngine, ``engine.train_batch``): lr 1000 stops the run the same way."""
     optimizer = {"type": "AdamW", "params": {"lr": 1000.0, "torch_adam": True}}
@@ -371,13 +377,13 @@ def test_example_pipeline_engine_stops_too(tmp_path):
     assert " on rank " in errors[0] and "; last checkpoint: none (no checkpoint directory)." in errors[0]
 
 
-def test_example_success_leaves_no_shm(tmp_path, launcher_port):
-    done = _launch(tmp_path, launcher_port, _config(tmp_path, "ok"), "--train-iters", "2")
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    assert "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" in done.stdout + done.stderr
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+@pytest.mark.slow
+def test_example_success_leaves_no_shm(launched):
+    job, done = launched["ok"]
+    assert done.status == 0, done.output[-3000:]
+    assert "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" in done.output
+    records = [json.loads(line) for line in (job / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("skipped_steps") for r in records if r["split"] == "train"] == [0, 0]
-    assert _job_buffers(launcher_port) == []
 
 
 def test_version_guard_deepspeed_names_its_shm_buffers_as_we_assume():

@@ -343,6 +343,7 @@ def dist_counts(tmp_path_factory):
     return run_distributed(_dist_child, 2, tmp_path_factory.mktemp("syncs"), DIST_CASES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(DIST_CASES))
 def test_one_host_sync_per_forward_expert_parallel(dist_counts, name):
     for result in case_results(dist_counts, name):

@@ -164,15 +164,15 @@ def test_exit_on_config_error_prints_on_rank_0_and_exits_2_everywhere(monkeypatc
 
 def _example_error(tmp_path, monkeypatch, capsys, *argv, ds_change=None, rank="0"):
     """Run the example's main on 'rank' of 2 (no group is made on the paths tested); its stderr."""
-    from test_example import MODEL_FLAGS, _ds_config, _script
+    from example_runs import MODEL_FLAGS, ds_config, example_script
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)
-    config = json.loads(_ds_config(tmp_path / "ds.json", 2, expert=2).read_text())
+    config = json.loads(ds_config(tmp_path / "ds.json", 2, expert=2).read_text())
     config.update(ds_change or {})
     (tmp_path / "ds.json").write_text(json.dumps(config))
-    status = _script().main([*MODEL_FLAGS, "--deepspeed_config", "ds.json", *argv])
+    status = example_script().main([*MODEL_FLAGS, "--deepspeed_config", "ds.json", *argv])
     out, err = capsys.readouterr()
     assert status == 2, (out, err)
     return err
@@ -265,48 +265,18 @@ finally:   # what each rank saw of torch.distributed when it stopped
 '''
 
 
-def _launch(cwd, *argv: str) -> tuple[int, str]:
-    """``deepspeed --num_gpus 2 ...`` (the venv's launcher) in ``cwd``: exit status, all output."""
-    import os
-    import socket
-    from pathlib import Path
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    bin_dir = Path(sys.executable).parent
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", OMP_NUM_THREADS="1")
-    done = subprocess.run([str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), *argv],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    from moe_plugin.compat.shm_buffers import job_shm_buffers
-
-    left = job_shm_buffers("127.0.0.1", str(port))   # a failed job leaves nothing in /dev/shm either
-    for path in left:
-        path.unlink(missing_ok=True)
-    assert not left, f"the job left {left}"
-    return done.returncode, done.stdout + done.stderr
-
-
+@pytest.mark.slow
 def test_launcher_two_ranks_one_line_status_2_no_group(tmp_path):
-    """Two launches of 2 ranks: the example with a truncated .bin (found in build_data), and a user
-    script whose moe_plugin.initialize gets a 4-rank JSON (found by the plugin's batch check)."""
-    from test_example import MODEL_FLAGS, SCRIPT, _ds_config
+    """Two launches of 2 ranks, side by side: the example with a truncated .bin (found in build_data),
+    and a user script whose moe_plugin.initialize gets a 4-rank JSON (found by the plugin's batch
+    check). ``launcher.jobs`` fails when a job leaves its ``/dev/shm`` buffers behind."""
+    from launcher import jobs
+    from example_runs import MODEL_FLAGS, SCRIPT, ds_config
 
     prefix = _dataset(tmp_path, largest=300)
     size = (tmp_path / "tokens.bin").stat().st_size
     with open(tmp_path / "tokens.bin", "r+b") as f:
         f.truncate(size - 2)
-    status, output = _launch(tmp_path, str(SCRIPT), *MODEL_FLAGS, "--deepspeed_config",
-                             str(_ds_config(tmp_path / "ds.json", 2, expert=2)), "--data-path", prefix,
-                             "--data-cache", str(tmp_path / "data"), "--run-dir", str(tmp_path / "runs"))
-    errors = [line for line in output.splitlines() if line.startswith("error: ")]
-    assert status == 2 and errors == [f"error: {prefix}.bin: got {size - 2:,} bytes; expected {size:,}: {prefix}.idx "
-                                      f"lists {size // 2:,} uint16 tokens in 20 sequences; the file is truncated or "
-                                      "belongs to another index"], output
-    assert "Initializing TorchBackend" not in output and "Traceback" not in output, output   # no group was made
-    assert not (tmp_path / "runs").exists()
-
     script = tmp_path / "user.py"
     script.write_text(USER_SCRIPT)
     config = tmp_path / "job" / "ds4.json"
@@ -314,7 +284,20 @@ def test_launcher_two_ranks_one_line_status_2_no_group(tmp_path):
     config.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
                                   "gradient_accumulation_steps": 1,
                                   "moe": {"num_experts": 4, "parallel": {"expert": 2}}}))
-    status, output = _launch(tmp_path, str(script), str(config))
+    example, user = jobs([[str(SCRIPT), *MODEL_FLAGS, "--deepspeed_config", str(ds_config(tmp_path / "ds.json", 2,
+                                                                                          expert=2)),
+                           "--data-path", prefix, "--data-cache", str(tmp_path / "data"), "--run-dir",
+                           str(tmp_path / "runs")],
+                          [str(script), str(config)]], cwd=tmp_path, timeout=300)
+    status, output = example.status, example.output
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert status == 2 and errors == [f"error: {prefix}.bin: got {size - 2:,} bytes; expected {size:,}: {prefix}.idx "
+                                      f"lists {size // 2:,} uint16 tokens in 20 sequences; the file is truncated or "
+                                      "belongs to another index"], output
+    assert "Initializing TorchBackend" not in output and "Traceback" not in output, output   # no group was made
+    assert not (tmp_path / "runs").exists()
+
+    status, output = user.status, user.output
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert status == 2 and errors == ["error: train_batch_size: got 16; must equal train_micro_batch_size_per_gpu (4) "
                                       "x gradient_accumulation_steps (1) x data-parallel size (2) = 8; the JSON does "

@@ -497,16 +497,19 @@ def results2(tmp_path_factory):
     return run_distributed(_cases_child, 2, tmp_path_factory.mktemp("layers2"), CASES2, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES4))
 def test_layer_on_4_ranks(name, results4):
     _check_case(CASES4[name], 4, [r[name] for r in results4])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES2))
 def test_layer_on_2_ranks(name, results2):
     _check_case(CASES2[name], 2, [r[name] for r in results2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size, padded, counts", [(n, *twin) for n, twins in EXCHANGE_TWINS.items()
                                                    for twin in twins])
 def test_padded_exchange_is_bit_identical_to_counts(size, padded, counts, request):
@@ -523,6 +526,7 @@ def test_padded_exchange_is_bit_identical_to_counts(size, padded, counts, reques
             assert torch.equal(a["grads"][name], b["grads"][name]), f"rank {rank}: {name} gradient differs"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size, token, counts", [(n, *twin) for n, twins in TOKEN_TWINS.items() for twin in twins])
 def test_token_exchange_matches_counts(size, token, counts, request):
     """Each token sent once per destination rank: the same outputs, losses and gradients as one
@@ -584,6 +588,7 @@ def _failing_child(rank: int, world_size: int) -> None:
     layer(x)
 
 
+@pytest.mark.slow
 def test_non_finite_input_raises_in_the_parent(dist_run):
     with pytest.raises(ValueError, match=NAN_MESSAGE.format(1)):
         dist_run(_failing_child, 2, timeout=60)
@@ -634,6 +639,7 @@ def _count_collectives(rank: int, world_size: int) -> dict:
     return counts
 
 
+@pytest.mark.slow
 def test_collectives_per_forward(dist_run):
     """ep4 on 4 ranks: the counts exchange carries the finite check (no all-reduce of its own):
     three all-to-alls over the 4 EP ranks (counts, rows out, rows back). ep2 x dp2: the finite

@@ -216,6 +216,7 @@ def _fake_cuda(rank: int, world_size: int, ds_path: str, layouts: dict) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_initialize_seeds_megatron_tracker_before_the_gpu_model_is_built(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH,

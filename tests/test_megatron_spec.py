@@ -258,6 +258,7 @@ def _attention_dropout() -> dict:
             "default_untouched": torch.equal(before, torch.get_rng_state())}
 
 
+@pytest.mark.slow
 def test_one_rank_moe_layers_names_loss_and_aux_loss(dist_run, tmp_path):
     ds_config = tmp_path / "ds.json"
     ds_config.write_text(json.dumps({"train_batch_size": 2, "moe": {"num_experts": 4, "layers": [3]}}))
@@ -386,6 +387,7 @@ def _two_ranks(rank: int, world_size: int, tp2_json: str, tp1_json: str) -> dict
     return out
 
 
+@pytest.mark.slow
 def test_two_ranks_parallel_matches_single_process_pipeline_offsets_megatron_lm(dist_run, tmp_path):
     paths = []
     for tp in (2, 1):

@@ -304,6 +304,7 @@ def results(tmp_path_factory):
     return run_distributed(_cases_child, 4, root, str(root), CASES, timeout=900)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_migration_matches_a_run_started_at_the_new_placement(name, results):
     for rank, per_rank in enumerate(results):
@@ -321,6 +322,7 @@ def test_migration_matches_a_run_started_at_the_new_placement(name, results):
         assert r["report"].moved_experts == 13  # NEW leaves expert 2 of moe_a, 4 and 5 of moe_b in place
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_checkpoint_load_takes_the_saved_placement(name, results):
     for rank, per_rank in enumerate(results):
@@ -331,6 +333,7 @@ def test_checkpoint_load_takes_the_saved_placement(name, results):
         assert r["resumed"] == r["losses"][BEFORE + 1:], f"rank {rank}"   # optimizer state too, bit for bit
 
 
+@pytest.mark.slow
 def test_bad_placements_fail_on_every_rank(results):
     for per_rank in results:
         errors = per_rank["ep2/zero0/adamw"]["errors"]
@@ -340,6 +343,7 @@ def test_bad_placements_fail_on_every_rank(results):
         assert "dtype torch.float32" in errors["float"]
 
 
+@pytest.mark.slow
 def test_zero_refuses_to_migrate_inside_a_step(results):
     for per_rank in results:
         for name, r in per_rank.items():
@@ -347,6 +351,7 @@ def test_zero_refuses_to_migrate_inside_a_step(results):
                 assert "needs a step boundary" in r["inside_step"], r["inside_step"]
 
 
+@pytest.mark.slow
 def test_pipeline_engine_migration_matches_a_run_started_at_the_new_placement(results):
     """PipelineEngine (pp 2 x ep 2, ZeRO-1): each stage migrates its own MoE layer; the losses
     (every rank sees the batch loss) and every stage's parameters follow the reference run."""
@@ -370,6 +375,7 @@ def test_check_placement_and_moved_bytes():
     assert moved_bytes([0, 1, 2, 3], [1, 2, 0, 3], 2, 10) == 20
 
 
+@pytest.mark.slow
 def test_a_rank_with_nothing_to_move_joins_on_the_accelerators_device(monkeypatch):
     """A rank without a tensor of a dtype (a stage without MoE layers) still joins that dtype's
     all-to-all: its empty buffers live on DeepSpeed's accelerator's device (NCCL takes no CPU
@@ -426,6 +432,7 @@ def _cost_child(rank: int, world_size: int) -> dict:
         destroy_process_groups(groups)
 
 
+@pytest.mark.slow
 def test_migration_cost(tmp_path):
     results = run_distributed(_cost_child, 4, tmp_path, timeout=300)
     sent = sum(r["report"].sent_bytes for r in results)
@@ -478,6 +485,7 @@ def _cost_engine_child(rank: int, world_size: int, ep: int, stage: int) -> dict:
         run.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ep, stage", [(4, 0), (2, 1)])
 def test_migration_cost_of_a_training_state(tmp_path, ep, stage):
     results = run_distributed(_cost_engine_child, 4, tmp_path, ep, stage, timeout=300)

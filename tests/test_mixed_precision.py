@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from dist import run_distributed
 from gpt_tiny import MODEL, gpt_provider, micro_batches, pipeline_provider
+
+pytestmark = pytest.mark.slow   # through the deepspeed launcher or several processes
 
 B, SEED, STEPS = 8, 3, 4
 MOE = {"num_experts": 4, "router": "topk", "top_k": 2, "drop_tokens": False, "aux_loss_coeff": 1.0,

@@ -94,6 +94,7 @@ def _read_csv(path: Path) -> list[tuple[int, float]]:
     return [(int(step), float(value)) for step, value in rows[1:]]
 
 
+@pytest.mark.slow
 def test_metrics_reach_the_csv_and_tensorboard_monitors_and_the_log_line(dist_run, tmp_path):
     out_dir = tmp_path / "monitor"
     results = dist_run(_train, 2, str(out_dir))
@@ -172,6 +173,7 @@ def _pipeline(rank: int, world_size: int, pp: int) -> list:
         destroy_process_groups(groups)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pp", [2, 4])
 def test_every_rank_sees_the_layers_of_every_pipeline_stage(dist_run, pp):
     routes = S * B * 2 * (4 // pp)  # top-2 routes of the stage's data-parallel ranks

@@ -19,8 +19,12 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from launcher import deepspeed_together
-from test_example import MODEL_FLAGS, MOE, SCRIPT
+from example_runs import MODEL_FLAGS, MOE, SCRIPT
+
+pytestmark = pytest.mark.slow   # through the deepspeed launcher or several processes
 
 HOSTFILE = "worker-0 slots=2\nworker-1 slots=2\n"
 

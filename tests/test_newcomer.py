@@ -169,6 +169,7 @@ def results(tmp_path_factory):
     return {"one": run_distributed(_one_rank, 1, tmp)[0], "four": run_distributed(_ported, 4, tmp, timeout=400)}
 
 
+@pytest.mark.slow
 def test_users_initialize_model_parallel_is_taken_when_it_matches(results):
     for out in results["four"]:
         plain, called = out["plain"], out["with_call"]
@@ -179,6 +180,7 @@ def test_users_initialize_model_parallel_is_taken_when_it_matches(results):
                                rtol=1e-4, atol=1e-5)   # and the model is the one-rank model
 
 
+@pytest.mark.slow
 def test_users_initialize_model_parallel_with_another_layout_is_one_config_error(results):
     messages = {out["mismatch"]["message"] for out in results["four"]}
     assert len(messages) == 1, messages   # every rank the same line
@@ -190,6 +192,7 @@ def test_users_initialize_model_parallel_with_another_layout_is_one_config_error
     assert [bool(out["mismatch"]["printed"]) for out in results["four"]] == [True, False, False, False]
 
 
+@pytest.mark.slow
 def test_errors_every_rank_raises_alike_print_once(results):
     for out in results["four"]:
         assert out["no_module"]["alike"] and out["no_module"]["status"] == 1
@@ -198,6 +201,7 @@ def test_errors_every_rank_raises_alike_print_once(results):
     assert all(out["no_module"]["printed"] == "" for out in results["four"][1:])
 
 
+@pytest.mark.slow
 def test_summary_numbers(results):
     one = results["one"]["run"]["summary"]
     for out in results["four"]:
@@ -217,6 +221,7 @@ def test_summary_numbers(results):
     assert 0 < four["weights"] < mem["weights"] and four["total"] < mem["total"]
 
 
+@pytest.mark.slow
 def test_data_parallel_rank_and_size_agree_with_deepspeed(results):
     for rank, out in enumerate(results["four"]):
         for case in ("plain", "with_call", "folded"):
@@ -225,6 +230,7 @@ def test_data_parallel_rank_and_size_agree_with_deepspeed(results):
             assert run["engine_dp_ranks"] == run["ours"]["dp"] and run["ours"]["dp"].index(rank) == run["dp_rank"]
 
 
+@pytest.mark.slow
 def test_weights_follow_torch_seed(results):
     one = results["one"]
     assert one["seed_differs"]   # the seed matters ...
@@ -288,12 +294,13 @@ with moe_plugin.exit_on_error():
 '''
 
 
+@pytest.mark.slow
 def test_launcher_prints_the_group_mismatch_once(tmp_path):
     """Under the deepspeed launcher (2 ranks): the item that every rank raises after the groups exist
     is one line, from rank 0, and status 2: no traceback, no second copy."""
     import json
 
-    from test_input_checks import _launch
+    from launcher import jobs
 
     script = tmp_path / "user.py"
     script.write_text(LAUNCHED_SCRIPT)
@@ -301,7 +308,8 @@ def test_launcher_prints_the_group_mismatch_once(tmp_path):
     config.write_text(json.dumps({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
                                   "gradient_accumulation_steps": 1,
                                   "moe": {"num_experts": 2, "parallel": {"tensor": 2}}}))
-    status, output = _launch(tmp_path, str(script), str(config))
+    [done] = jobs([[str(script), str(config)]], cwd=tmp_path, timeout=300)
+    status, output = done.status, done.output
     errors = [line for line in output.splitlines() if "error: " in line and "launch.py" not in line]
     assert status == 2 and len(errors) == 1, output
     assert errors[0].startswith("error: moe.parallel: got tp 2 x pp 1 x dp 1 x ep 1 x etp 2 x edp 1 (order "

@@ -111,6 +111,7 @@ def _schedule_child(rank: int, world_size: int) -> list[str]:
     return events
 
 
+@pytest.mark.slow
 def test_later_chunks_move_while_earlier_ones_compute(tmp_path):
     """Forward: both chunks' rows leave before the shared expert and the first chunk's experts
     run, and each chunk's way back starts before the next chunk's experts; backward: both
@@ -126,6 +127,7 @@ def world(request, tmp_path_factory):
     return size, run_distributed(_child, size, tmp_path_factory.mktemp(f"overlap{size}"), CASES[size])
 
 
+@pytest.mark.slow
 def test_overlap_is_bit_identical_to_one_exchange(world):
     size, results = world
     for name in CASES[size]:

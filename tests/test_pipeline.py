@@ -186,12 +186,14 @@ def runs(oracle, tmp_path_factory):
 
 
 # --- tests -----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_pipeline_module_is_the_gpt_model(oracle):
     torch.testing.assert_close(oracle["pipe_logits"], oracle["gpt_logits"], rtol=0, atol=0)
     assert oracle["moe_layers"] == [0, None, 2, None]
     assert all(n > CLIP for n in oracle["z"]["norms"]), "clipping should be active in every step"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipeline_engine_matches_single_process(name, oracle, runs):
     world_size = CASES[name][0]
@@ -221,6 +223,7 @@ def test_pipeline_engine_matches_single_process(name, oracle, runs):
         torch.testing.assert_close(result["params"][ROUTER_STAGE_2], with_z, **TOL)
 
 
+@pytest.mark.slow
 def test_errors_after_the_groups_exist(runs):
     for result in runs(2):
         errors = result["errors"]

@@ -173,6 +173,7 @@ TRACK_LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tracking_matches_hand_sums(dist_run, tmp_path, world_size):
     """Window traffic [p, e] = kept routes of every rank at EP index p over the last window steps;
@@ -378,6 +379,7 @@ def _controller_child(rank, world_size, run_dir, variants):
     return out
 
 
+@pytest.mark.slow
 def test_controller_switches_only_when_it_pays(dist_run, tmp_path):
     variants = {"switch": {}, "costly": {"moved_bytes": 10 ** 12}, "greedy_gain": {"min_gain": 0.6}}
     (tmp_path / "switch").mkdir()

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from dist import run_distributed
+from example_runs import example_script, run_main_printing
 from launcher import BIN, launcher_env
-from test_example import _script
 from test_guard import TINY
 from moe_plugin.integration.preemption import EXIT_STATUS, ExitRequest
 
@@ -76,6 +76,7 @@ def _agree_child(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_one_rank_signalled_or_late_stops_every_rank_after_the_same_step(tmp_path):
     results = run_distributed(_agree_child, 2, tmp_path, timeout=120)
     for r in results:
@@ -103,7 +104,7 @@ def test_exit_request_refuses_a_duration_that_is_not_positive():
 ])
 def test_example_refuses_the_exit_flags_without_save_before_writing_anything(tmp_path, capsys, flags, line):
     run_dir, data = tmp_path / "run", tmp_path / "data"
-    status = _script().main(["--deepspeed_config", str(REPO / "examples/gpt_moe/configs/tiny_cpu_4rank.json"),
+    status = example_script().main(["--deepspeed_config", str(REPO / "examples/gpt_moe/configs/tiny_cpu_4rank.json"),
                               "--run-dir", str(run_dir), "--data-cache", str(data), *flags])
     out = capsys.readouterr()
     assert status == 2
@@ -117,24 +118,13 @@ def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data")
 
 
-def _main_child(rank: int, world_size: int, argv: list) -> dict:
-    """The example's ``main`` on a spawned rank, as the launcher would start it, with what it printed."""
-    import contextlib
-    import io
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        status = _script().main(argv)
-    return {"status": status, "out": out.getvalue()}
-
-
+@pytest.mark.slow
 def test_example_exit_duration_saves_and_exits_75_on_every_rank(tmp_path, data_cache):
     ckpt = tmp_path / "ckpt"
     argv = ["--deepspeed_config", str(_config(tmp_path)), *TINY, "--run-dir", str(tmp_path / "run"),
             "--data-cache", str(data_cache), "--train-iters", "50", "--save", str(ckpt),
             "--exit-duration-in-mins", "0.001"]   # 60 ms: over before the first step ends
-    results = run_distributed(_main_child, 2, tmp_path, argv, timeout=300)
+    results = run_distributed(run_main_printing, 2, tmp_path, argv, timeout=300)
     assert [r["status"] for r in results] == [EXIT_STATUS, EXIT_STATUS], results[0]["out"][-3000:]
     assert "step 1: the wall time passed 0.001 minutes: saved checkpoint step1 to " in results[0]["out"]
     assert (ckpt / "latest").read_text().strip() == "step1" and max(_losses(tmp_path / "run")) == 1
@@ -196,6 +186,7 @@ def _left(output: str) -> int:
     return step
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_that_step_and_load_continues_the_run(tmp_path, launcher_port, data_cache):
     iters = "60"   # far more steps than the signal needs to arrive: a run that ends first fails below
     ckpt = tmp_path / "ckpt"

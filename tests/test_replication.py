@@ -127,10 +127,12 @@ def _check(cases, world_size, results, monkeypatch):
             assert all(r["sent"] == 0 for r in shadow)
 
 
+@pytest.mark.slow
 def test_shadowed_layer_on_4_ranks(dist_run, monkeypatch):
     _check(CASES4, 4, dist_run(_child, 4, CASES4, timeout=240), monkeypatch)
 
 
+@pytest.mark.slow
 def test_shadowed_layer_on_2_ranks(dist_run, monkeypatch):
     _check(CASES2, 2, dist_run(_child, 2, CASES2, timeout=120), monkeypatch)
 
@@ -176,6 +178,7 @@ def _engine_child(rank, world_size, cases):
     return out
 
 
+@pytest.mark.slow
 def test_shadowing_in_training_changes_nothing(dist_run):
     """Under ZeRO-2 (expert gradients averaged over EDP by the engine, ZeRO's partitions and
     gradient hooks), shadowing from step 2 on gives the losses and parameters of the plain run."""
@@ -259,6 +262,7 @@ CTRL_VARIANTS = {"static-0": ("static", 0), "greedy-0": ("greedy", 0), "static-1
                  "static-2": ("static", 2), "greedy-1": ("greedy", 1)}
 
 
+@pytest.mark.slow
 def test_controller_shadows_hot_experts_only_with_a_budget(dist_run, tmp_path):
     results = dist_run(_controller_child, 2, str(tmp_path), CTRL_VARIANTS)
     for key in CTRL_VARIANTS:

@@ -20,6 +20,8 @@ from gpt_tiny import (MODEL, SEQ, VOCAB, global_batch, micro_batches, one_rank_g
                       transformer_config)
 from moe_plugin.configs import MoEConfig
 
+pytestmark = pytest.mark.slow   # through the deepspeed launcher or several processes
+
 SEED, B, GAS, STEPS, LR, CLIP = 5, 4, 2, 3, 0.5, 1.0   # CLIP: DeepSpeed's default gradient_clipping
 MOE = {"num_experts": 4, "router": "topk", "top_k": 2, "drop_tokens": False, "aux_loss_coeff": 0.0,
        "z_loss_coeff": 0.0, "layer_interval": 2}

@@ -217,16 +217,19 @@ def _check_case(results: list, name: str) -> None:
         assert math.isfinite(case["train"]) and case["global_steps_after"] == DENSE_STEPS + 1, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["g1", "g2"])
 def test_one_rank_upcycled_model_computes_the_dense_function(one_rank, name):
     _check_case(one_rank[1], name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ep2-g1", "ep2-g2", "tp2-ep2-g1", "tp2-ep2-g2"])
 def test_upcycled_model_computes_the_dense_function_under_a_layout(four_ranks, name):
     _check_case(four_ranks[1], name)
 
 
+@pytest.mark.slow
 def test_upcycled_model_computes_the_dense_function_in_a_pipeline(four_ranks):
     """pp 2 x ep 2: the 1-rank GPTModel checkpoint read in the pipeline's names (``checkpoint/keys.py``)."""
     from dist import case_results
@@ -237,6 +240,7 @@ def test_upcycled_model_computes_the_dense_function_in_a_pipeline(four_ranks):
         assert math.isfinite(case["train"]) and case["global_steps_after"] == DENSE_STEPS + 1
 
 
+@pytest.mark.slow
 def test_upcycled_experts_are_copies_and_the_function_is_not_trivially_kept(one_rank):
     """The experts hold the dense MLP (pieces of it at g 2), the router rows come in virtual groups,
     and a changed expert changes the losses (the comparison above can fail)."""
@@ -281,6 +285,7 @@ BAD = {  # name -> (granularity, "moe" block, the start of the message)
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_target_fails_naming_the_key_before_writing(one_rank, tmp_path, name):
     from moe_plugin.checkpoint import upcycle_checkpoint
@@ -296,6 +301,7 @@ def test_bad_target_fails_naming_the_key_before_writing(one_rank, tmp_path, name
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_mlp_biases_are_refused_unless_dropped(one_rank, tmp_path):
     from moe_plugin.checkpoint import CheckpointError, upcycle_checkpoint
 
@@ -309,6 +315,7 @@ def test_mlp_biases_are_refused_unless_dropped(one_rank, tmp_path):
         upcycle_checkpoint(dense, {"moe": BASE}, tmp_path / "out", drop_mlp_bias=True, progress=lambda line: None)
 
 
+@pytest.mark.slow
 def test_command_upcycles_and_reports(one_rank, tmp_path, capsys):
     from moe_plugin.compat.deepspeed_checkpoint import ENGINE_KEYS
     from moe_plugin_tools.cli import main
