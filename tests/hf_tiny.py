@@ -2,7 +2,7 @@
 import/export tests: 2 layers, hidden 64, 4 heads over 2 key/value groups, 8 experts top-2, vocab 384
 (the example's byte-level data: 257 token ids padded to a multiple of 128).
 
-    dirs = save_tiny_models(tmp_path)     # {"mixtral": path, "qwen3_moe": ..., "qwen2_moe": ..., "llama": ...}
+    dirs = save_tiny_models(tmp_path)     # {"mixtral": path, "qwen3_moe": ..., "llama": ..., "qwen3": ..., ...}
     logits = hf_logits(dirs["mixtral"], tokens_BS)
 
 The weights are drawn with std 0.2 (``initializer_range``), not transformers' 0.02, so that the
@@ -29,6 +29,10 @@ MODELS = {
                   dict(moe_intermediate_size=32, intermediate_size=96, shared_expert_intermediate_size=48,
                        num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=False)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=64, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",   # dense: QK-norm, heads of 32 (not 16), untied
+              dict(intermediate_size=64, head_dim=32, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM",   # dense, untied; its default window is 4096
+                dict(intermediate_size=64, sliding_window=None, tie_word_embeddings=False)),
 }
 
 

@@ -3,7 +3,8 @@
 Tiny random models of every architecture are built with transformers' own classes and saved with
 ``save_pretrained`` (``hf_tiny.py``: Mixtral; Qwen3-MoE with QK-norm, renormalised gates and heads
 of 32 over a hidden size of 64; Qwen2-MoE with its sigmoid-gated shared expert, QKV bias and
-unnormalised gates; a dense tied Llama). Each is imported with the "moe" block holding only
+unnormalised gates; a dense tied Llama; a dense untied Qwen3 with QK-norm and heads of 32; a
+dense untied Mistral without sliding window). Each is imported with the "moe" block holding only
 ``num_experts`` (the rest filled in from config.json), and:
 
 * HF -> plugin -> HF gives bit-identical tensors (export in shards of 100 KB, with their index),
@@ -11,8 +12,8 @@ unnormalised gates; a dense tied Llama). Each is imported with the "moe" block h
 * the plugin model, built by the example from the flags the import printed (its own provider,
   ``moe_plugin.initialize``, ``load_checkpoint``), gives transformers' fp32 logits on the same tokens
   (max difference / max |logit| <= 1e-5) at 1 rank, tp2 x ep2 and pp2 x ep2 (the PipelineEngine's
-  last stage); the dense Llama at 1 rank and tp2, and upcycled (4 experts top-2, dropless) under
-  every layout: the dense model's logits;
+  last stage); the dense models at 1 rank and tp2, and upcycled (4 experts top-2, dropless) under
+  every layout: the dense model's logits (the upcycled Qwen3 exported as Qwen3-MoE too);
 * the imported Mixtral trained 2 steps by the example under dp2 x ep2 (ZeRO-1) and exported gives in
   transformers the plugin's logits of the saved checkpoint, with the import's tokenizer files, config
   keys and dtype; bf16 and sharded directories round-trip; the tokenizer files are carried over;
@@ -34,6 +35,7 @@ from test_example import _script
 
 SEQ, BATCH = 16, 4
 TOLERANCE = 1e-5
+DENSE = ("llama", "qwen3", "mistral")
 UPCYCLE = {"num_experts": 4, "router": "topk", "top_k": 2, "drop_tokens": False, "activation": "swiglu"}
 
 
@@ -121,10 +123,11 @@ def imported(tmp_path_factory):
         print(f"import-hf {name}: {done.seconds:.2f} s")
         cases[name] = {"hf": path, "ckpt": str(root / f"ckpt-{name}"), "flags": list(done.flags), "moe": done.moe_block,
                        "logits": hf_logits(path, tokens_BS)}
-    dense = cases["llama"]
-    upcycle_checkpoint(dense["ckpt"], {"moe": UPCYCLE}, root / "ckpt-llama-upcycled", progress=lambda line: None)
-    cases["llama-upcycled"] = {**dense, "ckpt": str(root / "ckpt-llama-upcycled"), "moe": UPCYCLE,
-                               "flags": [f for f in dense["flags"] if f != "--dense"]}
+    for name in DENSE:
+        dense = cases[name]
+        upcycle_checkpoint(dense["ckpt"], {"moe": UPCYCLE}, root / f"ckpt-{name}-upcycled", progress=lambda line: None)
+        cases[f"{name}-upcycled"] = {**dense, "ckpt": str(root / f"ckpt-{name}-upcycled"), "moe": UPCYCLE,
+                                     "flags": [f for f in dense["flags"] if f != "--dense"]}
     return root, tokens_BS, cases
 
 
@@ -145,6 +148,7 @@ def _check_logits(results: list, cases: dict, layout: str) -> None:
         assert seen >= BATCH, f"{layout}, {name}: logits of {seen} rows came back"
 
 
+@pytest.mark.slow   # a spawned rank
 def test_one_rank_gives_transformers_logits(imported, tmp_path):
     from dist import run_distributed
 
@@ -177,7 +181,7 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_pat
     from moe_plugin.interop import export_hf
 
     _root, tokens_BS, cases = imported
-    for name in ("mixtral", "qwen3_moe", "qwen2_moe", "llama"):
+    for name in ("mixtral", "qwen3_moe", "qwen2_moe", "llama", "qwen3", "mistral"):
         out = tmp_path / name
         done = export_hf(cases[name]["ckpt"], out, max_shard_size="100KB", progress=lambda line: None)
         print(f"export-hf {name}: {done['seconds']:.2f} s, {len(done['files'])} files")
@@ -198,10 +202,16 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_pat
         model, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
         assert type(model).__name__ == transformers.AutoConfig.from_pretrained(cases[name]["hf"]).architectures[0]
-    # the upcycled dense import keeps the tokenizer files and exports as the inferred MoE architecture
-    done = export_hf(cases["llama-upcycled"]["ckpt"], tmp_path / "upcycled", progress=lambda line: None)
-    assert done["model_type"] == "mixtral" and "tokenizer.json" in done["files"]
-    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "upcycled"))("w5 w7")["input_ids"] == [5, 7]
+    # an upcycled dense import keeps the tokenizer files and exports as the inferred MoE architecture
+    for name, model_type in (("llama", "mixtral"), ("qwen3", "qwen3_moe"), ("mistral", "mixtral")):
+        out = tmp_path / f"{name}-upcycled"
+        done = export_hf(cases[f"{name}-upcycled"]["ckpt"], out, progress=lambda line: None)
+        assert done["model_type"] == model_type and "tokenizer.json" in done["files"], (name, done)
+        assert transformers.AutoTokenizer.from_pretrained(str(out))("w5 w7")["input_ids"] == [5, 7]
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "qwen3-upcycled"),
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert _relative(hf_logits(str(tmp_path / "qwen3-upcycled"), tokens_BS), cases["qwen3"]["logits"]) <= TOLERANCE
     # a bf16 model comes back in bf16, the same bits (the checkpoint holds it in fp32, exactly)
     from moe_plugin.interop import import_hf
 
@@ -229,6 +239,7 @@ def _nothing_written(path: Path) -> bool:
     ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
      "rope_parameters.rope_type"),
     ("mixtral", {"sliding_window": 16}, "sliding_window"),
+    ("mistral", {"sliding_window": 16}, "sliding_window"),
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama", {"attention_bias": True}, "attention_bias"),
