@@ -216,6 +216,16 @@ CASES = [
     Case("--untie-embeddings-and-output-weights", flags=("--untie-embeddings-and-output-weights",)),
     Case("--disable-bias-linear", flags=("--disable-bias-linear",)),
     Case("--dense", flags=("--dense",)),
+    Case("--normalization", flags=("--normalization", "RMSNorm")),
+    Case("--norm-epsilon", flags=("--norm-epsilon", "0.1")),
+    Case("--position-embedding-type", flags=("--position-embedding-type", "rope")),
+    Case("--rotary-base", flags=("--rotary-base", "100"), ref_flags=("--position-embedding-type", "rope")),
+    Case("--swiglu", flags=("--swiglu",), ref={"layer_interval": 2}),   # a dense MLP to gate (layer 1)
+    Case("--group-query-attention", flags=("--group-query-attention",), label="--group-query-attention (1 group)"),
+    Case("--num-query-groups", flags=("--num-query-groups", "2"), ref_flags=("--group-query-attention",)),
+    Case("--qk-layernorm", flags=("--qk-layernorm",)),
+    Case("--kv-channels", flags=("--kv-channels", "8")),
+    Case("--add-qkv-bias", flags=("--add-qkv-bias",), ref_flags=("--disable-bias-linear",)),
     Case("--router-skew", flags=SKEW),
     Case("--freeze-router", flags=("--freeze-router",)),
 ]

@@ -197,6 +197,7 @@ def _dataset(tmp_path, largest: int):
     (["--num-query-groups", "2"], None, r"^error: --num-query-groups: got 2; needs --group-query-attention"),
     (["--group-query-attention", "--num-query-groups", "3"], None,
      r"^error: --num-query-groups: got 3; must divide --num-attention-heads \(2\)"),
+    (["--swiglu"], None, r"^error: --swiglu: got True; every layer's MLP is an MoE layer, so there is no dense MLP"),
     (["--rotary-base", "5000"], None, r"^error: --rotary-base: got 5000\.0; needs --position-embedding-type rope"),
     (["--group-query-attention"], {"moe": {"num_experts": 4, "parallel": {"tensor": 2}}},
      r"^error: --num-query-groups: got 1; must be a multiple of moe\.parallel\.tensor \(2\)"),
