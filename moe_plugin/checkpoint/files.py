@@ -18,18 +18,21 @@ the file they fail on, and what an interrupted save leaves behind.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import logging
 import os
 import pickle
 import shutil
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from moe_plugin.checkpoint.errors import CheckpointError, agree, first_line
-from moe_plugin.checkpoint.metadata import LATEST, META_FILE
+from moe_plugin.checkpoint.metadata import EXPERT_DIR, LATEST, META_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +169,42 @@ def commit_tag(save_dir: str, tag: str, tmp_tag: str, save_latest: bool) -> None
         os.rename(tmp, final)
     if save_latest:
         write_text(os.path.join(save_dir, LATEST), tag)
+
+
+# -- a tag written by one process (upcycle, import-hf) --------------------------------------------
+@contextlib.contextmanager
+def tag_written_here(out_dir: str, tag: str, instead: str) -> Iterator[str]:
+    """Write ``out_dir/tag`` from this one process, no process group: refused when it exists
+    (``instead`` says what to do), stale temporary directories removed; yields the temporary tag
+    directory (``experts`` made) to fill, ending with ``write_metadata``. On success it becomes
+    ``tag`` and ``latest`` points at it; on any failure nothing is left behind."""
+    final = os.path.join(out_dir, tag)
+    if os.path.exists(final):
+        raise CheckpointError(f"{final}: exists; {instead} (nothing was written)")
+    os.makedirs(out_dir, exist_ok=True)
+    remove_stale(out_dir)
+    tmp = os.path.join(out_dir, TMP_PREFIX + tag)
+    os.makedirs(os.path.join(tmp, EXPERT_DIR))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit_tag(out_dir, tag, TMP_PREFIX + tag, save_latest=True)
+
+
+def copy_files(tmp: str, sources: dict[str, str]) -> None:
+    """Copy ``sources`` ({name in the tag: source path}) into the tag directory ``tmp``."""
+    for name, source in sources.items():
+        os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
+        shutil.copyfile(source, os.path.join(tmp, name))
+
+
+def write_metadata(tmp: str, meta: dict) -> None:
+    """``meta`` with the size and sha256 of every file already in ``tmp``, as ``moe_plugin.json``."""
+    meta["files"] = {name: file_digest(os.path.join(tmp, name)) for name in tag_files(tmp)}
+    with open(os.path.join(tmp, META_FILE), "w") as f:
+        json.dump(meta, f, indent=1)
 
 
 # -- interrupted saves ----------------------------------------------------------------------------

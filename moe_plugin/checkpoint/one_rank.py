@@ -14,16 +14,13 @@ left behind on failure.
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from typing import Callable, Optional
 
 import torch
 
-from moe_plugin.checkpoint.errors import CheckpointError
-from moe_plugin.checkpoint.files import TMP_PREFIX, commit_tag, file_digest, remove_stale, tag_files
-from moe_plugin.checkpoint.metadata import EXPERT_DIR, FORMAT, FORMAT_VERSION, META_FILE, expert_file, placement_key
+from moe_plugin.checkpoint.files import copy_files, tag_written_here, write_metadata
+from moe_plugin.checkpoint.metadata import FORMAT, FORMAT_VERSION, expert_file, placement_key
 from moe_plugin.configs import MoEConfig, ParallelConfig, ParallelSizes
 
 
@@ -31,28 +28,11 @@ def write_one_rank(out_dir: os.PathLike | str, tag: str, module: dict, experts: 
                    record: dict, extra_files: Optional[dict[str, str]] = None,
                    say: Callable[[str], None] = lambda line: None) -> str:
     """Write the checkpoint (module docstring); returns the tag's path."""
-    out_dir = os.fspath(out_dir)
-    final = os.path.join(out_dir, tag)
-    if os.path.exists(final):
-        raise CheckpointError(f"{final}: exists; write into another directory (nothing was written)")
-    os.makedirs(out_dir, exist_ok=True)
-    remove_stale(out_dir)
-    tmp = os.path.join(out_dir, TMP_PREFIX + tag)
-    os.makedirs(os.path.join(tmp, EXPERT_DIR))
-    try:
+    with tag_written_here(os.fspath(out_dir), tag, "write into another directory") as tmp:
         _write_files(tmp, module, experts, moe.num_experts, say)
-        for name, source in (extra_files or {}).items():
-            os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
-            shutil.copyfile(source, os.path.join(tmp, name))
-        meta = _metadata(moe, tag, module, experts, model, record)
-        meta["files"] = {name: file_digest(os.path.join(tmp, name)) for name in tag_files(tmp)}
-        with open(os.path.join(tmp, META_FILE), "w") as f:
-            json.dump(meta, f, indent=1)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    commit_tag(out_dir, tag, TMP_PREFIX + tag, save_latest=True)
-    return final
+        copy_files(tmp, extra_files or {})
+        write_metadata(tmp, _metadata(moe, tag, module, experts, model, record))
+    return os.path.join(os.fspath(out_dir), tag)
 
 
 def _write_files(tmp: str, module: dict, experts: dict, num_experts: int, say: Callable[[str], None]) -> None:

@@ -52,10 +52,8 @@ Nothing is left behind on failure: files go to ``OUT/.tmp-TAG``, renamed to ``OU
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -64,12 +62,10 @@ import torch.nn.functional as F
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.export import ONE_RANK, read_full_state
-from moe_plugin.checkpoint.files import TMP_PREFIX, commit_tag, file_digest, read_torch, remove_stale, tag_files
+from moe_plugin.checkpoint.files import copy_files, read_torch, tag_written_here, write_metadata
 from moe_plugin.checkpoint.metadata import (
-    EXPERT_DIR,
     FORMAT,
     FORMAT_VERSION,
-    META_FILE,
     expert_file,
     placement_key,
     saved_model_files,
@@ -143,22 +139,14 @@ def upcycle_checkpoint(dense_dir: Union[os.PathLike, str], ds_config: Union[dict
     dense = DenseModel.from_meta(meta)
     layers = _moe_layers(moe, dense)
     dropped = _check(moe, dense, granularity, layers, state, drop_mlp_bias, allow_inexact, say)
-    out_dir = os.fspath(out_dir)
     out_tag = meta["tag"] if keep_iteration else "step0"
-    final = os.path.join(out_dir, out_tag)
-    if os.path.exists(final):
-        raise CheckpointError(f"{final}: exists; upcycle into another --out directory (nothing was written)")
-    os.makedirs(out_dir, exist_ok=True)
-    remove_stale(out_dir)
-    tmp = os.path.join(out_dir, TMP_PREFIX + out_tag)
-    os.makedirs(os.path.join(tmp, EXPERT_DIR))
-    try:
+    final = os.path.join(os.fspath(out_dir), out_tag)
+    with tag_written_here(os.fspath(out_dir), out_tag, "upcycle into another --out directory") as tmp:
         module, experts = _moe_state(state, extras, moe, dense, layers, granularity, seed, dropped)
         header = read_torch(saved_model_files(source, meta, 0)[0])
         _write_files(tmp, header, module, experts, moe.num_experts, keep_iteration, say)
-        for name in meta.get("hf", {}).get("tokenizer_files", []):   # an imported model's, for export-hf
-            os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
-            shutil.copyfile(os.path.join(source, name), os.path.join(tmp, name))
+        # an imported model's tokenizer files, for export-hf
+        copy_files(tmp, {name: os.path.join(source, name) for name in meta.get("hf", {}).get("tokenizer_files", [])})
         steps = int(meta["global_steps"]) if keep_iteration else 0
         record = {"checkpoint": os.path.abspath(source), "tag": meta["tag"], "global_steps": meta["global_steps"],
                   "granularity": granularity, "seed": seed, "kept_iteration": keep_iteration,
@@ -166,13 +154,7 @@ def upcycle_checkpoint(dense_dir: Union[os.PathLike, str], ds_config: Union[dict
         new_meta = _metadata(meta, moe, out_tag, steps, module, experts, layers, keep_iteration, record)
         if "hf" in meta:   # not its "architecture": that is the dense model's (its flags have --dense)
             new_meta["hf"] = meta["hf"]
-        new_meta["files"] = {name: file_digest(os.path.join(tmp, name)) for name in tag_files(tmp)}
-        with open(os.path.join(tmp, META_FILE), "w") as f:
-            json.dump(new_meta, f, indent=1)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    commit_tag(out_dir, out_tag, TMP_PREFIX + out_tag, save_latest=True)
+        write_metadata(tmp, new_meta)
     say(f"wrote {final}: {len(layers)} MoE layers x {moe.num_experts} experts (granularity {granularity}), "
         f"step {steps}, optimizer fresh")
     return UpcycleResult(final, out_tag, source, tuple(layers), moe.num_experts, granularity, steps, tuple(dropped))
