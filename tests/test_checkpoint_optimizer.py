@@ -69,7 +69,7 @@ def _config(parallel: dict, stage: int, pipe: bool, bf16: bool) -> dict:
 def _engine(layout: tuple):
     import moe_plugin
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer import TransformerConfig
+    from gpt_tiny import transformer_config
 
     from moe_plugin.integration.megatron import gpt_moe_spec
     from moe_plugin.integration.pipeline import gpt_pipeline_module
@@ -78,12 +78,8 @@ def _engine(layout: tuple):
     tp, pp = parallel.get("tensor", 1), parallel.get("pipeline", 1)
 
     def provide(moe_config, groups):
-        config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
-                                   tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                   pipeline_dtype=torch.float32, use_cpu_initialization=True, hidden_dropout=0.0,
-                                   attention_dropout=0.0, bias_dropout_fusion=False,
-                                   gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-                                   apply_rope_fusion=False)
+        config = transformer_config(dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN),
+                                    tp, pp)
         torch.manual_seed(1234)
         if kind == "pipe":
             return gpt_pipeline_module(config, moe_config, groups, vocab_size=VOCAB, max_sequence_length=SEQ, seed=5)
