@@ -149,8 +149,8 @@ CASES = [
     Case("aux_loss_coeff", value={"aux_loss_coeff": 1.0}),
     Case("aux_loss_scope", value={"aux_loss_scope": "sequence"}, ref={"aux_loss_coeff": 1.0}),
     # global: a step's loads over every rank and micro-batch so far, so the layouts are compared with
-    # one micro-batch per rank (schema: "with one micro-batch per rank ... whatever the layout"),
-    # and dropless, as the micro-batch then differs in size
+    # one micro-batch per rank (docs/config.md, aux_loss_scope: "with one micro-batch per rank ...
+    # whatever the layout"), and dropless, as the micro-batch then differs in size
     Case("aux_loss_scope", value={"aux_loss_scope": "global"}, ref={"aux_loss_coeff": 1.0, "drop_tokens": False},
          gas1=True),
     Case("z_loss_coeff", value={"z_loss_coeff": 0.1}),

@@ -1,8 +1,10 @@
 """The ``"moe"`` block of the DeepSpeed JSON.
 
 DeepSpeed ignores top-level keys it does not know, so this block rides inside the JSON the
-user already passes to ``deepspeed.initialize``. Every field is documented where it is
-declared; defaults follow GShard and Megatron-Core where the two agree.
+user already passes to ``deepspeed.initialize``. Every field's description says what it is, its
+default and its constraint, shortly (``docs/config.md`` renders them into its tables and explains
+a field at length under its block's table); defaults follow GShard and Megatron-Core where the two
+agree.
 
 Example::
 
@@ -93,18 +95,16 @@ class PlacementConfig(_Block):
     """Load-adaptive expert placement (which rank hosts which expert)."""
 
     policy: Literal["static", "greedy", "network-aware"] = Field(
-        "static", description="static: expert e lives on rank e // (E/EP). greedy: heaviest expert first "
-        "onto the least-loaded rank with a free slot. network-aware: also cuts cross-node traffic. Not static: "
-        "needs parallel.expert > 1.")
+        "static", description="static: expert e on EP rank e // (E/EP). greedy: heaviest expert first onto the "
+        "least-loaded rank. network-aware: greedy, fewer cross-node routes. Not static: needs parallel.expert > 1.")
     check_interval: int = Field(100, ge=1, description="Steps between two placement checks; needs a policy "
                                 "other than static or replica_budget > 0 (as window and min_gain do).")
     window: int = Field(100, ge=1, description="Steps of routing history the load estimate averages.")
     min_gain: float = Field(0.05, ge=0.0, description="Switch only when the predicted saving until the next "
                             "check exceeds the predicted migration cost by this fraction (hysteresis).")
-    replica_budget: int = Field(0, ge=0, description="Shadow experts (FasterMoE): at most this many hot "
-                                "experts per MoE layer are computed by every EP rank for its own tokens (weights "
-                                "fetched from the owner, gradients reduced back) when the cost model predicts a "
-                                "gain; 0 turns it off. Needs expert > 1 and expert_tensor 1; at most num_experts.")
+    replica_budget: int = Field(0, ge=0, description="Shadow experts (FasterMoE): at most this many hot experts per "
+                                "MoE layer computed by every EP rank for its own tokens; 0: off. At most num_experts; "
+                                "needs expert > 1 and expert_tensor 1.")
     slack: float = Field(0.1, ge=0.0, description="network-aware: the busiest rank may carry this fraction "
                          "more load than under greedy placement when that cuts cross-node routes; network-aware only.")
     gpus_per_node: Optional[int] = Field(None, ge=1, description="Ranks per node, for network-aware placement "
@@ -128,7 +128,7 @@ class PlacementConfig(_Block):
 
 
 class MoEConfig(_Block):
-    """The ``"moe"`` block. See each field's description; ``docs/config.md`` lists them all."""
+    """The ``"moe"`` block: experts, routing, capacity, balance losses, the exchange, and its two sub-blocks."""
 
     num_experts: int = Field(..., ge=1, description="Experts per MoE layer (E).")
     top_k: Optional[int] = Field(None, ge=1, description="Experts per token. Default: 2 for gshard, "
@@ -141,26 +141,15 @@ class MoEConfig(_Block):
                                   "softmax probability), so false is refused with them.")
     score_function: Literal["softmax", "sigmoid"] = Field(
         "softmax", description="softmax: gates are softmax probabilities over the experts (GShard, Switch). "
-        "sigmoid (DeepSeek-V3): each expert's score is the sigmoid of its logit; experts are chosen on score + "
-        "expert bias, the gates are the chosen scores (renormalised when normalize_gates); router 'topk' only. Its "
-        "balance loss is E * sum_e f_e * P_e: f_e the fraction of the k*T routes choosing e (before capacity), "
-        "P_e the mean over tokens of e's score divided by the token's sum of scores (1.0 when uniform).")
+        "sigmoid (DeepSeek-V3): a sigmoid score per expert, the gates the chosen scores; router 'topk' only.")
     gate_scale: float = Field(1.0, gt=0, description="Routed scaling factor: every gate is multiplied by it, after "
                               "normalisation (DeepSeek-V3 uses 2.5 with sigmoid scores).")
     group_topk: Optional[int] = Field(
-        None, ge=1, description="Group-limited routing (DeepSeek-V3): the experts form router_groups groups of "
-        "consecutive expert ids; a token first picks its best group_topk groups, by the sum of the two highest "
-        "selection scores in each group (softmax: the probabilities of logits + expert bias; sigmoid: score + "
-        "expert bias; the highest alone when a group has one expert), then its top_k experts inside them. Any "
-        "router kind (gshard's random routing and switch's top-1 act inside the chosen groups); gates, capacity and "
-        "losses are unchanged. With router_groups = parallel.expert and static placement it bounds the ranks a "
-        "token's routes go to (the all-to-all still carries one row per route: docs/benchmarks.md). null: no "
-        "limit. Needs router_groups; less than router_groups, top_k <= group_topk * num_experts / router_groups, "
-        "and with groups of one expert less than top_k (else nothing is limited).")
+        None, ge=1, description="Group-limited routing (DeepSeek-V3): a token picks its best group_topk expert "
+        "groups, then its top_k experts inside them; null: no limit. Needs router_groups; less than router_groups.")
     router_groups: Optional[int] = Field(
-        None, ge=1, description="Expert groups of group_topk: group g is the experts g * E/G .. (g + 1) * E/G - 1 "
-        "by expert id, wherever placement puts them. A model constant, never taken from the layout: required with "
-        "group_topk, refused without it; at least 2, a divisor of num_experts.")
+        None, ge=1, description="Expert groups G of group_topk (group g: expert ids g * E/G .. (g + 1) * E/G - 1), "
+        "a model constant. Required with group_topk, refused without; a divisor of num_experts but 1 and num_experts.")
     second_expert_policy: Literal["random", "all"] = Field(
         "random", description="gshard only (all is refused with another router). random: keep the 2nd expert "
         "when 2*g2 > U(0,1) (GShard). all: always keep it.")
@@ -173,26 +162,15 @@ class MoEConfig(_Block):
                               "false: dropless, no capacity at all (capacity_factor, eval_capacity_factor, "
                               "min_capacity and drop_policy then keep their defaults).")
     drop_policy: Literal["position", "probability"] = Field(
-        "position", description="Which routes an expert over capacity keeps. position (GShard): all first choices "
-        "before any second choice, earlier tokens before later ones. probability (DeepSpeed's top-k gate): the "
-        "routes with the highest scores (softmax probability or sigmoid score of the expert, before normalisation "
-        "and gate_scale), equal scores in position order. probability needs drop_tokens true.")
+        "position", description="Which routes an expert over capacity keeps: position (GShard: first choices "
+        "first, earlier tokens first) or probability (highest scores first). probability needs drop_tokens true.")
     aux_loss_coeff: float = Field(1e-2, ge=0, description="Weight of the balance loss (GShard's; "
                                   "for sigmoid scores see score_function; 1.0 before weighting when routing is "
                                   "perfectly uniform).")
     aux_loss_scope: Literal["micro_batch", "sequence", "global"] = Field(
-        "micro_batch", description="Over which tokens the balance loss's f_e (load) and P_e (mean probability) "
-        "are taken. micro_batch (GShard): the tokens of a micro-batch (of one data-parallel replica; its "
-        "tensor/sequence-parallel ranks route it together, as one rank would). sequence (DeepSeek-V3's "
-        "sequence-wise loss): per sequence of the micro-batch, the loss averaged over the sequences. global: f_e "
-        "from the loads summed over the data-parallel replicas and over the gradient-accumulation micro-batches "
-        "of the optimizer step so far, P_e the micro-batch's own mean (the data-parallel gradient average makes "
-        "it the global one): with one micro-batch per rank the loss and gradients are one rank's on the whole "
-        "global batch, whatever the layout. With gradient accumulation micro-batch m's loss can only use the "
-        "loads of micro-batches 1..m (the later ones are not routed when its backward runs); only the last sees "
-        "the whole step. Not micro_batch: needs aux_loss_coeff > 0. global: one all-reduce of [E] over DP per "
-        "forward, and no Megatron activation recomputation of the MLP (a recomputed forward would count its load "
-        "twice).")
+        "micro_batch", description="Tokens the balance loss is taken over: micro_batch (GShard), sequence (each "
+        "sequence, averaged) or global (the step's loads over every replica). Not micro_batch: needs "
+        "aux_loss_coeff > 0.")
     z_loss_coeff: float = Field(0.0, ge=0, description="Weight of the router z-loss (Switch/ST-MoE), "
                                 "mean_t logsumexp(logits_t)^2, for either score_function.")
     bias_update_rate: float = Field(0.0, ge=0, description="Aux-loss-free balancing: step of the per-expert "
@@ -211,38 +189,16 @@ class MoEConfig(_Block):
                                 "backward and recompute it there: one more expert GEMM per step for "
                                 "routes x ffn fewer values held per MoE layer.")
     experts_backend: ExpertsBackend = Field(
-        "auto", description="The experts' GEMMs. auto: grouped_mm where torch's grouped GEMM supports the device "
-        "and dtype (CPU: fp32, bf16, fp16; CUDA: bf16 on compute capability >= 8.0; rows of 16 bytes), else loop on "
-        "CPU and bmm elsewhere, the choice logged once. grouped_mm: torch's grouped GEMM; where it cannot run, the "
-        "first forward raises an error naming this key. bmm: rows padded per expert to the largest count, one "
-        "batched GEMM. loop: one GEMM per expert.")
-    overlap_chunks: int = Field(1, ge=1, description="Overlap the expert-parallel exchange with the experts: the "
-                                "local experts in this many consecutive groups, each group's all-to-all started "
-                                "while the previous group computes, on the way there and back, in backward too; "
-                                "the shared expert runs while the first all-to-all is in flight. 1: one exchange. "
-                                "At most the local experts (num_experts / parallel.expert); needs "
-                                "parallel.expert > 1 and parallel.expert_tensor 1. Layers with shadowed experts "
-                                "exchange at once.")
+        "auto", description="The experts' GEMMs: grouped_mm (torch's grouped GEMM), bmm (rows padded per expert, "
+        "one batched GEMM), loop (a GEMM per expert) or auto (grouped_mm where it runs, else loop on CPU, bmm "
+        "elsewhere).")
+    overlap_chunks: int = Field(1, ge=1, description="Chunks of local experts whose exchange overlaps the previous "
+                                "chunk's experts; 1: one exchange. At most num_experts / parallel.expert; needs "
+                                "parallel.expert > 1 and parallel.expert_tensor 1.")
     exchange: ExchangeMode = Field(
-        "counts", description="How the expert-parallel all-to-all learns its sizes. counts: the kept routes per "
-        "expert are exchanged first (one small all-to-all), then exactly the routed rows move. padded (DeepSpeed's "
-        "way, without the counts round): every rank sends each EP peer a block of capacity rows per expert of that "
-        "peer, zero-padded, headed by one row carrying the counts (and the router's finite flag) in the activation "
-        "dtype; one equal all-to-all, more bytes. Needs drop_tokens true, parallel.expert > 1, "
-        "parallel.expert_tensor 1, placement.policy static, no placement.replica_budget or trace_file (the layer no "
-        "longer sees every peer's traffic), overlap_chunks 1, and a hidden size that holds the header (local "
-        "experts x digits + 1; fp32: one digit per count, bf16/fp16: the count in base 256/2048 digits). auto: "
-        "padded where all that holds and the EP group's backend is gloo (latency-bound on CPU; on NCCL the counts "
-        "round is cheap and padding costs bytes), else counts, the choice logged once; shadow experts or a load "
-        "tracker switch such a layer to counts. The outputs and gradients are the same bits either way. Default "
-        "counts: on 4 gloo ranks of 2 cores padded saved nothing (the scaling study's e8-top2: 192.9 ms per step "
-        "padded, 188.8 counts; docs/benchmarks.md, 'The MoE tax'). token: the counts round, then each token "
-        "crosses the wire once per destination EP rank (not once per route) with a mask of that rank's experts it "
-        "goes to in extra columns, and is fanned out there; the way back is one row per route as with counts. "
-        "Fewer bytes when a token's routes share a rank (group_topk: docs/benchmarks.md, 'Group-limited routing: "
-        "bytes on the wire'); the same collectives as counts, the same outputs, gradients equal to rounding. "
-        "Needs parallel.expert > 1, parallel.expert_tensor 1, overlap_chunks 1, placement.policy static and "
-        "placement.replica_budget 0 (no shadow experts).")
+        "counts", description="Wire format of the expert-parallel all-to-all: counts (sizes exchanged first, then "
+        "the routed rows), padded (capacity blocks, no counts round), token (a token once per destination rank) or "
+        "auto.")
     shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="FFN size of a dense shared expert "
                                                "every token passes through; 0: none.")
     shared_expert_gate: bool = Field(False, description="Scale the shared expert by a learned sigmoid gate.")
