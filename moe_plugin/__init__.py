@@ -38,6 +38,7 @@ _LAZY = {
     "poll_save": "checkpoint",
     "CheckpointError": "checkpoint",
     "upcycle_checkpoint": "checkpoint",
+    "exit_process": "compat.process_exit",
 }
 
 __all__ = ["ConfigError", "MoEConfig", "ParallelSizes", "RankLayout", "__version__", "alike_on_every_rank",

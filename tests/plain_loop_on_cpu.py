@@ -8,6 +8,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from moe_plugin.compat.process_exit import exit_process
 from moe_plugin.integration.megatron import cpu_friendly_spec
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "simple_loop" / "train_plain_mcore.py"
@@ -17,4 +18,5 @@ spec.loader.exec_module(plain)
 local_spec = plain.get_gpt_layer_local_spec
 plain.get_gpt_layer_local_spec = lambda *a, **k: cpu_friendly_spec(local_spec(*a, **k))
 plain.tensor_parallel.model_parallel_cuda_manual_seed = lambda seed: None
-sys.exit(plain.main())
+plain.main()
+exit_process(0)   # the interpreter's teardown races gloo's threads (moe_plugin/compat/process_exit.py)

@@ -313,4 +313,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from moe_plugin import exit_process
+
+    exit_process(main())   # not sys.exit: see moe_plugin/compat/process_exit.py

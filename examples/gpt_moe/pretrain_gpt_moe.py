@@ -721,17 +721,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def exit_cleanly(status: int) -> None:
-    """Destroy the default process group (which ``deepspeed.init_distributed`` made for this
-    process) before the interpreter exits, as torch asks: left to interpreter shutdown, the
-    backend's threads are torn down in no defined order, and once in a test run one rank aborted
-    there ("terminate called without an active exception") after finishing its work."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.exit(status)
-
-
 if __name__ == "__main__":
-    exit_cleanly(main())
+    from moe_plugin import exit_process
+
+    exit_process(main())   # not sys.exit: see moe_plugin/compat/process_exit.py

@@ -93,8 +93,8 @@ def main():
     if args.losses and dist.get_rank() == 0:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    moe_plugin.exit_process(0)   # destroys the process groups; not sys.exit (compat/process_exit.py)

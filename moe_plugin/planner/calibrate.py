@@ -135,6 +135,7 @@ def _spawned(rank: int, world: int, threads: int, tmp: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from moe_plugin.compat.process_exit import exit_process
     from moe_plugin.planner.calibrate_pieces import measure_pieces
 
     torch.set_num_threads(threads)
@@ -148,6 +149,7 @@ def _spawned(rank: int, world: int, threads: int, tmp: str) -> None:
             if dist.is_initialized():
                 dist.destroy_process_group()
     (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(result))
+    exit_process(0)   # not the interpreter's exit (compat/process_exit.py)
 
 
 def run_calibration(world: int) -> tuple[dict, list[dict]]:

@@ -133,6 +133,7 @@ def _spawned(rank: int, world: int, model: ModelSpec, layouts: list[Layout], rou
     import torch
     import torch.distributed as dist
 
+    from moe_plugin.compat.process_exit import exit_process
     from moe_plugin.planner.calibrate import measure as calibrate_here
     from moe_plugin.planner.calibrate_pieces import measure_pieces
 
@@ -149,6 +150,7 @@ def _spawned(rank: int, world: int, model: ModelSpec, layouts: list[Layout], rou
     (Path(tmp) / f"calibration{rank}.json").write_text(json.dumps([before, after]))
     if rank == 0:
         (Path(tmp) / "times.json").write_text(json.dumps(out))
+    exit_process(0)   # not the interpreter's exit (compat/process_exit.py)
 
 
 def measure(model: ModelSpec, layouts: list[Layout], world: int, rounds: int

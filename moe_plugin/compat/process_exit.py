@@ -1,0 +1,52 @@
+"""Ending a distributed process without the interpreter's teardown racing torch's gloo threads.
+
+A gloo process group runs its collectives on threads of its own (``pt_gloo_runloop``), and such a
+thread takes Python's GIL when it drops the last reference to a tensor Python made, or runs a
+future's Python callback. torch 2.13's ``destroy_process_group`` does not stop those threads: they
+live as long as a Python object holds the group (Megatron-Core's and DeepSpeed's module globals
+do). A thread that asks for the GIL after the interpreter has begun its teardown is ended there
+with ``pthread_exit``, inside C++ frames that may not unwind, and the process aborts
+("terminate called without an active exception", status -6) after the run has finished and
+saved; or the teardown waits for a thread that waits for the GIL, and the process hangs. Under
+load (4 ranks on 2 cores) one run in some tens ended so. ``tests/test_process_exit.py`` makes
+the race certain with a callback that sleeps on a gloo thread.
+
+``exit_process(status)`` ends the process the other way: what the interpreter's exit would do for
+the program (wait for its non-daemon threads, run the ``atexit`` handlers, flush the standard
+streams), then ``os._exit``, which ends every thread with the process and skips the teardown
+where the race lies. The process groups are destroyed first, as torch asks.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+from typing import NoReturn
+
+
+def exit_process(status: int | None = 0) -> NoReturn:
+    """Destroy the default process group (and with it every group) if there is one, wait for
+    the program's non-daemon threads, run the ``atexit`` handlers, flush ``sys.stdout`` and
+    ``sys.stderr``, and end the process with ``status`` (None: 0, as ``sys.exit``; module
+    docstring: why not ``sys.exit``). A failure to destroy the groups is printed and makes a
+    status of 0 into 1."""
+    status = status or 0
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as err:   # the process still ends, and says why it ends worse
+        print(f"moe_plugin: destroying the process groups failed: {err!r}", file=sys.stderr)
+        status = status or 1
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):   # closed, or replaced by an object without flush
+            pass
+    os._exit(status)

@@ -1,0 +1,53 @@
+"""``moe_plugin.exit_process``: a process whose gloo thread needs the GIL after the program is done.
+
+The race of ``moe_plugin/compat/process_exit.py`` made certain: on one gloo rank, an all-reduce's
+future gets a Python callback that sleeps on the gloo thread and then needs the GIL again while
+the main thread ends. Left to the interpreter's exit (after ``destroy_process_group``, as torch
+asks), the process aborts ("terminate called without an active exception"), which is what ended
+finished training runs now and then under load. Through ``exit_process`` it ends with the given
+status, after the ``atexit`` handlers, the script's non-daemon threads and its buffered output.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+SCRIPT = r'''
+import atexit, sys, threading, time
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+
+def late(future):   # runs on gloo's thread; sleeping lets the main thread go on
+    time.sleep(3.0)
+    return future.value()
+
+group = dist.new_group([0])   # (on the default group, destroy_process_group would wait for the callback)
+dist.all_reduce(torch.ones(4), group=group, async_op=True).get_future().then(late)
+time.sleep(0.2)   # the callback is asleep on gloo's thread now
+atexit.register(print, "atexit handler ran")
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished")), daemon=False).start()
+sys.stdout.write("buffered, no newline")
+if sys.argv[1] == "exit_process":
+    from moe_plugin import exit_process
+    exit_process(3)
+dist.destroy_process_group()
+sys.exit(3)
+'''
+
+
+def _run(tmp_path, how: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT, how, str(tmp_path / f"store-{how}")], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_exit_process_ends_with_the_status_where_the_interpreters_exit_aborts(tmp_path):
+    aborted = _run(tmp_path, "sys.exit")
+    assert aborted.returncode == -6, (aborted.returncode, aborted.stderr[-2000:])   # the race, certain
+    assert "terminate called without an active exception" in aborted.stderr
+    ended = _run(tmp_path, "exit_process")
+    assert ended.returncode == 3, (ended.returncode, ended.stderr[-2000:])
+    assert "terminate" not in ended.stderr
+    out = ended.stdout
+    assert "thread finished" in out and "atexit handler ran" in out and "buffered, no newline" in out, out
+    assert out.index("thread finished") < out.index("atexit handler ran")   # threads first, as the interpreter does
