@@ -111,3 +111,6 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    from moe_plugin.compat.process_exit import exit_process
+
+    exit_process(0)   # not the interpreter's exit (moe_plugin/compat/process_exit.py)

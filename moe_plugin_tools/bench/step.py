@@ -415,3 +415,6 @@ if __name__ == "__main__":   # deepspeed --num_gpus N --module moe_plugin_tools.
 
     with exit_on_config_error(ValueError):   # as ``moe-plugin bench step`` does
         run(parse_step_args(sys.argv[1:]))
+    from moe_plugin.compat.process_exit import exit_process
+
+    exit_process(0)   # not the interpreter's exit (moe_plugin/compat/process_exit.py)
