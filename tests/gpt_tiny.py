@@ -3,6 +3,8 @@
     config = transformer_config(MODEL, tp=2, pp=2)
     tokens_BS, positions_BS, labels_BS = global_batch(step, batch_size)
     micro = micro_batches(step, batch_size, dp_rank, dp, gas)   # [((tokens, positions), labels)] * gas
+    tokens_BS, positions_BS, labels_BS = shifted_batch(step, batch_size, vocab, seq)   # labels: tokens one on
+    losses_BS = eval_losses(model, (tokens_BS, positions_BS, labels_BS))   # eval mode, no gradients
     provider = gpt_provider(MODEL, tp)                          # GPTModel(config, gpt_moe_spec(...))
     provider = pipeline_provider(MODEL, tp, pp, seed)           # gpt_pipeline_module(...)
     with one_rank_groups() as groups: ...                       # the one-rank oracle's groups, registered
@@ -76,10 +78,34 @@ def global_batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor
 def micro_batches(step: int, batch_size: int, dp_rank: int, dp: int, gas: int) -> list:
     """One data-parallel replica's ``gas`` micro-batches of ``step``, ((tokens, positions), labels) each:
     replica d takes rows ``d * gas + m`` (in micro-batch units), so the replicas cover the batch."""
-    tokens, positions, labels = global_batch(step, batch_size)
-    micro = batch_size // (dp * gas)
+    return replica_micro_batches(global_batch(step, batch_size), dp_rank, dp, gas)
+
+
+def replica_micro_batches(batch: tuple, dp_rank: int, dp: int, gas: int) -> list:
+    """``micro_batches`` of any global ``batch`` (tokens, positions, labels)."""
+    tokens, positions, labels = batch
+    micro = tokens.shape[0] // (dp * gas)
     rows = [slice((dp_rank * gas + m) * micro, (dp_rank * gas + m + 1) * micro) for m in range(gas)]
-    return [((tokens[r], positions[r]), labels[r]) for r in rows]
+    return [((tokens[r], positions[r].contiguous()), labels[r]) for r in rows]
+
+
+def shifted_batch(step: int, batch_size: int, vocab: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` for next-token prediction: ``seq + 1`` random tokens a row, the
+    labels the tokens one on; tokens, positions, labels, each [batch_size, seq]."""
+    gen = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, vocab, (batch_size, seq + 1), generator=gen)
+    return ids[:, :-1], torch.arange(seq).expand(batch_size, seq), ids[:, 1:]
+
+
+def eval_losses(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    """The per-token losses [B, S] of ``batch`` (tokens, positions, labels) in eval mode, without
+    gradients (no dropout, no router noise); the model is back in training mode after."""
+    tokens, positions, labels = batch
+    model.eval()
+    with torch.no_grad():
+        losses = model(tokens, positions, None, labels=labels).float()
+    model.train()
+    return losses
 
 
 def shard_full(model: torch.nn.Module, full: dict, groups, *, pipelined: bool, num_layers: int) -> dict:

@@ -36,6 +36,8 @@ import shutil
 import pytest
 import torch
 
+from gpt_tiny import eval_losses, replica_micro_batches, shifted_batch
+
 pytestmark = pytest.mark.slow   # through the deepspeed launcher or several processes
 
 VOCAB, SEQ, BATCH, HIDDEN, FFN = 32, 8, 8, 16, 32
@@ -109,9 +111,7 @@ def _engine(case: dict, moe: dict = MOE, hidden: int = HIDDEN, **architecture):
 
 
 def _batch(step: int):
-    gen = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
-    return ids[:, :-1], torch.arange(SEQ).expand(BATCH, SEQ), ids[:, 1:]
+    return shifted_batch(step, BATCH, VOCAB, SEQ)
 
 
 def _train(run, steps: range) -> list[float]:
@@ -131,13 +131,7 @@ def _train(run, steps: range) -> list[float]:
 
 def _eval_loss(run) -> float:
     """The loss of one fixed batch, every rank the whole batch (no dropout, no router noise)."""
-    model = run.engine.module
-    model.eval()
-    with torch.no_grad():
-        ids, pos, labels = _batch(999)
-        loss = model(ids, pos, None, labels=labels).float().mean().item()
-    model.train()
-    return loss
+    return eval_losses(run.engine.module, _batch(999)).mean().item()
 
 
 def _weights(run) -> dict:
@@ -346,11 +340,7 @@ def _pipe_engine(parallel: dict, stage: int, moe: dict = MOE, tied: bool = False
 
 def _micro_batches(run, step: int):
     """This data-parallel replica's ``GAS`` micro-batches of ``_batch(step)``, as the pipe takes them."""
-    dp, dp_rank = run.groups.layout.sizes.dp, run.groups.rank_in("dp")
-    ids, pos, labels = _batch(step)
-    micro = BATCH // (dp * GAS)
-    rows = [slice((dp_rank * GAS + m) * micro, (dp_rank * GAS + m + 1) * micro) for m in range(GAS)]
-    return iter([((ids[r], pos[r].contiguous()), labels[r]) for r in rows])
+    return iter(replica_micro_batches(_batch(step), run.groups.rank_in("dp"), run.groups.layout.sizes.dp, GAS))
 
 
 def _pipe_train(run, steps: range) -> list[float]:

@@ -26,6 +26,8 @@ import os
 import pytest
 import torch
 
+from gpt_tiny import eval_losses, replica_micro_batches, shifted_batch
+
 VOCAB, SEQ, BATCH, HIDDEN, FFN = 32, 8, 8, 16, 32
 SAVE_AT, STEPS, GAS = 4, 7, 2
 TOL = 1e-5
@@ -89,9 +91,7 @@ def _engine(layout: tuple):
 
 
 def _batch(step: int):
-    gen = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
-    return ids[:, :-1], torch.arange(SEQ).expand(BATCH, SEQ), ids[:, 1:]
+    return shifted_batch(step, BATCH, VOCAB, SEQ)
 
 
 def _pipe(run) -> bool:
@@ -101,11 +101,7 @@ def _pipe(run) -> bool:
 
 
 def _micro_batches(run, step: int):
-    dp, dp_rank = run.groups.layout.sizes.dp, run.groups.rank_in("dp")
-    ids, pos, labels = _batch(step)
-    micro = BATCH // (dp * GAS)
-    rows = [slice((dp_rank * GAS + m) * micro, (dp_rank * GAS + m + 1) * micro) for m in range(GAS)]
-    return iter([((ids[r], pos[r].contiguous()), labels[r]) for r in rows])
+    return iter(replica_micro_batches(_batch(step), run.groups.rank_in("dp"), run.groups.layout.sizes.dp, GAS))
 
 
 def _step(run, step: int) -> None:
@@ -125,13 +121,7 @@ def _eval(run) -> float:
     data-parallel replica's micro-batches of the pipeline)."""
     if _pipe(run):
         return float(run.engine.eval_batch(_micro_batches(run, 999)).item())
-    model = run.engine.module
-    model.eval()
-    with torch.no_grad():
-        ids, pos, labels = _batch(999)
-        loss = model(ids, pos, None, labels=labels).float().mean().item()
-    model.train()
-    return loss
+    return eval_losses(run.engine.module, _batch(999)).mean().item()
 
 
 def _continue(run) -> list[float]:

@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dist import case_results, run_distributed
+from dist import attempts, case_results, run_distributed
 from moe_plugin.configs import MoEConfig
 from moe_plugin.layers import MoELayer
 from test_layers_single import capacity_if_dropping
@@ -141,21 +141,23 @@ DIST_CASES = {"dp2-ep2/counts": ("top2", 1, "counts"), "dp2-ep2/overlap2": ("top
               "dp2-ep2/token": ("sigmoid", 1, "token"), "dp2-ep2/padded": ("gshard", 1, "padded")}
 
 
+def _dist_case(rank: int, groups, router: str, chunks: int, exchange: str) -> tuple[list, list]:
+    moe = dict(overlap_chunks=chunks, exchange=exchange)
+    _, plain = _step(_layer(router, True, {"expert": 2}, groups, **moe), seed=11 + rank)
+    seen, asked = _step(_layer(router, True, {"expert": 2}, groups, **moe), seed=11 + rank, deterministic=True)
+    return unasked(seen), _same(plain, asked)
+
+
 def _dist_child(rank: int, world_size: int, cases: dict) -> dict:
     from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
     from moe_plugin.groups.layout import RankLayout
 
     results = {}
+    attempt = attempts(results, rank)
     for name, (router, chunks, exchange) in cases.items():
-        layout = RankLayout.build(world_size, ep=2)
-        groups = build_process_groups(layout)
+        groups = build_process_groups(RankLayout.build(world_size, ep=2))
         try:
-            moe = dict(overlap_chunks=chunks, exchange=exchange)
-            _, plain = _step(_layer(router, True, {"expert": 2}, groups, **moe), seed=11 + rank)
-            seen, asked = _step(_layer(router, True, {"expert": 2}, groups, **moe), seed=11 + rank, deterministic=True)
-            results[name] = (unasked(seen), _same(plain, asked))
-        except Exception:   # reported by the case's test
-            results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+            attempt(name, _dist_case, rank, groups, router, chunks, exchange)
         finally:
             destroy_process_groups(groups)
     return results

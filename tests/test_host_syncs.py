@@ -31,7 +31,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dist import case_results, run_distributed
+from dist import attempts, case_results, run_distributed
 from moe_plugin.configs import MoEConfig
 from moe_plugin.groups.layout import RankLayout
 from moe_plugin.layers import MoELayer
@@ -315,24 +315,28 @@ DIST_CASES = {
 }
 
 
+def _dist_case(rank: int, layout: RankLayout, groups, router: str, drop: bool, shadow, chunks: int,
+               exchange: str) -> dict:
+    s = layout.sizes
+    parallel = {"tensor": s.tp, "expert": s.ep, "expert_tensor": s.etp, "order": s.order}
+    layer = _layer(router, drop, parallel, groups, overlap_chunks=chunks, exchange=exchange)
+    assert exchange == "auto" or layer.exchange == exchange
+    if shadow:
+        layer.set_shadow(shadow)
+    return count_syncs(layer, _x(seed=11 + layout.coords(rank)["dp"]))
+
+
 def _dist_child(rank: int, world_size: int, cases: dict) -> dict:
     from moe_plugin.groups.builder import build_process_groups, destroy_process_groups
 
     results = {}
+    attempt = attempts(results, rank)
     for name, (sizes, router, drop, shadow, *more) in cases.items():
         chunks, exchange = (more + [1, "auto"][len(more):])[:2]
         layout = RankLayout.build(world_size, **sizes)
-        s = layout.sizes
         groups = build_process_groups(layout)
         try:
-            parallel = {"tensor": s.tp, "expert": s.ep, "expert_tensor": s.etp, "order": s.order}
-            layer = _layer(router, drop, parallel, groups, overlap_chunks=chunks, exchange=exchange)
-            assert exchange == "auto" or layer.exchange == exchange
-            if shadow:
-                layer.set_shadow(shadow)
-            results[name] = count_syncs(layer, _x(seed=11 + layout.coords(rank)["dp"]))
-        except Exception:   # reported by the case's test
-            results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+            attempt(name, _dist_case, rank, layout, groups, router, drop, shadow, chunks, exchange)
         finally:
             destroy_process_groups(groups)
     return results

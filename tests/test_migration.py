@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist import attempts, run_distributed
+from dist import attempts, case_results, run_distributed
 from moe_plugin.configs import MoEConfig
 from moe_plugin.layers import MoELayer
 from moe_plugin.placement.migration import check_placement, moved_bytes
@@ -307,9 +307,7 @@ def results(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_migration_matches_a_run_started_at_the_new_placement(name, results):
-    for rank, per_rank in enumerate(results):
-        r = per_rank[name]
-        assert not isinstance(r, str), r
+    for rank, r in enumerate(case_results(results, name)):
         tol = BF16_TOL if name.endswith("bf16") else TOL
         assert r["same_function"] <= tol["atol"], f"rank {rank}: outputs changed by {r['same_function']} at migration"
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["reference"]), **tol)
@@ -325,9 +323,7 @@ def test_migration_matches_a_run_started_at_the_new_placement(name, results):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_checkpoint_load_takes_the_saved_placement(name, results):
-    for rank, per_rank in enumerate(results):
-        r = per_rank[name]
-        assert not isinstance(r, str), r
+    for rank, r in enumerate(case_results(results, name)):
         for key, value in r["saved_state"].items():
             assert torch.equal(r["loaded_state"][key], value), f"rank {rank} {key}"
         assert r["resumed"] == r["losses"][BEFORE + 1:], f"rank {rank}"   # optimizer state too, bit for bit
@@ -355,9 +351,7 @@ def test_zero_refuses_to_migrate_inside_a_step(results):
 def test_pipeline_engine_migration_matches_a_run_started_at_the_new_placement(results):
     """PipelineEngine (pp 2 x ep 2, ZeRO-1): each stage migrates its own MoE layer; the losses
     (every rank sees the batch loss) and every stage's parameters follow the reference run."""
-    for rank, per_rank in enumerate(results):
-        r = per_rank["pipe/pp2-ep2/zero1/adamw"]
-        assert not isinstance(r, str), r
+    for rank, r in enumerate(case_results(results, "pipe/pp2-ep2/zero1/adamw")):
         assert r["moved_layers"] == ([1] if rank < 2 else [3]), (rank, r["moved_layers"])   # stage 0: ranks 0, 1
         assert r["same_function"] <= 1e-6, f"rank {rank}: the loss changed by {r['same_function']} at migration"
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["reference"]), **TOL)

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import traceback
 
 import pytest
 import torch
 
-from dist import case_results, run_distributed
+from dist import attempts, case_results, run_distributed
 from gpt_tiny import (MODEL, SEQ, VOCAB, global_batch, micro_batches, one_rank_groups, pipeline_provider, torch_steps,
                       transformer_config)
 from moe_plugin.configs import ConfigError, MoEConfig
@@ -162,11 +161,9 @@ def _error_paths(rank: int) -> dict:
 def _ranks(rank: int, world_size: int, cases: dict, expected: dict) -> dict:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))   # as the launcher
     results = {"errors": _error_paths(rank)} if world_size == 2 else {}
+    attempt = attempts(results, rank)
     for name, (_, parallel, stage) in cases.items():
-        try:
-            results[name] = _train(rank, parallel, stage, expected)
-        except Exception:   # reported by the case's test; the next case goes on
-            results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+        attempt(name, _train, rank, parallel, stage, expected)
     return results
 
 

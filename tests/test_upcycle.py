@@ -23,6 +23,8 @@ import os
 import pytest
 import torch
 
+from gpt_tiny import eval_losses, shifted_batch
+
 VOCAB, SEQ, BATCH, HIDDEN, FFN = 32, 8, 4, 16, 32
 DENSE_STEPS = 2
 BASE = {"num_experts": 4, "router": "topk", "top_k": 2, "drop_tokens": False, "layer_interval": 2}
@@ -62,9 +64,7 @@ def _engine(moe: dict, parallel: dict, world_size: int, *, dense: bool = False, 
 
 
 def _batch(step: int):
-    gen = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
-    return ids[:, :-1], torch.arange(SEQ).expand(BATCH, SEQ), ids[:, 1:]
+    return shifted_batch(step, BATCH, VOCAB, SEQ)
 
 
 def _train_step(run, step: int) -> float:
@@ -79,13 +79,7 @@ def _train_step(run, step: int) -> float:
 
 def _token_losses(run) -> torch.Tensor:
     """Per-token losses [B, S] of one fixed batch, every rank the whole batch, eval mode."""
-    model = run.engine.module
-    model.eval()
-    with torch.no_grad():
-        ids, pos, labels = _batch(999)
-        losses = model(ids, pos, None, labels=labels).float().clone()
-    model.train()
-    return losses
+    return eval_losses(run.engine.module, _batch(999))
 
 
 def _save_dense(root: str, parallel: dict, world_size: int, bias: bool = False) -> torch.Tensor:

@@ -10,7 +10,9 @@ or lr scheduler state (``fresh_states`` tells ``load_checkpoint``), one file per
 ``moe_plugin.json`` (``record`` merged in), all into ``OUT/.tmp-TAG`` and renamed to ``OUT/TAG``
 at the end, with ``latest`` pointing at it. ``load_checkpoint`` cuts it for any layout. Files of
 ``extra_files`` ({name in the tag: source path}) are copied in too (and checksummed). Nothing is
-left behind on failure.
+left behind on failure. ``saved`` (upcycle's ``keep_iteration``): the module file of the checkpoint
+the model was made from, whose step counters, lr scheduler and client state are kept, at step
+``steps`` (only the optimizer starts fresh). ``instead``: what to do when the tag exists.
 """
 from __future__ import annotations
 
@@ -26,20 +28,23 @@ from moe_plugin.configs import MoEConfig, ParallelConfig, ParallelSizes
 
 def write_one_rank(out_dir: os.PathLike | str, tag: str, module: dict, experts: dict, moe: MoEConfig, model: dict,
                    record: dict, extra_files: Optional[dict[str, str]] = None,
-                   say: Callable[[str], None] = lambda line: None) -> str:
+                   say: Callable[[str], None] = lambda line: None, *, saved: Optional[dict] = None, steps: int = 0,
+                   instead: str = "write into another directory") -> str:
     """Write the checkpoint (module docstring); returns the tag's path."""
-    with tag_written_here(os.fspath(out_dir), tag, "write into another directory") as tmp:
-        _write_files(tmp, module, experts, moe.num_experts, say)
+    with tag_written_here(os.fspath(out_dir), tag, instead) as tmp:
+        _write_files(tmp, module, experts, moe.num_experts, saved, say)
         copy_files(tmp, extra_files or {})
-        write_metadata(tmp, _metadata(moe, tag, module, experts, model, record))
+        write_metadata(tmp, _metadata(moe, tag, steps, saved is not None, module, experts, model, record))
     return os.path.join(os.fspath(out_dir), tag)
 
 
-def _write_files(tmp: str, module: dict, experts: dict, num_experts: int, say: Callable[[str], None]) -> None:
+def _write_files(tmp: str, module: dict, experts: dict, num_experts: int, saved: Optional[dict],
+                 say: Callable[[str], None]) -> None:
     from moe_plugin.compat.deepspeed_checkpoint import model_file_name, one_rank_moe_file
 
     buffers = [k for k in module if k.endswith(("router.expert_bias", "experts.placement"))]
-    content = one_rank_moe_file({}, dict(sorted(module.items())), buffers, num_experts, keep_steps=False)
+    content = one_rank_moe_file(saved or {}, dict(sorted(module.items())), buffers, num_experts,
+                                keep_steps=saved is not None)
     torch.save(content, os.path.join(tmp, model_file_name(0)))
     if experts:
         for e in range(num_experts):
@@ -49,7 +54,8 @@ def _write_files(tmp: str, module: dict, experts: dict, num_experts: int, say: C
     say(f"wrote {model_file_name(0)} ({len(module)} entries)" + (f" and {num_experts} expert files" if experts else ""))
 
 
-def _metadata(moe: MoEConfig, tag: str, module: dict, experts: dict, model: dict, record: dict) -> dict:
+def _metadata(moe: MoEConfig, tag: str, steps: int, kept_steps: bool, module: dict, experts: dict, model: dict,
+              record: dict) -> dict:
     from moe_plugin.compat.deepspeed_checkpoint import model_file_name
 
     shapes = {k: list(v.shape) for k, v in module.items() if isinstance(v, torch.Tensor)}
@@ -57,7 +63,7 @@ def _metadata(moe: MoEConfig, tag: str, module: dict, experts: dict, model: dict
     E = moe.num_experts
     placements = {placement_key(k): list(range(E)) for k in experts if k.endswith("weight1")}
     return {
-        "format": FORMAT, "version": FORMAT_VERSION, "tag": tag, "global_steps": 0, "zero_stage": 0,
+        "format": FORMAT, "version": FORMAT_VERSION, "tag": tag, "global_steps": steps, "zero_stage": 0,
         "pipeline_module": False, "num_experts": E, "moe": moe.resolved_dict(), "layout": sizes.model_dump(),
         "stages": {"0": {"dense": shapes, "experts": {k: list(v.shape) for k, v in experts.items()}, "tp_split": {},
                          "placements": placements}},
@@ -65,6 +71,7 @@ def _metadata(moe: MoEConfig, tag: str, module: dict, experts: dict, model: dict
         "placement": {"policy": "static", "ep_size": 1,
                       "experts": [{"id": e, "ep_rank": 0, "slot": e} for e in range(E)]},
         "expert_optimizer_state": False,
-        "fresh_states": ["optimizer", "lr_scheduler"],   # what load_checkpoint starts fresh whatever it is asked
+        # what load_checkpoint starts fresh whatever it is asked (api.load_checkpoint)
+        "fresh_states": ["optimizer"] if kept_steps else ["optimizer", "lr_scheduler"],
         **record,
     }

@@ -62,15 +62,10 @@ import torch.nn.functional as F
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.export import ONE_RANK, read_full_state
-from moe_plugin.checkpoint.files import copy_files, read_torch, tag_written_here, write_metadata
-from moe_plugin.checkpoint.metadata import (
-    FORMAT,
-    FORMAT_VERSION,
-    expert_file,
-    placement_key,
-    saved_model_files,
-)
-from moe_plugin.configs import ConfigError, MoEConfig, ParallelConfig, ParallelSizes
+from moe_plugin.checkpoint.files import read_torch
+from moe_plugin.checkpoint.metadata import saved_model_files
+from moe_plugin.checkpoint.one_rank import write_one_rank
+from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.layers.experts import ffn_shard
 from moe_plugin.layers.init import seeded_generator
 from moe_plugin.layers.router import ROUTER_STREAM
@@ -140,21 +135,21 @@ def upcycle_checkpoint(dense_dir: Union[os.PathLike, str], ds_config: Union[dict
     layers = _moe_layers(moe, dense)
     dropped = _check(moe, dense, granularity, layers, state, drop_mlp_bias, allow_inexact, say)
     out_tag = meta["tag"] if keep_iteration else "step0"
-    final = os.path.join(os.fspath(out_dir), out_tag)
-    with tag_written_here(os.fspath(out_dir), out_tag, "upcycle into another --out directory") as tmp:
-        module, experts = _moe_state(state, extras, moe, dense, layers, granularity, seed, dropped)
-        header = read_torch(saved_model_files(source, meta, 0)[0])
-        _write_files(tmp, header, module, experts, moe.num_experts, keep_iteration, say)
-        # an imported model's tokenizer files, for export-hf
-        copy_files(tmp, {name: os.path.join(source, name) for name in meta.get("hf", {}).get("tokenizer_files", [])})
-        steps = int(meta["global_steps"]) if keep_iteration else 0
-        record = {"checkpoint": os.path.abspath(source), "tag": meta["tag"], "global_steps": meta["global_steps"],
-                  "granularity": granularity, "seed": seed, "kept_iteration": keep_iteration,
-                  "dropped_biases": list(dropped)}
-        new_meta = _metadata(meta, moe, out_tag, steps, module, experts, layers, keep_iteration, record)
-        if "hf" in meta:   # not its "architecture": that is the dense model's (its flags have --dense)
-            new_meta["hf"] = meta["hf"]
-        write_metadata(tmp, new_meta)
+    module, experts = _moe_state(state, extras, moe, dense, layers, granularity, seed, dropped)
+    header = read_torch(saved_model_files(source, meta, 0)[0])
+    steps = int(meta["global_steps"]) if keep_iteration else 0
+    model = dict(meta["model"])
+    model["transformer_config"] = {**model["transformer_config"], **ONE_RANK}
+    record = {"upcycled_from": {"checkpoint": os.path.abspath(source), "tag": meta["tag"],
+                                "global_steps": meta["global_steps"], "granularity": granularity, "seed": seed,
+                                "kept_iteration": keep_iteration, "dropped_biases": list(dropped)}}
+    if "hf" in meta:   # not its "architecture": that is the dense model's (its flags have --dense)
+        record["hf"] = meta["hf"]
+    # an imported model's tokenizer files, for export-hf
+    tokenizer = {name: os.path.join(source, name) for name in meta.get("hf", {}).get("tokenizer_files", [])}
+    final = write_one_rank(out_dir, out_tag, module, experts, moe, model, record, tokenizer, say,
+                           saved=header if keep_iteration else None, steps=steps,
+                           instead="upcycle into another --out directory")
     say(f"wrote {final}: {len(layers)} MoE layers x {moe.num_experts} experts (granularity {granularity}), "
         f"step {steps}, optimizer fresh")
     return UpcycleResult(final, out_tag, source, tuple(layers), moe.num_experts, granularity, steps, tuple(dropped))
@@ -248,41 +243,3 @@ def _moe_state(state: dict, extras: dict, moe: MoEConfig, dense: DenseModel, lay
         module[_mlp(i, "router.expert_bias")] = torch.zeros(E)
         module[_mlp(i, "experts.placement")] = torch.arange(E)
     return module, experts
-
-
-def _write_files(tmp: str, header: dict, module: dict, experts: dict, num_experts: int, keep_iteration: bool,
-                 say: Callable[[str], None]) -> None:
-    from moe_plugin.compat.deepspeed_checkpoint import model_file_name, one_rank_moe_file
-
-    buffers = [k for k in module if k.endswith(("router.expert_bias", "experts.placement"))]
-    content = one_rank_moe_file(header, dict(sorted(module.items())), buffers, num_experts, keep_iteration)
-    torch.save(content, os.path.join(tmp, model_file_name(0)))
-    for e in range(num_experts):
-        torch.save({"expert_id": e, "stage": 0, "optimizer": {}, "placement": {"ep_rank": 0, "slot": e},
-                    "weights": {k: w[e].contiguous().clone() for k, w in experts.items()}}, expert_file(tmp, e, 0))
-    say(f"wrote {model_file_name(0)} ({len(module)} entries) and {num_experts} expert files")
-
-
-def _metadata(dense_meta: dict, moe: MoEConfig, tag: str, steps: int, module: dict, experts: dict, layers: list[int],
-              keep_iteration: bool, record: dict) -> dict:
-    """``moe_plugin.json`` of the MoE model saved on one rank (``metadata.metadata``'s fields)."""
-    from moe_plugin.compat.deepspeed_checkpoint import model_file_name
-
-    model = dict(dense_meta["model"])
-    model["transformer_config"] = {**model["transformer_config"], **ONE_RANK}
-    shapes = {k: list(v.shape) for k, v in module.items() if isinstance(v, torch.Tensor)}
-    sizes = ParallelSizes.resolve(ParallelConfig(order=moe.parallel.order), 1)
-    E = moe.num_experts
-    return {
-        "format": FORMAT, "version": FORMAT_VERSION, "tag": tag, "global_steps": steps, "zero_stage": 0,
-        "pipeline_module": False, "num_experts": E, "moe": moe.resolved_dict(), "layout": sizes.model_dump(),
-        "stages": {"0": {"dense": shapes, "experts": {k: list(v.shape) for k, v in experts.items()}, "tp_split": {},
-                         "placements": {placement_key(_mlp(i, "experts.weight1")): list(range(E)) for i in layers}}},
-        "model": model, "model_files": {"0": [model_file_name(0)]},
-        "placement": {"policy": "static", "ep_size": 1,
-                      "experts": [{"id": e, "ep_rank": 0, "slot": e} for e in range(E)]},
-        "expert_optimizer_state": False,
-        # what load_checkpoint starts fresh whatever it is asked (api.load_checkpoint)
-        "fresh_states": ["optimizer"] if keep_iteration else ["optimizer", "lr_scheduler"],
-        "upcycled_from": record,
-    }

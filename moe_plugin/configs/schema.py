@@ -47,6 +47,14 @@ def not_default(block: BaseModel, name: str) -> bool:
     return getattr(block, name) != type(block).model_fields[name].get_default(call_default_factory=True)
 
 
+def refuse_unused(block: BaseModel, names: tuple[str, ...], why: str, fix: str) -> None:
+    """A ``FieldProblem`` for the first of ``names`` set to other than its default, which ``why``
+    leaves without effect: "WHY, so it has no effect; FIX or leave NAME out"."""
+    for name in names:
+        if not_default(block, name):
+            raise FieldProblem(name, getattr(block, name), f"{why}, so it has no effect; {fix} or leave {name} out")
+
+
 class _Block(BaseModel):
     # strict: "8" is not 8 and true is not 1; unknown keys are an error; numbers are finite.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
@@ -116,11 +124,9 @@ class PlacementConfig(_Block):
     @model_validator(mode="after")
     def _check_used(self) -> "PlacementConfig":
         if self.policy == "static" and self.replica_budget == 0:
-            for name in ("check_interval", "window", "min_gain", "gpus_per_node"):
-                if not_default(self, name):
-                    raise FieldProblem(name, getattr(self, name), "policy 'static' with replica_budget 0 never "
-                                       "checks the load, so it has no effect; set policy 'greedy' or "
-                                       f"'network-aware' (or replica_budget > 0), or leave {name} out")
+            refuse_unused(self, ("check_interval", "window", "min_gain", "gpus_per_node"), "policy 'static' with "
+                          "replica_budget 0 never checks the load", "set policy 'greedy' or 'network-aware' (or "
+                          "replica_budget > 0),")
         if self.policy != "network-aware" and not_default(self, "slack"):
             raise FieldProblem("slack", self.slack, f"only policy 'network-aware' reads it (policy is "
                                f"{self.policy!r}); set policy 'network-aware' or leave slack out")
@@ -263,21 +269,17 @@ class MoEConfig(_Block):
 
     def _check_router_fields(self) -> None:
         """Refuse a value that the router kind or the dropless setting never reads (non-default only)."""
-        if not self.normalize_gates and self.router != "topk":
+        if self.router != "topk":
             what = ("always renormalises its two gates" if self.router == "gshard" else
                     "never renormalises (its one gate is the softmax probability)")
-            raise FieldProblem("normalize_gates", False, f"router {self.router!r} {what}, so it has no effect; "
-                               "use router 'topk' or leave normalize_gates out")
+            refuse_unused(self, ("normalize_gates",), f"router {self.router!r} {what}", "use router 'topk'")
         if not_default(self, "second_expert_policy") and self.router != "gshard":
             raise FieldProblem("second_expert_policy", self.second_expert_policy, f"only router 'gshard' has a "
                                f"second expert to keep at random (router is {self.router!r}); use router 'gshard' "
                                "or leave second_expert_policy out")
         if not self.drop_tokens:
-            for name in ("capacity_factor", "eval_capacity_factor", "min_capacity", "drop_policy"):
-                if not_default(self, name):
-                    raise FieldProblem(name, getattr(self, name), "drop_tokens is false (dropless: no capacity, "
-                                       f"nothing dropped), so it has no effect; set drop_tokens true or leave "
-                                       f"{name} out")
+            refuse_unused(self, ("capacity_factor", "eval_capacity_factor", "min_capacity", "drop_policy"),
+                          "drop_tokens is false (dropless: no capacity, nothing dropped)", "set drop_tokens true")
 
     def _check_group_limit(self) -> None:
         G, M, E = self.router_groups, self.group_topk, self.num_experts

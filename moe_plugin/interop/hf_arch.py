@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from moe_plugin.configs import ConfigError
-
-HF_EXTRA = "pip install 'moe_plugin[hf]'"
+from moe_plugin.data.hf_tokenizer import HF_EXTRA
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}

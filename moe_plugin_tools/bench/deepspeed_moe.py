@@ -31,6 +31,21 @@ from torch import Tensor, nn
 from moe_plugin.layers import MoELayer
 
 
+def routing_fields(k: int, dropless: bool, capacity_factor: float) -> dict:
+    """The routing fields of a ``"moe"`` block whose routing DeepSpeed's gates match (module
+    docstring): k 1 ``switch``, k 2 ``gshard`` with ``second_expert_policy "all"``, other k ``topk``;
+    ``capacity_factor`` in training and evaluation, left out when dropless (no capacity)."""
+    router = {1: "switch", 2: "gshard"}.get(k, "topk")
+    block: dict = {"router": router, "drop_tokens": not dropless}
+    if router == "gshard":
+        block["second_expert_policy"] = "all"
+    if router == "topk":
+        block["top_k"] = k
+    if not dropless:
+        block.update(capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor)
+    return block
+
+
 def deepspeed_twin(ours: MoELayer, ep_size: int = 1, set_parallelism: bool = True) -> nn.Module:
     """A ``deepspeed.moe.layer.MoE`` that routes like ``ours`` and holds copies of its weights.
 

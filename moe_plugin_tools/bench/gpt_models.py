@@ -54,17 +54,15 @@ class GPTSpec:
     dtype: str = "fp32"         # fp32, or bf16 / fp16: DeepSpeed's "bf16" / "fp16" block
 
     def moe_block(self) -> dict:
-        router = {1: "switch", 2: "gshard"}.get(self.k)
-        if router is None:
+        from moe_plugin_tools.bench.deepspeed_moe import routing_fields
+
+        if self.k not in (1, 2):
             raise ValueError(f"bench step compares top-1 or top-2 routing (DeepSpeed's MoE gates), got k={self.k}")
-        block = {"num_experts": self.experts, "router": router,
-                 "drop_tokens": not self.dropless, "activation": "gelu", "aux_loss_coeff": self.aux_loss_coeff,
-                 "layer_interval": self.moe_every, "parallel": {"expert": self.ep}}
+        block = {"num_experts": self.experts, **routing_fields(self.k, self.dropless, self.capacity_factor),
+                 "activation": "gelu", "aux_loss_coeff": self.aux_loss_coeff, "layer_interval": self.moe_every,
+                 "parallel": {"expert": self.ep}}
         if not self.dropless:      # dropless has no capacity: the block leaves its fields out
-            block.update(capacity_factor=self.capacity_factor, eval_capacity_factor=self.capacity_factor,
-                         min_capacity=self.min_capacity)
-        if router == "gshard":
-            block["second_expert_policy"] = "all"   # DeepSpeed has no GShard random routing (deepspeed_moe.py)
+            block["min_capacity"] = self.min_capacity
         return block
 
     def ds_config(self, world_size: int, moe: bool = True) -> dict:

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from torch import Tensor
 
+from moe_plugin_tools.bench.deepspeed_moe import routing_fields
 from moe_plugin_tools.bench.device import Target
 from moe_plugin_tools.bench.machine import cpu_seconds, loadavg, others_share
 from moe_plugin.configs.schema import MoEConfig
@@ -85,18 +86,11 @@ class LayerBenchSpec:
         return Target(self.device, self.dtype)
 
     def moe_config(self, ep: int = 1) -> MoEConfig:
-        router = {1: "switch", 2: "gshard"}.get(self.k, "topk")
-        block = {"num_experts": self.experts, "router": router, "drop_tokens": not self.dropless,
+        block = {"num_experts": self.experts, **routing_fields(self.k, self.dropless, self.capacity_factor),
                  "activation": "gelu", "aux_loss_coeff": AUX_LOSS_COEFF, "parallel": {"expert": ep},
                  "recompute_fc1": self.recompute_pre_activation,
                  "overlap_chunks": self.overlap_chunks if ep > 1 else 1,
                  "exchange": self.exchange if ep > 1 else "counts"}
-        if router == "gshard":
-            block["second_expert_policy"] = "all"  # see deepspeed_moe.py
-        if router == "topk":
-            block["top_k"] = self.k
-        if not self.dropless:
-            block.update(capacity_factor=self.capacity_factor, eval_capacity_factor=self.capacity_factor)
         if self.group_topk is not None or self.router_groups is not None:
             # the bench's default (a bench at one EP size): one group per EP rank, written into the block
             groups = self.router_groups if self.router_groups is not None or self.group_topk is None else ep
