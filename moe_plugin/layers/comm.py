@@ -138,18 +138,18 @@ def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[i
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group, None)
 
 
-class _GatherRows(torch.autograd.Function):
-    """Forward: every rank gets the rows of all ranks (concatenated in rank order).
-    Backward: the gradients of all ranks are summed and each rank keeps its own rows."""
+class _Mirrored(torch.autograd.Function):
+    """A collective whose backward is another: forward ``there(x, *args)``, backward
+    ``back(grad, *args)`` (the pairs below)."""
 
     @staticmethod
-    def forward(ctx, x, counts, group):
-        ctx.counts, ctx.group = counts, group
-        return _gather_rows(x, counts, group)
+    def forward(ctx, x, there, back, *args):
+        ctx.back, ctx.args = back, args
+        return there(x, *args)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_rows(grad, ctx.counts, ctx.group), None, None
+        return (ctx.back(grad, *ctx.args), None, None) + (None,) * len(ctx.args)
 
 
 def _gather_rows(x: torch.Tensor, counts: Sequence[int], group) -> torch.Tensor:
@@ -163,57 +163,8 @@ def _reduce_scatter_rows(x: torch.Tensor, counts: Sequence[int], group) -> torch
     return received.view((n, counts[me]) + tuple(x.shape[1:])).sum(0)
 
 
-class _ReduceScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, counts, group):
-        ctx.counts, ctx.group = counts, group
-        return _reduce_scatter_rows(x, counts, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_rows(grad, ctx.counts, ctx.group), None, None
-
-
-def gather_rows(x: torch.Tensor, counts: Sequence[int], group: Group) -> torch.Tensor:
-    """Concatenate the rows of every rank of ``group`` (``counts[j]`` rows from rank j)."""
-    if group is None:
-        return x
-    return _GatherRows.apply(x, list(counts), group)
-
-
-def reduce_scatter_rows(x: torch.Tensor, counts: Sequence[int], group: Group) -> torch.Tensor:
-    """Sum ``x`` over ``group`` and keep this rank's block of ``counts[rank]`` rows."""
-    if group is None:
-        return x
-    return _ReduceScatterRows.apply(x, list(counts), group)
-
-
-class _SplitTokens(torch.autograd.Function):
-    """Forward: keep this rank's equal share of rows of a tensor replicated over the group.
-    Backward: all-gather the shares, so the input gradient is whole (and replicated) again."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.chunk(group_size(group))[group_rank(group)].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_equal(grad, ctx.group), None
-
-
-class _GatherTokens(torch.autograd.Function):
-    """Forward: all-gather equal shares into the replicated whole. Backward: keep own share
-    (the gradient of a replicated activation is itself replicated)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_equal(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.chunk(group_size(ctx.group))[group_rank(ctx.group)].contiguous(), None
+def _own_share(x: torch.Tensor, group) -> torch.Tensor:
+    return x.chunk(group_size(group))[group_rank(group)].contiguous()
 
 
 def _all_gather_equal(x: torch.Tensor, group) -> torch.Tensor:
@@ -222,34 +173,49 @@ def _all_gather_equal(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _same(x: torch.Tensor, group) -> torch.Tensor:
+    return x.view_as(x)
+
+
+def _summed(grad: torch.Tensor, group) -> torch.Tensor:
+    grad = grad.contiguous()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
+def gather_rows(x: torch.Tensor, counts: Sequence[int], group: Group) -> torch.Tensor:
+    """Concatenate the rows of every rank of ``group`` (``counts[j]`` rows from rank j). Backward:
+    the gradients of all ranks summed, each rank keeps its own rows."""
+    if group is None:
+        return x
+    return _Mirrored.apply(x, _gather_rows, _reduce_scatter_rows, list(counts), group)
+
+
+def reduce_scatter_rows(x: torch.Tensor, counts: Sequence[int], group: Group) -> torch.Tensor:
+    """Sum ``x`` over ``group`` and keep this rank's block of ``counts[rank]`` rows (backward:
+    ``gather_rows``)."""
+    if group is None:
+        return x
+    return _Mirrored.apply(x, _reduce_scatter_rows, _gather_rows, list(counts), group)
+
+
 def split_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """This rank's share of tokens replicated over ``group`` (TP without sequence parallelism)."""
+    """This rank's share of tokens replicated over ``group`` (TP without sequence parallelism).
+    Backward all-gathers the shares, so the input gradient is whole (and replicated) again."""
     if group is None:
         return x
     n = group_size(group)
     if x.shape[0] % n:
         raise ValueError(f"{x.shape[0]} tokens cannot be split evenly over {n} tensor-parallel ranks")
-    return _SplitTokens.apply(x, group)
+    return _Mirrored.apply(x, _own_share, _all_gather_equal, group)
 
 
 def gather_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Inverse of ``split_tokens``."""
+    """Inverse of ``split_tokens``: the shares all-gathered; backward keeps this rank's share (the
+    gradient of a replicated activation is itself replicated)."""
     if group is None:
         return x
-    return _GatherTokens.apply(x, group)
-
-
-class _AllReduceGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+    return _Mirrored.apply(x, _all_gather_equal, _own_share, group)
 
 
 def all_reduce_grad(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -257,28 +223,4 @@ def all_reduce_grad(x: torch.Tensor, group: Group) -> torch.Tensor:
     ranks that each see different tokens, so that its gradient is whole on every rank."""
     if group is None:
         return x
-    return _AllReduceGrad.apply(x, group)
-
-
-class _AllReduceSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """The sum of ``x`` over ``group``, on every rank; backward sums the gradients over the group
-    (every rank's result depends on every rank's ``x``). For small partial sums that each rank
-    completes, e.g. per-sequence statistics when the group's ranks hold parts of the sequences."""
-    if group is None:
-        return x
-    return _AllReduceSum.apply(x, group)
+    return _Mirrored.apply(x, _same, _summed, group)

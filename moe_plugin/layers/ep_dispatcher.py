@@ -135,6 +135,12 @@ def route_slots(kept_D: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor]:
     return slot_R, r_R - (end_D - kept_D)[slot_R], r_R < end_D[-1]
 
 
+def flag_rides(finite: Optional[FiniteCheck], parallel: LayerParallelism) -> bool:
+    """Whether the router's finite flag rides along with the wire format's sizes: the EP group is
+    every rank that routes distinct tokens, so that exchange is the agreement, at no extra cost."""
+    return finite is not None and finite.group is None and parallel.ep_is_tokens
+
+
 class CountsWire:
     """The counts wire format (module docstring): the counts first, then exactly the kept rows."""
 
@@ -153,18 +159,10 @@ class CountsWire:
         rides along with the counts (``token.py``: its rows to each peer); ``Sizes.from_peers``
         then holds what each peer sent this rank."""
         p, kept_D = self.parallel, plan.kept_D
-        D = kept_D.numel()
-        X = 0 if to_peers_P is None else p.ep_size
-        payload = [kept_D] if to_peers_P is None else [kept_D, to_peers_P.to(kept_D.dtype)]
-        flags_P = flag_group = None
-        if finite is not None and finite.group is None and p.ep_is_tokens:
-            # The finite flag rides along with the counts: the EP group is every rank that
-            # routes distinct tokens, so this exchange is the agreement, at no extra cost.
-            gathered = comm.gather_counts(torch.cat(payload + [finite.bad_1.to(kept_D.dtype)]), p.ep)
-            flags_P, flag_group = gathered[:, D + X], p.ep
-        else:
-            gathered = comm.gather_counts(torch.cat(payload), p.ep) if X else comm.gather_counts(kept_D, p.ep)
-        traffic_PD = gathered[:, :D].contiguous() if gathered.shape[1] > D else gathered
+        D, carried = kept_D.numel(), flag_rides(finite, p)
+        extra = ([] if to_peers_P is None else [to_peers_P]) + ([finite.bad_1] if carried else [])
+        gathered = comm.gather_counts(torch.cat([kept_D] + [x.to(kept_D.dtype) for x in extra]), p.ep)
+        traffic_PD = gathered[:, :D].contiguous()
         send_D, sent_PD = kept_D, traffic_PD
         if held_D is not None:
             send_D, sent_PD = kept_D.masked_fill(held_D, 0), traffic_PD.masked_fill(held_D, 0)
@@ -178,8 +176,8 @@ class CountsWire:
         sizes = Sizes(traffic_PD, send_PL, recv_PL, counts_GL, send=sync.add(send_PL.sum(1)),
                       recv=sync.add(recv_PL.sum(1)), etp=sync.add(counts_GL.view(p.etp_size, -1).sum(1)),
                       counts_L=sync.add(counts_GL.sum(0)))
-        sync.check(finite, flags_P, flag_group)
-        if X:
+        sync.check(finite, gathered[:, -1] if carried else None, p.ep)
+        if to_peers_P is not None:
             sizes.from_peers = sync.add(gathered[:, D + p.ep_rank])
         return sizes
 

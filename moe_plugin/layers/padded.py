@@ -49,7 +49,7 @@ from torch import Tensor
 
 from moe_plugin.configs.errors import ConfigError
 from moe_plugin.layers import comm
-from moe_plugin.layers.ep_dispatcher import CountsWire, Exchange, route_slots, source_to_expert_order
+from moe_plugin.layers.ep_dispatcher import CountsWire, Exchange, flag_rides, route_slots, source_to_expert_order
 from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.parallel import LayerParallelism
@@ -131,10 +131,7 @@ class PaddedWire:
         counts_dev_L = recv_PL.sum(0)
         sizes = PaddedSizes(recv_NH, recv_PL, B, send=sync.add(plan.kept_D.view(P, L).sum(1)),
                             recv=sync.add(recv_PL.sum(1)), counts_L=sync.add(counts_dev_L))
-        if finite is not None and finite.group is None and p.ep_is_tokens:
-            sync.check(finite, head_PX[:, -1], p.ep)                # every peer's flag came with its header
-        else:
-            sync.check(finite)
+        sync.check(finite, head_PX[:, -1] if flag_rides(finite, p) else None, p.ep)   # flags came with the headers
         return sizes
 
     def _send_buffer(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck], B: int, base: int,
