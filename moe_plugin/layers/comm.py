@@ -58,6 +58,20 @@ def gather_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
     return every.view((n,) + tuple(counts.shape))
 
 
+class _Mirrored(torch.autograd.Function):
+    """A collective whose backward is another: forward ``there(x, *args)``, backward
+    ``back(grad, *args)``. Every autograd-aware collective here is such a pair."""
+
+    @staticmethod
+    def forward(ctx, x, there, back, *args):
+        ctx.back, ctx.args = back, args
+        return there(x, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (ctx.back(grad, *ctx.args), None, None) + (None,) * len(ctx.args)
+
+
 def _all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group,
                 pending: Optional["Pending"] = None) -> torch.Tensor:
     """The exchange itself; with ``pending`` started asynchronously (its handle kept there)."""
@@ -71,63 +85,33 @@ def _all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[
     return out
 
 
+def _reverse(grad: torch.Tensor, out_splits, in_splits, group, pending: Optional["Pending"] = None) -> torch.Tensor:
+    """The exchange back (started, with ``pending``)."""
+    return _all_to_all(grad, in_splits, out_splits, group, pending)
+
+
 class Pending:
-    """An all-to-all in flight (``start_all_to_all``): its handle, and the gradient buffer its
-    reverse exchange fills in backward."""
+    """An all-to-all in flight (``start_all_to_all``): its handle, the gradient buffer its reverse
+    exchange fills in backward, and the halves of the two ``_Mirrored`` pairs that use them."""
 
     handle: Optional[dist.Work] = None
     grad: Optional[torch.Tensor] = None
 
-
-class _AllToAll(torch.autograd.Function):
-    """Forward: the exchange (``pending`` None), or its start (``pending``: ``_Wait`` waits for it).
-    Backward: the reverse exchange, or (started) the wait for the reverse ``_Wait.backward`` started."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, pending):
-        ctx.splits, ctx.group, ctx.pending = (out_splits, in_splits), group, pending
-        return _all_to_all(x, out_splits, in_splits, group, pending)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        pending = ctx.pending
-        if pending is None:
-            return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None, None
-        pending.handle.wait()
-        grad, pending.grad = pending.grad, None
-        return grad, None, None, None, None
-
-
-class _Wait(torch.autograd.Function):
-    """Forward: wait for a started ``_AllToAll``; its output, filled. Backward: start the reverse
-    exchange of the gradient for the start's backward; pass the gradient on as a token."""
-
-    @staticmethod
-    def forward(ctx, out, out_splits, in_splits, group, pending):
-        pending.handle.wait()
-        ctx.splits, ctx.group, ctx.pending = (out_splits, in_splits), group, pending
+    def arrived(self, out: torch.Tensor, *_) -> torch.Tensor:
+        """The wait's forward: the started exchange's output, once filled."""
+        self.handle.wait()
         return out.view_as(out)
 
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        ctx.pending.grad = _all_to_all(grad, in_splits, out_splits, ctx.group, ctx.pending)
-        return grad, None, None, None, None
+    def start_back(self, grad: torch.Tensor, out_splits, in_splits, group, _) -> torch.Tensor:
+        """The wait's backward: start the reverse exchange of ``grad``; pass it on as a token."""
+        self.grad = _reverse(grad, out_splits, in_splits, group, self)
+        return grad
 
-
-def start_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> tuple:
-    """``all_to_all`` started asynchronously: what ``wait_all_to_all`` takes (the output, not yet
-    filled, and the exchange). Backward: the reverse exchange starts in the wait's backward and is
-    waited for in the start's (``overlap.py``)."""
-    pending = Pending()
-    return _AllToAll.apply(x, out_splits, in_splits, group, pending), (out_splits, in_splits, group, pending)
-
-
-def wait_all_to_all(started: tuple) -> torch.Tensor:
-    """The output of ``start_all_to_all``, once it arrived."""
-    out, args = started
-    return _Wait.apply(out, *args)
+    def back_arrived(self, _grad: torch.Tensor, *_) -> torch.Tensor:
+        """The start's backward: the reverse exchange's result, once it arrived."""
+        self.handle.wait()
+        grad, self.grad = self.grad, None
+        return grad
 
 
 def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: Group) -> torch.Tensor:
@@ -135,21 +119,23 @@ def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[i
     rows arrive from rank j. Backward runs the reverse exchange."""
     if group is None:
         return x
-    return _AllToAll.apply(x, list(out_splits), list(in_splits), group, None)
+    return _Mirrored.apply(x, _all_to_all, _reverse, list(out_splits), list(in_splits), group)
 
 
-class _Mirrored(torch.autograd.Function):
-    """A collective whose backward is another: forward ``there(x, *args)``, backward
-    ``back(grad, *args)`` (the pairs below)."""
+def start_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> tuple:
+    """``all_to_all`` started asynchronously, with the same autograd: what ``wait_all_to_all`` takes
+    (the output, not yet filled, and the exchange). Backward: the reverse exchange starts in the
+    wait's backward and is waited for in the start's (``overlap.py``)."""
+    pending = Pending()
+    args = (out_splits, in_splits, group, pending)
+    return _Mirrored.apply(x, _all_to_all, pending.back_arrived, *args), args
 
-    @staticmethod
-    def forward(ctx, x, there, back, *args):
-        ctx.back, ctx.args = back, args
-        return there(x, *args)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return (ctx.back(grad, *ctx.args), None, None) + (None,) * len(ctx.args)
+def wait_all_to_all(started: tuple) -> torch.Tensor:
+    """The output of ``start_all_to_all``, once it arrived."""
+    out, args = started
+    pending = args[-1]
+    return _Mirrored.apply(out, pending.arrived, pending.start_back, *args)
 
 
 def _gather_rows(x: torch.Tensor, counts: Sequence[int], group) -> torch.Tensor:

@@ -2,34 +2,25 @@
 
 Shape suffixes: see ``moe_plugin.layers``.
 
-The interface, used by ``MoELayer`` in this order::
+``MoELayer`` calls ``state = dispatcher.prepare(x_TH, plan, finite)``, the batch's frozen
+dispatch state (``Dispatch`` here: what the dispatcher needs between dispatch and combine; the
+routing plan holds routing only), then ``dispatcher.run(state, experts, shared)``, which runs the
+dispatcher's ``schedule``. The one exchange (``OneExchange``)::
 
-    plan, finite = router(x_TH)
-    state = dispatcher.prepare(x_TH, plan, finite)             # finite verdict; the batch's dispatch state
     x_NH, gather_R, counts_L = dispatcher.to_experts(state)
-    y_RH = experts(x_NH, counts_L, gather_R)                  # rows x_NH[gather_R], grouped by local expert
-    out_TH = dispatcher.combine(y_RH, state)                   # gate-weighted sum over each token's routes
+    y_RH = experts(x_NH, counts_L, gather_R)        # rows x_NH[gather_R], grouped by local expert
+    out_TH = dispatcher.combine(y_RH, state)         # gate-weighted sum over each token's routes
 
-``prepare`` returns the dispatcher's own frozen state for the batch (``Dispatch`` here): what it
-needs between dispatch and combine. The routing plan holds routing only.
-
-``prepare`` holds the layer's one host sync: a single transfer brings what the forward needs on
-the host (here the kept routes per slot, which are the experts' row counts, and the router's
-finite flags); the router's plan lists every route, the kept ones first, and is cut to the kept
-ones with the count read there (``RoutingPlan.kept``).
+``prepare`` holds the layer's one host sync (``host_sync.py``: the kept routes per slot, here
+the experts' row counts, and the router's finite flags) and cuts the router's plan, which lists
+every route with the kept ones first, to the kept ones (``RoutingPlan.kept``).
 
 ``TokenDispatcher`` is the single-process one: the expert input is the tokens themselves and
 ``plan.token_R``, so the experts gather the rows chunk by chunk (and again in backward)
-instead of a [R, H] copy being kept for backward. Combine is ``combine.gate_combine``: a
-gather per token over its routes, summed in fp32, with a gather backward; deterministic, no
-[K*T, H] buffer. Dropped routes add nothing: their token keeps only the residual.
-
-``run`` runs the dispatcher's ``schedule`` (``OneExchange`` here). Expert parallelism
-(``ep_dispatcher.ExpertParallelDispatcher``) overrides ``prepare``, ``to_experts``,
-``from_experts``, ``traffic`` and ``combine``: it composes a wire format (counts, padded, token:
-how sizes and rows cross), a schedule (one exchange, or the chunks of ``overlap.py``) and
-shadowing (``shadow.py``), built by ``exchange_factory.build_dispatcher``.
-Everything else (permute, gate weighting, unpermute) stays as it is here.
+instead of a [R, H] copy being kept for backward. Combine is ``combine.gate_combine``. Dropped
+routes add nothing: their token keeps only the residual. Expert parallelism
+(``ep_dispatcher.ExpertParallelDispatcher``: a wire format x a schedule x shadowing) overrides
+the hooks ``prepare`` to ``combine``; permute, gate weighting and unpermute stay as they are here.
 """
 from __future__ import annotations
 
@@ -55,6 +46,7 @@ class Dispatch:
     x_TH: Tensor
     plan: RoutingPlan
     counts_L: RowCounts      # rows per local expert, on the host and on the device
+    traffic_PD: Optional[Tensor] = None   # [P, D] kept routes of each EP peer's tokens per slot (None: not learnt)
 
 
 class TokenDispatcher:
@@ -83,10 +75,6 @@ class TokenDispatcher:
     def from_experts(self, y_RH: Tensor, state: Dispatch) -> Tensor:
         """Expert outputs (rows grouped by local expert) -> rows in this rank's kept-route order."""
         return y_RH
-
-    def traffic(self, state: Dispatch) -> Optional[Tensor]:
-        """[P, D] kept routes of each EP peer's tokens per slot; None without an exchange."""
-        return None
 
     def combine(self, y_RH: Tensor, state: Dispatch) -> Tensor:
         """Expert outputs [R, H] -> [T, H] in the input dtype, summed in fp32 over each token's routes."""

@@ -3,8 +3,8 @@ all-to-all, ETP gather, local re-sort.
 
 Shape suffixes: see ``moe_plugin.layers``.
 
-``ExpertParallelDispatcher`` overrides the hooks of ``TokenDispatcher`` (permute, gate weighting
-and unpermute stay there) and composes three parts, built by ``exchange_factory.build_dispatcher``:
+``ExpertParallelDispatcher`` overrides the hooks of ``TokenDispatcher`` and composes three parts,
+built by ``exchange_factory.build_dispatcher``:
 
 * a wire format: how the sizes and the rows cross. ``CountsWire`` here, ``padded.PaddedWire``,
   ``token.TokenWire``. Its interface: ``sizes`` (plan the sizes: add what the host sync reads),
@@ -13,7 +13,8 @@ and unpermute stay there) and composes three parts, built by ``exchange_factory.
   itself, except where ``auto`` padded cannot carry a batch's header);
 * a schedule: ``dispatcher.OneExchange`` or ``overlap.Overlapped`` (the exchange in chunks);
 * shadowing, or none: ``shadow.Shadowing``, a transform of the routing plan before the exchange
-  (the routes it holds back) and after it (its rows join the combine).
+  (the routes it holds back: ``sizes(..., held_D)`` leaves them out of the send and receive
+  counts, ``traffic_PD`` still counts them) and after it (its rows join the combine).
 
 Per batch (``prepare``) one ``host_sync.HostSync`` collects what each part reads on the host.
 
@@ -25,30 +26,20 @@ The counts wire format, on the routing plan of this rank's own tokens:
 2. ``traffic_PD = gather_counts(kept_D, ep)``: every peer's kept routes per slot, one all-gather
    of P * E integers; ``recv_PL`` (the rows each peer sends per local slot) is its column block.
    The whole sender x slot matrix comes with it: the load record of ``placement/`` reads it
-   from ``Exchange.traffic_PD`` (``traffic``) at no extra cost. When the EP group is exactly the ranks that
-   route distinct tokens (``LayerParallelism.ep_is_tokens``), every rank's finite flag rides
-   along as one more integer, and the router starts no collective of its own.
+   (``Dispatch.traffic_PD``) at no extra cost. The router's finite flag may ride along (``flag_rides``).
 3. With ETP, every ETP peer's ``recv_PL`` (``exchange_counts`` of the flattened counts, one row
    per peer) -> ``counts_GL`` [Q * P, L]. Without ETP ``counts_GL = recv_PL``.
-4. One host sync of the split sizes, the rows per local expert and the router's finite
-   flags (``HostSync``; a rank whose logits are not finite makes every rank that
-   shares the verdict raise here, before any row moves); the router's plan is cut to its kept
-   routes (as many as the rows sent), and the permutation that re-sorts
-   received rows from (sender, local expert) order to (local expert, sender) order, built with
-   tensor ops from ``counts_GL`` (``source_to_expert_order``).
+4. The host sync (a rank whose logits are not finite makes every rank that shares the verdict
+   raise there, before any row moves); the router's plan is cut to its kept routes, and the
+   permutation that re-sorts received rows from (sender, local expert) order to (local expert,
+   sender) order is built with tensor ops from ``counts_GL`` (``source_to_expert_order``).
 
 Send (``send``): gather of the kept routes' tokens, uneven ``all_to_all`` over EP (no
 padding; zero rows either way is fine), ``gather_rows`` over ETP; the re-sort is left to the
-experts as their row index ``sort_R`` (``GroupedExperts(x, counts, gather_R)``), which gather
-chunk by chunk and keep only the received rows for backward. Way back (``back``): the inverse
-re-sort, ``reduce_scatter_rows`` over ETP (sums the F-shards' partial outputs, keeps this
-rank's received block), the reverse ``all_to_all`` over EP. The collectives' backwards are the
-reverse exchanges (``comm.py``). The rows each expert sees are then ordered by sender and,
-within a sender, in its priority order.
-
-Shadow experts (``shadow.py``): ``sizes(..., held_D)`` leaves the routes of the shadowed slots out
-of the send and receive counts (they are computed where they are); ``traffic_PD`` still counts
-them, so the load record does not depend on shadowing.
+experts as their row index ``sort_R``, so they keep only the received rows for backward. Way
+back (``back``): the inverse re-sort, ``reduce_scatter_rows`` over ETP (sums the F-shards'
+partial outputs, keeps this rank's received block), the reverse ``all_to_all`` over EP. The
+rows each expert sees are ordered by sender and, within a sender, in its priority order.
 """
 from __future__ import annotations
 
@@ -79,7 +70,6 @@ class Exchange(Dispatch):
     send_splits: list[int]          # [P] routes to each EP peer
     recv_splits: list[int]          # [P] routes from each EP peer
     unsort_R: Tensor                # the experts' (expert, sender) order -> received (sender, expert) order
-    traffic_PD: Optional[Tensor] = None   # [P, D] kept routes of each EP peer's tokens per slot (None: not learnt)
     held: Optional["ShadowRoutes"] = None  # the routes shadowing kept here (``shadow.py``)
     chunks: Any = None                     # the chunked schedule's split of the exchange (``overlap.Chunks``)
 
@@ -154,10 +144,8 @@ class CountsWire:
     def sizes(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck], sync: HostSync,
               held_D: Optional[Tensor] = None, to_peers_P: Optional[Tensor] = None) -> Sizes:
         """The counts round (module docstring, 1-3), its values added to ``sync``. ``held_D`` (bool
-        [D], the same on every EP rank): slots whose routes every rank computes itself (``shadow.py``);
-        counted in ``traffic_PD``, not exchanged. ``to_peers_P``: one more integer per EP peer that
-        rides along with the counts (``token.py``: its rows to each peer); ``Sizes.from_peers``
-        then holds what each peer sent this rank."""
+        [D]): the shadowed slots, counted in ``traffic_PD``, not exchanged. ``to_peers_P``: one more
+        integer per EP peer riding along (``token.py``); ``Sizes.from_peers``: what each peer sent me."""
         p, kept_D = self.parallel, plan.kept_D
         D, carried = kept_D.numel(), flag_rides(finite, p)
         extra = ([] if to_peers_P is None else [to_peers_P]) + ([finite.bad_1] if carried else [])
@@ -206,18 +194,14 @@ class ExpertParallelDispatcher(TokenDispatcher):
     format (default counts), a schedule (default one exchange) and shadowing or none (module
     docstring)."""
 
-    def __init__(self, num_experts: int, parallel: LayerParallelism, wire: Any = None, schedule: Any = None,
+    def __init__(self, num_experts: int, parallel: LayerParallelism, wire: Any, schedule: Any = None,
                  shadowing: Optional["Shadowing"] = None):
         super().__init__(num_experts)
         if num_experts % parallel.ep_size:
             raise ValueError(f"{num_experts} experts cannot be split evenly over {parallel.ep_size} "
                              "expert-parallel ranks")
-        self.parallel = parallel
-        self.num_local = num_experts // parallel.ep_size
-        self.wire = wire if wire is not None else CountsWire(parallel, self.num_local)
-        if schedule is not None:
-            self.schedule = schedule
-        self.shadowing = shadowing
+        self.parallel, self.wire, self.shadowing = parallel, wire, shadowing
+        self.schedule = schedule or self.schedule
 
     def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Exchange:
         wire, sync = self.wire.for_batch(x_TH, plan), HostSync()
@@ -225,23 +209,16 @@ class ExpertParallelDispatcher(TokenDispatcher):
         sizes = wire.sizes(x_TH, plan, finite, sync, None if held is None else held.shadow_D)
         pending = self.schedule.plan(sizes, sync)
         sync.read()                                                  # the one host sync; the finite verdict
-        plan = plan.kept(sum(sizes.send.host) + (0 if held is None else sum(held.counts.host)))
-        routes = None
-        if held is not None:
-            plan, routes = self.shadowing.split(plan, held)
-        state = wire.state(x_TH, plan, sizes)
-        if routes is not None:
-            state = replace(state, held=routes)
-        return self.schedule.finish(state, pending)
+        if held is None:
+            return self.schedule.finish(wire.state(x_TH, plan.kept(sum(sizes.send.host)), sizes), pending)
+        plan, routes = self.shadowing.split(plan.kept(sum(sizes.send.host) + sum(held.counts.host)), held)
+        return self.schedule.finish(replace(wire.state(x_TH, plan, sizes), held=routes), pending)
 
     def to_experts(self, state: Exchange) -> tuple[Tensor, Tensor, RowCounts]:
         return state.wire.send(state)
 
     def from_experts(self, y_RH: Tensor, state: Exchange) -> Tensor:
         return state.wire.back(y_RH, state)
-
-    def traffic(self, state: Exchange) -> Optional[Tensor]:
-        return state.traffic_PD
 
     def combine(self, y_RH: Tensor, state: Exchange) -> Tensor:
         if self.shadowing is None:

@@ -22,14 +22,10 @@ every layout-dependent factor. Forward on one rank::
     + shared expert, attach aux loss  (the replica's, on each TP rank; ``parallel.py`` 4(b))
     out_TH -> gather_tokens over TP   (replicated input, no SP)
 
-The dispatcher (``exchange_factory.build_dispatcher``): ``TokenDispatcher`` in one process, else an
-``ExpertParallelDispatcher`` of a wire format (``exchange`` counts, padded ``padded.py``, token
-``token.py``), a schedule (one exchange, or ``overlap_chunks`` > 1: the exchange overlapped with the
-experts and the shared expert, ``overlap.py``) and shadowing. Shadow experts (``set_shadow``,
-``shadow.py``): the routes to a shadowed expert skip the exchange and run on this rank through a
-copy of the owner's weights (``ShadowExperts``, next to ``experts``). A change of the shadowed
-experts, or a load tracker that reads the sender x expert traffic (``track_traffic``), builds the
-dispatcher again through the factory.
+The dispatcher comes from ``exchange_factory.build_dispatcher`` (a wire format x a schedule x
+shadowing), built again when the shadowed experts change (``set_shadow``: the routes to a
+shadowed expert run on this rank through a copy of the owner's weights, ``shadow.py``) or a load
+tracker starts reading the sender x expert traffic (``track_traffic``).
 """
 from __future__ import annotations
 
@@ -232,12 +228,9 @@ class MoELayer(nn.Module):
         return out_TH.view(hidden_SBH.shape), None
 
     def set_shadow(self, expert_ids) -> None:
-        """Shadow these experts (global ids; ``[]``: none): every EP rank computes its own routes
-        to them with copies of the owner's weights, the gradients are summed back to the owner
-        (``shadow.py``). Call it on every EP rank with the same ids, between steps. The model
-        function does not change. Needs EP > 1 and no expert tensor parallelism; the dispatcher is
-        built again (``exchange_factory``: an ``exchange`` auto that was padded gives counts while
-        experts are shadowed; padded or token by name raise)."""
+        """Shadow these experts (global ids; ``[]``: none; ``shadow.py``). Call it on every EP rank
+        with the same ids, between steps; the model function does not change. The dispatcher is
+        built again (``exchange_factory``: what does not combine raises, nothing changed)."""
         before = self.shadow.expert_ids
         self.shadow.set(expert_ids)
         try:
@@ -249,8 +242,7 @@ class MoELayer(nn.Module):
 
     def track_traffic(self, what: str) -> None:
         """``what`` (a load tracker) reads the sender x expert traffic, which only the counts round
-        gives: the dispatcher is built again for it (an ``exchange`` auto that was padded gives
-        counts; padded by name raises)."""
+        gives: the dispatcher is built again for it (``exchange_factory``)."""
         self.dispatcher, self.exchange = build_dispatcher(self.config, self.parallel, self.shadow, what)
         self.traffic_reader = what
 
@@ -275,7 +267,7 @@ class MoELayer(nn.Module):
         return AttachAuxLoss.apply(out_TH, loss, self.aux_loss_scale)
 
     def _stats(self, plan: RoutingPlan, state: Dispatch) -> MoEStats:
-        traffic_PD = self.dispatcher.traffic(state)
+        traffic_PD = state.traffic_PD
         traffic_PE = None if traffic_PD is None or self.parallel.ep is None else traffic_PD[:, self.placement]
         return MoEStats(kept_per_expert=plan.kept_E.detach(), routed_per_expert=plan.routed_E.detach(),
                         dropped_fraction=plan.dropped_fraction.detach(), balance_loss=plan.balance_loss.detach(),

@@ -14,23 +14,20 @@ one gather of the tokens, then one all-to-all per chunk. Forward on one rank::
     wait every way back, rows back in kept-route order -> combine
 
 While chunk c computes, the all-to-alls of the later chunks (and the way back of the earlier
-ones) run. Backward mirrors it without extra code: the wait's backward starts the reverse
-all-to-all of its gradient and the start's backward waits for it (``comm.start_all_to_all``: the
-autograd of ``comm.all_to_all``, started now and waited for later); the
-autograd engine runs the later-made nodes first, so every chunk's way-back gradient is sent
-before the experts' backward of the last chunk begins, and each chunk's input gradient leaves
-while the next chunk's experts run their backward. Every rank makes the same graph, so the
-collectives start in the same order everywhere.
+ones) run. Backward mirrors it without extra code (``comm.start_all_to_all``: the autograd of
+``comm.all_to_all``, started now and waited for later): the autograd engine runs the later-made
+nodes first, so every chunk's way-back gradient is sent before the experts' backward of the last
+chunk begins, and each chunk's input gradient leaves while the next chunk's experts run their
+backward. Every rank makes the same graph, so the collectives start in the same order everywhere.
 
 Every expert sees the same rows in the same order as with one exchange, and each route's output
 is the same row, so outputs and gradients are bit-identical to ``overlap_chunks`` 1 (top-1 and
-top-2; tests/test_overlap.py). The weights are split per chunk once (one ``split``, one
-gradient concatenation in backward).
+top-2; tests/test_overlap.py). The weights are split per chunk once (one ``split``, one gradient
+concatenation in backward).
 
-Not done: expert tensor parallelism (its gather over ETP would need its own chunking; the config
-refuses it), layers with shadowed experts (``exchange_factory`` gives them one exchange), other
-wire formats than counts (the rules refuse them), and the kept storage of the
-weight gradients (``ffn_autograd.GradStore``): the split's backward allocates them anew.
+Not done: the counts wire format only, without expert tensor parallelism or shadowed experts
+(``exchange_rules.py``); the kept storage of the weight gradients (``ffn_autograd.GradStore``):
+the split's backward allocates them anew.
 """
 from __future__ import annotations
 
