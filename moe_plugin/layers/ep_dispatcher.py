@@ -1,22 +1,7 @@
-"""Expert-parallel token dispatcher, and its counts wire format: counts exchange, uneven
-all-to-all, ETP gather, local re-sort.
+"""The expert-parallel exchange: its per-batch state, and the counts wire format (counts
+exchange, uneven all-to-all, ETP gather, local re-sort).
 
-Shape suffixes: see ``moe_plugin.layers``.
-
-``ExpertParallelDispatcher`` overrides the hooks of ``TokenDispatcher`` and composes three parts,
-built by ``exchange_factory.build_dispatcher``:
-
-* a wire format: how the sizes and the rows cross. ``CountsWire`` here, ``padded.PaddedWire``,
-  ``token.TokenWire``. Its interface: ``sizes`` (plan the sizes: add what the host sync reads),
-  ``state`` (the batch's ``Exchange`` once read), ``send`` (rows to the experts), ``back`` (their
-  outputs back, in the plan's kept-route order), and ``for_batch`` (the wire format of one batch:
-  itself, except where ``auto`` padded cannot carry a batch's header);
-* a schedule: ``dispatcher.OneExchange`` or ``overlap.Overlapped`` (the exchange in chunks);
-* shadowing, or none: ``shadow.Shadowing``, a transform of the routing plan before the exchange
-  (the routes it holds back: ``sizes(..., held_D)`` leaves them out of the send and receive
-  counts, ``traffic_PD`` still counts them) and after it (its rows join the combine).
-
-Per batch (``prepare``) one ``host_sync.HostSync`` collects what each part reads on the host.
+Shape suffixes: see ``moe_plugin.layers``. A wire format's interface: ``dispatcher.py``.
 
 The counts wire format, on the routing plan of this rank's own tokens:
 
@@ -26,7 +11,8 @@ The counts wire format, on the routing plan of this rank's own tokens:
 2. ``traffic_PD = gather_counts(kept_D, ep)``: every peer's kept routes per slot, one all-gather
    of P * E integers; ``recv_PL`` (the rows each peer sends per local slot) is its column block.
    The whole sender x slot matrix comes with it: the load record of ``placement/`` reads it
-   (``Dispatch.traffic_PD``) at no extra cost. The router's finite flag may ride along (``flag_rides``).
+   (``Dispatch.traffic_PD``) at no extra cost. The router's finite flag may ride along
+   (``flag_rides``). Shadowed slots (``held_D``, ``shadow.py``) are counted there, not exchanged.
 3. With ETP, every ETP peer's ``recv_PL`` (``exchange_counts`` of the flattened counts, one row
    per peer) -> ``counts_GL`` [Q * P, L]. Without ETP ``counts_GL = recv_PL``.
 4. The host sync (a rank whose logits are not finite makes every rank that shares the verdict
@@ -43,30 +29,28 @@ rows each expert sees are ordered by sender and, within a sender, in its priorit
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
 
 from moe_plugin.layers import comm
-from moe_plugin.layers.dispatcher import Dispatch, TokenDispatcher
+from moe_plugin.layers.dispatcher import Dispatch
 from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
 
 if TYPE_CHECKING:
-    from moe_plugin.layers.shadow import Shadowing, ShadowRoutes
+    from moe_plugin.layers.shadow import ShadowRoutes
 
 
 @dataclass(frozen=True, kw_only=True)
 class Exchange(Dispatch):
-    """One batch as ``ExpertParallelDispatcher`` sends it: the tokens, the routes that go through
-    the exchange (``plan``), and what the way back needs; the wire format's own fields are in its
-    subclass."""
+    """One batch as an expert-parallel wire format sends it: what the way back needs (the wire
+    format's own fields are in its subclass), shadowing's routes and the chunked schedule's split."""
 
-    wire: Any                       # the batch's wire format (``for_batch``)
     send_splits: list[int]          # [P] routes to each EP peer
     recv_splits: list[int]          # [P] routes from each EP peer
     unsort_R: Tensor                # the experts' (expert, sender) order -> received (sender, expert) order
@@ -187,40 +171,3 @@ class CountsWire:
     def back(self, y_RH: Tensor, state: CountsExchange) -> Tensor:
         y_RH = comm.reduce_scatter_rows(y_RH.index_select(0, state.unsort_R), state.etp_splits, self.parallel.etp)
         return comm.all_to_all(y_RH, state.send_splits, state.recv_splits, self.parallel.ep)
-
-
-class ExpertParallelDispatcher(TokenDispatcher):
-    """Dispatcher for experts spread over ``parallel.ep`` and split over ``parallel.etp``: a wire
-    format (default counts), a schedule (default one exchange) and shadowing or none (module
-    docstring)."""
-
-    def __init__(self, num_experts: int, parallel: LayerParallelism, wire: Any, schedule: Any = None,
-                 shadowing: Optional["Shadowing"] = None):
-        super().__init__(num_experts)
-        if num_experts % parallel.ep_size:
-            raise ValueError(f"{num_experts} experts cannot be split evenly over {parallel.ep_size} "
-                             "expert-parallel ranks")
-        self.parallel, self.wire, self.shadowing = parallel, wire, shadowing
-        self.schedule = schedule or self.schedule
-
-    def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Exchange:
-        wire, sync = self.wire.for_batch(x_TH, plan), HostSync()
-        held = self.shadowing.before(plan, sync) if self.shadowing is not None else None
-        sizes = wire.sizes(x_TH, plan, finite, sync, None if held is None else held.shadow_D)
-        pending = self.schedule.plan(sizes, sync)
-        sync.read()                                                  # the one host sync; the finite verdict
-        if held is None:
-            return self.schedule.finish(wire.state(x_TH, plan.kept(sum(sizes.send.host)), sizes), pending)
-        plan, routes = self.shadowing.split(plan.kept(sum(sizes.send.host) + sum(held.counts.host)), held)
-        return self.schedule.finish(replace(wire.state(x_TH, plan, sizes), held=routes), pending)
-
-    def to_experts(self, state: Exchange) -> tuple[Tensor, Tensor, RowCounts]:
-        return state.wire.send(state)
-
-    def from_experts(self, y_RH: Tensor, state: Exchange) -> Tensor:
-        return state.wire.back(y_RH, state)
-
-    def combine(self, y_RH: Tensor, state: Exchange) -> Tensor:
-        if self.shadowing is None:
-            return super().combine(y_RH, state)
-        return self.shadowing.combine(self.from_experts(y_RH, state), state)

@@ -157,14 +157,9 @@ def _check_sizes(config: MoEConfig, parallel: LayerParallelism) -> None:
 
 class MoELayer(nn.Module):
     """A Mixture-of-Experts MLP. ``seed`` makes the init deterministic and layout independent
-    (expert and expert-tensor shards are slices of the single-process weights).
-
-    Placement: ``experts.placement`` [E] (an int64 buffer, in ``state_dict``) holds the slot of
-    every expert, ``ep_rank * L + local index``: EP rank p hosts the experts whose slots are
-    ``[p * L, (p + 1) * L)``, and ``experts.weight1[l]`` is the expert in slot ``p * L + l``.
-    The router sorts routes by slot (a tensor gather), so dispatch needs nothing else. The
-    argument ``placement`` builds the layer with experts already in those slots (default: expert
-    e in slot e); changing it during training means moving the weights with it.
+    (expert and expert-tensor shards are slices of the single-process weights). ``placement``
+    [E]: the slot of every expert (``GroupedExperts``; default: expert e in slot e); changing it
+    during training means moving the weights with it (``placement/``).
     """
 
     def __init__(self, config: MoEConfig, hidden_size: int, ffn_hidden_size: int,

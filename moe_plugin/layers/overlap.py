@@ -45,7 +45,7 @@ from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.parallel import LayerParallelism
 
 if TYPE_CHECKING:
-    from moe_plugin.layers.ep_dispatcher import ExpertParallelDispatcher
+    from moe_plugin.layers.dispatcher import Dispatcher
     from moe_plugin.layers.experts import GroupedExperts, SharedExpert
 
 
@@ -131,7 +131,7 @@ class Overlapped:
         send, recv = pending
         return replace(state, chunks=chunked(state, self.chunks, send.host, recv.host, recv.device))
 
-    def run(self, dispatcher: "ExpertParallelDispatcher", state: Exchange, experts: "GroupedExperts",
+    def run(self, dispatcher: "Dispatcher", state: Exchange, experts: "GroupedExperts",
             shared: Optional["SharedExpert"] = None) -> Tensor:
         """The layer's output: the combined experts' rows plus the shared expert's (if any)."""
         with record_function("moe.overlapped"):

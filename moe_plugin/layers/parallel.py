@@ -21,7 +21,7 @@ Semantics (a "replica" is one DP rank's micro-batch of T tokens, replicated over
    (``router.route(own=...)``). Dispatch, experts and the counts of ``last_stats`` concern
    this rank's tokens only; the balance and z losses are the replica's, the same on its TP ranks.
 2. Expert parallelism (``ep``): a rank hosts experts ``[ep_rank * L, (ep_rank + 1) * L)`` and
-   exchanges routed rows with its EP peers (``ExpertParallelDispatcher``).
+   exchanges routed rows with its EP peers (``ep_dispatcher.py``).
 3. Expert tensor parallelism (``etp``): each expert's FFN dimension is split over the ETP group;
    rows received over EP are gathered over ETP, each rank computes a partial output with its
    F-shard and the partial outputs are reduce-scattered back. Routing does not depend on etp.
