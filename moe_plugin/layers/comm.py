@@ -72,6 +72,11 @@ class _Mirrored(torch.autograd.Function):
         return (ctx.back(grad, *ctx.args), None, None) + (None,) * len(ctx.args)
 
 
+def _mirrored(x: torch.Tensor, there, back, *args) -> torch.Tensor:
+    """``_Mirrored`` on ``x``; ``x`` itself where the group (the last argument) is None."""
+    return x if args[-1] is None else _Mirrored.apply(x, there, back, *args)
+
+
 def _all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group,
                 pending: Optional["Pending"] = None) -> torch.Tensor:
     """The exchange itself; with ``pending`` started asynchronously (its handle kept there)."""
@@ -117,9 +122,7 @@ class Pending:
 def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: Group) -> torch.Tensor:
     """Uneven all-to-all of rows: ``in_splits[j]`` rows of ``x`` go to rank j, ``out_splits[j]``
     rows arrive from rank j. Backward runs the reverse exchange."""
-    if group is None:
-        return x
-    return _Mirrored.apply(x, _all_to_all, _reverse, list(out_splits), list(in_splits), group)
+    return _mirrored(x, _all_to_all, _reverse, list(out_splits), list(in_splits), group)
 
 
 def start_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> tuple:
@@ -172,41 +175,30 @@ def _summed(grad: torch.Tensor, group) -> torch.Tensor:
 def gather_rows(x: torch.Tensor, counts: Sequence[int], group: Group) -> torch.Tensor:
     """Concatenate the rows of every rank of ``group`` (``counts[j]`` rows from rank j). Backward:
     the gradients of all ranks summed, each rank keeps its own rows."""
-    if group is None:
-        return x
-    return _Mirrored.apply(x, _gather_rows, _reduce_scatter_rows, list(counts), group)
+    return _mirrored(x, _gather_rows, _reduce_scatter_rows, list(counts), group)
 
 
 def reduce_scatter_rows(x: torch.Tensor, counts: Sequence[int], group: Group) -> torch.Tensor:
     """Sum ``x`` over ``group`` and keep this rank's block of ``counts[rank]`` rows (backward:
     ``gather_rows``)."""
-    if group is None:
-        return x
-    return _Mirrored.apply(x, _reduce_scatter_rows, _gather_rows, list(counts), group)
+    return _mirrored(x, _reduce_scatter_rows, _gather_rows, list(counts), group)
 
 
 def split_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:
     """This rank's share of tokens replicated over ``group`` (TP without sequence parallelism).
     Backward all-gathers the shares, so the input gradient is whole (and replicated) again."""
-    if group is None:
-        return x
-    n = group_size(group)
-    if x.shape[0] % n:
-        raise ValueError(f"{x.shape[0]} tokens cannot be split evenly over {n} tensor-parallel ranks")
-    return _Mirrored.apply(x, _own_share, _all_gather_equal, group)
+    if x.shape[0] % group_size(group):
+        raise ValueError(f"{x.shape[0]} tokens cannot be split evenly over {group_size(group)} tensor-parallel ranks")
+    return _mirrored(x, _own_share, _all_gather_equal, group)
 
 
 def gather_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Inverse of ``split_tokens``: the shares all-gathered; backward keeps this rank's share (the
     gradient of a replicated activation is itself replicated)."""
-    if group is None:
-        return x
-    return _Mirrored.apply(x, _all_gather_equal, _own_share, group)
+    return _mirrored(x, _all_gather_equal, _own_share, group)
 
 
 def all_reduce_grad(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward; the gradient is summed over ``group``. For a weight replicated over
     ranks that each see different tokens, so that its gradient is whole on every rank."""
-    if group is None:
-        return x
-    return _Mirrored.apply(x, _same, _summed, group)
+    return _mirrored(x, _same, _summed, group)

@@ -364,7 +364,8 @@ class Router(nn.Module):
         self.config = config
         self.seed = seed
         E = config.num_experts
-        self.weight = nn.Parameter(torch.randn(E, hidden_size, generator=seeded_generator(seed, ROUTER_STREAM)) * init_std)
+        gen = seeded_generator(seed, ROUTER_STREAM)
+        self.weight = nn.Parameter(torch.randn(E, hidden_size, generator=gen) * init_std)
         self.register_buffer("expert_bias", torch.zeros(E))
         self.register_buffer("load_E", torch.zeros(E), persistent=False)   # since the last bias update (update_bias)
         self._generators: dict[torch.device, torch.Generator] = {}
