@@ -8,8 +8,7 @@ lists of ints: the counts are exchanged first (``exchange_counts``) and then eve
 collective moves exactly the routed rows, never padding.
 
 bf16 and fp16 rows go over the wire as they are: gloo's all_to_all, all_gather and all_reduce
-accept them in torch 2.13 (checked; ``tests/test_layers_dist.py`` runs bf16 MoE layers over
-gloo). gloo rejects int16, so a same-size int16 view would not help anyway.
+accept them in torch 2.13 (``tests/test_layers_dist.py`` runs bf16 MoE layers over gloo).
 """
 from __future__ import annotations
 
@@ -45,14 +44,11 @@ def exchange_counts(send_counts: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def gather_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
-    """Every rank's ``counts`` (same shape everywhere) stacked in rank order: [ranks, ...]. A
-    rank reads what it receives and, for free, what every other rank sends (the traffic matrix
-    the placement work needs).
-
-    An all-gather, moved as one all-to-all of the small tensor repeated once per peer: every
-    pair of ranks exchanges directly in one round, where gloo's all-gather passes the blocks
-    around a ring in ``ranks - 1`` dependent steps (each a wake-up of the next process when
-    ranks share cores)."""
+    """Every rank's ``counts`` (same shape everywhere) stacked in rank order: [ranks, ...]. An
+    all-gather, moved as one all-to-all of the small tensor repeated once per peer: every pair of
+    ranks exchanges directly in one round, where gloo's all-gather passes the blocks around a
+    ring in ``ranks - 1`` dependent steps (each a wake-up of the next process when ranks share
+    cores)."""
     n = group_size(group)
     every = exchange_counts(counts.reshape(1, -1).expand(n, -1), group)   # my counts to every peer
     return every.view((n,) + tuple(counts.shape))

@@ -112,13 +112,9 @@ class StatsSum:
         self.reset()
 
     def reset(self) -> None:
-        self.kept: Optional[Tensor] = None       # [E]
-        self.routed: Optional[Tensor] = None     # [E]
-        self.traffic: Optional[Tensor] = None    # [P, E], None without EP
-        self.balance: Optional[Tensor] = None    # fp64 sums of the losses
-        self.z: Optional[Tensor] = None
-        self.forwards = 0
-        self.capacity: Optional[int] = None
+        self.kept = self.routed = self.traffic = None   # [E], [E], [P, E] (None without EP): summed counts
+        self.balance = self.z = None                    # fp64 sums of the losses
+        self.forwards, self.capacity = 0, None
 
     def add(self, stats: MoEStats) -> None:
         if self.forwards == 0:
@@ -128,10 +124,8 @@ class StatsSum:
         else:
             self.kept += stats.kept_per_expert
             self.routed += stats.routed_per_expert
-            if self.traffic is not None and stats.traffic_PE is None:
-                self.traffic = None                  # a forward without it (padded exchange): no sum
-            elif self.traffic is not None:
-                self.traffic += stats.traffic_PE
+            if self.traffic is not None:             # a forward without it (padded exchange): no sum
+                self.traffic = None if stats.traffic_PE is None else self.traffic.add_(stats.traffic_PE)
             self.balance += stats.balance_loss
             self.z += stats.z_loss
         self.forwards += 1

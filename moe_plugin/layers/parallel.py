@@ -64,9 +64,8 @@ Semantics (a "replica" is one DP rank's micro-batch of T tokens, replicated over
    same micro-batches in turn would draw from one stream). Tests pass explicit noise per
    replica instead (``MoELayer.forward(noise=...)``).
 7. Non-finite input: the router's finite check is agreed over ``tokens``, so every rank of the
-   stage raises together, before any row leaves a rank, instead of hanging. When the EP group
-   is ``tokens`` itself (``ep_is_tokens``) the flags ride in the dispatcher's counts exchange;
-   otherwise they are exchanged asynchronously and read at the dispatcher's host sync.
+   stage raises together, before any row leaves a rank, instead of hanging (``FiniteCheck``;
+   when the EP group is ``tokens`` itself, ``ep_is_tokens``, the flags ride in the exchange).
 """
 from __future__ import annotations
 

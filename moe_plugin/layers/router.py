@@ -103,11 +103,7 @@ class RoutingPlan:
     capacity: Optional[int]
     balance_loss: Tensor
     z_loss: Tensor
-    kept_D: Optional[Tensor] = None
-
-    def __post_init__(self):
-        if self.kept_D is None:
-            object.__setattr__(self, "kept_D", self.kept_E)
+    kept_D: Tensor
 
     @property
     def num_experts(self) -> int:
@@ -284,9 +280,8 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
     ``balance(score, expert_TK, scores_TE)`` forms the balance loss (the layer's aux_loss_scope).
     ``group_limit``: ``(router_groups, group_topk)`` (``MoEConfig.group_limit``), by expert id.
     ``slot_E``: the placement, a permutation of the expert ids (None: slot e is expert e).
-    ``deferred``: the caller holds a pending ``FiniteCheck`` of these logits and reads it, with
-    the kept count, at its one host sync, before anything leaves the rank, and then cuts the
-    plan to the kept routes (``RoutingPlan.kept``); by default both happen here, at once.
+    ``deferred``: the caller checks the logits and cuts the plan at its host sync (module
+    docstring); by default both happen here, at once.
     ``own`` ``(first, n)``: all T tokens are one GShard group (capacity, priority, losses), but
     the plan lists only the routes of tokens ``first .. first + n - 1``, as a plan of those n
     tokens (token and route ids relative to ``first``; ``kept_E``, ``routed_E`` count them

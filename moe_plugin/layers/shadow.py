@@ -15,7 +15,7 @@ same set, ``MoELayer.set_shadow``):
    one all-reduce over EP of a [D, H*F1 + F*H] buffer in which each owner fills its rows
    (adding exact zeros: the copies are bit-identical to the owner's weights).
 3. Every EP rank runs its own tokens' routes to shadowed experts through those copies
-   (``ffn_autograd.expert_ffn``, with the layer's expert gradient factor).
+   (``GroupedExperts.ffn``, with the layer's expert gradient factor).
 4. After the exchange, combine takes both row sets (``Shadowing.combine``): each token's routes
    are found by route id and summed in the same order, so the output is the one without
    shadowing (up to the rounding of the expert GEMMs, which see other blocks of rows).
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_plugin.layers.combine import gate_combine
-from moe_plugin.layers.ffn_autograd import RowCounts, expert_ffn
+from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.router import RoutingPlan, stable_partition
 
@@ -53,8 +53,7 @@ if TYPE_CHECKING:
 class ShadowRoutes:
     """This rank's kept routes to shadowed experts, grouped by expert in slot order."""
 
-    slots: list[int]       # [D] the shadowed experts' slots, ascending
-    slot_X: Tensor         # the same slots on the device
+    slots: HostValue       # [D] the shadowed experts' slots, ascending, on the device and the host
     counts: RowCounts      # [D] routes per shadowed expert
     token_R: Tensor        # token of each route
     gate_R: Tensor         # its gate (differentiable)
@@ -66,10 +65,8 @@ class Held:
     """The shadowed slots of one forward, before the host sync, and what it reads of them."""
 
     shadow_D: Tensor       # [D] bool: the slots that hold a shadowed expert
-    slot_X: Tensor         # those slots, ascending
-    counts_X: Tensor       # this rank's kept routes to each
-    slots: HostValue
-    counts: HostValue
+    slots: HostValue       # those slots, ascending
+    counts: HostValue      # this rank's kept routes to each
 
 
 class ShadowWeights(torch.autograd.Function):
@@ -150,11 +147,10 @@ class ShadowExperts:
         """The rows ``routes`` of this rank's tokens through copies of the shadowed experts'
         weights, fetched from their owners (module docstring, 2-3) -> [R, H]."""
         e = self.experts
-        owns = any(e.first_slot <= s < e.first_slot + e.num_local for s in routes.slots)
-        w1_DHF1, w2_DFH = ShadowWeights.apply(e.weight1.to(x_TH.dtype), e.weight2.to(x_TH.dtype), routes.slot_X,
-                                              e.first_slot, owns, self.group)
-        return expert_ffn(x_TH, w1_DHF1, w2_DFH, routes.counts, e.act, e.pick_backend(x_TH), routes.token_R,
-                          save_pre=not e.recompute_pre_activation, grad_scale=e.grad_scale)
+        owns = any(e.first_slot <= s < e.first_slot + e.num_local for s in routes.slots.host)
+        w1_DHF1, w2_DFH = ShadowWeights.apply(e.weight1.to(x_TH.dtype), e.weight2.to(x_TH.dtype),
+                                              routes.slots.device, e.first_slot, owns, self.group)
+        return e.ffn(x_TH, routes.counts, routes.token_R, w1_DHF1, w2_DFH)
 
 
 class Shadowing:
@@ -168,8 +164,7 @@ class Shadowing:
 
     def before(self, plan: RoutingPlan, sync: HostSync) -> Held:
         shadow_D, slot_X = self.shadow.slots()
-        counts_X = plan.kept_D[slot_X]
-        return Held(shadow_D, slot_X, counts_X, sync.add(slot_X), sync.add(counts_X))
+        return Held(shadow_D, sync.add(slot_X), sync.add(plan.kept_D[slot_X]))
 
     def split(self, plan: RoutingPlan, held: Held) -> tuple[RoutingPlan, ShadowRoutes]:
         """After the host sync, ``plan`` (kept routes sorted by slot) -> the plan of the exchanged
@@ -177,8 +172,8 @@ class Shadowing:
         slot_R, n = plan.slot_R(), sum(held.counts.host)
         order_R = stable_partition(torch.arange(slot_R.numel(), device=slot_R.device), held.shadow_D[slot_R])
         shadowed_R, exchanged_R = order_R[:n], order_R[n:]
-        routes = ShadowRoutes(slots=held.slots.host, slot_X=held.slot_X, counts=RowCounts(held.counts.host,
-                              held.counts_X), token_R=plan.token_R[shadowed_R], gate_R=plan.gate_R[shadowed_R],
+        routes = ShadowRoutes(slots=held.slots, counts=RowCounts(held.counts.host, held.counts.device),
+                              token_R=plan.token_R[shadowed_R], gate_R=plan.gate_R[shadowed_R],
                               route_R=plan.route_R[shadowed_R])
         exchanged = replace(plan, route_R=plan.route_R[exchanged_R], token_R=plan.token_R[exchanged_R],
                             gate_R=plan.gate_R[exchanged_R], kept_D=plan.kept_D.masked_fill(held.shadow_D, 0))
