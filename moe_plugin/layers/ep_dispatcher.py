@@ -15,10 +15,9 @@ The counts wire format, on the routing plan of this rank's own tokens:
    (``flag_rides``). Shadowed slots (``held_D``, ``shadow.py``) are counted there, not exchanged.
 3. With ETP, every ETP peer's ``recv_PL`` (``exchange_counts`` of the flattened counts, one row
    per peer) -> ``counts_GL`` [Q * P, L]. Without ETP ``counts_GL = recv_PL``.
-4. The host sync (a rank whose logits are not finite makes every rank that shares the verdict
-   raise there, before any row moves); the router's plan is cut to its kept routes, and the
-   permutation that re-sorts received rows from (sender, local expert) order to (local expert,
-   sender) order is built with tensor ops from ``counts_GL`` (``source_to_expert_order``).
+4. After the host sync (before any row moves), the permutation that re-sorts received rows from
+   (sender, local expert) order to (local expert, sender) order, built with tensor ops from
+   ``counts_GL`` (``source_to_expert_order``).
 
 Send (``send``): gather of the kept routes' tokens, uneven ``all_to_all`` over EP (no
 padding; zero rows either way is fine), ``gather_rows`` over ETP; the re-sort is left to the

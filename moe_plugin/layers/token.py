@@ -68,13 +68,10 @@ class TokenSizes:
     """The counts round's sizes, the unique rows to each peer and the (peer, token) masks."""
 
     counts: Sizes
+    send: HostValue          # [P] routes to each EP peer (``counts.send``)
     row_send: HostValue      # [P] unique rows to each EP peer
     used_X: Tensor           # [P * T] which (peer, token) pairs are sent
     mask_XY: Tensor          # their slot masks (and a spare row)
-
-    @property
-    def send(self) -> HostValue:
-        return self.counts.send
 
 
 class TokenWire:
@@ -102,7 +99,7 @@ class TokenWire:
         used_X = mask_XY[:P * T].sum(1) > 0
         rows_P = used_X.view(P, T).sum(1)
         counts = self.counts.sizes(x_TH, plan, finite, sync, to_peers_P=rows_P)
-        return TokenSizes(counts, sync.add(rows_P), used_X, mask_XY)
+        return TokenSizes(counts, counts.send, sync.add(rows_P), used_X, mask_XY)
 
     def state(self, x_TH: Tensor, plan: RoutingPlan, sizes: TokenSizes) -> TokenExchange:
         """The unique rows with their masks, and the way back's permutation ``back_R``."""
