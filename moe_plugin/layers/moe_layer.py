@@ -22,10 +22,8 @@ every layout-dependent factor. Forward on one rank::
     + shared expert, attach aux loss  (the replica's, on each TP rank; ``parallel.py`` 4(b))
     out_TH -> gather_tokens over TP   (replicated input, no SP)
 
-The dispatcher comes from ``exchange_factory.build_dispatcher`` (a wire format x a schedule x
-shadowing), built again when the shadowed experts change (``set_shadow``: the routes to a
-shadowed expert run on this rank through a copy of the owner's weights, ``shadow.py``) or a load
-tracker starts reading the sender x expert traffic (``track_traffic``).
+The dispatcher comes from ``exchange_factory.build_dispatcher``, again on ``set_shadow`` (shadow
+experts, ``shadow.py``) and ``track_traffic`` (a load tracker).
 """
 from __future__ import annotations
 
