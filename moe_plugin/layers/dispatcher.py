@@ -63,6 +63,8 @@ class Dispatch:
 
 @dataclass(eq=False)
 class LocalSizes:
+    """What ``LocalWire`` reads in the host sync."""
+
     send: HostValue          # [D] kept routes per slot: all to the local experts
 
 
