@@ -554,7 +554,7 @@ def test_token_exchange_matches_counts(size, token, counts, request):
 def test_token_exchange_masks_over_columns(dtype, columns):
     """One process, 16 slots: the masks need 2 columns in bf16 (8 bits each) and fp16 (11); the
     fan-out and the way back give the local dispatcher's outputs and gradients."""
-    from moe_plugin.layers import ExpertParallelDispatcher, LayerParallelism, TokenWire
+    from moe_plugin.layers import Dispatcher, LayerParallelism, TokenWire
 
     config = MoEConfig.from_dict({"num_experts": 16, "router": "topk", "top_k": 6, "capacity_factor": 1.0,
                                   "min_capacity": 1, "aux_loss_coeff": 0.1})
@@ -562,7 +562,7 @@ def test_token_exchange_masks_over_columns(dtype, columns):
     for token in (False, True):
         layer = MoELayer(config, H, F, seed=3, init_std=0.3).train()
         if token:
-            layer.dispatcher = ExpertParallelDispatcher(16, LayerParallelism(), TokenWire(LayerParallelism(), 16))
+            layer.dispatcher = Dispatcher(TokenWire(LayerParallelism(), 16))
             prepare = layer.dispatcher.prepare
             layer.dispatcher.prepare = lambda *args: states.append(prepare(*args)) or states[-1]
         x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_(True)

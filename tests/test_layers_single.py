@@ -397,10 +397,10 @@ def test_padded_exchange_refuses_a_header_the_hidden_size_cannot_hold():
     """Forced ``exchange`` padded: bf16 counts of capacity 70,000 take 3 base-256 digits, 4 local
     experts' header needs 13 values, more than H = 8: a ConfigError before anything is sent."""
     from moe_plugin.configs import ConfigError
-    from moe_plugin.layers import ExpertParallelDispatcher, LayerParallelism, PaddedWire
+    from moe_plugin.layers import Dispatcher, LayerParallelism, PaddedWire
 
     parallel = LayerParallelism(ep=object(), ep_size=2)
-    dispatcher = ExpertParallelDispatcher(8, parallel, PaddedWire(parallel, 4, forced=True))
+    dispatcher = Dispatcher(PaddedWire(parallel, 4, forced=True))
     plan = route(torch.randn(6, 8), kind="topk", k=2, normalize=True, capacity=70_000, deferred=True)
     with pytest.raises(ConfigError, match=r"moe.exchange: got 'padded'; its header row needs 13 values .* the "
                                           r"hidden size is 8; use 'counts' or 'auto'"):

@@ -20,8 +20,8 @@ modules point here). A tensor's name ends in its dimensions: ``x_TH`` is [tokens
 A digit after a letter adds that many (``count_D1``: D + 1 entries). A tensor over part of an
 axis keeps the axis's letter (``tied_T``: the tokens with a tie; ``exchanged_R``).
 """
-from moe_plugin.layers.dispatcher import OneExchange, TokenDispatcher
-from moe_plugin.layers.ep_dispatcher import CountsWire, ExpertParallelDispatcher, source_to_expert_order
+from moe_plugin.layers.dispatcher import Dispatcher, LocalWire, OneExchange
+from moe_plugin.layers.ep_dispatcher import CountsWire, source_to_expert_order
 from moe_plugin.layers.exchange_factory import build_dispatcher
 from moe_plugin.layers.expert_backend import choose_backend
 from moe_plugin.layers.experts import GroupedExperts, SharedExpert, ffn_shard
@@ -35,9 +35,9 @@ from moe_plugin.layers.shadow import ShadowExperts, Shadowing
 from moe_plugin.layers.token import TokenWire
 
 __all__ = [
-    "AttachAuxLoss", "CountsWire", "ExpertParallelDispatcher", "GroupedExperts", "LayerParallelism", "MoELayer",
+    "AttachAuxLoss", "CountsWire", "Dispatcher", "GroupedExperts", "LayerParallelism", "LocalWire", "MoELayer",
     "MoEStats", "OneExchange", "Overlapped", "PaddedWire", "ReferenceResult", "Router", "RouterNoise", "RoutingPlan",
-    "ShadowExperts", "Shadowing", "SharedExpert", "StatsSum", "TokenDispatcher", "TokenWire", "build_dispatcher",
+    "ShadowExperts", "Shadowing", "SharedExpert", "StatsSum", "TokenWire", "build_dispatcher",
     "choose_backend", "expert_capacity", "ffn_shard", "moe_layers", "reduce_stats", "reference_moe", "route",
     "source_to_expert_order",
 ]

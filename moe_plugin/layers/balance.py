@@ -34,7 +34,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe_plugin.layers import comm
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import balance_loss, balance_terms, count_values
 

@@ -8,8 +8,7 @@ lists of ints: the counts are exchanged first (``exchange_counts``) and then eve
 collective moves exactly the routed rows, never padding.
 
 bf16 and fp16 rows go over the wire as they are: gloo's all_to_all, all_gather and all_reduce
-accept them in torch 2.13 (checked; ``tests/test_layers_dist.py`` runs bf16 MoE layers over
-gloo). gloo rejects int16, so a same-size int16 view would not help anyway.
+accept them in torch 2.13 (``tests/test_layers_dist.py`` runs bf16 MoE layers over gloo).
 """
 from __future__ import annotations
 
@@ -45,17 +44,33 @@ def exchange_counts(send_counts: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def gather_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
-    """Every rank's ``counts`` (same shape everywhere) stacked in rank order: [ranks, ...]. A
-    rank reads what it receives and, for free, what every other rank sends (the traffic matrix
-    the placement work needs).
-
-    An all-gather, moved as one all-to-all of the small tensor repeated once per peer: every
-    pair of ranks exchanges directly in one round, where gloo's all-gather passes the blocks
-    around a ring in ``ranks - 1`` dependent steps (each a wake-up of the next process when
-    ranks share cores)."""
+    """Every rank's ``counts`` (same shape everywhere) stacked in rank order: [ranks, ...]. An
+    all-gather, moved as one all-to-all of the small tensor repeated once per peer: every pair of
+    ranks exchanges directly in one round, where gloo's all-gather passes the blocks around a
+    ring in ``ranks - 1`` dependent steps (each a wake-up of the next process when ranks share
+    cores)."""
     n = group_size(group)
     every = exchange_counts(counts.reshape(1, -1).expand(n, -1), group)   # my counts to every peer
     return every.view((n,) + tuple(counts.shape))
+
+
+class _Mirrored(torch.autograd.Function):
+    """A collective whose backward is another: forward ``there(x, *args)``, backward
+    ``back(grad, *args)``. Every autograd-aware collective here is such a pair."""
+
+    @staticmethod
+    def forward(ctx, x, there, back, *args):
+        ctx.back, ctx.args = back, args
+        return there(x, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (ctx.back(grad, *ctx.args), None, None) + (None,) * len(ctx.args)
+
+
+def _mirrored(x: torch.Tensor, there, back, *args) -> torch.Tensor:
+    """``_Mirrored`` on ``x``; ``x`` itself where the group (the last argument) is None."""
+    return x if args[-1] is None else _Mirrored.apply(x, there, back, *args)
 
 
 def _all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group,
@@ -71,85 +86,55 @@ def _all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[
     return out
 
 
+def _reverse(grad: torch.Tensor, out_splits, in_splits, group, pending: Optional["Pending"] = None) -> torch.Tensor:
+    """The exchange back (started, with ``pending``)."""
+    return _all_to_all(grad, in_splits, out_splits, group, pending)
+
+
 class Pending:
-    """An all-to-all in flight (``start_all_to_all``): its handle, and the gradient buffer its
-    reverse exchange fills in backward."""
+    """An all-to-all in flight (``start_all_to_all``): its handle, the gradient buffer its reverse
+    exchange fills in backward, and the halves of the two ``_Mirrored`` pairs that use them."""
 
     handle: Optional[dist.Work] = None
     grad: Optional[torch.Tensor] = None
 
-
-class _AllToAll(torch.autograd.Function):
-    """Forward: the exchange (``pending`` None), or its start (``pending``: ``_Wait`` waits for it).
-    Backward: the reverse exchange, or (started) the wait for the reverse ``_Wait.backward`` started."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, pending):
-        ctx.splits, ctx.group, ctx.pending = (out_splits, in_splits), group, pending
-        return _all_to_all(x, out_splits, in_splits, group, pending)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        pending = ctx.pending
-        if pending is None:
-            return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None, None
-        pending.handle.wait()
-        grad, pending.grad = pending.grad, None
-        return grad, None, None, None, None
-
-
-class _Wait(torch.autograd.Function):
-    """Forward: wait for a started ``_AllToAll``; its output, filled. Backward: start the reverse
-    exchange of the gradient for the start's backward; pass the gradient on as a token."""
-
-    @staticmethod
-    def forward(ctx, out, out_splits, in_splits, group, pending):
-        pending.handle.wait()
-        ctx.splits, ctx.group, ctx.pending = (out_splits, in_splits), group, pending
+    def arrived(self, out: torch.Tensor, *_) -> torch.Tensor:
+        """The wait's forward: the started exchange's output, once filled."""
+        self.handle.wait()
         return out.view_as(out)
 
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        ctx.pending.grad = _all_to_all(grad, in_splits, out_splits, ctx.group, ctx.pending)
-        return grad, None, None, None, None
+    def start_back(self, grad: torch.Tensor, out_splits, in_splits, group, _) -> torch.Tensor:
+        """The wait's backward: start the reverse exchange of ``grad``; pass it on as a token."""
+        self.grad = _reverse(grad, out_splits, in_splits, group, self)
+        return grad
 
-
-def start_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> tuple:
-    """``all_to_all`` started asynchronously: what ``wait_all_to_all`` takes (the output, not yet
-    filled, and the exchange). Backward: the reverse exchange starts in the wait's backward and is
-    waited for in the start's (``overlap.py``)."""
-    pending = Pending()
-    return _AllToAll.apply(x, out_splits, in_splits, group, pending), (out_splits, in_splits, group, pending)
-
-
-def wait_all_to_all(started: tuple) -> torch.Tensor:
-    """The output of ``start_all_to_all``, once it arrived."""
-    out, args = started
-    return _Wait.apply(out, *args)
+    def back_arrived(self, _grad: torch.Tensor, *_) -> torch.Tensor:
+        """The start's backward: the reverse exchange's result, once it arrived."""
+        self.handle.wait()
+        grad, self.grad = self.grad, None
+        return grad
 
 
 def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: Group) -> torch.Tensor:
     """Uneven all-to-all of rows: ``in_splits[j]`` rows of ``x`` go to rank j, ``out_splits[j]``
     rows arrive from rank j. Backward runs the reverse exchange."""
-    if group is None:
-        return x
-    return _AllToAll.apply(x, list(out_splits), list(in_splits), group, None)
+    return _mirrored(x, _all_to_all, _reverse, list(out_splits), list(in_splits), group)
 
 
-class _GatherRows(torch.autograd.Function):
-    """Forward: every rank gets the rows of all ranks (concatenated in rank order).
-    Backward: the gradients of all ranks are summed and each rank keeps its own rows."""
+def start_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> tuple:
+    """``all_to_all`` started asynchronously, with the same autograd: what ``wait_all_to_all`` takes
+    (the output, not yet filled, and the exchange). Backward: the reverse exchange starts in the
+    wait's backward and is waited for in the start's (``overlap.py``)."""
+    pending = Pending()
+    args = (out_splits, in_splits, group, pending)
+    return _Mirrored.apply(x, _all_to_all, pending.back_arrived, *args), args
 
-    @staticmethod
-    def forward(ctx, x, counts, group):
-        ctx.counts, ctx.group = counts, group
-        return _gather_rows(x, counts, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_rows(grad, ctx.counts, ctx.group), None, None
+def wait_all_to_all(started: tuple) -> torch.Tensor:
+    """The output of ``start_all_to_all``, once it arrived."""
+    out, args = started
+    pending = args[-1]
+    return _Mirrored.apply(out, pending.arrived, pending.start_back, *args)
 
 
 def _gather_rows(x: torch.Tensor, counts: Sequence[int], group) -> torch.Tensor:
@@ -163,57 +148,8 @@ def _reduce_scatter_rows(x: torch.Tensor, counts: Sequence[int], group) -> torch
     return received.view((n, counts[me]) + tuple(x.shape[1:])).sum(0)
 
 
-class _ReduceScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, counts, group):
-        ctx.counts, ctx.group = counts, group
-        return _reduce_scatter_rows(x, counts, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_rows(grad, ctx.counts, ctx.group), None, None
-
-
-def gather_rows(x: torch.Tensor, counts: Sequence[int], group: Group) -> torch.Tensor:
-    """Concatenate the rows of every rank of ``group`` (``counts[j]`` rows from rank j)."""
-    if group is None:
-        return x
-    return _GatherRows.apply(x, list(counts), group)
-
-
-def reduce_scatter_rows(x: torch.Tensor, counts: Sequence[int], group: Group) -> torch.Tensor:
-    """Sum ``x`` over ``group`` and keep this rank's block of ``counts[rank]`` rows."""
-    if group is None:
-        return x
-    return _ReduceScatterRows.apply(x, list(counts), group)
-
-
-class _SplitTokens(torch.autograd.Function):
-    """Forward: keep this rank's equal share of rows of a tensor replicated over the group.
-    Backward: all-gather the shares, so the input gradient is whole (and replicated) again."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.chunk(group_size(group))[group_rank(group)].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_equal(grad, ctx.group), None
-
-
-class _GatherTokens(torch.autograd.Function):
-    """Forward: all-gather equal shares into the replicated whole. Backward: keep own share
-    (the gradient of a replicated activation is itself replicated)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_equal(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.chunk(group_size(ctx.group))[group_rank(ctx.group)].contiguous(), None
+def _own_share(x: torch.Tensor, group) -> torch.Tensor:
+    return x.chunk(group_size(group))[group_rank(group)].contiguous()
 
 
 def _all_gather_equal(x: torch.Tensor, group) -> torch.Tensor:
@@ -222,63 +158,43 @@ def _all_gather_equal(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _same(x: torch.Tensor, group) -> torch.Tensor:
+    return x.view_as(x)
+
+
+def _summed(grad: torch.Tensor, group) -> torch.Tensor:
+    grad = grad.contiguous()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
+def gather_rows(x: torch.Tensor, counts: Sequence[int], group: Group) -> torch.Tensor:
+    """Concatenate the rows of every rank of ``group`` (``counts[j]`` rows from rank j). Backward:
+    the gradients of all ranks summed, each rank keeps its own rows."""
+    return _mirrored(x, _gather_rows, _reduce_scatter_rows, list(counts), group)
+
+
+def reduce_scatter_rows(x: torch.Tensor, counts: Sequence[int], group: Group) -> torch.Tensor:
+    """Sum ``x`` over ``group`` and keep this rank's block of ``counts[rank]`` rows (backward:
+    ``gather_rows``)."""
+    return _mirrored(x, _reduce_scatter_rows, _gather_rows, list(counts), group)
+
+
 def split_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """This rank's share of tokens replicated over ``group`` (TP without sequence parallelism)."""
-    if group is None:
-        return x
-    n = group_size(group)
-    if x.shape[0] % n:
-        raise ValueError(f"{x.shape[0]} tokens cannot be split evenly over {n} tensor-parallel ranks")
-    return _SplitTokens.apply(x, group)
+    """This rank's share of tokens replicated over ``group`` (TP without sequence parallelism).
+    Backward all-gathers the shares, so the input gradient is whole (and replicated) again."""
+    if x.shape[0] % group_size(group):
+        raise ValueError(f"{x.shape[0]} tokens cannot be split evenly over {group_size(group)} tensor-parallel ranks")
+    return _mirrored(x, _own_share, _all_gather_equal, group)
 
 
 def gather_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Inverse of ``split_tokens``."""
-    if group is None:
-        return x
-    return _GatherTokens.apply(x, group)
-
-
-class _AllReduceGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+    """Inverse of ``split_tokens``: the shares all-gathered; backward keeps this rank's share (the
+    gradient of a replicated activation is itself replicated)."""
+    return _mirrored(x, _all_gather_equal, _own_share, group)
 
 
 def all_reduce_grad(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward; the gradient is summed over ``group``. For a weight replicated over
     ranks that each see different tokens, so that its gradient is whole on every rank."""
-    if group is None:
-        return x
-    return _AllReduceGrad.apply(x, group)
-
-
-class _AllReduceSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """The sum of ``x`` over ``group``, on every rank; backward sums the gradients over the group
-    (every rank's result depends on every rank's ``x``). For small partial sums that each rank
-    completes, e.g. per-sequence statistics when the group's ranks hold parts of the sequences."""
-    if group is None:
-        return x
-    return _AllReduceSum.apply(x, group)
+    return _mirrored(x, _same, _summed, group)

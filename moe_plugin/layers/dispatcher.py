@@ -1,97 +1,125 @@
-"""Token dispatcher: permute tokens into expert order, and scatter expert outputs back.
+"""The dispatcher: tokens to the experts and their outputs back, as a wire format x a schedule x
+shadowing.
 
 Shape suffixes: see ``moe_plugin.layers``.
 
-The interface, used by ``MoELayer`` in this order::
+``Dispatcher`` composes three parts, built by ``exchange_factory.build_dispatcher``:
 
-    plan, finite = router(x_TH)
-    state = dispatcher.prepare(x_TH, plan, finite)             # finite verdict; the batch's dispatch state
+* a wire format: how the sizes and the rows cross. ``LocalWire`` here (no exchange: every expert
+  lives in this process); under expert parallelism ``ep_dispatcher.CountsWire``,
+  ``padded.PaddedWire``, ``token.TokenWire``. Its interface: ``sizes`` (plan the sizes: add what
+  the host sync reads), ``state`` (the batch's ``Dispatch`` once read), ``send`` (the experts'
+  rows), ``back`` (their outputs back, in the plan's kept-route order), and ``for_batch`` (the
+  wire format of one batch: itself, except where ``auto`` padded cannot carry a batch's header);
+* a schedule: ``OneExchange`` here, or ``overlap.Overlapped`` (the exchange in chunks);
+* shadowing, or none: ``shadow.Shadowing``, a transform of the routing plan before the exchange
+  (the routes it holds back) and after it (its rows join the combine).
+
+``MoELayer`` calls ``state = dispatcher.prepare(x_TH, plan, finite)``, the batch's frozen state
+(``Dispatch``: what the dispatcher needs between dispatch and combine; the routing plan holds
+routing only), then ``dispatcher.run(state, experts, shared)``. ``prepare`` holds the layer's one
+host sync (``host_sync.py``: what each part reads, and the router's finite flags) and cuts the
+router's plan, which lists every route with the kept ones first, to the kept ones
+(``RoutingPlan.kept``). The one exchange (``OneExchange``)::
+
     x_NH, gather_R, counts_L = dispatcher.to_experts(state)
-    y_RH = experts(x_NH, counts_L, gather_R)                  # rows x_NH[gather_R], grouped by local expert
-    out_TH = dispatcher.combine(y_RH, state)                   # gate-weighted sum over each token's routes
+    y_RH = experts(x_NH, counts_L, gather_R)        # rows x_NH[gather_R], grouped by local expert
+    out_TH = dispatcher.combine(y_RH, state)         # gate-weighted sum over each token's routes
 
-``prepare`` returns the dispatcher's own frozen state for the batch (``Dispatch`` here): what it
-needs between dispatch and combine. The routing plan holds routing only.
-
-``prepare`` holds the layer's one host sync: a single transfer brings what the forward needs on
-the host (here the kept routes per slot, which are the experts' row counts, and the router's
-finite flags); the router's plan lists every route, the kept ones first, and is cut to the kept
-ones with the count read there (``RoutingPlan.kept``).
-
-``TokenDispatcher`` is the single-process one: the expert input is the tokens themselves and
-``plan.token_R``, so the experts gather the rows chunk by chunk (and again in backward)
-instead of a [R, H] copy being kept for backward. Combine is ``combine.gate_combine``: a
-gather per token over its routes, summed in fp32, with a gather backward; deterministic, no
-[K*T, H] buffer. Dropped routes add nothing: their token keeps only the residual.
-
-``run`` runs the dispatcher's ``schedule`` (``OneExchange`` here). Expert parallelism
-(``ep_dispatcher.ExpertParallelDispatcher``) overrides ``prepare``, ``to_experts``,
-``from_experts``, ``traffic`` and ``combine``: it composes a wire format (counts, padded, token:
-how sizes and rows cross), a schedule (one exchange, or the chunks of ``overlap.py``) and
-shadowing (``shadow.py``), built by ``exchange_factory.build_dispatcher``.
-Everything else (permute, gate weighting, unpermute) stays as it is here.
+In one process the expert input is the tokens themselves and ``plan.token_R``, so the experts
+gather the rows chunk by chunk (and again in backward) instead of a [R, H] copy being kept for
+backward. Combine is ``combine.gate_combine``. Dropped routes add nothing: their token keeps only
+the residual.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
 from moe_plugin.layers.combine import gate_combine
 from moe_plugin.layers.ffn_autograd import RowCounts
-from moe_plugin.layers.host_sync import HostSync
+from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
 
 if TYPE_CHECKING:
     from moe_plugin.layers.experts import GroupedExperts, SharedExpert
+    from moe_plugin.layers.shadow import Shadowing
 
 
 @dataclass(frozen=True)
 class Dispatch:
-    """One batch as ``TokenDispatcher`` sends it: the tokens and their checked routing (its kept routes)."""
+    """One batch as the dispatcher sends it: the tokens and their checked routing (its kept routes
+    that go through the wire format); a wire format's own fields are in its subclass."""
 
     x_TH: Tensor
     plan: RoutingPlan
     counts_L: RowCounts      # rows per local expert, on the host and on the device
+    wire: Any                # the batch's wire format (``for_batch``)
+    traffic_PD: Optional[Tensor] = None   # [P, D] kept routes of each EP peer's tokens per slot (None: not learnt)
 
 
-class TokenDispatcher:
-    """Local dispatcher: all ``num_experts`` experts live in this process."""
+@dataclass(eq=False)
+class LocalSizes:
+    """What ``LocalWire`` reads in the host sync."""
 
-    def __init__(self, num_experts: int):
-        self.num_experts = num_experts
-        self.schedule = OneExchange()
+    send: HostValue          # [D] kept routes per slot: all to the local experts
 
-    def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Dispatch:
-        """The batch's state, after ``finite`` (the router's pending check of the logits). Nothing
-        to exchange in a single process; one host sync (module docstring)."""
-        sync = HostSync()
-        kept = sync.add(plan.kept_D)
+
+class LocalWire:
+    """The wire format of one process: nothing crosses (module docstring)."""
+
+    def for_batch(self, x_TH: Tensor, plan: RoutingPlan) -> "LocalWire":
+        return self
+
+    def sizes(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck], sync: HostSync,
+              held_D: Optional[Tensor] = None) -> LocalSizes:
+        sizes = LocalSizes(sync.add(plan.kept_D))
         sync.check(finite)
-        sync.read()                                                     # the one host sync
-        return Dispatch(x_TH, plan.kept(sum(kept.host)), RowCounts(kept.host, plan.kept_D))
+        return sizes
 
-    def to_experts(self, state: Dispatch) -> tuple[Tensor, Optional[Tensor], RowCounts]:
-        """(x_NH, gather_R, counts_L): the experts' rows are ``x_NH[gather_R]`` (``x_NH`` itself
-        when ``gather_R`` is None), grouped by local expert, ``counts_L`` rows each (on the host
-        and on the device).
-        Locally: the tokens and ``plan.token_R``; the local experts are the slots."""
+    def state(self, x_TH: Tensor, plan: RoutingPlan, sizes: LocalSizes) -> Dispatch:
+        return Dispatch(x_TH, plan, RowCounts(sizes.send.host, plan.kept_D), self)
+
+    def send(self, state: Dispatch) -> tuple[Tensor, Tensor, RowCounts]:
+        """The local experts are the slots: their rows are the tokens at ``plan.token_R``."""
         return state.x_TH, state.plan.token_R, state.counts_L
 
-    def from_experts(self, y_RH: Tensor, state: Dispatch) -> Tensor:
-        """Expert outputs (rows grouped by local expert) -> rows in this rank's kept-route order."""
+    def back(self, y_RH: Tensor, state: Dispatch) -> Tensor:
         return y_RH
 
-    def traffic(self, state: Dispatch) -> Optional[Tensor]:
-        """[P, D] kept routes of each EP peer's tokens per slot; None without an exchange."""
-        return None
+
+class Dispatcher:
+    """A wire format, a schedule (default one exchange) and shadowing or none (module docstring)."""
+
+    def __init__(self, wire: Any, schedule: Any = None, shadowing: Optional["Shadowing"] = None):
+        self.wire, self.schedule, self.shadowing = wire, schedule or OneExchange(), shadowing
+
+    def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Dispatch:
+        """The batch's state, after ``finite`` (the router's pending check of the logits)."""
+        wire, sync = self.wire.for_batch(x_TH, plan), HostSync()
+        held = self.shadowing.before(plan, sync) if self.shadowing is not None else None
+        sizes = wire.sizes(x_TH, plan, finite, sync, None if held is None else held.shadow_D)
+        pending = self.schedule.plan(sizes, sync)
+        sync.read()                                                  # the one host sync; the finite verdict
+        if held is None:
+            return self.schedule.finish(wire.state(x_TH, plan.kept(sum(sizes.send.host)), sizes), pending)
+        plan, routes = self.shadowing.split(plan.kept(sum(sizes.send.host) + sum(held.counts.host)), held)
+        return self.schedule.finish(replace(wire.state(x_TH, plan, sizes), held=routes), pending)
+
+    def to_experts(self, state: Dispatch) -> tuple[Tensor, Optional[Tensor], RowCounts]:
+        """(x_NH, gather_R, counts_L): the experts' rows are ``x_NH[gather_R]``, grouped by local
+        expert, ``counts_L`` rows each (on the host and on the device)."""
+        return state.wire.send(state)
 
     def combine(self, y_RH: Tensor, state: Dispatch) -> Tensor:
         """Expert outputs [R, H] -> [T, H] in the input dtype, summed in fp32 over each token's routes."""
+        y_RH = state.wire.back(y_RH, state)
+        if self.shadowing is not None:
+            return self.shadowing.combine(y_RH, state)
         plan = state.plan
-        y_RH = self.from_experts(y_RH, state)
         return gate_combine(y_RH, plan.gate_R, plan.token_R, plan.route_R, plan.num_tokens, plan.k)
 
     def run(self, state: Dispatch, experts: "GroupedExperts", shared: Optional["SharedExpert"] = None) -> Tensor:
@@ -110,7 +138,7 @@ class OneExchange:
     def finish(self, state: Dispatch, pending: None) -> Dispatch:
         return state
 
-    def run(self, dispatcher: TokenDispatcher, state: Dispatch, experts: "GroupedExperts",
+    def run(self, dispatcher: Dispatcher, state: Dispatch, experts: "GroupedExperts",
             shared: Optional["SharedExpert"] = None) -> Tensor:
         with record_function("moe.dispatch"):
             x_NH, gather_R, counts_L = dispatcher.to_experts(state)

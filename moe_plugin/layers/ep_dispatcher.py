@@ -1,21 +1,7 @@
-"""Expert-parallel token dispatcher, and its counts wire format: counts exchange, uneven
-all-to-all, ETP gather, local re-sort.
+"""The expert-parallel exchange: its per-batch state, and the counts wire format (counts
+exchange, uneven all-to-all, ETP gather, local re-sort).
 
-Shape suffixes: see ``moe_plugin.layers``.
-
-``ExpertParallelDispatcher`` overrides the hooks of ``TokenDispatcher`` (permute, gate weighting
-and unpermute stay there) and composes three parts, built by ``exchange_factory.build_dispatcher``:
-
-* a wire format: how the sizes and the rows cross. ``CountsWire`` here, ``padded.PaddedWire``,
-  ``token.TokenWire``. Its interface: ``sizes`` (plan the sizes: add what the host sync reads),
-  ``state`` (the batch's ``Exchange`` once read), ``send`` (rows to the experts), ``back`` (their
-  outputs back, in the plan's kept-route order), and ``for_batch`` (the wire format of one batch:
-  itself, except where ``auto`` padded cannot carry a batch's header);
-* a schedule: ``dispatcher.OneExchange`` or ``overlap.Overlapped`` (the exchange in chunks);
-* shadowing, or none: ``shadow.Shadowing``, a transform of the routing plan before the exchange
-  (the routes it holds back) and after it (its rows join the combine).
-
-Per batch (``prepare``) one ``host_sync.HostSync`` collects what each part reads on the host.
+Shape suffixes: see ``moe_plugin.layers``. A wire format's interface: ``dispatcher.py``.
 
 The counts wire format, on the routing plan of this rank's own tokens:
 
@@ -25,61 +11,48 @@ The counts wire format, on the routing plan of this rank's own tokens:
 2. ``traffic_PD = gather_counts(kept_D, ep)``: every peer's kept routes per slot, one all-gather
    of P * E integers; ``recv_PL`` (the rows each peer sends per local slot) is its column block.
    The whole sender x slot matrix comes with it: the load record of ``placement/`` reads it
-   from ``Exchange.traffic_PD`` (``traffic``) at no extra cost. When the EP group is exactly the ranks that
-   route distinct tokens (``LayerParallelism.ep_is_tokens``), every rank's finite flag rides
-   along as one more integer, and the router starts no collective of its own.
+   (``Dispatch.traffic_PD``) at no extra cost. The router's finite flag may ride along
+   (``flag_rides``). Shadowed slots (``held_D``, ``shadow.py``) are counted there, not exchanged.
 3. With ETP, every ETP peer's ``recv_PL`` (``exchange_counts`` of the flattened counts, one row
    per peer) -> ``counts_GL`` [Q * P, L]. Without ETP ``counts_GL = recv_PL``.
-4. One host sync of the split sizes, the rows per local expert and the router's finite
-   flags (``HostSync``; a rank whose logits are not finite makes every rank that
-   shares the verdict raise here, before any row moves); the router's plan is cut to its kept
-   routes (as many as the rows sent), and the permutation that re-sorts
-   received rows from (sender, local expert) order to (local expert, sender) order, built with
-   tensor ops from ``counts_GL`` (``source_to_expert_order``).
+4. After the host sync (before any row moves), the permutation that re-sorts received rows from
+   (sender, local expert) order to (local expert, sender) order, built with tensor ops from
+   ``counts_GL`` (``source_to_expert_order``).
 
 Send (``send``): gather of the kept routes' tokens, uneven ``all_to_all`` over EP (no
 padding; zero rows either way is fine), ``gather_rows`` over ETP; the re-sort is left to the
-experts as their row index ``sort_R`` (``GroupedExperts(x, counts, gather_R)``), which gather
-chunk by chunk and keep only the received rows for backward. Way back (``back``): the inverse
-re-sort, ``reduce_scatter_rows`` over ETP (sums the F-shards' partial outputs, keeps this
-rank's received block), the reverse ``all_to_all`` over EP. The collectives' backwards are the
-reverse exchanges (``comm.py``). The rows each expert sees are then ordered by sender and,
-within a sender, in its priority order.
-
-Shadow experts (``shadow.py``): ``sizes(..., held_D)`` leaves the routes of the shadowed slots out
-of the send and receive counts (they are computed where they are); ``traffic_PD`` still counts
-them, so the load record does not depend on shadowing.
+experts as their row index ``sort_R``, so they keep only the received rows for backward. Way
+back (``back``): the inverse re-sort, ``reduce_scatter_rows`` over ETP (sums the F-shards'
+partial outputs, keeps this rank's received block), the reverse ``all_to_all`` over EP. The
+rows each expert sees are ordered by sender and, within a sender, in its priority order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
 
 from moe_plugin.layers import comm
-from moe_plugin.layers.dispatcher import Dispatch, TokenDispatcher
+from moe_plugin.layers.dispatcher import Dispatch
 from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
 
 if TYPE_CHECKING:
-    from moe_plugin.layers.shadow import Shadowing, ShadowRoutes
+    from moe_plugin.layers.shadow import ShadowRoutes
 
 
 @dataclass(frozen=True, kw_only=True)
 class Exchange(Dispatch):
-    """One batch as ``ExpertParallelDispatcher`` sends it: the tokens, the routes that go through
-    the exchange (``plan``), and what the way back needs; the wire format's own fields are in its
-    subclass."""
+    """One batch as an expert-parallel wire format sends it: what the way back needs (the wire
+    format's own fields are in its subclass), shadowing's routes and the chunked schedule's split."""
 
-    wire: Any                       # the batch's wire format (``for_batch``)
     send_splits: list[int]          # [P] routes to each EP peer
     recv_splits: list[int]          # [P] routes from each EP peer
     unsort_R: Tensor                # the experts' (expert, sender) order -> received (sender, expert) order
-    traffic_PD: Optional[Tensor] = None   # [P, D] kept routes of each EP peer's tokens per slot (None: not learnt)
     held: Optional["ShadowRoutes"] = None  # the routes shadowing kept here (``shadow.py``)
     chunks: Any = None                     # the chunked schedule's split of the exchange (``overlap.Chunks``)
 
@@ -135,6 +108,12 @@ def route_slots(kept_D: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor]:
     return slot_R, r_R - (end_D - kept_D)[slot_R], r_R < end_D[-1]
 
 
+def flag_rides(finite: Optional[FiniteCheck], parallel: LayerParallelism) -> bool:
+    """Whether the router's finite flag rides along with the wire format's sizes: the EP group is
+    every rank that routes distinct tokens, so that exchange is the agreement, at no extra cost."""
+    return finite is not None and finite.group is None and parallel.ep_is_tokens
+
+
 class CountsWire:
     """The counts wire format (module docstring): the counts first, then exactly the kept rows."""
 
@@ -148,23 +127,13 @@ class CountsWire:
     def sizes(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck], sync: HostSync,
               held_D: Optional[Tensor] = None, to_peers_P: Optional[Tensor] = None) -> Sizes:
         """The counts round (module docstring, 1-3), its values added to ``sync``. ``held_D`` (bool
-        [D], the same on every EP rank): slots whose routes every rank computes itself (``shadow.py``);
-        counted in ``traffic_PD``, not exchanged. ``to_peers_P``: one more integer per EP peer that
-        rides along with the counts (``token.py``: its rows to each peer); ``Sizes.from_peers``
-        then holds what each peer sent this rank."""
+        [D]): the shadowed slots, counted in ``traffic_PD``, not exchanged. ``to_peers_P``: one more
+        integer per EP peer riding along (``token.py``); ``Sizes.from_peers``: what each peer sent me."""
         p, kept_D = self.parallel, plan.kept_D
-        D = kept_D.numel()
-        X = 0 if to_peers_P is None else p.ep_size
-        payload = [kept_D] if to_peers_P is None else [kept_D, to_peers_P.to(kept_D.dtype)]
-        flags_P = flag_group = None
-        if finite is not None and finite.group is None and p.ep_is_tokens:
-            # The finite flag rides along with the counts: the EP group is every rank that
-            # routes distinct tokens, so this exchange is the agreement, at no extra cost.
-            gathered = comm.gather_counts(torch.cat(payload + [finite.bad_1.to(kept_D.dtype)]), p.ep)
-            flags_P, flag_group = gathered[:, D + X], p.ep
-        else:
-            gathered = comm.gather_counts(torch.cat(payload), p.ep) if X else comm.gather_counts(kept_D, p.ep)
-        traffic_PD = gathered[:, :D].contiguous() if gathered.shape[1] > D else gathered
+        D, carried = kept_D.numel(), flag_rides(finite, p)
+        extra = ([] if to_peers_P is None else [to_peers_P]) + ([finite.bad_1] if carried else [])
+        gathered = comm.gather_counts(torch.cat([kept_D] + [x.to(kept_D.dtype) for x in extra]), p.ep)
+        traffic_PD = gathered[:, :D].contiguous()
         send_D, sent_PD = kept_D, traffic_PD
         if held_D is not None:
             send_D, sent_PD = kept_D.masked_fill(held_D, 0), traffic_PD.masked_fill(held_D, 0)
@@ -178,8 +147,8 @@ class CountsWire:
         sizes = Sizes(traffic_PD, send_PL, recv_PL, counts_GL, send=sync.add(send_PL.sum(1)),
                       recv=sync.add(recv_PL.sum(1)), etp=sync.add(counts_GL.view(p.etp_size, -1).sum(1)),
                       counts_L=sync.add(counts_GL.sum(0)))
-        sync.check(finite, flags_P, flag_group)
-        if X:
+        sync.check(finite, gathered[:, -1] if carried else None, p.ep)
+        if to_peers_P is not None:
             sizes.from_peers = sync.add(gathered[:, D + p.ep_rank])
         return sizes
 
@@ -201,51 +170,3 @@ class CountsWire:
     def back(self, y_RH: Tensor, state: CountsExchange) -> Tensor:
         y_RH = comm.reduce_scatter_rows(y_RH.index_select(0, state.unsort_R), state.etp_splits, self.parallel.etp)
         return comm.all_to_all(y_RH, state.send_splits, state.recv_splits, self.parallel.ep)
-
-
-class ExpertParallelDispatcher(TokenDispatcher):
-    """Dispatcher for experts spread over ``parallel.ep`` and split over ``parallel.etp``: a wire
-    format (default counts), a schedule (default one exchange) and shadowing or none (module
-    docstring)."""
-
-    def __init__(self, num_experts: int, parallel: LayerParallelism, wire: Any = None, schedule: Any = None,
-                 shadowing: Optional["Shadowing"] = None):
-        super().__init__(num_experts)
-        if num_experts % parallel.ep_size:
-            raise ValueError(f"{num_experts} experts cannot be split evenly over {parallel.ep_size} "
-                             "expert-parallel ranks")
-        self.parallel = parallel
-        self.num_local = num_experts // parallel.ep_size
-        self.wire = wire if wire is not None else CountsWire(parallel, self.num_local)
-        if schedule is not None:
-            self.schedule = schedule
-        self.shadowing = shadowing
-
-    def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Exchange:
-        wire, sync = self.wire.for_batch(x_TH, plan), HostSync()
-        held = self.shadowing.before(plan, sync) if self.shadowing is not None else None
-        sizes = wire.sizes(x_TH, plan, finite, sync, None if held is None else held.shadow_D)
-        pending = self.schedule.plan(sizes, sync)
-        sync.read()                                                  # the one host sync; the finite verdict
-        plan = plan.kept(sum(sizes.send.host) + (0 if held is None else sum(held.counts.host)))
-        routes = None
-        if held is not None:
-            plan, routes = self.shadowing.split(plan, held)
-        state = wire.state(x_TH, plan, sizes)
-        if routes is not None:
-            state = replace(state, held=routes)
-        return self.schedule.finish(state, pending)
-
-    def to_experts(self, state: Exchange) -> tuple[Tensor, Tensor, RowCounts]:
-        return state.wire.send(state)
-
-    def from_experts(self, y_RH: Tensor, state: Exchange) -> Tensor:
-        return state.wire.back(y_RH, state)
-
-    def traffic(self, state: Exchange) -> Optional[Tensor]:
-        return state.traffic_PD
-
-    def combine(self, y_RH: Tensor, state: Exchange) -> Tensor:
-        if self.shadowing is None:
-            return super().combine(y_RH, state)
-        return self.shadowing.combine(self.from_experts(y_RH, state), state)

@@ -5,16 +5,15 @@ Shape suffixes: see ``moe_plugin.layers``.
 ``build_dispatcher(config, parallel, shadow, traffic)`` picks, by the rules of
 ``exchange_rules.py`` (the config's validation asks the same rules):
 
-* no expert or expert-tensor parallelism: ``TokenDispatcher`` (nothing crosses);
+* no expert or expert-tensor parallelism: ``LocalWire`` (nothing crosses);
 * the wire format: ``exchange`` counts, padded or token by name, or ``auto`` (``resolve_exchange``:
   padded where the rules allow it and the EP group's backend is gloo, else counts; logged once);
 * the schedule: ``overlap.Overlapped`` with ``overlap_chunks`` > 1, else one exchange;
 * shadowing (``shadow.Shadowing``) while ``shadow`` has experts.
 
-The layer builds its dispatcher here at construction and again when its shadowed experts change
-(``MoELayer.set_shadow``) or a load tracker starts reading the sender x expert traffic
-(``MoELayer.track_traffic``): the options are the rules' inputs, and a named option that no longer
-combines raises there, before anything changes.
+The layer builds its dispatcher here at construction and again when its shadowed experts or
+its traffic reader change (``MoELayer.set_shadow``, ``track_traffic``): a named option that no
+longer combines raises here, before anything changes.
 """
 from __future__ import annotations
 
@@ -22,8 +21,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from moe_plugin.layers.dispatcher import OneExchange, TokenDispatcher
-from moe_plugin.layers.ep_dispatcher import CountsWire, ExpertParallelDispatcher
+from moe_plugin.layers.dispatcher import Dispatcher, LocalWire, OneExchange
+from moe_plugin.layers.ep_dispatcher import CountsWire
 from moe_plugin.layers.exchange_rules import exchange_unfit, overlap_unfit, overlapped_chunks, shadow_unfit
 from moe_plugin.layers.overlap import Overlapped
 from moe_plugin.layers.padded import PaddedWire, log_choice
@@ -62,7 +61,7 @@ def resolve_exchange(config, parallel: LayerParallelism, shadowed: int = 0, traf
 
 
 def build_dispatcher(config, parallel: LayerParallelism, shadow: ShadowExperts,
-                     traffic: Optional[str] = None) -> tuple[TokenDispatcher, str]:
+                     traffic: Optional[str] = None) -> tuple[Dispatcher, str]:
     """(the dispatcher, its exchange mode) for a layer of ``config`` on ``parallel`` with ``shadow``'s
     experts shadowed; ``traffic``: what reads the sender x expert traffic (module docstring)."""
     shadowed = len(shadow.expert_ids)
@@ -71,7 +70,7 @@ def build_dispatcher(config, parallel: LayerParallelism, shadow: ShadowExperts,
         if why is not None:
             raise ValueError(why)
     if not parallel.expert_parallel:
-        return TokenDispatcher(config.num_experts), "counts"
+        return Dispatcher(LocalWire()), "counts"
     mode = resolve_exchange(config, parallel, shadowed, traffic)
     L = config.num_experts // parallel.ep_size
     wire = {"counts": lambda: CountsWire(parallel, L), "token": lambda: TokenWire(parallel, L),
@@ -82,4 +81,4 @@ def build_dispatcher(config, parallel: LayerParallelism, shadow: ShadowExperts,
     chunks = overlapped_chunks(config.overlap_chunks, shadowed)
     schedule = Overlapped(parallel, chunks) if chunks > 1 else OneExchange()
     shadowing = Shadowing(shadow) if shadowed else None
-    return ExpertParallelDispatcher(config.num_experts, parallel, wire, schedule, shadowing), mode
+    return Dispatcher(wire, schedule, shadowing), mode

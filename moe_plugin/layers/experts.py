@@ -12,15 +12,9 @@ the slices ``ffn_shard`` cuts from the single-process weights of the same seed, 
 partial output that the dispatcher sums over the ETP group. ``grad_scale`` multiplies the weight
 gradients (``LayerParallelism.expert_grad_scale``).
 
-Forward and backward run in ``ffn_autograd.expert_ffn``: chunks of whole experts, nothing of
-size [R, F] kept for backward but the pre-activation (and not even that with
-``recompute_pre_activation=True``: one more GEMM in backward); with ``gather_R`` the input
-rows are gathered from the tokens chunk by chunk rather than kept. The backend (``backend``:
-``auto``, ``grouped_mm``, ``bmm``, ``loop``) is chosen per device and dtype in ``expert_backend.py``.
-
-Measured on the 2-core CPU (docs/benchmarks.md, "Expert GEMM backends"): grouped_mm is the
-fastest or tied and needs no padding, so ``auto`` takes it where supported; where it is not,
-``loop`` beats ``bmm`` there (the padding costs most at skewed counts).
+Forward and backward run in ``ffn_autograd.expert_ffn`` (nothing of size [R, F] kept but,
+unless ``recompute_pre_activation``, the pre-activation; with ``gather_R`` the input rows are
+gathered chunk by chunk). The GEMM backend (``backend``) is chosen in ``expert_backend.py``.
 """
 from __future__ import annotations
 

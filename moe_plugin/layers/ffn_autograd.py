@@ -25,9 +25,7 @@ storage is kept for the next backward where it is large and free (``GradStore``)
 ``counts`` is a Python list. No host-to-device copy when the counts come as ``RowCounts`` (as every
 dispatcher gives them): the chunks' row offsets are cut from one running sum on the device.
 
-Backends (chosen in ``expert_backend.py``): ``grouped_mm`` (torch's grouped GEMM with the chunk's
-int32 row offsets), ``bmm`` (the chunk's rows padded per expert to its largest count, one batched
-GEMM, the weight gradients too) or ``loop`` (one GEMM per expert over ``split``/``unbind`` views).
+The backends (``grouped_mm``, ``bmm``, ``loop``) are described and chosen in ``expert_backend.py``.
 
 Determinism: backward adds each row's input gradient to its token with ``index_add_`` (one call
 per chunk). A token routed to several experts of one chunk is a repeated index there; on CUDA
@@ -58,17 +56,14 @@ REUSE_MIN_BYTES = 32 << 20   # glibc's largest mmap threshold: bigger blocks are
 class GradStore:
     """The storage of one weight gradient on CPU, handed out again while nobody else holds it.
 
-    glibc serves an allocation above its mmap threshold (at most 32 MiB) with fresh pages and
-    unmaps them on free, so a stacked expert gradient (256 MiB at 128 experts of 512 x 1024)
-    is page-faulted and zeroed by the kernel in every backward: 20-25% of the layer's time at
-    4,096 tokens (docs/benchmarks.md, "The allocator"). The store keeps one buffer and returns
-    a new tensor over it (``empty_like``); autograd makes that the parameter's ``.grad``. When
-    the next backward starts, the buffer is reused only if no tensor but the store's own still
-    refers to its storage (the optimizer or DeepSpeed's ZeRO have copied the gradient out and
-    dropped it, or ``zero_grad`` set it to None); a gradient that is still held -- accumulation
-    over micro-batches, a user's reference -- is never written to: a new buffer replaces the
-    old one in the store. Smaller gradients, other devices (CUDA has its caching allocator),
-    and torch builds without the storage use count get a plain ``torch.empty_like``.
+    glibc serves an allocation above its mmap threshold (at most 32 MiB) with fresh pages, so a
+    stacked expert gradient is page-faulted and zeroed by the kernel in every backward
+    (docs/benchmarks.md, "The allocator"). The store keeps one buffer and returns a new tensor
+    over it (``empty_like``), reused only if no tensor but the store's own still refers to its
+    storage (the optimizer or ZeRO copied the gradient out, or ``zero_grad`` set it to None); a
+    gradient still held (accumulation, a user's reference) is never written to: a new buffer
+    replaces the old one. Smaller gradients, other devices (CUDA has its caching allocator), and
+    torch builds without the storage use count get a plain ``torch.empty_like``.
     """
 
     def __init__(self) -> None:

@@ -4,10 +4,9 @@ Shape suffixes: see ``moe_plugin.layers``.
 
 A forward's dispatch needs a few integers on the host: split sizes, rows per local expert, the
 router's finite flags, and what a schedule (``overlap.py``) or shadowing (``shadow.py``) reads.
-Each part of the dispatch adds its device integers to the forward's ``HostSync`` (``add``, which
-returns a ``HostValue``), the finite check its flags (``check``); ``read`` copies them all in one
-transfer and gives the finite verdict (every rank that shares it raises there); then each part
-reads its own ``HostValue.host``.
+Each part adds its device integers to the forward's ``HostSync`` (``add``: a ``HostValue``), the
+finite check its flags (``check``); ``read`` copies them all in one transfer and gives the finite
+verdict; then each part reads its own ``HostValue.host``.
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ class HostValue:
 
 
 class HostSync:
-    """One forward's host sync: every part adds what it reads, ``read`` copies it in one transfer."""
+    """One forward's host sync (module docstring)."""
 
     def __init__(self) -> None:
         self._values: list[HostValue] = []

@@ -22,14 +22,8 @@ every layout-dependent factor. Forward on one rank::
     + shared expert, attach aux loss  (the replica's, on each TP rank; ``parallel.py`` 4(b))
     out_TH -> gather_tokens over TP   (replicated input, no SP)
 
-The dispatcher (``exchange_factory.build_dispatcher``): ``TokenDispatcher`` in one process, else an
-``ExpertParallelDispatcher`` of a wire format (``exchange`` counts, padded ``padded.py``, token
-``token.py``), a schedule (one exchange, or ``overlap_chunks`` > 1: the exchange overlapped with the
-experts and the shared expert, ``overlap.py``) and shadowing. Shadow experts (``set_shadow``,
-``shadow.py``): the routes to a shadowed expert skip the exchange and run on this rank through a
-copy of the owner's weights (``ShadowExperts``, next to ``experts``). A change of the shadowed
-experts, or a load tracker that reads the sender x expert traffic (``track_traffic``), builds the
-dispatcher again through the factory.
+The dispatcher comes from ``exchange_factory.build_dispatcher``, again on ``set_shadow`` (shadow
+experts, ``shadow.py``) and ``track_traffic`` (a load tracker).
 """
 from __future__ import annotations
 
@@ -116,13 +110,9 @@ class StatsSum:
         self.reset()
 
     def reset(self) -> None:
-        self.kept: Optional[Tensor] = None       # [E]
-        self.routed: Optional[Tensor] = None     # [E]
-        self.traffic: Optional[Tensor] = None    # [P, E], None without EP
-        self.balance: Optional[Tensor] = None    # fp64 sums of the losses
-        self.z: Optional[Tensor] = None
-        self.forwards = 0
-        self.capacity: Optional[int] = None
+        self.kept = self.routed = self.traffic = None   # [E], [E], [P, E] (None without EP): summed counts
+        self.balance = self.z = None                    # fp64 sums of the losses
+        self.forwards, self.capacity = 0, None
 
     def add(self, stats: MoEStats) -> None:
         if self.forwards == 0:
@@ -132,10 +122,8 @@ class StatsSum:
         else:
             self.kept += stats.kept_per_expert
             self.routed += stats.routed_per_expert
-            if self.traffic is not None and stats.traffic_PE is None:
-                self.traffic = None                  # a forward without it (padded exchange): no sum
-            elif self.traffic is not None:
-                self.traffic += stats.traffic_PE
+            if self.traffic is not None:             # a forward without it (padded exchange): no sum
+                self.traffic = None if stats.traffic_PE is None else self.traffic.add_(stats.traffic_PE)
             self.balance += stats.balance_loss
             self.z += stats.z_loss
         self.forwards += 1
@@ -161,14 +149,9 @@ def _check_sizes(config: MoEConfig, parallel: LayerParallelism) -> None:
 
 class MoELayer(nn.Module):
     """A Mixture-of-Experts MLP. ``seed`` makes the init deterministic and layout independent
-    (expert and expert-tensor shards are slices of the single-process weights).
-
-    Placement: ``experts.placement`` [E] (an int64 buffer, in ``state_dict``) holds the slot of
-    every expert, ``ep_rank * L + local index``: EP rank p hosts the experts whose slots are
-    ``[p * L, (p + 1) * L)``, and ``experts.weight1[l]`` is the expert in slot ``p * L + l``.
-    The router sorts routes by slot (a tensor gather), so dispatch needs nothing else. The
-    argument ``placement`` builds the layer with experts already in those slots (default: expert
-    e in slot e); changing it during training means moving the weights with it.
+    (expert and expert-tensor shards are slices of the single-process weights). ``placement``
+    [E]: the slot of every expert (``GroupedExperts``; default: expert e in slot e); changing it
+    during training means moving the weights with it (``placement/``).
     """
 
     def __init__(self, config: MoEConfig, hidden_size: int, ffn_hidden_size: int,
@@ -232,12 +215,9 @@ class MoELayer(nn.Module):
         return out_TH.view(hidden_SBH.shape), None
 
     def set_shadow(self, expert_ids) -> None:
-        """Shadow these experts (global ids; ``[]``: none): every EP rank computes its own routes
-        to them with copies of the owner's weights, the gradients are summed back to the owner
-        (``shadow.py``). Call it on every EP rank with the same ids, between steps. The model
-        function does not change. Needs EP > 1 and no expert tensor parallelism; the dispatcher is
-        built again (``exchange_factory``: an ``exchange`` auto that was padded gives counts while
-        experts are shadowed; padded or token by name raise)."""
+        """Shadow these experts (global ids; ``[]``: none; ``shadow.py``). Call it on every EP rank
+        with the same ids, between steps; the model function does not change. The dispatcher is
+        built again (``exchange_factory``: what does not combine raises, nothing changed)."""
         before = self.shadow.expert_ids
         self.shadow.set(expert_ids)
         try:
@@ -249,8 +229,7 @@ class MoELayer(nn.Module):
 
     def track_traffic(self, what: str) -> None:
         """``what`` (a load tracker) reads the sender x expert traffic, which only the counts round
-        gives: the dispatcher is built again for it (an ``exchange`` auto that was padded gives
-        counts; padded by name raises)."""
+        gives: the dispatcher is built again for it (``exchange_factory``)."""
         self.dispatcher, self.exchange = build_dispatcher(self.config, self.parallel, self.shadow, what)
         self.traffic_reader = what
 
@@ -275,7 +254,7 @@ class MoELayer(nn.Module):
         return AttachAuxLoss.apply(out_TH, loss, self.aux_loss_scale)
 
     def _stats(self, plan: RoutingPlan, state: Dispatch) -> MoEStats:
-        traffic_PD = self.dispatcher.traffic(state)
+        traffic_PD = state.traffic_PD
         traffic_PE = None if traffic_PD is None or self.parallel.ep is None else traffic_PD[:, self.placement]
         return MoEStats(kept_per_expert=plan.kept_E.detach(), routed_per_expert=plan.routed_E.detach(),
                         dropped_fraction=plan.dropped_fraction.detach(), balance_loss=plan.balance_loss.detach(),

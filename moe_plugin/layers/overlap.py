@@ -14,23 +14,20 @@ one gather of the tokens, then one all-to-all per chunk. Forward on one rank::
     wait every way back, rows back in kept-route order -> combine
 
 While chunk c computes, the all-to-alls of the later chunks (and the way back of the earlier
-ones) run. Backward mirrors it without extra code: the wait's backward starts the reverse
-all-to-all of its gradient and the start's backward waits for it (``comm.start_all_to_all``: the
-autograd of ``comm.all_to_all``, started now and waited for later); the
-autograd engine runs the later-made nodes first, so every chunk's way-back gradient is sent
-before the experts' backward of the last chunk begins, and each chunk's input gradient leaves
-while the next chunk's experts run their backward. Every rank makes the same graph, so the
-collectives start in the same order everywhere.
+ones) run. Backward mirrors it without extra code (``comm.start_all_to_all``: the autograd of
+``comm.all_to_all``, started now and waited for later): the autograd engine runs the later-made
+nodes first, so every chunk's way-back gradient is sent before the experts' backward of the last
+chunk begins, and each chunk's input gradient leaves while the next chunk's experts run their
+backward. Every rank makes the same graph, so the collectives start in the same order everywhere.
 
 Every expert sees the same rows in the same order as with one exchange, and each route's output
 is the same row, so outputs and gradients are bit-identical to ``overlap_chunks`` 1 (top-1 and
-top-2; tests/test_overlap.py). The weights are split per chunk once (one ``split``, one
-gradient concatenation in backward).
+top-2; tests/test_overlap.py). The weights are split per chunk once (one ``split``, one gradient
+concatenation in backward).
 
-Not done: expert tensor parallelism (its gather over ETP would need its own chunking; the config
-refuses it), layers with shadowed experts (``exchange_factory`` gives them one exchange), other
-wire formats than counts (the rules refuse them), and the kept storage of the
-weight gradients (``ffn_autograd.GradStore``): the split's backward allocates them anew.
+Not done: the counts wire format only, without expert tensor parallelism or shadowed experts
+(``exchange_rules.py``); the kept storage of the weight gradients (``ffn_autograd.GradStore``):
+the split's backward allocates them anew.
 """
 from __future__ import annotations
 
@@ -48,7 +45,7 @@ from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.parallel import LayerParallelism
 
 if TYPE_CHECKING:
-    from moe_plugin.layers.ep_dispatcher import ExpertParallelDispatcher
+    from moe_plugin.layers.dispatcher import Dispatcher
     from moe_plugin.layers.experts import GroupedExperts, SharedExpert
 
 
@@ -101,23 +98,6 @@ def chunked(state: Exchange, n: int, send_PL: list[int], recv_PL: list[int], rec
     return Chunks(chunks, order_R, unorder_R)
 
 
-def overlapped_experts(state: Exchange, experts: "GroupedExperts", group,
-                       shared: Optional["SharedExpert"] = None) -> tuple[Tensor, Optional[Tensor]]:
-    """The experts' output of every kept route (the plan's kept-route order) and the shared
-    expert's output (None without one), the exchange overlapped with both (module docstring)."""
-    x_RH = state.x_TH.index_select(0, state.plan.token_R.index_select(0, state.chunks.order_R))
-    sends = x_RH.split([sum(c.send_splits) for c in state.chunks.chunks])
-    started = [comm.start_all_to_all(x_CH, c.recv_splits, c.send_splits, group) for x_CH, c in zip(sends, state.chunks.chunks)]
-    shared_TH = shared(state.x_TH) if shared is not None else None
-    weights = experts.split_weights([c.l1 - c.l0 for c in state.chunks.chunks], state.x_TH.dtype)
-    back = []
-    for c, s, (w1_LHF1, w2_LFH) in zip(state.chunks.chunks, started, weights):
-        y_CH = experts.ffn(comm.wait_all_to_all(s), c.counts_L, c.sort_R, w1_LHF1, w2_LFH)
-        back.append(comm.start_all_to_all(y_CH.index_select(0, c.unsort_R), c.send_splits, c.recv_splits, group))
-    y_RH = torch.cat([comm.wait_all_to_all(b) for b in back])
-    return y_RH.index_select(0, state.chunks.unorder_R), shared_TH
-
-
 class Overlapped:
     """The chunked schedule of the counts wire format: the exchange in ``chunks`` chunks,
     overlapped with the experts and the shared expert (module docstring)."""
@@ -134,11 +114,23 @@ class Overlapped:
         send, recv = pending
         return replace(state, chunks=chunked(state, self.chunks, send.host, recv.host, recv.device))
 
-    def run(self, dispatcher: "ExpertParallelDispatcher", state: Exchange, experts: "GroupedExperts",
+    def run(self, dispatcher: "Dispatcher", state: Exchange, experts: "GroupedExperts",
             shared: Optional["SharedExpert"] = None) -> Tensor:
-        """The layer's output: the combined experts' rows plus the shared expert's (if any)."""
+        """The layer's output: the combined experts' rows plus the shared expert's (if any), the
+        exchange overlapped with both (module docstring)."""
+        chunks, group, plan = state.chunks.chunks, self.parallel.ep, state.plan
         with record_function("moe.overlapped"):
-            y_RH, shared_TH = overlapped_experts(state, experts, self.parallel.ep, shared)
-            plan = state.plan
+            x_RH = state.x_TH.index_select(0, plan.token_R.index_select(0, state.chunks.order_R))
+            sends = x_RH.split([sum(c.send_splits) for c in chunks])
+            started = [comm.start_all_to_all(x_CH, c.recv_splits, c.send_splits, group)
+                       for x_CH, c in zip(sends, chunks)]
+            shared_TH = shared(state.x_TH) if shared is not None else None
+            weights = experts.split_weights([c.l1 - c.l0 for c in chunks], state.x_TH.dtype)
+            back = []
+            for c, s, (w1_LHF1, w2_LFH) in zip(chunks, started, weights):
+                y_CH = experts.ffn(comm.wait_all_to_all(s), c.counts_L, c.sort_R, w1_LHF1, w2_LFH)
+                y_CH = y_CH.index_select(0, c.unsort_R)
+                back.append(comm.start_all_to_all(y_CH, c.send_splits, c.recv_splits, group))
+            y_RH = torch.cat([comm.wait_all_to_all(b) for b in back]).index_select(0, state.chunks.unorder_R)
             out_TH = gate_combine(y_RH, plan.gate_R, plan.token_R, plan.route_R, plan.num_tokens, plan.k)
             return out_TH if shared_TH is None else out_TH + shared_TH

@@ -14,27 +14,22 @@ exchange). ``PaddedWire.sizes`` builds, per EP peer p, a block of ``B = 1 + L * 
   slot), zeros where a slot has fewer than C.
 
 The rows are one ``index_copy`` into a zero buffer (differentiable: the gradient of each route's
-row goes back to its token); the plan still lists every route (its kept count is read only at
-the host sync), so the dropped ones land in rows of their own past the blocks, left unsent. One
-equal all-to-all (``comm.all_to_all``, its backward the reverse one) moves the blocks; the layer's
-one host sync then reads the P headers: the counts per (sender, local slot), the flags (every EP
-peer sees every peer's flag when the EP group is the ranks that route distinct tokens; otherwise
-the router's own flag exchange, as in the counts layout), and this rank's own split sizes. The
-verdict raises on every rank alike, after the exchange (the rows of a bad rank travel, nothing
-is computed from them). The experts gather their rows from the padded buffer in
-(local expert, sender) order (``gather_R``: ``source_to_expert_order`` mapped to the padded
-rows), so they see the same rows in the same order as with the counts layout; the way back is
-the counts layout's uneven all-to-all (both sides know the counts now). Outputs and gradients
-are the same bits as with ``exchange`` counts (tests/test_layers_dist.py).
+row goes back to its token); the dropped routes land in rows past the blocks, left unsent. One
+equal all-to-all moves the blocks; the layer's one host sync then reads the P headers: the counts
+per (sender, local slot), the flags (``flag_rides``; else the router's own exchange), and this
+rank's split sizes. The verdict raises on every rank alike, after the exchange (the rows of a bad
+rank travel, nothing is computed from them). The experts gather their rows from the padded
+buffer in (local expert, sender) order (``gather_R``), so they see the same rows in the same order
+as with counts; the way back is the counts layout's uneven all-to-all (both sides know the
+counts now). Outputs and gradients are the same bits as with counts (tests/test_layers_dist.py).
 
-Not learnt: the sender x slot traffic (``traffic`` is None, as without EP), which is why the
-config refuses placement policies, traces and shadow experts with it. A capacity needs the same
-token count on every EP rank (it always is so in training); the buffer sizes follow from it.
+Not learnt: the sender x slot traffic (``traffic_PD`` is None, as without EP), which is why the rules
+(``exchange_rules.py``) refuse placement policies, traces and shadow experts with it. A capacity
+needs the same token count on every EP rank (it always is so in training).
 
-``exchange_factory.resolve_exchange`` turns ``auto`` into a mode: padded where the rules allow it
-and the EP group's backend is gloo, the choice logged once. A header that the hidden size cannot
-hold (known at a forward: dtype and capacity) makes a forced padded exchange raise a
-``ConfigError`` and ``auto`` send that batch with counts (``for_batch``, logged once).
+A header that the hidden size cannot hold (known at a forward: dtype and capacity) makes a forced
+padded exchange raise a ``ConfigError`` and ``auto`` send that batch with counts (``for_batch``,
+logged once; ``exchange_factory`` makes the ``auto`` choice).
 """
 from __future__ import annotations
 
@@ -49,7 +44,7 @@ from torch import Tensor
 
 from moe_plugin.configs.errors import ConfigError
 from moe_plugin.layers import comm
-from moe_plugin.layers.ep_dispatcher import CountsWire, Exchange, route_slots, source_to_expert_order
+from moe_plugin.layers.ep_dispatcher import CountsWire, Exchange, flag_rides, route_slots, source_to_expert_order
 from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.parallel import LayerParallelism
@@ -131,10 +126,7 @@ class PaddedWire:
         counts_dev_L = recv_PL.sum(0)
         sizes = PaddedSizes(recv_NH, recv_PL, B, send=sync.add(plan.kept_D.view(P, L).sum(1)),
                             recv=sync.add(recv_PL.sum(1)), counts_L=sync.add(counts_dev_L))
-        if finite is not None and finite.group is None and p.ep_is_tokens:
-            sync.check(finite, head_PX[:, -1], p.ep)                # every peer's flag came with its header
-        else:
-            sync.check(finite)
+        sync.check(finite, head_PX[:, -1] if flag_rides(finite, p) else None, p.ep)   # flags came with the headers
         return sizes
 
     def _send_buffer(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck], B: int, base: int,

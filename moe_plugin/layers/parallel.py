@@ -21,7 +21,7 @@ Semantics (a "replica" is one DP rank's micro-batch of T tokens, replicated over
    (``router.route(own=...)``). Dispatch, experts and the counts of ``last_stats`` concern
    this rank's tokens only; the balance and z losses are the replica's, the same on its TP ranks.
 2. Expert parallelism (``ep``): a rank hosts experts ``[ep_rank * L, (ep_rank + 1) * L)`` and
-   exchanges routed rows with its EP peers (``ExpertParallelDispatcher``).
+   exchanges routed rows with its EP peers (``ep_dispatcher.py``).
 3. Expert tensor parallelism (``etp``): each expert's FFN dimension is split over the ETP group;
    rows received over EP are gathered over ETP, each rank computes a partial output with its
    F-shard and the partial outputs are reduce-scattered back. Routing does not depend on etp.
@@ -64,9 +64,8 @@ Semantics (a "replica" is one DP rank's micro-batch of T tokens, replicated over
    same micro-batches in turn would draw from one stream). Tests pass explicit noise per
    replica instead (``MoELayer.forward(noise=...)``).
 7. Non-finite input: the router's finite check is agreed over ``tokens``, so every rank of the
-   stage raises together, before any row leaves a rank, instead of hanging. When the EP group
-   is ``tokens`` itself (``ep_is_tokens``) the flags ride in the dispatcher's counts exchange;
-   otherwise they are exchanged asynchronously and read at the dispatcher's host sync.
+   stage raises together, before any row leaves a rank, instead of hanging (``FiniteCheck``;
+   when the EP group is ``tokens`` itself, ``ep_is_tokens``, the flags ride in the exchange).
 """
 from __future__ import annotations
 

@@ -38,20 +38,11 @@ Routing rules (GShard, arXiv 2006.16668; Switch Transformer):
   Relabelling experts changes neither capacity nor priority (both are per expert), so the routing
   itself does not depend on the placement.
 
-In a parallel layer the GShard group is the replica's micro-batch (``parallel.py`` 1): a TP rank
-computes the logits of its token share, all-gathers them over ``share_group`` (TP) and routes
-the whole micro-batch, keeping its own tokens' routes (``route(own=...)``); the weight's gradient
-is summed over TP (``grad_group``), the finite check of its own logits is agreed over the ranks
-that hold distinct tokens (``check_group``: an asynchronous exchange read at the dispatcher's
-host sync, or, with ``check_group`` None, the dispatcher's counts exchange; ``Router.forward``
-returns the pending check next to the plan), and the default noise generator is seeded per DP
-replica (``noise_index``): the TP ranks of a replica draw the same numbers, other replicas
-others, unless a test injects them.
-
-No host sync: routing runs on the device from end to end. The number of kept routes depends on
-the data, so ``Router.forward`` returns a plan that lists every route, the kept ones first; the
-dispatcher reads the kept count with the layer's one host sync and cuts the plan
-(``RoutingPlan.kept``). ``route`` called on its own does that itself.
+In a parallel layer (``parallel.py`` 1, 6, 7) a TP rank routes its replica's whole micro-batch
+from the logits all-gathered over ``share_group`` and keeps its own tokens' routes
+(``route(own=...)``). No host sync: ``Router.forward`` returns a plan that lists every route, the
+kept ones first, and a pending ``FiniteCheck``; the dispatcher reads both at the layer's one host
+sync and cuts the plan (``RoutingPlan.kept``). ``route`` called on its own does that itself.
 """
 from __future__ import annotations
 
@@ -112,11 +103,7 @@ class RoutingPlan:
     capacity: Optional[int]
     balance_loss: Tensor
     z_loss: Tensor
-    kept_D: Optional[Tensor] = None
-
-    def __post_init__(self):
-        if self.kept_D is None:
-            object.__setattr__(self, "kept_D", self.kept_E)
+    kept_D: Tensor
 
     @property
     def num_experts(self) -> int:
@@ -143,19 +130,17 @@ class RoutingPlan:
 
 
 class FiniteCheck:
-    """The finite check of one forward's logits, agreed over ``group`` without blocking: raise
-    instead of routing silently wrong, checked on the small [T, E] logits.
+    """The finite check of one forward's logits, agreed over ``group`` without blocking
+    (``parallel.py`` 7), on the small [T, E] logits.
 
-    The flags (one int32 per rank of the group, 1 where the logits are not finite) are
-    gathered asynchronously in one all-to-all round (every pair of ranks exchanges directly; a
-    ring all-reduce takes ``2 * (ranks - 1)`` dependent steps); the caller reads them with its
-    one host sync (``flags``, then ``verdict``), so every rank of the group raises, naming the
-    ranks whose logits are not finite, rather than the healthy ranks waiting forever in the next
-    collective. A routing plan made from bad logits is well formed (indices in range, NaN gates),
-    so routing may go on while the verdict travels, as long as nothing leaves the rank before it.
-    With ``group`` None the verdict is this rank's alone: ``bad_1`` is what a dispatcher's counts
-    exchange can carry to its peers instead (``ExpertParallelDispatcher``, when its group is the
-    ranks that route distinct tokens).
+    The flags (one int32 per rank of the group, 1 where the logits are not finite) are gathered
+    asynchronously in one all-to-all round (every pair of ranks exchanges directly; a ring
+    all-reduce takes ``2 * (ranks - 1)`` dependent steps) and read at the caller's one host sync
+    (``flags``, then ``verdict``): every rank of the group raises, naming the bad ranks, rather than
+    the healthy ones waiting forever in the next collective. A plan made from bad logits is well
+    formed (indices in range, NaN gates), so routing goes on while the verdict travels, as long as
+    nothing leaves the rank before it. With ``group`` None the verdict is this rank's alone:
+    ``bad_1`` is what a dispatcher's exchange can carry instead (``ep_dispatcher.flag_rides``).
     """
 
     def __init__(self, logits_TE: Tensor, group: comm.Group = None):
@@ -295,9 +280,8 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
     ``balance(score, expert_TK, scores_TE)`` forms the balance loss (the layer's aux_loss_scope).
     ``group_limit``: ``(router_groups, group_topk)`` (``MoEConfig.group_limit``), by expert id.
     ``slot_E``: the placement, a permutation of the expert ids (None: slot e is expert e).
-    ``deferred``: the caller holds a pending ``FiniteCheck`` of these logits and reads it, with
-    the kept count, at its one host sync, before anything leaves the rank, and then cuts the
-    plan to the kept routes (``RoutingPlan.kept``); by default both happen here, at once.
+    ``deferred``: the caller checks the logits and cuts the plan at its host sync (module
+    docstring); by default both happen here, at once.
     ``own`` ``(first, n)``: all T tokens are one GShard group (capacity, priority, losses), but
     the plan lists only the routes of tokens ``first .. first + n - 1``, as a plan of those n
     tokens (token and route ids relative to ``first``; ``kept_E``, ``routed_E`` count them
@@ -358,13 +342,10 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
 class Router(nn.Module):
     """The gate of one MoE layer. ``forward(x_TH, noise=None) -> (RoutingPlan, FiniteCheck)``.
 
-    ``seed`` seeds the weight init (the same on every rank) and, with ``noise_index``, the noise
-    generator: a parallel layer passes its DP replica's index, so a replica's TP ranks draw the
-    same jitter and U(0, 1) and other replicas others. ``grad_group``: the weight's gradient is
-    summed over it in backward (TP ranks hold different token shares). ``check_group``: the
-    finite check is agreed over it (see ``FiniteCheck``). ``share_group``: the ranks that hold
-    the other, equal shares of the micro-batch, in token order (TP): the router routes all of
-    them as one group and plans this rank's share (``parallel.py`` 1).
+    ``seed`` seeds the weight init (the same on every rank) and, with ``noise_index`` (the DP
+    replica's index), the noise generator. ``grad_group``: the weight's gradient is summed over it
+    (TP). ``check_group``: the finite check is agreed over it (``FiniteCheck``). ``share_group``:
+    the ranks that hold the other shares of the micro-batch, in token order (TP).
     """
 
     def __init__(self, config: MoEConfig, hidden_size: int, *, seed: int = 0, init_std: float = 0.02,
@@ -376,31 +357,21 @@ class Router(nn.Module):
         self.grad_group = grad_group
         self.check_group = check_group
         self.config = config
-        self.kind = config.router
-        self.k = config.k
-        self.num_experts = config.num_experts
         self.seed = seed
+        E = config.num_experts
         gen = seeded_generator(seed, ROUTER_STREAM)
-        self.weight = nn.Parameter(torch.randn(self.num_experts, hidden_size, generator=gen) * init_std)
-        self.register_buffer("expert_bias", torch.zeros(self.num_experts))
-        # Load since the last bias update; not saved (see update_bias).
-        self.register_buffer("load_E", torch.zeros(self.num_experts), persistent=False)
+        self.weight = nn.Parameter(torch.randn(E, hidden_size, generator=gen) * init_std)
+        self.register_buffer("expert_bias", torch.zeros(E))
+        self.register_buffer("load_E", torch.zeros(E), persistent=False)   # since the last bias update (update_bias)
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    @property
-    def normalize(self) -> bool:
-        return self.kind == "gshard" or (self.kind == "topk" and self.config.normalize_gates)
-
-    @property
-    def random_routing(self) -> bool:
-        return self.kind == "gshard" and self.config.second_expert_policy == "random"
 
     def capacity(self, num_tokens: int) -> Optional[int]:
         """Per-expert capacity for ``num_tokens`` tokens in the current (train/eval) mode."""
         if not self.config.drop_tokens:
             return None
         factor = self.config.capacity_factor if self.training else self.config.eval_capacity_factor
-        return expert_capacity(num_tokens, self.num_experts, self.k, factor, self.config.min_capacity)
+        return expert_capacity(num_tokens, self.config.num_experts, self.config.k, factor, self.config.min_capacity)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """This router's generator on ``device``, created on first use from ``seed``."""
@@ -416,7 +387,7 @@ class Router(nn.Module):
         eps = self.config.jitter_eps
         if eps > 0:
             jitter = torch.rand(num_tokens, hidden_size, generator=gen, device=device) * (2 * eps) + (1 - eps)
-        if self.random_routing:
+        if self.config.router == "gshard" and self.config.second_expert_policy == "random":
             uniform = torch.rand(num_tokens, generator=gen, device=device)
         return RouterNoise(jitter_TH=jitter, uniform_T=uniform)
 
@@ -431,11 +402,9 @@ class Router(nn.Module):
                 balance=balance_loss) -> tuple[RoutingPlan, FiniteCheck]:
         """Route ``x_TH`` (this rank's share of the micro-batch with a ``share_group``). In training
         ``noise`` (for the whole micro-batch: jitter [T, H], of which the share's rows apply, and
-        U(0, 1) [T]) defaults to a fresh draw; eval uses none.
-        ``slot_E``, ``balance``: the layer's placement and balance loss (see ``route``). Returns the plan (every route, the
-        kept ones first) and the pending finite check of its logits; the caller reads the check
-        and the kept count at its host sync and cuts the plan (``prepare`` of a dispatcher),
-        and then calls ``record_load``."""
+        U(0, 1) [T]) defaults to a fresh draw; eval uses none. ``slot_E``, ``balance``: the layer's
+        placement and balance loss (``route``). The plan and the pending check: module docstring;
+        the caller calls ``record_load`` once the plan is checked."""
         n = x_TH.shape[0]
         shares, me = comm.group_size(self.share_group), comm.group_rank(self.share_group)
         T = n * shares                     # the micro-batch: my share and those of ``share_group``
@@ -451,7 +420,7 @@ class Router(nn.Module):
         if shares > 1:                     # route the whole micro-batch, keep my tokens' routes
             logits_TE, own = comm.gather_tokens(logits_TE, self.share_group), (me * n, n)
         c = self.config
-        return route(logits_TE, kind=self.kind, k=self.k, normalize=self.normalize,
+        return route(logits_TE, kind=c.router, k=c.k, normalize=c.router == "topk" and c.normalize_gates,
                      capacity=self.capacity(T), expert_bias_E=self.expert_bias,
                      uniform_T=noise.uniform_T if noise is not None else None, slot_E=slot_E,
                      deferred=True, score=c.score_function, scale=c.gate_scale, drop_policy=c.drop_policy,

@@ -6,22 +6,19 @@ A shadowed expert keeps its one owner, the EP rank whose slot holds it (``expert
 and its one set of parameters and optimizer state there. ``ShadowExperts`` (next to the layer's
 ``GroupedExperts``) holds which experts are shadowed and runs the copies; ``Shadowing`` is the
 transform of the routing plan that the dispatcher applies before and after its exchange
-(``ExpertParallelDispatcher``; ``exchange_factory.build_dispatcher`` adds it when experts are
-shadowed). Per forward of a layer with shadowed experts (``MoELayer.set_shadow``; every EP rank has
-the same set):
+(``exchange_factory`` adds it while experts are shadowed). Per forward (every EP rank has the
+same set, ``MoELayer.set_shadow``):
 
 1. Before the exchange (``Shadowing.before``, ``split``): the routes to shadowed experts stay out
-   of it: the wire format sends and receives the other routes only (``CountsWire.sizes(...,
-   held_D)``; the count all-gather still carries every kept route, so the load record is
-   unchanged).
+   of it (``CountsWire.sizes(..., held_D)``; the load record still counts them).
 2. ``ShadowWeights``: every EP rank gets the shadowed experts' weights from their owners, in
    one all-reduce over EP of a [D, H*F1 + F*H] buffer in which each owner fills its rows
    (adding exact zeros: the copies are bit-identical to the owner's weights).
 3. Every EP rank runs its own tokens' routes to shadowed experts through those copies
-   (``ffn_autograd.expert_ffn``, with the layer's expert gradient factor).
-4. After the exchange, combine takes both row sets (``Shadowing.combine``): each token's routes are found by route id and summed in the
-   same order, so the output is the one without shadowing (up to the rounding of the expert
-   GEMMs, which see other blocks of rows).
+   (``GroupedExperts.ffn``, with the layer's expert gradient factor).
+4. After the exchange, combine takes both row sets (``Shadowing.combine``): each token's routes
+   are found by route id and summed in the same order, so the output is the one without
+   shadowing (up to the rounding of the expert GEMMs, which see other blocks of rows).
 5. Backward of 2: the copies' gradients (each rank's partial sum over its own tokens) are
    all-reduced over EP and the owner adds its rows to its experts' gradients. The owner's
    ``.grad`` is then the same sum over every EP rank's routes that the exchange path gives (up to
@@ -36,7 +33,7 @@ it runs after the exchange), and one reduce per owner in backward instead of the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -44,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_plugin.layers.combine import gate_combine
-from moe_plugin.layers.ffn_autograd import RowCounts, expert_ffn
+from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.router import RoutingPlan, stable_partition
 
@@ -56,8 +53,7 @@ if TYPE_CHECKING:
 class ShadowRoutes:
     """This rank's kept routes to shadowed experts, grouped by expert in slot order."""
 
-    slots: list[int]       # [D] the shadowed experts' slots, ascending
-    slot_X: Tensor         # the same slots on the device
+    slots: HostValue       # [D] the shadowed experts' slots, ascending, on the device and the host
     counts: RowCounts      # [D] routes per shadowed expert
     token_R: Tensor        # token of each route
     gate_R: Tensor         # its gate (differentiable)
@@ -69,27 +65,8 @@ class Held:
     """The shadowed slots of one forward, before the host sync, and what it reads of them."""
 
     shadow_D: Tensor       # [D] bool: the slots that hold a shadowed expert
-    slot_X: Tensor         # those slots, ascending
-    counts_X: Tensor       # this rank's kept routes to each
-    slots: HostValue
-    counts: HostValue
-
-
-def split_routes(plan: RoutingPlan, shadow_D: Tensor, slots: list[int], slot_X: Tensor,
-                 counts: RowCounts) -> tuple[RoutingPlan, ShadowRoutes]:
-    """``plan`` (kept routes sorted by slot) -> the plan of the exchanged routes (``kept_D`` zero
-    at shadowed slots) and the routes to shadowed experts, ``counts[i]`` of them to slot
-    ``slots[i]`` (ascending; read on the host with the exchange's counts from ``slot_X``). No host sync."""
-    slot_R = plan.slot_R()
-    order_R = stable_partition(torch.arange(slot_R.numel(), device=slot_R.device), shadow_D[slot_R])
-    shadowed_R, exchanged_R = order_R[:sum(counts.host)], order_R[sum(counts.host):]
-    routes = ShadowRoutes(slots=slots, slot_X=slot_X, counts=counts, token_R=plan.token_R[shadowed_R],
-                          gate_R=plan.gate_R[shadowed_R], route_R=plan.route_R[shadowed_R])
-    exchanged = RoutingPlan(num_tokens=plan.num_tokens, k=plan.k, route_R=plan.route_R[exchanged_R],
-                            token_R=plan.token_R[exchanged_R], gate_R=plan.gate_R[exchanged_R], kept_E=plan.kept_E,
-                            routed_E=plan.routed_E, capacity=plan.capacity, balance_loss=plan.balance_loss,
-                            z_loss=plan.z_loss, kept_D=plan.kept_D.masked_fill(shadow_D, 0))
-    return exchanged, routes
+    slots: HostValue       # those slots, ascending
+    counts: HostValue      # this rank's kept routes to each
 
 
 class ShadowWeights(torch.autograd.Function):
@@ -122,14 +99,11 @@ class ShadowWeights(torch.autograd.Function):
                 buf_DX[:, H * F1:].reshape(n, F, H).contiguous())
 
     @staticmethod
-    def backward(ctx, grad_w1_DHF1: Optional[Tensor], grad_w2_DFH: Optional[Tensor]):
+    def backward(ctx, grad_w1_DHF1: Tensor, grad_w2_DFH: Tensor):
         (L, H, F1), (_, F, _) = ctx.shapes
         (row_X,) = ctx.saved_tensors
-        n = len(grad_w1_DHF1) if grad_w1_DHF1 is not None else len(grad_w2_DFH)
-        parts = [g.reshape(n, -1) if g is not None else None for g in (grad_w1_DHF1, grad_w2_DFH)]
-        ref = next(p for p in parts if p is not None)
-        parts = [p if p is not None else ref.new_zeros(n, size) for p, size in zip(parts, (H * F1, F * H))]
-        buf_DX = torch.cat(parts, dim=1)
+        n = len(grad_w1_DHF1)                   # autograd gives zeros for an output without gradient
+        buf_DX = torch.cat([grad_w1_DHF1.reshape(n, -1), grad_w2_DFH.reshape(n, -1)], dim=1)
         if ctx.group is not None:
             dist.all_reduce(buf_DX, group=ctx.group)
         if not ctx.owns:
@@ -137,15 +111,6 @@ class ShadowWeights(torch.autograd.Function):
         grad_w1 = buf_DX.new_zeros(L + 1, H * F1).index_copy_(0, row_X, buf_DX[:, :H * F1])[:L].view(L, H, F1)
         grad_w2 = buf_DX.new_zeros(L + 1, F * H).index_copy_(0, row_X, buf_DX[:, H * F1:])[:L].view(L, F, H)
         return grad_w1, grad_w2, None, None, None, None
-
-
-def shadow_weights(w1_LHF1: Tensor, w2_LFH: Tensor, slots: list[int], slot_X: Tensor, first_slot: int,
-                   group: Optional[dist.ProcessGroup]) -> tuple[Tensor, Tensor]:
-    """[D, H, F1] and [D, F, H]: the weights of the experts in ``slots`` (ascending; ``slot_X``
-    on the device), from their owners; this rank owns slots ``[first_slot, first_slot + L)``."""
-    L = w1_LHF1.shape[0]
-    owns = any(first_slot <= s < first_slot + L for s in slots)
-    return ShadowWeights.apply(w1_LHF1, w2_LFH, slot_X, first_slot, owns, group)
 
 
 class ShadowExperts:
@@ -182,10 +147,10 @@ class ShadowExperts:
         """The rows ``routes`` of this rank's tokens through copies of the shadowed experts'
         weights, fetched from their owners (module docstring, 2-3) -> [R, H]."""
         e = self.experts
-        w1_DHF1, w2_DFH = shadow_weights(e.weight1.to(x_TH.dtype), e.weight2.to(x_TH.dtype), routes.slots,
-                                         routes.slot_X, e.first_slot, self.group)
-        return expert_ffn(x_TH, w1_DHF1, w2_DFH, routes.counts, e.act, e.pick_backend(x_TH), routes.token_R,
-                          save_pre=not e.recompute_pre_activation, grad_scale=e.grad_scale)
+        owns = any(e.first_slot <= s < e.first_slot + e.num_local for s in routes.slots.host)
+        w1_DHF1, w2_DFH = ShadowWeights.apply(e.weight1.to(x_TH.dtype), e.weight2.to(x_TH.dtype),
+                                              routes.slots.device, e.first_slot, owns, self.group)
+        return e.ffn(x_TH, routes.counts, routes.token_R, w1_DHF1, w2_DFH)
 
 
 class Shadowing:
@@ -199,13 +164,20 @@ class Shadowing:
 
     def before(self, plan: RoutingPlan, sync: HostSync) -> Held:
         shadow_D, slot_X = self.shadow.slots()
-        counts_X = plan.kept_D[slot_X]
-        return Held(shadow_D, slot_X, counts_X, sync.add(slot_X), sync.add(counts_X))
+        return Held(shadow_D, sync.add(slot_X), sync.add(plan.kept_D[slot_X]))
 
     def split(self, plan: RoutingPlan, held: Held) -> tuple[RoutingPlan, ShadowRoutes]:
-        """After the host sync: the plan of the exchanged routes and the routes kept here."""
-        return split_routes(plan, held.shadow_D, held.slots.host, held.slot_X, RowCounts(held.counts.host,
-                                                                                           held.counts_X))
+        """After the host sync, ``plan`` (kept routes sorted by slot) -> the plan of the exchanged
+        routes (``kept_D`` zero at shadowed slots) and the routes kept here. No host sync."""
+        slot_R, n = plan.slot_R(), sum(held.counts.host)
+        order_R = stable_partition(torch.arange(slot_R.numel(), device=slot_R.device), held.shadow_D[slot_R])
+        shadowed_R, exchanged_R = order_R[:n], order_R[n:]
+        routes = ShadowRoutes(slots=held.slots, counts=RowCounts(held.counts.host, held.counts.device),
+                              token_R=plan.token_R[shadowed_R], gate_R=plan.gate_R[shadowed_R],
+                              route_R=plan.route_R[shadowed_R])
+        exchanged = replace(plan, route_R=plan.route_R[exchanged_R], token_R=plan.token_R[exchanged_R],
+                            gate_R=plan.gate_R[exchanged_R], kept_D=plan.kept_D.masked_fill(held.shadow_D, 0))
+        return exchanged, routes
 
     def combine(self, y_RH: Tensor, state) -> Tensor:
         """One combine over the exchanged rows (back in kept-route order) and the shadowed routes'
@@ -216,5 +188,3 @@ class Shadowing:
                             torch.cat([ex.token_R, sh.token_R]), torch.cat([ex.route_R, sh.route_R]),
                             ex.num_tokens, ex.k)
 
-
-__all__ = ["Held", "ShadowExperts", "ShadowRoutes", "ShadowWeights", "Shadowing", "shadow_weights", "split_routes"]

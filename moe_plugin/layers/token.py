@@ -13,34 +13,21 @@ same rank. ``TokenWire`` sends such a token once and fans it out on arrival:
   ``p = slot // L``. The unique ``(p, token)`` pairs become one row each, ordered ``(p, token)``,
   carrying the token's activations and, in Y extra columns, the mask of p's L local slots it
   goes to: bit ``l % b`` of column ``l // b``, with ``b`` the bits an integer of the activation
-  dtype holds exactly (fp32: 24, bf16: 8, fp16: 11; ``padded.header_digits``), so
-  ceil(L / b) columns. The rows per peer ride along with the counts exchange (``CountsWire.sizes(...,
-  to_peers_P=...)``) and are read in the layer's one host sync: no collective is added.
-* Receiver (``send``): one uneven all-to-all of the unique rows; from the masks the
-  experts' gather index (local expert major, then sender, then the sender's row order) into the
-  received rows, with the counts per local expert from the counts exchange. The experts gather
-  their rows by index anyway (``GroupedExperts(x, counts, gather_R)``), so the fan-out costs
-  nothing, and its backward sums a token's routes on the expert rank before the gradient goes
-  back (once per token and rank as well).
-* Return path (``back``): one row per route, as with counts: the outputs re-sorted to
-  (sender, local slot, token) order (``source_to_expert_order`` of the counts, its inverse),
-  the counts layout's uneven all-to-all, and on the sender a local permutation from
-  (slot, token) order to its kept-route order (slot, then the drop policy's order). Not done:
-  summing a token's gated outputs on the expert rank so that the way back also carries one row
-  per (token, rank); the gates would travel as more columns.
+  dtype holds exactly (``mask_bits``). The rows per peer ride along with the counts exchange
+  (``CountsWire.sizes(..., to_peers_P)``): no collective is added.
+* Receiver (``send``): one uneven all-to-all of the unique rows; from the masks the experts'
+  gather index (local expert major, then sender, then the sender's row order) into the received
+  rows. The experts gather their rows by index anyway, so the fan-out costs nothing, and its
+  backward sums a token's routes on the expert rank before the gradient goes back.
+* Way back (``back``): one row per route, as with counts (``source_to_expert_order`` of the
+  counts, its inverse, the uneven all-to-all), then on the sender a local permutation from
+  (slot, token) order to its kept-route order. Not done: summing a token's gated outputs on the
+  expert rank so that the way back also carries one row per (token, rank).
 
-Everything is built from differentiable ops (``index_select``, ``cat``, ``comm.all_to_all``); the
-mask columns carry no gradient. The experts see the same rows as with counts, in (sender,
-token) order within an expert instead of (sender, priority) order, so the outputs are the same
-and the weight gradients equal to rounding (tests/test_layers_dist.py, the ``token-`` twins).
-Collectives: those of the counts layout (tests/test_cost_collectives.py). Needs
-``parallel.expert`` > 1 and refuses expert tensor parallelism, shadow experts, ``overlap_chunks``
-> 1 and placement policies other than static (``exchange_rules.exchange_unfit``).
-
-Bytes (docs/benchmarks.md, 'Group-limited routing: bytes on the wire'; ``moe-plugin bench layer
---exchange token``): 4 ranks, 16 experts, fp32, a step sends 0.75 of the counts exchange's bytes
-at top-2 with ``group_topk`` 1 and 0.63 at top-4; the dispatch alone sends the distinct (token,
-rank) rows, H + 1 values each.
+The experts see the same rows as with counts, in (sender, token) order within an expert instead
+of (sender, priority) order: the same outputs, the weight gradients equal to rounding
+(tests/test_layers_dist.py, the ``token-`` twins). What it combines with: ``exchange_rules.py``.
+Bytes: docs/benchmarks.md, 'Group-limited routing: bytes on the wire'.
 """
 from __future__ import annotations
 
@@ -81,13 +68,10 @@ class TokenSizes:
     """The counts round's sizes, the unique rows to each peer and the (peer, token) masks."""
 
     counts: Sizes
+    send: HostValue          # [P] routes to each EP peer (``counts.send``)
     row_send: HostValue      # [P] unique rows to each EP peer
     used_X: Tensor           # [P * T] which (peer, token) pairs are sent
     mask_XY: Tensor          # their slot masks (and a spare row)
-
-    @property
-    def send(self) -> HostValue:
-        return self.counts.send
 
 
 class TokenWire:
@@ -115,7 +99,7 @@ class TokenWire:
         used_X = mask_XY[:P * T].sum(1) > 0
         rows_P = used_X.view(P, T).sum(1)
         counts = self.counts.sizes(x_TH, plan, finite, sync, to_peers_P=rows_P)
-        return TokenSizes(counts, sync.add(rows_P), used_X, mask_XY)
+        return TokenSizes(counts, counts.send, sync.add(rows_P), used_X, mask_XY)
 
     def state(self, x_TH: Tensor, plan: RoutingPlan, sizes: TokenSizes) -> TokenExchange:
         """The unique rows with their masks, and the way back's permutation ``back_R``."""
