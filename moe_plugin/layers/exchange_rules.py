@@ -59,3 +59,18 @@ def overlapped_chunks(overlap_chunks: int, shadowed: int) -> int:
     """The chunks the schedule runs: ``overlap_chunks``, or one exchange while experts are shadowed
     (the shadowed routes skip the exchange; chunking them is not done)."""
     return 1 if shadowed else overlap_chunks
+
+
+def exchange_variants(*, expert: int, expert_tensor: int, num_experts: int, drop_tokens: bool,
+                      replica_budget: int = 0, policy: str = "static",
+                      trace_file: Optional[str] = None) -> list[tuple[str, int]]:
+    """Every (``exchange``, ``overlap_chunks``) a layer of these values can run, the default
+    ``("counts", 1)`` first: each wire format with 1 to the local experts' chunks
+    (``num_experts // expert``), kept where ``overlap_unfit`` and ``exchange_unfit`` both let it
+    through. The rules decide; this only asks them (the tests' exchange twins are these)."""
+    local = max(num_experts // expert, 1)
+    return [(mode, chunks) for mode in ("counts", "padded", "token") for chunks in range(1, local + 1)
+            if overlap_unfit(chunks, expert, expert_tensor, num_experts) is None
+            and exchange_unfit(mode, expert=expert, expert_tensor=expert_tensor, overlap_chunks=chunks,
+                               drop_tokens=drop_tokens, replica_budget=replica_budget, policy=policy,
+                               trace_file=trace_file) is None]
