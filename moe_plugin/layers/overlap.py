@@ -21,9 +21,10 @@ chunk begins, and each chunk's input gradient leaves while the next chunk's expe
 backward. Every rank makes the same graph, so the collectives start in the same order everywhere.
 
 Every expert sees the same rows in the same order as with one exchange, and each route's output
-is the same row, so outputs and gradients are bit-identical to ``overlap_chunks`` 1 (top-1 and
-top-2; tests/test_overlap.py). The weights are split per chunk once (one ``split``, one gradient
-concatenation in backward).
+is the same row, and a token's routes are gathered in route order first, so outputs and
+gradients are bit-identical to ``overlap_chunks`` 1 (every top-k: tests/test_layers_dist.py's
+exchange twins). The weights are split per chunk once (one ``split``, one gradient concatenation
+in backward).
 
 Not done: the counts wire format only, without expert tensor parallelism or shadowed experts
 (``exchange_rules.py``); the kept storage of the weight gradients (``ffn_autograd.GradStore``):
@@ -120,7 +121,9 @@ class Overlapped:
         exchange overlapped with both (module docstring)."""
         chunks, group, plan = state.chunks.chunks, self.parallel.ep, state.plan
         with record_function("moe.overlapped"):
-            x_RH = state.x_TH.index_select(0, plan.token_R.index_select(0, state.chunks.order_R))
+            # route order first, then chunk order: backward sums a token's routes' gradients in route order
+            # as one exchange does (one gather by the composed index would sum them chunk by chunk)
+            x_RH = state.x_TH.index_select(0, plan.token_R).index_select(0, state.chunks.order_R)
             sends = x_RH.split([sum(c.send_splits) for c in chunks])
             started = [comm.start_all_to_all(x_CH, c.recv_splits, c.send_splits, group)
                        for x_CH, c in zip(sends, chunks)]
