@@ -516,13 +516,18 @@ def log_parts(log: TrainingLog, parts: dict[str, float], args, device) -> None:
 
 
 # --- checkpoints ----------------------------------------------------------------------------------
-def save_checkpoint(run, directory: str, step: int, keep_last: Optional[int] = None, async_save: bool = False) -> None:
+def save_checkpoint(run, directory: str, step: int, keep_last: Optional[int] = None,
+                    async_save: bool = False) -> Optional[str]:
     """Collective. Experts are saved by global id, the rest by DeepSpeed (``moe_plugin.save_checkpoint``);
     ``keep_last`` (``--keep-last``): the newest tags kept. ``async_save`` (``--async-save``): written in the
-    background (``moe_plugin.poll_save`` after each step, ``wait_for_save`` at the end)."""
-    from moe_plugin import save_checkpoint as save
+    background (``moe_plugin.poll_save`` after each step, ``wait_for_save`` at the end). Returns the
+    directory of an earlier asynchronous save this one waited for (None: none was in flight), so
+    that its commit is reported whichever call saw it."""
+    from moe_plugin import save_checkpoint as save, wait_for_save
 
+    committed = wait_for_save(run)   # what save would wait for first (its failure raised here, on every rank)
     save(run, directory, tag=f"step{step}", client_state={"step": step}, keep_last=keep_last, async_save=async_save)
+    return committed
 
 
 def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = True, strict: bool = False) -> int:
@@ -570,9 +575,8 @@ def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: Trai
     metrics = ExpertMetrics(result.engine.module, groups=result.groups)   # expert load, also to DeepSpeed's monitor
     try:
         leaving = _train_steps(args, plan, data, result, log, placement, metrics, start, exit_request)
-        committed = wait_for_save(result)   # the last --async-save is written before the run ends (or fails it)
-        if committed is not None:
-            log.info(f"checkpoint {os.path.basename(committed)} written to {args.save} in the background")
+        # the last --async-save is written before the run ends (or fails it)
+        log_written(log, wait_for_save(result), args.save)
         return leaving
     finally:
         metrics.close()
@@ -620,13 +624,11 @@ def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics,
         log.train(done, loss, engine.get_lr()[0], report, step_s=step_s, skipped_steps=health.skipped_steps)
         health.raise_if_stopped()   # TrainingStopped on every rank, the same message
         if args.async_save:   # collective while a save is in flight: committed, or its failure on every rank
-            committed = poll_save(result)
-            if committed is not None:
-                log.info(f"checkpoint {os.path.basename(committed)} written to {args.save} in the background")
+            log_written(log, poll_save(result), args.save)
         leaving = exit_request.after_step(done) if exit_request is not None else None   # collective
         if leaving is not None and done < args.train_iters:   # a signal, or --exit-duration-in-mins: save, leave
             began = time.perf_counter()
-            save_checkpoint(result, args.save, done)
+            log_written(log, save_checkpoint(result, args.save, done), args.save)
             log.info(f"{leaving}: saved checkpoint step{done} to {args.save} in {time.perf_counter() - began:.1f} s; "
                      f"exiting with status {exit_request.EXIT_STATUS} (resume with --load {args.save})")
             return leaving
@@ -634,11 +636,18 @@ def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics,
             log.valid(done, eval_fn(result, data, plan, args.eval_iters))
         if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters):
             began = time.perf_counter()
-            save_checkpoint(result, args.save, done, args.keep_last, args.async_save)
+            waited = save_checkpoint(result, args.save, done, args.keep_last, args.async_save)
             took = time.perf_counter() - began   # the step's stall
+            log_written(log, waited, args.save)
             log.info(f"checkpoint step{done}: copied in {took:.2f} s, being written to {args.save} in the background"
                      if args.async_save else f"saved checkpoint step{done} to {args.save} in {took:.2f} s")
     return None
+
+
+def log_written(log, committed: Optional[str], directory: str) -> None:
+    """The line of an asynchronous save once committed (``committed``: its directory; None: nothing to say)."""
+    if committed is not None:
+        log.info(f"checkpoint {os.path.basename(committed)} written to {directory} in the background")
 
 
 def configure_threads() -> None:
