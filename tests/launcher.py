@@ -155,7 +155,7 @@ def run_together(argvs: list[Sequence[str]], cwd: Path = REPO, timeout: float = 
     later SIGKILL with every process it started. ``sends[i]``: a ``Signal`` for command ``i``."""
     sends = sends or [None] * len(argvs)
     temp = Path(tempfile.mkdtemp(prefix="moe-test-run-"))   # each command's TMPDIR, logs
-    environment = launcher_env(TMPDIR=str(temp / "tmp"), **(env or {}))
+    environment = launcher_env(**{"TMPDIR": str(temp / "tmp"), **(env or {})})   # env may name its own TMPDIR
     (temp / "tmp").mkdir()
     procs, logs, done = [], [], {}
     try:

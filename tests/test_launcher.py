@@ -13,7 +13,6 @@ from __future__ import annotations
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
@@ -31,9 +30,7 @@ def test_the_command_that_failed_first_is_named_with_its_output(tmp_path):
     argvs = [["sh", "-c", f"echo zero; touch {started}; sleep 60"],
              ["sh", "-c", f"while [ ! -e {started} ]; do sleep 0.05; done; echo the reason; exit 3"],
              ["sh", "-c", "echo two; sleep 60"]]
-    began = time.monotonic()
     zero, one, two = run_together(argvs, cwd=tmp_path, timeout=120)
-    assert time.monotonic() - began < 30
     assert (zero.status, one.status, two.status) == (-signal.SIGKILL, 3, -signal.SIGKILL)
     assert one.killed is None and zero.killed == two.killed == "command 1 of the job failed first (status 3)"
     with pytest.raises(AssertionError) as failure:
@@ -55,12 +52,12 @@ def test_past_its_time_a_command_gets_sigterm_then_all_it_started_is_killed(tmp_
               f"p = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"   # leaves the process group
               f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
               f"time.sleep(300)\n")
-    done = run([sys.executable, "-c", script], cwd=tmp_path, timeout=3)
-    assert done.status == -signal.SIGTERM and done.killed == "ran past its 3 s", done.tail()
+    done = run([sys.executable, "-c", script], cwd=tmp_path, timeout=10)   # time to start its child
+    assert done.status == -signal.SIGTERM and done.killed == "ran past its 10 s", done.tail()
     orphan = int(pid_file.read_text())
     assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE
 
-    cleans_up = run(["sh", "-c", "trap 'echo cleaned up; exit 7' TERM; sleep 300 & wait"], timeout=2)
+    cleans_up = run(["sh", "-c", "trap 'echo cleaned up; exit 7' TERM; sleep 300 & wait"], timeout=5)
     assert (cleans_up.status, cleans_up.output) == (7, "cleaned up\n"), cleans_up.tail()
 
 
@@ -72,10 +69,11 @@ def test_a_signal_reaches_the_command_once_its_condition_holds(tmp_path):
     assert not run(["true"], send=Signal(lambda: False)).signalled
 
 
-def test_a_command_s_temporary_directory_is_removed(tmp_path):
+def test_the_temporary_directory_of_a_command_is_removed(tmp_path):
     done = run(["sh", "-c", 'touch "$TMPDIR/left"; echo "$TMPDIR"; echo err >&2'], split_stderr=True, timeout=60)
     assert done.status == 0 and done.stderr == "err\n" and "/moe-test-run-" in done.output
     assert not Path(done.output.strip()).parent.exists()
+    assert run(["sh", "-c", 'echo "$TMPDIR"'], env={"TMPDIR": str(tmp_path)}, timeout=60).output == f"{tmp_path}\n"
 
 
 def _fails(rank: int, world_size: int) -> None:
