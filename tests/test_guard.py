@@ -33,7 +33,6 @@ from launcher import Done, jobs
 from moe_plugin.integration.guard import GradientWatch, TrainingGuard, TrainingStopped
 
 
-
 # -- the guard's rules, one process ------------------------------------------------------------------
 class FakeEngine:
     """What the guard reads of DeepSpeed's engine; each step set by the test."""
