@@ -154,11 +154,13 @@ def run_together(argvs: list[Sequence[str]], cwd: Path = REPO, timeout: float = 
     killed. Past ``timeout`` seconds each one still running gets SIGTERM (a script cleans up), and 10 s
     later SIGKILL with every process it started. ``sends[i]``: a ``Signal`` for command ``i``."""
     sends = sends or [None] * len(argvs)
-    temp = Path(tempfile.mkdtemp(prefix="moe-test-run-"))   # each command's TMPDIR, logs
-    environment = launcher_env(**{"TMPDIR": str(temp / "tmp"), **(env or {})})   # env may name its own TMPDIR
-    (temp / "tmp").mkdir()
+    environment = launcher_env(**(env or {}))   # refuses a test not marked slow
+    temp = Path(tempfile.mkdtemp(prefix="moe-test-run-"))   # the logs, and TMPDIR unless env names one
     procs, logs, done = [], [], {}
     try:
+        if "TMPDIR" not in (env or {}):
+            environment["TMPDIR"] = str(temp / "tmp")
+            (temp / "tmp").mkdir()
         for i, argv in enumerate(argvs):
             logs.append((_log(temp / f"{i}.out"), _log(temp / f"{i}.err") if split_stderr else None))
             procs.append(subprocess.Popen(list(argv), cwd=cwd, env=environment, stdout=logs[i][0],

@@ -82,3 +82,11 @@ def test_a_failing_spawn_leaves_no_torch_traceback_file(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"^rank \d refuses$"):
         run_distributed(_fails, 2, tmp_path, timeout=120)
     assert [p.name for p in temp.iterdir() if p.name.startswith("pytorch-errorfile-")] == []
+
+
+def test_a_test_not_marked_slow_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("MOE_PLUGIN_TEST_SLOW", "0")   # what tests/conftest.py sets for a test without the mark
+    with pytest.raises(RuntimeError, match=r"^the deepspeed launcher starts ranks: mark the test @pytest.mark.slow"):
+        run(["touch", str(tmp_path / "ran")])
+    assert list(tmp_path.iterdir()) == []
