@@ -93,6 +93,9 @@ def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any, t
             raise
         payload, text = pickle.loads((first if first.exists() else errors[0]).read_bytes())
         raise pickle.loads(payload) from RemoteTraceback(text)
+    finally:
+        for path in ctx.error_files:   # torch's own traceback files (in the system's temporary directory)
+            Path(path).unlink(missing_ok=True)
     return [torch.load(Path(workdir) / f"result{r}.pt", weights_only=False) for r in range(world_size)]
 
 

@@ -7,6 +7,10 @@ or the script under the launcher itself (``tests/launcher.py``).
     run_distributed(run_main, 2, tmp_path, argv)   # [{"status": 0}, {"status": 0}]
     train(tmp_path, "dp2", 2, expert=2)     # the same, checked, and the run's metrics.jsonl records
     example_script().main(argv)             # in this process (for the checks made before any rank)
+
+    TINY, tiny_config(tmp_path, "name", **changes)   # the runs through the launcher: a smaller model, and
+                                                      # configs/tiny_cpu_4rank.json at a global batch of 8
+    train_losses(run_dir)                   # {step: loss} of a run's metrics.jsonl
 """
 from __future__ import annotations
 
@@ -21,12 +25,18 @@ from pathlib import Path
 from dist import run_distributed
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
+TINY_CPU = SCRIPT.parent / "configs" / "tiny_cpu_4rank.json"
 STEPS = 8
 MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--ffn-hidden-size", "64",
                "--seq-length", "32", "--train-iters", str(STEPS), "--eval-interval", "4", "--eval-iters", "1",
                "--log-interval", "4", "--seed", "7", "--corpus-bytes", str(192 * 1024), "--valid-fraction", "0.25"]
 MOE = {"num_experts": 4, "router": "topk", "top_k": 2, "capacity_factor": 1.5, "min_capacity": 2,
        "aux_loss_coeff": 0.01, "layer_interval": 1}
+
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--ffn-hidden-size", "64",
+        "--seq-length", "32", "--eval-interval", "0", "--eval-iters", "1", "--log-interval", "1",
+        "--corpus-bytes", str(192 * 1024), "--valid-fraction", "0.25"]
 
 
 def example_script():
@@ -49,6 +59,21 @@ def ds_config(path: Path, world_size: int, **moe_parallel) -> Path:
               "moe": {**MOE, "parallel": moe_parallel}}
     path.write_text(json.dumps(config))
     return path
+
+
+def tiny_config(tmp_path: Path, name: str = "tiny", **changes) -> Path:
+    """``configs/tiny_cpu_4rank.json`` at a global batch of 8, without its csv monitor, with top-level
+    keys replaced by ``changes``, written to ``tmp_path/NAME.json``."""
+    config = {**json.loads(TINY_CPU.read_text()), "train_batch_size": 8, "csv_monitor": {"enabled": False}, **changes}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """{step: training loss} of the run's metrics.jsonl."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
 
 
 def run_main(rank: int, world_size: int, argv: list) -> dict:

@@ -29,10 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from example_runs import SCRIPT, TINY, TINY_CPU, example_script, tiny_config, train_losses
 from launcher import deepspeed
 from test_checkpoint import _engine, _train
-from test_guard import SCRIPT, TINY
-from test_preemption import _config, _losses
 
 CASE = {"parallel": {"expert": 2}, "stage": 1, "opt": "AdamW"}
 
@@ -168,10 +167,10 @@ def test_async_save_writes_the_sync_files_and_reports_writer_failures_on_every_r
 def test_example_async_save_writes_what_a_sync_save_writes(tmp_path, launcher_port):
     def launch(name: str, *flags: str) -> str:
         done = deepspeed("--num_gpus", "2", "--master_port", str(launcher_port), str(SCRIPT), "--deepspeed_config",
-                         str(_config(tmp_path)), *TINY, "--train-iters", "4", "--save-interval", "2", "--no-plot",
+                         str(tiny_config(tmp_path)), *TINY, "--train-iters", "4", "--save-interval", "2", "--no-plot",
                          "--run-dir", str(tmp_path / name), "--data-cache", str(tmp_path / "data"),
                          "--save", str(tmp_path / f"{name}-ckpt"), *flags, cwd=tmp_path, timeout=300)
-        assert done.status == 0, done.output[-3000:]
+        assert done.status == 0, done.tail()
         return done.output
 
     sync = launch("sync")
@@ -179,7 +178,7 @@ def test_example_async_save_writes_what_a_sync_save_writes(tmp_path, launcher_po
     assert "saved checkpoint step2 to " in sync and "being written to" not in sync
     for step in (2, 4):
         assert f"checkpoint step{step}: copied in " in out and f"checkpoint step{step} written to " in out, out[-3000:]
-    assert _losses(tmp_path / "async") == _losses(tmp_path / "sync")
+    assert train_losses(tmp_path / "async") == train_losses(tmp_path / "sync")
     files = {name: _files(str(tmp_path / f"{name}-ckpt")) for name in ("sync", "async")}
     assert sorted(files["async"]) == sorted(files["sync"]) and "step4/moe_plugin.json" in files["sync"]
     differ = [f for f in files["sync"] if files["sync"][f] != files["async"][f]]
@@ -199,11 +198,9 @@ def test_example_async_save_writes_what_a_sync_save_writes(tmp_path, launcher_po
 
 
 def test_example_refuses_async_save_without_save_before_writing_anything(tmp_path, capsys):
-    from test_example import _script
-
     run_dir, data = tmp_path / "run", tmp_path / "data"
-    status = _script().main(["--deepspeed_config", str(SCRIPT.parent / "configs" / "tiny_cpu_4rank.json"),
-                              "--run-dir", str(run_dir), "--data-cache", str(data), "--async-save"])
+    status = example_script().main(["--deepspeed_config", str(TINY_CPU), "--run-dir", str(run_dir), "--data-cache",
+                                    str(data), "--async-save"])
     out = capsys.readouterr()
     assert status == 2
     assert [x for x in (out.out + out.err).splitlines() if x.startswith("error: ")] == [

@@ -328,7 +328,7 @@ def _example(tmp_path, port: int, world_size: int, name: str, *flags: str) -> di
     import json
 
     from launcher import deepspeed
-    from test_guard import TINY
+    from example_runs import TINY
 
     script = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "gpt_moe", "pretrain_gpt_moe.py")
     run_dir = tmp_path / name

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from launcher import run
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "gpt_moe"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -55,11 +57,11 @@ def test_oracle_check_fails_on_a_wrong_layer(monkeypatch):
 
 @pytest.mark.slow
 def test_ep2_check_under_the_launcher_on_the_cpu():
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(EXAMPLE / "gpu_check.py"), "ep2", "--device", "cpu"], env=ENV, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    done = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                str(EXAMPLE / "gpu_check.py"), "ep2", "--device", "cpu"], env={"PYTHONPATH": str(ROOT)},
+               split_stderr=True)
+    assert done.status == 0, done.tail()
+    records = [json.loads(line) for line in done.output.splitlines() if line.startswith("{")]
     assert [(r["dtype"], r["case"]) for r in records] == [("fp32", "dropless"), ("fp32", "capacity"),
                                                          ("bf16", "dropless"), ("bf16", "capacity")]
     assert all(r["ok"] and r["ranks"] == 2 and r["backend"] == "gloo" for r in records), records
@@ -85,9 +87,10 @@ def test_collect_merges_a_run_directory(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_example_check_runs_the_example_under_every_layout_on_the_cpu(tmp_path, capsys):
+def test_example_check_runs_the_example_under_every_layout_on_the_cpu(tmp_path, capsys, monkeypatch):
     """``gpu_check.py example --ranks 2``: the example itself under the torch launcher (gloo here, the
     GPUs there), 1 rank and three 2-rank layouts, each with the 1-rank run's losses."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))   # torch.distributed.run's log directories, which it leaves
     gpu_check = _module()
     assert gpu_check.main(["example", str(tmp_path), "--ranks", "2"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
@@ -103,6 +106,7 @@ def test_example_check_runs_the_example_under_every_layout_on_the_cpu(tmp_path, 
 
 @pytest.mark.slow
 def test_example_check_fails_on_a_failing_run_or_other_losses(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))   # torch.distributed.run's log directories, which it leaves
     gpu_check = _module()
     monkeypatch.setattr(gpu_check, "EXAMPLE_LAYOUTS", {"1rank": (1, {"expert": 3}), "ep2": (2, {"expert": 2})})
     assert gpu_check.main(["example", str(tmp_path), "--ranks", "1"]) == 1

@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -29,14 +28,9 @@ import torch
 from torch import nn
 
 from dist import run_distributed
+from example_runs import SCRIPT, TINY, TINY_CPU, example_script, tiny_config
 from launcher import Done, jobs
 from moe_plugin.integration.guard import GradientWatch, TrainingGuard, TrainingStopped
-
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--ffn-hidden-size", "64",
-        "--seq-length", "32", "--eval-interval", "0", "--eval-iters", "1", "--log-interval", "1",
-        "--corpus-bytes", str(192 * 1024), "--valid-fraction", "0.25"]
 
 
 # -- the guard's rules, one process ------------------------------------------------------------------
@@ -261,16 +255,6 @@ def test_initialize_passes_the_timeout_to_init_distributed(monkeypatch):
 
 
 # -- the example through the deepspeed launcher ----------------------------------------------------------
-def _config(tmp_path: Path, name: str, **changes) -> Path:
-    config = json.loads((REPO / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json").read_text())
-    config.update(train_batch_size=8, csv_monitor={"enabled": False})
-    for key, value in changes.items():
-        config[key] = value
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(config))
-    return path
-
-
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict[str, tuple[Path, Done]]:
     """Two jobs of the example through the launcher on 2 ranks, run side by side: "lr1000" (lr 1000 in
@@ -286,7 +270,7 @@ def launched(tmp_path_factory) -> dict[str, tuple[Path, Done]]:
     argvs = []
     for name in flags:
         (root / name).mkdir()
-        argvs.append([str(SCRIPT), "--deepspeed_config", str(_config(root / name, name, **changes[name])), *TINY,
+        argvs.append([str(SCRIPT), "--deepspeed_config", str(tiny_config(root / name, name, **changes[name])), *TINY,
                       "--run-dir", str(root / name / "run"), "--data-cache", str(root / name / "data"), *flags[name]])
     return {name: (root / name, done) for name, done in zip(flags, jobs(argvs, cwd=root, ranks=2))}
 
@@ -320,17 +304,13 @@ def _main_child(rank: int, world_size: int, argv: list) -> dict:
     be relied on). DeepSpeed refuses fp16 on a CPU without AVX512-FP16 (its sanity check asks
     mkldnn); torch computes fp16 on any CPU, so the check is answered yes here."""
     import contextlib
-    import importlib.util
     import io
 
     from deepspeed.accelerator import get_accelerator
 
     get_accelerator().is_fp16_supported = lambda: True
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_moe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = example_script()
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = module.main(argv)
@@ -345,7 +325,7 @@ def _error_lines(results: list) -> list[str]:
 def test_example_fp16_stops_after_max_skipped_steps(tmp_path):
     """A loss scale of 2^32 overflows fp16 at every step (the scale halves once per skipped step):
     with ``--max-skipped-steps 3`` the run stops at step 3, status 1 on every rank."""
-    config = _config(tmp_path, "fp16", fp16={"enabled": True, "initial_scale_power": 32, "hysteresis": 1})
+    config = tiny_config(tmp_path, "fp16", fp16={"enabled": True, "initial_scale_power": 32, "hysteresis": 1})
     argv = ["--deepspeed_config", str(config), *TINY, "--train-iters", "20", "--max-skipped-steps", "3",
             "--run-dir", str(tmp_path / "run"), "--data-cache", str(tmp_path / "data")]
     results = run_distributed(_main_child, 2, tmp_path, argv, timeout=300)
@@ -364,8 +344,8 @@ def test_example_fp16_stops_after_max_skipped_steps(tmp_path):
 def test_example_pipeline_engine_stops_too(tmp_path):
     """pp 2 (DeepSpeed's PipelineEngine, ``engine.train_batch``): lr 1000 stops the run the same way."""
     optimizer = {"type": "AdamW", "params": {"lr": 1000.0, "torch_adam": True}}
-    moe = json.loads((REPO / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json").read_text())["moe"]
-    config = _config(tmp_path, "pp2", optimizer=optimizer, scheduler={"type": "WarmupLR", "params": {
+    moe = json.loads(TINY_CPU.read_text())["moe"]
+    config = tiny_config(tmp_path, "pp2", optimizer=optimizer, scheduler={"type": "WarmupLR", "params": {
         "warmup_min_lr": 1000.0, "warmup_max_lr": 1000.0, "warmup_num_steps": 1}}, train_batch_size=4,
         moe={**moe, "layer_interval": 1, "parallel": {"pipeline": 2}})
     argv = ["--deepspeed_config", str(config), *TINY, "--train-iters", "30", "--run-dir", str(tmp_path / "run"),

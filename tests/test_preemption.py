@@ -12,27 +12,21 @@
   (``deepspeed.launcher.launch``) once a step is done -> the ranks save a tag for the step they
   agreed on and leave (the launcher, signalled itself, exits 1); ``--load`` resumes it, SIGTERM to
   rank 1 alone -> a second tag and the launcher exits with the ranks' status 75; the resumed steps'
-  losses equal an uninterrupted run's (rel 1e-5).
+  losses equal an uninterrupted run's (the example's ``main`` on 2 spawned ranks; rel 1e-5).
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from dist import run_distributed
-from example_runs import example_script, run_main_printing
-from launcher import BIN, launcher_env
-from test_guard import TINY
+from example_runs import SCRIPT, TINY, TINY_CPU, example_script, run_main_printing, tiny_config, train_losses
+from launcher import Done, Signal, deepspeed
 from moe_plugin.integration.preemption import EXIT_STATUS, ExitRequest
-
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
 
 
 # -- the agreement, 2 spawned ranks -------------------------------------------------------------------
@@ -104,8 +98,8 @@ def test_exit_request_refuses_a_duration_that_is_not_positive():
 ])
 def test_example_refuses_the_exit_flags_without_save_before_writing_anything(tmp_path, capsys, flags, line):
     run_dir, data = tmp_path / "run", tmp_path / "data"
-    status = example_script().main(["--deepspeed_config", str(REPO / "examples/gpt_moe/configs/tiny_cpu_4rank.json"),
-                              "--run-dir", str(run_dir), "--data-cache", str(data), *flags])
+    status = example_script().main(["--deepspeed_config", str(TINY_CPU), "--run-dir", str(run_dir), "--data-cache",
+                                    str(data), *flags])
     out = capsys.readouterr()
     assert status == 2
     assert [x for x in (out.out + out.err).splitlines() if x.startswith("error: ")] == [line]
@@ -121,60 +115,35 @@ def data_cache(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_example_exit_duration_saves_and_exits_75_on_every_rank(tmp_path, data_cache):
     ckpt = tmp_path / "ckpt"
-    argv = ["--deepspeed_config", str(_config(tmp_path)), *TINY, "--run-dir", str(tmp_path / "run"),
+    argv = ["--deepspeed_config", str(tiny_config(tmp_path)), *TINY, "--run-dir", str(tmp_path / "run"),
             "--data-cache", str(data_cache), "--train-iters", "50", "--save", str(ckpt),
             "--exit-duration-in-mins", "0.001"]   # 60 ms: over before the first step ends
     results = run_distributed(run_main_printing, 2, tmp_path, argv, timeout=300)
     assert [r["status"] for r in results] == [EXIT_STATUS, EXIT_STATUS], results[0]["out"][-3000:]
     assert "step 1: the wall time passed 0.001 minutes: saved checkpoint step1 to " in results[0]["out"]
-    assert (ckpt / "latest").read_text().strip() == "step1" and max(_losses(tmp_path / "run")) == 1
+    assert (ckpt / "latest").read_text().strip() == "step1" and max(train_losses(tmp_path / "run")) == 1
 
 
 # -- through the deepspeed launcher -------------------------------------------------------------------
-def _config(tmp_path: Path) -> Path:
-    config = json.loads((REPO / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json").read_text())
-    config.update(train_batch_size=8, csv_monitor={"enabled": False})
-    path = tmp_path / "tiny.json"
-    path.write_text(json.dumps(config))
-    return path
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
-
-
 def _launch(tmp_path: Path, port: int, data: Path, run_dir: Path, *flags: str, signal_to: str | None = None,
-            after_step: int = 0) -> tuple[int, str, float | None]:
+            after_step: int = 0) -> Done:
     """The example through ``deepspeed`` (2 ranks). ``signal_to``: "launcher" (DeepSpeed's
     ``launch.py``, which the ``deepspeed`` command starts) or "rank1", sent SIGTERM once
-    ``run_dir``'s metrics show a step past ``after_step``. Returns (status, output, seconds from the
-    signal to the launcher's exit)."""
-    import psutil
+    ``run_dir``'s metrics show a step past ``after_step``."""
+    def past_the_step() -> bool:
+        try:
+            return max(train_losses(run_dir), default=0) > after_step
+        except (FileNotFoundError, ValueError):   # not written yet, or its last line half written
+            return False
 
-    command = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(SCRIPT),
-               "--deepspeed_config", str(_config(tmp_path)), *TINY, "--run-dir", str(run_dir),
-               "--data-cache", str(data), *flags]
-    log = tmp_path / f"{run_dir.name}-{signal_to}.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=tmp_path, env=launcher_env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    sent, deadline = None, time.monotonic() + 600
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            if signal_to and sent is None and (run_dir / "metrics.jsonl").exists() \
-                    and max(_losses(run_dir), default=0) > after_step:
-                launch = psutil.Process(proc.pid).children()[0]   # python -m deepspeed.launcher.launch
-                if signal_to == "rank1":
-                    launch = next(p for p in launch.children() if "--local_rank=1" in p.cmdline())
-                launch.send_signal(signal.SIGTERM)
-                sent = time.monotonic()
-            time.sleep(0.05)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        status = proc.wait()
-    return status, log.read_text(), None if sent is None else time.monotonic() - sent
+    def target(command: psutil.Process) -> psutil.Process:
+        launch = command.children()[0]   # python -m deepspeed.launcher.launch
+        return launch if signal_to == "launcher" else next(
+            p for p in launch.children() if "--local_rank=1" in p.cmdline())
+
+    return deepspeed("--num_gpus", "2", "--master_port", str(port), str(SCRIPT), "--deepspeed_config",
+                     str(tiny_config(tmp_path)), *TINY, "--run-dir", str(run_dir), "--data-cache", str(data), *flags,
+                     cwd=tmp_path, send=Signal(past_the_step, target) if signal_to else None)
 
 
 def _left(output: str) -> int:
@@ -190,25 +159,29 @@ def _left(output: str) -> int:
 def test_sigterm_to_the_launcher_saves_that_step_and_load_continues_the_run(tmp_path, launcher_port, data_cache):
     iters = "60"   # far more steps than the signal needs to arrive: a run that ends first fails below
     ckpt = tmp_path / "ckpt"
-    status, out, _ = _launch(tmp_path, launcher_port, data_cache, tmp_path / "whole", "--train-iters", iters)
-    assert status == 0, out[-3000:]
-    whole = _losses(tmp_path / "whole")
-
     flags = ("--train-iters", iters, "--save", str(ckpt), "--exit-signal-handler")
-    status, out, _ = _launch(tmp_path, launcher_port, data_cache, tmp_path / "cut", *flags,
-                                signal_to="launcher", after_step=1)
-    first = _left(out)
-    assert status == 1, out[-3000:]   # DeepSpeed's launch.py exits 1 after it forwarded a signal it got itself
+    done = _launch(tmp_path, launcher_port, data_cache, tmp_path / "cut", *flags, signal_to="launcher", after_step=1)
+    first = _left(done.output)
+    assert done.status == 1, done.tail()   # DeepSpeed's launch.py exits 1 after it forwarded a signal it got itself
     assert (ckpt / "latest").read_text().strip() == f"step{first}" and (ckpt / f"step{first}").is_dir()
-    assert 1 < first < int(iters) and max(_losses(tmp_path / "cut")) == first
+    assert 1 < first < int(iters) and max(train_losses(tmp_path / "cut")) == first
 
-    status, out, _ = _launch(tmp_path, launcher_port, data_cache, tmp_path / "cut", *flags, "--load", str(ckpt),
-                             signal_to="rank1", after_step=first + 1)
-    second = _left(out)
-    assert status == EXIT_STATUS, out[-3000:]   # a rank's own status, passed on by the launcher
-    assert f"resumed from {ckpt} after {first} steps" in out
+    done = _launch(tmp_path, launcher_port, data_cache, tmp_path / "cut", *flags, "--load", str(ckpt),
+                   signal_to="rank1", after_step=first + 1)
+    second = _left(done.output)
+    assert done.status == EXIT_STATUS, done.tail()   # a rank's own status, passed on by the launcher
+    assert f"resumed from {ckpt} after {first} steps" in done.output
     assert (ckpt / "latest").read_text().strip() == f"step{second}" and first + 1 < second < int(iters)
-    resumed = _losses(tmp_path / "cut")
+    resumed = train_losses(tmp_path / "cut")
     assert sorted(resumed) == list(range(1, second + 1))
+
+    # The uninterrupted run, for the steps the two launches trained: the example's main on 2 spawned ranks
+    # (the launcher is what the launches above test; the batches and the learning rate of a step do not
+    # depend on --train-iters)
+    argv = ["--deepspeed_config", str(tiny_config(tmp_path)), *TINY, "--run-dir", str(tmp_path / "whole"),
+            "--data-cache", str(data_cache), "--train-iters", str(second)]
+    results = run_distributed(run_main_printing, 2, tmp_path, argv, timeout=300)
+    assert [r["status"] for r in results] == [0, 0], results[0]["out"][-3000:]
+    whole = train_losses(tmp_path / "whole")
     for step in range(1, second + 1):
         assert resumed[step] == pytest.approx(whole[step], rel=1e-5), step

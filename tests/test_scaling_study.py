@@ -20,12 +20,12 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from launcher import Done, free_ports, run
 from moe_plugin_tools.cli import main as cli_main
 
 SCALING = Path(__file__).resolve().parents[1] / "examples" / "gpt_moe" / "scaling"
@@ -41,11 +41,10 @@ def _module(name: str):
     return module
 
 
-def _study(out: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCALING / "study.py"), "--quick", "--out", str(out),
-                           "--data-cache", str(data), "--master-port", "29623", "--ranks", str(RANKS),
-                           "--models", ",".join(MODELS), *extra],
-                          capture_output=True, text=True, timeout=1200)
+def _study(out: Path, data: Path, *extra: str) -> Done:
+    return run([sys.executable, str(SCALING / "study.py"), "--quick", "--out", str(out), "--data-cache", str(data),
+                "--master-port", str(free_ports(1)[0]), "--ranks", str(RANKS), "--models", ",".join(MODELS), *extra],
+               timeout=1200, split_stderr=True)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +52,8 @@ def quick_study(tmp_path_factory):
     root = tmp_path_factory.mktemp("scaling")
     out, data = root / "study", root / "data"
     done = _study(out, data)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return out, data, done.stdout
+    assert done.status == 0, done.tail()
+    return out, data, done.output
 
 
 @pytest.mark.slow
@@ -125,8 +124,8 @@ def test_quick_study_resumes_without_training_again(quick_study):
     before = {m: (out / "runs" / m / "metrics.jsonl").stat().st_mtime_ns for m in MODELS}
     (out / "report.md").unlink()
     again = _study(out, data)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("already trained") == len(MODELS)
+    assert again.status == 0, again.tail()
+    assert again.output.count("already trained") == len(MODELS)
     assert {m: (out / "runs" / m / "metrics.jsonl").stat().st_mtime_ns for m in MODELS} == before
     assert (out / "report.md").exists()
 
@@ -162,10 +161,10 @@ def test_quick_upcycling_study(tmp_path):
     the upcycled model's first training loss (the same batch) is the dense continuation's up to the
     routes capacity drops; the table, plot and the checkpoint's record of its source are written."""
     out = tmp_path / "upcycling"
-    done = subprocess.run([sys.executable, str(SCALING / "upcycling.py"), "--quick", "--ranks", "2", "--out", str(out),
-                           "--data-cache", str(tmp_path / "data"), "--master-port", "29625"],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run([sys.executable, str(SCALING / "upcycling.py"), "--quick", "--ranks", "2", "--out", str(out),
+                "--data-cache", str(tmp_path / "data"), "--master-port", str(free_ports(1)[0])], timeout=900,
+               split_stderr=True)
+    assert done.status == 0, done.tail()
     record = json.loads((out / "upcycling.json").read_text())
     half, total = record["half"], _module("family").SIZES["quick"].train_iters
     dense, upcycled, scratch = record["rows"]
@@ -176,4 +175,4 @@ def test_quick_upcycling_study(tmp_path):
     assert all(math.isfinite(r["final_valid_loss"]) for r in record["rows"])
     meta = json.loads((out / "checkpoints" / "upcycled" / f"step{half}" / "moe_plugin.json").read_text())
     assert meta["upcycled_from"]["granularity"] == 2 and meta["moe"]["gate_scale"] == 2.0
-    assert (out / "upcycling.png").stat().st_size > 0 and "(b) dense, upcycled to e8-top2" in done.stdout
+    assert (out / "upcycling.png").stat().st_size > 0 and "(b) dense, upcycled to e8-top2" in done.output
