@@ -237,7 +237,7 @@ def test_compat_module_names_its_pinned_versions(module):
     import importlib
 
     doc = importlib.import_module(f"moe_plugin.compat.{module}").__doc__ or ""
-    assert re.search(r"(deepspeed|megatron-core|DeepSpeed)\s+\d+\.\d+", doc), f"compat/{module}.py: no pinned version"
+    assert re.search(r"(deepspeed|megatron-core|DeepSpeed|torch)\s+\d+\.\d+", doc), f"compat/{module}.py: no pinned version"
 
 
 def test_megatron_cpu_rng_tracker_and_buffers():

@@ -1,8 +1,8 @@
 """``moe_plugin.exit_process``: a process whose gloo thread needs the GIL after the program is done.
 
 The race of ``moe_plugin/compat/process_exit.py`` made certain: on one gloo rank, an all-reduce's
-future gets a Python callback that sleeps on the gloo thread and then needs the GIL again while
-the main thread ends. Left to the interpreter's exit (after ``destroy_process_group``, as torch
+future gets a Python callback that keeps asking for the GIL on the gloo thread (a sleep of a
+millisecond at a time) until the interpreter's teardown has begun. Left to the interpreter's exit (after ``destroy_process_group``, as torch
 asks), the process aborts ("terminate called without an active exception"), which is what ended
 finished training runs now and then under load. Through ``exit_process`` it ends with the given
 status, after the ``atexit`` handlers, the script's non-daemon threads and its buffered output.
@@ -18,13 +18,15 @@ import torch, torch.distributed as dist
 
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
 
-def late(future):   # runs on gloo's thread; sleeping lets the main thread go on
-    time.sleep(3.0)
+def late(future):   # on gloo's thread: asks for the GIL every millisecond until the interpreter's teardown
+    give_up = time.monotonic() + 30
+    while not sys.is_finalizing() and time.monotonic() < give_up:
+        time.sleep(0.001)
     return future.value()
 
 group = dist.new_group([0])   # (on the default group, destroy_process_group would wait for the callback)
 dist.all_reduce(torch.ones(4), group=group, async_op=True).get_future().then(late)
-time.sleep(0.2)   # the callback is asleep on gloo's thread now
+time.sleep(0.2)   # the callback runs on gloo's thread now
 atexit.register(print, "atexit handler ran")
 threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished")), daemon=False).start()
 sys.stdout.write("buffered, no newline")

@@ -9,7 +9,7 @@ with ``pthread_exit``, inside C++ frames that may not unwind, and the process ab
 ("terminate called without an active exception", status -6) after the run has finished and
 saved; or the teardown waits for a thread that waits for the GIL, and the process hangs. Under
 load (4 ranks on 2 cores) one run in some tens ended so. ``tests/test_process_exit.py`` makes
-the race certain with a callback that sleeps on a gloo thread.
+the race certain with a callback that keeps asking for the GIL on a gloo thread.
 
 ``exit_process(status)`` ends the process the other way: what the interpreter's exit would do for
 the program (wait for its non-daemon threads, run the ``atexit`` handlers, flush the standard
