@@ -47,8 +47,7 @@ class AttachAuxLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out: Tensor, loss: Tensor, scale: float) -> Tensor:
-        ctx.scale = scale
-        ctx.loss_meta = (loss.dtype, loss.device)
+        ctx.scale, ctx.loss_meta = scale, (loss.dtype, loss.device)
         return out
 
     @staticmethod

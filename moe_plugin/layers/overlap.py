@@ -97,8 +97,7 @@ class Overlapped:
     overlapped with the experts and the shared expert (module docstring)."""
 
     def __init__(self, parallel: LayerParallelism, chunks: int):
-        self.parallel = parallel
-        self.chunks = chunks
+        self.parallel, self.chunks = parallel, chunks
 
     def plan(self, sizes: Sizes, sync: HostSync) -> tuple[HostValue, HostValue]:
         """The rows to and from each peer per local slot join the host sync."""

@@ -86,9 +86,7 @@ class PaddedWire:
     header that does not fit raises instead of sending the batch with counts."""
 
     def __init__(self, parallel: LayerParallelism, num_local: int, forced: bool = False):
-        self.parallel = parallel
-        self.num_local = num_local
-        self.forced = forced
+        self.parallel, self.num_local, self.forced = parallel, num_local, forced
         self.counts = CountsWire(parallel, num_local)
 
     def for_batch(self, x_TH: Tensor, plan: RoutingPlan):

@@ -340,12 +340,8 @@ class Router(nn.Module):
                  noise_index: int = 0, grad_group: comm.Group = None, check_group: comm.Group = None,
                  share_group: comm.Group = None):
         super().__init__()
-        self.noise_index = noise_index
-        self.share_group = share_group
-        self.grad_group = grad_group
-        self.check_group = check_group
-        self.config = config
-        self.seed = seed
+        self.config, self.seed, self.noise_index = config, seed, noise_index
+        self.share_group, self.grad_group, self.check_group = share_group, grad_group, check_group
         E = config.num_experts
         gen = seeded_generator(seed, ROUTER_STREAM)
         self.weight = nn.Parameter(torch.randn(E, hidden_size, generator=gen) * init_std)

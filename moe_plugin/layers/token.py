@@ -71,8 +71,7 @@ class TokenWire:
     """The token wire format: each token sent once per destination rank (module docstring)."""
 
     def __init__(self, parallel: LayerParallelism, num_local: int):
-        self.parallel = parallel
-        self.num_local = num_local
+        self.parallel, self.num_local = parallel, num_local
         self.counts = CountsWire(parallel, num_local)
 
     def for_batch(self, x_TH: Tensor, plan: RoutingPlan) -> "TokenWire":
