@@ -15,9 +15,9 @@ Shape suffixes: see ``moe_plugin.layers``.
 router's plan to the kept routes (``RoutingPlan.kept``): the batch's frozen ``Dispatch``. Then
 ``run(state, experts, shared)``; with one exchange::
 
-    x_NH, gather_R, counts_L = dispatcher.to_experts(state)
-    y_RH = experts(x_NH, counts_L, gather_R)        # rows x_NH[gather_R], grouped by local expert
-    out_TH = dispatcher.combine(y_RH, state)         # combine.gate_combine over each token's routes
+    x_NH, gather_R, counts_L = state.wire.send(state)   # counts_L: on the host and on the device
+    y_RH = experts(x_NH, counts_L, gather_R)            # rows x_NH[gather_R], grouped by local expert
+    out_TH = dispatcher.combine(y_RH, state)            # combine.gate_combine over each token's routes
 
 In one process the experts gather the tokens at ``plan.token_R`` chunk by chunk (again in
 backward): no [R, H] copy is kept. Dropped routes add nothing: their token keeps the residual.
@@ -100,11 +100,6 @@ class Dispatcher:
         plan, routes = self.shadowing.split(plan.kept(sum(sizes.send.host) + sum(held.counts.host)), held)
         return self.schedule.finish(replace(wire.state(x_TH, plan, sizes), held=routes), pending)
 
-    def to_experts(self, state: Dispatch) -> tuple[Tensor, Optional[Tensor], RowCounts]:
-        """(x_NH, gather_R, counts_L): the experts' rows are ``x_NH[gather_R]``, grouped by local
-        expert, ``counts_L`` rows each (on the host and on the device)."""
-        return state.wire.send(state)
-
     def combine(self, y_RH: Tensor, state: Dispatch) -> Tensor:
         """Expert outputs [R, H] -> [T, H] in the input dtype, summed in fp32 over each token's routes."""
         y_RH = state.wire.back(y_RH, state)
@@ -124,7 +119,6 @@ class OneExchange:
 
     def plan(self, sizes, sync: HostSync) -> None:
         """Nothing of its own to read in the host sync."""
-        return None
 
     def finish(self, state: Dispatch, pending: None) -> Dispatch:
         return state
@@ -132,7 +126,7 @@ class OneExchange:
     def run(self, dispatcher: Dispatcher, state: Dispatch, experts: "GroupedExperts",
             shared: Optional["SharedExpert"] = None) -> Tensor:
         with record_function("moe.dispatch"):
-            x_NH, gather_R, counts_L = dispatcher.to_experts(state)
+            x_NH, gather_R, counts_L = state.wire.send(state)
         with record_function("moe.experts"):
             y_NH = experts(x_NH, counts_L, gather_R)
         with record_function("moe.combine"):

@@ -249,13 +249,11 @@ def expert_ffn(x_NH: Tensor, w1_LHF1: Tensor, w2_LFH: Tensor, counts: list[int] 
                act: Callable[[Tensor], Tensor], backend: str, gather_R: Optional[Tensor] = None, *,
                save_pre: bool = False, grad_scale: float = 1.0, chunk_bytes: int = CHUNK_BYTES,
                grad_stores: Optional[tuple[GradStore, GradStore]] = None) -> Tensor:
-    """``y_RH`` of the module docstring; ``counts`` rows per local expert (on the host: the chunks
-    are cut there; a ``RowCounts`` also brings them on the device, a plain list costs one
-    host-to-device copy of their running sum). ``save_pre`` keeps the pre-activation (R * F1
-    values) instead of recomputing it in backward; ``grad_scale`` multiplies the weight gradients;
-    ``grad_stores`` hold the storage of the two weight gradients between backwards
-    (``GradStore``; pass them only when ``w1_LHF1`` and ``w2_LFH`` are the parameters
-    themselves, so the gradients returned are the parameters' ``.grad``)."""
+    """``y_RH`` of the module docstring; ``counts`` rows per local expert (a plain list costs one
+    host-to-device copy of their running sum, a ``RowCounts`` none). ``save_pre`` keeps the
+    pre-activation (R * F1 values); ``grad_scale`` multiplies the weight gradients; ``grad_stores``
+    (``GradStore``): only when ``w1_LHF1`` and ``w2_LFH`` are the parameters themselves, so the
+    gradients returned are the parameters' ``.grad``."""
     counts, counts_L = (counts.host, counts.device_L) if isinstance(counts, RowCounts) else (counts, None)
     if len(counts) != w1_LHF1.shape[0]:
         raise ValueError(f"{len(counts)} expert row counts for {w1_LHF1.shape[0]} local experts")

@@ -262,11 +262,9 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:
-        """Aux-loss-free balancing step from the load of the training forwards since the last
-        call; call it after the optimizer step, on every rank (collective in parallel: the load
-        is summed over the ranks that route distinct tokens, so the bias stays identical).
-        ``moe_plugin.initialize`` calls it once per optimizer step (``integration/step_boundary.py``):
-        call it by hand only for a model trained without it."""
+        """Aux-loss-free balancing step from the load of the training forwards since the last call,
+        summed over the ranks that route distinct tokens (collective: call it on every rank, after
+        the optimizer step). ``moe_plugin.initialize`` calls it once per step (``integration/step_boundary.py``)."""
         load_E = self.router.load_E.clone()
         if self.parallel.tokens is not None:
             dist.all_reduce(load_E, group=self.parallel.tokens)

@@ -118,17 +118,16 @@ class RoutingPlan:
 
 
 class FiniteCheck:
-    """The finite check of one forward's logits, agreed over ``group`` without blocking
-    (``parallel.py`` 7), on the small [T, E] logits.
+    """The finite check of one forward's [T, E] logits, agreed over ``group`` without blocking
+    (``parallel.py`` 7).
 
-    The flags (one int32 per rank of the group, 1 where the logits are not finite) are gathered
-    asynchronously in one all-to-all round (every pair of ranks exchanges directly; a ring
-    all-reduce takes ``2 * (ranks - 1)`` dependent steps) and read at the caller's one host sync
-    (``flags``, then ``verdict``): every rank of the group raises, naming the bad ranks, rather than
-    the healthy ones waiting forever in the next collective. A plan made from bad logits is well
-    formed (indices in range, NaN gates), so routing goes on while the verdict travels, as long as
-    nothing leaves the rank before it. With ``group`` None the verdict is this rank's alone:
-    ``bad_1`` is what a dispatcher's exchange can carry instead (``ep_dispatcher.flag_rides``).
+    The flags (one int32 per rank, 1 where the logits are not finite) are gathered asynchronously
+    in one all-to-all round (a ring all-reduce takes ``2 * (ranks - 1)`` dependent steps) and read
+    at the caller's one host sync (``flags``, then ``verdict``): every rank raises, naming the bad
+    ranks, rather than the healthy ones waiting forever in the next collective. A plan made from
+    bad logits is well formed (indices in range, NaN gates), so routing goes on while the verdict
+    travels, as long as nothing leaves the rank before it. With ``group`` None the verdict is this
+    rank's alone: ``bad_1`` is what a dispatcher's exchange can carry (``ep_dispatcher.flag_rides``).
     """
 
     def __init__(self, logits_TE: Tensor, group: comm.Group = None):
