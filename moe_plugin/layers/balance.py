@@ -5,10 +5,8 @@ Shape suffixes: see ``moe_plugin.layers``.
 
 The loss is ``E * sum_e f_e * P_e`` on what ``router.balance_terms`` counts and averages (softmax:
 first choices and probabilities; sigmoid: all k choices and each token's score shares). The scopes
-differ only in the tokens ``f_e`` and ``P_e`` are taken over:
-
-Under tensor parallelism every TP rank routes the replica's whole micro-batch from the gathered
-logits (``parallel.py`` 1, 4(b)), so each scope sees the micro-batch as one process does.
+differ only in the tokens ``f_e`` and ``P_e`` are taken over (under TP every rank routes the
+replica's whole micro-batch, ``parallel.py`` 1, 4(b): each scope sees it as one process does):
 
 * micro_batch (GShard, the default): the micro-batch's tokens, ``router.balance_loss``. No collective.
 * sequence (DeepSeek-V3's sequence-wise loss): per sequence of the micro-batch, the loss the mean

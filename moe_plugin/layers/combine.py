@@ -6,18 +6,13 @@ Shape suffixes: see ``moe_plugin.layers``.
 
     out_TH[t] = sum over kept routes r of token t:  gate_R[r] * y_RH[r]
 
-Forward is a gather per token: ``row_KT`` (the inverse of ``route_R``: the row of route slot
-``j * T + t``, -1 when that route was dropped) picks each token's rows; the K rows are summed
-in a fixed order (choice 0, 1, ...) in fp32, so the result is deterministic on any device.
-Backward is a gather too, per row (every row belongs to exactly one token, so nothing is
-accumulated): ``grad_y_RH[r] = gate_R[r] * grad_out[token_R[r]]`` and ``grad_gate_R[r] =
-dot(grad_out[token_R[r]], y_RH[r])``.
-
-Kept for backward: ``y_RH`` (for the gate gradient; not kept when the gates need none) and
-the index tensors. No [K*T, H] buffer and no weighted copy of the outputs exist, and the
-temporaries are chunk-sized (``CHUNK_ROWS`` rows), so they stay in cache and the allocator
-reuses them. A dropped slot contributes nothing, even when the row it would read is not
-finite. Not done: a fused kernel (each chunk is 2-3 passes over cached rows).
+Forward gathers per token: ``row_KT`` (the inverse of ``route_R``: the row of route slot
+``j * T + t``, -1 when dropped) picks each token's rows, summed in fp32 in a fixed order (choice
+0, 1, ...): deterministic on any device. Backward gathers per row (a row belongs to one token:
+nothing accumulates): ``grad_y_RH[r] = gate_R[r] * grad_out[token_R[r]]``, ``grad_gate_R[r] =
+dot(grad_out[token_R[r]], y_RH[r])``. Kept for backward: ``y_RH`` (when the gates need a
+gradient) and the indices; no [K*T, H] buffer, temporaries of ``CHUNK_ROWS`` rows. A dropped
+slot contributes nothing, even when the row it would read is not finite. Not done: a fused kernel.
 """
 from __future__ import annotations
 

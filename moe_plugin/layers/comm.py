@@ -1,6 +1,6 @@
 """Autograd-aware collectives of the MoE layer.
 
-Legend: T tokens on this rank, H hidden, R routes (token copies) sent or received.
+Shape suffixes: see ``moe_plugin.layers``.
 
 Every function takes ``group=None`` to mean "a group of size 1" and then is the identity,
 so the single-process path and a size-1 dimension run the same code. Splits are Python

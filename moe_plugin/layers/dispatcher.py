@@ -1,35 +1,26 @@
 """The dispatcher: tokens to the experts and their outputs back, as a wire format x a schedule x
-shadowing.
+shadowing (``exchange_factory.build_dispatcher`` picks them).
 
 Shape suffixes: see ``moe_plugin.layers``.
 
-``Dispatcher`` composes three parts, built by ``exchange_factory.build_dispatcher``:
-
-* a wire format: how the sizes and the rows cross. ``LocalWire`` here (no exchange: every expert
-  lives in this process); under expert parallelism ``ep_dispatcher.CountsWire``,
-  ``padded.PaddedWire``, ``token.TokenWire``. Its interface: ``sizes`` (plan the sizes: add what
-  the host sync reads), ``state`` (the batch's ``Dispatch`` once read), ``send`` (the experts'
-  rows), ``back`` (their outputs back, in the plan's kept-route order), and ``for_batch`` (the
-  wire format of one batch: itself, except where ``auto`` padded cannot carry a batch's header);
+* a wire format: how the sizes and the rows cross. ``LocalWire`` here (every expert in this
+  process); under expert parallelism ``ep_dispatcher.CountsWire``, ``padded.PaddedWire``,
+  ``token.TokenWire``. Its interface: ``sizes`` (add what the host sync reads), ``state`` (the
+  batch's ``Dispatch`` once read), ``send`` (the experts' rows), ``back`` (their outputs, in the
+  plan's kept-route order) and ``for_batch`` (the wire format of one batch);
 * a schedule: ``OneExchange`` here, or ``overlap.Overlapped`` (the exchange in chunks);
-* shadowing, or none: ``shadow.Shadowing``, a transform of the routing plan before the exchange
-  (the routes it holds back) and after it (its rows join the combine).
+* shadowing or none (``shadow.Shadowing``): the routes it holds back, its rows in the combine.
 
-``MoELayer`` calls ``state = dispatcher.prepare(x_TH, plan, finite)``, the batch's frozen state
-(``Dispatch``: what the dispatcher needs between dispatch and combine; the routing plan holds
-routing only), then ``dispatcher.run(state, experts, shared)``. ``prepare`` holds the layer's one
-host sync (``host_sync.py``: what each part reads, and the router's finite flags) and cuts the
-router's plan, which lists every route with the kept ones first, to the kept ones
-(``RoutingPlan.kept``). The one exchange (``OneExchange``)::
+``prepare(x_TH, plan, finite)`` holds the layer's one host sync (``host_sync.py``) and cuts the
+router's plan to the kept routes (``RoutingPlan.kept``): the batch's frozen ``Dispatch``. Then
+``run(state, experts, shared)``; with one exchange::
 
-    x_NH, gather_R, counts_L = dispatcher.to_experts(state)
-    y_RH = experts(x_NH, counts_L, gather_R)        # rows x_NH[gather_R], grouped by local expert
-    out_TH = dispatcher.combine(y_RH, state)         # gate-weighted sum over each token's routes
+    x_NH, gather_R, counts_L = state.wire.send(state)   # counts_L: on the host and on the device
+    y_RH = experts(x_NH, counts_L, gather_R)            # rows x_NH[gather_R], grouped by local expert
+    out_TH = dispatcher.combine(y_RH, state)            # combine.gate_combine over each token's routes
 
-In one process the expert input is the tokens themselves and ``plan.token_R``, so the experts
-gather the rows chunk by chunk (and again in backward) instead of a [R, H] copy being kept for
-backward. Combine is ``combine.gate_combine``. Dropped routes add nothing: their token keeps only
-the residual.
+In one process the experts gather the tokens at ``plan.token_R`` chunk by chunk (again in
+backward): no [R, H] copy is kept. Dropped routes add nothing: their token keeps the residual.
 """
 from __future__ import annotations
 
@@ -109,11 +100,6 @@ class Dispatcher:
         plan, routes = self.shadowing.split(plan.kept(sum(sizes.send.host) + sum(held.counts.host)), held)
         return self.schedule.finish(replace(wire.state(x_TH, plan, sizes), held=routes), pending)
 
-    def to_experts(self, state: Dispatch) -> tuple[Tensor, Optional[Tensor], RowCounts]:
-        """(x_NH, gather_R, counts_L): the experts' rows are ``x_NH[gather_R]``, grouped by local
-        expert, ``counts_L`` rows each (on the host and on the device)."""
-        return state.wire.send(state)
-
     def combine(self, y_RH: Tensor, state: Dispatch) -> Tensor:
         """Expert outputs [R, H] -> [T, H] in the input dtype, summed in fp32 over each token's routes."""
         y_RH = state.wire.back(y_RH, state)
@@ -133,7 +119,6 @@ class OneExchange:
 
     def plan(self, sizes, sync: HostSync) -> None:
         """Nothing of its own to read in the host sync."""
-        return None
 
     def finish(self, state: Dispatch, pending: None) -> Dispatch:
         return state
@@ -141,7 +126,7 @@ class OneExchange:
     def run(self, dispatcher: Dispatcher, state: Dispatch, experts: "GroupedExperts",
             shared: Optional["SharedExpert"] = None) -> Tensor:
         with record_function("moe.dispatch"):
-            x_NH, gather_R, counts_L = dispatcher.to_experts(state)
+            x_NH, gather_R, counts_L = state.wire.send(state)
         with record_function("moe.experts"):
             y_NH = experts(x_NH, counts_L, gather_R)
         with record_function("moe.combine"):

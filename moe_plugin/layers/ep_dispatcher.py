@@ -5,26 +5,22 @@ Shape suffixes: see ``moe_plugin.layers``. A wire format's interface: ``dispatch
 
 The counts wire format, on the routing plan of this rank's own tokens:
 
-1. ``send_PL = kept_D.view(P, L)``: the rows of slot ``p * L + l`` go to EP peer p. Slots are
-   the placement's order (``placement/``): EP rank p hosts the experts in slots
-   ``[p * L, (p + 1) * L)``, the router already sorted the routes by slot.
+1. ``send_PL = kept_D.view(P, L)``: the rows of slot ``p * L + l`` go to EP peer p (slots are the
+   placement's order, ``placement/``; the router sorted the routes by slot).
 2. ``traffic_PD = gather_counts(kept_D, ep)``: every peer's kept routes per slot, one all-gather
-   of P * E integers; ``recv_PL`` (the rows each peer sends per local slot) is its column block.
-   The whole sender x slot matrix comes with it: the load record of ``placement/`` reads it
-   (``Dispatch.traffic_PD``) at no extra cost. The router's finite flag may ride along
-   (``flag_rides``). Shadowed slots (``held_D``, ``shadow.py``) are counted there, not exchanged.
-3. With ETP, every ETP peer's ``recv_PL`` (``exchange_counts`` of the flattened counts, one row
-   per peer) -> ``counts_GL`` [Q * P, L]. Without ETP ``counts_GL = recv_PL``.
-4. After the host sync (before any row moves), the permutation that re-sorts received rows from
-   (sender, local expert) order to (local expert, sender) order, built with tensor ops from
-   ``counts_GL`` (``source_to_expert_order``).
+   of P * E integers; ``recv_PL`` is its column block. The load record of ``placement/`` reads
+   the whole matrix (``Dispatch.traffic_PD``) at no extra cost; the router's finite flag may ride
+   along (``flag_rides``); shadowed slots (``held_D``, ``shadow.py``) are counted, not exchanged.
+3. With ETP, every ETP peer's ``recv_PL`` (``exchange_counts``) -> ``counts_GL`` [Q * P, L];
+   without, ``counts_GL = recv_PL``.
+4. After the host sync, before any row moves: the permutation from (sender, local expert) to
+   (local expert, sender) order, with tensor ops (``source_to_expert_order``).
 
-Send (``send``): gather of the kept routes' tokens, uneven ``all_to_all`` over EP (no
-padding; zero rows either way is fine), ``gather_rows`` over ETP; the re-sort is left to the
-experts as their row index ``sort_R``, so they keep only the received rows for backward. Way
-back (``back``): the inverse re-sort, ``reduce_scatter_rows`` over ETP (sums the F-shards'
-partial outputs, keeps this rank's received block), the reverse ``all_to_all`` over EP. The
-rows each expert sees are ordered by sender and, within a sender, in its priority order.
+Send: a gather of the kept routes' tokens, uneven ``all_to_all`` over EP (no padding),
+``gather_rows`` over ETP; the experts gather the re-sorted rows themselves (``sort_R``), so they
+keep only the received rows for backward. Way back: the inverse re-sort, ``reduce_scatter_rows``
+over ETP (sums the F-shards' partial outputs), the reverse ``all_to_all``. Each expert sees its
+rows by sender, then in the sender's priority order.
 """
 from __future__ import annotations
 
@@ -118,8 +114,7 @@ class CountsWire:
     """The counts wire format (module docstring): the counts first, then exactly the kept rows."""
 
     def __init__(self, parallel: LayerParallelism, num_local: int):
-        self.parallel = parallel
-        self.num_local = num_local
+        self.parallel, self.num_local = parallel, num_local
 
     def for_batch(self, x_TH: Tensor, plan: RoutingPlan) -> "CountsWire":
         return self

@@ -8,7 +8,7 @@ Shape suffixes: see ``moe_plugin.layers``.
 * no expert or expert-tensor parallelism: ``LocalWire`` (nothing crosses);
 * the wire format: ``exchange`` counts, padded or token by name, or ``auto`` (``resolve_exchange``:
   padded where the rules allow it and the EP group's backend is gloo, else counts; logged once);
-* the schedule: ``overlap.Overlapped`` with ``overlap_chunks`` > 1, else one exchange;
+* the schedule: ``overlap.Overlapped`` with ``overlap_chunks`` > 1 (none shadowed), else one exchange;
 * shadowing (``shadow.Shadowing``) while ``shadow`` has experts.
 
 The layer builds its dispatcher here at construction and again when its shadowed experts or
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from moe_plugin.layers.dispatcher import Dispatcher, LocalWire, OneExchange
 from moe_plugin.layers.ep_dispatcher import CountsWire
-from moe_plugin.layers.exchange_rules import exchange_unfit, overlap_unfit, overlapped_chunks, shadow_unfit
+from moe_plugin.layers.exchange_rules import exchange_unfit, overlap_unfit, shadow_unfit
 from moe_plugin.layers.overlap import Overlapped
 from moe_plugin.layers.padded import PaddedWire, log_choice
 from moe_plugin.layers.parallel import LayerParallelism
@@ -78,7 +78,7 @@ def build_dispatcher(config, parallel: LayerParallelism, shadow: ShadowExperts,
     why = overlap_unfit(config.overlap_chunks, parallel.ep_size, parallel.etp_size, config.num_experts)
     if why is not None:
         raise ValueError(f"overlap_chunks {config.overlap_chunks}: {why}")
-    chunks = overlapped_chunks(config.overlap_chunks, shadowed)
+    chunks = 1 if shadowed else config.overlap_chunks      # shadowed: one exchange (chunking them not done)
     schedule = Overlapped(parallel, chunks) if chunks > 1 else OneExchange()
     shadowing = Shadowing(shadow) if shadowed else None
     return Dispatcher(wire, schedule, shadowing), mode

@@ -55,12 +55,6 @@ def overlap_unfit(overlap_chunks: int, expert: int, expert_tensor: int, num_expe
     return None
 
 
-def overlapped_chunks(overlap_chunks: int, shadowed: int) -> int:
-    """The chunks the schedule runs: ``overlap_chunks``, or one exchange while experts are shadowed
-    (the shadowed routes skip the exchange; chunking them is not done)."""
-    return 1 if shadowed else overlap_chunks
-
-
 def exchange_variants(*, expert: int, expert_tensor: int, num_experts: int, drop_tokens: bool,
                       replica_budget: int = 0, policy: str = "static",
                       trace_file: Optional[str] = None) -> list[tuple[str, int]]:

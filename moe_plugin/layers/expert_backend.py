@@ -3,24 +3,20 @@
 Backends (run by ``ffn_autograd.py``):
 
 * ``grouped_mm``: ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` where the public
-  name is missing) with int32 row offsets: one call for all experts of a chunk. Its operands
-  (torch's ``include/ATen/native/GroupedMMUtils.h``, ``_grouped_mm_validate_inputs``) are fp32,
-  bf16 or fp16 with 16-byte aligned row strides (H, F1 and F multiples of 4 in fp32, of 8 in
-  bf16). On CPU the op is a loop of GEMMs in C++. On CUDA its docstring promises bf16 on compute
-  capability 8.0 and above (the grouped kernel); other dtypes reach torch's fallback, a GEMM
-  per group after copying the offsets to the host (a host sync per call), so ``auto`` takes
-  it on CUDA only for bf16 on cc >= 8.0. Other device types are untested: not taken.
+  name is missing) with int32 row offsets: one call for all experts of a chunk. Operands fp32,
+  bf16 or fp16 with 16-byte aligned row strides (torch's ``_grouped_mm_validate_inputs``). On
+  CPU a loop of GEMMs in C++; on CUDA the grouped kernel takes bf16 on compute capability >= 8.0,
+  other dtypes a fallback that syncs the host per call, so ``auto`` takes it on CUDA only there.
+  Other device types are untested: not taken.
 * ``bmm``: each expert's rows padded to the chunk's largest count, one ``bmm`` per GEMM and per
-  weight gradient. One kernel where a loop launches one per expert, for the padding's work.
+  weight gradient (one kernel where a loop launches one per expert, for the padding's work).
 * ``loop``: one GEMM per expert over ``split``/``unbind`` views.
 
-``auto`` takes ``grouped_mm`` where ``grouped_mm_unsupported`` finds no reason against it (the
-device rule above, the strides, and a tiny probe call per device type and dtype, cached: a
-probe that raises means unsupported), else ``loop`` on CPU (measured faster than ``bmm`` there,
-docs/benchmarks.md "Expert GEMM backends") and ``bmm`` on accelerators (one launch per GEMM
-instead of one per expert; not measured yet). Each decision is logged once per process. A
-forced ``grouped_mm`` that cannot run raises a ``ConfigError`` naming ``moe.experts_backend`` at
-the first forward (device and dtype are known only then); ``bmm`` and ``loop`` run everywhere.
+``auto``: ``grouped_mm`` where ``grouped_mm_unsupported`` finds no reason against it (the rules
+above and a tiny probe call per device type and dtype, cached), else ``loop`` on CPU (faster than
+``bmm`` there, docs/benchmarks.md "Expert GEMM backends") and ``bmm`` on accelerators (not
+measured yet); each decision logged once. A forced ``grouped_mm`` that cannot run raises a
+``ConfigError`` naming ``moe.experts_backend`` at the first forward (device and dtype known then).
 """
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
 """Experts: the local experts as one grouped GEMM, and the optional dense shared expert.
 
-Shape suffixes: see ``moe_plugin.layers`` (rows ``R`` sorted by local expert; swiglu's F1 holds
-the gate half first, then the up half).
+Shape suffixes: see ``moe_plugin.layers`` (swiglu's F1 holds the gate half first, then the up half).
 
-``GroupedExperts`` holds the stacked ``weight1`` [L, H, F1] and ``weight2`` [L, F, H]. Rows of
-``x_RH`` come grouped by local expert with ``counts_L`` rows each (zero allowed).
-
-Expert tensor parallelism (``etp_size > 1``) splits F: a rank holds ``weight1`` [L, H, F1/etp]
-(swiglu: this shard's gate columns, then its up columns) and ``weight2`` [L, F/etp, H], exactly
-the slices ``ffn_shard`` cuts from the single-process weights of the same seed, and returns a
-partial output that the dispatcher sums over the ETP group. ``grad_scale`` multiplies the weight
-gradients (``LayerParallelism.expert_grad_scale``).
-
-Forward and backward run in ``ffn_autograd.expert_ffn`` (nothing of size [R, F] kept but,
-unless ``recompute_pre_activation``, the pre-activation; with ``gather_R`` the input rows are
-gathered chunk by chunk). The GEMM backend (``backend``) is chosen in ``expert_backend.py``.
+``GroupedExperts`` holds the stacked ``weight1`` [L, H, F1] and ``weight2`` [L, F, H]; forward and
+backward run in ``ffn_autograd.expert_ffn`` (the GEMM backend: ``expert_backend.py``). Expert
+tensor parallelism (``etp_size > 1``) splits F: a rank holds the slices ``ffn_shard`` cuts from the
+single-process weights of the same seed and returns a partial output that the dispatcher sums
+over the ETP group; ``grad_scale`` multiplies the weight gradients (``LayerParallelism``).
 """
 from __future__ import annotations
 
@@ -34,19 +26,18 @@ EXPERT_STREAM = 2
 SHARED_STREAM = 3
 
 
-def activation_fn(name: str) -> Callable[[Tensor], Tensor]:
-    if name == "gelu":
-        return F.gelu
-    if name == "relu":
-        return F.relu
-    if name == "swiglu":
-        return _swiglu
-    raise ValueError(f"unknown expert activation {name!r}; valid: gelu, swiglu, relu")
-
-
 def _swiglu(h_RF1: Tensor) -> Tensor:
     gate_RF, up_RF = h_RF1.chunk(2, dim=-1)
     return F.silu(gate_RF) * up_RF
+
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"gelu": F.gelu, "swiglu": _swiglu, "relu": F.relu}
+
+
+def activation_fn(name: str) -> Callable[[Tensor], Tensor]:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown expert activation {name!r}; valid: gelu, swiglu, relu")
+    return ACTIVATIONS[name]
 
 
 def ffn_shard(w1_HF1: Tensor, w2_FH: Tensor, activation: str, etp_size: int, etp_rank: int) -> tuple[Tensor, Tensor]:
@@ -90,16 +81,12 @@ class GroupedExperts(nn.Module):
                              f"share of {num_experts} experts")
         if not 0 <= etp_rank < etp_size:
             raise ValueError(f"expert-tensor-parallel rank {etp_rank} is outside a group of {etp_size}")
-        self.num_experts = num_experts
-        self.num_local = num_experts // ep_size
-        self.first_slot = ep_rank * self.num_local
-        self.activation = activation
-        self.act = activation_fn(activation)
         check_backend(backend)
-        self.backend = backend
-        self.grad_scale = grad_scale
+        self.num_experts, self.num_local = num_experts, num_experts // ep_size
+        self.first_slot = ep_rank * self.num_local
+        self.activation, self.act, self.backend = activation, activation_fn(activation), backend
+        self.grad_scale, self.recompute_pre_activation = grad_scale, recompute_pre_activation
         self._grad_stores = (GradStore(), GradStore())   # weight1's and weight2's gradient storage (CPU)
-        self.recompute_pre_activation = recompute_pre_activation
         width = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         out_std = init_std if output_init_std is None else output_init_std
         w1, w2 = [], []
@@ -119,8 +106,7 @@ class GroupedExperts(nn.Module):
         self.weight1 = nn.Parameter(torch.stack(w1))   # [L, H, F1/etp]
         self.weight2 = nn.Parameter(torch.stack(w2))   # [L, F/etp, H]
         for p in (self.weight1, self.weight2):
-            p.allreduce = False
-            p.group_name = group_name
+            p.allreduce, p.group_name = False, group_name
 
     def release_grad_storage(self) -> None:
         """Drop the weight gradients' kept storage (``ffn_autograd.GradStore``); the next

@@ -1,42 +1,29 @@
 """The grouped expert FFN as one autograd function that keeps no [rows, ffn] tensor for backward.
 
-Shape suffixes: see ``moe_plugin.layers`` (R: rows grouped by local expert); a chunk's tensors
-carry the same letters (they hold a slice of the rows or of the experts).
-
-``expert_ffn(x_NH, w1_LHF1, w2_LFH, counts, act, backend, gather_R=None)`` returns, for rows
-grouped by local expert (``counts[l]`` rows for expert l, zero allowed)::
+Shape suffixes: see ``moe_plugin.layers`` (R: rows grouped by local expert; a chunk's tensors
+carry the same letters). For rows grouped by local expert (``counts[l]`` rows for expert l)::
 
     y_RH[r] = act(rows_RH[r] @ w1[l(r)]) @ w2[l(r)]      rows_RH = x_NH[gather_R] (or x_NH)
 
-Plain autograd would keep the rows, the pre-activation and the activation for backward:
-R * (H + F1 + F) values (at 16,384 tokens, top-2, H 512, F 1024 in fp32: 320 MiB). This
-function keeps ``x_NH`` (the caller's tensor, alive anyway: the tokens, or the rows an
-expert-parallel exchange received) and ``gather_R``, and, with ``save_pre=True``, the
-pre-activation. Backward gathers the rows again, recomputes the pre-activation (one more
-GEMM, as large as the forward's first, unless it was saved) and the activation.
+Plain autograd would keep R * (H + F1 + F) values for backward (the rows, the pre-activation, the
+activation). This keeps ``x_NH`` (the caller's, alive anyway), ``gather_R`` and, with
+``save_pre``, the pre-activation; backward gathers the rows again and recomputes the rest (one
+GEMM more unless the pre-activation was saved).
 
-The work runs in chunks of whole experts of about ``CHUNK_BYTES`` of [rows, F1] each, so every
-transient tensor (the gathered rows, the activation, their gradients) is chunk-sized: a few
-MiB that the allocator hands out again, instead of page-faulting a fresh 100 MiB block per
-step. The weight gradients are written per expert into the full [L, H, F1] / [L, F, H]
-gradients (``torch.mm(out=...)``: no copy) and scaled there by ``grad_scale`` (in place: a
-separate scaling step would allocate a second copy of the weight gradients); on CPU their
-storage is kept for the next backward where it is large and free (``GradStore``). One host sync:
-``counts`` is a Python list. No host-to-device copy when the counts come as ``RowCounts`` (as every
-dispatcher gives them): the chunks' row offsets are cut from one running sum on the device.
-
-The backends (``grouped_mm``, ``bmm``, ``loop``) are described and chosen in ``expert_backend.py``.
+The work runs in chunks of whole experts of about ``CHUNK_BYTES`` of [rows, F1], so every
+transient is chunk-sized and reused by the allocator. The weight gradients are written per expert
+into the full [L, H, F1] / [L, F, H] gradients (``torch.mm(out=...)``: no copy) and scaled there
+by ``grad_scale``; on CPU their storage is kept for the next backward where it is large and free
+(``GradStore``). One host sync: ``counts`` on the host; as ``RowCounts`` (every dispatcher's) no
+host-to-device copy either. The backends: ``expert_backend.py``.
 
 Determinism: backward adds each row's input gradient to its token with ``index_add_`` (one call
-per chunk). A token routed to several experts of one chunk is a repeated index there; on CUDA
-``index_add_`` adds repeated rows by atomics in no fixed order, so the input gradient can differ
-in the last bits from run to run. Under ``torch.use_deterministic_algorithms(True)`` torch's
-``index_add_`` sorts the index instead (the route Megatron-Core's unpermute takes too): the
-layer is then deterministic on CUDA (``tests/test_deterministic.py`` checks every accumulating
-op a training step runs is one that mode makes deterministic). On CPU it always is.
+per chunk). On CUDA it adds a repeated index (a token routed to two experts of a chunk) by atomics
+in no fixed order, unless ``torch.use_deterministic_algorithms(True)`` makes it sort the index
+(``tests/test_deterministic.py``). On CPU it always is deterministic.
 
-Not done: fusing the gather into the GEMM (the rows are a chunk-sized copy); the grouped weight
-gradient (``grouped_mm`` with two 2-D operands) returns a new tensor, not written in place.
+Not done: fusing the gather into the GEMM; the grouped weight gradient (``grouped_mm`` with two
+2-D operands) returns a new tensor, not written in place.
 """
 from __future__ import annotations
 
@@ -72,20 +59,15 @@ class GradStore:
     def empty_like(self, w: Tensor) -> Tensor:
         if w.device.type != "cpu" or w.nbytes < REUSE_MIN_BYTES or not hasattr(torch._C, "_storage_Use_Count"):
             return torch.empty_like(w)
-        buf = self._buf
-        if buf is None or buf.shape != w.shape or buf.dtype != w.dtype or _held_elsewhere(buf):
+        buf = self._buf   # held elsewhere: a use count above 2 (``buf`` and the storage object made here)
+        if buf is None or buf.shape != w.shape or buf.dtype != w.dtype or (
+                torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2):
             buf = self._buf = torch.empty_like(w, memory_format=torch.contiguous_format)
         return buf.view(buf.shape)
 
     def release(self) -> None:
         """Drop the buffer (the gradient handed out last, if still held, stays valid)."""
         self._buf = None
-
-
-def _held_elsewhere(buf: Tensor) -> bool:
-    """Whether any tensor besides ``buf`` refers to its storage (the temporary storage object
-    made here counts once, ``buf`` once)."""
-    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2
 
 
 @dataclass(frozen=True)
@@ -267,13 +249,11 @@ def expert_ffn(x_NH: Tensor, w1_LHF1: Tensor, w2_LFH: Tensor, counts: list[int] 
                act: Callable[[Tensor], Tensor], backend: str, gather_R: Optional[Tensor] = None, *,
                save_pre: bool = False, grad_scale: float = 1.0, chunk_bytes: int = CHUNK_BYTES,
                grad_stores: Optional[tuple[GradStore, GradStore]] = None) -> Tensor:
-    """``y_RH`` of the module docstring; ``counts`` rows per local expert (on the host: the chunks
-    are cut there; a ``RowCounts`` also brings them on the device, a plain list costs one
-    host-to-device copy of their running sum). ``save_pre`` keeps the pre-activation (R * F1
-    values) instead of recomputing it in backward; ``grad_scale`` multiplies the weight gradients;
-    ``grad_stores`` hold the storage of the two weight gradients between backwards
-    (``GradStore``; pass them only when ``w1_LHF1`` and ``w2_LFH`` are the parameters
-    themselves, so the gradients returned are the parameters' ``.grad``)."""
+    """``y_RH`` of the module docstring; ``counts`` rows per local expert (a plain list costs one
+    host-to-device copy of their running sum, a ``RowCounts`` none). ``save_pre`` keeps the
+    pre-activation (R * F1 values); ``grad_scale`` multiplies the weight gradients; ``grad_stores``
+    (``GradStore``): only when ``w1_LHF1`` and ``w2_LFH`` are the parameters themselves, so the
+    gradients returned are the parameters' ``.grad``."""
     counts, counts_L = (counts.host, counts.device_L) if isinstance(counts, RowCounts) else (counts, None)
     if len(counts) != w1_LHF1.shape[0]:
         raise ValueError(f"{len(counts)} expert row counts for {w1_LHF1.shape[0]} local experts")

@@ -1,6 +1,6 @@
 """MoELayer: router -> dispatcher -> grouped experts -> combine (+ shared expert).
 
-Shape suffixes: see ``moe_plugin.layers``.
+Shape suffixes: see ``moe_plugin.layers``; what it does: docs/moe_layer.md.
 
 ``MoELayer(config, hidden_size, ffn_hidden_size, groups=None)`` replaces a Megatron MLP:
 ``forward(hidden_SBH) -> (output_SBH, None)``. The router runs in fp32, the experts and the
@@ -10,20 +10,9 @@ router without adding the losses by hand. ``last_stats`` describes the latest fo
 rank's tokens; ``global_stats()`` sums it over the ranks that route distinct tokens.
 
 With ``groups`` the layer runs under any parallel layout; ``parallel.py`` states the semantics
-(token split over TP, one GShard group per DP replica, expert and expert-tensor parallelism, the
-gradient factors that make the gradients layout-independent, bias and noise) and computes
-every layout-dependent factor. Forward on one rank::
-
-    x_TH = hidden_SBH.reshape(T, H)  -> split_tokens over TP (replicated input, no SP)
-    plan, finite = router(x_TH)       (logits all-gathered over TP, the replica's micro-batch routed
-                                       as one group: capacity, z loss; the balance loss per
-                                       aux_loss_scope, ``balance.py``; the plan of this rank's tokens)
-    dispatch / experts / combine      (``dispatcher.run``: the dispatcher's schedule)
-    + shared expert, attach aux loss  (the replica's, on each TP rank; ``parallel.py`` 4(b))
-    out_TH -> gather_tokens over TP   (replicated input, no SP)
-
-The dispatcher comes from ``exchange_factory.build_dispatcher``, again on ``set_shadow`` (shadow
-experts, ``shadow.py``) and ``track_traffic`` (a load tracker).
+(token split over TP, one GShard group per DP replica, the layout-independent gradients). The
+dispatcher (``exchange_factory.build_dispatcher``) is built again on ``set_shadow`` and
+``track_traffic``.
 """
 from __future__ import annotations
 
@@ -58,8 +47,7 @@ class AttachAuxLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out: Tensor, loss: Tensor, scale: float) -> Tensor:
-        ctx.scale = scale
-        ctx.loss_meta = (loss.dtype, loss.device)
+        ctx.scale, ctx.loss_meta = scale, (loss.dtype, loss.device)
         return out
 
     @staticmethod
@@ -274,11 +262,9 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:
-        """Aux-loss-free balancing step from the load of the training forwards since the last
-        call; call it after the optimizer step, on every rank (collective in parallel: the load
-        is summed over the ranks that route distinct tokens, so the bias stays identical).
-        ``moe_plugin.initialize`` calls it once per optimizer step (``integration/step_boundary.py``):
-        call it by hand only for a model trained without it."""
+        """Aux-loss-free balancing step from the load of the training forwards since the last call,
+        summed over the ranks that route distinct tokens (collective: call it on every rank, after
+        the optimizer step). ``moe_plugin.initialize`` calls it once per step (``integration/step_boundary.py``)."""
         load_E = self.router.load_E.clone()
         if self.parallel.tokens is not None:
             dist.all_reduce(load_E, group=self.parallel.tokens)

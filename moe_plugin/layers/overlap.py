@@ -2,33 +2,26 @@
 
 Shape suffixes: see ``moe_plugin.layers``.
 
-With ``overlap_chunks`` n > 1 (the ``"moe"`` block) the L local experts form n consecutive
-groups, the chunks ``[l0, l1)``. A sender's rows to EP peer p for the slots of a chunk are
-contiguous in its kept routes (sorted by slot), so the send of chunk c is every peer's block of
-those slots: ``order_R`` lists the kept routes chunk by chunk (peer, slot, route order within),
-one gather of the tokens, then one all-to-all per chunk. Forward on one rank::
+With ``overlap_chunks`` n > 1 the L local experts form n consecutive chunks ``[l0, l1)``. A
+sender's rows to peer p for a chunk's slots are contiguous in its kept routes (sorted by slot),
+so ``order_R`` lists the kept routes chunk by chunk: one gather, one all-to-all per chunk::
 
     start every chunk's all-to-all (async)        shared expert (the caller's) meanwhile
     for each chunk c:  wait c, experts [l0, l1) on its rows (re-sorted to expert order),
                        start c's way back (async)
     wait every way back, rows back in kept-route order -> combine
 
-While chunk c computes, the all-to-alls of the later chunks (and the way back of the earlier
-ones) run. Backward mirrors it without extra code (``comm.start_all_to_all``: the autograd of
-``comm.all_to_all``, started now and waited for later): the autograd engine runs the later-made
-nodes first, so every chunk's way-back gradient is sent before the experts' backward of the last
-chunk begins, and each chunk's input gradient leaves while the next chunk's experts run their
-backward. Every rank makes the same graph, so the collectives start in the same order everywhere.
+Backward mirrors it without extra code (``comm.start_all_to_all``): the autograd engine runs the
+later-made nodes first, so every way-back gradient is sent before the last chunk's experts'
+backward, and each chunk's input gradient leaves while the next chunk's experts run. Every rank
+makes the same graph: the collectives start in the same order everywhere.
 
-Every expert sees the same rows in the same order as with one exchange, and each route's output
-is the same row, and a token's routes are gathered in route order first, so outputs and
-gradients are bit-identical to ``overlap_chunks`` 1 (every top-k: tests/test_layers_dist.py's
-exchange twins). The weights are split per chunk once (one ``split``, one gradient concatenation
-in backward).
+Every expert sees the same rows in the same order as with one exchange, and a token's routes are
+gathered in route order first: outputs and gradients are bit-identical to ``overlap_chunks`` 1
+(every top-k: tests/test_layers_dist.py's exchange twins). The weights are split per chunk once.
 
-Not done: the counts wire format only, without expert tensor parallelism or shadowed experts
-(``exchange_rules.py``); the kept storage of the weight gradients (``ffn_autograd.GradStore``):
-the split's backward allocates them anew.
+Not done: the counts wire format only, without ETP or shadowed experts (``exchange_rules.py``);
+the split's backward allocates the weight gradients anew (no ``GradStore``).
 """
 from __future__ import annotations
 
@@ -104,8 +97,7 @@ class Overlapped:
     overlapped with the experts and the shared expert (module docstring)."""
 
     def __init__(self, parallel: LayerParallelism, chunks: int):
-        self.parallel = parallel
-        self.chunks = chunks
+        self.parallel, self.chunks = parallel, chunks
 
     def plan(self, sizes: Sizes, sync: HostSync) -> tuple[HostValue, HostValue]:
         """The rows to and from each peer per local slot join the host sync."""

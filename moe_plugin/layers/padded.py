@@ -3,33 +3,25 @@
 Shape suffixes: see ``moe_plugin.layers``; here N counts the rows of a padded buffer.
 
 With a capacity C per expert slot every rank's rows to an EP peer fit a fixed block, so one
-equal all-to-all can move them without exchanging the counts first (DeepSpeed's capacity-padded
-exchange). ``PaddedWire.sizes`` builds, per EP peer p, a block of ``B = 1 + L * C`` rows:
+equal all-to-all moves them without a counts round first. ``PaddedWire.sizes`` builds, per EP
+peer p, a block of ``B = 1 + L * C`` rows:
 
-* row 0, the header: this rank's kept routes to p's L slots and its finite flag (the router's
-  ``FiniteCheck.bad_1``), written in the activation dtype as digits of the base its integers are
-  exact in (fp32: 2^24, one digit for any capacity below that; bf16: 256; fp16: 2048), so every
-  value arrives exact (``header_digits``);
-* rows ``1 + l * C + i``: the i-th kept route to p's slot l (the router sorted the kept routes by
-  slot), zeros where a slot has fewer than C.
+* row 0, the header: this rank's kept routes to p's L slots and its finite flag
+  (``FiniteCheck.bad_1``), in the activation dtype as digits of a base its integers are exact in
+  (fp32 2^24, bf16 256, fp16 2048: ``header_digits``), so every value arrives exact;
+* rows ``1 + l * C + i``: the i-th kept route to p's slot l, zeros where a slot has fewer than C.
 
-The rows are one ``index_copy`` into a zero buffer (differentiable: the gradient of each route's
-row goes back to its token); the dropped routes land in rows past the blocks, left unsent. One
-equal all-to-all moves the blocks; the layer's one host sync then reads the P headers: the counts
-per (sender, local slot), the flags (``flag_rides``; else the router's own exchange), and this
-rank's split sizes. The verdict raises on every rank alike, after the exchange (the rows of a bad
-rank travel, nothing is computed from them). The experts gather their rows from the padded
-buffer in (local expert, sender) order (``gather_R``), so they see the same rows in the same order
-as with counts; the way back is the counts layout's uneven all-to-all (both sides know the
-counts now). Outputs and gradients are the same bits as with counts (tests/test_layers_dist.py).
+The rows are one differentiable ``index_copy`` into a zero buffer (dropped routes land past the
+blocks, unsent). The host sync reads the P received headers: counts per (sender, local slot) and
+the flags (``flag_rides``); the verdict raises on every rank alike, after the exchange, before
+anything is computed from the rows. The experts gather their rows from the padded buffer in
+(local expert, sender) order (``gather_R``): the rows of counts, in the same order; the way back
+is the counts layout's uneven all-to-all. Outputs and gradients are the same bits as with counts
+(tests/test_layers_dist.py). A capacity needs the same token count on every EP rank.
 
-Not learnt: the sender x slot traffic (``traffic_PD`` is None, as without EP), which is why the rules
-(``exchange_rules.py``) refuse placement policies, traces and shadow experts with it. A capacity
-needs the same token count on every EP rank (it always is so in training).
-
-A header that the hidden size cannot hold (known at a forward: dtype and capacity) makes a forced
-padded exchange raise a ``ConfigError`` and ``auto`` send that batch with counts (``for_batch``,
-logged once; ``exchange_factory`` makes the ``auto`` choice).
+Not learnt: the sender x slot traffic (``traffic_PD`` None), hence the rules of
+``exchange_rules.py``. A header the hidden size cannot hold makes a forced padded exchange raise
+and ``auto`` send that batch with counts (``for_batch``, logged once).
 """
 from __future__ import annotations
 
@@ -94,9 +86,7 @@ class PaddedWire:
     header that does not fit raises instead of sending the batch with counts."""
 
     def __init__(self, parallel: LayerParallelism, num_local: int, forced: bool = False):
-        self.parallel = parallel
-        self.num_local = num_local
-        self.forced = forced
+        self.parallel, self.num_local, self.forced = parallel, num_local, forced
         self.counts = CountsWire(parallel, num_local)
 
     def for_batch(self, x_TH: Tensor, plan: RoutingPlan):

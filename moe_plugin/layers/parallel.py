@@ -6,20 +6,17 @@ router, the experts and the dispatcher only read a ``LayerParallelism``.
 
 Semantics (a "replica" is one DP rank's micro-batch of T tokens, replicated over its TP group):
 
-1. Tokens. With sequence parallelism the input [S/tp, B, H] is already this TP rank's share.
-   Without it but tp > 1 the input is replicated over TP: the layer keeps its equal share
-   (``comm.split_tokens``) and all-gathers its output (``comm.gather_tokens``), so TP ranks
-   never do the same expert work twice. Either way TP rank t holds rows ``[t * T/tp, (t + 1) *
-   T/tp)`` of the replica's micro-batch flattened to [S*B] as on one process (row ``s * B + b``;
-   sequence parallelism splits S, so a share is whole positions, a contiguous block), and the
-   ranks of a stage's TP x DP grid (group kind ``tp_dp``) hold distinct tokens.
-   Routing does not depend on tp: the GShard group is the replica's micro-batch, as on one
-   process. Each TP rank computes the router logits of its share, all-gathers the [T/tp, E]
-   logits over TP (E numbers per token, in rank order: the single-process token order) and
-   routes all T tokens the same way -- capacity from T, buffer slots in priority order over
-   the T tokens, the balance and z losses over them -- and keeps only its own tokens' routes
-   (``router.route(own=...)``). Dispatch, experts and the counts of ``last_stats`` concern
-   this rank's tokens only; the balance and z losses are the replica's, the same on its TP ranks.
+1. Tokens. With sequence parallelism the input [S/tp, B, H] is already this TP rank's share;
+   without it but tp > 1 the input is replicated over TP: the layer keeps its equal share
+   (``comm.split_tokens``) and all-gathers its output (``comm.gather_tokens``), so TP ranks never
+   do the same expert work twice. Either way TP rank t holds rows ``[t * T/tp, (t + 1) * T/tp)``
+   of the replica's micro-batch flattened to [S*B] as on one process (row ``s * B + b``; an SP
+   share is whole positions), and the ranks of a stage's TP x DP grid (``tp_dp``) hold distinct
+   tokens. Routing does not depend on tp: each TP rank all-gathers the [T/tp, E] logits over TP
+   (rank order: the single-process token order), routes all T tokens as one GShard group
+   (capacity, priority and both losses over them) and keeps its own tokens' routes
+   (``router.route(own=...)``). Dispatch, experts and ``last_stats``' counts concern this rank's
+   tokens; the losses are the replica's, the same on its TP ranks.
 2. Expert parallelism (``ep``): a rank hosts experts ``[ep_rank * L, (ep_rank + 1) * L)`` and
    exchanges routed rows with its EP peers (``ep_dispatcher.py``).
 3. Expert tensor parallelism (``etp``): each expert's FFN dimension is split over the ETP group;
@@ -57,12 +54,10 @@ Semantics (a "replica" is one DP rank's micro-batch of T tokens, replicated over
    summed over ``tokens`` (the ``tp_dp`` group, each token once) before every bias update, so
    the bias stays identical on all ranks. Likewise ``MoELayer.global_stats`` sums the counts
    over ``tokens`` (and averages the losses, which are the same on a replica's TP ranks).
-6. Random numbers: the router's default generator is offset by ``dp_rank`` (the replica's
-   index): the TP ranks of a replica draw the same jitter [T, H] (each applies its share's rows)
-   and the same GShard U(0, 1) [T], as one process does for that micro-batch; different
-   replicas draw different numbers (a documented dependence on dp: one process routing the
-   same micro-batches in turn would draw from one stream). Tests pass explicit noise per
-   replica instead (``MoELayer.forward(noise=...)``).
+6. Random numbers: the router's generator is offset by ``dp_rank``: a replica's TP ranks draw
+   the same jitter [T, H] (each applies its share's rows) and U(0, 1) [T], as one process does for
+   that micro-batch; other replicas draw other numbers (one process routing them in turn would
+   draw from one stream). Tests pass explicit noise per replica (``MoELayer.forward(noise=...)``).
 7. Non-finite input: the router's finite check is agreed over ``tokens``, so every rank of the
    stage raises together, before any row leaves a rank, instead of hanging (``FiniteCheck``;
    when the EP group is ``tokens`` itself, ``ep_is_tokens``, the flags ride in the exchange).

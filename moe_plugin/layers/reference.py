@@ -71,11 +71,10 @@ def reference_moe(x_TH: Tensor, params: Mapping[str, Tensor], config: MoEConfig,
     routed = [0] * config.num_experts
     start = 0
     for size in sizes:
-        idx = range(start, start + size)
         jit = jitter_TH[start:start + size] if (training and jitter_TH is not None) else None
         uni = uniform_T[start:start + size] if (training and uniform_T is not None) else None
         out, balance, z, cap = _one_group(x_TH[start:start + size], params, config, training, jit, uni, kept, routed)
-        rows.extend(out[i - start] for i in idx)
+        rows.extend(out)
         balances.append(balance)
         zs.append(z)
         caps.append(cap)

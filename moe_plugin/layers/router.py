@@ -1,42 +1,30 @@
 """Router: which experts each token goes to, with what gate weight, and which routes fit.
 
-Shape suffixes: see ``moe_plugin.layers``.
+Shape suffixes: see ``moe_plugin.layers``; the options: docs/config.md.
 
 ``Router`` owns the gate weight ``weight`` [E, H], the aux-loss-free balancing bias
-``expert_bias`` [E] and a ``torch.Generator`` for its random numbers. Its work is done by
-``route``, a pure function of the fp32 logits and explicitly passed random numbers
-(``RouterNoise``), so a test oracle can replay the very same routing.
+``expert_bias`` [E] and a ``torch.Generator``. Its work is done by ``route``, a pure function of
+the fp32 logits and explicitly passed random numbers (``RouterNoise``), so a test oracle can
+replay the very same routing. Rules (GShard, arXiv 2006.16668; Switch Transformer):
 
-Routing rules (GShard, arXiv 2006.16668; Switch Transformer):
-
-* kinds: ``gshard`` top-2, both gates renormalised to sum 1, the 2nd route kept only when
-  ``2 * g2 > U(0, 1)`` (random routing, training only; policy ``all`` keeps it always);
-  ``switch`` top-1 with the raw softmax probability as gate; ``topk`` any k, gates
-  renormalised when ``normalize_gates``.
-* scores (``score_function``): softmax over the experts, or (DeepSeek-V3, topk only) each
-  expert's sigmoid. Expert choice uses ``logits + expert_bias`` (sigmoid: ``scores +
-  expert_bias``), ties to the lower expert index (``top_k_experts``); gates are the unbiased
-  scores, times ``gate_scale`` after random routing and drop ranking, which use unscaled ones.
-* group limit (``group_topk`` M of ``router_groups`` G, DeepSeek-V3): before that choice, the
-  experts outside a token's best M groups of consecutive expert ids are masked (``limit_to_groups``).
-* capacity ``C = max(min_capacity, ceil(capacity_factor * k * T / E))`` per expert, computed
-  exactly (``configs/capacity.py``: the factor's decimal value, integer arithmetic)
-  (``eval_capacity_factor`` in eval; no capacity when ``drop_tokens`` is false). Buffer slots
-  go (``drop_policy`` position) to all first choices before any second choice, earlier tokens
-  before later ones, or (probability) to the highest unnormalised scores, equal ones in that
-  order; a route past capacity is dropped: its token keeps only the residual from that expert.
-* balance loss ``E * sum_e f_e * P_e``: softmax, ``f_e`` the fraction of tokens whose first
-  choice is ``e`` (before capacity), ``P_e`` the mean softmax probability of ``e``; sigmoid
-  (DeepSeek-V3's, over the batch), ``f_e`` the fraction of the ``k * T`` routes choosing ``e``,
-  ``P_e`` the mean of ``e``'s score divided by its token's sum of scores. It is exactly 1.0
-  when either is uniform (e.g. all logits equal) -- its value before ``aux_loss_coeff``. Over
-  which tokens ``f_e`` and ``P_e`` are taken (``aux_loss_scope``): this batch here; per sequence
-  or over the global batch in ``balance.py``.
-* z-loss ``mean_t logsumexp(logits_t)^2``.
-* placement: ``slot_E[e]`` is the slot of expert e (``ep_rank * L + local index``, see
-  ``placement/``); kept routes are listed by slot, so a dispatcher sends slot ranges to ranks.
-  Relabelling experts changes neither capacity nor priority (both are per expert), so the routing
-  itself does not depend on the placement.
+* kinds: ``gshard`` top-2, gates renormalised, the 2nd route kept only when ``2 * g2 > U(0, 1)``
+  (``second_expert_policy`` random, training only); ``switch`` top-1, the raw probability as gate; ``topk`` any
+  k, gates renormalised when ``normalize_gates``.
+* scores: softmax over the experts or (DeepSeek-V3, topk only) each expert's sigmoid. Expert
+  choice uses ``logits + expert_bias`` (sigmoid: ``scores + expert_bias``), ties to the lower
+  expert index (``top_k_experts``), within a token's best ``group_topk`` of ``router_groups``
+  groups (``limit_to_groups``); gates are the unbiased scores, times ``gate_scale`` after random
+  routing and drop ranking.
+* capacity ``C = max(min_capacity, ceil(capacity_factor * k * T / E))`` per expert, exact
+  (``configs/capacity.py``); none when ``drop_tokens`` is false. Slots go (``drop_policy``
+  position) to all first choices before any second choice, earlier tokens first, or
+  (probability) to the highest unnormalised scores, equal ones in that order; a route past
+  capacity is dropped: its token keeps only the residual from that expert.
+* balance loss ``E * sum_e f_e * P_e`` (``balance_terms``; over which tokens: ``balance.py``),
+  exactly 1.0 when either is uniform; z-loss ``mean_t logsumexp(logits_t)^2``; both unweighted.
+* placement: ``slot_E[e]`` is the slot of expert e (``placement/``); kept routes are listed by
+  slot, so a dispatcher sends slot ranges to ranks. Capacity and priority are per expert: the
+  routing does not depend on the placement.
 
 In a parallel layer (``parallel.py`` 1, 6, 7) a TP rank routes its replica's whole micro-batch
 from the logits all-gathered over ``share_group`` and keeps its own tokens' routes
@@ -130,17 +118,16 @@ class RoutingPlan:
 
 
 class FiniteCheck:
-    """The finite check of one forward's logits, agreed over ``group`` without blocking
-    (``parallel.py`` 7), on the small [T, E] logits.
+    """The finite check of one forward's [T, E] logits, agreed over ``group`` without blocking
+    (``parallel.py`` 7).
 
-    The flags (one int32 per rank of the group, 1 where the logits are not finite) are gathered
-    asynchronously in one all-to-all round (every pair of ranks exchanges directly; a ring
-    all-reduce takes ``2 * (ranks - 1)`` dependent steps) and read at the caller's one host sync
-    (``flags``, then ``verdict``): every rank of the group raises, naming the bad ranks, rather than
-    the healthy ones waiting forever in the next collective. A plan made from bad logits is well
-    formed (indices in range, NaN gates), so routing goes on while the verdict travels, as long as
-    nothing leaves the rank before it. With ``group`` None the verdict is this rank's alone:
-    ``bad_1`` is what a dispatcher's exchange can carry instead (``ep_dispatcher.flag_rides``).
+    The flags (one int32 per rank, 1 where the logits are not finite) are gathered asynchronously
+    in one all-to-all round (a ring all-reduce takes ``2 * (ranks - 1)`` dependent steps) and read
+    at the caller's one host sync (``flags``, then ``verdict``): every rank raises, naming the bad
+    ranks, rather than the healthy ones waiting forever in the next collective. A plan made from
+    bad logits is well formed (indices in range, NaN gates), so routing goes on while the verdict
+    travels, as long as nothing leaves the rank before it. With ``group`` None the verdict is this
+    rank's alone: ``bad_1`` is what a dispatcher's exchange can carry (``ep_dispatcher.flag_rides``).
     """
 
     def __init__(self, logits_TE: Tensor, group: comm.Group = None):
@@ -352,19 +339,14 @@ class Router(nn.Module):
                  noise_index: int = 0, grad_group: comm.Group = None, check_group: comm.Group = None,
                  share_group: comm.Group = None):
         super().__init__()
-        self.noise_index = noise_index
-        self.share_group = share_group
-        self.grad_group = grad_group
-        self.check_group = check_group
-        self.config = config
-        self.seed = seed
+        self.config, self.seed, self.noise_index = config, seed, noise_index
+        self.share_group, self.grad_group, self.check_group = share_group, grad_group, check_group
         E = config.num_experts
         gen = seeded_generator(seed, ROUTER_STREAM)
         self.weight = nn.Parameter(torch.randn(E, hidden_size, generator=gen) * init_std)
         self.register_buffer("expert_bias", torch.zeros(E))
         self.register_buffer("load_E", torch.zeros(E), persistent=False)   # since the last bias update (update_bias)
         self._generators: dict[torch.device, torch.Generator] = {}
-
 
     def capacity(self, num_tokens: int) -> Optional[int]:
         """Per-expert capacity for ``num_tokens`` tokens in the current (train/eval) mode."""

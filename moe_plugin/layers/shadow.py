@@ -2,34 +2,25 @@
 
 Shape suffixes: see ``moe_plugin.layers`` (the shadowed experts are a subset of the slots: D).
 
-A shadowed expert keeps its one owner, the EP rank whose slot holds it (``experts.placement``),
-and its one set of parameters and optimizer state there. ``ShadowExperts`` (next to the layer's
-``GroupedExperts``) holds which experts are shadowed and runs the copies; ``Shadowing`` is the
-transform of the routing plan that the dispatcher applies before and after its exchange
-(``exchange_factory`` adds it while experts are shadowed). Per forward (every EP rank has the
-same set, ``MoELayer.set_shadow``):
+A shadowed expert keeps its one owner (the EP rank whose slot holds it) and its one set of
+parameters and optimizer state there. ``ShadowExperts`` holds which experts are shadowed (the
+same on every EP rank, ``MoELayer.set_shadow``) and runs the copies; ``Shadowing`` is the
+transform of the routing plan that the dispatcher applies around its exchange. Per forward:
 
-1. Before the exchange (``Shadowing.before``, ``split``): the routes to shadowed experts stay out
-   of it (``CountsWire.sizes(..., held_D)``; the load record still counts them).
-2. ``ShadowWeights``: every EP rank gets the shadowed experts' weights from their owners, in
-   one all-reduce over EP of a [D, H*F1 + F*H] buffer in which each owner fills its rows
-   (adding exact zeros: the copies are bit-identical to the owner's weights).
-3. Every EP rank runs its own tokens' routes to shadowed experts through those copies
-   (``GroupedExperts.ffn``, with the layer's expert gradient factor).
-4. After the exchange, combine takes both row sets (``Shadowing.combine``): each token's routes
-   are found by route id and summed in the same order, so the output is the one without
-   shadowing (up to the rounding of the expert GEMMs, which see other blocks of rows).
-5. Backward of 2: the copies' gradients (each rank's partial sum over its own tokens) are
-   all-reduced over EP and the owner adds its rows to its experts' gradients. The owner's
-   ``.grad`` is then the same sum over every EP rank's routes that the exchange path gives (up to
-   the order of the additions), so its optimizer step is unchanged.
+1. ``Shadowing.before``, ``split``: the routes to shadowed experts stay out of the exchange
+   (``CountsWire.sizes(..., held_D)``; the load record still counts them).
+2. ``ShadowWeights``: every EP rank gets the shadowed experts' weights in one all-reduce over EP
+   of a [D, H*F1 + F*H] buffer in which each owner fills its rows (the others add exact zeros:
+   the copies are bit-identical to the owner's weights).
+3. Every EP rank runs its own tokens' routes to them through the copies (``GroupedExperts.ffn``).
+4. ``Shadowing.combine`` takes both row sets; each token's routes are found by route id and
+   summed in the same order: the output without shadowing, up to the rounding of the GEMMs.
+5. Backward of 2: the copies' gradients are all-reduced over EP and each owner adds its rows: its
+   ``.grad`` is the exchange path's sum (up to the order of the additions).
 
-Capacity and dropping are decided by the router before any of this, per expert; shadowing moves
-where a kept route is computed, never whether it is kept. Only without expert tensor
-parallelism (an ETP shard's partial output would need the ETP peers' tokens).
-
-Not done: overlapping the weights' all-reduce with the all-to-all (FasterMoE overlaps them; here
-it runs after the exchange), and one reduce per owner in backward instead of the all-reduce.
+Capacity and dropping are the router's, before any of this: shadowing moves where a kept route is
+computed, never whether it is kept. Only without expert tensor parallelism. Not done: overlapping
+the weights' all-reduce with the all-to-all; one reduce per owner in backward.
 """
 from __future__ import annotations
 

@@ -4,30 +4,23 @@ Shape suffixes: see ``moe_plugin.layers``; U the unique (destination rank, token
 ``mask_XY`` the (rank, token) pairs plus one spare row, Y the mask columns, X in ``send_UX`` the
 row width H + Y.
 
-With the counts exchange (``ep_dispatcher.py``) a token with two routes to experts on the same
-EP rank crosses the wire twice. Group-limited routing (``router.limit_to_groups``) makes that the
-common case: with one group per EP rank and ``group_topk`` 1 every route of a token goes to the
-same rank. ``TokenWire`` sends such a token once and fans it out on arrival:
+With the counts exchange a token with two routes to experts on one EP rank crosses the wire
+twice, the common case under group-limited routing (``router.limit_to_groups``). Here it crosses once:
 
 * Sender (``sizes``, ``state``): the kept routes are sorted by slot, so by destination rank
-  ``p = slot // L``. The unique ``(p, token)`` pairs become one row each, ordered ``(p, token)``,
-  carrying the token's activations and, in Y extra columns, the mask of p's L local slots it
-  goes to: bit ``l % b`` of column ``l // b``, with ``b`` the bits an integer of the activation
-  dtype holds exactly (``mask_bits``). The rows per peer ride along with the counts exchange
+  ``p = slot // L``; the unique ``(p, token)`` pairs become one row each, ordered ``(p, token)``:
+  the token's activations and Y columns with the mask of p's local slots it goes to (bit ``l % b``
+  of column ``l // b``, ``b`` from ``mask_bits``). The rows per peer ride with the counts round
   (``CountsWire.sizes(..., to_peers_P)``): no collective is added.
-* Receiver (``send``): one uneven all-to-all of the unique rows; from the masks the experts'
-  gather index (local expert major, then sender, then the sender's row order) into the received
-  rows. The experts gather their rows by index anyway, so the fan-out costs nothing, and its
-  backward sums a token's routes on the expert rank before the gradient goes back.
-* Way back (``back``): one row per route, as with counts (``source_to_expert_order`` of the
-  counts, its inverse, the uneven all-to-all), then on the sender a local permutation from
-  (slot, token) order to its kept-route order. Not done: summing a token's gated outputs on the
-  expert rank so that the way back also carries one row per (token, rank).
+* Receiver (``send``): one uneven all-to-all of the unique rows; the masks give the experts'
+  gather index (local expert, sender, the sender's row order): the fan-out costs nothing, and its
+  backward sums a token's routes before the gradient goes back.
+* Way back (``back``): one row per route, as with counts, then on the sender a permutation from
+  (slot, token) order to kept-route order. Not done: one row per (token, rank) on the way back too.
 
 The experts see the same rows as with counts, in (sender, token) order within an expert instead
-of (sender, priority) order: the same outputs, the weight gradients equal to rounding
-(tests/test_layers_dist.py, the ``token-`` twins). What it combines with: ``exchange_rules.py``.
-Bytes: docs/benchmarks.md, 'Group-limited routing: bytes on the wire'.
+of (sender, priority): the same outputs, the weight gradients equal to rounding
+(tests/test_layers_dist.py). Bytes: docs/benchmarks.md, 'Group-limited routing: bytes on the wire'.
 """
 from __future__ import annotations
 
@@ -78,8 +71,7 @@ class TokenWire:
     """The token wire format: each token sent once per destination rank (module docstring)."""
 
     def __init__(self, parallel: LayerParallelism, num_local: int):
-        self.parallel = parallel
-        self.num_local = num_local
+        self.parallel, self.num_local = parallel, num_local
         self.counts = CountsWire(parallel, num_local)
 
     def for_batch(self, x_TH: Tensor, plan: RoutingPlan) -> "TokenWire":
