@@ -5,7 +5,7 @@ bf16 (input and weights), balanced and skewed counts: the three ``GroupedExperts
 ``grouped_mm``, ``bmm`` (rows padded per expert to the largest count) and ``loop`` (``split``
 views). ``MOE_BENCH_ROUTES`` sets another number of routes. Prints the best of 8 runs per
 backend, the backends taken in turns; asserts only that all three agree. Figures:
-docs/benchmarks.md, "Expert GEMM backends".
+docs/benchmarks_history.md, "Expert GEMM backends".
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first run on a GPU machine (docs/benchmarks.md, "On a GPU"):
+# The first run on a GPU machine (docs/benchmarks_history.md, "On a GPU"):
 #   examples/gpt_moe/gpu_check.sh [OUT_DIR]        (default: gpu_check_<date>; PYTHON=python)
 # 1. oracle:   the MoE layer on CUDA against the loop oracle, every experts backend that runs there, fp32 and bf16
 # 2. ep2:      2 ranks (nccl) with EP 2 against the 1-rank layer; skipped with fewer than 2 GPUs

@@ -14,7 +14,7 @@ Backends (run by ``ffn_autograd.py``):
 
 ``auto``: ``grouped_mm`` where ``grouped_mm_unsupported`` finds no reason against it (the rules
 above and a tiny probe call per device type and dtype, cached), else ``loop`` on CPU (faster than
-``bmm`` there, docs/benchmarks.md "Expert GEMM backends") and ``bmm`` on accelerators (not
+``bmm`` there, docs/benchmarks_history.md "Expert GEMM backends") and ``bmm`` on accelerators (not
 measured yet); each decision logged once. A forced ``grouped_mm`` that cannot run raises a
 ``ConfigError`` naming ``moe.experts_backend`` at the first forward (device and dtype known then).
 """

@@ -45,7 +45,7 @@ class GradStore:
 
     glibc serves an allocation above its mmap threshold (at most 32 MiB) with fresh pages, so a
     stacked expert gradient is page-faulted and zeroed by the kernel in every backward
-    (docs/benchmarks.md, "The allocator"). The store keeps one buffer and returns a new tensor
+    (docs/benchmarks_history.md, "The allocator"). The store keeps one buffer and returns a new tensor
     over it (``empty_like``), reused only if no tensor but the store's own still refers to its
     storage (the optimizer or ZeRO copied the gradient out, or ``zero_grad`` set it to None); a
     gradient still held (accumulation, a user's reference) is never written to: a new buffer

@@ -20,7 +20,7 @@ twice, the common case under group-limited routing (``router.limit_to_groups``).
 
 The experts see the same rows as with counts, in (sender, token) order within an expert instead
 of (sender, priority): the same outputs, the weight gradients equal to rounding
-(tests/test_layers_dist.py). Bytes: docs/benchmarks.md, 'Group-limited routing: bytes on the wire'.
+(tests/test_layers_dist.py). Bytes: docs/benchmarks_history.md, 'Group-limited routing: bytes on the wire'.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
 # e8-top2 with moe.exchange "counts" (the default) and with "auto" (padded on gloo), STEPS steps each,
 # validation every 100; steps 100-119 run under --profile (parts.json) and are left out of the
 # median step time. Prints the median step of each, its ratio to the dense one, the validation
-# losses, and a table of the parts (ms per step, mean over the ranks). docs/benchmarks.md, "The MoE tax".
+# losses, and a table of the parts (ms per step, mean over the ranks). docs/benchmarks_history.md, "The MoE tax".
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${1:-runs/moe_tax}; STEPS=${2:-300}; PY=${PYTHON:-python}; PORT=${MASTER_PORT:-29733}
