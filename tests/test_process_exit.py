@@ -5,7 +5,8 @@ future gets a Python callback that keeps asking for the GIL on the gloo thread (
 millisecond at a time) until the interpreter's teardown has begun. Left to the interpreter's exit (after ``destroy_process_group``, as torch
 asks), the process aborts ("terminate called without an active exception"), which is what ended
 finished training runs now and then under load. Through ``exit_process`` it ends with the given
-status, after the ``atexit`` handlers, the script's non-daemon threads and its buffered output.
+status, after the ``atexit`` handlers, the script's non-daemon threads and its buffered output; so
+does ``exit_on_error`` once the process has a process group (status 2, one line).
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ sys.stdout.write("buffered, no newline")
 if sys.argv[1] == "exit_process":
     from moe_plugin import exit_process
     exit_process(3)
+if sys.argv[1] == "exit_on_error":   # an error every rank raises alike, after the groups exist
+    import moe_plugin
+    with moe_plugin.exit_on_error():
+        raise moe_plugin.ConfigError("moe.num_experts", 3, "expected 4")
 dist.destroy_process_group()
 sys.exit(3)
 '''
@@ -53,3 +58,11 @@ def test_exit_process_ends_with_the_status_where_the_interpreters_exit_aborts(tm
     out = ended.stdout
     assert "thread finished" in out and "atexit handler ran" in out and "buffered, no newline" in out, out
     assert out.index("thread finished") < out.index("atexit handler ran")   # threads first, as the interpreter does
+
+
+def test_exit_on_error_after_the_groups_exist_ends_through_exit_process(tmp_path):
+    ended = _run(tmp_path, "exit_on_error")
+    assert ended.returncode == 2, (ended.returncode, ended.stderr[-2000:])
+    assert "terminate" not in ended.stderr and "Traceback" not in ended.stderr, ended.stderr[-2000:]
+    assert "error: moe.num_experts: got 3; expected 4" in ended.stderr, ended.stderr[-2000:]
+    assert "atexit handler ran" in ended.stdout and "thread finished" in ended.stdout, ended.stdout

@@ -25,6 +25,12 @@ import threading
 from typing import NoReturn
 
 
+def distributed_initialized() -> bool:
+    """Whether this process has a default process group (without importing torch)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
 def exit_process(status: int | None = 0) -> NoReturn:
     """Destroy the default process group (and with it every group) if there is one, wait for
     the program's non-daemon threads, run the ``atexit`` handlers, flush ``sys.stdout`` and
@@ -33,10 +39,8 @@ def exit_process(status: int | None = 0) -> NoReturn:
     status of 0 into 1."""
     status = status or 0
     try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        if distributed_initialized():   # (torch.distributed not imported: nothing to destroy, torch stays unloaded)
+            sys.modules["torch.distributed"].destroy_process_group()
     except Exception as err:   # the process still ends, and says why it ends worse
         print(f"moe_plugin: destroying the process groups failed: {err!r}", file=sys.stderr)
         status = status or 1

@@ -26,7 +26,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from moe_plugin.configs.errors import ConfigError
 
@@ -78,15 +78,26 @@ def report_config_error(err: BaseException, file: TextIO | None = None) -> int:
 def exit_on_error(*errors: type[BaseException]) -> Iterator[None]:
     """Turn an error that every rank raises alike (``raised_alike``: a ``ConfigError`` or a marked
     error), or one of ``errors`` (status 2), raised inside into one line on rank 0 and
-    ``SystemExit`` on every rank: status 2 for bad input, 1 for a marked error. Other errors pass."""
+    ``SystemExit`` on every rank: status 2 for bad input, 1 for a marked error. Other errors pass.
+    Once the process has a default process group, it ends there instead (``moe_plugin.exit_process``:
+    the ``atexit`` handlers run, enclosing ``finally`` blocks do not), as the interpreter's own exit
+    could abort it (``compat/process_exit.py``)."""
     try:
         yield
     except (ConfigError, *errors) as err:
-        raise SystemExit(report_config_error(err)) from None
+        _end(report_config_error(err))
     except BaseException as err:
         if not raised_alike(err):
             raise
-        raise SystemExit(report_error(err)) from None
+        _end(report_error(err))
+
+
+def _end(status: int) -> NoReturn:
+    from moe_plugin.compat.process_exit import distributed_initialized, exit_process
+
+    if distributed_initialized():
+        exit_process(status)
+    raise SystemExit(status) from None
 
 
 exit_on_config_error = exit_on_error   # the older name
