@@ -18,7 +18,7 @@ step. With more single-threaded ranks than cores (4 ranks on 2 cores) a rank tha
 all-to-all gives its core to a busy one, the total CPU work (the same under both placements)
 sets the pace, and the balance shows in the imbalance, hardly in the step time.
 
-Keeping the load skewed but not collapsed took three choices (measured, see docs/benchmarks.md):
+Keeping the load skewed but not collapsed took three choices (measured, see docs/benchmarks_history.md):
 top-1 routing with the gate renormalised to 1 (``topk``, k 1: no gradient through the gate
 value, which otherwise pulls the hidden states towards the busiest expert within ~10 steps),
 frozen router weights (``--freeze-router``; no balance loss, which would train the skew away)

@@ -8,7 +8,7 @@ allocation runs out (a wall-time limit), every rank at the same step.
             reason = exit_request.after_step(step + 1)   # collective: every rank, once per optimizer step
             if reason is not None:                        # the same on every rank
                 save_checkpoint(result, "ckpt", tag=f"step{step + 1}")
-                moe_plugin.exit_process(ExitRequest.EXIT_STATUS)   # 75 (not sys.exit: compat/process_exit.py)
+                return ExitRequest.EXIT_STATUS     # 75, from main: the script ends with exit_process(main())
     finally:
         exit_request.close()                              # the previous handlers back
 

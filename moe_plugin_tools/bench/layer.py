@@ -152,7 +152,7 @@ class Ranks:
 
 
 def bench_layer(spec: LayerBenchSpec, ranks: Optional[Ranks] = None) -> dict:
-    """Time and measure one configuration; returns the JSON record (see docs/benchmarks.md).
+    """Time and measure one configuration; returns the JSON record (docs/benchmarks_history.md).
     With ``ranks`` of an expert-parallel job every rank calls it with its own tokens; rank 0's
     record describes the job. ``spec.deterministic``: under ``torch.use_deterministic_algorithms``."""
     before = torch.are_deterministic_algorithms_enabled()
