@@ -53,3 +53,22 @@ def test_exit_process_ends_with_the_status_where_the_interpreters_exit_aborts(tm
     out = ended.stdout
     assert "thread finished" in out and "atexit handler ran" in out and "buffered, no newline" in out, out
     assert out.index("thread finished") < out.index("atexit handler ran")   # threads first, as the interpreter does
+
+
+POOL = r'''
+import concurrent.futures
+from moe_plugin import exit_process
+
+pool = concurrent.futures.ThreadPoolExecutor(1)   # alive at the end, its worker idle (a non-daemon thread)
+print(pool.submit(lambda: "task ran").result(), flush=True)
+exit_process(4)
+'''
+
+
+def test_exit_process_ends_a_script_that_keeps_a_thread_pool():
+    # the interpreter's exit tells the pool's idle worker to end before it joins the threads; so must exit_process
+    try:
+        ended = subprocess.run([sys.executable, "-c", POOL], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as hung:
+        raise AssertionError(f"exit_process waited for the pool's idle worker: {hung.stdout!r}") from None
+    assert (ended.returncode, ended.stdout) == (4, "task ran\n"), ended.stderr[-2000:]

@@ -40,9 +40,7 @@ def exit_process(status: int | None = 0) -> NoReturn:
     except Exception as err:   # the process still ends, and says why it ends worse
         print(f"moe_plugin: destroying the process groups failed: {err!r}", file=sys.stderr)
         status = status or 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    _wait_for_threads()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -50,3 +48,17 @@ def exit_process(status: int | None = 0) -> NoReturn:
         except (AttributeError, OSError, ValueError):   # closed, or replaced by an object without flush
             pass
     os._exit(status)
+
+
+def _wait_for_threads() -> None:
+    """What the interpreter's exit does first: threading's own exit calls (``concurrent.futures``
+    tells the idle workers of a live ``ThreadPoolExecutor`` to end there; joined without it, they
+    would wait for work forever), then every non-daemon thread joined (``threading._shutdown``,
+    Python 3.11's, which asks for the main thread). From another thread: the non-daemon threads but
+    the main one joined."""
+    if threading.current_thread() is threading.main_thread():
+        threading._shutdown()
+        return
+    for thread in threading.enumerate():
+        if thread not in (threading.current_thread(), threading.main_thread()) and not thread.daemon:
+            thread.join()
