@@ -9,6 +9,7 @@ status, after the ``atexit`` handlers, the script's non-daemon threads and its b
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -72,3 +73,19 @@ def test_exit_process_ends_a_script_that_keeps_a_thread_pool():
     except subprocess.TimeoutExpired as hung:
         raise AssertionError(f"exit_process waited for the pool's idle worker: {hung.stdout!r}") from None
     assert (ended.returncode, ended.stdout) == (4, "task ran\n"), ended.stderr[-2000:]
+
+
+C_OUTPUT = r'''
+import ctypes
+from moe_plugin import exit_process
+
+ctypes.CDLL(None).printf(b"printed by C code\n")   # as a C++ op prints: into the C library's stdout buffer
+exit_process(0)
+'''
+
+
+def test_exit_process_keeps_what_c_code_printed():
+    # stdout a pipe (a launcher's capture) and Python not unbuffered: the C library holds the line until its exit
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    ended = subprocess.run([sys.executable, "-c", C_OUTPUT], capture_output=True, text=True, timeout=120, env=env)
+    assert (ended.returncode, ended.stdout) == (0, "printed by C code\n"), ended.stderr[-2000:]

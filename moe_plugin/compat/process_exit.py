@@ -28,9 +28,9 @@ from typing import NoReturn
 def exit_process(status: int | None = 0) -> NoReturn:
     """Destroy the default process group (and with it every group) if there is one, wait for
     the program's non-daemon threads, run the ``atexit`` handlers, flush ``sys.stdout`` and
-    ``sys.stderr``, and end the process with ``status`` (None: 0, as ``sys.exit``; module
-    docstring: why not ``sys.exit``). A failure to destroy the groups is printed and makes a
-    status of 0 into 1."""
+    ``sys.stderr`` (and the C library's streams, which ``os._exit`` would drop), and end the process
+    with ``status`` (None: 0, as ``sys.exit``; module docstring: why not ``sys.exit``). A failure to
+    destroy the groups is printed and makes a status of 0 into 1."""
     status = status or 0
     try:
         import torch.distributed as dist
@@ -47,6 +47,7 @@ def exit_process(status: int | None = 0) -> NoReturn:
             stream.flush()
         except (AttributeError, OSError, ValueError):   # closed, or replaced by an object without flush
             pass
+    _flush_c_streams()
     os._exit(status)
 
 
@@ -62,3 +63,15 @@ def _wait_for_threads() -> None:
     for thread in threading.enumerate():
         if thread not in (threading.current_thread(), threading.main_thread()) and not thread.daemon:
             thread.join()
+
+
+def _flush_c_streams() -> None:
+    """``fflush(NULL)``: what C and C++ code (DeepSpeed's and torch's ops) printed is still in the C
+    library's buffers when stdout is a pipe or a file (a launcher's capture) and Python's is not
+    unbuffered; the interpreter's exit flushes them, ``os._exit`` does not."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):   # no C library to ask: nothing buffered there either
+        pass
