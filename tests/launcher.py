@@ -137,9 +137,11 @@ def jobs(argvs: list[list[str]], cwd: Path = REPO, ranks: int = 2, timeout: floa
 
 
 def assert_succeeded(*done: Done, chars: int = 3000) -> None:
-    """Every command exited 0; otherwise fails with the output of the one that failed first (a
-    command killed because another of its job failed comes after that one)."""
-    failed = sorted((i for i, d in enumerate(done) if d.status != 0), key=lambda i: done[i].killed is not None)
+    """Every command exited 0 by itself; otherwise fails with the output of the one that failed first
+    (a command killed because another of its job failed comes after that one; one killed past its time
+    fails whatever its status: a script may clean up after SIGTERM and exit 0)."""
+    failed = sorted((i for i, d in enumerate(done) if d.status != 0 or d.killed is not None),
+                    key=lambda i: done[i].killed is not None)
     if failed:
         first = done[failed[0]]
         raise AssertionError(f"command {failed[0]} of {len(done)} exited with {first.status} "
