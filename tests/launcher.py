@@ -1,9 +1,9 @@
 """Every command the tests start as a user would (the real ``deepspeed`` launcher, an example script, a
 shell script), through one function: ``run_together``. Each command runs in its own process group with
 its output captured; one that runs past its time, or whose job another command of failed while it still
-runs, is killed with every process it started (its process group, and any descendant that left it), so
-no rank outlives the test. A command's temporary files (``TMPDIR``) go to a directory of its own,
-removed afterwards.
+runs, is killed with every process it started (its process group, and any descendant that left it), and
+what one that ended by itself left in its process group is killed at the end, so no rank outlives the
+test. A command's temporary files (``TMPDIR``) go to a directory of its own, removed afterwards.
 
     run([ARGV...], cwd=tmp_path, timeout=300)          # one command: its Done (status, output)
     run(argv, send=Signal(when=lambda: ..., to=...))   # SIGTERM to a process of it once when() holds
@@ -190,6 +190,9 @@ def run_together(argvs: list[Sequence[str]], cwd: Path = REPO, timeout: float = 
         return results
     finally:
         _stop(procs, {i: None for i, p in enumerate(procs) if p.poll() is not None}, signal.SIGKILL)
+        for proc in procs:   # what a command that ended by itself left running in its process group
+            if not psutil.pid_exists(proc.pid):   # (else its pid, and so maybe the group, is another's now)
+                _killpg(proc.pid, signal.SIGKILL)
         for out, err in logs:
             out.close()
             if err is not None:

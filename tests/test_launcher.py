@@ -92,3 +92,11 @@ def test_a_test_not_marked_slow_is_refused_before_anything_starts(tmp_path, monk
     with pytest.raises(RuntimeError, match=r"^the deepspeed launcher starts ranks: mark the test @pytest.mark.slow"):
         run(["touch", str(tmp_path / "ran")])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_what_a_command_that_ended_by_itself_left_in_its_process_group_is_killed(tmp_path):
+    pid_file = tmp_path / "pid"   # a launcher that exits while a rank of it still runs
+    done = run(["sh", "-c", f"sleep 300 & echo $! > {pid_file}"], cwd=tmp_path, timeout=60)
+    assert (done.status, done.killed) == (0, None), done.tail()
+    left = int(pid_file.read_text())
+    assert not psutil.pid_exists(left) or psutil.Process(left).status() == psutil.STATUS_ZOMBIE
