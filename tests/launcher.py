@@ -1,9 +1,9 @@
 """Every command the tests start as a user would (the real ``deepspeed`` launcher, an example script, a
 shell script), through one function: ``run_together``. Each command runs in its own process group with
 its output captured; one that runs past its time, or whose job another command of failed while it still
-runs, is killed with every process it started (its process group, and any descendant that left it), so
-no rank outlives the test. A command's temporary files (``TMPDIR``) go to a directory of its own,
-removed afterwards.
+runs, is killed with every process it started (its process group, and any descendant that left it), and
+what one that ended by itself left in its process group is killed at the end, so no rank outlives the
+test. A command's temporary files (``TMPDIR``) go to a directory of its own, removed afterwards.
 
     run([ARGV...], cwd=tmp_path, timeout=300)          # one command: its Done (status, output)
     run(argv, send=Signal(when=lambda: ..., to=...))   # SIGTERM to a process of it once when() holds
@@ -137,9 +137,11 @@ def jobs(argvs: list[list[str]], cwd: Path = REPO, ranks: int = 2, timeout: floa
 
 
 def assert_succeeded(*done: Done, chars: int = 3000) -> None:
-    """Every command exited 0; otherwise fails with the output of the one that failed first (a
-    command killed because another of its job failed comes after that one)."""
-    failed = sorted((i for i, d in enumerate(done) if d.status != 0), key=lambda i: done[i].killed is not None)
+    """Every command exited 0 by itself; otherwise fails with the output of the one that failed first
+    (a command killed because another of its job failed comes after that one; one killed past its time
+    fails whatever its status: a script may clean up after SIGTERM and exit 0)."""
+    failed = sorted((i for i, d in enumerate(done) if d.status != 0 or d.killed is not None),
+                    key=lambda i: done[i].killed is not None)
     if failed:
         first = done[failed[0]]
         raise AssertionError(f"command {failed[0]} of {len(done)} exited with {first.status} "
@@ -188,6 +190,9 @@ def run_together(argvs: list[Sequence[str]], cwd: Path = REPO, timeout: float = 
         return results
     finally:
         _stop(procs, {i: None for i, p in enumerate(procs) if p.poll() is not None}, signal.SIGKILL)
+        for proc in procs:   # what a command that ended by itself left running in its process group
+            if not psutil.pid_exists(proc.pid):   # (else its pid, and so maybe the group, is another's now)
+                _killpg(proc.pid, signal.SIGKILL)
         for out, err in logs:
             out.close()
             if err is not None:

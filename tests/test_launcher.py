@@ -52,8 +52,10 @@ def test_past_its_time_a_command_gets_sigterm_then_all_it_started_is_killed(tmp_
     orphan = int(pid_file.read_text())
     assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE
 
-    cleans_up = run(["sh", "-c", "trap 'echo cleaned up; exit 7' TERM; sleep 300 & wait"], timeout=2)
-    assert (cleans_up.status, cleans_up.output) == (7, "cleaned up\n"), cleans_up.tail()
+    cleans_up = run(["sh", "-c", "trap 'echo cleaned up; exit 0' TERM; sleep 300 & wait"], timeout=2)
+    assert (cleans_up.status, cleans_up.output) == (0, "cleaned up\n"), cleans_up.tail()
+    with pytest.raises(AssertionError, match=r"killed by the test harness: ran past its 2 s\]\ncleaned up"):
+        assert_succeeded(cleans_up)   # status 0, but past its time: not a success
 
 
 def test_a_signal_reaches_the_command_once_its_condition_holds(tmp_path):
@@ -90,3 +92,11 @@ def test_a_test_not_marked_slow_is_refused_before_anything_starts(tmp_path, monk
     with pytest.raises(RuntimeError, match=r"^the deepspeed launcher starts ranks: mark the test @pytest.mark.slow"):
         run(["touch", str(tmp_path / "ran")])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_what_a_command_that_ended_by_itself_left_in_its_process_group_is_killed(tmp_path):
+    pid_file = tmp_path / "pid"   # a launcher that exits while a rank of it still runs
+    done = run(["sh", "-c", f"sleep 300 & echo $! > {pid_file}"], cwd=tmp_path, timeout=60)
+    assert (done.status, done.killed) == (0, None), done.tail()
+    left = int(pid_file.read_text())
+    assert not psutil.pid_exists(left) or psutil.Process(left).status() == psutil.STATUS_ZOMBIE

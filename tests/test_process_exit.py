@@ -10,6 +10,7 @@ does ``exit_on_error`` once the process has a process group (status 2, one line)
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -66,3 +67,38 @@ def test_exit_on_error_after_the_groups_exist_ends_through_exit_process(tmp_path
     assert "terminate" not in ended.stderr and "Traceback" not in ended.stderr, ended.stderr[-2000:]
     assert "error: moe.num_experts: got 3; expected 4" in ended.stderr, ended.stderr[-2000:]
     assert "atexit handler ran" in ended.stdout and "thread finished" in ended.stdout, ended.stdout
+
+
+POOL = r'''
+import concurrent.futures
+from moe_plugin import exit_process
+
+pool = concurrent.futures.ThreadPoolExecutor(1)   # alive at the end, its worker idle (a non-daemon thread)
+print(pool.submit(lambda: "task ran").result(), flush=True)
+exit_process(4)
+'''
+
+
+def test_exit_process_ends_a_script_that_keeps_a_thread_pool():
+    # the interpreter's exit tells the pool's idle worker to end before it joins the threads; so must exit_process
+    try:
+        ended = subprocess.run([sys.executable, "-c", POOL], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as hung:
+        raise AssertionError(f"exit_process waited for the pool's idle worker: {hung.stdout!r}") from None
+    assert (ended.returncode, ended.stdout) == (4, "task ran\n"), ended.stderr[-2000:]
+
+
+C_OUTPUT = r'''
+import ctypes
+from moe_plugin import exit_process
+
+ctypes.CDLL(None).printf(b"printed by C code\n")   # as a C++ op prints: into the C library's stdout buffer
+exit_process(0)
+'''
+
+
+def test_exit_process_keeps_what_c_code_printed():
+    # stdout a pipe (a launcher's capture) and Python not unbuffered: the C library holds the line until its exit
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    ended = subprocess.run([sys.executable, "-c", C_OUTPUT], capture_output=True, text=True, timeout=120, env=env)
+    assert (ended.returncode, ended.stdout) == (0, "printed by C code\n"), ended.stderr[-2000:]

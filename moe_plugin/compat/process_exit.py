@@ -34,9 +34,9 @@ def distributed_initialized() -> bool:
 def exit_process(status: int | None = 0) -> NoReturn:
     """Destroy the default process group (and with it every group) if there is one, wait for
     the program's non-daemon threads, run the ``atexit`` handlers, flush ``sys.stdout`` and
-    ``sys.stderr``, and end the process with ``status`` (None: 0, as ``sys.exit``; module
-    docstring: why not ``sys.exit``). A failure to destroy the groups is printed and makes a
-    status of 0 into 1."""
+    ``sys.stderr`` (and the C library's streams, which ``os._exit`` would drop), and end the process
+    with ``status`` (None: 0, as ``sys.exit``; module docstring: why not ``sys.exit``). A failure to
+    destroy the groups is printed and makes a status of 0 into 1."""
     status = status or 0
     try:
         if distributed_initialized():   # (torch.distributed not imported: nothing to destroy, torch stays unloaded)
@@ -44,13 +44,38 @@ def exit_process(status: int | None = 0) -> NoReturn:
     except Exception as err:   # the process still ends, and says why it ends worse
         print(f"moe_plugin: destroying the process groups failed: {err!r}", file=sys.stderr)
         status = status or 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    _wait_for_threads()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (AttributeError, OSError, ValueError):   # closed, or replaced by an object without flush
             pass
+    _flush_c_streams()
     os._exit(status)
+
+
+def _wait_for_threads() -> None:
+    """What the interpreter's exit does first: threading's own exit calls (``concurrent.futures``
+    tells the idle workers of a live ``ThreadPoolExecutor`` to end there; joined without it, they
+    would wait for work forever), then every non-daemon thread joined (``threading._shutdown``,
+    Python 3.11's, which asks for the main thread). From another thread: the non-daemon threads but
+    the main one joined."""
+    if threading.current_thread() is threading.main_thread():
+        threading._shutdown()
+        return
+    for thread in threading.enumerate():
+        if thread not in (threading.current_thread(), threading.main_thread()) and not thread.daemon:
+            thread.join()
+
+
+def _flush_c_streams() -> None:
+    """``fflush(NULL)``: what C and C++ code (DeepSpeed's and torch's ops) printed is still in the C
+    library's buffers when stdout is a pipe or a file (a launcher's capture) and Python's is not
+    unbuffered; the interpreter's exit flushes them, ``os._exit`` does not."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):   # no C library to ask: nothing buffered there either
+        pass
