@@ -178,9 +178,7 @@ def tag_written_here(out_dir: str, tag: str, instead: str) -> Iterator[str]:
     (``instead`` says what to do), stale temporary directories removed; yields the temporary tag
     directory (``experts`` made) to fill, ending with ``write_metadata``. On success it becomes
     ``tag`` and ``latest`` points at it; on any failure nothing is left behind."""
-    final = os.path.join(out_dir, tag)
-    if os.path.exists(final):
-        raise CheckpointError(f"{final}: exists; {instead} (nothing was written)")
+    refuse_existing(out_dir, tag, instead)
     os.makedirs(out_dir, exist_ok=True)
     remove_stale(out_dir)
     tmp = os.path.join(out_dir, TMP_PREFIX + tag)
@@ -191,6 +189,14 @@ def tag_written_here(out_dir: str, tag: str, instead: str) -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     commit_tag(out_dir, tag, TMP_PREFIX + tag, save_latest=True)
+
+
+def refuse_existing(out_dir: str, tag: str, instead: str) -> None:
+    """``tag_written_here``'s refusal of an existing ``out_dir/tag``, for a caller to ask before
+    its conversion's work as well."""
+    final = os.path.join(os.fspath(out_dir), tag)
+    if os.path.exists(final):
+        raise CheckpointError(f"{final}: exists; {instead} (nothing was written)")
 
 
 def copy_files(tmp: str, sources: dict[str, str]) -> None:

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.export import ONE_RANK, read_full_state
-from moe_plugin.checkpoint.files import read_torch
+from moe_plugin.checkpoint.files import read_torch, refuse_existing
 from moe_plugin.checkpoint.metadata import saved_model_files
 from moe_plugin.checkpoint.one_rank import write_one_rank
 from moe_plugin.configs import ConfigError, MoEConfig
@@ -135,8 +135,10 @@ def upcycle_checkpoint(dense_dir: Union[os.PathLike, str], ds_config: Union[dict
     layers = _moe_layers(moe, dense)
     dropped = _check(moe, dense, granularity, layers, state, drop_mlp_bias, allow_inexact, say)
     out_tag = meta["tag"] if keep_iteration else "step0"
+    instead = "upcycle into another --out directory"
+    refuse_existing(out_dir, out_tag, instead)   # before the conversion's work (write_one_rank asks again)
     module, experts = _moe_state(state, extras, moe, dense, layers, granularity, seed, dropped)
-    header = read_torch(saved_model_files(source, meta, 0)[0])
+    header = read_torch(saved_model_files(source, meta, 0)[0]) if keep_iteration else None   # its step counters
     steps = int(meta["global_steps"]) if keep_iteration else 0
     model = dict(meta["model"])
     model["transformer_config"] = {**model["transformer_config"], **ONE_RANK}
@@ -148,8 +150,7 @@ def upcycle_checkpoint(dense_dir: Union[os.PathLike, str], ds_config: Union[dict
     # an imported model's tokenizer files, for export-hf
     tokenizer = {name: os.path.join(source, name) for name in meta.get("hf", {}).get("tokenizer_files", [])}
     final = write_one_rank(out_dir, out_tag, module, experts, moe, model, record, tokenizer, say,
-                           saved=header if keep_iteration else None, steps=steps,
-                           instead="upcycle into another --out directory")
+                           saved=header, steps=steps, instead=instead)
     say(f"wrote {final}: {len(layers)} MoE layers x {moe.num_experts} experts (granularity {granularity}), "
         f"step {steps}, optimizer fresh")
     return UpcycleResult(final, out_tag, source, tuple(layers), moe.num_experts, granularity, steps, tuple(dropped))

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from moe_plugin.checkpoint.errors import CheckpointError
+from moe_plugin.checkpoint.files import refuse_existing
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.configs.schema import ROOT_KEY, load_ds_config
 from moe_plugin.interop.hf_arch import HFArchitecture, read_hf_config
@@ -71,6 +72,7 @@ def import_hf(hf_dir: Union[os.PathLike, str], ds_config: Union[dict, os.PathLik
     say(f"{hf_dir}: {arch.architecture}, {arch.num_layers} layers, hidden {arch.hidden_size}"
         + (f", {arch.num_experts} experts top-{arch.top_k} on layers {list(arch.moe_layers)}" if arch.is_moe else
            " (dense)"))
+    refuse_existing(out_dir, tag, "write into another directory")   # before reading the weights (asked again at the write)
     weights = read_weights(hf_dir, say)
     module, experts = plugin_state(arch, weights, hf_dir)
     record = {"architecture": architecture_record(arch),
