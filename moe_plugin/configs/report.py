@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn, TextIO
 
+from moe_plugin.compat.process_exit import distributed_initialized, exit_process
 from moe_plugin.configs.errors import ConfigError
 
 EXIT_BAD_INPUT = 2
@@ -37,9 +38,8 @@ _ALIKE = "_moe_plugin_alike_on_every_rank"
 
 def process_rank() -> int:
     """This process's global rank: torch.distributed's if initialised, else ``RANK``, else 0."""
-    dist = sys.modules.get("torch.distributed")   # never imported here: the CLI stays light
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+    if distributed_initialized():   # torch is never imported here: the CLI stays light
+        return sys.modules["torch.distributed"].get_rank()
     text = os.environ.get("RANK", "0").strip()
     return int(text) if text.isdigit() else 0
 
@@ -93,8 +93,6 @@ def exit_on_error(*errors: type[BaseException]) -> Iterator[None]:
 
 
 def _end(status: int) -> NoReturn:
-    from moe_plugin.compat.process_exit import distributed_initialized, exit_process
-
     if distributed_initialized():
         exit_process(status)
     raise SystemExit(status) from None
