@@ -10,7 +10,7 @@
     moe-plugin report RUN_DIR [RUN_DIR ...] [--out DIR]
     moe-plugin export CKPT_DIR --out DIR [--tag TAG]
     moe-plugin upcycle DENSE_CKPT --config ds.json --out MOE_CKPT [--granularity G] [--tag TAG] [--reset-iteration]
-    moe-plugin import-hf HF_DIR --config ds.json --out CKPT [--tag TAG]
+    moe-plugin import-hf HF_DIR --config ds.json --out CKPT [--tag TAG] [--dtype float32]
     moe-plugin export-hf CKPT --out HF_DIR [--arch mixtral|qwen3_moe|qwen2_moe|llama|mistral|qwen3] [--max-shard-size 5GB]
     moe-plugin preprocess --input FILE.jsonl --tokenizer HF_DIR --output-prefix P [--json-keys text] [--workers N]
     moe-plugin train-tokenizer --input FILE.jsonl --out HF_DIR [--vocab-size 4096]
@@ -136,7 +136,8 @@ def upcycle(args: argparse.Namespace) -> None:
 def import_hf(args: argparse.Namespace) -> None:
     from moe_plugin.interop import import_hf as run
 
-    done = run(args.hf_dir, args.config, args.out, tag=args.tag, progress=lambda line: print(line, flush=True))
+    done = run(args.hf_dir, args.config, args.out, tag=args.tag, dtype=args.dtype,
+               progress=lambda line: print(line, flush=True))
     print(f"imported {args.hf_dir} ({done.model_type}) -> {done.path} in {done.seconds:.2f} s")
     if done.filled:
         print(f"  filled in from config.json: moe.{', moe.'.join(done.filled)}; the \"moe\" block to train with:\n"
@@ -232,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "block is checked against config.json (expert fields left out are filled in)")
     imp.add_argument("--out", type=Path, required=True, help="the checkpoint directory to write (a --load)")
     imp.add_argument("--tag", default="step0", help="the tag to write (default: step0)")
+    imp.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the model's own, so a "
+                     "bf16 model makes a checkpoint of its own size)")
     imp.set_defaults(run=import_hf)
 
     exp = commands.add_parser("export-hf", help="a checkpoint of any layout as a Hugging Face model directory "

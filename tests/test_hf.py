@@ -410,7 +410,7 @@ def test_without_transformers_the_commands_say_which_extra(imported, tmp_path, m
 def test_what_a_checkpoint_cannot_express_as_mixtral_is_named(imported, change, match):
     import copy
 
-    from moe_plugin.checkpoint.export import read_full_state
+    from moe_plugin.checkpoint.export import StateSource, read_full_state
     from moe_plugin.configs import ConfigError
     from moe_plugin.interop.hf_export import architecture_from_checkpoint
 
@@ -419,4 +419,4 @@ def test_what_a_checkpoint_cannot_express_as_mixtral_is_named(imported, change, 
     meta = copy.deepcopy(meta)
     change(meta, state)
     with pytest.raises(ConfigError, match=match):
-        architecture_from_checkpoint(meta, state, "mixtral")
+        architecture_from_checkpoint(meta, StateSource(state), "mixtral")

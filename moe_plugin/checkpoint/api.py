@@ -36,7 +36,7 @@ anything, and reads every file through ``read_torch`` / ``read_json``, so a dama
 ``CheckpointError`` naming it on every rank. Resharding: experts are cut again from the global-id
 files of their stage (``expert_files.read_experts``), their rows of the optimizer record with them;
 after a TP or pipeline-size change the dense weights of every saved TP rank (and stage) are joined
-and each rank cuts its own (``recut_dense``: ``reshard.join_dense_tp``, ``shard_state_dict``), read
+and each rank cuts its own, key by key (``recut_dense``: ``reshard.own_dense``), read
 in the running model kind's names (``keys``). The optimizer state follows any layout or ZeRO-stage
 change through the optimizer record (``optimizer``: written by every save into ``optimizer/`` and
 the expert files, joined and cut like the weights by ``read_record``, written back after DeepSpeed
@@ -109,11 +109,13 @@ from moe_plugin.checkpoint.optimizer import (
     match_record,
     record_file,
 )
-from moe_plugin.checkpoint.reshard import join_dense_tp, shard_state_dict
+from moe_plugin.checkpoint.readers import materialize_all, module_files, open_module
+from moe_plugin.checkpoint.reshard import own_dense
 from moe_plugin.checkpoint.rng import clear_pending_load, rng_state, set_rng_state
 from moe_plugin.checkpoint.tags import check_keep_last, choose_tag, prune, saving
 from moe_plugin.compat.deepspeed_checkpoint import is_recovery_script, one_file_per_mp_rank, optimizer_file_name
 from moe_plugin.compat.deepspeed_checkpoint_engine import checkpoint_engine, recording_checkpoint_engine
+from moe_plugin.compat.torch_files import TorchFile
 
 
 # the metadata of an imported checkpoint that every checkpoint trained from it keeps (``hf_origin``)
@@ -375,36 +377,43 @@ def hf_origin(path: str, meta: dict) -> Optional[dict]:
 
 
 def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:
-    """This rank's dense entries, cut for the running layout out of the full weights joined from
-    the DeepSpeed files of every saved TP rank of its pipeline stage -- of every saved stage after a
-    pipeline-size change (pipeline keys name global pieces, so each stage takes its own) --
-    (``reshard.join_dense_tp``), and the rest of the first file read (counters, lr scheduler,
-    client state)."""
-    full, header = {}, None
+    """This rank's dense entries, cut for the running layout out of the dense weights of every saved
+    TP rank of its pipeline stage -- of every saved stage after a pipeline-size change (pipeline keys
+    name global pieces, so each stage takes its own) -- key by key (``reshard.own_dense``: each
+    tensor read when its key comes, joined, cut), and the rest of the first DeepSpeed file
+    (counters, lr scheduler, client state; its module tensors left unread)."""
+    pieces: dict[str, list] = {}
+    header = None
     for stage in saved_stages(meta, run.groups):
-        files = [read_torch(f) for f in saved_model_files(path, meta, stage)]
-        full.update(join_dense_tp([running_state(meta, f["module"]) for f in files], run.engine.module))
-        header = header or {k: v for k, v in files[0].items() if k != "module"}
-    dense = shard_state_dict(full, run.engine.module, run.groups.layout, dist.get_rank(), strict=False)
+        modules = [running_state(meta, open_module(path, meta, stage, r))
+                   for r in range(len(module_files(path, meta, stage)))]
+        for key in modules[0]:
+            pieces[key] = [m.get(key) for m in modules]
+        if header is None:
+            header = {k: v for k, v in read_torch(saved_model_files(path, meta, stage)[0], mmap=True).items()
+                      if k != "module"}
+    dense = own_dense(pieces, run.engine.module, run.groups.layout, dist.get_rank())
     return dense, header
 
 
 def read_record(run: Any, path: str, meta: dict) -> tuple[dict, list[str], dict, list[dict]]:
     """This rank's dense optimizer state for the running layout, cut as ``recut_dense`` cuts the
-    weights out of the optimizer record of every saved TP rank (and stage): ({state name: {key:
-    tensor}}, the state names, the scalars such as Adam's ``step``, the param groups' lr and the like)."""
+    weights out of the optimizer record of every saved TP rank (and stage), tensor by tensor:
+    ({state name: {key: tensor}}, the state names, the scalars such as Adam's ``step``, the param
+    groups' lr and the like)."""
     model, groups = run.engine.module, run.groups
-    records = [[read_torch(os.path.join(path, record_file(stage, r))) for r in range(meta["layout"]["tp"])]
+    records = [[TorchFile(os.path.join(path, record_file(stage, r))).content for r in range(meta["layout"]["tp"])]
                for stage in saved_stages(meta, groups)]
-    names, scalars = records[0][0]["names"], records[0][0]["scalars"]
+    first = records[0][0]
+    names, scalars = first["names"], materialize_all(first["scalars"])
     out = {}
     for name in names:
-        full = {}
+        pieces: dict[str, list] = {}
         for files in records:
-            full.update(join_dense_tp([running_state(meta, {k: v[name] for k, v in f["state"].items()})
-                                       for f in files], model))
-        out[name] = shard_state_dict(full, model, groups.layout, dist.get_rank(), strict=False)
-    return out, names, scalars, records[0][0]["options"]
+            states = [running_state(meta, {k: v[name] for k, v in f["state"].items()}) for f in files]
+            pieces.update({key: [s[key] for s in states] for key in states[0]})
+        out[name] = own_dense(pieces, model, groups.layout, dist.get_rank())
+    return out, names, scalars, materialize_all(first["options"])
 
 
 def _check_experts_loaded(model: nn.Module, experts: dict, path: str) -> None:

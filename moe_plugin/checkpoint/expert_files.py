@@ -22,10 +22,10 @@ from torch import nn
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.experts import expert_weights, full_experts, local_experts
-from moe_plugin.checkpoint.files import read_torch
 from moe_plugin.checkpoint.keys import running_state
 from moe_plugin.checkpoint.metadata import expert_file, local_ids, placement_key, saved_local_ids, stage_view
 from moe_plugin.checkpoint.optimizer import full_param_state, record_kind, state_names
+from moe_plugin.checkpoint.readers import materialize, open_expert
 from moe_plugin.compat.deepspeed_checkpoint import no_local_experts
 from moe_plugin.compat.deepspeed_moe import DeepSpeedMoEMarker
 from moe_plugin.placement.migration import copies_in_placement
@@ -76,16 +76,16 @@ def read_experts(run: Any, path: str, meta: dict, with_optimizer: bool) -> tuple
     ids_of = saved_local_ids(meta, run.engine.module, groups)
     view = stage_view(meta, run.engine.module, groups) or {}
     stage_of = {w.key: view.get("from", {}).get(w.key, coords["pp"]) for w in weights}   # saved stage per key
-    files = {(e, st): read_torch(expert_file(path, e, st))
+    files = {(e, st): open_expert(path, meta, e, st)   # headers only: each tensor is read below, if needed
              for e in local_ids(meta, run.engine.module, groups) for st in sorted(set(stage_of.values()))}
-    files = {k: {**f, "weights": running_state(meta, f.get("weights", {})),   # names of the running model kind
-                 "optimizer": running_state(meta, f.get("optimizer", {}))} for k, f in files.items()}
+    for f in files.values():   # names of the running model kind
+        f.weights, f.optimizer = running_state(meta, f.weights), running_state(meta, f.optimizer)
     for (e, st), f in files.items():
         keys = [w.key for w in weights if stage_of[w.key] == st]
-        if f.get("expert_id") != e or any(k not in f["weights"] for k in keys):
-            raise CheckpointError(f"{expert_file(path, e, st)}: does not hold expert {e} with keys {keys[:4]}")
-    stacked = {w.key: local_experts({e: files[e, stage_of[w.key]]["weights"][w.key] for e in ids_of[w.key]}, w,
-                                    coords["etp"], s.etp, ids_of[w.key]) for w in weights}
+        if f.expert_id != e or any(k not in f.weights for k in keys):
+            raise CheckpointError(f"{f.path}: does not hold expert {e} with keys {keys[:4]}")
+    stacked = {w.key: local_experts({e: materialize(files[e, stage_of[w.key]].weights[w.key]) for e in ids_of[w.key]},
+                                    w, coords["etp"], s.etp, ids_of[w.key]) for w in weights}
     saved = view.get("placements", {})
     for w in weights:
         slots = saved.get(placement_key(w.key), list(range(w.module.num_experts)))
@@ -94,8 +94,8 @@ def read_experts(run: Any, path: str, meta: dict, with_optimizer: bool) -> tuple
     if with_optimizer:
         for w in weights:
             mine = [files[e, stage_of[w.key]] for e in ids_of[w.key]]
-            names = set.intersection(*(set(f["optimizer"].get(w.key, {})) for f in mine))
-            moments[w.key] = {n: local_experts({e: files[e, stage_of[w.key]]["optimizer"][w.key][n]
+            names = set.intersection(*(set(f.optimizer.get(w.key, {})) for f in mine))
+            moments[w.key] = {n: local_experts({e: materialize(files[e, stage_of[w.key]].optimizer[w.key][n])
                                                 for e in ids_of[w.key]}, w, coords["etp"], s.etp, ids_of[w.key],
                                                dtype=torch.float32)
                               for n in sorted(names)}

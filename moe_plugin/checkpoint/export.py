@@ -39,10 +39,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from moe_plugin.checkpoint.errors import CheckpointError
-from moe_plugin.checkpoint.files import read_torch, verify_all
-from moe_plugin.checkpoint.metadata import (POSITION_DEFAULTS, expert_file, placement_key, read_latest, read_metadata,
-                                            saved_model_files)
+from moe_plugin.checkpoint.files import verify_all
+from moe_plugin.checkpoint.metadata import POSITION_DEFAULTS, placement_key, read_latest, read_metadata
+from moe_plugin.checkpoint.readers import is_lazy, module_files, open_expert, open_module
 from moe_plugin.checkpoint.shards import tp_join
+from moe_plugin.checkpoint.tensor_files import TensorWriter, nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -60,51 +61,187 @@ def export_checkpoint(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, t
                       progress: Optional[Callable[[str], None]] = None) -> dict[str, str]:
     """Write ``ckpt_dir/tag`` (default: its ``latest``) as ``out_dir/model.safetensors`` and
     ``out_dir/config.json``; returns their paths. ``progress``: called with one line per stage
-    and file (default: the module's logger)."""
-    from safetensors.torch import save_file
-
+    and file (default: the module's logger). Tensor by tensor (``CheckpointSource``): the peak holds
+    one tensor (one expert's row of an expert weight) whatever the model's size."""
     say = progress or logger.info
     out_dir = os.fspath(out_dir)
-    state, _extras, meta, path = read_full_state(ckpt_dir, tag, say)
-    state = {k: (v.float() if v.is_floating_point() else v).contiguous().clone() for k, v in sorted(state.items())}
+    source = CheckpointSource(ckpt_dir, tag, say)
+    specs = {k: (torch.float32 if dtype.is_floating_point else dtype, shape)
+             for k, (dtype, shape) in sorted(source.specs().items())}
     os.makedirs(out_dir, exist_ok=True)
     weights, config = os.path.join(out_dir, WEIGHTS_FILE), os.path.join(out_dir, CONFIG_FILE)
-    size = sum(v.numel() * v.element_size() for v in state.values())
-    say(f"writing {weights}: {len(state)} tensors, {size / 2 ** 20:.1f} MiB")
-    save_file(state, weights, metadata={"format": EXPORT_FORMAT, "source": path})
+    size = sum(nbytes(*spec) for spec in specs.values())
+    say(f"writing {weights}: {len(specs)} tensors, {size / 2 ** 20:.1f} MiB")
+    with TensorWriter(weights, specs, {"format": EXPORT_FORMAT, "source": source.path}) as out:
+        for n, key in enumerate(specs, 1):
+            if source.is_expert(key):   # row by row: one expert at a time
+                for e in range(source.num_experts):
+                    out.write_rows(key, e, source.read_expert(key, e).to(specs[key][0]).unsqueeze(0))
+            else:
+                out.write(key, source.read(key).to(specs[key][0]).contiguous())
+            if n % 64 == 0 or n == len(specs):
+                say(f"tensors {n}/{len(specs)}")
     with open(config, "w") as f:
-        json.dump(export_config(meta, path), f, indent=1)
+        json.dump(export_config(source.meta, source.path), f, indent=1)
     say(f"writing {config}")
     return {"weights": weights, "config": config}
 
 
+class CheckpointSource:
+    """Any checkpoint (``ckpt_dir/tag``, default: its ``latest``) as the 1-rank ``GPTModel``'s
+    tensors under ``GPTModel`` names, each read when asked, after every file was checked against
+    its checksum. ``specs()``: {key: (dtype, shape)} from the files' headers; ``read(key)``: a dense
+    tensor (TP shards joined; an expert weight [E, ...] stacked by id); ``read_expert(key, e)``:
+    expert e's row of an expert weight (one file's tensor); ``extras``: the non-tensor entries of
+    the module files (Megatron's ``_extra_state``). One process, no process group."""
+
+    def __init__(self, ckpt_dir: os.PathLike | str, tag: Optional[str] = None,
+                 progress: Optional[Callable[[str], None]] = None):
+        say = progress or logger.info
+        ckpt_dir = os.fspath(ckpt_dir)
+        tag = read_latest(ckpt_dir) if tag is None else tag
+        path = os.path.join(ckpt_dir, tag)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path}: missing; no checkpoint tag {tag!r} there")
+        meta = read_metadata(ckpt_dir, tag)
+        model = meta.get("model")
+        if not model or "transformer_config" not in model or "vocab_size" not in model:
+            raise CheckpointError(f"{os.path.join(path, 'moe_plugin.json')}: records no model config (saved by an "
+                                  "older moe_plugin); load it into a model and save it again to export it")
+        say(f"checking {len(meta.get('files', {}))} files of {path} against their checksums")
+        verify_all(path, meta)
+        self.path, self.meta, self.num_experts = path, meta, int(meta.get("num_experts") or 0)
+        self.extras: dict[str, Any] = {}
+        self._dense: dict[str, tuple[list, Optional[tuple[int, int]], list]] = {}   # key -> (pieces, cut, shape)
+        self._experts: dict[str, tuple] = {}   # key -> (stage, saved key, shape [E, ...], dtype)
+        self._placements: dict[str, int] = {}
+        self._open: tuple[Optional[tuple[int, int]], Any] = (None, None)
+        num_layers = model["transformer_config"]["num_layers"]
+        for stage in sorted(int(st) for st in meta["stages"]):
+            self._stage(stage, num_layers, say)
+        self._untie(say)
+
+    def _stage(self, stage: int, num_layers: int, say: Callable[[str], None]) -> None:
+        meta, path = self.meta, self.path
+        saved = meta["stages"][str(stage)]
+        files = module_files(path, meta, stage)
+        say(f"stage {stage}: dense weights from {', '.join(os.path.basename(f) for f in files)}")
+        modules = [open_module(path, meta, stage, r) for r in range(len(files))]
+        split = saved.get("tp_split")
+        if split is None and len(modules) > 1:
+            raise CheckpointError(f"{path}: saved at TP {len(modules)} without the record of how each weight is cut "
+                                  "(an older moe_plugin); load it into a model and save it again to export it")
+        for key, shape in saved["dense"].items():
+            missing = [f for f, m in zip(files, modules) if key not in m]
+            if missing:
+                raise CheckpointError(f"{missing[0]}: lacks {key!r}, which the metadata records for stage {stage}")
+            gpt = _gpt_key(key, meta, num_layers)
+            if key.endswith(".placement"):   # experts are written in id order: slot e holds expert e
+                self._placements[gpt] = int(shape[0])
+                continue
+            cut = (split or {}).get(key)
+            pieces = [m[key] for m in modules] if cut is not None else [modules[0][key]]
+            if not is_lazy(pieces[0]):
+                continue
+            joined = tp_join([torch.empty(p.shape, dtype=p.dtype, device="meta") for p in pieces], *cut) \
+                if cut is not None else pieces[0]
+            if list(joined.shape) != list(shape):
+                raise CheckpointError(f"{files[0]}: {key} joins to {list(joined.shape)}, the metadata records {shape}")
+            self._dense[gpt] = (pieces, tuple(cut) if cut is not None else None, list(shape))
+        for key, value in modules[0].items():
+            if key not in saved["dense"] and not is_lazy(value):
+                try:
+                    self.extras[_gpt_key(key, meta, num_layers)] = value
+                except KeyError:   # a pipeline-only piece with no GPTModel name
+                    continue
+        keys = sorted(saved.get("experts", {}))
+        if keys:
+            say(f"stage {stage}: {self.num_experts} expert files, {len(keys)} expert weights")
+            first = open_expert(path, meta, 0, stage)
+            for k in keys:
+                if k not in first.weights:
+                    raise CheckpointError(f"{first.path}: does not hold expert 0 with keys {keys[:4]}")
+                if [self.num_experts, *first.weights[k].shape] != list(saved["experts"][k]):
+                    raise CheckpointError(f"{first.path}: {k} stacks to {[self.num_experts, *first.weights[k].shape]}"
+                                          f", the metadata records {saved['experts'][k]}")
+                gpt = _gpt_key(k, meta, num_layers)
+                self._experts[gpt] = (stage, k, list(saved["experts"][k]), first.weights[k].dtype)
+                self._placements[_gpt_key(placement_key(k), meta, num_layers)] = self.num_experts
+
+    def _untie(self, say: Callable[[str], None]) -> None:
+        """A tied model keeps one weight: drop the pipeline's copy in the last stage."""
+        if not self.meta["model"].get("tied", False) or "output_layer.weight" not in self._dense:
+            return
+        word_key = "embedding.word_embeddings.weight"
+        copy_ = self.read("output_layer.weight")
+        word = self.read(word_key) if word_key in self._dense else None
+        del self._dense["output_layer.weight"]
+        if word is None or not torch.equal(copy_, word):
+            diff = "no word embedding" if word is None else f"max difference {(copy_ - word).abs().max().item():.3g}"
+            logger.warning("%s: the last stage's copy of the tied output weight differs from the word embedding (%s);"
+                           " the word embedding is kept", self.path, diff)
+        say("tied embeddings: the last stage's copy of the word embedding dropped (the 1-rank model shares one)")
+
+    def specs(self) -> dict[str, tuple[torch.dtype, list[int]]]:
+        out = {k: (pieces[0].dtype, shape) for k, (pieces, _cut, shape) in self._dense.items()}
+        out.update({k: (dtype, shape) for k, (_st, _k, shape, dtype) in self._experts.items()})
+        out.update({k: (torch.long, [n]) for k, n in self._placements.items()})
+        return out
+
+    def keys(self) -> list[str]:
+        return sorted(self.specs())
+
+    def is_expert(self, key: str) -> bool:
+        return key in self._experts
+
+    def read(self, key: str) -> torch.Tensor:
+        if key in self._placements:
+            return torch.arange(self._placements[key], dtype=torch.long)
+        if key in self._experts:
+            return torch.stack([self.read_expert(key, e) for e in range(self.num_experts)])
+        pieces, cut, _shape = self._dense[key]
+        values = [p.read() for p in pieces]
+        return tp_join(values, *cut) if cut is not None else values[0]
+
+    def read_expert(self, key: str, expert_id: int) -> torch.Tensor:
+        stage, saved_key, _shape, _dtype = self._experts[key]
+        opened, entry = self._open
+        if opened != (expert_id, stage):   # the last expert file stays open (callers go expert by expert)
+            entry = open_expert(self.path, self.meta, expert_id, stage)
+            if entry.expert_id != expert_id:
+                raise CheckpointError(f"{entry.path}: does not hold expert {expert_id}")
+            self._open = ((expert_id, stage), entry)
+        if saved_key not in entry.weights:
+            raise CheckpointError(f"{entry.path}: does not hold {saved_key!r}")
+        return entry.weights[saved_key].read()
+
+
+class StateSource:
+    """An in-memory 1-rank state dict with ``CheckpointSource``'s reading interface."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+
+    def specs(self) -> dict[str, tuple[torch.dtype, list[int]]]:
+        return {k: (v.dtype, list(v.shape)) for k, v in self.state.items() if isinstance(v, torch.Tensor)}
+
+    def keys(self) -> list[str]:
+        return sorted(self.specs())
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.state[key]
+
+    def read_expert(self, key: str, expert_id: int) -> torch.Tensor:
+        return self.state[key][expert_id]
+
+
 def read_full_state(ckpt_dir: os.PathLike | str, tag: Optional[str] = None,
                     progress: Optional[Callable[[str], None]] = None) -> tuple[dict, dict, dict, str]:
-    """Any checkpoint (``ckpt_dir/tag``, default: its ``latest``) as the 1-rank ``GPTModel``'s state,
-    after checking every file against its checksum: (tensors as saved, TP shards joined, experts
-    stacked by id, under ``GPTModel`` names; the non-tensor entries of the DeepSpeed module files,
-    Megatron's ``_extra_state``, under the same names; the metadata; the tag's path). One process."""
-    say = progress or logger.info
-    ckpt_dir = os.fspath(ckpt_dir)
-    tag = read_latest(ckpt_dir) if tag is None else tag
-    path = os.path.join(ckpt_dir, tag)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: missing; no checkpoint tag {tag!r} there")
-    meta = read_metadata(ckpt_dir, tag)
-    model = meta.get("model")
-    if not model or "transformer_config" not in model or "vocab_size" not in model:
-        raise CheckpointError(f"{os.path.join(path, 'moe_plugin.json')}: records no model config (saved by an older "
-                              "moe_plugin); load it into a model and save it again to export it")
-    say(f"checking {len(meta.get('files', {}))} files of {path} against their checksums")
-    verify_all(path, meta)
-    state: dict[str, torch.Tensor] = {}
-    extras: dict[str, Any] = {}
-    num_layers = model["transformer_config"]["num_layers"]
-    for stage in sorted(int(s) for s in meta["stages"]):
-        state.update(_dense(path, meta, stage, num_layers, say, extras))
-        state.update(_experts(path, meta, stage, num_layers, say))
-    _untie(state, meta, path, say)
-    return state, extras, meta, path
+    """Every tensor of ``CheckpointSource`` read (the whole model in memory: for tests and small
+    models): (tensors as saved under ``GPTModel`` names, the non-tensor entries, the metadata, the
+    tag's path)."""
+    source = CheckpointSource(ckpt_dir, tag, progress)
+    return {k: source.read(k) for k in source.keys()}, source.extras, source.meta, source.path
 
 
 def _gpt_key(key: str, meta: dict, num_layers: int) -> str:
@@ -113,82 +250,6 @@ def _gpt_key(key: str, meta: dict, num_layers: int) -> str:
     from moe_plugin.integration.pipeline import gpt_state_dict_key
 
     return gpt_state_dict_key(key, num_layers)
-
-
-def _dense(path: str, meta: dict, stage: int, num_layers: int, say: Callable[[str], None], extras: dict) -> dict:
-    """Stage ``stage``'s dense entries, TP shards joined, under GPTModel keys; its non-tensor
-    entries (TP rank 0's) go into ``extras``."""
-    saved = meta["stages"][str(stage)]
-    files = saved_model_files(path, meta, stage)
-    say(f"stage {stage}: dense weights from {', '.join(os.path.basename(f) for f in files)}")
-    modules = [read_torch(f)["module"] for f in files]
-    split = saved.get("tp_split")
-    if split is None and len(modules) > 1:
-        raise CheckpointError(f"{path}: saved at TP {len(modules)} without the record of how each weight is cut "
-                              "(an older moe_plugin); load it into a model and save it again to export it")
-    out = {}
-    for key, shape in saved["dense"].items():
-        missing = [f for f, m in zip(files, modules) if key not in m]
-        if missing:
-            raise CheckpointError(f"{missing[0]}: lacks {key!r}, which the metadata records for stage {stage}")
-        if key.endswith(".placement"):   # experts are written in id order below: slot e holds expert e
-            value = torch.arange(shape[0], dtype=torch.long)
-        elif key in (split or {}):
-            dim, stride = split[key]
-            value = tp_join([m[key] for m in modules], dim, stride)
-        else:
-            value = modules[0][key]
-        if not isinstance(value, torch.Tensor):
-            continue
-        if list(value.shape) != list(shape):
-            raise CheckpointError(f"{files[0]}: {key} joins to {list(value.shape)}, the metadata records {shape}")
-        out[_gpt_key(key, meta, num_layers)] = value
-    for key, value in modules[0].items():
-        if key not in saved["dense"] and not isinstance(value, torch.Tensor):
-            try:
-                extras[_gpt_key(key, meta, num_layers)] = value
-            except KeyError:   # a pipeline-only piece with no GPTModel name
-                continue
-    return out
-
-
-def _experts(path: str, meta: dict, stage: int, num_layers: int, say: Callable[[str], None]) -> dict:
-    """Stage ``stage``'s expert weights [E, ...] stacked by global id, under GPTModel keys."""
-    saved = meta["stages"][str(stage)]
-    keys = sorted(saved.get("experts", {}))
-    if not keys:
-        return {}
-    num = meta["num_experts"]
-    say(f"stage {stage}: {num} expert files, {len(keys)} expert weights")
-    per_key: dict[str, list] = {k: [] for k in keys}
-    for e in range(num):
-        name = expert_file(path, e, stage)
-        entry = read_torch(name)
-        if entry.get("expert_id") != e or any(k not in entry.get("weights", {}) for k in keys):
-            raise CheckpointError(f"{name}: does not hold expert {e} with keys {keys[:4]}")
-        for k in keys:
-            per_key[k].append(entry["weights"][k])
-    out = {}
-    for k in keys:
-        value = torch.stack(per_key[k])
-        if list(value.shape) != list(saved["experts"][k]):
-            raise CheckpointError(f"{expert_file(path, 0, stage)}: {k} stacks to {list(value.shape)}, the metadata "
-                                  f"records {saved['experts'][k]}")
-        out[_gpt_key(k, meta, num_layers)] = value
-        out[_gpt_key(placement_key(k), meta, num_layers)] = torch.arange(num, dtype=torch.long)
-    return out
-
-
-def _untie(state: dict, meta: dict, path: str, say: Callable[[str], None]) -> None:
-    """A tied model keeps one weight: drop the pipeline's copy in the last stage."""
-    if not meta["model"].get("tied", False) or "output_layer.weight" not in state:
-        return
-    copy_, word = state.pop("output_layer.weight"), state.get("embedding.word_embeddings.weight")
-    if word is None or not torch.equal(copy_, word):
-        diff = "no word embedding" if word is None else f"max difference {(copy_ - word).abs().max().item():.3g}"
-        logger.warning("%s: the last stage's copy of the tied output weight differs from the word embedding (%s); "
-                       "the word embedding is kept", path, diff)
-    say("tied embeddings: the last stage's copy of the word embedding dropped (the 1-rank model shares one)")
 
 
 def export_config(meta: dict, path: str) -> dict:

@@ -44,10 +44,11 @@ _READ_ERRORS = (RuntimeError, OSError, EOFError, pickle.UnpicklingError, ValueEr
 
 
 # -- reading --------------------------------------------------------------------------------------
-def read_torch(path: str) -> Any:
-    """``torch.load`` of a checkpoint file (CPU), failures named by path."""
+def read_torch(path: str, mmap: bool = False) -> Any:
+    """``torch.load`` of a checkpoint file (CPU), failures named by path. ``mmap``: its tensors
+    mapped, not read (what is never touched costs no memory)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except _READ_ERRORS as exc:

@@ -23,7 +23,9 @@ from moe_plugin.checkpoint.experts import expert_weights
 from moe_plugin.checkpoint.optimizer import basic_optimizer, check_record_loads, record_kind
 from moe_plugin.compat.deepspeed_checkpoint import model_file_name
 
-FORMAT, FORMAT_VERSION = "moe_plugin.checkpoint", 1
+# 2: a conversion's checkpoint (import-hf, upcycle) keeps its tensors in safetensors files
+# (``readers``: "dense_files", "expert_files"); version 1 checkpoints read as before.
+FORMAT, FORMAT_VERSION, READ_VERSIONS = "moe_plugin.checkpoint", 2, (1, 2)
 META_FILE, EXPERT_DIR, RNG_DIR, LATEST = "moe_plugin.json", "experts", "rng", "latest"
 # Keys of the "moe" block that change the function the model computes (parallel sizes do not).
 # A key a checkpoint lacks (saved before the field existed) counts as its default, ``SINCE_DEFAULTS``.
@@ -87,8 +89,10 @@ def stages_changed(meta: dict, groups: Any) -> bool:
 
 
 def dense_recut(meta: dict, groups: Any) -> bool:
-    """Whether the dense weights must be joined and cut again (the TP size changed, or ``stages_changed``)."""
-    return meta["layout"]["tp"] != groups.layout.sizes.tp or stages_changed(meta, groups)
+    """Whether the dense weights must be joined and cut again (the TP size changed, or ``stages_changed``),
+    or read from files of ours (a conversion's checkpoint: DeepSpeed's file holds no tensors)."""
+    return (meta["layout"]["tp"] != groups.layout.sizes.tp or stages_changed(meta, groups)
+            or "dense_files" in meta)
 
 
 def is_pipeline(engine: Any) -> bool:
@@ -266,9 +270,11 @@ def read_metadata(load_dir: os.PathLike | str, tag: str) -> dict:
         raise CheckpointError(f"{path}: missing; {os.path.join(os.fspath(load_dir), tag)!r} is not a complete "
                               "moe_plugin checkpoint")
     meta = read_json(path)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}; this "
-                              f"moe_plugin reads {FORMAT!r} version {FORMAT_VERSION}")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") not in READ_VERSIONS:
+        shown = meta if not isinstance(meta, dict) else meta.get("version")
+        raise CheckpointError(f"{path}: format {meta.get('format') if isinstance(meta, dict) else None!r} version "
+                              f"{shown!r}; this moe_plugin reads {FORMAT!r} versions {list(READ_VERSIONS)} (a newer "
+                              "moe_plugin wrote it: upgrade to load it)")
     return meta
 
 
@@ -370,14 +376,17 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
         problems += _differences("dense", stage["dense"], shapes["dense"])
         problems += _differences("expert", stage["experts"], shapes["experts"])
     if not problems:
+        from moe_plugin.checkpoint.readers import expert_path, module_files
+
         if dense_recut(meta, groups):
-            model_files = [f for st in saved_stages(meta, groups) for f in saved_model_files(path, meta, st)]
+            model_files = [f for st in saved_stages(meta, groups)
+                           for f in saved_model_files(path, meta, st) + module_files(path, meta, st)]
         else:
             model_files = [deepspeed_model_file(path, engine)]
         expert_stages = (sorted(set(stage["from"].values())) if stage is not None
                          else [groups.layout.coords(dist.get_rank())["pp"]])
-        needed = model_files + [expert_file(path, e, st) for e in local_ids(meta, engine.module, groups)
-                                for st in expert_stages]
+        needed = sorted(set(model_files)) + [expert_path(path, meta, e, st) for e in local_ids(meta, engine.module, groups)
+                                             for st in expert_stages]
         problems += [f"{p}: missing" for p in needed if not os.path.isfile(p)]
     if problems:
         raise CheckpointError(f"checkpoint {path} does not fit the model: " + "; ".join(problems))

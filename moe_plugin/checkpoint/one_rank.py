@@ -1,73 +1,109 @@
-"""A checkpoint written without a training run, as if the model had been saved on one rank.
+"""A checkpoint written without a training run, as if the model had been saved on one rank, one
+tensor at a time.
 
-    write_one_rank("ckpt", "step0", module, experts, moe_config, model, record={...})
+    write_one_rank("ckpt", "step0", plan, moe_config, model, record={...})
 
-``module``: the 1-rank ``GPTModel``'s state-dict entries but the expert weights (``_extra_state``
-entries included); ``experts``: {``decoder.layers.N.mlp.experts.weight1``/``2``: [E, ...]} stacked
-by expert id; ``model``: the metadata's model description (``metadata.model_description``'s keys).
-Written: DeepSpeed's module file of model-parallel rank 0 with step counters at 0 and no optimizer
-or lr scheduler state (``fresh_states`` tells ``load_checkpoint``), one file per expert, and
-``moe_plugin.json`` (``record`` merged in), all into ``OUT/.tmp-TAG`` and renamed to ``OUT/TAG``
-at the end, with ``latest`` pointing at it. ``load_checkpoint`` cuts it for any layout. Files of
-``extra_files`` ({name in the tag: source path}) are copied in too (and checksummed). Nothing is
-left behind on failure. ``saved`` (upcycle's ``keep_iteration``): the module file of the checkpoint
-the model was made from, whose step counters, lr scheduler and client state are kept, at step
-``steps`` (only the optimizer starts fresh). ``instead``: what to do when the tag exists.
+``plan`` (``OneRankPlan``) names every tensor of the 1-rank ``GPTModel``'s state with its dtype and
+shape before any is made, and makes each when asked: ``dense`` (the module's tensors but the expert
+weights), ``plain`` (its non-tensor entries: Megatron's ``_extra_state``), ``experts`` ({expert
+weight key: one expert's (dtype, shape)}) and ``num_experts``; ``read_dense(key)`` and
+``read_expert(key, e)`` make them. ``model``: the metadata's model description
+(``metadata.model_description``'s keys). Written, each tensor as it is made (``tensor_files``), so
+the peak holds one tensor whatever the model's size: ``model/dense_pp_00_tp_00.safetensors`` (the
+dense tensors), ``experts/expert_EEEEE_pp_00.safetensors`` (expert e of every MoE layer), DeepSpeed's
+module file of model-parallel rank 0 holding the step counters (at 0) and the module's non-tensor
+entries, no optimizer or lr scheduler state (``fresh_states`` tells ``load_checkpoint``), and
+``moe_plugin.json`` (``record`` merged in), all into ``OUT/.tmp-TAG`` and renamed to ``OUT/TAG`` at
+the end, with ``latest`` pointing at it. ``load_checkpoint`` cuts it for any layout
+(``readers``). Files of ``extra_files`` ({name in the tag: source path}) are copied in too (and
+checksummed). Nothing is left behind on failure. ``saved`` (upcycle's ``keep_iteration``): the
+module file content of the checkpoint the model was made from, whose step counters, lr scheduler
+and client state are kept, at step ``steps`` (only the optimizer starts fresh). ``instead``: what
+to do when the tag exists.
 """
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 
 from moe_plugin.checkpoint.files import copy_files, tag_written_here, write_metadata
-from moe_plugin.checkpoint.metadata import FORMAT, FORMAT_VERSION, expert_file, placement_key
+from moe_plugin.checkpoint.metadata import FORMAT, FORMAT_VERSION, placement_key
+from moe_plugin.checkpoint.readers import (SAFE, dense_file_name, expert_file_metadata, expert_file_specs,
+                                           expert_path)
+from moe_plugin.checkpoint.tensor_files import TensorWriter
 from moe_plugin.configs import MoEConfig, ParallelConfig, ParallelSizes
 
+Spec = tuple[torch.dtype, list[int]]
 
-def write_one_rank(out_dir: os.PathLike | str, tag: str, module: dict, experts: dict, moe: MoEConfig, model: dict,
+
+@dataclass
+class OneRankPlan:
+    """Every tensor of the 1-rank model, named with its dtype and shape, made when asked (module docstring)."""
+
+    dense: dict[str, Spec]
+    plain: dict[str, Any]
+    experts: dict[str, Spec]
+    num_experts: int
+    read_dense: Callable[[str], torch.Tensor]
+    read_expert: Callable[[str, int], torch.Tensor]
+    notes: list[str] = field(default_factory=list)
+
+
+def write_one_rank(out_dir: os.PathLike | str, tag: str, plan: OneRankPlan, moe: MoEConfig, model: dict,
                    record: dict, extra_files: Optional[dict[str, str]] = None,
                    say: Callable[[str], None] = lambda line: None, *, saved: Optional[dict] = None, steps: int = 0,
                    instead: str = "write into another directory") -> str:
     """Write the checkpoint (module docstring); returns the tag's path."""
     with tag_written_here(os.fspath(out_dir), tag, instead) as tmp:
-        _write_files(tmp, module, experts, moe.num_experts, saved, say)
+        _write_files(tmp, plan, saved, say)
         copy_files(tmp, extra_files or {})
-        write_metadata(tmp, _metadata(moe, tag, steps, saved is not None, module, experts, model, record))
+        write_metadata(tmp, _metadata(moe, tag, steps, saved is not None, plan, model, record))
     return os.path.join(os.fspath(out_dir), tag)
 
 
-def _write_files(tmp: str, module: dict, experts: dict, num_experts: int, saved: Optional[dict],
-                 say: Callable[[str], None]) -> None:
+def _write_files(tmp: str, plan: OneRankPlan, saved: Optional[dict], say: Callable[[str], None]) -> None:
     from moe_plugin.compat.deepspeed_checkpoint import model_file_name, one_rank_moe_file
 
-    buffers = [k for k in module if k.endswith(("router.expert_bias", "experts.placement"))]
-    content = one_rank_moe_file(saved or {}, dict(sorted(module.items())), buffers, num_experts,
+    buffers = [k for k in plan.dense if k.endswith(("router.expert_bias", "experts.placement"))]
+    content = one_rank_moe_file(saved or {}, dict(sorted(plan.plain.items())), buffers, plan.num_experts,
                                 keep_steps=saved is not None)
     torch.save(content, os.path.join(tmp, model_file_name(0)))
-    if experts:
-        for e in range(num_experts):
-            torch.save({"expert_id": e, "stage": 0, "optimizer": {}, "placement": {"ep_rank": 0, "slot": e},
-                        "weights": {k: w[e].contiguous().clone() for k, w in experts.items()}},
-                       expert_file(tmp, e, 0))
-    say(f"wrote {model_file_name(0)} ({len(module)} entries)" + (f" and {num_experts} expert files" if experts else ""))
+    dense = os.path.join(tmp, dense_file_name(0, 0))
+    os.makedirs(os.path.dirname(dense), exist_ok=True)
+    with TensorWriter(dense, dict(sorted(plan.dense.items()))) as out:
+        for n, key in enumerate(sorted(plan.dense), 1):
+            out.write(key, plan.read_dense(key))
+            if n % 64 == 0 or n == len(plan.dense):
+                say(f"dense tensors {n}/{len(plan.dense)}")
+    if not plan.experts:
+        return
+    specs = expert_file_specs(plan.experts, {})
+    for e in range(plan.num_experts):
+        name = expert_path(tmp, {"expert_files": SAFE}, e, 0)
+        with TensorWriter(name, specs, expert_file_metadata(e, 0, {"ep_rank": 0, "slot": e})) as out:
+            for key in specs:
+                out.write(key, plan.read_expert(key, e))
+        say(f"expert files {e + 1}/{plan.num_experts}")
 
 
-def _metadata(moe: MoEConfig, tag: str, steps: int, kept_steps: bool, module: dict, experts: dict, model: dict,
+def _metadata(moe: MoEConfig, tag: str, steps: int, kept_steps: bool, plan: OneRankPlan, model: dict,
               record: dict) -> dict:
     from moe_plugin.compat.deepspeed_checkpoint import model_file_name
 
-    shapes = {k: list(v.shape) for k, v in module.items() if isinstance(v, torch.Tensor)}
     sizes = ParallelSizes.resolve(ParallelConfig(order=moe.parallel.order), 1)
-    E = moe.num_experts
-    placements = {placement_key(k): list(range(E)) for k in experts if k.endswith("weight1")}
+    E = plan.num_experts
+    placements = {placement_key(k): list(range(E)) for k in plan.experts if k.endswith("weight1")}
     return {
         "format": FORMAT, "version": FORMAT_VERSION, "tag": tag, "global_steps": steps, "zero_stage": 0,
         "pipeline_module": False, "num_experts": E, "moe": moe.resolved_dict(), "layout": sizes.model_dump(),
-        "stages": {"0": {"dense": shapes, "experts": {k: list(v.shape) for k, v in experts.items()}, "tp_split": {},
-                         "placements": placements}},
+        "stages": {"0": {"dense": {k: list(shape) for k, (_d, shape) in sorted(plan.dense.items())},
+                         "experts": {k: [E, *shape] for k, (_d, shape) in sorted(plan.experts.items())},
+                         "tp_split": {}, "placements": placements}},
         "model": model, "model_files": {"0": [model_file_name(0)]},
+        "dense_files": {"0": [dense_file_name(0, 0)]}, "expert_files": SAFE,
         "placement": {"policy": "static", "ep_size": 1,
                       "experts": [{"id": e, "ep_rank": 0, "slot": e} for e in range(E)]},
         "expert_optimizer_state": False,

@@ -15,6 +15,8 @@ not from parameter names:
 
 The same function slices full *gradients* for comparison with a sharded model's.
 ``join_dense_tp`` goes the other way for the dense entries (checkpoints saved at another TP size).
+``own_dense`` does both for a load, one key at a time: each value of a saved TP rank is read when
+its key comes (``checkpoint.readers``' lazy values), joined, cut, and only the rank's part kept.
 """
 from __future__ import annotations
 
@@ -46,6 +48,32 @@ def join_dense_tp(states: list[Mapping[str, Any]], model: nn.Module) -> dict[str
     return out
 
 
+def own_dense(pieces: Mapping[str, list[Any]], model: nn.Module, layout: RankLayout, rank: int) -> dict[str, Any]:
+    """``model``'s dense entries for global ``rank`` of ``layout`` from ``pieces`` ({key: the value
+    of every saved TP rank, in rank order; lazy or read}): key by key, read, joined (``tp_join``,
+    the model's partition rules), cut, and the part copied, so the peak is the rank's share plus
+    one full tensor. Keys absent from ``pieces`` are left out."""
+    from moe_plugin.checkpoint.readers import materialize
+
+    experts = {w.key for w in expert_weights(model)}
+    local = model.state_dict(keep_vars=True)
+    out: dict[str, Any] = {}
+    for key, mine in local.items():
+        if key in experts or key not in pieces:
+            continue
+        saved = pieces[key]
+        if not isinstance(mine, Tensor):
+            out[key] = materialize(saved[0])
+            continue
+        if getattr(mine, "tensor_model_parallel", False):
+            stride = getattr(mine, "partition_stride", 1)
+            full = tp_join([materialize(v) for v in saved], mine.partition_dim, stride)
+        else:
+            full = materialize(saved[0])
+        out[key] = _part(key, full, mine, None, layout, rank).detach()   # fresh memory: read, or cut by cat
+    return out
+
+
 def shard_state_dict(full: Mapping[str, Any], model: nn.Module, layout: RankLayout, rank: int, *,
                      strict: bool = True) -> dict[str, Any]:
     """The entries of ``model.state_dict()`` cut out of ``full`` for global ``rank`` of ``layout``.
@@ -55,7 +83,6 @@ def shard_state_dict(full: Mapping[str, Any], model: nn.Module, layout: RankLayo
     are left out: gradients, say, have no buffers); a shape no rule explains is an error naming
     the key.
     """
-    coords, sizes = layout.coords(rank), layout.sizes
     local = model.state_dict(keep_vars=True)
     experts = {w.key: w for w in expert_weights(model)}
     missing = [k for k in local if k not in full]
@@ -66,20 +93,23 @@ def shard_state_dict(full: Mapping[str, Any], model: nn.Module, layout: RankLayo
         if key not in full:
             continue
         whole = full[key]
-        if not isinstance(mine, Tensor):
-            out[key] = whole
-            continue
-        if key in experts:
-            w = experts[key]
-            part = whole.narrow(0, w.module.first_slot, w.module.num_local)
-            part = tp_slice(part, w.f_dim, w.f_stride, coords["etp"], sizes.etp)
-        elif getattr(mine, "tensor_model_parallel", False):
-            part = tp_slice(whole, mine.partition_dim, getattr(mine, "partition_stride", 1), coords["tp"], sizes.tp)
-        else:
-            part = whole
-        if part.shape != mine.shape:
-            raise ValueError(f"{key}: the full tensor {tuple(whole.shape)} gives {tuple(part.shape)} on rank {rank} "
-                             f"(tp {coords['tp']}/{sizes.tp}, ep {coords['ep']}/{sizes.ep}, etp {coords['etp']}/"
-                             f"{sizes.etp}), but the model holds {tuple(mine.shape)}")
-        out[key] = part.detach().clone()
+        out[key] = _part(key, whole, mine, experts.get(key), layout, rank).detach().clone() \
+            if isinstance(mine, Tensor) else whole
     return out
+
+
+def _part(key: str, whole: Tensor, mine: Tensor, expert: Any, layout: RankLayout, rank: int) -> Tensor:
+    """Rank ``rank``'s part of the full tensor ``whole`` of entry ``key`` (the rules above)."""
+    coords, sizes = layout.coords(rank), layout.sizes
+    if expert is not None:
+        part = whole.narrow(0, expert.module.first_slot, expert.module.num_local)
+        part = tp_slice(part, expert.f_dim, expert.f_stride, coords["etp"], sizes.etp)
+    elif getattr(mine, "tensor_model_parallel", False):
+        part = tp_slice(whole, mine.partition_dim, getattr(mine, "partition_stride", 1), coords["tp"], sizes.tp)
+    else:
+        part = whole
+    if part.shape != mine.shape:
+        raise ValueError(f"{key}: the full tensor {tuple(whole.shape)} gives {tuple(part.shape)} on rank {rank} "
+                         f"(tp {coords['tp']}/{sizes.tp}, ep {coords['ep']}/{sizes.ep}, etp {coords['etp']}/"
+                         f"{sizes.etp}), but the model holds {tuple(mine.shape)}")
+    return part

@@ -6,10 +6,11 @@
     # (the command: moe-plugin upcycle ckpt_dense --config ds_moe.json --out ckpt_moe --granularity 2)
 
 The dense checkpoint (``DENSE_CKPT``, any TP / PP layout the plugin saved, e.g. the example's
-``--dense`` run) is read as the 1-rank ``GPTModel``'s state (``export.read_full_state``); the MoE
-checkpoint is written as if the MoE model had been saved on one rank (tp, pp, ep 1, no optimizer
-state), so that ``load_checkpoint`` cuts it for any layout with the resharding code every
-checkpoint goes through (dense weights re-cut for TP and PP, experts by global id).
+``--dense`` run) is read as the 1-rank ``GPTModel``'s state (``export.CheckpointSource``, tensor
+by tensor); the MoE checkpoint is written as if the MoE model had been saved on one rank (tp, pp,
+ep 1, no optimizer state; ``one_rank``, tensor by tensor: one layer's dense MLP is the most held),
+so that ``load_checkpoint`` cuts it for any layout with the resharding code every checkpoint goes
+through (dense weights re-cut for TP and PP, experts by global id).
 
 What each MoE layer (the layers the ``"moe"`` block of ``ds_config`` names) gets:
 
@@ -61,10 +62,10 @@ import torch
 import torch.nn.functional as F
 
 from moe_plugin.checkpoint.errors import CheckpointError
-from moe_plugin.checkpoint.export import ONE_RANK, read_full_state
+from moe_plugin.checkpoint.export import ONE_RANK, CheckpointSource
 from moe_plugin.checkpoint.files import read_torch, refuse_existing
 from moe_plugin.checkpoint.metadata import saved_model_files
-from moe_plugin.checkpoint.one_rank import write_one_rank
+from moe_plugin.checkpoint.one_rank import OneRankPlan, write_one_rank
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.layers.experts import ffn_shard
 from moe_plugin.layers.init import seeded_generator
@@ -130,15 +131,19 @@ def upcycle_checkpoint(dense_dir: Union[os.PathLike, str], ds_config: Union[dict
     if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity < 1:
         raise ConfigError("granularity", granularity, "expected an integer >= 1")
     moe = MoEConfig.from_ds_config(ds_config)
-    state, extras, meta, source = read_full_state(dense_dir, tag, say)
+    reader = CheckpointSource(dense_dir, tag, say)
+    meta, source, specs = reader.meta, reader.path, reader.specs()
     dense = DenseModel.from_meta(meta)
     layers = _moe_layers(moe, dense)
-    dropped = _check(moe, dense, granularity, layers, state, drop_mlp_bias, allow_inexact, say)
+    dropped = _check(moe, dense, granularity, layers, specs, drop_mlp_bias, allow_inexact, say)
     out_tag = meta["tag"] if keep_iteration else "step0"
     instead = "upcycle into another --out directory"
     refuse_existing(out_dir, out_tag, instead)   # before the conversion's work (write_one_rank asks again)
-    module, experts = _moe_state(state, extras, moe, dense, layers, granularity, seed, dropped)
-    header = read_torch(saved_model_files(source, meta, 0)[0]) if keep_iteration else None   # its step counters
+    plan = _moe_plan(reader, moe, dense, layers, granularity, seed, dropped)
+    header = None
+    if keep_iteration:   # its step counters, lr scheduler and client state (its module tensors left unread)
+        header = {k: v for k, v in read_torch(saved_model_files(source, meta, 0)[0], mmap=True).items()
+                  if k != "module"}
     steps = int(meta["global_steps"]) if keep_iteration else 0
     model = dict(meta["model"])
     model["transformer_config"] = {**model["transformer_config"], **ONE_RANK}
@@ -149,7 +154,7 @@ def upcycle_checkpoint(dense_dir: Union[os.PathLike, str], ds_config: Union[dict
         record["hf"] = meta["hf"]
     # an imported model's tokenizer files, for export-hf
     tokenizer = {name: os.path.join(source, name) for name in meta.get("hf", {}).get("tokenizer_files", [])}
-    final = write_one_rank(out_dir, out_tag, module, experts, moe, model, record, tokenizer, say,
+    final = write_one_rank(out_dir, out_tag, plan, moe, model, record, tokenizer, say,
                            saved=header, steps=steps, instead=instead)
     say(f"wrote {final}: {len(layers)} MoE layers x {moe.num_experts} experts (granularity {granularity}), "
         f"step {steps}, optimizer fresh")
@@ -170,7 +175,7 @@ def _mlp(index: int, name: str) -> str:
     return f"decoder.layers.{index}.mlp.{name}"
 
 
-def _check(moe: MoEConfig, dense: DenseModel, g: int, layers: list[int], state: dict, drop_mlp_bias: bool,
+def _check(moe: MoEConfig, dense: DenseModel, g: int, layers: list[int], state: Any, drop_mlp_bias: bool,
            allow_inexact: bool, say: Callable[[str], None]) -> list[str]:
     """Raise a ``ConfigError`` for a target that does not fit the dense model; return the biases to drop."""
     for i in layers:
@@ -224,23 +229,45 @@ def _inexact(moe: MoEConfig, g: int) -> list[ConfigError]:
 
 
 # -- the MoE model's state -----------------------------------------------------------------------
-def _moe_state(state: dict, extras: dict, moe: MoEConfig, dense: DenseModel, layers: list[int], g: int, seed: int,
-               dropped: list[str]) -> tuple[dict, dict]:
-    """(the module entries of the MoE model but its expert weights, {expert weight key: [E, ...]})."""
+def _moe_plan(source: CheckpointSource, moe: MoEConfig, dense: DenseModel, layers: list[int], g: int, seed: int,
+              dropped: list[str]) -> OneRankPlan:
+    """The MoE model's tensors (``one_rank.OneRankPlan``): the dense model's but the MoE layers'
+    MLPs, and per MoE layer its fresh router and experts cut from its dense MLP when asked."""
     mlp_keys = {_mlp(i, n) for i in layers for n in ("linear_fc1.weight", "linear_fc1.bias", "linear_fc1._extra_state",
                                                     "linear_fc2.weight", "linear_fc2.bias", "linear_fc2._extra_state")}
-    module = {k: v for k, v in {**extras, **state}.items() if k not in mlp_keys}
-    experts = {}
+    specs = source.specs()
+    module = {k: spec for k, spec in specs.items() if k not in mlp_keys}
+    plain = {k: v for k, v in source.extras.items() if k not in mlp_keys}
+    made: dict[str, Callable[[], torch.Tensor]] = {}
+    experts: dict = {}
     E, copies = moe.num_experts, moe.num_experts // g
     for i in layers:
-        w1_HF1 = state[_mlp(i, "linear_fc1.weight")].t()
-        w2_FH = state[_mlp(i, "linear_fc2.weight")].t()
-        pieces = [ffn_shard(w1_HF1, w2_FH, moe.activation, g, p) for p in range(g)]
-        experts[_mlp(i, "experts.weight1")] = torch.stack([pieces[e % g][0] for e in range(E)])
-        experts[_mlp(i, "experts.weight2")] = torch.stack([pieces[e % g][1] for e in range(E)])
-        gen = seeded_generator(seed * LAYER_SEED_MIX + i, ROUTER_STREAM)
-        rows_CH = torch.randn(copies, dense.hidden_size, generator=gen) * dense.init_std
-        module[_mlp(i, "router.weight")] = rows_CH.repeat_interleave(g, dim=0)   # virtual groups
-        module[_mlp(i, "router.expert_bias")] = torch.zeros(E)
-        module[_mlp(i, "experts.placement")] = torch.arange(E)
-    return module, experts
+        dtype, (f1, h) = specs[_mlp(i, "linear_fc1.weight")]
+        f = specs[_mlp(i, "linear_fc2.weight")][1][1]
+        experts[_mlp(i, "experts.weight1")] = (dtype, [h, f1 // g])
+        experts[_mlp(i, "experts.weight2")] = (dtype, [f // g, h])
+
+        def router(i: int = i) -> torch.Tensor:
+            gen = seeded_generator(seed * LAYER_SEED_MIX + i, ROUTER_STREAM)
+            rows_CH = torch.randn(copies, dense.hidden_size, generator=gen) * dense.init_std
+            return rows_CH.repeat_interleave(g, dim=0)   # virtual groups
+
+        made[_mlp(i, "router.weight")] = router
+        made[_mlp(i, "router.expert_bias")] = lambda: torch.zeros(E)
+        made[_mlp(i, "experts.placement")] = lambda: torch.arange(E)
+        module[_mlp(i, "router.weight")] = (torch.float32, [E, dense.hidden_size])
+        module[_mlp(i, "router.expert_bias")] = (torch.float32, [E])
+        module[_mlp(i, "experts.placement")] = (torch.long, [E])
+    pieces: dict[int, list] = {}   # one layer's pieces at a time (the expert files go expert by expert)
+
+    def expert(key: str, e: int) -> torch.Tensor:
+        i = int(key.split(".")[2])
+        if i not in pieces:
+            pieces.clear()
+            w1_HF1 = source.read(_mlp(i, "linear_fc1.weight")).t()
+            w2_FH = source.read(_mlp(i, "linear_fc2.weight")).t()
+            pieces[i] = [ffn_shard(w1_HF1, w2_FH, moe.activation, g, p) for p in range(g)]
+        return pieces[i][e % g][0 if key.endswith("weight1") else 1].contiguous()
+
+    return OneRankPlan(module, plain, experts, E, lambda key: made[key]() if key in made else source.read(key),
+                       expert)

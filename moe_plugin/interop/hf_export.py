@@ -2,8 +2,8 @@
 
     export_hf("ckpt", "hf-out")          # then transformers.AutoModelForCausalLM.from_pretrained("hf-out")
 
-Any checkpoint (any layout; ``checkpoint.export.read_full_state`` joins it into the 1-rank model)
-becomes a Hugging Face model directory: ``config.json`` (written by the transformers config class of
+Any checkpoint (any layout; ``checkpoint.export.CheckpointSource`` reads it as the 1-rank model,
+tensor by tensor) becomes a Hugging Face model directory: ``config.json`` (written by the transformers config class of
 the architecture), the weights in the hub's tensor layout (what ``save_pretrained`` writes, so older
 transformers and vLLM read it too; ``hf_families``) in shards of at most ``max_shard_size`` with
 their index, and the tokenizer files when the checkpoint came from ``import-hf``. The architecture
@@ -23,6 +23,9 @@ not a plain top-k of a softmax (``moe.router``, ``score_function``, ``gate_scale
 Mixtral's gates renormalised), a non-zero aux-loss-free expert bias (``router.expert_bias``).
 Qwen2-MoE without QKV biases is written with zero biases (the same function; ``qkv_bias`` is true
 in every Qwen2-MoE reader). The directory is written under a temporary name and renamed at the end.
+Every HF tensor is planned from the headers first (``hf_plan``: names, dtypes, shapes), then each is
+made from its plugin tensor (one expert's row at a time) and written into its shard as it comes,
+so the peak holds a few tensors whatever the model's size.
 """
 from __future__ import annotations
 
@@ -37,8 +40,8 @@ import torch
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.configs import ConfigError
 from moe_plugin.interop.hf_arch import ARCHITECTURES, MOE_TYPES, HFArchitecture, transformers_module
-from moe_plugin.interop.hf_families import HFMapping
-from moe_plugin.interop.hf_files import parse_size, write_weights
+from moe_plugin.interop.hf_families import HFMapping, Rule
+from moe_plugin.interop.hf_files import HFShardWriter, parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ def export_hf(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, *, arch: 
               progress: Optional[Callable[[str], None]] = None) -> dict:
     """Write the checkpoint as a Hugging Face model directory (module docstring); returns
     {"path", "model_type", "files", "seconds"}."""
-    from moe_plugin.checkpoint.export import read_full_state
+    from moe_plugin.checkpoint.export import CheckpointSource
 
     say = progress or logger.info
     began = time.perf_counter()
@@ -61,14 +64,14 @@ def export_hf(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, *, arch: 
         raise CheckpointError(f"{out_dir}: exists and is not empty; export into a new directory (nothing was written)")
     shard_bytes = parse_size(max_shard_size)
     transformers = transformers_module()
-    state, _extras, meta, path = read_full_state(ckpt_dir, tag, say)
-    model_type = _model_type(arch, meta, state)
-    hf_arch = architecture_from_checkpoint(meta, state, model_type)
-    tensors = hf_tensors(hf_arch, state, meta)
+    source = CheckpointSource(ckpt_dir, tag, say)
+    meta, path = source.meta, source.path
+    model_type = _model_type(arch, meta, source.keys())
+    hf_arch = architecture_from_checkpoint(meta, source, model_type)
     torch_dtype = getattr(torch, dtype or meta.get("hf", {}).get("dtype") or "float32", None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ConfigError("--dtype", dtype, "expected a torch dtype name: float32, bfloat16, float16")
-    tensors = {k: v.to(torch_dtype).contiguous() for k, v in tensors.items()}
+    specs, tasks = hf_plan(hf_arch, source, meta, torch_dtype)
     config = hf_config(transformers, hf_arch, meta, str(torch_dtype).replace("torch.", ""))
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -77,11 +80,15 @@ def export_hf(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, *, arch: 
     os.makedirs(tmp)
     try:
         config.save_pretrained(tmp)
-        files = ["config.json"] + write_weights(tmp, tensors, shard_bytes, say)
+        shards = HFShardWriter(tmp, specs, shard_bytes, say)
+        for rule, make in tasks:
+            for name, tensor in zip(rule.hf, rule.cut(make())):
+                shards.write(name, tensor.to(torch_dtype).contiguous())
+        files = ["config.json"] + shards.close()
         for name in meta.get("hf", {}).get("tokenizer_files", []):
-            source = os.path.join(path, name)
-            if os.path.isfile(source):
-                shutil.copyfile(source, os.path.join(tmp, os.path.basename(name)))
+            source_file = os.path.join(path, name)
+            if os.path.isfile(source_file):
+                shutil.copyfile(source_file, os.path.join(tmp, os.path.basename(name)))
                 files.append(os.path.basename(name))
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)   # empty (checked above)
@@ -90,11 +97,11 @@ def export_hf(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, *, arch: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     seconds = time.perf_counter() - began
-    say(f"wrote {out_dir} ({ARCHITECTURES[model_type]}, {len(tensors)} tensors, {torch_dtype}) in {seconds:.2f} s")
+    say(f"wrote {out_dir} ({ARCHITECTURES[model_type]}, {len(specs)} tensors, {torch_dtype}) in {seconds:.2f} s")
     return {"path": out_dir, "model_type": model_type, "files": files, "seconds": seconds}
 
 
-def _model_type(arch: Optional[str], meta: dict, state: dict) -> str:
+def _model_type(arch: Optional[str], meta: dict, state: list[str]) -> str:
     if arch is not None:
         if arch not in ARCHITECTURES:
             raise ConfigError("--arch", arch, f"expected one of {', '.join(ARCHITECTURES)}")
@@ -111,8 +118,10 @@ def _model_type(arch: Optional[str], meta: dict, state: dict) -> str:
     return "qwen3_moe" if qk else "mixtral"
 
 
-def architecture_from_checkpoint(meta: dict, state: dict, model_type: str) -> HFArchitecture:
-    """The checkpoint's model as ``model_type``, or a ``ConfigError`` naming what it cannot express."""
+def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HFArchitecture:
+    """The checkpoint's model (``source``: a ``CheckpointSource``) as ``model_type``, or a
+    ``ConfigError`` naming what it cannot express."""
+    state = {k: shape for k, (_dtype, shape) in source.specs().items()}   # key -> shape
     model = meta["model"]
     tc = model["transformer_config"]
     moe = meta["moe"]
@@ -150,7 +159,7 @@ def architecture_from_checkpoint(meta: dict, state: dict, model_type: str) -> HF
         if not moe_layers:
             raise refuse("moe.layers", moe.get("layers"), "MoE layers (the checkpoint has none: --arch llama)")
         _check_router(moe, model_type, refuse)
-        bias = [k for k in state if k.endswith("router.expert_bias") and bool(state[k].abs().max() > 0)]
+        bias = [k for k in state if k.endswith("router.expert_bias") and bool(source.read(k).abs().max() > 0)]
         if bias:
             raise refuse(bias[0], "non-zero", "routers without an expert bias (the aux-loss-free bias chose the "
                          "experts in training)")
@@ -173,15 +182,15 @@ def architecture_from_checkpoint(meta: dict, state: dict, model_type: str) -> HF
     heads = int(tc["num_attention_heads"])
     E = int(moe["num_experts"]) if moe_layers else 0
     first_moe = moe_layers[0] if moe_layers else None
-    expert_ffn = (int(state[f"decoder.layers.{first_moe}.mlp.experts.weight2"].shape[1]) if moe_layers else 0)
-    shared_ffn = (int(state[f"decoder.layers.{first_moe}.mlp.shared_expert.weight2"].shape[0])
+    expert_ffn = (int(state[f"decoder.layers.{first_moe}.mlp.experts.weight2"][1]) if moe_layers else 0)
+    shared_ffn = (int(state[f"decoder.layers.{first_moe}.mlp.shared_expert.weight2"][0])
                   if moe_layers and model_type == "qwen2_moe" else 0)
     return HFArchitecture(
         model_type=model_type, num_layers=num_layers, hidden_size=int(tc["hidden_size"]), num_attention_heads=heads,
         num_query_groups=int(tc.get("num_query_groups") or heads),
         kv_channels=int(tc.get("kv_channels") or int(tc["hidden_size"]) // heads),
         ffn_hidden_size=int(tc.get("ffn_hidden_size") or 4 * int(tc["hidden_size"])),
-        vocab_size=int(state["embedding.word_embeddings.weight"].shape[0]),
+        vocab_size=int(state["embedding.word_embeddings.weight"][0]),
         # training at a shorter --seq-length does not shorten a RoPE model's context: the imported one's stays
         max_position_embeddings=max(int(model.get("max_sequence_length", 4096)),
                                     int((meta.get("hf", {}).get("config") or {}).get("max_position_embeddings", 0))),
@@ -204,29 +213,38 @@ def _check_router(moe: dict, model_type: str, refuse: Callable[..., ConfigError]
         raise refuse("moe.normalize_gates", False, "the top-k gates renormalised to sum 1 (Mixtral always does)")
 
 
-def hf_tensors(arch: HFArchitecture, state: dict, meta: dict) -> dict[str, torch.Tensor]:
-    """The HF tensors of the 1-rank plugin ``state``; a plugin tensor with no HF place is refused by name."""
+def hf_plan(arch: HFArchitecture, source: Any, meta: dict,
+            dtype: torch.dtype) -> tuple[dict[str, tuple[torch.dtype, list[int]]], list[tuple[Rule, Callable]]]:
+    """({HF name: (dtype, shape)}, [(rule, a function making its plugin tensor)]) of the checkpoint
+    ``source`` (a ``CheckpointSource``) as ``arch``, from shapes alone; a plugin tensor with no HF
+    place is refused by name before anything is read."""
     mapping = HFMapping(arch)
-    out: dict[str, torch.Tensor] = {}
+    specs = source.specs()
     used = set(mapping.plugin_only())
     tc = meta["model"]["transformer_config"]
+    out: dict[str, tuple[torch.dtype, list[int]]] = {}
+    tasks: list[tuple[Rule, Callable]] = []
     for rule in mapping.rules:
-        if rule.plugin not in state and rule.plugin.endswith("linear_qkv.bias") and not tc.get("add_qkv_bias"):
+        key = rule.plugin
+        if key not in specs and key.endswith("linear_qkv.bias") and not tc.get("add_qkv_bias"):
             # Qwen2-MoE always has QKV biases: zeros are the same function
-            w = state[rule.plugin[:-len("bias")] + "weight"]
-            value = torch.zeros(w.shape[0], dtype=w.dtype)
-        elif rule.plugin not in state:
-            raise CheckpointError(f"the checkpoint has no {rule.plugin!r}, which {arch.architecture} needs")
+            w_dtype, w_shape = specs[key[:-len("bias")] + "weight"]
+            shape, make = [w_shape[0]], (lambda n=w_shape[0], d=w_dtype: torch.zeros(n, dtype=d))
+        elif key not in specs:
+            raise CheckpointError(f"the checkpoint has no {key!r}, which {arch.architecture} needs")
+        elif rule.expert is not None:
+            shape, make = specs[key][1][1:], (lambda k=key, e=rule.expert: source.read_expert(k, e))
         else:
-            value = state[rule.plugin]
-        used.add(rule.plugin)
-        for name, tensor in zip(rule.hf, rule.cut(value)):
-            out[name] = tensor
-    left = sorted(k for k in state if k not in used)
+            shape, make = specs[key][1], (lambda k=key: source.read(k))
+        used.add(key)
+        for name, part in zip(rule.hf, rule.cut(torch.empty(shape, device="meta"))):
+            out[name] = (dtype, list(part.shape))
+        tasks.append((rule, make))
+    left = sorted(k for k in specs if k not in used)
     if left:
         raise CheckpointError(f"the checkpoint's {left[0]!r} has no place in {arch.architecture}"
                               + (f" (and {len(left) - 1} more)" if len(left) > 1 else "") + " (nothing was written)")
-    return out
+    return out, tasks
 
 
 def hf_config(transformers: Any, arch: HFArchitecture, meta: dict, dtype: str) -> Any:

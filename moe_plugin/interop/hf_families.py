@@ -19,6 +19,7 @@ bit-identical.
                                                       ...mlp.linear_fc2.weight [H, F]
     MoE layer, expert e (gate, up, down)              ...mlp.experts.weight1 [E, H, 2F]: [e] = cat(gate, up).T
                                                       ...mlp.experts.weight2 [E, F, H]: [e] = down.T
+                                                      (a rule per expert: ``Rule.expert`` e makes row e)
     MoE router (gate.weight [E, H])                   ...mlp.router.weight
     Qwen2-MoE shared_expert.{gate,up,down}_proj       ...mlp.shared_expert.weight1 [H, 2F], weight2 [F, H]
     Qwen2-MoE shared_expert_gate.weight [1, H]        ...mlp.shared_expert.gate_weight [H]
@@ -64,10 +65,15 @@ EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj"
 
 @dataclass(frozen=True)
 class Rule:
+    """``plugin`` (its row ``expert`` of an expert weight [E, ...]) = ``join``(the ``hf`` tensors);
+    ``cut`` gives them back. Both are exact and work on shapes alone (meta tensors): a conversion
+    plans its files from the headers before it reads a tensor."""
+
     plugin: str
     hf: tuple[str, ...]
     join: Callable[[list[Tensor]], Tensor]
     cut: Callable[[Tensor], list[Tensor]]
+    expert: Optional[int] = None
 
 
 def _copy() -> tuple[Callable, Callable]:
@@ -107,19 +113,6 @@ def _transposed() -> tuple[Callable, Callable]:
     return (lambda ts: ts[0].t().contiguous()), (lambda t: [t.t().contiguous()])
 
 
-def _experts1(num: int) -> tuple[Callable, Callable]:
-    """(gate_0, up_0, gate_1, up_1, ...) <-> weight1 [E, H, 2F]."""
-    join1, cut1 = _columns()
-    return ((lambda ts: torch.stack([join1(ts[2 * e:2 * e + 2]) for e in range(num)])),
-            (lambda t: [c for e in range(num) for c in cut1(t[e])]))
-
-
-def _experts2(num: int) -> tuple[Callable, Callable]:
-    """(down_0, down_1, ...) [H, F] <-> weight2 [E, F, H]."""
-    return ((lambda ts: torch.stack([d.t() for d in ts]).contiguous()),
-            (lambda t: [t[e].t().contiguous() for e in range(num)]))
-
-
 def _gate_vector() -> tuple[Callable, Callable]:
     """shared_expert_gate.weight [1, H] <-> gate_weight [H]."""
     return (lambda ts: ts[0].reshape(-1).clone()), (lambda t: [t.reshape(1, -1).clone()])
@@ -139,8 +132,8 @@ class HFMapping:
         if not a.tied:
             self._add("output_layer.weight", ["lm_head.weight"], _copy())
 
-    def _add(self, plugin: str, hf: list[str], fns: tuple[Callable, Callable]) -> None:
-        self.rules.append(Rule(plugin, tuple(hf), *fns))
+    def _add(self, plugin: str, hf: list[str], fns: tuple[Callable, Callable], expert: Optional[int] = None) -> None:
+        self.rules.append(Rule(plugin, tuple(hf), *fns, expert=expert))
 
     def _layer(self, i: int) -> None:
         a, p, h = self.arch, f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -164,9 +157,9 @@ class HFMapping:
         self._add(p + "mlp.router.weight", [m + f"{fam.router}.weight"], _copy())
         E = a.num_experts
         g, u, d = fam.expert
-        self._add(p + "mlp.experts.weight1", [m + f"experts.{e}.{n}.weight" for e in range(E) for n in (g, u)],
-                  _experts1(E))
-        self._add(p + "mlp.experts.weight2", [m + f"experts.{e}.{d}.weight" for e in range(E)], _experts2(E))
+        for e in range(E):
+            self._add(p + "mlp.experts.weight1", [m + f"experts.{e}.{n}.weight" for n in (g, u)], _columns(), e)
+            self._add(p + "mlp.experts.weight2", [m + f"experts.{e}.{d}.weight"], _transposed(), e)
         if fam.shared is not None and a.shared_ffn_hidden_size:
             sg, su, sd = (m + f"shared_expert.{n}.weight" for n in fam.shared)
             self._add(p + "mlp.shared_expert.weight1", [sg, su], _columns())

@@ -1,11 +1,13 @@
 """The files of a Hugging Face model directory: safetensors weights (one file, or shards and their
 index, as ``save_pretrained`` writes them) and the tokenizer's files.
 
-``read_weights(hf_dir)``: every tensor by name, from ``model.safetensors`` or the shards that
-``model.safetensors.index.json`` names (each shard checked to hold what the index says).
-``write_weights(out_dir, tensors, max_shard_bytes)``: shards of at most ``max_shard_bytes`` (a
+``HFWeights(hf_dir)``: every tensor by name, from ``model.safetensors`` or the shards that
+``model.safetensors.index.json`` names (each shard checked to hold what the index says), known
+from the headers (``spec``) and read one at a time (``read``: ``checkpoint.tensor_files``).
+``HFShardWriter(out_dir, specs, max_shard_bytes)``: shards of at most ``max_shard_bytes`` (a
 tensor larger than that gets a shard of its own) named ``model-0000i-of-0000n.safetensors`` with
-the index, or one ``model.safetensors`` when everything fits in one, in name order.
+the index, or one ``model.safetensors`` when everything fits in one, in name order; every tensor
+is planned first (``specs``: {name: (dtype, shape)}) and written as it comes.
 """
 from __future__ import annotations
 
@@ -23,30 +25,56 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
 
-def read_weights(hf_dir: str, say: Callable[[str], None] = lambda line: None) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+class HFWeights:
+    """The safetensors weights of a model directory, by name; nothing read until ``read``."""
 
-    single, index = os.path.join(hf_dir, WEIGHTS), os.path.join(hf_dir, INDEX)
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map", {})
-        shards = sorted(set(weight_map.values()))
-        out: dict[str, torch.Tensor] = {}
-        for n, shard in enumerate(shards, 1):
-            say(f"reading {shard} ({n}/{len(shards)})")
-            tensors = load_file(os.path.join(hf_dir, shard))
-            missing = [k for k, s in weight_map.items() if s == shard and k not in tensors]
-            if missing:
-                raise ConfigError(f"{index}: weight_map", missing[0], f"is not in {shard}, which the index names "
-                                  "for it (a damaged or partial download)")
-            out.update(tensors)
-        return out
-    if os.path.isfile(single):
-        say(f"reading {WEIGHTS}")
-        return load_file(single)
-    found = sorted(os.listdir(hf_dir))
-    raise ConfigError(hf_dir, found[:8], f"holds neither {WEIGHTS} nor {INDEX}; save the model with "
-                      "save_pretrained (safetensors, the default) to import it", shown=f"files {found[:8]}")
+    def __init__(self, hf_dir: str, say: Callable[[str], None] = lambda line: None):
+        from moe_plugin.checkpoint.tensor_files import TensorFile
+
+        single, index = os.path.join(hf_dir, WEIGHTS), os.path.join(hf_dir, INDEX)
+        self._files: dict[str, TensorFile] = {}
+        self._where: dict[str, str] = {}
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map", {})
+            shards = sorted(set(weight_map.values()))
+            say(f"{len(shards)} shards named by {INDEX}")
+            for shard in shards:
+                self._files[shard] = TensorFile(os.path.join(hf_dir, shard))
+                names = set(self._files[shard].names())
+                missing = [k for k, s in weight_map.items() if s == shard and k not in names]
+                if missing:
+                    raise ConfigError(f"{index}: weight_map", missing[0], f"is not in {shard}, which the index names "
+                                      "for it (a damaged or partial download)")
+                self._where.update({k: shard for k in names})
+        elif os.path.isfile(single):
+            self._files[WEIGHTS] = TensorFile(single)
+            self._where = {k: WEIGHTS for k in self._files[WEIGHTS].names()}
+        else:
+            found = sorted(os.listdir(hf_dir))
+            raise ConfigError(hf_dir, found[:8], f"holds neither {WEIGHTS} nor {INDEX}; save the model with "
+                              "save_pretrained (safetensors, the default) to import it", shown=f"files {found[:8]}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def names(self) -> list[str]:
+        return sorted(self._where)
+
+    def spec(self, name: str) -> tuple[torch.dtype, list[int]]:
+        return self._files[self._where[name]].spec(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._files[self._where[name]].read(name)
+
+    def nbytes(self) -> int:
+        from moe_plugin.checkpoint.tensor_files import nbytes
+
+        return sum(nbytes(*self.spec(n)) for n in self._where)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
 
 
 def parse_size(text: str | int) -> int:
@@ -63,36 +91,54 @@ def parse_size(text: str | int) -> int:
     raise ConfigError("--max-shard-size", text, "expected bytes or a size such as 5GB, 500MB, 64KB")
 
 
-def write_weights(out_dir: str, tensors: dict[str, torch.Tensor], max_shard_bytes: int,
-                  say: Callable[[str], None] = lambda line: None, metadata: Optional[dict] = None) -> list[str]:
-    """Write ``tensors`` into ``out_dir``; returns the file names written."""
-    from safetensors.torch import save_file
+class HFShardWriter:
+    """``specs`` ({name: (dtype, shape)}) in shards of ``out_dir`` (module docstring); ``write`` each
+    tensor once, in any order, then ``close`` (writes the index) returns the file names."""
 
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        t = tensors[name]
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    meta = {"format": "pt", **(metadata or {})}
-    if len(shards) == 1:
-        say(f"writing {WEIGHTS}: {len(tensors)} tensors")
-        save_file(shards[0], os.path.join(out_dir, WEIGHTS), metadata=meta)
-        return [WEIGHTS]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for name, shard in zip(names, shards):
-        say(f"writing {name}: {len(shard)} tensors")
-        save_file(shard, os.path.join(out_dir, name), metadata=meta)
-        weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with open(os.path.join(out_dir, INDEX), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-    return names + [INDEX]
+    def __init__(self, out_dir: str, specs: dict[str, tuple[torch.dtype, list[int]]], max_shard_bytes: int,
+                 say: Callable[[str], None] = lambda line: None, metadata: Optional[dict] = None):
+        from moe_plugin.checkpoint.tensor_files import TensorWriter, nbytes
+
+        shards: list[dict] = [{}]
+        size = 0
+        for name in sorted(specs):
+            n = nbytes(*specs[name])
+            if shards[-1] and size + n > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = specs[name]
+            size += n
+        self.total = sum(nbytes(*spec) for spec in specs.values())
+        meta = {"format": "pt", **(metadata or {})}
+        self.names = ([WEIGHTS] if len(shards) == 1 else
+                      [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        self._out_dir, self._say, self._count = out_dir, say, len(specs)
+        self._writers = [TensorWriter(os.path.join(out_dir, n), s, meta) for n, s in zip(self.names, shards)]
+        self._shard = {name: i for i, s in enumerate(shards) for name in s}
+        self._left, self._done = [len(s) for s in shards], 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        i = self._shard[name]
+        self._writers[i].write(name, tensor)
+        self._left[i] -= 1
+        if self._left[i] == 0:
+            self._writers[i].close()
+            self._done += 1
+            self._say(f"wrote {self.names[i]} ({self._done}/{len(self.names)} shards)")
+
+    def close(self) -> list[str]:
+        for w in self._writers:
+            w.close()
+        if len(self.names) == 1:
+            return list(self.names)
+        weight_map = {name: self.names[i] for name, i in sorted(self._shard.items())}
+        with open(os.path.join(self._out_dir, INDEX), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": self.total}, "weight_map": weight_map}, f, indent=2)
+        return list(self.names) + [INDEX]
+
+    def abandon(self) -> None:
+        for w in self._writers:
+            w.abandon()
 
 
 def tokenizer_files(hf_dir: str) -> list[str]:

@@ -9,9 +9,13 @@ represent is refused naming the key and the model type); for an MoE model the ``
 ``ds_config`` is checked against it field by field (``HFArchitecture.moe_fields``): a key the block
 sets to another value is refused naming both keys, a key it leaves out is filled in (the completed
 block is what the checkpoint records; ``ImportResult.moe_block``); every HF tensor is mapped
-(``hf_families``), a tensor left over or missing refused by name. Then the checkpoint is written as
-the 1-rank ``GPTModel``'s (``checkpoint.one_rank``; fp32; step 0, optimizer and lr scheduler fresh),
-with the tokenizer files under ``hf/``. Its metadata records ``architecture`` (the
+(``hf_families``), a tensor left over or missing refused by name -- from the safetensors headers,
+before a tensor is read. Then the checkpoint is written as the 1-rank ``GPTModel``'s
+(``checkpoint.one_rank``; step 0, optimizer and lr scheduler fresh), one plugin tensor (one
+expert's row of an expert weight) at a time, read from the HF shards and joined as it is written:
+the peak holds a few tensors whatever the model's size. The tensors keep the source dtype (a bf16
+model makes a bf16 checkpoint, about its own size; ``dtype="float32"`` casts), with the
+tokenizer files under ``hf/``. Its metadata records ``architecture`` (the
 ``TransformerConfig`` fields and ``GPTModel`` arguments the flags set, and the flags: a load into a
 model built otherwise is refused naming the key and the flag, ``checkpoint.architecture``) and
 ``hf`` (model type, dtype, the HF config, the tokenizer files) for ``export-hf``.
@@ -31,11 +35,12 @@ import torch
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.files import refuse_existing
+from moe_plugin.checkpoint.one_rank import OneRankPlan
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.configs.schema import ROOT_KEY, load_ds_config
 from moe_plugin.interop.hf_arch import HFArchitecture, read_hf_config
 from moe_plugin.interop.hf_families import HFMapping
-from moe_plugin.interop.hf_files import read_weights, tokenizer_files
+from moe_plugin.interop.hf_files import HFWeights, tokenizer_files
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +60,7 @@ class ImportResult:
 
 
 def import_hf(hf_dir: Union[os.PathLike, str], ds_config: Union[dict, os.PathLike, str],
-              out_dir: Union[os.PathLike, str], *, tag: str = "step0",
+              out_dir: Union[os.PathLike, str], *, tag: str = "step0", dtype: Optional[str] = None,
               progress: Optional[Callable[[str], None]] = None) -> ImportResult:
     """Write ``hf_dir`` as a plugin checkpoint ``out_dir/tag`` (module docstring). One process."""
     say = progress or logger.info
@@ -72,9 +77,10 @@ def import_hf(hf_dir: Union[os.PathLike, str], ds_config: Union[dict, os.PathLik
     say(f"{hf_dir}: {arch.architecture}, {arch.num_layers} layers, hidden {arch.hidden_size}"
         + (f", {arch.num_experts} experts top-{arch.top_k} on layers {list(arch.moe_layers)}" if arch.is_moe else
            " (dense)"))
+    cast = _dtype(dtype)
     refuse_existing(out_dir, tag, "write into another directory")   # before reading the weights (asked again at the write)
-    weights = read_weights(hf_dir, say)
-    module, experts = plugin_state(arch, weights, hf_dir)
+    weights = HFWeights(hf_dir, say)
+    plan = import_plan(arch, weights, hf_dir, cast)
     record = {"architecture": architecture_record(arch),
               "hf": {"model_type": arch.model_type, "architecture": arch.architecture, "dtype": arch.dtype,
                      "source": os.path.abspath(hf_dir), "config": arch.config,
@@ -82,7 +88,10 @@ def import_hf(hf_dir: Union[os.PathLike, str], ds_config: Union[dict, os.PathLik
     extra = {f"{TOKENIZER_DIR}/{n}": os.path.join(hf_dir, n) for n in tokenizer_files(hf_dir)}
     from moe_plugin.checkpoint.one_rank import write_one_rank
 
-    path = write_one_rank(out_dir, tag, module, experts, moe, model_description(arch), record, extra, say)
+    try:
+        path = write_one_rank(out_dir, tag, plan, moe, model_description(arch), record, extra, say)
+    finally:
+        weights.close()
     seconds = time.perf_counter() - began
     say(f"wrote {path} in {seconds:.2f} s")
     return ImportResult(path, arch.model_type, tuple(arch.example_flags()), block, tuple(filled), seconds)
@@ -127,30 +136,62 @@ def _show(value: Any) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
 
 
-def plugin_state(arch: HFArchitecture, weights: dict[str, torch.Tensor], where: str) -> tuple[dict, dict]:
-    """(module entries, expert weights) of the 1-rank plugin model from the HF tensors, fp32."""
+def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    if name is None:
+        return None
+    value = getattr(torch, str(name), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ConfigError("--dtype", name, "expected float32, bfloat16 or float16 (default: the source's dtype)")
+    return value
+
+
+def import_plan(arch: HFArchitecture, weights: HFWeights, where: str,
+                dtype: Optional[torch.dtype] = None) -> OneRankPlan:
+    """The 1-rank plugin model's tensors, each made from its HF tensors when asked (``OneRankPlan``);
+    every HF tensor is accounted for from the headers first (a left-over or missing one refused by
+    name). Floating point tensors keep their dtype, or become ``dtype``."""
     mapping = HFMapping(arch)
     wanted = mapping.hf_keys()
-    left = sorted(k for k in weights if k not in wanted and not k.endswith(DERIVED)
+    left = sorted(k for k in weights.names() if k not in wanted and not k.endswith(DERIVED)
                   and not (arch.tied and k == "lm_head.weight"))
     if left:
         raise CheckpointError(f"{where}: tensor {left[0]!r} has no place in the plugin's {arch.model_type} model"
                               + (f" (and {len(left) - 1} more)" if len(left) > 1 else "")
                               + "; the plugin cannot represent it (nothing was written)")
-    if arch.tied and "lm_head.weight" in weights and not torch.equal(weights["lm_head.weight"],
-                                                                     weights["model.embed_tokens.weight"]):
-        raise CheckpointError(f"{where}: tie_word_embeddings is true but lm_head.weight differs from "
-                              f"model.embed_tokens.weight (model_type {arch.model_type})")
-    module, experts = mapping.plugin_only(), {}
     for rule in mapping.rules:
         missing = [k for k in rule.hf if k not in weights]
         if missing:
             raise CheckpointError(f"{where}: tensor {missing[0]!r} is missing (model_type {arch.model_type}, "
                                   f"needed for {rule.plugin})")
-        value = rule.join([weights[k] for k in rule.hf])
-        value = value.float() if value.is_floating_point() else value
-        (experts if ".mlp.experts.weight" in rule.plugin else module)[rule.plugin] = value
-    return module, experts
+    if arch.tied and "lm_head.weight" in weights and not torch.equal(weights.read("lm_head.weight"),
+                                                                     weights.read("model.embed_tokens.weight")):
+        raise CheckpointError(f"{where}: tie_word_embeddings is true but lm_head.weight differs from "
+                              f"model.embed_tokens.weight (model_type {arch.model_type})")
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    def shaped(rule) -> tuple[torch.dtype, list[int]]:
+        made = rule.join([torch.empty(weights.spec(k)[1], dtype=weights.spec(k)[0], device="meta") for k in rule.hf])
+        return cast(made).dtype, list(made.shape)
+
+    constants = {k: v for k, v in mapping.plugin_only().items() if isinstance(v, torch.Tensor)}
+    dense = {k: (v.dtype, list(v.shape)) for k, v in constants.items()}
+    plain = {k: v for k, v in mapping.plugin_only().items() if not isinstance(v, torch.Tensor)}
+    dense_rules, expert_rules, experts = {}, {}, {}
+    for rule in mapping.rules:
+        if rule.expert is None:
+            dense[rule.plugin], dense_rules[rule.plugin] = shaped(rule), rule
+        else:
+            experts.setdefault(rule.plugin, shaped(rule))
+            expert_rules[rule.plugin, rule.expert] = rule
+
+    def make(rule) -> torch.Tensor:
+        return cast(rule.join([weights.read(k) for k in rule.hf])).contiguous()
+
+    return OneRankPlan(dense, plain, experts, arch.num_experts if experts else 0,
+                       lambda key: constants[key] if key in constants else make(dense_rules[key]),
+                       lambda key, e: make(expert_rules[key, e]))
 
 
 def architecture_record(arch: HFArchitecture) -> dict:

@@ -1,0 +1,158 @@
+"""A checkpoint's tensor files opened by their headers, each tensor read when asked.
+
+Two kinds of file hold a checkpoint's tensors: safetensors (``tensor_files``: the dense weights and
+expert files a conversion writes, ``model/`` and ``experts/*.safetensors``) and ``torch.save``
+files (DeepSpeed's module files and the expert files of a training save, read by
+``compat.torch_files`` without running their pickle's code). Both give ``Lazy`` values: dtype and
+shape known, bytes read by ``read()``, so a reader holds one tensor at a time.
+
+    module = open_module(path, meta, stage, tp_rank)    # {state-dict key: Lazy or a plain value}
+    entry = open_expert(path, meta, expert_id, stage)   # .expert_id, .weights {key: Lazy}, .optimizer
+    value = materialize(module[key])
+
+A conversion's checkpoint records ``"dense_files"`` ({stage: [file per TP rank]}, beside
+DeepSpeed's module file, which then holds only the module's non-tensor entries) and
+``"expert_files": "safetensors"``; a training save records neither and keeps everything in
+DeepSpeed's files and ``experts/*.pt``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+
+from moe_plugin.checkpoint.errors import CheckpointError
+from moe_plugin.checkpoint.metadata import EXPERT_DIR, saved_model_files
+from moe_plugin.checkpoint.tensor_files import SUFFIX, TensorFile
+from moe_plugin.compat.torch_files import LazyTensor, Opaque, TorchFile
+
+DENSE_DIR = "model"
+SAFE = "safetensors"
+
+
+class SafeLazy:
+    """One tensor of a safetensors file, read by ``read``."""
+
+    def __init__(self, source: TensorFile, name: str):
+        self.source, self.name = source, name
+        self.dtype, shape = source.spec(name)
+        self.shape = torch.Size(shape)
+
+    def read(self) -> torch.Tensor:
+        return self.source.read(self.name)
+
+    def read_rows(self, start: int, count: int) -> torch.Tensor:
+        return self.source.read_rows(self.name, start, count)
+
+
+Lazy = Union[SafeLazy, LazyTensor]
+
+
+def is_lazy(value: Any) -> bool:
+    return isinstance(value, (SafeLazy, LazyTensor))
+
+
+def materialize(value: Any) -> Any:
+    return value.read() if is_lazy(value) else value
+
+
+def materialize_all(value: Any) -> Any:
+    """``value`` with every lazy tensor inside its dicts, lists and tuples read."""
+    if isinstance(value, dict):
+        return type(value)((k, materialize_all(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(materialize_all(v) for v in value)
+    return materialize(value)
+
+
+def dense_file_name(stage: int, tp_rank: int) -> str:
+    return f"{DENSE_DIR}/dense_pp_{stage:02d}_tp_{tp_rank:02d}{SUFFIX}"
+
+
+def expert_path(path: str, meta: dict, expert_id: int, stage: int) -> str:
+    """Expert ``expert_id`` of stage ``stage``: ``.safetensors`` where the metadata says so, else ``.pt``."""
+    suffix = SUFFIX if meta.get("expert_files") == SAFE else ".pt"
+    return os.path.join(path, EXPERT_DIR, f"expert_{expert_id:05d}_pp_{stage:02d}{suffix}")
+
+
+def module_files(path: str, meta: dict, stage: int) -> list[str]:
+    """The files holding stage ``stage``'s dense tensors, one per saved TP rank."""
+    dense = meta.get("dense_files", {}).get(str(stage))
+    if dense is not None:
+        return [os.path.join(path, name) for name in dense]
+    return saved_model_files(path, meta, stage)
+
+
+def open_module(path: str, meta: dict, stage: int, tp_rank: int) -> dict[str, Any]:
+    """The module state of saved (``stage``, ``tp_rank``): tensors as ``Lazy``, the rest as saved."""
+    deepspeed = saved_model_files(path, meta, stage)[tp_rank]
+    if meta.get("dense_files") is None:
+        module = TorchFile(deepspeed).content.get("module")
+        if not isinstance(module, dict):
+            raise CheckpointError(f"{deepspeed}: holds no module state")
+        return dict(module)
+    tensors = TensorFile(module_files(path, meta, stage)[tp_rank])
+    plain = TorchFile(deepspeed).content.get("module") or {}
+    out = {k: v for k, v in plain.items() if not is_lazy(v)}
+    out.update({name: SafeLazy(tensors, name) for name in tensors.names()})
+    return out
+
+
+@dataclass
+class ExpertEntry:
+    path: str
+    expert_id: Any
+    weights: dict[str, Lazy] = field(default_factory=dict)
+    optimizer: dict[str, dict[str, Lazy]] = field(default_factory=dict)
+    placement: dict = field(default_factory=dict)
+
+
+# a safetensors expert file: weights under their state-dict key, optimizer rows as "KEY@NAME"
+OPTIMIZER_MARK = "@"
+
+
+def open_expert_file(file: str) -> ExpertEntry:
+    if file.endswith(SUFFIX):
+        f = TensorFile(file)
+        entry = ExpertEntry(file, _int(f.metadata.get("expert_id")), placement=json.loads(f.metadata.get("placement",
+                                                                                                         "{}")))
+        for name in f.names():
+            key, _, state = name.partition(OPTIMIZER_MARK)
+            if state:
+                entry.optimizer.setdefault(key, {})[state] = SafeLazy(f, name)
+            else:
+                entry.weights[key] = SafeLazy(f, name)
+        return entry
+    content = TorchFile(file).content
+    if not isinstance(content, dict) or isinstance(content, Opaque):
+        raise CheckpointError(f"{file}: not an expert file")
+    return ExpertEntry(file, content.get("expert_id"), dict(content.get("weights") or {}),
+                       {k: dict(v) for k, v in (content.get("optimizer") or {}).items()},
+                       dict(content.get("placement") or {}))
+
+
+def open_expert(path: str, meta: dict, expert_id: int, stage: int) -> ExpertEntry:
+    return open_expert_file(expert_path(path, meta, expert_id, stage))
+
+
+def _int(text: Any) -> Any:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return text
+
+
+def expert_file_specs(weights: dict[str, tuple], optimizer: dict[str, dict[str, tuple]]) -> dict[str, tuple]:
+    """The tensor plan of a safetensors expert file: {name: (dtype, shape)}."""
+    specs = dict(sorted(weights.items()))
+    for key in sorted(optimizer):
+        for state, spec in sorted(optimizer[key].items()):
+            specs[key + OPTIMIZER_MARK + state] = spec
+    return specs
+
+
+def expert_file_metadata(expert_id: int, stage: int, placement: dict) -> dict[str, str]:
+    return {"expert_id": str(expert_id), "stage": str(stage), "placement": json.dumps(placement)}

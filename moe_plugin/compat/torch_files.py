@@ -1,0 +1,162 @@
+"""Files written by ``torch.save`` (torch 2.13's zip format), read without running their code and
+without reading their tensors until asked.
+
+    with TorchFile("mp_rank_00_model_states.pt") as f:
+        module = f.content["module"]            # {key: LazyTensor or a plain value}; no tensor read yet
+        w = module["decoder.final_layernorm.weight"].read()
+
+What torch 2.13 writes (``torch/serialization.py``, ``_save``): a zip archive of stored (not
+compressed) records, ``PREFIX/data.pkl`` the pickled object in which every tensor is a call of
+``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)`` and every storage a
+persistent id ``("storage", torch.<Dtype>Storage, key, location, numel)`` naming the record
+``PREFIX/data/KEY`` that holds its bytes. Here the pickle is read by an unpickler whose classes
+come from a table: tensors become ``LazyTensor`` (record, dtype, offset, shape, stride: its bytes
+are read by ``read``), ``OrderedDict``, ``set``, ``torch.Size`` and dtypes are themselves, and any
+other class is an ``Opaque`` holding its name and arguments: nothing in the file is called.
+
+``tests/test_compat_guards.py`` checks this against the installed torch.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import zipfile
+from typing import Any, Optional
+
+import torch
+
+from moe_plugin.checkpoint.errors import CheckpointError
+
+STORAGE_DTYPES = {"DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+                  "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+                  "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+                  "BoolStorage": torch.bool}
+DTYPE_NAMES = {str(d).split(".")[1]: d for d in STORAGE_DTYPES.values()}
+
+
+class Opaque:
+    """An object of a class the table does not admit: its class name and what the pickle gave it."""
+
+    qualname = "?"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.args, self.kwargs, self.state = args, kwargs, None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<unread {self.qualname}>"
+
+
+class LazyTensor:
+    """A tensor of a ``TorchFile``, read by ``read`` (only its own bytes)."""
+
+    def __init__(self, source: "TorchFile", key: str, dtype: torch.dtype, offset: int, shape: tuple, stride: tuple):
+        self.source, self.key, self.dtype = source, key, dtype
+        self.offset, self.shape, self.stride = offset, torch.Size(shape), tuple(stride)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def read(self) -> torch.Tensor:
+        return self.source.read_tensor(self)
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self.dtype}, {list(self.shape)})"
+
+
+class TorchFile:
+    """One ``torch.save`` file (module docstring). ``content``: the unpickled object, tensors lazy."""
+
+    def __init__(self, path: os.PathLike | str):
+        self.path = os.fspath(path)
+        try:
+            self._zip = zipfile.ZipFile(self.path)
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.path}: missing") from None
+        except (zipfile.BadZipFile, OSError, ValueError) as exc:
+            raise CheckpointError(f"{self.path}: unreadable torch file, truncated or damaged ({exc})") from None
+        pickles = [n for n in self._zip.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+        if len(pickles) != 1:
+            self._zip.close()
+            raise CheckpointError(f"{self.path}: not a torch.save file (no data.pkl record)")
+        self._prefix = pickles[0][:-len("data.pkl")]
+        try:
+            data = self._zip.read(pickles[0])
+            self.content = _Unpickler(self, data).load()
+        except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, OSError, ValueError, TypeError, IndexError,
+                KeyError, AttributeError) as exc:
+            self._zip.close()
+            raise CheckpointError(f"{self.path}: unreadable torch file, truncated or damaged ({type(exc).__name__}: "
+                                  f"{exc})") from None
+
+    def read_tensor(self, t: LazyTensor) -> torch.Tensor:
+        size = t.dtype.itemsize if hasattr(t.dtype, "itemsize") else torch.empty((), dtype=t.dtype).element_size()
+        if t.numel() == 0:
+            return torch.empty(t.shape, dtype=t.dtype)
+        span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride))   # elements from the first to the last
+        out = torch.empty(span, dtype=t.dtype)
+        view = memoryview(out.view(torch.uint8).numpy())
+        try:
+            with self._zip.open(self._prefix + "data/" + t.key) as f:
+                f.seek(t.offset * size)
+                done = 0
+                while done < len(view):
+                    got = f.readinto(view[done:])
+                    if not got:
+                        raise EOFError("the record ends early")
+                    done += got
+        except (KeyError, EOFError, OSError, zipfile.BadZipFile) as exc:
+            raise CheckpointError(f"{self.path}: unreadable torch file, truncated or damaged (record {t.key}: "
+                                  f"{exc})") from None
+        if t.numel() == span and t.stride == tuple(torch.empty(t.shape).stride()):
+            return out.view(t.shape)
+        return out.as_strided(t.shape, t.stride).clone()
+
+    def close(self) -> None:
+        self._zip.close()
+
+    def __enter__(self) -> "TorchFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _rebuild_tensor(storage: tuple, offset: int, shape: tuple, stride: tuple, *_rest: Any) -> LazyTensor:
+    source, key, dtype = storage
+    return LazyTensor(source, key, dtype, offset, shape, stride)
+
+
+def _rebuild_parameter(data: Any, *_rest: Any) -> Any:
+    return data
+
+
+class _Unpickler(pickle.Unpickler):
+    ADMITTED = {("collections", "OrderedDict"): collections.OrderedDict, ("torch", "Size"): torch.Size,
+                ("builtins", "set"): set, ("__builtin__", "set"): set, ("builtins", "frozenset"): frozenset,
+                ("__builtin__", "frozenset"): frozenset, ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+                ("torch._utils", "_rebuild_parameter"): _rebuild_parameter}
+
+    def __init__(self, source: TorchFile, data: bytes):
+        import io
+
+        super().__init__(io.BytesIO(data))
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        admitted: Optional[Any] = self.ADMITTED.get((module, name))
+        if admitted is not None:
+            return admitted
+        if module == "torch" and name in STORAGE_DTYPES:
+            return ("storage", STORAGE_DTYPES[name])
+        if module == "torch" and name in DTYPE_NAMES:
+            return DTYPE_NAMES[name]
+        return type(name, (Opaque,), {"qualname": f"{module}.{name}"})
+
+    def persistent_load(self, pid: Any) -> tuple:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], tuple)):
+            raise pickle.UnpicklingError(f"unexpected persistent id {str(pid)[:60]}")
+        return (self._source, str(pid[2]), pid[1][1])
