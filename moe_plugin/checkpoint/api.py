@@ -96,6 +96,7 @@ from moe_plugin.checkpoint.metadata import (
     dense_recut,
     layout,
     metadata,
+    module_files,
     read_latest,
     rng_file,
     saved_model_files,
@@ -109,7 +110,7 @@ from moe_plugin.checkpoint.optimizer import (
     match_record,
     record_file,
 )
-from moe_plugin.checkpoint.readers import materialize_all, module_files, open_module
+from moe_plugin.checkpoint.readers import materialize_all, open_module
 from moe_plugin.checkpoint.reshard import own_dense
 from moe_plugin.checkpoint.rng import clear_pending_load, rng_state, set_rng_state
 from moe_plugin.checkpoint.tags import check_keep_last, choose_tag, prune, saving

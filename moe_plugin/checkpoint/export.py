@@ -40,8 +40,8 @@ import torch
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.files import verify_all
-from moe_plugin.checkpoint.metadata import POSITION_DEFAULTS, placement_key, read_latest, read_metadata
-from moe_plugin.checkpoint.readers import is_lazy, module_files, open_expert, open_module
+from moe_plugin.checkpoint.metadata import POSITION_DEFAULTS, module_files, placement_key, read_latest, read_metadata
+from moe_plugin.checkpoint.readers import is_lazy, open_expert, open_module
 from moe_plugin.checkpoint.shards import tp_join
 from moe_plugin.checkpoint.tensor_files import TensorWriter, nbytes
 

@@ -21,12 +21,14 @@ from torch import nn
 from moe_plugin.checkpoint.errors import CheckpointError, first_line
 from moe_plugin.checkpoint.experts import expert_weights
 from moe_plugin.checkpoint.optimizer import basic_optimizer, check_record_loads, record_kind
+from moe_plugin.checkpoint.tensor_files import SUFFIX
 from moe_plugin.compat.deepspeed_checkpoint import model_file_name
 
 # 2: a conversion's checkpoint (import-hf, upcycle) keeps its tensors in safetensors files
 # (``readers``: "dense_files", "expert_files"); version 1 checkpoints read as before.
 FORMAT, FORMAT_VERSION, READ_VERSIONS = "moe_plugin.checkpoint", 2, (1, 2)
 META_FILE, EXPERT_DIR, RNG_DIR, LATEST = "moe_plugin.json", "experts", "rng", "latest"
+DENSE_DIR, SAFE = "model", "safetensors"   # a conversion's dense files; "expert_files": SAFE
 # Keys of the "moe" block that change the function the model computes (parallel sizes do not).
 # A key a checkpoint lacks (saved before the field existed) counts as its default, ``SINCE_DEFAULTS``.
 MODEL_KEYS = ("num_experts", "top_k", "router", "normalize_gates", "second_expert_policy", "activation",
@@ -80,6 +82,24 @@ def saved_model_files(path: str, meta: dict, stage: int) -> list[str]:
         tp = meta["layout"]["tp"]
         names = [model_file_name(stage * tp + r) for r in range(tp)]
     return [os.path.join(path, name) for name in names]
+
+
+def dense_file_name(stage: int, tp_rank: int) -> str:
+    return f"{DENSE_DIR}/dense_pp_{stage:02d}_tp_{tp_rank:02d}{SUFFIX}"
+
+
+def expert_path(path: str, meta: dict, expert_id: int, stage: int) -> str:
+    """Expert ``expert_id`` of stage ``stage``: ``.safetensors`` where the metadata says so, else ``.pt``."""
+    suffix = SUFFIX if meta.get("expert_files") == SAFE else ".pt"
+    return os.path.join(path, EXPERT_DIR, f"expert_{expert_id:05d}_pp_{stage:02d}{suffix}")
+
+
+def module_files(path: str, meta: dict, stage: int) -> list[str]:
+    """The files holding stage ``stage``'s dense tensors, one per saved TP rank."""
+    dense = meta.get("dense_files", {}).get(str(stage))
+    if dense is not None:
+        return [os.path.join(path, name) for name in dense]
+    return saved_model_files(path, meta, stage)
 
 
 def stages_changed(meta: dict, groups: Any) -> bool:
@@ -376,8 +396,6 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
         problems += _differences("dense", stage["dense"], shapes["dense"])
         problems += _differences("expert", stage["experts"], shapes["experts"])
     if not problems:
-        from moe_plugin.checkpoint.readers import expert_path, module_files
-
         if dense_recut(meta, groups):
             model_files = [f for st in saved_stages(meta, groups)
                            for f in saved_model_files(path, meta, st) + module_files(path, meta, st)]

@@ -30,9 +30,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from moe_plugin.checkpoint.files import copy_files, tag_written_here, write_metadata
-from moe_plugin.checkpoint.metadata import FORMAT, FORMAT_VERSION, placement_key
-from moe_plugin.checkpoint.readers import (SAFE, dense_file_name, expert_file_metadata, expert_file_specs,
-                                           expert_path)
+from moe_plugin.checkpoint.metadata import FORMAT, FORMAT_VERSION, SAFE, dense_file_name, expert_path, placement_key
+from moe_plugin.checkpoint.readers import expert_file_metadata, expert_file_specs
 from moe_plugin.checkpoint.tensor_files import TensorWriter
 from moe_plugin.configs import MoEConfig, ParallelConfig, ParallelSizes
 

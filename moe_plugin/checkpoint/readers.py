@@ -25,12 +25,10 @@ from typing import Any, Union
 import torch
 
 from moe_plugin.checkpoint.errors import CheckpointError
-from moe_plugin.checkpoint.metadata import EXPERT_DIR, saved_model_files
+from moe_plugin.checkpoint.metadata import SAFE, expert_path, module_files, saved_model_files
 from moe_plugin.checkpoint.tensor_files import SUFFIX, TensorFile
 from moe_plugin.compat.torch_files import LazyTensor, Opaque, TorchFile
 
-DENSE_DIR = "model"
-SAFE = "safetensors"
 
 
 class SafeLazy:
@@ -66,24 +64,6 @@ def materialize_all(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(materialize_all(v) for v in value)
     return materialize(value)
-
-
-def dense_file_name(stage: int, tp_rank: int) -> str:
-    return f"{DENSE_DIR}/dense_pp_{stage:02d}_tp_{tp_rank:02d}{SUFFIX}"
-
-
-def expert_path(path: str, meta: dict, expert_id: int, stage: int) -> str:
-    """Expert ``expert_id`` of stage ``stage``: ``.safetensors`` where the metadata says so, else ``.pt``."""
-    suffix = SUFFIX if meta.get("expert_files") == SAFE else ".pt"
-    return os.path.join(path, EXPERT_DIR, f"expert_{expert_id:05d}_pp_{stage:02d}{suffix}")
-
-
-def module_files(path: str, meta: dict, stage: int) -> list[str]:
-    """The files holding stage ``stage``'s dense tensors, one per saved TP rank."""
-    dense = meta.get("dense_files", {}).get(str(stage))
-    if dense is not None:
-        return [os.path.join(path, name) for name in dense]
-    return saved_model_files(path, meta, stage)
 
 
 def open_module(path: str, meta: dict, stage: int, tp_rank: int) -> dict[str, Any]:
