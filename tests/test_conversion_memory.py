@@ -5,9 +5,10 @@ model sizes (2 and 8 layers, the same layer): the peak must not grow with the la
 bytes converted grow by about 100 MB. Holding the model whole (as the conversions did before
 this test) grows the peak by 1-3x those bytes.
 
-The models are written from transformers' own classes (their state-dict names and shapes taken
-from the model built on the meta device) with random bf16 weights, one tensor at a time, so
-building them costs no memory either. Also checked: a bf16 import makes a checkpoint of about the
+The models' config.json comes from transformers' own config classes and their weights, random
+bf16, are written one tensor at a time under the hub's names (what ``save_pretrained`` writes:
+per-expert ``block_sparse_moe.experts.E.w1/w2/w3`` for Mixtral), so building them costs no memory
+either. Also checked: a bf16 import makes a checkpoint of about the
 source's size (the dtype is kept), and the export-hf of the import is the source, tensor for tensor.
 """
 from __future__ import annotations
@@ -50,9 +51,7 @@ def write_hf_model(kind: str, path: Path, layers: int, seed: int = 0) -> int:
                                     "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA)}[kind]
     config = getattr(transformers, config_cls)(**SHAPE, **extra, num_hidden_layers=layers)
     config.dtype = "bfloat16"
-    with torch.device("meta"):
-        model = getattr(transformers, model_cls)(config)
-    specs = {k: (torch.bfloat16, list(v.shape)) for k, v in sorted(model.state_dict().items())}
+    specs = {k: (torch.bfloat16, shape) for k, shape in sorted(hub_shapes(kind, config).items())}
     path.mkdir(parents=True)
     config.save_pretrained(path)
     gen = torch.Generator().manual_seed(seed)
@@ -61,6 +60,30 @@ def write_hf_model(kind: str, path: Path, layers: int, seed: int = 0) -> int:
             value = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=gen) * 0.02
             out.write(name, value.to(dtype))
     return sum(nbytes(*spec) for spec in specs.values())
+
+
+def hub_shapes(kind: str, c) -> dict[str, list[int]]:
+    """{name: shape} of the hub layout of ``c`` (a Mixtral or Llama config)."""
+    h, d = c.hidden_size, c.hidden_size // c.num_attention_heads
+    out = {"model.embed_tokens.weight": [c.vocab_size, h], "model.norm.weight": [h],
+           "lm_head.weight": [c.vocab_size, h]}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
+                    p + "self_attn.q_proj.weight": [c.num_attention_heads * d, h],
+                    p + "self_attn.k_proj.weight": [c.num_key_value_heads * d, h],
+                    p + "self_attn.v_proj.weight": [c.num_key_value_heads * d, h],
+                    p + "self_attn.o_proj.weight": [h, c.num_attention_heads * d]})
+        f = c.intermediate_size
+        if kind == "llama":
+            out.update({p + "mlp.gate_proj.weight": [f, h], p + "mlp.up_proj.weight": [f, h],
+                        p + "mlp.down_proj.weight": [h, f]})
+            continue
+        out[p + "block_sparse_moe.gate.weight"] = [c.num_local_experts, h]
+        for e in range(c.num_local_experts):
+            q = p + f"block_sparse_moe.experts.{e}."
+            out.update({q + "w1.weight": [f, h], q + "w3.weight": [f, h], q + "w2.weight": [h, f]})
+    return out
 
 
 def peak_mb(*args: str) -> float:
@@ -84,7 +107,7 @@ def measured(tmp_path_factory):
         "train_micro_batch_size_per_gpu": 1,
         "moe": {"num_experts": 4, "top_k": 2, "router": "topk", "activation": "swiglu", "drop_tokens": False,
                 "parallel": {"expert": 2}}}))
-    (root / "ds_dense.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "moe": {}}))
+    (root / "ds_dense.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "moe": {"num_experts": 8}}))
     out = {}
     for layers in LAYERS:
         d = root / f"L{layers}"
