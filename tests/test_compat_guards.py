@@ -272,3 +272,37 @@ def test_megatron_cpu_rng_tracker_and_buffers():
               f"{name} no longer imports torch as torch", MCORE, "megatron_cpu")
         _must("torch.cuda.current_device()" in inspect.getsource(module),
               f"{name} no longer allocates on torch.cuda.current_device()", MCORE, "megatron_cpu")
+
+
+def test_torch_save_files_read_lazily_and_without_running_code(tmp_path):
+    """torch's zip format as ``compat/torch_files.py`` reads it: every kind of tensor a checkpoint holds
+    comes back bit-exact, and an object whose unpickling would run code stays an ``Opaque``."""
+    from moe_plugin.compat.torch_files import LazyTensor, Opaque, TorchFile
+
+    marker = tmp_path / "ran"
+    base = torch.randn(6, 4)
+    tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).bfloat16(), "i64": torch.arange(9),
+               "bool": torch.tensor([True, False]), "view": base[2:5], "transposed": base.t(),
+               "param": torch.nn.Parameter(torch.ones(2, 2)), "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 3)}
+    torch.save({"module": tensors, "shared": [base, base[1]], "planted": _Planted(str(marker)),
+                "size": torch.Size([2, 3]), "names": {"a", "b"}}, tmp_path / "f.pt")
+    with TorchFile(tmp_path / "f.pt") as f:
+        module = f.content["module"]
+        for name, value in tensors.items():
+            _must(isinstance(module[name], LazyTensor) and torch.equal(module[name].read(), value.detach()),
+                  f"a {name} tensor no longer reads back from torch.save's zip records", f"torch {torch.__version__}",
+                  "torch_files")
+        _must(torch.equal(f.content["shared"][1].read(), base[1]), "a view of a shared storage reads otherwise",
+              f"torch {torch.__version__}", "torch_files")
+        assert isinstance(f.content["planted"], Opaque) and f.content["size"] == torch.Size([2, 3])
+    assert not marker.exists()
+
+
+class _Planted:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.path}",))

@@ -186,22 +186,27 @@ class TensorWriter:
             raise
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        self.write_rows(name, 0, tensor) if self._specs.get(name, (None, []))[1] else self._put(name, 0, tensor, [])
+        """The whole of ``name``."""
+        self._put(name, 0, tensor, None)
 
     def write_rows(self, name: str, start: int, tensor: torch.Tensor) -> None:
         """Rows ``[start, start + len(tensor))`` of dim 0 of ``name`` (every row once, in any order)."""
-        shape = self._specs[name][1] if name in self._specs else []
-        if not shape or start < 0 or start + tensor.shape[0] > shape[0]:
-            raise ValueError(f"{self.path}: rows [{start}, {start + (tensor.shape[0] if tensor.dim() else 0)}) of "
-                             f"{name!r} {shape}")
-        self._put(name, start * nbytes(self._specs[name][0], shape[1:]), tensor, [tensor.shape[0], *shape[1:]])
+        dtype, shape = self._spec(name)
+        count = tensor.shape[0] if tensor.dim() else 0
+        if not shape or start < 0 or start + count > shape[0]:
+            raise ValueError(f"{self.path}: rows [{start}, {start + count}) of {name!r} {shape}")
+        self._put(name, start * nbytes(dtype, shape[1:]), tensor, [count, *shape[1:]])
 
-    def _put(self, name: str, at: int, tensor: torch.Tensor, shape: list[int]) -> None:
+    def _spec(self, name: str) -> Spec:
         if name not in self._specs:
             raise ValueError(f"{self.path}: {name!r} is not one of the tensors planned for this file")
-        dtype, planned = self._specs[name]
-        if tensor.dtype != dtype or list(tensor.shape) != (shape or planned):
-            raise ValueError(f"{self.path}: {name} is {tensor.dtype} {list(tensor.shape)}, planned {dtype} {planned}")
+        return self._specs[name]
+
+    def _put(self, name: str, at: int, tensor: torch.Tensor, rows: Optional[list[int]]) -> None:
+        dtype, planned = self._spec(name)
+        if tensor.dtype != dtype or list(tensor.shape) != (planned if rows is None else rows):
+            raise ValueError(f"{self.path}: {name} is {tensor.dtype} {list(tensor.shape)}, planned {dtype} {planned}"
+                             + ("" if rows is None else f" (rows {rows})"))
         if name not in self._left:
             raise ValueError(f"{self.path}: {name} written twice")
         data = memoryview(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
@@ -212,9 +217,9 @@ class TensorWriter:
         except BaseException:
             self.abandon()
             raise
-        rows = self._rows.get(name, 0) + (shape[0] if shape else 1)
-        self._rows[name] = rows
-        if rows >= (planned[0] if planned else 1):
+        whole = planned[0] if planned else 1
+        self._rows[name] = self._rows.get(name, 0) + (whole if rows is None else rows[0])
+        if self._rows[name] >= whole:
             self._left.discard(name)
 
     def close(self) -> None:
