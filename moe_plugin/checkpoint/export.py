@@ -15,17 +15,21 @@ fields JSON can hold, parallel sizes set to 1; ``vocab_size``; ``max_sequence_le
 arguments); the ``moe`` block with parallel sizes 1; ``source``: the
 checkpoint, tag, step and saved layout).
 
-How: every file is first checked against the checksums the save recorded. Dense weights come
-from DeepSpeed's module files, one per (pipeline stage, TP rank): TP shards are joined by the cut
+How: every file is first checked against the checksums the save recorded. Then tensor by tensor
+(``CheckpointSource``, which ``export-hf`` and ``upcycle`` read too): names, dtypes and shapes come
+from the files' headers and the metadata, each tensor is read when it is written, so the peak holds
+one tensor whatever the model's size. Dense weights come from each stage's module files, one per
+(pipeline stage, TP rank) -- DeepSpeed's ``torch.save`` files, read without running their pickle
+(``compat.torch_files``), or a conversion's safetensors (``readers``) -- TP shards joined by the cut
 the save recorded per key (``tp_split``: dim and stride), pipeline pieces renamed to ``GPTModel``
-keys (``pipeline.gpt_state_dict_key``). Experts come from the global-id files: expert e of every
-MoE layer, stacked in id order, so the 1-rank model's placement is the identity (the saved
-placement only said which rank held which expert). A tied model (the word embedding is also the
-output layer) has no ``output_layer.weight``: a pipeline's last stage keeps a copy of the
-embedding, which is dropped here (checked equal first). One process, no process group, no
-Megatron import. fp16/bf16 runs export the module's weights, cast to fp32 (not ZeRO's master
-copies). DeepSpeed's ``zero_to_fp32.py`` does not understand these checkpoints (the experts are
-in our files): use this.
+keys (``pipeline.gpt_state_dict_key``). Experts come from the global-id files: expert e of every MoE
+layer, written as row e of the stacked weight, so the 1-rank model's placement is the identity (the
+saved placement only said which rank held which expert). A tied model (the word embedding is also
+the output layer) has no ``output_layer.weight``: a pipeline's last stage keeps a copy of the
+embedding, which is dropped here (checked equal first). One process, no process group, no Megatron
+import. fp16/bf16 runs export the module's weights, cast to fp32 (not ZeRO's master copies).
+DeepSpeed's ``zero_to_fp32.py`` does not understand these checkpoints (the experts are in our
+files): use this.
 """
 from __future__ import annotations
 

@@ -78,12 +78,15 @@ def export_hf(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, *, arch: 
     tmp = os.path.join(parent, f".tmp-{os.path.basename(os.path.abspath(out_dir))}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    shards = None
     try:
         config.save_pretrained(tmp)
         shards = HFShardWriter(tmp, specs, shard_bytes, say)
-        for rule, make in tasks:
+        for n, (rule, make) in enumerate(tasks, 1):
             for name, tensor in zip(rule.hf, rule.cut(make())):
                 shards.write(name, tensor.to(torch_dtype).contiguous())
+            if n % 64 == 0:
+                say(f"tensors of {n}/{len(tasks)} plugin entries written")
         files = ["config.json"] + shards.close()
         for name in meta.get("hf", {}).get("tokenizer_files", []):
             source_file = os.path.join(path, name)
@@ -94,6 +97,8 @@ def export_hf(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, *, arch: 
             os.rmdir(out_dir)   # empty (checked above)
         os.rename(tmp, out_dir)
     except BaseException:
+        if shards is not None:
+            shards.abandon()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     seconds = time.perf_counter() - began
