@@ -5,6 +5,7 @@
     moe-plugin demo [--world-size 4] [--config FILE]
     moe-plugin bench layer [--experts 8,64,128] [--tokens N] [--vs deepspeed] [--dropless] [--json] ...
     moe-plugin bench step [--ranks 4] [--ep N] [--layers 4] [--hidden 256] [--experts 8] [--json] ...
+    moe-plugin bench checkpoint [--layers 4,8] [--hidden 1024] [--experts 8] [--steps import-hf,export] [--json] ...
     moe-plugin plan --model MODEL.json --cluster CLUSTER.json [--trace FILE] [--out DIR] [--top N]
     moe-plugin plan --calibrate out.json [--ranks 4] | --validate [--ranks 4,8]
     moe-plugin report RUN_DIR [RUN_DIR ...] [--out DIR]
@@ -95,6 +96,12 @@ def bench_layer(args: argparse.Namespace) -> None:
 
 def bench_step(args: argparse.Namespace) -> None:
     from moe_plugin_tools.bench.step import run
+
+    run(args)
+
+
+def bench_checkpoint(args: argparse.Namespace) -> None:
+    from moe_plugin_tools.bench.checkpoint import run
 
     run(args)
 
@@ -249,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "else float32)")
     exp.set_defaults(run=export_hf)
 
-    add_bench_parser(commands, bench_layer, bench_step)
+    add_bench_parser(commands, bench_layer, bench_step, bench_checkpoint)
     add_plan_parser(commands)
     add_text_parsers(commands)
     return parser

@@ -8,90 +8,30 @@ this test) grows the peak by 1-3x those bytes.
 The models' config.json comes from transformers' own config classes and their weights, random
 bf16, are written one tensor at a time under the hub's names (what ``save_pretrained`` writes:
 per-expert ``block_sparse_moe.experts.E.w1/w2/w3`` for Mixtral), so building them costs no memory
-either. Also checked: a bf16 import makes a checkpoint of about the
-source's size (the dtype is kept), and the export-hf of the import is the source, tensor for tensor.
+either (moe_plugin_tools/bench/hf_model.py, which ``moe-plugin bench checkpoint`` uses too). Also
+checked: a bf16 import makes a checkpoint of about the source's size (the dtype is kept), and the
+export-hf of the import is the source, tensor for tensor.
 """
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from moe_plugin_tools.bench.hf_model import HFShape, run_measured, write_hf_model
+
 LAYERS = (2, 8)
 # hidden 256, 8 experts of 1024: one layer's weights 6.8 M parameters, 13.6 MB in bf16
-SHAPE = dict(vocab_size=384, hidden_size=256, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1024,
-             max_position_embeddings=256, rms_norm_eps=1e-5)
-MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
-LLAMA = dict(tie_word_embeddings=False)
+SHAPE = HFShape(hidden=256, heads=8, kv_heads=4, experts=8, ffn=1024, vocab=384)
 GROWTH_MB = 40   # the most the peak may grow from 2 to 8 layers (the bytes grow by 82 MB in bf16, 164 MB in fp32)
-
-WRAP = """
-import resource, subprocess, sys
-status = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-if status.returncode:
-    sys.stderr.write(status.stderr[-4000:])
-    sys.exit(status.returncode)
-print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-"""
-
-
-def write_hf_model(kind: str, path: Path, layers: int, seed: int = 0) -> int:
-    """A transformers model directory (config.json, model.safetensors in bf16) written tensor by
-    tensor; returns its weights' bytes."""
-    import transformers
-
-    from moe_plugin.checkpoint.tensor_files import TensorWriter, nbytes
-
-    config_cls, model_cls, extra = {"mixtral": ("MixtralConfig", "MixtralForCausalLM", MIXTRAL),
-                                    "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA)}[kind]
-    config = getattr(transformers, config_cls)(**SHAPE, **extra, num_hidden_layers=layers)
-    config.dtype = "bfloat16"
-    specs = {k: (torch.bfloat16, shape) for k, shape in sorted(hub_shapes(kind, config).items())}
-    path.mkdir(parents=True)
-    config.save_pretrained(path)
-    gen = torch.Generator().manual_seed(seed)
-    with TensorWriter(path / "model.safetensors", specs, {"format": "pt"}) as out:
-        for name, (dtype, shape) in specs.items():
-            value = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=gen) * 0.02
-            out.write(name, value.to(dtype))
-    return sum(nbytes(*spec) for spec in specs.values())
-
-
-def hub_shapes(kind: str, c) -> dict[str, list[int]]:
-    """{name: shape} of the hub layout of ``c`` (a Mixtral or Llama config)."""
-    h, d = c.hidden_size, c.hidden_size // c.num_attention_heads
-    out = {"model.embed_tokens.weight": [c.vocab_size, h], "model.norm.weight": [h],
-           "lm_head.weight": [c.vocab_size, h]}
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
-                    p + "self_attn.q_proj.weight": [c.num_attention_heads * d, h],
-                    p + "self_attn.k_proj.weight": [c.num_key_value_heads * d, h],
-                    p + "self_attn.v_proj.weight": [c.num_key_value_heads * d, h],
-                    p + "self_attn.o_proj.weight": [h, c.num_attention_heads * d]})
-        f = c.intermediate_size
-        if kind == "llama":
-            out.update({p + "mlp.gate_proj.weight": [f, h], p + "mlp.up_proj.weight": [f, h],
-                        p + "mlp.down_proj.weight": [h, f]})
-            continue
-        out[p + "block_sparse_moe.gate.weight"] = [c.num_local_experts, h]
-        for e in range(c.num_local_experts):
-            q = p + f"block_sparse_moe.experts.{e}."
-            out.update({q + "w1.weight": [f, h], q + "w3.weight": [f, h], q + "w2.weight": [h, f]})
-    return out
 
 
 def peak_mb(*args: str) -> float:
     """Run ``moe-plugin ARGS`` in a child; its peak RSS in MB."""
-    command = [sys.executable, "-c", WRAP, sys.executable, "-m", "moe_plugin_tools.cli", *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"moe-plugin {' '.join(args)} failed:\n{done.stderr}"
-    return int(done.stdout.strip().splitlines()[-1]) / 1024
+    return run_measured([sys.executable, "-m", "moe_plugin_tools.cli", *args], timeout=600).peak_bytes / 2 ** 20
 
 
 def _bytes(path: Path) -> int:
@@ -111,12 +51,12 @@ def measured(tmp_path_factory):
     out = {}
     for layers in LAYERS:
         d = root / f"L{layers}"
-        source = write_hf_model("mixtral", d / "hf", layers)
+        source = write_hf_model("mixtral", d / "hf", layers, SHAPE)
         peaks = {"import-hf": peak_mb("import-hf", str(d / "hf"), "--config", str(root / "ds.json"),
                                       "--out", str(d / "ckpt")),
                  "export-hf": peak_mb("export-hf", str(d / "ckpt"), "--out", str(d / "hf-out")),
                  "export": peak_mb("export", str(d / "ckpt"), "--out", str(d / "export"))}
-        write_hf_model("llama", d / "dense-hf", layers, seed=1)
+        write_hf_model("llama", d / "dense-hf", layers, SHAPE, seed=1)
         peak_mb("import-hf", str(d / "dense-hf"), "--config", str(root / "ds_dense.json"), "--out", str(d / "dense"))
         peaks["upcycle"] = peak_mb("upcycle", str(d / "dense"), "--config", str(root / "ds_up.json"),
                                    "--out", str(d / "moe"))

@@ -1,5 +1,6 @@
-"""Benchmarks: ``moe-plugin bench layer`` (our MoE layer vs DeepSpeed's, and the expert-GEMM floor) and
-``moe-plugin bench step`` (whole training steps of a GPT-MoE vs the same GPT with DeepSpeed's MoE).
+"""Benchmarks: ``moe-plugin bench layer`` (our MoE layer vs DeepSpeed's, and the expert-GEMM floor),
+``moe-plugin bench step`` (whole training steps of a GPT-MoE vs the same GPT with DeepSpeed's MoE) and
+``moe-plugin bench checkpoint`` (the model conversions' time, peak memory and bytes).
 
 The torch-free argument parser is imported eagerly (the CLI imports it); the rest on first use.
 """
@@ -12,7 +13,8 @@ _LAZY = {"LayerBenchSpec": "layer", "bench_layer": "layer", "MemoryProfile": "me
          "peak_allocated_bytes": "memory", "deepspeed_twin": "deepspeed_moe", "ours_bytes_sent": "traffic",
          "deepspeed_bytes_sent": "traffic", "time_parts": "breakdown",
          "run_expert_parallel": "layer_ep", "bench_step": "step", "GPTSpec": "gpt_models",
-         "build_ours": "gpt_models", "build_deepspeed_twin": "gpt_models"}
+         "build_ours": "gpt_models", "build_deepspeed_twin": "gpt_models", "HFShape": "hf_model",
+         "write_hf_model": "hf_model", "run_measured": "hf_model"}
 
 __all__ = ["add_bench_parser", *_LAZY]
 __getattr__ = lazy_getattr(__name__, _LAZY)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+CHECKPOINT_STEPS = ("import-hf", "export-hf", "export")   # bench checkpoint's, in order
 
 
 def _number_list(text: str, parse, least, noun: str, bounded: str) -> list:
@@ -40,11 +43,13 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="default fp32")
 
 
-def add_bench_parser(commands: argparse._SubParsersAction, run_layer, run_step=None) -> None:
-    """Add ``bench layer`` (and ``bench step`` when ``run_step`` is given) to the ``moe-plugin``
-    subcommands; ``run_layer(args)`` / ``run_step(args)`` run them."""
+def add_bench_parser(commands: argparse._SubParsersAction, run_layer, run_step=None, run_checkpoint=None) -> None:
+    """Add ``bench layer`` (and ``bench step``, ``bench checkpoint`` when ``run_step``, ``run_checkpoint``
+    are given) to the ``moe-plugin`` subcommands; ``run_layer(args)`` / ``run_step(args)`` /
+    ``run_checkpoint(args)`` run them."""
     bench = commands.add_parser("bench", help="benchmarks (bench layer: our MoE layer vs DeepSpeed's; bench step: "
-                                "whole training steps of a GPT-MoE vs the same GPT with DeepSpeed's MoE)")
+                                "whole training steps of a GPT-MoE vs the same GPT with DeepSpeed's MoE; bench "
+                                "checkpoint: the model conversions' time and peak memory)")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     layer = kinds.add_parser("layer", help="forward+backward time and peak memory of the MoE layer, of DeepSpeed's "
                              "MoE layer and of the expert GEMMs alone (the floor)",
@@ -88,6 +93,8 @@ def add_bench_parser(commands: argparse._SubParsersAction, run_layer, run_step=N
     layer.set_defaults(run=run_layer)
     if run_step is not None:
         add_step_parser(kinds, run_step)
+    if run_checkpoint is not None:
+        add_checkpoint_parser(kinds, run_checkpoint)
 
 
 def add_step_parser(kinds: argparse._SubParsersAction, run_step) -> None:
@@ -130,6 +137,30 @@ def add_step_parser(kinds: argparse._SubParsersAction, run_step) -> None:
     add_target_args(step)
     step.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)   # the deepspeed launcher passes it
     step.set_defaults(run=run_step)
+
+
+def add_checkpoint_parser(kinds: argparse._SubParsersAction, run_checkpoint) -> None:
+    """``bench checkpoint``: see moe_plugin_tools/bench/checkpoint.py. The sizes are checked there, each
+    refusal one line naming its flag (no argparse type: its refusals come with the usage)."""
+    ckpt = kinds.add_parser("checkpoint", help="time, peak memory and bytes of import-hf, export-hf and export on "
+                            "generated Mixtral-shaped Hugging Face models, each run as a user runs it",
+                            description="One row per model size and step (one JSON object with --json); progress "
+                            "on stderr. See moe_plugin_tools/bench/checkpoint.py.")
+    ckpt.add_argument("--layers", default="4,8", help="comma-separated layer counts, one model each (default 4,8)")
+    ckpt.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    ckpt.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
+    ckpt.add_argument("--kv-heads", type=int, default=4, help="key/value heads (default 4)")
+    ckpt.add_argument("--experts", type=int, default=8, help="experts per layer, a multiple of 2 (default 8)")
+    ckpt.add_argument("--ffn", type=int, default=3584, help="expert FFN size (default 3584: 364M parameters at "
+                      "4 layers)")
+    ckpt.add_argument("--vocab", type=int, default=384, help="vocabulary size (default 384)")
+    ckpt.add_argument("--steps", default=",".join(CHECKPOINT_STEPS), help="comma-separated steps to measure "
+                      f"(default {','.join(CHECKPOINT_STEPS)})")
+    ckpt.add_argument("--work", type=Path, default=None, help="where the models and outputs go (default: a "
+                      "temporary directory, removed at the end)")
+    ckpt.add_argument("--keep", action="store_true", help="keep the models and outputs (default: removed when done)")
+    ckpt.add_argument("--json", action="store_true", help="print one JSON object per row")
+    ckpt.set_defaults(run=run_checkpoint)
 
 
 def parse_step_args(argv: list[str]) -> argparse.Namespace:

@@ -1,0 +1,228 @@
+"""The ``bench checkpoint`` command (``run``): the model conversions' time, peak memory and bytes,
+each run as a user runs it, at one or more model sizes.
+
+For each ``--layers`` value this writes a Mixtral-shaped Hugging Face model directory (bf16, tensor
+by tensor: ``hf_model.py``), then runs, each in a child process of its own,
+
+    python -m moe_plugin_tools.cli import-hf HF --config ds.json --out CKPT   # ds.json: EP 2, micro-batch 1
+    python -m moe_plugin_tools.cli export-hf CKPT --out HF_OUT
+    python -m moe_plugin_tools.cli export CKPT --out EXPORT
+
+and reports per step: wall seconds of the child (its interpreter start and imports included),
+the time the command reports itself where it prints one ("... in X s": import-hf, export-hf),
+its peak RSS (``ru_maxrss`` read by a wrapper around that one command), the bytes of its input
+and output directories, and the time ``cp -r`` takes to copy the same input and then the same
+output into a scratch directory (the floor for moving those bytes through the same file system:
+the ratio time / cp). MB are 10^6 bytes. The page cache is left warm: the input was just written.
+export-hf and export read the checkpoint import-hf wrote; without ``import-hf`` in ``--steps`` it
+is still run, not reported. Models and outputs live under ``--work`` (default: a temporary
+directory) and are removed when done unless ``--keep``. Progress goes to stderr (the commands' own
+progress lines included), the table (or one JSON object per row with ``--json``, with the exact
+bytes too) to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from moe_plugin.configs import ConfigError
+from moe_plugin_tools.bench.args import CHECKPOINT_STEPS
+from moe_plugin_tools.bench.hf_model import HFShape, param_count, run_measured, write_hf_model
+
+EXPERT_PARALLEL = 2
+DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "moe": {"parallel": {"expert": EXPERT_PARALLEL}}}
+SELF_TIMED = re.compile(r" in (\d+(?:\.\d+)?) s$")   # import-hf's and export-hf's last line
+MB = 1e6
+SIZE_FLAGS = {"--hidden": "hidden", "--heads": "heads", "--kv-heads": "kv_heads", "--experts": "experts",
+              "--ffn": "ffn", "--vocab": "vocab"}
+# (header, record key, format) of the table's columns
+COLUMNS = (("layers", "layers", "{}"), ("params", "params", None), ("step", "step", "{}"),
+           ("seconds", "seconds", "{:.2f}"), ("own s", "own_seconds", "{:.2f}"),
+           ("peak RSS MB", "peak_rss_mb", "{:.0f}"), ("MB in", "mb_in", "{:.1f}"), ("MB out", "mb_out", "{:.1f}"),
+           ("cp s", "cp_seconds", "{:.2f}"), ("time / cp", "time_over_cp", "{:.1f}"))
+
+
+@dataclass(frozen=True)
+class Settings:
+    layers: tuple[int, ...]
+    shape: HFShape
+    steps: tuple[str, ...]
+    work: Optional[Path]
+    keep: bool
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The flags, checked: every refusal (one line naming the flag) comes before any work."""
+    layers = tuple(_positive_list("--layers", args.layers))
+    if len(set(layers)) != len(layers):
+        raise ConfigError("--layers", args.layers, "expected distinct layer counts")
+    sizes = {}
+    for flag, name in SIZE_FLAGS.items():
+        value = getattr(args, name)
+        if value < 1:
+            raise ConfigError(flag, value, "expected a positive integer")
+        sizes[name] = value
+    shape = HFShape(**sizes)
+    if shape.hidden % shape.heads:
+        raise ConfigError("--heads", shape.heads, f"must divide --hidden ({shape.hidden})")
+    if shape.heads % shape.kv_heads:
+        raise ConfigError("--kv-heads", shape.kv_heads, f"must divide --heads ({shape.heads})")
+    if shape.experts % EXPERT_PARALLEL:
+        raise ConfigError("--experts", shape.experts, f"must be a multiple of {EXPERT_PARALLEL} (the expert-parallel "
+                          "size of the bench's DeepSpeed config)")
+    names = [s.strip() for s in args.steps.split(",") if s.strip()]
+    bad = [s for s in names if s not in CHECKPOINT_STEPS]
+    if not names or bad or len(set(names)) != len(names):
+        raise ConfigError("--steps", args.steps, "expected distinct comma-separated steps of "
+                          + ", ".join(CHECKPOINT_STEPS))
+    if args.work is not None:
+        taken = [str(args.work / _size_dir(n)) for n in layers if (args.work / _size_dir(n)).exists()]
+        if taken:
+            raise ConfigError("--work", str(args.work), f"already holds {', '.join(taken)}; remove it or name "
+                              "another directory")
+    return Settings(layers=layers, shape=shape, steps=tuple(s for s in CHECKPOINT_STEPS if s in names),
+                    work=args.work, keep=args.keep)
+
+
+def run(args: argparse.Namespace) -> None:
+    """The ``bench checkpoint`` command: a table (or one JSON object per row) on stdout."""
+    settings = settings_from_args(args)
+    s = settings.shape
+    root = settings.work if settings.work is not None else Path(tempfile.mkdtemp(prefix="moe_bench_checkpoint_"))
+    root.mkdir(parents=True, exist_ok=True)
+    say(f"bench checkpoint: Mixtral, hidden {s.hidden}, {s.heads} heads ({s.kv_heads} kv), {s.experts} experts of "
+        f"ffn {s.ffn}, vocab {s.vocab}; layers {', '.join(map(str, settings.layers))}; steps "
+        f"{', '.join(settings.steps)}; in {root}")
+    rows = []
+    start = time.perf_counter()
+    try:
+        for layers in settings.layers:
+            directory = root / _size_dir(layers)
+            try:
+                for row in bench_size(directory, layers, settings):
+                    rows.append(row)
+                    if args.json:
+                        print(json.dumps(row), flush=True)
+            finally:
+                if not settings.keep:
+                    shutil.rmtree(directory, ignore_errors=True)
+    finally:
+        if settings.work is None and not settings.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    say(f"done in {time.perf_counter() - start:.0f} s" + (f"; kept {root}" if settings.keep else ""))
+    if not args.json:
+        print(table(rows), flush=True)
+
+
+def bench_size(directory: Path, layers: int, settings: Settings) -> list[dict]:
+    """Write the model of ``layers`` layers under ``directory`` and measure each step on it."""
+    shape = settings.shape
+    params = param_count("mixtral", layers, shape)
+    tag = f"[{layers} layer{'s' if layers != 1 else ''}]"
+    say(f"{tag} writing a {_count(params)}-parameter Hugging Face model ({2 * params / MB:.4g} MB in bf16)")
+    began = time.perf_counter()
+    write_hf_model("mixtral", directory / "hf", layers, shape)
+    say(f"{tag} written in {time.perf_counter() - began:.1f} s")
+    ds_config = directory / "ds.json"
+    ds_config.write_text(json.dumps(DS_CONFIG))
+    hf, ckpt, hf_out, export = (directory / name for name in ("hf", "ckpt", "hf-out", "export"))
+    commands = {"import-hf": (hf, ckpt, ["import-hf", str(hf), "--config", str(ds_config), "--out", str(ckpt)]),
+                "export-hf": (ckpt, hf_out, ["export-hf", str(ckpt), "--out", str(hf_out)]),
+                "export": (ckpt, export, ["export", str(ckpt), "--out", str(export)])}
+    record = {"layers": layers, "params": params, "hidden": shape.hidden, "heads": shape.heads,
+              "kv_heads": shape.kv_heads, "experts": shape.experts, "ffn": shape.ffn, "vocab": shape.vocab}
+    rows = []
+    for step, (source, out, argv) in commands.items():
+        measured = step in settings.steps
+        if not measured and step != "import-hf":
+            continue
+        say(f"{tag} {step}" + ("" if measured else " (not measured: export-hf and export read its checkpoint)"))
+        done = run_measured([sys.executable, "-m", "moe_plugin_tools.cli", *argv], on_line=_progress)
+        if not measured:
+            continue
+        own = [float(m.group(1)) for m in map(SELF_TIMED.search, done.lines) if m]
+        bytes_in, bytes_out = _bytes(source), _bytes(out)
+        copy = cp_seconds([source, out], directory / "scratch")
+        row = {**record, "step": step, "seconds": round(done.seconds, 3), "own_seconds": own[-1] if own else None,
+               "peak_rss_mb": round(done.peak_bytes / MB, 1), "mb_in": round(bytes_in / MB, 1),
+               "mb_out": round(bytes_out / MB, 1), "bytes_in": bytes_in, "bytes_out": bytes_out,
+               "cp_seconds": round(copy, 3),
+               "time_over_cp": round(done.seconds / copy, 2)}
+        say(f"{tag} {step}: {done.seconds:.1f} s, peak RSS {row['peak_rss_mb']:.0f} MB, {bytes_in / MB:.4g} MB in, "
+            f"{bytes_out / MB:.4g} MB out; cp -r of both {copy:.2f} s")
+        rows.append(row)
+        if step != "import-hf" and not settings.keep:   # import-hf's checkpoint is the next steps' input
+            shutil.rmtree(out)
+    return rows
+
+
+def cp_seconds(paths: list[Path], scratch: Path) -> float:
+    """Seconds ``cp -r`` takes to copy each of ``paths`` into ``scratch`` (removed after each)."""
+    scratch.mkdir()
+    total = 0.0
+    try:
+        for path in paths:
+            copy = scratch / path.name
+            began = time.perf_counter()
+            subprocess.run(["cp", "-r", str(path), str(copy)], check=True)
+            total += time.perf_counter() - began
+            shutil.rmtree(copy)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return total
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as a text table, one line per size and step."""
+    def cell(row: dict, key: str, form: Optional[str]) -> str:
+        value = row[key]
+        if value is None:
+            return "-"
+        return _count(value) if form is None else form.format(value)
+
+    lines = [[header for header, _, _ in COLUMNS]] + [[cell(r, key, form) for _, key, form in COLUMNS] for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.ljust(w) if i == 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+                     .rstrip() for line in lines)
+
+
+def say(line: str) -> None:
+    """A progress line, on stderr."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def _progress(line: str) -> None:
+    """A command's own progress line, passed on (its indented notes, e.g. import-hf's flags, left out)."""
+    if line and not line[0].isspace():
+        say(f"    {line}")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+def _size_dir(layers: int) -> str:
+    return f"layers{layers}"
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _positive_list(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError(flag, text, "expected comma-separated positive integers")
+    return values
