@@ -236,8 +236,8 @@ def _bad_inputs(root: str) -> dict:
     out = {}
     case = RESUME["ep2-zero1-adamw"]
     run = _engine(case, MOE, HIDDEN)
-    try:
-        load_checkpoint(run, older)
+    try:   # weights only: its optimizer state is in the record it no longer names (DeepSpeed's files hold none)
+        load_checkpoint(run, older, load_optimizer_states=False)
         out["older"] = run.engine.global_steps
     finally:
         run.close()

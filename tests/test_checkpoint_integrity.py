@@ -57,10 +57,10 @@ DROPLESS = {**{k: v for k, v in MOE.items() if k != "capacity_factor"}, "drop_to
 TP_EP = {"parallel": {"tensor": 2, "expert": 2}, "stage": 1, "opt": "AdamW"}
 STEPS = 3
 ROOT = Path(__file__).resolve().parent.parent
-# name -> (file relative to the tag, damage); "optim" is the first optimizer file of the tag
+# name -> (file relative to the tag, damage); the optimizer record is the tag's one optimizer state
 DAMAGE = {
     "expert-zeros": ("experts/expert_00001_pp_00.pt", "zeros"),
-    "optim-zeros": ("optim", "zeros"),
+    "optim-zeros": ("optimizer/dense_pp_00_tp_00.pt", "zeros"),
     "model-flip": ("mp_rank_01_model_states.pt", "flip"),
     "rng-flip": ("rng/rank_00002.pt", "flip"),
     "model-truncated": ("mp_rank_00_model_states.pt", "truncate"),
@@ -71,8 +71,6 @@ DAMAGE = {
 
 # -- inside the ranks ------------------------------------------------------------------------------
 def _damage(tag_dir: str, target: str, how: str) -> str:
-    if target == "optim":
-        target = sorted(f for f in os.listdir(tag_dir) if f.endswith("optim_states.pt"))[0]
     path = os.path.join(tag_dir, target)
     size = os.path.getsize(path)
     with open(path, "r+b") as f:

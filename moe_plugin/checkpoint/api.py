@@ -73,6 +73,7 @@ from moe_plugin.checkpoint.expert_files import (
     marker_without_local_experts,
     read_experts,
 )
+from moe_plugin.checkpoint.experts import expert_weights
 from moe_plugin.checkpoint.files import (
     OLD_PREFIX,
     TMP_PREFIX,
@@ -109,13 +110,20 @@ from moe_plugin.checkpoint.optimizer import (
     load_record,
     match_record,
     record_file,
+    record_kind,
 )
 from moe_plugin.checkpoint.readers import materialize_all, open_module
 from moe_plugin.checkpoint.reshard import own_dense
 from moe_plugin.checkpoint.rng import clear_pending_load, rng_state, set_rng_state
 from moe_plugin.checkpoint.tags import check_keep_last, choose_tag, prune, saving
-from moe_plugin.compat.deepspeed_checkpoint import is_recovery_script, one_file_per_mp_rank, optimizer_file_name
-from moe_plugin.compat.deepspeed_checkpoint_engine import checkpoint_engine, recording_checkpoint_engine
+from moe_plugin.compat.deepspeed_checkpoint import (
+    is_optimizer_file,
+    is_recovery_script,
+    one_file_per_mp_rank,
+    optimizer_file_name,
+    without_module_entries,
+)
+from moe_plugin.compat.deepspeed_checkpoint_engine import checkpoint_engine, intercepts, recording_checkpoint_engine
 from moe_plugin.compat.torch_files import TorchFile
 
 
@@ -181,9 +189,13 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
 
     saving(save_dir, tag, prepare)   # an unwritable directory: one error on every rank
     capture = Capture() if async_save else None
-    with capture_into(capture), _deepspeed_files(engine, capture):
+    # the optimizer record holds the optimizer state: DeepSpeed's files of it are not written (a
+    # checkpoint engine that cannot be stood in for, such as a decoupled one, still writes them)
+    once = record_kind(engine) is not None and intercepts(engine)
+    with capture_into(capture), _deepspeed_files(engine, capture, once):
         engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state or {}, save_latest=False)
         meta, ours = metadata(run, tag), expert_files(run, tmp_path)
+        meta["deepspeed_optimizer_files"] = not once
         ours.update({os.path.join(tmp_path, name): entry for name, entry in dense_record(run).items()})
         origin = getattr(run, "hf_origin", None)
         if origin is not None:   # the loaded checkpoint came from import-hf: so does this one
@@ -221,14 +233,29 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
 
 
 @contextlib.contextmanager
-def _deepspeed_files(engine: Any, capture: Optional[Capture]) -> Iterator[None]:
+def _deepspeed_files(engine: Any, capture: Optional[Capture], once: bool) -> Iterator[None]:
     """DeepSpeed's files of the save: written by its checkpoint engine, or recorded into ``capture``
-    and written by that same engine in the background."""
-    if capture is None:
+    and written by that same engine in the background. ``once``: what the plugin's files hold is
+    not written again -- DeepSpeed's optimizer files (ZeRO's partitions, the MoE path's per EP rank:
+    the optimizer record holds that state, and every load of such a checkpoint reads it from there)
+    and the expert weights in its module files (the expert files hold them)."""
+    if capture is None and not once:
         yield
         return
     inner = checkpoint_engine(engine)
-    with recording_checkpoint_engine(engine, lambda obj, path: capture.record(obj, path, inner.save)):
+    experts = {w.key for w in expert_weights(engine.module)}
+
+    def write(obj: Any, path: str) -> None:
+        name = os.path.basename(path)
+        if once and is_optimizer_file(name):
+            return
+        obj = without_module_entries(name, obj, experts) if once else obj
+        if capture is not None:
+            capture.record(obj, path, inner.save)
+        else:
+            inner.save(obj, path)
+
+    with recording_checkpoint_engine(engine, write):
         yield
 
 
@@ -312,8 +339,10 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     if not verified:
         verify(path, meta)   # every file against its checksum, before anything is read
     origin = agree(lambda: hf_origin(path, meta))
+    # the optimizer state comes from the record (not DeepSpeed's files) after a layout change, and
+    # always when the save wrote DeepSpeed's optimizer files no more (it then holds it once)
     resharded = (meta["layout"] != layout(groups) or meta["zero_stage"] != engine.zero_optimization_stage()
-                 or KIND_KEY in meta)
+                 or KIND_KEY in meta or not meta.get("deepspeed_optimizer_files", True))
     fresh = meta.get("fresh_states", [])   # what an upcycled checkpoint does not hold (upcycle.py)
     optimizer_follows = load_optimizer_states and not load_module_only and "optimizer" not in fresh
     load_lr_scheduler_states = load_lr_scheduler_states and "lr_scheduler" not in fresh

@@ -24,7 +24,7 @@ from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.experts import expert_weights, full_experts, local_experts
 from moe_plugin.checkpoint.keys import running_state
 from moe_plugin.checkpoint.metadata import expert_file, local_ids, placement_key, saved_local_ids, stage_view
-from moe_plugin.checkpoint.optimizer import full_param_state, record_kind, state_names
+from moe_plugin.checkpoint.optimizer import MASTER, full_param_state, record_kind, state_names
 from moe_plugin.checkpoint.readers import materialize, open_expert
 from moe_plugin.compat.deepspeed_checkpoint import no_local_experts
 from moe_plugin.compat.deepspeed_moe import DeepSpeedMoEMarker
@@ -62,7 +62,21 @@ def expert_files(run: Any, path: str) -> dict[str, dict]:
                 files[expert_id]["optimizer"].setdefault(w.key, {})[name] = full
     if coords["etp"] != 0 or coords["edp"] != 0:
         return {}
+    for entry in files.values():
+        _weights_once(entry)
     return {expert_file(path, e, coords["pp"]): entry for e, entry in files.items()}
+
+
+def _weights_once(entry: dict) -> None:
+    """An expert weight whose record has its fp32 master is that master rounded to the weight's
+    dtype (DeepSpeed copies the master into the weight after every step): it is not written again,
+    ``"weights_from_master"`` names its dtype (``readers.open_expert`` rounds the master back). A
+    weight that differs from its rounded master (none is known to) is kept."""
+    for key, weight in list(entry["weights"].items()):
+        master = entry["optimizer"].get(key, {}).get(MASTER)
+        if master is not None and torch.equal(master.to(weight.dtype), weight):
+            entry.setdefault("weights_from_master", {})[key] = str(weight.dtype).replace("torch.", "")
+            del entry["weights"][key]
 
 
 def read_experts(run: Any, path: str, meta: dict, with_optimizer: bool) -> tuple[dict, dict]:

@@ -26,6 +26,7 @@ import torch
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.metadata import SAFE, expert_path, module_files, saved_model_files
+from moe_plugin.checkpoint.optimizer import MASTER
 from moe_plugin.checkpoint.tensor_files import SUFFIX, TensorFile
 from moe_plugin.compat.torch_files import LazyTensor, Opaque, TorchFile
 
@@ -46,11 +47,21 @@ class SafeLazy:
         return self.source.read_rows(self.name, start, count)
 
 
-Lazy = Union[SafeLazy, LazyTensor]
+class Rounded:
+    """A lazy tensor read and cast to ``dtype`` (an expert weight kept as its fp32 master)."""
+
+    def __init__(self, source: Any, dtype: torch.dtype):
+        self.source, self.dtype, self.shape = source, dtype, source.shape
+
+    def read(self) -> torch.Tensor:
+        return self.source.read().to(self.dtype)
+
+
+Lazy = Union[SafeLazy, LazyTensor, Rounded]
 
 
 def is_lazy(value: Any) -> bool:
-    return isinstance(value, (SafeLazy, LazyTensor))
+    return isinstance(value, (SafeLazy, LazyTensor, Rounded))
 
 
 def materialize(value: Any) -> Any:
@@ -109,9 +120,15 @@ def open_expert_file(file: str) -> ExpertEntry:
     content = TorchFile(file).content
     if not isinstance(content, dict) or isinstance(content, Opaque):
         raise CheckpointError(f"{file}: not an expert file")
-    return ExpertEntry(file, content.get("expert_id"), dict(content.get("weights") or {}),
-                       {k: dict(v) for k, v in (content.get("optimizer") or {}).items()},
-                       dict(content.get("placement") or {}))
+    entry = ExpertEntry(file, content.get("expert_id"), dict(content.get("weights") or {}),
+                        {k: dict(v) for k, v in (content.get("optimizer") or {}).items()},
+                        dict(content.get("placement") or {}))
+    for key, dtype in (content.get("weights_from_master") or {}).items():   # expert_files._weights_once
+        master = entry.optimizer.get(key, {}).get(MASTER)
+        if master is None or not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+            raise CheckpointError(f"{file}: {key} is recorded as its master in {dtype}, which the file lacks")
+        entry.weights[key] = Rounded(master, getattr(torch, dtype))
+    return entry
 
 
 def open_expert(path: str, meta: dict, expert_id: int, stage: int) -> ExpertEntry:

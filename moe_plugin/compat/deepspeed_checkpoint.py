@@ -2,8 +2,9 @@
 
 * File names DeepSpeed writes and reads in a tag: ``mp_rank_XX_model_states.pt`` per model-parallel
   rank (``_get_ckpt_name``, ZeRO 0-2), ``expp_rank_E_mp_rank_XX_optim_states.pt`` per expert-parallel
-  rank (``_get_optimizer_ckpt_name``, its MoE save path), and the ``zero_to_*.py`` recovery scripts
-  it copies beside the tags.
+  rank (``_get_optimizer_ckpt_name``, its MoE save path), ZeRO's ``*zero_pp_rank_D_mp_rank_XX_optim_states.pt``
+  (every optimizer file ends ``_optim_states.pt``: ``is_optimizer_file``), and the ``zero_to_*.py``
+  recovery scripts it copies beside the tags.
 * ``load_moe_state_dict`` reads ``num_local_experts`` of every ``deepspeed.moe.layer.MoE`` module to
   look for its ``layer_*_expert_*`` files: ``no_local_experts`` sets it to 0 on the plugin's markers
   while the engine loads (the experts come from the plugin's own files).
@@ -27,6 +28,8 @@ import torch
 from torch import nn
 
 MODEL_FILE = re.compile(r"mp_rank_\d+_model_states\.pt")
+# every optimizer file DeepSpeed writes: ZeRO's and bf16's partitions, its MoE path's per EP rank
+OPTIMIZER_FILE = re.compile(r"\w*_optim_states\.pt")
 RECOVERY_SCRIPT = re.compile(r"zero_to_\w+\.py")   # DeepSpeed copies these beside the tags at every save
 
 
@@ -39,6 +42,19 @@ def optimizer_file_name(mp_rank: int, ep_rank: int = 0) -> str:
     """DeepSpeed's optimizer file of expert-parallel rank ``ep_rank`` and model-parallel rank
     ``mp_rank`` (its MoE save path writes one per EP rank)."""
     return f"expp_rank_{ep_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def is_optimizer_file(name: str) -> bool:
+    """Whether ``name`` is one of DeepSpeed's optimizer files (``*_optim_states.pt``)."""
+    return OPTIMIZER_FILE.fullmatch(name) is not None
+
+
+def without_module_entries(name: str, state: Any, keys: set[str]) -> Any:
+    """DeepSpeed's file ``name`` with the entries ``keys`` left out of a module file's ``module``
+    state (the expert weights: the plugin's expert files hold them); any other file as it is."""
+    if not MODEL_FILE.fullmatch(name) or not isinstance(state, dict) or not isinstance(state.get("module"), dict):
+        return state
+    return {**state, "module": type(state["module"])((k, v) for k, v in state["module"].items() if k not in keys)}
 
 
 def is_recovery_script(name: str) -> bool:

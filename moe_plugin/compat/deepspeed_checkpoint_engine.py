@@ -37,12 +37,19 @@ def checkpoint_engine(engine: Any) -> Any:
     return engine.checkpoint_engine
 
 
+def intercepts(engine: Any) -> bool:
+    """Whether ``recording_checkpoint_engine`` can stand in for ``engine``'s checkpoint engine (one
+    that writes each file in ``save``, such as the default ``TorchCheckpointEngine``)."""
+    inner = engine.checkpoint_engine
+    return inner is not None and not isinstance(inner, RecordingCheckpointEngine) and not inner.is_decoupled()
+
+
 @contextlib.contextmanager
 def recording_checkpoint_engine(engine: Any, record: Callable[[Any, str], None]) -> Iterator[Any]:
     """Inside, ``engine.save_checkpoint`` hands its files to ``record`` instead of writing them;
     yields the engine it replaced (whose ``save`` writes one of them)."""
     inner = engine.checkpoint_engine
-    if inner is None or isinstance(inner, RecordingCheckpointEngine) or inner.is_decoupled():
+    if not intercepts(engine):
         raise RuntimeError(f"asynchronous save: DeepSpeed's checkpoint engine {type(inner).__name__} is not one "
                            "that writes each file in save() (use the default TorchCheckpointEngine)")
     engine.checkpoint_engine = RecordingCheckpointEngine(inner, record)
