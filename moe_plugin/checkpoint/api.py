@@ -105,6 +105,7 @@ from moe_plugin.checkpoint.metadata import (
 )
 from moe_plugin.checkpoint.optimizer import (
     RECORD_DIR,
+    dense_from_master,
     dense_record,
     load_basic_optimizer,
     load_record,
@@ -112,7 +113,7 @@ from moe_plugin.checkpoint.optimizer import (
     record_file,
     record_kind,
 )
-from moe_plugin.checkpoint.readers import materialize_all, open_module
+from moe_plugin.checkpoint.readers import materialize_all, open_module, record_weights
 from moe_plugin.checkpoint.reshard import own_dense
 from moe_plugin.checkpoint.rng import clear_pending_load, rng_state, set_rng_state
 from moe_plugin.checkpoint.tags import check_keep_last, choose_tag, prune, saving
@@ -238,12 +239,14 @@ def _deepspeed_files(engine: Any, capture: Optional[Capture], once: bool) -> Ite
     and written by that same engine in the background. ``once``: what the plugin's files hold is
     not written again -- DeepSpeed's optimizer files (ZeRO's partitions, the MoE path's per EP rank:
     the optimizer record holds that state, and every load of such a checkpoint reads it from there)
-    and the expert weights in its module files (the expert files hold them)."""
+    and, in its module files, the expert weights (the expert files hold them) and the dense weights
+    that are their fp32 masters rounded (the dense record holds the masters: ``readers.open_module``
+    rounds them back)."""
     if capture is None and not once:
         yield
         return
     inner = checkpoint_engine(engine)
-    experts = {w.key for w in expert_weights(engine.module)}
+    experts = {w.key for w in expert_weights(engine.module)} | dense_from_master(engine)
 
     def write(obj: Any, path: str) -> None:
         name = os.path.basename(path)
@@ -356,7 +359,7 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     rng = agree(lambda: read_torch(rng_path) if load_rng_states and same_token_groups and os.path.isfile(rng_path)
                 else None)
     recut = dense_recut(meta, groups)
-    dense, header = agree(lambda: recut_dense(run, path, meta)) if recut else ({}, {})
+    dense, header = agree(lambda: recut_dense(run, path, meta)) if recut else (agree(lambda: own_record_weights(run, path)), {})
     record = recut_optimizer and meta.get("optimizer_record", False)
     optimizer_state = (agree(lambda: match_record(run, path, *read_record(run, path, meta), expert_moments))
                        if record else None)
@@ -424,6 +427,13 @@ def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:
                       if k != "module"}
     dense = own_dense(pieces, run.engine.module, run.groups.layout, dist.get_rank())
     return dense, header
+
+
+def own_record_weights(run: Any, path: str) -> dict:
+    """At the saved layout: this rank's dense weights that DeepSpeed's module file left out, read
+    from the record (``readers.record_weights``) and put into its module load with the experts."""
+    coords = run.groups.layout.coords(dist.get_rank())
+    return {k: v.read() for k, v in record_weights(path, coords["pp"], coords["tp"]).items()}
 
 
 def read_record(run: Any, path: str, meta: dict) -> tuple[dict, list[str], dict, list[dict]]:

@@ -147,13 +147,31 @@ def dense_record(run: Any) -> dict:
         return {}
     names, scalars = state_names(engine)
     experts = {id(w.param) for w in expert_weights(engine.module)}
-    state = {key: dict(zip(names, (t.detach().clone() for t in full_param_state(engine, p, names))))
-             for key, p in trained(engine) if id(p) not in experts}
+    state, from_master, weights = {}, {}, {}
+    for key, p in trained(engine):
+        if id(p) in experts:
+            continue
+        state[key] = dict(zip(names, (t.detach().clone() for t in full_param_state(engine, p, names))))
+        if MASTER in state[key]:   # DeepSpeed's module file leaves it out (dense_from_master)
+            from_master[key] = str(p.dtype).replace("torch.", "")
+            if not torch.equal(state[key][MASTER].to(p.dtype), p.detach()):   # none is known to differ
+                weights[key] = p.detach().clone()
     coords = groups.layout.coords(dist.get_rank())
     if coords["dp"] != 0:
         return {}
     return {record_file(coords["pp"], coords["tp"]): {"names": names, "scalars": scalars, "state": state,
-                                                      "options": group_options(engine)}}
+                                                      "options": group_options(engine),
+                                                      "weights_from_master": from_master, "weights": weights}}
+
+
+def dense_from_master(engine: Any) -> set[str]:
+    """The trained dense parameters whose weight is its fp32 master rounded to its dtype (DeepSpeed
+    copies the master into the weight after every step: ZeRO-1/2 and bf16), which the dense record
+    holds (``dense_record``'s ``weights_from_master``): DeepSpeed's module file need not."""
+    if record_kind(engine) != "hp":
+        return set()
+    experts = {id(w.param) for w in expert_weights(engine.module)}
+    return {key for key, p in trained(engine) if id(p) not in experts}
 
 
 def group_options(engine: Any) -> list[dict]:

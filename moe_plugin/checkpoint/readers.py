@@ -26,7 +26,7 @@ import torch
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.metadata import SAFE, expert_path, module_files, saved_model_files
-from moe_plugin.checkpoint.optimizer import MASTER
+from moe_plugin.checkpoint.optimizer import MASTER, record_file
 from moe_plugin.checkpoint.tensor_files import SUFFIX, TensorFile
 from moe_plugin.compat.torch_files import LazyTensor, Opaque, TorchFile
 
@@ -78,17 +78,37 @@ def materialize_all(value: Any) -> Any:
 
 
 def open_module(path: str, meta: dict, stage: int, tp_rank: int) -> dict[str, Any]:
-    """The module state of saved (``stage``, ``tp_rank``): tensors as ``Lazy``, the rest as saved."""
+    """The module state of saved (``stage``, ``tp_rank``): tensors as ``Lazy``, the rest as saved;
+    the dense weights DeepSpeed's file left out are their masters in the record, rounded
+    (``record_weights``)."""
     deepspeed = saved_model_files(path, meta, stage)[tp_rank]
     if meta.get("dense_files") is None:
         module = TorchFile(deepspeed).content.get("module")
         if not isinstance(module, dict):
             raise CheckpointError(f"{deepspeed}: holds no module state")
-        return dict(module)
+        return {**record_weights(path, stage, tp_rank), **module}
     tensors = TensorFile(module_files(path, meta, stage)[tp_rank])
     plain = TorchFile(deepspeed).content.get("module") or {}
     out = {k: v for k, v in plain.items() if not is_lazy(v)}
     out.update({name: SafeLazy(tensors, name) for name in tensors.names()})
+    return out
+
+
+def record_weights(path: str, stage: int, tp_rank: int) -> dict[str, Lazy]:
+    """The dense weights of saved (``stage``, ``tp_rank``) that the save wrote only as their fp32
+    masters in the optimizer record (``optimizer.dense_from_master``): {key: the master rounded to
+    the weight's dtype}, or the weight itself where the record kept it."""
+    file = os.path.join(path, record_file(stage, tp_rank))
+    if not os.path.isfile(file):
+        return {}
+    content = TorchFile(file).content
+    kept = content.get("weights") or {}
+    out: dict[str, Lazy] = {}
+    for key, dtype in (content.get("weights_from_master") or {}).items():
+        master = content.get("state", {}).get(key, {}).get(MASTER)
+        if key not in kept and (master is None or not isinstance(getattr(torch, str(dtype), None), torch.dtype)):
+            raise CheckpointError(f"{file}: {key} is recorded as its master in {dtype}, which the file lacks")
+        out[key] = kept[key] if key in kept else Rounded(master, getattr(torch, dtype))
     return out
 
 
