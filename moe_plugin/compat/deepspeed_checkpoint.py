@@ -51,10 +51,13 @@ def is_optimizer_file(name: str) -> bool:
 
 def without_module_entries(name: str, state: Any, keys: set[str]) -> Any:
     """DeepSpeed's file ``name`` with the entries ``keys`` left out of a module file's ``module``
-    state (the expert weights: the plugin's expert files hold them); any other file as it is."""
+    state (what the plugin's files hold) and without the optimizer state that its MoE save path puts
+    there at ZeRO-0 (``optimizer``: the plugin's record holds it; ZeRO's saves put None there); any
+    other file as it is."""
     if not MODEL_FILE.fullmatch(name) or not isinstance(state, dict) or not isinstance(state.get("module"), dict):
         return state
-    return {**state, "module": type(state["module"])((k, v) for k, v in state["module"].items() if k not in keys)}
+    return {**state, "optimizer": None,
+            "module": type(state["module"])((k, v) for k, v in state["module"].items() if k not in keys)}
 
 
 def is_recovery_script(name: str) -> bool:
