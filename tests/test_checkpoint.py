@@ -185,12 +185,16 @@ def _tensor_bytes(directory: str) -> dict:
     numbers of elements from the metadata: every tensor's value, 4 bytes per fp32 element, and two
     Adam moments of 4 bytes per trained element)."""
     from moe_plugin.checkpoint.metadata import read_latest, read_metadata
+    from moe_plugin.checkpoint.tensor_files import TensorFile, nbytes
     from moe_plugin.compat.torch_files import LazyTensor, TorchFile
 
     tag = read_latest(directory)
     meta = read_metadata(directory, tag)
     written = 0
     for name in meta["files"]:
+        if name.endswith(".safetensors"):
+            with TensorFile(os.path.join(directory, tag, name)) as f:
+                written += sum(nbytes(*f.spec(n)) for n in f.names())
         if not name.endswith(".pt") or name.startswith("rng"):
             continue
         seen = set()
@@ -256,7 +260,7 @@ def _bad_inputs(root: str) -> dict:
     if torch.distributed.get_rank() == 0:
         shutil.copytree(saved, broken)
         tag = checkpoint.read_latest(broken)
-        os.remove(os.path.join(broken, tag, "experts", "expert_00003_pp_00.pt"))
+        os.remove(os.path.join(broken, tag, "experts", "expert_00003_pp_00.safetensors"))
         shutil.copytree(saved, older)   # saved before score_function and gate_scale existed
         meta_path = os.path.join(older, tag, "moe_plugin.json")
         with open(meta_path) as f:
@@ -514,7 +518,7 @@ def test_bad_checkpoints_fail_clearly_and_change_nothing(results):
         assert "moe.num_experts: 4 in the checkpoint, 8 in the model" in r["num_experts"], r["num_experts"]
         hidden = "dense embedding.word_embeddings.weight: shape [32, 16] in the checkpoint, [32, 32] in the model"
         assert hidden in r["hidden"], r["hidden"]
-        assert "experts/expert_00003_pp_00.pt: missing" in r["missing"], r["missing"]
+        assert "experts/expert_00003_pp_00.safetensors: missing" in r["missing"], r["missing"]
         assert "moe.score_function: 'softmax' in the checkpoint, 'sigmoid' in the model" in r["score_function"], \
             r["score_function"]
         assert "moe.group_topk: None in the checkpoint, 1 in the model" in r["group_topk"], r["group_topk"]
@@ -549,7 +553,7 @@ def test_pipeline_resume_is_bit_exact(request, name):
         assert r["resumed"] == r["full"][PIPE_SAVE_AT:], (
             f"rank {rank}: resumed {r['resumed']} vs uninterrupted {r['full'][PIPE_SAVE_AT:]}")
         # Experts by global id per stage; DeepSpeed's module state per (stage, TP rank), no layer files.
-        assert r["experts"] == [f"expert_{e:05d}_pp_{s:02d}.pt" for e in range(4) for s in range(stages)]
+        assert r["experts"] == [f"expert_{e:05d}_pp_{s:02d}.safetensors" for e in range(4) for s in range(stages)]
         assert [f for f in r["files"] if f.startswith("mp_rank_")] == [
             f"mp_rank_{m:02d}_model_states.pt" for m in range(mp_slices)], r["files"]
         assert not [f for f in r["files"] if f.startswith("layer_")], r["files"]

@@ -31,7 +31,7 @@ import pytest
 
 from example_runs import MODEL_FLAGS, ds_config, example_script, train
 
-DAMAGED = os.path.join("experts", "expert_00001_pp_00.pt")
+DAMAGED = os.path.join("experts", "expert_00001_pp_00.safetensors")
 
 
 def _entries(directory: Path) -> list[str]:

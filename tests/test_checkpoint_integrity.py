@@ -59,7 +59,7 @@ STEPS = 3
 ROOT = Path(__file__).resolve().parent.parent
 # name -> (file relative to the tag, damage); the optimizer record is the tag's one optimizer state
 DAMAGE = {
-    "expert-zeros": ("experts/expert_00001_pp_00.pt", "zeros"),
+    "expert-zeros": ("experts/expert_00001_pp_00.safetensors", "zeros"),
     "optim-zeros": ("optimizer/dense_pp_00_tp_00.pt", "zeros"),
     "model-flip": ("mp_rank_01_model_states.pt", "flip"),
     "rng-flip": ("rng/rank_00002.pt", "flip"),

@@ -178,12 +178,14 @@ def _compare(before: dict, after: dict) -> dict:
 
 def _saved_expert_rows(path: str) -> dict:
     """{(GPTModel-or-pipeline key, global id): {state name: tensor}} of the expert files of ``path``."""
+    from moe_plugin.checkpoint.readers import open_expert_file
+
     out = {}
     directory = os.path.join(path, "experts")
     for name in sorted(os.listdir(directory)):
-        f = torch.load(os.path.join(directory, name), weights_only=False)
-        for key, states in f["optimizer"].items():
-            out[key, f["expert_id"]] = states
+        f = open_expert_file(os.path.join(directory, name))
+        for key, states in f.optimizer.items():
+            out[key, f.expert_id] = {n: lazy.read() for n, lazy in states.items()}
     return out
 
 

@@ -68,10 +68,12 @@ from torch import nn
 from moe_plugin.checkpoint.background import Capture, SaveWriter, capture_into, capturing
 from moe_plugin.checkpoint.errors import CheckpointError, agree
 from moe_plugin.checkpoint.expert_files import (
-    expert_files,
+    expert_entries,
     experts_into_load,
     marker_without_local_experts,
     read_experts,
+    write_expert_file,
+    write_expert_files,
 )
 from moe_plugin.checkpoint.experts import expert_weights
 from moe_plugin.checkpoint.files import (
@@ -91,6 +93,7 @@ from moe_plugin.checkpoint.metadata import (
     LATEST,
     META_FILE,
     RNG_DIR,
+    SAFE,
     TOKEN_LAYOUT_KEYS,
     check_fits,
     check_optimizer_can_follow,
@@ -117,6 +120,7 @@ from moe_plugin.checkpoint.readers import materialize_all, open_module, record_w
 from moe_plugin.checkpoint.reshard import own_dense
 from moe_plugin.checkpoint.rng import clear_pending_load, rng_state, set_rng_state
 from moe_plugin.checkpoint.tags import check_keep_last, choose_tag, prune, saving
+from moe_plugin.checkpoint.tensor_files import SUFFIX
 from moe_plugin.compat.deepspeed_checkpoint import (
     is_optimizer_file,
     is_recovery_script,
@@ -133,14 +137,19 @@ ORIGIN_KEYS = ("architecture", "hf")
 
 
 def _write(obj: Any, path: str) -> None:
-    """Every file of ours goes through here (one place to make a save fail in tests). Inside an
-    asynchronous save's capture, the file is recorded (a host copy) and written by the background
-    writer, through this function again."""
+    """Every file of ours written whole goes through here (one place to make a save fail in tests;
+    a synchronous save writes the expert files layer by layer instead, ``write_expert_files``): an
+    expert file's content as safetensors (``write_expert_file``), the rest with ``torch.save``.
+    Inside an asynchronous save's capture, the file is recorded (a host copy) and written by the
+    background writer, through this function again."""
     capture = capturing()
     if capture is not None:
         capture.record(obj, path, _write)
         return
-    torch.save(obj, path)
+    if path.endswith(SUFFIX):
+        write_expert_file(obj, path)
+    else:
+        torch.save(obj, path)
 
 
 def _write_bytes(data: bytes, path: str) -> None:
@@ -195,8 +204,13 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
     once = record_kind(engine) is not None and intercepts(engine)
     with capture_into(capture), _deepspeed_files(engine, capture, once):
         engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state or {}, save_latest=False)
-        meta, ours = metadata(run, tag), expert_files(run, tmp_path)
-        meta["deepspeed_optimizer_files"] = not once
+        meta = metadata(run, tag)
+        meta.update(deepspeed_optimizer_files=not once, expert_files=SAFE)
+        # an asynchronous save copies the experts to the host whole; a synchronous one writes them
+        # layer by layer, each layer as its collectives make it (the peak holds one layer's)
+        ours = expert_entries(run, tmp_path) if capture is not None else {}
+        if capture is None:
+            saving(save_dir, tag, lambda: write_expert_files(run, tmp_path))
         ours.update({os.path.join(tmp_path, name): entry for name, entry in dense_record(run).items()})
         origin = getattr(run, "hf_origin", None)
         if origin is not None:   # the loaded checkpoint came from import-hf: so does this one

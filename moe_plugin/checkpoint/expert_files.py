@@ -1,9 +1,11 @@
 """The expert files of a checkpoint (one per global expert id and stage), and how they go back in.
 
-* ``expert_files`` gathers this rank's experts (ETP shards joined) into one entry per global id,
-  with their placement and the expert rows of the optimizer record (``optimizer``: fp32 master and
-  Adam's moments, whole over the expert-data-parallel group); ``read_experts`` cuts the running
-  layout's shards out of those files.
+* ``write_expert_files`` writes this rank's experts (ETP shards joined) into one safetensors file
+  per global id, layer by layer (``expert_layers``), with their placement and the expert rows of the
+  optimizer record (fp32 master and Adam's moments, whole over the expert-data-parallel group; a
+  weight that is its master rounded is written as the master only); an asynchronous save builds
+  the same content in memory (``expert_entries``) and writes it later (``write_expert_file``, the
+  same bytes); ``read_experts`` cuts the running layout's shards out of those files.
 * ``experts_into_load``: while DeepSpeed loads the module, our experts replace what its file holds
   (its MoE save path writes the module state of data-parallel rank 0 only, so the expert shards of
   one EP rank). A ``load_state_dict`` pre-hook on the module rather than DeepSpeed's
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,60 +25,132 @@ from torch import nn
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.experts import expert_weights, full_experts, local_experts
 from moe_plugin.checkpoint.keys import running_state
-from moe_plugin.checkpoint.metadata import expert_file, local_ids, placement_key, saved_local_ids, stage_view
+from moe_plugin.checkpoint.metadata import SAFE, expert_path, local_ids, placement_key, saved_local_ids, stage_view
 from moe_plugin.checkpoint.optimizer import MASTER, full_param_state, record_kind, state_names
-from moe_plugin.checkpoint.readers import materialize, open_expert
+from moe_plugin.checkpoint.readers import (
+    OPTIMIZER_MARK,
+    expert_file_metadata,
+    expert_file_specs,
+    materialize,
+    open_expert,
+)
+from moe_plugin.checkpoint.tensor_files import TensorWriter
 from moe_plugin.compat.deepspeed_checkpoint import no_local_experts
 from moe_plugin.compat.deepspeed_moe import DeepSpeedMoEMarker
 from moe_plugin.placement.migration import copies_in_placement
 
 
 # -- experts -------------------------------------------------------------------------------------
-def expert_files(run: Any, path: str) -> dict[str, dict]:
-    """{file path: content} of the expert files this rank writes (ETP rank 0 of EDP rank 0; the
-    others return {}); collective over the job.
+def expert_layers(run: Any) -> Iterator[tuple[Any, list[str], list[int], dict, dict]]:
+    """Layer by layer (each expert weight of the stage), after that layer's collectives: (the
+    weight, the record's state names, the global ids this rank writes, {id: full weight}, {state
+    name: {id: full row}}) -- empty dicts on the ranks that write none (ETP rank > 0 or EDP rank >
+    0). Collective over the job; one layer's tensors are alive at a time.
 
     File ``e`` holds expert e of every MoE layer of the stage, but each layer may place expert e on
-    another EP rank (``experts.placement``): the experts are first copied into the static order
-    (``placement.migration.copies_in_placement``, one exchange; the model does not change), so
-    EP rank p writes the files of experts ``[p * L, (p + 1) * L)``."""
+    another EP rank (``experts.placement``): the layer's experts are first copied into the static
+    order (``placement.migration.copies_in_placement``, one exchange; the model does not change), so
+    EP rank p writes the files of experts ``[p * L, (p + 1) * L)``, with the rows of the optimizer
+    record (fp32 master and Adam's moments, whole over the expert-data-parallel group)."""
     engine, groups = run.engine, run.groups
     s, coords = groups.layout.sizes, groups.layout.coords(dist.get_rank())
     names = state_names(engine)[0] if record_kind(engine) is not None else []
-    weights = expert_weights(engine.module)
-    items = []
-    for w in weights:
+    writes = coords["etp"] == 0 and coords["edp"] == 0
+    for w in expert_weights(engine.module):
         states = full_param_state(engine, w.param, names)   # whole over the expert-data-parallel group
-        items.append((w.module, torch.arange(w.module.num_experts), [w.param] + states, names))
-    copies = copies_in_placement([(m, target, tensors) for m, target, tensors, _ in items], groups)
+        (param_LXY, *states_LXY), = copies_in_placement([(w.module, torch.arange(w.module.num_experts),
+                                                          [w.param] + states)], groups)
+        del states
+        ids = list(range(coords["ep"] * w.module.num_local, (coords["ep"] + 1) * w.module.num_local))
+        weights = dict(full_experts(param_LXY, w, groups.etp, s.etp, ids))
+        rows = {name: dict(full_experts(value, w, groups.etp, s.etp, ids)) for name, value in zip(names, states_LXY)}
+        yield w, names, ids, weights if writes else {}, rows if writes else {}
+
+
+def expert_entries(run: Any, path: str) -> dict[str, dict]:
+    """{file path: content} of the expert files this rank writes ({} on the others), every layer in
+    memory: what an asynchronous save copies to the host (``write_expert_file`` writes each)."""
+    coords = run.groups.layout.coords(dist.get_rank())
     files: dict[int, dict] = {}
-    for w, (_m, _t, _x, names), (param_LXY, *states_LXY) in zip(weights, items, copies):
-        static_ids = list(range(coords["ep"] * w.module.num_local, (coords["ep"] + 1) * w.module.num_local))
-        for expert_id, full in full_experts(param_LXY, w, groups.etp, s.etp, static_ids):
-            placement = {"ep_rank": coords["ep"], "slot": static_ids.index(expert_id)}
-            entry = files.setdefault(expert_id, {"expert_id": expert_id, "stage": coords["pp"], "weights": {},
-                                                 "optimizer": {}, "placement": placement})
-            entry["weights"][w.key] = full
-        for name, value in zip(names, states_LXY):  # the same order on every ETP rank
-            for expert_id, full in full_experts(value, w, groups.etp, s.etp, static_ids):
-                files[expert_id]["optimizer"].setdefault(w.key, {})[name] = full
-    if coords["etp"] != 0 or coords["edp"] != 0:
-        return {}
-    for entry in files.values():
-        _weights_once(entry)
-    return {expert_file(path, e, coords["pp"]): entry for e, entry in files.items()}
+    for w, _names, ids, weights, rows in expert_layers(run):
+        for e in ids if weights else []:
+            entry = files.setdefault(e, {"expert_id": e, "stage": coords["pp"], "weights": {}, "optimizer": {},
+                                         "placement": {"ep_rank": coords["ep"], "slot": ids.index(e)}})
+            entry["weights"][w.key] = weights[e]
+            entry["optimizer"][w.key] = {name: rows[name][e] for name in rows}
+    return {_path(path, e, coords["pp"]): entry for e, entry in files.items()}
 
 
-def _weights_once(entry: dict) -> None:
-    """An expert weight whose record has its fp32 master is that master rounded to the weight's
-    dtype (DeepSpeed copies the master into the weight after every step): it is not written again,
-    ``"weights_from_master"`` names its dtype (``readers.open_expert`` rounds the master back). A
-    weight that differs from its rounded master (none is known to) is kept."""
-    for key, weight in list(entry["weights"].items()):
+def write_expert_files(run: Any, path: str) -> None:
+    """The expert files this rank writes, layer by layer as ``expert_layers`` makes them (a
+    synchronous save: the peak holds one layer's experts); collective over the job."""
+    engine, groups = run.engine, run.groups
+    coords = groups.layout.coords(dist.get_rank())
+    writers: dict[int, TensorWriter] = {}
+    failure: Optional[BaseException] = None   # raised after the last layer: the collectives go on
+    for w, names, ids, weights, rows in expert_layers(run):
+        if failure is not None or not weights:
+            continue
+        try:
+            if not writers:   # the first layer: every file planned from the model's shapes
+                writers = _writers(engine, groups, names, ids, path, coords)
+            for e in ids:
+                rounded = MASTER in rows
+                if rounded and not torch.equal(rows[MASTER][e].to(weights[e].dtype), weights[e]):
+                    raise CheckpointError(f"{w.key}: expert {e}'s weight is not its fp32 master rounded to "
+                                          f"{weights[e].dtype}; this optimizer's state cannot be saved once")
+                if not rounded:
+                    writers[e].write(w.key, weights[e])
+                for name in rows:
+                    writers[e].write(w.key + OPTIMIZER_MARK + name, rows[name][e])
+        except (OSError, ValueError, CheckpointError) as exc:
+            failure = exc
+            for writer in writers.values():
+                writer.abandon()
+    if failure is not None:
+        raise failure
+    for writer in writers.values():
+        writer.close()
+
+
+def _writers(engine: Any, groups: Any, names: list[str], ids: list[int], path: str,
+             coords: dict) -> dict[int, TensorWriter]:
+    s = groups.layout.sizes
+    weights = {w.key: (w.param.dtype, w.full_shape(s.etp)[1:]) for w in expert_weights(engine.module)}
+    rounded = MASTER in names
+    states = {key: {name: (torch.float32, shape) for name in names} for key, (_dtype, shape) in weights.items()}
+    specs = expert_file_specs({} if rounded else weights, states)
+    from_master = {key: str(dtype).replace("torch.", "") for key, (dtype, _shape) in weights.items()} if rounded else {}
+    return {e: TensorWriter(_path(path, e, coords["pp"]), specs,
+                            expert_file_metadata(e, coords["pp"], {"ep_rank": coords["ep"], "slot": ids.index(e)},
+                                                 from_master))
+            for e in ids}
+
+
+def write_expert_file(entry: dict, path: str) -> None:
+    """One expert file from its content (``expert_entries``): the same bytes ``write_expert_files``
+    writes for it."""
+    rounded = any(MASTER in states for states in entry["optimizer"].values())
+    from_master = {}
+    for key, weight in entry["weights"].items():
         master = entry["optimizer"].get(key, {}).get(MASTER)
-        if master is not None and torch.equal(master.to(weight.dtype), weight):
-            entry.setdefault("weights_from_master", {})[key] = str(weight.dtype).replace("torch.", "")
-            del entry["weights"][key]
+        if rounded and (master is None or not torch.equal(master.to(weight.dtype), weight)):
+            raise CheckpointError(f"{key}: expert {entry['expert_id']}'s weight is not its fp32 master rounded to "
+                                  f"{weight.dtype}; this optimizer's state cannot be saved once")
+        if rounded:
+            from_master[key] = str(weight.dtype).replace("torch.", "")
+    weights = {} if rounded else {k: (v.dtype, list(v.shape)) for k, v in entry["weights"].items()}
+    states = {k: {n: (v.dtype, list(v.shape)) for n, v in s.items()} for k, s in entry["optimizer"].items()}
+    specs = expert_file_specs(weights, states)
+    with TensorWriter(path, specs, expert_file_metadata(entry["expert_id"], entry["stage"], entry["placement"],
+                                                        from_master)) as out:
+        for name in specs:
+            key, _, state = name.partition(OPTIMIZER_MARK)
+            out.write(name, entry["optimizer"][key][state] if state else entry["weights"][key])
+
+
+def _path(path: str, expert_id: int, stage: int) -> str:
+    return expert_path(path, {"expert_files": SAFE}, expert_id, stage)
 
 
 def read_experts(run: Any, path: str, meta: dict, with_optimizer: bool) -> tuple[dict, dict]:

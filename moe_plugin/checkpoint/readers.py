@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -136,6 +136,7 @@ def open_expert_file(file: str) -> ExpertEntry:
                 entry.optimizer.setdefault(key, {})[state] = SafeLazy(f, name)
             else:
                 entry.weights[key] = SafeLazy(f, name)
+        _rounded(entry, json.loads(f.metadata.get("weights_from_master", "{}")))
         return entry
     content = TorchFile(file).content
     if not isinstance(content, dict) or isinstance(content, Opaque):
@@ -143,12 +144,17 @@ def open_expert_file(file: str) -> ExpertEntry:
     entry = ExpertEntry(file, content.get("expert_id"), dict(content.get("weights") or {}),
                         {k: dict(v) for k, v in (content.get("optimizer") or {}).items()},
                         dict(content.get("placement") or {}))
-    for key, dtype in (content.get("weights_from_master") or {}).items():   # expert_files._weights_once
+    _rounded(entry, content.get("weights_from_master") or {})
+    return entry
+
+
+def _rounded(entry: ExpertEntry, from_master: dict) -> None:
+    """The weights ``from_master`` ({key: dtype}) names: its master rows, rounded when read."""
+    for key, dtype in from_master.items():
         master = entry.optimizer.get(key, {}).get(MASTER)
         if master is None or not isinstance(getattr(torch, str(dtype), None), torch.dtype):
-            raise CheckpointError(f"{file}: {key} is recorded as its master in {dtype}, which the file lacks")
+            raise CheckpointError(f"{entry.path}: {key} is recorded as its master in {dtype}, which the file lacks")
         entry.weights[key] = Rounded(master, getattr(torch, dtype))
-    return entry
 
 
 def open_expert(path: str, meta: dict, expert_id: int, stage: int) -> ExpertEntry:
@@ -171,5 +177,11 @@ def expert_file_specs(weights: dict[str, tuple], optimizer: dict[str, dict[str, 
     return specs
 
 
-def expert_file_metadata(expert_id: int, stage: int, placement: dict) -> dict[str, str]:
-    return {"expert_id": str(expert_id), "stage": str(stage), "placement": json.dumps(placement)}
+def expert_file_metadata(expert_id: int, stage: int, placement: dict,
+                         from_master: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """A safetensors expert file's metadata; ``from_master`` {key: dtype}: weights kept as their
+    fp32 master rows only (``open_expert_file`` rounds them back)."""
+    out = {"expert_id": str(expert_id), "stage": str(stage), "placement": json.dumps(placement)}
+    if from_master:
+        out["weights_from_master"] = json.dumps(from_master, sort_keys=True)
+    return out
