@@ -11,17 +11,23 @@ expert shards of the other EP ranks are lost. The PipelineEngine takes the same 
 ``mp_rank_XX`` file per (stage, TP rank) holding the stage's whole module state, no per-layer
 ``layer_XX-model_states.pt`` files; on load it refuses ``custom_load_fn``. Here:
 
-* DeepSpeed still writes and reads everything it owns (dense weights, optimizer and ZeRO
-  partitions, lr scheduler, step counters, client state); the marker reports no local experts
-  while the engine loads, and a ``load_state_dict`` pre-hook puts our experts into the module
-  state it loads (``expert_files.experts_into_load``; DeepSpeed's own names and loader:
-  ``compat.deepspeed_checkpoint``).
-* Experts are stored by **global expert id**, one file per id and pipeline stage holding the full
-  expert (ETP shards joined) of every MoE layer of that stage, whatever EP rank each layer placed
-  it on (``experts.placement``; the metadata records every layer's placement). Under ZeRO-0 the
-  files also hold the expert rows of the basic optimizer's state (Adam's moments), so it can
-  follow a new layout. Loading gives the model the checkpoint's placements (its own do not
-  matter) and cuts the experts for them, so DeepSpeed's ZeRO partitions, saved in that order, fit.
+* The training state is written once. DeepSpeed writes its module files (lr scheduler, step
+  counters, client state, buffers and frozen weights) through its checkpoint engine, for which one
+  of ours stands in during the save (``_deepspeed_files``): its optimizer files are left out (the
+  optimizer record holds masters and moments: ``optimizer``), and so are the expert weights and,
+  under ZeRO-1/2 and bf16, the trained dense weights (each is its fp32 master rounded, which the
+  record holds). A load takes the optimizer state from the record at any layout, the same layout
+  too (``resharded``); the marker reports no local experts while the engine loads, and a
+  ``load_state_dict`` pre-hook puts our experts and the dense weights rounded from the record into
+  the module state it loads (``expert_files.experts_into_load``; DeepSpeed's own names and loader:
+  ``compat.deepspeed_checkpoint``). Checkpoints of format version 1 keep DeepSpeed's files whole
+  and load as they did.
+* Experts are stored by **global expert id**, one safetensors file per id and pipeline stage
+  holding the full expert (ETP shards joined) of every MoE layer of that stage, whatever EP rank
+  each layer placed it on (``experts.placement``; the metadata records every layer's placement),
+  with the expert rows of the optimizer record; a synchronous save writes them layer by layer
+  (``expert_files.write_expert_files``). Loading gives the model the checkpoint's placements (its
+  own do not matter) and cuts the experts for them.
 * Each rank saves its RNG states and its routers' noise generators and not-yet-applied load counts;
   the aux-loss-free bias is a module buffer.
 * ``moe_plugin.json`` (``metadata``) records shapes per stage, the ``moe`` block, layout, ZeRO

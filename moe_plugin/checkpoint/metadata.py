@@ -57,11 +57,6 @@ def read_json(path: str) -> Any:
                               f"{first_line(exc)})") from exc
 
 
-def expert_file(path: str, expert_id: int, stage: int) -> str:
-    """One full expert (every MoE layer of pipeline stage ``stage``) under its global id."""
-    return os.path.join(path, EXPERT_DIR, f"expert_{expert_id:05d}_pp_{stage:02d}.pt")
-
-
 def rng_file(path: str, rank: int) -> str:
     return os.path.join(path, RNG_DIR, f"rank_{rank:05d}.pt")
 
@@ -89,7 +84,8 @@ def dense_file_name(stage: int, tp_rank: int) -> str:
 
 
 def expert_path(path: str, meta: dict, expert_id: int, stage: int) -> str:
-    """Expert ``expert_id`` of stage ``stage``: ``.safetensors`` where the metadata says so, else ``.pt``."""
+    """One full expert (every MoE layer of pipeline stage ``stage``) under its global id:
+    ``.safetensors`` where the metadata says so (format version 2), else ``.pt`` (version 1)."""
     suffix = SUFFIX if meta.get("expert_files") == SAFE else ".pt"
     return os.path.join(path, EXPERT_DIR, f"expert_{expert_id:05d}_pp_{stage:02d}{suffix}")
 
