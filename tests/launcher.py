@@ -192,7 +192,9 @@ def run_together(argvs: list[Sequence[str]], cwd: Path = REPO, timeout: float = 
         _stop(procs, {i: None for i, p in enumerate(procs) if p.poll() is not None}, signal.SIGKILL)
         for proc in procs:   # what a command that ended by itself left running in its process group
             if not psutil.pid_exists(proc.pid):   # (else its pid, and so maybe the group, is another's now)
+                left = _group(proc.pid)
                 _killpg(proc.pid, signal.SIGKILL)
+                _until_dead(left)
         for out, err in logs:
             out.close()
             if err is not None:
@@ -238,6 +240,32 @@ def _stop(procs: list[subprocess.Popen], done: dict, signum: int, grace: float =
                 pass
         procs[i].wait()
     return running
+
+
+def _group(pgid: int) -> list[psutil.Process]:
+    """The processes of process group ``pgid``."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid:
+                out.append(p)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return out
+
+
+def _until_dead(processes: list[psutil.Process], timeout: float = 10.0) -> None:
+    """Wait until each of ``processes`` is gone or a zombie (a SIGKILL is delivered when the process
+    next runs: on a loaded machine, later than the kill returns)."""
+    end = time.monotonic() + timeout
+    for p in processes:
+        while time.monotonic() < end:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.02)
 
 
 def _killpg(pid: int, signum: int) -> None:
