@@ -24,6 +24,7 @@ dense untied Mistral without sliding window). Each is imported with the "moe" bl
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -50,12 +51,22 @@ def _ds(moe: dict, parallel: dict, dp: int) -> dict:
             "zero_optimization": {"stage": 0}, "moe": {**moe, "parallel": parallel}}
 
 
-def _plugin_logits(case: dict, parallel: dict, world_size: int, tokens_BS: torch.Tensor):
+def _plugin_logits(case: dict, parallel: dict, world_size: int, tokens_BS: torch.Tensor, reads: dict = None):
     """The example's model of ``case`` (its flags), loaded from its checkpoint: this rank's full logits
-    [B, S, V] (None where a pipeline stage has none; the rows of its data-parallel replica under pp)."""
+    [B, S, V] (None where a pipeline stage has none; the rows of its data-parallel replica under pp).
+    ``reads``: filled with {file name: bytes the load read from it} (the safetensors reads counted)."""
     import torch.distributed as dist
 
     import moe_plugin
+    from moe_plugin.checkpoint.tensor_files import TensorFile, nbytes
+
+    real = TensorFile._read
+
+    def counted(self, name, begin, dtype, shape):
+        key = os.path.basename(self.path)
+        if reads is not None:
+            reads[key] = reads.get(key, 0) + nbytes(dtype, shape)
+        return real(self, name, begin, dtype, shape)
 
     example = _script()
     args = example.parse_args([*case["flags"], "--seq-length", str(SEQ)])
@@ -65,7 +76,11 @@ def _plugin_logits(case: dict, parallel: dict, world_size: int, tokens_BS: torch
     run = moe_plugin.initialize(_ds(case["moe"], parallel, dp), provider(args, VOCAB), args=args, seed=1,
                                 print_summary=False)
     try:
-        moe_plugin.load_checkpoint(run, case["ckpt"], load_optimizer_states=False)   # weights: any saved layout
+        TensorFile._read = counted
+        try:
+            moe_plugin.load_checkpoint(run, case["ckpt"], load_optimizer_states=False)   # weights: any saved layout
+        finally:
+            TensorFile._read = real
         positions_BS = torch.arange(SEQ).expand(BATCH, SEQ)
         if pp > 1:
             rows = slice(run.groups.rank_in("dp") * BATCH // dp, (run.groups.rank_in("dp") + 1) * BATCH // dp)
@@ -91,14 +106,15 @@ def _child(rank: int, world_size: int, cases: dict, layouts: dict, tokens_BS: to
     from moe_plugin import CheckpointError
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    out: dict = {}
+    out: dict = {"reads": {}}
     for layout, parallel in layouts.items():
         out[layout] = {}
         for name, case in cases.items():
             if layout.startswith("pp") and "--dense" in case["flags"]:   # the example's --dense runs without pp
                 continue
             if not case.get("refused"):
-                out[layout][name] = _plugin_logits(case, parallel, world_size, tokens_BS)
+                reads = out["reads"].setdefault(layout, {}).setdefault(name, {})
+                out[layout][name] = _plugin_logits(case, parallel, world_size, tokens_BS, reads)
                 continue
             try:
                 _plugin_logits(case, parallel, world_size, tokens_BS)
@@ -172,6 +188,28 @@ def test_layouts_give_transformers_logits(imported, tmp_path):
     results = run_distributed(_child, 4, tmp_path, cases, layouts, tokens_BS, timeout=400)
     for layout in layouts:
         _check_logits(results, cases, layout)
+    _check_reads(results, cases)
+
+
+def _check_reads(results: list, cases: dict) -> None:
+    """Under tp2 x ep2 (ranks 0, 1: EP rank 0; 2, 3: EP rank 1, each holding half the experts) each rank
+    reads the files of its own experts only, and of the dense file about its half: the tensors cut
+    along dim 0 as just its rows (the row-parallel ones and those every TP rank holds, whole)."""
+    from moe_plugin.checkpoint.tensor_files import TensorFile
+
+    for name, case in cases.items():
+        if case.get("refused") or "--dense" in case["flags"]:
+            continue
+        with TensorFile(os.path.join(case["ckpt"], "step0", "model", "dense_pp_00_tp_00.safetensors")) as f:
+            dense = sum(math.prod(f.spec(k)[1]) for k in f.names())
+        for rank, result in enumerate(results):
+            reads = result["reads"]["tp2-ep2"][name]
+            experts = sorted(int(f[7:12]) for f in reads if f.startswith("expert_"))
+            half = case["moe"]["num_experts"] // 2
+            mine = list(range(half)) if rank < 2 else list(range(half, 2 * half))
+            assert experts == mine, f"{name}, rank {rank}: read the files of experts {experts}, holds {mine}"
+            read = reads["dense_pp_00_tp_00.safetensors"] / 4   # fp32 elements
+            assert read <= 0.7 * dense, f"{name}, rank {rank}: read {read:.0f} of the dense file's {dense} elements"
 
 
 def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_path):

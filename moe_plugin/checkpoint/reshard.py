@@ -16,12 +16,14 @@ not from parameter names:
 The same function slices full *gradients* for comparison with a sharded model's.
 ``join_dense_tp`` goes the other way for the dense entries (checkpoints saved at another TP size).
 ``own_dense`` does both for a load, one key at a time: each value of a saved TP rank is read when
-its key comes (``checkpoint.readers``' lazy values), joined, cut, and only the rank's part kept.
+its key comes (``checkpoint.readers``' lazy values), joined, cut, and only the rank's part kept; a
+tensor saved whole (a conversion's checkpoint) and cut along dim 0 is read as just the rank's rows.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
+import torch
 from torch import Tensor, nn
 
 from moe_plugin.checkpoint.experts import expert_weights
@@ -67,11 +69,27 @@ def own_dense(pieces: Mapping[str, list[Any]], model: nn.Module, layout: RankLay
             continue
         if getattr(mine, "tensor_model_parallel", False):
             stride = getattr(mine, "partition_stride", 1)
+            rows = _own_rows(saved, mine.partition_dim, stride, layout.coords(rank)["tp"], layout.sizes.tp)
+            if rows is not None and rows.shape == mine.shape:   # only this rank's rows were read
+                out[key] = rows
+                continue
             full = tp_join([materialize(v) for v in saved], mine.partition_dim, stride)
         else:
             full = materialize(saved[0])
         out[key] = _part(key, full, mine, None, layout, rank).detach()   # fresh memory: read, or cut by cat
     return out
+
+
+def _own_rows(saved: list[Any], dim: int, stride: int, tp_rank: int, tp: int) -> Any:
+    """Rank ``tp_rank``'s part of a tensor saved whole (one saved TP rank) and cut along dim 0, read
+    as just its rows (``tp_slice``'s pieces ``tp_rank::tp``); None where that does not apply."""
+    if len(saved) != 1 or dim != 0 or not hasattr(saved[0], "read_rows"):
+        return None
+    pieces = stride * tp
+    if saved[0].shape[0] % pieces:
+        return None
+    n = saved[0].shape[0] // pieces
+    return torch.cat([saved[0].read_rows(j * n, n) for j in range(tp_rank, pieces, tp)])
 
 
 def shard_state_dict(full: Mapping[str, Any], model: nn.Module, layout: RankLayout, rank: int, *,
