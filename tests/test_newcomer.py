@@ -217,6 +217,7 @@ def test_summary_numbers(results):
     mem = one["memory_per_rank_mb"]   # one rank, fp32 Adam: 4 + 4 + 8 bytes per parameter
     assert mem["weights"] == round(p["total"] * 4 / 2 ** 20, 3)
     assert mem["optimizer"] == round(p["total"] * 8 / 2 ** 20, 3)
+    assert mem["async_save_copy"] == round(p["total"] * 12 / 2 ** 20, 3)   # a checkpoint's 12 bytes per parameter
     four = results["four"][0]["plain"]["summary"]["memory_per_rank_mb"]
     assert 0 < four["weights"] < mem["weights"] and four["total"] < mem["total"]
 

@@ -15,6 +15,10 @@
   Adam state (``dtype``: 4 + 4 + 8 bytes per parameter in fp32; 2 + 2 + 12 in fp16/bf16 with fp32
   master weights), the optimizer state divided over dp (dense) and edp (experts) from ZeRO stage 1,
   the gradients too from stage 2. Activations, communication buffers and the framework are not in it.
+  ``async_save_copy``: what an asynchronous save copies to host memory on the rank that writes the
+  most (the checkpoint holds each trained value once with Adam's moments, 12 bytes per parameter:
+  its experts whole over etp and the dense parameters it writes), beyond the estimate; a
+  synchronous save holds one MoE layer's experts instead (docs/checkpoints.md).
 
 Computing it is collective (every rank calls it, as ``initialize`` does).
 """
@@ -34,6 +38,7 @@ from moe_plugin.integration.grad_norm import distinct_parameter_count
 
 # bytes per parameter: (weight, gradient, optimizer state: Adam's two moments, + fp32 master copy)
 BYTES = {"fp32": (4, 4, 8), "fp16": (2, 2, 12), "bf16": (2, 2, 12)}
+SAVED_BYTES = 12   # a checkpoint's bytes per trained parameter: the value (or fp32 master) and Adam's two moments
 _MB = 2 ** 20
 
 
@@ -65,7 +70,8 @@ class RunSummary:
             f"active per token {p['active']:,}",
             f"moe_plugin: memory per rank (estimate, busiest rank: {self.dtype} weights, gradients and Adam state "
             f"under ZeRO stage {self.zero_stage}; no activations) {m['total']:,.1f} MiB = weights "
-            f"{m['weights']:,.1f} + gradients {m['grads']:,.1f} + optimizer {m['optimizer']:,.1f}"])
+            f"{m['weights']:,.1f} + gradients {m['grads']:,.1f} + optimizer {m['optimizer']:,.1f}; an "
+            f"asynchronous save copies up to {m['async_save_copy']:,.1f} MiB more to host memory"])
 
 
 def run_summary(model: nn.Module, moe_config: MoEConfig, groups: ProcessGroups, zero_stage: int,
@@ -116,10 +122,12 @@ def _memory_estimate(params: list, sizes: Any, zero_stage: int, dtype: str,
     local = dense + expert
     mine = [(local if zero_stage < 2 else shard) * g, (local if zero_stage < 1 else shard) * o]
     mine = [local * w + sum(mine), local * w] + mine
+    copy = (dense + expert * sizes.etp) * SAVED_BYTES
     if groups is not None and dist.is_initialized() and dist.get_world_size() > 1:
         every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        mine = max(every)   # the busiest rank (by its total)
+        dist.all_gather_object(every, (mine, copy))
+        mine = max(m for m, _ in every)   # the busiest rank (by its total)
+        copy = max(c for _, c in every)
     total, weights, grads, optimizer = (v / _MB for v in mine)
     return {"weights": round(weights, 3), "grads": round(grads, 3), "optimizer": round(optimizer, 3),
-            "total": round(total, 3)}
+            "total": round(total, 3), "async_save_copy": round(copy / _MB, 3)}
