@@ -50,8 +50,11 @@ def _run(tmp_path, how: str) -> subprocess.CompletedProcess:
 
 
 def test_exit_process_ends_with_the_status_where_the_interpreters_exit_aborts(tmp_path):
-    aborted = _run(tmp_path, "sys.exit")
-    assert aborted.returncode == -6, (aborted.returncode, aborted.stderr[-2000:])   # the race, certain
+    for _attempt in range(5):   # the race: nearly certain, but a loaded machine can schedule it away once
+        aborted = _run(tmp_path, "sys.exit")
+        if aborted.returncode == -6:
+            break
+    assert aborted.returncode == -6, (aborted.returncode, aborted.stderr[-2000:])
     assert "terminate called without an active exception" in aborted.stderr
     ended = _run(tmp_path, "exit_process")
     assert ended.returncode == 3, (ended.returncode, ended.stderr[-2000:])
