@@ -379,7 +379,10 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     rng = agree(lambda: read_torch(rng_path) if load_rng_states and same_token_groups and os.path.isfile(rng_path)
                 else None)
     recut = dense_recut(meta, groups)
-    dense, header = agree(lambda: recut_dense(run, path, meta)) if recut else (agree(lambda: own_record_weights(run, path)), {})
+    if recut:
+        dense, header = agree(lambda: recut_dense(run, path, meta))
+    else:   # the saved layout: only the dense weights DeepSpeed's module file left out
+        dense, header = agree(lambda: own_record_weights(run, path)), {}
     record = recut_optimizer and meta.get("optimizer_record", False)
     optimizer_state = (agree(lambda: match_record(run, path, *read_record(run, path, meta), expert_moments))
                        if record else None)

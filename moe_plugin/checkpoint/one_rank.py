@@ -24,7 +24,7 @@ to do when the tag exists.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -48,7 +48,6 @@ class OneRankPlan:
     num_experts: int
     read_dense: Callable[[str], torch.Tensor]
     read_expert: Callable[[str, int], torch.Tensor]
-    notes: list[str] = field(default_factory=list)
 
 
 def write_one_rank(out_dir: os.PathLike | str, tag: str, plan: OneRankPlan, moe: MoEConfig, model: dict,

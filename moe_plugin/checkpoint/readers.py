@@ -1,9 +1,9 @@
 """A checkpoint's tensor files opened by their headers, each tensor read when asked.
 
-Two kinds of file hold a checkpoint's tensors: safetensors (``tensor_files``: the dense weights and
-expert files a conversion writes, ``model/`` and ``experts/*.safetensors``) and ``torch.save``
-files (DeepSpeed's module files and the expert files of a training save, read by
-``compat.torch_files`` without running their pickle's code). Both give ``Lazy`` values: dtype and
+Two kinds of file hold a checkpoint's tensors: safetensors (``tensor_files``: the expert files,
+``experts/*.safetensors``, and a conversion's dense weights, ``model/``) and ``torch.save`` files
+(DeepSpeed's module files, the dense optimizer record, and the expert files of format version 1,
+read by ``compat.torch_files`` without running their pickle's code). Both give ``Lazy`` values: dtype and
 shape known, bytes read by ``read()``, so a reader holds one tensor at a time.
 
     module = open_module(path, meta, stage, tp_rank)    # {state-dict key: Lazy or a plain value}
@@ -11,9 +11,9 @@ shape known, bytes read by ``read()``, so a reader holds one tensor at a time.
     value = materialize(module[key])
 
 A conversion's checkpoint records ``"dense_files"`` ({stage: [file per TP rank]}, beside
-DeepSpeed's module file, which then holds only the module's non-tensor entries) and
-``"expert_files": "safetensors"``; a training save records neither and keeps everything in
-DeepSpeed's files and ``experts/*.pt``.
+DeepSpeed's module file, which then holds only the module's non-tensor entries); every checkpoint
+of format version 2 records ``"expert_files": "safetensors"``. The weights a save wrote as their
+fp32 masters only (``weights_from_master``) are read as those masters, rounded (``Rounded``).
 """
 from __future__ import annotations
 
@@ -25,11 +25,10 @@ from typing import Any, Optional, Union
 import torch
 
 from moe_plugin.checkpoint.errors import CheckpointError
-from moe_plugin.checkpoint.metadata import SAFE, expert_path, module_files, saved_model_files
+from moe_plugin.checkpoint.metadata import expert_path, module_files, saved_model_files
 from moe_plugin.checkpoint.optimizer import MASTER, record_file
 from moe_plugin.checkpoint.tensor_files import SUFFIX, TensorFile
 from moe_plugin.compat.torch_files import LazyTensor, Opaque, TorchFile
-
 
 
 class SafeLazy:

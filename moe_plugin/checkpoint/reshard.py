@@ -14,8 +14,7 @@ not from parameter names:
 * Anything else (norms, router, shared expert, position embedding, buffers) is replicated.
 
 The same function slices full *gradients* for comparison with a sharded model's.
-``join_dense_tp`` goes the other way for the dense entries (checkpoints saved at another TP size).
-``own_dense`` does both for a load, one key at a time: each value of a saved TP rank is read when
+``own_dense`` joins a load's dense entries saved at another TP size and cuts them, one key at a time: each value of a saved TP rank is read when
 its key comes (``checkpoint.readers``' lazy values), joined, cut, and only the rank's part kept; a
 tensor saved whole (a conversion's checkpoint) and cut along dim 0 is read as just the rank's rows.
 """
@@ -29,25 +28,6 @@ from torch import Tensor, nn
 from moe_plugin.checkpoint.experts import expert_weights
 from moe_plugin.checkpoint.shards import tp_join, tp_slice
 from moe_plugin.groups.layout import RankLayout
-
-
-def join_dense_tp(states: list[Mapping[str, Any]], model: nn.Module) -> dict[str, Any]:
-    """One full state dict of ``model``'s dense (non-expert) entries from the state dicts of every
-    TP rank of a saved model (``states[r]``: TP rank r's), read by the rules above from ``model``
-    (the same model at any TP size): tensor-parallel tensors joined with ``tp_join``, the rest
-    (replicated over TP) taken from rank 0. Expert weights are left out (checkpoints keep them
-    per global expert id)."""
-    experts = {w.key for w in expert_weights(model)}
-    out: dict[str, Any] = {}
-    for key, mine in model.state_dict(keep_vars=True).items():
-        if key in experts or key not in states[0]:
-            continue
-        if isinstance(mine, Tensor) and getattr(mine, "tensor_model_parallel", False):
-            stride = getattr(mine, "partition_stride", 1)
-            out[key] = tp_join([state[key] for state in states], mine.partition_dim, stride)
-        else:
-            out[key] = states[0][key]
-    return out
 
 
 def own_dense(pieces: Mapping[str, list[Any]], model: nn.Module, layout: RankLayout, rank: int) -> dict[str, Any]:

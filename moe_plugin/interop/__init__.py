@@ -13,7 +13,7 @@
 * ``hf_files``: safetensors shards and their index, read and written; the tokenizer files.
 * ``hf_import`` / ``hf_export``: the commands. The checkpoint package does the sharding: an import
   is written as the 1-rank model's checkpoint, which ``load_checkpoint`` cuts for any layout, and
-  an export reads any layout as the 1-rank model (``checkpoint.export.read_full_state``).
+  an export reads any layout as the 1-rank model, tensor by tensor (``checkpoint.export.CheckpointSource``).
 
 transformers is optional (``pip install 'moe_plugin[hf]'``): imported on first use, by name.
 """
