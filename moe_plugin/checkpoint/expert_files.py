@@ -25,8 +25,8 @@ from torch import nn
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.experts import expert_weights, full_experts, local_experts
 from moe_plugin.checkpoint.keys import running_state
-from moe_plugin.checkpoint.metadata import SAFE, expert_path, local_ids, placement_key, saved_local_ids, stage_view
-from moe_plugin.checkpoint.optimizer import MASTER, full_param_state, record_kind, state_names
+from moe_plugin.checkpoint.metadata import expert_file, local_ids, placement_key, saved_local_ids, stage_view
+from moe_plugin.checkpoint.optimizer import MASTER, dtype_name, full_param_state, record_kind, state_names
 from moe_plugin.checkpoint.readers import (
     OPTIMIZER_MARK,
     expert_file_metadata,
@@ -78,7 +78,7 @@ def expert_entries(run: Any, path: str) -> dict[str, dict]:
                                          "placement": {"ep_rank": coords["ep"], "slot": ids.index(e)}})
             entry["weights"][w.key] = weights[e]
             entry["optimizer"][w.key] = {name: rows[name][e] for name in rows}
-    return {_path(path, e, coords["pp"]): entry for e, entry in files.items()}
+    return {expert_file(path, e, coords["pp"]): entry for e, entry in files.items()}
 
 
 def write_expert_files(run: Any, path: str) -> None:
@@ -95,11 +95,9 @@ def write_expert_files(run: Any, path: str) -> None:
             if not writers:   # the first layer: every file planned from the model's shapes
                 writers = _writers(engine, groups, names, ids, path, coords)
             for e in ids:
-                rounded = MASTER in rows
-                if rounded and not torch.equal(rows[MASTER][e].to(weights[e].dtype), weights[e]):
-                    raise CheckpointError(f"{w.key}: expert {e}'s weight is not its fp32 master rounded to "
-                                          f"{weights[e].dtype}; this optimizer's state cannot be saved once")
-                if not rounded:
+                if MASTER in rows:
+                    _check_rounded(w.key, e, rows[MASTER][e], weights[e])
+                else:
                     writers[e].write(w.key, weights[e])
                 for name in rows:
                     writers[e].write(w.key + OPTIMIZER_MARK + name, rows[name][e])
@@ -120,8 +118,8 @@ def _writers(engine: Any, groups: Any, names: list[str], ids: list[int], path: s
     rounded = MASTER in names
     states = {key: {name: (torch.float32, shape) for name in names} for key, (_dtype, shape) in weights.items()}
     specs = expert_file_specs({} if rounded else weights, states)
-    from_master = {key: str(dtype).replace("torch.", "") for key, (dtype, _shape) in weights.items()} if rounded else {}
-    return {e: TensorWriter(_path(path, e, coords["pp"]), specs,
+    from_master = {key: dtype_name(dtype) for key, (dtype, _shape) in weights.items()} if rounded else {}
+    return {e: TensorWriter(expert_file(path, e, coords["pp"]), specs,
                             expert_file_metadata(e, coords["pp"], {"ep_rank": coords["ep"], "slot": ids.index(e)},
                                                  from_master))
             for e in ids}
@@ -133,12 +131,9 @@ def write_expert_file(entry: dict, path: str) -> None:
     rounded = any(MASTER in states for states in entry["optimizer"].values())
     from_master = {}
     for key, weight in entry["weights"].items():
-        master = entry["optimizer"].get(key, {}).get(MASTER)
-        if rounded and (master is None or not torch.equal(master.to(weight.dtype), weight)):
-            raise CheckpointError(f"{key}: expert {entry['expert_id']}'s weight is not its fp32 master rounded to "
-                                  f"{weight.dtype}; this optimizer's state cannot be saved once")
         if rounded:
-            from_master[key] = str(weight.dtype).replace("torch.", "")
+            _check_rounded(key, entry["expert_id"], entry["optimizer"].get(key, {}).get(MASTER), weight)
+            from_master[key] = dtype_name(weight.dtype)
     weights = {} if rounded else {k: (v.dtype, list(v.shape)) for k, v in entry["weights"].items()}
     states = {k: {n: (v.dtype, list(v.shape)) for n, v in s.items()} for k, s in entry["optimizer"].items()}
     specs = expert_file_specs(weights, states)
@@ -149,8 +144,11 @@ def write_expert_file(entry: dict, path: str) -> None:
             out.write(name, entry["optimizer"][key][state] if state else entry["weights"][key])
 
 
-def _path(path: str, expert_id: int, stage: int) -> str:
-    return expert_path(path, {"expert_files": SAFE}, expert_id, stage)
+def _check_rounded(key: str, expert_id: int, master: Optional[torch.Tensor], weight: torch.Tensor) -> None:
+    """Raise unless ``weight`` is its fp32 ``master`` rounded (then the file keeps the master only)."""
+    if master is None or not torch.equal(master.to(weight.dtype), weight):
+        raise CheckpointError(f"{key}: expert {expert_id}'s weight is not its fp32 master rounded to "
+                              f"{weight.dtype}; this optimizer's state cannot be saved once")
 
 
 def read_experts(run: Any, path: str, meta: dict, with_optimizer: bool) -> tuple[dict, dict]:

@@ -83,11 +83,16 @@ def dense_file_name(stage: int, tp_rank: int) -> str:
     return f"{DENSE_DIR}/dense_pp_{stage:02d}_tp_{tp_rank:02d}{SUFFIX}"
 
 
-def expert_path(path: str, meta: dict, expert_id: int, stage: int) -> str:
-    """One full expert (every MoE layer of pipeline stage ``stage``) under its global id:
-    ``.safetensors`` where the metadata says so (format version 2), else ``.pt`` (version 1)."""
-    suffix = SUFFIX if meta.get("expert_files") == SAFE else ".pt"
+def expert_file(path: str, expert_id: int, stage: int, suffix: str = SUFFIX) -> str:
+    """One full expert (every MoE layer of pipeline stage ``stage``) under its global id, as this
+    version writes it (safetensors)."""
     return os.path.join(path, EXPERT_DIR, f"expert_{expert_id:05d}_pp_{stage:02d}{suffix}")
+
+
+def expert_path(path: str, meta: dict, expert_id: int, stage: int) -> str:
+    """``expert_file`` of the checkpoint ``meta`` describes: ``.safetensors`` where it says so
+    (format version 2), else ``.pt`` (version 1)."""
+    return expert_file(path, expert_id, stage, SUFFIX if meta.get("expert_files") == SAFE else ".pt")
 
 
 def module_files(path: str, meta: dict, stage: int) -> list[str]:
@@ -399,8 +404,8 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
             model_files = [deepspeed_model_file(path, engine)]
         expert_stages = (sorted(set(stage["from"].values())) if stage is not None
                          else [groups.layout.coords(dist.get_rank())["pp"]])
-        needed = sorted(set(model_files)) + [expert_path(path, meta, e, st) for e in local_ids(meta, engine.module, groups)
-                                             for st in expert_stages]
+        needed = sorted(set(model_files)) + [expert_path(path, meta, e, st)
+                                             for e in local_ids(meta, engine.module, groups) for st in expert_stages]
         problems += [f"{p}: missing" for p in needed if not os.path.isfile(p)]
     if problems:
         raise CheckpointError(f"checkpoint {path} does not fit the model: " + "; ".join(problems))

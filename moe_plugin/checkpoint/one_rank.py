@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from moe_plugin.checkpoint.files import copy_files, tag_written_here, write_metadata
-from moe_plugin.checkpoint.metadata import FORMAT, FORMAT_VERSION, SAFE, dense_file_name, expert_path, placement_key
+from moe_plugin.checkpoint.metadata import FORMAT, FORMAT_VERSION, SAFE, dense_file_name, expert_file, placement_key
 from moe_plugin.checkpoint.readers import expert_file_metadata, expert_file_specs
 from moe_plugin.checkpoint.tensor_files import TensorWriter
 from moe_plugin.configs import MoEConfig, ParallelConfig, ParallelSizes
@@ -80,8 +80,7 @@ def _write_files(tmp: str, plan: OneRankPlan, saved: Optional[dict], say: Callab
         return
     specs = expert_file_specs(plan.experts, {})
     for e in range(plan.num_experts):
-        name = expert_path(tmp, {"expert_files": SAFE}, e, 0)
-        with TensorWriter(name, specs, expert_file_metadata(e, 0, {"ep_rank": 0, "slot": e})) as out:
+        with TensorWriter(expert_file(tmp, e, 0), specs, expert_file_metadata(e, 0, {"ep_rank": 0, "slot": e})) as out:
             for key in specs:
                 out.write(key, plan.read_expert(key, e))
         say(f"expert files {e + 1}/{plan.num_experts}")

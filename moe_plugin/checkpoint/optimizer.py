@@ -79,6 +79,11 @@ def load_basic_optimizer(run: Any, path: str, saved: dict, moments: dict) -> Non
 
 
 # -- the optimizer record ------------------------------------------------------------------------
+def dtype_name(dtype: torch.dtype) -> str:
+    """How ``weights_from_master`` names a weight's dtype (``"bfloat16"``; ``readers.rounded`` reads it)."""
+    return str(dtype).replace("torch.", "")
+
+
 def record_kind(engine: Any) -> Optional[str]:
     """``"basic"`` (ZeRO-0, fp32: the torch optimizer), ``"hp"`` (ZeRO-1/2 or bf16: DeepSpeed's fp32
     masters reached through ``safe_get_full_*``), or None (no optimizer, fp16)."""
@@ -146,14 +151,11 @@ def dense_record(run: Any) -> dict:
     if record_kind(engine) is None:
         return {}
     names, scalars = state_names(engine)
-    experts = {id(w.param) for w in expert_weights(engine.module)}
     state, from_master, weights = {}, {}, {}
-    for key, p in trained(engine):
-        if id(p) in experts:
-            continue
+    for key, p in trained_dense(engine):
         state[key] = dict(zip(names, (t.detach().clone() for t in full_param_state(engine, p, names))))
         if MASTER in state[key]:   # DeepSpeed's module file leaves it out (dense_from_master)
-            from_master[key] = str(p.dtype).replace("torch.", "")
+            from_master[key] = dtype_name(p.dtype)
             if not torch.equal(state[key][MASTER].to(p.dtype), p.detach()):   # none is known to differ
                 weights[key] = p.detach().clone()
     coords = groups.layout.coords(dist.get_rank())
@@ -168,10 +170,13 @@ def dense_from_master(engine: Any) -> set[str]:
     """The trained dense parameters whose weight is its fp32 master rounded to its dtype (DeepSpeed
     copies the master into the weight after every step: ZeRO-1/2 and bf16), which the dense record
     holds (``dense_record``'s ``weights_from_master``): DeepSpeed's module file need not."""
-    if record_kind(engine) != "hp":
-        return set()
+    return {key for key, _p in trained_dense(engine)} if record_kind(engine) == "hp" else set()
+
+
+def trained_dense(engine: Any) -> list[tuple[str, nn.Parameter]]:
+    """``trained``'s parameters but the experts' (the dense record's)."""
     experts = {id(w.param) for w in expert_weights(engine.module)}
-    return {key for key, p in trained(engine) if id(p) not in experts}
+    return [(k, p) for k, p in trained(engine) if id(p) not in experts]
 
 
 def group_options(engine: Any) -> list[dict]:

@@ -47,13 +47,21 @@ class SafeLazy:
 
 
 class Rounded:
-    """A lazy tensor read and cast to ``dtype`` (an expert weight kept as its fp32 master)."""
+    """A lazy tensor read and cast to ``dtype`` (a weight kept as its fp32 master)."""
 
     def __init__(self, source: Any, dtype: torch.dtype):
         self.source, self.dtype, self.shape = source, dtype, source.shape
 
     def read(self) -> torch.Tensor:
         return self.source.read().to(self.dtype)
+
+
+def rounded(file: str, key: str, master: Any, name: Any) -> Rounded:
+    """The weight ``key`` that ``file`` keeps as its fp32 master ``master``, in the dtype ``name``."""
+    dtype = getattr(torch, str(name), None)
+    if master is None or not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{file}: {key} is recorded as its master in {name}, which the file lacks")
+    return Rounded(master, dtype)
 
 
 Lazy = Union[SafeLazy, LazyTensor, Rounded]
@@ -105,9 +113,7 @@ def record_weights(path: str, stage: int, tp_rank: int) -> dict[str, Lazy]:
     out: dict[str, Lazy] = {}
     for key, dtype in (content.get("weights_from_master") or {}).items():
         master = content.get("state", {}).get(key, {}).get(MASTER)
-        if key not in kept and (master is None or not isinstance(getattr(torch, str(dtype), None), torch.dtype)):
-            raise CheckpointError(f"{file}: {key} is recorded as its master in {dtype}, which the file lacks")
-        out[key] = kept[key] if key in kept else Rounded(master, getattr(torch, dtype))
+        out[key] = kept[key] if key in kept else rounded(file, key, master, dtype)
     return out
 
 
@@ -150,10 +156,7 @@ def open_expert_file(file: str) -> ExpertEntry:
 def _rounded(entry: ExpertEntry, from_master: dict) -> None:
     """The weights ``from_master`` ({key: dtype}) names: its master rows, rounded when read."""
     for key, dtype in from_master.items():
-        master = entry.optimizer.get(key, {}).get(MASTER)
-        if master is None or not isinstance(getattr(torch, str(dtype), None), torch.dtype):
-            raise CheckpointError(f"{entry.path}: {key} is recorded as its master in {dtype}, which the file lacks")
-        entry.weights[key] = Rounded(master, getattr(torch, dtype))
+        entry.weights[key] = rounded(entry.path, key, entry.optimizer.get(key, {}).get(MASTER), dtype)
 
 
 def open_expert(path: str, meta: dict, expert_id: int, stage: int) -> ExpertEntry:
