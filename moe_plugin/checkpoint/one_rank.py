@@ -78,12 +78,23 @@ def _write_files(tmp: str, plan: OneRankPlan, saved: Optional[dict], say: Callab
                 say(f"dense tensors {n}/{len(plan.dense)}")
     if not plan.experts:
         return
+    # every expert file open at once, filled weight by weight: one layer's weights are made for all
+    # experts together (upcycle cuts them from that layer's dense MLP, read once)
     specs = expert_file_specs(plan.experts, {})
-    for e in range(plan.num_experts):
-        with TensorWriter(expert_file(tmp, e, 0), specs, expert_file_metadata(e, 0, {"ep_rank": 0, "slot": e})) as out:
-            for key in specs:
+    writers = [TensorWriter(expert_file(tmp, e, 0), specs, expert_file_metadata(e, 0, {"ep_rank": 0, "slot": e}))
+               for e in range(plan.num_experts)]
+    try:
+        for n, key in enumerate(specs, 1):
+            for e, out in enumerate(writers):
                 out.write(key, plan.read_expert(key, e))
-        say(f"expert files {e + 1}/{plan.num_experts}")
+            say(f"expert weights {n}/{len(specs)}")
+        for out in writers:
+            out.close()
+    except BaseException:
+        for out in writers:
+            out.abandon()
+        raise
+    say(f"expert files {plan.num_experts}/{plan.num_experts}")
 
 
 def _metadata(moe: MoEConfig, tag: str, steps: int, kept_steps: bool, plan: OneRankPlan, model: dict,

@@ -258,7 +258,7 @@ def _moe_plan(source: CheckpointSource, moe: MoEConfig, dense: DenseModel, layer
         module[_mlp(i, "router.weight")] = (torch.float32, [E, dense.hidden_size])
         module[_mlp(i, "router.expert_bias")] = (torch.float32, [E])
         module[_mlp(i, "experts.placement")] = (torch.long, [E])
-    pieces: dict[int, list] = {}   # one layer's pieces at a time (the expert files go expert by expert)
+    pieces: dict[int, list] = {}   # one layer's pieces at a time (one_rank writes a weight for every expert in turn)
 
     def expert(key: str, e: int) -> torch.Tensor:
         i = int(key.split(".")[2])
