@@ -210,7 +210,9 @@ class CheckpointSource:
     def read_expert(self, key: str, expert_id: int) -> torch.Tensor:
         stage, saved_key, _shape, _dtype = self._experts[key]
         opened, entry = self._open
-        if opened != (expert_id, stage):   # the last expert file stays open (callers go expert by expert)
+        # one expert file open at a time (one per expert would hold hundreds of descriptors); a
+        # reopen reads its header only
+        if opened != (expert_id, stage):
             entry = open_expert(self.path, self.meta, expert_id, stage)
             if entry.expert_id != expert_id:
                 raise CheckpointError(f"{entry.path}: does not hold expert {expert_id}")

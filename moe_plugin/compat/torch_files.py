@@ -93,7 +93,7 @@ class TorchFile:
                                   f"{exc})") from None
 
     def read_tensor(self, t: LazyTensor) -> torch.Tensor:
-        size = t.dtype.itemsize if hasattr(t.dtype, "itemsize") else torch.empty((), dtype=t.dtype).element_size()
+        size = t.dtype.itemsize
         if t.numel() == 0:
             return torch.empty(t.shape, dtype=t.dtype)
         span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride))   # elements from the first to the last

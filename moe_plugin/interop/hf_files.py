@@ -67,11 +67,6 @@ class HFWeights:
     def read(self, name: str) -> torch.Tensor:
         return self._files[self._where[name]].read(name)
 
-    def nbytes(self) -> int:
-        from moe_plugin.checkpoint.tensor_files import nbytes
-
-        return sum(nbytes(*self.spec(n)) for n in self._where)
-
     def close(self) -> None:
         for f in self._files.values():
             f.close()
@@ -112,7 +107,7 @@ class HFShardWriter:
         meta = {"format": "pt", **(metadata or {})}
         self.names = ([WEIGHTS] if len(shards) == 1 else
                       [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-        self._out_dir, self._say, self._count = out_dir, say, len(specs)
+        self._out_dir, self._say = out_dir, say
         self._writers = [TensorWriter(os.path.join(out_dir, n), s, meta) for n, s in zip(self.names, shards)]
         self._shard = {name: i for i, s in enumerate(shards) for name in s}
         self._left, self._done = [len(s) for s in shards], 0
