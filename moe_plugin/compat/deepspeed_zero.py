@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 ZERO_ATTRIBUTES = ("bit16_groups", "bit16_groups_flat", "partition_size", "single_partition_of_fp32_groups",
-                   "real_dp_process_group")
+                   "real_dp_process_group", "parallel_partitioned_bit16_groups")
 
 
 def is_zero_optimizer(optimizer) -> bool:
@@ -45,11 +45,50 @@ def partition_size(optimizer, i: int) -> int:
 
 def partition_state(optimizer, i: int) -> list[Tensor]:
     """The fp32 master partition of group ``i`` and every optimizer state tensor of its size, by
-    state name (the same list on every rank that has stepped as often); edited in place."""
+    state name (the same list on every rank that has stepped as often); edited in place. A master
+    that is the weights' own partition (``share_fp32_masters``) is not in the list: it moves with
+    the weights."""
     fp32 = optimizer.single_partition_of_fp32_groups[i]
     state = optimizer.optimizer.state.get(fp32, {})
-    return [fp32.data] + [state[k] for k in sorted(state)
-                          if isinstance(state[k], Tensor) and state[k].numel() == fp32.numel() and state[k].dim() > 0]
+    master = [] if master_is_weights(optimizer, i) else [fp32.data]
+    return master + [state[k] for k in sorted(state)
+                     if isinstance(state[k], Tensor) and state[k].numel() == fp32.numel() and state[k].dim() > 0]
+
+
+def share_fp32_masters(optimizer) -> int:
+    """Make each fp32 master partition of a fp32 run the weights' own partition; returns the bytes freed.
+
+    DeepSpeed's ZeRO-1/2 optimizer clones this rank's partition of every param group's flat buffer
+    into ``single_partition_of_fp32_groups[i]`` whatever the weights' dtype; in a fp32 run that is
+    a second copy of the weights it steps (4 bytes per parameter over dp) and copies back into the
+    flat buffer after every step. Here the master's ``.data`` becomes that partition of the flat
+    buffer itself (same dtype, device and size, equal values: the clone is dropped), so the inner
+    optimizer steps the weights in place and the copy back is a copy onto itself: every value is
+    the same as before, bit for bit. Groups whose master differs in dtype, device (CPU offload) or
+    size keep their copy. Every parameter's link to its master (``_hp_mapping``, which DeepSpeed
+    builds once in ``_link_all_hp_params`` from views of the masters) is built again, else those
+    views would keep the clones alive and ``safe_get_full_fp32_param`` would read them."""
+    freed = 0
+    for i, fp32 in enumerate(optimizer.single_partition_of_fp32_groups):
+        own = optimizer.parallel_partitioned_bit16_groups[i][my_partition(optimizer, i)]
+        if master_is_weights(optimizer, i) or (fp32.dtype, fp32.device, fp32.numel()) != (own.dtype, own.device,
+                                                                                          own.numel()):
+            continue
+        if not torch.equal(fp32.data, own.data):
+            raise RuntimeError(f"DeepSpeed's fp32 master of param group {i} differs from the weights it was cloned "
+                               "from; this DeepSpeed version keeps ZeRO masters in a way the plugin does not know")
+        freed += fp32.data.nbytes
+        fp32.data = own.data.view(fp32.shape)
+    if freed:   # each parameter's ``_hp_mapping`` holds views of the old masters: link them to the new ones
+        optimizer._link_all_hp_params()
+    return freed
+
+
+def master_is_weights(optimizer, i: int) -> bool:
+    """Whether param group ``i``'s fp32 master shares its storage with the weights (``share_fp32_masters``)."""
+    fp32 = optimizer.single_partition_of_fp32_groups[i]
+    flat = optimizer.bit16_groups_flat[i]
+    return fp32.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
 
 
 def my_partition(optimizer, i: int) -> int:

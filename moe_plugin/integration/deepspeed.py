@@ -106,6 +106,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 from torch import nn
 
+from moe_plugin.compat.deepspeed_zero import is_zero_optimizer, share_fp32_masters
 from moe_plugin.compat.shm_buffers import job_uses_shm, remove_shm_buffers
 from moe_plugin.configs.batch import batch_sizes
 from moe_plugin.configs.errors import ConfigError
@@ -317,6 +318,7 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         if pipelined:
             mpu = register_with_deepspeed(groups)
         _check_engine(engine, zero_stage, plugin_clips)
+        _spare_memory(engine, model, keep_grad_storage=plugin_clips)
         if job_uses_shm(sizes.world_size):
             dist.barrier()   # every rank has mapped every rank's buffer: the names can go
             remove_shm_buffers([groups.rank])
@@ -422,6 +424,21 @@ def _check_experts_on_every_stage(has_experts: bool, moe_config: MoEConfig, grou
 
 def _enabled(ds_dict: dict, *keys: str) -> bool:
     return any(isinstance(ds_dict.get(k), dict) and ds_dict[k].get("enabled", False) for k in keys)
+
+
+def _spare_memory(engine: Any, model: nn.Module, keep_grad_storage: bool) -> None:
+    """Drop the copies of the training state a fp32 ZeRO-1/2 run does not need: DeepSpeed's fp32
+    masters that equal the weights (``compat.deepspeed_zero.share_fp32_masters``), and the expert
+    gradients' kept storage where DeepSpeed copies every gradient into buffers of its own
+    (``GroupedExperts.keep_grad_storage``: kept only with ZeRO-0 in fp32, where the plugin's
+    optimizer reads the gradients where backward wrote them)."""
+    from moe_plugin.layers.experts import GroupedExperts
+
+    if is_zero_optimizer(engine.optimizer):
+        share_fp32_masters(engine.optimizer)
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.keep_grad_storage(keep_grad_storage)
 
 
 def _check_engine(engine: Any, zero_stage: int, plugin_clips: bool) -> None:

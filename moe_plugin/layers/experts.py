@@ -111,8 +111,18 @@ class GroupedExperts(nn.Module):
     def release_grad_storage(self) -> None:
         """Drop the weight gradients' kept storage (``ffn_autograd.GradStore``); the next
         backward allocates it again."""
-        for store in self._grad_stores:
+        for store in self._grad_stores or ():
             store.release()
+
+    def keep_grad_storage(self, keep: bool) -> None:
+        """Whether backward writes the weight gradients into storage kept from the last one
+        (``ffn_autograd.GradStore``: no fresh pages per backward on CPU). Worth it only where the
+        gradient stays the optimizer's gradient; an engine that copies every gradient into buffers
+        of its own (DeepSpeed's ZeRO-1/2 and its bf16/fp16 optimizers) would leave the kept storage
+        a dead copy of every local expert gradient between backwards, so ``initialize`` turns it off
+        there. Off also drops what is kept."""
+        self.release_grad_storage()
+        self._grad_stores = (GradStore(), GradStore()) if keep else None
 
     def local_ids(self) -> list[int]:
         """Global ids of the experts in this rank's slots, in slot order (one host sync)."""

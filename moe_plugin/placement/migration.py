@@ -95,8 +95,9 @@ def expert_bytes(layer: MoELayer, zero_stage: int, with_grads: bool = False, sta
     """What one expert of ``layer`` moves, summed over its ETP shards and EDP replicas: weights
     on every replica, gradients (ZeRO-0) if ``with_grads``, and ``state_tensors`` per-element
     optimizer tensors (Adam: 2) in fp32, per replica under ZeRO-0, partitioned once over the
-    replicas under ZeRO-1/2 (where the fp32 master copy is one more). ``edp_size`` defaults to
-    the layer's."""
+    replicas under ZeRO-1/2 (where the fp32 master copy is one more, unless the weights are fp32:
+    then ``initialize`` made the master the weights themselves, ``compat.deepspeed_zero.share_fp32_masters``).
+    ``edp_size`` defaults to the layer's."""
     x = layer.experts
     p = layer.parallel
     edp = p.edp_size if edp_size is None else edp_size
@@ -104,7 +105,8 @@ def expert_bytes(layer: MoELayer, zero_stage: int, with_grads: bool = False, sta
     weight = shard * x.weight1.element_size()
     if zero_stage == 0:
         return edp * (weight * (1 + with_grads) + shard * 4 * state_tensors)
-    return edp * weight + shard * 4 * (1 + state_tensors)
+    master = x.weight1.dtype != torch.float32
+    return edp * weight + shard * 4 * (master + state_tensors)
 
 
 # -- migrate -------------------------------------------------------------------------------------
