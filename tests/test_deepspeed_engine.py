@@ -102,7 +102,9 @@ def expert_slice(name: str, full: torch.Tensor, coords: dict, ep: int, etp: int)
 # -- children ------------------------------------------------------------------------------------
 def _train(rank: int, case: dict) -> dict:
     import moe_plugin
-    from deepspeed.utils import safe_get_full_grad
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    from moe_plugin.compat.deepspeed_zero import is_zero_optimizer, master_is_weights
 
     dp = MoEConfig.from_dict({**MOE, "parallel": case["parallel"]}).check_world_size(4).dp
     result = moe_plugin.initialize(ds_config(case, dp), TinyMoE)
@@ -124,6 +126,10 @@ def _train(rank: int, case: dict) -> dict:
                 engine.step()
             out["norms"].append(float(engine.get_global_grad_norm()))
         out["params"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        if is_zero_optimizer(optimizer):   # fp32: DeepSpeed's masters are the weights, read through its links
+            out["masters_are_weights"] = [master_is_weights(optimizer, i)
+                                          for i in range(len(optimizer.single_partition_of_fp32_groups))]
+            out["masters"] = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
         return out
     finally:
         result.close()
@@ -255,6 +261,10 @@ def test_engine_matches_single_process(name, results):
                   torch.tensor(ref["losses"][step][blocks]), f"step {step} loss")
         for pname, param in result["params"].items():
             close(param, full_or_shard(pname, ref["params"][pname]), f"{pname} after {STEPS} steps")
+        if case["stage"] > 0:   # one copy of the fp32 weights, which DeepSpeed's links still reach
+            assert result["masters_are_weights"] and all(result["masters_are_weights"]), result["masters_are_weights"]
+            for pname, param in result["params"].items():
+                assert torch.equal(result["masters"][pname], param), pname
 
 
 @pytest.mark.slow

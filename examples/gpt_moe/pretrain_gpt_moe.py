@@ -719,6 +719,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         if train(args, plan, data, result, log, placement, exit_request) is not None:
             return ExitRequest.EXIT_STATUS   # 75: stopped early with a checkpoint (the finally below still runs)
         log.info(f"reached step {args.train_iters} in {time.perf_counter() - started:.1f} s")
+        peak = per_rank(peak_memory_mb(str(result.engine.device)), result.engine.device)   # collective
+        estimate = result.summary.memory_per_rank_mb["with_async_save" if args.async_save else "total"]
+        if log.enabled:   # the whole run's peak beside its estimate (tests/test_memory_estimate.py reads it)
+            (run_dir / "memory.json").write_text(json.dumps({"peak_memory_mb": peak, "estimate_mb": estimate,
+                                                             "memory_per_rank_mb": result.summary.memory_per_rank_mb}))
+        log.info(f"peak memory per rank over the run (saves included): {max(peak):,.0f} MiB, "
+                 f"{max(peak) / estimate:.2f}x the run summary's estimate ({estimate:,.0f} MiB"
+                 + (", its asynchronous save's copy included)" if args.async_save else ")"))
         plot = None if args.no_plot else log.plot()
         log.info(f"metrics: {log.metrics_path}" + (f"\nplot:    {plot}" if plot else ""))
     except (TrainingStopped, FloatingPointError, CheckpointError) as err:   # raised on every rank together

@@ -142,15 +142,15 @@ from moe_plugin.compat.torch_files import TorchFile
 ORIGIN_KEYS = ("architecture", "hf")
 
 
-def _write(obj: Any, path: str) -> None:
+def _write(obj: Any, path: str, owned: bool = False) -> None:
     """Every file of ours written whole goes through here (one place to make a save fail in tests;
     a synchronous save writes the expert files layer by layer instead, ``write_expert_files``): an
     expert file's content as safetensors (``write_expert_file``), the rest with ``torch.save``.
-    Inside an asynchronous save's capture, the file is recorded (a host copy) and written by the
-    background writer, through this function again."""
+    Inside an asynchronous save's capture, the file is recorded (a host copy, or ``obj`` itself
+    when ``owned``: made for this save) and written by the background writer, through this function again."""
     capture = capturing()
     if capture is not None:
-        capture.record(obj, path, _write)
+        capture.record(obj, path, _write, values_only=path.endswith(SUFFIX), owned=owned)   # safetensors: values
         return
     if path.endswith(SUFFIX):
         write_expert_file(obj, path)
@@ -223,8 +223,8 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
             meta.update(copy.deepcopy(origin["record"]))
 
         def write_ours() -> None:
-            for path, entry in ours.items():
-                _write(entry, path)
+            for path, entry in ours.items():   # expert entries and the dense record: copies made for this save
+                _write(entry, path, owned=True)
             _write(rng_state(engine.module), rng_file(tmp_path, dist.get_rank()))
             for name, data in (origin or {}).get("files", {}).items():   # rank 0's only
                 _write_bytes(data, os.path.join(tmp_path, name))

@@ -40,16 +40,20 @@ _capture: contextvars.ContextVar[Optional["Capture"]] = contextvars.ContextVar("
 
 
 # -- the copy ---------------------------------------------------------------------------------------
-def host_copy(obj: Any) -> Any:
+def host_copy(obj: Any, values_only: bool = False) -> Any:
     """A copy of ``obj`` that training can no longer change, its tensors in host memory (module
-    docstring). Containers and other objects are deep-copied; tensors through ``_tensor_copy``."""
+    docstring). Containers and other objects are deep-copied; tensors through ``_tensor_copy``.
+    ``values_only``: for a file that stores each tensor's values alone (safetensors), each tensor
+    is copied by itself, its own elements only: a view of a larger storage (an expert's row of a
+    layer's weight, itself a view of DeepSpeed's flat buffer of every layer) does not bring the
+    whole storage along, as keeping views intact for ``torch.save`` must."""
     memo: dict = {}
     storages: dict = {}
-    _seed_tensors(obj, memo, storages, set())
+    _seed_tensors(obj, memo, storages, set(), values_only)
     return copy.deepcopy(obj, memo)
 
 
-def _seed_tensors(obj: Any, memo: dict, storages: dict, seen: set) -> None:
+def _seed_tensors(obj: Any, memo: dict, storages: dict, seen: set, values_only: bool) -> None:
     """Put the host copy of every tensor reachable through dicts, lists and tuples into ``memo``
     (deepcopy's), so that ``copy.deepcopy`` uses it; tensors elsewhere deepcopy copies itself."""
     if id(obj) in seen:
@@ -58,13 +62,25 @@ def _seed_tensors(obj: Any, memo: dict, storages: dict, seen: set) -> None:
     if isinstance(obj, torch.Tensor):
         if id(obj) not in memo and type(obj) in (torch.Tensor, nn.Parameter) and not obj.__dict__ \
                 and obj.layout == torch.strided and not obj.is_quantized:
-            memo[id(obj)] = _tensor_copy(obj, storages)
+            memo[id(obj)] = (obj.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+                             if values_only else _tensor_copy(obj, storages))
     elif isinstance(obj, dict):
         for value in obj.values():
-            _seed_tensors(value, memo, storages, seen)
+            _seed_tensors(value, memo, storages, seen, values_only)
     elif isinstance(obj, (list, tuple)):
         for value in obj:
-            _seed_tensors(value, memo, storages, seen)
+            _seed_tensors(value, memo, storages, seen, values_only)
+
+
+def _on_host(obj: Any) -> bool:
+    """Whether every tensor reachable through dicts, lists and tuples is in host memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type == "cpu"
+    if isinstance(obj, dict):
+        return all(_on_host(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_on_host(v) for v in obj)
+    return True
 
 
 def _tensor_copy(t: torch.Tensor, storages: dict) -> torch.Tensor:
@@ -87,8 +103,11 @@ class Capture:
     def __init__(self):
         self.jobs: list[tuple[Any, str, Callable[[Any, str], None]]] = []
 
-    def record(self, obj: Any, path: str, write: Callable[[Any, str], None]) -> None:
-        self.jobs.append((host_copy(obj), path, write))
+    def record(self, obj: Any, path: str, write: Callable[[Any, str], None], values_only: bool = False,
+               owned: bool = False) -> None:
+        """``owned``: ``obj`` was made for this save (no tensor of it is the training state's), so on
+        the host it is kept as it is, not copied a second time."""
+        self.jobs.append((obj if owned and _on_host(obj) else host_copy(obj, values_only), path, write))
 
     def write_all(self) -> None:
         """Write every recorded file (in the writer thread), releasing each copy once written."""

@@ -69,15 +69,28 @@ def expert_layers(run: Any) -> Iterator[tuple[Any, list[str], list[int], dict, d
 
 def expert_entries(run: Any, path: str) -> dict[str, dict]:
     """{file path: content} of the expert files this rank writes ({} on the others), every layer in
-    memory: what an asynchronous save copies to the host (``write_expert_file`` writes each)."""
+    memory: what an asynchronous save copies to the host (``write_expert_file`` writes each). Its
+    tensors are fresh copies (``copies_in_placement``), no view of the training state; a weight
+    whose file keeps its fp32 master instead is checked here and left out (``from_master``)."""
     coords = run.groups.layout.coords(dist.get_rank())
     files: dict[int, dict] = {}
+    failure: Optional[CheckpointError] = None   # raised after the last layer: the collectives go on
     for w, _names, ids, weights, rows in expert_layers(run):
-        for e in ids if weights else []:
+        for e in ids if weights and failure is None else []:
             entry = files.setdefault(e, {"expert_id": e, "stage": coords["pp"], "weights": {}, "optimizer": {},
+                                         "from_master": {},
                                          "placement": {"ep_rank": coords["ep"], "slot": ids.index(e)}})
-            entry["weights"][w.key] = weights[e]
+            if MASTER in rows:   # the file keeps the master alone: the weight is checked now, not kept
+                try:
+                    _check_rounded(w.key, e, rows[MASTER][e], weights[e])
+                except CheckpointError as exc:
+                    failure = exc
+                entry["from_master"][w.key] = dtype_name(weights[e].dtype)
+            else:
+                entry["weights"][w.key] = weights[e]
             entry["optimizer"][w.key] = {name: rows[name][e] for name in rows}
+    if failure is not None:
+        raise failure
     return {expert_file(path, e, coords["pp"]): entry for e, entry in files.items()}
 
 
@@ -129,7 +142,7 @@ def write_expert_file(entry: dict, path: str) -> None:
     """One expert file from its content (``expert_entries``): the same bytes ``write_expert_files``
     writes for it."""
     rounded = any(MASTER in states for states in entry["optimizer"].values())
-    from_master = {}
+    from_master = dict(entry.get("from_master", {}))   # weights checked against their masters already
     for key, weight in entry["weights"].items():
         if rounded:
             _check_rounded(key, entry["expert_id"], entry["optimizer"].get(key, {}).get(MASTER), weight)

@@ -208,6 +208,8 @@ class MoEConfig(_Block):
     shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="FFN size of a dense shared expert "
                                                "every token passes through; 0: none.")
     shared_expert_gate: bool = Field(False, description="Scale the shared expert by a learned sigmoid gate.")
+    memory_check: bool = Field(True, description="Stop at start, in one line, when the run summary's memory "
+                               "estimate per rank exceeds the memory the rank has; false: go on anyway.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallel sizes: the "
                                      "`moe.parallel` block below.")
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Expert placement: the "

@@ -11,6 +11,8 @@
   checked, groups built and registered, dense/expert param groups, ``deepspeed.initialize``.
 * ``summary``: ``RunSummary`` (``initialize``'s ``result.summary``, printed on rank 0): group sizes,
   MoE layers, experts per rank, dense / expert / active parameters, a memory estimate per rank.
+* ``memory_estimate``: that estimate, the busiest rank's peak part by part (weights, optimizer,
+  gradients, DeepSpeed's buckets, activations, runtime), and the stop at start when it does not fit.
 * ``pipeline``: ``gpt_pipeline_module``, a Megatron-Core GPT with MoE layers as a DeepSpeed
   ``PipelineModule`` (Megatron's stage split, per-piece seeds, ``GPTModel`` key names).
 * ``pipe_topology``: ``pipeline_topology``, DeepSpeed's ``ProcessTopology`` from the rank layout.

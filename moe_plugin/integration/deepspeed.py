@@ -135,7 +135,8 @@ from moe_plugin.integration.pipe_topology import check_topology
 from moe_plugin.integration.seeding import seed_megatron_rng
 from moe_plugin.integration.sp_grads import sequence_parallel_grad_hooks
 from moe_plugin.integration.step_boundary import StepBoundary
-from moe_plugin.integration.summary import RunSummary, run_summary
+from moe_plugin.integration.memory_estimate import available_bytes, check_fits, runtime_baseline
+from moe_plugin.integration.summary import MemoryInputs, RunSummary, run_summary
 
 logger = logging.getLogger(__name__)
 ModelProvider = Callable[[MoEConfig, ProcessGroups], nn.Module]
@@ -273,6 +274,10 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
     if users_groups:
         check_megatron_groups(layout, dist.get_rank(), device)   # the same rank lists, or one ConfigError
     groups = build_process_groups(layout, timeout=timeout)
+    # every rank has started (the host names' all-gather): what this node has left is shared by all of them
+    memory_inputs = MemoryInputs(ds_config=ds_dict, micro_batch=batch.micro, args=args,
+                                 runtime_bytes=runtime_baseline(accelerator.device_name()),
+                                 available_bytes=available_bytes(accelerator.device_name(), ranks_on_this_node()))
     watch = None
     try:
         mpu = register(groups, over_existing=users_groups)   # the user's groups set aside, back at close()
@@ -324,7 +329,10 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
             remove_shm_buffers([groups.rank])
         guard = TrainingGuard(engine, watch, max_skipped_steps=max_skipped_steps)
         dtype = "fp16" if _enabled(ds_dict, "fp16") else "bf16" if _enabled(ds_dict, "bf16", "bfloat16") else "fp32"
-        summary = run_summary(model, moe_config, groups, zero_stage, dtype)   # collective
+        summary = run_summary(model, moe_config, groups, zero_stage, dtype, memory_inputs)   # collective
+        refusal = check_fits(summary.memory_per_rank_mb, accelerator.device_name(), moe_config.memory_check)
+        if refusal is not None:   # the same numbers on every rank (the busiest rank's, the least memory)
+            raise alike_on_every_rank(refusal)
         if print_summary and groups.rank == 0:
             print(summary.text(), flush=True)
         result = Initialized(engine, optimizer, loader, scheduler, moe_config, groups, mpu, guard, summary)
@@ -341,6 +349,17 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         unregister()
         destroy_process_groups(groups)
         raise
+
+
+def ranks_on_this_node() -> int:
+    """How many ranks of the job run on this machine (by host name; collective)."""
+    import socket
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return 1
+    names: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    return names.count(socket.gethostname())
 
 
 def local_rank() -> int:

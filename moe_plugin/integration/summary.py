@@ -11,14 +11,12 @@
   (``grad_norm.distinct_parameter_count``): ``total``, ``expert`` (the MoE layers' experts),
   ``dense`` (the rest: attention, embeddings, routers, dense MLPs) and ``active`` (per token:
   dense + the top-k of E experts of each MoE layer).
-* ``memory_per_rank_mb``: an *estimate* for the busiest rank of its parameters, gradients and
-  Adam state (``dtype``: 4 + 4 + 8 bytes per parameter in fp32; 2 + 2 + 12 in fp16/bf16 with fp32
-  master weights), the optimizer state divided over dp (dense) and edp (experts) from ZeRO stage 1,
-  the gradients too from stage 2. Activations, communication buffers and the framework are not in it.
-  ``async_save_copy``: what an asynchronous save copies to host memory on the rank that writes the
-  most (the checkpoint holds each trained value once with Adam's moments, 12 bytes per parameter:
-  its experts whole over etp and the dense parameters it writes), beyond the estimate; a
-  synchronous save holds one MoE layer's experts instead (docs/checkpoints.md).
+* ``memory_per_rank_mb``: an *estimate* of the busiest rank's peak, part by part (weights,
+  optimizer, grads, buffers, activations, runtime; ``steady`` between steps; ``total`` the peak;
+  ``integration/memory_estimate.py`` says what each part counts), ``async_save_copy`` (what an
+  asynchronous save copies to host memory, held while the next steps run) and ``with_async_save``
+  (total + that copy); ``available``: the memory the rank has (None where unknown), which
+  ``initialize`` checks the total against (``"memory_check"`` in the ``"moe"`` block).
 
 Computing it is collective (every rank calls it, as ``initialize`` does).
 """
@@ -29,16 +27,16 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch.distributed as dist
-from deepspeed.moe.utils import is_moe_param
 from torch import nn
 
 from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.groups.process_groups import ProcessGroups
 from moe_plugin.integration.grad_norm import distinct_parameter_count
+from moe_plugin.integration.memory_estimate import (
+    SAVED_BYTES, estimate, local_counts, model_shape, over_ranks, reduce_bucket)
+from moe_plugin.layers.experts import GroupedExperts
 
-# bytes per parameter: (weight, gradient, optimizer state: Adam's two moments, + fp32 master copy)
-BYTES = {"fp32": (4, 4, 8), "fp16": (2, 2, 12), "bf16": (2, 2, 12)}
-SAVED_BYTES = 12   # a checkpoint's bytes per trained parameter: the value (or fp32 master) and Adam's two moments
+SMALL_BUCKET = int(5e7)   # the reduce bucket a refusal proposes (its label says 5e7)
 _MB = 2 ** 20
 
 
@@ -68,14 +66,29 @@ class RunSummary:
             f"moe_plugin: {moe}",
             f"moe_plugin: parameters {p['total']:,} = dense {p['dense']:,} + expert {p['expert']:,}; "
             f"active per token {p['active']:,}",
-            f"moe_plugin: memory per rank (estimate, busiest rank: {self.dtype} weights, gradients and Adam state "
-            f"under ZeRO stage {self.zero_stage}; no activations) {m['total']:,.1f} MiB = weights "
-            f"{m['weights']:,.1f} + gradients {m['grads']:,.1f} + optimizer {m['optimizer']:,.1f}; an "
-            f"asynchronous save copies up to {m['async_save_copy']:,.1f} MiB more to host memory"])
+            f"moe_plugin: memory per rank (estimate, busiest rank, {self.dtype}, ZeRO stage {self.zero_stage}): "
+            f"peak {m['total']:,.0f} MiB = weights {m['weights']:,.0f} + optimizer {m['optimizer']:,.0f} + gradients "
+            f"{m['grads']:,.0f} + buffers {m['buffers']:,.0f} + activations {m['activations']:,.0f} + runtime "
+            f"{m['runtime']:,.0f}; {m['steady']:,.0f} between steps"
+            + (f"; {m['available']:,.0f} MiB available" if m.get("available") is not None else "")
+            + f"; an asynchronous save copies {m['async_save_copy']:,.0f} MiB more to host memory"])
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """What the memory estimate reads beyond the model: the DeepSpeed config (bucket sizes), the
+    micro-batch, ``args`` (``seq_length``), the runtime's bytes and the memory available
+    (``memory_estimate.runtime_baseline`` / ``available_bytes``, taken when ``initialize`` started)."""
+
+    ds_config: dict = dataclasses.field(default_factory=dict)
+    micro_batch: int = 1
+    args: Any = None
+    runtime_bytes: float = 0.0
+    available_bytes: Optional[float] = None
 
 
 def run_summary(model: nn.Module, moe_config: MoEConfig, groups: ProcessGroups, zero_stage: int,
-                dtype: str = "fp32") -> RunSummary:
+                dtype: str = "fp32", memory: Optional[MemoryInputs] = None) -> RunSummary:
     """The ``RunSummary`` of ``model`` (this rank's part) under ``groups`` (collective)."""
     sizes = groups.layout.sizes
     params = list(model.parameters())
@@ -88,7 +101,7 @@ def run_summary(model: nn.Module, moe_config: MoEConfig, groups: ProcessGroups, 
         sizes=sizes.model_dump(),
         moe_layers=layers, num_experts=experts, top_k=k, experts_per_rank=experts // sizes.ep if layers else 0,
         parameters=counts, zero_stage=zero_stage, dtype=dtype,
-        memory_per_rank_mb=_memory_estimate(params, sizes, zero_stage, dtype, groups))
+        memory_per_rank_mb=_memory_estimate(model, params, moe_config, sizes, zero_stage, dtype, memory))
 
 
 def _moe_layers(model: nn.Module) -> list:
@@ -104,30 +117,35 @@ def _moe_layers(model: nn.Module) -> list:
     return sorted({i for rank_layers in every for i in rank_layers})
 
 
-def _memory_estimate(params: list, sizes: Any, zero_stage: int, dtype: str,
-                     groups: Optional[ProcessGroups]) -> dict:
-    """MiB of weights, gradients and optimizer state on the busiest rank (collective)."""
-    seen: set = set()
-    dense = expert = 0
-    for p in params:
-        if id(p) in seen or not p.requires_grad:
-            continue
-        seen.add(id(p))
-        if is_moe_param(p):
-            expert += p.numel()
-        else:
-            dense += p.numel()
-    w, g, o = BYTES[dtype]
-    shard = dense / sizes.dp + expert / sizes.edp
-    local = dense + expert
-    mine = [(local if zero_stage < 2 else shard) * g, (local if zero_stage < 1 else shard) * o]
-    mine = [local * w + sum(mine), local * w] + mine
+def _memory_estimate(model: nn.Module, params: list, moe_config: MoEConfig, sizes: Any, zero_stage: int,
+                     dtype: str, memory: Optional["MemoryInputs"]) -> dict:
+    """MiB of each part on the busiest rank, and the copies a save makes (collective)."""
+    memory = memory or MemoryInputs()
+    dense, expert = local_counts(params)
+    layer_experts = max((m.weight1.numel() + m.weight2.numel() for m in model.modules()
+                         if isinstance(m, GroupedExperts)), default=0)
+    shape = model_shape(model, moe_config, sizes, memory.micro_batch, memory.args)
+    mine = estimate(params, sizes, zero_stage, dtype, memory.ds_config, shape, memory.runtime_bytes, layer_experts)
+    alternatives = {}
+    if zero_stage == 1:
+        alternatives["ZeRO stage 2"] = estimate(params, sizes, 2, dtype, memory.ds_config, shape,
+                                                memory.runtime_bytes, layer_experts)["total"]
+    if zero_stage >= 1 and reduce_bucket(memory.ds_config) > SMALL_BUCKET:
+        small = dict(memory.ds_config, zero_optimization={**(memory.ds_config.get("zero_optimization") or {}),
+                                                          "reduce_bucket_size": SMALL_BUCKET})
+        alternatives["zero_optimization.reduce_bucket_size 5e7"] = estimate(
+            params, sizes, zero_stage, dtype, small, shape, memory.runtime_bytes, layer_experts)["total"]
     copy = (dense + expert * sizes.etp) * SAVED_BYTES
-    if groups is not None and dist.is_initialized() and dist.get_world_size() > 1:
+    available = memory.available_bytes
+    mine["alternatives"] = {k: v for k, v in alternatives.items() if v < mine["total"]}
+    mine, (copy,) = over_ranks(mine, (copy,))
+    if available is not None and dist.is_initialized() and dist.get_world_size() > 1:
         every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (mine, copy))
-        mine = max(m for m, _ in every)   # the busiest rank (by its total)
-        copy = max(c for _, c in every)
-    total, weights, grads, optimizer = (v / _MB for v in mine)
-    return {"weights": round(weights, 3), "grads": round(grads, 3), "optimizer": round(optimizer, 3),
-            "total": round(total, 3), "async_save_copy": round(copy / _MB, 3)}
+        dist.all_gather_object(every, available)
+        available = min(every)
+    result = {k: round(v, 3) for k, v in mine.items() if k != "alternatives"}
+    result["async_save_copy"] = round(copy / _MB, 3)
+    result["with_async_save"] = round(result["total"] + copy / _MB, 3)
+    result["available"] = None if available is None else round(available / _MB, 3)
+    result["alternatives"] = {k: round(v, 3) for k, v in mine["alternatives"].items()}
+    return result

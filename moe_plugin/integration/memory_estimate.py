@@ -1,0 +1,236 @@
+"""The run summary's memory per rank: what the busiest rank holds at its peak, part by part, and
+the check at start that it fits the memory the rank has.
+
+Bytes on one rank, from its own parameters (``N = Nd + Ne`` trained elements, dense and expert,
+each counted once), their share of the optimizer partitions (``S = Nd / dp + Ne / edp`` under
+ZeRO-1/2, else ``N``) and ``w`` bytes per weight (4 in fp32, 2 in bf16/fp16):
+
+* ``weights``: ``N w``.
+* ``optimizer``: Adam's two fp32 moments, ``8 S``, and the fp32 masters where they are a copy:
+  none in fp32 (ZeRO-0 steps the weights; under ZeRO-1/2 ``initialize`` makes DeepSpeed's master
+  the weights themselves, ``compat.deepspeed_zero.share_fp32_masters``), ``4 S`` in bf16/fp16
+  (``4 N`` with DeepSpeed's fp16 optimizer, ZeRO-0).
+* ``grads``: the gradients from backward to the step, ``N w`` (ZeRO-2: ``4 S``, its partition;
+  bf16/fp16 without ZeRO: also their fp32 copy, ``4 N``).
+* ``buffers``: DeepSpeed's transients at the peak. ZeRO-1/2 copy the gradients into a reduce
+  bucket of ``reduce_bucket_size`` elements (``zero_optimization``; DeepSpeed's default 5e8; two
+  with ``overlap_comm``; fp32 under ZeRO-1), touched as far as the gradients fill it, and ZeRO-1
+  flattens the rank's partition of them at the step (``w S``, and its fp32 copy ``4 S`` in
+  bf16/fp16): the larger of the two. ZeRO-0 in fp32: one more
+  gradient-sized transient in the step (measured).
+* ``activations``: one micro-batch's tensors kept for backward at ``seq_length`` (from ``args``,
+  else the model's largest): per transformer layer ``s b (8 h + 2 h_kv + k (2 h + F1)) w / tp``
+  and the attention scores ``2 a s^2 b w / tp`` (the unfused attention; a fused kernel keeps less),
+  and the logits and their gradient, ``3 s b V 4 / tp``. Megatron's full recompute keeps only
+  each layer's input.
+* ``runtime``: on CPU the process's resident memory when ``initialize`` started (interpreter,
+  torch, DeepSpeed, Megatron) plus ``RUNTIME_SLACK_MB`` (what building the engine and a step leave
+  beyond the tensors: allocator arenas, the libraries' objects; measured once, see
+  docs/checkpoints.md); on an accelerator 0 (``max_memory_allocated`` counts tensors only).
+
+``steady`` (between steps) is runtime + weights + optimizer (+ the gradients ZeRO-0 keeps);
+``total``, the estimated peak, is steady + grads + buffers + activations, or steady + a
+synchronous save's extra (one MoE layer's local experts, 24 bytes per element: values and
+record rows, and one reordering copy) if that is more. ``async_save_copy``: what an asynchronous
+save copies to host memory (12 bytes per parameter it writes: its experts whole over etp and the
+dense parameters it writes), held while the next steps run: ``with_async_save`` = total + that.
+
+``check_fits``: the estimate against the memory this rank has (CPU: ``MemAvailable`` when
+``initialize`` started over the ranks of this node, plus what this rank held then; CUDA: the
+device's free memory), a ``ConfigError`` in one line naming both and what would fit, unless the
+``"moe"`` block's ``memory_check`` is false.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+from deepspeed.moe.utils import is_moe_param
+from torch import nn
+
+from moe_plugin.configs.errors import ConfigError
+
+RUNTIME_SLACK_MB = 350.0
+DEFAULT_REDUCE_BUCKET = int(5e8)   # DeepSpeed's zero_optimization.reduce_bucket_size default
+SAVED_BYTES = 12   # a checkpoint's bytes per trained parameter: value (or fp32 master) and Adam's two moments
+SYNC_SAVE_BYTES = 24   # a synchronous save, per local expert element of one MoE layer
+_MB = 2 ** 20
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the activations depend on (None where the model does not say)."""
+
+    layers: int          # transformer layers on this rank
+    moe_layers: int
+    hidden: int
+    kv_hidden: int
+    heads: int
+    vocab: int           # 0 on a rank without the output layer
+    ffn_width: int       # F1 of an expert (2 F with swiglu)
+    top_k: int
+    seq_length: Optional[int]
+    micro_batch: int
+    tp: int
+    recompute: bool
+
+
+def local_counts(params: list) -> tuple[int, int]:
+    """(dense, expert) trained elements among ``params``, each tensor once."""
+    seen: set = set()
+    dense = expert = 0
+    for p in params:
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        if is_moe_param(p):
+            expert += p.numel()
+        else:
+            dense += p.numel()
+    return dense, expert
+
+
+def model_shape(model: nn.Module, moe_config: Any, sizes: Any, micro_batch: int, args: Any) -> Optional[Shape]:
+    """The activations' shape from the model's Megatron ``TransformerConfig`` (None for another model)."""
+    config = next((m.config for m in model.modules() if _is_transformer_config(getattr(m, "config", None))), None)
+    if config is None:
+        return None
+    from moe_plugin.layers.moe_layer import MoELayer
+
+    layers = sum(1 for m in model.modules() if hasattr(m, "self_attention") and hasattr(m, "mlp"))
+    moe_layers = sum(1 for m in model.modules() if isinstance(m, MoELayer))
+    heads = config.num_attention_heads
+    kv = (config.num_query_groups or heads) * config.kv_channels
+    vocab = max((m.weight.shape[0] * sizes.tp for n, m in model.named_modules()
+                 if n.endswith("output_layer") and getattr(m, "weight", None) is not None), default=0)
+    seq = getattr(args, "seq_length", None) or max(
+        (getattr(m, "max_sequence_length", 0) or 0 for m in model.modules()), default=0) or None
+    width = moe_config.ffn_hidden_size or config.ffn_hidden_size
+    width = 2 * width if moe_config.activation == "swiglu" else width
+    return Shape(layers=layers, moe_layers=moe_layers, hidden=config.hidden_size, kv_hidden=kv, heads=heads,
+                 vocab=vocab, ffn_width=width, top_k=moe_config.k, seq_length=seq, micro_batch=micro_batch,
+                 tp=sizes.tp, recompute=getattr(config, "recompute_granularity", None) == "full")
+
+
+def _is_transformer_config(config: Any) -> bool:
+    return all(hasattr(config, a) for a in ("hidden_size", "num_attention_heads", "kv_channels", "ffn_hidden_size"))
+
+
+def activation_bytes(shape: Optional[Shape], w: int) -> int:
+    """One micro-batch's activations kept for backward (module docstring)."""
+    if shape is None or shape.seq_length is None:
+        return 0
+    s, b, h = shape.seq_length, shape.micro_batch, shape.hidden
+    if shape.recompute:
+        per_layer = s * b * h * w
+    else:
+        per_layer = (s * b * (8 * h + 2 * shape.kv_hidden + shape.top_k * (2 * h + shape.ffn_width)) * w
+                     + 2 * shape.heads * s * s * b * w) // shape.tp
+    return shape.layers * per_layer + 3 * s * b * shape.vocab * 4 // shape.tp
+
+
+def estimate(params: list, sizes: Any, zero_stage: int, dtype: str, ds_config: dict, shape: Optional[Shape],
+             runtime_bytes: float, moe_layer_expert_elements: int) -> dict:
+    """Bytes of each part on this rank (module docstring), in MiB, not yet over the ranks."""
+    dense, expert = local_counts(params)
+    n = dense + expert
+    s = dense / sizes.dp + expert / sizes.edp if zero_stage >= 1 else n
+    w = 4 if dtype == "fp32" else 2
+    if dtype == "fp32":
+        masters = 0.0
+    elif zero_stage == 0 and dtype == "fp16":
+        masters = 4.0 * n
+    else:
+        masters = 4.0 * (dense / sizes.dp + expert / sizes.edp)
+    optimizer = 8.0 * s + masters
+    zero = ds_config.get("zero_optimization") or {}
+    if zero_stage == 0:
+        grads = n * w + (0 if dtype == "fp32" else 4 * n)
+        buffers = n * w if dtype == "fp32" else 0
+        kept = n * w if dtype == "fp32" else 0
+    else:
+        grads = n * w if zero_stage == 1 else 4.0 * s
+        bucket = min(reduce_bucket(ds_config), n) * (4 if zero_stage == 1 else w)
+        bucket *= 2 if zero.get("overlap_comm", False) else 1
+        flat = s * w + (4.0 * s if w != 4 else 0)
+        buffers = max(bucket, flat) if zero_stage == 1 else bucket
+        kept = 0
+    activations = activation_bytes(shape, w)
+    steady = runtime_bytes + n * w + optimizer + kept
+    sync_save = SYNC_SAVE_BYTES * moe_layer_expert_elements
+    step = steady - kept + grads + buffers + activations
+    total = max(step, steady + sync_save)
+    parts = {"weights": n * w, "optimizer": optimizer, "grads": grads, "buffers": buffers,
+             "activations": activations, "runtime": runtime_bytes, "steady": steady, "total": total}
+    return {k: v / _MB for k, v in parts.items()}
+
+
+def reduce_bucket(ds_config: dict) -> int:
+    """Elements of DeepSpeed's reduce bucket (ZeRO-1/2)."""
+    zero = ds_config.get("zero_optimization") or {}
+    return int(float(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)))
+
+
+def runtime_baseline(device_type: str) -> float:
+    """Bytes of the runtime on this device (module docstring): CPU: resident memory now + the slack."""
+    if device_type != "cpu":
+        return 0.0
+    return resident_bytes() + RUNTIME_SLACK_MB * _MB
+
+
+def resident_bytes() -> float:
+    """This process's resident set now (Linux ``/proc/self/statm``; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def available_bytes(device_type: str, local_ranks: int) -> Optional[float]:
+    """The memory this rank may use (module docstring), None where unknown."""
+    if device_type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        except (OSError, ValueError, IndexError):
+            return None
+        if "MemAvailable" not in info:
+            return None
+        return info["MemAvailable"] / max(local_ranks, 1) + resident_bytes()
+    if device_type == "cuda":
+        import torch
+
+        return float(torch.cuda.mem_get_info()[0])
+    return None
+
+
+def over_ranks(mine: dict, extra: tuple) -> tuple[dict, tuple]:
+    """The busiest rank's parts (by ``total``) and the largest of each ``extra`` value (collective)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return mine, extra
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (mine, extra))
+    busiest = max((m for m, _ in every), key=lambda m: m["total"])
+    return busiest, tuple(max(e[i] for _, e in every) for i in range(len(extra)))
+
+
+def check_fits(memory: dict, device_type: str, enabled: bool) -> Optional[ConfigError]:
+    """None if the estimate fits (or the check is off or the memory unknown), else the one-line
+    refusal: the estimate by part, the memory the rank has, and which alternatives fit."""
+    available = memory.get("available")
+    if not enabled or available is None or memory["total"] <= available:
+        return None
+    fits = [f"{label} ({mb:,.0f} MiB)" for label, mb in memory.get("alternatives", {}).items() if mb <= available]
+    where = ("host memory per rank (MemAvailable over this node's ranks)" if device_type == "cpu"
+             else "free device memory")
+    hint = ("would fit: " + "; ".join(fits)) if fits else \
+        "neither ZeRO stage 2 nor a smaller reduce bucket would fit: more ranks or a smaller model"
+    return ConfigError(
+        "memory per rank", memory["total"],
+        f"the {where} is {available:,.0f} MiB; {hint}; \"memory_check\": false in the \"moe\" block goes on anyway",
+        shown=f"an estimated peak of {memory['total']:,.0f} MiB (weights {memory['weights']:,.0f} + optimizer "
+              f"{memory['optimizer']:,.0f} + gradients {memory['grads']:,.0f} + buffers {memory['buffers']:,.0f} + "
+              f"activations {memory['activations']:,.0f} + runtime {memory['runtime']:,.0f})")

@@ -1,0 +1,68 @@
+"""The run summary's memory estimate against the peak a run really reaches, and the stop at start
+when it does not fit (``moe_plugin/integration/memory_estimate.py``).
+
+The example, under the ``deepspeed`` launcher, trains a Mixtral-shaped model at 2 and 4 layers on 2
+ranks (ep 2, ZeRO-1, fp32, sequence 256) and saves at the end; each writes the whole run's peak RSS
+per rank beside the estimate (``runs/<name>/memory.json``). The estimate must be within 20% of the
+busiest rank's peak at both sizes, and its growth from 2 to 4 layers within 20% of the peak's
+growth (that difference has no runtime baseline in it: only what the plugin models per parameter).
+A sequence whose attention scores alone would need ~130 GB is refused before any step, in one line.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from example_runs import SCRIPT
+from launcher import assert_succeeded, jobs
+
+pytestmark = pytest.mark.slow
+
+SHAPE = ["--hidden-size", "768", "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
+         "--ffn-hidden-size", "2688", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--eval-interval", "0",
+         "--log-interval", "1", "--corpus-bytes", str(192 * 1024), "--valid-fraction", "0.25", "--no-plot"]
+
+
+def _config(tmp_path, name: str, **moe) -> str:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({
+        "train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10 ** 6,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 1},
+        "moe": {"num_experts": 8, "top_k": 2, "router": "topk", "ffn_hidden_size": 2688, "activation": "swiglu",
+                "drop_tokens": False, "parallel": {"expert": 2}, **moe}}))
+    return str(path)
+
+
+def _argv(tmp_path, name: str, layers: int, seq: int, config: str, *extra: str) -> list[str]:
+    return [str(SCRIPT), "--deepspeed_config", config, "--num-layers", str(layers), "--seq-length", str(seq),
+            *SHAPE, "--run-dir", str(tmp_path / name), "--data-cache", str(tmp_path / "data"), *extra]
+
+
+def test_the_estimate_holds_at_two_sizes(tmp_path):
+    config = _config(tmp_path, "ds")
+    runs = {layers: _argv(tmp_path, f"layers{layers}", layers, 256, config, "--train-iters", "2",
+                          "--save", str(tmp_path / f"ckpt{layers}")) for layers in (2, 4)}
+    assert_succeeded(*jobs(list(runs.values())))
+    seen = {}
+    for layers in runs:
+        memory = json.loads((tmp_path / f"layers{layers}" / "memory.json").read_text())
+        seen[layers] = (max(memory["peak_memory_mb"]), memory["estimate_mb"])
+        peak, estimate = seen[layers]
+        assert 0.8 <= peak / estimate <= 1.2, (layers, memory)
+    grown, estimated = seen[4][0] - seen[2][0], seen[4][1] - seen[2][1]
+    assert 0.8 <= grown / estimated <= 1.2, seen
+
+
+def test_a_run_that_cannot_fit_stops_at_start_in_one_line(tmp_path):
+    refused = _argv(tmp_path, "refused", 2, 131072, _config(tmp_path, "ds"), "--train-iters", "1",
+                    "--max-position-embeddings", "131072", "--corpus-bytes", str(1 << 20), "--valid-fraction", "0.5")
+    done, = jobs([refused])
+    assert done.status == 2, done.tail()
+    lines = [line for line in done.output.splitlines() if "memory per rank: got an estimated peak" in line]
+    assert len(lines) == 1, done.tail()   # rank 0 says it once
+    line = lines[0]
+    assert "activations" in line and "host memory per rank" in line and '"memory_check": false' in line, line
+    assert "neither ZeRO stage 2 nor a smaller reduce bucket would fit" in line, line
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()   # no step ran
