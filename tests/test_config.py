@@ -315,6 +315,7 @@ DEFAULTS = {
     "recompute_fc1": False, "experts_backend": "auto", "overlap_chunks": 1, "exchange": "counts",
     "shared_expert_ffn_hidden_size": 0,
     "shared_expert_gate": False,
+    "memory_check": True,
     "parallel": {"tensor": 1, "pipeline": 1, "expert": 1, "expert_tensor": 1, "order": "tp-cp-ep-dp-pp",
                  "sequence_parallel": False},
     "placement": {"policy": "static", "check_interval": 100, "window": 100, "min_gain": 0.05, "replica_budget": 0,
