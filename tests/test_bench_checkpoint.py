@@ -9,7 +9,8 @@ import pytest
 
 from moe_plugin_tools.cli import main
 
-TOY = ["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--experts", "4", "--ffn", "128", "--vocab", "128"]
+TOY = ["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--experts", "4", "--ffn", "128", "--vocab", "384"]
+STEPS = ("import-hf", "export-hf", "export", "load", "save")
 
 
 def _rows(capsys, argv: list[str]) -> tuple[list[dict], str]:
@@ -20,17 +21,20 @@ def _rows(capsys, argv: list[str]) -> tuple[list[dict], str]:
 
 def test_bench_checkpoint_rows(capsys, tmp_path):
     rows, progress = _rows(capsys, ["--layers", "1,2", "--work", str(tmp_path)])
-    assert [(r["layers"], r["step"]) for r in rows] == [(n, s) for n in (1, 2) for s in ("import-hf", "export-hf",
-                                                                                         "export")]
+    assert [(r["layers"], r["step"]) for r in rows] == [(n, s) for n in (1, 2) for s in STEPS]
     for r in rows:
         assert r["seconds"] > 0 and r["peak_rss_mb"] > 0 and r["cp_seconds"] > 0 and r["time_over_cp"] > 0, r
-        assert r["mb_in"] > 0 and r["mb_out"] > 0 and r["bytes_out"] > 0, r
-        assert (r["own_seconds"] is None) == (r["step"] == "export"), r   # import-hf, export-hf print "in X s"
+        assert r["mb_in"] + r["mb_out"] > 0 and r["bytes_in"] + r["bytes_out"] > 0, r
+        assert (r["own_seconds"] is None) == (r["step"] == "export"), r   # the others print "in X s"
         assert r["own_seconds"] is None or 0 < r["own_seconds"] < r["seconds"], r
-    assert rows[3]["params"] > rows[0]["params"] > 0
-    for r in (rows[0], rows[3]):   # a bf16 import keeps the dtype: the checkpoint is the source's size
+    assert rows[5]["params"] > rows[0]["params"] > 0
+    for r in (rows[0], rows[5]):   # a bf16 import keeps the dtype: the checkpoint is the source's size
         assert abs(r["bytes_out"] - r["bytes_in"]) <= 0.1 * r["bytes_in"], r
     assert rows[2]["bytes_out"] > 1.8 * rows[0]["bytes_in"]   # export writes fp32
+    for load, save in ((rows[3], rows[4]), (rows[8], rows[9])):   # the example: --load the import, 1 step, --save
+        assert load["bytes_in"] == rows[0 if load is rows[3] else 5]["bytes_out"], load   # it read the import
+        assert save["bytes_out"] > 5 * load["bytes_in"], save   # 12 bytes per parameter for 2 (bf16) read
+        assert load["peak_rss_mb"] == save["peak_rss_mb"] > 0 and save["estimate_mb"] > 0, save
     assert "[2 layers] export-hf" in progress and "expert files 4/4" in progress   # the commands' own progress
     assert list(tmp_path.iterdir()) == []   # models and outputs removed (no --keep)
 
@@ -50,8 +54,9 @@ def test_bench_checkpoint_one_step_still_imports_first(capsys, tmp_path):
     (["--heads", "5"], "error: --heads: got 5; must divide --hidden (64)"),
     (["--kv-heads", "3"], "error: --kv-heads: got 3; must divide --heads (4)"),
     (["--experts", "3"], "error: --experts: got 3; must be a multiple of 2"),
-    (["--steps", "import-hf,save"], "error: --steps: got 'import-hf,save'; expected distinct comma-separated steps "
-                                    "of import-hf, export-hf, export"),
+    (["--steps", "import-hf,train"], "error: --steps: got 'import-hf,train'; expected distinct comma-separated "
+                                     "steps of import-hf, export-hf, export, load, save"),
+    (["--vocab", "128"], "error: --vocab: got 128; the load and save steps train the example on its byte-level"),
 ])
 def test_bench_checkpoint_refuses_bad_flags_in_one_line(capsys, tmp_path, argv, message):
     with pytest.raises(SystemExit) as caught:

@@ -547,13 +547,17 @@ def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = Tru
             print(f"--load {directory}: no checkpoint there (missing or empty directory); starting from scratch",
                   flush=True)
         return 0
+    began = time.perf_counter()
     try:
-        _path, client_state = load(run, directory, strict=strict, load_optimizer_states=optimizer,
-                                   load_rng_states=rng)
+        path, client_state = load(run, directory, strict=strict, load_optimizer_states=optimizer,
+                                  load_rng_states=rng)
     except CheckpointError as err:
         if "load_optimizer_states=False" in str(err):
             raise CheckpointError(f"{err} (in this script: --no-load-optim)") from None
         raise
+    if dist.get_rank() == 0:
+        tag = os.path.dirname(path) if os.path.isfile(path) else path   # DeepSpeed names its module file
+        print(f"loaded {tag} in {time.perf_counter() - began:.2f} s", flush=True)
     return int((client_state or {}).get("step", run.engine.global_steps))
 
 

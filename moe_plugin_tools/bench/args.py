@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-CHECKPOINT_STEPS = ("import-hf", "export-hf", "export")   # bench checkpoint's, in order
+CHECKPOINT_STEPS = ("import-hf", "export-hf", "export", "load", "save")   # bench checkpoint's, in order
 
 
 def _number_list(text: str, parse, least, noun: str, bounded: str) -> list:

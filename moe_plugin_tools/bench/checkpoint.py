@@ -26,6 +26,7 @@ import argparse
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,13 @@ from moe_plugin_tools.bench.hf_model import HFShape, param_count, run_measured, 
 EXPERT_PARALLEL = 2
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "moe": {"parallel": {"expert": EXPERT_PARALLEL}}}
 SELF_TIMED = re.compile(r" in (\d+(?:\.\d+)?) s$")   # import-hf's and export-hf's last line
+LOADED = re.compile(r"^loaded .* in (\d+(?:\.\d+)?) s$")   # the example's lines
+SAVED = re.compile(r"^saved checkpoint step\d+ to .* in (\d+(?:\.\d+)?) s$")
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
+TRAIN_RANKS = EXPERT_PARALLEL
+EXAMPLE_VOCAB = 384
+TRAIN_CONFIG = {"train_batch_size": TRAIN_RANKS, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10 ** 6,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 1}}
 MB = 1e6
 SIZE_FLAGS = {"--hidden": "hidden", "--heads": "heads", "--kv-heads": "kv_heads", "--experts": "experts",
               "--ffn": "ffn", "--vocab": "vocab"}
@@ -84,13 +92,17 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if not names or bad or len(set(names)) != len(names):
         raise ConfigError("--steps", args.steps, "expected distinct comma-separated steps of "
                           + ", ".join(CHECKPOINT_STEPS))
+    steps = tuple(s for s in CHECKPOINT_STEPS if s in names)
+    if {"load", "save"} & set(steps) and shape.vocab != EXAMPLE_VOCAB:
+        raise ConfigError("--vocab", shape.vocab, f"the load and save steps train the example on its byte-level corpus, "
+                          f"whose vocabulary is {EXAMPLE_VOCAB} (257 padded to a multiple of 128); leave them out "
+                          "of --steps for another vocabulary")
     if args.work is not None:
         taken = [str(args.work / _size_dir(n)) for n in layers if (args.work / _size_dir(n)).exists()]
         if taken:
             raise ConfigError("--work", str(args.work), f"already holds {', '.join(taken)}; remove it or name "
                               "another directory")
-    return Settings(layers=layers, shape=shape, steps=tuple(s for s in CHECKPOINT_STEPS if s in names),
-                    work=args.work, keep=args.keep)
+    return Settings(layers=layers, shape=shape, steps=steps, work=args.work, keep=args.keep)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -141,12 +153,15 @@ def bench_size(directory: Path, layers: int, settings: Settings) -> list[dict]:
     record = {"layers": layers, "params": params, "hidden": shape.hidden, "heads": shape.heads,
               "kv_heads": shape.kv_heads, "experts": shape.experts, "ffn": shape.ffn, "vocab": shape.vocab}
     rows = []
+    imported: tuple[str, ...] = ()
     for step, (source, out, argv) in commands.items():
         measured = step in settings.steps
         if not measured and step != "import-hf":
             continue
-        say(f"{tag} {step}" + ("" if measured else " (not measured: export-hf and export read its checkpoint)"))
+        say(f"{tag} {step}" + ("" if measured else " (not measured: the other steps read its checkpoint)"))
         done = run_measured([sys.executable, "-m", "moe_plugin_tools.cli", *argv], on_line=_progress)
+        if step == "import-hf":
+            imported = done.lines
         if not measured:
             continue
         own = [float(m.group(1)) for m in map(SELF_TIMED.search, done.lines) if m]
@@ -162,7 +177,67 @@ def bench_size(directory: Path, layers: int, settings: Settings) -> list[dict]:
         rows.append(row)
         if step != "import-hf" and not settings.keep:   # import-hf's checkpoint is the next steps' input
             shutil.rmtree(out)
+    if {"load", "save"} & set(settings.steps):
+        rows += train_rows(directory, tag, record, ckpt, imported, settings)
     return rows
+
+
+def train_rows(directory: Path, tag: str, record: dict, ckpt: Path, imported: tuple[str, ...],
+               settings: Settings) -> list[dict]:
+    """The example on ``TRAIN_RANKS`` ranks under the ``deepspeed`` launcher: ``--load`` the imported
+    checkpoint, one step, ``--save``. Rows "load" and "save": each one's own seconds (the example's
+    "loaded ... in X s" and "saved checkpoint ... in X s"), the bytes read or written, cp of them,
+    and the busiest rank's peak RSS over the whole run (its ``memory.json``, the run summary's
+    estimate beside it)."""
+    flags, moe = _training_flags(imported)
+    config = directory / "train.json"
+    config.write_text(json.dumps({**TRAIN_CONFIG, "moe": moe}))
+    save, run_dir = directory / "save", directory / "run"
+    argv = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(TRAIN_RANKS), "--master_port",
+            str(_free_port()), str(EXAMPLE), "--deepspeed_config", str(config), *flags, "--load", str(ckpt),
+            "--seq-length", "64", "--train-iters", "1", "--eval-interval", "0", "--no-plot", "--save", str(save),
+            "--run-dir", str(run_dir), "--data-cache", str(directory / "data"), "--corpus-bytes", str(192 * 1024),
+            "--valid-fraction", "0.25"]
+    say(f"{tag} load + 1 step + save: the example on {TRAIN_RANKS} ranks")
+    done = run_measured(argv, on_line=_progress)
+    memory = json.loads((run_dir / "memory.json").read_text())
+    peak = max(memory["peak_memory_mb"]) * 2 ** 20 / MB   # MiB -> MB
+    own = {name: [float(m.group(1)) for m in map(pattern.search, done.lines) if m]
+           for name, pattern in (("load", LOADED), ("save", SAVED))}
+    rows = []
+    for step, path in (("load", ckpt), ("save", save)):
+        if step not in settings.steps:
+            continue
+        size = _bytes(path)
+        copy = cp_seconds([path], directory / "scratch")
+        seconds = own[step][-1] if own[step] else None
+        rows.append({**record, "step": step, "seconds": round(done.seconds, 3), "own_seconds": seconds,
+                     "peak_rss_mb": round(peak, 1), "estimate_mb": round(memory["estimate_mb"] * 2 ** 20 / MB, 1),
+                     "mb_in": round(size / MB, 1) if step == "load" else 0.0,
+                     "mb_out": round(size / MB, 1) if step == "save" else 0.0,
+                     "bytes_in": size if step == "load" else 0, "bytes_out": size if step == "save" else 0,
+                     "cp_seconds": round(copy, 3),
+                     "time_over_cp": round(seconds / copy, 2) if seconds is not None else None})
+        say(f"{tag} {step}: {seconds} s of a {done.seconds:.1f} s run, peak RSS {peak:.0f} MB (estimate "
+            f"{rows[-1]['estimate_mb']:.0f} MB), {size / MB:.4g} MB; cp -r {copy:.2f} s")
+    if not settings.keep:
+        shutil.rmtree(save, ignore_errors=True)
+    return rows
+
+
+def _training_flags(lines: tuple[str, ...]) -> tuple[list[str], dict]:
+    """The example's model flags and the "moe" block import-hf printed (without its ``--load``)."""
+    flags = next((line.split() for line in lines if line.strip().startswith("--load ")), None)
+    block = next((line.strip() for line in lines if line.strip().startswith('"moe": {')), None)
+    if flags is None or block is None:
+        raise RuntimeError("import-hf did not print the example's flags and the \"moe\" block to train with")
+    return flags[2:], json.loads("{" + block + "}")["moe"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def cp_seconds(paths: list[Path], scratch: Path) -> float:
