@@ -322,10 +322,10 @@ def _killed_save(root: str) -> dict:
         _train(run, range(2, 4))
         write = checkpoint._write
 
-        def failing(obj, path, **kwargs):
+        def failing(obj, path):
             if os.sep + checkpoint.RNG_DIR + os.sep in path:
                 raise OSError("disk full (simulated)")
-            write(obj, path, **kwargs)
+            write(obj, path)
 
         checkpoint._write = failing
         try:

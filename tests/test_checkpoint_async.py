@@ -96,10 +96,10 @@ def _child(rank: int, world_size: int, root: str) -> dict:
         # the writer runs out of space on rank 1 (our files)
         real = api._write
 
-        def full_disk(obj, file, **kwargs):
+        def full_disk(obj, file):
             if capturing() is None and rank == 1:   # in the writer thread
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), file)
-            real(obj, file, **kwargs)
+            real(obj, file)
 
         api._write = full_disk
         save_checkpoint(run, os.path.join(root, "async"), tag="s_full", async_save=True)

@@ -163,6 +163,7 @@ CASES = [
     Case("activation", value={"activation": "relu"}),
     Case("shared_expert_ffn_hidden_size", value={"shared_expert_ffn_hidden_size": 32}),
     Case("shared_expert_gate", value={"shared_expert_gate": True}, ref={"shared_expert_ffn_hidden_size": 32}),
+    Case("memory_check", EQUAL, value={"memory_check": False}),   # the check only decides whether to start
     # --- how the work is done
     Case("recompute_fc1", EQUAL, value={"recompute_fc1": True}),
     Case("experts_backend", EQUAL, value={"experts_backend": "bmm"}),

@@ -65,6 +65,7 @@ import json
 import os
 import pickle
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -142,12 +143,22 @@ from moe_plugin.compat.torch_files import TorchFile
 ORIGIN_KEYS = ("architecture", "hf")
 
 
-def _write(obj: Any, path: str, owned: bool = False) -> None:
+@dataclass(frozen=True)
+class Owned:
+    """A file's content made for this save (no tensor of it is the training state's): an
+    asynchronous save keeps it as it is instead of copying it (``background.Capture.record``)."""
+
+    value: Any
+
+
+def _write(obj: Any, path: str) -> None:
     """Every file of ours written whole goes through here (one place to make a save fail in tests;
     a synchronous save writes the expert files layer by layer instead, ``write_expert_files``): an
     expert file's content as safetensors (``write_expert_file``), the rest with ``torch.save``.
-    Inside an asynchronous save's capture, the file is recorded (a host copy, or ``obj`` itself
-    when ``owned``: made for this save) and written by the background writer, through this function again."""
+    Inside an asynchronous save's capture, the file is recorded (a host copy, or the content itself
+    when ``obj`` is ``Owned``) and written by the background writer, through this function again."""
+    owned = isinstance(obj, Owned)
+    obj = obj.value if owned else obj
     capture = capturing()
     if capture is not None:
         capture.record(obj, path, _write, values_only=path.endswith(SUFFIX), owned=owned)   # safetensors: values
@@ -224,7 +235,7 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
 
         def write_ours() -> None:
             for path, entry in ours.items():   # expert entries and the dense record: copies made for this save
-                _write(entry, path, owned=True)
+                _write(Owned(entry), path)
             _write(rng_state(engine.module), rng_file(tmp_path, dist.get_rank()))
             for name, data in (origin or {}).get("files", {}).items():   # rank 0's only
                 _write_bytes(data, os.path.join(tmp_path, name))

@@ -41,7 +41,7 @@ from moe_plugin.placement.migration import copies_in_placement
 
 
 # -- experts -------------------------------------------------------------------------------------
-def expert_layers(run: Any) -> Iterator[tuple[Any, list[str], list[int], dict, dict]]:
+def expert_layers(run: Any, fresh: bool = True) -> Iterator[tuple[Any, list[str], list[int], dict, dict]]:
     """Layer by layer (each expert weight of the stage), after that layer's collectives: (the
     weight, the record's state names, the global ids this rank writes, {id: full weight}, {state
     name: {id: full row}}) -- empty dicts on the ranks that write none (ETP rank > 0 or EDP rank >
@@ -51,7 +51,9 @@ def expert_layers(run: Any) -> Iterator[tuple[Any, list[str], list[int], dict, d
     another EP rank (``experts.placement``): the layer's experts are first copied into the static
     order (``placement.migration.copies_in_placement``, one exchange; the model does not change), so
     EP rank p writes the files of experts ``[p * L, (p + 1) * L)``, with the rows of the optimizer
-    record (fp32 master and Adam's moments, whole over the expert-data-parallel group)."""
+    record (fp32 master and Adam's moments, whole over the expert-data-parallel group).
+    ``fresh=False`` (a synchronous save, which writes each layer before the next): tensors already
+    in that order are not copied; the gathered record rows are new tensors either way."""
     engine, groups = run.engine, run.groups
     s, coords = groups.layout.sizes, groups.layout.coords(dist.get_rank())
     names = state_names(engine)[0] if record_kind(engine) is not None else []
@@ -59,7 +61,7 @@ def expert_layers(run: Any) -> Iterator[tuple[Any, list[str], list[int], dict, d
     for w in expert_weights(engine.module):
         states = full_param_state(engine, w.param, names)   # whole over the expert-data-parallel group
         (param_LXY, *states_LXY), = copies_in_placement([(w.module, torch.arange(w.module.num_experts),
-                                                          [w.param] + states)], groups)
+                                                          [w.param] + states)], groups, fresh=fresh)
         del states
         ids = list(range(coords["ep"] * w.module.num_local, (coords["ep"] + 1) * w.module.num_local))
         weights = dict(full_experts(param_LXY, w, groups.etp, s.etp, ids))
@@ -101,7 +103,7 @@ def write_expert_files(run: Any, path: str) -> None:
     coords = groups.layout.coords(dist.get_rank())
     writers: dict[int, TensorWriter] = {}
     failure: Optional[BaseException] = None   # raised after the last layer: the collectives go on
-    for w, names, ids, weights, rows in expert_layers(run):
+    for w, names, ids, weights, rows in expert_layers(run, fresh=False):
         if failure is not None or not weights:
             continue
         try:

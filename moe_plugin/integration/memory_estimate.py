@@ -30,8 +30,9 @@ ZeRO-1/2, else ``N``) and ``w`` bytes per weight (4 in fp32, 2 in bf16/fp16):
 
 ``steady`` (between steps) is runtime + weights + optimizer (+ the gradients ZeRO-0 keeps);
 ``total``, the estimated peak, is steady + grads + buffers + activations, or steady + a
-synchronous save's extra (one MoE layer's local experts, 24 bytes per element: values and
-record rows, and one reordering copy) if that is more. ``async_save_copy``: what an asynchronous
+synchronous save's extra if that is more: one MoE layer's record rows of its local experts,
+gathered whole (fp32 master and Adam's moments, 12 bytes per element; after a migration moved
+experts, a reordering copy of the layer's weights and rows more). ``async_save_copy``: what an asynchronous
 save copies to host memory (12 bytes per parameter it writes: its experts whole over etp and the
 dense parameters it writes), held while the next steps run: ``with_async_save`` = total + that.
 
@@ -55,7 +56,7 @@ from moe_plugin.configs.errors import ConfigError
 RUNTIME_SLACK_MB = 350.0
 DEFAULT_REDUCE_BUCKET = int(5e8)   # DeepSpeed's zero_optimization.reduce_bucket_size default
 SAVED_BYTES = 12   # a checkpoint's bytes per trained parameter: value (or fp32 master) and Adam's two moments
-SYNC_SAVE_BYTES = 24   # a synchronous save, per local expert element of one MoE layer
+SYNC_SAVE_BYTES = 12   # a synchronous save, per local expert element of one MoE layer
 _MB = 2 ** 20
 
 
@@ -203,7 +204,10 @@ def available_bytes(device_type: str, local_ranks: int) -> Optional[float]:
     if device_type == "cuda":
         import torch
 
-        return float(torch.cuda.mem_get_info()[0])
+        try:
+            return float(torch.cuda.mem_get_info()[0])
+        except (RuntimeError, AssertionError):   # no CUDA runtime behind the accelerator (a test's fake)
+            return None
     return None
 
 

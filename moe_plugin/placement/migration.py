@@ -170,20 +170,23 @@ def _plan_pieces(layers: dict[str, MoELayer], plan: dict[str, list[Move]], optim
 
 
 def copies_in_placement(items: Sequence[tuple[Any, PlacementLike, Sequence[Tensor]]],
-                        groups: Any) -> list[list[Tensor]]:
+                        groups: Any, fresh: bool = True) -> list[list[Tensor]]:
     """Copies of expert tensors as they would be after a migration, the model left as it is.
 
     ``items``: (``GroupedExperts``, target slots [E], tensors shaped [L, ...] in the module's
     current slot order). Returns, per item, fresh tensors whose rows are the experts of this
     rank's slots under the target placement. Collective over the job (one exchange; every rank
-    lists its stage's items in the same order). A checkpoint uses it to write experts by id."""
+    lists its stage's items in the same order). A checkpoint uses it to write experts by id.
+    ``fresh=False``: an item whose experts are already where the target puts them comes back as
+    the tensors themselves (detached), not copied (a synchronous save reads them at once)."""
     rank = groups.rank
     my_ep = groups.layout.coords(rank)["ep"]
     pieces, out = Pieces(), []
     for experts, target, tensors in items:
-        copies = [t.detach().clone() for t in tensors]
         target_E = check_placement(target, experts.num_experts)
-        _add_whole_moves(pieces, copies, experts.num_local, moves(experts.placement.cpu(), target_E),
+        moved = moves(experts.placement.cpu(), target_E)   # the same on every rank: the placement is global
+        copies = [t.detach().clone() if fresh or moved else t.detach() for t in tensors]
+        _add_whole_moves(pieces, copies, experts.num_local, moved,
                          lambda ep: _rank_at(groups, ep, None), my_ep)
         out.append(copies)
     every: list = [None] * dist.get_world_size()
