@@ -64,14 +64,17 @@ def full_experts(stacked_LXY: Tensor, weight: ExpertWeight, etp_group, etp: int,
                  ids: list[int] | None = None) -> Iterator[tuple[int, Tensor]]:
     """(global id, full [H, F1] or [F, H] tensor) for each local expert of ``stacked_LXY`` (the
     weight itself or a tensor of its shape), whose rows are the experts ``ids`` (default: the
-    model's placement, ``weight.local_ids``). Collective over ``etp_group`` when ``etp > 1``."""
+    model's placement, ``weight.local_ids``). Collective over ``etp_group`` when ``etp > 1``. The
+    tensors are views (of ``stacked_LXY``, or of its ETP pieces joined): a caller that keeps them
+    while the stacked tensor changes copies them (``expert_layers`` reads fresh tensors or writes
+    at once)."""
     stacked_LXY = stacked_LXY.detach()
     if etp > 1:
         pieces = [torch.empty_like(stacked_LXY) for _ in range(etp)]
         dist.all_gather(pieces, stacked_LXY.contiguous(), group=etp_group)
         stacked_LXY = tp_join(pieces, weight.f_dim, weight.f_stride)
     for expert_id, full in zip(weight.local_ids if ids is None else ids, stacked_LXY.unbind(0)):
-        yield expert_id, full.clone()
+        yield expert_id, full
 
 
 def local_experts(full_by_id: dict[int, Tensor], weight: ExpertWeight, etp_rank: int, etp: int,
