@@ -19,24 +19,38 @@ def _rows(capsys, argv: list[str]) -> tuple[list[dict], str]:
     return [json.loads(line) for line in captured.out.splitlines()], captured.err
 
 
+def _check_row(r: dict) -> None:
+    assert r["seconds"] > 0 and r["peak_rss_mb"] > 0 and r["cp_seconds"] > 0 and r["time_over_cp"] > 0, r
+    assert r["mb_in"] + r["mb_out"] > 0 and r["bytes_in"] + r["bytes_out"] > 0, r
+    assert (r["own_seconds"] is None) == (r["step"] == "export"), r   # the others print "in X s"
+    assert r["own_seconds"] is None or 0 < r["own_seconds"] < r["seconds"], r
+
+
 def test_bench_checkpoint_rows(capsys, tmp_path):
-    rows, progress = _rows(capsys, ["--layers", "1,2", "--work", str(tmp_path)])
-    assert [(r["layers"], r["step"]) for r in rows] == [(n, s) for n in (1, 2) for s in STEPS]
+    rows, progress = _rows(capsys, ["--layers", "1,2", "--work", str(tmp_path), "--steps", ",".join(STEPS[:3])])
+    assert [(r["layers"], r["step"]) for r in rows] == [(n, s) for n in (1, 2) for s in STEPS[:3]]
     for r in rows:
-        assert r["seconds"] > 0 and r["peak_rss_mb"] > 0 and r["cp_seconds"] > 0 and r["time_over_cp"] > 0, r
-        assert r["mb_in"] + r["mb_out"] > 0 and r["bytes_in"] + r["bytes_out"] > 0, r
-        assert (r["own_seconds"] is None) == (r["step"] == "export"), r   # the others print "in X s"
-        assert r["own_seconds"] is None or 0 < r["own_seconds"] < r["seconds"], r
-    assert rows[5]["params"] > rows[0]["params"] > 0
-    for r in (rows[0], rows[5]):   # a bf16 import keeps the dtype: the checkpoint is the source's size
+        _check_row(r)
+    assert rows[3]["params"] > rows[0]["params"] > 0
+    for r in (rows[0], rows[3]):   # a bf16 import keeps the dtype: the checkpoint is the source's size
         assert abs(r["bytes_out"] - r["bytes_in"]) <= 0.1 * r["bytes_in"], r
     assert rows[2]["bytes_out"] > 1.8 * rows[0]["bytes_in"]   # export writes fp32
-    for load, save in ((rows[3], rows[4]), (rows[8], rows[9])):   # the example: --load the import, 1 step, --save
-        assert load["bytes_in"] == rows[0 if load is rows[3] else 5]["bytes_out"], load   # it read the import
-        assert save["bytes_out"] > 5 * load["bytes_in"], save   # 12 bytes per parameter for 2 (bf16) read
-        assert load["peak_rss_mb"] == save["peak_rss_mb"] > 0 and save["estimate_mb"] > 0, save
     assert "[2 layers] export-hf" in progress and "expert files 4/4" in progress   # the commands' own progress
     assert list(tmp_path.iterdir()) == []   # models and outputs removed (no --keep)
+
+
+def test_bench_checkpoint_load_and_save(capsys, tmp_path):
+    """The example --loads the import on 2 ranks, trains 2 steps, --saves: the rows of both, and the default
+    steps are all five."""
+    rows, progress = _rows(capsys, ["--layers", "1", "--work", str(tmp_path)])
+    assert [r["step"] for r in rows] == list(STEPS)
+    for r in rows:
+        _check_row(r)
+    load, save = rows[3], rows[4]
+    assert load["bytes_in"] == rows[0]["bytes_out"], load   # it read the import
+    assert save["bytes_out"] > 5 * load["bytes_in"], save   # 12 bytes per parameter for the 2 (bf16) it read
+    assert load["peak_rss_mb"] == save["peak_rss_mb"] > 0 and save["estimate_mb"] > 0, save
+    assert "[1 layer] load + 2 steps + save: the example on 2 ranks" in progress
 
 
 def test_bench_checkpoint_one_step_still_imports_first(capsys, tmp_path):

@@ -15,7 +15,10 @@ and output directories, and the time ``cp -r`` takes to copy the same input and 
 output into a scratch directory (the floor for moving those bytes through the same file system:
 the ratio time / cp). MB are 10^6 bytes. The page cache is left warm: the input was just written.
 export-hf and export read the checkpoint import-hf wrote; without ``import-hf`` in ``--steps`` it
-is still run, not reported. Models and outputs live under ``--work`` (default: a temporary
+is still run, not reported. The steps load and save are one run of the example on 2 ranks
+(``train_rows``: ``--load`` the import, 2 steps, ``--save``): their own seconds as the example prints
+them, the bytes read or written, and the run's peak RSS (busiest rank) beside the run summary's
+estimate (``estimate_mb`` in the JSON rows). Models and outputs live under ``--work`` (default: a temporary
 directory) and are removed when done unless ``--keep``. Progress goes to stderr (the commands' own
 progress lines included), the table (or one JSON object per row with ``--json``, with the exact
 bytes too) to stdout.
@@ -185,7 +188,8 @@ def bench_size(directory: Path, layers: int, settings: Settings) -> list[dict]:
 def train_rows(directory: Path, tag: str, record: dict, ckpt: Path, imported: tuple[str, ...],
                settings: Settings) -> list[dict]:
     """The example on ``TRAIN_RANKS`` ranks under the ``deepspeed`` launcher: ``--load`` the imported
-    checkpoint, one step, ``--save``. Rows "load" and "save": each one's own seconds (the example's
+    checkpoint, two steps (the first allocates Adam's moments after its gradients are gone, the
+    second holds both: a run's peak), ``--save``. Rows "load" and "save": each one's own seconds (the example's
     "loaded ... in X s" and "saved checkpoint ... in X s"), the bytes read or written, cp of them,
     and the busiest rank's peak RSS over the whole run (its ``memory.json``, the run summary's
     estimate beside it)."""
@@ -195,10 +199,10 @@ def train_rows(directory: Path, tag: str, record: dict, ckpt: Path, imported: tu
     save, run_dir = directory / "save", directory / "run"
     argv = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(TRAIN_RANKS), "--master_port",
             str(_free_port()), str(EXAMPLE), "--deepspeed_config", str(config), *flags, "--load", str(ckpt),
-            "--seq-length", "64", "--train-iters", "1", "--eval-interval", "0", "--no-plot", "--save", str(save),
+            "--seq-length", "64", "--train-iters", "2", "--eval-interval", "0", "--no-plot", "--save", str(save),
             "--run-dir", str(run_dir), "--data-cache", str(directory / "data"), "--corpus-bytes", str(192 * 1024),
             "--valid-fraction", "0.25"]
-    say(f"{tag} load + 1 step + save: the example on {TRAIN_RANKS} ranks")
+    say(f"{tag} load + 2 steps + save: the example on {TRAIN_RANKS} ranks")
     done = run_measured(argv, on_line=_progress)
     memory = json.loads((run_dir / "memory.json").read_text())
     peak = max(memory["peak_memory_mb"]) * 2 ** 20 / MB   # MiB -> MB
