@@ -143,17 +143,11 @@ def _writers(engine: Any, groups: Any, names: list[str], ids: list[int], path: s
 def write_expert_file(entry: dict, path: str) -> None:
     """One expert file from its content (``expert_entries``): the same bytes ``write_expert_files``
     writes for it."""
-    rounded = any(MASTER in states for states in entry["optimizer"].values())
-    from_master = dict(entry.get("from_master", {}))   # weights checked against their masters already
-    for key, weight in entry["weights"].items():
-        if rounded:
-            _check_rounded(key, entry["expert_id"], entry["optimizer"].get(key, {}).get(MASTER), weight)
-            from_master[key] = dtype_name(weight.dtype)
-    weights = {} if rounded else {k: (v.dtype, list(v.shape)) for k, v in entry["weights"].items()}
+    weights = {k: (v.dtype, list(v.shape)) for k, v in entry["weights"].items()}   # none where kept as masters
     states = {k: {n: (v.dtype, list(v.shape)) for n, v in s.items()} for k, s in entry["optimizer"].items()}
     specs = expert_file_specs(weights, states)
     with TensorWriter(path, specs, expert_file_metadata(entry["expert_id"], entry["stage"], entry["placement"],
-                                                        from_master)) as out:
+                                                        entry["from_master"])) as out:
         for name in specs:
             key, _, state = name.partition(OPTIMIZER_MARK)
             out.write(name, entry["optimizer"][key][state] if state else entry["weights"][key])

@@ -47,7 +47,6 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 from torch import nn
 
@@ -65,7 +64,6 @@ class Shape:
     """What the activations depend on (None where the model does not say)."""
 
     layers: int          # transformer layers on this rank
-    moe_layers: int
     hidden: int
     kv_hidden: int
     heads: int
@@ -98,10 +96,7 @@ def model_shape(model: nn.Module, moe_config: Any, sizes: Any, micro_batch: int,
     config = next((m.config for m in model.modules() if _is_transformer_config(getattr(m, "config", None))), None)
     if config is None:
         return None
-    from moe_plugin.layers.moe_layer import MoELayer
-
     layers = sum(1 for m in model.modules() if hasattr(m, "self_attention") and hasattr(m, "mlp"))
-    moe_layers = sum(1 for m in model.modules() if isinstance(m, MoELayer))
     heads = config.num_attention_heads
     kv = (config.num_query_groups or heads) * config.kv_channels
     vocab = max((m.weight.shape[0] * sizes.tp for n, m in model.named_modules()
@@ -110,7 +105,7 @@ def model_shape(model: nn.Module, moe_config: Any, sizes: Any, micro_batch: int,
         (getattr(m, "max_sequence_length", 0) or 0 for m in model.modules()), default=0) or None
     width = moe_config.ffn_hidden_size or config.ffn_hidden_size
     width = 2 * width if moe_config.activation == "swiglu" else width
-    return Shape(layers=layers, moe_layers=moe_layers, hidden=config.hidden_size, kv_hidden=kv, heads=heads,
+    return Shape(layers=layers, hidden=config.hidden_size, kv_hidden=kv, heads=heads,
                  vocab=vocab, ffn_width=width, top_k=moe_config.k, seq_length=seq, micro_batch=micro_batch,
                  tp=sizes.tp, recompute=getattr(config, "recompute_granularity", None) == "full")
 
@@ -132,19 +127,21 @@ def activation_bytes(shape: Optional[Shape], w: int) -> int:
     return shape.layers * per_layer + 3 * s * b * shape.vocab * 4 // shape.tp
 
 
-def estimate(params: list, sizes: Any, zero_stage: int, dtype: str, ds_config: dict, shape: Optional[Shape],
-             runtime_bytes: float, moe_layer_expert_elements: int) -> dict:
-    """Bytes of each part on this rank (module docstring), in MiB, not yet over the ranks."""
-    dense, expert = local_counts(params)
+def estimate(counts: tuple[int, int], sizes: Any, zero_stage: int, dtype: str, ds_config: dict,
+             shape: Optional[Shape], runtime_bytes: float, moe_layer_expert_elements: int) -> dict:
+    """Bytes of each part on this rank (module docstring), in MiB, not yet over the ranks;
+    ``counts``: its (dense, expert) trained elements (``local_counts``)."""
+    dense, expert = counts
     n = dense + expert
-    s = dense / sizes.dp + expert / sizes.edp if zero_stage >= 1 else n
+    share = dense / sizes.dp + expert / sizes.edp   # its partition of the optimizer state under ZeRO-1/2
+    s = share if zero_stage >= 1 else n
     w = 4 if dtype == "fp32" else 2
     if dtype == "fp32":
         masters = 0.0
     elif zero_stage == 0 and dtype == "fp16":
         masters = 4.0 * n
     else:
-        masters = 4.0 * (dense / sizes.dp + expert / sizes.edp)
+        masters = 4.0 * share
     optimizer = 8.0 * s + masters
     zero = ds_config.get("zero_optimization") or {}
     if zero_stage == 0:
@@ -209,16 +206,6 @@ def available_bytes(device_type: str, local_ranks: int) -> Optional[float]:
         except (RuntimeError, AssertionError):   # no CUDA runtime behind the accelerator (a test's fake)
             return None
     return None
-
-
-def over_ranks(mine: dict, extra: tuple) -> tuple[dict, tuple]:
-    """The busiest rank's parts (by ``total``) and the largest of each ``extra`` value (collective)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return mine, extra
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (mine, extra))
-    busiest = max((m for m, _ in every), key=lambda m: m["total"])
-    return busiest, tuple(max(e[i] for _, e in every) for i in range(len(extra)))
 
 
 def check_fits(memory: dict, device_type: str, enabled: bool) -> Optional[ConfigError]:

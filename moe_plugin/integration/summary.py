@@ -32,8 +32,7 @@ from torch import nn
 from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.groups.process_groups import ProcessGroups
 from moe_plugin.integration.grad_norm import distinct_parameter_count
-from moe_plugin.integration.memory_estimate import (
-    SAVED_BYTES, estimate, local_counts, model_shape, over_ranks, reduce_bucket)
+from moe_plugin.integration.memory_estimate import SAVED_BYTES, estimate, local_counts, model_shape, reduce_bucket
 from moe_plugin.layers.experts import GroupedExperts
 
 SMALL_BUCKET = int(5e7)   # the reduce bucket a refusal proposes (its label says 5e7)
@@ -121,28 +120,33 @@ def _memory_estimate(model: nn.Module, params: list, moe_config: MoEConfig, size
                      dtype: str, memory: Optional["MemoryInputs"]) -> dict:
     """MiB of each part on the busiest rank, and the copies a save makes (collective)."""
     memory = memory or MemoryInputs()
-    dense, expert = local_counts(params)
+    counts = local_counts(params)
     layer_experts = max((m.weight1.numel() + m.weight2.numel() for m in model.modules()
                          if isinstance(m, GroupedExperts)), default=0)
     shape = model_shape(model, moe_config, sizes, memory.micro_batch, memory.args)
-    mine = estimate(params, sizes, zero_stage, dtype, memory.ds_config, shape, memory.runtime_bytes, layer_experts)
+
+    def total(stage: int, ds_config: dict) -> dict:
+        return estimate(counts, sizes, stage, dtype, ds_config, shape, memory.runtime_bytes, layer_experts)
+
+    mine = total(zero_stage, memory.ds_config)
     alternatives = {}
     if zero_stage == 1:
-        alternatives["ZeRO stage 2"] = estimate(params, sizes, 2, dtype, memory.ds_config, shape,
-                                                memory.runtime_bytes, layer_experts)["total"]
+        alternatives["ZeRO stage 2"] = total(2, memory.ds_config)["total"]
     if zero_stage >= 1 and reduce_bucket(memory.ds_config) > SMALL_BUCKET:
         small = dict(memory.ds_config, zero_optimization={**(memory.ds_config.get("zero_optimization") or {}),
                                                           "reduce_bucket_size": SMALL_BUCKET})
-        alternatives["zero_optimization.reduce_bucket_size 5e7"] = estimate(
-            params, sizes, zero_stage, dtype, small, shape, memory.runtime_bytes, layer_experts)["total"]
-    copy = (dense + expert * sizes.etp) * SAVED_BYTES
-    available = memory.available_bytes
+        alternatives["zero_optimization.reduce_bucket_size 5e7"] = total(zero_stage, small)["total"]
     mine["alternatives"] = {k: v for k, v in alternatives.items() if v < mine["total"]}
-    mine, (copy,) = over_ranks(mine, (copy,))
-    if available is not None and dist.is_initialized() and dist.get_world_size() > 1:
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, available)
-        available = min(every)
+    dense, expert = counts
+    copy = (dense + expert * sizes.etp) * SAVED_BYTES
+    every = [(mine, copy, memory.available_bytes)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (mine, copy, memory.available_bytes))
+    mine = max((m for m, _, _ in every), key=lambda m: m["total"])   # the busiest rank
+    copy = max(c for _, c, _ in every)
+    known = [a for _, _, a in every if a is not None]
+    available = min(known) if known else None   # the rank with the least memory
     result = {k: round(v, 3) for k, v in mine.items() if k != "alternatives"}
     result["async_save_copy"] = round(copy / _MB, 3)
     result["with_async_save"] = round(result["total"] + copy / _MB, 3)
