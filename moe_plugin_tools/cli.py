@@ -9,7 +9,8 @@
     moe-plugin plan --model MODEL.json --cluster CLUSTER.json [--trace FILE] [--out DIR] [--top N]
     moe-plugin plan --calibrate out.json [--ranks 4] | --validate [--ranks 4,8]
     moe-plugin report RUN_DIR [RUN_DIR ...] [--out DIR]
-    moe-plugin export CKPT_DIR --out DIR [--tag TAG]
+    moe-plugin export CKPT_DIR --out DIR [--tag TAG] [--trust-checkpoint]
+    moe-plugin convert-checkpoint OLD_CKPT --out NEW_CKPT [--tag TAG]
     moe-plugin upcycle DENSE_CKPT --config ds.json --out MOE_CKPT [--granularity G] [--tag TAG] [--reset-iteration]
     moe-plugin import-hf HF_DIR --config ds.json --out CKPT [--tag TAG] [--dtype float32]
     moe-plugin export-hf CKPT --out HF_DIR [--arch mixtral|qwen3_moe|qwen2_moe|llama|mistral|qwen3] [--max-shard-size 5GB]
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from moe_plugin_tools.bench.args import add_bench_parser
+from moe_plugin.checkpoint.trust import TRUST_HELP
 from moe_plugin.configs import ConfigError, MoEConfig, batch_sizes
 from moe_plugin.configs.report import exit_on_config_error
 from moe_plugin.configs.schema import DEFAULT_ORDER, load_ds_config
@@ -122,7 +124,14 @@ def report(args: argparse.Namespace) -> None:
 def export(args: argparse.Namespace) -> None:
     from moe_plugin.checkpoint import export_checkpoint
 
-    export_checkpoint(args.checkpoint, args.out, tag=args.tag, progress=lambda line: print(line, flush=True))
+    export_checkpoint(args.checkpoint, args.out, tag=args.tag, progress=lambda line: print(line, flush=True),
+                      trust=args.trust_checkpoint)
+
+
+def convert(args: argparse.Namespace) -> None:
+    from moe_plugin.checkpoint import convert_checkpoint
+
+    convert_checkpoint(args.checkpoint, args.out, tag=args.tag, progress=lambda line: print(line, flush=True))
 
 
 def upcycle(args: argparse.Namespace) -> None:
@@ -131,7 +140,7 @@ def upcycle(args: argparse.Namespace) -> None:
     done = upcycle_checkpoint(args.checkpoint, args.config, args.out, tag=args.tag, granularity=args.granularity,
                               keep_iteration=not args.reset_iteration, drop_mlp_bias=args.drop_mlp_bias,
                               allow_inexact=args.allow_inexact, seed=args.seed,
-                              progress=lambda line: print(line, flush=True))
+                              progress=lambda line: print(line, flush=True), trust=args.trust_checkpoint)
     copies = done.num_experts // done.granularity
     print(f"upcycled {done.source} -> {done.path}\n"
           f"  MoE layers {list(done.moe_layers)}: {done.num_experts} experts each = {copies} copies of the dense MLP"
@@ -144,7 +153,7 @@ def import_hf(args: argparse.Namespace) -> None:
     from moe_plugin.interop import import_hf as run
 
     done = run(args.hf_dir, args.config, args.out, tag=args.tag, dtype=args.dtype,
-               progress=lambda line: print(line, flush=True))
+               progress=lambda line: print(line, flush=True), trust=args.trust_checkpoint)
     print(f"imported {args.hf_dir} ({done.model_type}) -> {done.path} in {done.seconds:.2f} s")
     if done.filled:
         print(f"  filled in from config.json: moe.{', moe.'.join(done.filled)}; the \"moe\" block to train with:\n"
@@ -157,7 +166,7 @@ def export_hf(args: argparse.Namespace) -> None:
     from moe_plugin.interop import export_hf as run
 
     done = run(args.checkpoint, args.out, arch=args.arch, tag=args.tag, max_shard_size=args.max_shard_size,
-               dtype=args.dtype, progress=lambda line: print(line, flush=True))
+               dtype=args.dtype, progress=lambda line: print(line, flush=True), trust=args.trust_checkpoint)
     print(f"exported {args.checkpoint} -> {done['path']} ({done['model_type']}, {len(done['files'])} files) in "
           f"{done['seconds']:.2f} s")
 
@@ -214,7 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("checkpoint", type=Path, metavar="CKPT_DIR", help="a --save directory (moe_plugin checkpoint)")
     dump.add_argument("--out", type=Path, required=True, help="where model.safetensors and config.json go")
     dump.add_argument("--tag", default=None, help="the tag to export (default: the one CKPT_DIR/latest names)")
+    dump.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     dump.set_defaults(run=export)
+
+    conv = commands.add_parser("convert-checkpoint", help="rewrite a checkpoint of an earlier moe_plugin, whose files "
+                               "are pickles, in the format that holds none (reads the pickles: run it once, on a "
+                               "checkpoint you trust)")
+    conv.add_argument("checkpoint", type=Path, metavar="OLD_CKPT", help="a --save directory of an earlier moe_plugin")
+    conv.add_argument("--out", type=Path, required=True, help="the checkpoint directory to write (a --load)")
+    conv.add_argument("--tag", default=None, help="the tag to convert (default: the one OLD_CKPT/latest names)")
+    conv.set_defaults(run=convert)
 
     up = commands.add_parser("upcycle", help="an MoE checkpoint whose experts start as copies of a dense "
                              "checkpoint's MLPs (loads under any layout)")
@@ -231,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--allow-inexact", action="store_true", help="accept gates that do not reproduce the dense "
                     "MLP at step 0 (unnormalised, switch, ...): warn instead of refusing")
     up.add_argument("--seed", type=int, default=1234, help="seed of the fresh router weights")
+    up.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     up.set_defaults(run=upcycle)
 
     imp = commands.add_parser("import-hf", help="a Hugging Face model directory (Mixtral, Qwen3-MoE, Qwen2-MoE; "
@@ -242,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--tag", default="step0", help="the tag to write (default: step0)")
     imp.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the model's own, so a "
                      "bf16 model makes a checkpoint of its own size)")
+    imp.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     imp.set_defaults(run=import_hf)
 
     exp = commands.add_parser("export-hf", help="a checkpoint of any layout as a Hugging Face model directory "
@@ -254,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--max-shard-size", default="5GB", help="largest weights file (default 5GB); more are indexed")
     exp.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the imported model's, "
                      "else float32)")
+    exp.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     exp.set_defaults(run=export_hf)
 
     add_bench_parser(commands, bench_layer, bench_step, bench_checkpoint)

@@ -192,10 +192,12 @@ def _tensor_bytes(directory: str) -> dict:
     meta = read_metadata(directory, tag)
     written = 0
     for name in meta["files"]:
+        if name.startswith("rng"):   # random streams: not the training state
+            continue
         if name.endswith(".safetensors"):
             with TensorFile(os.path.join(directory, tag, name)) as f:
                 written += sum(nbytes(*f.spec(n)) for n in f.names())
-        if not name.endswith(".pt") or name.startswith("rng"):
+        if not name.endswith(".pt"):
             continue
         seen = set()
         stack = [TorchFile(os.path.join(directory, tag, name)).content]

@@ -60,11 +60,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # name -> (file relative to the tag, damage); the optimizer record is the tag's one optimizer state
 DAMAGE = {
     "expert-zeros": ("experts/expert_00001_pp_00.safetensors", "zeros"),
-    "optim-zeros": ("optimizer/dense_pp_00_tp_00.pt", "zeros"),
+    "optim-zeros": ("optimizer/dense_pp_00_tp_00.safetensors", "zeros"),
     "model-flip": ("mp_rank_01_model_states.pt", "flip"),
-    "rng-flip": ("rng/rank_00002.pt", "flip"),
+    "rng-flip": ("rng/rank_00002.safetensors", "flip"),
     "model-truncated": ("mp_rank_00_model_states.pt", "truncate"),
-    "rng-truncated": ("rng/rank_00003.pt", "truncate"),
+    "rng-truncated": ("rng/rank_00003.safetensors", "truncate"),
     "meta-bad-json": ("moe_plugin.json", "truncate"),
 }
 
@@ -135,7 +135,7 @@ def _integrity(root: str, run, saved: str) -> dict:
         meta = json.loads(Path(tag_dir, "moe_plugin.json").read_text())
         del meta["files"]
         Path(tag_dir, "moe_plugin.json").write_text(json.dumps(meta))
-        return _damage(tag_dir, "rng/rank_00001.pt", "truncate")
+        return _damage(tag_dir, "rng/rank_00001.safetensors", "truncate")
 
     directory, path = _damaged_copy(root, saved, "unverified-rng-truncated", unverified)
     out["unverified-rng-truncated"] = {**_refused(run, directory), "path": path}
@@ -277,8 +277,8 @@ def test_latest_naming_a_missing_tag_is_named(results):
 @pytest.mark.slow
 def test_unreadable_file_of_an_unverified_checkpoint_is_named(results):
     for r in _case(results, "integrity"):
-        case = r["unverified-rng-truncated"]
-        assert case["path"] in case["error"] and "unreadable torch file" in case["error"], case["error"]
+        case = r["unverified-rng-truncated"]   # a safetensors file (plain_files)
+        assert case["path"] in case["error"] and "not a safetensors file" in case["error"], case["error"]
 
 
 def test_read_torch_names_the_file(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import os
 from importlib.metadata import version
 from pathlib import Path
 
@@ -276,8 +277,10 @@ def test_megatron_cpu_rng_tracker_and_buffers():
 
 def test_torch_save_files_read_lazily_and_without_running_code(tmp_path):
     """torch's zip format as ``compat/torch_files.py`` reads it: every kind of tensor a checkpoint holds
-    comes back bit-exact, and an object whose unpickling would run code stays an ``Opaque``."""
-    from moe_plugin.compat.torch_files import LazyTensor, Opaque, TorchFile
+    comes back bit-exact; an object whose unpickling would run code refuses the file, naming the file and
+    its class, and stays an ``Opaque`` when reading is trusted; so does each of DeepSpeed's classes."""
+    from moe_plugin.checkpoint.trust import trusting
+    from moe_plugin.compat.torch_files import DEEPSPEED_GLOBALS, LazyTensor, Opaque, Refused, TorchFile, safe_load
 
     marker = tmp_path / "ran"
     base = torch.randn(6, 4)
@@ -286,7 +289,10 @@ def test_torch_save_files_read_lazily_and_without_running_code(tmp_path):
                "param": torch.nn.Parameter(torch.ones(2, 2)), "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 3)}
     torch.save({"module": tensors, "shared": [base, base[1]], "planted": _Planted(str(marker)),
                 "size": torch.Size([2, 3]), "names": {"a", "b"}}, tmp_path / "f.pt")
-    with TorchFile(tmp_path / "f.pt") as f:
+    for read in (TorchFile, safe_load):
+        with pytest.raises(Refused, match=f"^{tmp_path / 'f.pt'}: holds posix.system, which no file of a checkpoint"):
+            read(str(tmp_path / "f.pt"))
+    with trusting(), TorchFile(tmp_path / "f.pt") as f:
         module = f.content["module"]
         for name, value in tensors.items():
             _must(isinstance(module[name], LazyTensor) and torch.equal(module[name].read(), value.detach()),
@@ -296,6 +302,14 @@ def test_torch_save_files_read_lazily_and_without_running_code(tmp_path):
               f"torch {torch.__version__}", "torch_files")
         assert isinstance(f.content["planted"], Opaque) and f.content["size"] == torch.Size([2, 3])
     assert not marker.exists()
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    torch.save({"stage": ZeroStageEnum(1), "scaler": DynamicLossScaler(init_scale=8, scale_window=1000, min_scale=1, delayed_shift=1, consecutive_hysteresis=False)}, tmp_path / "g.pt")
+    loaded = safe_load(str(tmp_path / "g.pt"))
+    assert loaded["stage"] is ZeroStageEnum(1) and loaded["scaler"].cur_scale == 8
+    with TorchFile(tmp_path / "g.pt") as f:
+        assert {v.qualname for v in f.content.values()} <= set(DEEPSPEED_GLOBALS)
 
 
 class _Planted:
@@ -306,3 +320,64 @@ class _Planted:
         import os
 
         return (os.system, (f"touch {self.path}",))
+
+
+def _deepspeed_files_child(rank: int, world_size: int, out: str) -> dict:
+    """DeepSpeed's own save of a small module at fp32, bf16 and fp16, ZeRO 0-2: the globals of every file."""
+    import zipfile
+
+    import deepspeed
+
+    from moe_plugin.compat.torch_files import TorchFile, _Unpickler
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    seen: dict[str, list[str]] = {}
+
+    class Recording(_Unpickler):
+        def find_class(self, module, name):
+            seen.setdefault(f"{module}.{name}", []).append(self.file)
+            return super().find_class(module, name)
+
+    cases = {"fp32-z0": {}, "fp32-z2": {"zero_optimization": {"stage": 2}}, "bf16-z0": {"bf16": {"enabled": True}},
+             "bf16-z1": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
+             "fp16-z0": {"fp16": {"enabled": True}}, "fp16-z1": {"fp16": {"enabled": True}, "zero_optimization": {"stage": 1}},
+             "fp16-z2": {"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}}
+    for name, extra in cases.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        config = {"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                  "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}, **extra}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        dtype = torch.half if name.startswith("fp16") else torch.bfloat16 if name.startswith("bf16") else torch.float32
+        loss = engine(torch.randn(1, 8, dtype=dtype)).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        engine.save_checkpoint(out, tag=name, client_state={"step": 1})
+        for file in sorted(os.listdir(os.path.join(out, name))):
+            path = os.path.join(out, name, file)
+            with zipfile.ZipFile(path) as z:
+                record = next(n for n in z.namelist() if n.endswith("/data.pkl"))
+                source = TorchFile.__new__(TorchFile)
+                source.path, source.strict, source._zip, source._prefix = path, False, z, record[:-len("data.pkl")]
+                reader = Recording(source, z.read(record))
+                reader.file = f"{name}/{file}"
+                reader.load()
+    return {"globals": seen}
+
+
+@pytest.mark.slow
+def test_deepspeed_writes_only_the_admitted_classes(tmp_path):
+    """The classes DeepSpeed pickles into its checkpoint files (module, ZeRO and bf16 optimizer files of
+    fp32, bf16 and fp16 runs at ZeRO 0-2) are tensors, OrderedDict, torch.Size, dtypes and
+    ``DEEPSPEED_GLOBALS``, which a load admits (and nothing else)."""
+    from dist import run_distributed
+    from moe_plugin.compat.torch_files import DEEPSPEED_GLOBALS
+
+    seen = run_distributed(_deepspeed_files_child, 1, tmp_path, str(tmp_path / "ckpt"))[0]["globals"]
+    plain = {"collections.OrderedDict", "torch.Size", "torch._utils._rebuild_tensor_v2"}
+    others = {g: files[:2] for g, files in seen.items() if g not in plain and g not in DEEPSPEED_GLOBALS
+              and not (g.startswith("torch.") and (g.endswith("Storage") or g.split(".")[1] in ("float16", "bfloat16",
+                                                                                                "float32")))}
+    _must(not others, f"DeepSpeed writes {sorted(others)} into its checkpoint files, which a load refuses",
+          f"deepspeed {version('deepspeed')}", "torch_files.DEEPSPEED_GLOBALS")
+    assert {g for g in seen if g.startswith("deepspeed.")} == set(DEEPSPEED_GLOBALS), sorted(seen)

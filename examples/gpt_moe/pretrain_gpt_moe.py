@@ -69,6 +69,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from moe_plugin import alike_on_every_rank, raised_alike, report_error
+from moe_plugin.checkpoint.trust import TRUST_HELP
 from moe_plugin.configs import ConfigError, MoEConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -149,6 +150,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        "afresh); any layout loads with it too, so this is needed only for checkpoints without "
                        "the optimizer record (saved before it existed, or fp16)")
     train.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states of the checkpoint")
+    train.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     train.add_argument("--max-skipped-steps", type=int, default=10,
                        help="fp16: stop the run when this many steps in a row were skipped for overflow (fp32 and "
                        "bf16 stop at the first non-finite gradient)")
@@ -530,13 +532,15 @@ def save_checkpoint(run, directory: str, step: int, keep_last: Optional[int] = N
     return committed
 
 
-def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = True, strict: bool = False) -> int:
+def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = True, strict: bool = False,
+                    trust: bool = False) -> int:
     """Resume from the ``latest`` tag of ``directory`` (if it fails verification, from the newest tag
     that verifies, with one line saying why; ``strict`` (``--strict-load``): an error instead);
     returns the number of steps already trained.
     ``optimizer=False`` (``--no-load-optim``): weights only (any layout takes the optimizer state too).
     A missing or empty ``directory`` starts from scratch (0), as Megatron-LM does: a first run may
-    name its ``--save`` directory in ``--load``. One that holds a tag but no ``latest`` is an error."""
+    name its ``--save`` directory in ``--load``. One that holds a tag but no ``latest`` is an error.
+    ``trust`` (``--trust-checkpoint``): read pickles as torch does (a checkpoint of an earlier moe_plugin)."""
     import torch.distributed as dist
 
     from moe_plugin import CheckpointError, checkpoint_exists
@@ -550,7 +554,7 @@ def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = Tru
     began = time.perf_counter()
     try:
         path, client_state = load(run, directory, strict=strict, load_optimizer_states=optimizer,
-                                  load_rng_states=rng)
+                                  load_rng_states=rng, trust=trust)
     except CheckpointError as err:
         if "load_optimizer_states=False" in str(err):
             raise CheckpointError(f"{err} (in this script: --no-load-optim)") from None
@@ -570,7 +574,8 @@ def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: Trai
     reason once it stopped the run early (a checkpoint of that step saved), else None."""
     from moe_plugin import ExpertMetrics
 
-    start = (load_checkpoint(result, args.load, not args.no_load_optim, not args.no_load_rng, args.strict_load)
+    start = (load_checkpoint(result, args.load, not args.no_load_optim, not args.no_load_rng, args.strict_load,
+                             args.trust_checkpoint)
              if args.load else 0)
     if start:
         log.info(f"resumed from {args.load} after {start} steps")

@@ -22,6 +22,11 @@
   checkpoint made from a dense one (``moe-plugin upcycle``); ``one_rank``: a checkpoint written without a run (as
   the 1-rank model's; ``moe-plugin import-hf``); ``architecture``: a load into a model built with other flags
   than the checkpoint records, refused naming the flag.
+* No file is read in a way that runs code from it: ``tensor_files`` (safetensors), ``plain_files``
+  (the optimizer record, the rng state: safetensors and JSON), DeepSpeed's pickles through
+  ``compat.torch_files`` (tensors, plain data and DeepSpeed's few classes; anything else refused);
+  ``convert``: a checkpoint of an earlier moe_plugin (pickles of its own) rewritten once, trusted
+  (``moe-plugin convert-checkpoint``); ``trust=True`` / ``--trust-checkpoint`` reads pickles as torch does.
 
 DeepSpeed's file names and the loader behaviour relied on: ``moe_plugin.compat.deepspeed_checkpoint``.
 The names below are imported on first use, so ``export`` runs without DeepSpeed or Megatron.
@@ -33,6 +38,6 @@ from moe_plugin.lazy import lazy_getattr
 _FROM = {"save_checkpoint": "api", "load_checkpoint": "api", "checkpoint_exists": "api", "wait_for_save": "api",
          "poll_save": "api", "read_latest": "metadata",
          "read_metadata": "metadata", "CheckpointError": "errors", "export_checkpoint": "export",
-         "load_export": "export", "upcycle_checkpoint": "upcycle"}
+         "load_export": "export", "upcycle_checkpoint": "upcycle", "convert_checkpoint": "convert"}
 __all__ = sorted(_FROM)
 __getattr__ = lazy_getattr(__name__, _FROM)

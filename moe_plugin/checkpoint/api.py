@@ -115,6 +115,7 @@ from moe_plugin.checkpoint.metadata import (
 )
 from moe_plugin.checkpoint.optimizer import (
     RECORD_DIR,
+    RECORD_KIND,
     dense_from_master,
     dense_record,
     load_basic_optimizer,
@@ -123,11 +124,11 @@ from moe_plugin.checkpoint.optimizer import (
     record_file,
     record_kind,
 )
-from moe_plugin.checkpoint.readers import materialize_all, open_module, record_weights
+from moe_plugin.checkpoint.plain_files import read_plain, write_plain
+from moe_plugin.checkpoint.readers import deepspeed_header, materialize_all, open_module, open_record, record_weights
 from moe_plugin.checkpoint.reshard import own_dense
-from moe_plugin.checkpoint.rng import clear_pending_load, rng_state, set_rng_state
+from moe_plugin.checkpoint.rng import RNG_KIND, clear_pending_load, rng_state, set_rng_state
 from moe_plugin.checkpoint.tags import check_keep_last, choose_tag, prune, saving
-from moe_plugin.checkpoint.tensor_files import SUFFIX
 from moe_plugin.compat.deepspeed_checkpoint import (
     is_optimizer_file,
     is_recovery_script,
@@ -135,12 +136,19 @@ from moe_plugin.compat.deepspeed_checkpoint import (
     optimizer_file_name,
     without_module_entries,
 )
-from moe_plugin.compat.deepspeed_checkpoint_engine import checkpoint_engine, intercepts, recording_checkpoint_engine
-from moe_plugin.compat.torch_files import TorchFile
+from moe_plugin.compat.deepspeed_checkpoint_engine import (
+    checkpoint_engine,
+    intercepts,
+    reading_safely,
+    recording_checkpoint_engine,
+)
+from moe_plugin.checkpoint.trust import trusted, trusting
+from moe_plugin.compat.torch_files import unadmitted
 
 
 # the metadata of an imported checkpoint that every checkpoint trained from it keeps (``hf_origin``)
 ORIGIN_KEYS = ("architecture", "hf")
+PLAIN_KINDS = {RNG_DIR: RNG_KIND, RECORD_DIR: RECORD_KIND}   # the folders of ``plain_files`` files in a tag
 
 
 @dataclass(frozen=True)
@@ -154,19 +162,23 @@ class Owned:
 def _write(obj: Any, path: str) -> None:
     """Every file of ours written whole goes through here (one place to make a save fail in tests;
     a synchronous save writes the expert files layer by layer instead, ``write_expert_files``): an
-    expert file's content as safetensors (``write_expert_file``), the rest with ``torch.save``.
+    expert file's content as safetensors (``write_expert_file``), the optimizer record and the rng
+    state as ``plain_files`` (no pickle: nothing a load reads can run code).
     Inside an asynchronous save's capture, the file is recorded (a host copy, or the content itself
     when ``obj`` is ``Owned``) and written by the background writer, through this function again."""
     owned = isinstance(obj, Owned)
     obj = obj.value if owned else obj
     capture = capturing()
     if capture is not None:
-        capture.record(obj, path, _write, values_only=path.endswith(SUFFIX), owned=owned)   # safetensors: values
+        capture.record(obj, path, _write, values_only=True, owned=owned)   # safetensors: values
         return
-    if path.endswith(SUFFIX):
+    folder = os.path.basename(os.path.dirname(path))
+    if folder == EXPERT_DIR:
         write_expert_file(obj, path)
+    elif folder in PLAIN_KINDS:
+        write_plain(path, obj, PLAIN_KINDS[folder])
     else:
-        torch.save(obj, path)
+        raise ValueError(f"{path}: no file of this kind is written by a save")
 
 
 def _write_bytes(data: bytes, path: str) -> None:
@@ -197,6 +209,10 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
     flight is waited for first (its failure raised here); a failure of this one is raised by
     ``poll_save`` or ``wait_for_save``, on every rank at the same call."""
     check_keep_last(keep_last)
+    found = unadmitted(client_state, "client_state")
+    if found:   # DeepSpeed pickles it into its module file, which a load reads admitting plain data only
+        raise CheckpointError(f"{found}; a checkpoint holds tensors and plain data only (dicts, lists, tuples, "
+                              "str, numbers, bool, None), so that loading it runs no code; nothing was saved")
     wait_for_save(run)   # one save at a time; a failed one is raised here, on every rank
     if hasattr(run, "end_step"):
         run.end_step()
@@ -219,8 +235,9 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
     # the optimizer record holds the optimizer state: DeepSpeed's files of it are not written (a
     # checkpoint engine that cannot be stood in for, such as a decoupled one, still writes them)
     once = record_kind(engine) is not None and intercepts(engine)
-    with capture_into(capture), _deepspeed_files(engine, capture, once):
+    with capture_into(capture), _deepspeed_files(engine, capture, once) as refused:
         engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state or {}, save_latest=False)
+        saving(save_dir, tag, lambda: _refuse_unadmitted(refused))
         meta = metadata(run, tag)
         meta.update(deepspeed_optimizer_files=not once, expert_files=SAFE)
         # an asynchronous save copies the experts to the host whole; a synchronous one writes them
@@ -265,16 +282,18 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
 
 
 @contextlib.contextmanager
-def _deepspeed_files(engine: Any, capture: Optional[Capture], once: bool) -> Iterator[None]:
+def _deepspeed_files(engine: Any, capture: Optional[Capture], once: bool) -> Iterator[list[str]]:
     """DeepSpeed's files of the save: written by its checkpoint engine, or recorded into ``capture``
     and written by that same engine in the background. ``once``: what the plugin's files hold is
     not written again -- DeepSpeed's optimizer files (ZeRO's partitions, the MoE path's per EP rank:
     the optimizer record holds that state, and every load of such a checkpoint reads it from there)
     and, in its module files, the expert weights (the expert files hold them) and the dense weights
     that are their fp32 masters rounded (the dense record holds the masters: ``readers.open_module``
-    rounds them back)."""
+    rounds them back). Yields the list of what a file held that a load would refuse
+    (``torch_files.unadmitted``; such a file is not written)."""
+    refused: list[str] = []
     if capture is None and not once:
-        yield
+        yield refused
         return
     inner = checkpoint_engine(engine)
     experts = {w.key for w in expert_weights(engine.module)} | dense_from_master(engine)
@@ -283,6 +302,10 @@ def _deepspeed_files(engine: Any, capture: Optional[Capture], once: bool) -> Ite
         name = os.path.basename(path)
         if once and is_optimizer_file(name):
             return
+        found = unadmitted(obj, name)
+        if found:   # a load would refuse it (compat.torch_files.safe_load): not written, the save fails
+            refused.append(found)
+            return
         obj = without_module_entries(name, obj, experts) if once else obj
         if capture is not None:
             capture.record(obj, path, inner.save)
@@ -290,7 +313,13 @@ def _deepspeed_files(engine: Any, capture: Optional[Capture], once: bool) -> Ite
             inner.save(obj, path)
 
     with recording_checkpoint_engine(engine, write):
-        yield
+        yield refused
+
+
+def _refuse_unadmitted(refused: list[str]) -> None:
+    if refused:
+        raise CheckpointError(f"{refused[0]}, which a load would refuse (unpickling it could run code); this "
+                              "DeepSpeed writes objects moe_plugin does not admit (compat.torch_files.DEEPSPEED_GLOBALS)")
 
 
 def _writer(run: Any) -> SaveWriter:
@@ -353,7 +382,8 @@ def checkpoint_exists(load_dir: os.PathLike | str) -> bool:
 
 def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = None, *, strict: bool = False,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False, load_rng_states: bool = True) -> tuple[str, dict]:
+                    load_module_only: bool = False, load_rng_states: bool = True,
+                    trust: bool = False) -> tuple[str, dict]:
     """Load ``load_dir/tag`` (default: the ``latest`` tag) into ``run``; collective. Returns
     DeepSpeed's ``(load_path, client_state)``. Raises ``CheckpointError`` on every rank, before
     the model changes, when the checkpoint does not fit the model. RNG states (and the routers'
@@ -362,7 +392,19 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     (an upcycled checkpoint's optimizer, and lr scheduler after ``keep_iteration=False``) is not
     loaded whatever is asked: the checkpoint holds none. Without ``tag``, a ``latest`` tag that fails
     verification is reported in one line (rank 0) and the newest tag that verifies is loaded
-    (``tags.choose_tag``); ``strict=True`` raises instead, as a named tag that fails always does."""
+    (``tags.choose_tag``); ``strict=True`` raises instead, as a named tag that fails always does.
+    No file is read in a way that can run code from it: tensors and plain data only, the classes
+    DeepSpeed writes, a ``CheckpointError`` naming the file for anything else, and for a tag of
+    pickles an earlier moe_plugin wrote. ``trust=True`` reads them as torch does (it runs what a
+    pickle names: for checkpoints whose every writer you trust)."""
+    with trusting(trust):
+        return _load_checkpoint(run, load_dir, tag, strict, load_optimizer_states, load_lr_scheduler_states,
+                                load_module_only, load_rng_states)
+
+
+def _load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str], strict: bool,
+                     load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool,
+                     load_rng_states: bool) -> tuple[str, dict]:
     wait_for_save(run)   # a save in flight is committed (or its failure raised) before anything is read
     engine, groups = run.engine, run.groups
     load_dir = os.fspath(load_dir)
@@ -385,10 +427,8 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
         agree(lambda: check_optimizer_can_follow(run, meta))
         recut_optimizer = True
     experts, expert_moments = agree(lambda: read_experts(run, path, meta, recut_optimizer))
-    rng_path = rng_file(path, dist.get_rank())
     same_token_groups = all(meta["layout"][k] == layout(groups)[k] for k in TOKEN_LAYOUT_KEYS)
-    rng = agree(lambda: read_torch(rng_path) if load_rng_states and same_token_groups and os.path.isfile(rng_path)
-                else None)
+    rng = agree(lambda: read_rng(path, dist.get_rank()) if load_rng_states and same_token_groups else None)
     recut = dense_recut(meta, groups)
     if recut:
         dense, header = agree(lambda: recut_dense(run, path, meta))
@@ -399,6 +439,7 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
                        if record else None)
 
     with marker_without_local_experts(engine.module), experts_into_load(engine.module, {**dense, **experts}), \
+            (contextlib.nullcontext() if trusted() else reading_safely(engine)), \
             (one_file_per_mp_rank(load_dir, tag, engine, {**header, "module": dense}) if recut
              else contextlib.nullcontext(load_dir)) as source:
         try:
@@ -426,6 +467,16 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
     run.hf_origin = origin
     dist.barrier()
     return load_path, client_state
+
+
+def read_rng(path: str, rank: int) -> Optional[dict]:
+    """``rank``'s random streams in tag ``path`` (``rng_state``), or None when it has none: a
+    ``plain_files`` file, or before format version 3 a pickle (read only when trusted)."""
+    file = rng_file(path, rank)
+    if os.path.isfile(file):
+        return read_plain(file, RNG_KIND)
+    legacy = rng_file(path, rank, ".pt")
+    return read_torch(legacy) if os.path.isfile(legacy) else None
 
 
 def hf_origin(path: str, meta: dict) -> Optional[dict]:
@@ -457,8 +508,7 @@ def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:
         for key in modules[0]:
             pieces[key] = [m.get(key) for m in modules]
         if header is None:
-            header = {k: v for k, v in read_torch(saved_model_files(path, meta, stage)[0], mmap=True).items()
-                      if k != "module"}
+            header = deepspeed_header(saved_model_files(path, meta, stage)[0])
     dense = own_dense(pieces, run.engine.module, run.groups.layout, dist.get_rank())
     return dense, header
 
@@ -476,8 +526,7 @@ def read_record(run: Any, path: str, meta: dict) -> tuple[dict, list[str], dict,
     ({state name: {key: tensor}}, the state names, the scalars such as Adam's ``step``, the param
     groups' lr and the like)."""
     model, groups = run.engine.module, run.groups
-    records = [[TorchFile(os.path.join(path, record_file(stage, r))).content for r in range(meta["layout"]["tp"])]
-               for stage in saved_stages(meta, groups)]
+    records = [[_record(path, stage, r) for r in range(meta["layout"]["tp"])] for stage in saved_stages(meta, groups)]
     first = records[0][0]
     names, scalars = first["names"], materialize_all(first["scalars"])
     out = {}
@@ -488,6 +537,14 @@ def read_record(run: Any, path: str, meta: dict) -> tuple[dict, list[str], dict,
             pieces.update({key: [s[key] for s in states] for key in states[0]})
         out[name] = own_dense(pieces, model, groups.layout, dist.get_rank())
     return out, names, scalars, materialize_all(first["options"])
+
+
+def _record(path: str, stage: int, tp_rank: int) -> dict:
+    content = open_record(path, stage, tp_rank)
+    if content is None:
+        raise CheckpointError(f"{os.path.join(path, record_file(stage, tp_rank))}: missing (the metadata says the "
+                              "save wrote the optimizer record)")
+    return content
 
 
 def _check_experts_loaded(model: nn.Module, experts: dict, path: str) -> None:

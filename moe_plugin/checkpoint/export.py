@@ -34,7 +34,6 @@ files): use this.
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import logging
 import os
@@ -44,10 +43,19 @@ import torch
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.files import verify_all
-from moe_plugin.checkpoint.metadata import POSITION_DEFAULTS, module_files, placement_key, read_latest, read_metadata
+from moe_plugin.checkpoint.metadata import (
+    POSITION_DEFAULTS,
+    check_not_legacy,
+    named_function,
+    module_files,
+    placement_key,
+    read_latest,
+    read_metadata,
+)
 from moe_plugin.checkpoint.readers import is_lazy, open_expert, open_module
 from moe_plugin.checkpoint.shards import tp_join
-from moe_plugin.checkpoint.tensor_files import TensorWriter, nbytes
+from moe_plugin.checkpoint.tensor_files import TensorFile, TensorWriter, nbytes
+from moe_plugin.checkpoint.trust import trust_argument
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +69,7 @@ ONE_RANK = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, 
             "use_cpu_initialization": True}
 
 
+@trust_argument
 def export_checkpoint(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, tag: Optional[str] = None,
                       progress: Optional[Callable[[str], None]] = None) -> dict[str, str]:
     """Write ``ckpt_dir/tag`` (default: its ``latest``) as ``out_dir/model.safetensors`` and
@@ -108,6 +117,7 @@ class CheckpointSource:
         if not os.path.isdir(path):
             raise CheckpointError(f"{path}: missing; no checkpoint tag {tag!r} there")
         meta = read_metadata(ckpt_dir, tag)
+        check_not_legacy(path, meta, "--trust-checkpoint")
         model = meta.get("model")
         if not model or "transformer_config" not in model or "vocab_size" not in model:
             raise CheckpointError(f"{os.path.join(path, 'moe_plugin.json')}: records no model config (saved by an "
@@ -280,13 +290,13 @@ def export_config(meta: dict, path: str) -> dict:
 
 # -- reading an export ----------------------------------------------------------------------------
 def load_export(out_dir: os.PathLike | str) -> tuple[dict[str, torch.Tensor], dict]:
-    """(state dict, config.json) of an export."""
-    from safetensors.torch import load_file
-
+    """(state dict, config.json) of an export; the weights read tensor by tensor (``TensorFile``: a
+    file that is not safetensors, a pickle included, is refused in one line naming it)."""
     out_dir = os.fspath(out_dir)
     with open(os.path.join(out_dir, CONFIG_FILE)) as f:
         config = json.load(f)
-    return load_file(os.path.join(out_dir, config.get("weights", WEIGHTS_FILE))), config
+    with TensorFile(os.path.join(out_dir, os.path.basename(str(config.get("weights", WEIGHTS_FILE))))) as weights:
+        return {name: weights.read(name) for name in weights.names()}, config
 
 
 def exported_transformer_config(config: dict, **overrides: Any):
@@ -299,11 +309,7 @@ def exported_transformer_config(config: dict, **overrides: Any):
                                                                                  torch.dtype):
             fields[name] = getattr(torch, value[6:])
     if isinstance(fields.get("activation_func"), str):
-        module, _, name = fields["activation_func"].partition(":")
-        target: Any = importlib.import_module(module)
-        for part in name.split("."):
-            target = getattr(target, part)
-        fields["activation_func"] = target
+        fields["activation_func"] = named_function(fields["activation_func"], "the export's config.json")
     return TransformerConfig(**{**fields, **overrides})
 
 

@@ -10,7 +10,9 @@ the file they fail on, and what an interrupted save leaves behind.
   checked (present, its size, its sha256) by one rank, spread the same way; every rank raises the
   same ``CheckpointError`` naming each bad file, what was recorded and what was found.
 * ``read_torch`` / ``read_json``: a truncated or garbled file becomes a ``CheckpointError``
-  naming its path instead of a bare ``PytorchStreamReader`` or ``JSONDecodeError`` traceback.
+  naming its path instead of a bare ``PytorchStreamReader`` or ``JSONDecodeError`` traceback;
+  ``read_torch`` admits tensors, plain data and the classes DeepSpeed writes only
+  (``compat.torch_files.safe_load``: a planted object is refused, never run).
 * ``commit_tag``: a finished ``.tmp-TAG`` renamed to ``TAG`` (replacing an older one), then
   ``latest`` pointed at it (``write_text``: written whole, then renamed).
 * ``remove_stale(directory)``: ``.tmp-TAG`` directories of saves that died, and ``.old-TAG``
@@ -28,11 +30,11 @@ import shutil
 from collections.abc import Iterator
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 
 from moe_plugin.checkpoint.errors import CheckpointError, agree, first_line
 from moe_plugin.checkpoint.metadata import EXPERT_DIR, LATEST, META_FILE
+from moe_plugin.compat.torch_files import safe_load
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +47,12 @@ _READ_ERRORS = (RuntimeError, OSError, EOFError, pickle.UnpicklingError, ValueEr
 
 # -- reading --------------------------------------------------------------------------------------
 def read_torch(path: str, mmap: bool = False) -> Any:
-    """``torch.load`` of a checkpoint file (CPU), failures named by path. ``mmap``: its tensors
-    mapped, not read (what is never touched costs no memory)."""
+    """``torch.load`` of a checkpoint file (CPU) without running code (``safe_load``), failures
+    named by path. ``mmap``: its tensors mapped, not read (what is never touched costs no memory)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        return safe_load(path, mmap=mmap)
+    except CheckpointError:
+        raise
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except _READ_ERRORS as exc:

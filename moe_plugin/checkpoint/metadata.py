@@ -20,13 +20,16 @@ from torch import nn
 
 from moe_plugin.checkpoint.errors import CheckpointError, first_line
 from moe_plugin.checkpoint.experts import expert_weights
-from moe_plugin.checkpoint.optimizer import basic_optimizer, check_record_loads, record_kind
+from moe_plugin.checkpoint.optimizer import RECORD_DIR, basic_optimizer, check_record_loads, record_kind
 from moe_plugin.checkpoint.tensor_files import SUFFIX
 from moe_plugin.compat.deepspeed_checkpoint import model_file_name
 
 # 2: a conversion's checkpoint (import-hf, upcycle) keeps its tensors in safetensors files
 # (``readers``: "dense_files", "expert_files"); version 1 checkpoints read as before.
-FORMAT, FORMAT_VERSION, READ_VERSIONS = "moe_plugin.checkpoint", 2, (1, 2)
+# 3: no file of the plugin's is a pickle: the optimizer record and the rng files are
+# ``plain_files``; a tag of an earlier version holding pickles of ours loads only when trusted
+# (``legacy_pickles``; ``moe-plugin convert-checkpoint`` rewrites it).
+FORMAT, FORMAT_VERSION, READ_VERSIONS = "moe_plugin.checkpoint", 3, (1, 2, 3)
 META_FILE, EXPERT_DIR, RNG_DIR, LATEST = "moe_plugin.json", "experts", "rng", "latest"
 DENSE_DIR, SAFE = "model", "safetensors"   # a conversion's dense files; "expert_files": SAFE
 # Keys of the "moe" block that change the function the model computes (parallel sizes do not).
@@ -57,8 +60,9 @@ def read_json(path: str) -> Any:
                               f"{first_line(exc)})") from exc
 
 
-def rng_file(path: str, rank: int) -> str:
-    return os.path.join(path, RNG_DIR, f"rank_{rank:05d}.pt")
+def rng_file(path: str, rank: int, suffix: str = SUFFIX) -> str:
+    """A rank's random streams (``.pt``: a pickle, before format version 3)."""
+    return os.path.join(path, RNG_DIR, f"rank_{rank:05d}{suffix}")
 
 
 def deepspeed_model_file(path: str, engine: Any) -> str:
@@ -299,6 +303,53 @@ def read_metadata(load_dir: os.PathLike | str, tag: str) -> dict:
     return meta
 
 
+# Modules a recorded ``activation_func`` (``module:qualname``) may name: importing any other one would
+# run its code (a checkpoint's or an export's JSON must not choose what is imported).
+FUNCTION_MODULES = ("torch", "megatron.core", "moe_plugin")
+
+
+def named_function(path: Optional[str], where: str) -> Any:
+    """The function ``path`` (``module:qualname``, as ``transformer_config_dict`` records it) names,
+    from ``FUNCTION_MODULES`` only unless trusted; ``where`` names the record in the refusal."""
+    import importlib
+
+    from moe_plugin.checkpoint.trust import trusted
+
+    module, _, name = str(path).partition(":")
+    if not any(module == m or module.startswith(m + ".") for m in FUNCTION_MODULES) and not trusted():
+        raise CheckpointError(f"{where}: activation_func {path!r} names a module outside {list(FUNCTION_MODULES)}, "
+                              "which is not imported (that would run its code); pass --trust-checkpoint (trust=True) "
+                              "if you trust this file")
+    target: Any = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part, None)
+    return target
+
+
+def legacy_pickles(path: str, meta: dict) -> list[str]:
+    """The files of tag ``path`` that an earlier moe_plugin wrote as pickles of its own (format
+    version < 3: the rng files, the optimizer record, version 1's expert files), relative to it."""
+    if meta.get("version", 1) >= 3:
+        return []
+    names = meta.get("files") or {os.path.relpath(os.path.join(root, n), path): 0
+                                   for root, _dirs, files in os.walk(path) for n in files}
+    return sorted(n for n in names if n.endswith(".pt") and n.split(os.sep)[0] in (RNG_DIR, RECORD_DIR, EXPERT_DIR))
+
+
+def check_not_legacy(path: str, meta: dict, how: str = "--trust-checkpoint (trust=True)") -> None:
+    """Refuse, in one line, a tag holding pickles of an earlier moe_plugin (``legacy_pickles``)
+    unless reading them is trusted (``torch_files.trusting``)."""
+    from moe_plugin.checkpoint.trust import trusted
+
+    found = legacy_pickles(path, meta)
+    if found and not trusted():
+        raise CheckpointError(f"{os.path.join(path, found[0])}: a legacy pickle (moe_plugin checkpoint format version "
+                              f"{meta.get('version', 1)}; {len(found)} such files in the tag), which can run code "
+                              f"planted in it when read; convert the checkpoint once, as someone who trusts it: "
+                              f"moe-plugin convert-checkpoint {os.path.dirname(path)} --tag {os.path.basename(path)} "
+                              f"--out NEW_DIR, or load it as it is with {how}")
+
+
 def _differences(what: str, saved: dict, mine: dict) -> list[str]:
     out = [f"{what} {k}: shape {saved[k]} in the checkpoint, {mine[k]} in the model"
            for k in mine if k in saved and list(saved[k]) != list(mine[k])]
@@ -378,8 +429,10 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
         raise CheckpointError(f"{path}: missing; no checkpoint tag {tag!r} there")
     from moe_plugin.checkpoint.keys import as_running_kind   # imports Megatron: not for ``export``
 
-    meta = as_running_kind(read_metadata(os.path.dirname(path), tag), is_pipeline(engine),
-                           bool(getattr(engine.module, "share_embeddings_and_output_weights", False)))
+    meta = read_metadata(os.path.dirname(path), tag)
+    check_not_legacy(path, meta)
+    meta = as_running_kind(meta, is_pipeline(engine), bool(getattr(engine.module, "share_embeddings_and_output_weights",
+                                                                       False)))
     mine = moe_config.resolved_dict()
     saved = {k: meta["moe"].get(k, SINCE_DEFAULTS.get(k)) for k in MODEL_KEYS}
     problems = [f"moe.{k}: {saved[k]!r} in the checkpoint, {mine.get(k)!r} in the model"

@@ -6,7 +6,7 @@ EP, ETP, DP, ZeRO stage or model kind. Per parameter: its full fp32 master (``"f
 bf16: DeepSpeed's partitions joined over the parameter's (expert-)data-parallel group by
 ``deepspeed.utils.safe_get_full_fp32_param``; at ZeRO-0 in fp32 the weight is the master) and each
 state tensor of its shape (Adam's ``exp_avg``, ``exp_avg_sq``; ``safe_get_full_optimizer_state``).
-Dense parameters go into ``optimizer/dense_pp_SS_tp_TT.pt`` (data-parallel rank 0 of each stage
+Dense parameters go into ``optimizer/dense_pp_SS_tp_TT.safetensors`` (data-parallel rank 0 of each stage
 and TP rank, keyed like the module state), expert parameters into the expert files by global id
 (``expert_files``). The scalars (Adam's ``step``, the same for every parameter) are stored once.
 On load DeepSpeed loads the weights only; ``load_record`` then joins the dense entries over the
@@ -32,10 +32,11 @@ from torch import Tensor, nn
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.experts import expert_weights
+from moe_plugin.checkpoint.tensor_files import SUFFIX
 from moe_plugin.compat.deepspeed_zero import fill_inner_state, has_hp_mapping, link_inner_state
 
 MASTER = "fp32"   # the record's name of the fp32 master copy
-RECORD_DIR = "optimizer"
+RECORD_DIR, RECORD_KIND = "optimizer", "optimizer_record"
 SCHEDULED = ("lr", "betas", "momentum")   # param-group options that lr schedulers change as they step
 
 
@@ -203,9 +204,10 @@ def set_group_options(engine: Any, path: str, saved: list[dict]) -> None:
             group[key] = values[0]
 
 
-def record_file(stage: int, tp_rank: int) -> str:
-    """The dense optimizer record of pipeline stage ``stage`` and TP rank ``tp_rank``, in the tag."""
-    return os.path.join(RECORD_DIR, f"dense_pp_{stage:02d}_tp_{tp_rank:02d}.pt")
+def record_file(stage: int, tp_rank: int, suffix: str = SUFFIX) -> str:
+    """The dense optimizer record of pipeline stage ``stage`` and TP rank ``tp_rank``, in the tag
+    (a ``plain_files`` file of ``RECORD_KIND``; ``.pt``: a pickle, before format version 3)."""
+    return os.path.join(RECORD_DIR, f"dense_pp_{stage:02d}_tp_{tp_rank:02d}{suffix}")
 
 
 def check_record_loads(engine: Any) -> None:

@@ -1,9 +1,10 @@
 """A checkpoint's tensor files opened by their headers, each tensor read when asked.
 
 Two kinds of file hold a checkpoint's tensors: safetensors (``tensor_files``: the expert files,
-``experts/*.safetensors``, and a conversion's dense weights, ``model/``) and ``torch.save`` files
-(DeepSpeed's module files, the dense optimizer record, and the expert files of format version 1,
-read by ``compat.torch_files`` without running their pickle's code). Both give ``Lazy`` values: dtype and
+``experts/*.safetensors``, a conversion's dense weights, ``model/``, and the dense optimizer record,
+a ``plain_files`` file) and ``torch.save`` files (DeepSpeed's module files; before format version 3
+also the optimizer record, and the expert files of version 1), read by ``compat.torch_files``
+without running their pickle's code and refused when they name any class but DeepSpeed's few. Both give ``Lazy`` values: dtype and
 shape known, bytes read by ``read()``, so a reader holds one tensor at a time.
 
     module = open_module(path, meta, stage, tp_rank)    # {state-dict key: Lazy or a plain value}
@@ -26,7 +27,8 @@ import torch
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.metadata import expert_path, module_files, saved_model_files
-from moe_plugin.checkpoint.optimizer import MASTER, record_file
+from moe_plugin.checkpoint.optimizer import MASTER, RECORD_KIND, record_file
+from moe_plugin.checkpoint.plain_files import read_plain
 from moe_plugin.checkpoint.tensor_files import SUFFIX, TensorFile
 from moe_plugin.compat.torch_files import LazyTensor, Opaque, TorchFile
 
@@ -101,14 +103,34 @@ def open_module(path: str, meta: dict, stage: int, tp_rank: int) -> dict[str, An
     return out
 
 
+def deepspeed_header(file: str) -> dict:
+    """DeepSpeed's module file ``file`` but its module state (counters, lr scheduler, client state),
+    read without running code and without reading the module's tensors."""
+    with TorchFile(file) as f:
+        if not isinstance(f.content, dict):
+            raise CheckpointError(f"{file}: not a DeepSpeed module file")
+        return {k: materialize_all(v) for k, v in f.content.items() if k != "module"}
+
+
+def open_record(path: str, stage: int, tp_rank: int) -> Optional[dict]:
+    """The optimizer record of saved (``stage``, ``tp_rank``) (``optimizer.dense_record``'s content,
+    its tensors ``Lazy``), or None when the tag has none: a ``plain_files`` file, or before format
+    version 3 a pickle (read without running it: ``TorchFile``)."""
+    file = os.path.join(path, record_file(stage, tp_rank))
+    if os.path.isfile(file):
+        return read_plain(file, RECORD_KIND, leaf=SafeLazy)
+    legacy = os.path.join(path, record_file(stage, tp_rank, ".pt"))
+    return TorchFile(legacy).content if os.path.isfile(legacy) else None
+
+
 def record_weights(path: str, stage: int, tp_rank: int) -> dict[str, Lazy]:
     """The dense weights of saved (``stage``, ``tp_rank``) that the save wrote only as their fp32
     masters in the optimizer record (``optimizer.dense_from_master``): {key: the master rounded to
     the weight's dtype}, or the weight itself where the record kept it."""
-    file = os.path.join(path, record_file(stage, tp_rank))
-    if not os.path.isfile(file):
+    content = open_record(path, stage, tp_rank)
+    if content is None:
         return {}
-    content = TorchFile(file).content
+    file = os.path.join(path, record_file(stage, tp_rank))
     kept = content.get("weights") or {}
     out: dict[str, Lazy] = {}
     for key, dtype in (content.get("weights_from_master") or {}).items():

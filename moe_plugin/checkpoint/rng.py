@@ -1,6 +1,7 @@
 """A rank's random streams in a checkpoint: torch, Python, NumPy, the accelerator's, Megatron's RNG
 tracker's named states (its attention's dropout, and under sequence parallelism the block's), and
-every router's noise generators and not-yet-applied load counts (``rng/rank_XXXXX.pt``). Restored only
+every router's noise generators and not-yet-applied load counts (``rng/rank_XXXXX.safetensors``, a
+``plain_files`` file of ``RNG_KIND``). Restored only
 where every rank sees the tokens it saw when saving (``metadata.TOKEN_LAYOUT_KEYS``).
 """
 from __future__ import annotations
@@ -17,6 +18,8 @@ try:
     import numpy
 except ImportError:  # NumPy's RNG is then neither saved nor restored
     numpy = None
+
+RNG_KIND = "rng"
 
 
 def rng_state(model: nn.Module) -> dict:

@@ -117,10 +117,15 @@ class TensorFile:
 def _header(path: str, fd: int) -> tuple[dict[str, Spec], dict[str, tuple[int, int]], dict[str, str], int]:
     size = os.fstat(fd).st_size
 
-    def refuse(why: str) -> CheckpointError:
-        return CheckpointError(f"{path}: not a safetensors file ({why})")
-
     head = os.pread(fd, 8, 0)
+    # what a file that fails to parse looks like instead: a zip (torch.save) or a bare pickle is never unpickled
+    looks = ("a torch.save zip, which is never read here: unpickling can run code" if head.startswith(b"PK\x03\x04")
+             else "it looks like a pickle, which is never read here: unpickling can run code"
+             if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05") else "")
+
+    def refuse(why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: not a safetensors file ({looks or why})")
+
     if len(head) < 8:
         raise refuse(f"{size} bytes")
     (length,) = struct.unpack("<Q", head)

@@ -52,7 +52,6 @@ Nothing is left behind on failure: files go to ``OUT/.tmp-TAG``, renamed to ``OU
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from dataclasses import dataclass
@@ -63,13 +62,15 @@ import torch.nn.functional as F
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.export import ONE_RANK, CheckpointSource
-from moe_plugin.checkpoint.files import read_torch, refuse_existing
-from moe_plugin.checkpoint.metadata import saved_model_files
+from moe_plugin.checkpoint.files import refuse_existing
+from moe_plugin.checkpoint.metadata import named_function, saved_model_files
 from moe_plugin.checkpoint.one_rank import OneRankPlan, write_one_rank
+from moe_plugin.checkpoint.readers import deepspeed_header
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.layers.experts import ffn_shard
 from moe_plugin.layers.init import seeded_generator
 from moe_plugin.layers.router import ROUTER_STREAM
+from moe_plugin.checkpoint.trust import trust_argument
 
 logger = logging.getLogger(__name__)
 
@@ -112,13 +113,10 @@ def _function(path: Optional[str]) -> Any:
     """The function a ``transformer_config_dict`` names ``module:qualname`` (None: Megatron's default, gelu)."""
     if path is None:
         return F.gelu
-    module, _, name = path.partition(":")
-    target: Any = importlib.import_module(module)
-    for part in name.split("."):
-        target = getattr(target, part, None)
-    return target
+    return named_function(path, "the dense checkpoint's moe_plugin.json")
 
 
+@trust_argument
 def upcycle_checkpoint(dense_dir: Union[os.PathLike, str], ds_config: Union[dict, os.PathLike, str],
                        out_dir: Union[os.PathLike, str], *, tag: Optional[str] = None, granularity: int = 1,
                        keep_iteration: bool = True, drop_mlp_bias: bool = False, allow_inexact: bool = False,
@@ -142,8 +140,7 @@ def upcycle_checkpoint(dense_dir: Union[os.PathLike, str], ds_config: Union[dict
     plan = _moe_plan(reader, moe, dense, layers, granularity, seed, dropped)
     header = None
     if keep_iteration:   # its step counters, lr scheduler and client state (its module tensors left unread)
-        header = {k: v for k, v in read_torch(saved_model_files(source, meta, 0)[0], mmap=True).items()
-                  if k != "module"}
+        header = deepspeed_header(saved_model_files(source, meta, 0)[0])
     steps = int(meta["global_steps"]) if keep_iteration else 0
     model = dict(meta["model"])
     model["transformer_config"] = {**model["transformer_config"], **ONE_RANK}

@@ -1,4 +1,5 @@
-"""What an asynchronous save relies on in DeepSpeed 0.19.8's checkpoint engine (``runtime/checkpoint_engine``).
+"""What an asynchronous save and a safe load rely on in DeepSpeed 0.19.8's checkpoint engine
+(``runtime/checkpoint_engine``).
 
 ``engine.save_checkpoint`` writes every file of its own (module states, optimizer and ZeRO
 partitions; a ``PipelineEngine``'s layer files through ``PipelineModule.save_state_dict``) with
@@ -7,7 +8,10 @@ partitions; a ``PipelineEngine``'s layer files through ``PipelineModule.save_sta
 nothing with the default ``TorchCheckpointEngine``). ``recording_checkpoint_engine`` swaps in an
 engine that hands each ``(state_dict, path)`` to a callback instead of writing it, and delegates
 everything else to the engine it replaces, whose ``save`` then writes the file later (the bytes
-are those a direct save writes: the same serializer and its options).
+are those a direct save writes: the same serializer and its options). ``engine.load_checkpoint``
+reads every file of its own with ``engine.checkpoint_engine.load(path, map_location)`` (module and
+optimizer files; the ``PipelineEngine``'s module through ``load_state_dir``, handed that same engine):
+``reading_safely`` swaps in one whose ``load`` runs no code from the file (``torch_files.safe_load``).
 
 ``tests/test_compat_guards.py`` checks the attribute and the methods against the installed DeepSpeed.
 """
@@ -55,5 +59,33 @@ def recording_checkpoint_engine(engine: Any, record: Callable[[Any, str], None])
     engine.checkpoint_engine = RecordingCheckpointEngine(inner, record)
     try:
         yield inner
+    finally:
+        engine.checkpoint_engine = inner
+
+
+class SafeReadingCheckpointEngine:
+    """DeepSpeed's checkpoint engine ``inner`` with ``load`` through ``torch_files.safe_load``."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        from moe_plugin.compat.torch_files import safe_load
+
+        return safe_load(path, map_location=map_location)
+
+
+@contextlib.contextmanager
+def reading_safely(engine: Any) -> Iterator[None]:
+    """Inside, ``engine.load_checkpoint`` reads every file of DeepSpeed's through ``safe_load``: a
+    global other than the tensors, plain data and the classes DeepSpeed writes is refused in one line
+    naming the file (its ``TorchCheckpointEngine.load`` is ``torch.load(weights_only=False)``)."""
+    inner = engine.checkpoint_engine
+    engine.checkpoint_engine = SafeReadingCheckpointEngine(inner)
+    try:
+        yield
     finally:
         engine.checkpoint_engine = inner

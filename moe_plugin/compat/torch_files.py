@@ -19,20 +19,89 @@ other class is an ``Opaque`` holding its name and arguments: nothing in the file
 from __future__ import annotations
 
 import collections
+import importlib
 import os
 import pickle
+import re
 import zipfile
 from typing import Any, Optional
 
 import torch
 
-from moe_plugin.checkpoint.errors import CheckpointError
+from moe_plugin.checkpoint.errors import CheckpointError, first_line
+from moe_plugin.checkpoint.trust import TRUST_HINT, trusted
 
 STORAGE_DTYPES = {"DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
                   "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
                   "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
                   "BoolStorage": torch.bool}
 DTYPE_NAMES = {str(d).split(".")[1]: d for d in STORAGE_DTYPES.values()}
+# The classes DeepSpeed 0.19 pickles into its checkpoint files besides tensors, OrderedDict and
+# torch.Size: its ZeRO and bf16 optimizer files (the stage, each parameter's fragment address, the
+# loss scaler: ``runtime/zero/stage_1_and_2.py``, ``runtime/bf16_optimizer.py``). Its module files
+# hold none.
+DEEPSPEED_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.utils.tensor_fragment.fragment_address",
+                     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler")
+class Refused(CheckpointError):
+    """A file holding a global that no checkpoint file may hold."""
+
+
+def refusal(path: str, what: str) -> Refused:
+    return Refused(f"{path}: holds {what}, which no file of a checkpoint may hold ({TRUST_HINT})")
+
+
+def deepspeed_classes() -> list[type]:
+    """``DEEPSPEED_GLOBALS`` imported (those the installed DeepSpeed lacks are left out)."""
+    out = []
+    for name in DEEPSPEED_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        try:
+            out.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):
+            continue
+    return out
+
+
+def safe_load(path: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """``torch.load`` of ``path`` admitting tensors, plain data and ``DEEPSPEED_GLOBALS`` only (module
+    docstring); ``FileNotFoundError`` passes, any other failure is a one-line ``CheckpointError``."""
+    if trusted():
+        return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+    try:
+        with torch.serialization.safe_globals(deepspeed_classes()):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL (\S+)", str(exc))
+        raise refusal(path, found.group(1) if found else first_line(exc)) from None
+
+
+# what ``unadmitted`` passes besides tensors and DEEPSPEED_GLOBALS
+_PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype, torch.Size, torch.device)
+
+
+def unadmitted(value: Any, where: str = "") -> Optional[str]:
+    """Where ``value`` (to be saved) holds an object that ``safe_load`` would refuse, and its class;
+    None when it holds none."""
+    if isinstance(value, _PLAIN) or isinstance(value, torch.Tensor) and type(value) in (torch.Tensor,
+                                                                                        torch.nn.Parameter):
+        return None
+    if type(value) in (dict, collections.OrderedDict):
+        for key, item in value.items():
+            found = unadmitted(key, f"{where}[{key!r}] (its key)") or unadmitted(item, f"{where}[{key!r}]")
+            if found:
+                return found
+        return None
+    if type(value) in (list, tuple, set, frozenset):
+        for i, item in enumerate(value):
+            found = unadmitted(item, f"{where}[{i}]")
+            if found:
+                return found
+        return None
+    name = f"{type(value).__module__}.{type(value).__qualname__}"
+    if name in DEEPSPEED_GLOBALS:
+        return None
+    return f"{where or 'the object'} is a {name}"
 
 
 class Opaque:
@@ -72,6 +141,7 @@ class TorchFile:
 
     def __init__(self, path: os.PathLike | str):
         self.path = os.fspath(path)
+        self.strict = not trusted()
         try:
             self._zip = zipfile.ZipFile(self.path)
         except FileNotFoundError:
@@ -86,6 +156,9 @@ class TorchFile:
         try:
             data = self._zip.read(pickles[0])
             self.content = _Unpickler(self, data).load()
+        except Refused:
+            self._zip.close()
+            raise
         except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, OSError, ValueError, TypeError, IndexError,
                 KeyError, AttributeError) as exc:
             self._zip.close()
@@ -134,11 +207,19 @@ def _rebuild_parameter(data: Any, *_rest: Any) -> Any:
     return data
 
 
+def _bytes(text: str, encoding: str = "utf-8") -> bytes:
+    """How a pickle of protocol 2 spells bytes: ``_codecs.encode(str, "latin1")``."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
+        raise pickle.UnpicklingError(f"_codecs.encode({type(text).__name__}, {encoding!r})")
+    return text.encode(encoding)
+
+
 class _Unpickler(pickle.Unpickler):
     ADMITTED = {("collections", "OrderedDict"): collections.OrderedDict, ("torch", "Size"): torch.Size,
                 ("builtins", "set"): set, ("__builtin__", "set"): set, ("builtins", "frozenset"): frozenset,
                 ("__builtin__", "frozenset"): frozenset, ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-                ("torch._utils", "_rebuild_parameter"): _rebuild_parameter}
+                ("torch._utils", "_rebuild_parameter"): _rebuild_parameter, ("_codecs", "encode"): _bytes,
+                ("torch", "device"): torch.device}
 
     def __init__(self, source: TorchFile, data: bytes):
         import io
@@ -154,6 +235,8 @@ class _Unpickler(pickle.Unpickler):
             return ("storage", STORAGE_DTYPES[name])
         if module == "torch" and name in DTYPE_NAMES:
             return DTYPE_NAMES[name]
+        if self._source.strict and f"{module}.{name}" not in DEEPSPEED_GLOBALS:
+            raise refusal(self._source.path, f"{module}.{name}")
         return type(name, (Opaque,), {"qualname": f"{module}.{name}"})
 
     def persistent_load(self, pid: Any) -> tuple:

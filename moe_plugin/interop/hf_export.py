@@ -42,6 +42,7 @@ from moe_plugin.configs import ConfigError
 from moe_plugin.interop.hf_arch import ARCHITECTURES, MOE_TYPES, HFArchitecture, transformers_module
 from moe_plugin.interop.hf_families import HFMapping, Rule
 from moe_plugin.interop.hf_files import HFShardWriter, parse_size
+from moe_plugin.checkpoint.trust import trust_argument
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "qw
 DEFAULT_SHARD = "5GB"
 
 
+@trust_argument
 def export_hf(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, *, arch: Optional[str] = None,
               tag: Optional[str] = None, max_shard_size: str | int = DEFAULT_SHARD, dtype: Optional[str] = None,
               progress: Optional[Callable[[str], None]] = None) -> dict:

@@ -4,6 +4,9 @@ index, as ``save_pretrained`` writes them) and the tokenizer's files.
 ``HFWeights(hf_dir)``: every tensor by name, from ``model.safetensors`` or the shards that
 ``model.safetensors.index.json`` names (each shard checked to hold what the index says), known
 from the headers (``spec``) and read one at a time (``read``: ``checkpoint.tensor_files``).
+Pickled weights (``pytorch_model.bin`` or its shards) are refused in one line naming the file, as
+unpickling can run code; inside ``trusting`` (``--trust-checkpoint``) they are read tensor by
+tensor the same way (``PickledFile``).
 ``HFShardWriter(out_dir, specs, max_shard_bytes)``: shards of at most ``max_shard_bytes`` (a
 tensor larger than that gets a shard of its own) named ``model-0000i-of-0000n.safetensors`` with
 the index, or one ``model.safetensors`` when everything fits in one, in name order; every tensor
@@ -13,13 +16,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from moe_plugin.configs import ConfigError
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+# pickled weights (``save_pretrained(safe_serialization=False)``, older models): read only when trusted
+PICKLED, PICKLED_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 # What a tokenizer (and generation defaults) may leave in a model directory; carried over as is.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
@@ -31,16 +36,20 @@ class HFWeights:
     def __init__(self, hf_dir: str, say: Callable[[str], None] = lambda line: None):
         from moe_plugin.checkpoint.tensor_files import TensorFile
 
-        single, index = os.path.join(hf_dir, WEIGHTS), os.path.join(hf_dir, INDEX)
-        self._files: dict[str, TensorFile] = {}
+        single, index, reader = os.path.join(hf_dir, WEIGHTS), os.path.join(hf_dir, INDEX), TensorFile
+        self._files: dict[str, Any] = {}
         self._where: dict[str, str] = {}
+        if not os.path.isfile(single) and not os.path.isfile(index):
+            pickled = [os.path.join(hf_dir, n) for n in (PICKLED_INDEX, PICKLED) if os.path.isfile(os.path.join(hf_dir, n))]
+            if pickled:
+                single, index, reader = pickled_weights(pickled[0])
         if os.path.isfile(index):
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f).get("weight_map", {})
             shards = sorted(set(weight_map.values()))
-            say(f"{len(shards)} shards named by {INDEX}")
+            say(f"{len(shards)} shards named by {os.path.basename(index)}")
             for shard in shards:
-                self._files[shard] = TensorFile(os.path.join(hf_dir, shard))
+                self._files[shard] = reader(os.path.join(hf_dir, shard))
                 names = set(self._files[shard].names())
                 missing = [k for k, s in weight_map.items() if s == shard and k not in names]
                 if missing:
@@ -48,8 +57,9 @@ class HFWeights:
                                       "for it (a damaged or partial download)")
                 self._where.update({k: shard for k in names})
         elif os.path.isfile(single):
-            self._files[WEIGHTS] = TensorFile(single)
-            self._where = {k: WEIGHTS for k in self._files[WEIGHTS].names()}
+            name = os.path.basename(single)
+            self._files[name] = reader(single)
+            self._where = {k: name for k in self._files[name].names()}
         else:
             found = sorted(os.listdir(hf_dir))
             raise ConfigError(hf_dir, found[:8], f"holds neither {WEIGHTS} nor {INDEX}; save the model with "
@@ -70,6 +80,48 @@ class HFWeights:
     def close(self) -> None:
         for f in self._files.values():
             f.close()
+
+
+class PickledFile:
+    """A ``pytorch_model.bin`` read tensor by tensor as ``TensorFile`` reads safetensors
+    (``compat.torch_files.TorchFile``: lazy; inside ``trusting`` every class it names is admitted)."""
+
+    def __init__(self, path: str):
+        from moe_plugin.compat.torch_files import LazyTensor, TorchFile
+
+        self._file = TorchFile(path)
+        content = self._file.content
+        if not isinstance(content, dict):
+            raise ConfigError(path, type(content).__name__, "holds no state dict")
+        self._tensors = {k: v for k, v in content.items() if isinstance(v, LazyTensor)}
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def spec(self, name: str) -> tuple[torch.dtype, list[int]]:
+        t = self._tensors[name]
+        return t.dtype, list(t.shape)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._tensors[name].read()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def pickled_weights(path: str) -> tuple[str, str, type]:
+    """``HFWeights``' (single file, index, reader) for the pickled weights ``path``: refused in one
+    line unless trusted (``--trust-checkpoint``)."""
+    from moe_plugin.checkpoint.trust import trusted
+
+    if not trusted():
+        from moe_plugin.checkpoint.errors import CheckpointError
+
+        raise CheckpointError(f"{path}: pickled weights, which can run code planted in them when read; import a model "
+                              "saved as safetensors (save_pretrained's default), or pass --trust-checkpoint "
+                              "(trust=True) if you trust every writer of this file")
+    hf_dir = os.path.dirname(path)
+    return os.path.join(hf_dir, PICKLED), os.path.join(hf_dir, PICKLED_INDEX), PickledFile
 
 
 def parse_size(text: str | int) -> int:

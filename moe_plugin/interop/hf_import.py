@@ -41,6 +41,7 @@ from moe_plugin.configs.schema import ROOT_KEY, load_ds_config
 from moe_plugin.interop.hf_arch import HFArchitecture, read_hf_config
 from moe_plugin.interop.hf_families import HFMapping
 from moe_plugin.interop.hf_files import HFWeights, tokenizer_files
+from moe_plugin.checkpoint.trust import trust_argument
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class ImportResult:
     seconds: float
 
 
+@trust_argument
 def import_hf(hf_dir: Union[os.PathLike, str], ds_config: Union[dict, os.PathLike, str],
               out_dir: Union[os.PathLike, str], *, tag: str = "step0", dtype: Optional[str] = None,
               progress: Optional[Callable[[str], None]] = None) -> ImportResult:

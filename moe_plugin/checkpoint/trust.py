@@ -1,0 +1,46 @@
+"""Whether a checkpoint's pickles may be read as torch reads them (running what they name).
+
+By default nothing is: ``compat.torch_files`` admits tensors, plain data and DeepSpeed's few classes,
+the plugin's own files are safetensors and JSON. ``trusting()`` (``--trust-checkpoint``, ``trust=True``)
+is the one way around it, for files whose every writer the user trusts: a checkpoint of an earlier
+moe_plugin, a ``pytorch_model.bin``. No torch import here (the ``moe-plugin`` command's help uses it).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+TRUST_HINT = ("reading it could run code planted in it; if you trust this checkpoint, pass --trust-checkpoint "
+              "(trust=True)")
+TRUST_HELP = ("read the checkpoint's pickle files (an earlier moe_plugin's, pytorch_model.bin) as torch.load does, "
+              "which runs any code planted in them: only for files whose every writer you trust (better: convert "
+              "the checkpoint once with moe-plugin convert-checkpoint)")
+_TRUST = contextvars.ContextVar("moe_plugin_trust_checkpoint", default=False)
+
+
+@contextlib.contextmanager
+def trusting(trust: bool = True) -> Iterator[None]:
+    """Inside (``trust``), files are read as torch reads them, running what they name (module docstring)."""
+    token = _TRUST.set(bool(trust) or _TRUST.get())
+    try:
+        yield
+    finally:
+        _TRUST.reset(token)
+
+
+def trusted() -> bool:
+    return _TRUST.get()
+
+
+def trust_argument(fn: Callable) -> Callable:
+    """``fn`` with a keyword ``trust`` (default False) that runs it inside ``trusting(trust)``: for the
+    conversions, whose readers open files as they go."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, trust: bool = False, **kwargs: Any) -> Any:
+        with trusting(trust):
+            return fn(*args, **kwargs)
+
+    return wrapper
