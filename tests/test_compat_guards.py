@@ -362,18 +362,41 @@ def _deepspeed_files_child(rank: int, world_size: int, out: str) -> dict:
                 reader = Recording(source, z.read(record))
                 reader.file = f"{name}/{file}"
                 reader.load()
-    return {"globals": seen}
+    # DeepSpeed's own load of every file through reading_safely: the fp16 ZeRO-1 tag as saved, then with an
+    # object planted into its optimizer file (the marker must not be written)
+    from moe_plugin.checkpoint.errors import CheckpointError
+    from moe_plugin.compat.deepspeed_checkpoint_engine import reading_safely
+
+    out_loads = {}
+    with reading_safely(engine):   # the last engine: fp16, ZeRO-2; load its own tag
+        out_loads["clean"] = engine.load_checkpoint(out, tag="fp16-z2")[0] is not None
+    optim = os.path.join(out, "fp16-z2", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    content = torch.load(optim, weights_only=False)
+    content["planted"] = _Planted(os.path.join(out, "marker"))
+    torch.save(content, optim)
+    try:
+        with reading_safely(engine):
+            engine.load_checkpoint(out, tag="fp16-z2")
+        out_loads["planted"] = "loaded"
+    except CheckpointError as err:
+        out_loads["planted"] = str(err)
+    out_loads["marker"] = os.path.exists(os.path.join(out, "marker"))
+    return {"globals": seen, "loads": out_loads, "optim": optim}
 
 
 @pytest.mark.slow
 def test_deepspeed_writes_only_the_admitted_classes(tmp_path):
     """The classes DeepSpeed pickles into its checkpoint files (module, ZeRO and bf16 optimizer files of
     fp32, bf16 and fp16 runs at ZeRO 0-2) are tensors, OrderedDict, torch.Size, dtypes and
-    ``DEEPSPEED_GLOBALS``, which a load admits (and nothing else)."""
+    ``DEEPSPEED_GLOBALS``, which a load admits (and nothing else); DeepSpeed's own load reads such a
+    tag through ``reading_safely``, and refuses one whose optimizer file holds a planted object."""
     from dist import run_distributed
     from moe_plugin.compat.torch_files import DEEPSPEED_GLOBALS
 
-    seen = run_distributed(_deepspeed_files_child, 1, tmp_path, str(tmp_path / "ckpt"))[0]["globals"]
+    result = run_distributed(_deepspeed_files_child, 1, tmp_path, str(tmp_path / "ckpt"))[0]
+    seen, loads = result["globals"], result["loads"]
+    assert loads["clean"] and not loads["marker"], loads
+    assert loads["planted"].startswith(f"{result['optim']}: holds posix.system, which no file"), loads
     plain = {"collections.OrderedDict", "torch.Size", "torch._utils._rebuild_tensor_v2"}
     others = {g: files[:2] for g, files in seen.items() if g not in plain and g not in DEEPSPEED_GLOBALS
               and not (g.startswith("torch.") and (g.endswith("Storage") or g.split(".")[1] in ("float16", "bfloat16",

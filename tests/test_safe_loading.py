@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,61 @@ def test_a_legacy_checkpoint_loads_only_trusted_or_converted(made, tmp_path, cap
     results, losses = _resume(made, tmp_path / "converted", "converted")
     assert [r["status"] for r in results] == [0, 0], results[0]["out"][-2000:]
     assert {s: losses[s] for s in expected} == expected
+
+
+def _legacy_tag(root: Path, layers: int) -> Path:
+    """A format-2 tag as an earlier moe_plugin wrote it, sized by ``layers``: per layer one dense key
+    of the optimizer record (fp32 master and Adam's two moments, 2 M elements each: 24 MB) and one
+    format-1 expert file (weights and rows, 24 MB); a rank's rng file. Returns the checkpoint dir."""
+    import random
+
+    from moe_plugin.checkpoint.files import file_digest
+
+    tag = root / "ckpt" / "step1"
+    for folder in ("rng", "optimizer", "experts"):
+        (tag / folder).mkdir(parents=True)
+    n = 1 << 21
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": None, "accelerator": None,
+                "routers": {}, "megatron_tracker": {}}, tag / "rng" / "rank_00000.pt")
+    state = {f"decoder.layers.{i}.mlp.w": {name: torch.full((n,), float(i)) for name in ("fp32", "exp_avg", "exp_avg_sq")}
+             for i in range(layers)}
+    torch.save({"names": ["exp_avg", "exp_avg_sq", "fp32"], "scalars": {"step": torch.tensor(1.0)}, "state": state,
+                "options": [{"lr": 1e-3, "betas": (0.9, 0.95)}], "weights_from_master": {k: "float32" for k in state},
+                "weights": {}}, tag / "optimizer" / "dense_pp_00_tp_00.pt")
+    del state
+    for e in range(layers):
+        torch.save({"expert_id": e, "placement": {}, "weights": {"w": torch.full((n,), float(e))},
+                    "optimizer": {"w": {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.ones(n)}}},
+                   tag / "experts" / f"expert_{e:05d}_pp_00.pt")
+    files = {str(p.relative_to(tag)): file_digest(str(p)) for p in sorted(tag.rglob("*")) if p.is_file()}
+    (tag / "moe_plugin.json").write_text(json.dumps({"format": "moe_plugin.checkpoint", "version": 2, "tag": "step1",
+                                                     "global_steps": 1, "files": files}))
+    (root / "ckpt" / "latest").write_text("step1")
+    return root / "ckpt"
+
+
+def test_convert_holds_one_tensor_at_a_time(tmp_path):
+    """convert-checkpoint in a child at 2 and 8 layers (96 MB and 384 MB of pickles): its peak RSS must
+    not grow with them (one tensor of 8 MB at a time); the converted record and experts read back
+    the same values."""
+    from moe_plugin.checkpoint.plain_files import read_plain
+    from moe_plugin.checkpoint.readers import open_expert_file
+    from moe_plugin_tools.bench.hf_model import run_measured
+
+    peaks = {}
+    for layers in (2, 8):
+        source = _legacy_tag(tmp_path / f"L{layers}", layers)
+        done = run_measured([sys.executable, "-m", "moe_plugin_tools.cli", "convert-checkpoint", str(source),
+                             "--out", str(tmp_path / f"L{layers}" / "safe")], timeout=300)
+        peaks[layers] = done.peak_bytes / 2 ** 20
+    print(f"convert-checkpoint peak RSS: {peaks[2]:.0f} MB at 2 layers, {peaks[8]:.0f} MB at 8")
+    assert peaks[8] - peaks[2] < 40, peaks   # the pickles grow by 288 MB
+    tag = tmp_path / "L8" / "safe" / "step1"
+    record = read_plain(str(tag / "optimizer" / "dense_pp_00_tp_00.safetensors"), "optimizer_record")
+    assert record["options"] == [{"lr": 1e-3, "betas": (0.9, 0.95)}] and record["scalars"]["step"].item() == 1.0
+    assert all(torch.equal(record["state"][f"decoder.layers.{i}.mlp.w"]["exp_avg"], torch.full((1 << 21,), float(i)))
+               for i in range(8))
+    entry = open_expert_file(str(tag / "experts" / "expert_00007_pp_00.safetensors"))
+    assert entry.expert_id == 7 and torch.equal(entry.weights["w"].read(), torch.full((1 << 21,), 7.0))
+    meta = json.loads((tag / "moe_plugin.json").read_text())
+    assert meta["version"] == 3 and meta["expert_files"] == "safetensors" and meta["converted_from"]["version"] == 2
