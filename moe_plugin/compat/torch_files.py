@@ -11,10 +11,22 @@ compressed) records, ``PREFIX/data.pkl`` the pickled object in which every tenso
 persistent id ``("storage", torch.<Dtype>Storage, key, location, numel)`` naming the record
 ``PREFIX/data/KEY`` that holds its bytes. Here the pickle is read by an unpickler whose classes
 come from a table: tensors become ``LazyTensor`` (record, dtype, offset, shape, stride: its bytes
-are read by ``read``), ``OrderedDict``, ``set``, ``torch.Size`` and dtypes are themselves, and any
-other class is an ``Opaque`` holding its name and arguments: nothing in the file is called.
+are read by ``read``), ``OrderedDict``, ``set``, ``torch.Size``, devices, bytes and dtypes are
+themselves, the classes DeepSpeed 0.19 writes into its checkpoint files (``DEEPSPEED_GLOBALS``) are
+``Opaque`` (their name and what the pickle gave them: nothing in the file is called), and any other
+global refuses the file in one line naming it and the global (``Refused``, a ``CheckpointError``).
 
-``tests/test_compat_guards.py`` checks this against the installed torch.
+``safe_load(path)`` is ``torch.load`` for files whose objects must be real (DeepSpeed's own loader:
+``compat.deepspeed_checkpoint_engine.reading_safely``; ``checkpoint.files.read_torch``):
+``weights_only`` with exactly ``DEEPSPEED_GLOBALS`` admitted besides what torch admits itself, the
+same refusal. ``checkpoint.trust.trusting()`` is the one way around both (``--trust-checkpoint``):
+inside it ``TorchFile`` makes an ``Opaque`` of any global (it still calls nothing) and ``safe_load``
+is ``torch.load(weights_only=False)``, which runs whatever the file names. ``unadmitted(obj)`` says
+where an object to be saved holds something a load would refuse (a save checks DeepSpeed's files
+and the client state with it).
+
+``tests/test_compat_guards.py`` checks this against the installed torch, and that DeepSpeed writes
+nothing else into the files of fp32, bf16 and fp16 runs at ZeRO 0-2.
 """
 from __future__ import annotations
 
@@ -43,6 +55,8 @@ DTYPE_NAMES = {str(d).split(".")[1]: d for d in STORAGE_DTYPES.values()}
 DEEPSPEED_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.utils.tensor_fragment.fragment_address",
                      "deepspeed.runtime.fp16.loss_scaler.LossScaler",
                      "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler")
+
+
 class Refused(CheckpointError):
     """A file holding a global that no checkpoint file may hold."""
 
