@@ -13,7 +13,7 @@
     moe-plugin convert-checkpoint OLD_CKPT --out NEW_CKPT [--tag TAG]
     moe-plugin upcycle DENSE_CKPT --config ds.json --out MOE_CKPT [--granularity G] [--tag TAG] [--reset-iteration]
     moe-plugin import-hf HF_DIR --config ds.json --out CKPT [--tag TAG] [--dtype float32]
-    moe-plugin export-hf CKPT --out HF_DIR [--arch mixtral|qwen3_moe|qwen2_moe|llama|mistral|qwen3] [--max-shard-size 5GB]
+    moe-plugin export-hf CKPT --out HF_DIR [--arch mixtral|qwen3_moe|qwen2_moe|olmoe|llama|mistral|qwen3] [--max-shard-size 5GB]
     moe-plugin preprocess --input FILE.jsonl --tokenizer HF_DIR --output-prefix P [--json-keys text] [--workers N]
     moe-plugin train-tokenizer --input FILE.jsonl --out HF_DIR [--vocab-size 4096]
     moe-plugin stdlib-jsonl OUT.jsonl [--corpus-bytes N]
@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     up.set_defaults(run=upcycle)
 
-    imp = commands.add_parser("import-hf", help="a Hugging Face model directory (Mixtral, Qwen3-MoE, Qwen2-MoE; "
+    imp = commands.add_parser("import-hf", help="a Hugging Face model directory (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE; "
                               "dense Llama, Mistral, Qwen3) as a checkpoint that loads under any layout")
     imp.add_argument("hf_dir", type=Path, metavar="HF_DIR", help="config.json and model.safetensors (or its index)")
     imp.add_argument("--config", type=Path, required=True, help="the DeepSpeed JSON to train with; its \"moe\" "
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "(transformers' AutoModelForCausalLM loads it)")
     exp.add_argument("checkpoint", type=Path, metavar="CKPT", help="a --save directory (moe_plugin checkpoint)")
     exp.add_argument("--out", type=Path, required=True, help="the directory to write (new or empty)")
-    exp.add_argument("--arch", default=None, help="mixtral, qwen3_moe, qwen2_moe, llama, mistral or qwen3 (default: "
+    exp.add_argument("--arch", default=None, help="mixtral, qwen3_moe, qwen2_moe, olmoe, llama, mistral or qwen3 (default: "
                      "the imported model's, else inferred from the checkpoint)")
     exp.add_argument("--tag", default=None, help="the tag to export (default: the one CKPT/latest names)")
     exp.add_argument("--max-shard-size", default="5GB", help="largest weights file (default 5GB); more are indexed")

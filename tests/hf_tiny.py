@@ -28,6 +28,9 @@ MODELS = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",   # shared expert, QKV bias, unnormalised gates
                   dict(moe_intermediate_size=32, intermediate_size=96, shared_expert_intermediate_size=48,
                        num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=False)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",   # QK-norm over the whole projections, unnormalised gates
+              dict(intermediate_size=32, num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=False,
+                   eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=64, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",   # dense: QK-norm, heads of 32 (not 16), untied
               dict(intermediate_size=64, head_dim=32, tie_word_embeddings=False)),

@@ -191,3 +191,34 @@ def test_llama_style_model_under_every_layout(data_dir):
     assert sorted(mine) == sorted(theirs) and "decoder.layers.0.self_attention.q_layernorm.weight" in mine
     for key, value in theirs.items():   # 8 Adam steps of lr <= 8e-4: layouts round differently, in lr units
         torch.testing.assert_close(mine[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+def test_projection_qk_norm_trains_alike_under_tensor_parallelism(data_dir):
+    """OLMoE's QK-norm (``--qk-layernorm-scope projection``: one RMSNorm over all heads of the query and
+    of the key projection, its mean square summed over TP, its weight split by head) on the Llama-style
+    model: tp2 x ep2, tp2 x ep2 with sequence parallelism and tp2 x pp2 x ep2 give the one-rank run's
+    losses (the gradients flow through the TP all-reduce of the statistic); the tp2 checkpoint exports
+    to the one-rank run's weights, the norm's full [heads x head size] weight joined from both ranks."""
+    from moe_plugin.checkpoint.export import export_checkpoint, load_export
+
+    olmoe = LLAMA + ("--qk-layernorm-scope", "projection")
+    saved = data_dir / "olmoe-tp2-ckpt"
+    layouts = _runs(data_dir, 4, [
+        ("olmoe-tp2-ep2", {"tensor": 2, "expert": 2}, 1, olmoe + ("--save", str(saved)), 1, LLAMA_MOE),
+        ("olmoe-tp2sp-ep2", {"tensor": 2, "expert": 2, "sequence_parallel": True}, 1, olmoe, 1, LLAMA_MOE),
+        ("olmoe-tp2-pp2-ep2", LLAMA_LAYOUTS["tp2-pp2-ep2"][0], 1, olmoe, 1, LLAMA_MOE)])
+    one = _runs(data_dir, 1, [("olmoe-one", {}, 1, olmoe + ("--save", str(data_dir / "olmoe-one-ckpt")), 1,
+                               LLAMA_MOE)])["olmoe-one"]
+    head = _runs(data_dir, 1, [("olmoe-head", {}, 1, LLAMA, 1, LLAMA_MOE)])["olmoe-head"]
+    assert head != pytest.approx(one, rel=1e-4)   # the scope changes the model
+    for name, got in layouts.items():
+        assert got == pytest.approx(one, rel=1e-5), (name, got, one)
+    exports = {}
+    for run, path in (("one", data_dir / "olmoe-one-ckpt"), ("tp2", saved)):
+        export_checkpoint(path, data_dir / f"olmoe-{run}-export", progress=lambda line: None)
+        exports[run] = load_export(data_dir / f"olmoe-{run}-export")
+    mine, theirs = exports["tp2"][0], exports["one"][0]
+    assert mine["decoder.layers.0.self_attention.q_layernorm.weight"].shape == (32,)   # 4 heads of 8
+    assert mine["decoder.layers.0.self_attention.k_layernorm.weight"].shape == (16,)   # 2 groups of 8
+    for key, value in theirs.items():
+        torch.testing.assert_close(mine[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")

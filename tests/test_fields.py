@@ -225,6 +225,8 @@ CASES = [
     Case("--group-query-attention", flags=("--group-query-attention",), label="--group-query-attention (1 group)"),
     Case("--num-query-groups", flags=("--num-query-groups", "2"), ref_flags=("--group-query-attention",)),
     Case("--qk-layernorm", flags=("--qk-layernorm",)),
+    Case("--qk-layernorm-scope", flags=("--qk-layernorm-scope", "projection"),
+         ref_flags=("--qk-layernorm", "--normalization", "RMSNorm")),
     Case("--kv-channels", flags=("--kv-channels", "8")),
     Case("--add-qkv-bias", flags=("--add-qkv-bias",), ref_flags=("--disable-bias-linear",)),
     Case("--router-skew", flags=SKEW),

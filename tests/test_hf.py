@@ -3,7 +3,7 @@
 Tiny random models of every architecture are built with transformers' own classes and saved with
 ``save_pretrained`` (``hf_tiny.py``: Mixtral; Qwen3-MoE with QK-norm, renormalised gates and heads
 of 32 over a hidden size of 64; Qwen2-MoE with its sigmoid-gated shared expert, QKV bias and
-unnormalised gates; a dense tied Llama; a dense untied Qwen3 with QK-norm and heads of 32; a
+unnormalised gates; OLMoE with QK-norm over the whole projections and unnormalised gates; a dense tied Llama; a dense untied Qwen3 with QK-norm and heads of 32; a
 dense untied Mistral without sliding window). Each is imported with the "moe" block holding only
 ``num_experts`` (the rest filled in from config.json), and:
 
@@ -219,7 +219,7 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_pat
     from moe_plugin.interop import export_hf
 
     _root, tokens_BS, cases = imported
-    for name in ("mixtral", "qwen3_moe", "qwen2_moe", "llama", "qwen3", "mistral"):
+    for name in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama", "qwen3", "mistral"):
         out = tmp_path / name
         done = export_hf(cases[name]["ckpt"], out, max_shard_size="100KB", progress=lambda line: None)
         print(f"export-hf {name}: {done['seconds']:.2f} s, {len(done['files'])} files")
@@ -281,6 +281,7 @@ def _nothing_written(path: Path) -> bool:
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama", {"attention_bias": True}, "attention_bias"),
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
 ])
 def test_what_the_plugin_cannot_represent_is_refused_naming_the_key(tmp_path, name, overrides, key):
     from moe_plugin.configs import ConfigError
@@ -338,7 +339,9 @@ def test_export_refuses_what_the_architecture_cannot_express(imported, tmp_path)
     for name, arch, match in (("qwen2_moe", "mixtral", "add_qkv_bias: got True; MixtralForCausalLM cannot express"),
                               ("qwen3_moe", "mixtral", "qk_layernorm: got True; MixtralForCausalLM"),
                               ("mixtral", "qwen2_moe", "moe.shared_expert_ffn_hidden_size: got 0; Qwen2MoeForCausal"),
-                              ("llama-upcycled", "qwen3_moe", "qk_layernorm: got False; Qwen3MoeForCausalLM")):
+                              ("llama-upcycled", "qwen3_moe", "qk_layernorm: got False; Qwen3MoeForCausalLM"),
+                              ("olmoe", "qwen3_moe", "qk_layernorm_scope: got 'projection'; Qwen3MoeForCausalLM"),
+                              ("qwen3_moe", "olmoe", "qk_layernorm_scope: got 'head'; OlmoeForCausalLM")):
         with pytest.raises(ConfigError, match=match):
             export_hf(cases[name]["ckpt"], tmp_path / "out", arch=arch, progress=lambda line: None)
         assert _nothing_written(tmp_path / "out")
@@ -346,8 +349,9 @@ def test_export_refuses_what_the_architecture_cannot_express(imported, tmp_path)
 
 # -- train the imported model with the example, export it ------------------------------------------
 @pytest.mark.slow
-def test_trained_import_exports_to_what_the_plugin_evaluates(imported, tmp_path):
-    """The imported Mixtral trained 2 steps by the example under dp 2 x ep 2, ZeRO-1 (``--load`` the
+@pytest.mark.parametrize("name", ["mixtral", "olmoe"])
+def test_trained_import_exports_to_what_the_plugin_evaluates(imported, tmp_path, name):
+    """The imported Mixtral (and OLMoE) trained 2 steps by the example under dp 2 x ep 2, ZeRO-1 (``--load`` the
     import, ``--async-save``), exported: transformers' logits of the export are the plugin's of the
     saved checkpoint, and the export has the imported model's tokenizer files, config keys and dtype
     (the trained checkpoint carries the import's ``hf`` and ``architecture`` records and files)."""
@@ -359,7 +363,7 @@ def test_trained_import_exports_to_what_the_plugin_evaluates(imported, tmp_path)
     from moe_plugin.interop import export_hf
 
     _root, tokens_BS, cases = imported
-    case = cases["mixtral"]
+    case = cases[name]
     data = [f for f in MODEL_FLAGS[MODEL_FLAGS.index("--corpus-bytes"):]]
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({**_ds(case["moe"], {"expert": 2}, 2), "train_micro_batch_size_per_gpu": 2,

@@ -275,8 +275,8 @@ def _legacy_tag(root: Path, layers: int) -> Path:
     n = 1 << 21
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": None, "accelerator": None,
                 "routers": {}, "megatron_tracker": {}}, tag / "rng" / "rank_00000.pt")
-    state = {f"decoder.layers.{i}.mlp.w": {name: torch.full((n,), float(i)) for name in ("fp32", "exp_avg", "exp_avg_sq")}
-             for i in range(layers)}
+    states = ("fp32", "exp_avg", "exp_avg_sq")
+    state = {f"decoder.layers.{i}.mlp.w": {name: torch.full((n,), float(i)) for name in states} for i in range(layers)}
     torch.save({"names": ["exp_avg", "exp_avg_sq", "fp32"], "scalars": {"step": torch.tensor(1.0)}, "state": state,
                 "options": [{"lr": 1e-3, "betas": (0.9, 0.95)}], "weights_from_master": {k: "float32" for k in state},
                 "weights": {}}, tag / "optimizer" / "dense_pp_00_tp_00.pt")

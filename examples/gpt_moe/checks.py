@@ -128,6 +128,10 @@ def check_architecture(args: argparse.Namespace) -> None:
         raise ConfigError("--kv-channels", args.kv_channels, "expected an integer >= 1 (the size of a head)")
     if not args.norm_epsilon > 0:
         raise ConfigError("--norm-epsilon", args.norm_epsilon, "expected a number > 0 (e.g. 1e-5)")
+    scope = getattr(args, "qk_layernorm_scope", "head")
+    if scope == "projection" and not (args.qk_layernorm and args.normalization == "RMSNorm"):
+        raise ConfigError("--qk-layernorm-scope", scope, "normalises the whole query and key projections with "
+                          "RMSNorm: it needs --qk-layernorm and --normalization RMSNorm")
 
 
 def check_layout(args: argparse.Namespace, moe_config: MoEConfig) -> None:

@@ -116,6 +116,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        "--num-attention-heads and be a multiple of moe.parallel.tensor")
     model.add_argument("--qk-layernorm", action="store_true",
                        help="normalise every query and key head (--normalization) before attention")
+    model.add_argument("--qk-layernorm-scope", choices=["head", "projection"], default="head",
+                       help="with --qk-layernorm: each head on its own (Megatron's, Qwen3's), or every head of the "
+                       "query and of the key projection at once (OLMoE's; RMSNorm)")
     model.add_argument("--kv-channels", type=int, default=None,
                        help="size of an attention head (default: --hidden-size / --num-attention-heads)")
     model.add_argument("--add-qkv-bias", action="store_true",
@@ -337,7 +340,9 @@ def gpt_model_provider(args: argparse.Namespace, vocab_size: int):
 
         config = transformer_config(args, moe_config)
         torch.manual_seed(args.seed)  # every weight follows it: the embedding, an untied output layer draw from
-        spec = gpt_dense_spec(config) if args.dense else gpt_moe_spec(moe_config, config, groups)   # torch's seed
+        scope = args.qk_layernorm_scope   # torch's seed draws the weights
+        spec = (gpt_dense_spec(config, qk_layernorm_scope=scope) if args.dense
+                else gpt_moe_spec(moe_config, config, groups, qk_layernorm_scope=scope))
         model = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
                          share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                          **position_embedding(args))
@@ -369,7 +374,7 @@ def gpt_pipeline_provider(args: argparse.Namespace, vocab_size: int):
             transformer_config(args, moe_config), moe_config, groups, vocab_size=vocab_size,
             max_sequence_length=args.max_position_embeddings, seed=args.seed,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            **position_embedding(args)))
+            qk_layernorm_scope=args.qk_layernorm_scope, **position_embedding(args)))
 
     return provider
 

@@ -183,7 +183,8 @@ def model_description(model: nn.Module) -> dict:
     ``vocab_size``, ``max_sequence_length`` (from the word embedding; a pipeline's first stage),
     ``tied`` (the word embedding and the output layer share their weight), ``position_embedding_type``
     and ``rotary_base`` (``GPTModel``'s and ``GPTPipelineModule``'s attributes, where the model has
-    them). Merged over the ranks by ``merge_descriptions``."""
+    them), ``qk_layernorm_scope`` "projection" where the QK-norm covers whole projections (absent:
+    per head). Merged over the ranks by ``merge_descriptions``."""
     out: dict = {}
     config = getattr(model, "config", None)
     if config is None:
@@ -205,6 +206,8 @@ def model_description(model: nn.Module) -> dict:
         value = _json_value(getattr(model, key, None))
         if value is not None and value is not _SKIP:
             out[key] = value
+    if any(type(m).__name__ == "ProjectionQKNorm" for m in model.modules()):   # (no Megatron import here)
+        out["qk_layernorm_scope"] = "projection"
     return out
 
 
@@ -216,6 +219,9 @@ def architecture_differences(saved: Optional[dict], mine: dict) -> list[str]:
     theirs, ours = saved["transformer_config"], mine["transformer_config"]
     out = [f"{k}: {theirs.get(k)!r} in the checkpoint, {ours.get(k)!r} in the model"
            for k in ARCHITECTURE_KEYS if theirs.get(k) != ours.get(k)]
+    scopes = (saved.get("qk_layernorm_scope", "head"), mine.get("qk_layernorm_scope", "head"))
+    if theirs.get("qk_layernorm") and scopes[0] != scopes[1]:
+        out.append(f"qk_layernorm_scope: {scopes[0]!r} in the checkpoint, {scopes[1]!r} in the model")
     positions = {k: (saved.get(k, default), mine.get(k, default)) for k, default in POSITION_DEFAULTS.items()}
     if "position_embedding_type" not in mine:   # a model of the user's own, without GPTModel's attributes
         return out
@@ -228,7 +234,7 @@ def architecture_differences(saved: Optional[dict], mine: dict) -> list[str]:
 def merge_descriptions(parts: list[dict]) -> dict:
     """One model description from every rank's (``model_description``)."""
     out: dict = {"tied": any(p.get("tied", False) for p in parts)}
-    for key in ("transformer_config", "vocab_size", "max_sequence_length", *POSITION_DEFAULTS):
+    for key in ("transformer_config", "vocab_size", "max_sequence_length", "qk_layernorm_scope", *POSITION_DEFAULTS):
         found = [p[key] for p in parts if key in p]
         if found:
             out[key] = found[0]

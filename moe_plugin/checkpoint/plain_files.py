@@ -62,7 +62,8 @@ class _Encoder:
             return {"@items": [[self.encode(k, f"{where}/{i}k"), self.encode(v, f"{where}/{i}")]
                                for i, (k, v) in enumerate(value.items())]}
         if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
-            wide = value.astype("int64") if value.dtype.kind in "iub" and str(value.dtype) not in _DTYPE_NAMES else value
+            kept = value.dtype.kind not in "iub" or str(value.dtype) in _DTYPE_NAMES
+            wide = value if kept else value.astype("int64")
             self.tensors[where] = torch.from_numpy(wide.copy())
             return {"@ndarray": where, "dtype": str(value.dtype)}
         raise CheckpointError(f"{self.path}: {where or '/'} is a {type(value).__module__}.{type(value).__qualname__}, "

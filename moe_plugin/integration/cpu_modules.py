@@ -19,6 +19,9 @@ tensor-parallel rank, hn head dim, hp = np * hn.
   weight replicated over TP, so the true gradient is the sum over TP: its parameters are marked
   ``sequence_parallel`` whatever ``config.sequence_parallel`` says, which makes the plugin's
   hooks (``sp_grads``) sum them (Megatron's ``finalize_model_grads`` sums them by name).
+* ``ProjectionQKNorm``: RMSNorm over a whole query or key projection (all heads at once, OLMoE's
+  QK-norm; ``--qk-layernorm-scope projection``), its statistic summed over TP, its weight split
+  over TP by head.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ import contextlib
 import math
 from typing import Optional
 
+import torch
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -134,3 +139,43 @@ class TorchQKNorm:
         for param in norm.parameters():
             param.sequence_parallel = True
         return norm
+
+
+class ProjectionQKNorm(nn.Module):
+    """RMSNorm over a whole query or key projection -- every head at once, as OLMoE's ``q_norm`` /
+    ``k_norm`` are -- instead of each head (``--qk-layernorm-scope projection``). Input [sq, b, n, hn]
+    (this TP rank's n heads). The mean square is over all heads of the layer: each rank sums its
+    own heads' squares and the sum is all-reduced over TP (an autograd all-reduce: the gradient
+    flows to every rank's heads); fewer query groups than TP ranks (a key head held by several
+    ranks) is refused. The weight [n * hn] is this rank's heads' slice of the full [N * hn],
+    a tensor-parallel parameter split on dim 0 (checkpoints, export and resharding cut it so).
+    ``which``: ``"query"`` or ``"key"``."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, which: str = "query",
+                 **_unused):
+        super().__init__()
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+        if config.normalization != "RMSNorm":
+            raise NotImplementedError(f"--qk-layernorm-scope projection is an RMSNorm; got normalization "
+                                      f"{config.normalization!r}")
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        heads = config.num_attention_heads
+        if which == "key":
+            heads = config.num_query_groups or heads
+        if which == "key" and heads < tp:
+            raise NotImplementedError(f"--qk-layernorm-scope projection needs at least as many query groups as "
+                                      f"tensor-parallel ranks; got {heads} groups on tp {tp}")
+        self.eps, self.total = eps, heads * hidden_size
+        self.group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+        self.weight = nn.Parameter(torch.ones(heads // tp * hidden_size))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype, x32 = x.dtype, x.float()
+        squares = x32.pow(2).sum(dim=(-2, -1), keepdim=True)
+        if self.group is not None:
+            squares = dist_nn.all_reduce(squares, group=self.group)
+        normed = x32 * torch.rsqrt(squares / self.total + self.eps)
+        return (normed * self.weight.float().view(x.shape[-2], x.shape[-1])).to(dtype)

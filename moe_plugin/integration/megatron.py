@@ -47,7 +47,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from moe_plugin.compat.megatron_layer import BuildSpec, check_layer_number, global_layer_index
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.groups.process_groups import ProcessGroups
-from moe_plugin.integration.cpu_modules import SDPAttention, TorchNorm, TorchQKNorm
+from moe_plugin.integration.cpu_modules import ProjectionQKNorm, SDPAttention, TorchNorm, TorchQKNorm
 from moe_plugin.integration.seeding import layer_seed, resolve_seed, seed_megatron_rng, seeded
 from moe_plugin.layers.moe_layer import MoELayer
 
@@ -300,34 +300,46 @@ def on_cpu() -> bool:
 
 def gpt_moe_spec(moe_config: MoEConfig, config: TransformerConfig, groups: Optional[ProcessGroups] = None, *,
                  seed: Optional[int] = None, cpu: Optional[bool] = None, vp_stage: Optional[int] = None,
-                 pp_rank: Optional[int] = None,
-                 placements: Optional[Mapping[int, Sequence[int]]] = None) -> TransformerBlockSubmodules:
+                 pp_rank: Optional[int] = None, placements: Optional[Mapping[int, Sequence[int]]] = None,
+                 qk_layernorm_scope: str = "head") -> TransformerBlockSubmodules:
     """The block spec of this pipeline stage: Megatron's dense local GPT layer spec (norm and
     qk-layernorm from ``config``) with MoE MLPs where ``moe_config`` says, CPU-friendly when
     ``cpu`` (default: when DeepSpeed's accelerator is the CPU; Megatron's attention stays on GPUs,
     its torch norm, which refuses sequence parallelism, becomes ``TorchNorm`` everywhere).
     ``placements``: {global layer index: slots} of MoE layers built with their experts placed.
     ``seed``: every layer's weights come from it and the layer's global index, on any pipeline
-    stage (``seeding``); default ``torch.initial_seed()``, the seed the user gave torch."""
+    stage (``seeding``); default ``torch.initial_seed()``, the seed the user gave torch.
+    ``qk_layernorm_scope`` (with ``config.qk_layernorm``): ``"head"`` (Megatron's: each head, Qwen3's)
+    or ``"projection"`` (every head of the query / key projection at once, OLMoE's: ``ProjectionQKNorm``)."""
     check_against_model(moe_config, config)
-    spec = moe_layer_spec(_local_block_spec(config, vp_stage, pp_rank), moe_config, groups, seed=seed,
-                          placements=placements)
+    spec = moe_layer_spec(_local_block_spec(config, vp_stage, pp_rank, qk_layernorm_scope), moe_config, groups,
+                          seed=seed, placements=placements)
     return cpu_friendly_spec(spec) if (on_cpu() if cpu is None else cpu) else _swap(spec, NORM_SWAPS)
 
 
 def gpt_dense_spec(config: TransformerConfig, *, cpu: Optional[bool] = None, vp_stage: Optional[int] = None,
-                   pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+                   pp_rank: Optional[int] = None, qk_layernorm_scope: str = "head") -> TransformerBlockSubmodules:
     """``gpt_moe_spec`` without the MoE layers: Megatron's dense MLP on every layer, the same
     attention, norms and CPU swaps. The dense baseline of a comparison (``--dense`` in the example)."""
-    spec = _local_block_spec(config, vp_stage, pp_rank)
+    spec = _local_block_spec(config, vp_stage, pp_rank, qk_layernorm_scope)
     return cpu_friendly_spec(spec) if (on_cpu() if cpu is None else cpu) else _swap(spec, NORM_SWAPS)
 
 
-def _local_block_spec(config: TransformerConfig, vp_stage: Optional[int], pp_rank: Optional[int]):
+QK_LAYERNORM_SCOPES = ("head", "projection")
+
+
+def _local_block_spec(config: TransformerConfig, vp_stage: Optional[int], pp_rank: Optional[int],
+                      qk_layernorm_scope: str = "head"):
+    if qk_layernorm_scope not in QK_LAYERNORM_SCOPES:
+        raise ConfigError("qk_layernorm_scope", qk_layernorm_scope, f"expected one of {list(QK_LAYERNORM_SCOPES)}")
     base = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
     if config.qk_layernorm:   # summed over TP, which the plugin's training loop needs (cpu_modules)
         attention = base.submodules.self_attention
-        qk = dataclasses.replace(attention.submodules, q_layernorm=TorchQKNorm, k_layernorm=TorchQKNorm)
+        if qk_layernorm_scope == "projection":
+            q, k = (ModuleSpec(module=ProjectionQKNorm, params={"which": w}) for w in ("query", "key"))
+        else:
+            q = k = TorchQKNorm
+        qk = dataclasses.replace(attention.submodules, q_layernorm=q, k_layernorm=k)
         base = dataclasses.replace(base, submodules=dataclasses.replace(
             base.submodules, self_attention=dataclasses.replace(attention, submodules=qk)))
     return as_block_spec(base, config, vp_stage=vp_stage, pp_rank=pp_rank)

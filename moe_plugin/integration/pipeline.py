@@ -245,7 +245,7 @@ def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups
                         share_embeddings_and_output_weights: bool = False,
                         position_embedding_type: str = "learned_absolute", rotary_base: float = 10000,
                         cpu: Optional[bool] = None, placements: Optional[Mapping[int, Sequence[int]]] = None,
-                        **pipeline_kwargs: Any) -> GPTPipelineModule:
+                        qk_layernorm_scope: str = "head", **pipeline_kwargs: Any) -> GPTPipelineModule:
     """This rank's stage of a GPT with MoE layers, as a DeepSpeed ``PipelineModule`` (see the
     module docstring). Collective: every rank calls it (DeepSpeed creates its grid's groups).
 
@@ -283,7 +283,8 @@ def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups
     # Specs are pure descriptions: the layer spec is the same for every layer, the final norm's is
     # the block's (taken from a stage that has layers: Megatron's list has one spec per layer).
     with_layers = next(s for s, r in enumerate(ranges) if len(r))
-    block = gpt_moe_spec(moe_config, config, groups, seed=seed, cpu=cpu, pp_rank=with_layers, placements=placements)
+    block = gpt_moe_spec(moe_config, config, groups, seed=seed, cpu=cpu, pp_rank=with_layers, placements=placements,
+                         qk_layernorm_scope=qk_layernorm_scope)
     layer_spec, norm_spec = block.layer_specs[0], block.layer_norm
     num = config.num_layers
     tied = share_embeddings_and_output_weights

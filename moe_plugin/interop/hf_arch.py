@@ -17,6 +17,10 @@ attention. The router semantics per family (transformers 5.24):
     qwen3_moe   softmax, top-k, renormalised iff norm_topk_prob; QK-norm (RMSNorm per head)
     qwen2_moe   softmax, top-k, renormalised iff norm_topk_prob; shared expert (SwiGLU) scaled by
                 sigmoid(shared_expert_gate(x)); QKV bias (qkv_bias, default true)
+    olmoe       softmax, top-k, renormalised iff norm_topk_prob (default false); every layer MoE;
+                QK-norm as one RMSNorm over the whole query and key projections (all heads at once:
+                ``qk_layernorm_scope`` "projection", the example's ``--qk-layernorm-scope projection``);
+                clip_qkv refused
     llama, mistral, qwen3   dense (upcycling); qwen3 with QK-norm
 
 The router choice, capacity and gates map onto the ``"moe"`` block as router ``topk``,
@@ -32,9 +36,11 @@ from typing import Any, Optional
 from moe_plugin.configs import ConfigError
 from moe_plugin.data.hf_tokenizer import HF_EXTRA
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
-MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe")
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "llama": "LlamaForCausalLM",
+                 "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+# families whose experts are sized by intermediate_size (no dense MLP of another size)
+EXPERTS_BY_INTERMEDIATE = ("mixtral", "olmoe")
 # Keys of models the plugin has no layer for (multi-latent attention, DeepSeek-style routing).
 UNSUPPORTED_KEYS = ("kv_lora_rank", "q_lora_rank", "n_group", "topk_group", "routed_scaling_factor")
 
@@ -68,6 +74,7 @@ class HFArchitecture:
     qkv_bias: bool
     qk_layernorm: bool
     dtype: str
+    qk_layernorm_scope: str = "head"   # "projection": one RMSNorm over all heads of q / of k (OLMoE)
     moe_layers: tuple[int, ...] = ()
     num_experts: int = 0
     top_k: int = 0
@@ -101,7 +108,7 @@ class HFArchitecture:
             "gate_scale": (1.0, "the router (gates are not scaled)"),
             "group_topk": (None, "the router (no group limit)"),
             "activation": ("swiglu", "hidden_act (silu, gated)"),
-            "ffn_hidden_size": (self.expert_ffn_hidden_size, "intermediate_size" if t == "mixtral"
+            "ffn_hidden_size": (self.expert_ffn_hidden_size, "intermediate_size" if t in EXPERTS_BY_INTERMEDIATE
                                 else "moe_intermediate_size"),
             "shared_expert_ffn_hidden_size": (self.shared_ffn_hidden_size, "shared_expert_intermediate_size"
                                               if t == "qwen2_moe" else "(no shared expert)"),
@@ -125,7 +132,10 @@ class HFArchitecture:
 
     def model_fields(self) -> dict:
         """``GPTModel``'s own arguments: position embedding, RoPE base, tied embeddings."""
-        return {"position_embedding_type": "rope", "rotary_base": self.rotary_base, "tied": self.tied}
+        out = {"position_embedding_type": "rope", "rotary_base": self.rotary_base, "tied": self.tied}
+        if self.qk_layernorm_scope != "head":
+            out["qk_layernorm_scope"] = self.qk_layernorm_scope
+        return out
 
     def example_flags(self) -> list[str]:
         """examples/gpt_moe/pretrain_gpt_moe.py flags that build this model (Megatron-LM's names)."""
@@ -142,6 +152,8 @@ class HFArchitecture:
             flags.append("--add-qkv-bias")
         if self.qk_layernorm:
             flags.append("--qk-layernorm")
+        if self.qk_layernorm_scope != "head":
+            flags += ["--qk-layernorm-scope", self.qk_layernorm_scope]
         if not self.tied:
             flags.append("--untie-embeddings-and-output-weights")
         if not self.is_moe:
@@ -212,6 +224,8 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
                      "has QKV biases only, Megatron's add_qkv_bias)")
     if getattr(cfg, "mlp_bias", False):
         raise refuse("mlp_bias", True, "MLP biases (the plugin's experts have none)")
+    if getattr(cfg, "clip_qkv", None) is not None:
+        raise refuse("clip_qkv", cfg.clip_qkv, "clamping the query/key/value projections")
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32"
@@ -221,12 +235,14 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
                   max_position_embeddings=cfg.max_position_embeddings, norm_epsilon=float(cfg.rms_norm_eps),
                   rotary_base=float(theta), tied=bool(getattr(cfg, "tie_word_embeddings", False)),
                   qkv_bias=t == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True)),
-                  qk_layernorm=t in ("qwen3", "qwen3_moe"), dtype=str(dtype).replace("torch.", ""),
-                  config=cfg.to_dict())
+                  qk_layernorm=t in ("qwen3", "qwen3_moe", "olmoe"), dtype=str(dtype).replace("torch.", ""),
+                  qk_layernorm_scope="projection" if t == "olmoe" else "head", config=cfg.to_dict())
     if t not in MOE_TYPES:
         return HFArchitecture(**common)
     if t == "mixtral":
         experts, layers, normalize = cfg.num_local_experts, tuple(range(cfg.num_hidden_layers)), True
+    elif t == "olmoe":
+        experts, layers, normalize = cfg.num_experts, tuple(range(cfg.num_hidden_layers)), bool(cfg.norm_topk_prob)
     else:
         experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts")
         skip = set(getattr(cfg, "mlp_only_layers", None) or [])
@@ -238,6 +254,6 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
     shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0) if t == "qwen2_moe" else 0
     return HFArchitecture(**common, moe_layers=layers, num_experts=int(experts), top_k=int(cfg.num_experts_per_tok),
                           normalize_gates=normalize,
-                          expert_ffn_hidden_size=int(cfg.intermediate_size if t == "mixtral" else
+                          expert_ffn_hidden_size=int(cfg.intermediate_size if t in EXPERTS_BY_INTERMEDIATE else
                                                      cfg.moe_intermediate_size),
                           shared_ffn_hidden_size=shared, shared_gate=shared > 0)

@@ -47,7 +47,7 @@ from moe_plugin.checkpoint.trust import trust_argument
 logger = logging.getLogger(__name__)
 
 CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig",
-                  "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen3": "Qwen3Config"}
+                  "olmoe": "OlmoeConfig", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen3": "Qwen3Config"}
 DEFAULT_SHARD = "5GB"
 
 
@@ -122,6 +122,8 @@ def _model_type(arch: Optional[str], meta: dict, state: list[str]) -> str:
         return "qwen3" if qk else "llama"
     if any(".mlp.shared_expert." in k for k in state):
         return "qwen2_moe"
+    if qk and meta.get("model", {}).get("qk_layernorm_scope") == "projection":
+        return "olmoe"
     return "qwen3_moe" if qk else "mixtral"
 
 
@@ -156,9 +158,14 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
     if tc.get("add_bias_linear", True):
         raise refuse("add_bias_linear", True, "no linear biases (--disable-bias-linear)")
     qk = bool(tc.get("qk_layernorm"))
-    wants_qk = model_type in ("qwen3", "qwen3_moe")
+    wants_qk = model_type in ("qwen3", "qwen3_moe", "olmoe")
     if qk != wants_qk:
         raise refuse("qk_layernorm", qk, "QK-norm on every layer" if wants_qk else "no QK-norm")
+    scope = model.get("qk_layernorm_scope", "head") if qk else "head"
+    wants_scope = "projection" if model_type == "olmoe" else "head"
+    if qk and scope != wants_scope:
+        what = "each whole projection" if wants_scope == "projection" else "each head"
+        raise refuse("qk_layernorm_scope", scope, f"QK-norm over {what} (--qk-layernorm-scope {wants_scope})")
     qkv_bias = bool(tc.get("add_qkv_bias"))
     if qkv_bias and model_type != "qwen2_moe":
         raise refuse("add_qkv_bias", True, "no QKV biases (Qwen2-MoE has them)")
@@ -170,7 +177,7 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         if bias:
             raise refuse(bias[0], "non-zero", "routers without an expert bias (the aux-loss-free bias chose the "
                          "experts in training)")
-        if model_type == "mixtral" and len(moe_layers) != num_layers:
+        if model_type in ("mixtral", "olmoe") and len(moe_layers) != num_layers:
             dense = [i for i in range(num_layers) if i not in moe_layers]
             raise refuse("moe.layers", moe.get("layers") or f"layer_interval {moe.get('layer_interval')}",
                          f"an MoE MLP on every layer (dense layers {dense})")
@@ -185,7 +192,7 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
                            name)
     elif moe_layers:
         raise refuse("moe.layers", moe.get("layers") or moe.get("layer_interval"), "a dense model (the checkpoint "
-                     "has MoE layers: --arch mixtral, qwen3_moe or qwen2_moe)")
+                     "has MoE layers: --arch mixtral, qwen3_moe, qwen2_moe or olmoe)")
     heads = int(tc["num_attention_heads"])
     E = int(moe["num_experts"]) if moe_layers else 0
     first_moe = moe_layers[0] if moe_layers else None
@@ -202,7 +209,7 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         max_position_embeddings=max(int(model.get("max_sequence_length", 4096)),
                                     int((meta.get("hf", {}).get("config") or {}).get("max_position_embeddings", 0))),
         norm_epsilon=float(tc.get("layernorm_epsilon", 1e-5)), rotary_base=float(model["rotary_base"]),
-        tied=bool(model.get("tied", False)), qkv_bias=model_type == "qwen2_moe", qk_layernorm=qk,
+        tied=bool(model.get("tied", False)), qkv_bias=model_type == "qwen2_moe", qk_layernorm=qk, qk_layernorm_scope=scope,
         dtype=meta.get("hf", {}).get("dtype", "float32"), moe_layers=moe_layers, num_experts=E,
         top_k=int(moe.get("top_k") or 0), normalize_gates=bool(moe.get("normalize_gates", True)),
         expert_ffn_hidden_size=expert_ffn, shared_ffn_hidden_size=shared_ffn, shared_gate=shared_ffn > 0,
@@ -269,6 +276,10 @@ def hf_config(transformers: Any, arch: HFArchitecture, meta: dict, dtype: str) -
     if t == "mixtral":
         fields.update(num_local_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
                       intermediate_size=arch.expert_ffn_hidden_size, sliding_window=None, router_jitter_noise=0.0)
+    elif t == "olmoe":
+        fields.update(num_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
+                      intermediate_size=arch.expert_ffn_hidden_size, norm_topk_prob=arch.normalize_gates,
+                      clip_qkv=None, attention_bias=False)
     elif t in ("qwen3_moe", "qwen2_moe"):
         dense = [i for i in range(arch.num_layers) if i not in arch.moe_layers]
         fields.update(num_experts=arch.num_experts, num_experts_per_tok=arch.top_k,

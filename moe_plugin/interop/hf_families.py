@@ -13,7 +13,8 @@ bit-identical.
         (and .bias with QKV bias)                         [G * (Q/G + 2) * D, H]: per query group g, its
                                                           Q/G query heads, then its key, then its value head
     model.layers.N.self_attn.o_proj.weight            ...self_attention.linear_proj.weight
-    model.layers.N.self_attn.{q,k}_norm.weight        ...self_attention.{q,k}_layernorm.weight
+    model.layers.N.self_attn.{q,k}_norm.weight        ...self_attention.{q,k}_layernorm.weight ([D] per head;
+                                                      OLMoE's [heads*D] over the whole projection)
     model.layers.N.post_attention_layernorm.weight    ...pre_mlp_layernorm.weight
     model.layers.N.mlp.{gate,up,down}_proj.weight     ...mlp.linear_fc1.weight [2F, H] (gate rows, then up),
                                                       ...mlp.linear_fc2.weight [H, F]
@@ -27,7 +28,7 @@ bit-identical.
     lm_head.weight (untied)                           output_layer.weight
 
 Mixtral's MoE block is ``block_sparse_moe`` with experts ``w1`` (gate), ``w3`` (up), ``w2`` (down);
-Qwen's is ``mlp`` with ``gate_proj``, ``up_proj``, ``down_proj``. The plugin's own entries
+Qwen's and OLMoE's is ``mlp`` with ``gate_proj``, ``up_proj``, ``down_proj``. The plugin's own entries
 (``router.expert_bias`` zeros, ``experts.placement`` the identity, Megatron linears' ``_extra_state``)
 have no HF tensor.
 """
@@ -58,6 +59,7 @@ FAMILIES = {
     "mixtral": Family("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": Family("mlp", DENSE_MLP),
     "qwen2_moe": Family("mlp", DENSE_MLP, shared=DENSE_MLP, shared_gate="shared_expert_gate"),
+    "olmoe": Family("mlp", DENSE_MLP),
 }
 # Megatron's linear layers carry a (None) ``_extra_state`` entry in their state dict.
 EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")

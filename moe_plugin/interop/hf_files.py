@@ -40,7 +40,8 @@ class HFWeights:
         self._files: dict[str, Any] = {}
         self._where: dict[str, str] = {}
         if not os.path.isfile(single) and not os.path.isfile(index):
-            pickled = [os.path.join(hf_dir, n) for n in (PICKLED_INDEX, PICKLED) if os.path.isfile(os.path.join(hf_dir, n))]
+            pickled = [os.path.join(hf_dir, n) for n in (PICKLED_INDEX, PICKLED)
+                       if os.path.isfile(os.path.join(hf_dir, n))]
             if pickled:
                 single, index, reader = pickled_weights(pickled[0])
         if os.path.isfile(index):
