@@ -31,6 +31,12 @@ MODELS = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",   # QK-norm over the whole projections, unnormalised gates
               dict(intermediate_size=32, num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=False,
                    eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",   # sigmoid + correction bias, 2 of 4 groups, scaled gates,
+                 dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=EXPERTS,   # a dense layer 0,
+                      num_experts_per_tok=TOP_K, n_shared_experts=1, n_group=4, topk_group=2,      # a shared expert,
+                      routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,     # QKV bias, QK-norm,
+                      attention_bias=True, use_qk_norm=True,                                       # half the head rotated
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=64, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",   # dense: QK-norm, heads of 32 (not 16), untied
               dict(intermediate_size=64, head_dim=32, tie_word_embeddings=False)),
@@ -51,6 +57,9 @@ def save_tiny_model(name: str, path: str, seed: int = 0, dtype: torch.dtype = to
 
     torch.manual_seed(seed)
     model = getattr(transformers, MODELS[name][1])(tiny_config(name, **overrides))
+    for module in model.modules():   # GLM-4.5's routers: a correction bias that changes choices (it starts at 0)
+        if hasattr(module, "e_score_correction_bias"):
+            module.e_score_correction_bias.copy_(torch.randn(module.e_score_correction_bias.shape) * 0.1)
     model.to(dtype).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path

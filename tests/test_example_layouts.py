@@ -222,3 +222,25 @@ def test_projection_qk_norm_trains_alike_under_tensor_parallelism(data_dir):
     assert mine["decoder.layers.0.self_attention.k_layernorm.weight"].shape == (16,)   # 2 groups of 8
     for key, value in theirs.items():
         torch.testing.assert_close(mine[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+# GLM-4.5's shape on the Llama-style model: half of each head rotated, QKV biases, a dense first layer,
+# sigmoid scores with DeepSeek's group-limited choice (2 of 4 groups), scaled gates, an ungated shared expert
+GLM = LLAMA + ("--rotary-percent", "0.5", "--add-qkv-bias")
+GLM_MOE = {"num_experts": 8, "router": "topk", "top_k": 2, "score_function": "sigmoid", "router_groups": 4,
+           "group_topk": 2, "gate_scale": 2.5, "shared_expert_ffn_hidden_size": 32, "drop_tokens": False,
+           "activation": "swiglu", "layers": [1], "bias_update_rate": 0.01}
+
+
+def test_glm_style_model_trains_alike_under_every_layout(data_dir):
+    """The GLM-4.5-shaped model gives the one-rank losses under tp2 x ep2 (ZeRO-1) and pp2 x ep2
+    (ZeRO-0: the first stage holds the dense layer only, and takes DeepSpeed's MoE code paths like the
+    other: ``expert_params.mark_every_stage``), the aux-loss-free bias moving every step."""
+    layouts = _runs(data_dir, 4, [
+        ("glm-tp2-ep2", {"tensor": 2, "expert": 2}, 1, GLM, 1, GLM_MOE),
+        ("glm-pp2-ep2", {"pipeline": 2, "expert": 2}, 0, GLM, 1, GLM_MOE)])
+    one = _runs(data_dir, 1, [("glm-one", {}, 1, GLM, 1, GLM_MOE)])["glm-one"]
+    full = _runs(data_dir, 1, [("glm-full-rotary", {}, 1, LLAMA + ("--add-qkv-bias",), 1, GLM_MOE)])["glm-full-rotary"]
+    assert full != pytest.approx(one, rel=1e-4)   # --rotary-percent changes the model
+    for name, got in layouts.items():
+        assert got == pytest.approx(one, rel=1e-5), (name, got, one)

@@ -3,7 +3,9 @@
 Tiny random models of every architecture are built with transformers' own classes and saved with
 ``save_pretrained`` (``hf_tiny.py``: Mixtral; Qwen3-MoE with QK-norm, renormalised gates and heads
 of 32 over a hidden size of 64; Qwen2-MoE with its sigmoid-gated shared expert, QKV bias and
-unnormalised gates; OLMoE with QK-norm over the whole projections and unnormalised gates; a dense tied Llama; a dense untied Qwen3 with QK-norm and heads of 32; a
+unnormalised gates; OLMoE with QK-norm over the whole projections and unnormalised gates; GLM-4.5 with
+sigmoid scores, a non-zero correction bias, 2 of 4 groups, scaled gates, a dense first layer, an
+ungated shared expert, QKV bias, QK-norm and half the head rotated; a dense tied Llama; a dense untied Qwen3 with QK-norm and heads of 32; a
 dense untied Mistral without sliding window). Each is imported with the "moe" block holding only
 ``num_experts`` (the rest filled in from config.json), and:
 
@@ -219,7 +221,7 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_pat
     from moe_plugin.interop import export_hf
 
     _root, tokens_BS, cases = imported
-    for name in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama", "qwen3", "mistral"):
+    for name in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "llama", "qwen3", "mistral"):
         out = tmp_path / name
         done = export_hf(cases[name]["ckpt"], out, max_shard_size="100KB", progress=lambda line: None)
         print(f"export-hf {name}: {done['seconds']:.2f} s, {len(done['files'])} files")
@@ -293,6 +295,31 @@ def test_what_the_plugin_cannot_represent_is_refused_naming_the_key(tmp_path, na
     assert _nothing_written(tmp_path / "ckpt")
 
 
+def test_glm_multi_token_prediction_layers_are_left_out_naming_them(imported, tmp_path):
+    """A GLM-4.5 directory as the hub holds it: the multi-token-prediction layer's tensors
+    (``model.layers.N`` past ``num_hidden_layers``, which transformers ignores) are left out with a
+    line; the checkpoint is the one without them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moe_plugin.checkpoint.export import CheckpointSource
+    from moe_plugin.interop import import_hf
+
+    _root, _tokens, cases = imported
+    hf = tmp_path / "glm-mtp"
+    shutil.copytree(cases["glm4_moe"]["hf"], hf)
+    tensors = load_file(str(hf / "model.safetensors"))
+    tensors.update({"model.layers.2.eh_proj.weight": torch.ones(64, 128), "model.layers.2.enorm.weight": torch.ones(64)})
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    lines = []
+    import_hf(hf, {"moe": {"num_experts": EXPERTS}}, tmp_path / "ckpt", progress=lines.append)
+    assert any("left out 2 tensors of layers [2], the multi-token-prediction layers" in line for line in lines), lines
+    ours, theirs = CheckpointSource(tmp_path / "ckpt"), CheckpointSource(cases["glm4_moe"]["ckpt"])
+    assert sorted(ours.specs()) == sorted(theirs.specs())
+    assert all(torch.equal(ours.read(k), theirs.read(k)) for k in ours.specs())
+
+
 def test_unknown_model_type_and_left_over_tensor_are_refused(imported, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -341,7 +368,10 @@ def test_export_refuses_what_the_architecture_cannot_express(imported, tmp_path)
                               ("mixtral", "qwen2_moe", "moe.shared_expert_ffn_hidden_size: got 0; Qwen2MoeForCausal"),
                               ("llama-upcycled", "qwen3_moe", "qk_layernorm: got False; Qwen3MoeForCausalLM"),
                               ("olmoe", "qwen3_moe", "qk_layernorm_scope: got 'projection'; Qwen3MoeForCausalLM"),
-                              ("qwen3_moe", "olmoe", "qk_layernorm_scope: got 'head'; OlmoeForCausalLM")):
+                              ("qwen3_moe", "olmoe", "qk_layernorm_scope: got 'head'; OlmoeForCausalLM"),
+                              ("glm4_moe", "qwen2_moe", "qk_layernorm: got True; Qwen2MoeForCausalLM"),
+                              ("glm4_moe", "mixtral", "qk_layernorm: got True; MixtralForCausalLM"),
+                              ("qwen2_moe", "glm4_moe", "moe.score_function: got .*; Glm4MoeForCausalLM")):
         with pytest.raises(ConfigError, match=match):
             export_hf(cases[name]["ckpt"], tmp_path / "out", arch=arch, progress=lambda line: None)
         assert _nothing_written(tmp_path / "out")
@@ -349,7 +379,7 @@ def test_export_refuses_what_the_architecture_cannot_express(imported, tmp_path)
 
 # -- train the imported model with the example, export it ------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "olmoe"])
+@pytest.mark.parametrize("name", ["mixtral", "olmoe", "glm4_moe"])
 def test_trained_import_exports_to_what_the_plugin_evaluates(imported, tmp_path, name):
     """The imported Mixtral (and OLMoE) trained 2 steps by the example under dp 2 x ep 2, ZeRO-1 (``--load`` the
     import, ``--async-save``), exported: transformers' logits of the export are the plugin's of the

@@ -124,6 +124,12 @@ def check_architecture(args: argparse.Namespace) -> None:
                           f"{args.position_embedding_type})")
     if args.rotary_base is not None and not args.rotary_base > 1:
         raise ConfigError("--rotary-base", args.rotary_base, "expected a base period > 1 (e.g. 10000)")
+    percent = getattr(args, "rotary_percent", None)
+    if percent is not None and args.position_embedding_type != "rope":
+        raise ConfigError("--rotary-percent", percent, f"needs --position-embedding-type rope (it is "
+                          f"{args.position_embedding_type})")
+    if percent is not None and not 0 < percent <= 1:
+        raise ConfigError("--rotary-percent", percent, "expected a share of the head's dimensions in (0, 1]")
     if args.kv_channels is not None and args.kv_channels < 1:
         raise ConfigError("--kv-channels", args.kv_channels, "expected an integer >= 1 (the size of a head)")
     if not args.norm_epsilon > 0:

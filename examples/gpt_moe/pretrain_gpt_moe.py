@@ -106,6 +106,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="learned absolute position embeddings, or rotary embeddings applied to queries and keys")
     model.add_argument("--rotary-base", type=float, default=None, help="RoPE's base period (default 10000; "
                        "needs --position-embedding-type rope)")
+    model.add_argument("--rotary-percent", type=float, default=None, help="the share of each head's dimensions "
+                       "RoPE rotates, the first ones (default 1.0; GLM-4.5: 0.5; needs --position-embedding-type rope)")
     model.add_argument("--swiglu", action="store_true",
                        help="gated SiLU dense MLPs (gated_linear_unit, activation silu); the experts' activation is "
                        "moe.activation of the JSON (\"swiglu\")")
@@ -219,7 +221,8 @@ def model_architecture(args: argparse.Namespace) -> dict:
 def position_embedding(args: argparse.Namespace) -> dict:
     """``GPTModel``'s (and ``gpt_pipeline_module``'s) position arguments from the flags."""
     return dict(position_embedding_type=args.position_embedding_type,
-                rotary_base=10000 if args.rotary_base is None else args.rotary_base)
+                rotary_base=10000 if args.rotary_base is None else args.rotary_base,
+                rotary_percent=1.0 if args.rotary_percent is None else args.rotary_percent)
 
 
 # --- 2. data -------------------------------------------------------------------------------------

@@ -2,17 +2,19 @@
 
     export_checkpoint("ckpt", "exported")            # or: moe-plugin export ckpt --out exported
     state, config = load_export("exported")
-    model = GPTModel(exported_transformer_config(config), gpt_moe_spec(exported_moe_config(config), ...),
+    model = GPTModel(exported_transformer_config(config), gpt_moe_spec(exported_moe_config(config), ...,
+                                                                        qk_layernorm_scope=config["qk_layernorm_scope"]),
                      vocab_size=config["vocab_size"], max_sequence_length=config["max_sequence_length"],
                      share_embeddings_and_output_weights=config["share_embeddings_and_output_weights"],
-                     position_embedding_type=config["position_embedding_type"], rotary_base=config["rotary_base"])
+                     position_embedding_type=config["position_embedding_type"], rotary_base=config["rotary_base"],
+                     rotary_percent=config["rotary_percent"])
     model.load_state_dict(state)                     # under a 1-rank layout: every parallel size 1
 
 Written into ``out_dir``: ``model.safetensors`` (every tensor of the ``GPTModel``'s state dict,
 floating point ones as fp32) and ``config.json`` (``transformer_config``: the TransformerConfig
 fields JSON can hold, parallel sizes set to 1; ``vocab_size``; ``max_sequence_length``;
-``share_embeddings_and_output_weights``; ``position_embedding_type`` and ``rotary_base`` (GPTModel's
-arguments); the ``moe`` block with parallel sizes 1; ``source``: the
+``share_embeddings_and_output_weights``; ``position_embedding_type``, ``rotary_base`` and
+``rotary_percent`` (GPTModel's arguments); ``qk_layernorm_scope`` (``gpt_moe_spec``'s); the ``moe`` block with parallel sizes 1; ``source``: the
 checkpoint, tag, step and saved layout).
 
 How: every file is first checked against the checksums the save recorded. Then tensor by tensor
@@ -283,7 +285,8 @@ def export_config(meta: dict, path: str) -> dict:
             "transformer_config": {**model["transformer_config"], **ONE_RANK},
             "vocab_size": model["vocab_size"], "max_sequence_length": model["max_sequence_length"],
             "share_embeddings_and_output_weights": bool(model.get("tied", False)),
-            **{k: model.get(k, default) for k, default in POSITION_DEFAULTS.items()}, "moe": moe,
+            **{k: model.get(k, default) for k, default in POSITION_DEFAULTS.items()},
+            "qk_layernorm_scope": model.get("qk_layernorm_scope", "head"), "moe": moe,
             "source": {"checkpoint": path, "tag": meta["tag"], "global_steps": meta["global_steps"],
                        "layout": meta["layout"], "zero_stage": meta["zero_stage"]}}
 

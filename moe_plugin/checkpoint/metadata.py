@@ -43,7 +43,7 @@ SINCE_DEFAULTS = {"score_function": "softmax", "gate_scale": 1.0}
 # position key (saved before it was recorded) counts as GPTModel's default.
 ARCHITECTURE_KEYS = ("normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear",
                      "num_query_groups", "qk_layernorm")
-POSITION_DEFAULTS = {"position_embedding_type": "learned_absolute", "rotary_base": 10000}
+POSITION_DEFAULTS = {"position_embedding_type": "learned_absolute", "rotary_base": 10000, "rotary_percent": 1.0}
 # Which tokens a rank sees (and so its RNG streams: dropout, router noise) depends on these only.
 TOKEN_LAYOUT_KEYS = ("world_size", "tp", "pp", "dp", "order")
 
@@ -226,7 +226,7 @@ def architecture_differences(saved: Optional[dict], mine: dict) -> list[str]:
     if "position_embedding_type" not in mine:   # a model of the user's own, without GPTModel's attributes
         return out
     kinds = positions["position_embedding_type"]
-    compared = ["position_embedding_type"] + (["rotary_base"] if kinds == ("rope", "rope") else [])
+    compared = ["position_embedding_type"] + (["rotary_base", "rotary_percent"] if kinds == ("rope", "rope") else [])
     return out + [f"{k}: {positions[k][0]!r} in the checkpoint, {positions[k][1]!r} in the model"
                   for k in compared if positions[k][0] != positions[k][1]]
 

@@ -125,6 +125,7 @@ from moe_plugin.groups.layout import RankLayout
 from moe_plugin.groups.process_groups import ProcessGroups
 from moe_plugin.integration.expert_params import (
     check_optimizer_groups,
+    mark_every_stage,
     moe_param_groups,
     prepare_model,
     follow_loss_scale,
@@ -296,6 +297,8 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         if pipelined:
             check_topology(model.topology(), groups.layout)
         has_experts = prepare_model(model, moe_config, groups)
+        if pipelined:   # a stage without MoE layers (dense first layers) takes DeepSpeed's MoE paths too
+            mark_every_stage(model, has_experts, moe_config, groups)
         sequence_parallel_grad_hooks(model, groups)   # before DeepSpeed's own hooks on the gradients
         watch = GradientWatch(model)                  # the same: sees each gradient before ZeRO moves it
         if pipelined and zero_stage > 0:

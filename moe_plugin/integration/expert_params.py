@@ -41,6 +41,8 @@ from collections.abc import Iterable
 from typing import Any, Union
 
 import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import is_moe_param
 from torch import nn
 
@@ -79,11 +81,26 @@ def prepare_model(model: nn.Module, moe_config: MoEConfig, groups: ProcessGroups
         if isinstance(module, GroupedExperts):
             module.grad_scale = DEEPSPEED_EXPERT_GRAD_SCALE
     mark_model_parallel(experts)
+    _add_marker(model, moe_config, groups)
+    return True
+
+
+def _add_marker(model: nn.Module, moe_config: MoEConfig, groups: ProcessGroups) -> None:
     if not any(is_deepspeed_moe(m) for m in model.modules()):
         model.add_module(MARKER_NAME, DeepSpeedMoEMarker(moe_config.num_experts, groups.layout.sizes.ep,
                                                          groups.expert_group_name, groups.handles["ep"],
                                                          groups.handles["edp"]))
-    return True
+
+
+def mark_every_stage(stage: nn.Module, has_experts: bool, moe_config: MoEConfig, groups: ProcessGroups) -> None:
+    """A pipeline stage without MoE layers (a model whose first layers are dense: GLM-4.5, DeepSeek)
+    gets the engine marker too when another stage has experts (collective over the world): every
+    stage then takes DeepSpeed's MoE code paths alike -- one module file per stage, loaded whole
+    (its dense path would look for per-layer files and fail on the plugin's module file)."""
+    flag = torch.tensor([float(has_experts)], device=get_accelerator().current_device_name())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() and not has_experts:
+        _add_marker(stage, moe_config, groups)
 
 
 def follow_loss_scale(engine: Any, model: nn.Module):

@@ -102,14 +102,14 @@ class TransformerLayerPipe(nn.Module):
     ``RotaryEmbedding``, no weights); None: no RoPE."""
 
     def __init__(self, config: TransformerConfig, layer_spec: Any, layer_index: int, stage_offset: int,
-                 rotary_base: Optional[float] = None):
+                 rotary_base: Optional[float] = None, rotary_percent: float = 1.0):
         super().__init__()
         self.layer = build_module(layer_spec, config=config, layer_number=layer_index - stage_offset + 1)
         if self.layer.layer_number != layer_index + 1:
             raise RuntimeError(f"layer {layer_index} was built as Megatron layer number {self.layer.layer_number}: "
                                "the pipeline stage and Megatron's pipeline rank disagree")
         self.rotary_pos_emb = None if rotary_base is None else RotaryEmbedding(
-            kv_channels=config.kv_channels, rotary_percent=1.0, rotary_interleaved=config.rotary_interleaved,
+            kv_channels=config.kv_channels, rotary_percent=rotary_percent, rotary_interleaved=config.rotary_interleaved,
             rotary_base=rotary_base, use_cpu_initialization=config.use_cpu_initialization)
 
     def forward(self, hidden_SBH: Tensor) -> Tensor:
@@ -206,11 +206,13 @@ class GPTPipelineModule(GivenPartsPipelineModule):
     pieces shares one parameter."""
 
     def __init__(self, layers: list, *, parts: list[int], tie: Optional[tuple[Any, list[int]]] = None,
-                 position_embedding_type: str = "learned_absolute", rotary_base: float = 10000, **kwargs: Any):
+                 position_embedding_type: str = "learned_absolute", rotary_base: float = 10000,
+                 rotary_percent: float = 1.0, **kwargs: Any):
         super().__init__(layers, parts=parts, **kwargs)
         self.tied_weights: list[tuple[nn.Parameter, Any]] = []
         self.share_embeddings_and_output_weights = tie is not None   # on every stage, as GPTModel's attribute
         self.position_embedding_type, self.rotary_base = position_embedding_type, rotary_base   # the same
+        self.rotary_percent = rotary_percent
         if tie is not None:
             self._tie_embedding(*tie)
 
@@ -244,7 +246,7 @@ def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups
                         vocab_size: int, max_sequence_length: int, seed: Optional[int] = None,
                         share_embeddings_and_output_weights: bool = False,
                         position_embedding_type: str = "learned_absolute", rotary_base: float = 10000,
-                        cpu: Optional[bool] = None, placements: Optional[Mapping[int, Sequence[int]]] = None,
+                        rotary_percent: float = 1.0, cpu: Optional[bool] = None, placements: Optional[Mapping[int, Sequence[int]]] = None,
                         qk_layernorm_scope: str = "head", **pipeline_kwargs: Any) -> GPTPipelineModule:
     """This rank's stage of a GPT with MoE layers, as a DeepSpeed ``PipelineModule`` (see the
     module docstring). Collective: every rank calls it (DeepSpeed creates its grid's groups).
@@ -293,7 +295,8 @@ def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups
     pieces: list = [LayerSpec(EmbeddingPipe, config, vocab_size, max_sequence_length, seed, positions)]
     stage_of = {i: s for s, r in enumerate(ranges) for i in r}
     for i in range(num):
-        pieces.append(LayerSpec(TransformerLayerPipe, config, layer_spec, i, ranges[stage_of[i]].start, rotary))
+        pieces.append(LayerSpec(TransformerLayerPipe, config, layer_spec, i, ranges[stage_of[i]].start, rotary,
+                                rotary_percent))
     pieces.append(LayerSpec(FinalNormPipe, config, norm_spec))
     pieces.append(LayerSpec(OutputLayerPipe, config, vocab_size, max_sequence_length, seed, tied, positions))
     if groups.rank == 0:
@@ -302,7 +305,8 @@ def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups
                     "tied" if tied else "untied")
     tie = (groups.handles.get("embedding"), groups.ranks("embedding")) if tied else None
     return GPTPipelineModule(pieces, parts=stage_boundaries(config), topology=topology, loss_fn=gpt_loss, tie=tie,
-                             position_embedding_type=positions, rotary_base=rotary_base, **pipeline_kwargs)
+                             position_embedding_type=positions, rotary_base=rotary_base, rotary_percent=rotary_percent,
+                             **pipeline_kwargs)
 
 
 # --- names -------------------------------------------------------------------------------------------

@@ -21,6 +21,12 @@ attention. The router semantics per family (transformers 5.24):
                 QK-norm as one RMSNorm over the whole query and key projections (all heads at once:
                 ``qk_layernorm_scope`` "projection", the example's ``--qk-layernorm-scope projection``);
                 clip_qkv refused
+    glm4_moe    sigmoid scores; e_score_correction_bias (the plugin's expert_bias) added for the choice
+                only, within the best topk_group of n_group groups (a group: its two best biased scores);
+                gates the chosen scores, renormalised iff norm_topk_prob, times routed_scaling_factor;
+                ungated shared experts (n_shared_experts x moe_intermediate_size); layers before
+                first_k_dense_replace dense; attention_bias = QKV biases; use_qk_norm per head;
+                partial_rotary_factor (--rotary-percent); the MTP layers' tensors left out
     llama, mistral, qwen3   dense (upcycling); qwen3 with QK-norm
 
 The router choice, capacity and gates map onto the ``"moe"`` block as router ``topk``,
@@ -36,13 +42,18 @@ from typing import Any, Optional
 from moe_plugin.configs import ConfigError
 from moe_plugin.data.hf_tokenizer import HF_EXTRA
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "llama": "LlamaForCausalLM",
-                 "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                 "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe")
+# DeepSeek-style routing (sigmoid scores, a correction bias, group-limited choice, routed scaling,
+# shared experts, the first layers dense) with grouped-query attention
+DEEPSEEK_ROUTED = ("glm4_moe",)
 # families whose experts are sized by intermediate_size (no dense MLP of another size)
 EXPERTS_BY_INTERMEDIATE = ("mixtral", "olmoe")
-# Keys of models the plugin has no layer for (multi-latent attention, DeepSeek-style routing).
-UNSUPPORTED_KEYS = ("kv_lora_rank", "q_lora_rank", "n_group", "topk_group", "routed_scaling_factor")
+# Keys of models the plugin has no layer for (multi-latent attention), and DeepSeek-style routing's
+# outside the families that have it.
+UNSUPPORTED_KEYS = ("kv_lora_rank", "q_lora_rank")
+ROUTING_KEYS = ("n_group", "topk_group", "routed_scaling_factor")
 
 
 def transformers_module() -> Any:
@@ -75,6 +86,7 @@ class HFArchitecture:
     qk_layernorm: bool
     dtype: str
     qk_layernorm_scope: str = "head"   # "projection": one RMSNorm over all heads of q / of k (OLMoE)
+    rotary_percent: float = 1.0        # the share of a head's dimensions RoPE rotates (GLM-4.5: 0.5)
     moe_layers: tuple[int, ...] = ()
     num_experts: int = 0
     top_k: int = 0
@@ -82,6 +94,11 @@ class HFArchitecture:
     expert_ffn_hidden_size: int = 0
     shared_ffn_hidden_size: int = 0
     shared_gate: bool = False
+    score_function: str = "softmax"    # sigmoid: DeepSeek-style scores
+    gate_scale: float = 1.0            # routed_scaling_factor
+    router_groups: Optional[int] = None
+    group_topk: Optional[int] = None
+    router_bias: bool = False          # e_score_correction_bias: the plugin's router.expert_bias
     config: Optional[dict] = None   # the config as transformers writes it (to_dict)
 
     @property
@@ -96,24 +113,30 @@ class HFArchitecture:
         """{"moe" block key: (the value this model needs, the HF key it comes from)}; MoE models only."""
         t = self.model_type
         every = tuple(range(self.num_layers))
-        layers = (None, "every layer") if self.moe_layers == every else (list(self.moe_layers),
-                                                                         "decoder_sparse_step / mlp_only_layers")
+        deepseek = t in DEEPSEEK_ROUTED
+        layers = (None, "every layer") if self.moe_layers == every else (
+            list(self.moe_layers), "first_k_dense_replace" if deepseek else "decoder_sparse_step / mlp_only_layers")
+        shared_key = {"qwen2_moe": "shared_expert_intermediate_size"}.get(
+            t, "n_shared_experts x moe_intermediate_size" if deepseek else "(no shared expert)")
         fields = {
-            "num_experts": (self.num_experts, "num_local_experts" if t == "mixtral" else "num_experts"),
+            "num_experts": (self.num_experts, {"mixtral": "num_local_experts", "glm4_moe": "n_routed_experts"}.get(
+                t, "num_experts")),
             "top_k": (self.top_k, "num_experts_per_tok"),
-            "router": ("topk", "the router: top-k of a softmax over the experts"),
-            "score_function": ("softmax", "the router: top-k of a softmax over the experts"),
+            "router": ("topk", "the router: top-k of the experts' scores"),
+            "score_function": (self.score_function, "the router: sigmoid scores with e_score_correction_bias"
+                               if deepseek else "the router: top-k of a softmax over the experts"),
             "normalize_gates": (self.normalize_gates, "norm_topk_prob" if t != "mixtral"
                                 else "the router (Mixtral renormalises the top-k gates)"),
-            "gate_scale": (1.0, "the router (gates are not scaled)"),
-            "group_topk": (None, "the router (no group limit)"),
+            "gate_scale": (self.gate_scale, "routed_scaling_factor" if deepseek
+                           else "the router (gates are not scaled)"),
+            "group_topk": (self.group_topk, "topk_group" if deepseek else "the router (no group limit)"),
+            "router_groups": (self.router_groups, "n_group" if deepseek else "the router (no group limit)"),
             "activation": ("swiglu", "hidden_act (silu, gated)"),
             "ffn_hidden_size": (self.expert_ffn_hidden_size, "intermediate_size" if t in EXPERTS_BY_INTERMEDIATE
                                 else "moe_intermediate_size"),
-            "shared_expert_ffn_hidden_size": (self.shared_ffn_hidden_size, "shared_expert_intermediate_size"
-                                              if t == "qwen2_moe" else "(no shared expert)"),
+            "shared_expert_ffn_hidden_size": (self.shared_ffn_hidden_size, shared_key),
             "shared_expert_gate": (self.shared_gate, "shared_expert_gate (a sigmoid gate)" if t == "qwen2_moe"
-                                   else "(no shared expert)"),
+                                   else "(the shared experts are not gated)" if deepseek else "(no shared expert)"),
             "drop_tokens": (False, "the experts (transformers drops no token)"),
             "layers": layers,
         }
@@ -135,6 +158,8 @@ class HFArchitecture:
         out = {"position_embedding_type": "rope", "rotary_base": self.rotary_base, "tied": self.tied}
         if self.qk_layernorm_scope != "head":
             out["qk_layernorm_scope"] = self.qk_layernorm_scope
+        if self.rotary_percent != 1.0:
+            out["rotary_percent"] = self.rotary_percent
         return out
 
     def example_flags(self) -> list[str]:
@@ -148,6 +173,8 @@ class HFArchitecture:
         flags += ["--normalization", "RMSNorm", "--norm-epsilon", repr(self.norm_epsilon),
                   "--position-embedding-type", "rope", "--rotary-base", _number(self.rotary_base), "--swiglu",
                   "--disable-bias-linear"]
+        if self.rotary_percent != 1.0:
+            flags += ["--rotary-percent", repr(float(self.rotary_percent))]
         if self.qkv_bias:
             flags.append("--add-qkv-bias")
         if self.qk_layernorm:
@@ -195,7 +222,11 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
 
     for key in UNSUPPORTED_KEYS:
         if getattr(cfg, key, None) not in (None, 0):
-            raise refuse(key, getattr(cfg, key), "multi-latent attention / group-limited DeepSeek routing")
+            raise refuse(key, getattr(cfg, key), "multi-latent attention")
+    deepseek = t in DEEPSEEK_ROUTED
+    for key in () if deepseek else ROUTING_KEYS:
+        if getattr(cfg, key, None) not in (None, 0):
+            raise refuse(key, getattr(cfg, key), "group-limited DeepSeek routing outside its families")
     if cfg.hidden_act != "silu":
         raise refuse("hidden_act", cfg.hidden_act, "the plugin's gated MLPs and experts are SwiGLU (silu)")
     window = getattr(cfg, "sliding_window", None)
@@ -214,12 +245,12 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
         raise refuse("rope_parameters.rope_type", rope.get("rope_type", rope.get("type")),
                      "RoPE scaling (the plugin implements plain RoPE)")
     partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise refuse("partial_rotary_factor", partial, "partial rotary embeddings")
+    if partial not in (None, 1, 1.0) and not deepseek:
+        raise refuse("partial_rotary_factor", partial, "partial rotary embeddings outside GLM-4.5")
     theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
     if theta is None:
         raise refuse("rope_parameters.rope_theta", None, "RoPE without its base")
-    if getattr(cfg, "attention_bias", False):
+    if getattr(cfg, "attention_bias", False) and not deepseek:   # GLM-4.5's are the QKV biases (o_proj has none)
         raise refuse("attention_bias", True, "biases on the query/key/value and output projections (the plugin "
                      "has QKV biases only, Megatron's add_qkv_bias)")
     if getattr(cfg, "mlp_bias", False):
@@ -234,8 +265,11 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
                   kv_channels=head_dim, ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
                   max_position_embeddings=cfg.max_position_embeddings, norm_epsilon=float(cfg.rms_norm_eps),
                   rotary_base=float(theta), tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-                  qkv_bias=t == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True)),
-                  qk_layernorm=t in ("qwen3", "qwen3_moe", "olmoe"), dtype=str(dtype).replace("torch.", ""),
+                  qkv_bias=(t == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True))
+                            or deepseek and bool(getattr(cfg, "attention_bias", False))),
+                  qk_layernorm=(t in ("qwen3", "qwen3_moe", "olmoe")
+                                or deepseek and bool(getattr(cfg, "use_qk_norm", False))),
+                  dtype=str(dtype).replace("torch.", ""), rotary_percent=float(partial or 1.0),
                   qk_layernorm_scope="projection" if t == "olmoe" else "head", config=cfg.to_dict())
     if t not in MOE_TYPES:
         return HFArchitecture(**common)
@@ -243,6 +277,8 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
         experts, layers, normalize = cfg.num_local_experts, tuple(range(cfg.num_hidden_layers)), True
     elif t == "olmoe":
         experts, layers, normalize = cfg.num_experts, tuple(range(cfg.num_hidden_layers)), bool(cfg.norm_topk_prob)
+    elif deepseek:
+        return _deepseek_routed(cfg, common, refuse)
     else:
         experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts")
         skip = set(getattr(cfg, "mlp_only_layers", None) or [])
@@ -257,3 +293,26 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
                           expert_ffn_hidden_size=int(cfg.intermediate_size if t in EXPERTS_BY_INTERMEDIATE else
                                                      cfg.moe_intermediate_size),
                           shared_ffn_hidden_size=shared, shared_gate=shared > 0)
+
+
+def _deepseek_routed(cfg: Any, common: dict, refuse: Any) -> HFArchitecture:
+    """GLM-4.5's MoE: sigmoid scores plus ``e_score_correction_bias`` choose the experts within the
+    token's best ``topk_group`` of ``n_group`` groups (a group's score: its two best), the gates are the
+    chosen scores (renormalised iff ``norm_topk_prob``) times ``routed_scaling_factor``; ungated shared
+    experts of ``n_shared_experts x moe_intermediate_size``; layers before ``first_k_dense_replace`` dense."""
+    experts, groups, best = int(cfg.n_routed_experts), int(cfg.n_group or 1), int(cfg.topk_group or 1)
+    first = int(cfg.first_k_dense_replace or 0)
+    layers = tuple(range(first, cfg.num_hidden_layers))
+    if not layers:
+        raise refuse("first_k_dense_replace", first, "no MoE layer left")
+    if experts % groups or not 1 <= best <= groups:
+        raise refuse("n_group", groups, f"groups that divide n_routed_experts ({experts}) with topk_group ({best}) "
+                     "of them")
+    limited = groups > 1 and best < groups   # otherwise every group is kept: no limit
+    shared = int(cfg.n_shared_experts or 0) * int(cfg.moe_intermediate_size)
+    return HFArchitecture(**common, moe_layers=layers, num_experts=experts, top_k=int(cfg.num_experts_per_tok),
+                          normalize_gates=bool(cfg.norm_topk_prob),
+                          expert_ffn_hidden_size=int(cfg.moe_intermediate_size),
+                          shared_ffn_hidden_size=shared, shared_gate=False, score_function="sigmoid",
+                          gate_scale=float(cfg.routed_scaling_factor), router_groups=groups if limited else None,
+                          group_topk=best if limited else None, router_bias=True)

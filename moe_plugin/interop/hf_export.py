@@ -39,7 +39,7 @@ import torch
 
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.configs import ConfigError
-from moe_plugin.interop.hf_arch import ARCHITECTURES, MOE_TYPES, HFArchitecture, transformers_module
+from moe_plugin.interop.hf_arch import ARCHITECTURES, DEEPSEEK_ROUTED, MOE_TYPES, HFArchitecture, transformers_module
 from moe_plugin.interop.hf_families import HFMapping, Rule
 from moe_plugin.interop.hf_files import HFShardWriter, parse_size
 from moe_plugin.checkpoint.trust import trust_argument
@@ -47,7 +47,8 @@ from moe_plugin.checkpoint.trust import trust_argument
 logger = logging.getLogger(__name__)
 
 CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig",
-                  "olmoe": "OlmoeConfig", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen3": "Qwen3Config"}
+                  "olmoe": "OlmoeConfig", "glm4_moe": "Glm4MoeConfig", "llama": "LlamaConfig",
+                  "mistral": "MistralConfig", "qwen3": "Qwen3Config"}
 DEFAULT_SHARD = "5GB"
 
 
@@ -120,6 +121,8 @@ def _model_type(arch: Optional[str], meta: dict, state: list[str]) -> str:
     qk = any(k.endswith("q_layernorm.weight") for k in state)
     if not moe:
         return "qwen3" if qk else "llama"
+    if meta.get("moe", {}).get("score_function") == "sigmoid":
+        return "glm4_moe"
     if any(".mlp.shared_expert." in k for k in state):
         return "qwen2_moe"
     if qk and meta.get("model", {}).get("qk_layernorm_scope") == "projection":
@@ -157,35 +160,45 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         raise refuse("activation_func", tc.get("activation_func"), "SwiGLU MLPs only (--swiglu)")
     if tc.get("add_bias_linear", True):
         raise refuse("add_bias_linear", True, "no linear biases (--disable-bias-linear)")
+    deepseek = model_type in DEEPSEEK_ROUTED
     qk = bool(tc.get("qk_layernorm"))
     wants_qk = model_type in ("qwen3", "qwen3_moe", "olmoe")
-    if qk != wants_qk:
+    if qk != wants_qk and not deepseek:   # GLM-4.5: either (use_qk_norm)
         raise refuse("qk_layernorm", qk, "QK-norm on every layer" if wants_qk else "no QK-norm")
+    rotary_percent = float(model.get("rotary_percent", 1.0))
+    if rotary_percent != 1.0 and not deepseek:
+        raise refuse("rotary_percent", rotary_percent, "RoPE over the whole head (--rotary-percent 1)")
     scope = model.get("qk_layernorm_scope", "head") if qk else "head"
     wants_scope = "projection" if model_type == "olmoe" else "head"
     if qk and scope != wants_scope:
         what = "each whole projection" if wants_scope == "projection" else "each head"
         raise refuse("qk_layernorm_scope", scope, f"QK-norm over {what} (--qk-layernorm-scope {wants_scope})")
     qkv_bias = bool(tc.get("add_qkv_bias"))
-    if qkv_bias and model_type != "qwen2_moe":
-        raise refuse("add_qkv_bias", True, "no QKV biases (Qwen2-MoE has them)")
+    if qkv_bias and model_type not in ("qwen2_moe", *DEEPSEEK_ROUTED):
+        raise refuse("add_qkv_bias", True, "no QKV biases (Qwen2-MoE and GLM-4.5 have them)")
     if model_type in MOE_TYPES:
         if not moe_layers:
             raise refuse("moe.layers", moe.get("layers"), "MoE layers (the checkpoint has none: --arch llama)")
         _check_router(moe, model_type, refuse)
         bias = [k for k in state if k.endswith("router.expert_bias") and bool(source.read(k).abs().max() > 0)]
-        if bias:
+        if bias and not deepseek:
             raise refuse(bias[0], "non-zero", "routers without an expert bias (the aux-loss-free bias chose the "
                          "experts in training)")
         if model_type in ("mixtral", "olmoe") and len(moe_layers) != num_layers:
             dense = [i for i in range(num_layers) if i not in moe_layers]
             raise refuse("moe.layers", moe.get("layers") or f"layer_interval {moe.get('layer_interval')}",
                          f"an MoE MLP on every layer (dense layers {dense})")
+        if deepseek and moe_layers != tuple(range(moe_layers[0], num_layers)):
+            raise refuse("moe.layers", list(moe_layers), "dense layers first, then MoE layers to the end "
+                         "(first_k_dense_replace)")
         shared = int(moe.get("shared_expert_ffn_hidden_size") or 0)
         if model_type == "qwen2_moe" and (not shared or not moe.get("shared_expert_gate")):
             key = "moe.shared_expert_gate" if shared else "moe.shared_expert_ffn_hidden_size"
             raise refuse(key, moe.get(key.split(".")[1]), "a shared expert scaled by a sigmoid gate")
-        if model_type != "qwen2_moe" and shared:
+        if deepseek and (moe.get("shared_expert_gate") or not shared):
+            key = "moe.shared_expert_gate" if shared else "moe.shared_expert_ffn_hidden_size"
+            raise refuse(key, moe.get(key.split(".")[1]), "ungated shared experts (n_shared_experts)")
+        if model_type not in ("qwen2_moe", *DEEPSEEK_ROUTED) and shared:
             raise refuse("moe.shared_expert_ffn_hidden_size", shared, "no shared expert")
         if moe.get("drop_tokens", True):
             logger.warning("moe.drop_tokens is true: the plugin's runs dropped routes over capacity; %s drops none",
@@ -198,7 +211,10 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
     first_moe = moe_layers[0] if moe_layers else None
     expert_ffn = (int(state[f"decoder.layers.{first_moe}.mlp.experts.weight2"][1]) if moe_layers else 0)
     shared_ffn = (int(state[f"decoder.layers.{first_moe}.mlp.shared_expert.weight2"][0])
-                  if moe_layers and model_type == "qwen2_moe" else 0)
+                  if moe_layers and model_type in ("qwen2_moe", *DEEPSEEK_ROUTED) else 0)
+    if deepseek and shared_ffn % expert_ffn:
+        raise refuse("moe.shared_expert_ffn_hidden_size", shared_ffn, f"shared experts of the experts' size "
+                     f"({expert_ffn}): n_shared_experts x moe_intermediate_size")
     return HFArchitecture(
         model_type=model_type, num_layers=num_layers, hidden_size=int(tc["hidden_size"]), num_attention_heads=heads,
         num_query_groups=int(tc.get("num_query_groups") or heads),
@@ -209,18 +225,25 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         max_position_embeddings=max(int(model.get("max_sequence_length", 4096)),
                                     int((meta.get("hf", {}).get("config") or {}).get("max_position_embeddings", 0))),
         norm_epsilon=float(tc.get("layernorm_epsilon", 1e-5)), rotary_base=float(model["rotary_base"]),
-        tied=bool(model.get("tied", False)), qkv_bias=model_type == "qwen2_moe", qk_layernorm=qk, qk_layernorm_scope=scope,
+        tied=bool(model.get("tied", False)), qkv_bias=model_type == "qwen2_moe" or qkv_bias, qk_layernorm=qk,
+        qk_layernorm_scope=scope, rotary_percent=rotary_percent,
         dtype=meta.get("hf", {}).get("dtype", "float32"), moe_layers=moe_layers, num_experts=E,
         top_k=int(moe.get("top_k") or 0), normalize_gates=bool(moe.get("normalize_gates", True)),
-        expert_ffn_hidden_size=expert_ffn, shared_ffn_hidden_size=shared_ffn, shared_gate=shared_ffn > 0,
+        expert_ffn_hidden_size=expert_ffn, shared_ffn_hidden_size=shared_ffn,
+        shared_gate=shared_ffn > 0 and not deepseek,
+        score_function=moe.get("score_function", "softmax"), gate_scale=float(moe.get("gate_scale", 1.0)),
+        router_groups=moe.get("router_groups"), group_topk=moe.get("group_topk"), router_bias=deepseek,
         config=meta.get("hf", {}).get("config"))
 
 
 def _check_router(moe: dict, model_type: str, refuse: Callable[..., ConfigError]) -> None:
     if moe.get("router") != "topk":
-        raise refuse("moe.router", moe.get("router"), "a plain top-k of a softmax (router 'topk')")
-    for key, plain in (("score_function", "softmax"), ("gate_scale", 1.0), ("group_topk", None),
-                       ("activation", "swiglu")):
+        raise refuse("moe.router", moe.get("router"), "a plain top-k of the scores (router 'topk')")
+    if model_type in DEEPSEEK_ROUTED:   # sigmoid scores; any scale and group limit
+        checked = (("score_function", "sigmoid"), ("activation", "swiglu"))
+    else:
+        checked = (("score_function", "softmax"), ("gate_scale", 1.0), ("group_topk", None), ("activation", "swiglu"))
+    for key, plain in checked:
         if moe.get(key, plain) != plain:
             raise refuse(f"moe.{key}", moe.get(key), f"{key} {plain!r}")
     if model_type == "mixtral" and not moe.get("normalize_gates", True):
@@ -276,6 +299,17 @@ def hf_config(transformers: Any, arch: HFArchitecture, meta: dict, dtype: str) -
     if t == "mixtral":
         fields.update(num_local_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
                       intermediate_size=arch.expert_ffn_hidden_size, sliding_window=None, router_jitter_noise=0.0)
+    elif t in DEEPSEEK_ROUTED:
+        rope = dict(fields["rope_parameters"])
+        if arch.rotary_percent != 1.0:
+            rope["partial_rotary_factor"] = arch.rotary_percent
+        first = arch.moe_layers[0] if arch.moe_layers else arch.num_layers
+        fields.update(n_routed_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
+                      moe_intermediate_size=arch.expert_ffn_hidden_size,
+                      n_shared_experts=arch.shared_ffn_hidden_size // arch.expert_ffn_hidden_size,
+                      first_k_dense_replace=first, n_group=arch.router_groups or 1, topk_group=arch.group_topk or 1,
+                      routed_scaling_factor=arch.gate_scale, norm_topk_prob=arch.normalize_gates,
+                      attention_bias=arch.qkv_bias, use_qk_norm=arch.qk_layernorm, rope_parameters=rope)
     elif t == "olmoe":
         fields.update(num_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
                       intermediate_size=arch.expert_ffn_hidden_size, norm_topk_prob=arch.normalize_gates,

@@ -24,6 +24,8 @@ bit-identical.
     MoE router (gate.weight [E, H])                   ...mlp.router.weight
     Qwen2-MoE shared_expert.{gate,up,down}_proj       ...mlp.shared_expert.weight1 [H, 2F], weight2 [F, H]
     Qwen2-MoE shared_expert_gate.weight [1, H]        ...mlp.shared_expert.gate_weight [H]
+    GLM-4.5 shared_experts.{gate,up,down}_proj        ...mlp.shared_expert.weight1, weight2 (no gate)
+    GLM-4.5 gate.e_score_correction_bias [E]          ...mlp.router.expert_bias (fp32)
     model.norm.weight                                 decoder.final_layernorm.weight
     lm_head.weight (untied)                           output_layer.weight
 
@@ -52,6 +54,8 @@ class Family:
     router: str = "gate"
     shared: Optional[tuple[str, str, str]] = None   # shared expert projections
     shared_gate: Optional[str] = None
+    shared_module: str = "shared_expert"            # the shared expert's module (GLM-4.5: shared_experts)
+    router_bias: Optional[str] = None               # the router's correction bias (GLM-4.5: e_score_correction_bias)
 
 
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
@@ -60,6 +64,8 @@ FAMILIES = {
     "qwen3_moe": Family("mlp", DENSE_MLP),
     "qwen2_moe": Family("mlp", DENSE_MLP, shared=DENSE_MLP, shared_gate="shared_expert_gate"),
     "olmoe": Family("mlp", DENSE_MLP),
+    "glm4_moe": Family("mlp", DENSE_MLP, shared=DENSE_MLP, shared_module="shared_experts",
+                       router_bias="e_score_correction_bias"),
 }
 # Megatron's linear layers carry a (None) ``_extra_state`` entry in their state dict.
 EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -157,16 +163,19 @@ class HFMapping:
         fam = FAMILIES[a.model_type]
         m = h + fam.moe_block + "."
         self._add(p + "mlp.router.weight", [m + f"{fam.router}.weight"], _copy())
+        if fam.router_bias is not None:
+            self._add(p + "mlp.router.expert_bias", [m + f"{fam.router}.{fam.router_bias}"], _copy())
         E = a.num_experts
         g, u, d = fam.expert
         for e in range(E):
             self._add(p + "mlp.experts.weight1", [m + f"experts.{e}.{n}.weight" for n in (g, u)], _columns(), e)
             self._add(p + "mlp.experts.weight2", [m + f"experts.{e}.{d}.weight"], _transposed(), e)
         if fam.shared is not None and a.shared_ffn_hidden_size:
-            sg, su, sd = (m + f"shared_expert.{n}.weight" for n in fam.shared)
+            sg, su, sd = (m + f"{fam.shared_module}.{n}.weight" for n in fam.shared)
             self._add(p + "mlp.shared_expert.weight1", [sg, su], _columns())
             self._add(p + "mlp.shared_expert.weight2", [sd], _transposed())
-            self._add(p + "mlp.shared_expert.gate_weight", [m + f"{fam.shared_gate}.weight"], _gate_vector())
+            if fam.shared_gate is not None:
+                self._add(p + "mlp.shared_expert.gate_weight", [m + f"{fam.shared_gate}.weight"], _gate_vector())
 
     def plugin_only(self) -> dict:
         """The plugin's entries with no HF tensor: router biases (zeros), static placements, ``_extra_state``."""
@@ -178,7 +187,8 @@ class HFMapping:
                     continue
                 out[p + module + "._extra_state"] = None
             if i in a.moe_layers:
-                out[p + "mlp.router.expert_bias"] = torch.zeros(a.num_experts)
+                if FAMILIES[a.model_type].router_bias is None:
+                    out[p + "mlp.router.expert_bias"] = torch.zeros(a.num_experts)
                 out[p + "mlp.experts.placement"] = torch.arange(a.num_experts)
         out["output_layer._extra_state"] = None
         return out

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -36,18 +37,19 @@ import torch
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.files import refuse_existing
 from moe_plugin.checkpoint.one_rank import OneRankPlan
+from moe_plugin.checkpoint.trust import trust_argument
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.configs.schema import ROOT_KEY, load_ds_config
-from moe_plugin.interop.hf_arch import HFArchitecture, read_hf_config
+from moe_plugin.interop.hf_arch import DEEPSEEK_ROUTED, HFArchitecture, read_hf_config
 from moe_plugin.interop.hf_families import HFMapping
 from moe_plugin.interop.hf_files import HFWeights, tokenizer_files
-from moe_plugin.checkpoint.trust import trust_argument
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_DIR = "hf"
 # HF buffers that follow from the config (older checkpoints saved RoPE's frequencies)
 DERIVED = ("rotary_emb.inv_freq",)
+LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ def import_hf(hf_dir: Union[os.PathLike, str], ds_config: Union[dict, os.PathLik
     cast = _dtype(dtype)
     refuse_existing(out_dir, tag, "write into another directory")   # before reading the weights (asked again at the write)
     weights = HFWeights(hf_dir, say)
-    plan = import_plan(arch, weights, hf_dir, cast)
+    plan = import_plan(arch, weights, hf_dir, cast, say)
     record = {"architecture": architecture_record(arch),
               "hf": {"model_type": arch.model_type, "architecture": arch.architecture, "dtype": arch.dtype,
                      "source": os.path.abspath(hf_dir), "config": arch.config,
@@ -148,14 +150,23 @@ def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
 
 
 def import_plan(arch: HFArchitecture, weights: HFWeights, where: str,
-                dtype: Optional[torch.dtype] = None) -> OneRankPlan:
+                dtype: Optional[torch.dtype] = None, say: Callable[[str], None] = lambda line: None) -> OneRankPlan:
     """The 1-rank plugin model's tensors, each made from its HF tensors when asked (``OneRankPlan``);
     every HF tensor is accounted for from the headers first (a left-over or missing one refused by
-    name). Floating point tensors keep their dtype, or become ``dtype``."""
+    name). Floating point tensors keep their dtype, or become ``dtype``. The multi-token-prediction
+    layers of the DeepSeek-style families (``model.layers.N`` past ``num_hidden_layers``, which
+    transformers does not load either) are left out, with a line saying so."""
     mapping = HFMapping(arch)
     wanted = mapping.hf_keys()
     left = sorted(k for k in weights.names() if k not in wanted and not k.endswith(DERIVED)
                   and not (arch.tied and k == "lm_head.weight"))
+    if arch.model_type in DEEPSEEK_ROUTED:
+        beyond = [k for k in left if (m := LAYER.match(k)) and int(m.group(1)) >= arch.num_layers]
+        if beyond:
+            layers = sorted({int(LAYER.match(k).group(1)) for k in beyond})
+            say(f"left out {len(beyond)} tensors of layers {layers}, the multi-token-prediction layers "
+                "(transformers does not load them; the plugin does not train them)")
+            left = [k for k in left if k not in beyond]
     if left:
         raise CheckpointError(f"{where}: tensor {left[0]!r} has no place in the plugin's {arch.model_type} model"
                               + (f" (and {len(left) - 1} more)" if len(left) > 1 else "")
