@@ -320,6 +320,74 @@ def test_glm_multi_token_prediction_layers_are_left_out_naming_them(imported, tm
     assert all(torch.equal(ours.read(k), theirs.read(k)) for k in ours.specs())
 
 
+def _fp8_blocks(weight: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` in FP8 (e4m3) with one fp32 scale per block of rows x cols (the last ones partial),
+    as DeepSeek-V3 and Qwen3-FP8 store theirs: the weight is the FP8 tensor times its block's scale."""
+    R, C = weight.shape
+    scale = torch.zeros(-(-R // rows), -(-C // cols))
+    quantized = torch.zeros(R, C, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            block = weight[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
+            scale[i, j] = block.abs().max() / 448.0
+            quantized[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols] = (block / scale[i, j]).to(torch.float8_e4m3fn)
+    return quantized, scale
+
+
+@pytest.mark.slow   # a spawned rank
+def test_fp8_block_weights_are_dequantized_at_import(imported, tmp_path):
+    """A Qwen3-MoE whose linear weights are FP8 in 16 x 24 blocks with ``weight_scale_inv`` (the router
+    and norms kept, as the hub's FP8 models keep them): import-hf dequantizes each block by its scale
+    (the same checkpoint as importing the dequantized model, which the test computes block by block on
+    its own), the example's model gives transformers' logits of that model, and export-hf writes it
+    unquantized (no ``quantization_config``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dist import run_distributed
+    from moe_plugin.checkpoint.export import CheckpointSource
+    from moe_plugin.interop import export_hf, import_hf
+
+    _root, tokens_BS, cases = imported
+    case = cases["qwen3_moe"]
+    fp8, plain = tmp_path / "fp8", tmp_path / "dequantized"
+    shutil.copytree(case["hf"], fp8)
+    shutil.copytree(case["hf"], plain)
+    tensors, stored, dequantized = load_file(str(Path(case["hf"]) / "model.safetensors")), {}, {}
+    for name, weight in tensors.items():
+        if name.endswith("_proj.weight"):
+            quantized, scale = _fp8_blocks(weight, 16, 24)
+            stored[name], stored[name[:-len("weight")] + "weight_scale_inv"] = quantized, scale
+            dequantized[name] = (quantized.float() * scale.repeat_interleave(16, 0)[:weight.shape[0]]
+                                 .repeat_interleave(24, 1)[:, :weight.shape[1]])
+        else:
+            stored[name] = dequantized[name] = weight
+    save_file(stored, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [16, 24]}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    lines = []
+    import_hf(fp8, {"moe": {"num_experts": EXPERTS}}, tmp_path / "ckpt-fp8", progress=lines.append)
+    assert any("FP8 weights in 16x24 blocks, dequantized to torch.float32" in line for line in lines), lines
+    import_hf(plain, {"moe": {"num_experts": EXPERTS}}, tmp_path / "ckpt-plain", progress=lambda line: None)
+    ours, theirs = CheckpointSource(tmp_path / "ckpt-fp8"), CheckpointSource(tmp_path / "ckpt-plain")
+    assert sorted(ours.specs()) == sorted(theirs.specs())
+    assert all(torch.equal(ours.read(k), theirs.read(k)) for k in ours.specs())
+    logits = hf_logits(str(plain), tokens_BS)
+    assert _relative(logits, case["logits"]) > 1e-4   # FP8 changed the model: the check below means something
+    quantized = {**case, "ckpt": str(tmp_path / "ckpt-fp8")}
+    results = run_distributed(_child, 1, tmp_path, {"fp8": quantized}, {"ep1": {}}, tokens_BS, timeout=300)
+    _check_logits(results, {"fp8": {"logits": logits}}, "ep1")
+    done = export_hf(tmp_path / "ckpt-fp8", tmp_path / "out", progress=lambda line: None)
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text()), done
+    assert sorted(exported) == sorted(dequantized)
+    assert all(torch.equal(exported[k], dequantized[k]) for k in dequantized)
+
+
 def test_unknown_model_type_and_left_over_tensor_are_refused(imported, tmp_path):
     from safetensors.torch import load_file, save_file
 

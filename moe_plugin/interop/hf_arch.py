@@ -255,6 +255,12 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
                      "has QKV biases only, Megatron's add_qkv_bias)")
     if getattr(cfg, "mlp_bias", False):
         raise refuse("mlp_bias", True, "MLP biases (the plugin's experts have none)")
+    quant = getattr(cfg, "quantization_config", None)
+    if quant is not None:
+        quant = quant if isinstance(quant, dict) else quant.to_dict()
+        if quant.get("quant_method") != "fp8" or not quant.get("weight_block_size"):
+            raise refuse("quantization_config.quant_method", quant.get("quant_method"), "quantized weights other "
+                         "than FP8 in blocks (weight_block_size), which the import dequantizes")
     if getattr(cfg, "clip_qkv", None) is not None:
         raise refuse("clip_qkv", cfg.clip_qkv, "clamping the query/key/value projections")
     heads = cfg.num_attention_heads

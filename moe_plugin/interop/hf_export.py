@@ -288,7 +288,8 @@ def hf_config(transformers: Any, arch: HFArchitecture, meta: dict, dtype: str) -
     """The transformers config object of ``arch`` (the imported config's other keys kept)."""
     t = arch.model_type
     base = dict(arch.config or {}) if meta.get("hf", {}).get("model_type") == t else {}
-    for key in ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path"):
+    for key in ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
+                "quantization_config"):   # an FP8 import was dequantized: the export is not quantized
         base.pop(key, None)
     fields = dict(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, num_hidden_layers=arch.num_layers,
                   num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,

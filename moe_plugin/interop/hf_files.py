@@ -4,6 +4,8 @@ index, as ``save_pretrained`` writes them) and the tokenizer's files.
 ``HFWeights(hf_dir)``: every tensor by name, from ``model.safetensors`` or the shards that
 ``model.safetensors.index.json`` names (each shard checked to hold what the index says), known
 from the headers (``spec``) and read one at a time (``read``: ``checkpoint.tensor_files``).
+FP8 weights in blocks (``quantization_config``: ``weight_block_size``; ``X.weight_scale_inv`` beside
+each ``X.weight``) show as their dequantized selves (``fp8_blocks``, ``dequantize_blocks``).
 Pickled weights (``pytorch_model.bin`` or its shards) are refused in one line naming the file, as
 unpickling can run code; inside ``trusting`` (``--trust-checkpoint``) they are read tensor by
 tensor the same way (``PickledFile``).
@@ -65,6 +67,12 @@ class HFWeights:
             found = sorted(os.listdir(hf_dir))
             raise ConfigError(hf_dir, found[:8], f"holds neither {WEIGHTS} nor {INDEX}; save the model with "
                               "save_pretrained (safetensors, the default) to import it", shown=f"files {found[:8]}")
+        self.blocks = fp8_blocks(hf_dir)
+        if self.blocks is not None:   # every block-scaled weight shows as its dequantized self
+            scaled = [k for k in self._where if k.endswith(SCALE) and k[:-len(SCALE)] + ".weight" in self._where]
+            self._scale = {k[:-len(SCALE)] + ".weight": (k, self._where.pop(k)) for k in scaled}   # (name, file)
+            say(f"{len(scaled)} FP8 weights in {self.blocks[0]}x{self.blocks[1]} blocks, dequantized to "
+                f"{self.blocks[2]}")
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -73,14 +81,58 @@ class HFWeights:
         return sorted(self._where)
 
     def spec(self, name: str) -> tuple[torch.dtype, list[int]]:
-        return self._files[self._where[name]].spec(name)
+        dtype, shape = self._files[self._where[name]].spec(name)
+        return (self.blocks[2], shape) if self.blocks is not None and name in self._scale else (dtype, shape)
 
     def read(self, name: str) -> torch.Tensor:
-        return self._files[self._where[name]].read(name)
+        tensor = self._files[self._where[name]].read(name)
+        if self.blocks is None or name not in self._scale:
+            return tensor
+        scale_name, file = self._scale[name]
+        scale = self._files[file].read(scale_name)
+        return dequantize_blocks(tensor, scale, self.blocks[:2], name).to(self.blocks[2])
 
     def close(self) -> None:
         for f in self._files.values():
             f.close()
+
+
+SCALE = ".weight_scale_inv"   # a block-scaled FP8 weight's scales (DeepSeek-V3, Qwen3-FP8)
+
+
+def fp8_blocks(hf_dir: str) -> Optional[tuple[int, int, torch.dtype]]:
+    """(block rows, block columns, the dtype to dequantize to) of a model directory whose
+    ``config.json`` says its weights are FP8 with block scales (``quantization_config``: quant_method
+    ``fp8``, ``weight_block_size``), else None. The dtype is the config's own (``torch_dtype``), else
+    bfloat16 (FP8 is no training dtype)."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8" or not quant.get("weight_block_size"):
+        return None
+    rows, cols = (int(n) for n in quant["weight_block_size"])
+    name = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    dtype = getattr(torch, name, torch.bfloat16)
+    return rows, cols, dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize > 1 \
+        else torch.bfloat16
+
+
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
+    """An FP8 weight [R, C] times its scales [ceil(R / rows), ceil(C / cols)], each block of
+    ``block`` (rows, cols) by its own (the last blocks may be partial), in fp32."""
+    rows, cols = block
+    R, C = weight.shape
+    expected = [-(-R // rows), -(-C // cols)]
+    if list(scale.shape) != expected:
+        from moe_plugin.checkpoint.errors import CheckpointError
+
+        raise CheckpointError(f"{name}{SCALE[len('.weight'):]}: shape {list(scale.shape)}, expected {expected} for a "
+                              f"weight of {[R, C]} in blocks of {rows}x{cols}")
+    full = scale.float().repeat_interleave(rows, dim=0)[:R].repeat_interleave(cols, dim=1)[:, :C]
+    return weight.float() * full
 
 
 class PickledFile:
