@@ -31,6 +31,11 @@ MODELS = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",   # QK-norm over the whole projections, unnormalised gates
               dict(intermediate_size=32, num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=False,
                    eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "qwen3_moe_yarn": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",   # YaRN: 4x an original context of 8 tokens
+                       dict(moe_intermediate_size=32, intermediate_size=96, num_experts=EXPERTS,
+                            num_experts_per_tok=TOP_K, norm_topk_prob=True, head_dim=32, max_position_embeddings=32,
+                            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                             "original_max_position_embeddings": 8})),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",   # sigmoid + correction bias, 2 of 4 groups, scaled gates,
                  dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=EXPERTS,   # a dense layer 0,
                       num_experts_per_tok=TOP_K, n_shared_experts=1, n_group=4, topk_group=2,      # a shared expert,

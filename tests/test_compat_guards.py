@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import re
 import os
+import re
 from importlib.metadata import version
 from pathlib import Path
 
@@ -305,7 +305,9 @@ def test_torch_save_files_read_lazily_and_without_running_code(tmp_path):
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    torch.save({"stage": ZeroStageEnum(1), "scaler": DynamicLossScaler(init_scale=8, scale_window=1000, min_scale=1, delayed_shift=1, consecutive_hysteresis=False)}, tmp_path / "g.pt")
+    scaler = DynamicLossScaler(init_scale=8, scale_window=1000, min_scale=1, delayed_shift=1,
+                               consecutive_hysteresis=False)
+    torch.save({"stage": ZeroStageEnum(1), "scaler": scaler}, tmp_path / "g.pt")
     loaded = safe_load(str(tmp_path / "g.pt"))
     assert loaded["stage"] is ZeroStageEnum(1) and loaded["scaler"].cur_scale == 8
     with TorchFile(tmp_path / "g.pt") as f:
@@ -340,7 +342,8 @@ def _deepspeed_files_child(rank: int, world_size: int, out: str) -> dict:
 
     cases = {"fp32-z0": {}, "fp32-z2": {"zero_optimization": {"stage": 2}}, "bf16-z0": {"bf16": {"enabled": True}},
              "bf16-z1": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
-             "fp16-z0": {"fp16": {"enabled": True}}, "fp16-z1": {"fp16": {"enabled": True}, "zero_optimization": {"stage": 1}},
+             "fp16-z0": {"fp16": {"enabled": True}},
+             "fp16-z1": {"fp16": {"enabled": True}, "zero_optimization": {"stage": 1}},
              "fp16-z2": {"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}}
     for name, extra in cases.items():
         torch.manual_seed(0)
@@ -404,3 +407,21 @@ def test_deepspeed_writes_only_the_admitted_classes(tmp_path):
     _must(not others, f"DeepSpeed writes {sorted(others)} into its checkpoint files, which a load refuses",
           f"deepspeed {version('deepspeed')}", "torch_files.DEEPSPEED_GLOBALS")
     assert {g for g in seen if g.startswith("deepspeed.")} == set(DEEPSPEED_GLOBALS), sorted(seen)
+
+
+def test_megatron_attention_takes_the_yarn_factor_from_the_config():
+    """``compat/megatron_yarn.py``: Megatron's attention multiplies RoPE's cos and sin by
+    ``_yarn_get_concentration_factor_from_config(config)``, which ``set_attention_factor`` sets."""
+    import megatron.core.transformer.attention as attention
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moe_plugin.compat.megatron_yarn import attention_factor, set_attention_factor
+
+    source = inspect.getsource(attention.SelfAttention) + inspect.getsource(attention.Attention)
+    _must("mscale=_yarn_get_concentration_factor_from_config(self.config)" in source,
+          "the attention no longer takes RoPE's factor from the config", f"megatron-core {version('megatron-core')}",
+          "megatron_yarn")
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    assert attention_factor(config) == 1.0
+    set_attention_factor(config, 1.1386)
+    assert abs(attention_factor(config) - 1.1386) < 1e-12

@@ -222,6 +222,9 @@ CASES = [
     Case("--position-embedding-type", flags=("--position-embedding-type", "rope")),
     Case("--rotary-base", flags=("--rotary-base", "100"), ref_flags=("--position-embedding-type", "rope")),
     Case("--rotary-percent", flags=("--rotary-percent", "0.5"), ref_flags=("--position-embedding-type", "rope")),
+    Case("--rope-scaling", flags=("--rope-scaling", '{"rope_type": "yarn", "factor": 4, '
+                                  '"original_max_position_embeddings": 8}'),
+         ref_flags=("--position-embedding-type", "rope")),
     Case("--swiglu", flags=("--swiglu",), ref={"layer_interval": 2}),   # a dense MLP to gate (layer 1)
     Case("--group-query-attention", flags=("--group-query-attention",), label="--group-query-attention (1 group)"),
     Case("--num-query-groups", flags=("--num-query-groups", "2"), ref_flags=("--group-query-attention",)),

@@ -5,7 +5,9 @@ Tiny random models of every architecture are built with transformers' own classe
 of 32 over a hidden size of 64; Qwen2-MoE with its sigmoid-gated shared expert, QKV bias and
 unnormalised gates; OLMoE with QK-norm over the whole projections and unnormalised gates; GLM-4.5 with
 sigmoid scores, a non-zero correction bias, 2 of 4 groups, scaled gates, a dense first layer, an
-ungated shared expert, QKV bias, QK-norm and half the head rotated; a dense tied Llama; a dense untied Qwen3 with QK-norm and heads of 32; a
+ungated shared expert, QKV bias, QK-norm and half the head rotated; a Qwen3-MoE with YaRN (4 x an
+original context of 8, so the tests' 16 tokens run past it); a dense tied Llama; a dense untied Qwen3 with
+QK-norm and heads of 32; a
 dense untied Mistral without sliding window). Each is imported with the "moe" block holding only
 ``num_experts`` (the rest filled in from config.json), and:
 
@@ -221,7 +223,8 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_pat
     from moe_plugin.interop import export_hf
 
     _root, tokens_BS, cases = imported
-    for name in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "llama", "qwen3", "mistral"):
+    for name in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "qwen3_moe_yarn", "llama", "qwen3",
+                 "mistral"):
         out = tmp_path / name
         done = export_hf(cases[name]["ckpt"], out, max_shard_size="100KB", progress=lambda line: None)
         print(f"export-hf {name}: {done['seconds']:.2f} s, {len(done['files'])} files")
@@ -241,6 +244,10 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_pat
         assert transformers.AutoTokenizer.from_pretrained(str(out))("w5 w7")["input_ids"] == [5, 7]
         model, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
+        config, hf_config = (json.loads((d / "config.json").read_text()) for d in (out, Path(cases[name]["hf"])))
+        skip = ("transformers_version", "head_dim")
+        assert {k: config.get(k) for k in hf_config if k not in skip} == \
+            {k: v for k, v in hf_config.items() if k not in skip}, name
         assert type(model).__name__ == transformers.AutoConfig.from_pretrained(cases[name]["hf"]).architectures[0]
     # an upcycled dense import keeps the tokenizer files and exports as the inferred MoE architecture
     for name, model_type in (("llama", "mixtral"), ("qwen3", "qwen3_moe"), ("mistral", "mixtral")):
@@ -310,7 +317,8 @@ def test_glm_multi_token_prediction_layers_are_left_out_naming_them(imported, tm
     hf = tmp_path / "glm-mtp"
     shutil.copytree(cases["glm4_moe"]["hf"], hf)
     tensors = load_file(str(hf / "model.safetensors"))
-    tensors.update({"model.layers.2.eh_proj.weight": torch.ones(64, 128), "model.layers.2.enorm.weight": torch.ones(64)})
+    tensors.update({"model.layers.2.eh_proj.weight": torch.ones(64, 128),
+                    "model.layers.2.enorm.weight": torch.ones(64)})
     save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
     lines = []
     import_hf(hf, {"moe": {"num_experts": EXPERTS}}, tmp_path / "ckpt", progress=lines.append)
@@ -447,7 +455,7 @@ def test_export_refuses_what_the_architecture_cannot_express(imported, tmp_path)
 
 # -- train the imported model with the example, export it ------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "olmoe", "glm4_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "olmoe", "glm4_moe", "qwen3_moe_yarn"])
 def test_trained_import_exports_to_what_the_plugin_evaluates(imported, tmp_path, name):
     """The imported Mixtral (and OLMoE) trained 2 steps by the example under dp 2 x ep 2, ZeRO-1 (``--load`` the
     import, ``--async-save``), exported: transformers' logits of the export are the plugin's of the

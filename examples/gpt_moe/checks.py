@@ -124,6 +124,14 @@ def check_architecture(args: argparse.Namespace) -> None:
                           f"{args.position_embedding_type})")
     if args.rotary_base is not None and not args.rotary_base > 1:
         raise ConfigError("--rotary-base", args.rotary_base, "expected a base period > 1 (e.g. 10000)")
+    scaling = getattr(args, "rope_scaling", None)
+    if scaling is not None:
+        if args.position_embedding_type != "rope":
+            raise ConfigError("--rope-scaling", scaling, f"needs --position-embedding-type rope (it is "
+                              f"{args.position_embedding_type})")
+        from moe_plugin.integration.rope import RopeScaling
+
+        RopeScaling.from_dict(scaling)   # a bad value named before any side effect
     percent = getattr(args, "rotary_percent", None)
     if percent is not None and args.position_embedding_type != "rope":
         raise ConfigError("--rotary-percent", percent, f"needs --position-embedding-type rope (it is "

@@ -108,6 +108,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        "needs --position-embedding-type rope)")
     model.add_argument("--rotary-percent", type=float, default=None, help="the share of each head's dimensions "
                        "RoPE rotates, the first ones (default 1.0; GLM-4.5: 0.5; needs --position-embedding-type rope)")
+    model.add_argument("--rope-scaling", default=None, metavar="JSON",
+                       help="RoPE scaling as Hugging Face's rope_parameters give it, e.g. '{\"rope_type\": \"yarn\", "
+                       "\"factor\": 4, \"original_max_position_embeddings\": 4096}' (yarn; needs "
+                       "--position-embedding-type rope)")
     model.add_argument("--swiglu", action="store_true",
                        help="gated SiLU dense MLPs (gated_linear_unit, activation silu); the experts' activation is "
                        "moe.activation of the JSON (\"swiglu\")")
@@ -349,9 +353,20 @@ def gpt_model_provider(args: argparse.Namespace, vocab_size: int):
         model = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
                          share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                          **position_embedding(args))
-        return skewed(args, model)
+        return skewed(args, rope_scaled(args, model, config))
 
     return provider
+
+
+def rope_scaled(args: argparse.Namespace, model: torch.nn.Module, config) -> torch.nn.Module:
+    """``--rope-scaling``: the model's RoPE scaled (YaRN, ``moe_plugin.integration.rope``)."""
+    if args.rope_scaling is None:
+        return model
+    from moe_plugin.integration.rope import RopeScaling, apply_rope_scaling
+
+    position = position_embedding(args)
+    return apply_rope_scaling(model, RopeScaling.from_dict(args.rope_scaling), kv_channels=config.kv_channels,
+                              rotary_base=position["rotary_base"], rotary_percent=position["rotary_percent"])
 
 
 def skewed(args: argparse.Namespace, model: torch.nn.Module) -> torch.nn.Module:
@@ -373,11 +388,12 @@ def gpt_pipeline_provider(args: argparse.Namespace, vocab_size: int):
     def provider(moe_config: MoEConfig, groups):
         from moe_plugin import gpt_pipeline_module
 
-        return skewed(args, gpt_pipeline_module(
-            transformer_config(args, moe_config), moe_config, groups, vocab_size=vocab_size,
+        config = transformer_config(args, moe_config)
+        return skewed(args, rope_scaled(args, gpt_pipeline_module(
+            config, moe_config, groups, vocab_size=vocab_size,
             max_sequence_length=args.max_position_embeddings, seed=args.seed,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            qk_layernorm_scope=args.qk_layernorm_scope, **position_embedding(args)))
+            qk_layernorm_scope=args.qk_layernorm_scope, **position_embedding(args)), config))
 
     return provider
 

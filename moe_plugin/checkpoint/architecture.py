@@ -20,7 +20,8 @@ FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_atte
          "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
          "qk_layernorm": "--qk-layernorm", "position_embedding_type": "--position-embedding-type",
          "rotary_base": "--rotary-base", "tied": "--untie-embeddings-and-output-weights",
-         "qk_layernorm_scope": "--qk-layernorm-scope", "rotary_percent": "--rotary-percent"}
+         "qk_layernorm_scope": "--qk-layernorm-scope", "rotary_percent": "--rotary-percent",
+         "rope_scaling": "--rope-scaling"}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -40,7 +41,7 @@ def architecture_problems(meta: dict, running: dict) -> list[str]:
             "position_embedding_type": running.get("position_embedding_type", "learned_absolute"),
             "rotary_base": running.get("rotary_base"), "tied": running.get("tied"),
             "qk_layernorm_scope": running.get("qk_layernorm_scope", "head"),
-            "rotary_percent": running.get("rotary_percent", 1.0)}
+            "rotary_percent": running.get("rotary_percent", 1.0), "rope_scaling": running.get("rope_scaling")}
     wanted = {**record.get("transformer_config", {}), **record.get("model", {})}
     return [f"{key} is {wanted[key]!r} in the checkpoint but {mine.get(key)!r} in the model (the example's "
             f"{FLAGS.get(key, key)}; the checkpoint's flags: {' '.join(record.get('flags', []))})"

@@ -286,7 +286,8 @@ def export_config(meta: dict, path: str) -> dict:
             "vocab_size": model["vocab_size"], "max_sequence_length": model["max_sequence_length"],
             "share_embeddings_and_output_weights": bool(model.get("tied", False)),
             **{k: model.get(k, default) for k, default in POSITION_DEFAULTS.items()},
-            "qk_layernorm_scope": model.get("qk_layernorm_scope", "head"), "moe": moe,
+            "qk_layernorm_scope": model.get("qk_layernorm_scope", "head"), "rope_scaling": model.get("rope_scaling"),
+            "moe": moe,
             "source": {"checkpoint": path, "tag": meta["tag"], "global_steps": meta["global_steps"],
                        "layout": meta["layout"], "zero_stage": meta["zero_stage"]}}
 

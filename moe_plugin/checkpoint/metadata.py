@@ -184,7 +184,8 @@ def model_description(model: nn.Module) -> dict:
     ``tied`` (the word embedding and the output layer share their weight), ``position_embedding_type``
     and ``rotary_base`` (``GPTModel``'s and ``GPTPipelineModule``'s attributes, where the model has
     them), ``qk_layernorm_scope`` "projection" where the QK-norm covers whole projections (absent:
-    per head). Merged over the ranks by ``merge_descriptions``."""
+    per head), ``rope_scaling`` (YaRN's dict, where the model's RoPE is scaled). Merged over the
+    ranks by ``merge_descriptions``."""
     out: dict = {}
     config = getattr(model, "config", None)
     if config is None:
@@ -208,6 +209,8 @@ def model_description(model: nn.Module) -> dict:
             out[key] = value
     if any(type(m).__name__ == "ProjectionQKNorm" for m in model.modules()):   # (no Megatron import here)
         out["qk_layernorm_scope"] = "projection"
+    if getattr(model, "rope_scaling", None):   # integration.rope.apply_rope_scaling
+        out["rope_scaling"] = dict(model.rope_scaling)
     return out
 
 
@@ -227,6 +230,8 @@ def architecture_differences(saved: Optional[dict], mine: dict) -> list[str]:
         return out
     kinds = positions["position_embedding_type"]
     compared = ["position_embedding_type"] + (["rotary_base", "rotary_percent"] if kinds == ("rope", "rope") else [])
+    positions["rope_scaling"] = (saved.get("rope_scaling"), mine.get("rope_scaling"))
+    compared += ["rope_scaling"] if kinds == ("rope", "rope") else []
     return out + [f"{k}: {positions[k][0]!r} in the checkpoint, {positions[k][1]!r} in the model"
                   for k in compared if positions[k][0] != positions[k][1]]
 
@@ -234,7 +239,8 @@ def architecture_differences(saved: Optional[dict], mine: dict) -> list[str]:
 def merge_descriptions(parts: list[dict]) -> dict:
     """One model description from every rank's (``model_description``)."""
     out: dict = {"tied": any(p.get("tied", False) for p in parts)}
-    for key in ("transformer_config", "vocab_size", "max_sequence_length", "qk_layernorm_scope", *POSITION_DEFAULTS):
+    for key in ("transformer_config", "vocab_size", "max_sequence_length", "qk_layernorm_scope", "rope_scaling",
+                *POSITION_DEFAULTS):
         found = [p[key] for p in parts if key in p]
         if found:
             out[key] = found[0]

@@ -87,6 +87,7 @@ class HFArchitecture:
     dtype: str
     qk_layernorm_scope: str = "head"   # "projection": one RMSNorm over all heads of q / of k (OLMoE)
     rotary_percent: float = 1.0        # the share of a head's dimensions RoPE rotates (GLM-4.5: 0.5)
+    rope_scaling: Optional[dict] = None   # YaRN's parameters (integration.rope.RopeScaling.to_dict)
     moe_layers: tuple[int, ...] = ()
     num_experts: int = 0
     top_k: int = 0
@@ -160,6 +161,8 @@ class HFArchitecture:
             out["qk_layernorm_scope"] = self.qk_layernorm_scope
         if self.rotary_percent != 1.0:
             out["rotary_percent"] = self.rotary_percent
+        if self.rope_scaling:
+            out["rope_scaling"] = dict(self.rope_scaling)
         return out
 
     def example_flags(self) -> list[str]:
@@ -175,6 +178,10 @@ class HFArchitecture:
                   "--disable-bias-linear"]
         if self.rotary_percent != 1.0:
             flags += ["--rotary-percent", repr(float(self.rotary_percent))]
+        if self.rope_scaling:
+            import json
+
+            flags += ["--rope-scaling", json.dumps(self.rope_scaling, separators=(",", ":"))]
         if self.qkv_bias:
             flags.append("--add-qkv-bias")
         if self.qk_layernorm:
@@ -241,9 +248,16 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
     scaling = getattr(cfg, "rope_scaling", None)
     if isinstance(scaling, dict):
         rope = {**scaling, **rope}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise refuse("rope_parameters.rope_type", rope.get("rope_type", rope.get("type")),
-                     "RoPE scaling (the plugin implements plain RoPE)")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    rope_scaling = None
+    if kind == "yarn":   # integration.rope
+        from moe_plugin.integration.rope import RopeScaling
+
+        if rope.get("factor") is None and rope.get("original_max_position_embeddings"):   # DeepSeek's way
+            rope["factor"] = cfg.max_position_embeddings / rope["original_max_position_embeddings"]
+        rope_scaling = RopeScaling.from_dict(rope, f"{where}: rope_parameters").to_dict()
+    elif kind != "default":
+        raise refuse("rope_parameters.rope_type", kind, "RoPE scaling other than yarn")
     partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0) and not deepseek:
         raise refuse("partial_rotary_factor", partial, "partial rotary embeddings outside GLM-4.5")
@@ -276,6 +290,7 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
                   qk_layernorm=(t in ("qwen3", "qwen3_moe", "olmoe")
                                 or deepseek and bool(getattr(cfg, "use_qk_norm", False))),
                   dtype=str(dtype).replace("torch.", ""), rotary_percent=float(partial or 1.0),
+                  rope_scaling=rope_scaling,
                   qk_layernorm_scope="projection" if t == "olmoe" else "head", config=cfg.to_dict())
     if t not in MOE_TYPES:
         return HFArchitecture(**common)

@@ -226,7 +226,7 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
                                     int((meta.get("hf", {}).get("config") or {}).get("max_position_embeddings", 0))),
         norm_epsilon=float(tc.get("layernorm_epsilon", 1e-5)), rotary_base=float(model["rotary_base"]),
         tied=bool(model.get("tied", False)), qkv_bias=model_type == "qwen2_moe" or qkv_bias, qk_layernorm=qk,
-        qk_layernorm_scope=scope, rotary_percent=rotary_percent,
+        qk_layernorm_scope=scope, rotary_percent=rotary_percent, rope_scaling=model.get("rope_scaling"),
         dtype=meta.get("hf", {}).get("dtype", "float32"), moe_layers=moe_layers, num_experts=E,
         top_k=int(moe.get("top_k") or 0), normalize_gates=bool(moe.get("normalize_gates", True)),
         expert_ffn_hidden_size=expert_ffn, shared_ffn_hidden_size=shared_ffn,
@@ -295,7 +295,7 @@ def hf_config(transformers: Any, arch: HFArchitecture, meta: dict, dtype: str) -
                   num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
                   head_dim=arch.kv_channels, intermediate_size=arch.ffn_hidden_size, hidden_act="silu",
                   max_position_embeddings=arch.max_position_embeddings, rms_norm_eps=arch.norm_epsilon,
-                  rope_parameters={"rope_type": "default", "rope_theta": arch.rotary_base},
+                  rope_parameters={**(arch.rope_scaling or {"rope_type": "default"}), "rope_theta": arch.rotary_base},
                   tie_word_embeddings=arch.tied, attention_dropout=0.0)
     if t == "mixtral":
         fields.update(num_local_experts=arch.num_experts, num_experts_per_tok=arch.top_k,

@@ -233,4 +233,6 @@ def model_description(arch: HFArchitecture) -> dict:
     return {"transformer_config": transformer_config_dict(_transformer_config(arch)), "vocab_size": arch.vocab_size,
             "max_sequence_length": arch.max_position_embeddings, "tied": arch.tied,
             "position_embedding_type": "rope", "rotary_base": arch.rotary_base,
-            **({"qk_layernorm_scope": arch.qk_layernorm_scope} if arch.qk_layernorm_scope != "head" else {})}
+            **({"qk_layernorm_scope": arch.qk_layernorm_scope} if arch.qk_layernorm_scope != "head" else {}),
+            **({"rope_scaling": dict(arch.rope_scaling)} if arch.rope_scaling else {}),
+            **({"rotary_percent": arch.rotary_percent} if arch.rotary_percent != 1.0 else {})}
