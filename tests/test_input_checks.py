@@ -160,6 +160,26 @@ def test_exit_on_config_error_prints_on_rank_0_and_exits_2_everywhere(monkeypatc
                                  "8\n" if printed else "")
 
 
+@pytest.mark.parametrize("rank, launcher, waits", [("1", "CROSS_RANK", True), ("1", "TORCHELASTIC_RUN_ID", True),
+                                                   ("0", "CROSS_RANK", False), ("1", None, False)])
+def test_under_a_launcher_other_ranks_wait_for_rank_0_to_print(monkeypatch, capsys, rank, launcher, waits):
+    """The deepspeed launcher (and torchrun) ends every rank once one exits: a rank other than 0 that
+    exits first with the error would have rank 0 killed before it printed the line. Those ranks wait
+    ``LAUNCHER_GRACE_S`` before exiting (the launcher ends them once rank 0 has); elsewhere none waits."""
+    from moe_plugin.configs import report
+
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    monkeypatch.setenv("RANK", rank)
+    for name in ("CROSS_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    if launcher:
+        monkeypatch.setenv(launcher, "0")
+    status = report.report_error(ConfigError("moe.top_k", 9, "bad"))
+    assert status == 2 and slept == ([report.LAUNCHER_GRACE_S] if waits else [])
+    assert (capsys.readouterr().err != "") == (rank == "0")
+
+
 # -- the example: data and model flags, before any group ----------------------------------------
 
 def _example_error(tmp_path, monkeypatch, capsys, *argv, ds_change=None, rank="0"):

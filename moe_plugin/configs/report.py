@@ -33,6 +33,7 @@ from moe_plugin.configs.errors import ConfigError
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
+LAUNCHER_GRACE_S = 10.0   # rank 0 reaches the same error within this (it is raised alike)
 _ALIKE = "_moe_plugin_alike_on_every_rank"
 
 
@@ -62,10 +63,24 @@ def raised_alike(err: BaseException) -> bool:
 
 def report_error(err: BaseException, file: TextIO | None = None) -> int:
     """Print ``err`` as one line on rank 0 (stderr by default); return the exit status every rank
-    exits with: 2 for a ``ConfigError`` (bad input), 1 for another error."""
+    exits with: 2 for a ``ConfigError`` (bad input), 1 for another error. Under a launcher that ends
+    every rank once one exits (``deepspeed``'s ``launch.py``, ``torchrun``), the other ranks wait up
+    to ``LAUNCHER_GRACE_S`` first, so that rank 0 prints and exits before the launcher kills it:
+    the launcher then ends them (the line was lost when another rank exited first)."""
+    status = EXIT_BAD_INPUT if isinstance(err, ConfigError) else EXIT_FAILED
     if process_rank() == 0:
         print(error_line(err), file=sys.stderr if file is None else file, flush=True)
-    return EXIT_BAD_INPUT if isinstance(err, ConfigError) else EXIT_FAILED
+    elif under_killing_launcher():
+        import time
+
+        time.sleep(LAUNCHER_GRACE_S)
+    return status
+
+
+def under_killing_launcher() -> bool:
+    """Whether a launcher that kills the other ranks when one exits started this process: DeepSpeed's
+    ``launch.py`` (it sets ``CROSS_RANK``) or torch's elastic agent (``TORCHELASTIC_RUN_ID``)."""
+    return "CROSS_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def report_config_error(err: BaseException, file: TextIO | None = None) -> int:
