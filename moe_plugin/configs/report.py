@@ -66,13 +66,19 @@ def report_error(err: BaseException, file: TextIO | None = None) -> int:
     exits with: 2 for a ``ConfigError`` (bad input), 1 for another error. Under a launcher that ends
     every rank once one exits (``deepspeed``'s ``launch.py``, ``torchrun``), the other ranks wait up
     to ``LAUNCHER_GRACE_S`` first, so that rank 0 prints and exits before the launcher kills it:
-    the launcher then ends them (the line was lost when another rank exited first)."""
+    the launcher then ends them (the line was lost when another rank exited first). A rank that
+    waits with a process group removes its DeepSpeed /dev/shm buffers first (the launcher's kill
+    skips its exit handlers)."""
     status = EXIT_BAD_INPUT if isinstance(err, ConfigError) else EXIT_FAILED
     if process_rank() == 0:
         print(error_line(err), file=sys.stderr if file is None else file, flush=True)
     elif under_killing_launcher():
         import time
 
+        if distributed_initialized():   # the launcher may kill this rank while it waits: nothing left behind
+            from moe_plugin.compat.shm_buffers import remove_shm_buffers
+
+            remove_shm_buffers([process_rank()])
         time.sleep(LAUNCHER_GRACE_S)
     return status
 
