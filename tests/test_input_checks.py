@@ -4,6 +4,7 @@ DeepSpeed's batch arithmetic, MoE layers past the model's depth, the report on r
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -286,11 +287,21 @@ finally:   # what each rank saw of torch.distributed when it stopped
 '''
 
 
+LINE_ROUNDS = 10   # two jobs a round: the line must arrive in all 20 launches
+
+
 @pytest.mark.slow
 def test_launcher_two_ranks_one_line_status_2_no_group(tmp_path):
-    """Two launches of 2 ranks, side by side: the example with a truncated .bin (found in build_data),
-    and a user script whose moe_plugin.initialize gets a 4-rank JSON (found by the plugin's batch
-    check). ``launcher.jobs`` fails when a job leaves its ``/dev/shm`` buffers behind."""
+    """Two launches of 2 ranks, side by side, ``LINE_ROUNDS`` times: the example with a truncated .bin
+    (found in build_data), and a user script whose moe_plugin.initialize gets a 4-rank JSON (found by
+    the plugin's batch check). Every launch prints the one line (before ranks other than 0 waited for
+    rank 0, the launcher killed rank 0 before it printed in about one launch in a few).
+    ``launcher.jobs`` fails when a job leaves its ``/dev/shm`` buffers behind."""
+    for _ in range(LINE_ROUNDS):
+        _two_jobs_one_line_each(tmp_path)
+
+
+def _two_jobs_one_line_each(tmp_path) -> None:
     from launcher import jobs
     from example_runs import MODEL_FLAGS, SCRIPT, ds_config
 
@@ -301,6 +312,7 @@ def test_launcher_two_ranks_one_line_status_2_no_group(tmp_path):
     script = tmp_path / "user.py"
     script.write_text(USER_SCRIPT)
     config = tmp_path / "job" / "ds4.json"
+    shutil.rmtree(config.parent, ignore_errors=True)
     config.parent.mkdir()
     config.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
                                   "gradient_accumulation_steps": 1,
