@@ -129,6 +129,7 @@ from moe_plugin.checkpoint.readers import deepspeed_header, materialize_all, ope
 from moe_plugin.checkpoint.reshard import own_dense
 from moe_plugin.checkpoint.rng import RNG_KIND, clear_pending_load, rng_state, set_rng_state
 from moe_plugin.checkpoint.tags import check_keep_last, choose_tag, prune, saving
+from moe_plugin.checkpoint.trust import trusted, trusting
 from moe_plugin.compat.deepspeed_checkpoint import (
     is_optimizer_file,
     is_recovery_script,
@@ -142,7 +143,6 @@ from moe_plugin.compat.deepspeed_checkpoint_engine import (
     reading_safely,
     recording_checkpoint_engine,
 )
-from moe_plugin.checkpoint.trust import trusted, trusting
 from moe_plugin.compat.torch_files import unadmitted
 
 

@@ -30,11 +30,10 @@ import time
 from typing import Callable, Optional
 
 from moe_plugin.checkpoint.errors import CheckpointError
-from moe_plugin.checkpoint.files import read_torch, tag_written_here, verify_all, write_metadata
+from moe_plugin.checkpoint.files import read_torch, tag_files, tag_written_here, verify_all, write_metadata
 from moe_plugin.checkpoint.metadata import (
     EXPERT_DIR,
     FORMAT_VERSION,
-    META_FILE,
     RNG_DIR,
     SAFE,
     legacy_pickles,
@@ -75,7 +74,7 @@ def convert_checkpoint(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, 
                               "nothing to convert (it loads as it is)")
     say(f"checking {len(meta.get('files', {}))} files of {path} against their checksums")
     verify_all(path, meta)
-    names = sorted(meta.get("files") or _listing(path))
+    names = sorted(meta.get("files") or tag_files(path))
     rewritten, copied = [], []
     with tag_written_here(out_dir, tag, "convert into another directory, or remove it") as tmp:
         for i, name in enumerate(names, 1):
@@ -99,11 +98,6 @@ def convert_checkpoint(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, 
     say(f"converted {path} -> {os.path.join(out_dir, tag)}: {len(rewritten)} pickles rewritten as safetensors, "
         f"{len(copied)} files copied, in {seconds:.2f} s")
     return {"path": os.path.join(out_dir, tag), "rewritten": rewritten, "copied": copied, "seconds": seconds}
-
-
-def _listing(path: str) -> list[str]:
-    return [os.path.relpath(os.path.join(root, n), path) for root, _dirs, files in os.walk(path) for n in files
-            if n != META_FILE]
 
 
 def _rewrite(source: str, target: str, folder: str) -> None:

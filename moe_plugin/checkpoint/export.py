@@ -14,7 +14,8 @@ Written into ``out_dir``: ``model.safetensors`` (every tensor of the ``GPTModel`
 floating point ones as fp32) and ``config.json`` (``transformer_config``: the TransformerConfig
 fields JSON can hold, parallel sizes set to 1; ``vocab_size``; ``max_sequence_length``;
 ``share_embeddings_and_output_weights``; ``position_embedding_type``, ``rotary_base`` and
-``rotary_percent`` (GPTModel's arguments); ``qk_layernorm_scope`` (``gpt_moe_spec``'s); the ``moe`` block with parallel sizes 1; ``source``: the
+``rotary_percent`` (GPTModel's arguments); ``qk_layernorm_scope`` (``gpt_moe_spec``'s); ``rope_scaling``;
+the ``moe`` block with parallel sizes 1; ``source``: the
 checkpoint, tag, step and saved layout).
 
 How: every file is first checked against the checksums the save recorded. Then tensor by tensor
@@ -48,8 +49,8 @@ from moe_plugin.checkpoint.files import verify_all
 from moe_plugin.checkpoint.metadata import (
     POSITION_DEFAULTS,
     check_not_legacy,
-    named_function,
     module_files,
+    named_function,
     placement_key,
     read_latest,
     read_metadata,

@@ -22,6 +22,7 @@ from moe_plugin.checkpoint.errors import CheckpointError, first_line
 from moe_plugin.checkpoint.experts import expert_weights
 from moe_plugin.checkpoint.optimizer import RECORD_DIR, basic_optimizer, check_record_loads, record_kind
 from moe_plugin.checkpoint.tensor_files import SUFFIX
+from moe_plugin.checkpoint.trust import trusted
 from moe_plugin.compat.deepspeed_checkpoint import model_file_name
 
 # 2: a conversion's checkpoint (import-hf, upcycle) keeps its tensors in safetensors files
@@ -225,13 +226,12 @@ def architecture_differences(saved: Optional[dict], mine: dict) -> list[str]:
     scopes = (saved.get("qk_layernorm_scope", "head"), mine.get("qk_layernorm_scope", "head"))
     if theirs.get("qk_layernorm") and scopes[0] != scopes[1]:
         out.append(f"qk_layernorm_scope: {scopes[0]!r} in the checkpoint, {scopes[1]!r} in the model")
-    positions = {k: (saved.get(k, default), mine.get(k, default)) for k, default in POSITION_DEFAULTS.items()}
+    positions = {k: (saved.get(k, default), mine.get(k, default))
+                 for k, default in {**POSITION_DEFAULTS, "rope_scaling": None}.items()}
     if "position_embedding_type" not in mine:   # a model of the user's own, without GPTModel's attributes
         return out
-    kinds = positions["position_embedding_type"]
-    compared = ["position_embedding_type"] + (["rotary_base", "rotary_percent"] if kinds == ("rope", "rope") else [])
-    positions["rope_scaling"] = (saved.get("rope_scaling"), mine.get("rope_scaling"))
-    compared += ["rope_scaling"] if kinds == ("rope", "rope") else []
+    rope = positions["position_embedding_type"] == ("rope", "rope")
+    compared = ["position_embedding_type"] + (["rotary_base", "rotary_percent", "rope_scaling"] if rope else [])
     return out + [f"{k}: {positions[k][0]!r} in the checkpoint, {positions[k][1]!r} in the model"
                   for k in compared if positions[k][0] != positions[k][1]]
 
@@ -325,8 +325,6 @@ def named_function(path: Optional[str], where: str) -> Any:
     from ``FUNCTION_MODULES`` only unless trusted; ``where`` names the record in the refusal."""
     import importlib
 
-    from moe_plugin.checkpoint.trust import trusted
-
     module, _, name = str(path).partition(":")
     if not any(module == m or module.startswith(m + ".") for m in FUNCTION_MODULES) and not trusted():
         raise CheckpointError(f"{where}: activation_func {path!r} names a module outside {list(FUNCTION_MODULES)}, "
@@ -350,9 +348,7 @@ def legacy_pickles(path: str, meta: dict) -> list[str]:
 
 def check_not_legacy(path: str, meta: dict, how: str = "--trust-checkpoint (trust=True)") -> None:
     """Refuse, in one line, a tag holding pickles of an earlier moe_plugin (``legacy_pickles``)
-    unless reading them is trusted (``torch_files.trusting``)."""
-    from moe_plugin.checkpoint.trust import trusted
-
+    unless reading them is trusted (``trust.trusting``)."""
     found = legacy_pickles(path, meta)
     if found and not trusted():
         raise CheckpointError(f"{os.path.join(path, found[0])}: a legacy pickle (moe_plugin checkpoint format version "

@@ -66,11 +66,11 @@ from moe_plugin.checkpoint.files import refuse_existing
 from moe_plugin.checkpoint.metadata import named_function, saved_model_files
 from moe_plugin.checkpoint.one_rank import OneRankPlan, write_one_rank
 from moe_plugin.checkpoint.readers import deepspeed_header
+from moe_plugin.checkpoint.trust import trust_argument
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.layers.experts import ffn_shard
 from moe_plugin.layers.init import seeded_generator
 from moe_plugin.layers.router import ROUTER_STREAM
-from moe_plugin.checkpoint.trust import trust_argument
 
 logger = logging.getLogger(__name__)
 

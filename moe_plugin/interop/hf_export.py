@@ -38,11 +38,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from moe_plugin.checkpoint.errors import CheckpointError
+from moe_plugin.checkpoint.trust import trust_argument
 from moe_plugin.configs import ConfigError
 from moe_plugin.interop.hf_arch import ARCHITECTURES, DEEPSEEK_ROUTED, MOE_TYPES, HFArchitecture, transformers_module
 from moe_plugin.interop.hf_families import HFMapping, Rule
 from moe_plugin.interop.hf_files import HFShardWriter, parse_size
-from moe_plugin.checkpoint.trust import trust_argument
 
 logger = logging.getLogger(__name__)
 
