@@ -42,6 +42,23 @@ MODELS = {
                       routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,     # QKV bias, QK-norm,
                       attention_bias=True, use_qk_norm=True,                                       # half the head rotated
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",   # multi-latent attention (interleaved RoPE) with
+                    dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=EXPERTS,   # YaRN (its mscales
+                         num_experts_per_tok=TOP_K, n_shared_experts=1, n_group=4, topk_group=2,      # set the softmax
+                         routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,     # scale and the
+                         q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,    # cos/sin factor),
+                         v_head_dim=12, num_key_value_heads=4, max_position_embeddings=32,            # DeepSeek-V3
+                         rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,  # routing
+                                          "original_max_position_embeddings": 8, "mscale": 1.0, "mscale_all_dim": 0.8,
+                                          "beta_fast": 32, "beta_slow": 1})),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",   # V2-Lite's full query projection, softmax
+                    dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=EXPERTS,   # group_limited_
+                         num_experts_per_tok=TOP_K, n_shared_experts=2, n_group=4, topk_group=2,      # greedy, scaled
+                         topk_method="group_limited_greedy", routed_scaling_factor=1.5,               # unnormalised
+                         first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,                  # gates
+                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4,
+                         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=64, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",   # dense: QK-norm, heads of 32 (not 16), untied
               dict(intermediate_size=64, head_dim=32, tie_word_embeddings=False)),

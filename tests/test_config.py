@@ -306,7 +306,8 @@ def test_errors_inside_a_file_keep_the_key_path(tmp_path):
 # The resolved defaults of the smallest valid block, {"num_experts": 8}; docs/config.md says why.
 DEFAULTS = {
     "num_experts": 8, "top_k": 2, "router": "gshard", "normalize_gates": True, "score_function": "softmax",
-    "gate_scale": 1.0, "group_topk": None, "router_groups": None, "second_expert_policy": "random",
+    "gate_scale": 1.0, "group_topk": None, "router_groups": None, "group_score": "top2_sum",
+    "second_expert_policy": "random",
     "drop_policy": "position",
     "capacity_factor": 1.25, "eval_capacity_factor": 2.0, "min_capacity": 4, "drop_tokens": True,
     "aux_loss_coeff": 0.01, "aux_loss_scope": "micro_batch", "z_loss_coeff": 0.0, "bias_update_rate": 0.0,
@@ -338,9 +339,9 @@ def test_router_groups_never_follow_the_layout():
     assert MoEConfig.from_dict(with_experts()).group_limit is None
     for ep in (1, 2, 4, 8):
         config = MoEConfig.from_dict(with_experts(group_topk=1, router_groups=4, parallel={"expert": ep}))
-        assert config.group_limit == (4, 1)
+        assert config.group_limit == (4, 1, 2)
     wide = with_experts(num_experts=16, router="topk", top_k=4, group_topk=2, router_groups=8)
-    assert MoEConfig.from_dict(dict(wide, parallel={"expert": 2})).group_limit == (8, 2)
+    assert MoEConfig.from_dict(dict(wide, parallel={"expert": 2})).group_limit == (8, 2, 2)
 
 
 # Settings under which a field is never read, and a value of it for each (valid but ignored there).

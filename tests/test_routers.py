@@ -80,32 +80,33 @@ def test_sigmoid_choice_adds_the_bias_to_scores_not_logits(drop):
     check_against_oracle(layer, tokens())
 
 
-def _brute_force_group_choice(choice_TE, group_TE, G, M, k):
+def _brute_force_group_choice(choice_TE, group_TE, G, M, k, per_group=2):
     """Per token: the M-subset of groups with the largest sum of group scores (each the sum of
-    the group's two best ``group_TE`` values, sorted by hand), then the k best experts in it."""
+    the group's ``per_group`` best ``group_TE`` values, sorted by hand), then the k best experts in it."""
     E = choice_TE.shape[1]
     n = E // G
     experts = []
     for choice, weight in zip(choice_TE.tolist(), group_TE.tolist()):
-        score = [sum(sorted(weight[g * n:(g + 1) * n])[::-1][:2]) for g in range(G)]
+        score = [sum(sorted(weight[g * n:(g + 1) * n])[::-1][:per_group]) for g in range(G)]
         best = max(itertools.combinations(range(G), M), key=lambda groups: sum(score[g] for g in groups))
         allowed = [e for e in range(E) if e // n in best]
         experts.append(sorted(sorted(allowed, key=lambda e: -choice[e])[:k]))
     return experts
 
 
+@pytest.mark.parametrize("per_group", [2, 1], ids=["top2_sum", "max"])
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("G, M, k", [(4, 1, 2), (4, 2, 3), (2, 1, 4), (8, 3, 3)])
-def test_group_limit_keeps_each_token_inside_m_groups(score, G, M, k):
+def test_group_limit_keeps_each_token_inside_m_groups(score, G, M, k, per_group):
     logits_TE = torch.randn(64, E, generator=torch.Generator().manual_seed(G * 10 + M))
     bias_E = torch.randn(E, generator=torch.Generator().manual_seed(3)) * 0.3
     expert_TK, _, scores_TE = choose(logits_TE, score=score, k=k, normalize=True, expert_bias_E=bias_E,
-                                     group_limit=(G, M))
+                                     group_limit=(G, M, per_group))
     groups_used = [len(set(row)) for row in (expert_TK // (E // G)).tolist()]
     assert max(groups_used) <= M
     choice_TE = (logits_TE if score == "softmax" else scores_TE) + bias_E
     group_TE = torch.softmax(choice_TE, -1) if score == "softmax" else choice_TE
-    assert expert_TK.sort(1).values.tolist() == _brute_force_group_choice(choice_TE, group_TE, G, M, k)
+    assert expert_TK.sort(1).values.tolist() == _brute_force_group_choice(choice_TE, group_TE, G, M, k, per_group)
     free_TK = choose(logits_TE, score=score, k=k, normalize=True, expert_bias_E=bias_E)[0]
     # groups of one expert: the best M >= k groups hold the k best experts, so nothing changes
     assert torch.equal(free_TK, expert_TK) == (G == E), "the limit should bind unless groups are single experts"
@@ -125,3 +126,15 @@ def test_group_limit_ranks_groups_on_score_plus_bias(drop):
     assert biased[2:4].sum() > unbiased[2:4].sum()           # group 1 wins more tokens with the bias
     for routed in (biased, unbiased):   # k = 2 in one group of 2: every token's routes go to a whole group
         assert routed.view(4, 2)[:, 0].tolist() == routed.view(4, 2)[:, 1].tolist()
+
+
+def test_group_score_max_ranks_groups_by_their_best_expert_as_the_oracle_does():
+    """DeepSeek-V2's group_limited_greedy: softmax scores, a group ranked by its best probability, the
+    gates unnormalised and scaled. The layer routes as the oracle; the two group scores choose differently."""
+    fields = dict(router="topk", top_k=2, router_groups=4, group_topk=2, score_function="softmax",
+                  normalize_gates=False, gate_scale=1.5)
+    routed = {}
+    for group_score in ("max", "top2_sum"):
+        layer = make_layer(drop_tokens=False, group_score=group_score, **fields)
+        routed[group_score] = check_against_oracle(layer, tokens())[0].routed_per_expert
+    assert not torch.equal(routed["max"], routed["top2_sum"]), "the case should tell the two group scores apart"

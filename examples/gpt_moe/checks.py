@@ -146,6 +146,36 @@ def check_architecture(args: argparse.Namespace) -> None:
     if scope == "projection" and not (args.qk_layernorm and args.normalization == "RMSNorm"):
         raise ConfigError("--qk-layernorm-scope", scope, "normalises the whole query and key projections with "
                           "RMSNorm: it needs --qk-layernorm and --normalization RMSNorm")
+    check_mla(args)
+
+
+MLA_FLAGS = ("q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+
+
+def check_mla(args: argparse.Namespace) -> None:
+    """Multi-latent attention's flags: sizes >= 1, RoPE, and nothing of grouped-query attention's."""
+    if not getattr(args, "multi_latent_attention", False):
+        given = [name for name in MLA_FLAGS if getattr(args, name, None) is not None]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ConfigError(flag, getattr(args, given[0]), "sizes multi-latent attention: it needs "
+                              "--multi-latent-attention")
+        return
+    for name in ("kv_lora_rank", *MLA_FLAGS):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError("--" + name.replace("_", "-"), value, "expected an integer >= 1")
+    if args.position_embedding_type != "rope":
+        raise ConfigError("--multi-latent-attention", True, f"rotates a shared key: it needs "
+                          f"--position-embedding-type rope (it is {args.position_embedding_type})")
+    if args.group_query_attention:
+        raise ConfigError("--group-query-attention", True, "multi-latent attention has a key and value per head "
+                          "(from its compressed key/value); leave --group-query-attention out")
+    for flag, value in (("--rotary-percent", args.rotary_percent), ("--add-qkv-bias", args.add_qkv_bias or None),
+                        ("--qk-layernorm-scope", None if args.qk_layernorm_scope == "head" else "projection")):
+        if value is not None:
+            raise ConfigError(flag, value, "does not apply to multi-latent attention (its rotated dimensions are "
+                              "--qk-pos-emb-head-dim; its projections have no bias)")
 
 
 def check_layout(args: argparse.Namespace, moe_config: MoEConfig) -> None:
@@ -156,6 +186,16 @@ def check_layout(args: argparse.Namespace, moe_config: MoEConfig) -> None:
     if args.num_attention_heads % p.tensor:
         raise ConfigError("moe.parallel.tensor", p.tensor, f"must divide --num-attention-heads "
                           f"({args.num_attention_heads})")
+    if getattr(args, "multi_latent_attention", False):   # Megatron splits the down projections' outputs over TP
+        head = args.qk_head_dim or args.kv_channels or args.hidden_size // args.num_attention_heads
+        rotated = args.qk_pos_emb_head_dim or max(head // 2, 2)   # pretrain_gpt_moe.mla_fields' defaults
+        sizes = {"--kv-lora-rank + --qk-pos-emb-head-dim": args.kv_lora_rank + rotated}
+        if args.q_lora_rank is not None:
+            sizes["--q-lora-rank"] = args.q_lora_rank
+        for flag, size in sizes.items():
+            if size % p.tensor:
+                raise ConfigError("moe.parallel.tensor", p.tensor, f"must divide {flag}'s down projection "
+                                  f"({size} outputs), which Megatron's MLA splits over the tensor-parallel ranks")
     groups = (args.num_query_groups or 1) if args.group_query_attention else args.num_attention_heads
     if args.group_query_attention and groups % p.tensor:
         raise ConfigError("--num-query-groups", groups, f"must be a multiple of moe.parallel.tensor ({p.tensor}): "

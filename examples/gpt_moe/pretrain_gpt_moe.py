@@ -130,6 +130,20 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--add-qkv-bias", action="store_true",
                        help="biases on the query, key and value projections only (Qwen2), also with "
                        "--disable-bias-linear")
+    model.add_argument("--multi-latent-attention", action="store_true",
+                       help="DeepSeek-V2/V3's multi-latent attention (Megatron's MLASelfAttention): low-rank query "
+                       "and key/value projections, a rotary key shared by the heads; with --qk-layernorm their "
+                       "compressed query and key/value are normalised (DeepSeek's); needs --position-embedding-type "
+                       "rope")
+    model.add_argument("--q-lora-rank", type=int, default=None,
+                       help="MLA: rank of the query's down projection (default: none, a full query projection)")
+    model.add_argument("--kv-lora-rank", type=int, default=32, help="MLA: rank of the key/value down projection")
+    model.add_argument("--qk-head-dim", type=int, default=None,
+                       help="MLA: query/key head dimensions without RoPE (default: --kv-channels or hidden / heads)")
+    model.add_argument("--qk-pos-emb-head-dim", type=int, default=None,
+                       help="MLA: the rotated query/key head dimensions, the key's shared by the heads "
+                       "(default: half of --qk-head-dim)")
+    model.add_argument("--v-head-dim", type=int, default=None, help="MLA: value head size (default: --qk-head-dim)")
     model.add_argument("--dense", action="store_true",
                        help="the dense baseline: Megatron's MLP on every layer; the \"moe\" block still gives the "
                        "parallel layout, its expert settings are unused")
@@ -217,9 +231,23 @@ def model_architecture(args: argparse.Namespace) -> dict:
                         add_bias_linear=not args.disable_bias_linear, qk_layernorm=args.qk_layernorm,
                         num_query_groups=(args.num_query_groups or 1) if args.group_query_attention else None,
                         kv_channels=args.kv_channels, add_qkv_bias=args.add_qkv_bias)
+    if args.multi_latent_attention:
+        fields.update(mla_fields(args))
     if args.swiglu:
         fields.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
     return fields
+
+
+def mla_fields(args: argparse.Namespace) -> dict:
+    """Megatron's ``MLATransformerConfig`` fields of the MLA flags (with --rope-scaling: YaRN's, which set
+    MLA's softmax scale; the frequencies come from ``rope_scaled``)."""
+    from moe_plugin.integration.megatron import mla_fields as fields_of
+
+    head = args.qk_head_dim or args.kv_channels or args.hidden_size // args.num_attention_heads
+    return fields_of(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=head,
+                     qk_pos_emb_head_dim=args.qk_pos_emb_head_dim or max(head // 2, 2),
+                     v_head_dim=args.v_head_dim or head, rotary_base=position_embedding(args)["rotary_base"],
+                     rope_scaling=args.rope_scaling and json.loads(args.rope_scaling))
 
 
 def position_embedding(args: argparse.Namespace) -> dict:
@@ -353,20 +381,19 @@ def gpt_model_provider(args: argparse.Namespace, vocab_size: int):
         model = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
                          share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                          **position_embedding(args))
-        return skewed(args, rope_scaled(args, model, config))
+        return skewed(args, rope_scaled(args, model))
 
     return provider
 
 
-def rope_scaled(args: argparse.Namespace, model: torch.nn.Module, config) -> torch.nn.Module:
+def rope_scaled(args: argparse.Namespace, model: torch.nn.Module) -> torch.nn.Module:
     """``--rope-scaling``: the model's RoPE scaled (YaRN, ``moe_plugin.integration.rope``)."""
     if args.rope_scaling is None:
         return model
     from moe_plugin.integration.rope import RopeScaling, apply_rope_scaling
 
-    position = position_embedding(args)
-    return apply_rope_scaling(model, RopeScaling.from_dict(args.rope_scaling), kv_channels=config.kv_channels,
-                              rotary_base=position["rotary_base"], rotary_percent=position["rotary_percent"])
+    return apply_rope_scaling(model, RopeScaling.from_dict(args.rope_scaling),
+                              rotary_base=position_embedding(args)["rotary_base"])
 
 
 def skewed(args: argparse.Namespace, model: torch.nn.Module) -> torch.nn.Module:
@@ -393,7 +420,7 @@ def gpt_pipeline_provider(args: argparse.Namespace, vocab_size: int):
             config, moe_config, groups, vocab_size=vocab_size,
             max_sequence_length=args.max_position_embeddings, seed=args.seed,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            qk_layernorm_scope=args.qk_layernorm_scope, **position_embedding(args)), config))
+            qk_layernorm_scope=args.qk_layernorm_scope, **position_embedding(args))))
 
     return provider
 

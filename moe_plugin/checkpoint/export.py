@@ -305,8 +305,9 @@ def load_export(out_dir: os.PathLike | str) -> tuple[dict[str, torch.Tensor], di
 
 
 def exported_transformer_config(config: dict, **overrides: Any):
-    """Megatron's ``TransformerConfig`` of an export (1-rank), ``overrides`` applied."""
-    from megatron.core.transformer import TransformerConfig
+    """Megatron's ``TransformerConfig`` of an export (1-rank; ``MLATransformerConfig`` with multi-latent
+    attention), ``overrides`` applied."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     fields = dict(config["transformer_config"])
     for name, value in list(fields.items()):
@@ -315,7 +316,8 @@ def exported_transformer_config(config: dict, **overrides: Any):
             fields[name] = getattr(torch, value[6:])
     if isinstance(fields.get("activation_func"), str):
         fields["activation_func"] = named_function(fields["activation_func"], "the export's config.json")
-    return TransformerConfig(**{**fields, **overrides})
+    kind = MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig
+    return kind(**{**fields, **overrides})
 
 
 def exported_moe_config(config: dict):

@@ -37,8 +37,8 @@ DENSE_DIR, SAFE = "model", "safetensors"   # a conversion's dense files; "expert
 # A key a checkpoint lacks (saved before the field existed) counts as its default, ``SINCE_DEFAULTS``.
 MODEL_KEYS = ("num_experts", "top_k", "router", "normalize_gates", "second_expert_policy", "activation",
               "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate", "layer_interval", "layers",
-              "score_function", "gate_scale", "group_topk", "router_groups")
-SINCE_DEFAULTS = {"score_function": "softmax", "gate_scale": 1.0}
+              "score_function", "gate_scale", "group_topk", "router_groups", "group_score")
+SINCE_DEFAULTS = {"score_function": "softmax", "gate_scale": 1.0, "group_score": "top2_sum"}
 # The model's architecture beyond its shapes, from the ``"model"`` record: TransformerConfig fields
 # and GPTModel's position arguments (``rotary_base`` compared under RoPE only). A record without a
 # position key (saved before it was recorded) counts as GPTModel's default.

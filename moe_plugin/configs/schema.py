@@ -156,6 +156,9 @@ class MoEConfig(_Block):
     router_groups: Optional[int] = Field(
         None, ge=1, description="Expert groups G of group_topk (group g: expert ids g * E/G .. (g + 1) * E/G - 1), "
         "a model constant. Required with group_topk, refused without; a divisor of num_experts but 1 and num_experts.")
+    group_score: Literal["top2_sum", "max"] = Field(
+        "top2_sum", description="How group_topk ranks the expert groups: by the sum of each group's two best "
+        "choice scores (DeepSeek-V3, GLM-4.5), or by its best one (DeepSeek-V2's group_limited_greedy).")
     second_expert_policy: Literal["random", "all"] = Field(
         "random", description="gshard only (all is refused with another router). random: keep the 2nd expert "
         "when 2*g2 > U(0,1) (GShard). all: always keep it.")
@@ -289,6 +292,9 @@ class MoEConfig(_Block):
             if G is not None:
                 raise FieldProblem("router_groups", G, "has no effect without group_topk; set group_topk (the groups "
                                    "a token may use) or leave router_groups out")
+            if self.group_score != "top2_sum":
+                raise FieldProblem("group_score", self.group_score, "ranks the groups of group_topk, which is not "
+                                   "set; leave group_score out")
             return
         valid = _divisors(E, proper=True)
         valid = (f"valid: {valid} (the divisors of num_experts {E} but 1 and {E})" if valid else
@@ -328,11 +334,12 @@ class MoEConfig(_Block):
                                              trace_file=pl.trace_file)
 
     @property
-    def group_limit(self) -> Optional[tuple[int, int]]:
-        """``(router_groups, group_topk)`` when group-limited routing is on, else None."""
+    def group_limit(self) -> Optional[tuple[int, int, int]]:
+        """``(router_groups, group_topk, n)`` when group-limited routing is on (a group ranked by the sum of
+        its n best scores: 2, or 1 for ``group_score`` max), else None."""
         if self.group_topk is None:
             return None
-        return self.router_groups, self.group_topk
+        return self.router_groups, self.group_topk, 1 if self.group_score == "max" else 2
 
     @property
     def k(self) -> int:

@@ -55,7 +55,8 @@ class SDPAttention(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: Optional[float] = None,
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection: Optional[ProcessGroupCollection] = None):
+                 pg_collection: Optional[ProcessGroupCollection] = None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None):
         super().__init__(config=config)
         unsupported = {
             "context_parallel_size > 1": config.context_parallel_size != 1,
@@ -73,14 +74,17 @@ class SDPAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.heads_per_partition = divide(config.num_attention_heads, tp_size)          # np
         self.groups_per_partition = divide(config.num_query_groups, tp_size)           # ng
-        self.hidden_size_per_partition = config.kv_channels * self.heads_per_partition  # hp
-        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        key_size = config.kv_channels if k_channels is None else k_channels
+        value_size = config.kv_channels if v_channels is None else v_channels
+        self.hidden_size_per_partition = value_size * self.heads_per_partition  # hp
+        self.softmax_scale = 1.0 / math.sqrt(key_size) if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
                 packed_seq_params=None) -> Tensor:
-        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, hp].
+        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, hp] (multi-latent
+        attention: key and query heads of ``k_channels``, value heads of ``v_channels``).
 
         ``attention_mask`` follows Megatron: True marks a *masked* position, broadcastable to
         [b, np, sq, sk]. Without a mask, a causal layer masks the future (as Megatron's

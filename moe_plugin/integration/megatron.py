@@ -137,7 +137,10 @@ def transformer_config(source: Any, **fields: Any) -> TransformerConfig:
     ``fields`` (num_layers, hidden_size, ...) plus ``moe_config.megatron_parallel_fields()``
     (tensor / pipeline model parallel size, sequence parallel). ``source``: a ``MoEConfig``, what
     ``moe_plugin.initialize`` returned, or a DeepSpeed config (dict or JSON path). A parallel field
-    given in ``fields`` too must agree with the block (else a ``ConfigError``: set it in one place)."""
+    given in ``fields`` too must agree with the block (else a ``ConfigError``: set it in one place).
+    ``multi_latent_attention=True`` (with ``q_lora_rank``, ``kv_lora_rank``, ``qk_head_dim``,
+    ``qk_pos_emb_head_dim``, ``v_head_dim``) makes Megatron's ``MLATransformerConfig``, its
+    ``rope_type`` "rope" unless given ("yarn" with YaRN's fields)."""
     moe_config = _moe_config_of(source)
     parallel = moe_config.megatron_parallel_fields()
     keys = {"tensor_model_parallel_size": "tensor", "pipeline_model_parallel_size": "pipeline",
@@ -146,7 +149,29 @@ def transformer_config(source: Any, **fields: Any) -> TransformerConfig:
         if name in fields and fields[name] != value:
             raise ConfigError(f"moe.parallel.{keys[name]}", value, f"transformer_config was also given "
                               f"{name}={fields[name]!r}; leave it out (the \"moe\" block sets it) or make them agree")
+    if fields.get("multi_latent_attention"):   # DeepSeek-V2/V3's attention: Megatron's MLA config
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig(**{"rope_type": "rope", **fields, **parallel})
     return TransformerConfig(**{**fields, **parallel})
+
+
+def mla_fields(*, q_lora_rank: Optional[int], kv_lora_rank: int, qk_head_dim: int, qk_pos_emb_head_dim: int,
+               v_head_dim: int, rotary_base: float, rope_scaling: Optional[dict] = None) -> dict:
+    """``transformer_config`` fields of multi-latent attention (Megatron-LM's ``--multi-latent-attention``,
+    ``--q-lora-rank`` ...). With ``rope_scaling`` (YaRN's dict, ``integration.rope``) the YaRN fields that
+    set MLA's softmax scale; the frequencies and the cos/sin factor come from ``apply_rope_scaling``."""
+    fields = dict(multi_latent_attention=True, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+                  qk_head_dim=qk_head_dim, qk_pos_emb_head_dim=qk_pos_emb_head_dim, v_head_dim=v_head_dim,
+                  rotary_base=rotary_base, rope_type="rope")
+    if rope_scaling:
+        from moe_plugin.integration.rope import RopeScaling
+
+        yarn = RopeScaling.from_dict(rope_scaling)
+        fields.update(rope_type="yarn", rotary_scaling_factor=yarn.factor, beta_fast=yarn.beta_fast,
+                      beta_slow=yarn.beta_slow, mscale=yarn.mscale or 1.0, mscale_all_dim=yarn.mscale_all_dim or 0.0,
+                      original_max_position_embeddings=yarn.original_max_position_embeddings)
+    return fields
 
 
 def _moe_config_of(source: Any) -> MoEConfig:
@@ -332,6 +357,8 @@ def _local_block_spec(config: TransformerConfig, vp_stage: Optional[int], pp_ran
                       qk_layernorm_scope: str = "head"):
     if qk_layernorm_scope not in QK_LAYERNORM_SCOPES:
         raise ConfigError("qk_layernorm_scope", qk_layernorm_scope, f"expected one of {list(QK_LAYERNORM_SCOPES)}")
+    if getattr(config, "multi_latent_attention", False):
+        return as_block_spec(_mla_layer_spec(config, qk_layernorm_scope), config, vp_stage=vp_stage, pp_rank=pp_rank)
     base = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
     if config.qk_layernorm:   # summed over TP, which the plugin's training loop needs (cpu_modules)
         attention = base.submodules.self_attention
@@ -343,6 +370,27 @@ def _local_block_spec(config: TransformerConfig, vp_stage: Optional[int], pp_ran
         base = dataclasses.replace(base, submodules=dataclasses.replace(
             base.submodules, self_attention=dataclasses.replace(attention, submodules=qk)))
     return as_block_spec(base, config, vp_stage=vp_stage, pp_rank=pp_rank)
+
+
+def _mla_layer_spec(config: TransformerConfig, qk_layernorm_scope: str) -> ModuleSpec:
+    """Megatron's local MLA layer spec (``MLASelfAttention``: DeepSeek-V2/V3) with the pieces that run on
+    any device: ``compat.megatron_mla.MLAttention`` (its rotary embedding built where it can run),
+    ``SDPAttention`` as core attention (Megatron's ``DotProductAttention`` takes no ``k_channels``), and
+    with ``qk_layernorm`` ``TorchNorm`` on the compressed query and key/value (DeepSeek's ``q_a_layernorm``,
+    ``kv_a_layernorm``): replicated over TP, their gradients complete on each rank without sequence
+    parallelism and summed over TP with it (``TorchNorm`` marks them as ``config.sequence_parallel``)."""
+    from moe_plugin.compat.megatron_mla import MLAttention
+
+    if qk_layernorm_scope != "head":
+        raise ConfigError("qk_layernorm_scope", qk_layernorm_scope, "multi-latent attention normalises its "
+                          "compressed query and key/value (--qk-layernorm); the scope is 'head'")
+    base = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm,
+                                    multi_latent_attention=True)
+    attention = base.submodules.self_attention
+    norm = TorchNorm if config.qk_layernorm else IdentityOp
+    parts = dataclasses.replace(attention.submodules, core_attention=SDPAttention, q_layernorm=norm, kv_layernorm=norm)
+    return dataclasses.replace(base, submodules=dataclasses.replace(
+        base.submodules, self_attention=dataclasses.replace(attention, module=MLAttention, submodules=parts)))
 
 
 # --- Megatron-LM --spec -------------------------------------------------------------------------

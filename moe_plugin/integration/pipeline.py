@@ -291,7 +291,8 @@ def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups
     num = config.num_layers
     tied = share_embeddings_and_output_weights
     positions = position_embedding_type
-    rotary = rotary_base if positions == "rope" else None
+    # multi-latent attention rotates inside the attention (its own rotary embedding), as in GPTModel
+    rotary = rotary_base if positions == "rope" and not config.multi_latent_attention else None
     pieces: list = [LayerSpec(EmbeddingPipe, config, vocab_size, max_sequence_length, seed, positions)]
     stage_of = {i: s for s, r in enumerate(ranges) for i in r}
     for i in range(num):

@@ -1,7 +1,7 @@
 """RoPE scaling: YaRN (arXiv 2309.00071), as Hugging Face's ``rope_parameters`` describe it.
 
     scaling = RopeScaling.from_dict({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096})
-    apply_rope_scaling(model, scaling, kv_channels=128, rotary_base=1e6, rotary_percent=1.0)
+    apply_rope_scaling(model, scaling, rotary_base=1e6)
 
 YaRN changes two things of plain RoPE, both computed as transformers 5.24 computes them
 (``modeling_rope_utils._compute_yarn_parameters``), so an imported model gives transformers'
@@ -122,31 +122,31 @@ def yarn_attention_factor(scaling: RopeScaling) -> float:
     return mscale(scaling.factor)
 
 
-def apply_rope_scaling(model: nn.Module, scaling: Optional[RopeScaling], *, kv_channels: int, rotary_base: float,
-                       rotary_percent: float = 1.0) -> nn.Module:
+def apply_rope_scaling(model: nn.Module, scaling: Optional[RopeScaling], *, rotary_base: float) -> nn.Module:
     """``model`` (a ``GPTModel`` or a pipeline stage) with every Megatron ``RotaryEmbedding`` in it on
-    YaRN's frequencies and its attention on YaRN's factor; ``model.rope_scaling`` records the dict
-    (checkpoints keep it). None: plain RoPE, nothing changed."""
+    YaRN's frequencies (each over the dimensions it rotates) and its attention on YaRN's factor
+    (multi-latent attention's rotary embedding carries it: ``compat.megatron_mla``);
+    ``model.rope_scaling`` records the dict (checkpoints keep it). None: plain RoPE, nothing changed."""
     if scaling is None:
         return model
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from moe_plugin.compat.megatron_yarn import set_attention_factor
 
-    dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
-    frequencies = yarn_inv_freq(scaling, dim, rotary_base)
-    found = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
-    for rotary in found:
-        if rotary.inv_freq.shape != frequencies.shape:
-            raise ValueError(f"RoPE over {rotary.inv_freq.numel() * 2} dimensions, YaRN computed for {dim}")
-        rotary.inv_freq = frequencies.to(rotary.inv_freq)
-        if hasattr(rotary.forward, "cache_clear"):   # Megatron caches the angles per length
-            rotary.forward.cache_clear()
+    from moe_plugin.compat.megatron_mla import YarnRotary
+
+    factor = yarn_attention_factor(scaling)
+    for rotary in (m for m in model.modules() if isinstance(m, RotaryEmbedding)):
+        dim = rotary.inv_freq.numel() * 2   # the rotated dimensions: kv_channels x rotary_percent, or MLA's
+        rotary.inv_freq = yarn_inv_freq(scaling, dim, rotary_base).to(rotary.inv_freq)
+        if isinstance(rotary, YarnRotary):   # multi-latent attention's: the factor comes with the angles
+            rotary.factor = factor
+    RotaryEmbedding.forward.cache_clear()   # Megatron caches the angles per length
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     configs = {id(m.config): m.config for m in model.modules() if isinstance(getattr(m, "config", None),
                                                                                TransformerConfig)}
     for config in configs.values():
-        set_attention_factor(config, yarn_attention_factor(scaling))
+        set_attention_factor(config, factor)
     model.rope_scaling = scaling.to_dict()
     return model

@@ -43,11 +43,15 @@ from moe_plugin.configs import ConfigError
 from moe_plugin.data.hf_tokenizer import HF_EXTRA
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                  "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe")
-# DeepSeek-style routing (sigmoid scores, a correction bias, group-limited choice, routed scaling,
-# shared experts, the first layers dense) with grouped-query attention
-DEEPSEEK_ROUTED = ("glm4_moe",)
+MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v2")
+# DeepSeek-style MoE (group-limited choice, routed scaling, shared experts, the first layers dense;
+# sigmoid scores with a correction bias but DeepSeek-V2's softmax) ...
+DEEPSEEK_ROUTED = ("glm4_moe", "deepseek_v3", "deepseek_v2")
+# ... with multi-latent attention (Megatron's MLASelfAttention; the others: grouped-query attention)
+MLA_TYPES = ("deepseek_v3", "deepseek_v2")
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 # families whose experts are sized by intermediate_size (no dense MLP of another size)
 EXPERTS_BY_INTERMEDIATE = ("mixtral", "olmoe")
 # Keys of models the plugin has no layer for (multi-latent attention), and DeepSeek-style routing's
@@ -100,6 +104,9 @@ class HFArchitecture:
     router_groups: Optional[int] = None
     group_topk: Optional[int] = None
     router_bias: bool = False          # e_score_correction_bias: the plugin's router.expert_bias
+    group_score: str = "top2_sum"      # how a group is ranked ("max": DeepSeek-V2's group_limited_greedy)
+    mla: Optional[dict] = None         # multi-latent attention's sizes (MLA_KEYS, Megatron's names)
+    rope_interleave: bool = True       # MLA: the rotated dimensions in (even, odd) pairs, as Megatron's MLA rotates
     config: Optional[dict] = None   # the config as transformers writes it (to_dict)
 
     @property
@@ -120,18 +127,21 @@ class HFArchitecture:
         shared_key = {"qwen2_moe": "shared_expert_intermediate_size"}.get(
             t, "n_shared_experts x moe_intermediate_size" if deepseek else "(no shared expert)")
         fields = {
-            "num_experts": (self.num_experts, {"mixtral": "num_local_experts", "glm4_moe": "n_routed_experts"}.get(
-                t, "num_experts")),
+            "num_experts": (self.num_experts, "n_routed_experts" if deepseek else
+                            {"mixtral": "num_local_experts"}.get(t, "num_experts")),
             "top_k": (self.top_k, "num_experts_per_tok"),
             "router": ("topk", "the router: top-k of the experts' scores"),
             "score_function": (self.score_function, "the router: sigmoid scores with e_score_correction_bias"
-                               if deepseek else "the router: top-k of a softmax over the experts"),
-            "normalize_gates": (self.normalize_gates, "norm_topk_prob" if t != "mixtral"
-                                else "the router (Mixtral renormalises the top-k gates)"),
+                               if self.score_function == "sigmoid" else "the router: top-k of a softmax over the experts"),
+            "normalize_gates": (self.normalize_gates, {"mixtral": "the router (Mixtral renormalises the top-k gates)",
+                                                       "deepseek_v2": "the router (DeepSeek-V2 does not renormalise)"}
+                                .get(t, "norm_topk_prob")),
             "gate_scale": (self.gate_scale, "routed_scaling_factor" if deepseek
                            else "the router (gates are not scaled)"),
             "group_topk": (self.group_topk, "topk_group" if deepseek else "the router (no group limit)"),
             "router_groups": (self.router_groups, "n_group" if deepseek else "the router (no group limit)"),
+            "group_score": (self.group_score, "topk_method (group_limited_greedy: a group's best score)"
+                            if self.group_score == "max" else "the router (a group's two best scores)"),
             "activation": ("swiglu", "hidden_act (silu, gated)"),
             "ffn_hidden_size": (self.expert_ffn_hidden_size, "intermediate_size" if t in EXPERTS_BY_INTERMEDIATE
                                 else "moe_intermediate_size"),
@@ -147,12 +157,17 @@ class HFArchitecture:
         """Megatron ``TransformerConfig`` fields of the architecture (as the example's flags set them)."""
         import torch.nn.functional as F
 
-        return dict(num_layers=self.num_layers, hidden_size=self.hidden_size,
-                    num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
-                    kv_channels=self.kv_channels, ffn_hidden_size=self.ffn_hidden_size, normalization="RMSNorm",
-                    layernorm_epsilon=self.norm_epsilon, gated_linear_unit=True, activation_func=F.silu,
-                    bias_activation_fusion=False, add_bias_linear=False, add_qkv_bias=self.qkv_bias,
-                    qk_layernorm=self.qk_layernorm)
+        fields = dict(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                      num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
+                      kv_channels=self.kv_channels, ffn_hidden_size=self.ffn_hidden_size, normalization="RMSNorm",
+                      layernorm_epsilon=self.norm_epsilon, gated_linear_unit=True, activation_func=F.silu,
+                      bias_activation_fusion=False, add_bias_linear=False, add_qkv_bias=self.qkv_bias,
+                      qk_layernorm=self.qk_layernorm)
+        if self.mla:
+            from moe_plugin.integration.megatron import mla_fields
+
+            fields.update(mla_fields(**self.mla, rotary_base=self.rotary_base, rope_scaling=self.rope_scaling))
+        return fields
 
     def model_fields(self) -> dict:
         """``GPTModel``'s own arguments: position embedding, RoPE base, tied embeddings."""
@@ -171,6 +186,11 @@ class HFArchitecture:
                  "--num-attention-heads", str(self.num_attention_heads), "--ffn-hidden-size", str(self.ffn_hidden_size)]
         if self.num_query_groups != self.num_attention_heads:
             flags += ["--group-query-attention", "--num-query-groups", str(self.num_query_groups)]
+        if self.mla:
+            flags.append("--multi-latent-attention")
+            for key in MLA_KEYS:
+                if self.mla[key] is not None:
+                    flags += ["--" + key.replace("_", "-"), str(self.mla[key])]
         if self.kv_channels * self.num_attention_heads != self.hidden_size:
             flags += ["--kv-channels", str(self.kv_channels)]
         flags += ["--normalization", "RMSNorm", "--norm-epsilon", repr(self.norm_epsilon),
@@ -227,9 +247,9 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
     def refuse(key: str, value: Any, why: str) -> ConfigError:
         return ConfigError(f"{where}: {key}", value, f"{why} (model_type {t}); the plugin cannot represent it")
 
-    for key in UNSUPPORTED_KEYS:
+    for key in () if t in MLA_TYPES else UNSUPPORTED_KEYS:
         if getattr(cfg, key, None) not in (None, 0):
-            raise refuse(key, getattr(cfg, key), "multi-latent attention")
+            raise refuse(key, getattr(cfg, key), "multi-latent attention outside DeepSeek-V2/V3")
     deepseek = t in DEEPSEEK_ROUTED
     for key in () if deepseek else ROUTING_KEYS:
         if getattr(cfg, key, None) not in (None, 0):
@@ -259,12 +279,12 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
     elif kind != "default":
         raise refuse("rope_parameters.rope_type", kind, "RoPE scaling other than yarn")
     partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0) and not deepseek:
+    if partial not in (None, 1, 1.0) and t != "glm4_moe":
         raise refuse("partial_rotary_factor", partial, "partial rotary embeddings outside GLM-4.5")
     theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
     if theta is None:
         raise refuse("rope_parameters.rope_theta", None, "RoPE without its base")
-    if getattr(cfg, "attention_bias", False) and not deepseek:   # GLM-4.5's are the QKV biases (o_proj has none)
+    if getattr(cfg, "attention_bias", False) and t != "glm4_moe":   # GLM-4.5's are the QKV biases (no o_proj's)
         raise refuse("attention_bias", True, "biases on the query/key/value and output projections (the plugin "
                      "has QKV biases only, Megatron's add_qkv_bias)")
     if getattr(cfg, "mlp_bias", False):
@@ -292,6 +312,13 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
                   dtype=str(dtype).replace("torch.", ""), rotary_percent=float(partial or 1.0),
                   rope_scaling=rope_scaling,
                   qk_layernorm_scope="projection" if t == "olmoe" else "head", config=cfg.to_dict())
+    if t in MLA_TYPES:
+        if float(cfg.rms_norm_eps) != LATENT_NORM_EPS:
+            raise refuse("rms_norm_eps", cfg.rms_norm_eps, f"a norm epsilon other than {LATENT_NORM_EPS} with "
+                         f"multi-latent attention (transformers normalises the compressed query and key/value with "
+                         f"{LATENT_NORM_EPS}, Megatron's MLA with the model's epsilon)")
+        common.update(_mla(cfg), kv_channels=cfg.hidden_size // heads, num_query_groups=heads, qk_layernorm=True,
+                      qkv_bias=False)
     if t not in MOE_TYPES:
         return HFArchitecture(**common)
     if t == "mixtral":
@@ -316,11 +343,25 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
                           shared_ffn_hidden_size=shared, shared_gate=shared > 0)
 
 
+LATENT_NORM_EPS = 1e-6   # transformers' DeepSeek q_a_layernorm / kv_a_layernorm (fixed; Megatron: layernorm_epsilon)
+
+
+def _mla(cfg: Any) -> dict:
+    """DeepSeek's multi-latent attention in Megatron's names (``HFArchitecture.mla``); its rotated
+    dimensions interleaved in pairs: always in DeepSeek-V2 (complex rotation), by ``rope_interleave`` in V3."""
+    sizes = dict(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=int(cfg.kv_lora_rank), qk_head_dim=int(cfg.qk_nope_head_dim),
+                 qk_pos_emb_head_dim=int(cfg.qk_rope_head_dim), v_head_dim=int(cfg.v_head_dim))
+    interleaved = cfg.model_type == "deepseek_v2" or bool(getattr(cfg, "rope_interleave", True))
+    return dict(mla=sizes, rope_interleave=interleaved)
+
+
 def _deepseek_routed(cfg: Any, common: dict, refuse: Any) -> HFArchitecture:
-    """GLM-4.5's MoE: sigmoid scores plus ``e_score_correction_bias`` choose the experts within the
-    token's best ``topk_group`` of ``n_group`` groups (a group's score: its two best), the gates are the
-    chosen scores (renormalised iff ``norm_topk_prob``) times ``routed_scaling_factor``; ungated shared
-    experts of ``n_shared_experts x moe_intermediate_size``; layers before ``first_k_dense_replace`` dense."""
+    """DeepSeek-V3's and GLM-4.5's MoE: sigmoid scores plus ``e_score_correction_bias`` choose the experts
+    within the token's best ``topk_group`` of ``n_group`` groups (a group's score: its two best), the gates
+    are the chosen scores (renormalised iff ``norm_topk_prob``) times ``routed_scaling_factor``; ungated
+    shared experts of ``n_shared_experts x moe_intermediate_size``; layers before ``first_k_dense_replace``
+    dense. DeepSeek-V2: softmax scores, no bias, the gates not renormalised; groups only with ``topk_method``
+    ``group_limited_greedy``, each ranked by its best score."""
     experts, groups, best = int(cfg.n_routed_experts), int(cfg.n_group or 1), int(cfg.topk_group or 1)
     first = int(cfg.first_k_dense_replace or 0)
     layers = tuple(range(first, cfg.num_hidden_layers))
@@ -330,10 +371,18 @@ def _deepseek_routed(cfg: Any, common: dict, refuse: Any) -> HFArchitecture:
         raise refuse("n_group", groups, f"groups that divide n_routed_experts ({experts}) with topk_group ({best}) "
                      "of them")
     limited = groups > 1 and best < groups   # otherwise every group is kept: no limit
+    v2 = cfg.model_type == "deepseek_v2"
+    if v2:
+        method = getattr(cfg, "topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise refuse("topk_method", method, "DeepSeek-V2 routing other than greedy and group_limited_greedy")
+        limited = limited and method == "group_limited_greedy"
     shared = int(cfg.n_shared_experts or 0) * int(cfg.moe_intermediate_size)
     return HFArchitecture(**common, moe_layers=layers, num_experts=experts, top_k=int(cfg.num_experts_per_tok),
-                          normalize_gates=bool(cfg.norm_topk_prob),
+                          normalize_gates=not v2 and bool(cfg.norm_topk_prob),
                           expert_ffn_hidden_size=int(cfg.moe_intermediate_size),
-                          shared_ffn_hidden_size=shared, shared_gate=False, score_function="sigmoid",
+                          shared_ffn_hidden_size=shared, shared_gate=False,
+                          score_function="softmax" if v2 else "sigmoid",
                           gate_scale=float(cfg.routed_scaling_factor), router_groups=groups if limited else None,
-                          group_topk=best if limited else None, router_bias=True)
+                          group_topk=best if limited else None, router_bias=not v2,
+                          group_score="max" if v2 and limited else "top2_sum")

@@ -26,6 +26,16 @@ bit-identical.
     Qwen2-MoE shared_expert_gate.weight [1, H]        ...mlp.shared_expert.gate_weight [H]
     GLM-4.5 shared_experts.{gate,up,down}_proj        ...mlp.shared_expert.weight1, weight2 (no gate)
     GLM-4.5 gate.e_score_correction_bias [E]          ...mlp.router.expert_bias (fp32)
+    DeepSeek-V2/V3 multi-latent attention (self_attn.) self_attention. (Megatron's MLASelfAttention)
+        q_proj (V2-Lite: no q_lora_rank)              linear_q_proj.weight
+        q_a_proj, q_a_layernorm, q_b_proj             linear_q_down_proj, q_layernorm, linear_q_up_proj
+        kv_a_proj_with_mqa [kv_lora + rope, H]        linear_kv_down_proj.weight
+        kv_a_layernorm, kv_b_proj, o_proj             kv_layernorm, linear_kv_up_proj, linear_proj
+        (Megatron's MLA rotates DeepSeek's interleaved pairs (0, 1), (2, 3) ... as the hub's weights hold
+        them; a DeepSeek-V3 with rope_interleave false rotates the pairs (i, i + r/2): its rotated rows of
+        q_b_proj / q_proj (each head's last r) and kv_a_proj_with_mqa (the last r) are interleaved at
+        import and cut back on export)
+    DeepSeek-V3 / V2 shared_experts, gate(.e_score_correction_bias)   as GLM-4.5's
     model.norm.weight                                 decoder.final_layernorm.weight
     lm_head.weight (untied)                           output_layer.weight
 
@@ -66,9 +76,13 @@ FAMILIES = {
     "olmoe": Family("mlp", DENSE_MLP),
     "glm4_moe": Family("mlp", DENSE_MLP, shared=DENSE_MLP, shared_module="shared_experts",
                        router_bias="e_score_correction_bias"),
+    "deepseek_v3": Family("mlp", DENSE_MLP, shared=DENSE_MLP, shared_module="shared_experts",
+                          router_bias="e_score_correction_bias"),
+    "deepseek_v2": Family("mlp", DENSE_MLP, shared=DENSE_MLP, shared_module="shared_experts"),
 }
 # Megatron's linear layers carry a (None) ``_extra_state`` entry in their state dict.
 EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+MLA_LINEARS = ("linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")   # with linear_q_proj or the q pair
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,18 @@ def _transposed() -> tuple[Callable, Callable]:
     return (lambda ts: ts[0].t().contiguous()), (lambda t: [t.t().contiguous()])
 
 
+def _interleaved(rows: int, head: int, rotated: int) -> tuple[Callable, Callable]:
+    """A weight [rows, ...] made of blocks of ``head`` rows whose last ``rotated`` are rotary dimensions in
+    halves (pairs (i, i + r/2)) <-> the same with those rows interleaved (pairs (2i, 2i + 1)): a row
+    permutation."""
+    inner = torch.arange(head)
+    half = torch.arange(rotated // 2)
+    inner[head - rotated:] = head - rotated + torch.stack([half, half + rotated // 2], dim=1).reshape(-1)
+    order = (torch.arange(rows // head)[:, None] * head + inner).reshape(-1)
+    back = torch.argsort(order)
+    return (lambda ts: ts[0][order].contiguous()), (lambda t: [t[back].contiguous()])
+
+
 def _gate_vector() -> tuple[Callable, Callable]:
     """shared_expert_gate.weight [1, H] <-> gate_weight [H]."""
     return (lambda ts: ts[0].reshape(-1).clone()), (lambda t: [t.reshape(1, -1).clone()])
@@ -146,6 +172,42 @@ class HFMapping:
     def _layer(self, i: int) -> None:
         a, p, h = self.arch, f"decoder.layers.{i}.", f"model.layers.{i}."
         self._add(p + "input_layernorm.weight", [h + "input_layernorm.weight"], _copy())
+        if a.mla:
+            self._mla(p + "self_attention.", h + "self_attn.")
+        else:
+            self._attention(p, h)
+        self._add(p + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"], _copy())
+        if i not in a.moe_layers:
+            gate, up, down = (h + f"mlp.{n}.weight" for n in DENSE_MLP)
+            self._add(p + "mlp.linear_fc1.weight", [gate, up], _rows())
+            self._add(p + "mlp.linear_fc2.weight", [down], _copy())
+            return
+        self._moe(p, h)
+
+    def _mla(self, p: str, h: str) -> None:
+        """Multi-latent attention (module docstring): the query's and the shared key's rotated rows
+        interleaved when the model rotates halves."""
+        a, m = self.arch, self.arch.mla
+        head, rotated = m["qk_head_dim"] + m["qk_pos_emb_head_dim"], m["qk_pos_emb_head_dim"]
+        heads = a.num_attention_heads
+
+        def rotary(rows: int, block: int) -> tuple[Callable, Callable]:
+            return _copy() if a.rope_interleave else _interleaved(rows, block, rotated)
+
+        if m["q_lora_rank"] is None:
+            self._add(p + "linear_q_proj.weight", [h + "q_proj.weight"], rotary(heads * head, head))
+        else:
+            self._add(p + "linear_q_down_proj.weight", [h + "q_a_proj.weight"], _copy())
+            self._add(p + "q_layernorm.weight", [h + "q_a_layernorm.weight"], _copy())
+            self._add(p + "linear_q_up_proj.weight", [h + "q_b_proj.weight"], rotary(heads * head, head))
+        down = m["kv_lora_rank"] + rotated
+        self._add(p + "linear_kv_down_proj.weight", [h + "kv_a_proj_with_mqa.weight"], rotary(down, down))
+        self._add(p + "kv_layernorm.weight", [h + "kv_a_layernorm.weight"], _copy())
+        self._add(p + "linear_kv_up_proj.weight", [h + "kv_b_proj.weight"], _copy())
+        self._add(p + "linear_proj.weight", [h + "o_proj.weight"], _copy())
+
+    def _attention(self, p: str, h: str) -> None:
+        a = self.arch
         qkv = _qkv(a.num_query_groups, a.num_attention_heads, a.kv_channels)
         self._add(p + "self_attention.linear_qkv.weight", [h + f"self_attn.{x}_proj.weight" for x in "qkv"], qkv)
         if a.qkv_bias:
@@ -154,12 +216,9 @@ class HFMapping:
         if a.qk_layernorm:
             self._add(p + "self_attention.q_layernorm.weight", [h + "self_attn.q_norm.weight"], _copy())
             self._add(p + "self_attention.k_layernorm.weight", [h + "self_attn.k_norm.weight"], _copy())
-        self._add(p + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"], _copy())
-        if i not in a.moe_layers:
-            gate, up, down = (h + f"mlp.{n}.weight" for n in DENSE_MLP)
-            self._add(p + "mlp.linear_fc1.weight", [gate, up], _rows())
-            self._add(p + "mlp.linear_fc2.weight", [down], _copy())
-            return
+
+    def _moe(self, p: str, h: str) -> None:
+        a = self.arch
         fam = FAMILIES[a.model_type]
         m = h + fam.moe_block + "."
         self._add(p + "mlp.router.weight", [m + f"{fam.router}.weight"], _copy())
@@ -180,9 +239,13 @@ class HFMapping:
     def plugin_only(self) -> dict:
         """The plugin's entries with no HF tensor: router biases (zeros), static placements, ``_extra_state``."""
         a, out = self.arch, {}
+        modules = EXTRA_STATE_MODULES
+        if a.mla:
+            queries = ("linear_q_proj",) if a.mla["q_lora_rank"] is None else ("linear_q_down_proj", "linear_q_up_proj")
+            modules = tuple(f"self_attention.{n}" for n in queries + MLA_LINEARS) + EXTRA_STATE_MODULES[2:]
         for i in range(a.num_layers):
             p = f"decoder.layers.{i}."
-            for module in EXTRA_STATE_MODULES:
+            for module in modules:
                 if module.startswith("mlp.linear") and i in a.moe_layers:
                     continue
                 out[p + module + "._extra_state"] = None

@@ -218,9 +218,10 @@ def architecture_record(arch: HFArchitecture) -> dict:
 
 
 def _transformer_config(arch: HFArchitecture):
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    return TransformerConfig(**arch.transformer_fields(), init_method_std=0.02, hidden_dropout=0.0,
+    kind = MLATransformerConfig if arch.mla else TransformerConfig
+    return kind(**arch.transformer_fields(), init_method_std=0.02, hidden_dropout=0.0,
                              attention_dropout=0.0, pipeline_dtype=torch.float32, use_cpu_initialization=True,
                              bias_dropout_fusion=False, gradient_accumulation_fusion=False,
                              masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)

@@ -87,8 +87,8 @@ def reference_moe(x_TH: Tensor, params: Mapping[str, Tensor], config: MoEConfig,
 
 def _allowed_experts(score: list[float], config: MoEConfig) -> list[int]:
     """The experts a token with selection scores ``score`` may choose: all, or with group_topk M
-    those in its M groups (consecutive ids) with the highest sums of their two best scores
-    (softmax: of the probabilities of the scores), equal sums to the lower group."""
+    those in its M groups (consecutive ids) with the highest sums of their two best scores (``group_score``
+    max: their best one; softmax: of the probabilities of the scores), equal sums to the lower group."""
     E, M = config.num_experts, config.group_topk
     if M is None:
         return list(range(E))
@@ -98,7 +98,8 @@ def _allowed_experts(score: list[float], config: MoEConfig) -> list[int]:
         top = max(score)
         weights = [math.exp(s - top) for s in score]
         score = [w / sum(weights) for w in weights]
-    group_score = [sum(sorted(score[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(G)]
+    n = 1 if config.group_score == "max" else 2
+    group_score = [sum(sorted(score[g * size:(g + 1) * size], reverse=True)[:n]) for g in range(G)]
     best = sorted(range(G), key=lambda g: (-group_score[g], g))[:M]
     return [e for e in range(E) if e // size in best]
 

@@ -192,25 +192,27 @@ def count_values(index_X: Tensor, n: int) -> Tensor:
     return torch.zeros(n, dtype=torch.long, device=index_X.device).index_add_(0, index_X, torch.ones_like(index_X))
 
 
-def limit_to_groups(choice_TE: Tensor, groups: int, m: int, group_score_TE: Optional[Tensor] = None) -> Tensor:
+def limit_to_groups(choice_TE: Tensor, groups: int, m: int, per_group: int = 2,
+                    group_score_TE: Optional[Tensor] = None) -> Tensor:
     """``choice_TE`` with -inf for every expert outside each token's best ``m`` of ``groups`` groups
     (group g: expert ids ``g * E/groups`` up to ``(g + 1) * E/groups``). A group's score is the sum
-    of its two largest ``group_score_TE`` values (default ``choice_TE``; its largest when a group
-    holds one expert); equal group scores go to the lower group index, as in ``top_k_experts``."""
+    of its ``per_group`` largest ``group_score_TE`` values (default ``choice_TE``; 2: DeepSeek-V3, 1: its
+    largest, DeepSeek-V2; at most the group's size); equal group scores go to the lower group index,
+    as in ``top_k_experts``."""
     T, E = choice_TE.shape
     group_score_TGN = (choice_TE if group_score_TE is None else group_score_TE).reshape(T, groups, E // groups)
-    score_TG = group_score_TGN.topk(min(2, E // groups), dim=-1).values.sum(-1)
+    score_TG = group_score_TGN.topk(min(per_group, E // groups), dim=-1).values.sum(-1)
     keep_TG = torch.zeros_like(score_TG, dtype=torch.bool).scatter_(1, top_k_experts(score_TG, m), True)
     keep_TE = keep_TG.unsqueeze(-1).expand(T, groups, E // groups).reshape(T, E)
     return choice_TE.masked_fill(~keep_TE, float("-inf"))
 
 
 def choose(logits_TE: Tensor, *, score: str, k: int, normalize: bool, expert_bias_E: Optional[Tensor] = None,
-           group_limit: Optional[tuple[int, int]] = None) -> tuple[Tensor, Tensor, Tensor]:
+           group_limit: Optional[tuple[int, ...]] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Each token's k experts and their gates, and every expert's score: ``(expert_TK, gate_TK,
     scores_TE)``. ``score``: softmax or sigmoid; gates are the chosen unbiased scores, divided by
     their sum when ``normalize``; the choice adds the bias to the logits (softmax) or scores.
-    ``group_limit`` ``(G, M)``: the k experts come from the token's best M of G groups, ranked on
+    ``group_limit`` ``(G, M[, n])``: the k experts come from the token's best M of G groups, ranked on
     the biased choice values (softmax: their probabilities; ``limit_to_groups``)."""
     scores_TE = F.softmax(logits_TE, dim=-1) if score == "softmax" else torch.sigmoid(logits_TE)
     choice_TE = (logits_TE if score == "softmax" else scores_TE).detach()
@@ -218,7 +220,7 @@ def choose(logits_TE: Tensor, *, score: str, k: int, normalize: bool, expert_bia
         choice_TE = choice_TE + expert_bias_E.to(choice_TE)
     if group_limit is not None:
         group_score_TE = F.softmax(choice_TE, dim=-1) if score == "softmax" else None
-        choice_TE = limit_to_groups(choice_TE, *group_limit, group_score_TE)
+        choice_TE = limit_to_groups(choice_TE, *group_limit, group_score_TE=group_score_TE)
     expert_TK = top_k_experts(choice_TE, k)
     gate_TK = scores_TE.gather(1, expert_TK)
     if normalize:
@@ -258,14 +260,14 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
           expert_bias_E: Optional[Tensor] = None, uniform_T: Optional[Tensor] = None,
           slot_E: Optional[Tensor] = None, deferred: bool = False, score: str = "softmax",
           scale: float = 1.0, drop_policy: str = "position", balance=balance_loss,
-          group_limit: Optional[tuple[int, int]] = None, own: Optional[tuple[int, int]] = None) -> RoutingPlan:
+          group_limit: Optional[tuple[int, ...]] = None, own: Optional[tuple[int, int]] = None) -> RoutingPlan:
     """The routing plan for fp32 ``logits_TE``.
 
     ``uniform_T`` switches on GShard random routing of the 2nd choice (kind gshard only).
     ``normalize`` renormalises the k gates of a token to sum 1 (gshard always does).
     ``score``, ``scale``, ``drop_policy``: the config's score_function, gate_scale, drop_policy.
     ``balance(score, expert_TK, scores_TE)`` forms the balance loss (the layer's aux_loss_scope).
-    ``group_limit``: ``(router_groups, group_topk)`` (``MoEConfig.group_limit``), by expert id.
+    ``group_limit``: ``(router_groups, group_topk, n)`` (``MoEConfig.group_limit``), by expert id.
     ``slot_E``: the placement, a permutation of the expert ids (None: slot e is expert e).
     ``deferred``: the caller checks the logits and cuts the plan at its host sync (module
     docstring); by default both happen here, at once.
