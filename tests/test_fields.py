@@ -74,6 +74,8 @@ GREEDY = {"policy": "greedy", "check_interval": 1, "min_gain": 0.0}
 TP_SAFE = {"drop_tokens": False, "aux_loss_scope": "sequence"}   # a second TP comparison
 MOVED = r"[1-9]\d* switch"   # the progress line of a placement that moved experts
 NETWORK = {"policy": "network-aware", "check_interval": 1, "min_gain": 0.0, "gpus_per_node": 1}
+ROPE = ("--position-embedding-type", "rope")
+MLA = ROPE + ("--multi-latent-attention",)   # multi-latent attention's sizes: each changes the model
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,12 @@ CASES = [
          ref_flags=("--qk-layernorm", "--normalization", "RMSNorm")),
     Case("--kv-channels", flags=("--kv-channels", "8")),
     Case("--add-qkv-bias", flags=("--add-qkv-bias",), ref_flags=("--disable-bias-linear",)),
+    Case("--multi-latent-attention", flags=("--multi-latent-attention",), ref_flags=ROPE),
+    Case("--q-lora-rank", flags=("--q-lora-rank", "16"), ref_flags=MLA),
+    Case("--kv-lora-rank", flags=("--kv-lora-rank", "8"), ref_flags=MLA),
+    Case("--qk-head-dim", flags=("--qk-head-dim", "8"), ref_flags=MLA),
+    Case("--qk-pos-emb-head-dim", flags=("--qk-pos-emb-head-dim", "4"), ref_flags=MLA),
+    Case("--v-head-dim", flags=("--v-head-dim", "8"), ref_flags=MLA),
     Case("--router-skew", flags=SKEW),
     Case("--freeze-router", flags=("--freeze-router",)),
 ]

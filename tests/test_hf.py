@@ -291,6 +291,10 @@ def _nothing_written(path: Path) -> bool:
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama", {"attention_bias": True}, "attention_bias"),
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
+    ("deepseek_v3", {"rms_norm_eps": 1e-5}, "rms_norm_eps"),   # the latent norms' epsilon is fixed at 1e-6
+    ("deepseek_v3", {"attention_bias": True}, "attention_bias"),
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
+    ("qwen3_moe", {"kv_lora_rank": 16}, "kv_lora_rank"),
 ])
 def test_what_the_plugin_cannot_represent_is_refused_naming_the_key(tmp_path, name, overrides, key):
     from moe_plugin.configs import ConfigError
@@ -407,8 +411,8 @@ def test_unknown_model_type_and_left_over_tensor_are_refused(imported, tmp_path)
     hf = tmp_path / "hf"
     hf.mkdir()
     config = json.loads((Path(cases["mixtral"]["hf"]) / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**config, "model_type": "deepseek_v3"}))
-    with pytest.raises(ConfigError, match="model_type: got 'deepseek_v3'; the plugin imports mixtral"):
+    (hf / "config.json").write_text(json.dumps({**config, "model_type": "gpt_oss"}))
+    with pytest.raises(ConfigError, match="model_type: got 'gpt_oss'; the plugin imports mixtral"):
         import_hf(hf, {"moe": {"num_experts": EXPERTS}}, tmp_path / "ckpt")
     (hf / "config.json").write_text(json.dumps(config))
     tensors = load_file(str(Path(cases["mixtral"]["hf"]) / "model.safetensors"))
@@ -455,7 +459,7 @@ def test_export_refuses_what_the_architecture_cannot_express(imported, tmp_path)
 
 # -- train the imported model with the example, export it ------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "olmoe", "glm4_moe", "qwen3_moe_yarn"])
+@pytest.mark.parametrize("name", ["mixtral", "olmoe", "glm4_moe", "qwen3_moe_yarn", "deepseek_v3", "deepseek_v2"])
 def test_trained_import_exports_to_what_the_plugin_evaluates(imported, tmp_path, name):
     """The imported Mixtral (and OLMoE) trained 2 steps by the example under dp 2 x ep 2, ZeRO-1 (``--load`` the
     import, ``--async-save``), exported: transformers' logits of the export are the plugin's of the
@@ -493,8 +497,11 @@ def test_trained_import_exports_to_what_the_plugin_evaluates(imported, tmp_path,
     assert all((exported / f).read_bytes() == (original / f).read_bytes() for f in carried)
     assert transformers.AutoTokenizer.from_pretrained(str(exported))("w5 w7")["input_ids"] == [5, 7]
     config, hf_config = (json.loads((d / "config.json").read_text()) for d in (exported, original))
-    assert {k: config.get(k) for k in hf_config if k not in ("transformers_version", "head_dim")} == \
-        {k: v for k, v in hf_config.items() if k not in ("transformers_version", "head_dim")}
+    # DeepSeek-V3's multi-token-prediction layers are not exported: the export says it has none
+    free = ("transformers_version", "head_dim", "num_nextn_predict_layers")
+    assert {k: config.get(k) for k in hf_config if k not in free} == \
+        {k: v for k, v in hf_config.items() if k not in free}
+    assert config.get("num_nextn_predict_layers") == (0 if name == "deepseek_v3" else None)
     theirs = hf_logits(str(tmp_path / "exported"), tokens_BS)
     assert _relative(theirs, case["logits"]) > 1e-3   # it trained: not the imported model any more
     trained = {**case, "ckpt": str(tmp_path / "trained")}

@@ -40,14 +40,24 @@ import torch
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.trust import trust_argument
 from moe_plugin.configs import ConfigError
-from moe_plugin.interop.hf_arch import ARCHITECTURES, DEEPSEEK_ROUTED, MOE_TYPES, HFArchitecture, transformers_module
+from moe_plugin.interop.hf_arch import (
+    ARCHITECTURES,
+    DEEPSEEK_ROUTED,
+    LATENT_NORM_EPS,
+    MLA_KEYS,
+    MLA_TYPES,
+    MOE_TYPES,
+    HFArchitecture,
+    transformers_module,
+)
 from moe_plugin.interop.hf_families import HFMapping, Rule
 from moe_plugin.interop.hf_files import HFShardWriter, parse_size
 
 logger = logging.getLogger(__name__)
 
 CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig",
-                  "olmoe": "OlmoeConfig", "glm4_moe": "Glm4MoeConfig", "llama": "LlamaConfig",
+                  "olmoe": "OlmoeConfig", "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
+                  "deepseek_v2": "DeepseekV2Config", "llama": "LlamaConfig",
                   "mistral": "MistralConfig", "qwen3": "Qwen3Config"}
 DEFAULT_SHARD = "5GB"
 
@@ -121,6 +131,8 @@ def _model_type(arch: Optional[str], meta: dict, state: list[str]) -> str:
     qk = any(k.endswith("q_layernorm.weight") for k in state)
     if not moe:
         return "qwen3" if qk else "llama"
+    if meta.get("model", {}).get("transformer_config", {}).get("multi_latent_attention"):
+        return "deepseek_v3" if meta.get("moe", {}).get("score_function") == "sigmoid" else "deepseek_v2"
     if meta.get("moe", {}).get("score_function") == "sigmoid":
         return "glm4_moe"
     if any(".mlp.shared_expert." in k for k in state):
@@ -161,12 +173,20 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
     if tc.get("add_bias_linear", True):
         raise refuse("add_bias_linear", True, "no linear biases (--disable-bias-linear)")
     deepseek = model_type in DEEPSEEK_ROUTED
+    mla = bool(tc.get("multi_latent_attention"))
+    if mla != (model_type in MLA_TYPES):
+        raise refuse("multi_latent_attention", mla, "multi-latent attention (--multi-latent-attention)" if not mla
+                     else "grouped-query attention, not multi-latent attention (--arch deepseek_v3 or deepseek_v2)")
     qk = bool(tc.get("qk_layernorm"))
-    wants_qk = model_type in ("qwen3", "qwen3_moe", "olmoe")
-    if qk != wants_qk and not deepseek:   # GLM-4.5: either (use_qk_norm)
-        raise refuse("qk_layernorm", qk, "QK-norm on every layer" if wants_qk else "no QK-norm")
+    wants_qk = model_type in ("qwen3", "qwen3_moe", "olmoe", *MLA_TYPES)
+    if qk != wants_qk and model_type != "glm4_moe":   # GLM-4.5: either (use_qk_norm)
+        raise refuse("qk_layernorm", qk, "the compressed query and key/value normalised (--qk-layernorm)" if mla
+                     else "QK-norm on every layer" if wants_qk else "no QK-norm")
+    if mla and float(tc.get("layernorm_epsilon", 1e-5)) != LATENT_NORM_EPS:
+        raise refuse("layernorm_epsilon", tc.get("layernorm_epsilon"), f"norms of epsilon {LATENT_NORM_EPS} "
+                     "(transformers' latent norms have it fixed: --norm-epsilon 1e-6)")
     rotary_percent = float(model.get("rotary_percent", 1.0))
-    if rotary_percent != 1.0 and not deepseek:
+    if rotary_percent != 1.0 and model_type != "glm4_moe":
         raise refuse("rotary_percent", rotary_percent, "RoPE over the whole head (--rotary-percent 1)")
     scope = model.get("qk_layernorm_scope", "head") if qk else "head"
     wants_scope = "projection" if model_type == "olmoe" else "head"
@@ -174,14 +194,14 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         what = "each whole projection" if wants_scope == "projection" else "each head"
         raise refuse("qk_layernorm_scope", scope, f"QK-norm over {what} (--qk-layernorm-scope {wants_scope})")
     qkv_bias = bool(tc.get("add_qkv_bias"))
-    if qkv_bias and model_type not in ("qwen2_moe", *DEEPSEEK_ROUTED):
+    if qkv_bias and model_type not in ("qwen2_moe", "glm4_moe"):
         raise refuse("add_qkv_bias", True, "no QKV biases (Qwen2-MoE and GLM-4.5 have them)")
     if model_type in MOE_TYPES:
         if not moe_layers:
             raise refuse("moe.layers", moe.get("layers"), "MoE layers (the checkpoint has none: --arch llama)")
         _check_router(moe, model_type, refuse)
         bias = [k for k in state if k.endswith("router.expert_bias") and bool(source.read(k).abs().max() > 0)]
-        if bias and not deepseek:
+        if bias and model_type not in ("glm4_moe", "deepseek_v3"):
             raise refuse(bias[0], "non-zero", "routers without an expert bias (the aux-loss-free bias chose the "
                          "experts in training)")
         if model_type in ("mixtral", "olmoe") and len(moe_layers) != num_layers:
@@ -215,7 +235,11 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
     if deepseek and shared_ffn % expert_ffn:
         raise refuse("moe.shared_expert_ffn_hidden_size", shared_ffn, f"shared experts of the experts' size "
                      f"({expert_ffn}): n_shared_experts x moe_intermediate_size")
-    return HFArchitecture(
+    imported = meta.get("hf", {}).get("config") or {}
+    latent = dict(mla=({k: tc.get(k) for k in MLA_KEYS}), num_query_groups=heads,
+                  kv_channels=int(tc["hidden_size"]) // heads,
+                  rope_interleave=bool(imported.get("rope_interleave", True))) if mla else {}
+    return HFArchitecture(**{**dict(
         model_type=model_type, num_layers=num_layers, hidden_size=int(tc["hidden_size"]), num_attention_heads=heads,
         num_query_groups=int(tc.get("num_query_groups") or heads),
         kv_channels=int(tc.get("kv_channels") or int(tc["hidden_size"]) // heads),
@@ -232,15 +256,19 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         expert_ffn_hidden_size=expert_ffn, shared_ffn_hidden_size=shared_ffn,
         shared_gate=shared_ffn > 0 and not deepseek,
         score_function=moe.get("score_function", "softmax"), gate_scale=float(moe.get("gate_scale", 1.0)),
-        router_groups=moe.get("router_groups"), group_topk=moe.get("group_topk"), router_bias=deepseek,
-        config=meta.get("hf", {}).get("config"))
+        router_groups=moe.get("router_groups"), group_topk=moe.get("group_topk"),
+        router_bias=model_type in ("glm4_moe", "deepseek_v3"), group_score=moe.get("group_score", "top2_sum"),
+        config=meta.get("hf", {}).get("config")), **latent})
 
 
 def _check_router(moe: dict, model_type: str, refuse: Callable[..., ConfigError]) -> None:
     if moe.get("router") != "topk":
         raise refuse("moe.router", moe.get("router"), "a plain top-k of the scores (router 'topk')")
-    if model_type in DEEPSEEK_ROUTED:   # sigmoid scores; any scale and group limit
-        checked = (("score_function", "sigmoid"), ("activation", "swiglu"))
+    if model_type == "deepseek_v2":   # softmax, unnormalised gates; any scale; groups ranked by their best
+        checked = (("score_function", "softmax"), ("normalize_gates", False), ("activation", "swiglu"),
+                   ("group_score", "max" if moe.get("group_topk") else "top2_sum"))
+    elif model_type in DEEPSEEK_ROUTED:   # sigmoid scores; any scale and group limit
+        checked = (("score_function", "sigmoid"), ("activation", "swiglu"), ("group_score", "top2_sum"))
     else:
         checked = (("score_function", "softmax"), ("gate_scale", 1.0), ("group_topk", None), ("activation", "swiglu"))
     for key, plain in checked:
@@ -310,7 +338,18 @@ def hf_config(transformers: Any, arch: HFArchitecture, meta: dict, dtype: str) -
                       n_shared_experts=arch.shared_ffn_hidden_size // arch.expert_ffn_hidden_size,
                       first_k_dense_replace=first, n_group=arch.router_groups or 1, topk_group=arch.group_topk or 1,
                       routed_scaling_factor=arch.gate_scale, norm_topk_prob=arch.normalize_gates,
-                      attention_bias=arch.qkv_bias, use_qk_norm=arch.qk_layernorm, rope_parameters=rope)
+                      attention_bias=arch.qkv_bias, rope_parameters=rope)
+        if t == "glm4_moe":
+            fields.update(use_qk_norm=arch.qk_layernorm)
+        else:   # multi-latent attention; the multi-token-prediction layers are not exported
+            m = arch.mla
+            fields.update(q_lora_rank=m["q_lora_rank"], kv_lora_rank=m["kv_lora_rank"],
+                          qk_nope_head_dim=m["qk_head_dim"], qk_rope_head_dim=m["qk_pos_emb_head_dim"],
+                          v_head_dim=m["v_head_dim"], head_dim=m["qk_pos_emb_head_dim"])
+            if t == "deepseek_v3":
+                fields.update(rope_interleave=arch.rope_interleave, num_nextn_predict_layers=0)
+            else:
+                fields.update(topk_method="group_limited_greedy" if arch.group_topk else "greedy", mlp_bias=False)
     elif t == "olmoe":
         fields.update(num_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
                       intermediate_size=arch.expert_ffn_hidden_size, norm_topk_prob=arch.normalize_gates,
