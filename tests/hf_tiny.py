@@ -52,6 +52,12 @@ MODELS = {
                          rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,  # routing
                                           "original_max_position_embeddings": 8, "mscale": 1.0, "mscale_all_dim": 0.8,
                                           "beta_fast": 32, "beta_slow": 1})),
+    "deepseek_v3_halves": ("DeepseekV3Config", "DeepseekV3ForCausalLM",   # RoPE over (i, i + r/2) pairs, plain RoPE
+                           dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=EXPERTS,
+                                num_experts_per_tok=TOP_K, n_shared_experts=1, n_group=1, topk_group=1,
+                                first_k_dense_replace=0, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+                                qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4, rms_norm_eps=1e-6,
+                                rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",   # V2-Lite's full query projection, softmax
                     dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=EXPERTS,   # group_limited_
                          num_experts_per_tok=TOP_K, n_shared_experts=2, n_group=4, topk_group=2,      # greedy, scaled

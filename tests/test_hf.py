@@ -223,8 +223,8 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_pat
     from moe_plugin.interop import export_hf
 
     _root, tokens_BS, cases = imported
-    for name in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "qwen3_moe_yarn", "llama", "qwen3",
-                 "mistral"):
+    for name in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "qwen3_moe_yarn", "deepseek_v3",
+                 "deepseek_v3_halves", "deepseek_v2", "llama", "qwen3", "mistral"):
         out = tmp_path / name
         done = export_hf(cases[name]["ckpt"], out, max_shard_size="100KB", progress=lambda line: None)
         print(f"export-hf {name}: {done['seconds']:.2f} s, {len(done['files'])} files")
@@ -245,9 +245,10 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_pat
         model, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
         config, hf_config = (json.loads((d / "config.json").read_text()) for d in (out, Path(cases[name]["hf"])))
-        skip = ("transformers_version", "head_dim")
+        skip = ("transformers_version", "head_dim", "num_nextn_predict_layers")   # no MTP layer exported: 0
         assert {k: config.get(k) for k in hf_config if k not in skip} == \
             {k: v for k, v in hf_config.items() if k not in skip}, name
+        assert config.get("num_nextn_predict_layers", 0) == 0, name
         assert type(model).__name__ == transformers.AutoConfig.from_pretrained(cases[name]["hf"]).architectures[0]
     # an upcycled dense import keeps the tokenizer files and exports as the inferred MoE architecture
     for name, model_type in (("llama", "mixtral"), ("qwen3", "qwen3_moe"), ("mistral", "mixtral")):
@@ -497,11 +498,11 @@ def test_trained_import_exports_to_what_the_plugin_evaluates(imported, tmp_path,
     assert all((exported / f).read_bytes() == (original / f).read_bytes() for f in carried)
     assert transformers.AutoTokenizer.from_pretrained(str(exported))("w5 w7")["input_ids"] == [5, 7]
     config, hf_config = (json.loads((d / "config.json").read_text()) for d in (exported, original))
-    # DeepSeek-V3's multi-token-prediction layers are not exported: the export says it has none
+    # GLM-4.5's and DeepSeek-V3's multi-token-prediction layers are not exported: the export says it has none
     free = ("transformers_version", "head_dim", "num_nextn_predict_layers")
     assert {k: config.get(k) for k in hf_config if k not in free} == \
         {k: v for k, v in hf_config.items() if k not in free}
-    assert config.get("num_nextn_predict_layers") == (0 if name == "deepseek_v3" else None)
+    assert config.get("num_nextn_predict_layers") == (0 if name in ("glm4_moe", "deepseek_v3") else None)
     theirs = hf_logits(str(tmp_path / "exported"), tokens_BS)
     assert _relative(theirs, case["logits"]) > 1e-3   # it trained: not the imported model any more
     trained = {**case, "ckpt": str(tmp_path / "trained")}

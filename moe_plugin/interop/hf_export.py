@@ -339,15 +339,17 @@ def hf_config(transformers: Any, arch: HFArchitecture, meta: dict, dtype: str) -
                       first_k_dense_replace=first, n_group=arch.router_groups or 1, topk_group=arch.group_topk or 1,
                       routed_scaling_factor=arch.gate_scale, norm_topk_prob=arch.normalize_gates,
                       attention_bias=arch.qkv_bias, rope_parameters=rope)
+        if t != "deepseek_v2":   # the multi-token-prediction layers are not exported: none, the config says
+            fields.update(num_nextn_predict_layers=0)
         if t == "glm4_moe":
             fields.update(use_qk_norm=arch.qk_layernorm)
-        else:   # multi-latent attention; the multi-token-prediction layers are not exported
+        else:   # multi-latent attention
             m = arch.mla
             fields.update(q_lora_rank=m["q_lora_rank"], kv_lora_rank=m["kv_lora_rank"],
                           qk_nope_head_dim=m["qk_head_dim"], qk_rope_head_dim=m["qk_pos_emb_head_dim"],
                           v_head_dim=m["v_head_dim"], head_dim=m["qk_pos_emb_head_dim"])
             if t == "deepseek_v3":
-                fields.update(rope_interleave=arch.rope_interleave, num_nextn_predict_layers=0)
+                fields.update(rope_interleave=arch.rope_interleave)
             else:
                 fields.update(topk_method="group_limited_greedy" if arch.group_topk else "greedy", mlp_bias=False)
     elif t == "olmoe":
