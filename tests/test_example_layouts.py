@@ -248,12 +248,13 @@ def test_glm_style_model_trains_alike_under_every_layout(data_dir):
 
 # DeepSeek-V3's shape on the tiny model: multi-latent attention (a low-rank query with its norm, a compressed
 # key/value with its norm, a rotary key shared by the heads, keys wider than values) with YaRN past its
-# original context of 8, and GLM_MOE's DeepSeek routing (a dense first layer, 2 of 4 groups, a shared expert)
+# original context of 8, and GLM_MOE's DeepSeek routing (a dense first layer, 2 of 4 groups, a shared expert);
+# weights of std 0.2, so that attention is far from uniform (YaRN's scales show in the losses)
 DEEPSEEK = ("--num-attention-heads", "4", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
             "--position-embedding-type", "rope", "--rotary-base", "5000", "--swiglu", "--disable-bias-linear",
             "--qk-layernorm", "--untie-embeddings-and-output-weights", "--no-plot", "--multi-latent-attention",
-            "--q-lora-rank", "16", "--kv-lora-rank", "12", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
-            "--v-head-dim", "6", "--rope-scaling", json.dumps({"rope_type": "yarn", "factor": 4,
+            "--q-lora-rank", "16", "--kv-lora-rank", "12", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8",
+            "--v-head-dim", "6", "--init-method-std", "0.2", "--rope-scaling", json.dumps({"rope_type": "yarn", "factor": 4,
                                                                "original_max_position_embeddings": 8,
                                                                "mscale": 1.0, "mscale_all_dim": 0.8}))
 
@@ -262,7 +263,8 @@ def test_multi_latent_attention_trains_alike_under_every_layout(data_dir):
     """The DeepSeek-shaped model (Megatron's ``MLASelfAttention`` through ``compat/megatron_mla``) gives the
     one-rank losses under tp2 x ep2 (ZeRO-1: the down projections split over TP, the latent norms
     replicated), tp2 x ep2 with sequence parallelism (the latent norms' gradients summed over TP), pp2 x ep2
-    (ZeRO-0; MLA rotates inside each stage's layers) and tp2 x pp2 x ep2; the tp2 checkpoint exports to the
+    and tp2 x pp2 x ep2 (ZeRO-0: the first stage holds the dense layer only; MLA rotates inside each stage's
+    layers); the tp2 checkpoint exports to the
     one-rank run's weights. Without YaRN the losses differ (the scaling is applied)."""
     from moe_plugin.checkpoint.export import export_checkpoint, load_export
 
@@ -271,7 +273,7 @@ def test_multi_latent_attention_trains_alike_under_every_layout(data_dir):
         ("mla-tp2-ep2", {"tensor": 2, "expert": 2}, 1, DEEPSEEK + ("--save", str(saved)), 1, GLM_MOE),
         ("mla-tp2sp-ep2", {"tensor": 2, "expert": 2, "sequence_parallel": True}, 1, DEEPSEEK, 1, GLM_MOE),
         ("mla-pp2-ep2", {"pipeline": 2, "expert": 2}, 0, DEEPSEEK, 1, GLM_MOE),
-        ("mla-tp2-pp2-ep2", LLAMA_LAYOUTS["tp2-pp2-ep2"][0], 1, DEEPSEEK, 1, GLM_MOE)])
+        ("mla-tp2-pp2-ep2", LLAMA_LAYOUTS["tp2-pp2-ep2"][0], 0, DEEPSEEK, 1, GLM_MOE)])
     plain = DEEPSEEK[:DEEPSEEK.index("--rope-scaling")]
     ones = _runs(data_dir, 1, [("mla-one", {}, 1, DEEPSEEK + ("--save", str(data_dir / "mla-one-ckpt")), 1, GLM_MOE),
                                ("mla-no-yarn", {}, 1, plain, 1, GLM_MOE)])
@@ -284,7 +286,7 @@ def test_multi_latent_attention_trains_alike_under_every_layout(data_dir):
         export_checkpoint(path, data_dir / f"mla-{run}-export", progress=lambda line: None)
         exports[run] = load_export(data_dir / f"mla-{run}-export")
     mine, theirs = exports["tp2"][0], exports["one"][0]
-    assert mine["decoder.layers.0.self_attention.linear_kv_down_proj.weight"].shape == (16, 32)   # 12 + 4 rows
+    assert mine["decoder.layers.0.self_attention.linear_kv_down_proj.weight"].shape == (20, 32)   # 12 + 8 rows
     assert sorted(mine) == sorted(theirs)
     for key, value in theirs.items():
         torch.testing.assert_close(mine[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")

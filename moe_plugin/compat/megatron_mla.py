@@ -21,8 +21,18 @@ Engine, and one does not fit YaRN as transformers computes it:
   ``isinstance(self.linear_proj, TELinear)`` raises "isinstance() arg 2 must be a type".
   ``MLAttention`` sets ``HAVE_TE`` to whether ``TELinear`` is a class.
 
-All three are swapped for the constructor's duration only (the module's two names), so Megatron's
-classes stay as they are for everyone else. ``tests/test_compat_guards.py`` checks the names
+Those three are swapped for the constructor's duration only (the module's names), so Megatron's
+classes stay as they are for everyone else.
+
+And one gradient is wrong in Megatron's local spec under tensor parallelism: the key/value down
+projection is a ``ColumnParallelLinear`` whose output ``[kv_lora_rank + qk_pos_emb_head_dim]`` is
+all-gathered over TP (``gather_from_tensor_model_parallel_region``, whose backward keeps each rank's
+slice of the gradient, right only for a gradient every rank has whole). Its last ``qk_pos_emb_head_dim``
+columns are the rotary key *shared by all heads*: each rank's gradient of it comes from its own heads
+only, so the rank that owns those columns dropped the other ranks' share and trained the shared key's
+weights on part of their gradient (the losses drift from the one-rank run's after a few steps). In
+``MLAttention``'s forward that one gather is the plugin's ``_GatherSummingTail``: the same all-gather,
+whose backward sums the shared key's columns over TP before keeping the rank's slice. ``tests/test_compat_guards.py`` checks the names
 this relies on against the installed Megatron-Core.
 """
 from __future__ import annotations
@@ -31,6 +41,7 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer import multi_latent_attention as mla_module
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -53,11 +64,58 @@ class YarnRotary(RotaryEmbedding):
 
 
 class MLAttention(MLASelfAttention):
-    """``MLASelfAttention`` whose rotary embedding is built where it can run (module docstring)."""
+    """``MLASelfAttention`` whose rotary embedding is built where it can run and whose shared key's
+    gradient is summed over TP (module docstring)."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any):
         with rotary_on_host(config.use_cpu_initialization or not torch.cuda.is_available()):
             super().__init__(config, *args, **kwargs)
+        self._kv_down = None
+        self.linear_kv_down_proj.register_forward_hook(self._remember_kv_down)
+
+    def _remember_kv_down(self, _module: Any, _inputs: Any, output: Any) -> None:
+        self._kv_down = output[0] if isinstance(output, tuple) else output
+
+    def get_query_key_value_tensors(self, *args: Any, **kwargs: Any):
+        group = self.pg_collection.tp
+        if group is None or group.size() == 1:
+            return super().get_query_key_value_tensors(*args, **kwargs)
+        plain = mla_module.gather_from_tensor_model_parallel_region
+        tail = self.config.qk_pos_emb_head_dim
+
+        def gather(tensor: torch.Tensor, *rest: Any, **options: Any) -> torch.Tensor:
+            if tensor is self._kv_down:   # the key/value down projection's output: its tail is the shared key
+                return _GatherSummingTail.apply(tensor, tail, group)
+            return plain(tensor, *rest, **options)
+
+        mla_module.gather_from_tensor_model_parallel_region = gather
+        try:
+            return super().get_query_key_value_tensors(*args, **kwargs)
+        finally:
+            mla_module.gather_from_tensor_model_parallel_region = plain
+            self._kv_down = None
+
+
+class _GatherSummingTail(torch.autograd.Function):
+    """All-gather along the last dimension over ``group``; backward: the gradient's last ``tail`` columns
+    summed over the group (each rank has part of it), then this rank's slice."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, tail: int, group: Any) -> torch.Tensor:
+        ctx.tail, ctx.group = tail, group
+        parts = [torch.empty_like(tensor) for _ in range(group.size())]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        grad = grad.clone()
+        shared = grad[..., -ctx.tail:].contiguous()
+        dist.all_reduce(shared, group=ctx.group)
+        grad[..., -ctx.tail:] = shared
+        size = grad.shape[-1] // ctx.group.size()
+        rank = ctx.group.rank()
+        return grad[..., rank * size:(rank + 1) * size].contiguous(), None, None
 
 
 @contextlib.contextmanager
