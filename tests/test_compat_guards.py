@@ -425,3 +425,28 @@ def test_megatron_attention_takes_the_yarn_factor_from_the_config():
     assert attention_factor(config) == 1.0
     set_attention_factor(config, 1.1386)
     assert abs(attention_factor(config) - 1.1386) < 1e-12
+
+
+def test_megatron_mla_names_the_plugin_swaps():
+    """``compat/megatron_mla.py``: Megatron's MLA module builds its rotary embedding through the module's
+    names ``RotaryEmbedding`` / ``YarnRotaryEmbedding`` (swapped at construction), reads ``HAVE_TE`` and
+    ``TELinear`` there, gathers the key/value down projection with ``gather_from_tensor_model_parallel_region``
+    (swapped for its one call), and de-interleaves the rotated dimensions itself (so the hub's weights fit)."""
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.models.common.embeddings import rope_utils
+
+    where = f"megatron-core {version('megatron-core')}"
+    for name in ("RotaryEmbedding", "YarnRotaryEmbedding", "HAVE_TE", "TELinear",
+                 "gather_from_tensor_model_parallel_region"):
+        _must(hasattr(mla, name), f"multi_latent_attention has no {name}", where, "megatron_mla")
+    built = inspect.getsource(mla.MultiLatentAttention.__init__)
+    _must("self.rotary_pos_emb = RotaryEmbedding(" in built and "self.rotary_pos_emb = YarnRotaryEmbedding(" in built
+          and "isinstance(self.linear_proj, TELinear)" in built, "MLA builds its rotary embedding otherwise", where,
+          "megatron_mla")
+    gathered = inspect.getsource(mla.MLASelfAttention.get_query_key_value_tensors)
+    _must("kv_combined = gather_from_tensor_model_parallel_region(kv_combined)" in gathered
+          and "rotary_pos_emb, mscale = self.rotary_pos_emb(" in gathered, "MLA gathers or rotates otherwise", where,
+          "megatron_mla")
+    applied = inspect.getsource(rope_utils._apply_rotary_pos_emb_bshd)
+    _must("if multi_latent_attention:" in applied and "t[..., 0::2]" in applied,
+          "MLA's RoPE no longer de-interleaves the rotated dimensions", where, "megatron_mla")

@@ -138,6 +138,7 @@ CASES = [
     Case("gate_scale", value={"gate_scale": 2.5}),
     Case("group_topk", value={"group_topk": 1, "router_groups": 2}),
     Case("router_groups", value={"router_groups": 4}, ref={"num_experts": 8, "group_topk": 1, "router_groups": 2}),
+    Case("group_score", value={"group_score": "max"}, ref={"group_topk": 1, "router_groups": 2}),
     # (gshard with "all" is the reference's top-2 to the bit)
     Case("second_expert_policy", value={"second_expert_policy": "all"}, ref={"router": "gshard", "top_k": None}),
     Case("jitter_eps", value={"jitter_eps": 0.3}, one_layout=NOISE),

@@ -1,4 +1,4 @@
-"""Megatron-Core 0.16.1's multi-latent attention (``MLASelfAttention``) on any device.
+"""megatron-core 0.16.1's multi-latent attention (``MLASelfAttention``) on any device.
 
 The plugin uses Megatron's own MLA module (DeepSeek-V2/V3: low-rank query and key/value projections
 with their norms, a rotary key shared by the heads), so a GPU run gets Megatron's layer unchanged.

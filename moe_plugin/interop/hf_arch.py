@@ -11,7 +11,7 @@ comes from) and the example's flags that build the same model (``example_flags``
 What the plugin cannot represent is refused before anything is written, naming the config key and
 the model type: an unknown ``model_type``, sliding-window attention, RoPE scaling or partial
 rotary, an activation other than SiLU, biases on the output projection or the MLPs, multi-latent
-attention. The router semantics per family (transformers 5.24):
+attention outside DeepSeek-V2/V3. The router semantics per family (transformers 5.24):
 
     mixtral     softmax over the experts, top-k, the k gates renormalised (always)
     qwen3_moe   softmax, top-k, renormalised iff norm_topk_prob; QK-norm (RMSNorm per head)
@@ -27,6 +27,14 @@ attention. The router semantics per family (transformers 5.24):
                 ungated shared experts (n_shared_experts x moe_intermediate_size); layers before
                 first_k_dense_replace dense; attention_bias = QKV biases; use_qk_norm per head;
                 partial_rotary_factor (--rotary-percent); the MTP layers' tensors left out
+    deepseek_v3 GLM-4.5's routing (no QKV bias, no partial rotary) with multi-latent attention: Megatron's
+                MLASelfAttention (``mla``: q_lora_rank, kv_lora_rank, qk_nope_head_dim as qk_head_dim,
+                qk_rope_head_dim as qk_pos_emb_head_dim, v_head_dim; --qk-layernorm for its latent norms,
+                whose epsilon transformers fixes at 1e-6); rope_interleave (Megatron's MLA rotates
+                interleaved pairs: false means the import interleaves the rotated rows)
+    deepseek_v2 the same attention (always interleaved); softmax scores, no bias, gates not renormalised,
+                times routed_scaling_factor; topk_method group_limited_greedy: the groups ranked by their
+                best score (group_score "max"), greedy: no limit
     llama, mistral, qwen3   dense (upcycling); qwen3 with QK-norm
 
 The router choice, capacity and gates map onto the ``"moe"`` block as router ``topk``,

@@ -1,4 +1,4 @@
-"""``moe-plugin export-hf CKPT --out HF_DIR [--arch mixtral|qwen3_moe|qwen2_moe|llama|qwen3]``.
+"""``moe-plugin export-hf CKPT --out HF_DIR [--arch ARCH]`` (ARCH: a ``model_type`` of ``hf_arch.ARCHITECTURES``).
 
     export_hf("ckpt", "hf-out")          # then transformers.AutoModelForCausalLM.from_pretrained("hf-out")
 
