@@ -199,8 +199,6 @@ def test_projection_qk_norm_trains_alike_under_tensor_parallelism(data_dir):
     model: tp2 x ep2, tp2 x ep2 with sequence parallelism and tp2 x pp2 x ep2 give the one-rank run's
     losses (the gradients flow through the TP all-reduce of the statistic); the tp2 checkpoint exports
     to the one-rank run's weights, the norm's full [heads x head size] weight joined from both ranks."""
-    from moe_plugin.checkpoint.export import export_checkpoint, load_export
-
     olmoe = LLAMA + ("--qk-layernorm-scope", "projection")
     saved = data_dir / "olmoe-tp2-ckpt"
     layouts = _runs(data_dir, 4, [
@@ -213,15 +211,23 @@ def test_projection_qk_norm_trains_alike_under_tensor_parallelism(data_dir):
     assert head != pytest.approx(one, rel=1e-4)   # the scope changes the model
     for name, got in layouts.items():
         assert got == pytest.approx(one, rel=1e-5), (name, got, one)
-    exports = {}
-    for run, path in (("one", data_dir / "olmoe-one-ckpt"), ("tp2", saved)):
-        export_checkpoint(path, data_dir / f"olmoe-{run}-export", progress=lambda line: None)
-        exports[run] = load_export(data_dir / f"olmoe-{run}-export")
-    mine, theirs = exports["tp2"][0], exports["one"][0]
+    mine, theirs = _exported(data_dir, "olmoe", saved)
     assert mine["decoder.layers.0.self_attention.q_layernorm.weight"].shape == (32,)   # 4 heads of 8
     assert mine["decoder.layers.0.self_attention.k_layernorm.weight"].shape == (16,)   # 2 groups of 8
     for key, value in theirs.items():
         torch.testing.assert_close(mine[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+def _exported(data_dir: Path, prefix: str, saved: Path) -> tuple[dict, dict]:
+    """The weights of ``saved`` (a tp2 run's checkpoint) and of ``{prefix}-one-ckpt``, each exported as
+    the one-rank model."""
+    from moe_plugin.checkpoint.export import export_checkpoint, load_export
+
+    out = []
+    for run, path in (("tp2", saved), ("one", data_dir / f"{prefix}-one-ckpt")):
+        export_checkpoint(path, data_dir / f"{prefix}-{run}-export", progress=lambda line: None)
+        out.append(load_export(data_dir / f"{prefix}-{run}-export")[0])
+    return out[0], out[1]
 
 
 # GLM-4.5's shape on the Llama-style model: half of each head rotated, QKV biases, a dense first layer,
@@ -266,8 +272,6 @@ def test_multi_latent_attention_trains_alike_under_every_layout(data_dir):
     and tp2 x pp2 x ep2 (ZeRO-0: the first stage holds the dense layer only; MLA rotates inside each stage's
     layers); the tp2 checkpoint exports to the
     one-rank run's weights. Without YaRN the losses differ (the scaling is applied)."""
-    from moe_plugin.checkpoint.export import export_checkpoint, load_export
-
     saved = data_dir / "mla-tp2-ckpt"
     layouts = _runs(data_dir, 4, [
         ("mla-tp2-ep2", {"tensor": 2, "expert": 2}, 1, DEEPSEEK + ("--save", str(saved)), 1, GLM_MOE),
@@ -281,11 +285,7 @@ def test_multi_latent_attention_trains_alike_under_every_layout(data_dir):
     assert ones["mla-no-yarn"] != pytest.approx(one, rel=1e-4)
     for name, got in layouts.items():
         assert got == pytest.approx(one, rel=1e-5), (name, got, one)
-    exports = {}
-    for run, path in (("one", data_dir / "mla-one-ckpt"), ("tp2", saved)):
-        export_checkpoint(path, data_dir / f"mla-{run}-export", progress=lambda line: None)
-        exports[run] = load_export(data_dir / f"mla-{run}-export")
-    mine, theirs = exports["tp2"][0], exports["one"][0]
+    mine, theirs = _exported(data_dir, "mla", saved)
     assert mine["decoder.layers.0.self_attention.linear_kv_down_proj.weight"].shape == (20, 32)   # 12 + 8 rows
     assert sorted(mine) == sorted(theirs)
     for key, value in theirs.items():
