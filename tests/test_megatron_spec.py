@@ -88,6 +88,8 @@ def test_spec_transformations_keep_the_kind_and_swap_only_the_cpu_pieces():
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+    from megatron.core.transformer.identity_op import IdentityOp
+
     from moe_plugin.integration.cpu_modules import SDPAttention, TorchNorm
     from moe_plugin.integration.megatron import MoEAwareTransformerLayer, cpu_friendly_spec, moe_layer_spec
 
@@ -107,8 +109,17 @@ def test_spec_transformations_keep_the_kind_and_swap_only_the_cpu_pieces():
         assert sub.self_attention.submodules.linear_qkv is base.submodules.self_attention.submodules.linear_qkv
     assert base.submodules.self_attention.submodules.core_attention is DotProductAttention  # not mutated
 
+    # Multi-latent attention (--multi-latent-attention, also through Megatron-LM's --spec): Megatron's
+    # MLASelfAttention as compat/megatron_mla builds it, SDPA core attention on every device, torch latent norms.
+    from moe_plugin.compat.megatron_mla import MLAttention
+    from moe_plugin.integration.megatron import mla_layer_spec
+
+    mla = mla_layer_spec("RMSNorm", qk_layernorm=True).submodules.self_attention
+    assert mla.module is MLAttention and mla.submodules.core_attention is SDPAttention
+    assert mla.submodules.q_layernorm is TorchNorm and mla.submodules.kv_layernorm is TorchNorm
+    assert mla_layer_spec("RMSNorm", qk_layernorm=False).submodules.self_attention.submodules.kv_layernorm is IdentityOp
+
     # MoE layers get a norm of their own only where the dense MLP's fc1 applies the pre-MLP norm (TE).
-    from megatron.core.transformer.identity_op import IdentityOp
 
     from moe_plugin.integration.megatron import MoEPlan, _with_moe_mlp
 

@@ -358,7 +358,11 @@ def _local_block_spec(config: TransformerConfig, vp_stage: Optional[int], pp_ran
     if qk_layernorm_scope not in QK_LAYERNORM_SCOPES:
         raise ConfigError("qk_layernorm_scope", qk_layernorm_scope, f"expected one of {list(QK_LAYERNORM_SCOPES)}")
     if getattr(config, "multi_latent_attention", False):
-        return as_block_spec(_mla_layer_spec(config, qk_layernorm_scope), config, vp_stage=vp_stage, pp_rank=pp_rank)
+        if qk_layernorm_scope != "head":
+            raise ConfigError("qk_layernorm_scope", qk_layernorm_scope, "multi-latent attention normalises its "
+                              "compressed query and key/value (--qk-layernorm); the scope is 'head'")
+        return as_block_spec(mla_layer_spec(config.normalization, config.qk_layernorm), config, vp_stage=vp_stage,
+                             pp_rank=pp_rank)
     base = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
     if config.qk_layernorm:   # summed over TP, which the plugin's training loop needs (cpu_modules)
         attention = base.submodules.self_attention
@@ -372,7 +376,7 @@ def _local_block_spec(config: TransformerConfig, vp_stage: Optional[int], pp_ran
     return as_block_spec(base, config, vp_stage=vp_stage, pp_rank=pp_rank)
 
 
-def _mla_layer_spec(config: TransformerConfig, qk_layernorm_scope: str) -> ModuleSpec:
+def mla_layer_spec(normalization: Optional[str], qk_layernorm: bool) -> ModuleSpec:
     """Megatron's local MLA layer spec (``MLASelfAttention``: DeepSeek-V2/V3) with the pieces that run on
     any device: ``compat.megatron_mla.MLAttention`` (its rotary embedding built where it can run),
     ``SDPAttention`` as core attention (Megatron's ``DotProductAttention`` takes no ``k_channels``), and
@@ -381,13 +385,9 @@ def _mla_layer_spec(config: TransformerConfig, qk_layernorm_scope: str) -> Modul
     parallelism and summed over TP with it (``TorchNorm`` marks them as ``config.sequence_parallel``)."""
     from moe_plugin.compat.megatron_mla import MLAttention
 
-    if qk_layernorm_scope != "head":
-        raise ConfigError("qk_layernorm_scope", qk_layernorm_scope, "multi-latent attention normalises its "
-                          "compressed query and key/value (--qk-layernorm); the scope is 'head'")
-    base = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm,
-                                    multi_latent_attention=True)
+    base = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm, multi_latent_attention=True)
     attention = base.submodules.self_attention
-    norm = TorchNorm if config.qk_layernorm else IdentityOp
+    norm = TorchNorm if qk_layernorm else IdentityOp
     parts = dataclasses.replace(attention.submodules, core_attention=SDPAttention, q_layernorm=norm, kv_layernorm=norm)
     return dataclasses.replace(base, submodules=dataclasses.replace(
         base.submodules, self_attention=dataclasses.replace(attention, module=MLAttention, submodules=parts)))
@@ -402,7 +402,8 @@ def megatron_lm_spec() -> ModuleSpec:
     (``moe_plugin.groups.register``), else built now from the block's ``parallel`` sizes
     (collective: every rank calls it, as Megatron-LM's model provider does) and checked against
     Megatron's own. Base spec: Transformer Engine's when ``--transformer-impl transformer_engine``,
-    else the local one (made CPU-friendly on a CPU accelerator). Megatron-LM imports an
+    else the local one (made CPU-friendly on a CPU accelerator; with ``--multi-latent-attention``
+    ``mla_layer_spec``, which runs on any device). Megatron-LM imports an
     *attribute*, not a function: use ``--spec moe_plugin.integration.megatron_lm_spec spec``
     (docs/megatron_lm.md). On the CPU accelerator it also seeds Megatron's RNG tracker from
     Megatron-LM's ``--seed`` (``seeding.seed_megatron_rng``), which Megatron-LM does on GPUs only.
@@ -414,10 +415,13 @@ def megatron_lm_spec() -> ModuleSpec:
                           "--deepspeed_config to Megatron-DeepSpeed)", shown="unset")
     moe_config = MoEConfig.from_ds_config(path)
     groups = _groups_for_megatron_lm(moe_config)
+    mla = bool(getattr(args, "multi_latent_attention", False))
     if args is not None and getattr(args, "transformer_impl", "local") == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+        base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm, multi_latent_attention=mla)
+    elif mla:   # --multi-latent-attention: Megatron's MLA with the pieces that run on any device
+        base = mla_layer_spec(getattr(args, "normalization", None), bool(getattr(args, "qk_layernorm", False)))
     else:
         base = get_gpt_layer_local_spec(normalization=getattr(args, "normalization", None),
                                         qk_layernorm=getattr(args, "qk_layernorm", False))
