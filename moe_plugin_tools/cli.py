@@ -12,7 +12,7 @@
     moe-plugin export CKPT_DIR --out DIR [--tag TAG] [--trust-checkpoint]
     moe-plugin convert-checkpoint OLD_CKPT --out NEW_CKPT [--tag TAG]
     moe-plugin upcycle DENSE_CKPT --config ds.json --out MOE_CKPT [--granularity G] [--tag TAG] [--reset-iteration]
-    moe-plugin import-hf HF_DIR --config ds.json --out CKPT [--tag TAG] [--dtype float32]
+    moe-plugin import-hf HF_DIR --config ds.json --out CKPT [--tag TAG] [--dtype float32] [--config-out JSON]
     moe-plugin export-hf CKPT --out HF_DIR [--arch mixtral|qwen3_moe|qwen2_moe|olmoe|llama|mistral|qwen3] [--max-shard-size 5GB]
     moe-plugin preprocess --input FILE.jsonl --tokenizer HF_DIR --output-prefix P [--json-keys text] [--workers N]
     moe-plugin train-tokenizer --input FILE.jsonl --out HF_DIR [--vocab-size 4096]
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -152,14 +153,19 @@ def upcycle(args: argparse.Namespace) -> None:
 def import_hf(args: argparse.Namespace) -> None:
     from moe_plugin.interop import import_hf as run
 
-    done = run(args.hf_dir, args.config, args.out, tag=args.tag, dtype=args.dtype,
+    done = run(args.hf_dir, args.config, args.out, tag=args.tag, dtype=args.dtype, config_out=args.config_out,
                progress=lambda line: print(line, flush=True), trust=args.trust_checkpoint)
     print(f"imported {args.hf_dir} ({done.model_type}) -> {done.path} in {done.seconds:.2f} s")
     if done.filled:
         print(f"  filled in from config.json: moe.{', moe.'.join(done.filled)}; the \"moe\" block to train with:\n"
               f"  \"moe\": {json.dumps(done.moe_block)}")
+    print(f"  the DeepSpeed JSON to train with (yours, its \"moe\" block completed): {done.config_path}")
     print("  the example's model flags (recorded in the checkpoint; a load with others is refused):\n"
           f"  --load {args.out} {' '.join(done.flags)}")
+    if "PREFIX" in done.command:
+        print(f"  its vocabulary is not the example's byte corpus's: tokenize your data with the imported tokenizer "
+              f"first,\n  moe-plugin preprocess --input FILE.jsonl --tokenizer {done.command[-1]} --output-prefix PREFIX")
+    print(f"  train it (from the repository's root; add --train-iters, --save ...):\n  {shlex.join(done.command)}")
 
 
 def export_hf(args: argparse.Namespace) -> None:
@@ -259,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "block is checked against config.json (expert fields left out are filled in)")
     imp.add_argument("--out", type=Path, required=True, help="the checkpoint directory to write (a --load)")
     imp.add_argument("--tag", default="step0", help="the tag to write (default: step0)")
+    imp.add_argument("--config-out", type=Path, default=None, help="where to write the DeepSpeed JSON to train with "
+                     "(--config with its \"moe\" block completed; default: OUT/ds_config.json)")
     imp.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the model's own, so a "
                      "bf16 model makes a checkpoint of its own size)")
     imp.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)

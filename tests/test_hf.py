@@ -6,7 +6,9 @@ of 32 over a hidden size of 64; Qwen2-MoE with its sigmoid-gated shared expert, 
 unnormalised gates; OLMoE with QK-norm over the whole projections and unnormalised gates; GLM-4.5 with
 sigmoid scores, a non-zero correction bias, 2 of 4 groups, scaled gates, a dense first layer, an
 ungated shared expert, QKV bias, QK-norm and half the head rotated; a Qwen3-MoE with YaRN (4 x an
-original context of 8, so the tests' 16 tokens run past it); a dense tied Llama; a dense untied Qwen3 with
+original context of 8, so the tests' 16 tokens run past it); DeepSeek-V3 with multi-latent attention
+(a low-rank query, YaRN with both mscales, DeepSeek routing), the same with rope_interleave false, and
+a DeepSeek-V2-Lite-shaped model (full query projection, group_limited_greedy); a dense tied Llama; a dense untied Qwen3 with
 QK-norm and heads of 32; a
 dense untied Mistral without sliding window). Each is imported with the "moe" block holding only
 ``num_experts`` (the rest filled in from config.json), and:
@@ -307,8 +309,9 @@ def test_what_the_plugin_cannot_represent_is_refused_naming_the_key(tmp_path, na
     assert _nothing_written(tmp_path / "ckpt")
 
 
-def test_glm_multi_token_prediction_layers_are_left_out_naming_them(imported, tmp_path):
-    """A GLM-4.5 directory as the hub holds it: the multi-token-prediction layer's tensors
+@pytest.mark.parametrize("name", ["glm4_moe", "deepseek_v3"])
+def test_multi_token_prediction_layers_are_left_out_naming_them(imported, tmp_path, name):
+    """A GLM-4.5 (DeepSeek-V3) directory as the hub holds it: the multi-token-prediction layer's tensors
     (``model.layers.N`` past ``num_hidden_layers``, which transformers ignores) are left out with a
     line; the checkpoint is the one without them."""
     import shutil
@@ -319,8 +322,8 @@ def test_glm_multi_token_prediction_layers_are_left_out_naming_them(imported, tm
     from moe_plugin.interop import import_hf
 
     _root, _tokens, cases = imported
-    hf = tmp_path / "glm-mtp"
-    shutil.copytree(cases["glm4_moe"]["hf"], hf)
+    hf = tmp_path / "mtp"
+    shutil.copytree(cases[name]["hf"], hf)
     tensors = load_file(str(hf / "model.safetensors"))
     tensors.update({"model.layers.2.eh_proj.weight": torch.ones(64, 128),
                     "model.layers.2.enorm.weight": torch.ones(64)})
@@ -328,7 +331,7 @@ def test_glm_multi_token_prediction_layers_are_left_out_naming_them(imported, tm
     lines = []
     import_hf(hf, {"moe": {"num_experts": EXPERTS}}, tmp_path / "ckpt", progress=lines.append)
     assert any("left out 2 tensors of layers [2], the multi-token-prediction layers" in line for line in lines), lines
-    ours, theirs = CheckpointSource(tmp_path / "ckpt"), CheckpointSource(cases["glm4_moe"]["ckpt"])
+    ours, theirs = CheckpointSource(tmp_path / "ckpt"), CheckpointSource(cases[name]["ckpt"])
     assert sorted(ours.specs()) == sorted(theirs.specs())
     assert all(torch.equal(ours.read(k), theirs.read(k)) for k in ours.specs())
 
@@ -348,8 +351,10 @@ def _fp8_blocks(weight: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tenso
 
 
 @pytest.mark.slow   # a spawned rank
-def test_fp8_block_weights_are_dequantized_at_import(imported, tmp_path):
-    """A Qwen3-MoE whose linear weights are FP8 in 16 x 24 blocks with ``weight_scale_inv`` (the router
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_fp8_block_weights_are_dequantized_at_import(imported, tmp_path, name):
+    """A Qwen3-MoE (a DeepSeek-V3: its latent projections too) whose linear weights are FP8 in 16 x 24
+    blocks with ``weight_scale_inv`` (the router
     and norms kept, as the hub's FP8 models keep them): import-hf dequantizes each block by its scale
     (the same checkpoint as importing the dequantized model, which the test computes block by block on
     its own), the example's model gives transformers' logits of that model, and export-hf writes it
@@ -363,19 +368,19 @@ def test_fp8_block_weights_are_dequantized_at_import(imported, tmp_path):
     from moe_plugin.interop import export_hf, import_hf
 
     _root, tokens_BS, cases = imported
-    case = cases["qwen3_moe"]
+    case = cases[name]
     fp8, plain = tmp_path / "fp8", tmp_path / "dequantized"
     shutil.copytree(case["hf"], fp8)
     shutil.copytree(case["hf"], plain)
     tensors, stored, dequantized = load_file(str(Path(case["hf"]) / "model.safetensors")), {}, {}
-    for name, weight in tensors.items():
-        if name.endswith("_proj.weight"):
+    for key, weight in tensors.items():
+        if key.endswith(("_proj.weight", "_proj_with_mqa.weight")):
             quantized, scale = _fp8_blocks(weight, 16, 24)
-            stored[name], stored[name[:-len("weight")] + "weight_scale_inv"] = quantized, scale
-            dequantized[name] = (quantized.float() * scale.repeat_interleave(16, 0)[:weight.shape[0]]
-                                 .repeat_interleave(24, 1)[:, :weight.shape[1]])
+            stored[key], stored[key[:-len("weight")] + "weight_scale_inv"] = quantized, scale
+            dequantized[key] = (quantized.float() * scale.repeat_interleave(16, 0)[:weight.shape[0]]
+                                .repeat_interleave(24, 1)[:, :weight.shape[1]])
         else:
-            stored[name] = dequantized[name] = weight
+            stored[key] = dequantized[key] = weight
     save_file(stored, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
     save_file(dequantized, str(plain / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((fp8 / "config.json").read_text())
@@ -524,12 +529,42 @@ def test_commands_print_the_flags_and_the_completed_block(imported, tmp_path, ca
     assert block["normalize_gates"] is False and block["parallel"] == {"expert": 2}
     assert f"--load {tmp_path / 'ckpt'} " + " ".join(cases["qwen2_moe"]["flags"]) in out
     assert "--add-qkv-bias" in out and "--qk-layernorm" not in out
+    written = json.loads((tmp_path / "ckpt" / "ds_config.json").read_text())   # the JSON to train with
+    assert written == {"train_batch_size": 4, "moe": block}
+    command = out.split("train it (from the repository's root; add --train-iters, --save ...):\n  ", 1)[1]
+    assert command.splitlines()[0].startswith(f"deepspeed --num_gpus 2 examples/gpt_moe/pretrain_gpt_moe.py "
+                                              f"--deepspeed_config {tmp_path / 'ckpt' / 'ds_config.json'} --load ")
     assert main(["export-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
     assert "exported" in capsys.readouterr().out
     with pytest.raises(SystemExit) as caught:   # into a directory that is not empty
         main(["export-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")])
     assert caught.value.code == 2
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+@pytest.mark.slow   # through the deepspeed launcher
+def test_the_printed_command_trains_the_import_as_printed(imported, tmp_path, capsys):
+    """``moe-plugin import-hf`` given a JSON without the expert fields (the "moe" block holds num_experts and
+    the layout only): the command it prints -- the written JSON, ``--load``, the model's flags, the ranks
+    the layout needs -- trains the imported Mixtral through the ``deepspeed`` launcher (only the run's
+    length and where its files go added), loading the import."""
+    import shlex
+
+    from launcher import assert_succeeded, deepspeed
+    from moe_plugin_tools.cli import main
+
+    _root, _tokens, cases = imported
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                              "moe": {"num_experts": EXPERTS, "parallel": {"expert": 2}}}))
+    assert main(["import-hf", cases["mixtral"]["hf"], "--config", str(ds), "--out", str(tmp_path / "ckpt")]) == 0
+    printed = capsys.readouterr().out.rsplit("\n  ", 1)[1].strip()
+    argv = shlex.split(printed)
+    assert argv[:3] == ["deepspeed", "--num_gpus", "2"] and "--swiglu" in argv and "PREFIX" not in argv, printed
+    done = deepspeed(*argv[1:], "--train-iters", "2", "--eval-interval", "0", "--seq-length", "16", "--no-plot",
+                     "--data-cache", str(tmp_path / "data"), "--run-dir", str(tmp_path / "run"), timeout=300)
+    assert_succeeded(done)
+    assert f"loaded {tmp_path / 'ckpt' / 'step0'}" in done.output and "reached step 2" in done.output, done.tail()
 
 
 def test_without_transformers_the_commands_say_which_extra(imported, tmp_path, monkeypatch, capsys):

@@ -22,6 +22,10 @@ model built otherwise is refused naming the key and the flag, ``checkpoint.archi
 
 A dense model (Llama, Mistral, Qwen3) is imported as the example's ``--dense`` model; ``upcycle``
 (or ``moe-plugin upcycle``) then makes the MoE checkpoint from it.
+
+The DeepSpeed JSON to train with -- the given one, its ``"moe"`` block completed -- is written next to
+the checkpoint (``out_dir/ds_config.json``, or ``config_out``), and ``ImportResult.command`` is the
+example's whole command line that trains the imported model from it (``next_command``).
 """
 from __future__ import annotations
 
@@ -47,6 +51,9 @@ from moe_plugin.interop.hf_files import HFWeights, tokenizer_files
 logger = logging.getLogger(__name__)
 
 TOKENIZER_DIR = "hf"
+CONFIG_NAME = "ds_config.json"   # the completed DeepSpeed JSON, in the checkpoint directory by default
+EXAMPLE = "examples/gpt_moe/pretrain_gpt_moe.py"
+BYTE_VOCAB = 257   # the example's default data: the byte tokenizer's stdlib corpus
 # HF buffers that follow from the config (older checkpoints saved RoPE's frequencies)
 DERIVED = ("rotary_emb.inv_freq",)
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -60,11 +67,14 @@ class ImportResult:
     moe_block: dict           # the "moe" block the checkpoint records (the given one, completed)
     filled: tuple[str, ...]   # "moe" keys import-hf filled in
     seconds: float
+    config_path: str = ""     # the DeepSpeed JSON written to train with (the given one, its "moe" block completed)
+    command: tuple[str, ...] = ()   # the example's command that trains the imported model (next_command)
 
 
 @trust_argument
 def import_hf(hf_dir: Union[os.PathLike, str], ds_config: Union[dict, os.PathLike, str],
               out_dir: Union[os.PathLike, str], *, tag: str = "step0", dtype: Optional[str] = None,
+              config_out: Union[os.PathLike, str, None] = None,
               progress: Optional[Callable[[str], None]] = None) -> ImportResult:
     """Write ``hf_dir`` as a plugin checkpoint ``out_dir/tag`` (module docstring). One process."""
     say = progress or logger.info
@@ -96,9 +106,66 @@ def import_hf(hf_dir: Union[os.PathLike, str], ds_config: Union[dict, os.PathLik
         path = write_one_rank(out_dir, tag, plan, moe, model_description(arch), record, extra, say)
     finally:
         weights.close()
+    config_path = os.fspath(config_out) if config_out is not None else os.path.join(os.fspath(out_dir), CONFIG_NAME)
+    _write_json({**ds, ROOT_KEY: block}, config_path)
     seconds = time.perf_counter() - began
-    say(f"wrote {path} in {seconds:.2f} s")
-    return ImportResult(path, arch.model_type, tuple(arch.example_flags()), block, tuple(filled), seconds)
+    say(f"wrote {path} and {config_path} in {seconds:.2f} s")
+    command = next_command(arch, {**ds, ROOT_KEY: block}, config_path, os.fspath(out_dir), path)
+    return ImportResult(path, arch.model_type, tuple(arch.example_flags()), block, tuple(filled), seconds,
+                        config_path, tuple(command))
+
+
+def _write_json(value: dict, path: str) -> None:
+    """``value`` as ``path`` (its parent made), written whole or not at all."""
+    import json
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = f"{path}.partial"
+    with open(partial, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2)
+        f.write("\n")
+    os.replace(partial, path)
+
+
+def next_command(arch: HFArchitecture, ds: dict, config_path: str, out_dir: str, tag_path: str) -> list[str]:
+    """The ``deepspeed`` command that trains the imported model with the example: as many ranks as the JSON's
+    layout needs (its batch sizes give the data-parallel size; without them the smallest world its
+    ``"moe"`` block takes), the written JSON, ``--load``, the model's flags, ``--micro-batch-size`` where the
+    JSON has none (its ``train_batch_size`` over the ranks); a vocabulary other than the
+    example's byte corpus's takes ``--data-path`` data tokenized with the imported tokenizer (``PREFIX``:
+    the data ``moe-plugin preprocess`` writes) and ``--tokenizer``."""
+    from moe_plugin.data import pad_vocab_size
+
+    moe = MoEConfig.from_dict(ds[ROOT_KEY])
+    world = world_size(ds, moe)
+    command = ["deepspeed", "--num_gpus", str(world), EXAMPLE, "--deepspeed_config", config_path,
+               "--load", out_dir, *arch.example_flags()]
+    if ds.get("train_micro_batch_size_per_gpu") is None:   # the example needs it: the JSON's batch over the ranks
+        dp = world // (moe.parallel.tensor * moe.parallel.pipeline)
+        micro = int(ds.get("train_batch_size") or dp) // (dp * int(ds.get("gradient_accumulation_steps") or 1))
+        command += ["--micro-batch-size", str(max(1, micro))]
+    if pad_vocab_size(BYTE_VOCAB, 128, moe.parallel.tensor) != arch.vocab_size:
+        command += ["--data-path", "PREFIX", "--tokenizer", os.path.join(tag_path, TOKENIZER_DIR)]
+    return command
+
+
+def world_size(ds: dict, moe: MoEConfig) -> int:
+    """The ranks a DeepSpeed JSON describes: data-parallel size (train_batch_size over micro-batch x
+    accumulation, where two of the three are given) x tensor x pipeline; else the smallest world the
+    ``"moe"`` block's layout takes."""
+    p = moe.parallel
+    model_parallel = p.tensor * p.pipeline
+    batch = [ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
+    total, micro, steps = batch
+    if total and micro:
+        return model_parallel * max(1, total // (micro * (steps or 1)))
+    for world in range(model_parallel, model_parallel * 1025, model_parallel):
+        try:
+            moe.check_world_size(world)
+        except ConfigError:
+            continue
+        return world
+    return model_parallel
 
 
 def complete_moe_block(arch: HFArchitecture, block: dict) -> tuple[dict, list[str]]:
