@@ -6,7 +6,7 @@ what one that ended by itself left in its process group is killed at the end, so
 test. A command's temporary files (``TMPDIR``) go to a directory of its own, removed afterwards.
 
     run([ARGV...], cwd=tmp_path, timeout=300)          # one command: its Done (status, output)
-    run(argv, send=Signal(when=lambda: ..., to=...))   # SIGTERM to a process of it once when() holds
+    run(argv, send=Signal(when=lambda: ..., to=...))   # SIGTERM to a process of it (group=True: its group) once when() holds
     deepspeed(ARGV...)                                 # ``deepspeed ARGV``
     deepspeed_together([ARGV, ...])                    # the nodes of one job (one failing stops the others)
     jobs([ARGV, ...], ranks=2)                         # independent jobs, each on a free port, /dev/shm checked
@@ -60,6 +60,7 @@ class Signal:
     when: Callable[[], bool]
     to: Callable[[psutil.Process], psutil.Process] = lambda process: process
     signum: int = signal.SIGTERM
+    group: bool = False   # to the command's whole process group instead (a scheduler that signals every process)
 
 
 def launcher_env(**extra: str) -> dict:
@@ -208,8 +209,11 @@ def _log(path: Path):
 
 def _send(proc: subprocess.Popen, send: Signal) -> bool:
     try:
-        send.to(psutil.Process(proc.pid)).send_signal(send.signum)
-    except (psutil.NoSuchProcess, StopIteration, IndexError):   # not started yet, or already gone: next time
+        if send.group:
+            os.killpg(proc.pid, send.signum)
+        else:
+            send.to(psutil.Process(proc.pid)).send_signal(send.signum)
+    except (psutil.NoSuchProcess, ProcessLookupError, StopIteration, IndexError):   # not started yet, or already gone: next time
         return False
     return True
 

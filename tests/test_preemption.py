@@ -25,7 +25,7 @@ import pytest
 
 from dist import run_distributed
 from example_runs import SCRIPT, TINY, TINY_CPU, example_script, run_main_printing, tiny_config, train_losses
-from launcher import Done, Signal, deepspeed
+from launcher import Done, Signal, deepspeed, run
 from moe_plugin.integration.preemption import EXIT_STATUS, ExitRequest
 
 
@@ -185,3 +185,54 @@ def test_sigterm_to_the_launcher_saves_that_step_and_load_continues_the_run(tmp_
     whole = train_losses(tmp_path / "whole")
     for step in range(1, second + 1):
         assert resumed[step] == pytest.approx(whole[step], rel=1e-5), step
+
+
+# -- the launch scripts: examples/gpt_moe/forward_signals.sh (a container's entrypoint), slurm_job.sbatch -----
+def _past(run_dir: Path, step: int):
+    def when() -> bool:
+        try:
+            return max(train_losses(run_dir), default=0) > step
+        except (FileNotFoundError, ValueError):
+            return False
+    return when
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_entrypoint_alone_reaches_every_rank_and_it_exits_with_their_status(tmp_path, launcher_port,
+                                                                                           data_cache):
+    """What a container runtime does on stop (SIGTERM to its first process only): the entrypoint passes it to
+    the ranks, which save the step and exit 75; the entrypoint waits for them and exits 75."""
+    ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    done = run([str(SCRIPT.parent / "forward_signals.sh"), "deepspeed", "--num_gpus", "2", "--master_port",
+                str(launcher_port), str(SCRIPT), "--deepspeed_config", str(tiny_config(tmp_path)), *TINY,
+                "--run-dir", str(run_dir), "--data-cache", str(data_cache), "--train-iters", "60", "--save", str(ckpt),
+                "--exit-signal-handler"], cwd=tmp_path, send=Signal(_past(run_dir, 1)))
+    step = _left(done.output)
+    assert done.signalled and done.status == EXIT_STATUS, done.tail()
+    assert "forward_signals.sh: SIGTERM passed on to the ranks" in done.output
+    assert (ckpt / "latest").read_text().strip() == f"step{step}" and 1 < step < 60
+
+
+@pytest.mark.slow
+def test_slurm_job_signalled_as_a_whole_saves_requeues_and_resumes(tmp_path, launcher_port, data_cache):
+    """SLURM's way at a preemption or scancel (SIGTERM to every process of the job; here the script's
+    whole process group): the ranks save and exit 75, the job script waits for the save, asks
+    ``scontrol requeue`` for its job and exits 75; the requeued job (the same script again) resumes from
+    the checkpoint. A stand-in ``scontrol`` on PATH records the call."""
+    ckpt, run_dir, bin_dir = tmp_path / "ckpt", tmp_path / "run", tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    env = {"GPUS": "2", "CONFIG": str(tiny_config(tmp_path)), "CKPT": str(ckpt), "MASTER_PORT": str(launcher_port),
+           "SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    argv = ["bash", str(SCRIPT.parent / "slurm_job.sbatch"), *TINY, "--run-dir", str(run_dir), "--data-cache",
+            str(data_cache), "--train-iters", "60"]
+    done = run(argv, cwd=tmp_path, env=env, send=Signal(_past(run_dir, 1), group=True))
+    step = _left(done.output)
+    assert done.signalled and done.status == EXIT_STATUS, done.tail()
+    assert (ckpt / "latest").read_text().strip() == f"step{step}"
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    again = run([*argv[:-1], str(step + 2)], cwd=tmp_path, env=env)   # the requeued job: two more steps
+    assert again.status == 0, again.tail()
+    assert f"resumed from {ckpt} after {step} steps" in again.output
+    assert (ckpt / "latest").read_text().strip() == f"step{step + 2}"
