@@ -39,6 +39,7 @@ _LAZY = {
     "CheckpointError": "checkpoint",
     "upcycle_checkpoint": "checkpoint",
     "exit_process": "compat.process_exit",
+    "run_and_exit": "compat.process_exit",
 }
 
 __all__ = ["ConfigError", "MoEConfig", "ParallelSizes", "RankLayout", "__version__", "alike_on_every_rank",

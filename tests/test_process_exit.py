@@ -35,6 +35,11 @@ sys.stdout.write("buffered, no newline")
 if sys.argv[1] == "exit_process":
     from moe_plugin import exit_process
     exit_process(3)
+if sys.argv[1] == "run_and_exit":   # an error of this rank's own, after the groups exist
+    from moe_plugin import run_and_exit
+    run_and_exit(lambda: 1 / 0)
+if sys.argv[1] == "raise":   # the same, left to the interpreter
+    1 / 0
 if sys.argv[1] == "exit_on_error":   # an error every rank raises alike, after the groups exist
     import moe_plugin
     with moe_plugin.exit_on_error():
@@ -69,6 +74,22 @@ def test_exit_on_error_after_the_groups_exist_ends_through_exit_process(tmp_path
     assert ended.returncode == 2, (ended.returncode, ended.stderr[-2000:])
     assert "terminate" not in ended.stderr and "Traceback" not in ended.stderr, ended.stderr[-2000:]
     assert "error: moe.num_experts: got 3; expected 4" in ended.stderr, ended.stderr[-2000:]
+    assert "atexit handler ran" in ended.stdout and "thread finished" in ended.stdout, ended.stdout
+
+
+def test_an_error_main_lets_out_prints_its_traceback_once_and_ends_with_status_1(tmp_path):
+    """``run_and_exit(main)``, the examples' last line: where the interpreter prints the traceback and
+    may then abort in its teardown (status -6), it prints the traceback once and ends with status 1."""
+    for _attempt in range(5):
+        aborted = _run(tmp_path, "raise")
+        if aborted.returncode == -6:
+            break
+    assert aborted.returncode == -6 and "ZeroDivisionError" in aborted.stderr, (aborted.returncode,
+                                                                                aborted.stderr[-2000:])
+    ended = _run(tmp_path, "run_and_exit")
+    assert ended.returncode == 1, (ended.returncode, ended.stderr[-2000:])
+    assert ended.stderr.count("Traceback (most recent call last)") == 1 and "ZeroDivisionError" in ended.stderr
+    assert "terminate" not in ended.stderr, ended.stderr[-2000:]
     assert "atexit handler ran" in ended.stdout and "thread finished" in ended.stdout, ended.stdout
 
 

@@ -313,6 +313,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from moe_plugin import exit_process
+    from moe_plugin import run_and_exit
 
-    exit_process(main())   # not sys.exit: see moe_plugin/compat/process_exit.py
+    run_and_exit(main)   # not sys.exit: see moe_plugin/compat/process_exit.py

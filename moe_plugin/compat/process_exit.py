@@ -15,6 +15,11 @@ the race certain with a callback that keeps asking for the GIL on a gloo thread.
 the program (wait for its non-daemon threads, run the ``atexit`` handlers, flush the standard
 streams), then ``os._exit``, which ends every thread with the process and skips the teardown
 where the race lies. The process groups are destroyed first, as torch asks.
+
+``run_and_exit(main)`` is a script's last line: ``main``'s status through ``exit_process``, and an
+exception ``main`` lets out (an error of this rank's own, after the groups exist) printed with its
+traceback once and ended with status 1 the same way, where the interpreter would print it and then
+abort in its teardown.
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ import atexit
 import os
 import sys
 import threading
-from typing import NoReturn
+import traceback
+from typing import Callable, NoReturn, Optional
 
 
 def distributed_initialized() -> bool:
@@ -53,6 +59,26 @@ def exit_process(status: int | None = 0) -> NoReturn:
             pass
     _flush_c_streams()
     os._exit(status)
+
+
+def run_and_exit(main: Callable[[], Optional[int]]) -> NoReturn:
+    """Run ``main`` and end the process with its status through ``exit_process``. An exception it lets
+    out prints its traceback once (stderr) and ends with status 1 (``KeyboardInterrupt``: 130;
+    ``SystemExit``: its code, a message printed as ``sys.exit`` would)."""
+    try:
+        status = main()
+    except SystemExit as stop:
+        status = stop.code
+        if status is not None and not isinstance(status, int):
+            print(status, file=sys.stderr)
+            status = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        status = 130
+    except BaseException:   # noqa: BLE001 -- whatever it is, the process ends without the teardown
+        traceback.print_exc()
+        status = 1
+    exit_process(status)
 
 
 def _wait_for_threads() -> None:
