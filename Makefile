@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 TORCH_STAMP := $(VENV)/.torch-2.13.0
 DEPS_STAMP := $(VENV)/.deps-installed
 
-.PHONY: test test-fast example scaling scaling-quick upcycling upcycling-quick install clean
+.PHONY: test test-fast example scaling scaling-quick upcycling upcycling-quick install wheelhouse clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ test: $(DEPS_STAMP)
 # The edit-test loop: every test but those marked slow (ranks through the deepspeed launcher or spawned).
 test-fast: $(DEPS_STAMP)
 	$(PY) -m pytest -q -m "not slow" --durations=10 tests
+
+# Every wheel that installs the plugin where a CUDA torch is installed and there is no network (no torch,
+# no NVIDIA library): wheelhouse/, for Python 3.11 and 3.12; examples/gpt_moe/install_wheels.sh installs it.
+WHEELHOUSE ?= wheelhouse
+wheelhouse: $(DEPS_STAMP)
+	$(PY) -m moe_plugin_tools.wheelhouse --out $(WHEELHOUSE)
 
 # The GPT-MoE training example: a byte-level Megatron-Core GPT with MoE layers (8 experts, EP 2
 # carved out of DP 4 on 4 CPU ranks, ZeRO-1), trained by the DeepSpeed engine on the Python
@@ -60,4 +66,4 @@ upcycling-quick: $(DEPS_STAMP)
 	$(PY) examples/gpt_moe/scaling/upcycling.py --quick
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info $(WHEELHOUSE)

@@ -9,12 +9,13 @@ INSTALL_REQUIRES = [
     "numpy>=2.0,<3",
     "pydantic>=2.10,<3",
     "hjson>=3,<4",          # DeepSpeed JSON files are read as DeepSpeed reads them (comments, duplicate keys)
-    "matplotlib>=3.8,<4",   # the example's plots and moe-plugin report
     "safetensors>=0.4,<1",  # moe-plugin export
 ]
 
 EXTRAS_REQUIRE = {
-    "test": ["pytest>=8,<10", "tensorboard>=2.14,<3"],
+    "test": ["pytest>=8,<10", "tensorboard>=2.14,<3", "matplotlib>=3.8,<4"],
+    # the example's metrics.png, moe-plugin report and plan's plots (without it: no plot, said in one line)
+    "plots": ["matplotlib>=3.8,<4"],
     # DeepSpeed's tensorboard monitor backend ("tensorboard": {"enabled": true} in the JSON)
     "tensorboard": ["tensorboard>=2.14,<3"],
     # apex is optional: fused kernels are used when it is importable, torch fallbacks otherwise.

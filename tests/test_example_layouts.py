@@ -260,9 +260,9 @@ DEEPSEEK = ("--num-attention-heads", "4", "--normalization", "RMSNorm", "--norm-
             "--position-embedding-type", "rope", "--rotary-base", "5000", "--swiglu", "--disable-bias-linear",
             "--qk-layernorm", "--untie-embeddings-and-output-weights", "--no-plot", "--multi-latent-attention",
             "--q-lora-rank", "16", "--kv-lora-rank", "12", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8",
-            "--v-head-dim", "6", "--init-method-std", "0.2", "--rope-scaling", json.dumps({"rope_type": "yarn", "factor": 4,
-                                                               "original_max_position_embeddings": 8,
-                                                               "mscale": 1.0, "mscale_all_dim": 0.8}))
+            "--v-head-dim", "6", "--init-method-std", "0.2", "--rope-scaling",
+            json.dumps({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 8, "mscale": 1.0,
+                        "mscale_all_dim": 0.8}))
 
 
 def test_multi_latent_attention_trains_alike_under_every_layout(data_dir):

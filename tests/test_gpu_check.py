@@ -34,6 +34,13 @@ def test_shell_script_parses_and_refuses_a_machine_without_cuda(tmp_path):
                           {**ENV, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True)
     assert done.returncode == 2, done
     assert done.stderr.strip() == "error: gpu_check.sh needs a CUDA device (torch finds none)"
+    # --wheels DIR (a machine without network): DIR must be a wheelhouse (tests/test_wheelhouse.py installs one)
+    done = subprocess.run(["bash", str(EXAMPLE / "gpu_check.sh"), "--wheels", str(tmp_path / "none"),
+                           str(tmp_path / "out")], env={**ENV, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""},
+                          capture_output=True, text=True)
+    assert done.returncode == 2, done
+    assert done.stderr.strip() == (f"error: {tmp_path / 'none'}: not a wheelhouse (no requirements.txt); make one "
+                                   "with `make wheelhouse` where pip works")
 
 
 def test_oracle_check_on_the_cpu(capsys):

@@ -8,9 +8,8 @@ sigmoid scores, a non-zero correction bias, 2 of 4 groups, scaled gates, a dense
 ungated shared expert, QKV bias, QK-norm and half the head rotated; a Qwen3-MoE with YaRN (4 x an
 original context of 8, so the tests' 16 tokens run past it); DeepSeek-V3 with multi-latent attention
 (a low-rank query, YaRN with both mscales, DeepSeek routing), the same with rope_interleave false, and
-a DeepSeek-V2-Lite-shaped model (full query projection, group_limited_greedy); a dense tied Llama; a dense untied Qwen3 with
-QK-norm and heads of 32; a
-dense untied Mistral without sliding window). Each is imported with the "moe" block holding only
+a DeepSeek-V2-Lite-shaped model (full query projection, group_limited_greedy); a dense tied Llama; a
+dense untied Qwen3 with QK-norm and heads of 32; a dense untied Mistral without sliding window). Each is imported with the "moe" block holding only
 ``num_experts`` (the rest filled in from config.json), and:
 
 * HF -> plugin -> HF gives bit-identical tensors (export in shards of 100 KB, with their index),

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The first run on a GPU machine (docs/benchmarks_history.md, "On a GPU"):
-#   examples/gpt_moe/gpu_check.sh [OUT_DIR]        (default: gpu_check_<date>; PYTHON=python)
+#   examples/gpt_moe/gpu_check.sh [--wheels DIR] [OUT_DIR]   (default: gpu_check_<date>; PYTHON=python)
+# --wheels DIR: a machine without network whose Python has torch already: first install the plugin from
+#   DIR (`make wheelhouse` here) into OUT_DIR/site with install_wheels.sh (--no-index --no-deps --target,
+#   never over the image's torch) and run every check from there.
 # 1. oracle:   the MoE layer on CUDA against the loop oracle, every experts backend that runs there, fp32 and bf16
 # 2. ep2:      2 ranks (nccl) with EP 2 against the 1-rank layer; skipped with fewer than 2 GPUs
 # 3. example:  pretrain_gpt_moe.py itself for 8 steps on 1 GPU and, with 2 GPUs, under tp2 x ep2 (with and
@@ -12,8 +15,18 @@
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 PY=${PYTHON:-$(command -v python || command -v python3)}
+WHEELS=
+if [ "${1:-}" = "--wheels" ]; then
+    WHEELS=${2:?usage: gpu_check.sh --wheels DIR [OUT_DIR]}
+    shift 2
+fi
 OUT=${1:-gpu_check_$(date +%Y%m%d_%H%M%S)}
 mkdir -p "$OUT"
+if [ -n "$WHEELS" ]; then
+    SITE="$(cd "$OUT" && pwd)/site"
+    PYTHON="$PY" examples/gpt_moe/install_wheels.sh "$WHEELS" "$SITE" || exit 2
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
+fi
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 if [ "$GPUS" -lt 1 ]; then
     echo "error: gpu_check.sh needs a CUDA device (torch finds none)" >&2

@@ -32,8 +32,9 @@ columns are the rotary key *shared by all heads*: each rank's gradient of it com
 only, so the rank that owns those columns dropped the other ranks' share and trained the shared key's
 weights on part of their gradient (the losses drift from the one-rank run's after a few steps). In
 ``MLAttention``'s forward that one gather is the plugin's ``_GatherSummingTail``: the same all-gather,
-whose backward sums the shared key's columns over TP before keeping the rank's slice. ``tests/test_compat_guards.py`` checks the names
-this relies on against the installed Megatron-Core.
+whose backward sums the shared key's columns over TP before keeping the rank's slice.
+
+``tests/test_compat_guards.py`` checks the names this relies on against the installed Megatron-Core.
 """
 from __future__ import annotations
 

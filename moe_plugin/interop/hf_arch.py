@@ -140,7 +140,8 @@ class HFArchitecture:
             "top_k": (self.top_k, "num_experts_per_tok"),
             "router": ("topk", "the router: top-k of the experts' scores"),
             "score_function": (self.score_function, "the router: sigmoid scores with e_score_correction_bias"
-                               if self.score_function == "sigmoid" else "the router: top-k of a softmax over the experts"),
+                               if self.score_function == "sigmoid"
+                               else "the router: top-k of a softmax over the experts"),
             "normalize_gates": (self.normalize_gates, {"mixtral": "the router (Mixtral renormalises the top-k gates)",
                                                        "deepseek_v2": "the router (DeepSeek-V2 does not renormalise)"}
                                 .get(t, "norm_topk_prob")),
