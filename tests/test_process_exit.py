@@ -57,10 +57,11 @@ def _run(tmp_path, how: str) -> subprocess.CompletedProcess:
 def test_exit_process_ends_with_the_status_where_the_interpreters_exit_aborts(tmp_path):
     for _attempt in range(5):   # the race: nearly certain, but a loaded machine can schedule it away once
         aborted = _run(tmp_path, "sys.exit")
-        if aborted.returncode == -6:
+        if aborted.returncode < 0:
             break
-    assert aborted.returncode == -6, (aborted.returncode, aborted.stderr[-2000:])
-    assert "terminate called without an active exception" in aborted.stderr
+    # killed by a signal: SIGABRT under torch 2.13 / Python 3.11, SIGSEGV under torch 2.11 / Python 3.12
+    assert aborted.returncode in (-6, -11), (aborted.returncode, aborted.stderr[-2000:])
+    assert aborted.returncode != -6 or "terminate called without an active exception" in aborted.stderr
     ended = _run(tmp_path, "exit_process")
     assert ended.returncode == 3, (ended.returncode, ended.stderr[-2000:])
     assert "terminate" not in ended.stderr
@@ -79,13 +80,14 @@ def test_exit_on_error_after_the_groups_exist_ends_through_exit_process(tmp_path
 
 def test_an_error_main_lets_out_prints_its_traceback_once_and_ends_with_status_1(tmp_path):
     """``run_and_exit(main)``, the examples' last line: where the interpreter prints the traceback and
-    may then abort in its teardown (status -6), it prints the traceback once and ends with status 1."""
+    may then die in its teardown (SIGABRT, or SIGSEGV with torch 2.11), it prints the traceback once and
+    ends with status 1."""
     for _attempt in range(5):
         aborted = _run(tmp_path, "raise")
-        if aborted.returncode == -6:
+        if aborted.returncode < 0:
             break
-    assert aborted.returncode == -6 and "ZeroDivisionError" in aborted.stderr, (aborted.returncode,
-                                                                                aborted.stderr[-2000:])
+    assert aborted.returncode in (-6, -11) and "ZeroDivisionError" in aborted.stderr, (aborted.returncode,
+                                                                                       aborted.stderr[-2000:])
     ended = _run(tmp_path, "run_and_exit")
     assert ended.returncode == 1, (ended.returncode, ended.stderr[-2000:])
     assert ended.stderr.count("Traceback (most recent call last)") == 1 and "ZeroDivisionError" in ended.stderr
