@@ -82,8 +82,10 @@ def test_collect_merges_a_run_directory(tmp_path, capsys):
     assert gpu_check.main(["collect", str(tmp_path)]) == 0
     (tmp_path / "bench_megatron.status").write_text("1\n")
     assert gpu_check.main(["collect", str(tmp_path)]) == 1
-    paths = capsys.readouterr().out.split()
-    assert paths == [str(tmp_path / "gpu_check.json")] * 2
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.endswith("gpu_check.json")] == [str(tmp_path / "gpu_check.json")] * 2
+    rows = {line.split()[0]: line.split()[1] for line in out if line.split()[0] in ("oracle", "ep2", "bench_megatron")}
+    assert rows == {"oracle": "ok", "ep2": "skipped", "bench_megatron": "failed"}, out   # the printed table
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert not result["ok"] and set(result["machine"]) == {"host", "torch", "cuda", "gpus"}
     checks = result["checks"]
@@ -91,6 +93,25 @@ def test_collect_merges_a_run_directory(tmp_path, capsys):
                                 "records": [{"check": "oracle", "ok": True}]}
     assert checks["ep2"]["status"] == "skipped" and checks["ep2"]["note"].startswith("skip: 1 GPU")
     assert checks["bench_megatron"]["status"] == "failed" and checks["bench_megatron"]["exit_code"] == 1
+
+
+@pytest.mark.slow
+def test_recipe_check_measures_throughput_and_memory_on_the_cpu(tmp_path, capsys, monkeypatch):
+    """``gpu_check.py recipe --tiny``: the GPU recipe's JSON (bf16, ZeRO-1, its router) on a small model,
+    20 steps through the torch launcher; its record has the throughput, the step time, the memory peak
+    against the run summary's estimate (no MFU on the CPU: no bf16 peak to compare with); the table shows it."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    gpu_check = _module()
+    assert gpu_check.main(["recipe", str(tmp_path / "recipe"), "--ranks", "1", "--tiny"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["ok"] and len(record["losses"]) == gpu_check.RECIPE_STEPS and record["mfu"] is None, record
+    assert record["tokens_per_s"] > 0 and record["step_time_s"] > 0 and record["flops_per_token"] > 0
+    assert 0.3 < record["memory_peak_over_estimate"] < 1.5, record   # RSS on the CPU, within the estimate's reach
+    assert json.loads((tmp_path / "recipe" / "recipe.json").read_text())["bf16"] == {"enabled": True}
+    (tmp_path / "recipe.status").write_text("0\n")
+    (tmp_path / "recipe.jsonl").write_text(json.dumps(record) + "\n")
+    assert gpu_check.main(["collect", str(tmp_path)]) == 0
+    assert "tokens/s, step" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
     python examples/gpt_moe/gpu_check.py oracle [--device cuda]
     python -m torch.distributed.run --nproc_per_node 2 examples/gpt_moe/gpu_check.py ep2 [--device cuda]
     python examples/gpt_moe/gpu_check.py example OUT_DIR [--ranks 2]   # the example itself, a few steps
-    python examples/gpt_moe/gpu_check.py collect OUT_DIR     # OUT_DIR/*.jsonl + *.status -> one JSON
+    python examples/gpt_moe/gpu_check.py recipe OUT_DIR [--ranks N]    # the GPU recipe's model, 20 steps, bf16
+    python examples/gpt_moe/gpu_check.py collect OUT_DIR     # OUT_DIR/*.jsonl + *.status -> one JSON, a table
 
 ``oracle``: ``MoELayer`` on ``--device`` against ``reference_moe`` (fp32, on the CPU) with the same
 weights, top-2, 8 experts, dropless and with capacity, for each experts backend that can run
@@ -25,8 +26,18 @@ tp2 x ep2 with sequence parallelism and dp2 x ep2: each run must exit 0 with fin
 the 2-rank runs must give the 1-rank run's losses (rtol ``EXAMPLE_RTOL``). Each run's console
 output is kept in ``OUT_DIR/<layout>.log``, its metrics in ``OUT_DIR/runs/<layout>``.
 
+``recipe``: the example at the GPU recipe's size and dtype (``run_gpu_125m.sh``: 12 layers, hidden 768,
+12 heads, sequence 1024, micro-batch 8, 8 experts top-2 on every other layer, bf16, ZeRO-1,
+``configs/gpu_125m_8experts_8gpu.json`` with expert parallelism over the ranks at hand) for
+``RECIPE_STEPS`` steps on ``--ranks`` GPUs: tokens/s and step time (median of the steps after the first
+five), MFU against the device's dense bf16 peak (``PEAK_BF16``; model FLOPs per token 6 x active
+parameters + 12 x layers x hidden x sequence), and the run summary's memory estimate against the peak
+``torch.cuda.max_memory_allocated`` of the busiest rank (``memory.json``). ``--tiny``: the same on a small
+model (a dry run on the CPU).
+
 Each check prints one JSON line per case (``ok``, the largest differences, the backend taken)
-and exits 1 when a case fails; ``collect`` merges a run directory into ``gpu_check.json``.
+and exits 1 when a case fails; ``collect`` merges a run directory into ``gpu_check.json`` and prints
+a table of the checks.
 """
 from __future__ import annotations
 
@@ -241,6 +252,76 @@ def example_run(out_dir: Path, name: str, ranks: int, parallel: dict, reference:
     return record
 
 
+RECIPE_STEPS = 20
+RECIPE_FLAGS = ["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12", "--ffn-hidden-size",
+                "3072", "--seq-length", "1024", "--max-position-embeddings", "1024"]
+TINY_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--ffn-hidden-size", "128",
+              "--seq-length", "64", "--corpus-bytes", str(512 * 1024)]
+RECIPE_CONFIG = EXAMPLE.parent / "configs" / "gpu_125m_8experts_8gpu.json"
+# dense bf16 tensor-core peak per device (FLOP/s), by a name the device's contains (SXM parts)
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+
+
+def recipe_config(path: Path, ranks: int, micro: int) -> Path:
+    """The GPU recipe's JSON on ``ranks`` ranks: expert parallelism over as many of them as divide its 8
+    experts, one micro-batch per rank and step."""
+    config = json.loads(RECIPE_CONFIG.read_text())
+    ep = max(d for d in (1, 2, 4, 8) if ranks % d == 0)
+    config.update(train_batch_size=micro * ranks, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=1)
+    config["moe"]["parallel"] = {**config["moe"]["parallel"], "expert": ep}
+    path.write_text(json.dumps(config))
+    return path
+
+
+def run_recipe(out_dir: Path, ranks: int, tiny: bool = False) -> bool:
+    """The ``recipe`` check (module docstring): one JSON line."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    root, run_dir = EXAMPLE.parents[2], out_dir / "run"
+    micro = 2 if tiny else 8
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+               str(EXAMPLE), *(TINY_FLAGS if tiny else RECIPE_FLAGS), "--micro-batch-size", str(micro),
+               "--deepspeed_config", str(recipe_config(out_dir / "recipe.json", ranks, micro)),
+               "--train-iters", str(RECIPE_STEPS), "--eval-interval", "0", "--log-interval", "1", "--no-plot",
+               "--run-dir", str(run_dir), "--data-cache", str(out_dir / "data")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    log = out_dir / "recipe.log"
+    with open(log, "w") as console:
+        done = subprocess.run(command, cwd=root, env=env, stdout=console, stderr=subprocess.STDOUT, timeout=1800)
+    record = {"check": "recipe", "ranks": ranks, "tiny": tiny, "exit_code": done.returncode, "log": str(log)}
+    if done.returncode != 0:
+        print(json.dumps({**record, "ok": False, "error": first_error(log.read_text())}), flush=True)
+        return False
+    record.update(recipe_figures(run_dir, ranks))
+    record["ok"] = len(record["losses"]) == RECIPE_STEPS and all(math.isfinite(x) for x in record["losses"])
+    print(json.dumps(record), flush=True)
+    return record["ok"]
+
+
+def recipe_figures(run_dir: Path, ranks: int) -> dict:
+    """Throughput, MFU and memory of a finished run (its metrics.jsonl, run.json, memory.json)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r.get("split") == "train"]
+    run = json.loads((run_dir / "run.json").read_text())
+    memory = json.loads((run_dir / "memory.json").read_text())
+    steady = train[5:] or train
+    rates = sorted(r["tokens_per_s"] for r in steady if r.get("tokens_per_s"))
+    tokens_per_s = rates[len(rates) // 2] if rates else None
+    times = sorted(r["step_s"] for r in steady if r.get("step_s"))
+    args = run["args"]
+    tokens_per_step = run["ds_config"]["train_batch_size"] * args["seq_length"]
+    attention = 12 * args["num_layers"] * args["hidden_size"] * args["seq_length"]
+    flops_per_token = 6 * run["parameters"]["active"] + attention
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    peak = next((v for k, v in PEAK_BF16.items() if k in device), None)
+    mfu = tokens_per_s * flops_per_token / (ranks * peak) if peak and tokens_per_s else None
+    used = max(memory["peak_memory_mb"])
+    return {"losses": [r["loss"] for r in train], "device": device, "tokens_per_s": tokens_per_s,
+            "step_time_s": times[len(times) // 2] if times else tokens_per_step / tokens_per_s,
+            "flops_per_token": flops_per_token, "peak_bf16_flops": peak, "mfu": mfu,
+            "memory_peak_mb": used, "memory_estimate_mb": memory["estimate_mb"],
+            "memory_peak_over_estimate": used / memory["estimate_mb"]}
+
+
 def first_error(console: str) -> str:
     """The example's one-line error (``error: ...``), else the first exception a traceback ends in,
     else the last lines of the console."""
@@ -284,18 +365,44 @@ def collect(out_dir: Path) -> bool:
               "ok": all(c["status"] != "failed" for c in checks.values()), "checks": checks}
     path = out_dir / "gpu_check.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
     print(path)
     return result["ok"]
 
 
+def table(result: dict) -> str:
+    """The checks as a printed table: status and the figures people read first."""
+    rows = [f"{'check':<16} {'status':<8} figures", "-" * 72]
+    for name, check in result["checks"].items():
+        figures = check["note"] or ""
+        for r in check["records"]:
+            if name == "recipe" and r.get("ok"):
+                mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""
+                figures = (f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_time_s']:.3f} s{mfu}, memory "
+                           f"{r['memory_peak_mb']:,.0f} / estimate {r['memory_estimate_mb']:,.0f} MiB "
+                           f"({r['memory_peak_over_estimate']:.2f}x)")
+        if not figures and check["records"]:
+            bad = [r for r in check["records"] if not r.get("ok", True)]
+            figures = f"{len(check['records']) - len(bad)} of {len(check['records'])} cases ok" + (
+                f"; first failure: {bad[0].get('error') or bad[0].get('case') or bad[0].get('layout')}" if bad else "")
+        rows.append(f"{name:<16} {check['status']:<8} {figures}")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("check", choices=["oracle", "ep2", "example", "collect"])
+    parser.add_argument("check", choices=["oracle", "ep2", "example", "recipe", "collect"])
     parser.add_argument("out_dir", nargs="?", type=Path, help="collect: the run directory; example: where it runs")
     parser.add_argument("--device", default="cuda", help="default cuda (cpu: the same checks, for a dry run); "
                         "example: the accelerator DeepSpeed finds")
-    parser.add_argument("--ranks", type=int, default=1, help="example: the most ranks (GPUs) a layout may take")
+    parser.add_argument("--ranks", type=int, default=1, help="example: the most ranks (GPUs) a layout may take; "
+                        "recipe: the ranks")
+    parser.add_argument("--tiny", action="store_true", help="recipe: a small model (a dry run on the CPU)")
     args = parser.parse_args(argv)
+    if args.check == "recipe":
+        if args.out_dir is None:
+            parser.error("recipe needs OUT_DIR")
+        return 0 if run_recipe(args.out_dir, args.ranks, args.tiny) else 1
     if args.check == "collect":
         return 0 if collect(args.out_dir) else 1
     if args.check == "example":

@@ -8,10 +8,12 @@
 # 2. ep2:      2 ranks (nccl) with EP 2 against the 1-rank layer; skipped with fewer than 2 GPUs
 # 3. example:  pretrain_gpt_moe.py itself for 8 steps on 1 GPU and, with 2 GPUs, under tp2 x ep2 (with and
 #              without sequence parallelism) and dp2 x ep2, against the 1-GPU losses (OUT_DIR/example/)
-# 4. bench_deepspeed: moe-plugin bench layer --device cuda --dtype bf16 --vs deepspeed
+# 4. recipe:   the GPU recipe's model (125M-class, 8 experts, bf16, ZeRO-1) for 20 steps on every GPU: tokens/s,
+#              step time, MFU against the device's bf16 peak, the memory estimate against max_memory_allocated
+# 4b. bench_deepspeed: moe-plugin bench layer --device cuda --dtype bf16 --vs deepspeed
 # 5. bench_megatron:  the same against Megatron-Core's MoELayer (alltoall dispatcher, grouped GEMM)
 # Each writes OUT_DIR/<check>.jsonl (its JSON lines), .log (stderr) and .status (exit code or "skip: why");
-# then OUT_DIR/gpu_check.json gathers them (its path is printed). Exit status 1 when a check failed.
+# then OUT_DIR/gpu_check.json gathers them and a table is printed. Exit status 1 when a check failed.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 PY=${PYTHON:-$(command -v python || command -v python3)}
@@ -54,6 +56,7 @@ else
     skip ep2 "$GPUS GPU: the 2-rank check needs 2"
 fi
 check example "$PY" examples/gpt_moe/gpu_check.py example "$OUT/example" --ranks "$(( GPUS >= 2 ? 2 : 1 ))"
+check recipe "$PY" examples/gpt_moe/gpu_check.py recipe "$OUT/recipe" --ranks "$GPUS"
 check bench_deepspeed "$PY" -m moe_plugin_tools.cli bench layer --device cuda --dtype bf16 --vs deepspeed --json
 if "$PY" -c "import transformer_engine" 2> /dev/null || "$PY" -c "import grouped_gemm" 2> /dev/null; then
     check bench_megatron "$PY" -m moe_plugin_tools.cli bench layer --device cuda --dtype bf16 --vs megatron --json
