@@ -65,11 +65,19 @@ MODELS = {
                          first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,                  # gates
                          qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4,
                          rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "mixtral_window": ("MixtralConfig", "MixtralForCausalLM",   # a sliding window of 6 on every layer
+                       dict(intermediate_size=32, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                            sliding_window=6, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=64, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",   # dense: QK-norm, heads of 32 (not 16), untied
               dict(intermediate_size=64, head_dim=32, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", "MistralForCausalLM",   # dense, untied; its default window is 4096
                 dict(intermediate_size=64, sliding_window=None, tie_word_embeddings=False)),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM",   # dense, a sliding window of 5
+                       dict(intermediate_size=64, sliding_window=5, tie_word_embeddings=False)),
+    "qwen3_window": ("Qwen3Config", "Qwen3ForCausalLM",   # dense: layer 0 full, layer 1 a window of 4
+                     dict(intermediate_size=64, head_dim=32, tie_word_embeddings=False, use_sliding_window=True,
+                          sliding_window=4, max_window_layers=1)),
 }
 
 

@@ -225,7 +225,8 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_pat
 
     _root, tokens_BS, cases = imported
     for name in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "qwen3_moe_yarn", "deepseek_v3",
-                 "deepseek_v3_halves", "deepseek_v2", "llama", "qwen3", "mistral"):
+                 "deepseek_v3_halves", "deepseek_v2", "mixtral_window", "llama", "qwen3", "mistral",
+                 "mistral_window", "qwen3_window"):
         out = tmp_path / name
         done = export_hf(cases[name]["ckpt"], out, max_shard_size="100KB", progress=lambda line: None)
         print(f"export-hf {name}: {done['seconds']:.2f} s, {len(done['files'])} files")
@@ -279,6 +280,29 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_pat
     assert sorted(again) == sorted(original) and all(torch.equal(again[k], original[k]) for k in original)
 
 
+def test_sliding_windows_map_to_megatrons_window_and_change_the_model(imported):
+    """Mistral's and Mixtral's window on every layer, Qwen3's on the layers ``layer_types`` names, as the
+    example's ``--window-size W-1,0`` (and ``--window-attn-skip-freq``); at the tests' 16 tokens each window
+    changes transformers' logits, so the layouts' logits checks above mean the window is applied."""
+    import transformers
+
+    _root, tokens_BS, cases = imported
+    flags = {name: " ".join(cases[name]["flags"]) for name in ("mistral_window", "qwen3_window", "mixtral_window")}
+    assert "--window-size 4,0" in flags["mistral_window"] and "--window-attn-skip-freq" not in flags["mistral_window"]
+    assert "--window-size 3,0 --window-attn-skip-freq [0,1]" in flags["qwen3_window"]
+    assert "--window-size 5,0" in flags["mixtral_window"]
+    for name in flags:
+        config = transformers.AutoConfig.from_pretrained(cases[name]["hf"])
+        without = {"sliding_window": None}   # the same weights without the window
+        if getattr(config, "layer_types", None):
+            without.update(use_sliding_window=False, layer_types=["full_attention"] * config.num_hidden_layers)
+        model = transformers.AutoModelForCausalLM.from_pretrained(cases[name]["hf"], dtype=torch.float32, **without)
+        model.eval()
+        with torch.no_grad():
+            full = model(input_ids=tokens_BS, use_cache=False).logits.float()
+        assert _relative(full, cases[name]["logits"]) > 1e-3, name
+
+
 # -- refusals --------------------------------------------------------------------------------------
 def _nothing_written(path: Path) -> bool:
     return not path.exists() or not any(p.is_file() and not p.name.startswith(".") for p in path.rglob("*"))
@@ -287,9 +311,6 @@ def _nothing_written(path: Path) -> bool:
 @pytest.mark.parametrize("name, overrides, key", [
     ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
      "rope_parameters.rope_type"),
-    ("mixtral", {"sliding_window": 16}, "sliding_window"),
-    ("mistral", {"sliding_window": 16}, "sliding_window"),
-    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama", {"attention_bias": True}, "attention_bias"),
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
@@ -297,6 +318,7 @@ def _nothing_written(path: Path) -> bool:
     ("deepseek_v3", {"attention_bias": True}, "attention_bias"),
     ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
     ("qwen3_moe", {"kv_lora_rank": 16}, "kv_lora_rank"),
+    ("llama", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
 ])
 def test_what_the_plugin_cannot_represent_is_refused_naming_the_key(tmp_path, name, overrides, key):
     from moe_plugin.configs import ConfigError

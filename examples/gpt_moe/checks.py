@@ -147,6 +147,36 @@ def check_architecture(args: argparse.Namespace) -> None:
         raise ConfigError("--qk-layernorm-scope", scope, "normalises the whole query and key projections with "
                           "RMSNorm: it needs --qk-layernorm and --normalization RMSNorm")
     check_mla(args)
+    if getattr(args, "window_size", None) is not None or getattr(args, "window_attn_skip_freq", None) is not None:
+        window_fields(args)   # a bad value named before anything happens
+
+
+def window_fields(args: argparse.Namespace) -> dict:
+    """``--window-size`` and ``--window-attn-skip-freq`` as Megatron's ``window_size`` / ``window_attn_skip_freq``."""
+    if args.window_size is None:
+        raise ConfigError("--window-attn-skip-freq", args.window_attn_skip_freq, "needs --window-size (which layers "
+                          "of a sliding window attend fully)")
+    text = str(args.window_size).strip().strip("()")
+    try:
+        left, right = (int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError("--window-size", args.window_size, "expected LEFT,RIGHT: two integers >= 0, e.g. 4095,0 "
+                          "(a Hugging Face sliding_window of 4096)") from None
+    if left < 0 or right < 0:
+        raise ConfigError("--window-size", args.window_size, "expected two integers >= 0")
+    freq = args.window_attn_skip_freq
+    if freq is not None:
+        try:
+            freq = json.loads(freq)
+        except json.JSONDecodeError:
+            freq = None
+        layers = args.num_layers
+        good = (isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1) or (
+            isinstance(freq, list) and len(freq) == layers and all(v in (0, 1) for v in freq))
+        if not good:
+            raise ConfigError("--window-attn-skip-freq", args.window_attn_skip_freq, f"expected an integer >= 1 (every "
+                              f"Nth layer full) or a JSON list of {layers} zeros and ones (1: windowed)")
+    return dict(window_size=(left, right), window_attn_skip_freq=freq)
 
 
 MLA_FLAGS = ("q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")

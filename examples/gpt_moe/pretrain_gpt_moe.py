@@ -130,6 +130,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--add-qkv-bias", action="store_true",
                        help="biases on the query, key and value projections only (Qwen2), also with "
                        "--disable-bias-linear")
+    model.add_argument("--window-size", default=None, metavar="LEFT,RIGHT",
+                       help="sliding-window attention: a query attends the LEFT keys before it and the RIGHT after "
+                       "(Megatron's window_size; a Hugging Face sliding_window W is W-1,0)")
+    model.add_argument("--window-attn-skip-freq", default=None, metavar="N|LIST",
+                       help="with --window-size: every Nth layer attends fully, or a JSON list with 1 for each "
+                       "windowed layer and 0 for a full one (default: every layer windowed)")
     model.add_argument("--multi-latent-attention", action="store_true",
                        help="DeepSeek-V2/V3's multi-latent attention (Megatron's MLASelfAttention): low-rank query "
                        "and key/value projections, a rotary key shared by the heads; with --qk-layernorm their "
@@ -233,6 +239,10 @@ def model_architecture(args: argparse.Namespace) -> dict:
                         kv_channels=args.kv_channels, add_qkv_bias=args.add_qkv_bias)
     if args.multi_latent_attention:
         fields.update(mla_fields(args))
+    if args.window_size is not None:
+        from checks import window_fields
+
+        fields.update(window_fields(args))
     if args.swiglu:
         fields.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
     return fields

@@ -45,7 +45,10 @@ from megatron.core.utils import divide
 class SDPAttention(MegatronModule):
     """Core attention through SDPA; a drop-in for Megatron's ``DotProductAttention``.
 
-    Not supported (an error says so): context parallelism, sliding windows, softmax types
+    Sliding windows as Megatron's ``DotProductAttention`` has them (``config.window_size`` = (left,
+    right): query i attends keys i - left .. i + right, on the layers ``is_layer_window_attention``
+    names from ``window_attn_skip_freq``; Megatron builds that mask on ``device="cuda"``, here on
+    the input's device). Not supported (an error says so): context parallelism, softmax types
     other than ``vanilla``, attention bias, packed sequences. ``apply_query_key_layer_scaling``
     needs nothing: it cancels out of an fp32 softmax. Dropout draws inside Megatron's RNG tracker's
     model-parallel state without sequence parallelism, as Megatron's does (under it the transformer
@@ -60,7 +63,6 @@ class SDPAttention(MegatronModule):
         super().__init__(config=config)
         unsupported = {
             "context_parallel_size > 1": config.context_parallel_size != 1,
-            "window_size (sliding-window attention)": config.window_size is not None,
             f"softmax_type {config.softmax_type!r}": config.softmax_type != "vanilla",
         }
         for what, present in unsupported.items():
@@ -79,6 +81,10 @@ class SDPAttention(MegatronModule):
         self.hidden_size_per_partition = value_size * self.heads_per_partition  # hp
         self.softmax_scale = 1.0 / math.sqrt(key_size) if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number)
+        self.window = tuple(config.window_size) if windowed else None   # (left, right) of this layer, or None
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
@@ -108,7 +114,13 @@ class SDPAttention(MegatronModule):
         elif mask_type == AttnMaskType.causal and sq > 1:
             if sq != sk:
                 raise ValueError(f"a causal mask needs as many queries as keys, got {sq} and {sk}")
-            causal = True
+            causal = self.window is None
+        if self.window is not None:   # the band i - left <= j <= i + right (queries end where the keys end)
+            left, right = self.window
+            i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+            j = torch.arange(sk, device=q.device)[None, :]
+            band = (j >= i - left) & (j <= i + right)
+            keep_mask = band if keep_mask is None else keep_mask & band
         dropout_p = self.dropout_p if self.training else 0.0
         forked = dropout_p > 0 and not self.config.sequence_parallel
         with tensor_parallel.get_cuda_rng_tracker().fork() if forked else contextlib.nullcontext():

@@ -9,7 +9,9 @@ fields (``transformer_fields``), the ``"moe"`` block fields (``moe_fields``, eac
 comes from) and the example's flags that build the same model (``example_flags``).
 
 What the plugin cannot represent is refused before anything is written, naming the config key and
-the model type: an unknown ``model_type``, sliding-window attention, RoPE scaling or partial
+the model type: an unknown ``model_type``, sliding-window attention outside the families that have
+it (Mistral, Mixtral and Qwen3-MoE on every layer, Qwen3 and Qwen2-MoE per ``layer_types``: Megatron's
+``window_size`` (W - 1, 0) and ``window_attn_skip_freq``), RoPE scaling or partial
 rotary, an activation other than SiLU, biases on the output projection or the MLPs, multi-latent
 attention outside DeepSeek-V2/V3. The router semantics per family (transformers 5.24):
 
@@ -60,6 +62,9 @@ DEEPSEEK_ROUTED = ("glm4_moe", "deepseek_v3", "deepseek_v2")
 # ... with multi-latent attention (Megatron's MLASelfAttention; the others: grouped-query attention)
 MLA_TYPES = ("deepseek_v3", "deepseek_v2")
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+# sliding windows: on every layer, or on the layers ``layer_types`` names
+WINDOW_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
+WINDOW_BY_LAYER_TYPES = ("qwen3", "qwen2_moe")
 # families whose experts are sized by intermediate_size (no dense MLP of another size)
 EXPERTS_BY_INTERMEDIATE = ("mixtral", "olmoe")
 # Keys of models the plugin has no layer for (multi-latent attention), and DeepSeek-style routing's
@@ -115,6 +120,8 @@ class HFArchitecture:
     group_score: str = "top2_sum"      # how a group is ranked ("max": DeepSeek-V2's group_limited_greedy)
     mla: Optional[dict] = None         # multi-latent attention's sizes (MLA_KEYS, Megatron's names)
     rope_interleave: bool = True       # MLA: the rotated dimensions in (even, odd) pairs, as Megatron's MLA rotates
+    window: Optional[int] = None       # sliding window W: a query sees itself and the W - 1 keys before it
+    window_layers: Optional[tuple[int, ...]] = None   # 1: windowed layer, 0: full (None: every layer windowed)
     config: Optional[dict] = None   # the config as transformers writes it (to_dict)
 
     @property
@@ -176,6 +183,9 @@ class HFArchitecture:
             from moe_plugin.integration.megatron import mla_fields
 
             fields.update(mla_fields(**self.mla, rotary_base=self.rotary_base, rope_scaling=self.rope_scaling))
+        if self.window:
+            fields.update(window_size=(self.window - 1, 0),
+                          window_attn_skip_freq=list(self.window_layers) if self.window_layers else None)
         return fields
 
     def model_fields(self) -> dict:
@@ -211,6 +221,10 @@ class HFArchitecture:
             import json
 
             flags += ["--rope-scaling", json.dumps(self.rope_scaling, separators=(",", ":"))]
+        if self.window:
+            flags += ["--window-size", f"{self.window - 1},0"]
+            if self.window_layers:
+                flags += ["--window-attn-skip-freq", "[" + ",".join(map(str, self.window_layers)) + "]"]
         if self.qkv_bias:
             flags.append("--add-qkv-bias")
         if self.qk_layernorm:
@@ -265,14 +279,7 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
             raise refuse(key, getattr(cfg, key), "group-limited DeepSeek routing outside its families")
     if cfg.hidden_act != "silu":
         raise refuse("hidden_act", cfg.hidden_act, "the plugin's gated MLPs and experts are SwiGLU (silu)")
-    window = getattr(cfg, "sliding_window", None)
-    uses_window = getattr(cfg, "use_sliding_window", None)
-    if uses_window or (uses_window is None and window not in (None, 0)):
-        key = "use_sliding_window" if uses_window else "sliding_window"
-        raise refuse(key, getattr(cfg, key), "sliding-window attention")
-    kinds = sorted(set(getattr(cfg, "layer_types", None) or ["full_attention"]))
-    if kinds != ["full_attention"]:
-        raise refuse("layer_types", kinds, "layers other than full attention")
+    window, window_layers = _sliding_window(cfg, refuse)
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
     scaling = getattr(cfg, "rope_scaling", None)
     if isinstance(scaling, dict):
@@ -320,7 +327,8 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
                                 or deepseek and bool(getattr(cfg, "use_qk_norm", False))),
                   dtype=str(dtype).replace("torch.", ""), rotary_percent=float(partial or 1.0),
                   rope_scaling=rope_scaling,
-                  qk_layernorm_scope="projection" if t == "olmoe" else "head", config=cfg.to_dict())
+                  qk_layernorm_scope="projection" if t == "olmoe" else "head", window=window,
+                  window_layers=window_layers, config=cfg.to_dict())
     if t in MLA_TYPES:
         if float(cfg.rms_norm_eps) != LATENT_NORM_EPS:
             raise refuse("rms_norm_eps", cfg.rms_norm_eps, f"a norm epsilon other than {LATENT_NORM_EPS} with "
@@ -350,6 +358,31 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
                           expert_ffn_hidden_size=int(cfg.intermediate_size if t in EXPERTS_BY_INTERMEDIATE else
                                                      cfg.moe_intermediate_size),
                           shared_ffn_hidden_size=shared, shared_gate=shared > 0)
+
+
+def _sliding_window(cfg: Any, refuse: Any) -> tuple[Optional[int], Optional[tuple[int, ...]]]:
+    """(window W or None, the windowed layers or None for every layer), as transformers 5.24 applies
+    them: ``sliding_window`` on every layer of Mistral, Mixtral and Qwen3-MoE; on the layers whose
+    ``layer_types`` entry is "sliding_attention" in Qwen3 and Qwen2-MoE; refused elsewhere."""
+    t, size = cfg.model_type, getattr(cfg, "sliding_window", None)
+    kinds = list(getattr(cfg, "layer_types", None) or [])
+    unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise refuse("layer_types", unknown, "layers other than full and sliding-window attention")
+    if t in WINDOW_BY_LAYER_TYPES:
+        if "sliding_attention" not in kinds:
+            return None, None
+        if not size:
+            raise refuse("sliding_window", size, "sliding-window layers without a window")
+        pattern = tuple(int(kind == "sliding_attention") for kind in kinds)
+        return int(size), None if all(pattern) else pattern
+    if "sliding_attention" in kinds:
+        raise refuse("layer_types", kinds, "sliding-window layers outside Qwen3 and Qwen2-MoE")
+    if size in (None, 0):
+        return None, None
+    if t not in WINDOW_EVERY_LAYER:
+        raise refuse("sliding_window", size, "sliding-window attention outside Mistral, Mixtral and Qwen")
+    return int(size), None
 
 
 LATENT_NORM_EPS = 1e-6   # transformers' DeepSeek q_a_layernorm / kv_a_layernorm (fixed; Megatron: layernorm_epsilon)

@@ -47,6 +47,8 @@ from moe_plugin.interop.hf_arch import (
     MLA_KEYS,
     MLA_TYPES,
     MOE_TYPES,
+    WINDOW_BY_LAYER_TYPES,
+    WINDOW_EVERY_LAYER,
     HFArchitecture,
     transformers_module,
 )
@@ -185,6 +187,7 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
     if mla and float(tc.get("layernorm_epsilon", 1e-5)) != LATENT_NORM_EPS:
         raise refuse("layernorm_epsilon", tc.get("layernorm_epsilon"), f"norms of epsilon {LATENT_NORM_EPS} "
                      "(transformers' latent norms have it fixed: --norm-epsilon 1e-6)")
+    window, window_layers = _window(tc, num_layers, model_type, refuse)
     rotary_percent = float(model.get("rotary_percent", 1.0))
     if rotary_percent != 1.0 and model_type != "glm4_moe":
         raise refuse("rotary_percent", rotary_percent, "RoPE over the whole head (--rotary-percent 1)")
@@ -258,7 +261,34 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         score_function=moe.get("score_function", "softmax"), gate_scale=float(moe.get("gate_scale", 1.0)),
         router_groups=moe.get("router_groups"), group_topk=moe.get("group_topk"),
         router_bias=model_type in ("glm4_moe", "deepseek_v3"), group_score=moe.get("group_score", "top2_sum"),
-        config=meta.get("hf", {}).get("config")), **latent})
+        window=window, window_layers=window_layers, config=meta.get("hf", {}).get("config")), **latent})
+
+
+def _window(tc: dict, num_layers: int, model_type: str, refuse: Callable[..., ConfigError]):
+    """(window W, windowed layers or None) of the checkpoint's ``window_size`` / ``window_attn_skip_freq``
+    (``hf_arch._sliding_window``'s inverse), or a ``ConfigError`` where ``model_type`` cannot say it."""
+    size = tc.get("window_size")
+    if not size:
+        return None, None
+    left, right = size
+    if right != 0:
+        raise refuse("window_size", size, "a window over past keys only (--window-size W-1,0)")
+    freq = tc.get("window_attn_skip_freq")
+    if freq is None:
+        layers = None
+    elif isinstance(freq, int):
+        layers = tuple(int((i + 1) % freq != 0) for i in range(num_layers))
+    else:
+        layers = tuple(int(bool(v)) for v in freq)
+    if layers is not None and all(layers):
+        layers = None
+    if model_type in WINDOW_EVERY_LAYER and layers is not None:
+        raise refuse("window_attn_skip_freq", freq, "the window on every layer (Qwen3 and Qwen2-MoE window "
+                     "some layers)")
+    if model_type not in WINDOW_EVERY_LAYER + WINDOW_BY_LAYER_TYPES:
+        raise refuse("window_size", size, "full attention (sliding windows: mistral, mixtral, qwen3_moe, qwen3, "
+                     "qwen2_moe)")
+    return int(left) + 1, layers
 
 
 def _check_router(moe: dict, model_type: str, refuse: Callable[..., ConfigError]) -> None:
@@ -369,6 +399,13 @@ def hf_config(transformers: Any, arch: HFArchitecture, meta: dict, dtype: str) -
         fields.update(attention_bias=False, **({"mlp_bias": False} if t == "llama" else {}))
     if t in ("mistral", "qwen3"):
         fields.update(sliding_window=None)
+    if arch.window:   # transformers' sliding window (hf_arch._sliding_window)
+        fields.update(sliding_window=arch.window)
+        if t in ("qwen3", "qwen3_moe", "qwen2_moe"):
+            fields.update(use_sliding_window=True)
+        if t in WINDOW_BY_LAYER_TYPES:
+            fields.update(layer_types=["sliding_attention" if windowed else "full_attention"
+                                       for windowed in (arch.window_layers or [1] * arch.num_layers)])
     cls = getattr(transformers, CONFIG_CLASSES[t])
     config = cls(**{**base, **fields})
     config.architectures = [arch.architecture]
