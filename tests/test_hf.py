@@ -9,7 +9,9 @@ ungated shared expert, QKV bias, QK-norm and half the head rotated; a Qwen3-MoE 
 original context of 8, so the tests' 16 tokens run past it); DeepSeek-V3 with multi-latent attention
 (a low-rank query, YaRN with both mscales, DeepSeek routing), the same with rope_interleave false, and
 a DeepSeek-V2-Lite-shaped model (full query projection, group_limited_greedy); a dense tied Llama; a
-dense untied Qwen3 with QK-norm and heads of 32; a dense untied Mistral without sliding window). Each is imported with the "moe" block holding only
+dense untied Qwen3 with QK-norm and heads of 32; a dense untied Mistral without sliding window; sliding
+windows: a Mixtral with a window of 6, a dense Mistral with 5, a dense Qwen3 whose layer 1 has a window
+of 4). Each is imported with the "moe" block holding only
 ``num_experts`` (the rest filled in from config.json), and:
 
 * HF -> plugin -> HF gives bit-identical tensors (export in shards of 100 KB, with their index),
