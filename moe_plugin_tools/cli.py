@@ -13,7 +13,7 @@
     moe-plugin convert-checkpoint OLD_CKPT --out NEW_CKPT [--tag TAG]
     moe-plugin upcycle DENSE_CKPT --config ds.json --out MOE_CKPT [--granularity G] [--tag TAG] [--reset-iteration]
     moe-plugin import-hf HF_DIR --config ds.json --out CKPT [--tag TAG] [--dtype float32] [--config-out JSON]
-    moe-plugin export-hf CKPT --out HF_DIR [--arch mixtral|qwen3_moe|qwen2_moe|olmoe|llama|mistral|qwen3] [--max-shard-size 5GB]
+    moe-plugin export-hf CKPT --out HF_DIR [--arch MODEL_TYPE] [--max-shard-size 5GB]
     moe-plugin preprocess --input FILE.jsonl --tokenizer HF_DIR --output-prefix P [--json-keys text] [--workers N]
     moe-plugin train-tokenizer --input FILE.jsonl --out HF_DIR [--vocab-size 4096]
     moe-plugin stdlib-jsonl OUT.jsonl [--corpus-bytes N]
@@ -163,8 +163,9 @@ def import_hf(args: argparse.Namespace) -> None:
     print("  the example's model flags (recorded in the checkpoint; a load with others is refused):\n"
           f"  --load {args.out} {' '.join(done.flags)}")
     if "PREFIX" in done.command:
-        print(f"  its vocabulary is not the example's byte corpus's: tokenize your data with the imported tokenizer "
-              f"first,\n  moe-plugin preprocess --input FILE.jsonl --tokenizer {done.command[-1]} --output-prefix PREFIX")
+        print("  its vocabulary is not the example's byte corpus's: tokenize your data with the imported tokenizer "
+              f"first,\n  moe-plugin preprocess --input FILE.jsonl --tokenizer {done.command[-1]} "
+              "--output-prefix PREFIX")
     print(f"  train it (from the repository's root; add --train-iters, --save ...):\n  {shlex.join(done.command)}")
 
 
@@ -258,8 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     up.set_defaults(run=upcycle)
 
-    imp = commands.add_parser("import-hf", help="a Hugging Face model directory (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE; "
-                              "dense Llama, Mistral, Qwen3) as a checkpoint that loads under any layout")
+    imp = commands.add_parser("import-hf", help="a Hugging Face model directory (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, "
+                              "GLM-4.5, DeepSeek-V3, DeepSeek-V2; dense Llama, Mistral, Qwen3) as a checkpoint that "
+                              "loads under any layout")
     imp.add_argument("hf_dir", type=Path, metavar="HF_DIR", help="config.json and model.safetensors (or its index)")
     imp.add_argument("--config", type=Path, required=True, help="the DeepSpeed JSON to train with; its \"moe\" "
                      "block is checked against config.json (expert fields left out are filled in)")
