@@ -6,11 +6,11 @@ Two things of its constructor do not hold on a CPU build of torch, one not witho
 Engine, and one does not fit YaRN as transformers computes it:
 
 * ``MultiLatentAttention.__init__`` builds its ``RotaryEmbedding`` (``rope_type`` "rope") without
-  ``use_cpu_initialization``, i.e. on ``torch.cuda.current_device()``: "Torch not compiled with CUDA
-  enabled". ``MLAttention`` builds it on the CPU when CUDA is absent or the config asks for CPU
-  initialisation (the frequencies are the same numbers on either device).
+  ``use_cpu_initialization``, i.e. on the current GPU: on a CPU build of torch "Torch not compiled
+  with CUDA enabled". ``MLAttention`` builds it on the CPU when DeepSpeed's accelerator is the CPU or
+  the config asks for CPU initialisation (the frequencies are the same numbers on either device).
 * With ``rope_type`` "yarn" it builds ``YarnRotaryEmbedding``, whose ``get_emb`` moves its
-  frequencies to ``torch.cuda.current_device()`` on every call. ``MLAttention`` builds ``YarnRotary``
+  frequencies to the current GPU on every call. ``MLAttention`` builds ``YarnRotary``
   instead: a plain ``RotaryEmbedding`` whose forward returns ``(angles, attention factor)`` as
   Megatron's YaRN class does, so that MLA multiplies cos and sin by the factor;
   ``integration.rope.apply_rope_scaling`` then sets transformers' YaRN frequencies and factor on it.
@@ -69,7 +69,9 @@ class MLAttention(MLASelfAttention):
     gradient is summed over TP (module docstring)."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any):
-        with rotary_on_host(config.use_cpu_initialization or not torch.cuda.is_available()):
+        from deepspeed.accelerator import get_accelerator
+
+        with rotary_on_host(config.use_cpu_initialization or get_accelerator().device_name() == "cpu"):
             super().__init__(config, *args, **kwargs)
         self._kv_down = None
         self.linear_kv_down_proj.register_forward_hook(self._remember_kv_down)

@@ -47,8 +47,8 @@ class SDPAttention(MegatronModule):
 
     Sliding windows as Megatron's ``DotProductAttention`` has them (``config.window_size`` = (left,
     right): query i attends keys i - left .. i + right, on the layers ``is_layer_window_attention``
-    names from ``window_attn_skip_freq``; Megatron builds that mask on ``device="cuda"``, here on
-    the input's device). Not supported (an error says so): context parallelism, softmax types
+    names from ``window_attn_skip_freq``; Megatron builds that mask on the GPU, here on the
+    input's device). Not supported (an error says so): context parallelism, softmax types
     other than ``vanilla``, attention bias, packed sequences. ``apply_query_key_layer_scaling``
     needs nothing: it cancels out of an fp32 softmax. Dropout draws inside Megatron's RNG tracker's
     model-parallel state without sequence parallelism, as Megatron's does (under it the transformer

@@ -52,7 +52,7 @@ from moe_plugin.interop.hf_arch import (
     HFArchitecture,
     transformers_module,
 )
-from moe_plugin.interop.hf_families import HFMapping, Rule
+from moe_plugin.interop.hf_families import FAMILIES, HFMapping, Rule
 from moe_plugin.interop.hf_files import HFShardWriter, parse_size
 
 logger = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
             raise refuse("moe.layers", moe.get("layers"), "MoE layers (the checkpoint has none: --arch llama)")
         _check_router(moe, model_type, refuse)
         bias = [k for k in state if k.endswith("router.expert_bias") and bool(source.read(k).abs().max() > 0)]
-        if bias and model_type not in ("glm4_moe", "deepseek_v3"):
+        if bias and FAMILIES[model_type].router_bias is None:
             raise refuse(bias[0], "non-zero", "routers without an expert bias (the aux-loss-free bias chose the "
                          "experts in training)")
         if model_type in ("mixtral", "olmoe") and len(moe_layers) != num_layers:
@@ -260,7 +260,8 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         shared_gate=shared_ffn > 0 and not deepseek,
         score_function=moe.get("score_function", "softmax"), gate_scale=float(moe.get("gate_scale", 1.0)),
         router_groups=moe.get("router_groups"), group_topk=moe.get("group_topk"),
-        router_bias=model_type in ("glm4_moe", "deepseek_v3"), group_score=moe.get("group_score", "top2_sum"),
+        router_bias=model_type in FAMILIES and FAMILIES[model_type].router_bias is not None,
+        group_score=moe.get("group_score", "top2_sum"),
         window=window, window_layers=window_layers, config=meta.get("hf", {}).get("config")), **latent})
 
 

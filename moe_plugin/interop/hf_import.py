@@ -29,6 +29,7 @@ example's whole command line that trains the imported model from it (``next_comm
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -39,7 +40,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from moe_plugin.checkpoint.errors import CheckpointError
-from moe_plugin.checkpoint.files import refuse_existing
+from moe_plugin.checkpoint.files import refuse_existing, write_text
 from moe_plugin.checkpoint.one_rank import OneRankPlan
 from moe_plugin.checkpoint.trust import trust_argument
 from moe_plugin.configs import ConfigError, MoEConfig
@@ -107,24 +108,14 @@ def import_hf(hf_dir: Union[os.PathLike, str], ds_config: Union[dict, os.PathLik
     finally:
         weights.close()
     config_path = os.fspath(config_out) if config_out is not None else os.path.join(os.fspath(out_dir), CONFIG_NAME)
-    _write_json({**ds, ROOT_KEY: block}, config_path)
+    completed = {**ds, ROOT_KEY: block}
+    os.makedirs(os.path.dirname(os.path.abspath(config_path)), exist_ok=True)
+    write_text(config_path, json.dumps(completed, indent=2) + "\n")   # whole or not at all
     seconds = time.perf_counter() - began
     say(f"wrote {path} and {config_path} in {seconds:.2f} s")
-    command = next_command(arch, {**ds, ROOT_KEY: block}, config_path, os.fspath(out_dir), path)
+    command = next_command(arch, completed, config_path, os.fspath(out_dir), path)
     return ImportResult(path, arch.model_type, tuple(arch.example_flags()), block, tuple(filled), seconds,
                         config_path, tuple(command))
-
-
-def _write_json(value: dict, path: str) -> None:
-    """``value`` as ``path`` (its parent made), written whole or not at all."""
-    import json
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    partial = f"{path}.partial"
-    with open(partial, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2)
-        f.write("\n")
-    os.replace(partial, path)
 
 
 def next_command(arch: HFArchitecture, ds: dict, config_path: str, out_dir: str, tag_path: str) -> list[str]:
