@@ -164,6 +164,12 @@ CASES = [
     Case("ffn_hidden_size", value={"ffn_hidden_size": 32}),
     Case("activation", value={"activation": "swiglu"}),
     Case("activation", value={"activation": "relu"}),
+    Case("activation", value={"activation": "clamped_swiglu"}),
+    # a clamp that cuts at init (pre-activations of about 0.1) and another gain, against GPT-OSS's own
+    Case("swiglu_limit", value={"swiglu_limit": 0.05}, ref={"activation": "clamped_swiglu"}),
+    Case("swiglu_alpha", value={"swiglu_alpha": 1.0}, ref={"activation": "clamped_swiglu"}),
+    Case("expert_linear_bias", value={"expert_linear_bias": True}),   # zeros at init, trained from step 1
+    Case("router_logit_bias", value={"router_logit_bias": True}),
     Case("shared_expert_ffn_hidden_size", value={"shared_expert_ffn_hidden_size": 32}),
     Case("shared_expert_gate", value={"shared_expert_gate": True}, ref={"shared_expert_ffn_hidden_size": 32}),
     Case("memory_check", EQUAL, value={"memory_check": False}),   # the check only decides whether to start

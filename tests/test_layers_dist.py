@@ -40,6 +40,7 @@ from moe_plugin.configs import MoEConfig
 from moe_plugin.groups.layout import RankLayout
 from moe_plugin.layers import MoELayer, RouterNoise, reference_moe
 from moe_plugin.layers.exchange_rules import exchange_variants
+from moe_plugin.layers.experts import GATED
 from test_layers_single import capacity_if_dropping
 
 S, B, H, F, E = 8, 2, 16, 16, 8        # per DP replica: T = S * B = 16 tokens
@@ -66,6 +67,8 @@ ROUTERS = {
 SWEPT = ("gshard", "switch", "topk3")
 
 SWIGLU_SHARED = dict(activation="swiglu", shared_expert_ffn_hidden_size=8, shared_expert_gate=True)
+# GPT-OSS's experts and router; a clamp low enough to cut (the ``biases`` edit makes every bias non-zero)
+GPT_OSS = dict(activation="clamped_swiglu", swiglu_limit=0.6, expert_linear_bias=True, router_logit_bias=True)
 
 # name -> (RankLayout.build sizes, sequence parallel). Comments: dp, edp, expert grad factor edp/dp.
 LAYOUTS4 = {
@@ -151,6 +154,8 @@ CASES4 = _cases(LAYOUTS4, full_sweep=("ep4", "tp2sp-ep2-etp2-dp2", "tp2-ep2-dp2"
     "grouped2-dropless": ("tp2-ep2-dp2", dict(router="grouped2", drop=False)),
     "nan-on-one-rank-ep2": ("ep2-dp4", dict(nan_rank=2)),     # the finite flags over TP x DP
     "grouped2-of-4-drop": ("ep4", dict(router="grouped2-of-4")),       # groups = the EP ranks: one rank a token
+    "gpt-oss-etp": ("tp2sp-ep2-etp2-dp2", dict(router="topk3", drop=False, edit="biases", **GPT_OSS)),
+    "gpt-oss-placement": ("ep4", dict(router="topk3", edit="biases", placement=SHUFFLED, **GPT_OSS)),
 })
 CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
     "all-to-expert-0": ("tp2-ep2", dict(router="gshard", edit="hot0")),
@@ -177,6 +182,8 @@ CASES2 = _cases(LAYOUTS2, full_sweep=("dp2-ep2", "tp2-ep2"), edge={
     "no-drop": ("dp2-ep2", dict(router="topk3", S=4, capacity_factor=4.0)),
     # bf16 counts of capacity 300: two base-256 digits in the padded exchange's header
     "bf16-two-digits": ("dp2-ep2", dict(router="topk3", S=4, dtype="bfloat16", min_capacity=300)),
+    "gpt-oss-etp": ("etp2-dp2", dict(router="topk3", drop=False, edit="biases", **GPT_OSS)),
+    "gpt-oss-tp": ("tp2-ep2", dict(router="topk3", drop=False, edit="biases", **GPT_OSS)),
 })
 TWIN_TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
 
@@ -228,6 +235,17 @@ def _layer(case: dict, world_size: int | None = None, groups=None) -> MoELayer:
             layer.router.expert_bias[E - 1] = 1e3
         elif case["edit"] == "cold3":
             layer.router.expert_bias[3] = -1e3
+        elif case["edit"] == "biases":   # full values by expert id; each rank takes its slots' share
+            gen = torch.Generator().manual_seed(5)
+            layer.router.bias.copy_(torch.randn(E, generator=gen) * 0.3)
+            full = {"experts.bias1": torch.randn(E, 2 * F, generator=gen) * 0.3,
+                    "experts.bias2": torch.randn(E, H, generator=gen) * 0.3}
+            for name, value in full.items():
+                if groups is not None:
+                    layout = groups.layout
+                    value = _expert_slice(name, value, layout.coords(dist.get_rank()), layout.sizes,
+                                          layer.config.activation, case["placement"])
+                layer.get_parameter(name).copy_(value)
     return layer.train()
 
 
@@ -353,7 +371,9 @@ def _expert_slice(name: str, full: torch.Tensor, c: dict, sizes, activation: str
     cols = slice(c["etp"] * f, (c["etp"] + 1) * f)
     if name == "experts.weight2":
         return w[:, cols]
-    if activation == "swiglu":
+    if name == "experts.bias2":   # whole on every ETP rank
+        return w
+    if activation in GATED:
         return torch.cat([w[..., :F][..., cols], w[..., F:][..., cols]], dim=-1)
     return w[..., cols]
 
@@ -420,6 +440,8 @@ def _check_case(case: dict, world_size: int, results: list) -> None:
             if name.startswith("experts."):
                 full_param = _expert_slice(name, full_param, c, sizes, config.activation, case["placement"])
                 full_grad = _expert_slice(name, full_grad, c, sizes, config.activation, case["placement"])
+                if name == "experts.bias2" and c["etp"] != 0:   # added on ETP rank 0 only
+                    full_grad = torch.zeros_like(full_grad)
             assert torch.equal(result["params"][name], full_param), f"rank {rank} {name}: init is not the slice"
             close(grad, full_grad, f"{name} gradient")
         placement = torch.arange(E) if case["placement"] is None else torch.tensor(case["placement"])

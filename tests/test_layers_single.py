@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_plugin_tools.bench.memory import memory_profile
-from moe_plugin.configs import MoEConfig
+from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.layers import GroupedExperts, MoELayer, RouterNoise, expert_capacity, reference_moe, route
 
 S, B, H, F, E = 8, 4, 16, 32, 8
@@ -115,6 +115,35 @@ def test_random_routing_drops_some_second_choices():
 @pytest.mark.parametrize("activation", ["gelu", "swiglu", "relu"])
 def test_activations_match_oracle(activation):
     check_against_oracle(make_layer(activation=activation), tokens())
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("backend", ["loop", "bmm"])
+def test_gpt_oss_experts_match_oracle(recompute, backend):
+    """GPT-OSS's clamped SwiGLU (a clamp low enough to cut: both the gate's and the up half's bounds are
+    reached), expert biases and the router's logit bias, all non-zero, against the oracle."""
+    layer = make_layer(activation="clamped_swiglu", swiglu_limit=0.5, swiglu_alpha=1.702, expert_linear_bias=True,
+                       router_logit_bias=True, router="topk", top_k=2, drop_tokens=False, recompute_fc1=recompute,
+                       experts_backend=backend)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in (layer.router.bias, layer.experts.bias1, layer.experts.bias2):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    x = tokens()
+    pre = torch.einsum("th,ehf->tef", x.reshape(-1, H), layer.experts.weight1) + layer.experts.bias1
+    gate, up = pre.chunk(2, dim=-1)
+    assert (gate > 0.5).any() and (up < -0.5).any() and (up > 0.5).any(), "the clamp should cut"
+    check_against_oracle(layer, x)
+    for p in (layer.router.bias, layer.experts.bias1, layer.experts.bias2):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+def test_clamped_swiglu_fields_belong_to_it():
+    with pytest.raises(ConfigError, match="swiglu_limit"):
+        MoEConfig.from_dict({"num_experts": E, "activation": "swiglu", "swiglu_limit": 5.0})
+    with pytest.raises(ConfigError, match="replica_budget"):
+        MoEConfig.from_dict({"num_experts": E, "expert_linear_bias": True, "parallel": {"expert": 2},
+                             "placement": {"replica_budget": 1}})
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_plugin.checkpoint.shards import tp_join, tp_slice
-from moe_plugin.layers.experts import GroupedExperts
+from moe_plugin.layers.experts import GATED, GroupedExperts
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,8 @@ class ExpertWeight:
     key: str
     module: GroupedExperts
     param: nn.Parameter
-    f_dim: int      # the F dimension of the stacked [L, ...] tensor
-    f_stride: int   # pieces per shard along F (2 for swiglu's gate and up halves)
+    f_dim: Optional[int]   # the F dimension of the stacked [L, ...] tensor (None: not split over ETP, bias2)
+    f_stride: int          # pieces per shard along F (2 for swiglu's gate and up halves)
 
     @property
     def local_ids(self) -> list[int]:
@@ -44,19 +45,31 @@ class ExpertWeight:
         """[E, H, F1] / [E, F, H]: the shape of all experts of this weight, unsharded."""
         shape = list(self.param.shape)
         shape[0] = self.module.num_experts
-        shape[self.f_dim] *= etp
+        if self.f_dim is not None:
+            shape[self.f_dim] *= etp
         return shape
+
+    def cut(self, full: Tensor, etp_rank: int, etp: int, stacked: bool = True) -> Tensor:
+        """ETP rank ``etp_rank``'s part of ``full`` (stacked by expert, or one expert's when not
+        ``stacked``); a weight not split over ETP (the experts' output bias) whole."""
+        if self.f_dim is None:
+            return full
+        return tp_slice(full, self.f_dim - (0 if stacked else 1), self.f_stride, etp_rank, etp)
 
 
 def expert_weights(model: nn.Module) -> list[ExpertWeight]:
-    """Every stacked expert weight of ``model``, in module order."""
+    """Every stacked expert weight of ``model`` (and the experts' biases: ``bias1`` [L, F1/etp] split as
+    weight1's columns, ``bias2`` [L, H] held whole, added on ETP rank 0), in module order."""
     out = []
     for prefix, module in model.named_modules():
         if isinstance(module, GroupedExperts):
             base = f"{prefix}." if prefix else ""
-            stride1 = 2 if module.activation == "swiglu" else 1
+            stride1 = 2 if module.activation in GATED else 1
             out.append(ExpertWeight(base + "weight1", module, module.weight1, 2, stride1))
             out.append(ExpertWeight(base + "weight2", module, module.weight2, 1, 1))
+            if module.bias1 is not None:
+                out.append(ExpertWeight(base + "bias1", module, module.bias1, 1, stride1))
+                out.append(ExpertWeight(base + "bias2", module, module.bias2, None, 1))
     return out
 
 
@@ -69,7 +82,7 @@ def full_experts(stacked_LXY: Tensor, weight: ExpertWeight, etp_group, etp: int,
     while the stacked tensor changes copies them (``expert_layers`` reads fresh tensors or writes
     at once)."""
     stacked_LXY = stacked_LXY.detach()
-    if etp > 1:
+    if etp > 1 and weight.f_dim is not None:
         pieces = [torch.empty_like(stacked_LXY) for _ in range(etp)]
         dist.all_gather(pieces, stacked_LXY.contiguous(), group=etp_group)
         stacked_LXY = tp_join(pieces, weight.f_dim, weight.f_stride)
@@ -83,7 +96,7 @@ def local_experts(full_by_id: dict[int, Tensor], weight: ExpertWeight, etp_rank:
     experts ``ids`` in slot order (default: the model's placement, ``weight.local_ids``), in
     ``dtype`` (default: the weight's; optimizer state stays fp32)."""
     ids = weight.local_ids if ids is None else ids
-    parts = [tp_slice(full_by_id[e], weight.f_dim - 1, weight.f_stride, etp_rank, etp) for e in ids]
+    parts = [weight.cut(full_by_id[e], etp_rank, etp, stacked=False) for e in ids]
     out = torch.stack(parts)
     if out.shape != weight.param.shape:
         raise ValueError(f"{weight.key}: the saved experts cut to {tuple(out.shape)} on this rank (etp rank "

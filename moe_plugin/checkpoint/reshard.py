@@ -101,7 +101,7 @@ def _part(key: str, whole: Tensor, mine: Tensor, expert: Any, layout: RankLayout
     coords, sizes = layout.coords(rank), layout.sizes
     if expert is not None:
         part = whole.narrow(0, expert.module.first_slot, expert.module.num_local)
-        part = tp_slice(part, expert.f_dim, expert.f_stride, coords["etp"], sizes.etp)
+        part = expert.cut(part, coords["etp"], sizes.etp)
     elif getattr(mine, "tensor_model_parallel", False):
         part = tp_slice(whole, mine.partition_dim, getattr(mine, "partition_stride", 1), coords["tp"], sizes.tp)
     else:

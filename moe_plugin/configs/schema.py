@@ -192,8 +192,19 @@ class MoEConfig(_Block):
                                         "replaces layer_interval.")
     ffn_hidden_size: Optional[int] = Field(None, ge=1, description="FFN size of one expert; default: the "
                                            "model's ffn_hidden_size.")
-    activation: Literal["gelu", "swiglu", "relu"] = Field("gelu", description="Expert activation; swiglu "
-                                                          "doubles the first expert weight (GLU).")
+    activation: Literal["gelu", "swiglu", "relu", "clamped_swiglu"] = Field(
+        "gelu", description="Expert activation; swiglu doubles the first expert weight (GLU); clamped_swiglu is "
+        "GPT-OSS's: the gate clamped above at swiglu_limit, the up half to +-swiglu_limit, "
+        "gate * sigmoid(swiglu_alpha * gate) * (up + 1).")
+    swiglu_alpha: float = Field(1.702, gt=0, description="clamped_swiglu's sigmoid gain (GPT-OSS: 1.702); "
+                                "other activations leave it at its default.")
+    swiglu_limit: float = Field(7.0, gt=0, description="clamped_swiglu's clamp (GPT-OSS: 7); other activations "
+                                "leave it at its default.")
+    expert_linear_bias: bool = Field(False, description="Biases on the experts' two projections (GPT-OSS), added "
+                                     "before the activation and to each expert's output.")
+    router_logit_bias: bool = Field(False, description="A learned bias on the router logits (GPT-OSS): the choice "
+                                    "and the gates both see it (unlike the aux-loss-free expert_bias, which only "
+                                    "chooses).")
     recompute_fc1: bool = Field(False, description="Experts keep no [routes, ffn] pre-activation for "
                                 "backward and recompute it there: one more expert GEMM per step for "
                                 "routes x ffn fewer values held per MoE layer.")
@@ -270,6 +281,13 @@ class MoEConfig(_Block):
         if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
             raise FieldProblem("shared_expert_gate", True, "there is no shared expert to gate; set "
                                "shared_expert_ffn_hidden_size > 0 or shared_expert_gate false")
+        for key, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+            if getattr(self, key) != default and self.activation != "clamped_swiglu":
+                raise FieldProblem(key, getattr(self, key), f"only activation 'clamped_swiglu' has it (activation is "
+                                   f"{self.activation!r}); leave it out")
+        if self.expert_linear_bias and budget:
+            raise FieldProblem("placement.replica_budget", budget, "shadow experts do not carry expert_linear_bias "
+                               "yet; set replica_budget 0")
         return self
 
     def _check_router_fields(self) -> None:

@@ -10,6 +10,8 @@ over the ETP group; ``grad_scale`` multiplies the weight gradients (``LayerParal
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import Callable, Optional
 
 import torch
@@ -31,12 +33,32 @@ def _swiglu(h_RF1: Tensor) -> Tensor:
     return F.silu(gate_RF) * up_RF
 
 
+def _clamped_swiglu(h_RF1: Tensor, alpha: float, limit: float) -> Tensor:
+    """GPT-OSS's: the gate clamped above at ``limit``, the up half to [-limit, limit],
+    ``(up + 1) * gate * sigmoid(alpha * gate)``, computed as ``silu(alpha * gate) / alpha`` with ``silu``
+    on the gate half's strided view. torch's CPU kernels round a contiguous tensor's last elements (the
+    vector loop's scalar tail) otherwise than the rest, so on a contiguous [R, F] gate a row's value would
+    depend on how many rows the call holds; row by row it does not (exact across exchanges and chunks)."""
+    width = h_RF1.shape[-1] // 2
+    lower_F1 = h_RF1.new_full((2 * width,), -math.inf)
+    lower_F1[width:] = -limit
+    scale_F1 = h_RF1.new_ones(2 * width)
+    scale_F1[:width] = alpha
+    clamped_RF1 = torch.clamp(h_RF1, min=lower_F1, max=h_RF1.new_full((2 * width,), limit)) * scale_F1
+    gate_RF, up_RF = clamped_RF1[..., :width], clamped_RF1[..., width:]   # the gate times alpha; strided views
+    return (up_RF + 1) * (F.silu(gate_RF) / alpha)
+
+
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"gelu": F.gelu, "swiglu": _swiglu, "relu": F.relu}
+GATED = ("swiglu", "clamped_swiglu")   # the first weight holds the gate half, then the up half
 
 
-def activation_fn(name: str) -> Callable[[Tensor], Tensor]:
+def activation_fn(name: str, alpha: float = 1.702, limit: float = 7.0) -> Callable[[Tensor], Tensor]:
+    """The expert activation ``name`` (``alpha``, ``limit``: clamped_swiglu's)."""
+    if name == "clamped_swiglu":
+        return functools.partial(_clamped_swiglu, alpha=alpha, limit=limit)
     if name not in ACTIVATIONS:
-        raise ValueError(f"unknown expert activation {name!r}; valid: gelu, swiglu, relu")
+        raise ValueError(f"unknown expert activation {name!r}; valid: gelu, swiglu, relu, clamped_swiglu")
     return ACTIVATIONS[name]
 
 
@@ -49,7 +71,7 @@ def ffn_shard(w1_HF1: Tensor, w2_FH: Tensor, activation: str, etp_size: int, etp
         raise ValueError(f"expert ffn size {ffn} cannot be split evenly over {etp_size} expert-tensor-parallel ranks")
     part = ffn // etp_size
     cols = slice(etp_rank * part, (etp_rank + 1) * part)
-    if activation == "swiglu":
+    if activation in GATED:
         gate_HF, up_HF = w1_HF1.chunk(2, dim=-1)
         w1_HF1 = torch.cat([gate_HF[:, cols], up_HF[:, cols]], dim=-1)
     else:
@@ -74,7 +96,8 @@ class GroupedExperts(nn.Module):
                  ep_size: int = 1, ep_rank: int = 0, etp_size: int = 1, etp_rank: int = 0,
                  group_name: str = "ep_size_1", seed: int = 0, init_std: float = 0.02,
                  output_init_std: float | None = None, backend: ExpertsBackend = "auto", grad_scale: float = 1.0,
-                 recompute_pre_activation: bool = False, placement: Optional[Tensor] = None):
+                 recompute_pre_activation: bool = False, placement: Optional[Tensor] = None,
+                 bias: bool = False, alpha: float = 1.702, limit: float = 7.0):
         super().__init__()
         if num_experts % ep_size or not 0 <= ep_rank < ep_size:
             raise ValueError(f"expert-parallel rank {ep_rank} of size {ep_size} cannot hold an equal "
@@ -84,10 +107,11 @@ class GroupedExperts(nn.Module):
         check_backend(backend)
         self.num_experts, self.num_local = num_experts, num_experts // ep_size
         self.first_slot = ep_rank * self.num_local
-        self.activation, self.act, self.backend = activation, activation_fn(activation), backend
+        self.activation, self.act, self.backend = activation, activation_fn(activation, alpha, limit), backend
+        self.etp_rank = etp_rank
         self.grad_scale, self.recompute_pre_activation = grad_scale, recompute_pre_activation
         self._grad_stores = (GradStore(), GradStore())   # weight1's and weight2's gradient storage (CPU)
-        width = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        width = 2 * ffn_hidden_size if activation in GATED else ffn_hidden_size
         out_std = init_std if output_init_std is None else output_init_std
         w1, w2 = [], []
         slot_E = torch.arange(num_experts) if placement is None else torch.as_tensor(placement, dtype=torch.long)
@@ -105,8 +129,16 @@ class GroupedExperts(nn.Module):
             w2.append(w2_FH)
         self.weight1 = nn.Parameter(torch.stack(w1))   # [L, H, F1/etp]
         self.weight2 = nn.Parameter(torch.stack(w2))   # [L, F/etp, H]
-        for p in (self.weight1, self.weight2):
+        self.bias1 = self.bias2 = None
+        if bias:   # zeros, as transformers initialises GPT-OSS's; bias2 counts on ETP rank 0 only (``ffn``)
+            self.bias1 = nn.Parameter(torch.zeros(self.num_local, self.weight1.shape[-1]))   # [L, F1/etp]
+            self.bias2 = nn.Parameter(torch.zeros(self.num_local, hidden_size))              # [L, H]
+        for p in self.parameters():
             p.allreduce, p.group_name = False, group_name
+
+    def stacked(self) -> list[nn.Parameter]:
+        """The parameters stacked by local expert ([L, ...]): weight1, weight2, then bias1, bias2 if any."""
+        return [p for p in (self.weight1, self.weight2, self.bias1, self.bias2) if p is not None]
 
     def release_grad_storage(self) -> None:
         """Drop the weight gradients' kept storage (``ffn_autograd.GradStore``); the next
@@ -143,21 +175,33 @@ class GroupedExperts(nn.Module):
         w1_LHF = self.weight1.to(x_RH.dtype)
         w2_LFH = self.weight2.to(x_RH.dtype)
         own_grads = w1_LHF is self.weight1 and w2_LFH is self.weight2   # no cast in between
-        return self.ffn(x_RH, counts_L, gather_R, w1_LHF, w2_LFH, own_grads)
+        biases = self._biases(x_RH.dtype)
+        return self.ffn(x_RH, counts_L, gather_R, w1_LHF, w2_LFH, own_grads, *biases)
 
-    def split_weights(self, sizes: list[int], dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
-        """The weights in ``dtype``, cut into consecutive groups of ``sizes`` local experts (one
-        ``split`` each: their gradients are joined once in backward)."""
-        return list(zip(self.weight1.to(dtype).split(sizes), self.weight2.to(dtype).split(sizes)))
+    def _biases(self, dtype: torch.dtype) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        if self.bias1 is None:
+            return None, None
+        return self.bias1.to(dtype), self.bias2.to(dtype)
+
+    def split_weights(self, sizes: list[int], dtype: torch.dtype) -> list[tuple[Optional[Tensor], ...]]:
+        """(weight1, weight2, bias1, bias2) in ``dtype``, cut into consecutive groups of ``sizes`` local
+        experts (one ``split`` each: their gradients are joined once in backward; biases None without)."""
+        parts = [self.weight1.to(dtype).split(sizes), self.weight2.to(dtype).split(sizes)]
+        parts += [[None] * len(sizes) if b is None else b.split(sizes) for b in self._biases(dtype)]
+        return list(zip(*parts))
 
     def ffn(self, x_RH: Tensor, counts_L: RowCounts | list[int] | Tensor, gather_R: Optional[Tensor], w1_LHF: Tensor,
-            w2_LFH: Tensor, own_grads: bool = False) -> Tensor:
+            w2_LFH: Tensor, own_grads: bool = False, b1_LF: Optional[Tensor] = None,
+            b2_LH: Optional[Tensor] = None) -> Tensor:
         """``forward`` with given weights (all local experts, or a group of them, ``counts_L`` rows
-        each); ``own_grads``: they are the parameters themselves (``ffn_autograd.expert_ffn``)."""
+        each); ``own_grads``: they are the parameters themselves (``ffn_autograd.expert_ffn``).
+        ``b2_LH`` is added on ETP rank 0 only (the partial outputs are summed over ETP); elsewhere its
+        gradient is zero."""
         counts = counts_L if isinstance(counts_L, (list, RowCounts)) else RowCounts(counts_L.tolist(), counts_L)
         return expert_ffn(x_RH, w1_LHF, w2_LFH, counts, self.act, self.pick_backend(x_RH), gather_R,
                           save_pre=not self.recompute_pre_activation, grad_scale=self.grad_scale,
-                          grad_stores=self._grad_stores if own_grads else None)
+                          grad_stores=self._grad_stores if own_grads else None, b1_LF1=b1_LF, b2_LH=b2_LH,
+                          add_b2=self.etp_rank == 0)
 
 
 class SharedExpert(nn.Module):
@@ -169,11 +213,11 @@ class SharedExpert(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu", *, gate: bool = False,
                  seed: int = 0, init_std: float = 0.02, output_init_std: float | None = None,
-                 grad_group: comm.Group = None):
+                 grad_group: comm.Group = None, alpha: float = 1.702, limit: float = 7.0):
         super().__init__()
         self.grad_group = grad_group
-        self.act = activation_fn(activation)
-        width = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        self.act = activation_fn(activation, alpha, limit)
+        width = 2 * ffn_hidden_size if activation in GATED else ffn_hidden_size
         out_std = init_std if output_init_std is None else output_init_std
         gen = seeded_generator(seed, SHARED_STREAM)
         self.weight1 = nn.Parameter(torch.randn(hidden_size, width, generator=gen) * init_std)        # [H, F1]

@@ -3,7 +3,7 @@
 Shape suffixes: see ``moe_plugin.layers`` (R: rows grouped by local expert; a chunk's tensors
 carry the same letters). For rows grouped by local expert (``counts[l]`` rows for expert l)::
 
-    y_RH[r] = act(rows_RH[r] @ w1[l(r)]) @ w2[l(r)]      rows_RH = x_NH[gather_R] (or x_NH)
+    y_RH[r] = act(rows_RH[r] @ w1[l(r)] (+ b1[l(r)])) @ w2[l(r)] (+ b2[l(r)])      rows_RH = x_NH[gather_R] (or x_NH)
 
 Plain autograd would keep R * (H + F1 + F) values for backward (the rows, the pre-activation, the
 activation). This keeps ``x_NH`` (the caller's, alive anyway), ``gather_R`` and, with
@@ -174,7 +174,8 @@ class ExpertFFN(torch.autograd.Function):
     ``y_RH``."""
 
     @staticmethod
-    def forward(ctx, x_NH, w1_LHF1, w2_LFH, gather_R, chunks, act, backend, save_pre, grad_scale, grad_stores):
+    def forward(ctx, x_NH, w1_LHF1, w2_LFH, gather_R, chunks, act, backend, save_pre, grad_scale, grad_stores,
+                b1_LF1, b2_LH, add_b2):
         R = chunks[-1].r1 if chunks else 0
         y_RH = x_NH.new_empty(R, w2_LFH.shape[-1])
         pre_chunks = []
@@ -183,24 +184,29 @@ class ExpertFFN(torch.autograd.Function):
                 pre_chunks.append(None)
                 continue
             rows_RH = _rows(x_NH, gather_R, c)
-            pre_RF1 = _rows_at_weights(rows_RH, w1_LHF1[c.l0:c.l1], c, backend)
+            pre_RF1 = _pre_activation(rows_RH, w1_LHF1, b1_LF1, c, backend)
             del rows_RH
             y_RH[c.r0:c.r1] = _rows_at_weights(act(pre_RF1), w2_LFH[c.l0:c.l1], c, backend)
+            if b2_LH is not None and add_b2:
+                y_RH[c.r0:c.r1] += b2_LH[c.l0:c.l1].index_select(0, _expert_of_rows(c))
             pre_chunks.append(pre_RF1 if save_pre else None)
-        ctx.save_for_backward(x_NH, w1_LHF1, w2_LFH, gather_R)
+        ctx.save_for_backward(x_NH, w1_LHF1, w2_LFH, gather_R, b1_LF1, b2_LH)
         ctx.pre_chunks = pre_chunks   # intermediates, dropped chunk by chunk in backward
         ctx.chunks, ctx.act, ctx.backend, ctx.R, ctx.grad_scale = chunks, act, backend, R, grad_scale
-        ctx.grad_stores = grad_stores
+        ctx.grad_stores, ctx.add_b2 = grad_stores, add_b2
         return y_RH
 
     @staticmethod
     def backward(ctx, grad_y_RH):
-        x_NH, w1_LHF1, w2_LFH, gather_R = ctx.saved_tensors
+        x_NH, w1_LHF1, w2_LFH, gather_R, b1_LF1, b2_LH = ctx.saved_tensors
         need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]
+        need_b1, need_b2 = ctx.needs_input_grad[10:12]
         grad_y_RH = grad_y_RH.contiguous()
         store1, store2 = ctx.grad_stores or (GradStore(), GradStore())
         grad_w1 = store1.empty_like(w1_LHF1) if need_w1 else None
         grad_w2 = store2.empty_like(w2_LFH) if need_w2 else None
+        grad_b1 = torch.zeros_like(b1_LF1) if need_b1 else None
+        grad_b2 = torch.zeros_like(b2_LH) if need_b2 else None
         grad_x = None
         if need_x:
             grad_x = torch.zeros_like(x_NH) if gather_R is not None else x_NH.new_empty(ctx.R, x_NH.shape[-1])
@@ -212,20 +218,25 @@ class ExpertFFN(torch.autograd.Function):
                         grad[c.l0:c.l1].zero_()
                 continue
             w1c, w2c, g_y = w1_LHF1[c.l0:c.l1], w2_LFH[c.l0:c.l1], grad_y_RH[c.r0:c.r1]
+            expert_R = _expert_of_rows(c) if (need_b1 or need_b2) else None
+            if need_b2 and ctx.add_b2:
+                grad_b2[c.l0:c.l1].index_add_(0, expert_R, g_y, alpha=ctx.grad_scale)
             rows_RH = _rows(x_NH, gather_R, c) if (need_w1 or pre_RF1 is None) else None
             if pre_RF1 is None:
-                pre_RF1 = _rows_at_weights(rows_RH, w1c, c, ctx.backend)
+                pre_RF1 = _pre_activation(rows_RH, w1_LHF1, b1_LF1, c, ctx.backend)
             with torch.enable_grad():
                 pre_leaf = pre_RF1.detach().requires_grad_(True)
                 act_RF = ctx.act(pre_leaf)
             del pre_RF1
             if need_w2:
                 _weight_grad_into(grad_w2[c.l0:c.l1], act_RF.detach(), g_y, c, ctx.grad_scale, ctx.backend)
-            if not (need_x or need_w1):
+            if not (need_x or need_w1 or need_b1):
                 continue
             grad_act_RF = _rows_at_weights(g_y, w2c.transpose(1, 2), c, ctx.backend)
             (grad_pre_RF1,) = torch.autograd.grad(act_RF, pre_leaf, grad_act_RF)
             del act_RF, pre_leaf, grad_act_RF
+            if need_b1:
+                grad_b1[c.l0:c.l1].index_add_(0, expert_R, grad_pre_RF1, alpha=ctx.grad_scale)
             if need_w1:
                 _weight_grad_into(grad_w1[c.l0:c.l1], rows_RH, grad_pre_RF1, c, ctx.grad_scale, ctx.backend)
             del rows_RH
@@ -235,7 +246,21 @@ class ExpertFFN(torch.autograd.Function):
                     grad_x[c.r0:c.r1] = grad_rows_RH
                 else:
                     grad_x.index_add_(0, gather_R[c.r0:c.r1], grad_rows_RH)
-        return grad_x, grad_w1, grad_w2, None, None, None, None, None, None, None
+        return grad_x, grad_w1, grad_w2, None, None, None, None, None, None, None, grad_b1, grad_b2, None
+
+
+def _expert_of_rows(chunk: Chunk) -> Tensor:
+    """[rows of the chunk]: each row's expert, counted from the chunk's first (from its row ends)."""
+    rows = torch.arange(chunk.r1 - chunk.r0, device=chunk.offs.device, dtype=chunk.offs.dtype)
+    return torch.bucketize(rows, chunk.offs, right=True)
+
+
+def _pre_activation(rows_RH: Tensor, w1_LHF1: Tensor, b1_LF1: Optional[Tensor], chunk: Chunk, backend: str) -> Tensor:
+    """The chunk's rows times their experts' first weight, plus their first bias if any."""
+    pre_RF1 = _rows_at_weights(rows_RH, w1_LHF1[chunk.l0:chunk.l1], chunk, backend)
+    if b1_LF1 is not None:
+        pre_RF1 += b1_LF1[chunk.l0:chunk.l1].index_select(0, _expert_of_rows(chunk))
+    return pre_RF1
 
 
 def _rows(x_NH: Tensor, gather_R: Optional[Tensor], chunk: Chunk) -> Tensor:
@@ -248,12 +273,14 @@ def _rows(x_NH: Tensor, gather_R: Optional[Tensor], chunk: Chunk) -> Tensor:
 def expert_ffn(x_NH: Tensor, w1_LHF1: Tensor, w2_LFH: Tensor, counts: list[int] | RowCounts,
                act: Callable[[Tensor], Tensor], backend: str, gather_R: Optional[Tensor] = None, *,
                save_pre: bool = False, grad_scale: float = 1.0, chunk_bytes: int = CHUNK_BYTES,
-               grad_stores: Optional[tuple[GradStore, GradStore]] = None) -> Tensor:
+               grad_stores: Optional[tuple[GradStore, GradStore]] = None, b1_LF1: Optional[Tensor] = None,
+               b2_LH: Optional[Tensor] = None, add_b2: bool = True) -> Tensor:
     """``y_RH`` of the module docstring; ``counts`` rows per local expert (a plain list costs one
     host-to-device copy of their running sum, a ``RowCounts`` none). ``save_pre`` keeps the
     pre-activation (R * F1 values); ``grad_scale`` multiplies the weight gradients; ``grad_stores``
     (``GradStore``): only when ``w1_LHF1`` and ``w2_LFH`` are the parameters themselves, so the
-    gradients returned are the parameters' ``.grad``."""
+    gradients returned are the parameters' ``.grad``. ``b1_LF1`` / ``b2_LH``: per-expert biases added
+    before the activation / to the output (``add_b2`` false: not added, its gradient zero)."""
     counts, counts_L = (counts.host, counts.device_L) if isinstance(counts, RowCounts) else (counts, None)
     if len(counts) != w1_LHF1.shape[0]:
         raise ValueError(f"{len(counts)} expert row counts for {w1_LHF1.shape[0]} local experts")
@@ -263,4 +290,4 @@ def expert_ffn(x_NH: Tensor, w1_LHF1: Tensor, w2_LFH: Tensor, counts: list[int] 
         raise ValueError(f"expert row counts sum to {rows} but {available} rows were given")
     chunks = expert_chunks(counts, w1_LHF1.shape[-1] * x_NH.element_size(), chunk_bytes, x_NH.device, counts_L)
     return ExpertFFN.apply(x_NH.contiguous(), w1_LHF1, w2_LFH, gather_R, chunks, act, backend, save_pre,
-                           grad_scale, grad_stores)
+                           grad_scale, grad_stores, b1_LF1, b2_LH, add_b2)

@@ -162,7 +162,9 @@ class MoELayer(nn.Module):
                                       ep_size=p.ep_size, ep_rank=p.ep_rank, etp_size=p.etp_size, etp_rank=p.etp_rank,
                                       group_name=p.expert_group_name, seed=seed, init_std=init_std,
                                       output_init_std=output_init_std, grad_scale=p.expert_grad_scale,
-                                      recompute_pre_activation=config.recompute_fc1, backend=config.experts_backend)
+                                      recompute_pre_activation=config.recompute_fc1, backend=config.experts_backend,
+                                      bias=config.expert_linear_bias, alpha=config.swiglu_alpha,
+                                      limit=config.swiglu_limit)
         self.shadow = ShadowExperts(self.experts, p.ep)
         self.traffic_reader: Optional[str] = None      # what reads the sender x expert traffic (``track_traffic``)
         self.dispatcher, self.exchange = build_dispatcher(config, p, self.shadow)   # exchange: counts | padded | token
@@ -170,7 +172,8 @@ class MoELayer(nn.Module):
         if config.shared_expert_ffn_hidden_size > 0:
             self.shared_expert = SharedExpert(hidden_size, config.shared_expert_ffn_hidden_size, config.activation,
                                               gate=config.shared_expert_gate, seed=seed, init_std=init_std,
-                                              output_init_std=output_init_std, grad_group=p.dense_grad_group)
+                                              output_init_std=output_init_std, grad_group=p.dense_grad_group,
+                                              alpha=config.swiglu_alpha, limit=config.swiglu_limit)
         # Multiplies the aux-loss gradient: set it to the main loss's scale (gradient
         # accumulation, fp16 loss scaling) so both gradients are scaled alike.
         self.aux_loss_scale = 1.0

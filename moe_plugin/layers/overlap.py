@@ -122,8 +122,8 @@ class Overlapped:
             shared_TH = shared(state.x_TH) if shared is not None else None
             weights = experts.split_weights([c.l1 - c.l0 for c in chunks], state.x_TH.dtype)
             back = []
-            for c, s, (w1_LHF1, w2_LFH) in zip(chunks, started, weights):
-                y_CH = experts.ffn(comm.wait_all_to_all(s), c.counts_L, c.sort_R, w1_LHF1, w2_LFH)
+            for c, s, (w1_LHF1, w2_LFH, b1_LF1, b2_LH) in zip(chunks, started, weights):
+                y_CH = experts.ffn(comm.wait_all_to_all(s), c.counts_L, c.sort_R, w1_LHF1, w2_LFH, False, b1_LF1, b2_LH)
                 y_CH = y_CH.index_select(0, c.unsort_R)
                 back.append(comm.start_all_to_all(y_CH, c.send_splits, c.recv_splits, group))
             y_RH = torch.cat([comm.wait_all_to_all(b) for b in back]).index_select(0, state.chunks.unorder_R)

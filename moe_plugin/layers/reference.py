@@ -40,17 +40,29 @@ class ReferenceResult:
         return config.aux_loss_coeff * self.balance_loss + config.z_loss_coeff * self.z_loss
 
 
-def _act(name: str, h: Tensor) -> Tensor:
+def _act(config: MoEConfig, h: Tensor) -> Tensor:
+    name = config.activation
     if name == "gelu":
         return F.gelu(h)
     if name == "relu":
         return torch.relu(h)
     half = h.shape[-1] // 2               # swiglu: gate half, then up half
-    return F.silu(h[:half]) * h[half:]
+    gate, up = h[:half], h[half:]
+    if name == "clamped_swiglu":          # GPT-OSS: written out as its model card gives it
+        limit = config.swiglu_limit
+        gate = torch.where(gate > limit, torch.full_like(gate, limit), gate)
+        up = torch.where(up > limit, torch.full_like(up, limit), torch.where(up < -limit, -limit, up))
+        return gate / (1 + torch.exp(-config.swiglu_alpha * gate)) * (up + 1)
+    return F.silu(gate) * up
 
 
-def _ffn(x_H: Tensor, w1: Tensor, w2: Tensor, activation: str) -> Tensor:
-    return _act(activation, x_H @ w1.to(x_H.dtype)) @ w2.to(x_H.dtype)
+def _ffn(x_H: Tensor, w1: Tensor, w2: Tensor, config: MoEConfig, b1: Optional[Tensor] = None,
+         b2: Optional[Tensor] = None) -> Tensor:
+    h = x_H @ w1.to(x_H.dtype)
+    if b1 is not None:
+        h = h + b1.to(x_H.dtype)
+    y = _act(config, h) @ w2.to(x_H.dtype)
+    return y if b2 is None else y + b2.to(x_H.dtype)
 
 
 def reference_moe(x_TH: Tensor, params: Mapping[str, Tensor], config: MoEConfig, *, training: bool,
@@ -59,7 +71,8 @@ def reference_moe(x_TH: Tensor, params: Mapping[str, Tensor], config: MoEConfig,
     """The MoE layer's output for tokens ``x_TH`` [T, H].
 
     params: ``router.weight``, ``experts.weight1``, ``experts.weight2`` and optionally
-    ``router.expert_bias``, ``shared_expert.weight1/weight2/gate_weight``.
+    ``router.expert_bias``, ``router.bias`` (on the logits), ``experts.bias1/bias2``,
+    ``shared_expert.weight1/weight2/gate_weight``.
     jitter_TH, uniform_T: the random numbers; used only when ``training``.
     """
     T = x_TH.shape[0]
@@ -120,6 +133,8 @@ def _one_group(x_TH, params, config, training, jitter_TH, uniform_T, kept, route
         if jitter_TH is not None:
             x = x * jitter_TH[t]
         logit = W @ x
+        if params.get("router.bias") is not None:
+            logit = logit + params["router.bias"].float()
         if not torch.isfinite(logit).all():
             raise ValueError("reference MoE: the layer input contains NaN or inf")
         prob = torch.sigmoid(logit) if sigmoid else torch.softmax(logit, dim=0)
@@ -164,14 +179,16 @@ def _one_group(x_TH, params, config, training, jitter_TH, uniform_T, kept, route
 
     # 3. Outputs: each kept route's gate times its expert applied to the token.
     w1, w2 = params["experts.weight1"], params["experts.weight2"]
+    b1, b2 = params.get("experts.bias1"), params.get("experts.bias2")
     acc = [x_TH.new_zeros(x_TH.shape[1], dtype=torch.float32) for _ in range(T)]
     for t, j in kept_routes:
         e = chosen[t][j]
-        acc[t] = acc[t] + gates[t][j] * _ffn(x_TH[t], w1[e], w2[e], config.activation).float()
+        y = _ffn(x_TH[t], w1[e], w2[e], config, None if b1 is None else b1[e], None if b2 is None else b2[e])
+        acc[t] = acc[t] + gates[t][j] * y.float()
     out = [a.to(x_TH.dtype) for a in acc]
     if "shared_expert.weight1" in params:
         for t in range(T):
-            y = _ffn(x_TH[t], params["shared_expert.weight1"], params["shared_expert.weight2"], config.activation)
+            y = _ffn(x_TH[t], params["shared_expert.weight1"], params["shared_expert.weight2"], config)
             if params.get("shared_expert.gate_weight") is not None:
                 y = y * torch.sigmoid(x_TH[t] @ params["shared_expert.gate_weight"].to(x_TH.dtype))
             out[t] = out[t] + y

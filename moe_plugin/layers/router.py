@@ -2,8 +2,9 @@
 
 Shape suffixes: see ``moe_plugin.layers``; the options: docs/config.md.
 
-``Router`` owns the gate weight ``weight`` [E, H], the aux-loss-free balancing bias
-``expert_bias`` [E] and a ``torch.Generator``. Its work is done by ``route``, a pure function of
+``Router`` owns the gate weight ``weight`` [E, H] (and with ``router_logit_bias``, GPT-OSS's, a learned
+``bias`` [E] added to the logits), the aux-loss-free balancing bias ``expert_bias`` [E] and a
+``torch.Generator``. Its work is done by ``route``, a pure function of
 the fp32 logits and explicitly passed random numbers (``RouterNoise``), so a test oracle can
 replay the very same routing. Rules (GShard, arXiv 2006.16668; Switch Transformer):
 
@@ -347,6 +348,8 @@ class Router(nn.Module):
         gen = seeded_generator(seed, ROUTER_STREAM)
         self.weight = nn.Parameter(torch.randn(E, hidden_size, generator=gen) * init_std)
         self.register_buffer("expert_bias", torch.zeros(E))
+        # router_logit_bias (GPT-OSS): zeros, summed over grad_group like the weight
+        self.bias = nn.Parameter(torch.zeros(E)) if config.router_logit_bias else None
         self.register_buffer("load_E", torch.zeros(E), persistent=False)   # since the last bias update (update_bias)
         self._generators: dict[torch.device, torch.Generator] = {}
 
@@ -380,7 +383,10 @@ class Router(nn.Module):
         x_TH = x_TH.float()
         if noise is not None and noise.jitter_TH is not None:
             x_TH = x_TH * noise.jitter_TH
-        return x_TH @ comm.all_reduce_grad(self.weight.float(), self.grad_group).t()
+        logits_TE = x_TH @ comm.all_reduce_grad(self.weight.float(), self.grad_group).t()
+        if self.bias is not None:
+            logits_TE = logits_TE + comm.all_reduce_grad(self.bias.float(), self.grad_group)
+        return logits_TE
 
     def forward(self, x_TH: Tensor, noise: Optional[RouterNoise] = None, slot_E: Optional[Tensor] = None,
                 balance=balance_loss) -> tuple[RoutingPlan, FiniteCheck]:

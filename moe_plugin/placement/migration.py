@@ -147,13 +147,13 @@ def migrate(run: Any, new_placements: Mapping[str, PlacementLike], *, groups: An
 
 def _plan_pieces(layers: dict[str, MoELayer], plan: dict[str, list[Move]], optimizer, zero, groups) -> Pieces:
     """This rank's sends and receives, enumerated in the same order on every rank: layers by
-    name, weight1 then weight2, experts by id; then the ZeRO partitions."""
+    name, weight1, weight2 (then the biases), experts by id; then the ZeRO partitions."""
     pieces, layer_of = Pieces(), {}
     rank = groups.rank
     coords = groups.layout.coords(rank)
     for name in sorted(plan):
         experts = layers[name].experts
-        for w in (experts.weight1, experts.weight2):
+        for w in experts.stacked():
             layer_of[id(w)] = (experts.num_local, plan[name])
             tensors = [w.data] + ([w.grad] if w.grad is not None else [])
             tensors += [optimizer.state[w][k] for k in param_state_names(optimizer, w)]
@@ -250,7 +250,7 @@ def _signature(layers: dict[str, MoELayer], wanted: dict[str, Tensor], optimizer
     out = []
     for name in sorted(wanted):
         x = layers[name].experts
-        for w in (x.weight1, x.weight2):
+        for w in x.stacked():
             out.append((name, w.grad is not None, param_state_names(optimizer, w)))
     return out
 
