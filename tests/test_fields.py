@@ -244,6 +244,8 @@ CASES = [
     Case("--add-qkv-bias", flags=("--add-qkv-bias",), ref_flags=("--disable-bias-linear",)),
     Case("--window-size", flags=("--window-size", "7,0")),
     Case("--window-attn-skip-freq", flags=("--window-attn-skip-freq", "2"), ref_flags=("--window-size", "7,0")),
+    Case("--softmax-type", flags=("--softmax-type", "learnable")),
+    Case("--softmax-type", flags=("--softmax-type", "off-by-one")),
     Case("--multi-latent-attention", flags=("--multi-latent-attention",), ref_flags=ROPE),
     Case("--q-lora-rank", flags=("--q-lora-rank", "16"), ref_flags=MLA),
     Case("--kv-lora-rank", flags=("--kv-lora-rank", "8"), ref_flags=MLA),

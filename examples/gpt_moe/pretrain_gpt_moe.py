@@ -136,6 +136,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--window-attn-skip-freq", default=None, metavar="N|LIST",
                        help="with --window-size: every Nth layer attends fully, or a JSON list with 1 for each "
                        "windowed layer and 0 for a full one (default: every layer windowed)")
+    model.add_argument("--softmax-type", choices=["vanilla", "off-by-one", "learnable"], default="vanilla",
+                       help="attention sinks (Megatron's softmax_type): learnable adds a learned logit per head to every "
+                       "query's softmax (GPT-OSS), off-by-one a zero one")
     model.add_argument("--multi-latent-attention", action="store_true",
                        help="DeepSeek-V2/V3's multi-latent attention (Megatron's MLASelfAttention): low-rank query "
                        "and key/value projections, a rotary key shared by the heads; with --qk-layernorm their "
@@ -236,7 +239,7 @@ def model_architecture(args: argparse.Namespace) -> dict:
     fields: dict = dict(normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
                         add_bias_linear=not args.disable_bias_linear, qk_layernorm=args.qk_layernorm,
                         num_query_groups=(args.num_query_groups or 1) if args.group_query_attention else None,
-                        kv_channels=args.kv_channels, add_qkv_bias=args.add_qkv_bias)
+                        kv_channels=args.kv_channels, add_qkv_bias=args.add_qkv_bias, softmax_type=args.softmax_type)
     if args.multi_latent_attention:
         fields.update(mla_fields(args))
     if args.window_size is not None:

@@ -24,7 +24,7 @@ FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_atte
          "rope_scaling": "--rope-scaling", "window_size": "--window-size",
          "window_attn_skip_freq": "--window-attn-skip-freq", "multi_latent_attention": "--multi-latent-attention",
          "q_lora_rank": "--q-lora-rank", "kv_lora_rank": "--kv-lora-rank", "qk_head_dim": "--qk-head-dim",
-         "qk_pos_emb_head_dim": "--qk-pos-emb-head-dim", "v_head_dim": "--v-head-dim"}
+         "qk_pos_emb_head_dim": "--qk-pos-emb-head-dim", "v_head_dim": "--v-head-dim", "softmax_type": "--softmax-type"}
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -48,8 +48,11 @@ class SDPAttention(MegatronModule):
     Sliding windows as Megatron's ``DotProductAttention`` has them (``config.window_size`` = (left,
     right): query i attends keys i - left .. i + right, on the layers ``is_layer_window_attention``
     names from ``window_attn_skip_freq``; Megatron builds that mask on the GPU, here on the
-    input's device). Not supported (an error says so): context parallelism, softmax types
-    other than ``vanilla``, attention bias, packed sequences. ``apply_query_key_layer_scaling``
+    input's device). Attention sinks as Megatron's ``softmax_type``: ``learnable`` adds the parameter
+    ``softmax_offset`` [np] (a logit per head joining every query's softmax, its probability dropped:
+    GPT-OSS's sinks; drawn whole by ``config.init_method`` and cut by head, so every TP layout starts
+    alike; Megatron creates it on the CUDA device), ``off-by-one`` a zero logit. Not supported (an error
+    says so): context parallelism, attention bias, packed sequences. ``apply_query_key_layer_scaling``
     needs nothing: it cancels out of an fp32 softmax. Dropout draws inside Megatron's RNG tracker's
     model-parallel state without sequence parallelism, as Megatron's does (under it the transformer
     block has forked it already); ``moe_plugin.initialize`` seeds the tracker (``seeding.py``).
@@ -63,7 +66,7 @@ class SDPAttention(MegatronModule):
         super().__init__(config=config)
         unsupported = {
             "context_parallel_size > 1": config.context_parallel_size != 1,
-            f"softmax_type {config.softmax_type!r}": config.softmax_type != "vanilla",
+            f"softmax_type {config.softmax_type!r}": config.softmax_type not in ("vanilla", "learnable", "off-by-one"),
         }
         for what, present in unsupported.items():
             if present:
@@ -85,6 +88,19 @@ class SDPAttention(MegatronModule):
 
         windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number)
         self.window = tuple(config.window_size) if windowed else None   # (left, right) of this layer, or None
+        if config.softmax_type == "vanilla":
+            self.softmax_offset = None
+        elif config.softmax_type == "learnable":
+            from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+            full = torch.zeros(config.num_attention_heads, dtype=config.params_dtype)
+            if config.perform_initialization:
+                config.init_method(full)
+            first = pg_collection.tp.rank() * self.heads_per_partition
+            self.softmax_offset = nn.Parameter(full[first:first + self.heads_per_partition].clone())
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        elif config.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(self.heads_per_partition), persistent=False)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
@@ -124,9 +140,28 @@ class SDPAttention(MegatronModule):
         dropout_p = self.dropout_p if self.training else 0.0
         forked = dropout_p > 0 and not self.config.sequence_parallel
         with tensor_parallel.get_cuda_rng_tracker().fork() if forked else contextlib.nullcontext():
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep_mask, dropout_p=dropout_p,
-                                                     is_causal=causal, scale=self.softmax_scale)  # [b, np, sq, hn]
+            if self.softmax_offset is not None:
+                context = self._with_sinks(q, k, v, keep_mask, causal, dropout_p)
+            else:
+                context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep_mask, dropout_p=dropout_p,
+                                                         is_causal=causal, scale=self.softmax_scale)  # [b, np, sq, hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _with_sinks(self, q: Tensor, k: Tensor, v: Tensor, keep_mask: Optional[Tensor], causal: bool,
+                    dropout_p: float) -> Tensor:
+        """softmax over [q k^T * scale, the head's sink logit] in fp32, the sink's share dropped, times v
+        (SDPA has no sink: written out, [b, np, sq, sk] scores)."""
+        sq, sk = q.shape[2], k.shape[2]
+        scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * self.softmax_scale
+        if causal:
+            keep_mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+        if keep_mask is not None:
+            scores = scores.masked_fill(~keep_mask, -math.inf)
+        sink = self.softmax_offset.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, sq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        if dropout_p > 0:
+            probs = F.dropout(probs, p=dropout_p)
+        return torch.matmul(probs.to(v.dtype), v)
 
 
 class TorchNorm:
