@@ -260,8 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(run=upcycle)
 
     imp = commands.add_parser("import-hf", help="a Hugging Face model directory (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, "
-                              "GLM-4.5, DeepSeek-V3, DeepSeek-V2; dense Llama, Mistral, Qwen3) as a checkpoint that "
-                              "loads under any layout")
+                              "GLM-4.5, DeepSeek-V3, DeepSeek-V2, GPT-OSS; dense Llama, Mistral, Qwen3) as a checkpoint "
+                              "that loads under any layout")
     imp.add_argument("hf_dir", type=Path, metavar="HF_DIR", help="config.json and model.safetensors (or its index)")
     imp.add_argument("--config", type=Path, required=True, help="the DeepSpeed JSON to train with; its \"moe\" "
                      "block is checked against config.json (expert fields left out are filled in)")
@@ -279,8 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("checkpoint", type=Path, metavar="CKPT", help="a --save directory (moe_plugin checkpoint)")
     exp.add_argument("--out", type=Path, required=True, help="the directory to write (new or empty)")
     exp.add_argument("--arch", default=None, help="mixtral, qwen3_moe, qwen2_moe, olmoe, glm4_moe, deepseek_v3, "
-                     "deepseek_v2, llama, mistral or qwen3 (default: the imported model's, else inferred from the "
-                     "checkpoint)")
+                     "deepseek_v2, gpt_oss, llama, mistral or qwen3 (default: the imported model's, else inferred "
+                     "from the checkpoint)")
     exp.add_argument("--tag", default=None, help="the tag to export (default: the one CKPT/latest names)")
     exp.add_argument("--max-shard-size", default="5GB", help="largest weights file (default 5GB); more are indexed")
     exp.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the imported model's, "

@@ -68,6 +68,12 @@ MODELS = {
     "mixtral_window": ("MixtralConfig", "MixtralForCausalLM",   # a sliding window of 6 on every layer
                        dict(intermediate_size=32, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
                             sliding_window=6, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",   # attention sinks, biases on q/k/v/o, router and experts,
+                dict(intermediate_size=32, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,   # the clamped
+                     head_dim=24, swiglu_limit=1.0, sliding_window=4, max_position_embeddings=32,  # SwiGLU (limit 1:
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,   # it cuts), fused
+                                      "original_max_position_embeddings": 8, "beta_fast": 32.0,    # experts, a window
+                                      "beta_slow": 1.0, "truncate": False})),                      # of 4 then full
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=64, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",   # dense: QK-norm, heads of 32 (not 16), untied
               dict(intermediate_size=64, head_dim=32, tie_word_embeddings=False)),
@@ -96,6 +102,9 @@ def save_tiny_model(name: str, path: str, seed: int = 0, dtype: torch.dtype = to
     for module in model.modules():   # GLM-4.5's routers: a correction bias that changes choices (it starts at 0)
         if hasattr(module, "e_score_correction_bias"):
             module.e_score_correction_bias.copy_(torch.randn(module.e_score_correction_bias.shape) * 0.1)
+        for name in ("gate_up_proj_bias", "down_proj_bias"):   # GPT-OSS's expert biases (they start at 0)
+            if hasattr(module, name):
+                getattr(module, name).data.copy_(torch.randn(getattr(module, name).shape) * 0.2)
     model.to(dtype).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path

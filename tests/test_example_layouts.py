@@ -290,3 +290,42 @@ def test_multi_latent_attention_trains_alike_under_every_layout(data_dir):
     assert sorted(mine) == sorted(theirs)
     for key, value in theirs.items():
         torch.testing.assert_close(mine[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+# GPT-OSS's shape on the tiny model: attention sinks, biases on q/k/v and the output projection, heads of 12
+# over a hidden size of 32, a window of 4 on every other layer, YaRN (truncate false); every layer MoE with
+# the router's logit bias, the clamped SwiGLU (a limit that cuts at init std 0.2) and expert biases
+GPT_OSS = ("--num-attention-heads", "4", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+           "--rotary-base", "5000", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+           "--kv-channels", "12", "--add-qkv-bias", "--softmax-type", "learnable", "--window-size", "3,0",
+           "--window-attn-skip-freq", "2", "--untie-embeddings-and-output-weights", "--no-plot",
+           "--init-method-std", "0.2", "--rope-scaling",
+           json.dumps({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 8, "truncate": False}))
+GPT_OSS_MOE = {"num_experts": 8, "router": "topk", "top_k": 2, "drop_tokens": False, "activation": "clamped_swiglu",
+               "swiglu_limit": 1.0, "expert_linear_bias": True, "router_logit_bias": True}
+
+
+def test_gpt_oss_style_model_trains_alike_under_every_layout(data_dir):
+    """The GPT-OSS-shaped model gives the one-rank losses under tp2 x ep2 (ZeRO-1; the sinks split over TP by
+    head, the experts over ETP 2 with the output bias added on ETP rank 0), tp2 x ep2 with sequence
+    parallelism, pp2 x ep2 and tp2 x pp2 x ep2; the tp2 checkpoint exports to the one-rank run's weights.
+    Without the sinks the losses differ (they are applied)."""
+    saved = data_dir / "oss-tp2-ckpt"
+    layouts = _runs(data_dir, 4, [
+        ("oss-tp2-ep2", {"tensor": 2, "expert": 2}, 1, GPT_OSS + ("--save", str(saved)), 1, GPT_OSS_MOE),
+        ("oss-tp2sp-ep2", {"tensor": 2, "expert": 2, "sequence_parallel": True}, 1, GPT_OSS, 1, GPT_OSS_MOE),
+        ("oss-pp2-ep2", {"pipeline": 2, "expert": 2}, 1, GPT_OSS, 1, GPT_OSS_MOE),
+        ("oss-tp2-pp2-ep2", LLAMA_LAYOUTS["tp2-pp2-ep2"][0], 1, GPT_OSS, 1, GPT_OSS_MOE)])
+    vanilla = tuple("vanilla" if f == "learnable" else f for f in GPT_OSS)
+    ones = _runs(data_dir, 1, [("oss-one", {}, 1, GPT_OSS + ("--save", str(data_dir / "oss-one-ckpt")), 1, GPT_OSS_MOE),
+                               ("oss-no-sinks", {}, 1, vanilla, 1, GPT_OSS_MOE)])
+    one = ones["oss-one"]
+    assert ones["oss-no-sinks"] != pytest.approx(one, rel=1e-4)
+    for name, got in layouts.items():
+        assert got == pytest.approx(one, rel=1e-5), (name, got, one)
+    mine, theirs = _exported(data_dir, "oss", saved)
+    assert mine["decoder.layers.0.self_attention.core_attention.softmax_offset"].shape == (4,)
+    assert mine["decoder.layers.0.mlp.experts.bias2"].shape == (8, 32)
+    assert sorted(mine) == sorted(theirs)
+    for key, value in theirs.items():
+        torch.testing.assert_close(mine[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")

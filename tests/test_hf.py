@@ -11,7 +11,9 @@ original context of 8, so the tests' 16 tokens run past it); DeepSeek-V3 with mu
 a DeepSeek-V2-Lite-shaped model (full query projection, group_limited_greedy); a dense tied Llama; a
 dense untied Qwen3 with QK-norm and heads of 32; a dense untied Mistral without sliding window; sliding
 windows: a Mixtral with a window of 6, a dense Mistral with 5, a dense Qwen3 whose layer 1 has a window
-of 4). Each is imported with the "moe" block holding only
+of 4; a GPT-OSS with attention sinks, biases on q/k/v/o, the router and the experts, the clamped SwiGLU,
+fused experts, a window of 4 on layer 0 and YaRN; and the same GPT-OSS in bf16 with MXFP4 experts). Each
+is imported with the "moe" block holding only
 ``num_experts`` (the rest filled in from config.json), and:
 
 * HF -> plugin -> HF gives bit-identical tensors (export in shards of 100 KB, with their index),
@@ -227,7 +229,7 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_pat
 
     _root, tokens_BS, cases = imported
     for name in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "qwen3_moe_yarn", "deepseek_v3",
-                 "deepseek_v3_halves", "deepseek_v2", "mixtral_window", "llama", "qwen3", "mistral",
+                 "deepseek_v3_halves", "deepseek_v2", "mixtral_window", "gpt_oss", "llama", "qwen3", "mistral",
                  "mistral_window", "qwen3_window"):
         out = tmp_path / name
         done = export_hf(cases[name]["ckpt"], out, max_shard_size="100KB", progress=lambda line: None)
@@ -305,6 +307,35 @@ def test_sliding_windows_map_to_megatrons_window_and_change_the_model(imported):
         assert _relative(full, cases[name]["logits"]) > 1e-3, name
 
 
+def test_gpt_oss_pieces_each_change_the_model(imported):
+    """The tiny GPT-OSS exercises what its logits checks above stand for: in transformers, without its window
+    (layer 0), its sinks, the clamp (limit 1 against 7), its expert biases or its router bias the logits
+    move; the import maps them to the example's flags and the "moe" block."""
+    import transformers
+
+    _root, tokens_BS, cases = imported
+    case = cases["gpt_oss"]
+    flags = " ".join(case["flags"])
+    assert "--softmax-type learnable --rope-scaling" in flags and "--window-size 3,0 --window-attn-skip-freq [1,0]" \
+        in flags and "--disable-bias-linear" not in flags and "--kv-channels 24" in flags
+    assert {k: case["moe"][k] for k in ("activation", "swiglu_limit", "expert_linear_bias", "router_logit_bias")} == \
+        {"activation": "clamped_swiglu", "swiglu_limit": 1.0, "expert_linear_bias": True, "router_logit_bias": True}
+
+    def logits(edit=None, **config) -> torch.Tensor:
+        model = transformers.AutoModelForCausalLM.from_pretrained(case["hf"], dtype=torch.float32, **config).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if edit is not None and name.endswith(edit):
+                    p.zero_()
+            return model(input_ids=tokens_BS, use_cache=False).logits.float()
+
+    changes = {"window": logits(sliding_window=64),   # wider than the tokens: no window
+               "clamp": logits(swiglu_limit=7.0), "sinks": logits("sinks"),
+               "expert biases": logits("proj_bias"), "router bias": logits("router.bias")}
+    for what, other in changes.items():
+        assert _relative(other, case["logits"]) > 1e-3, what
+
+
 # -- refusals --------------------------------------------------------------------------------------
 def _nothing_written(path: Path) -> bool:
     return not path.exists() or not any(p.is_file() and not p.name.startswith(".") for p in path.rglob("*"))
@@ -321,6 +352,8 @@ def _nothing_written(path: Path) -> bool:
     ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
     ("qwen3_moe", {"kv_lora_rank": 16}, "kv_lora_rank"),
     ("llama", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ("gpt_oss", {"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+    ("gpt_oss", {"quantization_config": {"quant_method": "awq"}}, "quantization_config.quant_method"),
 ])
 def test_what_the_plugin_cannot_represent_is_refused_naming_the_key(tmp_path, name, overrides, key):
     from moe_plugin.configs import ConfigError
@@ -373,6 +406,21 @@ def _fp8_blocks(weight: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tenso
     return quantized, scale
 
 
+def _imports_alike(quantized: Path, plain: Path, tmp_path: Path, said: str) -> None:
+    """import-hf of the quantized directory says ``said`` and writes the checkpoint of the dequantized one
+    (``tmp_path / "ckpt-<name of quantized>"``, tensor for tensor)."""
+    from moe_plugin.checkpoint.export import CheckpointSource
+    from moe_plugin.interop import import_hf
+
+    lines = []
+    import_hf(quantized, {"moe": {"num_experts": EXPERTS}}, tmp_path / f"ckpt-{quantized.name}", progress=lines.append)
+    assert any(said in line for line in lines), lines
+    import_hf(plain, {"moe": {"num_experts": EXPERTS}}, tmp_path / "ckpt-plain", progress=lambda line: None)
+    ours, theirs = CheckpointSource(tmp_path / f"ckpt-{quantized.name}"), CheckpointSource(tmp_path / "ckpt-plain")
+    assert sorted(ours.specs()) == sorted(theirs.specs())
+    assert all(torch.equal(ours.read(k), theirs.read(k)) for k in ours.specs())
+
+
 @pytest.mark.slow   # a spawned rank
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
 def test_fp8_block_weights_are_dequantized_at_import(imported, tmp_path, name):
@@ -387,8 +435,7 @@ def test_fp8_block_weights_are_dequantized_at_import(imported, tmp_path, name):
     from safetensors.torch import load_file, save_file
 
     from dist import run_distributed
-    from moe_plugin.checkpoint.export import CheckpointSource
-    from moe_plugin.interop import export_hf, import_hf
+    from moe_plugin.interop import export_hf
 
     _root, tokens_BS, cases = imported
     case = cases[name]
@@ -410,13 +457,7 @@ def test_fp8_block_weights_are_dequantized_at_import(imported, tmp_path, name):
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": [16, 24]}
     (fp8 / "config.json").write_text(json.dumps(config))
-    lines = []
-    import_hf(fp8, {"moe": {"num_experts": EXPERTS}}, tmp_path / "ckpt-fp8", progress=lines.append)
-    assert any("FP8 weights in 16x24 blocks, dequantized to torch.float32" in line for line in lines), lines
-    import_hf(plain, {"moe": {"num_experts": EXPERTS}}, tmp_path / "ckpt-plain", progress=lambda line: None)
-    ours, theirs = CheckpointSource(tmp_path / "ckpt-fp8"), CheckpointSource(tmp_path / "ckpt-plain")
-    assert sorted(ours.specs()) == sorted(theirs.specs())
-    assert all(torch.equal(ours.read(k), theirs.read(k)) for k in ours.specs())
+    _imports_alike(fp8, plain, tmp_path, "FP8 weights in 16x24 blocks, dequantized to torch.float32")
     logits = hf_logits(str(plain), tokens_BS)
     assert _relative(logits, case["logits"]) > 1e-4   # FP8 changed the model: the check below means something
     quantized = {**case, "ckpt": str(tmp_path / "ckpt-fp8")}
@@ -427,6 +468,73 @@ def test_fp8_block_weights_are_dequantized_at_import(imported, tmp_path, name):
     assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text()), done
     assert sorted(exported) == sorted(dequantized)
     assert all(torch.equal(exported[k], dequantized[k]) for k in dequantized)
+
+
+FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _mxfp4(weight_EXR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPT-OSS's MXFP4 of a fused expert weight [E, X, R] (blocks of 32 along X of each row of its transpose),
+    written out here: (blocks [E, R, X/32, 16] uint8, two FP4 codes a byte, the low nibble first; scales
+    [E, R, X/32] uint8, the block's power of two + 127; the dequantized weight [E, X, R])."""
+    table = torch.tensor(FP4)
+    rows = weight_EXR.float().transpose(1, 2)
+    E, R, X = rows.shape
+    blocks = rows.reshape(E, R, X // 32, 32)
+    power = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+    codes = (blocks / torch.exp2(power).unsqueeze(-1)).unsqueeze(-1).sub(table).abs().argmin(-1).to(torch.uint8)
+    values = table[codes.long()] * torch.exp2(power).unsqueeze(-1)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    weight = values.reshape(E, R, X).transpose(1, 2).to(weight_EXR.dtype).contiguous()
+    return packed, (power + 127).to(torch.uint8), weight
+
+
+@pytest.mark.slow   # a spawned rank
+def test_mxfp4_experts_are_dequantized_at_import(imported, tmp_path):
+    """A GPT-OSS (bf16, as the hub's) whose fused experts are MXFP4 blocks and scales beside
+    ``quantization_config`` mxfp4, as the hub's checkpoints hold them: transformers (dequantizing) and the
+    test's own dequantized copy agree, so the test speaks the format; import-hf gives the checkpoint of
+    that copy, reading one expert's row of blocks at a time; the example's model gives its logits; export-hf
+    writes bf16 fused experts, unquantized."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from dist import run_distributed
+    from moe_plugin.interop import export_hf
+
+    _root, tokens_BS, cases = imported
+    source = save_tiny_model("gpt_oss", str(tmp_path / "bf16"), seed=3, dtype=torch.bfloat16)
+    mx, plain = tmp_path / "mxfp4", tmp_path / "dequantized"
+    shutil.copytree(source, mx)
+    shutil.copytree(source, plain)
+    stored, dequantized = {}, {}
+    for key, tensor in load_file(str(Path(source) / "model.safetensors")).items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            stored[key + "_blocks"], stored[key + "_scales"], dequantized[key] = _mxfp4(tensor)
+        else:
+            stored[key] = dequantized[key] = tensor
+    save_file(stored, str(mx / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((mx / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (mx / "config.json").write_text(json.dumps(config))
+    logits = hf_logits(str(plain), tokens_BS)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(mx), dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    with torch.no_grad():
+        assert torch.equal(theirs(input_ids=tokens_BS, use_cache=False).logits.float(), logits)
+    _imports_alike(mx, plain, tmp_path, "4 MXFP4 expert weights, dequantized to torch.bfloat16")
+    case = {"flags": cases["gpt_oss"]["flags"], "moe": cases["gpt_oss"]["moe"], "ckpt": str(tmp_path / "ckpt-mxfp4")}
+    results = run_distributed(_child, 1, tmp_path, {"mxfp4": case}, {"ep1": {}}, tokens_BS, timeout=300)
+    _check_logits(results, {"mxfp4": {"logits": logits}}, "ep1")
+    export_hf(tmp_path / "ckpt-mxfp4", tmp_path / "out", progress=lambda line: None)
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    assert sorted(exported) == sorted(dequantized)
+    assert all(exported[k].dtype == torch.bfloat16 and torch.equal(exported[k], dequantized[k]) for k in dequantized)
 
 
 def test_unknown_model_type_and_left_over_tensor_are_refused(imported, tmp_path):
@@ -440,8 +548,8 @@ def test_unknown_model_type_and_left_over_tensor_are_refused(imported, tmp_path)
     hf = tmp_path / "hf"
     hf.mkdir()
     config = json.loads((Path(cases["mixtral"]["hf"]) / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**config, "model_type": "gpt_oss"}))
-    with pytest.raises(ConfigError, match="model_type: got 'gpt_oss'; the plugin imports mixtral"):
+    (hf / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
+    with pytest.raises(ConfigError, match="model_type: got 'gpt_neox'; the plugin imports mixtral"):
         import_hf(hf, {"moe": {"num_experts": EXPERTS}}, tmp_path / "ckpt")
     (hf / "config.json").write_text(json.dumps(config))
     tensors = load_file(str(Path(cases["mixtral"]["hf"]) / "model.safetensors"))
@@ -488,7 +596,8 @@ def test_export_refuses_what_the_architecture_cannot_express(imported, tmp_path)
 
 # -- train the imported model with the example, export it ------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "olmoe", "glm4_moe", "qwen3_moe_yarn", "deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("name", ["mixtral", "olmoe", "glm4_moe", "qwen3_moe_yarn", "deepseek_v3", "deepseek_v2",
+                                  "gpt_oss"])
 def test_trained_import_exports_to_what_the_plugin_evaluates(imported, tmp_path, name):
     """The imported Mixtral (and OLMoE) trained 2 steps by the example under dp 2 x ep 2, ZeRO-1 (``--load`` the
     import, ``--async-save``), exported: transformers' logits of the export are the plugin's of the

@@ -236,10 +236,11 @@ def check_layout(args: argparse.Namespace, moe_config: MoEConfig) -> None:
     if args.num_layers % p.pipeline:
         raise ConfigError("moe.parallel.pipeline", p.pipeline, f"must divide --num-layers ({args.num_layers})")
     moe_config.check_num_layers(args.num_layers, "--num-layers")
-    if (getattr(args, "swiglu", False) and not getattr(args, "dense", False) and moe_config.activation != "swiglu"
+    if (getattr(args, "swiglu", False) and not getattr(args, "dense", False)
+            and moe_config.activation not in ("swiglu", "clamped_swiglu")
             and all(moe_config.is_moe_layer(i) for i in range(args.num_layers))):
         raise ConfigError("--swiglu", True, "every layer's MLP is an MoE layer, so there is no dense MLP to gate; the "
-                          "experts' activation is moe.activation (set it to \"swiglu\")")
+                          "experts' activation is moe.activation (set it to \"swiglu\" or \"clamped_swiglu\")")
     if args.data_path is None:
         from moe_plugin.data import pad_vocab_size
 

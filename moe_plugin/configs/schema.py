@@ -194,8 +194,7 @@ class MoEConfig(_Block):
                                            "model's ffn_hidden_size.")
     activation: Literal["gelu", "swiglu", "relu", "clamped_swiglu"] = Field(
         "gelu", description="Expert activation; swiglu doubles the first expert weight (GLU); clamped_swiglu is "
-        "GPT-OSS's: the gate clamped above at swiglu_limit, the up half to +-swiglu_limit, "
-        "gate * sigmoid(swiglu_alpha * gate) * (up + 1).")
+        "GPT-OSS's clamped GLU (swiglu_alpha, swiglu_limit; docs/config.md).")
     swiglu_alpha: float = Field(1.702, gt=0, description="clamped_swiglu's sigmoid gain (GPT-OSS: 1.702); "
                                 "other activations leave it at its default.")
     swiglu_limit: float = Field(7.0, gt=0, description="clamped_swiglu's clamp (GPT-OSS: 7); other activations "

@@ -11,7 +11,7 @@ comes from) and the example's flags that build the same model (``example_flags``
 What the plugin cannot represent is refused before anything is written, naming the config key and
 the model type: an unknown ``model_type``, sliding-window attention outside the families that have
 it (Mistral, Mixtral and Qwen3-MoE on every layer, Qwen3 and Qwen2-MoE per ``layer_types``: Megatron's
-``window_size`` (W - 1, 0) and ``window_attn_skip_freq``), RoPE scaling or partial
+``window_size`` (W - 1, 0) and ``window_attn_skip_freq``; GPT-OSS per ``layer_types``), RoPE scaling or partial
 rotary, an activation other than SiLU, biases on the output projection or the MLPs, multi-latent
 attention outside DeepSeek-V2/V3. The router semantics per family (transformers 5.24):
 
@@ -37,6 +37,12 @@ attention outside DeepSeek-V2/V3. The router semantics per family (transformers 
     deepseek_v2 the same attention (always interleaved); softmax scores, no bias, gates not renormalised,
                 times routed_scaling_factor; topk_method group_limited_greedy: the groups ranked by their
                 best score (group_score "max"), greedy: no limit
+    gpt_oss     a softmax over the top-k logits (the top-k of a softmax, renormalised); the router's logit bias
+                (``router_logit_bias``); every layer MoE; the experts' clamped SwiGLU (``clamped_swiglu``:
+                swiglu_alpha, swiglu_limit) with biases (``expert_linear_bias``), their weights fused as
+                [E, H, 2F] with gate and up interleaved (``hf_families``; MXFP4 blocks dequantized at import);
+                biases on q/k/v and o_proj (attention_bias: Megatron's add_bias_linear); attention sinks (Megatron's
+                softmax_type learnable); sliding and full layers by ``layer_types``; YaRN
     llama, mistral, qwen3   dense (upcycling); qwen3 with QK-norm
 
 The router choice, capacity and gates map onto the ``"moe"`` block as router ``topk``,
@@ -54,8 +60,9 @@ from moe_plugin.data.hf_tokenizer import HF_EXTRA
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                 "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v2")
+                 "gpt_oss": "GptOssForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v2", "gpt_oss")
 # DeepSeek-style MoE (group-limited choice, routed scaling, shared experts, the first layers dense;
 # sigmoid scores with a correction bias but DeepSeek-V2's softmax) ...
 DEEPSEEK_ROUTED = ("glm4_moe", "deepseek_v3", "deepseek_v2")
@@ -64,9 +71,9 @@ MLA_TYPES = ("deepseek_v3", "deepseek_v2")
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 # sliding windows: on every layer, or on the layers ``layer_types`` names
 WINDOW_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
-WINDOW_BY_LAYER_TYPES = ("qwen3", "qwen2_moe")
+WINDOW_BY_LAYER_TYPES = ("qwen3", "qwen2_moe", "gpt_oss")
 # families whose experts are sized by intermediate_size (no dense MLP of another size)
-EXPERTS_BY_INTERMEDIATE = ("mixtral", "olmoe")
+EXPERTS_BY_INTERMEDIATE = ("mixtral", "olmoe", "gpt_oss")
 # Keys of models the plugin has no layer for (multi-latent attention), and DeepSeek-style routing's
 # outside the families that have it.
 UNSUPPORTED_KEYS = ("kv_lora_rank", "q_lora_rank")
@@ -122,6 +129,13 @@ class HFArchitecture:
     rope_interleave: bool = True       # MLA: the rotated dimensions in (even, odd) pairs, as Megatron's MLA rotates
     window: Optional[int] = None       # sliding window W: a query sees itself and the W - 1 keys before it
     window_layers: Optional[tuple[int, ...]] = None   # 1: windowed layer, 0: full (None: every layer windowed)
+    linear_bias: bool = False          # biases on the attention's projections, o_proj's too (GPT-OSS; add_bias_linear)
+    attention_sinks: bool = False      # a learned sink logit per head (GPT-OSS; softmax_type learnable)
+    activation: str = "swiglu"         # the experts' ("clamped_swiglu": GPT-OSS's, with swiglu_alpha / swiglu_limit)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_linear_bias: bool = False   # the experts' gate_up_proj_bias / down_proj_bias (GPT-OSS)
+    router_logit_bias: bool = False    # the router's bias on its logits (GPT-OSS)
     config: Optional[dict] = None   # the config as transformers writes it (to_dict)
 
     @property
@@ -158,7 +172,14 @@ class HFArchitecture:
             "router_groups": (self.router_groups, "n_group" if deepseek else "the router (no group limit)"),
             "group_score": (self.group_score, "topk_method (group_limited_greedy: a group's best score)"
                             if self.group_score == "max" else "the router (a group's two best scores)"),
-            "activation": ("swiglu", "hidden_act (silu, gated)"),
+            "activation": (self.activation, "the experts (GPT-OSS's clamped SwiGLU)" if self.activation != "swiglu"
+                           else "hidden_act (silu, gated)"),
+            "swiglu_alpha": (self.swiglu_alpha, "swiglu_alpha"),
+            "swiglu_limit": (self.swiglu_limit, "swiglu_limit"),
+            "expert_linear_bias": (self.expert_linear_bias, "the experts' gate_up_proj_bias and down_proj_bias"
+                                   if self.expert_linear_bias else "(no expert biases)"),
+            "router_logit_bias": (self.router_logit_bias, "the router's bias" if self.router_logit_bias
+                                  else "(no router bias)"),
             "ffn_hidden_size": (self.expert_ffn_hidden_size, "intermediate_size" if t in EXPERTS_BY_INTERMEDIATE
                                 else "moe_intermediate_size"),
             "shared_expert_ffn_hidden_size": (self.shared_ffn_hidden_size, shared_key),
@@ -177,8 +198,10 @@ class HFArchitecture:
                       num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
                       kv_channels=self.kv_channels, ffn_hidden_size=self.ffn_hidden_size, normalization="RMSNorm",
                       layernorm_epsilon=self.norm_epsilon, gated_linear_unit=True, activation_func=F.silu,
-                      bias_activation_fusion=False, add_bias_linear=False, add_qkv_bias=self.qkv_bias,
+                      bias_activation_fusion=False, add_bias_linear=self.linear_bias, add_qkv_bias=self.qkv_bias,
                       qk_layernorm=self.qk_layernorm)
+        if self.attention_sinks:
+            fields.update(softmax_type="learnable")
         if self.mla:
             from moe_plugin.integration.megatron import mla_fields
 
@@ -213,8 +236,11 @@ class HFArchitecture:
         if self.kv_channels * self.num_attention_heads != self.hidden_size:
             flags += ["--kv-channels", str(self.kv_channels)]
         flags += ["--normalization", "RMSNorm", "--norm-epsilon", repr(self.norm_epsilon),
-                  "--position-embedding-type", "rope", "--rotary-base", _number(self.rotary_base), "--swiglu",
-                  "--disable-bias-linear"]
+                  "--position-embedding-type", "rope", "--rotary-base", _number(self.rotary_base), "--swiglu"]
+        if not self.linear_bias:
+            flags.append("--disable-bias-linear")
+        if self.attention_sinks:
+            flags += ["--softmax-type", "learnable"]
         if self.rotary_percent != 1.0:
             flags += ["--rotary-percent", repr(float(self.rotary_percent))]
         if self.rope_scaling:
@@ -300,7 +326,7 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
     theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
     if theta is None:
         raise refuse("rope_parameters.rope_theta", None, "RoPE without its base")
-    if getattr(cfg, "attention_bias", False) and t != "glm4_moe":   # GLM-4.5's are the QKV biases (no o_proj's)
+    if getattr(cfg, "attention_bias", False) and t not in ("glm4_moe", "gpt_oss"):   # GLM-4.5's: QKV biases only
         raise refuse("attention_bias", True, "biases on the query/key/value and output projections (the plugin "
                      "has QKV biases only, Megatron's add_qkv_bias)")
     if getattr(cfg, "mlp_bias", False):
@@ -308,9 +334,11 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
     quant = getattr(cfg, "quantization_config", None)
     if quant is not None:
         quant = quant if isinstance(quant, dict) else quant.to_dict()
-        if quant.get("quant_method") != "fp8" or not quant.get("weight_block_size"):
+        fp8 = quant.get("quant_method") == "fp8" and quant.get("weight_block_size")
+        if not fp8 and not (t == "gpt_oss" and quant.get("quant_method") == "mxfp4"):
             raise refuse("quantization_config.quant_method", quant.get("quant_method"), "quantized weights other "
-                         "than FP8 in blocks (weight_block_size), which the import dequantizes")
+                         "than FP8 in blocks (weight_block_size) and GPT-OSS's MXFP4 experts, which the import "
+                         "dequantizes")
     if getattr(cfg, "clip_qkv", None) is not None:
         raise refuse("clip_qkv", cfg.clip_qkv, "clamping the query/key/value projections")
     heads = cfg.num_attention_heads
@@ -322,7 +350,9 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
                   max_position_embeddings=cfg.max_position_embeddings, norm_epsilon=float(cfg.rms_norm_eps),
                   rotary_base=float(theta), tied=bool(getattr(cfg, "tie_word_embeddings", False)),
                   qkv_bias=(t == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True))
-                            or deepseek and bool(getattr(cfg, "attention_bias", False))),
+                            or (deepseek or t == "gpt_oss") and bool(getattr(cfg, "attention_bias", False))),
+                  linear_bias=t == "gpt_oss" and bool(getattr(cfg, "attention_bias", False)),
+                  attention_sinks=t == "gpt_oss",
                   qk_layernorm=(t in ("qwen3", "qwen3_moe", "olmoe")
                                 or deepseek and bool(getattr(cfg, "use_qk_norm", False))),
                   dtype=str(dtype).replace("torch.", ""), rotary_percent=float(partial or 1.0),
@@ -342,6 +372,10 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
         experts, layers, normalize = cfg.num_local_experts, tuple(range(cfg.num_hidden_layers)), True
     elif t == "olmoe":
         experts, layers, normalize = cfg.num_experts, tuple(range(cfg.num_hidden_layers)), bool(cfg.norm_topk_prob)
+    elif t == "gpt_oss":   # a softmax over the top-k logits: the top-k of a softmax, renormalised
+        experts, layers, normalize = cfg.num_local_experts, tuple(range(cfg.num_hidden_layers)), True
+        common.update(activation="clamped_swiglu", swiglu_alpha=float(cfg.swiglu_alpha),
+                      swiglu_limit=float(cfg.swiglu_limit), expert_linear_bias=True, router_logit_bias=True)
     elif deepseek:
         return _deepseek_routed(cfg, common, refuse)
     else:
@@ -363,7 +397,7 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
 def _sliding_window(cfg: Any, refuse: Any) -> tuple[Optional[int], Optional[tuple[int, ...]]]:
     """(window W or None, the windowed layers or None for every layer), as transformers 5.24 applies
     them: ``sliding_window`` on every layer of Mistral, Mixtral and Qwen3-MoE; on the layers whose
-    ``layer_types`` entry is "sliding_attention" in Qwen3 and Qwen2-MoE; refused elsewhere."""
+    ``layer_types`` entry is "sliding_attention" in Qwen3, Qwen2-MoE and GPT-OSS; refused elsewhere."""
     t, size = cfg.model_type, getattr(cfg, "sliding_window", None)
     kinds = list(getattr(cfg, "layer_types", None) or [])
     unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
@@ -377,7 +411,7 @@ def _sliding_window(cfg: Any, refuse: Any) -> tuple[Optional[int], Optional[tupl
         pattern = tuple(int(kind == "sliding_attention") for kind in kinds)
         return int(size), None if all(pattern) else pattern
     if "sliding_attention" in kinds:
-        raise refuse("layer_types", kinds, "sliding-window layers outside Qwen3 and Qwen2-MoE")
+        raise refuse("layer_types", kinds, "sliding-window layers outside Qwen3, Qwen2-MoE and GPT-OSS")
     if size in (None, 0):
         return None, None
     if t not in WINDOW_EVERY_LAYER:

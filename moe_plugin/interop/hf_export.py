@@ -21,6 +21,9 @@ architecture has none (or none where it has it), QKV biases outside Qwen2-MoE, d
 Mixtral, a shared expert outside Qwen2-MoE (or one without its sigmoid gate), a router that is
 not a plain top-k of a softmax (``moe.router``, ``score_function``, ``gate_scale``, ``group_topk``;
 Mixtral's gates renormalised), a non-zero aux-loss-free expert bias (``router.expert_bias``).
+GPT-OSS is written in its hub layout: each layer's experts as fused tensors (``gate_up_proj`` [E, H, 2F] with
+gate and up interleaved, ``down_proj``, their biases), filled expert by expert and written whole, in the
+checkpoint's dtype (bf16 for an import of the hub's MXFP4 model: the export does not quantize).
 Qwen2-MoE without QKV biases is written with zero biases (the same function; ``qkv_bias`` is true
 in every Qwen2-MoE reader). The directory is written under a temporary name and renamed at the end.
 Every HF tensor is planned from the headers first (``hf_plan``: names, dtypes, shapes), then each is
@@ -59,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig",
                   "olmoe": "OlmoeConfig", "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
-                  "deepseek_v2": "DeepseekV2Config", "llama": "LlamaConfig",
+                  "deepseek_v2": "DeepseekV2Config", "gpt_oss": "GptOssConfig", "llama": "LlamaConfig",
                   "mistral": "MistralConfig", "qwen3": "Qwen3Config"}
 DEFAULT_SHARD = "5GB"
 
@@ -97,9 +100,17 @@ def export_hf(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, *, arch: 
     try:
         config.save_pretrained(tmp)
         shards = HFShardWriter(tmp, specs, shard_bytes, say)
+        fused: dict[str, tuple[torch.Tensor, set]] = {}   # a fused [E, ...] HF tensor filled row by row
         for n, (rule, make) in enumerate(tasks, 1):
             for name, tensor in zip(rule.hf, rule.cut(make())):
-                shards.write(name, tensor.to(torch_dtype).contiguous())
+                if rule.hf_row is None:
+                    shards.write(name, tensor.to(torch_dtype).contiguous())
+                    continue
+                whole, rows = fused.setdefault(name, (torch.empty(specs[name][1], dtype=torch_dtype), set()))
+                whole[rule.hf_row] = tensor
+                rows.add(rule.hf_row)
+                if len(rows) == whole.shape[0]:
+                    shards.write(name, fused.pop(name)[0])
             if n % 64 == 0:
                 say(f"tensors of {n}/{len(tasks)} plugin entries written")
         files = ["config.json"] + shards.close()
@@ -133,6 +144,8 @@ def _model_type(arch: Optional[str], meta: dict, state: list[str]) -> str:
     qk = any(k.endswith("q_layernorm.weight") for k in state)
     if not moe:
         return "qwen3" if qk else "llama"
+    if meta.get("moe", {}).get("activation") == "clamped_swiglu":
+        return "gpt_oss"
     if meta.get("model", {}).get("transformer_config", {}).get("multi_latent_attention"):
         return "deepseek_v3" if meta.get("moe", {}).get("score_function") == "sigmoid" else "deepseek_v2"
     if meta.get("moe", {}).get("score_function") == "sigmoid":
@@ -172,8 +185,14 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         raise refuse("normalization", tc.get("normalization", "LayerNorm"), "RMSNorm only (--normalization RMSNorm)")
     if not tc.get("gated_linear_unit") or tc.get("activation_func") != "torch.nn.functional:silu":
         raise refuse("activation_func", tc.get("activation_func"), "SwiGLU MLPs only (--swiglu)")
-    if tc.get("add_bias_linear", True):
-        raise refuse("add_bias_linear", True, "no linear biases (--disable-bias-linear)")
+    gpt_oss = model_type == "gpt_oss"
+    if tc.get("add_bias_linear", True) != gpt_oss:
+        raise refuse("add_bias_linear", tc.get("add_bias_linear", True), "biases on every attention projection "
+                     "(no --disable-bias-linear)" if gpt_oss else "no linear biases (--disable-bias-linear)")
+    softmax = tc.get("softmax_type", "vanilla")
+    if softmax != ("learnable" if gpt_oss else "vanilla"):
+        raise refuse("softmax_type", softmax, "attention sinks (--softmax-type learnable)" if gpt_oss else
+                     "no attention sinks (--softmax-type vanilla; GPT-OSS has them)")
     deepseek = model_type in DEEPSEEK_ROUTED
     mla = bool(tc.get("multi_latent_attention"))
     if mla != (model_type in MLA_TYPES):
@@ -196,8 +215,8 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
     if qk and scope != wants_scope:
         what = "each whole projection" if wants_scope == "projection" else "each head"
         raise refuse("qk_layernorm_scope", scope, f"QK-norm over {what} (--qk-layernorm-scope {wants_scope})")
-    qkv_bias = bool(tc.get("add_qkv_bias"))
-    if qkv_bias and model_type not in ("qwen2_moe", "glm4_moe"):
+    qkv_bias = bool(tc.get("add_qkv_bias")) or gpt_oss
+    if qkv_bias and model_type not in ("qwen2_moe", "glm4_moe", "gpt_oss"):
         raise refuse("add_qkv_bias", True, "no QKV biases (Qwen2-MoE and GLM-4.5 have them)")
     if model_type in MOE_TYPES:
         if not moe_layers:
@@ -207,7 +226,7 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         if bias and FAMILIES[model_type].router_bias is None:
             raise refuse(bias[0], "non-zero", "routers without an expert bias (the aux-loss-free bias chose the "
                          "experts in training)")
-        if model_type in ("mixtral", "olmoe") and len(moe_layers) != num_layers:
+        if model_type in ("mixtral", "olmoe", "gpt_oss") and len(moe_layers) != num_layers:
             dense = [i for i in range(num_layers) if i not in moe_layers]
             raise refuse("moe.layers", moe.get("layers") or f"layer_interval {moe.get('layer_interval')}",
                          f"an MoE MLP on every layer (dense layers {dense})")
@@ -262,7 +281,11 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         router_groups=moe.get("router_groups"), group_topk=moe.get("group_topk"),
         router_bias=model_type in FAMILIES and FAMILIES[model_type].router_bias is not None,
         group_score=moe.get("group_score", "top2_sum"),
-        window=window, window_layers=window_layers, config=meta.get("hf", {}).get("config")), **latent})
+        window=window, window_layers=window_layers, config=meta.get("hf", {}).get("config"),
+        linear_bias=gpt_oss, attention_sinks=gpt_oss, activation=moe.get("activation", "swiglu"),
+        swiglu_alpha=float(moe.get("swiglu_alpha", 1.702)), swiglu_limit=float(moe.get("swiglu_limit", 7.0)),
+        expert_linear_bias=bool(moe.get("expert_linear_bias")), router_logit_bias=bool(moe.get("router_logit_bias"))),
+        **latent})
 
 
 def _window(tc: dict, num_layers: int, model_type: str, refuse: Callable[..., ConfigError]):
@@ -295,13 +318,19 @@ def _window(tc: dict, num_layers: int, model_type: str, refuse: Callable[..., Co
 def _check_router(moe: dict, model_type: str, refuse: Callable[..., ConfigError]) -> None:
     if moe.get("router") != "topk":
         raise refuse("moe.router", moe.get("router"), "a plain top-k of the scores (router 'topk')")
+    gpt_oss = model_type == "gpt_oss"
     if model_type == "deepseek_v2":   # softmax, unnormalised gates; any scale; groups ranked by their best
         checked = (("score_function", "softmax"), ("normalize_gates", False), ("activation", "swiglu"),
                    ("group_score", "max" if moe.get("group_topk") else "top2_sum"))
+    elif gpt_oss:   # GPT-OSS's experts and router: their biases always there
+        checked = (("score_function", "softmax"), ("gate_scale", 1.0), ("group_topk", None), ("normalize_gates", True),
+                   ("activation", "clamped_swiglu"), ("expert_linear_bias", True), ("router_logit_bias", True))
     elif model_type in DEEPSEEK_ROUTED:   # sigmoid scores; any scale and group limit
         checked = (("score_function", "sigmoid"), ("activation", "swiglu"), ("group_score", "top2_sum"))
     else:
         checked = (("score_function", "softmax"), ("gate_scale", 1.0), ("group_topk", None), ("activation", "swiglu"))
+    if not gpt_oss:
+        checked += (("expert_linear_bias", False), ("router_logit_bias", False))
     for key, plain in checked:
         if moe.get(key, plain) != plain:
             raise refuse(f"moe.{key}", moe.get(key), f"{key} {plain!r}")
@@ -334,7 +363,7 @@ def hf_plan(arch: HFArchitecture, source: Any, meta: dict,
             shape, make = specs[key][1], (lambda k=key: source.read(k))
         used.add(key)
         for name, part in zip(rule.hf, rule.cut(torch.empty(shape, device="meta"))):
-            out[name] = (dtype, list(part.shape))
+            out[name] = (dtype, list(part.shape) if rule.hf_row is None else [arch.num_experts, *part.shape])
         tasks.append((rule, make))
     left = sorted(k for k in specs if k not in used)
     if left:
@@ -383,6 +412,11 @@ def hf_config(transformers: Any, arch: HFArchitecture, meta: dict, dtype: str) -
                 fields.update(rope_interleave=arch.rope_interleave)
             else:
                 fields.update(topk_method="group_limited_greedy" if arch.group_topk else "greedy", mlp_bias=False)
+    elif t == "gpt_oss":
+        fields.update(num_local_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
+                      intermediate_size=arch.expert_ffn_hidden_size, swiglu_alpha=arch.swiglu_alpha,
+                      swiglu_limit=arch.swiglu_limit, attention_bias=True, sliding_window=None,
+                      layer_types=["full_attention"] * arch.num_layers)
     elif t == "olmoe":
         fields.update(num_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
                       intermediate_size=arch.expert_ffn_hidden_size, norm_topk_prob=arch.normalize_gates,

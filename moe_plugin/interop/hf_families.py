@@ -36,6 +36,15 @@ bit-identical.
         q_b_proj / q_proj (each head's last r) and kv_a_proj_with_mqa (the last r) are interleaved at
         import and cut back on export)
     DeepSeek-V3 / V2 shared_experts, gate(.e_score_correction_bias)   as GLM-4.5's
+    GPT-OSS self_attn.{q,k,v,o}_proj.bias             ...linear_qkv.bias, ...linear_proj.bias
+    GPT-OSS self_attn.sinks [heads]                   ...self_attention.core_attention.softmax_offset
+    GPT-OSS mlp.router.{weight,bias}                  ...mlp.router.weight, ...mlp.router.bias
+    GPT-OSS fused experts (one tensor per layer):     (a rule per expert: ``Rule.hf_row`` e reads row e)
+        mlp.experts.gate_up_proj [E, H, 2F]           ...mlp.experts.weight1: [e] = gate columns (0, 2, 4 ...)
+            (gate and up interleaved)                     then up columns (1, 3, 5 ...)
+        mlp.experts.gate_up_proj_bias [E, 2F]         ...mlp.experts.bias1, the same order
+        mlp.experts.down_proj [E, F, H]               ...mlp.experts.weight2 (the plugin's layout)
+        mlp.experts.down_proj_bias [E, H]             ...mlp.experts.bias2
     model.norm.weight                                 decoder.final_layernorm.weight
     lm_head.weight (untied)                           output_layer.weight
 
@@ -66,6 +75,7 @@ class Family:
     shared_gate: Optional[str] = None
     shared_module: str = "shared_expert"            # the shared expert's module (GLM-4.5: shared_experts)
     router_bias: Optional[str] = None               # the router's correction bias (GLM-4.5: e_score_correction_bias)
+    fused: bool = False   # the experts as 3-D tensors (GPT-OSS): expert = (gate_up_proj, None, down_proj), biases
 
 
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
@@ -79,6 +89,7 @@ FAMILIES = {
     "deepseek_v3": Family("mlp", DENSE_MLP, shared=DENSE_MLP, shared_module="shared_experts",
                           router_bias="e_score_correction_bias"),
     "deepseek_v2": Family("mlp", DENSE_MLP, shared=DENSE_MLP, shared_module="shared_experts"),
+    "gpt_oss": Family("mlp", ("gate_up_proj", "", "down_proj"), router="router", fused=True),
 }
 # Megatron's linear layers carry a (None) ``_extra_state`` entry in their state dict.
 EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -96,6 +107,7 @@ class Rule:
     join: Callable[[list[Tensor]], Tensor]
     cut: Callable[[Tensor], list[Tensor]]
     expert: Optional[int] = None
+    hf_row: Optional[int] = None   # the HF tensors are fused [E, ...]: the rule joins their row ``hf_row``
 
 
 def _copy() -> tuple[Callable, Callable]:
@@ -147,6 +159,19 @@ def _interleaved(rows: int, head: int, rotated: int) -> tuple[Callable, Callable
     return (lambda ts: ts[0][order].contiguous()), (lambda t: [t[back].contiguous()])
 
 
+def _deinterleaved() -> tuple[Callable, Callable]:
+    """GPT-OSS's [..., 2F] with gate and up interleaved (gate at even positions) <-> the plugin's [..., 2F]:
+    the gate half, then the up half."""
+    def join(ts: list[Tensor]) -> Tensor:
+        return torch.cat([ts[0][..., 0::2], ts[0][..., 1::2]], dim=-1).contiguous()
+
+    def cut(t: Tensor) -> list[Tensor]:
+        gate, up = t.chunk(2, dim=-1)
+        return [torch.stack([gate, up], dim=-1).flatten(-2).contiguous()]
+
+    return join, cut
+
+
 def _gate_vector() -> tuple[Callable, Callable]:
     """shared_expert_gate.weight [1, H] <-> gate_weight [H]."""
     return (lambda ts: ts[0].reshape(-1).clone()), (lambda t: [t.reshape(1, -1).clone()])
@@ -166,8 +191,9 @@ class HFMapping:
         if not a.tied:
             self._add("output_layer.weight", ["lm_head.weight"], _copy())
 
-    def _add(self, plugin: str, hf: list[str], fns: tuple[Callable, Callable], expert: Optional[int] = None) -> None:
-        self.rules.append(Rule(plugin, tuple(hf), *fns, expert=expert))
+    def _add(self, plugin: str, hf: list[str], fns: tuple[Callable, Callable], expert: Optional[int] = None,
+             hf_row: Optional[int] = None) -> None:
+        self.rules.append(Rule(plugin, tuple(hf), *fns, expert=expert, hf_row=hf_row))
 
     def _layer(self, i: int) -> None:
         a, p, h = self.arch, f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -213,6 +239,10 @@ class HFMapping:
         if a.qkv_bias:
             self._add(p + "self_attention.linear_qkv.bias", [h + f"self_attn.{x}_proj.bias" for x in "qkv"], qkv)
         self._add(p + "self_attention.linear_proj.weight", [h + "self_attn.o_proj.weight"], _copy())
+        if a.linear_bias:
+            self._add(p + "self_attention.linear_proj.bias", [h + "self_attn.o_proj.bias"], _copy())
+        if a.attention_sinks:
+            self._add(p + "self_attention.core_attention.softmax_offset", [h + "self_attn.sinks"], _copy())
         if a.qk_layernorm:
             self._add(p + "self_attention.q_layernorm.weight", [h + "self_attn.q_norm.weight"], _copy())
             self._add(p + "self_attention.k_layernorm.weight", [h + "self_attn.k_norm.weight"], _copy())
@@ -224,8 +254,18 @@ class HFMapping:
         self._add(p + "mlp.router.weight", [m + f"{fam.router}.weight"], _copy())
         if fam.router_bias is not None:
             self._add(p + "mlp.router.expert_bias", [m + f"{fam.router}.{fam.router_bias}"], _copy())
+        if a.router_logit_bias:
+            self._add(p + "mlp.router.bias", [m + f"{fam.router}.bias"], _copy())
         E = a.num_experts
         g, u, d = fam.expert
+        if fam.fused:
+            for e in range(E):
+                self._add(p + "mlp.experts.weight1", [m + f"experts.{g}"], _deinterleaved(), e, e)
+                self._add(p + "mlp.experts.weight2", [m + f"experts.{d}"], _copy(), e, e)
+                if a.expert_linear_bias:
+                    self._add(p + "mlp.experts.bias1", [m + f"experts.{g}_bias"], _deinterleaved(), e, e)
+                    self._add(p + "mlp.experts.bias2", [m + f"experts.{d}_bias"], _copy(), e, e)
+            return
         for e in range(E):
             self._add(p + "mlp.experts.weight1", [m + f"experts.{e}.{n}.weight" for n in (g, u)], _columns(), e)
             self._add(p + "mlp.experts.weight2", [m + f"experts.{e}.{d}.weight"], _transposed(), e)

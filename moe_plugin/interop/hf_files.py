@@ -5,7 +5,9 @@ index, as ``save_pretrained`` writes them) and the tokenizer's files.
 ``model.safetensors.index.json`` names (each shard checked to hold what the index says), known
 from the headers (``spec``) and read one at a time (``read``: ``checkpoint.tensor_files``).
 FP8 weights in blocks (``quantization_config``: ``weight_block_size``; ``X.weight_scale_inv`` beside
-each ``X.weight``) show as their dequantized selves (``fp8_blocks``, ``dequantize_blocks``).
+each ``X.weight``) show as their dequantized selves (``fp8_blocks``, ``dequantize_blocks``), and so do
+GPT-OSS's MXFP4 experts (``quant_method`` mxfp4: ``X_blocks`` and ``X_scales`` for each fused ``X``;
+``dequantize_mxfp4``). ``read_row`` reads one row of a fused [E, ...] tensor (one expert) and no more.
 Pickled weights (``pytorch_model.bin`` or its shards) are refused in one line naming the file, as
 unpickling can run code; inside ``trusting`` (``--trust-checkpoint``) they are read tensor by
 tensor the same way (``PickledFile``).
@@ -68,6 +70,18 @@ class HFWeights:
             raise ConfigError(hf_dir, found[:8], f"holds neither {WEIGHTS} nor {INDEX}; save the model with "
                               "save_pretrained (safetensors, the default) to import it", shown=f"files {found[:8]}")
         self.blocks = fp8_blocks(hf_dir)
+        self._mxfp4: dict[str, tuple[str, str, torch.dtype]] = {}   # X -> (X_blocks, X_scales, dtype)
+        self._hidden: dict[str, str] = {}   # the files of the tensors shown as others (X_blocks, X_scales)
+        mx = mxfp4_dtype(hf_dir)
+        if mx is not None:
+            for k in [k for k in self._where if k.endswith(MX_BLOCKS)]:
+                base = k[:-len(MX_BLOCKS)]
+                if base + MX_SCALES in self._where:
+                    self._mxfp4[base] = (k, base + MX_SCALES, mx)
+                    self._where[base] = self._where[k]
+                    for hidden in (k, base + MX_SCALES):
+                        self._hidden[hidden] = self._where.pop(hidden)
+            say(f"{len(self._mxfp4)} MXFP4 expert weights, dequantized to {mx}")
         if self.blocks is not None:   # every block-scaled weight shows as its dequantized self
             scaled = [k for k in self._where if k.endswith(SCALE) and k[:-len(SCALE)] + ".weight" in self._where]
             self._scale = {k[:-len(SCALE)] + ".weight": (k, self._where.pop(k)) for k in scaled}   # (name, file)
@@ -81,10 +95,34 @@ class HFWeights:
         return sorted(self._where)
 
     def spec(self, name: str) -> tuple[torch.dtype, list[int]]:
+        if name in self._mxfp4:   # blocks [E, R, G, 16] -> [E, G * 32, R]
+            blocks, _scales, dtype = self._mxfp4[name]
+            shape = self._file(blocks).spec(blocks)[1]
+            return dtype, [*shape[:-3], shape[-2] * 2 * shape[-1], shape[-3]]
         dtype, shape = self._files[self._where[name]].spec(name)
         return (self.blocks[2], shape) if self.blocks is not None and name in self._scale else (dtype, shape)
 
+    def read_row(self, name: str, row: int) -> torch.Tensor:
+        """``read(name)[row]``, reading that row's bytes only where the file allows it."""
+        if name in self._mxfp4:
+            blocks, scales, dtype = self._mxfp4[name]
+            return dequantize_mxfp4(self._rows(blocks, row), self._rows(scales, row)).to(dtype)
+        if (self.blocks is not None and name in self._scale) or not hasattr(self._files[self._where[name]],
+                                                                             "read_rows"):
+            return self.read(name)[row]
+        return self._rows(name, row)
+
+    def _file(self, name: str) -> Any:
+        return self._files[self._where[name] if name in self._where else self._hidden[name]]
+
+    def _rows(self, name: str, row: int) -> torch.Tensor:
+        file = self._file(name)
+        return file.read_rows(name, row, 1)[0] if hasattr(file, "read_rows") else file.read(name)[row]
+
     def read(self, name: str) -> torch.Tensor:
+        if name in self._mxfp4:
+            blocks, scales, dtype = self._mxfp4[name]
+            return dequantize_mxfp4(self._file(blocks).read(blocks), self._file(scales).read(scales)).to(dtype)
         tensor = self._files[self._where[name]].read(name)
         if self.blocks is None or name not in self._scale:
             return tensor
@@ -98,6 +136,49 @@ class HFWeights:
 
 
 SCALE = ".weight_scale_inv"   # a block-scaled FP8 weight's scales (DeepSeek-V3, Qwen3-FP8)
+MX_BLOCKS, MX_SCALES = "_blocks", "_scales"   # an MXFP4 weight's packed values and block exponents (GPT-OSS)
+# the 16 FP4 (E2M1) values by their 4-bit code
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _quantization(hf_dir: str, method: str) -> Optional[tuple[dict, torch.dtype]]:
+    """(``quantization_config``, the dtype its weights dequantize to: the config's own floating dtype, else
+    bfloat16) of a model directory whose ``config.json`` says ``quant_method`` ``method``, else None."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("quant_method") != method:
+        return None
+    dtype = getattr(torch, str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), torch.bfloat16)
+    ok = isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize > 1
+    return quant, dtype if ok else torch.bfloat16
+
+
+def mxfp4_dtype(hf_dir: str) -> Optional[torch.dtype]:
+    """The dtype MXFP4 weights dequantize to when ``config.json``'s ``quantization_config`` is mxfp4, else None."""
+    found = _quantization(hf_dir, "mxfp4")
+    return None if found is None else found[1]
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 (OCP microscaling): ``blocks`` [..., R, G, 16] uint8 hold 32 FP4 values per block of a row, two a
+    byte (the low nibble first), ``scales`` [..., R, G] uint8 each block's power of two (biased by 127).
+    Returns [..., G * 32, R] in fp32: the row-major [R, G * 32] transposed, as GPT-OSS's experts hold
+    ``gate_up_proj`` [E, H, 2F] and ``down_proj`` [E, F, H] (exact: every value is a small power-of-two
+    multiple)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or list(blocks.shape[:-1]) != list(scales.shape):
+        from moe_plugin.checkpoint.errors import CheckpointError
+
+        raise CheckpointError(f"MXFP4 blocks {list(blocks.shape)} {blocks.dtype} and scales {list(scales.shape)} "
+                              f"{scales.dtype} do not match (expected uint8 [..., R, G, 16] and [..., R, G])")
+    table = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    low, high = table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]
+    values = torch.stack([low, high], dim=-1).flatten(-2)                 # [..., R, G, 32]
+    values = torch.ldexp(values, scales.to(torch.int32).sub(127).unsqueeze(-1).float())
+    return values.flatten(-2).transpose(-1, -2).contiguous()               # [..., G * 32, R]
 
 
 def fp8_blocks(hf_dir: str) -> Optional[tuple[int, int, torch.dtype]]:
@@ -105,19 +186,11 @@ def fp8_blocks(hf_dir: str) -> Optional[tuple[int, int, torch.dtype]]:
     ``config.json`` says its weights are FP8 with block scales (``quantization_config``: quant_method
     ``fp8``, ``weight_block_size``), else None. The dtype is the config's own (``torch_dtype``), else
     bfloat16 (FP8 is no training dtype)."""
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
+    found = _quantization(hf_dir, "fp8")
+    if found is None or not found[0].get("weight_block_size"):
         return None
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    quant = config.get("quantization_config")
-    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8" or not quant.get("weight_block_size"):
-        return None
-    rows, cols = (int(n) for n in quant["weight_block_size"])
-    name = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    dtype = getattr(torch, name, torch.bfloat16)
-    return rows, cols, dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize > 1 \
-        else torch.bfloat16
+    rows, cols = (int(n) for n in found[0]["weight_block_size"])
+    return rows, cols, found[1]
 
 
 def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:

@@ -243,7 +243,9 @@ def import_plan(arch: HFArchitecture, weights: HFWeights, where: str,
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
     def shaped(rule) -> tuple[torch.dtype, list[int]]:
-        made = rule.join([torch.empty(weights.spec(k)[1], dtype=weights.spec(k)[0], device="meta") for k in rule.hf])
+        rows = 0 if rule.hf_row is None else 1   # a fused [E, ...] tensor: the rule joins one row
+        made = rule.join([torch.empty(weights.spec(k)[1][rows:], dtype=weights.spec(k)[0], device="meta")
+                          for k in rule.hf])
         return cast(made).dtype, list(made.shape)
 
     constants = {k: v for k, v in mapping.plugin_only().items() if isinstance(v, torch.Tensor)}
@@ -258,7 +260,8 @@ def import_plan(arch: HFArchitecture, weights: HFWeights, where: str,
             expert_rules[rule.plugin, rule.expert] = rule
 
     def make(rule) -> torch.Tensor:
-        return cast(rule.join([weights.read(k) for k in rule.hf])).contiguous()
+        read = weights.read if rule.hf_row is None else (lambda k: weights.read_row(k, rule.hf_row))
+        return cast(rule.join([read(k) for k in rule.hf])).contiguous()
 
     return OneRankPlan(dense, plain, experts, arch.num_experts if experts else 0,
                        lambda key: constants[key] if key in constants else make(dense_rules[key]),
