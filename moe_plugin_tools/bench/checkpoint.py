@@ -13,7 +13,9 @@ the time the command reports itself where it prints one ("... in X s": import-hf
 its peak RSS (``ru_maxrss`` read by a wrapper around that one command), the bytes of its input
 and output directories, and the time ``cp -r`` takes to copy the same input and then the same
 output into a scratch directory (the floor for moving those bytes through the same file system:
-the ratio time / cp). MB are 10^6 bytes. The page cache is left warm: the input was just written.
+the ratio time / cp). MB are 10^6 bytes. The page cache is left warm: the input was just written. Each
+measured command and each ``cp`` starts after ``sync``, so that the write-back of bytes an earlier step
+wrote (the model, the last output) does not land in its time: both are timed from the same state.
 export-hf and export read the checkpoint import-hf wrote; without ``import-hf`` in ``--steps`` it
 is still run, not reported. The steps load and save are one run of the example on 2 ranks
 (``train_rows``: ``--load`` the import, 2 steps, ``--save``): their own seconds as the example prints
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import socket
@@ -162,6 +165,7 @@ def bench_size(directory: Path, layers: int, settings: Settings) -> list[dict]:
         if not measured and step != "import-hf":
             continue
         say(f"{tag} {step}" + ("" if measured else " (not measured: the other steps read its checkpoint)"))
+        os.sync()
         done = run_measured([sys.executable, "-m", "moe_plugin_tools.cli", *argv], on_line=_progress)
         if step == "import-hf":
             imported = done.lines
@@ -251,6 +255,7 @@ def cp_seconds(paths: list[Path], scratch: Path) -> float:
     try:
         for path in paths:
             copy = scratch / path.name
+            os.sync()
             began = time.perf_counter()
             subprocess.run(["cp", "-r", str(path), str(copy)], check=True)
             total += time.perf_counter() - began
