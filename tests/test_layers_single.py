@@ -141,9 +141,6 @@ def test_gpt_oss_experts_match_oracle(recompute, backend):
 def test_clamped_swiglu_fields_belong_to_it():
     with pytest.raises(ConfigError, match="swiglu_limit"):
         MoEConfig.from_dict({"num_experts": E, "activation": "swiglu", "swiglu_limit": 5.0})
-    with pytest.raises(ConfigError, match="replica_budget"):
-        MoEConfig.from_dict({"num_experts": E, "expert_linear_bias": True, "parallel": {"expert": 2},
-                             "placement": {"replica_budget": 1}})
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])

@@ -44,10 +44,15 @@ CASES4 = {
                                           placement=SHUFFLED, **base.SWIGLU_SHARED),
     "tp2-ep2-dp2/gshard": _case(base.LAYOUTS4, "tp2-ep2-dp2", "gshard", [2, 7]),
     "tp2sp-ep4-dp2/switch-hot": _case(base.LAYOUTS4, "tp2sp-ep4-dp2", "switch", [0, 6], edit="hot0"),
+    # GPT-OSS's experts: their biases copied with the weights, their gradients back to the owners
+    "tp2-ep2-dp2/gpt-oss": _case(base.LAYOUTS4, "tp2-ep2-dp2", "topk3", [1, 5], drop=False, placement=SHUFFLED,
+                                 edit="biases", **base.GPT_OSS),
 }
 CASES2 = {
     "dp2-ep2/gshard-hot-cold": _case(base.LAYOUTS2, "dp2-ep2", "gshard", [0, 3], cold=3, edit="hot0"),
     "dp2-ep2/switch-all-shadowed": _case(base.LAYOUTS2, "dp2-ep2", "switch", list(range(E)), placement=SHUFFLED),
+    "dp2-ep2/gpt-oss-all-shadowed": _case(base.LAYOUTS2, "dp2-ep2", "topk3", list(range(E)), drop=False,
+                                          edit="biases", **base.GPT_OSS),
     "tp2-ep2/topk3-dropless": _case(base.LAYOUTS2, "tp2-ep2", "topk3", [1, 2, 5], drop=False),
     "dp2-ep2/bf16-swiglu-recompute": _case(base.LAYOUTS2, "dp2-ep2", "gshard", [0, 4], edit="hot0", dtype="bfloat16",
                                            recompute_fc1=True, activation="swiglu"),

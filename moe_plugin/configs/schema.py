@@ -284,9 +284,6 @@ class MoEConfig(_Block):
             if getattr(self, key) != default and self.activation != "clamped_swiglu":
                 raise FieldProblem(key, getattr(self, key), f"only activation 'clamped_swiglu' has it (activation is "
                                    f"{self.activation!r}); leave it out")
-        if self.expert_linear_bias and budget:
-            raise FieldProblem("placement.replica_budget", budget, "shadow experts do not carry expert_linear_bias "
-                               "yet; set replica_budget 0")
         return self
 
     def _check_router_fields(self) -> None:

@@ -9,8 +9,8 @@ transform of the routing plan that the dispatcher applies around its exchange. P
 
 1. ``Shadowing.before``, ``split``: the routes to shadowed experts stay out of the exchange
    (``CountsWire.sizes(..., held_D)``; the load record still counts them).
-2. ``ShadowWeights``: every EP rank gets the shadowed experts' weights in one all-reduce over EP
-   of a [D, H*F1 + F*H] buffer in which each owner fills its rows (the others add exact zeros:
+2. ``ShadowWeights``: every EP rank gets the shadowed experts' weights (and biases) in one all-reduce
+   over EP of a [D, H*F1 + F*H (+ F1 + H)] buffer in which each owner fills its rows (the others add exact zeros:
    the copies are bit-identical to the owner's weights).
 3. Every EP rank runs its own tokens' routes to them through the copies (``GroupedExperts.ffn``).
 4. ``Shadowing.combine`` takes both row sets; each token's routes are found by route id and
@@ -61,47 +61,49 @@ class Held:
 
 
 class ShadowWeights(torch.autograd.Function):
-    """Forward: the D shadowed experts' weights on every rank of ``group`` (module docstring, 2).
-    Backward: their gradients summed over ``group``; the owner gets its rows (5).
+    """Forward: the D shadowed experts' stacked tensors (weights, and biases where the experts have
+    them) on every rank of ``group`` (module docstring, 2). Backward: their gradients summed over
+    ``group``; the owner gets its rows (5).
 
     ``slot_X`` [D]: the shadowed experts' slots on the device; this rank owns slots
     ``[first_slot, first_slot + L)``, and ``owns`` says whether any of them is shadowed (known
     on the host). Which rows are this rank's is found on the device: no index list is copied
-    to it."""
+    to it. ``stacked``: the tensors [L, ...], in one buffer of D rows."""
 
     @staticmethod
-    def forward(ctx, w1_LHF1: Tensor, w2_LFH: Tensor, slot_X: Tensor, first_slot: int, owns: bool,
-                group: Optional[dist.ProcessGroup]):
-        L, H, F1 = w1_LHF1.shape
-        F, n = w2_LFH.shape[1], slot_X.numel()
+    def forward(ctx, slot_X: Tensor, first_slot: int, owns: bool, group: Optional[dist.ProcessGroup],
+                *stacked: Tensor):
+        L, n = stacked[0].shape[0], slot_X.numel()
+        widths = [t[0].numel() for t in stacked]
         local_X = slot_X - first_slot
         mine_X = (local_X >= 0) & (local_X < L)
         if owns:
             pick_X = local_X.clamp(0, L - 1)
-            buf_DX = torch.cat([w1_LHF1[pick_X].reshape(n, -1), w2_LFH[pick_X].reshape(n, -1)], dim=1)
+            buf_DX = torch.cat([t[pick_X].reshape(n, -1) for t in stacked], dim=1)
             buf_DX.masked_fill_(~mine_X[:, None], 0)
         else:
-            buf_DX = w1_LHF1.new_zeros(n, H * F1 + F * H)
+            buf_DX = stacked[0].new_zeros(n, sum(widths))
         if group is not None:
             dist.all_reduce(buf_DX, group=group)
         ctx.save_for_backward(torch.where(mine_X, local_X, L))     # row L: a spare for the others
-        ctx.owns, ctx.group, ctx.shapes = owns, group, (w1_LHF1.shape, w2_LFH.shape)
-        return (buf_DX[:, :H * F1].reshape(n, H, F1).contiguous(),
-                buf_DX[:, H * F1:].reshape(n, F, H).contiguous())
+        ctx.owns, ctx.group, ctx.shapes, ctx.widths = owns, group, [t.shape for t in stacked], widths
+        return tuple(part.reshape(n, *shape[1:]).contiguous()
+                     for part, shape in zip(buf_DX.split(widths, dim=1), ctx.shapes))
 
     @staticmethod
-    def backward(ctx, grad_w1_DHF1: Tensor, grad_w2_DFH: Tensor):
-        (L, H, F1), (_, F, _) = ctx.shapes
+    def backward(ctx, *grads_D: Tensor):
         (row_X,) = ctx.saved_tensors
-        n = len(grad_w1_DHF1)                   # autograd gives zeros for an output without gradient
-        buf_DX = torch.cat([grad_w1_DHF1.reshape(n, -1), grad_w2_DFH.reshape(n, -1)], dim=1)
+        n = len(grads_D[0])                     # autograd gives zeros for an output without gradient
+        buf_DX = torch.cat([g.reshape(n, -1) for g in grads_D], dim=1)
         if ctx.group is not None:
             dist.all_reduce(buf_DX, group=ctx.group)
         if not ctx.owns:
-            return None, None, None, None, None, None
-        grad_w1 = buf_DX.new_zeros(L + 1, H * F1).index_copy_(0, row_X, buf_DX[:, :H * F1])[:L].view(L, H, F1)
-        grad_w2 = buf_DX.new_zeros(L + 1, F * H).index_copy_(0, row_X, buf_DX[:, H * F1:])[:L].view(L, F, H)
-        return grad_w1, grad_w2, None, None, None, None
+            return (None,) * (4 + len(grads_D))
+        out = []
+        for part, shape, width in zip(buf_DX.split(ctx.widths, dim=1), ctx.shapes, ctx.widths):
+            L = shape[0]
+            out.append(buf_DX.new_zeros(L + 1, width).index_copy_(0, row_X, part)[:L].view(shape))
+        return (None, None, None, None, *out)
 
 
 class ShadowExperts:
@@ -139,9 +141,9 @@ class ShadowExperts:
         weights, fetched from their owners (module docstring, 2-3) -> [R, H]."""
         e = self.experts
         owns = any(e.first_slot <= s < e.first_slot + e.num_local for s in routes.slots.host)
-        w1_DHF1, w2_DFH = ShadowWeights.apply(e.weight1.to(x_TH.dtype), e.weight2.to(x_TH.dtype),
-                                              routes.slots.device, e.first_slot, owns, self.group)
-        return e.ffn(x_TH, routes.counts, routes.token_R, w1_DHF1, w2_DFH)
+        copies = ShadowWeights.apply(routes.slots.device, e.first_slot, owns, self.group,
+                                     *(t.to(x_TH.dtype) for t in e.stacked()))
+        return e.ffn(x_TH, routes.counts, routes.token_R, *copies[:2], False, *copies[2:])
 
 
 class Shadowing:
