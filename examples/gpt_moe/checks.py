@@ -208,6 +208,13 @@ def check_mla(args: argparse.Namespace) -> None:
                               "--qk-pos-emb-head-dim; its projections have no bias)")
 
 
+def mla_head_dims(args: argparse.Namespace) -> tuple[int, int]:
+    """(the query/key head's unrotated size, its rotated size) of the MLA flags, with their defaults:
+    --kv-channels or hidden / heads, and half of that (at least 2)."""
+    head = args.qk_head_dim or args.kv_channels or args.hidden_size // args.num_attention_heads
+    return head, args.qk_pos_emb_head_dim or max(head // 2, 2)
+
+
 def check_layout(args: argparse.Namespace, moe_config: MoEConfig) -> None:
     """The ``moe.parallel`` layout against the model flags."""
     p = moe_config.parallel
@@ -217,8 +224,7 @@ def check_layout(args: argparse.Namespace, moe_config: MoEConfig) -> None:
         raise ConfigError("moe.parallel.tensor", p.tensor, f"must divide --num-attention-heads "
                           f"({args.num_attention_heads})")
     if getattr(args, "multi_latent_attention", False):   # Megatron splits the down projections' outputs over TP
-        head = args.qk_head_dim or args.kv_channels or args.hidden_size // args.num_attention_heads
-        rotated = args.qk_pos_emb_head_dim or max(head // 2, 2)   # pretrain_gpt_moe.mla_fields' defaults
+        _head, rotated = mla_head_dims(args)
         sizes = {"--kv-lora-rank + --qk-pos-emb-head-dim": args.kv_lora_rank + rotated}
         if args.q_lora_rank is not None:
             sizes["--q-lora-rank"] = args.q_lora_rank

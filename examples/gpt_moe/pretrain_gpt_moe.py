@@ -254,12 +254,13 @@ def model_architecture(args: argparse.Namespace) -> dict:
 def mla_fields(args: argparse.Namespace) -> dict:
     """Megatron's ``MLATransformerConfig`` fields of the MLA flags (with --rope-scaling: YaRN's, which set
     MLA's softmax scale; the frequencies come from ``rope_scaled``)."""
+    from checks import mla_head_dims
+
     from moe_plugin.integration.megatron import mla_fields as fields_of
 
-    head = args.qk_head_dim or args.kv_channels or args.hidden_size // args.num_attention_heads
+    head, rotated = mla_head_dims(args)
     return fields_of(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=head,
-                     qk_pos_emb_head_dim=args.qk_pos_emb_head_dim or max(head // 2, 2),
-                     v_head_dim=args.v_head_dim or head, rotary_base=position_embedding(args)["rotary_base"],
+                     qk_pos_emb_head_dim=rotated, v_head_dim=args.v_head_dim or head, rotary_base=position_embedding(args)["rotary_base"],
                      rope_scaling=args.rope_scaling and json.loads(args.rope_scaling))
 
 
