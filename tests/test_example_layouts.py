@@ -272,24 +272,32 @@ def test_multi_latent_attention_trains_alike_under_every_layout(data_dir):
     and tp2 x pp2 x ep2 (ZeRO-0: the first stage holds the dense layer only; MLA rotates inside each stage's
     layers); the tp2 checkpoint exports to the
     one-rank run's weights. Without YaRN the losses differ (the scaling is applied)."""
-    saved = data_dir / "mla-tp2-ckpt"
+    mine = _alike_under_every_layout(data_dir, "mla", DEEPSEEK, GLM_MOE, 0, DEEPSEEK[:DEEPSEEK.index("--rope-scaling")])
+    assert mine["decoder.layers.0.self_attention.linear_kv_down_proj.weight"].shape == (20, 32)   # 12 + 8 rows
+
+
+def _alike_under_every_layout(data_dir: Path, prefix: str, flags: tuple, moe: dict, pp_stage: int,
+                              without: tuple) -> dict:
+    """The model of ``flags`` trained under tp2 x ep2 (ZeRO-1, saved), tp2 x ep2 with SP, pp2 x ep2 and
+    tp2 x pp2 x ep2 (ZeRO ``pp_stage``) gives the one-rank losses (rel 1e-5), the model of ``without`` other
+    losses; the tp2 checkpoint exports to the one-rank run's weights, which are returned."""
+    saved = data_dir / f"{prefix}-tp2-ckpt"
     layouts = _runs(data_dir, 4, [
-        ("mla-tp2-ep2", {"tensor": 2, "expert": 2}, 1, DEEPSEEK + ("--save", str(saved)), 1, GLM_MOE),
-        ("mla-tp2sp-ep2", {"tensor": 2, "expert": 2, "sequence_parallel": True}, 1, DEEPSEEK, 1, GLM_MOE),
-        ("mla-pp2-ep2", {"pipeline": 2, "expert": 2}, 0, DEEPSEEK, 1, GLM_MOE),
-        ("mla-tp2-pp2-ep2", LLAMA_LAYOUTS["tp2-pp2-ep2"][0], 0, DEEPSEEK, 1, GLM_MOE)])
-    plain = DEEPSEEK[:DEEPSEEK.index("--rope-scaling")]
-    ones = _runs(data_dir, 1, [("mla-one", {}, 1, DEEPSEEK + ("--save", str(data_dir / "mla-one-ckpt")), 1, GLM_MOE),
-                               ("mla-no-yarn", {}, 1, plain, 1, GLM_MOE)])
-    one = ones["mla-one"]
-    assert ones["mla-no-yarn"] != pytest.approx(one, rel=1e-4)
+        (f"{prefix}-tp2-ep2", {"tensor": 2, "expert": 2}, 1, flags + ("--save", str(saved)), 1, moe),
+        (f"{prefix}-tp2sp-ep2", {"tensor": 2, "expert": 2, "sequence_parallel": True}, 1, flags, 1, moe),
+        (f"{prefix}-pp2-ep2", {"pipeline": 2, "expert": 2}, pp_stage, flags, 1, moe),
+        (f"{prefix}-tp2-pp2-ep2", LLAMA_LAYOUTS["tp2-pp2-ep2"][0], pp_stage, flags, 1, moe)])
+    ones = _runs(data_dir, 1, [(f"{prefix}-one", {}, 1, flags + ("--save", str(data_dir / f"{prefix}-one-ckpt")), 1,
+                                moe), (f"{prefix}-without", {}, 1, without, 1, moe)])
+    one = ones[f"{prefix}-one"]
+    assert ones[f"{prefix}-without"] != pytest.approx(one, rel=1e-4)
     for name, got in layouts.items():
         assert got == pytest.approx(one, rel=1e-5), (name, got, one)
-    mine, theirs = _exported(data_dir, "mla", saved)
-    assert mine["decoder.layers.0.self_attention.linear_kv_down_proj.weight"].shape == (20, 32)   # 12 + 8 rows
+    mine, theirs = _exported(data_dir, prefix, saved)
     assert sorted(mine) == sorted(theirs)
     for key, value in theirs.items():
         torch.testing.assert_close(mine[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    return mine
 
 
 # GPT-OSS's shape on the tiny model: attention sinks, biases on q/k/v and the output projection, heads of 12
@@ -310,22 +318,7 @@ def test_gpt_oss_style_model_trains_alike_under_every_layout(data_dir):
     head, the experts over ETP 2 with the output bias added on ETP rank 0), tp2 x ep2 with sequence
     parallelism, pp2 x ep2 and tp2 x pp2 x ep2; the tp2 checkpoint exports to the one-rank run's weights.
     Without the sinks the losses differ (they are applied)."""
-    saved = data_dir / "oss-tp2-ckpt"
-    layouts = _runs(data_dir, 4, [
-        ("oss-tp2-ep2", {"tensor": 2, "expert": 2}, 1, GPT_OSS + ("--save", str(saved)), 1, GPT_OSS_MOE),
-        ("oss-tp2sp-ep2", {"tensor": 2, "expert": 2, "sequence_parallel": True}, 1, GPT_OSS, 1, GPT_OSS_MOE),
-        ("oss-pp2-ep2", {"pipeline": 2, "expert": 2}, 1, GPT_OSS, 1, GPT_OSS_MOE),
-        ("oss-tp2-pp2-ep2", LLAMA_LAYOUTS["tp2-pp2-ep2"][0], 1, GPT_OSS, 1, GPT_OSS_MOE)])
-    vanilla = tuple("vanilla" if f == "learnable" else f for f in GPT_OSS)
-    ones = _runs(data_dir, 1, [("oss-one", {}, 1, GPT_OSS + ("--save", str(data_dir / "oss-one-ckpt")), 1, GPT_OSS_MOE),
-                               ("oss-no-sinks", {}, 1, vanilla, 1, GPT_OSS_MOE)])
-    one = ones["oss-one"]
-    assert ones["oss-no-sinks"] != pytest.approx(one, rel=1e-4)
-    for name, got in layouts.items():
-        assert got == pytest.approx(one, rel=1e-5), (name, got, one)
-    mine, theirs = _exported(data_dir, "oss", saved)
+    vanilla = tuple("vanilla" if f == "learnable" else f for f in GPT_OSS)   # no sinks
+    mine = _alike_under_every_layout(data_dir, "oss", GPT_OSS, GPT_OSS_MOE, 1, vanilla)
     assert mine["decoder.layers.0.self_attention.core_attention.softmax_offset"].shape == (4,)
     assert mine["decoder.layers.0.mlp.experts.bias2"].shape == (8, 32)
-    assert sorted(mine) == sorted(theirs)
-    for key, value in theirs.items():
-        torch.testing.assert_close(mine[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
