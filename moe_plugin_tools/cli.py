@@ -260,8 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(run=upcycle)
 
     imp = commands.add_parser("import-hf", help="a Hugging Face model directory (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, "
-                              "GLM-4.5, DeepSeek-V3, DeepSeek-V2, GPT-OSS; dense Llama, Mistral, Qwen3) as a checkpoint "
-                              "that loads under any layout")
+                              "GLM-4.5, DeepSeek-V3, DeepSeek-V2, GPT-OSS; dense Llama, Mistral, Qwen3) as a "
+                              "checkpoint that loads under any layout")
     imp.add_argument("hf_dir", type=Path, metavar="HF_DIR", help="config.json and model.safetensors (or its index)")
     imp.add_argument("--config", type=Path, required=True, help="the DeepSpeed JSON to train with; its \"moe\" "
                      "block is checked against config.json (expert fields left out are filled in)")

@@ -137,8 +137,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="with --window-size: every Nth layer attends fully, or a JSON list with 1 for each "
                        "windowed layer and 0 for a full one (default: every layer windowed)")
     model.add_argument("--softmax-type", choices=["vanilla", "off-by-one", "learnable"], default="vanilla",
-                       help="attention sinks (Megatron's softmax_type): learnable adds a learned logit per head to every "
-                       "query's softmax (GPT-OSS), off-by-one a zero one")
+                       help="attention sinks (Megatron's softmax_type): learnable adds a learned logit per head to "
+                       "every query's softmax (GPT-OSS), off-by-one a zero one")
     model.add_argument("--multi-latent-attention", action="store_true",
                        help="DeepSeek-V2/V3's multi-latent attention (Megatron's MLASelfAttention): low-rank query "
                        "and key/value projections, a rotary key shared by the heads; with --qk-layernorm their "
@@ -260,7 +260,8 @@ def mla_fields(args: argparse.Namespace) -> dict:
 
     head, rotated = mla_head_dims(args)
     return fields_of(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=head,
-                     qk_pos_emb_head_dim=rotated, v_head_dim=args.v_head_dim or head, rotary_base=position_embedding(args)["rotary_base"],
+                     qk_pos_emb_head_dim=rotated, v_head_dim=args.v_head_dim or head,
+                     rotary_base=position_embedding(args)["rotary_base"],
                      rope_scaling=args.rope_scaling and json.loads(args.rope_scaling))
 
 

@@ -7,7 +7,8 @@ live as long as a Python object holds the group (Megatron-Core's and DeepSpeed's
 do). A thread that asks for the GIL after the interpreter has begun its teardown is ended there
 with ``pthread_exit``, inside C++ frames that may not unwind, and the process aborts
 ("terminate called without an active exception", status -6; under torch 2.11 and Python 3.12 a
-segmentation fault, -11) after the run has finished and saved; or the teardown waits for a thread that waits for the GIL, and the process hangs. Under
+segmentation fault, -11) after the run has finished and saved; or the teardown waits for a thread
+that waits for the GIL, and the process hangs. Under
 load (4 ranks on 2 cores) one run in some tens ended so. ``tests/test_process_exit.py`` makes
 the race certain with a callback that keeps asking for the GIL on a gloo thread.
 

@@ -217,7 +217,7 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         raise refuse("qk_layernorm_scope", scope, f"QK-norm over {what} (--qk-layernorm-scope {wants_scope})")
     qkv_bias = bool(tc.get("add_qkv_bias")) or gpt_oss
     if qkv_bias and model_type not in ("qwen2_moe", "glm4_moe", "gpt_oss"):
-        raise refuse("add_qkv_bias", True, "no QKV biases (Qwen2-MoE and GLM-4.5 have them)")
+        raise refuse("add_qkv_bias", True, "no QKV biases (Qwen2-MoE, GLM-4.5 and GPT-OSS have them)")
     if model_type in MOE_TYPES:
         if not moe_layers:
             raise refuse("moe.layers", moe.get("layers"), "MoE layers (the checkpoint has none: --arch llama)")
@@ -307,11 +307,11 @@ def _window(tc: dict, num_layers: int, model_type: str, refuse: Callable[..., Co
     if layers is not None and all(layers):
         layers = None
     if model_type in WINDOW_EVERY_LAYER and layers is not None:
-        raise refuse("window_attn_skip_freq", freq, "the window on every layer (Qwen3 and Qwen2-MoE window "
-                     "some layers)")
+        raise refuse("window_attn_skip_freq", freq, f"the window on every layer ({', '.join(WINDOW_BY_LAYER_TYPES)} "
+                     "window some layers)")
     if model_type not in WINDOW_EVERY_LAYER + WINDOW_BY_LAYER_TYPES:
-        raise refuse("window_size", size, "full attention (sliding windows: mistral, mixtral, qwen3_moe, qwen3, "
-                     "qwen2_moe)")
+        raise refuse("window_size", size, "full attention (sliding windows: "
+                     f"{', '.join(WINDOW_EVERY_LAYER + WINDOW_BY_LAYER_TYPES)})")
     return int(left) + 1, layers
 
 

@@ -107,8 +107,7 @@ class HFWeights:
         if name in self._mxfp4:
             blocks, scales, dtype = self._mxfp4[name]
             return dequantize_mxfp4(self._rows(blocks, row), self._rows(scales, row)).to(dtype)
-        if (self.blocks is not None and name in self._scale) or not hasattr(self._files[self._where[name]],
-                                                                             "read_rows"):
+        if self.blocks is not None and name in self._scale:
             return self.read(name)[row]
         return self._rows(name, row)
 

@@ -184,11 +184,12 @@ class ExpertFFN(torch.autograd.Function):
                 pre_chunks.append(None)
                 continue
             rows_RH = _rows(x_NH, gather_R, c)
-            pre_RF1 = _pre_activation(rows_RH, w1_LHF1, b1_LF1, c, backend)
+            expert_R = _expert_of_rows(c) if b1_LF1 is not None or b2_LH is not None else None
+            pre_RF1 = _pre_activation(rows_RH, w1_LHF1, b1_LF1, c, backend, expert_R)
             del rows_RH
             y_RH[c.r0:c.r1] = _rows_at_weights(act(pre_RF1), w2_LFH[c.l0:c.l1], c, backend)
             if b2_LH is not None and add_b2:
-                y_RH[c.r0:c.r1] += b2_LH[c.l0:c.l1].index_select(0, _expert_of_rows(c))
+                y_RH[c.r0:c.r1] += b2_LH[c.l0:c.l1].index_select(0, expert_R)
             pre_chunks.append(pre_RF1 if save_pre else None)
         ctx.save_for_backward(x_NH, w1_LHF1, w2_LFH, gather_R, b1_LF1, b2_LH)
         ctx.pre_chunks = pre_chunks   # intermediates, dropped chunk by chunk in backward
@@ -218,12 +219,12 @@ class ExpertFFN(torch.autograd.Function):
                         grad[c.l0:c.l1].zero_()
                 continue
             w1c, w2c, g_y = w1_LHF1[c.l0:c.l1], w2_LFH[c.l0:c.l1], grad_y_RH[c.r0:c.r1]
-            expert_R = _expert_of_rows(c) if (need_b1 or need_b2) else None
+            expert_R = _expert_of_rows(c) if b1_LF1 is not None or b2_LH is not None else None
             if need_b2 and ctx.add_b2:
                 grad_b2[c.l0:c.l1].index_add_(0, expert_R, g_y, alpha=ctx.grad_scale)
             rows_RH = _rows(x_NH, gather_R, c) if (need_w1 or pre_RF1 is None) else None
             if pre_RF1 is None:
-                pre_RF1 = _pre_activation(rows_RH, w1_LHF1, b1_LF1, c, ctx.backend)
+                pre_RF1 = _pre_activation(rows_RH, w1_LHF1, b1_LF1, c, ctx.backend, expert_R)
             with torch.enable_grad():
                 pre_leaf = pre_RF1.detach().requires_grad_(True)
                 act_RF = ctx.act(pre_leaf)
@@ -255,11 +256,13 @@ def _expert_of_rows(chunk: Chunk) -> Tensor:
     return torch.bucketize(rows, chunk.offs, right=True)
 
 
-def _pre_activation(rows_RH: Tensor, w1_LHF1: Tensor, b1_LF1: Optional[Tensor], chunk: Chunk, backend: str) -> Tensor:
-    """The chunk's rows times their experts' first weight, plus their first bias if any."""
+def _pre_activation(rows_RH: Tensor, w1_LHF1: Tensor, b1_LF1: Optional[Tensor], chunk: Chunk, backend: str,
+                    expert_R: Optional[Tensor]) -> Tensor:
+    """The chunk's rows times their experts' first weight, plus their first bias if any (``expert_R``:
+    ``_expert_of_rows(chunk)``, made once per chunk where there are biases)."""
     pre_RF1 = _rows_at_weights(rows_RH, w1_LHF1[chunk.l0:chunk.l1], chunk, backend)
     if b1_LF1 is not None:
-        pre_RF1 += b1_LF1[chunk.l0:chunk.l1].index_select(0, _expert_of_rows(chunk))
+        pre_RF1 += b1_LF1[chunk.l0:chunk.l1].index_select(0, expert_R)
     return pre_RF1
 
 
