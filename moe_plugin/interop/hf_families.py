@@ -61,6 +61,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from moe_plugin.checkpoint.shards import cat, stack
 from moe_plugin.interop.hf_arch import HFArchitecture
 
 
@@ -123,7 +124,7 @@ def _qkv(groups: int, heads: int, head_dim: int) -> tuple[Callable, Callable]:
         rest = q.shape[1:]
         parts = [q.reshape(groups, per * head_dim, *rest), k.reshape(groups, head_dim, *rest),
                  v.reshape(groups, head_dim, *rest)]
-        return torch.cat(parts, dim=1).reshape(-1, *rest)
+        return cat(parts, dim=1).reshape(-1, *rest)
 
     def cut(t: Tensor) -> list[Tensor]:
         rest = t.shape[1:]
@@ -135,12 +136,12 @@ def _qkv(groups: int, heads: int, head_dim: int) -> tuple[Callable, Callable]:
 
 def _rows() -> tuple[Callable, Callable]:
     """(gate [F, H], up [F, H]) <-> Megatron's fc1 [2F, H]."""
-    return (lambda ts: torch.cat(ts, 0)), (lambda t: [c.contiguous() for c in t.chunk(2, 0)])
+    return (lambda ts: cat(ts, 0)), (lambda t: [c.contiguous() for c in t.chunk(2, 0)])
 
 
 def _columns() -> tuple[Callable, Callable]:
     """(gate [F, H], up [F, H]) <-> the plugin's weight1 [H, 2F]."""
-    return (lambda ts: torch.cat(ts, 0).t().contiguous()), (lambda t: [c.contiguous() for c in t.t().chunk(2, 0)])
+    return (lambda ts: cat(ts, 0).t().contiguous()), (lambda t: [c.contiguous() for c in t.t().chunk(2, 0)])
 
 
 def _transposed() -> tuple[Callable, Callable]:
@@ -163,11 +164,11 @@ def _deinterleaved() -> tuple[Callable, Callable]:
     """GPT-OSS's [..., 2F] with gate and up interleaved (gate at even positions) <-> the plugin's [..., 2F]:
     the gate half, then the up half."""
     def join(ts: list[Tensor]) -> Tensor:
-        return torch.cat([ts[0][..., 0::2], ts[0][..., 1::2]], dim=-1).contiguous()
+        return cat([ts[0][..., 0::2], ts[0][..., 1::2]], dim=-1).contiguous()
 
     def cut(t: Tensor) -> list[Tensor]:
         gate, up = t.chunk(2, dim=-1)
-        return [torch.stack([gate, up], dim=-1).flatten(-2).contiguous()]
+        return [stack([gate, up], dim=-1).flatten(-2).contiguous()]
 
     return join, cut
 
