@@ -24,6 +24,13 @@ def _check_row(r: dict) -> None:
     assert r["mb_in"] + r["mb_out"] > 0 and r["bytes_in"] + r["bytes_out"] > 0, r
     assert (r["own_seconds"] is None) == (r["step"] == "export"), r   # the others print "in X s"
     assert r["own_seconds"] is None or 0 < r["own_seconds"] < r["seconds"], r
+    if r["step"] in ("load", "save"):
+        return
+    # the floors and the bytes' own time: seconds less the same command's on a one-layer model
+    assert r["start_seconds"] > 0 and r["dd_seconds"] > 0, r
+    for floor in ("cp", "dd"):   # the row's figures are rounded to 1 ms, their ratio is not
+        ratio, seconds = r[f"bytes_over_{floor}"], r[f"{floor}_seconds"]
+        assert abs(ratio * seconds - (r["seconds"] - r["start_seconds"])) <= 0.002 + 0.0005 * abs(ratio), r
 
 
 def test_bench_checkpoint_rows(capsys, tmp_path):
@@ -36,6 +43,7 @@ def test_bench_checkpoint_rows(capsys, tmp_path):
         assert abs(r["bytes_out"] - r["bytes_in"]) <= 0.1 * r["bytes_in"], r
     assert rows[2]["bytes_out"] > 1.8 * rows[0]["bytes_in"]   # export writes fp32
     assert "[2 layers] export-hf" in progress and "expert files 4/4" in progress   # the commands' own progress
+    assert progress.count("start costs: each conversion on a model of one layer") == 1   # once per bench
     assert list(tmp_path.iterdir()) == []   # models and outputs removed (no --keep)
 
 

@@ -10,11 +10,14 @@ bf16, are written one tensor at a time under the hub's names (what ``save_pretra
 per-expert ``block_sparse_moe.experts.E.w1/w2/w3`` for Mixtral), so building them costs no memory
 either (moe_plugin_tools/bench/hf_model.py, which ``moe-plugin bench checkpoint`` uses too). Also
 checked: a bf16 import makes a checkpoint of about the source's size (the dtype is kept), and the
-export-hf of the import is the source, tensor for tensor.
+export-hf of the import is the source, tensor for tensor; and the conversions' ``cat`` and ``stack``
+on meta tensors (their plans from the headers) give torch's shapes without torch's meta ``cat``, which
+imports TorchDynamo on its first call.
 """
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -84,3 +87,22 @@ def test_a_bf16_import_is_the_size_of_its_source_and_exports_to_it(measured):
     assert all(back[k].dtype == torch.bfloat16 and torch.equal(back[k], source[k]) for k in source)
     exported = load_file(str(m["dir"] / "export" / "model.safetensors"))
     assert all(v.dtype == torch.float32 for v in exported.values() if v.is_floating_point())
+
+
+def test_cat_and_stack_on_meta_tensors_give_torch_shapes():
+    from moe_plugin.checkpoint.shards import cat, stack
+
+    real = [torch.zeros(2, 3, 4), torch.zeros(2, 5, 4)]
+    meta = [t.to("meta") for t in real]
+    for dim in (1, -2):
+        assert cat(meta, dim).shape == torch.cat(real, dim).shape and cat(meta, dim).is_meta
+    same = [torch.zeros(2, 3), torch.zeros(2, 3)]
+    for dim in (0, 1, 2, -1):
+        assert stack([t.to("meta") for t in same], dim).shape == torch.stack(same, dim).shape
+    assert torch.equal(cat(real, 1), torch.cat(real, 1))   # real tensors: torch's
+    code = ("import sys, torch; from moe_plugin.checkpoint.shards import cat; "
+            "cat([torch.empty(2, 3, device='meta'), torch.empty(2, 1, device='meta')], 1); "
+            "print('torch._dynamo' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+    with pytest.raises(RuntimeError, match="differ outside dimension 0"):
+        cat(meta, 0)

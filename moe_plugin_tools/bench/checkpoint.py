@@ -10,12 +10,16 @@ by tensor: ``hf_model.py``), then runs, each in a child process of its own,
 
 and reports per step: wall seconds of the child (its interpreter start and imports included),
 the time the command reports itself where it prints one ("... in X s": import-hf, export-hf),
-its peak RSS (``ru_maxrss`` read by a wrapper around that one command), the bytes of its input
-and output directories, and the time ``cp -r`` takes to copy the same input and then the same
-output into a scratch directory (the floor for moving those bytes through the same file system:
-the ratio time / cp). MB are 10^6 bytes. The page cache is left warm: the input was just written. Each
-measured command and each ``cp`` starts after ``sync``, so that the write-back of bytes an earlier step
-wrote (the model, the last output) does not land in its time: both are timed from the same state.
+"start s": the same command's wall seconds on a model of one layer, hidden 64 (``start_seconds``, once
+per bench: the interpreter, the imports, planning), its peak RSS (``ru_maxrss`` read by a wrapper
+around that one command), the bytes of its input and output directories, and two floors for moving
+them: the mean time of copying the input and the output into a scratch directory with ``cp -r``
+("cp s": the kernel copies, ``copy_file_range``) and with ``dd bs=8M`` ("dd s": through a buffer
+in the process, as any program that makes the bytes it writes). The ratios: time / cp, and the
+bytes' own time (seconds less start s) over cp and over dd. MB are 10^6 bytes. The page cache is
+left warm: the input was just written. Each measured command and each copy starts after ``sync``,
+so that the write-back of bytes an earlier step wrote (the model, the last output) does not land
+in its time: all are timed from the same state.
 export-hf and export read the checkpoint import-hf wrote; without ``import-hf`` in ``--steps`` it
 is still run, not reported. The steps load and save are one run of the example on 2 ranks
 (``train_rows``: ``--load`` the import, 2 steps, ``--save``): their own seconds as the example prints
@@ -37,13 +41,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from moe_plugin.configs import ConfigError
 from moe_plugin_tools.bench.args import CHECKPOINT_STEPS
-from moe_plugin_tools.bench.hf_model import HFShape, param_count, run_measured, write_hf_model
+from moe_plugin_tools.bench.hf_model import HFShape, Measured, param_count, run_measured, write_hf_model
 
 EXPERT_PARALLEL = 2
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "moe": {"parallel": {"expert": EXPERT_PARALLEL}}}
@@ -60,9 +65,12 @@ SIZE_FLAGS = {"--hidden": "hidden", "--heads": "heads", "--kv-heads": "kv_heads"
               "--ffn": "ffn", "--vocab": "vocab"}
 # (header, record key, format) of the table's columns
 COLUMNS = (("layers", "layers", "{}"), ("params", "params", None), ("step", "step", "{}"),
-           ("seconds", "seconds", "{:.2f}"), ("own s", "own_seconds", "{:.2f}"),
+           ("seconds", "seconds", "{:.2f}"), ("own s", "own_seconds", "{:.2f}"), ("start s", "start_seconds", "{:.2f}"),
            ("peak RSS MB", "peak_rss_mb", "{:.0f}"), ("MB in", "mb_in", "{:.1f}"), ("MB out", "mb_out", "{:.1f}"),
-           ("cp s", "cp_seconds", "{:.2f}"), ("time / cp", "time_over_cp", "{:.1f}"))
+           ("cp s", "cp_seconds", "{:.2f}"), ("dd s", "dd_seconds", "{:.2f}"), ("time / cp", "time_over_cp", "{:.1f}"),
+           ("bytes / cp", "bytes_over_cp", "{:.1f}"), ("bytes / dd", "bytes_over_dd", "{:.1f}"))
+CONVERSIONS = CHECKPOINT_STEPS[:3]   # import-hf, export-hf, export
+START_SHAPE = HFShape(hidden=64, heads=4, kv_heads=2, experts=2, ffn=128)
 
 
 @dataclass(frozen=True)
@@ -121,12 +129,13 @@ def run(args: argparse.Namespace) -> None:
         f"ffn {s.ffn}, vocab {s.vocab}; layers {', '.join(map(str, settings.layers))}; steps "
         f"{', '.join(settings.steps)}; in {root}")
     rows = []
-    start = time.perf_counter()
+    began = time.perf_counter()
     try:
+        start = start_seconds(root / "start", settings) if set(CONVERSIONS) & set(settings.steps) else {}
         for layers in settings.layers:
             directory = root / _size_dir(layers)
             try:
-                for row in bench_size(directory, layers, settings):
+                for row in bench_size(directory, layers, settings, start):
                     rows.append(row)
                     if args.json:
                         print(json.dumps(row), flush=True)
@@ -136,57 +145,91 @@ def run(args: argparse.Namespace) -> None:
     finally:
         if settings.work is None and not settings.keep:
             shutil.rmtree(root, ignore_errors=True)
-    say(f"done in {time.perf_counter() - start:.0f} s" + (f"; kept {root}" if settings.keep else ""))
+    say(f"done in {time.perf_counter() - began:.0f} s" + (f"; kept {root}" if settings.keep else ""))
     if not args.json:
         print(table(rows), flush=True)
 
 
-def bench_size(directory: Path, layers: int, settings: Settings) -> list[dict]:
+def start_seconds(directory: Path, settings: Settings) -> dict[str, float]:
+    """Each conversion of ``settings.steps``' wall seconds on a model of a few hundred KB (``START_SHAPE``, one
+    layer): the interpreter, the imports, reading the configs, planning the files. A step's ``seconds`` less
+    this is what its bytes cost."""
+    say("start costs: each conversion on a model of one layer, hidden 64 (its bytes cost next to nothing)")
+    out = {}
+    try:
+        for step, _source, _out, done in _conversions(directory, 1, START_SHAPE, settings.steps, keep=False):
+            out[step] = done.seconds
+            say(f"    {step}: {done.seconds:.2f} s")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return out
+
+
+def bench_size(directory: Path, layers: int, settings: Settings, start: dict[str, float]) -> list[dict]:
     """Write the model of ``layers`` layers under ``directory`` and measure each step on it."""
     shape = settings.shape
     params = param_count("mixtral", layers, shape)
     tag = f"[{layers} layer{'s' if layers != 1 else ''}]"
-    say(f"{tag} writing a {_count(params)}-parameter Hugging Face model ({2 * params / MB:.4g} MB in bf16)")
+    record = {"layers": layers, "params": params, "hidden": shape.hidden, "heads": shape.heads,
+              "kv_heads": shape.kv_heads, "experts": shape.experts, "ffn": shape.ffn, "vocab": shape.vocab}
+    rows = []
+    imported: tuple[str, ...] = ()
+    for step, source, out, done in _conversions(directory, layers, shape, settings.steps, settings.keep, tag):
+        if step == "import-hf":
+            imported = done.lines
+        if step not in settings.steps:
+            continue
+        own = [float(m.group(1)) for m in map(SELF_TIMED.search, done.lines) if m]
+        bytes_in, bytes_out = _bytes(source), _bytes(out)
+        copy = copy_seconds([source, out], directory / "scratch", "cp")
+        user = copy_seconds([source, out], directory / "scratch", "dd")
+        moving = done.seconds - start[step]
+        row = {**record, "step": step, "seconds": round(done.seconds, 3), "own_seconds": own[-1] if own else None,
+               "start_seconds": round(start[step], 3),
+               "peak_rss_mb": round(done.peak_bytes / MB, 1), "mb_in": round(bytes_in / MB, 1),
+               "mb_out": round(bytes_out / MB, 1), "bytes_in": bytes_in, "bytes_out": bytes_out,
+               "cp_seconds": round(copy, 3), "dd_seconds": round(user, 3),
+               "time_over_cp": round(done.seconds / copy, 2), "bytes_over_cp": round(moving / copy, 2),
+               "bytes_over_dd": round(moving / user, 2)}
+        say(f"{tag} {step}: {done.seconds:.1f} s ({start[step]:.1f} s of it the start), peak RSS "
+            f"{row['peak_rss_mb']:.0f} MB, {bytes_in / MB:.4g} MB in, {bytes_out / MB:.4g} MB out; copying them: "
+            f"cp {copy:.2f} s, dd {user:.2f} s")
+        rows.append(row)
+    if {"load", "save"} & set(settings.steps):
+        rows += train_rows(directory, tag, record, directory / "ckpt", imported, settings)
+    return rows
+
+
+def _conversions(directory: Path, layers: int, shape: HFShape, steps: tuple[str, ...], keep: bool,
+                 tag: str = "") -> Iterator[tuple[str, Path, Path, Measured]]:
+    """Write a Mixtral-shaped model of ``layers`` layers under ``directory``, then run import-hf (always: the
+    other steps read its checkpoint) and each conversion of ``steps``, each in a child after ``sync``: yields
+    (step, its input, its output, ``Measured``) while the output is still there (removed after, but for the
+    import's and under ``keep``)."""
+    params = param_count("mixtral", layers, shape)
+    if tag:
+        say(f"{tag} writing a {_count(params)}-parameter Hugging Face model ({2 * params / MB:.4g} MB in bf16)")
     began = time.perf_counter()
     write_hf_model("mixtral", directory / "hf", layers, shape)
-    say(f"{tag} written in {time.perf_counter() - began:.1f} s")
+    if tag:
+        say(f"{tag} written in {time.perf_counter() - began:.1f} s")
     ds_config = directory / "ds.json"
     ds_config.write_text(json.dumps(DS_CONFIG))
     hf, ckpt, hf_out, export = (directory / name for name in ("hf", "ckpt", "hf-out", "export"))
     commands = {"import-hf": (hf, ckpt, ["import-hf", str(hf), "--config", str(ds_config), "--out", str(ckpt)]),
                 "export-hf": (ckpt, hf_out, ["export-hf", str(ckpt), "--out", str(hf_out)]),
                 "export": (ckpt, export, ["export", str(ckpt), "--out", str(export)])}
-    record = {"layers": layers, "params": params, "hidden": shape.hidden, "heads": shape.heads,
-              "kv_heads": shape.kv_heads, "experts": shape.experts, "ffn": shape.ffn, "vocab": shape.vocab}
-    rows = []
-    imported: tuple[str, ...] = ()
     for step, (source, out, argv) in commands.items():
-        measured = step in settings.steps
-        if not measured and step != "import-hf":
+        if step not in steps and step != "import-hf":
             continue
-        say(f"{tag} {step}" + ("" if measured else " (not measured: the other steps read its checkpoint)"))
+        if tag:
+            say(f"{tag} {step}" + ("" if step in steps else " (not measured: the other steps read its checkpoint)"))
         os.sync()
-        done = run_measured([sys.executable, "-m", "moe_plugin_tools.cli", *argv], on_line=_progress)
-        if step == "import-hf":
-            imported = done.lines
-        if not measured:
-            continue
-        own = [float(m.group(1)) for m in map(SELF_TIMED.search, done.lines) if m]
-        bytes_in, bytes_out = _bytes(source), _bytes(out)
-        copy = cp_seconds([source, out], directory / "scratch")
-        row = {**record, "step": step, "seconds": round(done.seconds, 3), "own_seconds": own[-1] if own else None,
-               "peak_rss_mb": round(done.peak_bytes / MB, 1), "mb_in": round(bytes_in / MB, 1),
-               "mb_out": round(bytes_out / MB, 1), "bytes_in": bytes_in, "bytes_out": bytes_out,
-               "cp_seconds": round(copy, 3),
-               "time_over_cp": round(done.seconds / copy, 2)}
-        say(f"{tag} {step}: {done.seconds:.1f} s, peak RSS {row['peak_rss_mb']:.0f} MB, {bytes_in / MB:.4g} MB in, "
-            f"{bytes_out / MB:.4g} MB out; cp -r of both {copy:.2f} s")
-        rows.append(row)
-        if step != "import-hf" and not settings.keep:   # import-hf's checkpoint is the next steps' input
+        done = run_measured([sys.executable, "-m", "moe_plugin_tools.cli", *argv],
+                            on_line=_progress if tag else None)
+        yield step, source, out, done
+        if step != "import-hf" and not keep:
             shutil.rmtree(out)
-    if {"load", "save"} & set(settings.steps):
-        rows += train_rows(directory, tag, record, ckpt, imported, settings)
-    return rows
 
 
 def train_rows(directory: Path, tag: str, record: dict, ckpt: Path, imported: tuple[str, ...],
@@ -217,7 +260,7 @@ def train_rows(directory: Path, tag: str, record: dict, ckpt: Path, imported: tu
         if step not in settings.steps:
             continue
         size = _bytes(path)
-        copy = cp_seconds([path], directory / "scratch")
+        copy = copy_seconds([path], directory / "scratch", "cp")
         seconds = own[step][-1] if own[step] else None
         rows.append({**record, "step": step, "seconds": round(done.seconds, 3), "own_seconds": seconds,
                      "peak_rss_mb": round(peak, 1), "estimate_mb": round(memory["estimate_mb"] * 2 ** 20 / MB, 1),
@@ -248,8 +291,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def cp_seconds(paths: list[Path], scratch: Path) -> float:
-    """Seconds ``cp -r`` takes to copy each of ``paths`` into ``scratch`` (removed after each)."""
+def copy_seconds(paths: list[Path], scratch: Path, tool: str) -> float:
+    """The mean seconds of copying each of ``paths`` into ``scratch`` (removed after each), each after ``sync``:
+    with ``cp -r`` ("cp", which copies inside the kernel: ``copy_file_range``) or file by file with
+    ``dd bs=8M`` ("dd": through a buffer of its own, as any program that makes the bytes it writes). The mean
+    of the input's and the output's copy is the cost of moving the step's bytes once."""
     scratch.mkdir()
     total = 0.0
     try:
@@ -257,18 +303,24 @@ def cp_seconds(paths: list[Path], scratch: Path) -> float:
             copy = scratch / path.name
             os.sync()
             began = time.perf_counter()
-            subprocess.run(["cp", "-r", str(path), str(copy)], check=True)
+            if tool == "cp":
+                subprocess.run(["cp", "-r", str(path), str(copy)], check=True)
+            else:
+                for file in sorted(p for p in path.rglob("*") if p.is_file()):
+                    target = copy / file.relative_to(path)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    subprocess.run(["dd", f"if={file}", f"of={target}", "bs=8M", "status=none"], check=True)
             total += time.perf_counter() - began
             shutil.rmtree(copy)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return total
+    return total / len(paths)
 
 
 def table(rows: list[dict]) -> str:
     """The rows as a text table, one line per size and step."""
     def cell(row: dict, key: str, form: Optional[str]) -> str:
-        value = row[key]
+        value = row.get(key)
         if value is None:
             return "-"
         return _count(value) if form is None else form.format(value)
