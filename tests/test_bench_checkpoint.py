@@ -9,7 +9,8 @@ import pytest
 
 from moe_plugin_tools.cli import main
 
-TOY = ["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--experts", "4", "--ffn", "128", "--vocab", "384"]
+TOY = ["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--experts", "4", "--ffn", "128", "--vocab", "384",
+       "--settle", "0"]
 STEPS = ("import-hf", "export-hf", "export", "load", "save")
 
 
@@ -79,6 +80,7 @@ def test_bench_checkpoint_one_step_still_imports_first(capsys, tmp_path):
     (["--steps", "import-hf,train"], "error: --steps: got 'import-hf,train'; expected distinct comma-separated "
                                      "steps of import-hf, export-hf, export, load, save"),
     (["--vocab", "128"], "error: --vocab: got 128; the load and save steps train the example on its byte-level"),
+    (["--settle", "-1"], "error: --settle: got -1.0; expected seconds >= 0"),
 ])
 def test_bench_checkpoint_refuses_bad_flags_in_one_line(capsys, tmp_path, argv, message):
     with pytest.raises(SystemExit) as caught:

@@ -159,6 +159,8 @@ def add_checkpoint_parser(kinds: argparse._SubParsersAction, run_checkpoint) -> 
     ckpt.add_argument("--work", type=Path, default=None, help="where the models and outputs go (default: a "
                       "temporary directory, removed at the end)")
     ckpt.add_argument("--keep", action="store_true", help="keep the models and outputs (default: removed when done)")
+    ckpt.add_argument("--settle", type=float, default=3.0, help="seconds idle after sync before each measured "
+                      "command and copy, so that all start from the same state of memory (default 3)")
     ckpt.add_argument("--json", action="store_true", help="print one JSON object per row")
     ckpt.set_defaults(run=run_checkpoint)
 

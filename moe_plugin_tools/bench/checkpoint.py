@@ -17,9 +17,9 @@ them: the mean time of copying the input and the output into a scratch directory
 ("cp s": the kernel copies, ``copy_file_range``) and with ``dd bs=8M`` ("dd s": through a buffer
 in the process, as any program that makes the bytes it writes). The ratios: time / cp, and the
 bytes' own time (seconds less start s) over cp and over dd. MB are 10^6 bytes. The page cache is
-left warm: the input was just written. Each measured command and each copy starts after ``sync``,
-so that the write-back of bytes an earlier step wrote (the model, the last output) does not land
-in its time: all are timed from the same state.
+left warm: the input was just written. Each measured command and each copy starts after ``settle``
+(``sync``, then 3 s idle), so that neither the write-back of bytes an earlier step wrote nor pages it
+just freed land in its time: all are timed from the same state.
 export-hf and export read the checkpoint import-hf wrote; without ``import-hf`` in ``--steps`` it
 is still run, not reported. The steps load and save are one run of the example on 2 ranks
 (``train_rows``: ``--load`` the import, 2 steps, ``--save``): their own seconds as the example prints
@@ -80,6 +80,7 @@ class Settings:
     steps: tuple[str, ...]
     work: Optional[Path]
     keep: bool
+    settle: float = 3.0   # seconds idle after sync before each measurement (``settle``)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -116,7 +117,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         if taken:
             raise ConfigError("--work", str(args.work), f"already holds {', '.join(taken)}; remove it or name "
                               "another directory")
-    return Settings(layers=layers, shape=shape, steps=steps, work=args.work, keep=args.keep)
+    if not args.settle >= 0:
+        raise ConfigError("--settle", args.settle, "expected seconds >= 0")
+    return Settings(layers=layers, shape=shape, steps=steps, work=args.work, keep=args.keep, settle=args.settle)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -157,7 +160,8 @@ def start_seconds(directory: Path, settings: Settings) -> dict[str, float]:
     say("start costs: each conversion on a model of one layer, hidden 64 (its bytes cost next to nothing)")
     out = {}
     try:
-        for step, _source, _out, done in _conversions(directory, 1, START_SHAPE, settings.steps, keep=False):
+        for step, _source, _out, done in _conversions(directory, 1, START_SHAPE, settings.steps, False,
+                                                      settings.settle):
             out[step] = done.seconds
             say(f"    {step}: {done.seconds:.2f} s")
     finally:
@@ -174,15 +178,16 @@ def bench_size(directory: Path, layers: int, settings: Settings, start: dict[str
               "kv_heads": shape.kv_heads, "experts": shape.experts, "ffn": shape.ffn, "vocab": shape.vocab}
     rows = []
     imported: tuple[str, ...] = ()
-    for step, source, out, done in _conversions(directory, layers, shape, settings.steps, settings.keep, tag):
+    for step, source, out, done in _conversions(directory, layers, shape, settings.steps, settings.keep,
+                                                    settings.settle, tag):
         if step == "import-hf":
             imported = done.lines
         if step not in settings.steps:
             continue
         own = [float(m.group(1)) for m in map(SELF_TIMED.search, done.lines) if m]
         bytes_in, bytes_out = _bytes(source), _bytes(out)
-        copy = copy_seconds([source, out], directory / "scratch", "cp")
-        user = copy_seconds([source, out], directory / "scratch", "dd")
+        copy = copy_seconds([source, out], directory / "scratch", "cp", settings.settle)
+        user = copy_seconds([source, out], directory / "scratch", "dd", settings.settle)
         moving = done.seconds - start[step]
         row = {**record, "step": step, "seconds": round(done.seconds, 3), "own_seconds": own[-1] if own else None,
                "start_seconds": round(start[step], 3),
@@ -200,10 +205,10 @@ def bench_size(directory: Path, layers: int, settings: Settings, start: dict[str
     return rows
 
 
-def _conversions(directory: Path, layers: int, shape: HFShape, steps: tuple[str, ...], keep: bool,
+def _conversions(directory: Path, layers: int, shape: HFShape, steps: tuple[str, ...], keep: bool, pause: float,
                  tag: str = "") -> Iterator[tuple[str, Path, Path, Measured]]:
     """Write a Mixtral-shaped model of ``layers`` layers under ``directory``, then run import-hf (always: the
-    other steps read its checkpoint) and each conversion of ``steps``, each in a child after ``sync``: yields
+    other steps read its checkpoint) and each conversion of ``steps``, each in a child after ``settle(pause)``: yields
     (step, its input, its output, ``Measured``) while the output is still there (removed after, but for the
     import's and under ``keep``)."""
     params = param_count("mixtral", layers, shape)
@@ -224,7 +229,7 @@ def _conversions(directory: Path, layers: int, shape: HFShape, steps: tuple[str,
             continue
         if tag:
             say(f"{tag} {step}" + ("" if step in steps else " (not measured: the other steps read its checkpoint)"))
-        os.sync()
+        settle(pause)
         done = run_measured([sys.executable, "-m", "moe_plugin_tools.cli", *argv],
                             on_line=_progress if tag else None)
         yield step, source, out, done
@@ -260,7 +265,7 @@ def train_rows(directory: Path, tag: str, record: dict, ckpt: Path, imported: tu
         if step not in settings.steps:
             continue
         size = _bytes(path)
-        copy = copy_seconds([path], directory / "scratch", "cp")
+        copy = copy_seconds([path], directory / "scratch", "cp", settings.settle)
         seconds = own[step][-1] if own[step] else None
         rows.append({**record, "step": step, "seconds": round(done.seconds, 3), "own_seconds": seconds,
                      "peak_rss_mb": round(peak, 1), "estimate_mb": round(memory["estimate_mb"] * 2 ** 20 / MB, 1),
@@ -291,8 +296,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def copy_seconds(paths: list[Path], scratch: Path, tool: str) -> float:
-    """The mean seconds of copying each of ``paths`` into ``scratch`` (removed after each), each after ``sync``:
+def copy_seconds(paths: list[Path], scratch: Path, tool: str, pause: float = 0.0) -> float:
+    """The mean seconds of copying each of ``paths`` into ``scratch`` (removed after each), each after ``settle``:
     with ``cp -r`` ("cp", which copies inside the kernel: ``copy_file_range``) or file by file with
     ``dd bs=8M`` ("dd": through a buffer of its own, as any program that makes the bytes it writes). The mean
     of the input's and the output's copy is the cost of moving the step's bytes once."""
@@ -301,7 +306,7 @@ def copy_seconds(paths: list[Path], scratch: Path, tool: str) -> float:
     try:
         for path in paths:
             copy = scratch / path.name
-            os.sync()
+            settle(pause)
             began = time.perf_counter()
             if tool == "cp":
                 subprocess.run(["cp", "-r", str(path), str(copy)], check=True)
@@ -315,6 +320,16 @@ def copy_seconds(paths: list[Path], scratch: Path, tool: str) -> float:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return total / len(paths)
+
+
+def settle(seconds: float) -> None:
+    """``sync``, then ``seconds`` idle (``--settle``): the write-back of what an earlier step wrote is done, and
+    the memory it freed is handed back, so every measured command and copy starts from the same state. On a
+    VM that reports free pages to its host (this machine), the first touch of a page after that costs as on a
+    fresh start: writing 700 MB to a new file from a process's buffer ran at 0.40 GB/s after 5 s idle and at
+    2.8-5.5 GB/s right after other pages were freed (2026-11-28)."""
+    os.sync()
+    time.sleep(seconds)
 
 
 def table(rows: list[dict]) -> str:
