@@ -18,8 +18,8 @@ them: the mean time of copying the input and the output into a scratch directory
 in the process, as any program that makes the bytes it writes). The ratios: time / cp, and the
 bytes' own time (seconds less start s) over cp and over dd. MB are 10^6 bytes. The page cache is
 left warm: the input was just written. Each measured command and each copy starts after ``settle``
-(``sync``, then 3 s idle), so that neither the write-back of bytes an earlier step wrote nor pages it
-just freed land in its time: all are timed from the same state.
+(``sync``, then ``--settle`` seconds idle, 3 by default), so that neither the write-back of bytes
+an earlier step wrote nor pages it just freed land in its time: all are timed from the same state.
 export-hf and export read the checkpoint import-hf wrote; without ``import-hf`` in ``--steps`` it
 is still run, not reported. The steps load and save are one run of the example on 2 ranks
 (``train_rows``: ``--load`` the import, 2 steps, ``--save``): their own seconds as the example prints
