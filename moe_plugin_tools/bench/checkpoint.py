@@ -80,7 +80,7 @@ class Settings:
     steps: tuple[str, ...]
     work: Optional[Path]
     keep: bool
-    settle: float = 3.0   # seconds idle after sync before each measurement (``settle``)
+    settle: float   # seconds idle after sync before each measurement (``settle``; --settle)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -296,7 +296,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def copy_seconds(paths: list[Path], scratch: Path, tool: str, pause: float = 0.0) -> float:
+def copy_seconds(paths: list[Path], scratch: Path, tool: str, pause: float) -> float:
     """The mean seconds of copying each of ``paths`` into ``scratch`` (removed after each), each after ``settle``:
     with ``cp -r`` ("cp", which copies inside the kernel: ``copy_file_range``) or file by file with
     ``dd bs=8M`` ("dd": through a buffer of its own, as any program that makes the bytes it writes). The mean
