@@ -51,8 +51,10 @@ class SDPAttention(MegatronModule):
     input's device). Attention sinks as Megatron's ``softmax_type``: ``learnable`` adds the parameter
     ``softmax_offset`` [np] (a logit per head joining every query's softmax, its probability dropped:
     GPT-OSS's sinks; drawn whole by ``config.init_method`` and cut by head, so every TP layout starts
-    alike; Megatron creates it on the CUDA device), ``off-by-one`` a zero logit. Not supported (an error
-    says so): context parallelism, attention bias, packed sequences. ``apply_query_key_layer_scaling``
+    alike; Megatron creates it on the CUDA device), ``off-by-one`` a zero logit. Packed sequences as
+    Megatron's ``PackedSeqParams`` (``qkv_format`` thd, the batch one row): a block-diagonal causal mask
+    from ``cu_seqlens_q``. Not supported (an error says so): context parallelism, attention bias.
+    ``apply_query_key_layer_scaling``
     needs nothing: it cancels out of an fp32 softmax. Dropout draws inside Megatron's RNG tracker's
     model-parallel state without sequence parallelism, as Megatron's does (under it the transformer
     block has forked it already); ``moe_plugin.initialize`` seeds the tracker (``seeding.py``).
@@ -112,17 +114,15 @@ class SDPAttention(MegatronModule):
         [b, np, sq, sk]. Without a mask, a causal layer masks the future (as Megatron's
         softmax does; a single query token attends to everything).
         """
-        if attention_bias is not None or packed_seq_params is not None:
-            raise NotImplementedError("SDPAttention supports neither attention_bias nor packed sequences")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention does not support attention_bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b = query.shape[:2]
         sk = key.shape[0]
         q = query.permute(1, 2, 0, 3)   # [b, np, sq, hn]
-        k = key.permute(1, 2, 0, 3)     # [b, ng, sk, hn]
-        v = value.permute(1, 2, 0, 3)
-        if self.groups_per_partition != self.heads_per_partition:  # grouped-query attention
-            repeat = self.heads_per_partition // self.groups_per_partition
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
+        k = self._grouped(key.permute(1, 2, 0, 3))     # [b, np, sk, hn]
+        v = self._grouped(value.permute(1, 2, 0, 3))
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         keep_mask, causal = None, False
         if attention_mask is not None:
@@ -131,12 +131,50 @@ class SDPAttention(MegatronModule):
             if sq != sk:
                 raise ValueError(f"a causal mask needs as many queries as keys, got {sq} and {sk}")
             causal = self.window is None
-        if self.window is not None:   # the band i - left <= j <= i + right (queries end where the keys end)
-            left, right = self.window
-            i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
-            j = torch.arange(sk, device=q.device)[None, :]
-            band = (j >= i - left) & (j <= i + right)
+        if self.window is not None:
+            band = self._band(sq, sk, q.device)
             keep_mask = band if keep_mask is None else keep_mask & band
+        context = self._attend(q, k, v, keep_mask, causal)   # [b, np, sq, hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, packed_seq_params) -> Tensor:
+        """Megatron's packed sequences (``qkv_format`` thd): query [t, np, hn], key/value [t, ng, hn], the
+        sequences one after another as ``cu_seqlens_q`` cuts them -> context [t, hp]. Each token attends
+        the tokens of its own sequence only, causally (a block-diagonal causal mask; with a window, the
+        band inside it)."""
+        if packed_seq_params.qkv_format != "thd":
+            raise NotImplementedError(f"SDPAttention takes packed sequences in qkv_format 'thd', got "
+                                      f"{packed_seq_params.qkv_format!r}")
+        cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+        if cu_kv is not None and not torch.equal(cu_q, cu_kv):
+            raise NotImplementedError("SDPAttention's packed sequences are self-attention: cu_seqlens_q == "
+                                      "cu_seqlens_kv")
+        t = query.shape[0]
+        q, k, v = (x.unsqueeze(1).permute(1, 2, 0, 3) for x in (query, key, value))   # [1, heads, t, hn]
+        k, v = self._grouped(k), self._grouped(v)
+        sequence_T = document_of(cu_q.to(query.device), t)
+        keep_mask = (sequence_T[:, None] == sequence_T[None, :]) & torch.ones(t, t, dtype=torch.bool,
+                                                                                device=q.device).tril()
+        if self.window is not None:
+            keep_mask = keep_mask & self._band(t, t, q.device)
+        context = self._attend(q, k, v, keep_mask, False)[0]   # [np, t, hn]
+        return context.permute(1, 0, 2).reshape(t, self.hidden_size_per_partition)
+
+    def _grouped(self, kv: Tensor) -> Tensor:
+        """Grouped-query attention: each key/value head repeated for the query heads of its group."""
+        if self.groups_per_partition == self.heads_per_partition:
+            return kv
+        return kv.repeat_interleave(self.heads_per_partition // self.groups_per_partition, dim=1)
+
+    def _band(self, sq: int, sk: int, device) -> Tensor:
+        """The window's band i - left <= j <= i + right (queries end where the keys end)."""
+        left, right = self.window
+        i = torch.arange(sq, device=device)[:, None] + (sk - sq)
+        j = torch.arange(sk, device=device)[None, :]
+        return (j >= i - left) & (j <= i + right)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, keep_mask: Optional[Tensor], causal: bool) -> Tensor:
+        """softmax(q k^T * scale) v over [b, heads, s, hn] (with sinks: ``_with_sinks``)."""
         dropout_p = self.dropout_p if self.training else 0.0
         forked = dropout_p > 0 and not self.config.sequence_parallel
         with tensor_parallel.get_cuda_rng_tracker().fork() if forked else contextlib.nullcontext():
@@ -144,8 +182,8 @@ class SDPAttention(MegatronModule):
                 context = self._with_sinks(q, k, v, keep_mask, causal, dropout_p)
             else:
                 context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep_mask, dropout_p=dropout_p,
-                                                         is_causal=causal, scale=self.softmax_scale)  # [b, np, sq, hn]
-        return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+                                                         is_causal=causal, scale=self.softmax_scale)
+        return context
 
     def _with_sinks(self, q: Tensor, k: Tensor, v: Tensor, keep_mask: Optional[Tensor], causal: bool,
                     dropout_p: float) -> Tensor:
@@ -162,6 +200,14 @@ class SDPAttention(MegatronModule):
         if dropout_p > 0:
             probs = F.dropout(probs, p=dropout_p)
         return torch.matmul(probs.to(v.dtype), v)
+
+
+def document_of(cu_seqlens: Tensor, t: int) -> Tensor:
+    """[t] the index of the sequence each of ``t`` packed tokens belongs to, from ``cu_seqlens``
+    ([n + 1] offsets, the first 0, the last ``t``)."""
+    if cu_seqlens.dim() != 1 or int(cu_seqlens[-1]) != t or int(cu_seqlens[0]) != 0:
+        raise ValueError(f"cu_seqlens {cu_seqlens.tolist()} do not cut {t} packed tokens")
+    return torch.searchsorted(cu_seqlens.long(), torch.arange(t, device=cu_seqlens.device), right=True) - 1
 
 
 class TorchNorm:
