@@ -60,16 +60,24 @@ class GlobalBatches:
     def micro_batch(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int,
                     micro_step: int = 0) -> np.ndarray:
         """The sample indices data-parallel rank ``dp_rank`` trains on at ``micro_step`` of ``step``."""
-        per_rank, rest = divmod(self.global_batch_size, dp_size * micro_batch_size)
-        if rest or per_rank == 0:
-            raise ValueError(f"global batch {self.global_batch_size} is not data-parallel size {dp_size} x micro batch "
-                             f"{micro_batch_size} x gradient accumulation steps")
-        if not (0 <= dp_rank < dp_size and 0 <= micro_step < per_rank):
-            raise ValueError(f"dp_rank {dp_rank} / micro_step {micro_step} out of range (dp_size {dp_size}, "
-                             f"{per_rank} micro-steps)")
-        first = (dp_rank * per_rank + micro_step) * micro_batch_size
-        return self.global_batch(step)[first:first + micro_batch_size]
+        return micro_batch_rows(self.global_batch(step), dp_rank, dp_size, micro_batch_size, micro_step)
 
     def epoch_of(self, step: int) -> float:
         """How many epochs the first ``step`` steps covered (for the log)."""
         return step * self.global_batch_size / self.num_samples
+
+
+def micro_batch_rows(global_batch: np.ndarray, dp_rank: int, dp_size: int, micro_batch_size: int,
+                     micro_step: int = 0) -> np.ndarray:
+    """The rows of ``global_batch`` (sample indices) data-parallel rank ``dp_rank`` takes at ``micro_step``
+    (module docstring)."""
+    global_batch = np.asarray(global_batch)
+    per_rank, rest = divmod(len(global_batch), dp_size * micro_batch_size)
+    if rest or per_rank == 0:
+        raise ValueError(f"global batch {len(global_batch)} is not data-parallel size {dp_size} x micro batch "
+                         f"{micro_batch_size} x gradient accumulation steps")
+    if not (0 <= dp_rank < dp_size and 0 <= micro_step < per_rank):
+        raise ValueError(f"dp_rank {dp_rank} / micro_step {micro_step} out of range (dp_size {dp_size}, "
+                         f"{per_rank} micro-steps)")
+    first = (dp_rank * per_rank + micro_step) * micro_batch_size
+    return global_batch[first:first + micro_batch_size]

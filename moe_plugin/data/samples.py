@@ -82,3 +82,15 @@ class TokenSamples:
         rows = np.stack([self[int(i)] for i in indices])
         data = torch.from_numpy(rows)
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+    def masked_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(tokens_BS, labels_BS, loss_mask_BS)``: ``batch`` with a loss mask, 1 everywhere but on the rows of
+        index -1 (``packing.EMPTY``: zeros that fill a last, partial batch)."""
+        real_B = torch.tensor([int(i) >= 0 for i in indices])
+        rows = np.zeros((len(indices), self.seq_length + 1), dtype=np.int64)
+        for row, i in enumerate(indices):
+            if int(i) >= 0:
+                rows[row] = self[int(i)]
+        data = torch.from_numpy(rows)
+        mask_BS = real_B[:, None].expand(-1, self.seq_length).float()
+        return data[:, :-1].contiguous(), data[:, 1:].contiguous(), mask_BS

@@ -61,8 +61,10 @@ from torch import Tensor, nn
 
 from moe_plugin.compat.deepspeed_pipe import GivenPartsPipelineModule
 from moe_plugin.configs import MoEConfig
+from moe_plugin.data.packing import packed_seq_params
 from moe_plugin.groups.process_groups import ProcessGroups
 from moe_plugin.integration.megatron import check_against_model, gpt_moe_spec
+from moe_plugin.integration.packed import weighted_sum
 from moe_plugin.integration.pipe_topology import pipeline_topology
 from moe_plugin.integration.seeding import resolve_seed, seeded
 
@@ -84,13 +86,14 @@ class EmbeddingPipe(nn.Module):
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
                                                     position_embedding_type=position_embedding_type)
 
-    def forward(self, inputs: tuple[Tensor, Tensor]) -> Tensor:
-        """(tokens_BS, position_ids_BS) -> hidden_SBH (replicated over TP)."""
-        if not (isinstance(inputs, (tuple, list)) and len(inputs) == 2):
-            raise TypeError("the first pipeline stage takes (tokens [B, S], position_ids [B, S]) as a micro-batch's "
-                            f"inputs, got {type(inputs).__name__}")
-        tokens_BS, position_ids_BS = inputs
-        return self.embedding(tokens_BS, position_ids_BS)
+    def forward(self, inputs: tuple[Tensor, ...]):
+        """(tokens_BS, position_ids_BS) -> hidden_SBH (replicated over TP); packed
+        (tokens_1T, position_ids_1T, document_ids_1T) -> (hidden_T1H, document_ids_1T)."""
+        if not (isinstance(inputs, (tuple, list)) and len(inputs) in (2, 3)):
+            raise TypeError("the first pipeline stage takes (tokens [B, S], position_ids [B, S]) or, packed, (tokens, "
+                            f"position_ids, document_ids) as a micro-batch's inputs, got {type(inputs).__name__}")
+        hidden_SBH = self.embedding(inputs[0], inputs[1])
+        return hidden_SBH if len(inputs) == 2 else (hidden_SBH, inputs[2])
 
 
 class TransformerLayerPipe(nn.Module):
@@ -112,14 +115,20 @@ class TransformerLayerPipe(nn.Module):
             kv_channels=config.kv_channels, rotary_percent=rotary_percent, rotary_interleaved=config.rotary_interleaved,
             rotary_base=rotary_base, use_cpu_initialization=config.use_cpu_initialization)
 
-    def forward(self, hidden_SBH: Tensor) -> Tensor:
+    def forward(self, hidden):
+        """hidden_SBH -> hidden_SBH; packed (hidden_T1H, document_ids_1T) -> the same pair, each
+        conversation on its own (``PackedSeqParams`` from the ids) and its padding not routed."""
+        packed = isinstance(hidden, (tuple, list))
+        hidden_SBH, documents = hidden if packed else (hidden, None)
+        params = packed_seq_params(documents[0]) if packed else None
         rotary = None
         if self.rotary_pos_emb is not None:   # GPTModel's get_rotary_seq_len: the full sequence
             config = self.layer.config
             length = hidden_SBH.shape[0] * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
-            rotary = self.rotary_pos_emb(length)
-        out_SBH, _context = self.layer(hidden_states=hidden_SBH, attention_mask=None, rotary_pos_emb=rotary)
-        return out_SBH
+            rotary = self.rotary_pos_emb(params.max_seqlen_q if packed else length, packed_seq=packed)
+        extra = dict(packed_seq_params=params, padding_mask=documents) if packed else {}
+        out_SBH, _context = self.layer(hidden_states=hidden_SBH, attention_mask=None, rotary_pos_emb=rotary, **extra)
+        return (out_SBH, documents) if packed else out_SBH
 
 
 class FinalNormPipe(nn.Module):
@@ -131,8 +140,9 @@ class FinalNormPipe(nn.Module):
             self.final_layernorm = build_module(norm_spec, config=config, hidden_size=config.hidden_size,
                                                 eps=config.layernorm_epsilon)
 
-    def forward(self, hidden_SBH: Tensor) -> Tensor:
-        return self.final_layernorm(hidden_SBH)
+    def forward(self, hidden) -> Tensor:
+        """hidden_SBH, or packed (hidden_T1H, document_ids), -> the normed hidden states."""
+        return self.final_layernorm(hidden[0] if isinstance(hidden, (tuple, list)) else hidden)
 
 
 class OutputLayerPipe(nn.Module):
@@ -159,11 +169,15 @@ class OutputLayerPipe(nn.Module):
         return logits_SBV
 
 
-def gpt_loss(logits_SBV: Tensor, labels_BS: Tensor) -> Tensor:
+def gpt_loss(logits_SBV: Tensor, labels) -> Tensor:
     """Mean token cross entropy of a micro-batch (``GPTModel``'s loss, averaged); vocab-parallel
-    over the TP group when the logits are split."""
+    over the TP group when the logits are split. ``labels`` ``(labels_BS, weights_BS)`` (packed or
+    masked batches, ``moe_plugin.packed_pipe_inputs``): the sum of each token's loss times its weight."""
+    labels_BS, weights_BS = labels if isinstance(labels, (tuple, list)) else (labels, None)
     losses_SB = tensor_parallel.vocab_parallel_cross_entropy(logits_SBV.float(), labels_BS.transpose(0, 1).contiguous())
-    return losses_SB.mean()
+    if weights_BS is None:
+        return losses_SB.mean()
+    return weighted_sum(losses_SB, weights_BS.transpose(0, 1))
 
 
 # --- stages ------------------------------------------------------------------------------------------
