@@ -15,6 +15,7 @@
     moe-plugin import-hf HF_DIR --config ds.json --out CKPT [--tag TAG] [--dtype float32] [--config-out JSON]
     moe-plugin export-hf CKPT --out HF_DIR [--arch MODEL_TYPE] [--max-shard-size 5GB]
     moe-plugin preprocess --input FILE.jsonl --tokenizer HF_DIR --output-prefix P [--json-keys text] [--workers N]
+    moe-plugin preprocess --chat --input FILE.jsonl --tokenizer HF_DIR --output-prefix P [--chat-key messages]
     moe-plugin train-tokenizer --input FILE.jsonl --out HF_DIR [--vocab-size 4096]
     moe-plugin stdlib-jsonl OUT.jsonl [--corpus-bytes N]
 

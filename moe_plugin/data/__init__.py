@@ -5,6 +5,8 @@ samples over a document stream with a held-out split, and layout-independent glo
 * ``hf_tokenizer``: ``load_hf_tokenizer`` (a Hugging Face tokenizer directory; the ``hf`` extra),
   ``train_bpe_tokenizer`` (a small byte-level BPE, trained here).
 * ``preprocess``: ``preprocess_jsonl``, JSON lines of text to an indexed dataset with several workers.
+* ``chat``: ``preprocess_chat_jsonl``, conversations through a chat template to tokens + a loss mask
+  (``render_chat``, ``render_turns``), read back by ``read_chat_dataset`` (``is_chat_dataset``).
 * ``indexed``: ``read_indexed`` / ``write_indexed`` / ``IndexedWriter`` through Megatron-Core's
   ``IndexedDataset``.
 * ``stdlib_corpus``: ``ensure_stdlib_corpus(cache_dir)``, the Python stdlib as an offline corpus.
@@ -39,6 +41,11 @@ _LAZY = {
     "load_hf_tokenizer": "hf_tokenizer",
     "train_bpe_tokenizer": "hf_tokenizer",
     "preprocess_jsonl": "preprocess",
+    "is_chat_dataset": "chat",
+    "preprocess_chat_jsonl": "chat",
+    "read_chat_dataset": "chat",
+    "render_chat": "chat",
+    "render_turns": "chat",
 }
 
 __all__ = sorted(_LAZY)

@@ -28,7 +28,8 @@ What Megatron-LM's ``tools/preprocess_data.py`` does for GPT data, with this pac
 
 ``PREFIX.json`` records the tokenizer, its vocabulary size and EOS id, the counts and the token
 type; the GPT example reads the vocabulary size from it when ``--data-path PREFIX`` is given
-without ``--vocab-size`` or ``--tokenizer``.
+without ``--vocab-size`` or ``--tokenizer``. The reading, worker and writing loop is shared with
+``chat.py`` (conversations and their loss masks): a ``LineEncoder`` turns one line into documents.
 """
 from __future__ import annotations
 
@@ -66,18 +67,29 @@ class Preprocessed:
     dtype: str
 
 
-class _Encoder:
-    """Lines to token arrays, one per key; built once per worker process."""
+class LineEncoder:
+    """JSON lines to documents, built once per worker process (``encoded_chunks``); a subclass says
+    what one line gives (``line``: a ``ConfigError`` naming ``FILE:LINE`` for a bad one)."""
 
-    def __init__(self, tokenizer, input_name: str, json_keys: Sequence[str], eod: Optional[int]):
+    def __init__(self, tokenizer, input_name: str):
         self.tokenizer = tokenizer
         self.input_name = input_name
+
+    def chunk(self, lines: list[tuple[int, bytes]]) -> tuple[int, list]:
+        """(bytes read, ``line`` of each non-blank line)."""
+        return sum(len(line) for _, line in lines), [self.line(n, line) for n, line in lines if line.strip()]
+
+    def line(self, number: int, line: bytes):
+        raise NotImplementedError
+
+
+class _TextEncoder(LineEncoder):
+    """A line to one token array per key."""
+
+    def __init__(self, tokenizer, input_name: str, json_keys: Sequence[str], eod: Optional[int]):
+        super().__init__(tokenizer, input_name)
         self.json_keys = list(json_keys)
         self.eod = eod
-
-    def chunk(self, lines: list[tuple[int, bytes]]) -> tuple[int, list[list[np.ndarray]]]:
-        """(bytes read, per non-blank line the token arrays of each key)."""
-        return sum(len(line) for _, line in lines), [self.line(n, line) for n, line in lines if line.strip()]
 
     def line(self, number: int, line: bytes) -> list[np.ndarray]:
         out = []
@@ -89,9 +101,8 @@ class _Encoder:
         return out
 
 
-def texts_of(line: bytes, number: int, input_name: str, json_keys: Sequence[str]) -> list[str]:
-    """The strings at ``json_keys`` of one JSON line; a ``ConfigError`` naming ``FILE:LINE`` otherwise."""
-    where = f"{input_name}:{number}"
+def json_object(line: bytes, where: str, expected: str) -> dict:
+    """One JSON line as a dict; a ``ConfigError`` naming ``where`` (``FILE:LINE``) and ``expected`` otherwise."""
     line = line.strip()
     try:
         record = json.loads(line)
@@ -100,14 +111,24 @@ def texts_of(line: bytes, number: int, input_name: str, json_keys: Sequence[str]
         raise ConfigError(where, line[:60].decode("utf-8", errors="replace"), f"expected one JSON object per line "
                           f"({why})") from None
     if not isinstance(record, dict):
-        raise ConfigError(where, record, f"expected a JSON object with the key(s) {', '.join(json_keys)} "
-                          "(--json-keys)", shown=f"a JSON {type(record).__name__}")
+        raise ConfigError(where, record, expected, shown=f"a JSON {type(record).__name__}")
+    return record
+
+
+def missing_key(where: str, record: dict, key: str, flag: str) -> ConfigError:
+    """The error for a line whose object lacks ``key`` (given by ``flag``)."""
+    keys = ", ".join(map(repr, list(record)[:8])) or "none"
+    return ConfigError(where, key, f"the object has no key {key!r} ({flag}); its keys: {keys}", shown=f"no {key!r}")
+
+
+def texts_of(line: bytes, number: int, input_name: str, json_keys: Sequence[str]) -> list[str]:
+    """The strings at ``json_keys`` of one JSON line; a ``ConfigError`` naming ``FILE:LINE`` otherwise."""
+    where = f"{input_name}:{number}"
+    record = json_object(line, where, f"expected a JSON object with the key(s) {', '.join(json_keys)} (--json-keys)")
     texts = []
     for key in json_keys:
         if key not in record:
-            keys = ", ".join(map(repr, list(record)[:8])) or "none"
-            raise ConfigError(where, key, f"the object has no key {key!r} (--json-keys); its keys: {keys}",
-                              shown=f"no {key!r}")
+            raise missing_key(where, record, key, "--json-keys")
         if not isinstance(record[key], str):
             raise ConfigError(where, record[key], f"expected a string at {key!r}",
                               shown=f"a JSON {type(record[key]).__name__} at {key!r}")
@@ -115,12 +136,12 @@ def texts_of(line: bytes, number: int, input_name: str, json_keys: Sequence[str]
     return texts
 
 
-_worker: Optional[_Encoder] = None   # this worker process's encoder (set by its pool initializer)
+_worker: Optional[LineEncoder] = None   # this worker process's encoder (set by its pool initializer)
 
 
-def _start_worker(tokenizer_dir: str, *args) -> None:
+def _start_worker(encoder: type, tokenizer_dir: str, *args) -> None:
     global _worker
-    _worker = _Encoder(load_hf_tokenizer(tokenizer_dir), *args)
+    _worker = encoder(load_hf_tokenizer(tokenizer_dir), *args)
 
 
 def _encode_chunk(lines: list[tuple[int, bytes]]):
@@ -137,6 +158,38 @@ def _in_order(pool, chunks: Iterator, window: int) -> Iterator:
             yield pending.popleft().get()
     while pending:
         yield pending.popleft().get()
+
+
+def encoded_chunks(stack: ExitStack, input_path: Path, workers: int, tokenizer, tokenizer_dir: PathLike,
+                   encoder: type, *args) -> Iterator[tuple[int, list]]:
+    """``(bytes read, per non-blank line what it gives)`` for the chunks of ``input_path``, in input order:
+    ``encoder(tokenizer, *args)`` here for one worker, else in ``workers`` spawned processes (each loads
+    the tokenizer from ``tokenizer_dir``; ``encoder`` and ``args`` must pickle), closed with ``stack``."""
+    if workers == 1:
+        return map(encoder(tokenizer, *args).chunk, _chunks(input_path, CHUNK_BYTES))
+    context = multiprocessing.get_context("spawn")   # no forked copy of the caller's threads
+    pool = stack.enter_context(context.Pool(workers, initializer=_start_worker,
+                                            initargs=(encoder, str(tokenizer_dir), *args)))
+    size = max(1, min(CHUNK_BYTES, input_path.stat().st_size // (4 * workers)))
+    return _in_order(pool, _chunks(input_path, size), window=2 * workers)
+
+
+def indexed_writer_class() -> tuple[type, type]:
+    """(``IndexedWriter``, Megatron-Core's ``DType``), imported quietly (and torch with them)."""
+    with warnings.catch_warnings():   # Megatron-Core's package imports its optimizer: "Apex is not installed"
+        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed")
+        from megatron.core.datasets.indexed_dataset import DType
+
+        from moe_plugin.data.indexed import IndexedWriter
+    return IndexedWriter, DType
+
+
+def commit_outputs(prefix: str, writers: Sequence, manifest: dict) -> None:
+    """Rename the ``writers``' files into place, then write ``PREFIX.json`` (last: it says the data is whole)."""
+    Path(f"{prefix}.json").unlink(missing_ok=True)   # an old manifest (--overwrite) would mislead
+    for writer in writers:
+        writer.commit()
+    _write_manifest(prefix, manifest)
 
 
 def output_prefixes(output_prefix: PathLike, json_keys: Sequence[str]) -> dict:
@@ -158,30 +211,18 @@ def preprocess_jsonl(input: PathLike, tokenizer_dir: PathLike, output_prefix: Pa
     if append_eod and eod is None:
         raise ConfigError("--tokenizer", str(tokenizer_dir), "has no EOS token to end each document with "
                           "(eos_token in its tokenizer_config.json); set one, or pass --no-append-eod")
-    first = _first_line(input_path)
+    first = first_line(input_path)
     texts_of(first[1], first[0], str(input_path), json_keys)   # a wrong key or a non-JSON file: refused now
-    with warnings.catch_warnings():   # Megatron-Core's package imports its optimizer: "Apex is not installed"
-        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed")
-        from megatron.core.datasets.indexed_dataset import DType   # and torch
-
-        from moe_plugin.data.indexed import IndexedWriter
+    IndexedWriter, DType = indexed_writer_class()
     dtype = DType.optimal_dtype(vocab_size)
 
     skipped = dict.fromkeys(json_keys, 0)
-    bar = _progress_bar(input_path, prefixes, progress)
+    bar = progress_bar(input_path, next(iter(prefixes.values())), progress)
     with ExitStack() as stack:
         stack.callback(bar.close)
         writers = {key: stack.enter_context(IndexedWriter(prefix, dtype)) for key, prefix in prefixes.items()}
-        if workers == 1:
-            results: Iterator = map(_Encoder(tokenizer, str(input_path), json_keys, eod).chunk,
-                                    _chunks(input_path, CHUNK_BYTES))
-        else:
-            context = multiprocessing.get_context("spawn")   # no forked copy of the caller's threads
-            pool = stack.enter_context(context.Pool(workers, initializer=_start_worker,
-                                                    initargs=(str(tokenizer_dir), str(input_path), json_keys, eod)))
-            size = max(1, min(CHUNK_BYTES, input_path.stat().st_size // (4 * workers)))
-            results = _in_order(pool, _chunks(input_path, size), window=2 * workers)
-        for size, per_line in results:
+        for size, per_line in encoded_chunks(stack, input_path, workers, tokenizer, tokenizer_dir, _TextEncoder,
+                                             str(input_path), json_keys, eod):
             for arrays in per_line:
                 for key, ids in zip(json_keys, arrays):
                     if ids.size:
@@ -196,9 +237,7 @@ def preprocess_jsonl(input: PathLike, tokenizer_dir: PathLike, output_prefix: Pa
         done = Preprocessed(prefixes, {k: w.documents for k, w in writers.items()},
                             {k: w.tokens for k, w in writers.items()}, skipped, vocab_size, eod, np.dtype(dtype).name)
         for key, writer in writers.items():
-            Path(f"{prefixes[key]}.json").unlink(missing_ok=True)   # an old manifest (--overwrite) would mislead
-            writer.commit()
-            _write_manifest(prefixes[key], {
+            commit_outputs(prefixes[key], [writer], {
                 "input": str(input_path.resolve()), "json_key": key, "tokenizer": str(Path(tokenizer_dir).resolve()),
                 "vocab_size": vocab_size, "eod": eod, "dtype": done.dtype, "documents": done.documents[key],
                 "tokens": done.tokens[key], "skipped_empty": skipped[key]})
@@ -209,28 +248,36 @@ def check_preprocess_args(input_path: Path, output_prefix: PathLike, json_keys: 
                           overwrite: bool) -> dict:
     """The checks that need no tokenizer; returns ``output_prefixes``."""
     check_input(input_path, json_keys)
+    prefixes = output_prefixes(output_prefix, json_keys)
+    check_outputs(output_prefix, list(prefixes.values()), workers, overwrite)
+    return prefixes
+
+
+def check_outputs(output_prefix: PathLike, prefixes: Sequence[str], workers: int, overwrite: bool) -> None:
+    """``workers`` >= 1, ``output_prefix`` a prefix, no file of ``prefixes`` there unless ``overwrite``."""
     if workers < 1:
         raise ConfigError("--workers", workers, "expected an integer >= 1")
     prefix = str(output_prefix)
     if prefix.endswith((".bin", ".idx")) or Path(prefix).is_dir() or prefix.endswith(os.sep):
         raise ConfigError("--output-prefix", prefix, "expected a path prefix without .bin/.idx, e.g. data/my-corpus "
                           "(written: data/my-corpus.bin and .idx)")
-    prefixes = output_prefixes(prefix, json_keys)
-    existing = [f"{p}{ext}" for p in prefixes.values() for ext in (".bin", ".idx", ".json")
-                if Path(f"{p}{ext}").exists()]
+    existing = [f"{p}{ext}" for p in prefixes for ext in (".bin", ".idx", ".json") if Path(f"{p}{ext}").exists()]
     if existing and not overwrite:
         raise ConfigError("--output-prefix", prefix, f"{', '.join(existing)} exist(s); pass --overwrite to replace "
                           "them")
-    return prefixes
 
 
 def check_input(input_path: Path, json_keys: Sequence[str]) -> None:
     """``input_path`` is a file, ``json_keys`` distinct non-empty names."""
+    check_input_file(input_path)
+    if not json_keys or len(set(json_keys)) != len(json_keys) or not all(json_keys):
+        raise ConfigError("--json-keys", list(json_keys), "expected one or more distinct, non-empty keys")
+
+
+def check_input_file(input_path: Path) -> None:
     if not input_path.is_file():
         raise ConfigError("--input", str(input_path), "expected a file of JSON lines: " +
                           ("it is a directory" if input_path.is_dir() else "not found"))
-    if not json_keys or len(set(json_keys)) != len(json_keys) or not all(json_keys):
-        raise ConfigError("--json-keys", list(json_keys), "expected one or more distinct, non-empty keys")
 
 
 def iter_texts(input: PathLike, json_keys: Sequence[str] = ("text",)) -> Iterator[str]:
@@ -238,14 +285,15 @@ def iter_texts(input: PathLike, json_keys: Sequence[str] = ("text",)) -> Iterato
     ``preprocess_jsonl``: a bad line is a ``ConfigError`` naming ``FILE:LINE``)."""
     path = Path(input)
     check_input(path, json_keys)
-    _first_line(path)
+    first_line(path)
     with open(path, "rb") as stream:
         for number, line in enumerate(stream, start=1):
             if line.strip():
                 yield from texts_of(line, number, str(path), json_keys)
 
 
-def _first_line(path: Path) -> tuple[int, bytes]:
+def first_line(path: Path) -> tuple[int, bytes]:
+    """The first non-blank line and its number; an empty file is a ``ConfigError``."""
     with open(path, "rb") as stream:
         for number, line in enumerate(stream, start=1):
             if line.strip():
@@ -267,10 +315,10 @@ def _chunks(path: Path, chunk_bytes: int) -> Iterator[list[tuple[int, bytes]]]:
         yield chunk
 
 
-def _progress_bar(input_path: Path, prefixes: dict, enabled: bool):
+def progress_bar(input_path: Path, target: str, enabled: bool):
+    """A bar over the input's bytes, on stderr."""
     from tqdm import tqdm
 
-    target = next(iter(prefixes.values()))
     return tqdm(total=input_path.stat().st_size, unit="B", unit_scale=True, file=sys.stderr, disable=not enabled,
                 desc=f"preprocess {input_path.name} -> {Path(target).name}")
 
