@@ -24,7 +24,7 @@ EXTRAS_REQUIRE = {
     # It is not on the package index under that name; install it from NVIDIA's sources.
     "apex": [],
     # moe-plugin import-hf / export-hf / preprocess --tokenizer: Hugging Face models and tokenizers
-    "hf": ["transformers>=5.0,<6", "tokenizers>=0.20,<1"],
+    "hf": ["transformers>=5.0,<6", "tokenizers>=0.20,<1", "jinja2>=3.1"],   # jinja2: chat templates
 }
 
 setup(

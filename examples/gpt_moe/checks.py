@@ -95,6 +95,12 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.deepspeed_config is None:
         raise ConfigError("--deepspeed_config", None, "pass the DeepSpeed JSON with the \"moe\" block, e.g. "
                           "examples/gpt_moe/configs/tiny_cpu_4rank.json", shown="missing")
+    if getattr(args, "finetune", False) and args.load is None:
+        raise ConfigError("--finetune", True, "trains the weights of the checkpoint of --load, which is not given")
+    if getattr(args, "valid_data_path", None) is not None and not (Path(args.valid_data_path + ".bin").exists()
+                                                                   and Path(args.valid_data_path + ".idx").exists()):
+        raise ConfigError("--valid-data-path", args.valid_data_path, "expected the prefix of PREFIX.bin and "
+                          "PREFIX.idx (Megatron's indexed format)")
     if args.data_path is not None and not (Path(args.data_path + ".bin").exists()
                                            and Path(args.data_path + ".idx").exists()):
         raise ConfigError("--data-path", args.data_path, "expected the prefix of PREFIX.bin and PREFIX.idx "

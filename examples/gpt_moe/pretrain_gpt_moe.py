@@ -174,6 +174,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                             "in the background while training goes on (the same files); a save waits for the previous "
                             "one, and the run for the last one before it exits")
     train.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    train.add_argument("--finetune", action="store_true",
+                       help="with --load: its weights only, from step 0, with a fresh optimizer and the JSON's lr "
+                       "scheduler (Megatron-LM's flag; no optimizer, scheduler or RNG state of the checkpoint)")
+    train.add_argument("--skip-train", action="store_true",
+                       help="no training: the validation loss over every held-out sample (or conversation) once, "
+                       "printed as 'validation loss X' (Megatron-LM's flag; usually with --load)")
     train.add_argument("--strict-load", action="store_true",
                        help="with --load: a 'latest' tag that fails verification is an error (default: say so in one "
                        "line and load the newest tag that verifies)")
@@ -206,6 +212,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     data.add_argument("--data-cache", default="data", help="where the stdlib corpus is written on first use")
     data.add_argument("--corpus-bytes", type=int, default=4 << 20, help="size cap of the stdlib corpus")
     data.add_argument("--valid-fraction", type=float, default=0.05, help="documents held out for validation")
+    data.add_argument("--valid-data-path", default=None,
+                      help="prefix of a held-out indexed dataset (text or chat) to validate on instead of a "
+                      "--valid-fraction of --data-path; every sample (conversation) of it once per validation")
+    data.add_argument("--conversation-overflow", choices=["truncate", "refuse"], default="truncate",
+                      help="chat data: a conversation longer than --seq-length is truncated to its first "
+                      "--seq-length tokens (counted in the data line), or refused")
     data.add_argument("--vocab-size", type=int, default=None,
                       help="tokenizer vocabulary of --data-path data (default: the one PREFIX.json of moe-plugin "
                       "preprocess records, else its largest token id + 1)")
@@ -275,24 +287,27 @@ def position_embedding(args: argparse.Namespace) -> dict:
 # --- 2. data -------------------------------------------------------------------------------------
 @dataclass
 class Data:
-    train: Any            # TokenSamples
-    valid: Any            # TokenSamples
+    train: Any            # TokenSamples, or PackedConversations of chat data
+    valid: Any            # the same kind over the held-out documents (or --valid-data-path)
     schedule: Any         # GlobalBatches over train
     valid_schedule: Any   # GlobalBatches over valid, unshuffled: every validation sees the same batches
     vocab_size: int       # padded
     description: str
+    valid_batches: Optional[list] = None   # every held-out sample once (chat, --valid-data-path): global batches
+    chat: bool = False    # packed conversations with loss masks (moe-plugin preprocess --chat)
 
 
 def build_data(args: argparse.Namespace, plan: RunPlan) -> Data:
+    """The training and validation samples: windows of text, or packed conversations of chat data
+    (``moe-plugin preprocess --chat``); held out by ``--valid-fraction`` or ``--valid-data-path``."""
     from moe_plugin.data import (
         ByteTokenizer,
         GlobalBatches,
-        TokenSamples,
         corpus_manifest,
         ensure_stdlib_corpus,
+        is_chat_dataset,
         num_documents,
         pad_vocab_size,
-        read_indexed,
         split_documents,
     )
 
@@ -305,8 +320,52 @@ def build_data(args: argparse.Namespace, plan: RunPlan) -> Data:
     else:
         prefix = args.data_path
         vocab, what = data_vocab_size(args)
-    dataset = read_indexed(prefix)   # the .idx/.bin pair checked against each other (ConfigError naming the file)
-    largest = max_token_id(f"{prefix}.bin", dataset.index.dtype, args.data_cache)
+    chat = args.data_path is not None and is_chat_dataset(prefix)
+    dataset, vocab, what = open_dataset(args, prefix, chat, vocab, what)
+    if args.valid_data_path is not None:
+        if is_chat_dataset(args.valid_data_path) != chat:
+            raise ConfigError("--valid-data-path", args.valid_data_path, "holds " + ("text" if chat else "chat")
+                              + f" data, --data-path {prefix} " + ("chat" if chat else "text") + " data: validate on "
+                              "data of the same kind")
+        valid_set, _, _ = open_dataset(args, args.valid_data_path, chat, vocab, "")
+        train_docs, valid_docs = list(range(num_documents(dataset[0] if chat else dataset))), None
+    else:
+        valid_set = dataset
+        train_docs, valid_docs = split_documents(num_documents(dataset[0] if chat else dataset), args.valid_fraction)
+        if len(valid_docs) == 0:
+            raise ConfigError("--valid-fraction", args.valid_fraction, f"holds out no document of "
+                              f"{len(train_docs)}; use a larger fraction")
+    if valid_docs is None:
+        valid_docs = list(range(num_documents(valid_set[0] if chat else valid_set)))
+    padded = pad_vocab_size(vocab, args.make_vocab_size_divisible_by, plan.sizes.tp)
+    train = samples_of(args, dataset, train_docs, chat, "training split")
+    valid = samples_of(args, valid_set, valid_docs, chat, "validation split" if args.valid_data_path is None
+                       else f"--valid-data-path {args.valid_data_path}")
+    if chat:
+        what += f"\n  training {train.describe()}\n  validation {valid.describe()}"
+    else:
+        what += (f"\n  training {len(train_docs)} documents, {len(train):,} samples of {args.seq_length + 1} tokens; "
+                 f"validation {len(valid_docs)} documents, {len(valid):,} samples")
+    what += f"; vocabulary {vocab} padded to {padded}"
+    every = None
+    if chat or args.valid_data_path is not None:   # every held-out sample once, in whole global batches
+        from moe_plugin.data.packing import padded_indices
+
+        every = padded_indices(len(valid), plan.global_batch_size)
+        every = [every[i:i + plan.global_batch_size] for i in range(0, len(every), plan.global_batch_size)]
+    return Data(train, valid, GlobalBatches(len(train), plan.global_batch_size, seed=args.seed),
+                GlobalBatches(len(valid), plan.global_batch_size, shuffle=False), padded, what, every, chat)
+
+
+def open_dataset(args: argparse.Namespace, prefix: str, chat: bool, vocab: Optional[int], what: str):
+    """``(dataset, vocabulary, description)``: the indexed dataset at ``prefix`` (chat: its tokens and
+    loss mask, ``read_chat_dataset``), checked against each other and against the vocabulary (None: its
+    largest token id + 1)."""
+    from moe_plugin.data import read_chat_dataset, read_indexed
+
+    dataset = read_chat_dataset(prefix) if chat else read_indexed(prefix)   # ConfigError naming the file
+    tokens = dataset[0] if chat else dataset
+    largest = max_token_id(f"{prefix}.bin", tokens.index.dtype, args.data_cache)
     if vocab is None:
         vocab = largest + 1
         what += f" (vocabulary {vocab}: its largest token id + 1; pass --vocab-size to set it)"
@@ -316,20 +375,22 @@ def build_data(args: argparse.Namespace, plan: RunPlan) -> Data:
                           f"must be at least {largest + 1:,}" + ("" if args.data_path is not None else
                                                                  f" (the byte tokenizer's): delete {prefix}.* to "
                                                                  "rebuild the corpus"))
-    padded = pad_vocab_size(vocab, args.make_vocab_size_divisible_by, plan.sizes.tp)
-    train_docs, valid_docs = split_documents(num_documents(dataset), args.valid_fraction)
-    if len(valid_docs) == 0:
-        raise ConfigError("--valid-fraction", args.valid_fraction, f"holds out no document of "
-                          f"{num_documents(dataset)}; use a larger fraction")
+    return dataset, vocab, what
+
+
+def samples_of(args: argparse.Namespace, dataset, documents, chat: bool, name: str):
+    """The samples of ``documents``: windows of ``--seq-length`` + 1 tokens, or (chat) the conversations
+    packed into ``--seq-length`` tokens."""
+    from moe_plugin.data import TokenSamples
+    from moe_plugin.data.packing import PackedConversations
+
     try:
-        train = TokenSamples(dataset, train_docs, args.seq_length, name="training split")
-        valid = TokenSamples(dataset, valid_docs, args.seq_length, name="validation split")
+        if chat:
+            return PackedConversations(*dataset, documents, args.seq_length, overflow=args.conversation_overflow,
+                                       name=name)
+        return TokenSamples(dataset, documents, args.seq_length, name=name)
     except ValueError as err:   # too little data for one sample
         raise ConfigError("--seq-length", args.seq_length, str(err)) from None
-    what += (f"\n  training {len(train_docs)} documents, {len(train):,} samples of {args.seq_length + 1} tokens; "
-             f"validation {len(valid_docs)} documents, {len(valid):,} samples; vocabulary {vocab} padded to {padded}")
-    return Data(train, valid, GlobalBatches(len(train), plan.global_batch_size, seed=args.seed),
-                GlobalBatches(len(valid), plan.global_batch_size, shuffle=False), padded, what)
 
 
 def data_vocab_size(args: argparse.Namespace) -> tuple[Optional[int], str]:
@@ -456,27 +517,51 @@ def position_ids(tokens_BS: torch.Tensor) -> torch.Tensor:
     return torch.arange(tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
 
 
-def micro_batch_loss(engine, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Mean token cross entropy of one micro-batch (the model returns it per token)."""
-    tokens_BS, labels_BS = tokens_BS.to(engine.device), labels_BS.to(engine.device)
+def micro_batch_loss(engine, batch, global_tokens: Optional[int] = None, replicas: int = 1) -> torch.Tensor:
+    """The loss of one micro-batch: text ``(tokens_BS, labels_BS)``, the mean token cross entropy (the model
+    returns it per token); with ``global_tokens`` (chat data, ``PackedBatch``, or text with loss masks) the
+    micro-batch's share of the global batch's mean over its loss tokens (``moe_plugin.packed_loss``)."""
+    from moe_plugin.data.packing import PackedBatch
+    from moe_plugin.integration.packed import packed_loss, weighted_sum
+
+    if isinstance(batch, PackedBatch):
+        return packed_loss(engine, batch, global_tokens, replicas)
+    tokens_BS, labels_BS, *mask = (t.to(engine.device) for t in batch)
     losses_BS = engine(tokens_BS, position_ids(tokens_BS), None, labels=labels_BS)
-    return losses_BS.float().mean()
+    if global_tokens is None:
+        return losses_BS.float().mean()
+    from moe_plugin.data.packing import token_weights
+
+    return weighted_sum(losses_BS, token_weights(mask[0], global_tokens, replicas))
 
 
-def micro_batches(samples, schedule, plan: RunPlan, groups, step: int):
-    """This data-parallel rank's micro-batches of ``step``'s global batch: (tokens_BS, labels_BS)."""
+def micro_batches(samples, indices, plan: RunPlan, groups, masked: bool = False):
+    """This data-parallel rank's micro-batches of the global batch ``indices``: (tokens_BS, labels_BS) of
+    text (``masked``: with a loss mask that is 0 on the padding rows of a last, partial batch), a
+    ``PackedBatch`` of chat data."""
+    from moe_plugin.data import micro_batch_rows
+
     dp_rank, dp_size = groups.rank_in("dp"), groups.size("dp")
     for micro_step in range(plan.grad_accumulation):
-        yield samples.batch(schedule.micro_batch(step, dp_rank, dp_size, plan.micro_batch_size, micro_step))
+        rows = micro_batch_rows(indices, dp_rank, dp_size, plan.micro_batch_size, micro_step)
+        yield samples.masked_batch(rows) if masked else samples.batch(rows)
+
+
+def global_tokens(samples, indices) -> Optional[int]:
+    """The loss tokens of the global batch ``indices`` of chat data (None: text, every token)."""
+    return samples.loss_tokens(indices) if hasattr(samples, "loss_tokens") else None
 
 
 def train_step(run, data: Data, plan: RunPlan, step: int) -> float:
     """One optimizer step: forward / backward / step per micro-batch (DeepSpeed steps the
-    optimizer at the last one). Returns the global batch's loss (averaged over data parallelism)."""
+    optimizer at the last one). Returns the global batch's loss (averaged over data parallelism; chat
+    data: the mean over the global batch's loss tokens)."""
     engine, losses = run.engine, []
-    for tokens_BS, labels_BS in micro_batches(data.train, data.schedule, plan, run.groups, step):
+    indices = data.schedule.global_batch(step)
+    count, replicas = global_tokens(data.train, indices), plan.sizes.dp * plan.grad_accumulation
+    for batch in micro_batches(data.train, indices, plan, run.groups):
         with record_function("step.forward"):      # profiler scopes: the phases of --profile's parts
-            loss = micro_batch_loss(engine, tokens_BS, labels_BS)
+            loss = micro_batch_loss(engine, batch, count, replicas)
         with record_function("step.backward"):
             engine.backward(loss)     # sequence-parallel norm gradients are summed over TP in here
         with record_function("optimizer"):
@@ -485,37 +570,68 @@ def train_step(run, data: Data, plan: RunPlan, step: int) -> float:
     return data_parallel_mean(torch.stack(losses).mean(), run.groups)
 
 
+def pipe_batches(data_samples, indices, plan: RunPlan, groups, count: Optional[int], masked: bool = False):
+    """The PipelineEngine's micro-batches of the global batch ``indices``: ``((tokens, position_ids),
+    labels)`` of text, ``((tokens, position_ids, document_ids), (labels, weights))`` of packed or masked
+    batches (``moe_plugin.packed_pipe_inputs``)."""
+    from moe_plugin.data.packing import PackedBatch, token_weights
+    from moe_plugin.integration.packed import packed_pipe_inputs
+
+    replicas = plan.sizes.dp * plan.grad_accumulation
+    for batch in micro_batches(data_samples, indices, plan, groups, masked):
+        if isinstance(batch, PackedBatch):
+            yield packed_pipe_inputs(batch, count, replicas)
+        elif masked:
+            tokens_BS, labels_BS, mask_BS = batch
+            yield (tokens_BS, position_ids(tokens_BS)), (labels_BS, token_weights(mask_BS, count, replicas))
+        else:
+            tokens_BS, labels_BS = batch
+            yield (tokens_BS, position_ids(tokens_BS)), labels_BS
+
+
 def pipeline_train_step(run, data: Data, plan: RunPlan, step: int) -> float:
     """The same step on the PipelineEngine: ``train_batch`` runs the micro-batches through the
     stages (the first reads the tokens, the last the labels) and returns the loss, averaged over
     the micro-batches and data parallelism, on every rank."""
-    def pipe_inputs():
-        for tokens_BS, labels_BS in micro_batches(data.train, data.schedule, plan, run.groups, step):
-            yield (tokens_BS, position_ids(tokens_BS)), labels_BS
+    indices = data.schedule.global_batch(step)
+    return float(run.engine.train_batch(pipe_batches(data.train, indices, plan, run.groups,
+                                                     global_tokens(data.train, indices))))
 
-    return float(run.engine.train_batch(pipe_inputs()))
+
+def validation_plan(data: Data, iters: int) -> tuple[list, Optional[int], bool]:
+    """``(global batches, loss tokens over all of them, masked)``: every held-out sample once
+    (``data.valid_batches``: chat data, ``--valid-data-path``), else the first ``iters`` fixed batches."""
+    if data.valid_batches is None:
+        return [data.valid_schedule.global_batch(step) for step in range(iters)], None, False
+    every = [i for batch in data.valid_batches for i in batch]
+    count = (data.valid.loss_tokens(every) if data.chat
+             else data.valid.seq_length * sum(1 for i in every if i >= 0))
+    return data.valid_batches, count, not data.chat
 
 
 @torch.no_grad()
 def evaluate(run, data: Data, plan: RunPlan, iters: int) -> float:
-    """Mean loss over ``iters`` fixed validation global batches (eval mode: eval capacity factor)."""
+    """The validation loss (eval mode: eval capacity factor): the mean over every held-out loss token
+    (``validation_plan``), else the mean of ``iters`` fixed batches' losses."""
     engine, losses = run.engine, []
+    batches, count, masked = validation_plan(data, iters)
+    replicas = plan.sizes.dp * plan.grad_accumulation
     engine.eval()
-    for step in range(iters):
-        for tokens_BS, labels_BS in micro_batches(data.valid, data.valid_schedule, plan, run.groups, step):
-            losses.append(micro_batch_loss(engine, tokens_BS, labels_BS))
+    for indices in batches:
+        for batch in micro_batches(data.valid, indices, plan, run.groups, masked):
+            losses.append(micro_batch_loss(engine, batch, count, replicas))
     engine.train()
-    return data_parallel_mean(torch.stack(losses).mean(), run.groups)
+    mean = torch.stack(losses).mean() * (len(batches) if count is not None else 1)   # weighted: a sum over batches
+    return data_parallel_mean(mean, run.groups)
 
 
 def pipeline_evaluate(run, data: Data, plan: RunPlan, iters: int) -> float:
     """``evaluate`` on the PipelineEngine (``eval_batch`` broadcasts each batch's loss to every stage)."""
-    losses = []
-    for step in range(iters):
-        batches = ((((t, position_ids(t)), y)) for t, y in micro_batches(data.valid, data.valid_schedule, plan,
-                                                                           run.groups, step))
-        losses.append(run.engine.eval_batch(batches).detach().float())
-    return data_parallel_mean(torch.stack(losses).mean(), run.groups)
+    batches, count, masked = validation_plan(data, iters)
+    losses = [run.engine.eval_batch(pipe_batches(data.valid, indices, plan, run.groups, count, masked)).detach().float()
+              for indices in batches]
+    mean = torch.stack(losses).mean() * (len(batches) if count is not None else 1)
+    return data_parallel_mean(mean, run.groups)
 
 
 def data_parallel_mean(value: torch.Tensor, groups) -> float:
@@ -598,8 +714,55 @@ def save_checkpoint(run, directory: str, step: int, keep_last: Optional[int] = N
     return committed
 
 
+def resume(args: argparse.Namespace, run) -> int:
+    """``--load`` (collective): the steps already trained, 0 with ``--finetune`` (the weights only: a
+    fresh optimizer, the JSON's scheduler from its start, no RNG state). A resume with nothing left to
+    train, or whose scheduler gives lr 0 for every step to come, is a ``ConfigError`` (exit status 2)."""
+    if not args.load:
+        return 0
+    if args.finetune:
+        from moe_plugin import checkpoint_exists
+
+        if not checkpoint_exists(args.load):
+            raise ConfigError("--load", args.load, "--finetune trains the weights of a checkpoint, and there is "
+                              "none there (missing or empty directory)")
+        load_checkpoint(run, args.load, optimizer=False, rng=False, strict=args.strict_load,
+                        trust=args.trust_checkpoint, module_only=True)
+        return 0
+    start = load_checkpoint(run, args.load, not args.no_load_optim, not args.no_load_rng, args.strict_load,
+                            args.trust_checkpoint)
+    if args.skip_train or start == 0:
+        return start
+    if start >= args.train_iters:
+        raise ConfigError("--train-iters", args.train_iters, f"--load {args.load} has trained {start} steps already: "
+                          f"nothing is left to train; pass --finetune to train its weights from step 0 with a fresh "
+                          f"optimizer and the JSON's schedule, or a --train-iters above {start} to resume")
+    learning_rates = future_learning_rates(run.lr_scheduler, start, args.train_iters)
+    if learning_rates and max(learning_rates) <= 0.0:
+        raise ConfigError("--load", args.load, f"its lr scheduler gives lr 0 for every step to come (steps "
+                          f"{start + 1}-{args.train_iters}: the schedule of the run that saved it has ended); pass "
+                          "--finetune for the JSON's schedule from step 0")
+    return start
+
+
+def future_learning_rates(scheduler, start: int, end: int) -> list[float]:
+    """The largest learning rate of each step ``start .. end - 1`` that DeepSpeed's ``scheduler`` will give
+    (a step trains at the rate of the iteration before it); [] for a scheduler without DeepSpeed's
+    ``last_batch_iteration`` and ``get_lr``. The scheduler is left as it was."""
+    if scheduler is None or not hasattr(scheduler, "last_batch_iteration") or not hasattr(scheduler, "get_lr"):
+        return []
+    saved, rates = scheduler.last_batch_iteration, []
+    try:
+        for iteration in range(max(start - 1, 0), end - 1):
+            scheduler.last_batch_iteration = iteration
+            rates.append(max(scheduler.get_lr()))
+    finally:
+        scheduler.last_batch_iteration = saved
+    return rates
+
+
 def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = True, strict: bool = False,
-                    trust: bool = False) -> int:
+                    trust: bool = False, module_only: bool = False) -> int:
     """Resume from the ``latest`` tag of ``directory`` (if it fails verification, from the newest tag
     that verifies, with one line saying why; ``strict`` (``--strict-load``): an error instead);
     returns the number of steps already trained.
@@ -619,8 +782,9 @@ def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = Tru
         return 0
     began = time.perf_counter()
     try:
-        path, client_state = load(run, directory, strict=strict, load_optimizer_states=optimizer,
-                                  load_rng_states=rng, trust=trust)
+        path, client_state = load(run, directory, strict=strict, load_optimizer_states=optimizer and not module_only,
+                                  load_rng_states=rng, trust=trust, load_module_only=module_only,
+                                  load_lr_scheduler_states=not module_only)
     except CheckpointError as err:
         if "load_optimizer_states=False" in str(err):
             raise CheckpointError(f"{err} (in this script: --no-load-optim)") from None
@@ -640,11 +804,11 @@ def train(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: Trai
     reason once it stopped the run early (a checkpoint of that step saved), else None."""
     from moe_plugin import ExpertMetrics
 
-    start = (load_checkpoint(result, args.load, not args.no_load_optim, not args.no_load_rng, args.strict_load,
-                             args.trust_checkpoint)
-             if args.load else 0)
+    start = resume(args, result)
     if start:
         log.info(f"resumed from {args.load} after {start} steps")
+    elif args.finetune:
+        log.info(f"fine-tuning the weights of {args.load} from step 0 (a fresh optimizer, the JSON's lr schedule)")
     from moe_plugin import wait_for_save
 
     metrics = ExpertMetrics(result.engine.module, groups=result.groups)   # expert load, also to DeepSpeed's monitor
@@ -719,6 +883,14 @@ def _train_steps(args, plan, data, result, log: TrainingLog, placement, metrics,
     return None
 
 
+def validate_only(args: argparse.Namespace, plan: RunPlan, data: Data, result, log: TrainingLog) -> int:
+    """``--skip-train``: ``--load``'s weights (if given), the validation loss once, no training, no save."""
+    start = resume(args, result)
+    loss = (pipeline_evaluate if plan.sizes.pp > 1 else evaluate)(result, data, plan, args.eval_iters)
+    log.valid(start, loss)   # "step N | validation loss X"
+    return 0
+
+
 def log_written(log, committed: Optional[str], directory: str) -> None:
     """The line of an asynchronous save once committed (``committed``: its directory; None: nothing to say)."""
     if committed is not None:
@@ -790,6 +962,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "vocab_size": data.vocab_size, "summary": result.summary.to_dict(),
                 "parameters": result.summary.parameters, "memory_before_model_mb": memory_before},
                 indent=2, default=str) + "\n")
+        if args.skip_train:
+            return validate_only(args, plan, data, result, log)
         started = time.perf_counter()
         if train(args, plan, data, result, log, placement, exit_request) is not None:
             return ExitRequest.EXIT_STATUS   # 75: stopped early with a checkpoint (the finally below still runs)
@@ -804,7 +978,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                  + (", its asynchronous save's copy included)" if args.async_save else ")"))
         plot = None if args.no_plot else log.plot()
         log.info(f"metrics: {log.metrics_path}" + (f"\nplot:    {plot}" if plot else ""))
-    except (TrainingStopped, FloatingPointError, CheckpointError) as err:   # raised on every rank together
+    except (TrainingStopped, FloatingPointError, CheckpointError, ConfigError) as err:   # on every rank together
         return report_error(alike_on_every_rank(err))   # one line on rank 0, status 1 on every rank
     finally:
         if placement is not None:

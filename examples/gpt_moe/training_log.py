@@ -74,7 +74,7 @@ class TrainingLog:
     def valid(self, step: int, loss: float) -> None:
         self.write({"split": "valid", "step": step, "loss": loss,
                     "elapsed_s": round(time.monotonic() - self._start, 3)})
-        self.info(f"step {step:6d} | validation loss {loss:.4f}")
+        self.info(f"step {step:6d} | validation loss {loss:.6f}")
 
     def plot(self) -> Optional[Path]:
         """Training and validation loss, and expert imbalance / dropped fraction, over steps."""

@@ -11,7 +11,9 @@ samples over a document stream with a held-out split, and layout-independent glo
   ``IndexedDataset``.
 * ``stdlib_corpus``: ``ensure_stdlib_corpus(cache_dir)``, the Python stdlib as an offline corpus.
 * ``samples``: ``split_documents``, ``TokenSamples`` (windows of seq_length + 1 tokens).
-* ``batches``: ``GlobalBatches``, the seeded per-step global batch and each rank's rows of it.
+* ``batches``: ``GlobalBatches``, the seeded per-step global batch, ``micro_batch_rows``: each rank's rows of it.
+* ``packing``: ``PackedConversations`` (chat data packed whole into sequences), ``PackedBatch`` (its tokens,
+  labels, loss mask, restarting positions, document ids; ``thd()``: Megatron's packed format), ``token_weights``.
 
 Names are imported on first use: importing the package is light, ``read_indexed`` and the
 others that use Megatron-Core's dataset module import it (and torch), the Hugging Face ones
@@ -21,6 +23,11 @@ from moe_plugin.lazy import lazy_getattr
 
 _LAZY = {
     "GlobalBatches": "batches",
+    "micro_batch_rows": "batches",
+    "PackedBatch": "packing",
+    "PackedConversations": "packing",
+    "pack_lengths": "packing",
+    "token_weights": "packing",
     "IndexedWriter": "indexed",
     "document_sequences": "indexed",
     "indexed_exists": "indexed",
