@@ -168,6 +168,24 @@ def import_hf(args: argparse.Namespace) -> None:
               f"first,\n  moe-plugin preprocess --input FILE.jsonl --tokenizer {done.command[-1]} "
               "--output-prefix PREFIX")
     print(f"  train it (from the repository's root; add --train-iters, --save ...):\n  {shlex.join(done.command)}")
+    if has_chat_template(args.hf_dir):
+        print("  its tokenizer has a chat template: to fine-tune on conversations, moe-plugin preprocess --chat, then "
+              "the command above with --finetune\n  (docs/fine_tuning.md)")
+
+
+def has_chat_template(hf_dir: str) -> bool:
+    """Whether the Hugging Face directory's tokenizer carries a chat template (``chat_template.jinja`` or the
+    ``chat_template`` of ``tokenizer_config.json``)."""
+    from pathlib import Path
+
+    directory = Path(hf_dir)
+    if (directory / "chat_template.jinja").is_file():
+        return True
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
 
 
 def export_hf(args: argparse.Namespace) -> None:
