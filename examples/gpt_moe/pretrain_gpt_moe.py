@@ -747,13 +747,13 @@ def resume(args: argparse.Namespace, run) -> int:
 
 def future_learning_rates(scheduler, start: int, end: int) -> list[float]:
     """The largest learning rate of each step ``start .. end - 1`` that DeepSpeed's ``scheduler`` will give
-    (a step trains at the rate of the iteration before it); [] for a scheduler without DeepSpeed's
-    ``last_batch_iteration`` and ``get_lr``. The scheduler is left as it was."""
+    (the next step trains at the rate of its current iteration, each step moves it on by one); [] for a
+    scheduler without DeepSpeed's ``last_batch_iteration`` and ``get_lr``. The scheduler is left as it was."""
     if scheduler is None or not hasattr(scheduler, "last_batch_iteration") or not hasattr(scheduler, "get_lr"):
         return []
     saved, rates = scheduler.last_batch_iteration, []
     try:
-        for iteration in range(max(start - 1, 0), end - 1):
+        for iteration in range(max(saved, 0), max(saved, 0) + end - start):
             scheduler.last_batch_iteration = iteration
             rates.append(max(scheduler.get_lr()))
     finally:
