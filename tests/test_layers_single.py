@@ -42,14 +42,15 @@ def tokens(s: int = S, b: int = B, hidden: int = H, seed: int = 1) -> torch.Tens
 
 
 def check_against_oracle(layer: MoELayer, x_SBH: torch.Tensor, *, training: bool = True, tol=TOL,
-                         oracle_dtype=None, noise=None):
-    """Run layer and oracle on the same weights and random numbers; compare everything."""
+                         oracle_dtype=None, noise=None, document_T=None):
+    """Run layer and oracle on the same weights and random numbers (and documents, -1 padding:
+    ``document_T``); compare everything."""
     layer.train(training)
     T = x_SBH.shape[0] * x_SBH.shape[1]
     if training and noise is None:
         noise = layer.router.draw_noise(T, layer.hidden_size)
     x = x_SBH.clone().requires_grad_(True)
-    out, bias = layer(x, noise=noise)
+    out, bias = layer(x, noise=noise, document_T=document_T)
     assert bias is None and out.shape == x.shape and out.dtype == x.dtype
     grad_SBH = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
     (out * grad_SBH).sum().backward()
@@ -58,7 +59,8 @@ def check_against_oracle(layer: MoELayer, x_SBH: torch.Tensor, *, training: bool
     params["router.expert_bias"] = layer.router.expert_bias.clone()
     x_ref = x_SBH.detach().clone().to(oracle_dtype or x_SBH.dtype).requires_grad_(True)
     ref = reference_moe(x_ref.reshape(T, -1), params, layer.config, training=training,
-                        jitter_TH=noise.jitter_TH if noise else None, uniform_T=noise.uniform_T if noise else None)
+                        jitter_TH=noise.jitter_TH if noise else None, uniform_T=noise.uniform_T if noise else None,
+                        document_T=document_T)
     ref_loss = (ref.out.float() * grad_SBH.reshape(T, -1).float()).sum()
     if training:
         ref_loss = ref_loss + ref.weighted_aux_loss(layer.config)

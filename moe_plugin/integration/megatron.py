@@ -85,10 +85,29 @@ class MegatronMoEMLP(MoELayer):
             param.data = param.data.to(config.params_dtype)
 
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """[S, B, H] (S/TP under sequence parallelism) -> (output, None)."""
-        if padding_mask is not None:
-            raise NotImplementedError("MegatronMoEMLP routes every token; padding_mask is not supported")
-        return super().forward(hidden_states)
+        """[S, B, H] (S/TP under sequence parallelism) -> (output, None).
+
+        ``padding_mask`` [B, S] as Megatron-Core 0.16.1's ``TransformerLayer`` passes it (GPTModel's,
+        cut to this rank's positions under SP on the first pipeline stage; a later stage gets it whole
+        and it is cut here): bool, True on padding (what Megatron's router code applies, as
+        ``~padding_mask``; some of its docstrings say the opposite), each batch column a sequence; or
+        integers, document ids with -1 on padding (packed conversations). ``MoELayer.forward``'s
+        ``document_T``.
+        """
+        if padding_mask is None:
+            return super().forward(hidden_states)
+        S, B = hidden_states.shape[:2]
+        p = self.parallel
+        if p.sequence_parallel and p.tp_size > 1 and tuple(padding_mask.shape) == (B, S * p.tp_size):
+            padding_mask = padding_mask.chunk(p.tp_size, dim=1)[dist.get_rank(group=p.tp)]
+        if tuple(padding_mask.shape) != (B, S) or padding_mask.is_floating_point():
+            raise ValueError(f"MegatronMoEMLP padding_mask must be [batch, sequence] = {[B, S]} (bool: True on "
+                             f"padding; or integer document ids, -1 on padding); got {padding_mask.dtype} "
+                             f"{list(padding_mask.shape)}")
+        if padding_mask.dtype == torch.bool:
+            column_B1 = torch.arange(B, device=padding_mask.device)[:, None]
+            padding_mask = torch.where(padding_mask, -1, column_B1)
+        return super().forward(hidden_states, document_T=padding_mask.t().reshape(-1))
 
 
 @dataclass(frozen=True)

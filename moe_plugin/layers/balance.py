@@ -11,7 +11,8 @@ replica's whole micro-batch, ``parallel.py`` 1, 4(b): each scope sees it as one 
 * micro_batch (GShard, the default): the micro-batch's tokens, ``router.balance_loss``. No collective.
 * sequence (DeepSeek-V3's sequence-wise loss): per sequence of the micro-batch, the loss the mean
   over its B sequences. Row t of the [S, B, H] input flattened to [S*B, H] is position ``t // B``
-  of sequence ``t % B``. No collective.
+  of sequence ``t % B``; with documents (``document_T``, packed conversations) a sequence is a
+  document, the loss the mean over the documents present. No collective.
 * global: ``f_e`` from the counts of every DP replica (one all-reduce of the [E] counts over
   ``parallel.dp``, no gradient), added to those of the training forwards since
   the last ``reset``: with gradient accumulation, micro-batch m uses the counts of micro-batches
@@ -21,6 +22,9 @@ replica's whole micro-batch, ``parallel.py`` 1, 4(b): each scope sees it as one 
   gradients are those of one rank routing the whole global batch in one micro-batch. An
   evaluation forward uses its own counts only and adds nothing. Call ``reset`` once per optimizer
   step (``MoELayer.reset_balance_counts``; ``moe_plugin.initialize`` does it by itself).
+
+Padding (document id -1) is in no scope: its choices are not counted, its shares not averaged,
+every mean is over real tokens (global: ``P_e`` over the replicas' real tokens of the micro-batch).
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe_plugin.layers.parallel import LayerParallelism
-from moe_plugin.layers.router import balance_loss, balance_terms, count_values
+from moe_plugin.layers.router import balance_loss, balance_terms, count_values, real_terms
 
 BalanceFn = Callable[[str, Tensor, Tensor], Tensor]   # (score, expert_TK, scores_TE) -> loss
 
@@ -51,6 +55,26 @@ def sequence_balance_loss(score: str, expert_TK: Tensor, scores_TE: Tensor, *, s
     return E * (f_BE * (share_BE / tokens_B1.clamp(min=1))).sum(1).mean()
 
 
+def document_balance_loss(score: str, expert_TK: Tensor, scores_TE: Tensor, *, document_T: Tensor) -> Tensor:
+    """The mean over the documents present (ids >= 0 in ``document_T`` [T]; -1: padding) of each
+    document's ``E * sum_e f_e * P_e`` over its tokens. Documents get dense indices by a stable
+    sort of the ids (no host sync); padding sorts first and counts nowhere."""
+    counted_TX, share_TE = balance_terms(score, expert_TK, scores_TE)
+    (T, E), X = share_TE.shape, counted_TX.shape[1]
+    real_T = document_T >= 0
+    sorted_T, order_T = torch.sort(document_T, stable=True)
+    first_T = torch.ones_like(real_T)
+    first_T[1:] = sorted_T[1:] != sorted_T[:-1]
+    index_T = torch.empty_like(order_T).scatter_(0, order_T, torch.cumsum(first_T, 0) - 1)   # dense, < T
+    counted_TX, share_TE = real_terms(counted_TX, share_TE, real_T)
+    count_TE = count_values((index_T[:, None] * (E + 1) + counted_TX).reshape(-1), T * (E + 1)).view(T, E + 1)
+    share_DE = torch.zeros_like(share_TE).index_add_(0, index_T, share_TE)        # D: documents, by index
+    tokens_D = count_values(torch.where(real_T, index_T, T), T + 1)[:T]
+    f_DE = count_TE[:, :E].to(share_TE.dtype) / (tokens_D[:, None] * X).clamp(min=1)
+    loss_D = E * (f_DE * (share_DE / tokens_D[:, None].clamp(min=1))).sum(1)
+    return loss_D.sum() / (first_T & (sorted_T >= 0)).sum().clamp(min=1)
+
+
 class BalanceScope:
     """The balance loss of one layer under its ``aux_loss_scope``, and the global scope's counts
     of the current optimizer step. ``loss_for(...)`` gives the function a forward passes to its
@@ -59,33 +83,45 @@ class BalanceScope:
     def __init__(self, scope: str, parallel: LayerParallelism):
         self.scope = scope
         self.replica_group = parallel.dp       # the other replicas route the rest of the global batch
+        self.replicas = parallel.dp_size
         self.count_E: Optional[Tensor] = None  # global: counts of this step's training forwards
 
     def reset(self) -> None:
         """Forget the counts of earlier micro-batches: a new optimizer step starts."""
         self.count_E = None
 
-    def loss_for(self, sequences: Optional[int], training: bool) -> BalanceFn:
+    def loss_for(self, sequences: Optional[int], training: bool, document_T: Optional[Tensor] = None) -> BalanceFn:
         """The balance loss of a forward of ``sequences`` sequences (None: the input is not
-        [S, B, H]); a training forward adds its counts (global)."""
+        [S, B, H]) or, given them, of the micro-batch's documents ``document_T`` [T] (-1: padding);
+        a training forward adds its counts (global)."""
+        real_T = None if document_T is None else document_T >= 0
         if self.scope == "sequence":
+            if document_T is not None:
+                return partial(document_balance_loss, document_T=document_T)
             if sequences is None:
                 raise ValueError("moe.aux_loss_scope 'sequence' needs the MoE layer input as [S, B, H] "
                                  "(sequence, batch, hidden): it forms the balance loss per sequence")
             return partial(sequence_balance_loss, sequences=sequences)
         if self.scope == "global":
-            return partial(self._global_loss, training=training)
-        return balance_loss
+            return partial(self._global_loss, training=training, real_T=real_T)
+        return balance_loss if real_T is None else partial(balance_loss, real_T=real_T)
 
-    def _global_loss(self, score: str, expert_TK: Tensor, scores_TE: Tensor, *, training: bool) -> Tensor:
+    def _global_loss(self, score: str, expert_TK: Tensor, scores_TE: Tensor, *, training: bool,
+                     real_T: Optional[Tensor] = None) -> Tensor:
         counted_TX, share_TE = balance_terms(score, expert_TK, scores_TE)
         T, E = share_TE.shape
-        count_E = count_values(counted_TX.reshape(-1), E)
+        if real_T is None:
+            count_E = count_values(counted_TX.reshape(-1), E)
+        else:
+            counted_TX, share_TE = real_terms(counted_TX, share_TE, real_T)
+            count_E = count_values(counted_TX.reshape(-1), E + 1)[:E]
         if self.replica_group is not None:
             dist.all_reduce(count_E, group=self.replica_group)
+        # P_e's mean: over T, or over the replicas' real tokens of this micro-batch per replica
+        tokens = max(T, 1) if real_T is None else (count_E.sum() / (counted_TX.shape[1] * self.replicas)).clamp(min=1)
         if training:
             if self.count_E is not None:
                 count_E = count_E + self.count_E.to(count_E.device)
             self.count_E = count_E
         f_E = count_E.float() / count_E.sum().clamp(min=1).float()
-        return E * (f_E * (share_TE.sum(0) / max(T, 1))).sum()
+        return E * (f_E * (share_TE.sum(0) / tokens)).sum()

@@ -12,7 +12,8 @@ Shape suffixes: see ``moe_plugin.layers``.
 * shadowing or none (``shadow.Shadowing``): the routes it holds back, its rows in the combine.
 
 ``prepare(x_TH, plan, finite)`` holds the layer's one host sync (``host_sync.py``) and cuts the
-router's plan to the kept routes (``RoutingPlan.kept``): the batch's frozen ``Dispatch``. Then
+router's plan to the kept routes (``RoutingPlan.kept``; a capacity computed on the device, with
+padding, is read there too): the batch's frozen ``Dispatch``. Then
 ``run(state, experts, shared)``; with one exchange::
 
     x_NH, gather_R, counts_L = state.wire.send(state)   # counts_L: on the host and on the device
@@ -91,13 +92,15 @@ class Dispatcher:
     def prepare(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck] = None) -> Dispatch:
         """The batch's state, after ``finite`` (the router's pending check of the logits)."""
         wire, sync = self.wire.for_batch(x_TH, plan), HostSync()
+        capacity = None if plan.capacity_1 is None else sync.add(plan.capacity_1)
         held = self.shadowing.before(plan, sync) if self.shadowing is not None else None
         sizes = wire.sizes(x_TH, plan, finite, sync, None if held is None else held.shadow_D)
         pending = self.schedule.plan(sizes, sync)
         sync.read()                                                  # the one host sync; the finite verdict
+        read = None if capacity is None else capacity.host[0]
         if held is None:
-            return self.schedule.finish(wire.state(x_TH, plan.kept(sum(sizes.send.host)), sizes), pending)
-        plan, routes = self.shadowing.split(plan.kept(sum(sizes.send.host) + sum(held.counts.host)), held)
+            return self.schedule.finish(wire.state(x_TH, plan.kept(sum(sizes.send.host), read), sizes), pending)
+        plan, routes = self.shadowing.split(plan.kept(sum(sizes.send.host) + sum(held.counts.host), read), held)
         return self.schedule.finish(replace(wire.state(x_TH, plan, sizes), held=routes), pending)
 
     def combine(self, y_RH: Tensor, state: Dispatch) -> Tensor:

@@ -3,8 +3,9 @@
 Shape suffixes: see ``moe_plugin.layers``; what it does: docs/moe_layer.md.
 
 ``MoELayer(config, hidden_size, ffn_hidden_size, groups=None)`` replaces a Megatron MLP:
-``forward(hidden_SBH) -> (output_SBH, None)``. The router runs in fp32, the experts and the
-output in the input dtype. The balance and z losses reach the gradients through
+``forward(hidden_SBH, document_T=None) -> (output_SBH, None)``; ``document_T`` names each token's
+document (packed conversations), -1 padding, which is not routed and gives zero output rows. The
+router runs in fp32, the experts and the output in the input dtype. The balance and z losses reach the gradients through
 ``AttachAuxLoss`` on the output: a training loop that calls ``loss.backward()`` trains the
 router without adding the losses by hand. ``last_stats`` describes the latest forward on this
 rank's tokens; ``global_stats()`` sums it over the ranks that route distinct tokens.
@@ -179,31 +180,60 @@ class MoELayer(nn.Module):
         self.aux_loss_scale = 1.0
         self.last_stats: Optional[MoEStats] = None
 
-    def forward(self, hidden_SBH: Tensor, noise: Optional[RouterNoise] = None) -> tuple[Tensor, None]:
+    def forward(self, hidden_SBH: Tensor, noise: Optional[RouterNoise] = None,
+                document_T: Optional[Tensor] = None) -> tuple[Tensor, None]:
         """``hidden_SBH``: [S, B, H], or this TP rank's [S/tp, B, H] share with sequence parallelism.
 
         ``noise`` replays given random numbers (tests) for the replica's S*B tokens (all TP
         shares; ``Router.forward``); by default the router draws its own.
+        ``document_T`` [T] integers, one per row of ``hidden_SBH.reshape(-1, H)`` (row s * B + b; this
+        rank's share under SP): the token's document, -1 padding. Padding rows are read as zeros and
+        routed nowhere: no load, no capacity (that of the replica's real tokens), nothing in the losses
+        (over real tokens; scope sequence: per document), output rows zero, shared expert included.
+        None: every token real, the batch columns the sequences.
         """
         if hidden_SBH.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE layer input has hidden size {hidden_SBH.shape[-1]}, expected {self.hidden_size}")
         p = self.parallel
         x_TH = hidden_SBH.reshape(-1, self.hidden_size)
+        whole_T = real_T = None                  # the replica's documents (all TP shares); my rows' real tokens
+        if document_T is not None:
+            whole_T, mine_T = self._documents(document_T, x_TH)
+            real_T = mine_T >= 0
         if p.splits_input:
             x_TH = comm.split_tokens(x_TH, p.tp)
+        if real_T is not None:
+            x_TH = torch.where(real_T[:, None], x_TH, 0.0)
         # Profiler scopes (``record_function``, a few microseconds each): the parts of ``bench step --parts``.
         with record_function("moe.router"):
-            balance = self.balance.loss_for(hidden_SBH.shape[1] if hidden_SBH.dim() == 3 else None, self.training)
-            plan, finite = self.router(x_TH, noise, self.placement, balance)
+            balance = self.balance.loss_for(hidden_SBH.shape[1] if hidden_SBH.dim() == 3 else None, self.training,
+                                            whole_T)
+            plan, finite = self.router(x_TH, noise, self.placement, balance, None if whole_T is None else whole_T >= 0)
         with record_function("moe.dispatch"):
             state = self.dispatcher.prepare(x_TH, plan, finite)
             self.router.record_load(plan)
         out_TH = self.dispatcher.run(state, self.experts, self.shared_expert)
+        if real_T is not None and self.shared_expert is not None:   # the routed experts gave padding nothing
+            out_TH = torch.where(real_T[:, None], out_TH, 0.0)
         out_TH = self._attach_losses(out_TH, plan)
         self.last_stats = self._stats(plan, state)
         if p.splits_input:
             out_TH = comm.gather_tokens(out_TH, p.tp)
         return out_TH.view(hidden_SBH.shape), None
+
+    def _documents(self, document_T: Tensor, x_TH: Tensor) -> tuple[Tensor, Tensor]:
+        """(the replica's documents [all TP shares], those of the rows this rank routes): replicated
+        over TP without SP (cut to the share), all-gathered over TP with it (``parallel.py`` 1)."""
+        if document_T.shape != (x_TH.shape[0],) or document_T.is_floating_point() or document_T.dtype == torch.bool:
+            raise ValueError(f"MoE layer document_T must be integer document ids [{x_TH.shape[0]}] (one per input "
+                             f"row, -1 for padding); got {document_T.dtype} {list(document_T.shape)}")
+        ids_T = document_T.to(device=x_TH.device, dtype=torch.long)
+        p = self.parallel
+        if p.tp_size == 1:
+            return ids_T, ids_T
+        if p.splits_input:
+            return ids_T, comm.split_tokens(ids_T, p.tp)
+        return comm.gather_tokens(ids_T, p.tp), ids_T
 
     def set_shadow(self, expert_ids) -> None:
         """Shadow these experts (global ids; ``[]``: none; ``shadow.py``). Call it on every EP rank
@@ -249,7 +279,7 @@ class MoELayer(nn.Module):
         traffic_PE = None if traffic_PD is None or self.parallel.ep is None else traffic_PD[:, self.placement]
         return MoEStats(kept_per_expert=plan.kept_E.detach(), routed_per_expert=plan.routed_E.detach(),
                         dropped_fraction=plan.dropped_fraction.detach(), balance_loss=plan.balance_loss.detach(),
-                        z_loss=plan.z_loss.detach(), capacity=plan.capacity, traffic_PE=traffic_PE)
+                        z_loss=plan.z_loss.detach(), capacity=state.plan.capacity, traffic_PE=traffic_PE)
 
     def global_stats(self) -> Optional[MoEStats]:
         """``last_stats`` reduced over the ranks that route distinct tokens (``tp_dp``): collective."""

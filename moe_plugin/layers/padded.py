@@ -17,7 +17,8 @@ the flags (``flag_rides``); the verdict raises on every rank alike, after the ex
 anything is computed from the rows. The experts gather their rows from the padded buffer in
 (local expert, sender) order (``gather_R``): the rows of counts, in the same order; the way back
 is the counts layout's uneven all-to-all. Outputs and gradients are the same bits as with counts
-(tests/test_layers_dist.py). A capacity needs the same token count on every EP rank.
+(tests/test_layers_dist.py). C is the plan's ``block_capacity``, that of all its tokens (padding
+included), so the blocks need the same token count on every EP rank, not the same real tokens.
 
 Not learnt: the sender x slot traffic (``traffic_PD`` None), hence the rules of
 ``exchange_rules.py``. A header the hidden size cannot hold makes a forced padded exchange raise
@@ -92,11 +93,11 @@ class PaddedWire:
     def for_batch(self, x_TH: Tensor, plan: RoutingPlan):
         """Itself, or counts where the header of this batch does not fit (``auto``)."""
         L, H = self.num_local, x_TH.shape[1]
-        _, digits = header_digits(x_TH.dtype, plan.capacity)
+        _, digits = header_digits(x_TH.dtype, plan.block_capacity)
         if L * digits + 1 <= H:
             return self
         why = (f"its header row needs {L * digits + 1} values ({L} local experts x {digits} {x_TH.dtype} digits "
-               f"of capacity {plan.capacity}, + 1 flag), the hidden size is {H}")
+               f"of capacity {plan.block_capacity}, + 1 flag), the hidden size is {H}")
         if self.forced:
             raise ConfigError("moe.exchange", "padded", f"{why}; use 'counts' or 'auto'")
         log_choice("counts", why)
@@ -106,8 +107,8 @@ class PaddedWire:
               held_D: Optional[Tensor] = None) -> PaddedSizes:
         """The blocks go out at once; the host sync reads the headers that came back."""
         p, P, L = self.parallel, self.parallel.ep_size, self.num_local
-        base, digits = header_digits(x_TH.dtype, plan.capacity)
-        B = 1 + L * plan.capacity
+        base, digits = header_digits(x_TH.dtype, plan.block_capacity)
+        B = 1 + L * plan.block_capacity
         send_NH = self._send_buffer(x_TH, plan, finite, B, base, digits)
         recv_NH = comm.all_to_all(send_NH, [B] * P, [B] * P, p.ep)
         head_PX = recv_NH.detach().view(P, B, -1)[:, 0, :L * digits + 1].long()
@@ -122,7 +123,7 @@ class PaddedWire:
     def _send_buffer(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck], B: int, base: int,
                      digits: int) -> Tensor:
         """[P * B, H]: per peer the header and the kept routes' rows at their slot's place."""
-        P, L, C, H = self.parallel.ep_size, self.num_local, plan.capacity, x_TH.shape[1]
+        P, L, C, H = self.parallel.ep_size, self.num_local, plan.block_capacity, x_TH.shape[1]
         kept_D, R = plan.kept_D, plan.route_R.numel()
         slot_R, within_R, kept_R = route_slots(kept_D, R)
         place_R = torch.where(kept_R, (slot_R // L) * B + 1 + (slot_R % L) * C + within_R,
@@ -138,7 +139,7 @@ class PaddedWire:
 
     def state(self, x_TH: Tensor, plan: RoutingPlan, sizes: PaddedSizes) -> PaddedExchange:
         """The experts' gather index into the padded rows: (local expert, sender) order."""
-        P, L, C, B, recv_PL = self.parallel.ep_size, self.num_local, plan.capacity, sizes.block, sizes.recv_PL
+        P, L, C, B, recv_PL = self.parallel.ep_size, self.num_local, plan.block_capacity, sizes.block, sizes.recv_PL
         total = sum(sizes.recv.host)
         sort_R, unsort_R = source_to_expert_order(recv_PL, total=total)
         padded_PL = torch.arange(P, device=recv_PL.device)[:, None] * B + 1 + torch.arange(L, device=recv_PL.device) * C

@@ -16,7 +16,9 @@ Semantics (a "replica" is one DP rank's micro-batch of T tokens, replicated over
    (rank order: the single-process token order), routes all T tokens as one GShard group
    (capacity, priority and both losses over them) and keeps its own tokens' routes
    (``router.route(own=...)``). Dispatch, experts and ``last_stats``' counts concern this rank's
-   tokens; the losses are the replica's, the same on its TP ranks.
+   tokens; the losses are the replica's, the same on its TP ranks. Document ids (padding: -1) come
+   with the input, replicated or this rank's share, and are all-gathered over TP with SP, so the
+   routing sees every token's.
 2. Expert parallelism (``ep``): a rank hosts experts ``[ep_rank * L, (ep_rank + 1) * L)`` and
    exchanges routed rows with its EP peers (``ep_dispatcher.py``).
 3. Expert tensor parallelism (``etp``): each expert's FFN dimension is split over the ETP group;

@@ -9,7 +9,9 @@ arithmetic, so both agree on every slot); it takes the layer's weights by state-
 same random numbers (``RouterNoise``).
 
 ``group_sizes`` splits the tokens into consecutive GShard groups, each with its own capacity
-and its own losses: each data/expert-parallel rank's local batch is one group.
+and its own losses: each data/expert-parallel rank's local batch is one group. ``document_T``
+names each token's document, -1 padding: a group routes its real tokens alone, in a call of their
+own (as if the padding were not there), and leaves zeros on the padding rows.
 """
 from __future__ import annotations
 
@@ -67,26 +69,42 @@ def _ffn(x_H: Tensor, w1: Tensor, w2: Tensor, config: MoEConfig, b1: Optional[Te
 
 def reference_moe(x_TH: Tensor, params: Mapping[str, Tensor], config: MoEConfig, *, training: bool,
                   jitter_TH: Optional[Tensor] = None, uniform_T: Optional[Tensor] = None,
-                  group_sizes: Optional[Sequence[int]] = None) -> ReferenceResult:
+                  group_sizes: Optional[Sequence[int]] = None,
+                  document_T: Optional[Sequence[int]] = None) -> ReferenceResult:
     """The MoE layer's output for tokens ``x_TH`` [T, H].
 
     params: ``router.weight``, ``experts.weight1``, ``experts.weight2`` and optionally
     ``router.expert_bias``, ``router.bias`` (on the logits), ``experts.bias1/bias2``,
     ``shared_expert.weight1/weight2/gate_weight``.
-    jitter_TH, uniform_T: the random numbers; used only when ``training``.
+    jitter_TH, uniform_T: the random numbers (one per token, padding included); used only when ``training``.
+    document_T: [T] document ids, -1 padding (module docstring); with aux_loss_scope sequence a
+    group's balance loss is the mean over its documents of each one's own (without them, and in the
+    other scopes, the group's).
     """
     T = x_TH.shape[0]
     sizes = list(group_sizes) if group_sizes is not None else [T]
     if sum(sizes) != T:
         raise ValueError(f"group sizes {sizes} do not add up to {T} tokens")
+    docs = None if document_T is None else [int(d) for d in document_T]
     rows, balances, zs, caps = [], [], [], []
     kept = [0] * config.num_experts
     routed = [0] * config.num_experts
     start = 0
     for size in sizes:
-        jit = jitter_TH[start:start + size] if (training and jitter_TH is not None) else None
-        uni = uniform_T[start:start + size] if (training and uniform_T is not None) else None
-        out, balance, z, cap = _one_group(x_TH[start:start + size], params, config, training, jit, uni, kept, routed)
+        if docs is None:
+            real, x_group = None, x_TH[start:start + size]
+            jit = jitter_TH[start:start + size] if (training and jitter_TH is not None) else None
+            uni = uniform_T[start:start + size] if (training and uniform_T is not None) else None
+        else:               # the group's real tokens, by themselves
+            real = [t for t in range(start, start + size) if docs[t] >= 0]
+            x_group = x_TH[real] if real else x_TH.new_zeros(0, x_TH.shape[1])
+            jit = jitter_TH[real] if (training and jitter_TH is not None) else None
+            uni = uniform_T[real] if (training and uniform_T is not None) else None
+        per_document = [docs[t] for t in real] if real is not None and config.aux_loss_scope == "sequence" else None
+        out, balance, z, cap = _one_group(x_group, params, config, training, jit, uni, kept, routed, per_document)
+        if real is not None:  # padding rows: zero
+            by_token = dict(zip(real, out))
+            out = [by_token.get(t, x_TH.new_zeros(x_TH.shape[1])) for t in range(start, start + size)]
         rows.extend(out)
         balances.append(balance)
         zs.append(z)
@@ -117,7 +135,7 @@ def _allowed_experts(score: list[float], config: MoEConfig) -> list[int]:
     return [e for e in range(E) if e // size in best]
 
 
-def _one_group(x_TH, params, config, training, jitter_TH, uniform_T, kept, routed):
+def _one_group(x_TH, params, config, training, jitter_TH, uniform_T, kept, routed, documents=None):
     T, E, k = x_TH.shape[0], config.num_experts, config.k
     W = params["router.weight"].float()
     bias = params.get("router.expert_bias")
@@ -194,15 +212,23 @@ def _one_group(x_TH, params, config, training, jitter_TH, uniform_T, kept, route
             out[t] = out[t] + y
 
     # 4. Losses. Softmax: GShard's (first choices x mean probability); sigmoid: DeepSeek-V3's
-    # (all k choices x mean score share of the token's scores).
-    n = max(T, 1)
-    if sigmoid:
-        fraction = [sum(chosen[t].count(e) for t in range(T)) / (n * k) for e in range(E)]
-        share = [[probs[t][e] / probs[t].sum() for e in range(E)] for t in range(T)]
+    # (all k choices x mean score share of the token's scores). Per document: each one's tokens.
+    def balance_of(tokens: list[int]) -> Tensor:
+        n = max(len(tokens), 1)
+        if sigmoid:
+            fraction = [sum(chosen[t].count(e) for t in tokens) / (n * k) for e in range(E)]
+            share = {t: [probs[t][e] / probs[t].sum() for e in range(E)] for t in tokens}
+        else:
+            fraction = [sum(1 for t in tokens if chosen[t][0] == e) / n for e in range(E)]
+            share = {t: [probs[t][e] for e in range(E)] for t in tokens}
+        mean_share = [sum((share[t][e] for t in tokens), torch.zeros(())) / n for e in range(E)]
+        return E * sum((fraction[e] * mean_share[e] for e in range(E)), torch.zeros(()))
+
+    if documents is None:
+        balance = balance_of(list(range(T)))
     else:
-        fraction = [sum(1 for t in range(T) if chosen[t][0] == e) / n for e in range(E)]
-        share = [[probs[t][e] for e in range(E)] for t in range(T)]
-    mean_share = [sum((share[t][e] for t in range(T)), torch.zeros(())) / n for e in range(E)]
-    balance = E * sum((fraction[e] * mean_share[e] for e in range(E)), torch.zeros(()))
-    z = sum((torch.logsumexp(logits[t], dim=0) ** 2 for t in range(T)), torch.zeros(())) / n
+        names = list(dict.fromkeys(documents))          # the documents present, in order
+        losses = [balance_of([t for t in range(T) if documents[t] == d]) for d in names]
+        balance = torch.stack(losses).mean() if losses else torch.zeros(())
+    z = sum((torch.logsumexp(logits[t], dim=0) ** 2 for t in range(T)), torch.zeros(())) / max(T, 1)
     return out, balance, z, capacity

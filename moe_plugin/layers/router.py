@@ -17,12 +17,14 @@ replay the very same routing. Rules (GShard, arXiv 2006.16668; Switch Transforme
   groups (``limit_to_groups``); gates are the unbiased scores, times ``gate_scale`` after random
   routing and drop ranking.
 * capacity ``C = max(min_capacity, ceil(capacity_factor * k * T / E))`` per expert, exact
-  (``configs/capacity.py``); none when ``drop_tokens`` is false. Slots go (``drop_policy``
+  (``configs/capacity.py``); none when ``drop_tokens`` is false. T counts real tokens only. Slots go (``drop_policy``
   position) to all first choices before any second choice, earlier tokens first, or
   (probability) to the highest unnormalised scores, equal ones in that order; a route past
   capacity is dropped: its token keeps only the residual from that expert.
 * balance loss ``E * sum_e f_e * P_e`` (``balance_terms``; over which tokens: ``balance.py``),
   exactly 1.0 when either is uniform; z-loss ``mean_t logsumexp(logits_t)^2``; both unweighted.
+* padding (``real_T`` false): no routes, no load, no capacity, nothing in either loss; the
+  capacity of the real tokens is then a device number (``capacity_of``), read at the host sync.
 * placement: ``slot_E[e]`` is the slot of expert e (``placement/``); kept routes are listed by
   slot, so a dispatcher sends slot ranges to ranks. Capacity and priority are per expert: the
   routing does not depend on the placement.
@@ -42,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_plugin.configs.capacity import expert_capacity
+from moe_plugin.configs.capacity import exact_factor, expert_capacity
 from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.layers import comm
 from moe_plugin.layers.init import seeded_generator
@@ -75,8 +77,11 @@ class RoutingPlan:
     gate_R: its gate weight (fp32, differentiable).  kept_D: kept routes per slot (dispatch order).
     kept_E: kept routes per expert (expert id order; ``kept_D`` itself without a placement).
     routed_E: routes per expert before capacity (after random routing): the load.
-    capacity: per-expert capacity, None when dropless.
+    capacity: per-expert capacity on the host, None when dropless or while ``capacity_1`` is unread.
     balance_loss, z_loss: fp32 scalars, unweighted, differentiable.
+    capacity_1: [1] the capacity of the real tokens on the device, until the host sync reads it.
+    block_capacity: the capacity of all T tokens, padding included: no slot of a batch of T tokens
+    keeps more on any rank; fixed-size blocks hold it (``padded.py``). ``capacity`` without padding.
 
     A plan of ``route(..., deferred=True)`` lists every route in ``route_R``, ``token_R`` and
     ``gate_R``, the kept ones first, in the order above: ``kept(n)`` cuts it to the kept ones.
@@ -93,17 +98,21 @@ class RoutingPlan:
     balance_loss: Tensor
     z_loss: Tensor
     kept_D: Tensor
+    capacity_1: Optional[Tensor] = None
+    block_capacity: Optional[int] = None
 
     @property
     def num_experts(self) -> int:
         return self.kept_E.numel()
 
-    def kept(self, num_kept: int) -> "RoutingPlan":
-        """This plan's first ``num_kept`` routes: the kept ones, given ``kept_D.sum()`` as read on the host."""
-        if self.route_R.numel() == num_kept:
-            return self
-        return replace(self, route_R=self.route_R[:num_kept], token_R=self.token_R[:num_kept],
-                       gate_R=self.gate_R[:num_kept])
+    def kept(self, num_kept: int, capacity: Optional[int] = None) -> "RoutingPlan":
+        """This plan's first ``num_kept`` routes: the kept ones, given ``kept_D.sum()`` as read on the host
+        (and ``capacity``, ``capacity_1`` read at the same sync)."""
+        plan = self if capacity is None else replace(self, capacity=capacity, capacity_1=None)
+        if plan.route_R.numel() == num_kept:
+            return plan
+        return replace(plan, route_R=plan.route_R[:num_kept], token_R=plan.token_R[:num_kept],
+                       gate_R=plan.gate_R[:num_kept])
 
     def slot_R(self) -> Tensor:
         """The slot of each listed route, once the plan lists its kept routes only (``kept``):
@@ -247,21 +256,42 @@ def balance_terms(score: str, expert_TK: Tensor, scores_TE: Tensor) -> tuple[Ten
     return expert_TK, scores_TE / scores_TE.sum(dim=-1, keepdim=True)
 
 
-def balance_loss(score: str, expert_TK: Tensor, scores_TE: Tensor) -> Tensor:
-    """``E * sum_e f_e * P_e`` over this batch (module docstring; aux_loss_scope micro_batch):
-    ``f_e`` the fraction of the counted choices that choose e, ``P_e`` the mean share of e
-    (``balance_terms``). The other scopes: ``balance.py``."""
+def real_terms(counted_TX: Tensor, share_TE: Tensor, real_T: Tensor) -> tuple[Tensor, Tensor]:
+    """``balance_terms`` with padding taken out: its counted choices become E (a bucket past the
+    experts, ``count_values(..., E + 1)``) and its shares 0."""
+    E = share_TE.shape[1]
+    return torch.where(real_T[:, None], counted_TX, E), torch.where(real_T[:, None], share_TE, 0.0)
+
+
+def balance_loss(score: str, expert_TK: Tensor, scores_TE: Tensor, real_T: Optional[Tensor] = None) -> Tensor:
+    """``E * sum_e f_e * P_e`` over this batch's real tokens (all, or where ``real_T``; module
+    docstring; aux_loss_scope micro_batch): ``f_e`` the fraction of the counted choices that choose
+    e, ``P_e`` the mean share of e (``balance_terms``). The other scopes: ``balance.py``."""
     counted_TX, share_TE = balance_terms(score, expert_TK, scores_TE)
     T, E = share_TE.shape
-    f_E = count_values(counted_TX.reshape(-1), E).float() / max(counted_TX.numel(), 1)
-    return E * (f_E * (share_TE.sum(0) / max(T, 1))).sum()
+    if real_T is None:
+        f_E = count_values(counted_TX.reshape(-1), E).float() / max(counted_TX.numel(), 1)
+        return E * (f_E * (share_TE.sum(0) / max(T, 1))).sum()
+    counted_TX, share_TE = real_terms(counted_TX, share_TE, real_T)
+    n = real_T.sum()
+    f_E = count_values(counted_TX.reshape(-1), E + 1)[:E].float() / (n * counted_TX.shape[1]).clamp(min=1)
+    return E * (f_E * (share_TE.sum(0) / n.clamp(min=1))).sum()
+
+
+def capacity_of(count_1: Tensor, num_experts: int, k: int, capacity_factor, min_capacity: int) -> Tensor:
+    """``expert_capacity`` of a token count on the device ([1] integers; no host sync), exactly:
+    ``ceil(p * k * n / (q * E))`` for the factor's exact fraction ``p / q``."""
+    factor = exact_factor(capacity_factor)
+    num, den = factor.numerator * int(k), factor.denominator * int(num_experts)
+    return ((count_1.long() * num + (den - 1)) // den).clamp(min=int(min_capacity))
 
 
 def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Optional[int],
           expert_bias_E: Optional[Tensor] = None, uniform_T: Optional[Tensor] = None,
           slot_E: Optional[Tensor] = None, deferred: bool = False, score: str = "softmax",
           scale: float = 1.0, drop_policy: str = "position", balance=balance_loss,
-          group_limit: Optional[tuple[int, ...]] = None, own: Optional[tuple[int, int]] = None) -> RoutingPlan:
+          group_limit: Optional[tuple[int, ...]] = None, own: Optional[tuple[int, int]] = None,
+          real_T: Optional[Tensor] = None, real_capacity_1: Optional[Tensor] = None) -> RoutingPlan:
     """The routing plan for fp32 ``logits_TE``.
 
     ``uniform_T`` switches on GShard random routing of the 2nd choice (kind gshard only).
@@ -276,6 +306,10 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
     the plan lists only the routes of tokens ``first .. first + n - 1``, as a plan of those n
     tokens (token and route ids relative to ``first``; ``kept_E``, ``routed_E`` count them
     only). A tensor-parallel layer routes its replica this way (``parallel.py`` 1).
+    ``real_T`` [T] bool: false on padding, which makes no route (as a dropped 2nd choice) and counts
+    in neither the load nor the z-loss (``balance`` must leave it out too: ``balance.py``).
+    ``real_capacity_1`` [1]: the real tokens' capacity on the device (``capacity_of``), which then
+    limits the slots; ``capacity``, that of all T, stays the plan's ``block_capacity``.
     """
     T, E = logits_TE.shape
     expert_TK, gate_TK, scores_TE = choose(logits_TE, score=score, k=k, normalize=normalize or kind == "gshard",
@@ -285,6 +319,8 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
         if kind != "gshard":
             raise ValueError(f"random routing is GShard's; router kind is {kind!r}")
         valid_TK[:, 1] = 2 * gate_TK[:, 1].detach() > uniform_T.to(gate_TK)
+    if real_T is not None:
+        valid_TK &= real_T[:, None]
 
     # Priority order (drop policy): route id j*T + t. Invalid routes sort last under the sentinel key E.
     slot_TK = expert_TK if slot_E is None else slot_E[expert_TK]
@@ -296,10 +332,11 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
     routed_D = count_D1[:E]
     keep_sorted_R = key_sorted_R < E
     if capacity is not None:
+        limit = capacity if real_capacity_1 is None else real_capacity_1
         start_D1 = torch.cumsum(count_D1, 0) - count_D1
         position_R = torch.arange(key_R.numel(), device=key_R.device) - start_D1[key_sorted_R]
-        keep_sorted_R &= position_R < capacity
-        kept_D = routed_D.clamp(max=capacity)
+        keep_sorted_R &= position_R < limit
+        kept_D = routed_D.clamp(max=limit)
     else:
         kept_D = routed_D
     if own is None:
@@ -317,16 +354,23 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
 
     if scale != 1.0:
         gate_TK = gate_TK * scale
+    z_T = torch.logsumexp(logits_TE, dim=-1).square()
+    if real_T is None:
+        z_loss = z_T.sum() / max(T, 1)
+    else:
+        z_loss = torch.where(real_T, z_T, 0.0).sum() / real_T.sum().clamp(min=1)
+    pending = capacity is not None and real_capacity_1 is not None
     plan = RoutingPlan(num_tokens=n, k=k, route_R=route_R, token_R=route_R % max(n, 1),
                        gate_R=gate_TK.t().reshape(-1)[route_R if full_R is None else full_R], kept_E=kept_E,
-                       routed_E=routed_E,
-                       capacity=capacity, balance_loss=balance(score, expert_TK, scores_TE),
-                       z_loss=torch.logsumexp(logits_TE, dim=-1).square().sum() / max(T, 1), kept_D=kept_D)
+                       routed_E=routed_E, capacity=None if pending else capacity,
+                       balance_loss=balance(score, expert_TK, scores_TE), z_loss=z_loss, kept_D=kept_D,
+                       capacity_1=real_capacity_1 if pending else None, block_capacity=capacity)
     if deferred:
         return plan
-    bad, num_kept = torch.cat([FiniteCheck(logits_TE).bad_1.long(), kept_D.sum().reshape(1)]).tolist()
+    read = [FiniteCheck(logits_TE).bad_1.long(), kept_D.sum().reshape(1)] + ([plan.capacity_1] if pending else [])
+    bad, num_kept, *read_capacity = torch.cat(read).tolist()
     FiniteCheck.verdict([bad])
-    return plan.kept(num_kept)
+    return plan.kept(num_kept, read_capacity[0] if pending else None)
 
 
 class Router(nn.Module):
@@ -353,12 +397,16 @@ class Router(nn.Module):
         self.register_buffer("load_E", torch.zeros(E), persistent=False)   # since the last bias update (update_bias)
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def capacity(self, num_tokens: int) -> Optional[int]:
-        """Per-expert capacity for ``num_tokens`` tokens in the current (train/eval) mode."""
+    def capacity(self, num_tokens: int | Tensor) -> Optional[int | Tensor]:
+        """Per-expert capacity for ``num_tokens`` tokens in the current (train/eval) mode; of a
+        count on the device ([1]), on the device (``capacity_of``)."""
         if not self.config.drop_tokens:
             return None
-        factor = self.config.capacity_factor if self.training else self.config.eval_capacity_factor
-        return expert_capacity(num_tokens, self.config.num_experts, self.config.k, factor, self.config.min_capacity)
+        c = self.config
+        factor = c.capacity_factor if self.training else c.eval_capacity_factor
+        if isinstance(num_tokens, Tensor):
+            return capacity_of(num_tokens, c.num_experts, c.k, factor, c.min_capacity)
+        return expert_capacity(num_tokens, c.num_experts, c.k, factor, c.min_capacity)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """This router's generator on ``device``, created on first use from ``seed``."""
@@ -389,12 +437,13 @@ class Router(nn.Module):
         return logits_TE
 
     def forward(self, x_TH: Tensor, noise: Optional[RouterNoise] = None, slot_E: Optional[Tensor] = None,
-                balance=balance_loss) -> tuple[RoutingPlan, FiniteCheck]:
+                balance=balance_loss, real_T: Optional[Tensor] = None) -> tuple[RoutingPlan, FiniteCheck]:
         """Route ``x_TH`` (this rank's share of the micro-batch with a ``share_group``). In training
         ``noise`` (for the whole micro-batch: jitter [T, H], of which the share's rows apply, and
         U(0, 1) [T]) defaults to a fresh draw; eval uses none. ``slot_E``, ``balance``: the layer's
-        placement and balance loss (``route``). The plan and the pending check: module docstring;
-        the caller calls ``record_load`` once the plan is checked."""
+        placement and balance loss (``route``); ``real_T`` [T]: the whole micro-batch's real tokens
+        (None: all), the capacity theirs. The plan and the pending check: module docstring; the
+        caller calls ``record_load`` once the plan is checked."""
         n = x_TH.shape[0]
         shares, me = comm.group_size(self.share_group), comm.group_rank(self.share_group)
         T = n * shares                     # the micro-batch: my share and those of ``share_group``
@@ -410,11 +459,14 @@ class Router(nn.Module):
         if shares > 1:                     # route the whole micro-batch, keep my tokens' routes
             logits_TE, own = comm.gather_tokens(logits_TE, self.share_group), (me * n, n)
         c = self.config
+        capacity = self.capacity(T)
+        real_capacity_1 = None if real_T is None or capacity is None else self.capacity(real_T.sum().reshape(1))
         return route(logits_TE, kind=c.router, k=c.k, normalize=c.router == "topk" and c.normalize_gates,
-                     capacity=self.capacity(T), expert_bias_E=self.expert_bias,
+                     capacity=capacity, expert_bias_E=self.expert_bias,
                      uniform_T=noise.uniform_T if noise is not None else None, slot_E=slot_E,
                      deferred=True, score=c.score_function, scale=c.gate_scale, drop_policy=c.drop_policy,
-                     balance=balance, group_limit=c.group_limit, own=own), finite
+                     balance=balance, group_limit=c.group_limit, own=own, real_T=real_T,
+                     real_capacity_1=real_capacity_1), finite
 
     @torch.no_grad()
     def record_load(self, plan: RoutingPlan) -> None:
