@@ -120,3 +120,13 @@ def test_resumes_that_would_train_nothing_are_refused(chat_dir):
     assert values[0] == pytest.approx(values[1], rel=1e-5)
     missing = run(chat_dir, "nothing", 1, 8, {}, "--load", str(chat_dir / "none"), "--finetune", expect=2)
     assert "--finetune trains the weights of a checkpoint, and there is none there" in missing["out"]
+
+
+def test_a_frozen_router_keeps_its_expert_bias(chat_dir):
+    """--freeze-router with aux-loss-free balancing: the expert bias does not move (Megatron-LM #4785: it
+    kept moving); without it, it does."""
+    for name, extra, moves in (("frozen", ("--freeze-router",), False), ("free", (), True)):
+        run(chat_dir, name, 1, 8, {}, "--train-iters", "2", *extra)
+        records = [json.loads(line) for line in (chat_dir / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        biases = [layer["expert_bias"] for r in records if r["split"] == "train" for layer in r["moe_layers"]]
+        assert biases and any(any(b != 0 for b in bias) for bias in biases) == moves, (name, biases)

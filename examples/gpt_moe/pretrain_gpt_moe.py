@@ -205,7 +205,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="bias every router towards low expert ids, offset -S*log(1+e) on the logits that choose "
                        "experts: a Zipf-like load for placement experiments (router_skew.py); 0: off")
     train.add_argument("--freeze-router", action="store_true",
-                       help="do not train the routers' weights, so that the load --router-skew makes stays")
+                       help="do not train the routers' weights and do not move their expert biases (aux-loss-free "
+                       "balancing), so that the routing stays as loaded (or as --router-skew makes it)")
     data = parser.add_argument_group("data")
     data.add_argument("--data-path", default=None, help="prefix of a Megatron indexed dataset (PREFIX.bin/.idx); "
                       "default: the Python stdlib corpus")

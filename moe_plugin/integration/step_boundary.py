@@ -3,7 +3,8 @@
 * ``bias_update_rate`` > 0 (aux-loss-free balancing): ``MoELayer.update_expert_bias``, from the
   load of every training forward of the step that ended (all its micro-batches; evaluation
   forwards, in eval mode, are not counted), summed over the ranks that route distinct tokens, so
-  the bias stays identical on all of them. Each pipeline stage updates its own layers.
+  the bias stays identical on all of them. Each pipeline stage updates its own layers. A router whose
+  weight is frozen (``requires_grad`` False, the example's ``--freeze-router``) keeps its bias as well.
 * ``aux_loss_scope`` global: ``MoELayer.reset_balance_counts``, so the micro-batches of one step
   count together (``layers/balance.py``).
 
@@ -48,7 +49,10 @@ class StepBoundary:
         counted: the bias stays), the balance counts reset. Collective (module docstring)."""
         self._seen = self.engine.global_steps
         for layer in self.bias_layers:
-            layer.update_expert_bias()
+            if layer.router.weight.requires_grad:
+                layer.update_expert_bias()
+            else:   # a frozen router (--freeze-router) keeps its bias too: its choices stay as they are
+                layer.router.load_E.zero_()
         for layer in self.count_layers:
             layer.reset_balance_counts()
 
