@@ -6,6 +6,7 @@
     moe-plugin bench layer [--experts 8,64,128] [--tokens N] [--vs deepspeed] [--dropless] [--json] ...
     moe-plugin bench step [--ranks 4] [--ep N] [--layers 4] [--hidden 256] [--experts 8] [--json] ...
     moe-plugin bench checkpoint [--layers 4,8] [--hidden 1024] [--experts 8] [--steps import-hf,export] [--json] ...
+    moe-plugin bench packing [--conversations 256] [--mean-length 48] [--seq-length 256] [--json] ...
     moe-plugin plan --model MODEL.json --cluster CLUSTER.json [--trace FILE] [--out DIR] [--top N]
     moe-plugin plan --calibrate out.json [--ranks 4] | --validate [--ranks 4,8]
     moe-plugin report RUN_DIR [RUN_DIR ...] [--out DIR]
@@ -106,6 +107,12 @@ def bench_step(args: argparse.Namespace) -> None:
 
 def bench_checkpoint(args: argparse.Namespace) -> None:
     from moe_plugin_tools.bench.checkpoint import run
+
+    run(args)
+
+
+def bench_packing(args: argparse.Namespace) -> None:
+    from moe_plugin_tools.bench.packing import run
 
     run(args)
 
@@ -307,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     exp.set_defaults(run=export_hf)
 
-    add_bench_parser(commands, bench_layer, bench_step, bench_checkpoint)
+    add_bench_parser(commands, bench_layer, bench_step, bench_checkpoint, bench_packing)
     add_plan_parser(commands)
     add_text_parsers(commands)
     return parser

@@ -124,10 +124,12 @@ def token_weights(loss_mask: Tensor, global_tokens: int, replicas: int) -> Tenso
 
 class PackedConversations:
     """Conversations (``tokens``, ``loss_mask``: indexed datasets of the same lengths, one document each)
-    packed into ``seq_length`` tokens (module docstring). ``documents``: the ones to pack, in order."""
+    packed into ``seq_length`` tokens (module docstring). ``documents``: the ones to pack, in order;
+    ``pack=False``: each conversation in a sequence of its own, padded (the baseline packing is measured
+    against: ``moe-plugin bench packing``)."""
 
     def __init__(self, tokens, loss_mask, documents: Sequence[int], seq_length: int, *, overflow: str = "truncate",
-                 name: str = "conversations", flag: str = "--seq-length"):
+                 name: str = "conversations", flag: str = "--seq-length", pack: bool = True):
         from moe_plugin.data.indexed import document_sequences
 
         if overflow not in OVERFLOW:
@@ -145,7 +147,8 @@ class PackedConversations:
                               "--conversation-overflow truncate")
         self.truncated = int(long.size)
         self.lengths = np.minimum(lengths, seq_length)
-        self.packs = pack_lengths(self.lengths, seq_length)
+        self.packs = (pack_lengths(self.lengths, seq_length) if pack   # pack=False: one conversation a sequence
+                      else [np.array([k], dtype=np.int64) for k in range(len(self.lengths))])
         self.real_tokens = int(self.lengths.sum())
         self._loss_tokens = np.array([self._pack_loss_tokens(p) for p in self.packs], dtype=np.int64)
 

@@ -43,7 +43,8 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="default fp32")
 
 
-def add_bench_parser(commands: argparse._SubParsersAction, run_layer, run_step=None, run_checkpoint=None) -> None:
+def add_bench_parser(commands: argparse._SubParsersAction, run_layer, run_step=None, run_checkpoint=None,
+                     run_packing=None) -> None:
     """Add ``bench layer`` (and ``bench step``, ``bench checkpoint`` when ``run_step``, ``run_checkpoint``
     are given) to the ``moe-plugin`` subcommands; ``run_layer(args)`` / ``run_step(args)`` /
     ``run_checkpoint(args)`` run them."""
@@ -95,6 +96,8 @@ def add_bench_parser(commands: argparse._SubParsersAction, run_layer, run_step=N
         add_step_parser(kinds, run_step)
     if run_checkpoint is not None:
         add_checkpoint_parser(kinds, run_checkpoint)
+    if run_packing is not None:
+        add_packing_parser(kinds, run_packing)
 
 
 def add_step_parser(kinds: argparse._SubParsersAction, run_step) -> None:
@@ -171,3 +174,22 @@ def parse_step_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="moe-plugin bench")
     add_step_parser(parser.add_subparsers(dest="bench", required=True), run_step=None)
     return parser.parse_args(["step", *argv])
+
+
+def add_packing_parser(kinds: argparse._SubParsersAction, run_packing) -> None:
+    bench = kinds.add_parser("packing", help="packed conversations vs one conversation per padded sequence: "
+                             "packing efficiency and real tokens/s of training steps",
+                             description="Packed conversations against one conversation per padded sequence, side by side "
+                             "in one run (docs/fine_tuning.md).")
+    bench.add_argument("--conversations", type=positive_int, default=256, help="default 256")
+    bench.add_argument("--mean-length", type=positive_int, default=48, help="mean conversation length (default 48)")
+    bench.add_argument("--seq-length", type=positive_int, default=256, help="default 256")
+    bench.add_argument("--micro-batch", type=positive_int, default=4, help="sequences per step (default 4)")
+    bench.add_argument("--layers", type=positive_int, default=2, help="default 2")
+    bench.add_argument("--hidden", type=positive_int, default=64, help="default 64")
+    bench.add_argument("--experts", type=positive_int, default=4, help="default 4")
+    bench.add_argument("--repeats", type=positive_int, default=3, help="rounds of both modes (default 3)")
+    bench.add_argument("--threads", type=positive_int, default=2, help="torch.set_num_threads (default 2)")
+    bench.add_argument("--seed", type=int, default=0, help="the lengths and tokens (default 0)")
+    bench.add_argument("--json", action="store_true", help="one JSON object per mode")
+    bench.set_defaults(run=run_packing)
