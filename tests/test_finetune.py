@@ -118,6 +118,8 @@ def test_resumes_that_would_train_nothing_are_refused(chat_dir):
         values.append(float(line.split("validation loss")[1]))
         assert not (chat_dir / "runs" / f"skip{world}" / "metrics.png").exists()
     assert values[0] == pytest.approx(values[1], rel=1e-5)
+    own = run_distributed(_own_loop_validation, 2, chat_dir, ckpt, str(chat_dir / "held_out"), timeout=300)
+    assert own[0] == pytest.approx(values[0], rel=1e-5)   # a script of one's own: the example's number
     missing = run(chat_dir, "nothing", 1, 8, {}, "--load", str(chat_dir / "none"), "--finetune", expect=2)
     assert "--finetune trains the weights of a checkpoint, and there is none there" in missing["out"]
 
@@ -130,3 +132,38 @@ def test_a_frozen_router_keeps_its_expert_bias(chat_dir):
         records = [json.loads(line) for line in (chat_dir / "runs" / name / "metrics.jsonl").read_text().splitlines()]
         biases = [layer["expert_bias"] for r in records if r["split"] == "train" for layer in r["moe_layers"]]
         assert biases and any(any(b != 0 for b in bias) for bias in biases) == moves, (name, biases)
+
+
+def _own_loop_validation(rank: int, world_size: int, ckpt: str, held_out: str) -> float:
+    """docs/fine_tuning.md's own loop, evaluating: the checkpoint's model built from its record
+    (``checkpoint_model_provider``, no model flags, nothing of the example), the held-out conversations
+    packed, the loss over all their loss tokens, on ``world_size`` data-parallel ranks."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import moe_plugin
+    from moe_plugin.data import PackedConversations, micro_batch_rows, read_chat_dataset
+    from moe_plugin.data.packing import padded_indices
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    ds = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "moe": {**MOE, "parallel": {}}}
+    run = moe_plugin.initialize(ds, moe_plugin.checkpoint_model_provider(ckpt), print_summary=False)
+    try:
+        moe_plugin.load_checkpoint(run, ckpt, load_optimizer_states=False)
+        tokens, mask = read_chat_dataset(held_out)
+        packs = PackedConversations(tokens, mask, range(len(tokens)), 32)
+        every = padded_indices(len(packs), 8)
+        count = packs.loss_tokens(every)
+        total = torch.zeros(())
+        run.engine.eval()
+        with torch.no_grad():
+            for first in range(0, len(every), 8):
+                rows = micro_batch_rows(every[first:first + 8], rank, world_size, 4)
+                total += moe_plugin.packed_loss(run.engine, packs.batch(rows), count, 1)
+        dist.all_reduce(total)
+        return float(total)
+    finally:
+        run.close()
