@@ -323,21 +323,23 @@ def build_data(args: argparse.Namespace, plan: RunPlan) -> Data:
         vocab, what = data_vocab_size(args)
     chat = args.data_path is not None and is_chat_dataset(prefix)
     dataset, vocab, what = open_dataset(args, prefix, chat, vocab, what)
+
+    def documents_in(opened) -> int:   # chat data opens as (tokens, loss mask)
+        return num_documents(opened[0] if chat else opened)
+
     if args.valid_data_path is not None:
         if is_chat_dataset(args.valid_data_path) != chat:
             raise ConfigError("--valid-data-path", args.valid_data_path, "holds " + ("text" if chat else "chat")
                               + f" data, --data-path {prefix} " + ("chat" if chat else "text") + " data: validate on "
                               "data of the same kind")
         valid_set, _, _ = open_dataset(args, args.valid_data_path, chat, vocab, "")
-        train_docs, valid_docs = list(range(num_documents(dataset[0] if chat else dataset))), None
+        train_docs, valid_docs = range(documents_in(dataset)), range(documents_in(valid_set))
     else:
         valid_set = dataset
-        train_docs, valid_docs = split_documents(num_documents(dataset[0] if chat else dataset), args.valid_fraction)
+        train_docs, valid_docs = split_documents(documents_in(dataset), args.valid_fraction)
         if len(valid_docs) == 0:
             raise ConfigError("--valid-fraction", args.valid_fraction, f"holds out no document of "
                               f"{len(train_docs)}; use a larger fraction")
-    if valid_docs is None:
-        valid_docs = list(range(num_documents(valid_set[0] if chat else valid_set)))
     padded = pad_vocab_size(vocab, args.make_vocab_size_divisible_by, plan.sizes.tp)
     train = samples_of(args, dataset, train_docs, chat, "training split")
     valid = samples_of(args, valid_set, valid_docs, chat, "validation split" if args.valid_data_path is None

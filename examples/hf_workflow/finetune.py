@@ -23,15 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
-import signal
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import EXAMPLE, StepFailed, export, free_port, import_flags, sh  # noqa: E402  (the sibling workflow)
+from run import EXAMPLE, StepFailed, export, free_port, import_flags, run_in_work, sh, stepper  # noqa: E402
 
 WORDS, SEQ = 121, 64   # 121 words + <unk>, 3 roles, "reverse" and 2 markers: 128 tokens (the example's multiple)
 SPECIAL = ["<|im_start|>", "<|im_end|>"]
@@ -126,16 +122,7 @@ def transformers_loss(model_dir: Path, data_prefix: Path) -> float:
 
 def workflow(work: Path, iters: int) -> str:
     steps, state = [], {}
-
-    def step(name: str, action) -> None:
-        print(f"\n== step {len(steps) + 1}: {name}", flush=True)
-        started = time.perf_counter()
-        try:
-            action()
-        except Exception as err:   # the step's own error, named
-            raise StepFailed(f"step {len(steps) + 1} ({name}) failed: {err}") from err
-        steps.append(name)
-        print(f"   ({time.perf_counter() - started:.1f} s)", flush=True)
+    step = stepper(steps)
 
     hf, ckpt, data = work / "hf-qwen3-moe", work / "ckpt", work / "data"
     data.mkdir(exist_ok=True)
@@ -190,19 +177,7 @@ def main(argv=None) -> int:
     parser.add_argument("--work", default=None, help="work directory (kept); default: a temporary one, removed")
     parser.add_argument("--train-iters", type=int, default=12, help="fine-tuning steps")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # the finally block below removes the work
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="moe-finetune-"))
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        last = workflow(work.resolve(), args.train_iters)
-    except StepFailed as err:
-        print(f"\nfine-tuning: {err}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        if args.work is None:
-            shutil.rmtree(work, ignore_errors=True)
-    print("\n" + last, flush=True)
-    return 0
+    return run_in_work(args.work, "moe-finetune-", "fine-tuning", lambda work: workflow(work, args.train_iters))
 
 
 if __name__ == "__main__":

@@ -203,16 +203,7 @@ def evaluate(spec_path: str) -> int:
 def workflow(work: Path, iters: int, corpus_bytes: int, vocab: int) -> str:
     steps: list[str] = []
     state: dict = {}
-
-    def step(name: str, action) -> None:
-        print(f"\n== step {len(steps) + 1}: {name}", flush=True)
-        started = time.perf_counter()
-        try:
-            action()
-        except Exception as err:   # the step's own error, named
-            raise StepFailed(f"step {len(steps) + 1} ({name}) failed: {err}") from err
-        steps.append(name)
-        print(f"   ({time.perf_counter() - started:.1f} s)", flush=True)
+    step = stepper(steps)
 
     corpus, tok, data = work / "corpus.jsonl", work / "tokenizer", work / "data" / "stdlib"
     hf = {name: work / f"hf-{name}" for name in MODELS}
@@ -275,16 +266,38 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.evaluate:
         return evaluate(args.evaluate)
+    return run_in_work(args.work, "moe-hf-workflow-", "workflow",
+                       lambda work: workflow(work, args.train_iters, args.corpus_bytes, args.vocab_size))
+
+
+def stepper(steps: list[str]):
+    """``step(name, action)``: runs ``action`` as the next numbered step, timed; its error names the step."""
+    def step(name: str, action) -> None:
+        print(f"\n== step {len(steps) + 1}: {name}", flush=True)
+        started = time.perf_counter()
+        try:
+            action()
+        except Exception as err:   # the step's own error, named
+            raise StepFailed(f"step {len(steps) + 1} ({name}) failed: {err}") from err
+        steps.append(name)
+        print(f"   ({time.perf_counter() - started:.1f} s)", flush=True)
+
+    return step
+
+
+def run_in_work(work_arg: str | None, prefix: str, label: str, body) -> int:
+    """``body(work)`` in ``work_arg`` (kept) or a temporary directory (removed); its last line printed, or
+    its ``StepFailed`` as ``LABEL: ...`` on stderr with status 1. SIGTERM ends it through the same cleanup."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # the finally blocks below kill what runs, remove files
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="moe-hf-workflow-"))
+    work = Path(work_arg) if work_arg else Path(tempfile.mkdtemp(prefix=prefix))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        last = workflow(work.resolve(), args.train_iters, args.corpus_bytes, args.vocab_size)
+        last = body(work.resolve())
     except StepFailed as err:
-        print(f"\nworkflow: {err}", file=sys.stderr, flush=True)
+        print(f"\n{label}: {err}", file=sys.stderr, flush=True)
         return 1
     finally:
-        if args.work is None:
+        if work_arg is None:
             shutil.rmtree(work, ignore_errors=True)
     print("\n" + last, flush=True)
     return 0

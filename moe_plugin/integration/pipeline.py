@@ -38,7 +38,9 @@ the state-dict names ``GPTModel`` gives them under a piece prefix (``gpt_state_d
   layer under the seed of its global index, the untied output layer after the embedding's draws.
   With ``use_cpu_initialization`` Megatron draws each full weight and cuts the TP shard from it,
   so pp, tp and ep runs all start from the one-rank model's weights.
-* Attention is causal without a mask tensor (the pipe carries one tensor between stages).
+* Attention is causal without a mask tensor (the pipe carries one tensor between stages); packed
+  batches (``moe_plugin.packed_pipe_inputs``) carry the document ids beside it, from which each layer
+  builds Megatron's ``PackedSeqParams`` and its MoE MLP's ``padding_mask``.
   Sequence parallelism is refused by ``initialize`` unless DeepSpeed's pipe partitioning is off.
 """
 from __future__ import annotations
