@@ -66,6 +66,24 @@ def _child(rank: int, fn: Callable, world_size: int, workdir: str, timeout_s: fl
             dist.destroy_process_group()
 
 
+def fp16_answer() -> str:
+    """Why DeepSpeed's accelerator refuses fp16 here ("" where it takes it): a CPU says fp16 only where
+    oneDNN has fp16 kernels, which many x86-64 CPUs lack; the product then refuses an fp16 config in
+    one line (``tests/test_input_checks.py``), so fp16 cases are skipped with this reason."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    answer = accelerator.is_fp16_supported()
+    return "" if answer else (f"DeepSpeed's {accelerator.device_name()} accelerator answers "
+                              f"is_fp16_supported() = {answer!r} on this machine")
+
+
+def needs_fp16(test: Callable) -> Callable:
+    """Skips a test (or a parameter) that runs fp16 where DeepSpeed's accelerator has none."""
+    why = fp16_answer()
+    return pytest.mark.skipif(bool(why), reason=why)(test)
+
+
 def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any, timeout: float = 180.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
 

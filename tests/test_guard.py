@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch import nn
 
-from dist import run_distributed
+from dist import fp16_answer, needs_fp16, run_distributed
 from example_runs import SCRIPT, TINY, TINY_CPU, example_script, tiny_config
 from launcher import Done, jobs
 from moe_plugin.integration.guard import GradientWatch, TrainingGuard, TrainingStopped
@@ -301,14 +301,10 @@ def test_example_huge_lr_stops_with_one_line_and_leaves_no_shm(launched):
 def _main_child(rank: int, world_size: int, argv: list) -> dict:
     """The example's ``main`` on a spawned rank (as the launcher would start it), with what it
     printed (the fork server's descriptors are those of the test that started it, so capfd cannot
-    be relied on). DeepSpeed refuses fp16 on a CPU without AVX512-FP16 (its sanity check asks
-    mkldnn); torch computes fp16 on any CPU, so the check is answered yes here."""
+    be relied on)."""
     import contextlib
     import io
 
-    from deepspeed.accelerator import get_accelerator
-
-    get_accelerator().is_fp16_supported = lambda: True
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     module = example_script()
     out, err = io.StringIO(), io.StringIO()
@@ -322,6 +318,7 @@ def _error_lines(results: list) -> list[str]:
 
 
 @pytest.mark.slow
+@needs_fp16
 def test_example_fp16_stops_after_max_skipped_steps(tmp_path):
     """A loss scale of 2^32 overflows fp16 at every step (the scale halves once per skipped step):
     with ``--max-skipped-steps 3`` the run stops at step 3, status 1 on every rank."""
@@ -338,6 +335,22 @@ def test_example_fp16_stops_after_max_skipped_steps(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["skipped_steps"]) for r in records] == [(1, 1), (2, 2), (3, 3)]
     assert "| skipped 3" in results[0]["out"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not fp16_answer(), reason="DeepSpeed's accelerator takes fp16 on this machine")
+def test_example_fp16_where_the_accelerator_has_none_is_one_line(tmp_path):
+    """Where DeepSpeed's accelerator has no fp16 (a CPU without oneDNN's fp16 kernels), the example's
+    fp16 run is one line naming the key and the accelerator's answer, status 2, before any group."""
+    config = tiny_config(tmp_path, "fp16", fp16={"enabled": True})
+    argv = ["--deepspeed_config", str(config), *TINY, "--train-iters", "2",
+            "--run-dir", str(tmp_path / "run"), "--data-cache", str(tmp_path / "data")]
+    results = run_distributed(_main_child, 2, tmp_path, argv, timeout=300)
+    assert [r["status"] for r in results] == [2, 2], results
+    errors = _error_lines(results)
+    assert errors == [f"error: fp16.enabled: got True; {fp16_answer()} (on a CPU: oneDNN has no fp16 "
+                      "kernels here); use bf16 or fp32"], errors
+    assert "Traceback" not in results[0]["err"] + results[1]["err"]
 
 
 @pytest.mark.slow

@@ -360,3 +360,34 @@ def test_initialize_says_when_gradient_accumulation_follows_the_world_size(monke
             "global batch 16 = micro 4 x accumulation 4 x dp 1 (gradient_accumulation_steps derived): the DeepSpeed "
             "config has no gradient_accumulation_steps, so it follows the number of ranks; write it to have another "
             "world size refused"][:logged]
+
+
+class _Accelerator:
+    def __init__(self, name: str, fp16, bf16):
+        self.name, self.fp16, self.bf16 = name, fp16, bf16
+
+    def device_name(self):
+        return self.name
+
+    def is_fp16_supported(self):
+        return self.fp16
+
+    def is_bf16_supported(self):
+        return self.bf16
+
+
+def test_a_precision_the_accelerator_lacks_is_refused_naming_its_answer():
+    """fp16 / bf16 checked against DeepSpeed's accelerator (a fake one here: each answer on any machine);
+    the example's run of it where the CPU has no fp16 is ``test_guard.py``'s."""
+    from moe_plugin.integration.deepspeed import _check_precision_supported
+
+    with pytest.raises(ConfigError, match=r"^fp16\.enabled: got True; DeepSpeed's cpu accelerator answers "
+                                          r"is_fp16_supported\(\) = None on this machine \(on a CPU: oneDNN has no "
+                                          r"fp16 kernels here\); use bf16 or fp32$"):
+        _check_precision_supported({"fp16": {"enabled": True}}, _Accelerator("cpu", None, True))
+    with pytest.raises(ConfigError, match=r"^bfloat16\.enabled: got True; DeepSpeed's cuda accelerator answers "
+                                          r"is_bf16_supported\(\) = False on this machine; use fp16 or fp32$"):
+        _check_precision_supported({"bfloat16": {"enabled": True}}, _Accelerator("cuda", True, False))
+    for config in ({"fp16": {"enabled": False}}, {"bf16": {"enabled": True}}, {}):
+        _check_precision_supported(config, _Accelerator("cpu", None, True))
+    _check_precision_supported({"fp16": {"enabled": True}}, _Accelerator("cuda", True, False))

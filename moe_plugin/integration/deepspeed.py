@@ -257,9 +257,10 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         raise TypeError(f"initialize sets {', '.join(clashes)} itself; pass the model through model_provider "
                         "and the config as ds_config")
     plugin_clips = zero_stage == 0 and not _enabled(ds_dict, "fp16") and not _enabled(ds_dict, "bf16", "bfloat16")
+    accelerator = get_accelerator()
+    _check_precision_supported(ds_dict, accelerator)
 
     # 2. Distributed, groups.
-    accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":   # before any work on the device (NCCL, the RNG tracker), as
         accelerator.set_device(local_rank())  # Megatron-LM does: else every rank starts on device 0
     if not dist.is_initialized():
@@ -446,6 +447,23 @@ def _check_experts_on_every_stage(has_experts: bool, moe_config: MoEConfig, grou
 
 def _enabled(ds_dict: dict, *keys: str) -> bool:
     return any(isinstance(ds_dict.get(k), dict) and ds_dict[k].get("enabled", False) for k in keys)
+
+
+def _check_precision_supported(ds_dict: dict, accelerator: Any) -> None:
+    """fp16 or bf16 that DeepSpeed's accelerator says this device lacks, refused before any group exists
+    (DeepSpeed's engine would raise it after the model is built). A CPU says fp16 only where oneDNN has fp16
+    kernels (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``), which many x86-64 CPUs lack."""
+    for key, aliases, asked in (("fp16", ("fp16",), accelerator.is_fp16_supported),
+                                ("bf16", ("bf16", "bfloat16"), accelerator.is_bf16_supported)):
+        if not _enabled(ds_dict, *aliases):
+            continue
+        answer = asked()
+        if not answer:
+            name = accelerator.device_name()
+            where = " (on a CPU: oneDNN has no fp16 kernels here)" if name == "cpu" and key == "fp16" else ""
+            raise ConfigError(f"{next(a for a in aliases if _enabled(ds_dict, a))}.enabled", True,
+                              f"DeepSpeed's {name} accelerator answers is_{key}_supported() = {answer!r} on this "
+                              f"machine{where}; use " + ("bf16 or fp32" if key == "fp16" else "fp16 or fp32"))
 
 
 def _spare_memory(engine: Any, model: nn.Module, keep_grad_storage: bool) -> None:
