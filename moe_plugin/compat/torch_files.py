@@ -168,9 +168,10 @@ class TorchFile:
             raise CheckpointError(f"{self.path}: not a torch.save file (no data.pkl record)")
         self._prefix = pickles[0][:-len("data.pkl")]
         try:
+            self._check_records()
             data = self._zip.read(pickles[0])
             self.content = _Unpickler(self, data).load()
-        except Refused:
+        except CheckpointError:
             self._zip.close()
             raise
         except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, OSError, ValueError, TypeError, IndexError,
@@ -179,11 +180,33 @@ class TorchFile:
             raise CheckpointError(f"{self.path}: unreadable torch file, truncated or damaged ({type(exc).__name__}: "
                                   f"{exc})") from None
 
+    def _check_records(self) -> None:
+        """Every record's size as the archive stores it (torch writes them uncompressed), inside the file:
+        what a tensor may claim is bounded by the bytes that are there."""
+        size = os.path.getsize(self.path)
+        for info in self._zip.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size \
+                    or info.header_offset + info.compress_size > size:
+                raise CheckpointError(f"{self.path}: record {info.filename} claims {info.file_size} bytes "
+                                      f"({info.compress_size} stored, compression {info.compress_type}) in a file of "
+                                      f"{size}; torch.save stores its records uncompressed, inside the file")
+
+    def storage(self, key: str, dtype: torch.dtype, numel: Any) -> tuple:
+        """A storage the pickle names: its record must exist and hold ``numel`` elements of ``dtype``."""
+        try:
+            stored = self._zip.getinfo(self._prefix + "data/" + key).file_size
+        except KeyError:
+            raise CheckpointError(f"{self.path}: names storage {key!r}, which has no record (damaged)") from None
+        if not _count(numel) or numel * dtype.itemsize != stored:
+            raise CheckpointError(f"{self.path}: storage {key!r} claims {numel!r} elements of {dtype} "
+                                  f"({_size(numel, dtype)}); its record holds {stored} bytes")
+        return (self, key, dtype, numel)
+
     def read_tensor(self, t: LazyTensor) -> torch.Tensor:
         size = t.dtype.itemsize
         if t.numel() == 0:
             return torch.empty(t.shape, dtype=t.dtype)
-        span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride))   # elements from the first to the last
+        span = _span(t.shape, t.stride)
         out = torch.empty(span, dtype=t.dtype)
         view = memoryview(out.view(torch.uint8).numpy())
         try:
@@ -212,8 +235,35 @@ class TorchFile:
         self.close()
 
 
-def _rebuild_tensor(storage: tuple, offset: int, shape: tuple, stride: tuple, *_rest: Any) -> LazyTensor:
-    source, key, dtype = storage
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _span(shape: tuple, stride: tuple) -> int:
+    """Elements from a tensor's first to its last (one past), by its shape and stride."""
+    return 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+
+
+def _size(numel: Any, dtype: torch.dtype) -> str:
+    return f"{numel * dtype.itemsize} bytes" if _count(numel) else "not a count"
+
+
+def _rebuild_tensor(storage: tuple, offset: Any, shape: Any, stride: Any, *_rest: Any) -> LazyTensor:
+    """A tensor as the pickle describes it, checked against its storage before anything is reserved:
+    offset, sizes and strides counts, the last element inside the storage's record."""
+    if not (isinstance(storage, tuple) and len(storage) == 4 and isinstance(storage[0], TorchFile)):
+        raise pickle.UnpicklingError("a tensor without a storage")
+    source, key, dtype, numel = storage
+    if not (_count(offset) and isinstance(shape, tuple) and isinstance(stride, tuple) and len(shape) == len(stride)
+            and all(map(_count, shape)) and all(map(_count, stride))):
+        raise CheckpointError(f"{source.path}: a tensor of storage {key!r} has offset {offset!r}, shape {shape!r}, "
+                              f"stride {stride!r}; expected counts, as many strides as sizes")
+    elements = 1
+    for n in shape:
+        elements *= n
+    if elements and offset + _span(shape, stride) > numel:
+        raise CheckpointError(f"{source.path}: a tensor of storage {key!r} claims shape {list(shape)}, stride "
+                              f"{list(stride)} from offset {offset}: past the storage's {numel} elements of {dtype}")
     return LazyTensor(source, key, dtype, offset, shape, stride)
 
 
@@ -256,4 +306,6 @@ class _Unpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> tuple:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], tuple)):
             raise pickle.UnpicklingError(f"unexpected persistent id {str(pid)[:60]}")
-        return (self._source, str(pid[2]), pid[1][1])
+        if len(pid[1]) != 2 or pid[1][0] != "storage" or not isinstance(pid[1][1], torch.dtype):
+            raise pickle.UnpicklingError(f"a storage of {str(pid[1])[:60]}")
+        return self._source.storage(str(pid[2]), pid[1][1], pid[4])

@@ -1,0 +1,106 @@
+"""What a tensor file claims is checked against the bytes that are there before memory is reserved.
+
+A ``torch.save`` file (DeepSpeed's module and optimizer files, read by ``compat/torch_files.py``
+without running its pickle) describes each tensor by a storage (a record of the archive and its
+element count), an offset, sizes and strides, all of them the file's word: a tensor claiming
+``[2**40]`` elements of a 16-byte storage, a stride of ``2**38``, a negative offset, a storage
+whose count disagrees with its record, or a record the archive compresses or places past its end
+is one line naming the file, before anything is allocated."""
+from __future__ import annotations
+
+import collections
+import os
+import resource
+import zipfile
+
+import pytest
+import torch
+
+from moe_plugin.checkpoint.errors import CheckpointError
+from moe_plugin.compat.torch_files import TorchFile
+
+
+class _Claim:
+    """Pickles as torch pickles a tensor, with the offset, sizes and strides given."""
+
+    def __init__(self, storage, offset, size, stride):
+        self.args = (storage, offset, size, stride, False, collections.OrderedDict())
+
+    def __reduce__(self):
+        return (torch._utils._rebuild_tensor_v2, self.args)
+
+
+def _storage():
+    """A 4-element float32 storage, as torch.save pickles a tensor's (a TypedStorage)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # TypedStorage is deprecated, and what torch.save still writes
+        return torch.arange(4, dtype=torch.float32).storage()
+
+
+CLAIMS = {
+    "huge-shape": (0, (2 ** 40,), (1,), r"claims shape \[1099511627776\], stride \[1\] from offset 0: past the "
+                                        r"storage's 4 elements of torch\.float32"),
+    "huge-stride": (0, (2, 2), (2 ** 38, 1), r"claims shape \[2, 2\], stride \[274877906944, 1\] from offset 0: past"),
+    "offset-past": (3, (2,), (1,), r"claims shape \[2\], stride \[1\] from offset 3: past the storage's 4 elements"),
+    "negative-offset": (-1, (2,), (1,), r"has offset -1, shape \(2,\), stride \(1,\); expected counts"),
+    "negative-size": (0, (-2,), (1,), r"has offset 0, shape \(-2,\), stride \(1,\); expected counts"),
+    "strides-short": (0, (2, 2), (1,), r"has offset 0, shape \(2, 2\), stride \(1,\); expected counts, as many"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLAIMS))
+def test_a_tensor_claiming_more_than_its_storage_is_refused(tmp_path, case):
+    offset, size, stride, message = CLAIMS[case]
+    path = tmp_path / "module.pt"
+    torch.save({"module": {"w": _Claim(_storage(), offset, size, stride)}}, path)
+    with pytest.raises(CheckpointError, match=f"^{path}: a tensor of storage '0' " + message):
+        TorchFile(path)
+
+
+def _rewrite(path, change) -> None:
+    """The archive at ``path`` written again, ``change(name, data, info)`` giving each record's new bytes
+    (None: as it was) and compression."""
+    with zipfile.ZipFile(path) as z:
+        records = [(info, z.read(info.filename)) for info in z.infolist()]
+    with zipfile.ZipFile(path, "w") as z:
+        for info, data in records:
+            data, compression = change(info.filename, data) or (data, zipfile.ZIP_STORED)
+            z.writestr(info.filename, data, compress_type=compression)
+
+
+def test_a_storage_whose_record_disagrees_or_is_compressed_is_refused(tmp_path):
+    path = tmp_path / "module.pt"
+    torch.save({"module": {"w": torch.arange(4, dtype=torch.float32)}}, path)
+    _rewrite(path, lambda name, data: (data[:8], zipfile.ZIP_STORED) if name.endswith("/data/0") else None)
+    with pytest.raises(CheckpointError, match=rf"^{path}: storage '0' claims 4 elements of torch\.float32 \(16 bytes\); "
+                                              r"its record holds 8 bytes$"):
+        TorchFile(path)
+    torch.save({"module": {"w": torch.zeros(1 << 16)}}, path)
+    _rewrite(path, lambda name, data: (data, zipfile.ZIP_DEFLATED) if name.endswith("/data/0") else None)
+    with pytest.raises(CheckpointError, match=rf"^{path}: record \S+/data/0 claims 262144 bytes \(\d+ stored, "
+                                              r"compression 8\) in a file of \d+; torch\.save stores its records"):
+        TorchFile(path)
+
+
+def test_the_claims_are_refused_before_any_allocation(tmp_path):
+    """A tensor of 2**40 float32 elements (4 TiB) over a 16-byte storage: refused, and the process's
+    peak memory has not grown by more than a few MB (the refusal reserved nothing)."""
+    path = tmp_path / "module.pt"
+    torch.save({"module": {"w": _Claim(_storage(), 0, (2 ** 40,), (1,))}}, path)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CheckpointError):
+        TorchFile(path)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024   # KiB
+    assert os.path.getsize(path) < 4096
+
+
+def test_honest_files_still_read_bit_exactly(tmp_path):
+    base = torch.randn(6, 4)
+    tensors = {"view": base[2:5], "transposed": base.t(), "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 3),
+               "offset": base.flatten()[5:9], "expanded": torch.randn(3, 1).expand(3, 4)}
+    torch.save(tensors, tmp_path / "f.pt")
+    with TorchFile(tmp_path / "f.pt") as f:
+        for name, value in tensors.items():
+            assert torch.equal(f.content[name].read(), value), name
