@@ -19,6 +19,9 @@ from dist import run_distributed
 # ``ninja`` on PATH into one cache, and two ninja versions (the venv's and the system's) disagree on
 # the build log, so each would rebuild the op after the other (a minute of two cores each time).
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+# ... and into a cache of this venv's own: two checkouts' venvs (a clone beside the working tree)
+# sharing ~/.cache/torch_extensions would each rebuild the op the other built, at every spawn.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
 def _clean_up() -> None:

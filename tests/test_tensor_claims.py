@@ -104,3 +104,90 @@ def test_honest_files_still_read_bit_exactly(tmp_path):
     with TorchFile(tmp_path / "f.pt") as f:
         for name, value in tensors.items():
             assert torch.equal(f.content[name].read(), value), name
+
+
+# -- a checkpoint's tensors against its metadata, through `moe-plugin export` ----------------------
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """A tiny Mixtral imported by ``moe-plugin import-hf`` (safetensors dense and expert files)."""
+    import json
+    import subprocess
+    import sys
+
+    from hf_tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("imported")
+    hf = save_tiny_model("mixtral", str(root / "hf"))
+    (root / "ds.json").write_text(json.dumps({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1,
+                                              "gradient_accumulation_steps": 1, "moe": {"parallel": {"expert": 2}}}))
+    done = subprocess.run([sys.executable, "-m", "moe_plugin_tools.cli", "import-hf", hf, "--config", str(root / "ds.json"),
+                           "--out", str(root / "ckpt")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return root / "ckpt"
+
+
+def _tampered(ckpt, tmp_path, name: str, change) -> str:
+    """A copy of ``ckpt`` whose safetensors file ``name`` (relative to the tag) has its tensors replaced by
+    ``change({name: tensor})``, the metadata's record of the file's size and sha256 updated to match."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moe_plugin.checkpoint.files import file_digest
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    path = copy / "step0" / name
+    tensors = load_file(str(path))
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    save_file(change(tensors), str(path), metadata=header.get("__metadata__"))
+    meta_path = copy / "step0" / "moe_plugin.json"
+    meta = json.loads(meta_path.read_text())
+    meta["files"][name] = file_digest(str(path))
+    meta_path.write_text(json.dumps(meta))
+    return str(path)
+
+
+def _export(ckpt, out) -> "subprocess.CompletedProcess":
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "moe_plugin_tools.cli", "export", str(ckpt), "--out", str(out)],
+                          capture_output=True, text=True)
+
+
+EXPERT, DENSE = "experts/expert_00003_pp_00.safetensors", "model/dense_pp_00_tp_00.safetensors"
+W2, EMB = "decoder.layers.1.mlp.experts.weight2", "embedding.word_embeddings.weight"
+TAMPERED = {
+    "expert-in-fp16": (EXPERT, lambda t: {**t, W2: t[W2].half()},
+                       f"{W2}: torch.float16; the checkpoint's metadata records torch.float32 (a tensor of another "
+                       "dtype is refused, not cast)"),
+    "expert-in-fp64": (EXPERT, lambda t: {**t, W2: t[W2].double()}, f"{W2}: torch.float64; the checkpoint's"),
+    "expert-transposed": (EXPERT, lambda t: {**t, W2: t[W2].t().contiguous()},
+                          f"{W2}: shape [64, 32]; the checkpoint's metadata records [32, 64]"),
+    "embedding-in-fp64": (DENSE, lambda t: {**t, EMB: t[EMB].double()}, f"{EMB}: torch.float64; the checkpoint's"),
+    "embedding-half-rows": (DENSE, lambda t: {**t, EMB: t[EMB][:192].contiguous()},
+                            f"{EMB}: shape [192, 64]; the checkpoint's metadata records [384, 64]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERED))
+def test_export_refuses_a_tensor_the_metadata_does_not_record(imported, tmp_path, case):
+    """A tensor file whose checksum was updated after it was changed: another dtype or shape than the
+    metadata records is one line naming the file and the key, status 2, nothing written."""
+    name, change, message = TAMPERED[case]
+    path = _tampered(imported, tmp_path, name, change)
+    done = _export(tmp_path / "ckpt", tmp_path / "out")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[-1].startswith(f"error: {path}: {message}"), lines[-3:]
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_the_untampered_copy_exports(imported, tmp_path):
+    done = _export(imported, tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "out" / "model.safetensors").is_file()

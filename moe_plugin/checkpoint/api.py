@@ -73,6 +73,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_plugin.checkpoint.background import Capture, SaveWriter, capture_into, capturing
+from moe_plugin.checkpoint.confine import inside, write_new
 from moe_plugin.checkpoint.errors import CheckpointError, agree
 from moe_plugin.checkpoint.expert_files import (
     expert_entries,
@@ -139,6 +140,7 @@ from moe_plugin.compat.deepspeed_checkpoint import (
 )
 from moe_plugin.compat.deepspeed_checkpoint_engine import (
     checkpoint_engine,
+    copying_recovery_scripts,
     intercepts,
     reading_safely,
     recording_checkpoint_engine,
@@ -188,8 +190,7 @@ def _write_bytes(data: bytes, path: str) -> None:
         capture.record(data, path, _write_bytes)
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
+    write_new(path, data)
 
 
 # -- save ----------------------------------------------------------------------------------------
@@ -225,19 +226,19 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
     def prepare() -> None:
         if dist.get_rank() == 0:
             os.makedirs(save_dir, exist_ok=True)
-            remove_stale(save_dir)  # what saves that died left
-            os.makedirs(os.path.join(tmp_path, EXPERT_DIR))
-            os.makedirs(os.path.join(tmp_path, RNG_DIR))
-            os.makedirs(os.path.join(tmp_path, RECORD_DIR))
+            remove_stale(save_dir)  # what saves that died left (a link there refused)
+            os.mkdir(tmp_path)      # new, never through a link: every file of the tag is written inside it
+            for folder in (EXPERT_DIR, RNG_DIR, RECORD_DIR):
+                os.mkdir(os.path.join(tmp_path, folder))
 
     saving(save_dir, tag, prepare)   # an unwritable directory: one error on every rank
     capture = Capture() if async_save else None
     # the optimizer record holds the optimizer state: DeepSpeed's files of it are not written (a
     # checkpoint engine that cannot be stood in for, such as a decoupled one, still writes them)
     once = record_kind(engine) is not None and intercepts(engine)
-    with capture_into(capture), _deepspeed_files(engine, capture, once) as refused:
+    with capture_into(capture), _deepspeed_files(engine, capture, once) as (refused, failed):
         engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state or {}, save_latest=False)
-        saving(save_dir, tag, lambda: _refuse_unadmitted(refused))
+        saving(save_dir, tag, lambda: _refuse_unadmitted(refused, failed))
         meta = metadata(run, tag)
         meta.update(deepspeed_optimizer_files=not once, expert_files=SAFE)
         # an asynchronous save copies the experts to the host whole; a synchronous one writes them
@@ -289,34 +290,43 @@ def _deepspeed_files(engine: Any, capture: Optional[Capture], once: bool) -> Ite
     the optimizer record holds that state, and every load of such a checkpoint reads it from there)
     and, in its module files, the expert weights (the expert files hold them) and the dense weights
     that are their fp32 masters rounded (the dense record holds the masters: ``readers.open_module``
-    rounds them back). Yields the list of what a file held that a load would refuse
-    (``torch_files.unadmitted``; such a file is not written)."""
+    rounds them back). Yields (what a file held that a load would refuse, ``torch_files.unadmitted``:
+    such a file is not written; the ``OSError`` of a write that failed, no space left: DeepSpeed's
+    save goes on to its last barrier writing nothing more, so every rank then agrees on the failure).
+    The recovery scripts DeepSpeed copies fail the same way (``copying_recovery_scripts``)."""
     refused: list[str] = []
-    if capture is None and not once:
-        yield refused
+    failed: list[OSError] = []
+    if capture is None and not intercepts(engine):   # one that cannot be stood in for writes as it does
+        yield refused, failed
         return
     inner = checkpoint_engine(engine)
     experts = {w.key for w in expert_weights(engine.module)} | dense_from_master(engine)
+    checked = capture is not None or once
 
     def write(obj: Any, path: str) -> None:
         name = os.path.basename(path)
-        if once and is_optimizer_file(name):
+        if failed or (once and is_optimizer_file(name)):
             return
-        found = unadmitted(obj, name)
+        found = unadmitted(obj, name) if checked else None
         if found:   # a load would refuse it (compat.torch_files.safe_load): not written, the save fails
             refused.append(found)
             return
         obj = without_module_entries(name, obj, experts) if once else obj
         if capture is not None:
             capture.record(obj, path, inner.save)
-        else:
+            return
+        try:
             inner.save(obj, path)
+        except OSError as err:
+            failed.append(err)
 
-    with recording_checkpoint_engine(engine, write):
-        yield refused
+    with recording_checkpoint_engine(engine, write), copying_recovery_scripts(engine, failed.append):
+        yield refused, failed
 
 
-def _refuse_unadmitted(refused: list[str]) -> None:
+def _refuse_unadmitted(refused: list[str], failed: list[OSError]) -> None:
+    if failed:
+        raise failed[0]
     if refused:
         raise CheckpointError(f"{refused[0]}, which a load would refuse (unpickling it could run code); this "
                               "DeepSpeed writes objects moe_plugin does not admit (compat.torch_files.DEEPSPEED_GLOBALS)")
@@ -433,6 +443,7 @@ def _load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str], 
     if recut:
         dense, header = agree(lambda: recut_dense(run, path, meta))
     else:   # the saved layout: only the dense weights DeepSpeed's module file left out
+        agree(lambda: check_own_module(run, path, meta))   # before DeepSpeed reads and casts it
         dense, header = agree(lambda: own_record_weights(run, path)), {}
     record = recut_optimizer and meta.get("optimizer_record", False)
     optimizer_state = (agree(lambda: match_record(run, path, *read_record(run, path, meta), expert_moments))
@@ -489,7 +500,7 @@ def hf_origin(path: str, meta: dict) -> Optional[dict]:
     files = {}
     if dist.get_rank() == 0:
         for name in meta["hf"].get("tokenizer_files", []):
-            with open(os.path.join(path, name), "rb") as f:
+            with open(inside(path, name, os.path.join(path, META_FILE) + ": hf.tokenizer_files"), "rb") as f:
                 files[name] = f.read()
     return {"record": record, "files": files}
 
@@ -511,6 +522,13 @@ def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:
             header = deepspeed_header(saved_model_files(path, meta, stage)[0])
     dense = own_dense(pieces, run.engine.module, run.groups.layout, dist.get_rank())
     return dense, header
+
+
+def check_own_module(run: Any, path: str, meta: dict) -> None:
+    """This rank's module file at the saved layout, its tensors' shapes and dtypes against the metadata
+    (``readers.open_module``; nothing is read but the file's pickle)."""
+    coords = run.groups.layout.coords(dist.get_rank())
+    open_module(path, meta, coords["pp"], coords["tp"])
 
 
 def own_record_weights(run: Any, path: str) -> dict:

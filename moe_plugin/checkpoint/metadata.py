@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_plugin.checkpoint.confine import check_tree, inside, not_a_link
 from moe_plugin.checkpoint.errors import CheckpointError, first_line
 from moe_plugin.checkpoint.experts import expert_weights
 from moe_plugin.checkpoint.optimizer import RECORD_DIR, basic_optimizer, check_record_loads, record_kind
@@ -135,7 +136,9 @@ def layout(groups: Any) -> dict:
 def full_shapes(model: nn.Module, groups: Any) -> dict:
     """This rank's state-dict keys -> unsharded shapes, dense and experts apart."""
     s = groups.layout.sizes
-    experts = {w.key: w.full_shape(s.etp) for w in expert_weights(model)}
+    weights = expert_weights(model)
+    experts = {w.key: w.full_shape(s.etp) for w in weights}
+    dtypes = {w.key: str(w.param.dtype) for w in weights}
     dense, tp_split = {}, {}
     for key, value in model.state_dict(keep_vars=True).items():
         if key in experts or not isinstance(value, torch.Tensor):
@@ -144,9 +147,10 @@ def full_shapes(model: nn.Module, groups: Any) -> dict:
         if getattr(value, "tensor_model_parallel", False):
             shape[value.partition_dim] *= s.tp
             tp_split[key] = [int(value.partition_dim), int(getattr(value, "partition_stride", 1))]
-        dense[key] = shape
-    # tp_split: how each tensor-parallel entry is cut (dim, stride), for readers without the model
-    return {"dense": dense, "experts": experts, "tp_split": tp_split}
+        dense[key], dtypes[key] = shape, str(value.dtype)
+    # tp_split: how each tensor-parallel entry is cut (dim, stride), for readers without the model;
+    # dtypes: what each weight's file holds (a reader refuses another, ``readers.check_claims``)
+    return {"dense": dense, "experts": experts, "tp_split": tp_split, "dtypes": dict(sorted(dtypes.items()))}
 
 
 def _json_value(value: Any) -> Any:
@@ -285,6 +289,8 @@ def metadata(run: Any, tag: str) -> dict:
 def read_latest(load_dir: os.PathLike | str) -> str:
     """The tag that ``save_dir/latest`` names."""
     path = os.path.join(os.fspath(load_dir), LATEST)
+    if os.path.lexists(path):
+        inside(os.fspath(load_dir), LATEST, path)   # a link out, a hard link: refused before it is read
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing; no checkpoint was committed in {os.fspath(load_dir)!r} "
                               "(pass tag= to load a given one)")
@@ -301,18 +307,56 @@ def read_latest(load_dir: os.PathLike | str) -> str:
 
 
 def read_metadata(load_dir: os.PathLike | str, tag: str) -> dict:
-    """The metadata of ``load_dir/tag``, once its format is known to be ours."""
-    path = os.path.join(os.fspath(load_dir), tag, META_FILE)
+    """The metadata of ``load_dir/tag``, once its format is known to be ours and the tag confined:
+    the tag directory no link, none of its entries a link out or a hard link (``confine.check_tree``),
+    every path the metadata names inside it (``check_named_files``) -- before any file is read."""
+    tag_dir = os.path.join(os.fspath(load_dir), tag)
+    path = os.path.join(tag_dir, META_FILE)
+    if os.path.lexists(tag_dir):
+        check_tree(not_a_link(tag_dir))
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing; {os.path.join(os.fspath(load_dir), tag)!r} is not a complete "
-                              "moe_plugin checkpoint")
+        raise CheckpointError(f"{path}: missing; {tag_dir!r} is not a complete moe_plugin checkpoint")
     meta = read_json(path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") not in READ_VERSIONS:
         shown = meta if not isinstance(meta, dict) else meta.get("version")
         raise CheckpointError(f"{path}: format {meta.get('format') if isinstance(meta, dict) else None!r} version "
                               f"{shown!r}; this moe_plugin reads {FORMAT!r} versions {list(READ_VERSIONS)} (a newer "
                               "moe_plugin wrote it: upgrade to load it)")
+    check_named_files(tag_dir, meta)
     return meta
+
+
+# Every field of the metadata that names files of the tag (``files``: {name: digest}; the others:
+# {stage: [name per TP rank]}, or a list).
+PATH_FIELDS = ("files", "model_files", "dense_files", "hf.tokenizer_files")
+
+
+def check_named_files(tag_dir: str, meta: dict) -> None:
+    """Refuse, in one line naming the metadata file and the key, a path field (``PATH_FIELDS``) of
+    another shape than this version writes, or a name in it that leaves ``tag_dir``
+    (``confine.inside``)."""
+    where = os.path.join(tag_dir, META_FILE)
+    for field in PATH_FIELDS:
+        value: Any = meta
+        for part in field.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is None:
+            continue
+        if field == "files":
+            ok = isinstance(value, dict) and all(
+                isinstance(e, dict) and isinstance(e.get("bytes"), int) and not isinstance(e.get("bytes"), bool)
+                and e["bytes"] >= 0 and isinstance(e.get("sha256"), str) for e in value.values())
+            names, shape = list(value) if ok else [], '{"NAME": {"bytes": N, "sha256": "HEX"}}'
+        elif field == "hf.tokenizer_files":
+            ok = isinstance(value, list)
+            names, shape = value if ok else [], '["NAME", ...]'
+        else:
+            ok = isinstance(value, dict) and all(isinstance(v, list) for v in value.values())
+            names, shape = [n for v in value.values() for n in v] if ok else [], '{"STAGE": ["NAME", ...]}'
+        if not ok:
+            raise CheckpointError(f"{where}: {field}: {str(value)[:80]}; expected {shape}, names relative to the tag")
+        for name in names:
+            inside(tag_dir, name, f"{where}: {field}")
 
 
 # Modules a recorded ``activation_func`` (``module:qualname``) may name: importing any other one would

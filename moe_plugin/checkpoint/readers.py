@@ -89,18 +89,39 @@ def materialize_all(value: Any) -> Any:
 def open_module(path: str, meta: dict, stage: int, tp_rank: int) -> dict[str, Any]:
     """The module state of saved (``stage``, ``tp_rank``): tensors as ``Lazy``, the rest as saved;
     the dense weights DeepSpeed's file left out are their masters in the record, rounded
-    (``record_weights``)."""
+    (``record_weights``). Each tensor's shape and dtype are what the metadata records (``check_claims``)."""
     deepspeed = saved_model_files(path, meta, stage)[tp_rank]
     if meta.get("dense_files") is None:
         module = TorchFile(deepspeed).content.get("module")
         if not isinstance(module, dict):
             raise CheckpointError(f"{deepspeed}: holds no module state")
-        return {**record_weights(path, stage, tp_rank), **module}
-    tensors = TensorFile(module_files(path, meta, stage)[tp_rank])
-    plain = TorchFile(deepspeed).content.get("module") or {}
-    out = {k: v for k, v in plain.items() if not is_lazy(v)}
-    out.update({name: SafeLazy(tensors, name) for name in tensors.names()})
+        out, file = {**record_weights(path, stage, tp_rank), **module}, deepspeed
+    else:
+        file = module_files(path, meta, stage)[tp_rank]
+        tensors = TensorFile(file)
+        plain = TorchFile(deepspeed).content.get("module") or {}
+        out = {k: v for k, v in plain.items() if not is_lazy(v)}
+        out.update({name: SafeLazy(tensors, name) for name in tensors.names()})
+    saved = meta["stages"][str(stage)]
+    tp, cuts = int(meta.get("layout", {}).get("tp", 1)), saved.get("tp_split") or {}
+    for key, value in out.items():
+        if is_lazy(value) and key in saved["dense"]:
+            shape = list(saved["dense"][key])
+            if key in cuts:
+                shape[cuts[key][0]] = shape[cuts[key][0]] // tp if shape[cuts[key][0]] % tp == 0 else -1
+            check_claims(file, key, value, shape, saved.get("dtypes", {}).get(key))
     return out
+
+
+def check_claims(file: str, key: str, value: Any, shape: list, dtype: Optional[str]) -> None:
+    """A tensor of ``file`` as the checkpoint's metadata records it (``dtype`` None: a checkpoint saved
+    before dtypes were recorded), checked before it is read: another shape or dtype is refused, not cast."""
+    if list(value.shape) != list(shape):
+        raise CheckpointError(f"{file}: {key}: shape {list(value.shape)}; the checkpoint's metadata records "
+                              f"{list(shape)}")
+    if dtype is not None and str(value.dtype) != dtype:
+        raise CheckpointError(f"{file}: {key}: {value.dtype}; the checkpoint's metadata records {dtype} (a tensor "
+                              "of another dtype is refused, not cast)")
 
 
 def deepspeed_header(file: str) -> dict:
@@ -182,7 +203,18 @@ def _rounded(entry: ExpertEntry, from_master: dict) -> None:
 
 
 def open_expert(path: str, meta: dict, expert_id: int, stage: int) -> ExpertEntry:
-    return open_expert_file(expert_path(path, meta, expert_id, stage))
+    """Expert ``expert_id``'s file of ``stage``: its weights and optimizer rows one expert's shape of
+    what the metadata records, the weights of its dtype (``check_claims``)."""
+    entry = open_expert_file(expert_path(path, meta, expert_id, stage))
+    saved = meta["stages"][str(stage)]
+    for key, value in entry.weights.items():
+        if key in saved.get("experts", {}):
+            check_claims(entry.path, key, value, list(saved["experts"][key])[1:], saved.get("dtypes", {}).get(key))
+    for key, states in entry.optimizer.items():
+        for name, value in states.items():
+            if key in saved.get("experts", {}):
+                check_claims(entry.path, f"{key}{OPTIMIZER_MARK}{name}", value, list(saved["experts"][key])[1:], None)
+    return entry
 
 
 def _int(text: Any) -> Any:
