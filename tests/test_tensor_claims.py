@@ -191,3 +191,15 @@ def test_the_untampered_copy_exports(imported, tmp_path):
     done = _export(imported, tmp_path / "out")
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_safe_load_checks_the_claims_first(tmp_path):
+    """``safe_load`` (DeepSpeed's own load of its files, ``reading_safely``) refuses what ``TorchFile`` refuses."""
+    from moe_plugin.compat.torch_files import safe_load
+
+    path = tmp_path / "optim.pt"
+    torch.save({"state": {"w": _Claim(_storage(), 0, (2 ** 40,), (1,))}}, path)
+    with pytest.raises(CheckpointError, match=f"^{path}: a tensor of storage '0' claims shape"):
+        safe_load(str(path))
+    torch.save({"w": torch.arange(3)}, path)
+    assert torch.equal(safe_load(str(path))["w"], torch.arange(3))

@@ -79,7 +79,11 @@ def deepspeed_classes() -> list[type]:
 
 def safe_load(path: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """``torch.load`` of ``path`` admitting tensors, plain data and ``DEEPSPEED_GLOBALS`` only (module
-    docstring); ``FileNotFoundError`` passes, any other failure is a one-line ``CheckpointError``."""
+    docstring); ``FileNotFoundError`` passes, any other failure is a one-line ``CheckpointError``. The
+    file's claims (records, storages, each tensor's extent) are checked first, as ``TorchFile`` checks
+    them: torch would reserve what a tampered storage claims before finding its record short."""
+    if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+        TorchFile(path).close()
     if trusted():
         return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     try:
