@@ -3,7 +3,9 @@ is the same model as each of its conversations run alone, under layouts and atte
 
 The model checks build the example's model (``pretrain_gpt_moe.build_engine``, the real DeepSpeed
 engine) from its flags and compare each conversation's per-token losses inside packs (Megatron's thd
-format, ``moe_plugin.packed_losses``) with the same conversation run alone as an ordinary sequence.
+format, ``moe_plugin.packed_losses``) with the same conversation run alone as an ordinary sequence;
+under pp2 DeepSpeed's ``PipelineEngine`` runs both (``moe_plugin.packed_pipe_inputs``' input), its last
+stage's logits give the per-token losses and its loss weights each conversation's summed loss.
 """
 from __future__ import annotations
 
@@ -128,12 +130,13 @@ MOE = {"num_experts": 4, "router": "topk", "top_k": 2, "drop_tokens": False, "au
        "layer_interval": 1}
 LAYOUTS = {   # world size -> (layout, moe.parallel, the attention kinds it runs): every kind on one rank, each
     1: [("one", {}, list(KINDS))],                                           # layout with two of them
-    2: [("tp2-sp", {"tensor": 2, "sequence_parallel": True}, ["mla", "window"]), ("ep2", {"expert": 2}, ["rope", "sinks"])],
+    2: [("tp2-sp", {"tensor": 2, "sequence_parallel": True}, ["mla", "window"]),
+        ("ep2", {"expert": 2}, ["rope", "sinks"]), ("pp2", {"pipeline": 2}, ["rope", "learned"])],
     4: [("tp2-ep2", {"tensor": 2, "expert": 2}, ["yarn", "learned"])]}
 
 
 def _ds_config(path: Path, world_size: int, parallel: dict) -> str:
-    dp = world_size // parallel.get("tensor", 1)
+    dp = world_size // (parallel.get("tensor", 1) * parallel.get("pipeline", 1))
     config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4 // dp, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1},
               "moe": {**MOE, "parallel": parallel}}
@@ -153,10 +156,83 @@ def _alone_losses(engine, tokens: np.ndarray) -> torch.Tensor:
     return losses.float()[0, :n]
 
 
+def _pipe_eval(engine, inputs: tuple, labels_1T: torch.Tensor, weights_1T: torch.Tensor, logits: bool = False):
+    """One micro-batch through a ``PipelineEngine`` (one micro-batch a batch: ``eval_batch`` averages over
+    them): its loss (``gpt_loss``: the sum of the token losses times their weights; every stage), or, with
+    ``logits``, each token's loss from the last stage's logits (None on the others). A pack and a plain
+    sequence send different things between the stages: the engine's buffers are reset before each."""
+    import torch.nn.functional as F
+
+    engine.reset_activation_shape()
+    batch = iter([(inputs, (labels_1T, weights_1T))])
+    if not logits:
+        return float(engine.eval_batch(batch))
+    # compute_loss False: the vocab-parallel cross entropy would work on the logits in place
+    _, logits_T1V = engine.eval_batch(batch, return_logits=True, compute_loss=False)
+    return None if logits_T1V is None else F.cross_entropy(logits_T1V[:, 0].float(), labels_1T[0], reduction="none")
+
+
+def _pipeline_worst(engine, packs, tokens) -> dict:
+    """The worst relative differences, pack against alone, on a ``PipelineEngine``: each token's loss from
+    the logits, and each conversation's summed loss (the pack's weights 1 on its tokens and 0 elsewhere).
+    Alone: the plain input (positions 0.., causal, no document ids), right-padded to the pack's length
+    (invisible to it: causal) with weight 0. ``eval_batch`` adds each output into a running total that
+    only ``train_batch`` resets: all the logits (of one shape) come before the losses."""
+    import torch.distributed as dist
+
+    thd = packs.batch(range(len(packs))).thd()
+    pack_inputs, length = (thd.tokens, thd.position_ids, thd.document_ids), thd.tokens.shape[1]
+    spans, alone = [], []   # (first position in the pack, label positions); the alone micro-batches
+    for row, pack in enumerate(packs.packs):
+        at = row * SEQ
+        for k in pack.tolist():
+            n = len(tokens[k])
+            t = torch.zeros(1, length + 1, dtype=torch.int64)
+            t[0, :n] = torch.from_numpy(tokens[k].astype(np.int64))
+            ahead = torch.arange(length)
+            positions = torch.where(ahead < n, ahead, 0)[None]   # the padding's: any the embedding has
+            spans.append((at, n - 1))
+            alone.append(((t[:, :-1], positions), t[:, 1:], (ahead < n - 1).float()[None]))
+            at += n
+    worst = torch.zeros(2)
+    losses_T = _pipe_eval(engine, pack_inputs, thd.labels, thd.loss_mask, logits=True)
+    for (at, n), (inputs, labels, weights) in zip(spans, alone):
+        alone_T = _pipe_eval(engine, inputs, labels, weights, logits=True)
+        if alone_T is not None:
+            inside, by_itself = losses_T[at:at + n], alone_T[:n]
+            worst[0] = max(worst[0], float(((inside - by_itself).abs() / by_itself.abs()).max()))
+    for (at, n), (inputs, labels, weights) in zip(spans, alone):
+        only_k = torch.zeros_like(thd.loss_mask)
+        only_k[0, at:at + n] = 1
+        inside = _pipe_eval(engine, pack_inputs, thd.labels, only_k)
+        by_itself = _pipe_eval(engine, inputs, labels, weights)
+        worst[1] = max(worst[1], abs(inside - by_itself) / abs(by_itself))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)   # the logits are on the last stage
+    return {"per token": float(worst[0]), "summed": float(worst[1])}
+
+
+def _engine_worst(engine, packs, tokens) -> dict:
+    """The worst relative difference of a token's loss, pack against alone, on a DeepSpeed engine around a
+    ``GPTModel`` (``moe_plugin.packed_losses`` against ``_alone_losses``)."""
+    from moe_plugin.integration.packed import packed_losses
+
+    engine.eval()
+    with torch.no_grad():
+        losses = packed_losses(engine, packs.batch(range(len(packs))))[0].reshape(len(packs), SEQ)
+        worst = 0.0
+        for row, pack in enumerate(packs.packs):
+            at = 0
+            for k in pack.tolist():
+                n = len(tokens[k])
+                alone = _alone_losses(engine, tokens[k])
+                inside = losses[row, at:at + n - 1]
+                worst = max(worst, float(((inside - alone).abs() / alone.abs()).max()))
+                at += n
+    return {"per token": worst}
+
+
 def _packed_vs_alone(rank: int, world_size: int, tmp: str, layouts: list) -> dict:
     import os
-
-    from moe_plugin.integration.packed import packed_losses
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     example = example_script()
@@ -169,21 +245,8 @@ def _packed_vs_alone(rank: int, world_size: int, tmp: str, layouts: list) -> dic
                                        _ds_config(Path(tmp) / f"{layout}-{kind}-{rank}.json", world_size, parallel)])
             plan = example.check_run(args, world_size)
             run = example.build_engine(args, plan, SimpleNamespace(vocab_size=VOCAB))
-            engine = run.engine
-            engine.eval()
-            with torch.no_grad():
-                batch = packs.batch(range(len(packs)))
-                losses = packed_losses(engine, batch)[0].reshape(len(packs), SEQ)
-                worst = 0.0
-                for row, pack in enumerate(packs.packs):
-                    at = 0
-                    for k in pack.tolist():
-                        n = len(tokens[k])
-                        alone = _alone_losses(engine, tokens[k])
-                        inside = losses[row, at:at + n - 1]
-                        worst = max(worst, float(((inside - alone).abs() / alone.abs()).max()))
-                        at += n
-                out[(layout, kind)] = (worst, float(losses.sum()))
+            worst = _pipeline_worst if parallel.get("pipeline", 1) > 1 else _engine_worst
+            out[(layout, kind)] = worst(run.engine, packs, tokens)
             run.close()
     return out
 
@@ -193,9 +256,12 @@ def _packed_vs_alone(rank: int, world_size: int, tmp: str, layouts: list) -> dic
 def test_a_pack_is_each_conversation_alone(tmp_path, world_size):
     """Each conversation's per-token losses inside packs equal the conversation run alone (fp32, 1e-5
     relative), for learned positions, RoPE (GQA, SwiGLU), YaRN, sliding windows, attention sinks and MLA
-    with YaRN, on 1 rank and under tp2 with sequence parallelism, ep2 and tp2 x ep2."""
+    with YaRN, on 1 rank and under tp2 with sequence parallelism, ep2, tp2 x ep2 and pp2 (DeepSpeed's
+    PipelineEngine, RoPE and learned positions: the per-token losses from the last stage's logits, and
+    each conversation's loss summed by the pipeline's loss weights)."""
     write_chat(tmp_path / "chat", LENGTHS)
     results = run_distributed(_packed_vs_alone, world_size, tmp_path, str(tmp_path), LAYOUTS[world_size],
                               timeout=600)
-    for key, (worst, _total) in results[0].items():
-        assert worst < 1e-5, (key, worst)
+    for key, worst in results[0].items():
+        print(key, {what: f"{value:.1e}" for what, value in worst.items()})
+        assert max(worst.values()) < 1e-5, (key, worst)
