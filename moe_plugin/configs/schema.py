@@ -29,6 +29,7 @@ from typing import Any, Literal, Optional, Union
 import hjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from moe_plugin.configs import json_text
 from moe_plugin.configs.errors import MISSING, ConfigError, FieldProblem, did_you_mean, from_validation_error
 
 ROOT_KEY = "moe"
@@ -535,20 +536,37 @@ def load_ds_config(ds_config: Union[dict, str, os.PathLike]) -> dict:
         path = Path(ds_config)
         where = f"DeepSpeed config {path}"
         try:
-            text = path.read_text()
+            data = path.read_bytes()
         except OSError as err:
             raise ConfigError("config file", str(path), f"cannot be read ({err.strerror}); expected "
                               "the path of a DeepSpeed JSON file") from None
+        text, marked = json_text.read_text(data, where)   # UTF-8, nesting, bare NaN / Infinity
         try:
-            ds_config = hjson.loads(text, object_pairs_hook=_JSONObject.of)
+            ds_config = _parse(marked)
         except hjson.HjsonDecodeError as err:
+            if marked is not text:   # the file's own error, at its own position
+                try:
+                    _parse(text)
+                except hjson.HjsonDecodeError as own:
+                    err = own
             raise ConfigError(where, text, "expected a JSON object", shown=f"invalid JSON at line "
                               f"{err.lineno} column {err.colno} ({err.msg})") from None
         ds_config = _without_duplicates(ds_config, "", path.name)
+        json_text.refuse_markers(ds_config, text, where)
     if not isinstance(ds_config, dict):
         raise ConfigError(where, ds_config, "expected a JSON object at the top level, "
                           "e.g. {\"train_batch_size\": 8, \"moe\": {\"num_experts\": 8}}")
     return ds_config
+
+
+def _parse(text: str) -> Any:
+    """hjson's reading, as DeepSpeed's; numbers no float or int holds kept as ``json_text`` markers."""
+    try:
+        return hjson.loads(text, object_pairs_hook=_JSONObject.of, parse_float=json_text.number,
+                           parse_int=json_text.integer)
+    except RecursionError:   # json_text.read_text bounds the nesting: a last resort
+        raise ConfigError("DeepSpeed config", None, "a DeepSpeed JSON nests a few levels",
+                          shown="nested too deep to read") from None
 
 
 class _JSONObject(dict):

@@ -269,22 +269,35 @@ def _number(value: float) -> str:
 
 
 def read_hf_config(hf_dir: os.PathLike | str) -> HFArchitecture:
-    """The model of ``hf_dir/config.json``, or a ``ConfigError`` naming the key it cannot represent."""
+    """The model of ``hf_dir/config.json``, or a ``ConfigError`` naming the key it cannot represent; its
+    sizes checked against each other and against the weights' headers first (``hf_sizes``)."""
+    from moe_plugin.interop import hf_sizes
+    from moe_plugin.interop.hf_files import HFWeights
+
     hf_dir = os.fspath(hf_dir)
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(path, None, "expected a Hugging Face model directory (config.json and model.safetensors "
                           "or its sharded index, as save_pretrained writes them)", shown="missing")
     transformers = transformers_module()
-    import json
-
-    with open(path, encoding="utf-8") as f:
-        raw = json.load(f)
+    raw = hf_sizes.read_config_json(path)
     model_type = raw.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"{path}: model_type", model_type, f"the plugin imports {', '.join(ARCHITECTURES)}")
-    cfg = transformers.AutoConfig.from_pretrained(hf_dir)
-    return architecture_of(cfg, path)
+    hf_sizes.check_values(raw, path)
+    weights = HFWeights(hf_dir)
+    try:
+        hf_sizes.check_against_headers(raw, weights, path, beyond_allowed=model_type in DEEPSEEK_ROUTED)
+        hf_sizes.check_relations(raw, path, mla=model_type in MLA_TYPES)
+        try:
+            cfg = transformers.AutoConfig.from_pretrained(hf_dir)
+        except hf_sizes.transformers_refusals() as err:   # a value of the wrong kind
+            raise hf_sizes.refused_by_transformers(path, err) from None
+        arch = architecture_of(cfg, path)
+        hf_sizes.check_headers(arch, weights, path)
+    finally:
+        weights.close()
+    return arch
 
 
 def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:

@@ -33,6 +33,7 @@ so the peak holds a few tensors whatever the model's size.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import time
@@ -57,6 +58,7 @@ from moe_plugin.interop.hf_arch import (
 )
 from moe_plugin.interop.hf_families import FAMILIES, HFMapping, Rule
 from moe_plugin.interop.hf_files import HFShardWriter, parse_size
+from moe_plugin.interop.hf_sizes import plugin_shapes, refused_by_transformers, transformers_refusals
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +172,7 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         return ConfigError(key, value, f"{name} cannot express it: {why}; choose another --arch or train the "
                            "model with what it has")
 
+    check_recorded_sizes(meta, state, os.path.join(getattr(source, "path", "the checkpoint"), "moe_plugin.json"))
     num_layers = int(tc["num_layers"])
     moe_layers = tuple(i for i in range(num_layers) if f"decoder.layers.{i}.mlp.router.weight" in state)
     position = model.get("position_embedding_type") or (
@@ -288,6 +291,39 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         **latent})
 
 
+def check_recorded_sizes(meta: dict, state: dict[str, list[int]], where: str) -> None:
+    """The metadata's sizes (``where``: its file) as import-hf checks a config.json's: each an integer in
+    range, the epsilon finite and positive, query groups dividing heads, the layers those of the state,
+    the recorded HF config an object."""
+    tc = meta["model"]["transformer_config"]
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                "ffn_hidden_size"):
+        value = tc.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ConfigError(f"{where}: model.transformer_config.{key}", value, "expected an integer >= 1")
+    eps = tc.get("layernorm_epsilon", 1e-5)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ConfigError(f"{where}: model.transformer_config.layernorm_epsilon", eps, "expected a finite number > 0")
+    heads, groups = tc.get("num_attention_heads"), tc.get("num_query_groups")
+    if heads and groups and heads % groups and not tc.get("multi_latent_attention"):
+        raise ConfigError(f"{where}: model.transformer_config.num_query_groups", groups, f"must divide "
+                          f"num_attention_heads ({heads}): each query group is a whole number of heads")
+    present = layers_in_state(state)
+    if tc.get("num_layers") is not None and tc["num_layers"] != present:
+        raise ConfigError(f"{where}: model.transformer_config.num_layers", tc["num_layers"], f"the checkpoint holds "
+                          f"{present} decoder layers (decoder.layers.N); expected {present}")
+    hf = meta.get("hf", {})
+    for key, value in (("hf", hf), ("hf.config", hf.get("config") if isinstance(hf, dict) else None)):
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{where}: {key}", value, "expected an object (what import-hf recorded)",
+                              shown=f"a JSON {type(value).__name__}")
+
+
+def layers_in_state(state: dict) -> int:
+    found = [int(k.split(".")[2]) for k in state if k.startswith("decoder.layers.") and k.split(".")[2].isdigit()]
+    return max(found) + 1 if found else 0
+
+
 def _window(tc: dict, num_layers: int, model_type: str, refuse: Callable[..., ConfigError]):
     """(window W, windowed layers or None) of the checkpoint's ``window_size`` / ``window_attn_skip_freq``
     (``hf_arch._sliding_window``'s inverse), or a ``ConfigError`` where ``model_type`` cannot say it."""
@@ -342,9 +378,10 @@ def hf_plan(arch: HFArchitecture, source: Any, meta: dict,
             dtype: torch.dtype) -> tuple[dict[str, tuple[torch.dtype, list[int]]], list[tuple[Rule, Callable]]]:
     """({HF name: (dtype, shape)}, [(rule, a function making its plugin tensor)]) of the checkpoint
     ``source`` (a ``CheckpointSource``) as ``arch``, from shapes alone; a plugin tensor with no HF
-    place is refused by name before anything is read."""
+    place, or of another shape than the recorded architecture's, is refused by name before anything is read."""
     mapping = HFMapping(arch)
     specs = source.specs()
+    expected = plugin_shapes(arch)
     used = set(mapping.plugin_only())
     tc = meta["model"]["transformer_config"]
     out: dict[str, tuple[torch.dtype, list[int]]] = {}
@@ -361,6 +398,12 @@ def hf_plan(arch: HFArchitecture, source: Any, meta: dict,
             shape, make = specs[key][1][1:], (lambda k=key, e=rule.expert: source.read_expert(k, e))
         else:
             shape, make = specs[key][1], (lambda k=key: source.read(k))
+        kind = key.split(".", 3)[-1] if key.startswith("decoder.layers.") else key
+        want, sizes = expected[kind]
+        if list(shape) != want:   # before the cut reshapes it
+            made = ", ".join(f"{k} {v}" for k, v in sizes)
+            raise ConfigError(f"{getattr(source, 'path', 'the checkpoint')}: {key}", None,
+                              f"the recorded architecture makes it {want} ({made})", shown=f"shape {list(shape)}")
         used.add(key)
         for name, part in zip(rule.hf, rule.cut(torch.empty(shape, device="meta"))):
             out[name] = (dtype, list(part.shape) if rule.hf_row is None else [arch.num_experts, *part.shape])
@@ -442,7 +485,10 @@ def hf_config(transformers: Any, arch: HFArchitecture, meta: dict, dtype: str) -
             fields.update(layer_types=["sliding_attention" if windowed else "full_attention"
                                        for windowed in (arch.window_layers or [1] * arch.num_layers)])
     cls = getattr(transformers, CONFIG_CLASSES[t])
-    config = cls(**{**base, **fields})
+    try:
+        config = cls(**{**base, **fields})
+    except transformers_refusals() as err:   # a value of the wrong kind recorded
+        raise refused_by_transformers("moe_plugin.json: hf.config", err) from None
     config.architectures = [arch.architecture]
     config.dtype = dtype
     return config

@@ -94,6 +94,10 @@ class HFWeights:
     def names(self) -> list[str]:
         return sorted(self._where)
 
+    def file_of(self, name: str) -> str:
+        """The path of the file that holds ``name``."""
+        return getattr(self._file(name), "path", "the weights")
+
     def spec(self, name: str) -> tuple[torch.dtype, list[int]]:
         if name in self._mxfp4:   # blocks [E, R, G, 16] -> [E, G * 32, R]
             blocks, _scales, dtype = self._mxfp4[name]

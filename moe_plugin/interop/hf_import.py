@@ -9,7 +9,8 @@ represent is refused naming the key and the model type); for an MoE model the ``
 ``ds_config`` is checked against it field by field (``HFArchitecture.moe_fields``): a key the block
 sets to another value is refused naming both keys, a key it leaves out is filled in (the completed
 block is what the checkpoint records; ``ImportResult.moe_block``); every HF tensor is mapped
-(``hf_families``), a tensor left over or missing refused by name -- from the safetensors headers,
+(``hf_families``), a tensor left over, missing or of another shape than the config's refused by name
+(``hf_sizes``, which checks the config's sizes first) -- from the safetensors headers,
 before a tensor is read. Then the checkpoint is written as the 1-rank ``GPTModel``'s
 (``checkpoint.one_rank``; step 0, optimizer and lr scheduler fresh), one plugin tensor (one
 expert's row of an expert weight) at a time, read from the HF shards and joined as it is written:
@@ -48,6 +49,7 @@ from moe_plugin.configs.schema import ROOT_KEY, load_ds_config
 from moe_plugin.interop.hf_arch import DEEPSEEK_ROUTED, HFArchitecture, read_hf_config
 from moe_plugin.interop.hf_families import HFMapping
 from moe_plugin.interop.hf_files import HFWeights, tokenizer_files
+from moe_plugin.interop.hf_sizes import check_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -234,6 +236,7 @@ def import_plan(arch: HFArchitecture, weights: HFWeights, where: str,
         if missing:
             raise CheckpointError(f"{where}: tensor {missing[0]!r} is missing (model_type {arch.model_type}, "
                                   f"needed for {rule.plugin})")
+    check_shapes(arch, mapping, weights, os.path.join(where, "config.json"))   # every shape, before a tensor is read
     if arch.tied and "lm_head.weight" in weights and not torch.equal(weights.read("lm_head.weight"),
                                                                      weights.read("model.embed_tokens.weight")):
         raise CheckpointError(f"{where}: tie_word_embeddings is true but lm_head.weight differs from "
