@@ -226,6 +226,11 @@ def test_deepspeed_checkpoint_engine_writes_every_file_in_save():
         _must("checkpoint_engine.save(" in source and "torch.save(" not in source,
               f"{name} no longer writes its files through the checkpoint engine's save", DS,
               "deepspeed_checkpoint_engine")
+    copies = inspect.getsource(DeepSpeedEngine._save_zero_checkpoint)
+    _must(list(inspect.signature(DeepSpeedEngine._copy_recovery_script).parameters) == ["self", "save_path"]
+          and "self._copy_recovery_script(save_path)" in copies,
+          "DeepSpeedEngine no longer copies its recovery scripts with _copy_recovery_script(save_path) in "
+          "_save_zero_checkpoint", DS, "deepspeed_checkpoint_engine")
     recorded = []
     wrapper = RecordingCheckpointEngine(TorchCheckpointEngine(), lambda obj, path: recorded.append(path))
     wrapper.save({"x": 1}, "/nowhere/file.pt")

@@ -22,6 +22,8 @@
   checkpoint made from a dense one (``moe-plugin upcycle``); ``one_rank``: a checkpoint written without a run (as
   the 1-rank model's; ``moe-plugin import-hf``); ``architecture``: a load into a model built with other flags
   than the checkpoint records, refused naming the flag.
+* ``confine``: every path a checkpoint or an HF directory names resolves inside it (checked by
+  ``metadata.read_metadata`` before any file of a tag is read); a save creates its files new.
 * No file is read in a way that runs code from it: ``tensor_files`` (safetensors), ``plain_files``
   (the optimizer record, the rng state: safetensors and JSON), DeepSpeed's pickles through
   ``compat.torch_files`` (tensors, plain data and DeepSpeed's few classes; anything else refused);

@@ -25,12 +25,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import time
 from typing import Callable, Optional
 
 from moe_plugin.checkpoint.errors import CheckpointError
-from moe_plugin.checkpoint.files import read_torch, tag_files, tag_written_here, verify_all, write_metadata
+from moe_plugin.checkpoint.files import copy_files, read_torch, tag_files, tag_written_here, verify_all, write_metadata
 from moe_plugin.checkpoint.metadata import (
     EXPERT_DIR,
     FORMAT_VERSION,
@@ -87,8 +86,7 @@ def convert_checkpoint(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, 
                 continue
             if name.endswith(".pt"):
                 TorchFile(source).close()   # outside trust: refuses anything a load would refuse
-            os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
-            shutil.copyfile(source, os.path.join(tmp, name))
+            copy_files(tmp, {name: source})
             copied.append(name)
         new = {**meta, "version": FORMAT_VERSION, "converted_from": {"version": meta.get("version", 1), "path": path}}
         if any(n.startswith(EXPERT_DIR + os.sep) for n in pickles):

@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from moe_plugin.checkpoint.confine import inside
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.files import verify_all
 from moe_plugin.checkpoint.metadata import (
@@ -296,11 +297,14 @@ def export_config(meta: dict, path: str) -> dict:
 # -- reading an export ----------------------------------------------------------------------------
 def load_export(out_dir: os.PathLike | str) -> tuple[dict[str, torch.Tensor], dict]:
     """(state dict, config.json) of an export; the weights read tensor by tensor (``TensorFile``: a
-    file that is not safetensors, a pickle included, is refused in one line naming it)."""
+    file that is not safetensors, a pickle included, is refused in one line naming it); both confined to
+    ``out_dir`` (``confine.inside``)."""
     out_dir = os.fspath(out_dir)
-    with open(os.path.join(out_dir, CONFIG_FILE)) as f:
+    config_file = inside(out_dir, CONFIG_FILE, os.path.join(out_dir, CONFIG_FILE))
+    with open(config_file) as f:
         config = json.load(f)
-    with TensorFile(os.path.join(out_dir, os.path.basename(str(config.get("weights", WEIGHTS_FILE))))) as weights:
+    name = os.path.basename(str(config.get("weights", WEIGHTS_FILE)))
+    with TensorFile(inside(out_dir, name, f"{config_file}: weights")) as weights:
         return {name: weights.read(name) for name in weights.names()}, config
 
 

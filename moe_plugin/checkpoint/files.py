@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from moe_plugin.checkpoint.confine import copy_new, refuse_link, write_new
 from moe_plugin.checkpoint.errors import CheckpointError, agree, first_line
 from moe_plugin.checkpoint.metadata import EXPERT_DIR, LATEST, META_FILE
 from moe_plugin.compat.torch_files import safe_load
@@ -171,23 +172,30 @@ def verify_all(path: str, meta: dict) -> None:
 
 # -- committing a tag ----------------------------------------------------------------------------
 def write_text(path: str, text: str) -> None:
-    with open(path + ".part", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".part", path)
+    """``text`` as ``path``, whole or not at all: written to ``path.part``, created new (a stale
+    ``.part`` file is removed first, a link there refused: ``confine``), then renamed over ``path``."""
+    part = path + ".part"
+    refuse_link(part, "a file being written")
+    if os.path.lexists(part):
+        os.remove(part)
+    write_new(part, text.encode("utf-8"), fsync=True)
+    os.replace(part, path)
 
 
 def commit_tag(save_dir: str, tag: str, tmp_tag: str, save_latest: bool) -> None:
     """Rename the finished temporary directory to ``tag`` (replacing an older one of that name),
     then point ``latest`` at it."""
     final, tmp = os.path.join(save_dir, tag), os.path.join(save_dir, tmp_tag)
-    if os.path.exists(final):
+    if os.path.lexists(final):
         old = os.path.join(save_dir, OLD_PREFIX + tag)
+        refuse_link(old, "a tag being replaced")
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
         os.rename(tmp, final)
-        shutil.rmtree(old)
+        if os.path.islink(old):   # a link planted at the tag's name: replaced, what it points to untouched
+            os.remove(old)
+        else:
+            shutil.rmtree(old)
     else:
         os.rename(tmp, final)
     if save_latest:
@@ -205,7 +213,8 @@ def tag_written_here(out_dir: str, tag: str, instead: str) -> Iterator[str]:
     os.makedirs(out_dir, exist_ok=True)
     remove_stale(out_dir)
     tmp = os.path.join(out_dir, TMP_PREFIX + tag)
-    os.makedirs(os.path.join(tmp, EXPERT_DIR))
+    os.mkdir(tmp)   # new: remove_stale removed an old one, refused a link
+    os.mkdir(os.path.join(tmp, EXPERT_DIR))
     try:
         yield tmp
     except BaseException:
@@ -218,34 +227,38 @@ def refuse_existing(out_dir: str, tag: str, instead: str) -> None:
     """``tag_written_here``'s refusal of an existing ``out_dir/tag``, for a caller to ask before
     its conversion's work as well."""
     final = os.path.join(os.fspath(out_dir), tag)
-    if os.path.exists(final):
+    if os.path.lexists(final):
         raise CheckpointError(f"{final}: exists; {instead} (nothing was written)")
 
 
 def copy_files(tmp: str, sources: dict[str, str]) -> None:
-    """Copy ``sources`` ({name in the tag: source path}) into the tag directory ``tmp``."""
+    """Copy ``sources`` ({name in the tag: source path, already confined}) into the tag directory
+    ``tmp``, each file created new."""
     for name, source in sources.items():
         os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
-        shutil.copyfile(source, os.path.join(tmp, name))
+        copy_new(source, os.path.join(tmp, name))
 
 
 def write_metadata(tmp: str, meta: dict) -> None:
     """``meta`` with the size and sha256 of every file already in ``tmp``, as ``moe_plugin.json``."""
     meta["files"] = digests(tmp, list(tag_files(tmp)))
-    with open(os.path.join(tmp, META_FILE), "w") as f:
-        json.dump(meta, f, indent=1)
+    write_new(os.path.join(tmp, META_FILE), json.dumps(meta, indent=1).encode("utf-8"))
 
 
 # -- interrupted saves ----------------------------------------------------------------------------
 def remove_stale(directory: str) -> list[str]:
     """Remove what saves that died left in ``directory``: ``.tmp-TAG`` (unfinished) and
-    ``.old-TAG`` (a tag being replaced; renamed back to ``TAG`` if that is missing). Returns what
+    ``.old-TAG`` (a tag being replaced; renamed back to ``TAG`` if that is missing), ``latest.part``.
+    One that is a link is refused (``CheckpointError``), neither removed nor followed. Returns what
     was done, one line each; call on one rank."""
     done = []
     if not os.path.isdir(directory):
         return done
     for name in sorted(os.listdir(directory)):
         full = os.path.join(directory, name)
+        if name.startswith((TMP_PREFIX, OLD_PREFIX)) or name == LATEST + ".part":
+            refuse_link(full, "a temporary of a save" if name.startswith(TMP_PREFIX) else
+                        "a tag being replaced" if name.startswith(OLD_PREFIX) else "the next 'latest'")
         if not os.path.isdir(full):
             continue
         if name.startswith(TMP_PREFIX):
@@ -265,7 +278,5 @@ def remove_stale(directory: str) -> list[str]:
 
 
 def remove_stale_collective(directory: str) -> Optional[list[str]]:
-    """``remove_stale`` on rank 0, the others wait for it."""
-    done = remove_stale(directory) if dist.get_rank() == 0 else None
-    dist.barrier()
-    return done
+    """``remove_stale`` on rank 0, the others wait for it (its refusal raised on every rank)."""
+    return agree(lambda: remove_stale(directory) if dist.get_rank() == 0 else None)

@@ -137,10 +137,12 @@ def saving(save_dir: str, tag: str, fn: Callable[[], Any], group: Optional[dist.
     try:
         return agree(fn, group)
     except CheckpointError as err:
-        if dist.get_rank() == 0:
-            shutil.rmtree(os.path.join(save_dir, TMP_PREFIX + tag), ignore_errors=True)
+        if dist.get_rank() == 0:   # what this save wrote; a link there (refused) is neither followed nor removed
+            tmp = os.path.join(save_dir, TMP_PREFIX + tag)
+            if not os.path.islink(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
             with_part = os.path.join(save_dir, LATEST + ".part")
-            if os.path.exists(with_part):
+            if os.path.isfile(with_part) and not os.path.islink(with_part):
                 os.remove(with_part)
         dist.barrier(group=group)
         try:

@@ -60,10 +60,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from moe_plugin.checkpoint.confine import inside
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.export import ONE_RANK, CheckpointSource
 from moe_plugin.checkpoint.files import refuse_existing
-from moe_plugin.checkpoint.metadata import named_function, saved_model_files
+from moe_plugin.checkpoint.metadata import META_FILE, named_function, saved_model_files
 from moe_plugin.checkpoint.one_rank import OneRankPlan, write_one_rank
 from moe_plugin.checkpoint.readers import deepspeed_header
 from moe_plugin.checkpoint.trust import trust_argument
@@ -150,7 +151,8 @@ def upcycle_checkpoint(dense_dir: Union[os.PathLike, str], ds_config: Union[dict
     if "hf" in meta:   # not its "architecture": that is the dense model's (its flags have --dense)
         record["hf"] = meta["hf"]
     # an imported model's tokenizer files, for export-hf
-    tokenizer = {name: os.path.join(source, name) for name in meta.get("hf", {}).get("tokenizer_files", [])}
+    tokenizer = {name: inside(source, name, os.path.join(source, META_FILE) + ": hf.tokenizer_files")
+                 for name in meta.get("hf", {}).get("tokenizer_files", [])}
     final = write_one_rank(out_dir, out_tag, plan, moe, model, record, tokenizer, say,
                            saved=header, steps=steps, instead=instead)
     say(f"wrote {final}: {len(layers)} MoE layers x {moe.num_experts} experts (granularity {granularity}), "

@@ -12,14 +12,21 @@ are those a direct save writes: the same serializer and its options). ``engine.l
 reads every file of its own with ``engine.checkpoint_engine.load(path, map_location)`` (module and
 optimizer files; the ``PipelineEngine``'s module through ``load_state_dir``, handed that same engine):
 ``reading_safely`` swaps in one whose ``load`` runs no code from the file (``torch_files.safe_load``).
+The recovery scripts are copied by rank 0 alone, in the middle of the save (``_save_zero_checkpoint``
+calls ``_copy_recovery_script(save_path)``): ``copying_recovery_scripts`` hands an ``OSError`` there (no
+space left) to a callback instead of raising it, so that rank 0 still reaches the save's last barrier
+(the scripts, one maybe cut short, are removed).
 
 ``tests/test_compat_guards.py`` checks the attribute and the methods against the installed DeepSpeed.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from moe_plugin.compat.deepspeed_checkpoint import is_recovery_script
 
 
 class RecordingCheckpointEngine:
@@ -61,6 +68,28 @@ def recording_checkpoint_engine(engine: Any, record: Callable[[Any, str], None])
         yield inner
     finally:
         engine.checkpoint_engine = inner
+
+
+@contextlib.contextmanager
+def copying_recovery_scripts(engine: Any, on_error: Callable[[OSError], None]) -> Iterator[None]:
+    """Inside, ``engine``'s copy of its ``zero_to_*.py`` recovery scripts hands an ``OSError`` to
+    ``on_error`` instead of raising it (module docstring); the engine's own method again after."""
+    copy = engine._copy_recovery_script
+
+    def copying(save_path: str) -> None:
+        try:
+            copy(save_path)
+        except OSError as err:   # the scripts, one maybe cut short, removed: the next save copies them again
+            for name in os.listdir(save_path):
+                if is_recovery_script(name):
+                    os.remove(os.path.join(save_path, name))
+            on_error(err)
+
+    engine._copy_recovery_script = copying
+    try:
+        yield
+    finally:
+        del engine._copy_recovery_script
 
 
 class SafeReadingCheckpointEngine:

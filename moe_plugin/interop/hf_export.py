@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from moe_plugin.checkpoint.confine import copy_new, inside, refuse_link
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.trust import trust_argument
 from moe_plugin.configs import ConfigError
@@ -96,8 +97,9 @@ def export_hf(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, *, arch: 
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".tmp-{os.path.basename(os.path.abspath(out_dir))}")
+    refuse_link(tmp, "the export being written")
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    os.mkdir(tmp)   # new: nothing is written through a link planted there
     shards = None
     try:
         config.save_pretrained(tmp)
@@ -117,9 +119,9 @@ def export_hf(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, *, arch: 
                 say(f"tensors of {n}/{len(tasks)} plugin entries written")
         files = ["config.json"] + shards.close()
         for name in meta.get("hf", {}).get("tokenizer_files", []):
-            source_file = os.path.join(path, name)
+            source_file = inside(path, name, os.path.join(path, "moe_plugin.json") + ": hf.tokenizer_files")
             if os.path.isfile(source_file):
-                shutil.copyfile(source_file, os.path.join(tmp, os.path.basename(name)))
+                copy_new(source_file, os.path.join(tmp, os.path.basename(name)))
                 files.append(os.path.basename(name))
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)   # empty (checked above)

@@ -48,13 +48,19 @@ class HFWeights:
                        if os.path.isfile(os.path.join(hf_dir, n))]
             if pickled:
                 single, index, reader = pickled_weights(pickled[0])
+        check_hf_files(hf_dir)
         if os.path.isfile(index):
             with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map", {})
-            shards = sorted(set(weight_map.values()))
+                weight_map = json.load(f)
+            weight_map = weight_map.get("weight_map", {}) if isinstance(weight_map, dict) else None
+            if not isinstance(weight_map, dict):
+                raise ConfigError(f"{index}: weight_map", weight_map, "expected {tensor name: shard file name}",
+                                  shown=repr(weight_map)[:80])
+            where = {shard: confined(hf_dir, shard, f"{index}: weight_map") for shard in set(weight_map.values())}
+            shards = sorted(where)   # each confined before any is opened
             say(f"{len(shards)} shards named by {os.path.basename(index)}")
             for shard in shards:
-                self._files[shard] = reader(os.path.join(hf_dir, shard))
+                self._files[shard] = reader(where[shard])
                 names = set(self._files[shard].names())
                 missing = [k for k, s in weight_map.items() if s == shard and k not in names]
                 if missing:
@@ -318,5 +324,32 @@ class HFShardWriter:
 
 
 def tokenizer_files(hf_dir: str) -> list[str]:
-    """The tokenizer (and generation config) files present in ``hf_dir``."""
-    return [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, name))]
+    """The tokenizer (and generation config) files present in ``hf_dir``, each confined to it."""
+    return [name for name in TOKENIZER_FILES if os.path.isfile(confined(hf_dir, name))]
+
+
+def hf_root(hf_dir: str) -> str:
+    """The directory the links of ``hf_dir`` may resolve into: itself, or for a snapshot of the Hugging
+    Face cache (``models--ORG--NAME/snapshots/REVISION``, whose files link to ``../../blobs/``) the
+    repository's folder."""
+    snapshots = os.path.dirname(os.path.realpath(hf_dir))
+    repo = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith("models--"):
+        return repo
+    return hf_dir
+
+
+def confined(hf_dir: str, name: str, where: Optional[str] = None) -> str:
+    """``hf_dir/name``, refused in one line (``where``: what names it, default the file itself) unless
+    it stays inside the model directory (``checkpoint.confine.inside``; links into ``hf_root``)."""
+    from moe_plugin.checkpoint.confine import inside
+
+    return inside(hf_dir, name, where or os.path.join(hf_dir, name), within=hf_root(hf_dir))
+
+
+def check_hf_files(hf_dir: str) -> None:
+    """Every file of ``hf_dir`` read by a fixed name (the config, the weights or their index, the
+    tokenizer's) confined to it, before any is read."""
+    for name in ("config.json", WEIGHTS, INDEX, PICKLED, PICKLED_INDEX, *TOKENIZER_FILES):
+        if os.path.lexists(os.path.join(hf_dir, name)):
+            confined(hf_dir, name)

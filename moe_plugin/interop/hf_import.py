@@ -48,7 +48,7 @@ from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.configs.schema import ROOT_KEY, load_ds_config
 from moe_plugin.interop.hf_arch import DEEPSEEK_ROUTED, HFArchitecture, read_hf_config
 from moe_plugin.interop.hf_families import HFMapping
-from moe_plugin.interop.hf_files import HFWeights, tokenizer_files
+from moe_plugin.interop.hf_files import HFWeights, check_hf_files, tokenizer_files
 from moe_plugin.interop.hf_sizes import check_shapes
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ def import_hf(hf_dir: Union[os.PathLike, str], ds_config: Union[dict, os.PathLik
     say = progress or logger.info
     began = time.perf_counter()
     hf_dir = os.fspath(hf_dir)
+    check_hf_files(hf_dir)   # a link out of the directory, a hard link: refused before any file is read
     arch = read_hf_config(hf_dir)
     ds = load_ds_config(ds_config)
     block = ds.get(ROOT_KEY)
