@@ -8,10 +8,10 @@ of ``moe_plugin.json`` (``files`` with the secret's true digest, ``model_files``
 ``hf.tokenizer_files``) naming an absolute path or ``../``; a tokenizer file or an expert file that is
 a link out; an expert file with a second hard link outside; a tag that is a link; ``latest`` a link
 out. Through ``import-hf``: shards that the index places outside (absolute, ``../``, a link), a
-linked ``config.json`` or ``tokenizer.json``, hard-linked weights. Each: status 2, one ``error:`` line
-naming the file, no traceback, nothing opened under ``outside/`` (an audit hook sees every Python
-``open``), ``outside/`` and the input unchanged, no output written. The secret's digest is printed
-nowhere.
+linked ``config.json`` or ``tokenizer.json``, hard-linked weights; through ``preprocess``: a linked
+``tokenizer.json``. Each: status 2, one ``error:`` line naming the file, no traceback, nothing opened
+under ``outside/`` (an audit hook sees every Python ``open``), ``outside/`` and the input unchanged, no
+output written. The secret's digest is printed nowhere.
 
 Through the example on 2 ranks (slow): ``--load`` of three such copies (status 1 on both ranks, the
 line from rank 0); saves into a directory with a link planted at ``.tmp-step1`` or ``latest.part``,
@@ -299,6 +299,16 @@ def test_an_hf_directory_naming_files_outside_is_refused(imported, tmp_path, cap
     named = HF_TAMPERED[case](hf, outside)
     _check_refused(capsys, tmp_path, ["import-hf", hf, "--config", imported["config"], "--out", tmp_path / "out"],
                    named, hf, outside)
+
+
+def test_preprocess_refuses_a_tokenizer_file_linked_outside(imported, tmp_path, capsys):
+    hf, outside = _hf_box(tmp_path, imported["hf"])
+    shutil.copyfile(hf / "tokenizer.json", outside / "tokenizer.json")   # what a followed link would read
+    _replace(hf / "tokenizer.json", "symlink", outside / "tokenizer.json")
+    (tmp_path / "text.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    _check_refused(capsys, tmp_path, ["preprocess", "--input", tmp_path / "text.jsonl", "--tokenizer", hf,
+                                      "--output-prefix", tmp_path / "out"], hf / "tokenizer.json", hf, outside)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out_")]
 
 
 def test_an_hf_cache_snapshot_may_link_into_its_blobs(imported, tmp_path, capsys):

@@ -6,7 +6,8 @@ copied: a relative name of plain parts (not absolute, no ``..``, no NUL) that re
 directory, through any links (Python's tarfile ``data`` filter, PEP 706, is the model), and no
 regular file with a second hard link (its other name may lie anywhere). ``check_tree`` holds every
 entry of a directory to the same rules (what DeepSpeed opens by its own names included);
-``not_a_link`` refuses a tag directory that is itself a link.
+``not_a_link`` refuses a tag directory that is itself a link; ``hf_cache_root``: where a Hugging Face
+cache snapshot's links may lead (its repository's blobs).
 
 A save never follows a link: ``write_new`` and ``copy_new`` create their file
 (``O_CREAT | O_EXCL | O_NOFOLLOW``), so a name taken by a planted link or file is an error, never
@@ -60,6 +61,17 @@ def _check_entry(full: str, root: str, within: Optional[str] = None) -> None:
     if stat.S_ISREG(found.st_mode) and found.st_nlink > 1:
         raise CheckpointError(f"{full}: a file with {found.st_nlink} hard links, whose other names may lie outside "
                               f"{bound}; expected a file of its own (copy it, not with cp -l or ln)")
+
+
+def hf_cache_root(directory: str) -> str:
+    """The directory the links of ``directory`` may resolve into: itself, or for a snapshot of the Hugging
+    Face cache (``models--ORG--NAME/snapshots/REVISION``, whose files link to ``../../blobs/``) the
+    repository's folder."""
+    snapshots = os.path.dirname(os.path.realpath(directory))
+    repo = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith("models--"):
+        return repo
+    return directory
 
 
 def not_a_link(path: str, what: str = "a tag") -> str:

@@ -14,9 +14,10 @@ the file they fail on, and what an interrupted save leaves behind.
   ``read_torch`` admits tensors, plain data and the classes DeepSpeed writes only
   (``compat.torch_files.safe_load``: a planted object is refused, never run).
 * ``commit_tag``: a finished ``.tmp-TAG`` renamed to ``TAG`` (replacing an older one), then
-  ``latest`` pointed at it (``write_text``: written whole, then renamed).
+  ``latest`` pointed at it (``write_text``: written whole into a file created new, then renamed).
 * ``remove_stale(directory)``: ``.tmp-TAG`` directories of saves that died, and ``.old-TAG``
-  ones of a save killed while replacing a tag of the same name (put back when ``TAG`` is gone).
+  ones of a save killed while replacing a tag of the same name (put back when ``TAG`` is gone); a
+  link at any of those names, or at ``latest.part``, is refused (``confine``: a save never follows one).
 """
 from __future__ import annotations
 

@@ -55,12 +55,30 @@ def load_hf_tokenizer(directory: PathLike, flag: str = "--tokenizer"):
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(flag, str(directory), f"holds no tokenizer: expected one of {', '.join(TOKENIZER_FILES)} "
                           "(what save_pretrained writes)")
+    _confine(path, flag)
     transformers = hf_module("transformers", flag, directory)
     try:
         return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(flag, str(directory), f"transformers cannot load a tokenizer from it: {first}") from None
+
+
+# What AutoTokenizer may read from a tokenizer directory, by name (besides ``TOKENIZER_FILES``).
+READ_BY_NAME = ("special_tokens_map.json", "added_tokens.json", "merges.txt", "chat_template.jinja", "config.json")
+
+
+def _confine(path: Path, flag: str) -> None:
+    """Refuse, naming ``flag`` and the file, a tokenizer file of ``path`` that is a link out of it or a
+    hard link (``checkpoint.confine``): transformers would read whatever it points to."""
+    from moe_plugin.checkpoint.confine import hf_cache_root, inside
+
+    for name in (*TOKENIZER_FILES, *READ_BY_NAME):
+        if os.path.lexists(path / name):
+            try:
+                inside(str(path), name, str(path / name), within=hf_cache_root(str(path)))
+            except ValueError as err:
+                raise ConfigError(flag, str(path), str(err)) from None
 
 
 def train_bpe_tokenizer(texts: Iterable[str], out_dir: PathLike, vocab_size: int = 4096,

@@ -328,23 +328,13 @@ def tokenizer_files(hf_dir: str) -> list[str]:
     return [name for name in TOKENIZER_FILES if os.path.isfile(confined(hf_dir, name))]
 
 
-def hf_root(hf_dir: str) -> str:
-    """The directory the links of ``hf_dir`` may resolve into: itself, or for a snapshot of the Hugging
-    Face cache (``models--ORG--NAME/snapshots/REVISION``, whose files link to ``../../blobs/``) the
-    repository's folder."""
-    snapshots = os.path.dirname(os.path.realpath(hf_dir))
-    repo = os.path.dirname(snapshots)
-    if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith("models--"):
-        return repo
-    return hf_dir
-
-
 def confined(hf_dir: str, name: str, where: Optional[str] = None) -> str:
     """``hf_dir/name``, refused in one line (``where``: what names it, default the file itself) unless
-    it stays inside the model directory (``checkpoint.confine.inside``; links into ``hf_root``)."""
-    from moe_plugin.checkpoint.confine import inside
+    it stays inside the model directory (``checkpoint.confine.inside``; a cache snapshot's links into
+    its repository's blobs, ``hf_cache_root``)."""
+    from moe_plugin.checkpoint.confine import hf_cache_root, inside
 
-    return inside(hf_dir, name, where or os.path.join(hf_dir, name), within=hf_root(hf_dir))
+    return inside(hf_dir, name, where or os.path.join(hf_dir, name), within=hf_cache_root(hf_dir))
 
 
 def check_hf_files(hf_dir: str) -> None:
