@@ -238,7 +238,7 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
     once = record_kind(engine) is not None and intercepts(engine)
     with capture_into(capture), _deepspeed_files(engine, capture, once) as (refused, failed):
         engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state or {}, save_latest=False)
-        saving(save_dir, tag, lambda: _refuse_unadmitted(refused, failed))
+        saving(save_dir, tag, lambda: _deepspeed_files_written(refused, failed))
         meta = metadata(run, tag)
         meta.update(deepspeed_optimizer_files=not once, expert_files=SAFE)
         # an asynchronous save copies the experts to the host whole; a synchronous one writes them
@@ -283,7 +283,8 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
 
 
 @contextlib.contextmanager
-def _deepspeed_files(engine: Any, capture: Optional[Capture], once: bool) -> Iterator[list[str]]:
+def _deepspeed_files(engine: Any, capture: Optional[Capture], once: bool) -> Iterator[tuple[list[str],
+                                                                                          list[OSError]]]:
     """DeepSpeed's files of the save: written by its checkpoint engine, or recorded into ``capture``
     and written by that same engine in the background. ``once``: what the plugin's files hold is
     not written again -- DeepSpeed's optimizer files (ZeRO's partitions, the MoE path's per EP rank:
@@ -324,7 +325,8 @@ def _deepspeed_files(engine: Any, capture: Optional[Capture], once: bool) -> Ite
         yield refused, failed
 
 
-def _refuse_unadmitted(refused: list[str], failed: list[OSError]) -> None:
+def _deepspeed_files_written(refused: list[str], failed: list[OSError]) -> None:
+    """Raise the first write of DeepSpeed's that failed, else the first file a load would refuse."""
     if failed:
         raise failed[0]
     if refused:
