@@ -457,3 +457,21 @@ def test_a_full_disk_during_deepspeeds_writes_is_one_line(example):
                            f"{errno.ENOSPC}] {os.strerror(errno.ENOSPC)}"), line
     assert line.endswith("no tag was committed there before; free space there or save elsewhere, then resume"), line
     assert os.listdir(full) == []   # the temporary tag removed, the partial files with it
+
+
+
+def test_export_into_a_directory_holding_links_replaces_them_not_their_targets(imported, tmp_path, capsys):
+    """``moe-plugin export`` into an ``--out`` where links were planted at ``model.safetensors``,
+    ``config.json`` and their ``.part`` names (where they are written first): each link is replaced by
+    the file, what it pointed at is untouched."""
+    outside, out = tmp_path / "outside", tmp_path / "out"
+    outside.mkdir()
+    out.mkdir()
+    for name in ("model.safetensors", "config.json", "model.safetensors.part", "config.json.part"):
+        (outside / name).write_bytes(SECRET)
+        os.symlink(outside / name, out / name)
+    status, printed = _command(capsys, ["export", imported["ckpt"], "--out", out])
+    assert status == 0, printed[-3000:]
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert not any(os.path.islink(out / name) for name in os.listdir(out))
+    assert all((outside / name).read_bytes() == SECRET for name in os.listdir(outside))

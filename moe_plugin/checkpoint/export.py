@@ -36,6 +36,7 @@ files): use this.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -44,7 +45,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from moe_plugin.checkpoint.confine import inside
+from moe_plugin.checkpoint.confine import inside, write_new
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.files import verify_all
 from moe_plugin.checkpoint.metadata import (
@@ -58,7 +59,7 @@ from moe_plugin.checkpoint.metadata import (
 )
 from moe_plugin.checkpoint.readers import is_lazy, open_expert, open_module
 from moe_plugin.checkpoint.shards import tp_join
-from moe_plugin.checkpoint.tensor_files import TensorFile, TensorWriter, nbytes
+from moe_plugin.checkpoint.tensor_files import PART, TensorFile, TensorWriter, nbytes
 from moe_plugin.checkpoint.trust import trust_argument
 
 logger = logging.getLogger(__name__)
@@ -98,8 +99,10 @@ def export_checkpoint(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, t
                 out.write(key, source.read(key).to(specs[key][0]).contiguous())
             if n % 64 == 0 or n == len(specs):
                 say(f"tensors {n}/{len(specs)}")
-    with open(config, "w") as f:
-        json.dump(export_config(source.meta, source.path), f, indent=1)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(config + PART)   # a stale one: the link itself if it is one
+    write_new(config + PART, json.dumps(export_config(source.meta, source.path), indent=1).encode())
+    os.replace(config + PART, config)   # a link at config.json is replaced, not written through
     say(f"writing {config}")
     return {"weights": weights, "config": config}
 

@@ -29,6 +29,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from moe_plugin.checkpoint.confine import CREATE_NEW
 from moe_plugin.checkpoint.errors import CheckpointError
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -36,6 +37,7 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 HEADER_LIMIT = 100 << 20   # safetensors' own bound on a header
+PART = ".part"   # where a TensorWriter writes until it closes
 META = "__metadata__"
 SUFFIX = ".safetensors"
 
@@ -164,7 +166,9 @@ def _header(path: str, fd: int) -> tuple[dict[str, Spec], dict[str, tuple[int, i
 class TensorWriter:
     """A safetensors file written tensor by tensor; ``specs`` ({name: (dtype, shape)}, in the
     order the bytes are laid out) fixes the header first. ``close`` (or leaving the ``with``
-    block) fails naming a tensor that was not written; a failed write leaves no file."""
+    block) fails naming a tensor that was not written; a failed write leaves no file. The bytes go to
+    ``PATH.part``, created new (never through a link planted at either name), renamed to ``path`` at
+    ``close``: a file already at ``path`` stays whole until then, a link there is replaced, not followed."""
 
     def __init__(self, path: os.PathLike | str, specs: Mapping[str, Spec], metadata: Optional[Mapping[str, str]] = None):
         self.path = os.fspath(path)
@@ -182,7 +186,10 @@ class TensorWriter:
         text += b" " * (-len(text) % 8)
         self._data, self._end = 8 + len(text), 8 + len(text) + position
         self._left, self._rows = set(self._specs), {}
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._part = self.path + PART
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self._part)   # a stale one (removing a link removes the link, never its target)
+        self._fd = os.open(self._part, CREATE_NEW, 0o644)
         try:
             os.pwrite(self._fd, struct.pack("<Q", len(text)) + text, 0)
             os.ftruncate(self._fd, self._end)
@@ -235,13 +242,14 @@ class TensorWriter:
             raise ValueError(f"{self.path}: {len(self._left)} planned tensor(s) never written, e.g. {sorted(self._left)[0]}")
         os.close(self._fd)
         self._fd = -1
+        os.replace(self._part, self.path)
 
     def abandon(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
         with contextlib.suppress(FileNotFoundError):
-            os.remove(self.path)
+            os.remove(self._part)
 
     def __enter__(self) -> "TensorWriter":
         return self
