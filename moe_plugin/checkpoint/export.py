@@ -86,7 +86,18 @@ def export_checkpoint(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, t
     source = CheckpointSource(ckpt_dir, tag, say)
     specs = {k: (torch.float32 if dtype.is_floating_point else dtype, shape)
              for k, (dtype, shape) in sorted(source.specs().items())}
+    created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    try:
+        return _write_export(source, specs, out_dir, say)
+    except BaseException:   # the writer left nothing; nor does the directory made for it
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(out_dir)
+        raise
+
+
+def _write_export(source: "CheckpointSource", specs: dict, out_dir: str, say: Callable[[str], None]) -> dict:
     weights, config = os.path.join(out_dir, WEIGHTS_FILE), os.path.join(out_dir, CONFIG_FILE)
     size = sum(nbytes(*spec) for spec in specs.values())
     say(f"writing {weights}: {len(specs)} tensors, {size / 2 ** 20:.1f} MiB")
