@@ -13,8 +13,9 @@ linked ``config.json`` or ``tokenizer.json``, hard-linked weights; through ``pre
 under ``outside/`` (an audit hook sees every Python ``open``), ``outside/`` and the input unchanged, no
 output written. The secret's digest is printed nowhere.
 
-Through the example on 2 ranks (slow): ``--load`` of three such copies (status 1 on both ranks, the
-line from rank 0); saves into a directory with a link planted at ``.tmp-step1`` or ``latest.part``,
+Through the example on 2 ranks (slow): ``--load`` of three such copies and of two whose files were
+rewritten with their checksums (an expert file in fp16, which a load would cast; a transposed router
+weight): status 1 on both ranks, the line from rank 0; saves into a directory with a link planted at ``.tmp-step1`` or ``latest.part``,
 and one whose disk is full during DeepSpeed's own writes (its checkpoint engine's ``save`` and its
 recovery-script copy raise ENOSPC on rank 0, after writing a few bytes): one line from rank 0,
 status 1, nothing written outside, nothing committed, no ``.tmp-`` left.
@@ -29,6 +30,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -368,7 +370,15 @@ def _mains(rank: int, world_size: int, runs: list, outside: str) -> list[dict]:
     what it opened under ``outside``."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     results = []
-    for argv, full_disk in runs:
+    for argv, full_disk, rewrite in runs:
+        if rewrite:   # rank 0 copies the saved checkpoint and rewrites a file; rank 1 waits for it
+            source, target, case = rewrite
+            if rank == 0:
+                shutil.copytree(source, target)
+                REWRITTEN[case](Path(target) / "step1")
+                Path(f"{target}.ready").touch()
+            while not os.path.exists(f"{target}.ready"):
+                time.sleep(0.05)
         out = io.StringIO()
         with _watching(Path(outside)) as opened, \
                 (_full_disk(rank, full_disk) if full_disk else contextlib.nullcontext()), \
@@ -378,7 +388,31 @@ def _mains(rank: int, world_size: int, runs: list, outside: str) -> list[dict]:
     return results
 
 
+def _rewritten(tag_dir: Path, name: str, change) -> Path:
+    """``tag_dir/name`` (safetensors) with its tensors replaced by ``change({key: tensor})``, its recorded
+    size and sha256 updated (as a tamperer would: the file's reader must refuse it)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = tag_dir / name
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    save_file(change(load_file(str(path))), str(path), metadata=metadata)
+    _edit_meta(tag_dir, lambda m: m["files"].update({name: _digest(path)}))
+    return path
+
+
+def _expert_in_fp16(tag_dir: Path) -> Path:   # a load would cast it silently
+    return _rewritten(tag_dir, EXPERT, lambda t: {k: v.half() for k, v in t.items()})
+
+
+def _expert_transposed(tag_dir: Path) -> Path:
+    return _rewritten(tag_dir, EXPERT, lambda t: {k: v.t().contiguous() if v.dim() == 2 else v for k, v in t.items()})
+
+
 LOADED = {"files_absolute": _files_absolute, "expert_link": _expert_link, "tag_link": _tag_link}
+# the example's own checkpoint (saved first in the same spawn), its files rewritten with their checksums
+REWRITTEN = {"expert_in_fp16": _expert_in_fp16, "expert_transposed": _expert_transposed}
 SAVED = ("tmp_link", "part_link", "full")
 
 
@@ -399,7 +433,7 @@ def example(imported, tmp_path_factory):
         named = tamper(ckpt, tag_dir, outside)
         boxes[case] = {"named": named, "ckpt": ckpt, "before": _snapshot(ckpt), "outside": outside,
                        "sentinel": _snapshot(outside)}
-        runs.append(([*argv, "--run-dir", str(root / "runs" / case), "--load", str(ckpt)], None))
+        runs.append(([*argv, "--run-dir", str(root / "runs" / case), "--load", str(ckpt)], None, None))
     outside = root / "outside"
     (outside / "tmp").mkdir(parents=True)
     (outside / "secret.txt").write_bytes(SECRET)
@@ -407,10 +441,15 @@ def example(imported, tmp_path_factory):
     for name in SAVED:
         (root / name).mkdir()
         runs.append(([*argv, "--run-dir", str(root / "runs" / name), "--train-iters", "1", "--save", str(root / name)],
-                     str(root / name) if name == "full" else None))
+                     str(root / name) if name == "full" else None, None))
+    runs.append(([*argv, "--run-dir", str(root / "runs" / "saved"), "--train-iters", "1", "--save",
+                  str(root / "saved")], None, None))
+    for case in REWRITTEN:
+        runs.append(([*argv, "--run-dir", str(root / "runs" / case), "--train-iters", "2", "--load", str(root / case)],
+                     None, (str(root / "saved"), str(root / case), case)))
     (root / "tmp_link" / ".tmp-step1").symlink_to(outside / "tmp")
     (root / "part_link" / "latest.part").symlink_to(outside / "secret.txt")
-    boxes.update({name: {"outside": outside, "sentinel": _snapshot(outside)} for name in SAVED})
+    boxes.update({name: {"outside": outside, "sentinel": _snapshot(outside)} for name in (*SAVED, "saved", *REWRITTEN)})
     results = run_distributed(_mains, 2, root, runs, str(root), timeout=600)
     for (case, box), ranks in zip(boxes.items(), zip(*results)):
         box["ranks"] = ranks
@@ -437,6 +476,18 @@ def test_the_examples_load_refuses_files_outside(example, case):
     box = example[case]
     _refused_on_rank_0(box, box["named"])
     assert _snapshot(box["ckpt"]) == box["before"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(REWRITTEN))
+def test_the_examples_load_refuses_a_tensor_its_metadata_does_not_record(example, case):
+    """The example's own checkpoint, an expert file rewritten in fp16 or transposed (checksums updated):
+    its ``--load`` is one line from rank 0 naming the file, status 1, before any step."""
+    assert [r["status"] for r in example["saved"]["ranks"]] == [0, 0], example["saved"]["ranks"][0]["out"][-3000:]
+    path = example["root"] / case / "step1" / EXPERT
+    line = _refused_on_rank_0(example[case], path)
+    assert ("torch.float16; the checkpoint's metadata records torch.float32" if case == "expert_in_fp16"
+            else "; the checkpoint's metadata records [") in line, line
 
 
 @pytest.mark.slow

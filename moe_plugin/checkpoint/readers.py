@@ -204,7 +204,7 @@ def _rounded(entry: ExpertEntry, from_master: dict) -> None:
 
 def open_expert(path: str, meta: dict, expert_id: int, stage: int) -> ExpertEntry:
     """Expert ``expert_id``'s file of ``stage``: its weights and optimizer rows one expert's shape of
-    what the metadata records, the weights of its dtype (``check_claims``)."""
+    what the metadata records, the weights of its dtype, the optimizer rows fp32 (``check_claims``)."""
     entry = open_expert_file(expert_path(path, meta, expert_id, stage))
     saved = meta["stages"][str(stage)]
     for key, value in entry.weights.items():
@@ -213,7 +213,8 @@ def open_expert(path: str, meta: dict, expert_id: int, stage: int) -> ExpertEntr
     for key, states in entry.optimizer.items():
         for name, value in states.items():
             if key in saved.get("experts", {}):
-                check_claims(entry.path, f"{key}{OPTIMIZER_MARK}{name}", value, list(saved["experts"][key])[1:], None)
+                check_claims(entry.path, f"{key}{OPTIMIZER_MARK}{name}", value, list(saved["experts"][key])[1:],
+                             str(torch.float32))   # masters and moments: fp32, as every save writes them
     return entry
 
 
