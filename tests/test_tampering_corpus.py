@@ -86,6 +86,19 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _log_to_stderr() -> None:
+    """In the forked child, every logging handler that wrote to a stream writes to the new stderr (the
+    test's capture streams are the parent's: a write there fails as a "Logging error")."""
+    import logging
+    import sys
+
+    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in logging.root.manager.loggerDict)]
+    for logger in loggers:
+        for handler in list(getattr(logger, "handlers", [])):
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                handler.setStream(sys.stderr)
+
+
 def _forked(argv: list, log: Path) -> tuple[int, str, int]:
     """``moe-plugin ARGV`` in a forked child: (status, what it printed, its peak RSS growth in bytes)."""
     import sys
@@ -103,6 +116,7 @@ def _forked(argv: list, log: Path) -> tuple[int, str, int]:
             os.dup2(fd, 2)
             sys.stdout = os.fdopen(1, "w", buffering=1)
             sys.stderr = os.fdopen(2, "w", buffering=1)
+            _log_to_stderr()
             from moe_plugin_tools.cli import main
 
             try:
