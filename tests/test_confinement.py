@@ -526,3 +526,14 @@ def test_export_into_a_directory_holding_links_replaces_them_not_their_targets(i
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert not any(os.path.islink(out / name) for name in os.listdir(out))
     assert all((outside / name).read_bytes() == SECRET for name in os.listdir(outside))
+
+
+def test_export_hf_into_the_users_own_link_writes_where_it_leads(imported, tmp_path, capsys):
+    """``--out`` itself a link (the user's own argument, not a file from elsewhere): the export goes into
+    the directory it leads to; the link stays."""
+    (tmp_path / "target").mkdir()
+    os.symlink(tmp_path / "target", tmp_path / "link")
+    status, printed = _command(capsys, ["export-hf", imported["ckpt"], "--out", tmp_path / "link"])
+    assert status == 0 and "Traceback" not in printed, printed[-3000:]
+    assert os.path.islink(tmp_path / "link") and (tmp_path / "target" / "config.json").is_file()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]

@@ -81,6 +81,8 @@ def export_hf(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, *, arch: 
     say = progress or logger.info
     began = time.perf_counter()
     out_dir = os.fspath(out_dir)
+    if os.path.islink(out_dir):   # the user's own link: the export goes where it leads, replacing nothing
+        out_dir = os.path.realpath(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise CheckpointError(f"{out_dir}: exists and is not empty; export into a new directory (nothing was written)")
     shard_bytes = parse_size(max_shard_size)
