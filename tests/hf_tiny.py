@@ -133,3 +133,18 @@ def hf_logits(path: str, tokens_BS: torch.Tensor) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
         return model(input_ids=tokens_BS, use_cache=False).logits.float()
+
+
+def import_tiny(root) -> dict:
+    """A tiny Mixtral (with its tokenizer) under ``root/mixtral``, imported as ``moe-plugin import-hf``
+    imports it into ``root/ckpt``, and a DeepSpeed JSON ``root/ds.json`` to import it with."""
+    import json
+    from pathlib import Path
+
+    from moe_plugin.interop import import_hf
+
+    root = Path(root)
+    hf = Path(save_tiny_model("mixtral", str(root / "mixtral")))
+    import_hf(hf, {"moe": {"num_experts": EXPERTS}}, root / "ckpt", progress=lambda line: None)
+    (root / "ds.json").write_text(json.dumps({"train_batch_size": 8, "moe": {"num_experts": EXPERTS}}))
+    return {"hf": hf, "ckpt": root / "ckpt", "config": root / "ds.json"}

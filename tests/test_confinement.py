@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+from commands import cli
+
 from example_runs import MODEL_FLAGS, ds_config, example_script
 
 SECRET = b"the secret outside the checkpoint\n"
@@ -104,17 +106,6 @@ def _one_error_line(out: str, named: Path) -> str:
     lines = [line for line in out.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and str(named) in lines[0] and "Traceback" not in out, out[-3000:]
     return lines[0]
-
-
-def _command(capsys, argv: list) -> tuple[int, str]:
-    from moe_plugin_tools.cli import main
-
-    try:
-        status = main([str(a) for a in argv])
-    except SystemExit as exc:
-        status = exc.code
-    captured = capsys.readouterr()
-    return status, captured.out + captured.err
 
 
 # -- the tampered copies -----------------------------------------------------------------------------
@@ -198,14 +189,9 @@ TAMPERED = {f.__name__[1:]: f for f in (_files_absolute, _files_dotdot, _model_f
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """A tiny Mixtral (with its tokenizer) and its import-hf checkpoint."""
-    from hf_tiny import EXPERTS, save_tiny_model
-    from moe_plugin.interop import import_hf
+    from hf_tiny import import_tiny
 
-    root = tmp_path_factory.mktemp("imported")
-    hf = Path(save_tiny_model("mixtral", str(root / "mixtral")))
-    import_hf(hf, {"moe": {"num_experts": EXPERTS}}, root / "ckpt", progress=lambda line: None)
-    (root / "ds.json").write_text(json.dumps({"train_batch_size": 8, "moe": {"num_experts": EXPERTS}}))
-    return {"hf": hf, "ckpt": root / "ckpt", "config": root / "ds.json"}
+    return import_tiny(tmp_path_factory.mktemp("imported"))
 
 
 def _check_refused(capsys, tmp_path, argv, named, inputs, outside) -> None:
@@ -213,7 +199,7 @@ def _check_refused(capsys, tmp_path, argv, named, inputs, outside) -> None:
     inputs unchanged, no ``tmp_path/out``."""
     before, sentinel = _snapshot(inputs), _snapshot(outside)
     with _watching(outside) as opened:
-        status, out = _command(capsys, argv)
+        status, out = cli(capsys, argv)
     assert status == 2, out[-3000:]
     _one_error_line(out, named)
     assert not opened, opened
@@ -234,7 +220,7 @@ def test_the_untampered_copy_exports(imported, tmp_path, capsys):
     ckpt, _tag_dir, outside = _box(tmp_path, imported["ckpt"], TAG)
     for command in ("export", "export-hf"):
         with _watching(outside) as opened:
-            status, out = _command(capsys, [command, ckpt, "--out", tmp_path / command])
+            status, out = cli(capsys, [command, ckpt, "--out", tmp_path / command])
         assert status == 0 and not opened, out[-3000:]
     assert (tmp_path / "export-hf" / "tokenizer.json").read_bytes() == (ckpt / TAG / "hf" / "tokenizer.json").read_bytes()
 
@@ -324,7 +310,7 @@ def test_an_hf_cache_snapshot_may_link_into_its_blobs(imported, tmp_path, capsys
         blob = repo / "blobs" / hashlib.sha256(entry.name.encode()).hexdigest()
         shutil.copyfile(entry, blob)
         (snapshot / entry.name).symlink_to(os.path.relpath(blob, snapshot))
-    status, out = _command(capsys, ["import-hf", snapshot, "--config", imported["config"], "--out", tmp_path / "ckpt"])
+    status, out = cli(capsys, ["import-hf", snapshot, "--config", imported["config"], "--out", tmp_path / "ckpt"])
     assert status == 0 and (tmp_path / "ckpt" / TAG / "hf" / "tokenizer.json").is_file(), out[-3000:]
 
 
@@ -521,7 +507,7 @@ def test_export_into_a_directory_holding_links_replaces_them_not_their_targets(i
     for name in ("model.safetensors", "config.json", "model.safetensors.part", "config.json.part"):
         (outside / name).write_bytes(SECRET)
         os.symlink(outside / name, out / name)
-    status, printed = _command(capsys, ["export", imported["ckpt"], "--out", out])
+    status, printed = cli(capsys, ["export", imported["ckpt"], "--out", out])
     assert status == 0, printed[-3000:]
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert not any(os.path.islink(out / name) for name in os.listdir(out))
@@ -533,7 +519,7 @@ def test_export_hf_into_the_users_own_link_writes_where_it_leads(imported, tmp_p
     the directory it leads to; the link stays."""
     (tmp_path / "target").mkdir()
     os.symlink(tmp_path / "target", tmp_path / "link")
-    status, printed = _command(capsys, ["export-hf", imported["ckpt"], "--out", tmp_path / "link"])
+    status, printed = cli(capsys, ["export-hf", imported["ckpt"], "--out", tmp_path / "link"])
     assert status == 0 and "Traceback" not in printed, printed[-3000:]
     assert os.path.islink(tmp_path / "link") and (tmp_path / "target" / "config.json").is_file()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]

@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from commands import cli
 import torch
 
 from dist import run_distributed
@@ -137,17 +139,6 @@ def test_the_same_checkpoint_unchanged_resumes_the_run(made):
     assert {s: losses[s] for s in range(5, STEPS + 1)} == {s: made["losses"][s] for s in range(5, STEPS + 1)}
 
 
-def _command(capsys, argv: list[str]) -> tuple[int, str]:
-    from moe_plugin_tools.cli import main
-
-    try:
-        status = main([str(a) for a in argv])
-    except SystemExit as exc:
-        status = exc.code
-    captured = capsys.readouterr()
-    return status, captured.out + captured.err
-
-
 # (what is planted, command) -> the file, in which checkpoint
 COMMANDS = {
     "export-expert": ("ckpt", "experts/expert_00000_pp_00.safetensors", "export"),
@@ -169,7 +160,7 @@ def test_commands_refuse_a_planted_object(made, tmp_path, capsys, case):
     argv = [command, tmp_path / "ckpt", "--out", tmp_path / "out"]
     if command == "upcycle":
         argv += ["--config", made["config"]]
-    status, out = _command(capsys, argv)
+    status, out = cli(capsys, argv)
     assert status == 2, out[-2000:]
     _one_error_line(out, planted)
     assert not marker.exists() and not (tmp_path / "out" / "latest").exists()
@@ -178,7 +169,7 @@ def test_commands_refuse_a_planted_object(made, tmp_path, capsys, case):
 def test_an_export_with_planted_weights_is_refused(made, tmp_path, capsys):
     from moe_plugin.checkpoint import CheckpointError, load_export
 
-    assert _command(capsys, ["export", made["ckpt"], "--out", tmp_path / "export"])[0] == 0
+    assert cli(capsys, ["export", made["ckpt"], "--out", tmp_path / "export"])[0] == 0
     state, _config = load_export(tmp_path / "export")
     marker = tmp_path / "marker"
     torch.save({"planted": Planted(str(marker))}, tmp_path / "export" / "model.safetensors")
@@ -204,10 +195,10 @@ def test_import_hf_refuses_pickled_weights_unless_trusted(made, tmp_path, capsys
     assert (pickled / "pytorch_model.bin").exists() and not (pickled / "model.safetensors").exists()
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_batch_size": 8, "moe": {"num_experts": 8}}))
-    status, out = _command(capsys, ["import-hf", pickled, "--config", config, "--out", tmp_path / "ckpt"])
+    status, out = cli(capsys, ["import-hf", pickled, "--config", config, "--out", tmp_path / "ckpt"])
     assert status == 2 and "pickled weights" in _one_error_line(out, pickled / "pytorch_model.bin")
     assert not (tmp_path / "ckpt").exists()
-    status, out = _command(capsys, ["import-hf", pickled, "--config", config, "--out", tmp_path / "ckpt",
+    status, out = cli(capsys, ["import-hf", pickled, "--config", config, "--out", tmp_path / "ckpt",
                                     "--trust-checkpoint"])
     assert status == 0, out
     ours, theirs = CheckpointSource(tmp_path / "ckpt"), CheckpointSource(made["hf_ckpt"])
@@ -246,13 +237,13 @@ def test_a_legacy_checkpoint_loads_only_trusted_or_converted(made, tmp_path, cap
     assert [r["status"] for r in results] == [1, 1]
     line = _one_error_line(results[0]["out"], legacy / "step4" / "optimizer" / "dense_pp_00_tp_00.pt")
     assert "a legacy pickle" in line and "moe-plugin convert-checkpoint" in line and "--trust-checkpoint" in line
-    status, out = _command(capsys, ["export", legacy, "--out", tmp_path / "export"])
+    status, out = cli(capsys, ["export", legacy, "--out", tmp_path / "export"])
     assert status == 2 and "a legacy pickle" in out
     expected = {s: made["losses"][s] for s in range(5, STEPS + 1)}
     results, losses = _resume(made, legacy, "legacy-trusted", "--trust-checkpoint")
     assert [r["status"] for r in results] == [0, 0], results[0]["out"][-2000:]
     assert {s: losses[s] for s in expected} == expected
-    status, out = _command(capsys, ["convert-checkpoint", legacy, "--out", tmp_path / "converted"])
+    status, out = cli(capsys, ["convert-checkpoint", legacy, "--out", tmp_path / "converted"])
     assert status == 0 and "pickles rewritten as safetensors" in out, out
     files = json.loads((tmp_path / "converted" / "step4" / "moe_plugin.json").read_text())["files"]
     assert not [n for n in files if n.endswith(".pt") and not n.startswith("mp_rank_")], files

@@ -46,14 +46,9 @@ HF_KINDS = {"config.json": True, "model.safetensors": True, "tokenizer.json": Fa
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    from hf_tiny import EXPERTS, save_tiny_model
-    from moe_plugin.interop import import_hf
+    from hf_tiny import import_tiny
 
-    root = tmp_path_factory.mktemp("corpus")
-    hf = Path(save_tiny_model("mixtral", str(root / "mixtral")))
-    import_hf(hf, {"moe": {"num_experts": EXPERTS}}, root / "ckpt", progress=lambda line: None)
-    (root / "ds.json").write_text(json.dumps({"train_batch_size": 8, "moe": {"num_experts": EXPERTS}}))
-    return {"hf": hf, "ckpt": root / "ckpt", "config": root / "ds.json"}
+    return import_tiny(tmp_path_factory.mktemp("corpus"))
 
 
 def _tree(root: Path) -> dict:

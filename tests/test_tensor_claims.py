@@ -111,13 +111,9 @@ def test_honest_files_still_read_bit_exactly(tmp_path):
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """A tiny Mixtral imported as ``moe-plugin import-hf`` imports it (safetensors dense and expert files)."""
-    from hf_tiny import EXPERTS, save_tiny_model
-    from moe_plugin.interop import import_hf
+    from hf_tiny import import_tiny
 
-    root = tmp_path_factory.mktemp("imported")
-    hf = save_tiny_model("mixtral", str(root / "hf"))
-    import_hf(hf, {"moe": {"num_experts": EXPERTS}}, root / "ckpt", progress=lambda line: None)
-    return root / "ckpt"
+    return import_tiny(tmp_path_factory.mktemp("imported"))["ckpt"]
 
 
 def _tampered(ckpt, tmp_path, name: str, change) -> str:
@@ -145,15 +141,9 @@ def _tampered(ckpt, tmp_path, name: str, change) -> str:
 
 
 def _export(capsys, ckpt, out) -> tuple[int, str]:
-    """``moe-plugin export CKPT --out OUT`` as the command runs it: its status and what it printed."""
-    from moe_plugin_tools.cli import main
+    from commands import cli
 
-    try:
-        status = main(["export", str(ckpt), "--out", str(out)])
-    except SystemExit as exc:
-        status = exc.code
-    captured = capsys.readouterr()
-    return status, captured.out + captured.err
+    return cli(capsys, ["export", ckpt, "--out", out])
 
 
 EXPERT, DENSE = "experts/expert_00003_pp_00.safetensors", "model/dense_pp_00_tp_00.safetensors"
