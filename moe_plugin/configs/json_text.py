@@ -55,16 +55,22 @@ def position(text: str, offset: int) -> str:
     return f"line {text.count(chr(10), 0, offset) + 1} column {offset - text.rfind(chr(10), 0, offset)}"
 
 
-def read_text(data: bytes, where: str) -> tuple[str, str]:
-    """(the text as written, the text hjson is given: bare NaN / Infinity values swapped for markers);
-    a ``ConfigError`` for bytes that are not UTF-8 or nesting deeper than ``MAX_DEPTH``."""
+def utf8(data: bytes, where: str, valid: str) -> str:
+    """``data`` decoded; a ``ConfigError`` naming ``where`` and the first byte that is not UTF-8 (its line and
+    column) otherwise, ``valid`` saying what the file should be."""
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
         column = err.start - data.rfind(b"\n", 0, err.start)
-        raise ConfigError(where, None, "a DeepSpeed JSON is UTF-8 text: save it as UTF-8",
+        raise ConfigError(where, None, valid,
                           shown=f"byte 0x{data[err.start]:02x} at line {line} column {column}, not UTF-8") from None
+
+
+def read_text(data: bytes, where: str) -> tuple[str, str]:
+    """(the text as written, the text hjson is given: bare NaN / Infinity values swapped for markers);
+    a ``ConfigError`` for bytes that are not UTF-8 or nesting deeper than ``MAX_DEPTH``."""
+    text = utf8(data, where, "a DeepSpeed JSON is UTF-8 text: save it as UTF-8")
     depth, pieces, last = 0, [], 0
     for m in _TOKENS.finditer(text):
         if m.group(1):

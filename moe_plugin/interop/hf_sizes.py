@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from moe_plugin.configs import ConfigError
+from moe_plugin.configs.json_text import utf8
 
 MAX_CONFIG_BYTES = 64 << 20   # the hub's config.json files hold a few KB
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -65,13 +66,7 @@ def read_config_json(path: str) -> dict:
     if len(data) > MAX_CONFIG_BYTES:
         raise ConfigError(path, None, f"a config.json holds at most {MAX_CONFIG_BYTES >> 20} MiB (the hub's hold a "
                           "few KB)", shown=f"more than {MAX_CONFIG_BYTES >> 20} MiB")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        column = err.start - data.rfind(b"\n", 0, err.start)
-        raise ConfigError(path, None, "a config.json is UTF-8 text, as save_pretrained writes it",
-                          shown=f"byte 0x{data[err.start]:02x} at line {line} column {column}, not UTF-8") from None
+    text = utf8(data, path, "a config.json is UTF-8 text, as save_pretrained writes it")
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as err:
