@@ -184,3 +184,48 @@ def test_safe_load_checks_the_claims_first(tmp_path):
         safe_load(str(path))
     torch.save({"w": torch.arange(3)}, path)
     assert torch.equal(safe_load(str(path))["w"], torch.arange(3))
+
+
+def _with_meta(ckpt, tmp_path, change) -> str:
+    import json
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    path = copy / "step0" / "moe_plugin.json"
+    meta = json.loads(path.read_text())
+    change(meta)
+    path.write_text(json.dumps(meta))
+    return str(path)
+
+
+def _more_experts(meta) -> None:   # 16 experts recorded, consistently, over the 8 files of the tag
+    meta["num_experts"] = 16
+    for key, shape in meta["stages"]["0"]["experts"].items():
+        shape[0] = 16
+
+
+SIZED = {
+    "experts-1e9": (lambda m: m.update(num_experts=10 ** 9), r"num_experts: 1000000000; expected a count up to 1048576"),
+    "experts-16": (_more_experts, r"num_experts: 16; the tag lists no expert file for expert 8 of stage 0 \(8 missing\)"),
+    "embedding-1e12-rows": (lambda m: m["stages"]["0"]["dense"][EMB].__setitem__(0, 10 ** 12),
+                            r"stages: the recorded shapes hold \d+ elements; the tag's files hold \d+ bytes"),
+    "tp-0": (lambda m: m["layout"].update(tp=0), r"layout\.tp: 0; expected a count from 1 to 1048576"),
+    "shape-string": (lambda m: m["stages"]["0"]["dense"].update({EMB: "384x64"}),
+                     rf"stages\.0\.dense\.{EMB}: 384x64; expected a shape of counts"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SIZED))
+def test_export_refuses_recorded_sizes_that_do_not_hold_together(imported, tmp_path, capsys, case):
+    """The metadata's sizes are checked against each other and the tag's bytes before anything is sized
+    by them (a reader would loop over 10**9 experts, or reserve an output of 10**12 rows)."""
+    import re
+
+    change, message = SIZED[case]
+    path = _with_meta(imported, tmp_path, change)
+    status, printed = _export(capsys, tmp_path / "ckpt", tmp_path / "out")
+    lines = [line for line in printed.splitlines() if line.startswith("error: ")]
+    assert status == 2 and "Traceback" not in printed and len(lines) == 1, printed[-3000:]
+    assert re.match(f"^error: {re.escape(path)}: {message}", lines[0]), lines[0]
+    assert not (tmp_path / "out").exists()

@@ -323,7 +323,63 @@ def read_metadata(load_dir: os.PathLike | str, tag: str) -> dict:
                               f"{shown!r}; this moe_plugin reads {FORMAT!r} versions {list(READ_VERSIONS)} (a newer "
                               "moe_plugin wrote it: upgrade to load it)")
     check_named_files(tag_dir, meta)
+    check_recorded_sizes(tag_dir, meta)
     return meta
+
+
+SIZE_LIMIT = 1 << 20   # experts, ranks: the bound the configs hold them to (configs.fields)
+
+
+def _count(value: Any, most: Optional[int] = None) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0 and (most is None or value <= most)
+
+
+def check_recorded_sizes(tag_dir: str, meta: dict) -> None:
+    """The sizes the metadata records, against each other and against the bytes the tag holds, before a
+    reader sizes anything by them: ``num_experts`` and the layout counts in range, every recorded shape a
+    list of counts, each stacked expert weight ``num_experts`` deep, one expert file per expert and stage
+    where ``files`` lists the tag, and the recorded tensors' elements no more than the files' bytes (each
+    element takes at least one byte)."""
+    where = os.path.join(tag_dir, META_FILE)
+    experts = meta.get("num_experts", 0) if meta.get("num_experts") is not None else 0   # absent: a dense one
+    if not _count(experts, SIZE_LIMIT):
+        raise CheckpointError(f"{where}: num_experts: {experts!r}; expected a count up to {SIZE_LIMIT}")
+    for key, value in (meta.get("layout") or {}).items():
+        if key != "order" and not (_count(value, SIZE_LIMIT) and value >= 1):
+            raise CheckpointError(f"{where}: layout.{key}: {value!r}; expected a count from 1 to {SIZE_LIMIT}")
+    stages = meta.get("stages", {})
+    if not isinstance(stages, dict) or not all(isinstance(v, dict) for v in stages.values()):
+        raise CheckpointError(f"{where}: stages: {str(stages)[:80]}; expected {{\"STAGE\": {{\"dense\": ..., "
+                              "\"experts\": ...}}")
+    elements = 0
+    for stage, record in stages.items():
+        for part in ("dense", "experts"):
+            shapes = record.get(part, {})
+            if not isinstance(shapes, dict):
+                raise CheckpointError(f"{where}: stages.{stage}.{part}: {str(shapes)[:80]}; expected {{KEY: SHAPE}}")
+            for key, shape in shapes.items():
+                if not (isinstance(shape, list) and len(shape) <= 8 and all(_count(d, 1 << 40) for d in shape)) or \
+                        part == "experts" and experts and (not shape or shape[0] != experts):
+                    deep = f", {experts} experts deep" if part == "experts" else ""
+                    raise CheckpointError(f"{where}: stages.{stage}.{part}.{key}: {str(shape)[:80]}; expected a "
+                                          f"shape of counts{deep}")
+                n = 1
+                for d in shape:
+                    n *= d
+                elements += n
+        files = meta.get("files")
+        if isinstance(files, dict) and record.get("experts") and meta.get("expert_files") == SAFE:
+            missing = [e for e in range(experts)
+                       if os.path.relpath(expert_path(tag_dir, meta, e, int(stage)), tag_dir) not in files]
+            if missing:
+                raise CheckpointError(f"{where}: num_experts: {experts}; the tag lists no expert file for expert "
+                                      f"{missing[0]} of stage {stage} ({len(missing)} missing)")
+    files = meta.get("files")
+    if isinstance(files, dict):
+        held = sum(e["bytes"] for e in files.values())
+        if elements > held:
+            raise CheckpointError(f"{where}: stages: the recorded shapes hold {elements} elements; the tag's files "
+                                  f"hold {held} bytes (each element takes at least one)")
 
 
 # Every field of the metadata that names files of the tag (``files``: {name: digest}; the others:
