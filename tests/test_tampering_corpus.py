@@ -91,7 +91,7 @@ def _log_to_stderr() -> None:
     for logger in loggers:
         for handler in list(getattr(logger, "handlers", [])):
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-                handler.setStream(sys.stderr)
+                handler.stream = sys.stderr   # not setStream: it flushes the old stream, which may be closed
 
 
 def _forked(argv: list, log: Path) -> tuple[int, str, int]:
