@@ -87,6 +87,7 @@ def _log_to_stderr() -> None:
     import logging
     import sys
 
+    logging.raiseExceptions = False   # a handler this misses fails silently, not with a "Logging error" traceback
     loggers = [logging.getLogger(), *(logging.getLogger(n) for n in logging.root.manager.loggerDict)]
     for logger in loggers:
         for handler in list(getattr(logger, "handlers", [])):
