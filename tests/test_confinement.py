@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from commands import cli
+from commands import cli, snapshot
 
 from example_runs import MODEL_FLAGS, ds_config, example_script
 
@@ -66,23 +66,6 @@ def _watching(outside: Path):
         _WATCHING.clear()
         root = os.path.realpath(outside) + os.sep
         found.extend(p for p in _OPENED if p.startswith(root))
-
-
-def _snapshot(root: Path) -> dict:
-    """{relative path: what it is} of everything under ``root``, links not followed."""
-    out = {}
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(folder, name)
-            rel = os.path.relpath(path, root)
-            if os.path.islink(path):
-                out[rel] = ("link", os.readlink(path))
-            elif os.path.isdir(path):
-                out[rel] = ("dir",)
-            else:
-                with open(path, "rb") as f:
-                    out[rel] = ("file", hashlib.sha256(f.read()).hexdigest())
-    return out
 
 
 def _digest(path: Path) -> dict:
@@ -197,13 +180,13 @@ def imported(tmp_path_factory):
 def _check_refused(capsys, tmp_path, argv, named, inputs, outside) -> None:
     """``argv`` refused: status 2, one line naming ``named``, nothing opened or changed outside, the
     inputs unchanged, no ``tmp_path/out``."""
-    before, sentinel = _snapshot(inputs), _snapshot(outside)
+    before, sentinel = snapshot(inputs), snapshot(outside)
     with _watching(outside) as opened:
         status, out = cli(capsys, argv)
     assert status == 2, out[-3000:]
     _one_error_line(out, named)
     assert not opened, opened
-    assert _snapshot(outside) == sentinel and _snapshot(inputs) == before
+    assert snapshot(outside) == sentinel and snapshot(inputs) == before
     assert not (tmp_path / "out").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
     assert hashlib.sha256(SECRET).hexdigest() not in out
 
@@ -417,8 +400,8 @@ def example(imported, tmp_path_factory):
     for case, tamper in LOADED.items():
         ckpt, tag_dir, outside = _box(root / case, imported["ckpt"], TAG)
         named = tamper(ckpt, tag_dir, outside)
-        boxes[case] = {"named": named, "ckpt": ckpt, "before": _snapshot(ckpt), "outside": outside,
-                       "sentinel": _snapshot(outside)}
+        boxes[case] = {"named": named, "ckpt": ckpt, "before": snapshot(ckpt), "outside": outside,
+                       "sentinel": snapshot(outside)}
         runs.append(([*argv, "--run-dir", str(root / "runs" / case), "--load", str(ckpt)], None, None))
     outside = root / "outside"
     (outside / "tmp").mkdir(parents=True)
@@ -435,7 +418,7 @@ def example(imported, tmp_path_factory):
                      None, (str(root / "saved"), str(root / case), case)))
     (root / "tmp_link" / ".tmp-step1").symlink_to(outside / "tmp")
     (root / "part_link" / "latest.part").symlink_to(outside / "secret.txt")
-    boxes.update({name: {"outside": outside, "sentinel": _snapshot(outside)} for name in (*SAVED, "saved", *REWRITTEN)})
+    boxes.update({name: {"outside": outside, "sentinel": snapshot(outside)} for name in (*SAVED, "saved", *REWRITTEN)})
     results = run_distributed(_mains, 2, root, runs, str(root), timeout=600)
     for (case, box), ranks in zip(boxes.items(), zip(*results)):
         box["ranks"] = ranks
@@ -452,7 +435,7 @@ def _refused_on_rank_0(box: dict, named: Path) -> str:
     line = _one_error_line(ranks[0]["out"], named)
     assert "error:" not in ranks[1]["out"] and "Traceback" not in ranks[1]["out"], ranks[1]["out"][-3000:]
     assert not [p for r in ranks for p in r["opened"]], [r["opened"] for r in ranks]
-    assert _snapshot(box["outside"]) == box["sentinel"]   # nothing written outside, nothing new there
+    assert snapshot(box["outside"]) == box["sentinel"]   # nothing written outside, nothing new there
     return line
 
 
@@ -461,7 +444,7 @@ def _refused_on_rank_0(box: dict, named: Path) -> str:
 def test_the_examples_load_refuses_files_outside(example, case):
     box = example[case]
     _refused_on_rank_0(box, box["named"])
-    assert _snapshot(box["ckpt"]) == box["before"]
+    assert snapshot(box["ckpt"]) == box["before"]
 
 
 @pytest.mark.slow

@@ -19,7 +19,6 @@ unchanged; the child's peak RSS within 512 MiB of the test process's size at the
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -27,6 +26,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+
+from commands import snapshot
 
 pytestmark = pytest.mark.slow   # ~100 forked commands
 
@@ -49,20 +50,6 @@ def sources(tmp_path_factory):
     from hf_tiny import import_tiny
 
     return import_tiny(tmp_path_factory.mktemp("corpus"))
-
-
-def _tree(root: Path) -> dict:
-    out = {}
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(folder, name)
-            rel = os.path.relpath(path, root)
-            if os.path.islink(path) or os.path.isdir(path):
-                out[rel] = os.readlink(path) if os.path.islink(path) else "dir"
-            else:
-                with open(path, "rb") as f:
-                    out[rel] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 def _tamper(path: Path, how: str, seed: str) -> None:
@@ -136,7 +123,7 @@ def _check(tmp_path: Path, argv: list, inputs: Path, must_refuse: bool, case: st
     outside = tmp_path / "outside"
     outside.mkdir(exist_ok=True)
     (outside / "secret.txt").write_text("the sentinel")
-    before, sentinel = _tree(inputs), _tree(outside)
+    before, sentinel = snapshot(inputs), snapshot(outside)
     status, printed, growth = _forked(argv, tmp_path / "printed.txt")
     assert "Traceback" not in printed, (case, printed[-3000:])
     assert status in ((2,) if must_refuse else (0, 2)), (case, status, printed[-2000:])
@@ -144,7 +131,7 @@ def _check(tmp_path: Path, argv: list, inputs: Path, must_refuse: bool, case: st
         lines = [line for line in printed.splitlines() if line.startswith("error: ")]
         assert len(lines) == 1 and str(inputs) in lines[0], (case, printed[-2000:])
         assert not (tmp_path / "out").exists() and not any(p.startswith(".tmp-") for p in os.listdir(tmp_path)), case
-    assert _tree(inputs) == before and _tree(outside) == sentinel, case
+    assert snapshot(inputs) == before and snapshot(outside) == sentinel, case
     assert growth < PEAK_GROWTH, (case, f"peak RSS grew by {growth / 2 ** 20:.0f} MiB")
 
 
