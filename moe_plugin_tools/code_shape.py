@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {d:4d} of {n:4d}  {p}")
     try:
         from moe_plugin.interop.families import REGISTRY
-        types = sorted(t for family in REGISTRY for t in family.model_types)
+        types = sorted(family.model_type for family in REGISTRY)
     except ImportError:
         types = ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v2",
                  "gpt_oss", "llama", "mistral", "qwen3"]

@@ -7,9 +7,8 @@
 * ``hf_arch``: a Hugging Face ``config.json`` read as the plugin's model (``HFArchitecture``: the
   Megatron ``TransformerConfig`` fields, the ``"moe"`` block, the example's flags), or refused
   naming the key; and the other way for export.
-* ``hf_families``: one name-mapping table per architecture family (Llama-style attention, Mixtral's
-  ``block_sparse_moe``, Qwen's ``mlp.experts`` and shared expert) and the exact tensor joins and
-  cuts between the two layouts (``HFMapping``).
+* ``families/``: one file per model family: what its config means, what it refuses, its tensor table
+  composed of shared blocks; ``hf_mapping``: the rules of one model (``HFMapping``).
 * ``hf_files``: safetensors shards and their index, read and written; the tokenizer files.
 * ``hf_import`` / ``hf_export``: the commands. The checkpoint package does the sharding: an import
   is written as the 1-rank model's checkpoint, which ``load_checkpoint`` cuts for any layout, and

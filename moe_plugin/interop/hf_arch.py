@@ -1,53 +1,12 @@
 """A Hugging Face ``config.json`` as the plugin's model, or refused naming the key.
 
-``read_hf_config(hf_dir)`` reads the directory's config with transformers' ``AutoConfig`` (its
-defaults and legacy spellings resolved) into an ``HFArchitecture``: the sizes, the attention
-(grouped-query heads, head size, QKV bias, QK-norm), RoPE, the norms, and for MoE models the
-router's semantics (softmax over all experts, top-k, the k gates renormalised or not), the expert
-and shared-expert FFN sizes and which layers are MoE. From it come Megatron's ``TransformerConfig``
-fields (``transformer_fields``), the ``"moe"`` block fields (``moe_fields``, each with the HF key it
-comes from) and the example's flags that build the same model (``example_flags``).
-
-What the plugin cannot represent is refused before anything is written, naming the config key and
-the model type: an unknown ``model_type``, sliding-window attention outside the families that have
-it (Mistral, Mixtral and Qwen3-MoE on every layer, Qwen3 and Qwen2-MoE per ``layer_types``: Megatron's
-``window_size`` (W - 1, 0) and ``window_attn_skip_freq``; GPT-OSS per ``layer_types``), RoPE scaling or partial
-rotary, an activation other than SiLU, biases on the output projection or the MLPs, multi-latent
-attention outside DeepSeek-V2/V3. The router semantics per family (transformers 5.24):
-
-    mixtral     softmax over the experts, top-k, the k gates renormalised (always)
-    qwen3_moe   softmax, top-k, renormalised iff norm_topk_prob; QK-norm (RMSNorm per head)
-    qwen2_moe   softmax, top-k, renormalised iff norm_topk_prob; shared expert (SwiGLU) scaled by
-                sigmoid(shared_expert_gate(x)); QKV bias (qkv_bias, default true)
-    olmoe       softmax, top-k, renormalised iff norm_topk_prob (default false); every layer MoE;
-                QK-norm as one RMSNorm over the whole query and key projections (all heads at once:
-                ``qk_layernorm_scope`` "projection", the example's ``--qk-layernorm-scope projection``);
-                clip_qkv refused
-    glm4_moe    sigmoid scores; e_score_correction_bias (the plugin's expert_bias) added for the choice
-                only, within the best topk_group of n_group groups (a group: its two best biased scores);
-                gates the chosen scores, renormalised iff norm_topk_prob, times routed_scaling_factor;
-                ungated shared experts (n_shared_experts x moe_intermediate_size); layers before
-                first_k_dense_replace dense; attention_bias = QKV biases; use_qk_norm per head;
-                partial_rotary_factor (--rotary-percent); the MTP layers' tensors left out
-    deepseek_v3 GLM-4.5's routing (no QKV bias, no partial rotary) with multi-latent attention: Megatron's
-                MLASelfAttention (``mla``: q_lora_rank, kv_lora_rank, qk_nope_head_dim as qk_head_dim,
-                qk_rope_head_dim as qk_pos_emb_head_dim, v_head_dim; --qk-layernorm for its latent norms,
-                whose epsilon transformers fixes at 1e-6); rope_interleave (Megatron's MLA rotates
-                interleaved pairs: false means the import interleaves the rotated rows)
-    deepseek_v2 the same attention (always interleaved); softmax scores, no bias, gates not renormalised,
-                times routed_scaling_factor; topk_method group_limited_greedy: the groups ranked by their
-                best score (group_score "max"), greedy: no limit
-    gpt_oss     a softmax over the top-k logits (the top-k of a softmax, renormalised); the router's logit bias
-                (``router_logit_bias``); every layer MoE; the experts' clamped SwiGLU (``clamped_swiglu``:
-                swiglu_alpha, swiglu_limit) with biases (``expert_linear_bias``), their weights fused as
-                [E, H, 2F] with gate and up interleaved (``hf_families``; MXFP4 blocks dequantized at import);
-                biases on q/k/v and o_proj (attention_bias: Megatron's add_bias_linear); attention sinks (Megatron's
-                softmax_type learnable); sliding and full layers by ``layer_types``; YaRN
-    llama, mistral, qwen3   dense (upcycling); qwen3 with QK-norm
-
-The router choice, capacity and gates map onto the ``"moe"`` block as router ``topk``,
-``normalize_gates``, ``score_function`` softmax, ``drop_tokens`` false (transformers drops no token),
-``gate_scale`` 1, ``shared_expert_gate`` true for Qwen2-MoE.
+``read_hf_config(hf_dir)`` reads the directory's config with transformers' ``AutoConfig`` (its defaults
+and legacy spellings resolved) into an ``HFArchitecture``: the sizes, the attention, RoPE, the norms,
+and for MoE models the router's semantics, the expert and shared-expert sizes and which layers are
+MoE. From it come Megatron's ``TransformerConfig`` fields, the ``"moe"`` block (each field with the HF
+key it comes from) and the example's flags that build the same model. What each family means is
+declared in its file under ``interop/families/``; this module reads the family and names none. What
+the plugin cannot represent is refused before anything is written, naming the key and the model type.
 """
 from __future__ import annotations
 
@@ -57,27 +16,13 @@ from typing import Any, Optional
 
 from moe_plugin.configs import ConfigError
 from moe_plugin.data.hf_tokenizer import HF_EXTRA
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                 "gpt_oss": "GptOssForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
-MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v2", "gpt_oss")
-# DeepSeek-style MoE (group-limited choice, routed scaling, shared experts, the first layers dense;
-# sigmoid scores with a correction bias but DeepSeek-V2's softmax) ...
-DEEPSEEK_ROUTED = ("glm4_moe", "deepseek_v3", "deepseek_v2")
-# ... with multi-latent attention (Megatron's MLASelfAttention; the others: grouped-query attention)
-MLA_TYPES = ("deepseek_v3", "deepseek_v2")
+from moe_plugin.interop.families import REGISTRY, family, titles
+
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
-# sliding windows: on every layer, or on the layers ``layer_types`` names
-WINDOW_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
-WINDOW_BY_LAYER_TYPES = ("qwen3", "qwen2_moe", "gpt_oss")
-# families whose experts are sized by intermediate_size (no dense MLP of another size)
-EXPERTS_BY_INTERMEDIATE = ("mixtral", "olmoe", "gpt_oss")
-# Keys of models the plugin has no layer for (multi-latent attention), and DeepSeek-style routing's
-# outside the families that have it.
+# Keys of multi-latent attention and of DeepSeek-style routing, refused outside the families that have them.
 UNSUPPORTED_KEYS = ("kv_lora_rank", "q_lora_rank")
 ROUTING_KEYS = ("n_group", "topk_group", "routed_scaling_factor")
+LATENT_NORM_EPS = 1e-6   # transformers' DeepSeek q_a_layernorm / kv_a_layernorm (fixed; Megatron: layernorm_epsilon)
 
 
 def transformers_module() -> Any:
@@ -143,52 +88,44 @@ class HFArchitecture:
         return bool(self.moe_layers)
 
     @property
+    def family(self) -> Any:
+        return family(self.model_type)
+
+    @property
     def architecture(self) -> str:
-        return ARCHITECTURES[self.model_type]
+        return self.family.architecture
 
     def moe_fields(self) -> dict[str, tuple[Any, str]]:
         """{"moe" block key: (the value this model needs, the HF key it comes from)}; MoE models only."""
-        t = self.model_type
-        every = tuple(range(self.num_layers))
-        deepseek = t in DEEPSEEK_ROUTED
-        layers = (None, "every layer") if self.moe_layers == every else (
-            list(self.moe_layers), "first_k_dense_replace" if deepseek else "decoder_sparse_step / mlp_only_layers")
-        shared_key = {"qwen2_moe": "shared_expert_intermediate_size"}.get(
-            t, "n_shared_experts x moe_intermediate_size" if deepseek else "(no shared expert)")
-        fields = {
-            "num_experts": (self.num_experts, "n_routed_experts" if deepseek else
-                            {"mixtral": "num_local_experts"}.get(t, "num_experts")),
-            "top_k": (self.top_k, "num_experts_per_tok"),
-            "router": ("topk", "the router: top-k of the experts' scores"),
-            "score_function": (self.score_function, "the router: sigmoid scores with e_score_correction_bias"
-                               if self.score_function == "sigmoid"
-                               else "the router: top-k of a softmax over the experts"),
-            "normalize_gates": (self.normalize_gates, {"mixtral": "the router (Mixtral renormalises the top-k gates)",
-                                                       "deepseek_v2": "the router (DeepSeek-V2 does not renormalise)"}
-                                .get(t, "norm_topk_prob")),
-            "gate_scale": (self.gate_scale, "routed_scaling_factor" if deepseek
-                           else "the router (gates are not scaled)"),
-            "group_topk": (self.group_topk, "topk_group" if deepseek else "the router (no group limit)"),
-            "router_groups": (self.router_groups, "n_group" if deepseek else "the router (no group limit)"),
-            "group_score": (self.group_score, "topk_method (group_limited_greedy: a group's best score)"
-                            if self.group_score == "max" else "the router (a group's two best scores)"),
-            "activation": (self.activation, "the experts (GPT-OSS's clamped SwiGLU)" if self.activation != "swiglu"
-                           else "hidden_act (silu, gated)"),
-            "swiglu_alpha": (self.swiglu_alpha, "swiglu_alpha"),
-            "swiglu_limit": (self.swiglu_limit, "swiglu_limit"),
-            "expert_linear_bias": (self.expert_linear_bias, "the experts' gate_up_proj_bias and down_proj_bias"
-                                   if self.expert_linear_bias else "(no expert biases)"),
-            "router_logit_bias": (self.router_logit_bias, "the router's bias" if self.router_logit_bias
-                                  else "(no router bias)"),
-            "ffn_hidden_size": (self.expert_ffn_hidden_size, "intermediate_size" if t in EXPERTS_BY_INTERMEDIATE
-                                else "moe_intermediate_size"),
-            "shared_expert_ffn_hidden_size": (self.shared_ffn_hidden_size, shared_key),
-            "shared_expert_gate": (self.shared_gate, "shared_expert_gate (a sigmoid gate)" if t == "qwen2_moe"
-                                   else "(the shared experts are not gated)" if deepseek else "(no shared expert)"),
-            "drop_tokens": (False, "the experts (transformers drops no token)"),
-            "layers": layers,
-        }
-        return fields
+        fam = self.family
+        keys = fam.moe_keys()
+        every = self.moe_layers == tuple(range(self.num_layers))
+        scores = ("the router: sigmoid scores with e_score_correction_bias" if self.score_function == "sigmoid"
+                  else "the router: top-k of a softmax over the experts")
+        sources = {
+            "num_experts": "num_experts", "top_k": "num_experts_per_tok",
+            "router": "the router: top-k of the experts' scores", "score_function": scores,
+            "normalize_gates": "norm_topk_prob", "gate_scale": "the router (gates are not scaled)",
+            "group_topk": "the router (no group limit)", "router_groups": "the router (no group limit)",
+            "group_score": ("topk_method (group_limited_greedy: a group's best score)" if self.group_score == "max"
+                            else "the router (a group's two best scores)"),
+            "activation": "hidden_act (silu, gated)", "swiglu_alpha": "swiglu_alpha", "swiglu_limit": "swiglu_limit",
+            "expert_linear_bias": "(no expert biases)", "router_logit_bias": "(no router bias)",
+            "ffn_hidden_size": fam.expert_ffn_key, "shared_expert_ffn_hidden_size": "(no shared expert)",
+            "shared_expert_gate": "(no shared expert)", "drop_tokens": "the experts (transformers drops no token)",
+            "layers": "decoder_sparse_step / mlp_only_layers"} | keys
+        if every:
+            sources["layers"] = "every layer"
+        values = {
+            "num_experts": self.num_experts, "top_k": self.top_k, "router": "topk",
+            "score_function": self.score_function, "normalize_gates": self.normalize_gates,
+            "gate_scale": self.gate_scale, "group_topk": self.group_topk, "router_groups": self.router_groups,
+            "group_score": self.group_score, "activation": self.activation, "swiglu_alpha": self.swiglu_alpha,
+            "swiglu_limit": self.swiglu_limit, "expert_linear_bias": self.expert_linear_bias,
+            "router_logit_bias": self.router_logit_bias, "ffn_hidden_size": self.expert_ffn_hidden_size,
+            "shared_expert_ffn_hidden_size": self.shared_ffn_hidden_size, "shared_expert_gate": self.shared_gate,
+            "drop_tokens": False, "layers": None if every else list(self.moe_layers)}
+        return {key: (value, sources[key]) for key, value in values.items()}
 
     def transformer_fields(self) -> dict:
         """Megatron ``TransformerConfig`` fields of the architecture (as the example's flags set them)."""
@@ -281,14 +218,12 @@ def read_hf_config(hf_dir: os.PathLike | str) -> HFArchitecture:
                           "or its sharded index, as save_pretrained writes them)", shown="missing")
     transformers = transformers_module()
     raw = hf_sizes.read_config_json(path)
-    model_type = raw.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ConfigError(f"{path}: model_type", model_type, f"the plugin imports {', '.join(ARCHITECTURES)}")
+    fam = family(raw.get("model_type"), path)
     hf_sizes.check_values(raw, path)
     weights = HFWeights(hf_dir)
     try:
-        hf_sizes.check_against_headers(raw, weights, path, beyond_allowed=model_type in DEEPSEEK_ROUTED)
-        hf_sizes.check_relations(raw, path, mla=model_type in MLA_TYPES)
+        hf_sizes.check_against_headers(raw, weights, path, beyond_allowed=fam.extra_layers)
+        hf_sizes.check_relations(raw, path, mla=fam.mla)
         try:
             cfg = transformers.AutoConfig.from_pretrained(hf_dir)
         except hf_sizes.transformers_refusals() as err:   # a value of the wrong kind
@@ -303,22 +238,21 @@ def read_hf_config(hf_dir: os.PathLike | str) -> HFArchitecture:
 def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
     """``HFArchitecture`` of a transformers config object (``where`` names it in errors)."""
     t = cfg.model_type
-    if t not in ARCHITECTURES:
-        raise ConfigError(f"{where}: model_type", t, f"the plugin imports {', '.join(ARCHITECTURES)}")
+    fam = family(t, where)
 
     def refuse(key: str, value: Any, why: str) -> ConfigError:
         return ConfigError(f"{where}: {key}", value, f"{why} (model_type {t}); the plugin cannot represent it")
 
-    for key in () if t in MLA_TYPES else UNSUPPORTED_KEYS:
+    for key in () if fam.mla else UNSUPPORTED_KEYS:
         if getattr(cfg, key, None) not in (None, 0):
-            raise refuse(key, getattr(cfg, key), "multi-latent attention outside DeepSeek-V2/V3")
-    deepseek = t in DEEPSEEK_ROUTED
-    for key in () if deepseek else ROUTING_KEYS:
+            raise refuse(key, getattr(cfg, key), "multi-latent attention outside "
+                         + titles(f for f in REGISTRY if f.mla))
+    for key in () if fam.group_routing else ROUTING_KEYS:
         if getattr(cfg, key, None) not in (None, 0):
             raise refuse(key, getattr(cfg, key), "group-limited DeepSeek routing outside its families")
     if cfg.hidden_act != "silu":
         raise refuse("hidden_act", cfg.hidden_act, "the plugin's gated MLPs and experts are SwiGLU (silu)")
-    window, window_layers = _sliding_window(cfg, refuse)
+    window, window_layers = _sliding_window(cfg, fam, refuse)
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
     scaling = getattr(cfg, "rope_scaling", None)
     if isinstance(scaling, dict):
@@ -334,12 +268,13 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
     elif kind != "default":
         raise refuse("rope_parameters.rope_type", kind, "RoPE scaling other than yarn")
     partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0) and t != "glm4_moe":
-        raise refuse("partial_rotary_factor", partial, "partial rotary embeddings outside GLM-4.5")
+    if partial not in (None, 1, 1.0) and not fam.partial_rotary:
+        raise refuse("partial_rotary_factor", partial, "partial rotary embeddings outside "
+                     + titles(f for f in REGISTRY if f.partial_rotary))
     theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
     if theta is None:
         raise refuse("rope_parameters.rope_theta", None, "RoPE without its base")
-    if getattr(cfg, "attention_bias", False) and t not in ("glm4_moe", "gpt_oss"):   # GLM-4.5's: QKV biases only
+    if getattr(cfg, "attention_bias", False) and not fam.attention_bias:
         raise refuse("attention_bias", True, "biases on the query/key/value and output projections (the plugin "
                      "has QKV biases only, Megatron's add_qkv_bias)")
     if getattr(cfg, "mlp_bias", False):
@@ -348,10 +283,10 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
     if quant is not None:
         quant = quant if isinstance(quant, dict) else quant.to_dict()
         fp8 = quant.get("quant_method") == "fp8" and quant.get("weight_block_size")
-        if not fp8 and not (t == "gpt_oss" and quant.get("quant_method") == "mxfp4"):
+        if not fp8 and quant.get("quant_method") not in fam.quantized:
             raise refuse("quantization_config.quant_method", quant.get("quant_method"), "quantized weights other "
-                         "than FP8 in blocks (weight_block_size) and GPT-OSS's MXFP4 experts, which the import "
-                         "dequantizes")
+                         "than FP8 in blocks (weight_block_size) and the MXFP4 experts of "
+                         + titles(f for f in REGISTRY if "mxfp4" in f.quantized) + ", which the import dequantizes")
     if getattr(cfg, "clip_qkv", None) is not None:
         raise refuse("clip_qkv", cfg.clip_qkv, "clamping the query/key/value projections")
     heads = cfg.num_attention_heads
@@ -362,61 +297,31 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
                   kv_channels=head_dim, ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
                   max_position_embeddings=cfg.max_position_embeddings, norm_epsilon=float(cfg.rms_norm_eps),
                   rotary_base=float(theta), tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-                  qkv_bias=(t == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True))
-                            or (deepseek or t == "gpt_oss") and bool(getattr(cfg, "attention_bias", False))),
-                  linear_bias=t == "gpt_oss" and bool(getattr(cfg, "attention_bias", False)),
-                  attention_sinks=t == "gpt_oss",
-                  qk_layernorm=(t in ("qwen3", "qwen3_moe", "olmoe")
-                                or deepseek and bool(getattr(cfg, "use_qk_norm", False))),
                   dtype=str(dtype).replace("torch.", ""), rotary_percent=float(partial or 1.0),
-                  rope_scaling=rope_scaling,
-                  qk_layernorm_scope="projection" if t == "olmoe" else "head", window=window,
-                  window_layers=window_layers, config=cfg.to_dict())
-    if t in MLA_TYPES:
+                  rope_scaling=rope_scaling, window=window, window_layers=window_layers, config=cfg.to_dict(),
+                  **fam.attention_of(cfg))
+    if fam.mla:
         if float(cfg.rms_norm_eps) != LATENT_NORM_EPS:
             raise refuse("rms_norm_eps", cfg.rms_norm_eps, f"a norm epsilon other than {LATENT_NORM_EPS} with "
                          f"multi-latent attention (transformers normalises the compressed query and key/value with "
                          f"{LATENT_NORM_EPS}, Megatron's MLA with the model's epsilon)")
-        common.update(_mla(cfg), kv_channels=cfg.hidden_size // heads, num_query_groups=heads, qk_layernorm=True,
+        common.update(fam.mla_of(cfg), kv_channels=cfg.hidden_size // heads, num_query_groups=heads, qk_layernorm=True,
                       qkv_bias=False)
-    if t not in MOE_TYPES:
+    if not fam.moe:
         return HFArchitecture(**common)
-    if t == "mixtral":
-        experts, layers, normalize = cfg.num_local_experts, tuple(range(cfg.num_hidden_layers)), True
-    elif t == "olmoe":
-        experts, layers, normalize = cfg.num_experts, tuple(range(cfg.num_hidden_layers)), bool(cfg.norm_topk_prob)
-    elif t == "gpt_oss":   # a softmax over the top-k logits: the top-k of a softmax, renormalised
-        experts, layers, normalize = cfg.num_local_experts, tuple(range(cfg.num_hidden_layers)), True
-        common.update(activation="clamped_swiglu", swiglu_alpha=float(cfg.swiglu_alpha),
-                      swiglu_limit=float(cfg.swiglu_limit), expert_linear_bias=True, router_logit_bias=True)
-    elif deepseek:
-        return _deepseek_routed(cfg, common, refuse)
-    else:
-        experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts")
-        skip = set(getattr(cfg, "mlp_only_layers", None) or [])
-        step = getattr(cfg, "decoder_sparse_step", 1) or 1
-        layers = tuple(i for i in range(cfg.num_hidden_layers) if i not in skip and (i + 1) % step == 0)
-        normalize = bool(cfg.norm_topk_prob)
-    if not experts or not layers:
-        raise refuse("num_experts", experts, "an MoE model type without MoE layers")
-    shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0) if t == "qwen2_moe" else 0
-    return HFArchitecture(**common, moe_layers=layers, num_experts=int(experts), top_k=int(cfg.num_experts_per_tok),
-                          normalize_gates=normalize,
-                          expert_ffn_hidden_size=int(cfg.intermediate_size if t in EXPERTS_BY_INTERMEDIATE else
-                                                     cfg.moe_intermediate_size),
-                          shared_ffn_hidden_size=shared, shared_gate=shared > 0)
+    return HFArchitecture(**{**common, **fam.moe_of(cfg, refuse)})
 
 
-def _sliding_window(cfg: Any, refuse: Any) -> tuple[Optional[int], Optional[tuple[int, ...]]]:
+def _sliding_window(cfg: Any, fam: Any, refuse: Any) -> tuple[Optional[int], Optional[tuple[int, ...]]]:
     """(window W or None, the windowed layers or None for every layer), as transformers 5.24 applies
-    them: ``sliding_window`` on every layer of Mistral, Mixtral and Qwen3-MoE; on the layers whose
-    ``layer_types`` entry is "sliding_attention" in Qwen3, Qwen2-MoE and GPT-OSS; refused elsewhere."""
-    t, size = cfg.model_type, getattr(cfg, "sliding_window", None)
+    them: ``sliding_window`` on every layer (families of ``window`` "every_layer"), or on the layers
+    whose ``layer_types`` entry is "sliding_attention" ("layer_types"); refused elsewhere."""
+    size = getattr(cfg, "sliding_window", None)
     kinds = list(getattr(cfg, "layer_types", None) or [])
     unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
     if unknown:
         raise refuse("layer_types", unknown, "layers other than full and sliding-window attention")
-    if t in WINDOW_BY_LAYER_TYPES:
+    if fam.window == "layer_types":
         if "sliding_attention" not in kinds:
             return None, None
         if not size:
@@ -424,54 +329,11 @@ def _sliding_window(cfg: Any, refuse: Any) -> tuple[Optional[int], Optional[tupl
         pattern = tuple(int(kind == "sliding_attention") for kind in kinds)
         return int(size), None if all(pattern) else pattern
     if "sliding_attention" in kinds:
-        raise refuse("layer_types", kinds, "sliding-window layers outside Qwen3, Qwen2-MoE and GPT-OSS")
+        raise refuse("layer_types", kinds, "sliding-window layers outside "
+                     + titles(f for f in REGISTRY if f.window == "layer_types"))
     if size in (None, 0):
         return None, None
-    if t not in WINDOW_EVERY_LAYER:
-        raise refuse("sliding_window", size, "sliding-window attention outside Mistral, Mixtral and Qwen")
+    if fam.window != "every_layer":
+        raise refuse("sliding_window", size, "sliding-window attention outside "
+                     + titles(f for f in REGISTRY if f.window))
     return int(size), None
-
-
-LATENT_NORM_EPS = 1e-6   # transformers' DeepSeek q_a_layernorm / kv_a_layernorm (fixed; Megatron: layernorm_epsilon)
-
-
-def _mla(cfg: Any) -> dict:
-    """DeepSeek's multi-latent attention in Megatron's names (``HFArchitecture.mla``); its rotated
-    dimensions interleaved in pairs: always in DeepSeek-V2 (complex rotation), by ``rope_interleave`` in V3."""
-    sizes = dict(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=int(cfg.kv_lora_rank), qk_head_dim=int(cfg.qk_nope_head_dim),
-                 qk_pos_emb_head_dim=int(cfg.qk_rope_head_dim), v_head_dim=int(cfg.v_head_dim))
-    interleaved = cfg.model_type == "deepseek_v2" or bool(getattr(cfg, "rope_interleave", True))
-    return dict(mla=sizes, rope_interleave=interleaved)
-
-
-def _deepseek_routed(cfg: Any, common: dict, refuse: Any) -> HFArchitecture:
-    """DeepSeek-V3's and GLM-4.5's MoE: sigmoid scores plus ``e_score_correction_bias`` choose the experts
-    within the token's best ``topk_group`` of ``n_group`` groups (a group's score: its two best), the gates
-    are the chosen scores (renormalised iff ``norm_topk_prob``) times ``routed_scaling_factor``; ungated
-    shared experts of ``n_shared_experts x moe_intermediate_size``; layers before ``first_k_dense_replace``
-    dense. DeepSeek-V2: softmax scores, no bias, the gates not renormalised; groups only with ``topk_method``
-    ``group_limited_greedy``, each ranked by its best score."""
-    experts, groups, best = int(cfg.n_routed_experts), int(cfg.n_group or 1), int(cfg.topk_group or 1)
-    first = int(cfg.first_k_dense_replace or 0)
-    layers = tuple(range(first, cfg.num_hidden_layers))
-    if not layers:
-        raise refuse("first_k_dense_replace", first, "no MoE layer left")
-    if experts % groups or not 1 <= best <= groups:
-        raise refuse("n_group", groups, f"groups that divide n_routed_experts ({experts}) with topk_group ({best}) "
-                     "of them")
-    limited = groups > 1 and best < groups   # otherwise every group is kept: no limit
-    v2 = cfg.model_type == "deepseek_v2"
-    if v2:
-        method = getattr(cfg, "topk_method", "greedy")
-        if method not in ("greedy", "group_limited_greedy"):
-            raise refuse("topk_method", method, "DeepSeek-V2 routing other than greedy and group_limited_greedy")
-        limited = limited and method == "group_limited_greedy"
-    shared = int(cfg.n_shared_experts or 0) * int(cfg.moe_intermediate_size)
-    return HFArchitecture(**common, moe_layers=layers, num_experts=experts, top_k=int(cfg.num_experts_per_tok),
-                          normalize_gates=not v2 and bool(cfg.norm_topk_prob),
-                          expert_ffn_hidden_size=int(cfg.moe_intermediate_size),
-                          shared_ffn_hidden_size=shared, shared_gate=False,
-                          score_function="softmax" if v2 else "sigmoid",
-                          gate_scale=float(cfg.routed_scaling_factor), router_groups=groups if limited else None,
-                          group_topk=best if limited else None, router_bias=not v2,
-                          group_score="max" if v2 and limited else "top2_sum")

@@ -1,34 +1,15 @@
-"""``moe-plugin export-hf CKPT --out HF_DIR [--arch ARCH]`` (ARCH: a ``model_type`` of ``hf_arch.ARCHITECTURES``).
+"""``moe-plugin export-hf CKPT --out HF_DIR [--arch MODEL_TYPE]``: any checkpoint as a Hugging Face directory.
 
     export_hf("ckpt", "hf-out")          # then transformers.AutoModelForCausalLM.from_pretrained("hf-out")
 
-Any checkpoint (any layout; ``checkpoint.export.CheckpointSource`` reads it as the 1-rank model,
-tensor by tensor) becomes a Hugging Face model directory: ``config.json`` (written by the transformers config class of
-the architecture), the weights in the hub's tensor layout (what ``save_pretrained`` writes, so older
-transformers and vLLM read it too; ``hf_families``) in shards of at most ``max_shard_size`` with
-their index, and the tokenizer files when the checkpoint came from ``import-hf``. The architecture
-is ``arch``, else the imported model's type (unless upcycled from a dense one), else inferred (a
-shared expert: qwen2_moe; QK-norm: qwen3_moe; otherwise mixtral; no MoE layer: llama, or qwen3 with
-QK-norm). The dtype is the
-imported model's (``dtype`` overrides; default float32 for a model trained from scratch). A checkpoint
-trained from an import carries the import's record and tokenizer files (``checkpoint.api.hf_origin``)
-and exports as the import does (``max_position_embeddings``: the larger of the import's and the
-training run's sequence length).
-
-A model the architecture cannot express is refused before anything is written, naming what:
-learned position embeddings, LayerNorm, a non-SwiGLU MLP, linear biases, QK-norm where the
-architecture has none (or none where it has it), QKV biases outside Qwen2-MoE, dense layers in
-Mixtral, a shared expert outside Qwen2-MoE (or one without its sigmoid gate), a router that is
-not a plain top-k of a softmax (``moe.router``, ``score_function``, ``gate_scale``, ``group_topk``;
-Mixtral's gates renormalised), a non-zero aux-loss-free expert bias (``router.expert_bias``).
-GPT-OSS is written in its hub layout: each layer's experts as fused tensors (``gate_up_proj`` [E, H, 2F] with
-gate and up interleaved, ``down_proj``, their biases), filled expert by expert and written whole, in the
-checkpoint's dtype (bf16 for an import of the hub's MXFP4 model: the export does not quantize).
-Qwen2-MoE without QKV biases is written with zero biases (the same function; ``qkv_bias`` is true
-in every Qwen2-MoE reader). The directory is written under a temporary name and renamed at the end.
-Every HF tensor is planned from the headers first (``hf_plan``: names, dtypes, shapes), then each is
-made from its plugin tensor (one expert's row at a time) and written into its shard as it comes,
-so the peak holds a few tensors whatever the model's size.
+Any layout is read as the 1-rank model, tensor by tensor (``checkpoint.export.CheckpointSource``), and
+written as ``config.json`` (the family's transformers config class), the weights in the hub's layout
+in shards of at most ``max_shard_size`` with their index, and the tokenizer files of an import. The
+family is ``arch``, else the imported one, else inferred from the checkpoint's features (each family's
+``infers``). What the family cannot express is refused naming the key before anything is written;
+every HF tensor is planned from the headers first, and the directory is written under a temporary
+name and renamed at the end, so the peak holds a few tensors whatever the model's size.
+Details: docs/huggingface.md.
 """
 from __future__ import annotations
 
@@ -45,28 +26,15 @@ from moe_plugin.checkpoint.confine import copy_new, inside, refuse_link
 from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.trust import trust_argument
 from moe_plugin.configs import ConfigError
-from moe_plugin.interop.hf_arch import (
-    ARCHITECTURES,
-    DEEPSEEK_ROUTED,
-    LATENT_NORM_EPS,
-    MLA_KEYS,
-    MLA_TYPES,
-    MOE_TYPES,
-    WINDOW_BY_LAYER_TYPES,
-    WINDOW_EVERY_LAYER,
-    HFArchitecture,
-    transformers_module,
-)
-from moe_plugin.interop.hf_families import FAMILIES, HFMapping, Rule
+from moe_plugin.interop.families import BY_TYPE, MODEL_TYPES, REGISTRY, family, titles
+from moe_plugin.interop.families.blocks import Rule
+from moe_plugin.interop.hf_arch import LATENT_NORM_EPS, MLA_KEYS, HFArchitecture, transformers_module
 from moe_plugin.interop.hf_files import HFShardWriter, parse_size
+from moe_plugin.interop.hf_mapping import HFMapping
 from moe_plugin.interop.hf_sizes import plugin_shapes, refused_by_transformers, transformers_refusals
 
 logger = logging.getLogger(__name__)
 
-CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig",
-                  "olmoe": "OlmoeConfig", "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
-                  "deepseek_v2": "DeepseekV2Config", "gpt_oss": "GptOssConfig", "llama": "LlamaConfig",
-                  "mistral": "MistralConfig", "qwen3": "Qwen3Config"}
 DEFAULT_SHARD = "5GB"
 
 
@@ -134,33 +102,29 @@ def export_hf(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, *, arch: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     seconds = time.perf_counter() - began
-    say(f"wrote {out_dir} ({ARCHITECTURES[model_type]}, {len(specs)} tensors, {torch_dtype}) in {seconds:.2f} s")
+    say(f"wrote {out_dir} ({BY_TYPE[model_type].architecture}, {len(specs)} tensors, {torch_dtype}) in {seconds:.2f} s")
     return {"path": out_dir, "model_type": model_type, "files": files, "seconds": seconds}
 
 
 def _model_type(arch: Optional[str], meta: dict, state: list[str]) -> str:
+    """``arch``, else the imported model's type (unless upcycled from a dense one), else the family of the
+    best ``infer_rank`` whose ``infers`` accepts the checkpoint's features."""
     if arch is not None:
-        if arch not in ARCHITECTURES:
-            raise ConfigError("--arch", arch, f"expected one of {', '.join(ARCHITECTURES)}")
+        if arch not in BY_TYPE:
+            raise ConfigError("--arch", arch, f"expected one of {', '.join(MODEL_TYPES)}")
         return arch
     imported = meta.get("hf", {}).get("model_type")
     moe = any(k.endswith("mlp.router.weight") for k in state)
-    if imported and (imported in MOE_TYPES) == moe:   # an upcycled dense import is inferred like any MoE model
+    if imported in BY_TYPE and BY_TYPE[imported].moe == moe:   # an upcycled dense import is inferred like any MoE
         return imported
-    qk = any(k.endswith("q_layernorm.weight") for k in state)
-    if not moe:
-        return "qwen3" if qk else "llama"
-    if meta.get("moe", {}).get("activation") == "clamped_swiglu":
-        return "gpt_oss"
-    if meta.get("model", {}).get("transformer_config", {}).get("multi_latent_attention"):
-        return "deepseek_v3" if meta.get("moe", {}).get("score_function") == "sigmoid" else "deepseek_v2"
-    if meta.get("moe", {}).get("score_function") == "sigmoid":
-        return "glm4_moe"
-    if any(".mlp.shared_expert." in k for k in state):
-        return "qwen2_moe"
-    if qk and meta.get("model", {}).get("qk_layernorm_scope") == "projection":
-        return "olmoe"
-    return "qwen3_moe" if qk else "mixtral"
+    features = dict(moe=moe, qk=any(k.endswith("q_layernorm.weight") for k in state),
+                    activation=meta.get("moe", {}).get("activation", "swiglu"),
+                    mla=bool(meta.get("model", {}).get("transformer_config", {}).get("multi_latent_attention")),
+                    score_function=meta.get("moe", {}).get("score_function", "softmax"),
+                    shared=any(".mlp.shared_expert." in k for k in state),
+                    qk_scope=meta.get("model", {}).get("qk_layernorm_scope", "head"))
+    ranked = sorted((f for f in REGISTRY if f.infer_rank is not None), key=lambda f: f.infer_rank)
+    return next(f.model_type for f in ranked if f.infers(features))
 
 
 def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HFArchitecture:
@@ -170,7 +134,8 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
     model = meta["model"]
     tc = model["transformer_config"]
     moe = meta["moe"]
-    name = ARCHITECTURES[model_type]
+    fam = family(model_type, "--arch")
+    name = fam.architecture
 
     def refuse(key: str, value: Any, why: str) -> ConfigError:
         return ConfigError(key, value, f"{name} cannot express it: {why}; choose another --arch or train the "
@@ -192,76 +157,77 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         raise refuse("normalization", tc.get("normalization", "LayerNorm"), "RMSNorm only (--normalization RMSNorm)")
     if not tc.get("gated_linear_unit") or tc.get("activation_func") != "torch.nn.functional:silu":
         raise refuse("activation_func", tc.get("activation_func"), "SwiGLU MLPs only (--swiglu)")
-    gpt_oss = model_type == "gpt_oss"
-    if tc.get("add_bias_linear", True) != gpt_oss:
+    if tc.get("add_bias_linear", True) != fam.linear_bias:
         raise refuse("add_bias_linear", tc.get("add_bias_linear", True), "biases on every attention projection "
-                     "(no --disable-bias-linear)" if gpt_oss else "no linear biases (--disable-bias-linear)")
+                     "(no --disable-bias-linear)" if fam.linear_bias else "no linear biases (--disable-bias-linear)")
     softmax = tc.get("softmax_type", "vanilla")
-    if softmax != ("learnable" if gpt_oss else "vanilla"):
-        raise refuse("softmax_type", softmax, "attention sinks (--softmax-type learnable)" if gpt_oss else
-                     "no attention sinks (--softmax-type vanilla; GPT-OSS has them)")
-    deepseek = model_type in DEEPSEEK_ROUTED
+    if softmax != ("learnable" if fam.sinks else "vanilla"):
+        raise refuse("softmax_type", softmax, "attention sinks (--softmax-type learnable)" if fam.sinks else
+                     "no attention sinks (--softmax-type vanilla; " + titles(f for f in REGISTRY if f.sinks)
+                     + " has them)")
     mla = bool(tc.get("multi_latent_attention"))
-    if mla != (model_type in MLA_TYPES):
+    if mla != fam.mla:
         raise refuse("multi_latent_attention", mla, "multi-latent attention (--multi-latent-attention)" if not mla
-                     else "grouped-query attention, not multi-latent attention (--arch deepseek_v3 or deepseek_v2)")
+                     else "grouped-query attention, not multi-latent attention (--arch "
+                     + " or ".join(f.model_type for f in REGISTRY if f.mla) + ")")
     qk = bool(tc.get("qk_layernorm"))
-    wants_qk = model_type in ("qwen3", "qwen3_moe", "olmoe", *MLA_TYPES)
-    if qk != wants_qk and model_type != "glm4_moe":   # GLM-4.5: either (use_qk_norm)
+    wants_qk = bool(fam.qk_norm)
+    if qk != wants_qk and fam.qk_norm is not None:   # None: either (a config key says)
         raise refuse("qk_layernorm", qk, "the compressed query and key/value normalised (--qk-layernorm)" if mla
                      else "QK-norm on every layer" if wants_qk else "no QK-norm")
     if mla and float(tc.get("layernorm_epsilon", 1e-5)) != LATENT_NORM_EPS:
         raise refuse("layernorm_epsilon", tc.get("layernorm_epsilon"), f"norms of epsilon {LATENT_NORM_EPS} "
                      "(transformers' latent norms have it fixed: --norm-epsilon 1e-6)")
-    window, window_layers = _window(tc, num_layers, model_type, refuse)
+    window, window_layers = _window(tc, num_layers, fam, refuse)
     rotary_percent = float(model.get("rotary_percent", 1.0))
-    if rotary_percent != 1.0 and model_type != "glm4_moe":
+    if rotary_percent != 1.0 and not fam.partial_rotary:
         raise refuse("rotary_percent", rotary_percent, "RoPE over the whole head (--rotary-percent 1)")
     scope = model.get("qk_layernorm_scope", "head") if qk else "head"
-    wants_scope = "projection" if model_type == "olmoe" else "head"
+    wants_scope = fam.qk_scope
     if qk and scope != wants_scope:
         what = "each whole projection" if wants_scope == "projection" else "each head"
         raise refuse("qk_layernorm_scope", scope, f"QK-norm over {what} (--qk-layernorm-scope {wants_scope})")
-    qkv_bias = bool(tc.get("add_qkv_bias")) or gpt_oss
-    if qkv_bias and model_type not in ("qwen2_moe", "glm4_moe", "gpt_oss"):
-        raise refuse("add_qkv_bias", True, "no QKV biases (Qwen2-MoE, GLM-4.5 and GPT-OSS have them)")
-    if model_type in MOE_TYPES:
+    qkv_bias = bool(tc.get("add_qkv_bias")) or fam.linear_bias
+    if qkv_bias and not fam.qkv_bias:
+        raise refuse("add_qkv_bias", True, "no QKV biases (" + titles(f for f in REGISTRY if f.qkv_bias)
+                     + " have them)")
+    if fam.moe:
         if not moe_layers:
             raise refuse("moe.layers", moe.get("layers"), "MoE layers (the checkpoint has none: --arch llama)")
-        _check_router(moe, model_type, refuse)
+        _check_router(moe, fam, refuse)
         bias = [k for k in state if k.endswith("router.expert_bias") and bool(source.read(k).abs().max() > 0)]
-        if bias and FAMILIES[model_type].router_bias is None:
+        if bias and not fam.has_correction_bias:
             raise refuse(bias[0], "non-zero", "routers without an expert bias (the aux-loss-free bias chose the "
                          "experts in training)")
-        if model_type in ("mixtral", "olmoe", "gpt_oss") and len(moe_layers) != num_layers:
+        if fam.layers == "every" and len(moe_layers) != num_layers:
             dense = [i for i in range(num_layers) if i not in moe_layers]
             raise refuse("moe.layers", moe.get("layers") or f"layer_interval {moe.get('layer_interval')}",
                          f"an MoE MLP on every layer (dense layers {dense})")
-        if deepseek and moe_layers != tuple(range(moe_layers[0], num_layers)):
+        if fam.layers == "dense_first" and moe_layers != tuple(range(moe_layers[0], num_layers)):
             raise refuse("moe.layers", list(moe_layers), "dense layers first, then MoE layers to the end "
                          "(first_k_dense_replace)")
         shared = int(moe.get("shared_expert_ffn_hidden_size") or 0)
-        if model_type == "qwen2_moe" and (not shared or not moe.get("shared_expert_gate")):
+        if fam.shared == "gated" and (not shared or not moe.get("shared_expert_gate")):
             key = "moe.shared_expert_gate" if shared else "moe.shared_expert_ffn_hidden_size"
             raise refuse(key, moe.get(key.split(".")[1]), "a shared expert scaled by a sigmoid gate")
-        if deepseek and (moe.get("shared_expert_gate") or not shared):
+        if fam.shared == "ungated" and (moe.get("shared_expert_gate") or not shared):
             key = "moe.shared_expert_gate" if shared else "moe.shared_expert_ffn_hidden_size"
             raise refuse(key, moe.get(key.split(".")[1]), "ungated shared experts (n_shared_experts)")
-        if model_type not in ("qwen2_moe", *DEEPSEEK_ROUTED) and shared:
+        if fam.shared is None and shared:
             raise refuse("moe.shared_expert_ffn_hidden_size", shared, "no shared expert")
         if moe.get("drop_tokens", True):
             logger.warning("moe.drop_tokens is true: the plugin's runs dropped routes over capacity; %s drops none",
                            name)
     elif moe_layers:
         raise refuse("moe.layers", moe.get("layers") or moe.get("layer_interval"), "a dense model (the checkpoint "
-                     "has MoE layers: --arch mixtral, qwen3_moe, qwen2_moe or olmoe)")
+                     "has MoE layers: --arch " + " or ".join(f.model_type for f in REGISTRY if f.moe) + ")")
     heads = int(tc["num_attention_heads"])
     E = int(moe["num_experts"]) if moe_layers else 0
     first_moe = moe_layers[0] if moe_layers else None
     expert_ffn = (int(state[f"decoder.layers.{first_moe}.mlp.experts.weight2"][1]) if moe_layers else 0)
     shared_ffn = (int(state[f"decoder.layers.{first_moe}.mlp.shared_expert.weight2"][0])
-                  if moe_layers and model_type in ("qwen2_moe", *DEEPSEEK_ROUTED) else 0)
-    if deepseek and shared_ffn % expert_ffn:
+                  if moe_layers and fam.shared else 0)
+    if fam.shared == "ungated" and shared_ffn % expert_ffn:
         raise refuse("moe.shared_expert_ffn_hidden_size", shared_ffn, f"shared experts of the experts' size "
                      f"({expert_ffn}): n_shared_experts x moe_intermediate_size")
     imported = meta.get("hf", {}).get("config") or {}
@@ -278,18 +244,18 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         max_position_embeddings=max(int(model.get("max_sequence_length", 4096)),
                                     int((meta.get("hf", {}).get("config") or {}).get("max_position_embeddings", 0))),
         norm_epsilon=float(tc.get("layernorm_epsilon", 1e-5)), rotary_base=float(model["rotary_base"]),
-        tied=bool(model.get("tied", False)), qkv_bias=model_type == "qwen2_moe" or qkv_bias, qk_layernorm=qk,
+        tied=bool(model.get("tied", False)), qkv_bias=fam.always_qkv_bias or qkv_bias, qk_layernorm=qk,
         qk_layernorm_scope=scope, rotary_percent=rotary_percent, rope_scaling=model.get("rope_scaling"),
         dtype=meta.get("hf", {}).get("dtype", "float32"), moe_layers=moe_layers, num_experts=E,
         top_k=int(moe.get("top_k") or 0), normalize_gates=bool(moe.get("normalize_gates", True)),
         expert_ffn_hidden_size=expert_ffn, shared_ffn_hidden_size=shared_ffn,
-        shared_gate=shared_ffn > 0 and not deepseek,
+        shared_gate=shared_ffn > 0 and fam.shared == "gated",
         score_function=moe.get("score_function", "softmax"), gate_scale=float(moe.get("gate_scale", 1.0)),
         router_groups=moe.get("router_groups"), group_topk=moe.get("group_topk"),
-        router_bias=model_type in FAMILIES and FAMILIES[model_type].router_bias is not None,
+        router_bias=fam.has_correction_bias,
         group_score=moe.get("group_score", "top2_sum"),
         window=window, window_layers=window_layers, config=meta.get("hf", {}).get("config"),
-        linear_bias=gpt_oss, attention_sinks=gpt_oss, activation=moe.get("activation", "swiglu"),
+        linear_bias=fam.linear_bias, attention_sinks=fam.sinks, activation=moe.get("activation", "swiglu"),
         swiglu_alpha=float(moe.get("swiglu_alpha", 1.702)), swiglu_limit=float(moe.get("swiglu_limit", 7.0)),
         expert_linear_bias=bool(moe.get("expert_linear_bias")), router_logit_bias=bool(moe.get("router_logit_bias"))),
         **latent})
@@ -328,9 +294,9 @@ def layers_in_state(state: dict) -> int:
     return max(found) + 1 if found else 0
 
 
-def _window(tc: dict, num_layers: int, model_type: str, refuse: Callable[..., ConfigError]):
+def _window(tc: dict, num_layers: int, fam: Any, refuse: Callable[..., ConfigError]):
     """(window W, windowed layers or None) of the checkpoint's ``window_size`` / ``window_attn_skip_freq``
-    (``hf_arch._sliding_window``'s inverse), or a ``ConfigError`` where ``model_type`` cannot say it."""
+    (``hf_arch._sliding_window``'s inverse), or a ``ConfigError`` where the family ``fam`` cannot say it."""
     size = tc.get("window_size")
     if not size:
         return None, None
@@ -346,36 +312,23 @@ def _window(tc: dict, num_layers: int, model_type: str, refuse: Callable[..., Co
         layers = tuple(int(bool(v)) for v in freq)
     if layers is not None and all(layers):
         layers = None
-    if model_type in WINDOW_EVERY_LAYER and layers is not None:
-        raise refuse("window_attn_skip_freq", freq, f"the window on every layer ({', '.join(WINDOW_BY_LAYER_TYPES)} "
+    by_layer = [f.model_type for f in REGISTRY if f.window == "layer_types"]
+    if fam.window == "every_layer" and layers is not None:
+        raise refuse("window_attn_skip_freq", freq, f"the window on every layer ({', '.join(by_layer)} "
                      "window some layers)")
-    if model_type not in WINDOW_EVERY_LAYER + WINDOW_BY_LAYER_TYPES:
+    if fam.window is None:
         raise refuse("window_size", size, "full attention (sliding windows: "
-                     f"{', '.join(WINDOW_EVERY_LAYER + WINDOW_BY_LAYER_TYPES)})")
+                     f"{', '.join(f.model_type for f in REGISTRY if f.window)})")
     return int(left) + 1, layers
 
 
-def _check_router(moe: dict, model_type: str, refuse: Callable[..., ConfigError]) -> None:
+def _check_router(moe: dict, fam: Any, refuse: Callable[..., ConfigError]) -> None:
     if moe.get("router") != "topk":
         raise refuse("moe.router", moe.get("router"), "a plain top-k of the scores (router 'topk')")
-    gpt_oss = model_type == "gpt_oss"
-    if model_type == "deepseek_v2":   # softmax, unnormalised gates; any scale; groups ranked by their best
-        checked = (("score_function", "softmax"), ("normalize_gates", False), ("activation", "swiglu"),
-                   ("group_score", "max" if moe.get("group_topk") else "top2_sum"))
-    elif gpt_oss:   # GPT-OSS's experts and router: their biases always there
-        checked = (("score_function", "softmax"), ("gate_scale", 1.0), ("group_topk", None), ("normalize_gates", True),
-                   ("activation", "clamped_swiglu"), ("expert_linear_bias", True), ("router_logit_bias", True))
-    elif model_type in DEEPSEEK_ROUTED:   # sigmoid scores; any scale and group limit
-        checked = (("score_function", "sigmoid"), ("activation", "swiglu"), ("group_score", "top2_sum"))
-    else:
-        checked = (("score_function", "softmax"), ("gate_scale", 1.0), ("group_topk", None), ("activation", "swiglu"))
-    if not gpt_oss:
-        checked += (("expert_linear_bias", False), ("router_logit_bias", False))
-    for key, plain in checked:
+    for key, plain in fam.router_checks(moe):
         if moe.get(key, plain) != plain:
             raise refuse(f"moe.{key}", moe.get(key), f"{key} {plain!r}")
-    if model_type == "mixtral" and not moe.get("normalize_gates", True):
-        raise refuse("moe.normalize_gates", False, "the top-k gates renormalised to sum 1 (Mixtral always does)")
+    fam.check_router(moe, refuse)
 
 
 def hf_plan(arch: HFArchitecture, source: Any, meta: dict,
@@ -432,63 +385,16 @@ def hf_config(transformers: Any, arch: HFArchitecture, meta: dict, dtype: str) -
                   max_position_embeddings=arch.max_position_embeddings, rms_norm_eps=arch.norm_epsilon,
                   rope_parameters={**(arch.rope_scaling or {"rope_type": "default"}), "rope_theta": arch.rotary_base},
                   tie_word_embeddings=arch.tied, attention_dropout=0.0)
-    if t == "mixtral":
-        fields.update(num_local_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
-                      intermediate_size=arch.expert_ffn_hidden_size, sliding_window=None, router_jitter_noise=0.0)
-    elif t in DEEPSEEK_ROUTED:
-        rope = dict(fields["rope_parameters"])
-        if arch.rotary_percent != 1.0:
-            rope["partial_rotary_factor"] = arch.rotary_percent
-        first = arch.moe_layers[0] if arch.moe_layers else arch.num_layers
-        fields.update(n_routed_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
-                      moe_intermediate_size=arch.expert_ffn_hidden_size,
-                      n_shared_experts=arch.shared_ffn_hidden_size // arch.expert_ffn_hidden_size,
-                      first_k_dense_replace=first, n_group=arch.router_groups or 1, topk_group=arch.group_topk or 1,
-                      routed_scaling_factor=arch.gate_scale, norm_topk_prob=arch.normalize_gates,
-                      attention_bias=arch.qkv_bias, rope_parameters=rope)
-        if t != "deepseek_v2":   # the multi-token-prediction layers are not exported: none, the config says
-            fields.update(num_nextn_predict_layers=0)
-        if t == "glm4_moe":
-            fields.update(use_qk_norm=arch.qk_layernorm)
-        else:   # multi-latent attention
-            m = arch.mla
-            fields.update(q_lora_rank=m["q_lora_rank"], kv_lora_rank=m["kv_lora_rank"],
-                          qk_nope_head_dim=m["qk_head_dim"], qk_rope_head_dim=m["qk_pos_emb_head_dim"],
-                          v_head_dim=m["v_head_dim"], head_dim=m["qk_pos_emb_head_dim"])
-            if t == "deepseek_v3":
-                fields.update(rope_interleave=arch.rope_interleave)
-            else:
-                fields.update(topk_method="group_limited_greedy" if arch.group_topk else "greedy", mlp_bias=False)
-    elif t == "gpt_oss":
-        fields.update(num_local_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
-                      intermediate_size=arch.expert_ffn_hidden_size, swiglu_alpha=arch.swiglu_alpha,
-                      swiglu_limit=arch.swiglu_limit, attention_bias=True, sliding_window=None,
-                      layer_types=["full_attention"] * arch.num_layers)
-    elif t == "olmoe":
-        fields.update(num_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
-                      intermediate_size=arch.expert_ffn_hidden_size, norm_topk_prob=arch.normalize_gates,
-                      clip_qkv=None, attention_bias=False)
-    elif t in ("qwen3_moe", "qwen2_moe"):
-        dense = [i for i in range(arch.num_layers) if i not in arch.moe_layers]
-        fields.update(num_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
-                      moe_intermediate_size=arch.expert_ffn_hidden_size, decoder_sparse_step=1, mlp_only_layers=dense,
-                      norm_topk_prob=arch.normalize_gates, use_sliding_window=False)
-        if t == "qwen2_moe":
-            fields.update(shared_expert_intermediate_size=arch.shared_ffn_hidden_size, qkv_bias=True)
-        else:
-            fields.update(attention_bias=False)
-    elif t in ("llama", "qwen3"):
-        fields.update(attention_bias=False, **({"mlp_bias": False} if t == "llama" else {}))
-    if t in ("mistral", "qwen3"):
-        fields.update(sliding_window=None)
+    fam = arch.family
+    fields.update(fam.config_fields(arch, fields))
     if arch.window:   # transformers' sliding window (hf_arch._sliding_window)
         fields.update(sliding_window=arch.window)
-        if t in ("qwen3", "qwen3_moe", "qwen2_moe"):
+        if fam.use_sliding_window_key:
             fields.update(use_sliding_window=True)
-        if t in WINDOW_BY_LAYER_TYPES:
+        if fam.window == "layer_types":
             fields.update(layer_types=["sliding_attention" if windowed else "full_attention"
                                        for windowed in (arch.window_layers or [1] * arch.num_layers)])
-    cls = getattr(transformers, CONFIG_CLASSES[t])
+    cls = getattr(transformers, fam.config_class)
     try:
         config = cls(**{**base, **fields})
     except transformers_refusals() as err:   # a value of the wrong kind recorded

@@ -9,7 +9,7 @@ represent is refused naming the key and the model type); for an MoE model the ``
 ``ds_config`` is checked against it field by field (``HFArchitecture.moe_fields``): a key the block
 sets to another value is refused naming both keys, a key it leaves out is filled in (the completed
 block is what the checkpoint records; ``ImportResult.moe_block``); every HF tensor is mapped
-(``hf_families``), a tensor left over, missing or of another shape than the config's refused by name
+(``hf_mapping``), a tensor left over, missing or of another shape than the config's refused by name
 (``hf_sizes``, which checks the config's sizes first) -- from the safetensors headers,
 before a tensor is read. Then the checkpoint is written as the 1-rank ``GPTModel``'s
 (``checkpoint.one_rank``; step 0, optimizer and lr scheduler fresh), one plugin tensor (one
@@ -46,8 +46,8 @@ from moe_plugin.checkpoint.one_rank import OneRankPlan
 from moe_plugin.checkpoint.trust import trust_argument
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.configs.schema import ROOT_KEY, load_ds_config
-from moe_plugin.interop.hf_arch import DEEPSEEK_ROUTED, HFArchitecture, read_hf_config
-from moe_plugin.interop.hf_families import HFMapping
+from moe_plugin.interop.hf_arch import HFArchitecture, read_hf_config
+from moe_plugin.interop.hf_mapping import HFMapping
 from moe_plugin.interop.hf_files import HFWeights, check_hf_files, tokenizer_files
 from moe_plugin.interop.hf_sizes import check_shapes
 
@@ -221,7 +221,7 @@ def import_plan(arch: HFArchitecture, weights: HFWeights, where: str,
     wanted = mapping.hf_keys()
     left = sorted(k for k in weights.names() if k not in wanted and not k.endswith(DERIVED)
                   and not (arch.tied and k == "lm_head.weight"))
-    if arch.model_type in DEEPSEEK_ROUTED:
+    if arch.family.extra_layers:
         beyond = [k for k in left if (m := LAYER.match(k)) and int(m.group(1)) >= arch.num_layers]
         if beyond:
             layers = sorted({int(LAYER.match(k).group(1)) for k in beyond})

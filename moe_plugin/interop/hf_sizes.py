@@ -199,8 +199,7 @@ def plugin_shapes(arch: Any) -> dict[str, tuple[list[int], list[tuple[str, Any]]
     h, v, n, g, d = (("hidden_size", H), ("vocab_size", V), ("num_attention_heads", heads),
                      ("num_key_value_heads", groups), ("head_dim", D))
     E = (experts_key(a), a.num_experts)
-    F = ("intermediate_size" if a.model_type in ("mixtral", "olmoe", "gpt_oss") else "moe_intermediate_size",
-         a.expert_ffn_hidden_size)
+    F = (a.family.expert_ffn_key, a.expert_ffn_hidden_size)
     S = ("n_shared_experts x moe_intermediate_size" if a.router_bias or a.mla else "shared_expert_intermediate_size",
          a.shared_ffn_hidden_size)
     dense = ("intermediate_size", a.ffn_hidden_size)

@@ -1,0 +1,18 @@
+"""Llama: the dense decoder every family's attention and norms follow (upcycling's source)."""
+from moe_plugin.interop.families.base import Family
+
+
+class Llama(Family):
+    model_type, architecture, config_class = "llama", "LlamaForCausalLM", "LlamaConfig"
+    title, order = "Llama", 100
+    moe = False
+    infer_rank = 99
+
+    def config_fields(self, arch, common):
+        return dict(attention_bias=False, mlp_bias=False)
+
+    def infers(self, features):
+        return not features["moe"]
+
+
+FAMILY = Llama()
