@@ -1,61 +1,11 @@
-"""``save_checkpoint``, ``load_checkpoint``, ``checkpoint_exists`` (usage: the package docstring).
+"""``save_checkpoint``, ``load_checkpoint``, ``checkpoint_exists`` for ``DeepSpeedEngine`` (a ``GPTModel``)
+and ``PipelineEngine`` (``pipeline.gpt_pipeline_module``).
 
-Both engines: ``DeepSpeedEngine`` (a ``GPTModel``) and ``PipelineEngine`` (``moe.parallel.pipeline``
-> 1, ``pipeline.gpt_pipeline_module``; also the marker, the experts and the RNG per stage).
-
-What DeepSpeed 0.19.8 does by itself, and why this module exists: our engine marker
-(``compat.deepspeed_moe.DeepSpeedMoEMarker``) is a ``deepspeed.moe.layer.MoE`` without experts of its own,
-so ``engine.save_checkpoint`` takes its MoE path, writes no expert files (``_save_moe_checkpoint``
-looks for ``deepspeed_experts`` keys) and saves the module state from data-parallel rank 0 only: the
-expert shards of the other EP ranks are lost. The PipelineEngine takes the same path: one
-``mp_rank_XX`` file per (stage, TP rank) holding the stage's whole module state, no per-layer
-``layer_XX-model_states.pt`` files; on load it refuses ``custom_load_fn``. Here:
-
-* The training state is written once. DeepSpeed writes its module files (lr scheduler, step
-  counters, client state, buffers and frozen weights) through its checkpoint engine, for which one
-  of ours stands in during the save (``_deepspeed_files``): its optimizer files are left out (the
-  optimizer record holds masters and moments: ``optimizer``), and so are the expert weights and,
-  under ZeRO-1/2 and bf16, the trained dense weights (each is its fp32 master rounded, which the
-  record holds). A load takes the optimizer state from the record at any layout, the same layout
-  too (``resharded``); the marker reports no local experts while the engine loads, and a
-  ``load_state_dict`` pre-hook puts our experts and the dense weights rounded from the record into
-  the module state it loads (``expert_files.experts_into_load``; DeepSpeed's own names and loader:
-  ``compat.deepspeed_checkpoint``). Checkpoints of format version 1 keep DeepSpeed's files whole
-  and load as they did.
-* Experts are stored by **global expert id**, one safetensors file per id and pipeline stage
-  holding the full expert (ETP shards joined) of every MoE layer of that stage, whatever EP rank
-  each layer placed it on (``experts.placement``; the metadata records every layer's placement),
-  with the expert rows of the optimizer record; a synchronous save writes them layer by layer
-  (``expert_files.write_expert_files``). Loading gives the model the checkpoint's placements (its
-  own do not matter) and cuts the experts for them.
-* Each rank saves its RNG states and its routers' noise generators and not-yet-applied load counts;
-  the aux-loss-free bias is a module buffer.
-* ``moe_plugin.json`` (``metadata``) records shapes per stage, the ``moe`` block, layout, ZeRO
-  stage, engine kind and placement. ``load_checkpoint`` checks it against the running model on every
-  rank, before anything is read into the model, and fails on all ranks alike.
-
-On disk, atomicity, integrity and what may change between save and load: docs/checkpoints.md. In
-code: everything is written into ``save_dir/.tmp-TAG`` and, after a barrier, rank 0 renames it to
-``TAG`` and then replaces ``latest`` (``files.commit_tag``; stale temporary directories: ``files.remove_stale``).
-``files`` records the size and sha256 of every file in the metadata, checks them before a load reads
-anything, and reads every file through ``read_torch`` / ``read_json``, so a damaged file is a
-``CheckpointError`` naming it on every rank. Resharding: experts are cut again from the global-id
-files of their stage (``expert_files.read_experts``), their rows of the optimizer record with them;
-after a TP or pipeline-size change the dense weights of every saved TP rank (and stage) are joined
-and each rank cuts its own, key by key (``recut_dense``: ``reshard.own_dense``), read
-in the running model kind's names (``keys``). The optimizer state follows any layout or ZeRO-stage
-change through the optimizer record (``optimizer``: written by every save into ``optimizer/`` and
-the expert files, joined and cut like the weights by ``read_record``, written back after DeepSpeed
-loaded the weights only); RNG streams do not (the token split changed). Checkpoints without the
-record: ``metadata.check_optimizer_can_follow``. Not yet: fp16.
-
-Which tag a load takes (the newest that verifies when ``latest``'s does not), which tags a save
-keeps (``keep_last``), a write that fails on any rank: ``tags``.
-A run that loaded a checkpoint of ``moe-plugin import-hf`` (or one trained from it) writes its
-``architecture`` and ``hf`` records and tokenizer files into every tag it saves (``hf_origin``), so
-``export-hf`` of the trained checkpoint has the imported model's tokenizer, config keys and dtype.
-``async_save=True``: the files recorded (host copies) instead of written, then written, hashed and
-committed by a background writer, the same steps on a process group of its own (``background``).
+Experts go into files by global id and the optimizer state into a layout-independent record (DeepSpeed's
+MoE save path alone keeps data-parallel rank 0's experts only). A save is atomic; a load is checked
+against the running model on every rank before anything is read into it, and fails on all ranks
+alike. Every parallel size, the ZeRO stage and the model kind may change in between.
+Design: docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -155,19 +105,13 @@ PLAIN_KINDS = {RNG_DIR: RNG_KIND, RECORD_DIR: RECORD_KIND}   # the folders of ``
 
 @dataclass(frozen=True)
 class Owned:
-    """A file's content made for this save (no tensor of it is the training state's): an
-    asynchronous save keeps it as it is instead of copying it (``background.Capture.record``)."""
+    """Content made for this save (none of it training state): an asynchronous save does not copy it."""
 
     value: Any
 
 
 def _write(obj: Any, path: str) -> None:
-    """Every file of ours written whole goes through here (one place to make a save fail in tests;
-    a synchronous save writes the expert files layer by layer instead, ``write_expert_files``): an
-    expert file's content as safetensors (``write_expert_file``), the optimizer record and the rng
-    state as ``plain_files`` (no pickle: nothing a load reads can run code).
-    Inside an asynchronous save's capture, the file is recorded (a host copy, or the content itself
-    when ``obj`` is ``Owned``) and written by the background writer, through this function again."""
+    """Write one file of ours whole (an asynchronous save's capture records it instead)."""
     owned = isinstance(obj, Owned)
     obj = obj.value if owned else obj
     capture = capturing()
@@ -197,18 +141,15 @@ def _write_bytes(data: bytes, path: str) -> None:
 def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = None,
                     client_state: Optional[dict] = None, save_latest: bool = True,
                     keep_last: Optional[int] = None, async_save: bool = False) -> str:
-    """Save ``run`` (what ``moe_plugin.initialize`` returned: ``engine``, ``groups``, ``moe_config``)
-    into ``save_dir/tag``; collective, every rank calls it. Returns the tag's directory. The step
-    boundary is applied first (``run.end_step()``): the routers' ``expert_bias`` is saved with the
-    last step's aux-loss-free update, and no load is left pending. ``keep_last`` N: once committed,
-    the tags beyond the newest N are removed (``tags.prune``). A write that fails on any rank (no
-    space left) is a ``CheckpointError`` on every rank naming ``save_dir``; nothing is committed.
+    """Save ``run`` (``moe_plugin.initialize``'s result) into ``save_dir/tag``; collective. Returns the
+    tag's directory.
 
-    ``async_save``: the state is copied to host memory now and the files are written, hashed and
-    committed by a background thread (``background``; the same files, byte for byte); the
-    returned directory exists once ``poll_save`` / ``wait_for_save`` returned it. A save still in
-    flight is waited for first (its failure raised here); a failure of this one is raised by
-    ``poll_save`` or ``wait_for_save``, on every rank at the same call."""
+    The step boundary is applied first (``run.end_step()``). ``keep_last`` N: once committed, the tags
+    beyond the newest N are removed. A write that fails on any rank is a ``CheckpointError`` on every
+    rank naming ``save_dir``; nothing is committed. ``async_save``: the state is copied to host memory
+    and written by a background thread (the same files); the directory exists once ``poll_save`` /
+    ``wait_for_save`` returned it, and a failure is raised by those, on every rank at the same call.
+    A save still in flight is waited for first."""
     check_keep_last(keep_last)
     found = unadmitted(client_state, "client_state")
     if found:   # DeepSpeed pickles it into its module file, which a load reads admitting plain data only
@@ -285,16 +226,8 @@ def save_checkpoint(run: Any, save_dir: os.PathLike | str, tag: Optional[str] = 
 @contextlib.contextmanager
 def _deepspeed_files(engine: Any, capture: Optional[Capture], once: bool) -> Iterator[tuple[list[str],
                                                                                           list[OSError]]]:
-    """DeepSpeed's files of the save: written by its checkpoint engine, or recorded into ``capture``
-    and written by that same engine in the background. ``once``: what the plugin's files hold is
-    not written again -- DeepSpeed's optimizer files (ZeRO's partitions, the MoE path's per EP rank:
-    the optimizer record holds that state, and every load of such a checkpoint reads it from there)
-    and, in its module files, the expert weights (the expert files hold them) and the dense weights
-    that are their fp32 masters rounded (the dense record holds the masters: ``readers.open_module``
-    rounds them back). Yields (what a file held that a load would refuse, ``torch_files.unadmitted``:
-    such a file is not written; the ``OSError`` of a write that failed, no space left: DeepSpeed's
-    save goes on to its last barrier writing nothing more, so every rank then agrees on the failure).
-    The recovery scripts DeepSpeed copies fail the same way (``copying_recovery_scripts``)."""
+    """DeepSpeed's files, written by its checkpoint engine (or recorded into ``capture``) without what
+    ours hold (``once``); yields (refused contents, failed writes) to raise after DeepSpeed's save."""
     refused: list[str] = []
     failed: list[OSError] = []
     if capture is None and not intercepts(engine):   # one that cannot be stood in for writes as it does
@@ -342,17 +275,15 @@ def _writer(run: Any) -> SaveWriter:
 
 
 def wait_for_save(run: Any) -> Optional[str]:
-    """Wait for ``run``'s asynchronous save in flight, if any: the directory of its committed tag,
-    or None without one. Its failure is a ``CheckpointError``, the same on every rank (each rank
-    may call it at a different time: the writers agreed on it). Call it before the process ends."""
+    """The directory of ``run``'s asynchronous save once committed (None without one); its failure a
+    ``CheckpointError``, the same on every rank. Not collective; call it before the process ends."""
     saves = getattr(run, "saves", None)
     return saves.wait() if saves is not None else None
 
 
 def poll_save(run: Any) -> Optional[str]:
-    """Collective, e.g. after every step, while an asynchronous save is in flight: once every
-    rank's writer is done, the directory of the committed tag (or its failure raised on every rank
-    at this same call); None while it is still being written, or without one (no collective then)."""
+    """Collective, e.g. after every step: the committed tag's directory once every writer is done (or
+    its failure, on every rank); None while writing, or without a save in flight (no collective then)."""
     saves = getattr(run, "saves", None)
     return saves.poll() if saves is not None else None
 
@@ -366,12 +297,11 @@ def _check_tag(tag: str) -> str:
 
 # -- load ----------------------------------------------------------------------------------------
 def checkpoint_exists(load_dir: os.PathLike | str) -> bool:
-    """Whether ``load_dir`` holds a committed checkpoint (a ``latest`` file); collective, every rank
-    gets the same answer. False for a missing or empty directory (also one holding only what an
-    interrupted first save left, DeepSpeed's recovery scripts included): a first run may name its
-    ``--save`` directory in ``--load``.
-    A directory with other entries but no ``latest`` raises ``CheckpointError``: it is not empty,
-    and starting from scratch there would hide a lost checkpoint."""
+    """Whether ``load_dir`` holds a committed checkpoint (a ``latest`` file); collective.
+
+    False for a missing or empty directory (or one holding only what an interrupted first save left).
+    A directory with other entries but no ``latest`` raises ``CheckpointError``: starting from scratch
+    there would hide a lost checkpoint."""
     load_dir = os.fspath(load_dir)
 
     def look() -> bool:
@@ -397,18 +327,14 @@ def load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str] = 
                     load_module_only: bool = False, load_rng_states: bool = True,
                     trust: bool = False) -> tuple[str, dict]:
     """Load ``load_dir/tag`` (default: the ``latest`` tag) into ``run``; collective. Returns
-    DeepSpeed's ``(load_path, client_state)``. Raises ``CheckpointError`` on every rank, before
-    the model changes, when the checkpoint does not fit the model. RNG states (and the routers'
-    pending load counts) come back when every rank sees the tokens it saw when saving (same world
-    size, tp, dp, pp and order; EP and ETP may differ). What the metadata lists in ``fresh_states``
-    (an upcycled checkpoint's optimizer, and lr scheduler after ``keep_iteration=False``) is not
-    loaded whatever is asked: the checkpoint holds none. Without ``tag``, a ``latest`` tag that fails
-    verification is reported in one line (rank 0) and the newest tag that verifies is loaded
-    (``tags.choose_tag``); ``strict=True`` raises instead, as a named tag that fails always does.
-    No file is read in a way that can run code from it: tensors and plain data only, the classes
-    DeepSpeed writes, a ``CheckpointError`` naming the file for anything else, and for a tag of
-    pickles an earlier moe_plugin wrote. ``trust=True`` reads them as torch does (it runs what a
-    pickle names: for checkpoints whose every writer you trust)."""
+    DeepSpeed's ``(load_path, client_state)``.
+
+    Raises ``CheckpointError`` on every rank, before the model changes, when the checkpoint does not
+    fit the model. RNG states come back when every rank sees the tokens it saw when saving (same world
+    size, tp, dp, pp and order). ``fresh_states`` of the metadata are never loaded. Without ``tag``, a
+    ``latest`` tag that fails verification falls back to the newest tag that verifies; ``strict=True``
+    raises instead. ``trust=True`` reads pickles as torch does (runs what they name): only for
+    checkpoints whose every writer you trust."""
     with trusting(trust):
         return _load_checkpoint(run, load_dir, tag, strict, load_optimizer_states, load_lr_scheduler_states,
                                 load_module_only, load_rng_states)
@@ -483,8 +409,7 @@ def _load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str], 
 
 
 def read_rng(path: str, rank: int) -> Optional[dict]:
-    """``rank``'s random streams in tag ``path`` (``rng_state``), or None when it has none: a
-    ``plain_files`` file, or before format version 3 a pickle (read only when trusted)."""
+    """``rank``'s random streams in tag ``path``, or None when it has none."""
     file = rng_file(path, rank)
     if os.path.isfile(file):
         return read_plain(file, RNG_KIND)
@@ -493,9 +418,8 @@ def read_rng(path: str, rank: int) -> Optional[dict]:
 
 
 def hf_origin(path: str, meta: dict) -> Optional[dict]:
-    """What a checkpoint ``import-hf`` wrote (or one trained from it) hands on to every save of the
-    run that loads it: {"record": its ``architecture`` and ``hf`` metadata, "files": {name in the
-    tag: bytes} of the tokenizer files, read on rank 0 (which writes them)}; None for others."""
+    """What a checkpoint of ``import-hf`` hands on to every save of the run that loads it ({"record",
+    "files": tokenizer files}); None for other checkpoints."""
     if "hf" not in meta:
         return None
     record = {key: meta[key] for key in ORIGIN_KEYS if key in meta}
@@ -508,11 +432,8 @@ def hf_origin(path: str, meta: dict) -> Optional[dict]:
 
 
 def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:
-    """This rank's dense entries, cut for the running layout out of the dense weights of every saved
-    TP rank of its pipeline stage -- of every saved stage after a pipeline-size change (pipeline keys
-    name global pieces, so each stage takes its own) -- key by key (``reshard.own_dense``: each
-    tensor read when its key comes, joined, cut), and the rest of the first DeepSpeed file
-    (counters, lr scheduler, client state; its module tensors left unread)."""
+    """This rank's dense entries cut for the running layout from every saved TP rank (and stage), key
+    by key, and the rest of the first DeepSpeed file."""
     pieces: dict[str, list] = {}
     header = None
     for stage in saved_stages(meta, run.groups):
@@ -527,24 +448,20 @@ def recut_dense(run: Any, path: str, meta: dict) -> tuple[dict, dict]:
 
 
 def check_own_module(run: Any, path: str, meta: dict) -> None:
-    """This rank's module file at the saved layout, its tensors' shapes and dtypes against the metadata
-    (``readers.open_module``; nothing is read but the file's pickle)."""
+    """This rank's module file at the saved layout, checked against the metadata."""
     coords = run.groups.layout.coords(dist.get_rank())
     open_module(path, meta, coords["pp"], coords["tp"])
 
 
 def own_record_weights(run: Any, path: str) -> dict:
-    """At the saved layout: this rank's dense weights that DeepSpeed's module file left out, read
-    from the record (``readers.record_weights``) and put into its module load with the experts."""
+    """At the saved layout: the dense weights DeepSpeed's file left out, from the optimizer record."""
     coords = run.groups.layout.coords(dist.get_rank())
     return {k: v.read() for k, v in record_weights(path, coords["pp"], coords["tp"]).items()}
 
 
 def read_record(run: Any, path: str, meta: dict) -> tuple[dict, list[str], dict, list[dict]]:
-    """This rank's dense optimizer state for the running layout, cut as ``recut_dense`` cuts the
-    weights out of the optimizer record of every saved TP rank (and stage), tensor by tensor:
-    ({state name: {key: tensor}}, the state names, the scalars such as Adam's ``step``, the param
-    groups' lr and the like)."""
+    """This rank's dense optimizer state cut as ``recut_dense`` cuts the weights: ({state name: {key:
+    tensor}}, state names, scalars, param groups' options)."""
     model, groups = run.engine.module, run.groups
     records = [[_record(path, stage, r) for r in range(meta["layout"]["tp"])] for stage in saved_stages(meta, groups)]
     first = records[0][0]
@@ -568,8 +485,7 @@ def _record(path: str, stage: int, tp_rank: int) -> dict:
 
 
 def _check_experts_loaded(model: nn.Module, experts: dict, path: str) -> None:
-    """The module holds our experts (not the shards in DeepSpeed's file): a DeepSpeed that loaded
-    the module some other way than ``load_state_dict`` would otherwise go unnoticed."""
+    """The module holds our experts, not DeepSpeed's file's (a load other than ``load_state_dict``)."""
     state = model.state_dict()
     wrong = [k for k, v in experts.items() if not torch.equal(state[k], v.to(state[k].dtype))]
     if wrong:

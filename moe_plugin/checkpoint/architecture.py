@@ -1,12 +1,10 @@
 """Whether the running model is built like the one a checkpoint records (``architecture`` in its metadata).
 
-A checkpoint written by ``moe-plugin import-hf`` records the Megatron ``TransformerConfig`` fields
-and ``GPTModel`` arguments of the imported architecture and the example's flags that set them.
-Shapes alone do not tell a RoPE model from one with learned positions (which has one more weight,
-but a missing one is named by key, not by flag), RMSNorm from LayerNorm without biases, or two
-norm epsilons apart: ``architecture_problems`` names each field that differs and the flag that sets
-it. Checkpoints without the record (saved by a training run) are compared on their ``"model"``
-record instead (``metadata.architecture_differences``).
+A checkpoint of ``moe-plugin import-hf`` records the imported architecture's ``TransformerConfig``
+fields and ``GPTModel`` arguments and the example's flags that set them: shapes alone do not tell RoPE
+from learned positions, RMSNorm from LayerNorm without biases, or two norm epsilons apart.
+``architecture_problems`` names each field that differs and its flag. Checkpoints without the record
+are compared on their ``"model"`` record (``metadata.architecture_differences``).
 """
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def architecture_problems(meta: dict, running: dict) -> list[str]:
-    """One line per recorded architecture field that the running model (its ``metadata.model_description``)
-    has otherwise."""
+    """One line per recorded architecture field that the running model has otherwise."""
     record = meta.get("architecture")
     if not record:
         return []

@@ -1,22 +1,9 @@
 """Asynchronous saves: the state copied to host memory at the step boundary, the files written,
 hashed and committed by a thread while training goes on (``save_checkpoint(..., async_save=True)``).
 
-* ``Capture``: while ``save_checkpoint`` runs, every file it would write -- ours through
-  ``api._write``, DeepSpeed's through its checkpoint engine
-  (``compat.deepspeed_checkpoint_engine``) -- is recorded instead as (host copy of the object,
-  path, the function that writes it). The copy (``host_copy``) keeps the object's structure
-  whole (shared tensors stay shared, views keep their storage and offset, ``requires_grad`` and
-  the tensor type stay), so ``torch.save`` writes the same bytes as it would have at the step.
-  On an accelerator the storages are copied to the CPU (then the files record the CPU as the
-  tensors' location, where a synchronous save records the device; every load here maps to the CPU).
-* ``SaveWriter``: one per run (``Initialized.saves``), with a gloo group of its own over the job
-  (made at the first asynchronous save, every rank at the same save), so that the thread's
-  collectives never interleave with training's. ``start`` runs, in a thread, what a synchronous
-  save runs after its writes began: the files written (a failure on any rank agreed on every rank:
-  ``tags.saving``), ``files.checksums``, rank 0's metadata and ``files.commit_tag`` (and
-  ``keep_last``). ``wait`` joins it and raises its ``CheckpointError`` (the same text on every
-  rank: the thread agreed on it); ``poll`` (collective, once per step) does so once every rank's
-  thread is done, so every rank reports a failure at the same step.
+``Capture`` records every file a save would write as a host copy that ``torch.save`` writes to the
+same bytes; ``SaveWriter`` (one per run, with a gloo group of its own) writes and commits them in a
+thread, and raises a failure on every rank at the same ``poll``. Design: docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -41,12 +28,8 @@ _capture: contextvars.ContextVar[Optional["Capture"]] = contextvars.ContextVar("
 
 # -- the copy ---------------------------------------------------------------------------------------
 def host_copy(obj: Any, values_only: bool = False) -> Any:
-    """A copy of ``obj`` that training can no longer change, its tensors in host memory (module
-    docstring). Containers and other objects are deep-copied; tensors through ``_tensor_copy``.
-    ``values_only``: for a file that stores each tensor's values alone (safetensors), each tensor
-    is copied by itself, its own elements only: a view of a larger storage (an expert's row of a
-    layer's weight, itself a view of DeepSpeed's flat buffer of every layer) does not bring the
-    whole storage along, as keeping views intact for ``torch.save`` must."""
+    """A copy of ``obj`` training can no longer change, in host memory, its structure kept (shared tensors
+    shared, views on their storage); ``values_only``: each tensor alone (safetensors files)."""
     memo: dict = {}
     storages: dict = {}
     _seed_tensors(obj, memo, storages, set(), values_only)
@@ -54,8 +37,7 @@ def host_copy(obj: Any, values_only: bool = False) -> Any:
 
 
 def _seed_tensors(obj: Any, memo: dict, storages: dict, seen: set, values_only: bool) -> None:
-    """Put the host copy of every tensor reachable through dicts, lists and tuples into ``memo``
-    (deepcopy's), so that ``copy.deepcopy`` uses it; tensors elsewhere deepcopy copies itself."""
+    """Put the host copy of every tensor in dicts, lists and tuples into deepcopy's ``memo``."""
     if id(obj) in seen:
         return
     seen.add(id(obj))
@@ -105,8 +87,7 @@ class Capture:
 
     def record(self, obj: Any, path: str, write: Callable[[Any, str], None], values_only: bool = False,
                owned: bool = False) -> None:
-        """``owned``: ``obj`` was made for this save (no tensor of it is the training state's), so on
-        the host it is kept as it is, not copied a second time."""
+        """``owned``: ``obj`` was made for this save, so it is kept as it is, not copied again."""
         self.jobs.append((obj if owned and _on_host(obj) else host_copy(obj, values_only), path, write))
 
     def write_all(self) -> None:
@@ -138,7 +119,7 @@ def capture_into(capture: Optional[Capture]) -> Iterator[None]:
 
 # -- the writer -----------------------------------------------------------------------------------
 class SaveWriter:
-    """The background writer of a run's asynchronous saves (module docstring); one save at a time."""
+    """The background writer of a run's asynchronous saves; one save at a time."""
 
     def __init__(self):
         self.group: Optional[dist.ProcessGroup] = None
@@ -179,8 +160,7 @@ class SaveWriter:
         return self._thread is None or not self._thread.is_alive()
 
     def wait(self) -> Optional[str]:
-        """Join the pending save: its tag's directory, None without one; its ``CheckpointError``
-        raised (the same on every rank). Not collective: the thread agreed."""
+        """Join the pending save: its tag's directory (None without one), or its ``CheckpointError``."""
         if self._thread is None:
             return None
         self._thread.join()
@@ -191,9 +171,7 @@ class SaveWriter:
         return self.path
 
     def poll(self) -> Optional[str]:
-        """Collective (every rank, e.g. once per step) while a save is pending: once every rank's
-        thread is done, ``wait()`` (the tag's directory, or its error raised on every rank at
-        this same call); else None. No collective when nothing is pending."""
+        """Collective while a save is pending: ``wait()`` once every rank's thread is done, else None."""
         if self._thread is None:
             return None
         from deepspeed.accelerator import get_accelerator
@@ -204,8 +182,7 @@ class SaveWriter:
         return self.wait() if int(flag.item()) else None
 
     def close(self) -> None:
-        """Wait for a pending save (its failure logged, not raised: call ``wait`` to have it
-        raised) and destroy the writer's group."""
+        """Wait for a pending save (its failure logged, not raised) and destroy the writer's group."""
         try:
             self.wait()
         except CheckpointError as err:

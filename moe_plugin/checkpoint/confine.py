@@ -1,18 +1,11 @@
 """Files from elsewhere stay inside their directory; files a save writes are created new.
 
-A checkpoint tag, an HF model directory and a tokenizer record name files by paths relative to
-their directory. Each such path goes through ``inside`` before anything is read, hashed or
-copied: a relative name of plain parts (not absolute, no ``..``, no NUL) that resolves inside the
-directory, through any links (Python's tarfile ``data`` filter, PEP 706, is the model), and no
-regular file with a second hard link (its other name may lie anywhere). ``check_tree`` holds every
-entry of a directory to the same rules (what DeepSpeed opens by its own names included);
-``not_a_link`` refuses a tag directory that is itself a link; ``hf_cache_root``: where a Hugging Face
-cache snapshot's links may lead (its repository's blobs).
-
-A save never follows a link: ``write_new`` and ``copy_new`` create their file
-(``O_CREAT | O_EXCL | O_NOFOLLOW``), so a name taken by a planted link or file is an error, never
-written through; ``refuse_link`` names a stale temporary that is a link. Errors are one line,
-``CheckpointError``: ``FILE[: KEY]: what is wrong; what is valid``.
+Every path a checkpoint tag, an HF model directory or a tokenizer record names goes through
+``inside`` before anything is read: a relative name of plain parts that resolves inside the directory
+through any links (the model: Python's tarfile ``data`` filter, PEP 706), and no regular file with a
+second hard link. ``check_tree`` holds every entry of a directory to the same rules. ``write_new`` and
+``copy_new`` create their file (``O_CREAT | O_EXCL | O_NOFOLLOW``), never writing through a link.
+Errors are one line, ``CheckpointError``: ``FILE[: KEY]: what is wrong; what is valid``.
 """
 from __future__ import annotations
 
@@ -31,9 +24,7 @@ def _within(path: str, root: str) -> bool:
 
 
 def inside(root: str, name: Any, where: str, within: Optional[str] = None) -> str:
-    """``root/name``, once ``name`` (a path that ``where`` -- ``FILE[: KEY]`` -- names) is known to
-    stay inside ``root`` (module docstring). ``within``: the directory links may resolve into
-    (default ``root``; a Hugging Face cache snapshot's links point into its repository's blobs)."""
+    """``root/name`` once ``name`` (named by ``where``) stays inside ``root``; links may resolve into ``within``."""
     valid = f"a path relative to {root}, inside it"
     if not isinstance(name, str) or not name or "\x00" in name:
         raise CheckpointError(f"{where}: {name!r} is not a file name; expected {valid}")
@@ -47,8 +38,7 @@ def inside(root: str, name: Any, where: str, within: Optional[str] = None) -> st
 
 
 def _check_entry(full: str, root: str, within: Optional[str] = None) -> None:
-    """Refuse ``full`` (an entry under ``root``) when it is a link leading outside ``within``
-    (default ``root``) or a regular file with more than one hard link; a missing one passes."""
+    """Refuse an entry under ``root`` that links outside ``within`` or has a second hard link."""
     bound = os.path.realpath(within or root)
     real = os.path.realpath(full)
     if not _within(real, bound):
@@ -64,9 +54,7 @@ def _check_entry(full: str, root: str, within: Optional[str] = None) -> None:
 
 
 def hf_cache_root(directory: str) -> str:
-    """The directory the links of ``directory`` may resolve into: itself, or for a snapshot of the Hugging
-    Face cache (``models--ORG--NAME/snapshots/REVISION``, whose files link to ``../../blobs/``) the
-    repository's folder."""
+    """Where the links of ``directory`` may resolve: itself, or a Hugging Face cache snapshot's repository."""
     snapshots = os.path.dirname(os.path.realpath(directory))
     repo = os.path.dirname(snapshots)
     if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith("models--"):
@@ -83,8 +71,7 @@ def not_a_link(path: str, what: str = "a tag") -> str:
 
 
 def check_tree(root: str, within: Optional[str] = None) -> None:
-    """Every entry under ``root``: no link leading outside ``within`` (default ``root``), no regular
-    file with a second hard link; ``root`` itself no link. Links are not followed into."""
+    """Every entry under ``root`` held to ``_check_entry``'s rules, ``root`` itself no link; links not followed."""
     not_a_link(root, "a directory")
     pending = [root]
     while pending:

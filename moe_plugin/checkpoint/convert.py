@@ -1,24 +1,12 @@
-"""A checkpoint of an earlier moe_plugin, whose own files are pickles, rewritten in the format that
-holds none (version 3), so that loading it never runs code from a file.
+"""A checkpoint of an earlier moe_plugin, whose own files are pickles, rewritten in format version 3,
+which holds none, so that loading it never runs code from a file.
 
-    convert_checkpoint("old_ckpt", "new_ckpt")      # or: moe-plugin convert-checkpoint old_ckpt --out new_ckpt
+    convert_checkpoint("old_ckpt", "new_ckpt")   # or: moe-plugin convert-checkpoint old_ckpt --out new_ckpt
 
-Run it once, as someone who trusts the checkpoint: it reads the pickles as torch does
-(``trusting``), which runs whatever they name. Every recorded file is first checked against its
-checksum. Then, file by file, into ``out_dir/TAG`` (``files.tag_written_here``: nothing is left
-on failure; ``latest`` points at it):
-
-* ``rng/rank_RRRRR.pt`` -> ``rng/rank_RRRRR.safetensors`` (``plain_files``; NumPy's state included);
-* ``optimizer/dense_pp_SS_tp_TT.pt`` -> ``.safetensors`` (``plain_files``), tensor by tensor;
-* ``experts/expert_EEEEE_pp_SS.pt`` (format version 1) -> the safetensors expert file, tensor by tensor;
-* DeepSpeed's files and every other file: copied as they are, once each ``.pt`` of them is known
-  to hold nothing but what a load admits (tensors, plain data, ``torch_files.DEEPSPEED_GLOBALS``;
-  read without trust: a file holding anything else is refused in one line naming it and the class).
-
-The metadata is the old one with ``"version": 3``, ``"converted_from"`` (the old version and
-directory) and the new files' checksums. The weights, optimizer state and random streams are
-bit for bit the old ones (``tests/test_safe_loading.py`` resumes from both and compares).
-One process, no process group; the peak holds one tensor.
+Run it once, as someone who trusts the checkpoint: it reads the pickles as torch does. The weights,
+optimizer state and random streams come out bit for bit; DeepSpeed's files are copied once each is
+known to hold only what a load admits. One process; nothing is left on failure. What is rewritten:
+docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -54,9 +42,8 @@ EXPERT_NAME = re.compile(r"expert_(\d+)_pp_(\d+)\.pt")
 
 def convert_checkpoint(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, tag: Optional[str] = None,
                        progress: Optional[Callable[[str], None]] = None) -> dict:
-    """Rewrite ``ckpt_dir/tag`` (default: its ``latest``) into ``out_dir/tag`` in format version 3
-    (module docstring). Returns {"path", "rewritten" (names), "copied" (names), "seconds"}. Raises
-    ``CheckpointError`` before anything is committed."""
+    """Rewrite ``ckpt_dir/tag`` (default ``latest``) into ``out_dir/tag`` in format version 3; returns
+    {"path", "rewritten", "copied", "seconds"}. Raises ``CheckpointError`` before anything is committed."""
     say = progress or logger.info
     began = time.perf_counter()
     ckpt_dir, out_dir = os.fspath(ckpt_dir), os.fspath(out_dir)
@@ -113,8 +100,7 @@ def _rewrite(source: str, target: str, folder: str) -> None:
 
 
 def _expert_file(source: str, content: object, target: str) -> None:
-    """A format-1 expert file's content (weights, optimizer rows, placement) as the safetensors
-    expert file of the same expert and stage."""
+    """A format-1 expert file's content as the safetensors expert file of the same expert and stage."""
     found = EXPERT_NAME.fullmatch(os.path.basename(source))
     if not isinstance(content, dict) or isinstance(content, Opaque) or found is None:
         raise CheckpointError(f"{source}: not an expert file")

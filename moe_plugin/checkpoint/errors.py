@@ -1,7 +1,5 @@
-"""The one error a checkpoint raises, and how every rank comes to raise it alike.
-
-``agree`` turns one rank's failure into the same ``CheckpointError`` on every rank, so no rank
-goes on to load while another stops.
+"""The one error a checkpoint raises; ``agree`` makes one rank's failure the same ``CheckpointError``
+on every rank, so no rank goes on to load while another stops.
 """
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ def first_line(exc: BaseException) -> str:
 
 
 def agree(fn: Callable[[], Any], group: Optional[dist.ProcessGroup] = None) -> Any:
-    """``fn()`` on every rank; if it raised ``CheckpointError`` on any, raise it on all. ``group``:
-    the ranks that agree (default: the world; an asynchronous save's writer: its own group)."""
+    """``fn()`` on every rank of ``group`` (default: the world); a ``CheckpointError`` on any is raised on all."""
     error, value = None, None
     try:
         value = fn()

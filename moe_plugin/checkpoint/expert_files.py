@@ -1,16 +1,9 @@
-"""The expert files of a checkpoint (one per global expert id and stage), and how they go back in.
+"""The expert files of a checkpoint (one safetensors file per global expert id and stage), written
+from any placement and read back into any layout.
 
-* ``write_expert_files`` writes this rank's experts (ETP shards joined) into one safetensors file
-  per global id, layer by layer (``expert_layers``), with their placement and the expert rows of the
-  optimizer record (fp32 master and Adam's moments, whole over the expert-data-parallel group; a
-  weight that is its master rounded is written as the master only); an asynchronous save builds
-  the same content in memory (``expert_entries``) and writes it later (``write_expert_file``, the
-  same bytes); ``read_experts`` cuts the running layout's shards out of those files.
-* ``experts_into_load``: while DeepSpeed loads the module, our experts replace what its file holds
-  (its MoE save path writes the module state of data-parallel rank 0 only, so the expert shards of
-  one EP rank). A ``load_state_dict`` pre-hook on the module rather than DeepSpeed's
-  ``custom_load_fn``, which DeepSpeed's ``PipelineEngine`` refuses; the same for both engines.
-* ``marker_without_local_experts``: DeepSpeed looks for no ``layer_*_expert_*`` files of its own.
+Each file holds the full expert (ETP shards joined) of every MoE layer of its stage with its rows of
+the optimizer record. ``experts_into_load`` puts our experts into DeepSpeed's module load (a
+``load_state_dict`` pre-hook, the same for both engines). Design: docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -42,18 +35,8 @@ from moe_plugin.placement.migration import copies_in_placement
 
 # -- experts -------------------------------------------------------------------------------------
 def expert_layers(run: Any, fresh: bool = True) -> Iterator[tuple[Any, list[str], list[int], dict, dict]]:
-    """Layer by layer (each expert weight of the stage), after that layer's collectives: (the
-    weight, the record's state names, the global ids this rank writes, {id: full weight}, {state
-    name: {id: full row}}) -- empty dicts on the ranks that write none (ETP rank > 0 or EDP rank >
-    0). Collective over the job; one layer's tensors are alive at a time.
-
-    File ``e`` holds expert e of every MoE layer of the stage, but each layer may place expert e on
-    another EP rank (``experts.placement``): the layer's experts are first copied into the static
-    order (``placement.migration.copies_in_placement``, one exchange; the model does not change), so
-    EP rank p writes the files of experts ``[p * L, (p + 1) * L)``, with the rows of the optimizer
-    record (fp32 master and Adam's moments, whole over the expert-data-parallel group).
-    ``fresh=False`` (a synchronous save, which writes each layer before the next): tensors already
-    in that order are not copied; the gathered record rows are new tensors either way."""
+    """Per expert weight of the stage, after its collectives: (weight, state names, ids this rank writes,
+    {id: full weight}, {state name: {id: full row}}). Collective; one layer alive at a time."""
     engine, groups = run.engine, run.groups
     s, coords = groups.layout.sizes, groups.layout.coords(dist.get_rank())
     names = state_names(engine)[0] if record_kind(engine) is not None else []
@@ -70,10 +53,7 @@ def expert_layers(run: Any, fresh: bool = True) -> Iterator[tuple[Any, list[str]
 
 
 def expert_entries(run: Any, path: str) -> dict[str, dict]:
-    """{file path: content} of the expert files this rank writes ({} on the others), every layer in
-    memory: what an asynchronous save copies to the host (``write_expert_file`` writes each). Its
-    tensors are fresh copies (``copies_in_placement``), no view of the training state; a weight
-    whose file keeps its fp32 master instead is checked here and left out (``from_master``)."""
+    """{file path: content} of this rank's expert files, every layer in memory (an asynchronous save)."""
     coords = run.groups.layout.coords(dist.get_rank())
     files: dict[int, dict] = {}
     failure: Optional[CheckpointError] = None   # raised after the last layer: the collectives go on
@@ -97,8 +77,7 @@ def expert_entries(run: Any, path: str) -> dict[str, dict]:
 
 
 def write_expert_files(run: Any, path: str) -> None:
-    """The expert files this rank writes, layer by layer as ``expert_layers`` makes them (a
-    synchronous save: the peak holds one layer's experts); collective over the job."""
+    """Write this rank's expert files layer by layer (the peak holds one layer's experts); collective."""
     engine, groups = run.engine, run.groups
     coords = groups.layout.coords(dist.get_rank())
     writers: dict[int, TensorWriter] = {}
@@ -141,8 +120,7 @@ def _writers(engine: Any, groups: Any, names: list[str], ids: list[int], path: s
 
 
 def write_expert_file(entry: dict, path: str) -> None:
-    """One expert file from its content (``expert_entries``): the same bytes ``write_expert_files``
-    writes for it."""
+    """One expert file from its content (``expert_entries``): the bytes ``write_expert_files`` writes."""
     weights = {k: (v.dtype, list(v.shape)) for k, v in entry["weights"].items()}   # none where kept as masters
     states = {k: {n: (v.dtype, list(v.shape)) for n, v in s.items()} for k, s in entry["optimizer"].items()}
     specs = expert_file_specs(weights, states)
@@ -161,10 +139,8 @@ def _check_rounded(key: str, expert_id: int, master: Optional[torch.Tensor], wei
 
 
 def read_experts(run: Any, path: str, meta: dict, with_optimizer: bool) -> tuple[dict, dict]:
-    """This rank's expert shards cut from the global-id files, for the checkpoint's placement
-    (``meta``: its metadata): {key: stacked tensor}, the layers' ``experts.placement`` buffers
-    set to the checkpoint's included, and with ``with_optimizer`` {key: {state name: stacked
-    tensor}}. The model's own placement does not matter: it takes the checkpoint's."""
+    """This rank's expert shards for the checkpoint's placement ({key: stacked tensor}, placement buffers
+    included) and, ``with_optimizer``, {key: {state name: stacked tensor}}."""
     groups = run.groups
     s, coords = groups.layout.sizes, groups.layout.coords(dist.get_rank())
     weights = expert_weights(run.engine.module)
@@ -199,9 +175,7 @@ def read_experts(run: Any, path: str, meta: dict, with_optimizer: bool) -> tuple
 
 @contextlib.contextmanager
 def experts_into_load(model: nn.Module, experts: dict) -> Iterator[None]:
-    """Inside, ``model.load_state_dict(sd)`` loads ``experts`` (state-dict key -> tensor) in place of
-    the entries of ``sd`` with those keys. The hook runs on the root module before its children
-    read the (copied) state dict, so the whole load sees our experts."""
+    """Inside, ``model.load_state_dict(sd)`` loads ``experts`` ({key: tensor}) instead of ``sd``'s entries."""
     def swap(module, state_dict, prefix, *_args) -> None:
         for key, value in experts.items():
             state_dict[prefix + key] = value
@@ -215,7 +189,6 @@ def experts_into_load(model: nn.Module, experts: dict) -> Iterator[None]:
 
 @contextlib.contextmanager
 def marker_without_local_experts(model: nn.Module) -> Iterator[None]:
-    """While DeepSpeed loads, our marker reports no local experts, so ``load_moe_state_dict``
-    looks for no ``layer_*_expert_*`` files (ours are read by ``load_checkpoint``)."""
+    """While DeepSpeed loads, the marker has no local experts (no ``layer_*_expert_*`` files looked for)."""
     with no_local_experts(m for m in model.modules() if isinstance(m, DeepSpeedMoEMarker)):
         yield

@@ -1,16 +1,9 @@
 """Expert weights by global expert id: gather a rank's shards into full experts, cut them again.
 
-Shape suffixes: see ``moe_plugin.layers`` (swiglu's F1 holds the gate half first, then the up half).
-
-A ``GroupedExperts`` on EP rank ``r`` holds the experts of slots ``r * L ... r * L + L - 1``
-(``GroupedExperts.local_ids()``, from its ``placement`` buffer), each cut along F over
-the expert-tensor-parallel group: ``weight1`` [L, H, F1/etp] (dim 2, stride 2 for swiglu, as
-``layers.experts.ffn_shard`` cuts it) and ``weight2`` [L, F/etp, H] (dim 1). ``full_experts``
-joins the ETP shards (a collective over ETP) and returns one [H, F1] / [F, H] tensor per global
-expert id; ``local_experts`` cuts full experts for any other EP x ETP layout.
-
-The same two functions carry per-parameter optimizer state of the same shape (Adam's moments)
-for the basic (ZeRO-0) optimizer, so it can follow a change of the expert layout.
+``full_experts`` joins a rank's ETP shards (a collective over ETP) into one [H, F1] / [F, H] tensor per
+global expert id; ``local_experts`` cuts full experts for any other EP x ETP layout. The same two carry
+per-parameter optimizer state of the weight's shape (Adam's moments). Shape suffixes: see
+``moe_plugin.layers``; the cut: docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -50,16 +43,14 @@ class ExpertWeight:
         return shape
 
     def cut(self, full: Tensor, etp_rank: int, etp: int, stacked: bool = True) -> Tensor:
-        """ETP rank ``etp_rank``'s part of ``full`` (stacked by expert, or one expert's when not
-        ``stacked``); a weight not split over ETP (the experts' output bias) whole."""
+        """ETP rank ``etp_rank``'s part of ``full`` (a weight not split over ETP: whole)."""
         if self.f_dim is None:
             return full
         return tp_slice(full, self.f_dim - (0 if stacked else 1), self.f_stride, etp_rank, etp)
 
 
 def expert_weights(model: nn.Module) -> list[ExpertWeight]:
-    """Every stacked expert weight of ``model`` (and the experts' biases: ``bias1`` [L, F1/etp] split as
-    weight1's columns, ``bias2`` [L, H] held whole, added on ETP rank 0), in module order."""
+    """Every stacked expert weight of ``model`` (and the experts' biases), in module order."""
     out = []
     for prefix, module in model.named_modules():
         if isinstance(module, GroupedExperts):
@@ -75,12 +66,8 @@ def expert_weights(model: nn.Module) -> list[ExpertWeight]:
 
 def full_experts(stacked_LXY: Tensor, weight: ExpertWeight, etp_group, etp: int,
                  ids: list[int] | None = None) -> Iterator[tuple[int, Tensor]]:
-    """(global id, full [H, F1] or [F, H] tensor) for each local expert of ``stacked_LXY`` (the
-    weight itself or a tensor of its shape), whose rows are the experts ``ids`` (default: the
-    model's placement, ``weight.local_ids``). Collective over ``etp_group`` when ``etp > 1``. The
-    tensors are views (of ``stacked_LXY``, or of its ETP pieces joined): a caller that keeps them
-    while the stacked tensor changes copies them (``expert_layers`` reads fresh tensors or writes
-    at once)."""
+    """(global id, full [H, F1] or [F, H] view) per local expert of ``stacked_LXY``, whose rows are the
+    experts ``ids`` (default: the placement). Collective over ``etp_group`` when ``etp > 1``."""
     stacked_LXY = stacked_LXY.detach()
     if etp > 1 and weight.f_dim is not None:
         pieces = [torch.empty_like(stacked_LXY) for _ in range(etp)]
@@ -92,9 +79,7 @@ def full_experts(stacked_LXY: Tensor, weight: ExpertWeight, etp_group, etp: int,
 
 def local_experts(full_by_id: dict[int, Tensor], weight: ExpertWeight, etp_rank: int, etp: int,
                   ids: list[int] | None = None, dtype: torch.dtype | None = None) -> Tensor:
-    """This rank's stacked shard [L, ...] of ``weight`` cut from full per-expert tensors: the
-    experts ``ids`` in slot order (default: the model's placement, ``weight.local_ids``), in
-    ``dtype`` (default: the weight's; optimizer state stays fp32)."""
+    """This rank's stacked shard [L, ...] of ``weight`` cut from full experts ``ids`` (default: its placement)."""
     ids = weight.local_ids if ids is None else ids
     parts = [weight.cut(full_by_id[e], etp_rank, etp, stacked=False) for e in ids]
     out = torch.stack(parts)

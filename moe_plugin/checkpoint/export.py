@@ -2,37 +2,13 @@
 
     export_checkpoint("ckpt", "exported")            # or: moe-plugin export ckpt --out exported
     state, config = load_export("exported")
-    model = GPTModel(exported_transformer_config(config), gpt_moe_spec(exported_moe_config(config), ...,
-                                                                        qk_layernorm_scope=config["qk_layernorm_scope"]),
-                     vocab_size=config["vocab_size"], max_sequence_length=config["max_sequence_length"],
-                     share_embeddings_and_output_weights=config["share_embeddings_and_output_weights"],
-                     position_embedding_type=config["position_embedding_type"], rotary_base=config["rotary_base"],
-                     rotary_percent=config["rotary_percent"])
-    model.load_state_dict(state)                     # under a 1-rank layout: every parallel size 1
+    tc = exported_transformer_config(config)         # and exported_moe_config(config) for gpt_moe_spec
+    model.load_state_dict(state)                     # a GPTModel built from them under a 1-rank layout
 
-Written into ``out_dir``: ``model.safetensors`` (every tensor of the ``GPTModel``'s state dict,
-floating point ones as fp32) and ``config.json`` (``transformer_config``: the TransformerConfig
-fields JSON can hold, parallel sizes set to 1; ``vocab_size``; ``max_sequence_length``;
-``share_embeddings_and_output_weights``; ``position_embedding_type``, ``rotary_base`` and
-``rotary_percent`` (GPTModel's arguments); ``qk_layernorm_scope`` (``gpt_moe_spec``'s); ``rope_scaling``;
-the ``moe`` block with parallel sizes 1; ``source``: the
-checkpoint, tag, step and saved layout).
-
-How: every file is first checked against the checksums the save recorded. Then tensor by tensor
-(``CheckpointSource``, which ``export-hf`` and ``upcycle`` read too): names, dtypes and shapes come
-from the files' headers and the metadata, each tensor is read when it is written, so the peak holds
-one tensor whatever the model's size. Dense weights come from each stage's module files, one per
-(pipeline stage, TP rank) -- DeepSpeed's ``torch.save`` files, read without running their pickle
-(``compat.torch_files``), or a conversion's safetensors (``readers``) -- TP shards joined by the cut
-the save recorded per key (``tp_split``: dim and stride), pipeline pieces renamed to ``GPTModel``
-keys (``pipeline.gpt_state_dict_key``). Experts come from the global-id files: expert e of every MoE
-layer, written as row e of the stacked weight, so the 1-rank model's placement is the identity (the
-saved placement only said which rank held which expert). A tied model (the word embedding is also
-the output layer) has no ``output_layer.weight``: a pipeline's last stage keeps a copy of the
-embedding, which is dropped here (checked equal first). One process, no process group, no Megatron
-import. fp16/bf16 runs export the module's weights, cast to fp32 (not ZeRO's master copies).
-DeepSpeed's ``zero_to_fp32.py`` does not understand these checkpoints (the experts are in our
-files): use this.
+Writes ``model.safetensors`` (floats as fp32; TP shards joined, pipeline pieces renamed, experts stacked
+by global id) and ``config.json`` (what rebuilding the model on one rank needs), after checking every
+file against its checksum; one tensor at a time, one process, no Megatron import. Usage:
+docs/checkpoints.md; how: docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -77,10 +53,8 @@ ONE_RANK = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, 
 @trust_argument
 def export_checkpoint(ckpt_dir: os.PathLike | str, out_dir: os.PathLike | str, tag: Optional[str] = None,
                       progress: Optional[Callable[[str], None]] = None) -> dict[str, str]:
-    """Write ``ckpt_dir/tag`` (default: its ``latest``) as ``out_dir/model.safetensors`` and
-    ``out_dir/config.json``; returns their paths. ``progress``: called with one line per stage
-    and file (default: the module's logger). Tensor by tensor (``CheckpointSource``): the peak holds
-    one tensor (one expert's row of an expert weight) whatever the model's size."""
+    """Write ``ckpt_dir/tag`` (default ``latest``) as ``out_dir/model.safetensors`` and ``config.json``;
+    returns their paths. ``progress``: one line per stage and file (default: the logger)."""
     say = progress or logger.info
     out_dir = os.fspath(out_dir)
     source = CheckpointSource(ckpt_dir, tag, say)
@@ -119,12 +93,9 @@ def _write_export(source: "CheckpointSource", specs: dict, out_dir: str, say: Ca
 
 
 class CheckpointSource:
-    """Any checkpoint (``ckpt_dir/tag``, default: its ``latest``) as the 1-rank ``GPTModel``'s
-    tensors under ``GPTModel`` names, each read when asked, after every file was checked against
-    its checksum. ``specs()``: {key: (dtype, shape)} from the files' headers; ``read(key)``: a dense
-    tensor (TP shards joined; an expert weight [E, ...] stacked by id); ``read_expert(key, e)``:
-    expert e's row of an expert weight (one file's tensor); ``extras``: the non-tensor entries of
-    the module files (Megatron's ``_extra_state``). One process, no process group."""
+    """Any checkpoint (``ckpt_dir/tag``, default ``latest``) as the 1-rank ``GPTModel``'s tensors, each read
+    when asked, every file checked against its checksum first. ``specs()``: {key: (dtype, shape)};
+    ``read(key)``; ``read_expert(key, e)``: one expert's row; ``extras``: non-tensor entries."""
 
     def __init__(self, ckpt_dir: os.PathLike | str, tag: Optional[str] = None,
                  progress: Optional[Callable[[str], None]] = None):
@@ -271,9 +242,7 @@ class StateSource:
 
 def read_full_state(ckpt_dir: os.PathLike | str, tag: Optional[str] = None,
                     progress: Optional[Callable[[str], None]] = None) -> tuple[dict, dict, dict, str]:
-    """Every tensor of ``CheckpointSource`` read (the whole model in memory: for tests and small
-    models): (tensors as saved under ``GPTModel`` names, the non-tensor entries, the metadata, the
-    tag's path)."""
+    """Every tensor of ``CheckpointSource`` in memory: (tensors, non-tensor entries, metadata, tag path)."""
     source = CheckpointSource(ckpt_dir, tag, progress)
     return {k: source.read(k) for k in source.keys()}, source.extras, source.meta, source.path
 
@@ -310,9 +279,7 @@ def export_config(meta: dict, path: str) -> dict:
 
 # -- reading an export ----------------------------------------------------------------------------
 def load_export(out_dir: os.PathLike | str) -> tuple[dict[str, torch.Tensor], dict]:
-    """(state dict, config.json) of an export; the weights read tensor by tensor (``TensorFile``: a
-    file that is not safetensors, a pickle included, is refused in one line naming it); both confined to
-    ``out_dir`` (``confine.inside``)."""
+    """(state dict, config.json) of an export, confined to ``out_dir``; weights read as safetensors only."""
     out_dir = os.fspath(out_dir)
     config_file = inside(out_dir, CONFIG_FILE, os.path.join(out_dir, CONFIG_FILE))
     with open(config_file) as f:
@@ -323,8 +290,7 @@ def load_export(out_dir: os.PathLike | str) -> tuple[dict[str, torch.Tensor], di
 
 
 def exported_transformer_config(config: dict, **overrides: Any):
-    """Megatron's ``TransformerConfig`` of an export (1-rank; ``MLATransformerConfig`` with multi-latent
-    attention), ``overrides`` applied."""
+    """Megatron's ``TransformerConfig`` (or ``MLATransformerConfig``) of an export, ``overrides`` applied."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     fields = dict(config["transformer_config"])

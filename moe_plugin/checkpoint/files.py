@@ -1,23 +1,10 @@
 """The files of a checkpoint tag: checksums written at save and verified at load, reads that name
-the file they fail on, and what an interrupted save leaves behind.
+the file they fail on, the commit of a tag, and what an interrupted save leaves behind.
 
-* ``checksums(tmp_path)`` (collective, after every rank has written): every file of the tag,
-  DeepSpeed's included, hashed (sha256, read 8 MiB at a time into one buffer) once, by one rank: the files are
-  spread over the ranks by size, the digests gathered. Recorded in ``moe_plugin.json`` under
-  ``"files"`` ({path relative to the tag: {"bytes", "sha256"}}); the metadata file itself, written
-  last, is the one file not in the list (a damaged one fails to parse, or to match the model).
-* ``verify(path, meta)`` (collective, at load, before any weight is read): each recorded file is
-  checked (present, its size, its sha256) by one rank, spread the same way; every rank raises the
-  same ``CheckpointError`` naming each bad file, what was recorded and what was found.
-* ``read_torch`` / ``read_json``: a truncated or garbled file becomes a ``CheckpointError``
-  naming its path instead of a bare ``PytorchStreamReader`` or ``JSONDecodeError`` traceback;
-  ``read_torch`` admits tensors, plain data and the classes DeepSpeed writes only
-  (``compat.torch_files.safe_load``: a planted object is refused, never run).
-* ``commit_tag``: a finished ``.tmp-TAG`` renamed to ``TAG`` (replacing an older one), then
-  ``latest`` pointed at it (``write_text``: written whole into a file created new, then renamed).
-* ``remove_stale(directory)``: ``.tmp-TAG`` directories of saves that died, and ``.old-TAG``
-  ones of a save killed while replacing a tag of the same name (put back when ``TAG`` is gone); a
-  link at any of those names, or at ``latest.part``, is refused (``confine``: a save never follows one).
+``checksums`` and ``verify`` are collective, each file hashed by one rank; a bad file is the same
+``CheckpointError`` on every rank naming it. ``commit_tag`` renames a finished ``.tmp-TAG`` and then
+points ``latest`` at it; ``remove_stale`` clears what dead saves left, refusing links. Design:
+docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -49,8 +36,7 @@ _READ_ERRORS = (RuntimeError, OSError, EOFError, pickle.UnpicklingError, ValueEr
 
 # -- reading --------------------------------------------------------------------------------------
 def read_torch(path: str, mmap: bool = False) -> Any:
-    """``torch.load`` of a checkpoint file (CPU) without running code (``safe_load``), failures
-    named by path. ``mmap``: its tensors mapped, not read (what is never touched costs no memory)."""
+    """``torch.load`` on the CPU without running code (``safe_load``), failures named by path."""
     try:
         return safe_load(path, mmap=mmap)
     except CheckpointError:
@@ -64,8 +50,7 @@ def read_torch(path: str, mmap: bool = False) -> Any:
 
 # -- checksums ------------------------------------------------------------------------------------
 def file_digest(path: str) -> dict:
-    """{"bytes": size, "sha256": hex digest} of ``path``, read in chunks into one buffer (a new 8 MiB chunk
-    each read costs fresh pages: 12% slower, measured 2026-11-28)."""
+    """{"bytes": size, "sha256": hex digest} of ``path``, read in chunks into one reused buffer."""
     digest, size = hashlib.sha256(), 0
     buffer = bytearray(CHUNK)
     view = memoryview(buffer)
@@ -77,8 +62,7 @@ def file_digest(path: str) -> dict:
 
 
 def digests(path: str, names: list[str]) -> dict[str, dict]:
-    """``file_digest`` of each of ``names`` (relative to ``path``), several files at once: hashlib and file
-    reads let go of the GIL, so threads use every core (one file per thread, the largest first)."""
+    """``file_digest`` of each of ``names`` (relative to ``path``), in threads, the largest first."""
     from concurrent.futures import ThreadPoolExecutor
 
     order = sorted(names, key=lambda name: -os.path.getsize(os.path.join(path, name)) if
@@ -102,8 +86,7 @@ def tag_files(path: str) -> dict[str, int]:
 
 
 def share(sizes: dict[str, int], world_size: int, rank: int) -> list[str]:
-    """The files ``rank`` hashes: largest first, each to the rank with the fewest bytes so far
-    (the same answer on every rank)."""
+    """The files ``rank`` hashes: largest first, each to the rank with the fewest bytes so far."""
     load = [0] * world_size
     mine = []
     for name, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
@@ -115,9 +98,8 @@ def share(sizes: dict[str, int], world_size: int, rank: int) -> list[str]:
 
 
 def checksums(path: str, group: Optional[dist.ProcessGroup] = None) -> dict[str, dict]:
-    """Every file of the tag directory ``path``: {relative path: {"bytes", "sha256"}}. Collective
-    (``group``: default the world, or a group over every rank); call once every rank has finished
-    writing (rank 0 lists, each rank hashes its share)."""
+    """{relative path: {"bytes", "sha256"}} of every file of tag ``path``; collective over ``group``
+    (default the world), once every rank has finished writing."""
     listing = [tag_files(path) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(listing, src=0, group=group)
     mine = digests(path, share(listing[0], dist.get_world_size(group), dist.get_rank(group)))
@@ -127,8 +109,7 @@ def checksums(path: str, group: Optional[dist.ProcessGroup] = None) -> dict[str,
 
 
 def check_files(path: str, recorded: dict[str, dict], names: list[str]) -> None:
-    """Raise a ``CheckpointError`` naming what is wrong with the files ``names`` of tag ``path``
-    against their ``recorded`` digests."""
+    """Raise a ``CheckpointError`` naming what is wrong with the files ``names`` of tag ``path``."""
     out, whole = [], []
     for name in names:
         full, expected = os.path.join(path, name), recorded[name]
@@ -150,9 +131,8 @@ def check_files(path: str, recorded: dict[str, dict], names: list[str]) -> None:
 
 
 def verify(path: str, meta: dict) -> None:
-    """Check every file the save recorded in ``meta["files"]`` (collective: each rank its share);
-    a ``CheckpointError`` on every rank naming the bad files. Checkpoints without the record
-    (saved before checksums existed) are loaded unverified, with a warning."""
+    """Check every file in ``meta["files"]`` (collective); a ``CheckpointError`` on every rank names the
+    bad ones. Without the record: unverified, with a warning."""
     recorded = meta.get("files")
     if recorded is None:
         if dist.get_rank() == 0:
@@ -173,8 +153,7 @@ def verify_all(path: str, meta: dict) -> None:
 
 # -- committing a tag ----------------------------------------------------------------------------
 def write_text(path: str, text: str) -> None:
-    """``text`` as ``path``, whole or not at all: written to ``path.part``, created new (a stale
-    ``.part`` file is removed first, a link there refused: ``confine``), then renamed over ``path``."""
+    """``text`` as ``path``, whole or not at all: written to ``path.part``, created new, then renamed."""
     part = path + ".part"
     refuse_link(part, "a file being written")
     if os.path.lexists(part):
@@ -184,8 +163,7 @@ def write_text(path: str, text: str) -> None:
 
 
 def commit_tag(save_dir: str, tag: str, tmp_tag: str, save_latest: bool) -> None:
-    """Rename the finished temporary directory to ``tag`` (replacing an older one of that name),
-    then point ``latest`` at it."""
+    """Rename the finished temporary directory to ``tag`` (replacing an older one), then write ``latest``."""
     final, tmp = os.path.join(save_dir, tag), os.path.join(save_dir, tmp_tag)
     if os.path.lexists(final):
         old = os.path.join(save_dir, OLD_PREFIX + tag)
@@ -206,10 +184,8 @@ def commit_tag(save_dir: str, tag: str, tmp_tag: str, save_latest: bool) -> None
 # -- a tag written by one process (upcycle, import-hf) --------------------------------------------
 @contextlib.contextmanager
 def tag_written_here(out_dir: str, tag: str, instead: str) -> Iterator[str]:
-    """Write ``out_dir/tag`` from this one process, no process group: refused when it exists
-    (``instead`` says what to do), stale temporary directories removed; yields the temporary tag
-    directory (``experts`` made) to fill, ending with ``write_metadata``. On success it becomes
-    ``tag`` and ``latest`` points at it; on any failure nothing is left behind."""
+    """Yield a temporary tag directory to fill, from one process (``write_metadata`` last); it becomes
+    ``out_dir/tag`` with ``latest`` on success, and nothing is left on failure. An existing tag is refused."""
     refuse_existing(out_dir, tag, instead)
     os.makedirs(out_dir, exist_ok=True)
     remove_stale(out_dir)
@@ -225,16 +201,14 @@ def tag_written_here(out_dir: str, tag: str, instead: str) -> Iterator[str]:
 
 
 def refuse_existing(out_dir: str, tag: str, instead: str) -> None:
-    """``tag_written_here``'s refusal of an existing ``out_dir/tag``, for a caller to ask before
-    its conversion's work as well."""
+    """``tag_written_here``'s refusal of an existing ``out_dir/tag``, to ask before a conversion's work."""
     final = os.path.join(os.fspath(out_dir), tag)
     if os.path.lexists(final):
         raise CheckpointError(f"{final}: exists; {instead} (nothing was written)")
 
 
 def copy_files(tmp: str, sources: dict[str, str]) -> None:
-    """Copy ``sources`` ({name in the tag: source path, already confined}) into the tag directory
-    ``tmp``, each file created new."""
+    """Copy ``sources`` ({name in the tag: confined source path}) into ``tmp``, each file created new."""
     for name, source in sources.items():
         os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
         copy_new(source, os.path.join(tmp, name))
@@ -248,10 +222,8 @@ def write_metadata(tmp: str, meta: dict) -> None:
 
 # -- interrupted saves ----------------------------------------------------------------------------
 def remove_stale(directory: str) -> list[str]:
-    """Remove what saves that died left in ``directory``: ``.tmp-TAG`` (unfinished) and
-    ``.old-TAG`` (a tag being replaced; renamed back to ``TAG`` if that is missing), ``latest.part``.
-    One that is a link is refused (``CheckpointError``), neither removed nor followed. Returns what
-    was done, one line each; call on one rank."""
+    """Remove what dead saves left in ``directory`` (``.old-TAG`` put back where ``TAG`` is missing); a
+    link there is a ``CheckpointError``. Returns one line per action; call on one rank."""
     done = []
     if not os.path.isdir(directory):
         return done

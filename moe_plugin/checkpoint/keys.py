@@ -1,17 +1,9 @@
 """A checkpoint of one model kind read by the other: a ``PipelineModule``'s pieces and a ``GPTModel``.
 
-The same GPT is a ``GPTModel`` at pp = 1 (``decoder.layers.3.mlp...``) and a ``gpt_pipeline_module``
-at any pp (``4.layer.mlp...``): one model, two ways of naming its state. ``as_running_kind`` reads
-a checkpoint of the other kind in the running model's names: the metadata's per-stage shapes
-here, the DeepSpeed module files and expert files through ``running_state`` as they are read.
-Loading then follows the pipeline-size-change path (every saved stage's dense weights joined and
-cut again, experts from whichever saved stage held their layer); the optimizer state does not
-follow (its order is the engine's).
-
-Tied embeddings: a tied ``GPTModel`` has no ``output_layer.weight``; a tied pipeline's last stage
-holds a copy of the word weight under ``{L+2}.output_layer.weight``. The copy is dropped going to a
-``GPTModel``, made from the word weight going to a pipeline. A checkpoint whose output layer has a
-weight of its own (untied) does not load into a tied model: its output weights would be lost.
+``as_running_kind`` renames the metadata's per-stage keys, ``running_state`` each file's state dict as
+it is read (``decoder.layers.3.mlp...`` <-> ``4.layer.mlp...``); loading then follows the
+pipeline-size-change path. A tied pipeline's copy of the word weight is dropped or made as needed; an
+untied checkpoint does not load into a tied model. Design: docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -27,8 +19,7 @@ KIND_KEY = "kind_from"   # set on metadata read in the other kind's names: the s
 
 
 def _renamed(entries: Mapping[str, Any], to_pipeline: bool, num_layers: int) -> dict:
-    """``entries`` in the pipeline's (``to_pipeline``) or the ``GPTModel``'s names; keys the other
-    kind has no name for are left out."""
+    """``entries`` in the pipeline's (``to_pipeline``) or the ``GPTModel``'s names, unnamed keys left out."""
     rename = pipeline_state_dict_key if to_pipeline else gpt_state_dict_key
     out = {}
     for key, value in entries.items():
@@ -40,8 +31,7 @@ def _renamed(entries: Mapping[str, Any], to_pipeline: bool, num_layers: int) -> 
 
 
 def as_running_kind(meta: dict, running_pipeline: bool, running_tied: bool) -> dict:
-    """``meta`` with its per-stage keys in the running model's names (itself if the kinds agree);
-    the saved kind is kept under ``KIND_KEY`` for ``running_state``."""
+    """``meta`` with its per-stage keys in the running model's names (itself if the kinds agree)."""
     saved_pipeline = bool(meta.get("pipeline_module", False))
     saved_tied = bool(meta.get("model", {}).get("tied", False))
     if running_tied and not saved_tied:
@@ -90,8 +80,7 @@ def running_state(meta: dict, state: Mapping[str, Any]) -> dict:
 
 
 def _output_from_word(entries: dict, num_layers: int) -> None:
-    """A tied ``GPTModel``'s word weight (or its shape) is also the last pipeline stage's output
-    weight: ``entries`` (pipeline names) gets it where it has the word weight and no output weight."""
+    """Add the tied word weight as the last pipeline stage's output weight where ``entries`` lacks it."""
     word, output = pipeline_state_dict_key(WORD, num_layers), pipeline_state_dict_key(OUTPUT, num_layers)
     if word in entries and output not in entries:
         entries[output] = entries[word]

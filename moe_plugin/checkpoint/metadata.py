@@ -1,11 +1,9 @@
-"""What a moe_plugin checkpoint says about itself, and whether it fits the running model.
+"""What a moe_plugin checkpoint says about itself (``moe_plugin.json``), and whether it fits the running model.
 
-``moe_plugin.json`` (one per tag, written last) records the model's shapes per pipeline stage
-(full, unsharded: TP and ETP shards joined), the ``moe`` block, the layout sizes, the ZeRO stage,
-the engine kind (a ``PipelineModule`` keys its state by piece, ``0.embedding...``; a ``GPTModel``
-by name) and the expert placement. ``check_fits`` compares it with the running model on one rank
-(``errors.agree`` makes one rank's failure every rank's); ``check_optimizer_can_follow`` whether
-the saved optimizer state can follow a layout change. Nothing here writes or changes the model.
+The metadata records the model's full shapes per pipeline stage, the ``moe`` block, the layout, the
+ZeRO stage, the engine kind and the expert placements. ``check_fits`` compares it with the running
+model; ``check_optimizer_can_follow`` whether the saved optimizer state can follow a layout change.
+Nothing here writes or changes the model. Format: docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -68,16 +66,12 @@ def rng_file(path: str, rank: int, suffix: str = SUFFIX) -> str:
 
 
 def deepspeed_model_file(path: str, engine: Any) -> str:
-    """DeepSpeed's module/optimizer-metadata file of this rank's model-parallel slice. Its MoE save
-    path writes one per slice for both engines (the PipelineEngine too: the grid's model-parallel
-    rank numbers (stage, TP rank) pairs, and no ``layer_XX`` files are written with MoE layers)."""
+    """DeepSpeed's module file of this rank's model-parallel slice (one per stage and TP rank)."""
     return os.path.join(path, model_file_name(engine.checkpoint_mp_rank))
 
 
 def saved_model_files(path: str, meta: dict, stage: int) -> list[str]:
-    """DeepSpeed's module files of pipeline stage ``stage``, one per saved TP rank, in TP rank
-    order (recorded at save; checkpoints without the record number them stage-major, as both
-    engines do: ``stage * tp + tp_rank``)."""
+    """DeepSpeed's module files of ``stage``, one per saved TP rank, in TP rank order."""
     names = meta.get("model_files", {}).get(str(stage))
     if names is None:
         tp = meta["layout"]["tp"]
@@ -90,14 +84,12 @@ def dense_file_name(stage: int, tp_rank: int) -> str:
 
 
 def expert_file(path: str, expert_id: int, stage: int, suffix: str = SUFFIX) -> str:
-    """One full expert (every MoE layer of pipeline stage ``stage``) under its global id, as this
-    version writes it (safetensors)."""
+    """One full expert (every MoE layer of ``stage``) under its global id, as this version writes it."""
     return os.path.join(path, EXPERT_DIR, f"expert_{expert_id:05d}_pp_{stage:02d}{suffix}")
 
 
 def expert_path(path: str, meta: dict, expert_id: int, stage: int) -> str:
-    """``expert_file`` of the checkpoint ``meta`` describes: ``.safetensors`` where it says so
-    (format version 2), else ``.pt`` (version 1)."""
+    """``expert_file`` of the checkpoint ``meta`` describes (``.pt`` before format version 2)."""
     return expert_file(path, expert_id, stage, SUFFIX if meta.get("expert_files") == SAFE else ".pt")
 
 
@@ -110,14 +102,12 @@ def module_files(path: str, meta: dict, stage: int) -> list[str]:
 
 
 def stages_changed(meta: dict, groups: Any) -> bool:
-    """Whether the saved stages hold other pieces than the running ones: the pipeline size changed,
-    or the checkpoint is of the other model kind (``keys``)."""
+    """Whether the saved stages hold other pieces than the running ones (pipeline size or model kind)."""
     return meta["layout"]["pp"] != groups.layout.sizes.pp or "kind_from" in meta
 
 
 def dense_recut(meta: dict, groups: Any) -> bool:
-    """Whether the dense weights must be joined and cut again (the TP size changed, or ``stages_changed``),
-    or read from files of ours (a conversion's checkpoint: DeepSpeed's file holds no tensors)."""
+    """Whether the dense weights are joined and cut again, or read from a conversion's files."""
     return (meta["layout"]["tp"] != groups.layout.sizes.tp or stages_changed(meta, groups)
             or "dense_files" in meta)
 
@@ -169,9 +159,8 @@ _SKIP = object()
 
 
 def transformer_config_dict(config: Any) -> dict:
-    """The fields of a Megatron ``TransformerConfig`` that JSON can hold (dtypes as ``"torch.float32"``),
-    and ``activation_func`` by its import path. Callables (init methods) and enums are left out:
-    rebuilding takes their defaults, which do not change the function of loaded weights."""
+    """The ``TransformerConfig`` fields JSON can hold, ``activation_func`` by import path (callables and
+    enums left out: rebuilding takes their defaults)."""
     out = {}
     for field in dataclasses.fields(config):
         value = _json_value(getattr(config, field.name))
@@ -184,13 +173,7 @@ def transformer_config_dict(config: Any) -> dict:
 
 
 def model_description(model: nn.Module) -> dict:
-    """What this rank knows of the model for rebuilding it on one rank: ``transformer_config``,
-    ``vocab_size``, ``max_sequence_length`` (from the word embedding; a pipeline's first stage),
-    ``tied`` (the word embedding and the output layer share their weight), ``position_embedding_type``
-    and ``rotary_base`` (``GPTModel``'s and ``GPTPipelineModule``'s attributes, where the model has
-    them), ``qk_layernorm_scope`` "projection" where the QK-norm covers whole projections (absent:
-    per head), ``rope_scaling`` (YaRN's dict, where the model's RoPE is scaled). Merged over the
-    ranks by ``merge_descriptions``."""
+    """What this rank knows of the model for rebuilding it on one rank (merged by ``merge_descriptions``)."""
     out: dict = {}
     config = getattr(model, "config", None)
     if config is None:
@@ -220,8 +203,7 @@ def model_description(model: nn.Module) -> dict:
 
 
 def architecture_differences(saved: Optional[dict], mine: dict) -> list[str]:
-    """What differs between the architecture of a checkpoint's ``"model"`` record and the running
-    model's (``model_description``), naming each key; nothing where either lacks the record."""
+    """Each key on which a checkpoint's ``"model"`` record and the running model differ."""
     if not saved or "transformer_config" not in saved or "transformer_config" not in mine:
         return []
     theirs, ours = saved["transformer_config"], mine["transformer_config"]
@@ -307,9 +289,7 @@ def read_latest(load_dir: os.PathLike | str) -> str:
 
 
 def read_metadata(load_dir: os.PathLike | str, tag: str) -> dict:
-    """The metadata of ``load_dir/tag``, once its format is known to be ours and the tag confined:
-    the tag directory no link, none of its entries a link out or a hard link (``confine.check_tree``),
-    every path the metadata names inside it (``check_named_files``) -- before any file is read."""
+    """The metadata of ``load_dir/tag``, its format ours and the tag confined, before any file is read."""
     tag_dir = os.path.join(os.fspath(load_dir), tag)
     path = os.path.join(tag_dir, META_FILE)
     if os.path.lexists(tag_dir):
@@ -335,11 +315,8 @@ def _count(value: Any, most: Optional[int] = None) -> bool:
 
 
 def check_recorded_sizes(tag_dir: str, meta: dict) -> None:
-    """The sizes the metadata records, against each other and against the bytes the tag holds, before a
-    reader sizes anything by them: ``num_experts`` and the layout counts in range, every recorded shape a
-    list of counts, each stacked expert weight ``num_experts`` deep, one expert file per expert and stage
-    where ``files`` lists the tag, and the recorded tensors' elements no more than the files' bytes (each
-    element takes at least one byte)."""
+    """Raise unless the recorded sizes agree with each other and with the tag's bytes, before a reader
+    sizes anything by them."""
     where = os.path.join(tag_dir, META_FILE)
     experts = meta.get("num_experts", 0) if meta.get("num_experts") is not None else 0   # absent: a dense one
     if not _count(experts, SIZE_LIMIT):
@@ -388,9 +365,7 @@ PATH_FIELDS = ("files", "model_files", "dense_files", "hf.tokenizer_files")
 
 
 def check_named_files(tag_dir: str, meta: dict) -> None:
-    """Refuse, in one line naming the metadata file and the key, a path field (``PATH_FIELDS``) of
-    another shape than this version writes, or a name in it that leaves ``tag_dir``
-    (``confine.inside``)."""
+    """Refuse a path field of another shape than this version writes, or a name leaving ``tag_dir``."""
     where = os.path.join(tag_dir, META_FILE)
     for field in PATH_FIELDS:
         value: Any = meta
@@ -421,8 +396,7 @@ FUNCTION_MODULES = ("torch", "megatron.core", "moe_plugin")
 
 
 def named_function(path: Optional[str], where: str) -> Any:
-    """The function ``path`` (``module:qualname``, as ``transformer_config_dict`` records it) names,
-    from ``FUNCTION_MODULES`` only unless trusted; ``where`` names the record in the refusal."""
+    """The function ``path`` (``module:qualname``) names, from ``FUNCTION_MODULES`` only unless trusted."""
     import importlib
 
     module, _, name = str(path).partition(":")
@@ -437,8 +411,7 @@ def named_function(path: Optional[str], where: str) -> Any:
 
 
 def legacy_pickles(path: str, meta: dict) -> list[str]:
-    """The files of tag ``path`` that an earlier moe_plugin wrote as pickles of its own (format
-    version < 3: the rng files, the optimizer record, version 1's expert files), relative to it."""
+    """The files of tag ``path`` an earlier moe_plugin wrote as pickles of its own (version < 3)."""
     if meta.get("version", 1) >= 3:
         return []
     names = meta.get("files") or {os.path.relpath(os.path.join(root, n), path): 0
@@ -447,8 +420,7 @@ def legacy_pickles(path: str, meta: dict) -> list[str]:
 
 
 def check_not_legacy(path: str, meta: dict, how: str = "--trust-checkpoint (trust=True)") -> None:
-    """Refuse, in one line, a tag holding pickles of an earlier moe_plugin (``legacy_pickles``)
-    unless reading them is trusted (``trust.trusting``)."""
+    """Refuse a tag holding ``legacy_pickles`` unless reading them is trusted."""
     found = legacy_pickles(path, meta)
     if found and not trusted():
         raise CheckpointError(f"{os.path.join(path, found[0])}: a legacy pickle (moe_plugin checkpoint format version "
@@ -481,11 +453,8 @@ def placement_key(weight_key: str) -> str:
 
 
 def stage_view(meta: dict, model: nn.Module, groups: Any) -> Optional[dict]:
-    """The checkpoint as this rank's pipeline stage sees it: ``dense`` and ``experts`` (full
-    shapes), ``placements`` (slots), by state-dict key, and ``from`` (expert weight key -> the saved
-    stage whose expert files hold it). At the saved pipeline size that is the saved stage of the
-    same index (None if there is none); after a pipeline-size change, the keys of this stage's
-    model gathered from whichever saved stages held them (pipeline keys name global pieces)."""
+    """The checkpoint as this rank's stage sees it: ``dense``, ``experts``, ``placements`` by key, and
+    ``from`` (expert weight key -> the saved stage holding it)."""
     stage = groups.layout.coords(dist.get_rank())["pp"]
     if not stages_changed(meta, groups):
         saved = meta["stages"].get(str(stage))
@@ -503,17 +472,14 @@ def stage_view(meta: dict, model: nn.Module, groups: Any) -> Optional[dict]:
 
 
 def saved_stages(meta: dict, groups: Any) -> list[int]:
-    """The saved pipeline stages this rank's stage reads dense weights from: its own, or after a
-    pipeline-size or model-kind change every saved stage."""
+    """The saved stages this rank's stage reads dense weights from (all of them after a stage change)."""
     if stages_changed(meta, groups):
         return list(range(meta["layout"]["pp"]))
     return [groups.layout.coords(dist.get_rank())["pp"]]
 
 
 def saved_local_ids(meta: dict, model: nn.Module, groups: Any) -> dict[str, list[int]]:
-    """{expert weight key: global ids of the experts this rank holds once the checkpoint's placement
-    is loaded}: the slots the checkpoint recorded for the layer (static in checkpoints that record
-    none), cut for the running EP size and rank."""
+    """{expert weight key: global ids this rank holds under the checkpoint's placement}."""
     coords = groups.layout.coords(dist.get_rank())
     saved = (stage_view(meta, model, groups) or {}).get("placements", {})
     out = {}
@@ -574,9 +540,8 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
 
 
 def check_optimizer_can_follow(run: Any, meta: dict) -> None:
-    """Raise unless the saved optimizer state can be re-cut for the running layout: any change
-    with the checkpoint's optimizer record (``optimizer``) into an engine that takes one; without
-    one (older checkpoints), EP and ETP changes under ZeRO-0 only."""
+    """Raise unless the saved optimizer state can be re-cut for the running layout (without the record:
+    EP and ETP changes under ZeRO-0 only)."""
     engine = run.engine
     if meta.get("optimizer_record", False):
         check_record_loads(engine)

@@ -3,23 +3,10 @@ tensor at a time.
 
     write_one_rank("ckpt", "step0", plan, moe_config, model, record={...})
 
-``plan`` (``OneRankPlan``) names every tensor of the 1-rank ``GPTModel``'s state with its dtype and
-shape before any is made, and makes each when asked: ``dense`` (the module's tensors but the expert
-weights), ``plain`` (its non-tensor entries: Megatron's ``_extra_state``), ``experts`` ({expert
-weight key: one expert's (dtype, shape)}) and ``num_experts``; ``read_dense(key)`` and
-``read_expert(key, e)`` make them. ``model``: the metadata's model description
-(``metadata.model_description``'s keys). Written, each tensor as it is made (``tensor_files``), so
-the peak holds one tensor whatever the model's size: ``model/dense_pp_00_tp_00.safetensors`` (the
-dense tensors), ``experts/expert_EEEEE_pp_00.safetensors`` (expert e of every MoE layer), DeepSpeed's
-module file of model-parallel rank 0 holding the step counters (at 0) and the module's non-tensor
-entries, no optimizer or lr scheduler state (``fresh_states`` tells ``load_checkpoint``), and
-``moe_plugin.json`` (``record`` merged in), all into ``OUT/.tmp-TAG`` and renamed to ``OUT/TAG`` at
-the end, with ``latest`` pointing at it. ``load_checkpoint`` cuts it for any layout
-(``readers``). Files of ``extra_files`` ({name in the tag: source path}) are copied in too (and
-checksummed). Nothing is left behind on failure. ``saved`` (upcycle's ``keep_iteration``): the
-module file content of the checkpoint the model was made from, whose step counters, lr scheduler
-and client state are kept, at step ``steps`` (only the optimizer starts fresh). ``instead``: what
-to do when the tag exists.
+``plan`` (``OneRankPlan``) names every tensor of the 1-rank ``GPTModel`` before any is made and makes
+each when asked, so the peak holds one tensor whatever the model's size. No optimizer or lr scheduler
+state is written (``fresh_states``); ``load_checkpoint`` cuts the result for any layout. Nothing is
+left behind on failure. Files and arguments: docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -40,7 +27,7 @@ Spec = tuple[torch.dtype, list[int]]
 
 @dataclass
 class OneRankPlan:
-    """Every tensor of the 1-rank model, named with its dtype and shape, made when asked (module docstring)."""
+    """Every tensor of the 1-rank model with its dtype and shape, each made when asked."""
 
     dense: dict[str, Spec]
     plain: dict[str, Any]
@@ -54,7 +41,8 @@ def write_one_rank(out_dir: os.PathLike | str, tag: str, plan: OneRankPlan, moe:
                    record: dict, extra_files: Optional[dict[str, str]] = None,
                    say: Callable[[str], None] = lambda line: None, *, saved: Optional[dict] = None, steps: int = 0,
                    instead: str = "write into another directory") -> str:
-    """Write the checkpoint (module docstring); returns the tag's path."""
+    """Write the checkpoint into ``out_dir/tag``; returns its path. ``saved``: a source module file whose
+    counters, lr scheduler and client state are kept; ``extra_files``: {name: source path} copied in."""
     with tag_written_here(os.fspath(out_dir), tag, instead) as tmp:
         _write_files(tmp, plan, saved, say)
         copy_files(tmp, extra_files or {})

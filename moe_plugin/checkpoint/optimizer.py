@@ -1,25 +1,10 @@
-"""The optimizer state in a checkpoint, and which optimizer holds it per parameter.
+"""The optimizer state in a checkpoint (the optimizer record), and which optimizer holds it per parameter.
 
-**The optimizer record** (every save; read only when the layout changed): the optimizer state of
-every parameter in the layout-independent form of the weights, so it follows any change of TP, PP,
-EP, ETP, DP, ZeRO stage or model kind. Per parameter: its full fp32 master (``"fp32"``, ZeRO-1/2 and
-bf16: DeepSpeed's partitions joined over the parameter's (expert-)data-parallel group by
-``deepspeed.utils.safe_get_full_fp32_param``; at ZeRO-0 in fp32 the weight is the master) and each
-state tensor of its shape (Adam's ``exp_avg``, ``exp_avg_sq``; ``safe_get_full_optimizer_state``).
-Dense parameters go into ``optimizer/dense_pp_SS_tp_TT.safetensors`` (data-parallel rank 0 of each stage
-and TP rank, keyed like the module state), expert parameters into the expert files by global id
-(``expert_files``). The scalars (Adam's ``step``, the same for every parameter) are stored once.
-On load DeepSpeed loads the weights only; ``load_record`` then joins the dense entries over the
-saved TP ranks and stages and cuts them like the weights (``reshard``), takes the expert rows
-by global id, and writes every parameter's master and state back (``safe_set_full_*``; at ZeRO-0
-the torch optimizer's state). fp16 (its loss scaler) is refused.
-
-``basic_optimizer`` is the one answer to "which optimizer is the basic one": the torch optimizer
-itself, which DeepSpeed runs unwrapped at ZeRO-0 in fp32 (its fp16/bf16 and ZeRO-1/2 wrappers are
-not torch optimizers). Its per-parameter state tensors of the parameter's shape
-(``param_state_names``: Adam's ``exp_avg``, ``exp_avg_sq``; not the scalar ``step``) follow the
-experts in a migration (``placement.migration``); ``load_basic_optimizer`` loads a checkpoint saved
-before the record existed after a change of the expert layout (its expert rows re-cut by id).
+The record holds every parameter's fp32 master and per-element state (Adam's moments) whole, in the
+layout-independent form of the weights, so it follows any change of TP, PP, EP, ETP, DP, ZeRO stage or
+model kind: dense parameters in ``optimizer/``, expert ones in the expert files by global id.
+``basic_optimizer`` is the torch optimizer DeepSpeed runs unwrapped (ZeRO-0, fp32). fp16 is refused.
+Design: docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -55,10 +40,8 @@ def param_state_names(optimizer: Optional[torch.optim.Optimizer], param: nn.Para
 
 
 def load_basic_optimizer(run: Any, path: str, saved: dict, moments: dict) -> None:
-    """ZeRO-0 after a layout change: the dense state as saved (``saved``: DeepSpeed's optimizer
-    state dict, the same on every rank of a model-parallel slice; the file of EP rank 0), the
-    expert rows re-cut by global expert id (``moments``). Param-group options come from the
-    checkpoint except the expert group's DeepSpeed ``name``, which belongs to the new layout."""
+    """ZeRO-0 after a layout change without the record: the dense state as saved, expert rows re-cut by
+    id (``moments``); the expert group's ``name`` stays the new layout's."""
     engine = run.engine
     optimizer = basic_optimizer(engine)
     key_of = {id(w.param): w.key for w in expert_weights(engine.module)}
@@ -86,8 +69,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def record_kind(engine: Any) -> Optional[str]:
-    """``"basic"`` (ZeRO-0, fp32: the torch optimizer), ``"hp"`` (ZeRO-1/2 or bf16: DeepSpeed's fp32
-    masters reached through ``safe_get_full_*``), or None (no optimizer, fp16)."""
+    """``"basic"`` (ZeRO-0 fp32), ``"hp"`` (ZeRO-1/2 or bf16: fp32 masters), or None (fp16, none)."""
     if engine.optimizer is None or engine.fp16_enabled():
         return None
     if basic_optimizer(engine) is not None:
@@ -98,8 +80,7 @@ def record_kind(engine: Any) -> Optional[str]:
 
 
 def trained(engine: Any) -> list[tuple[str, nn.Parameter]]:
-    """The module's parameters the optimizer steps (frozen ones, such as routers the example's
-    ``--freeze-router`` keeps, have no optimizer state)."""
+    """The module's parameters the optimizer steps (frozen ones have no optimizer state)."""
     return [(k, p) for k, p in engine.module.named_parameters() if p.requires_grad]
 
 
@@ -108,9 +89,7 @@ def _inner(engine: Any) -> torch.optim.Optimizer:
 
 
 def state_names(engine: Any) -> tuple[list[str], dict]:
-    """The names of the per-element state tensors of the engine's torch optimizer (``[]`` before
-    its first step) and its scalars (``step``), read from its first stepped tensor; collective (the
-    ranks' answers must agree)."""
+    """(per-element state names, scalar names) of the torch optimizer; collective."""
     inner = _inner(engine)
     names, scalars = [], {}
     for group in inner.param_groups:
@@ -135,8 +114,7 @@ def state_names(engine: Any) -> tuple[list[str], dict]:
 
 
 def full_param_state(engine: Any, param: nn.Parameter, names: list[str]) -> list[Tensor]:
-    """``param``'s fp32 master and state tensors ``names``, whole over its data-parallel group
-    (collective over that group for ZeRO-1/2 and bf16)."""
+    """``param``'s fp32 master and states ``names``, whole (collective over its data-parallel group)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     if record_kind(engine) == "basic":
@@ -146,8 +124,7 @@ def full_param_state(engine: Any, param: nn.Parameter, names: list[str]) -> list
 
 
 def dense_record(run: Any) -> dict:
-    """{file name: content} of this rank's dense optimizer record ({} off data-parallel rank 0, and
-    without a supported optimizer); collective."""
+    """{file name: content} of this rank's dense record ({} off data-parallel rank 0); collective."""
     engine, groups = run.engine, run.groups
     if record_kind(engine) is None:
         return {}
@@ -168,9 +145,7 @@ def dense_record(run: Any) -> dict:
 
 
 def dense_from_master(engine: Any) -> set[str]:
-    """The trained dense parameters whose weight is its fp32 master rounded to its dtype (DeepSpeed
-    copies the master into the weight after every step: ZeRO-1/2 and bf16), which the dense record
-    holds (``dense_record``'s ``weights_from_master``): DeepSpeed's module file need not."""
+    """The trained dense parameters whose weight is its fp32 master rounded (ZeRO-1/2, bf16)."""
     return {key for key, _p in trained_dense(engine)} if record_kind(engine) == "hp" else set()
 
 
@@ -186,8 +161,7 @@ def group_options(engine: Any) -> list[dict]:
 
 
 def set_group_options(engine: Any, path: str, saved: list[dict]) -> None:
-    """The saved ``group_options`` into the running optimizer: group by group where the number of
-    groups is the same, else the one value every saved group had (the lr of a scheduler)."""
+    """Set the saved ``group_options``: per group, or the one value all saved groups had."""
     groups = _inner(engine).param_groups
     if len(saved) == len(groups):
         for group, options in zip(groups, saved):
@@ -205,8 +179,7 @@ def set_group_options(engine: Any, path: str, saved: list[dict]) -> None:
 
 
 def record_file(stage: int, tp_rank: int, suffix: str = SUFFIX) -> str:
-    """The dense optimizer record of pipeline stage ``stage`` and TP rank ``tp_rank``, in the tag
-    (a ``plain_files`` file of ``RECORD_KIND``; ``.pt``: a pickle, before format version 3)."""
+    """The dense optimizer record of ``stage`` and ``tp_rank`` in the tag."""
     return os.path.join(RECORD_DIR, f"dense_pp_{stage:02d}_tp_{tp_rank:02d}{suffix}")
 
 
@@ -220,10 +193,8 @@ def check_record_loads(engine: Any) -> None:
 
 def match_record(run: Any, path: str, dense: dict, names: list[str], scalars: dict, options: list[dict],
                  expert_state: dict) -> dict:
-    """The record as the running model's parameters take it: {"params": {name: {state name:
-    tensor}}, "names", "scalars", "options"}, from ``dense`` ({state name: this rank's {key: tensor}},
-    cut like the weights) and ``expert_state`` ({key: {state name: stacked tensor}}, cut by global
-    expert id). A parameter the record lacks is an error, before anything is loaded."""
+    """{"params": {name: {state: tensor}}, "names", "scalars", "options"} for the running model, from
+    ``dense`` and ``expert_state``; a parameter the record lacks is an error before anything loads."""
     engine = run.engine
     check_record_loads(engine)
     experts = {id(w.param): w.key for w in expert_weights(engine.module)}
@@ -241,11 +212,8 @@ def match_record(run: Any, path: str, dense: dict, names: list[str], scalars: di
 
 
 def load_record(run: Any, path: str, record: dict) -> None:
-    """Write every parameter's saved master and state (``match_record``) back into the running
-    optimizer, with the scalars (``step``) and the param groups' scheduled options (``lr``). A
-    checkpoint without master copies (ZeRO-0 fp32: the weights are) into a ZeRO or bf16 engine keeps
-    the master DeepSpeed refreshed from the loaded weights; one with them into ZeRO-0 fp32 gives
-    the weights the masters (the same values in fp32; bf16's rounding undone)."""
+    """Write every parameter's saved master and state, the scalars and scheduled options back into the
+    running optimizer (without saved masters, the masters follow the loaded weights)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     engine = run.engine

@@ -1,21 +1,13 @@
 """Files of plain data with tensors in it, and no code: a safetensors file holding the tensors, the
-rest as JSON in its header. The optimizer record (``optimizer/dense_pp_SS_tp_TT.safetensors``) and
-every rank's random streams (``rng/rank_RRRRR.safetensors``) are such files.
+rest as JSON in its header (the optimizer record, every rank's random streams).
 
     write_plain("rng/rank_00000.safetensors", {"torch": t, "python": random.getstate()}, kind="rng")
     state = read_plain("rng/rank_00000.safetensors", kind="rng")      # the same values back
     record = read_plain(path, kind="optimizer_record", leaf=lazy)     # tensors as lazy(file, name)
 
-What a file may hold: None, bool, int, float, str, lists, tuples, dicts (any keys of those kinds),
-tensors (a safetensors dtype; also tensors not read yet, each read when written: a conversion
-streams), NumPy arrays and torch dtypes. The structure is JSON in the header's
-metadata (``"content"``), each tensor replaced by ``{"@tensor": NAME}`` (its path in the structure,
-``/``-separated, ``~`` and ``/`` in keys escaped as ``~0`` and ``~1``), tuples by ``{"@tuple": [...]}``,
-dicts whose keys are not all strings (or start with ``@``) by ``{"@items": [[k, v], ...]}``, arrays
-by ``{"@ndarray": NAME, "dtype": ...}``, dtypes by ``{"@dtype": NAME}``. Writing anything else fails
-naming where it is; reading goes through ``tensor_files.TensorFile`` (a file that is not
-safetensors, a pickle included, is refused in one line naming it) and JSON, and never calls a
-constructor a file names. ``kind`` is checked on read: a rng file in the record's place is refused.
+A file may hold None, bool, int, float, str, lists, tuples, dicts, tensors, NumPy arrays and torch
+dtypes; writing anything else fails naming where it is. Reading never calls a constructor a file
+names, and ``kind`` is checked. Encoding: docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -71,7 +63,7 @@ class _Encoder:
 
 
 def write_plain(path: str, value: Any, kind: str) -> None:
-    """``value`` (module docstring) as the safetensors file ``path``, its tensors in the order met."""
+    """``value`` as the safetensors file ``path``, its tensors in the order met."""
     encoder = _Encoder(path)
     content = encoder.encode(value, "")
     specs = {name: (t.dtype, list(t.shape)) for name, t in encoder.tensors.items()}
@@ -87,8 +79,7 @@ def _is_lazy(value: Any) -> bool:
 
 
 def read_plain(path: str, kind: str, leaf: Optional[Callable[[TensorFile, str], Any]] = None) -> Any:
-    """What ``write_plain`` wrote into ``path`` (of ``kind``); ``leaf(file, name)``: what stands for
-    each tensor (default: the tensor, read now)."""
+    """What ``write_plain`` wrote into ``path`` (of ``kind``); ``leaf(file, name)`` stands for each tensor."""
     source = TensorFile(path)
     found = source.metadata.get(KIND)
     if found != kind:

@@ -1,20 +1,12 @@
 """A checkpoint's tensor files opened by their headers, each tensor read when asked.
 
-Two kinds of file hold a checkpoint's tensors: safetensors (``tensor_files``: the expert files,
-``experts/*.safetensors``, a conversion's dense weights, ``model/``, and the dense optimizer record,
-a ``plain_files`` file) and ``torch.save`` files (DeepSpeed's module files; before format version 3
-also the optimizer record, and the expert files of version 1), read by ``compat.torch_files``
-without running their pickle's code and refused when they name any class but DeepSpeed's few. Both give ``Lazy`` values: dtype and
-shape known, bytes read by ``read()``, so a reader holds one tensor at a time.
-
     module = open_module(path, meta, stage, tp_rank)    # {state-dict key: Lazy or a plain value}
     entry = open_expert(path, meta, expert_id, stage)   # .expert_id, .weights {key: Lazy}, .optimizer
     value = materialize(module[key])
 
-A conversion's checkpoint records ``"dense_files"`` ({stage: [file per TP rank]}, beside
-DeepSpeed's module file, which then holds only the module's non-tensor entries); every checkpoint
-of format version 2 records ``"expert_files": "safetensors"``. The weights a save wrote as their
-fp32 masters only (``weights_from_master``) are read as those masters, rounded (``Rounded``).
+Safetensors files and DeepSpeed's ``torch.save`` files (read without running their pickle) both give
+``Lazy`` values, each checked against the metadata's shape and dtype before it is read, so a reader
+holds one tensor at a time. File kinds and versions: docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -87,9 +79,7 @@ def materialize_all(value: Any) -> Any:
 
 
 def open_module(path: str, meta: dict, stage: int, tp_rank: int) -> dict[str, Any]:
-    """The module state of saved (``stage``, ``tp_rank``): tensors as ``Lazy``, the rest as saved;
-    the dense weights DeepSpeed's file left out are their masters in the record, rounded
-    (``record_weights``). Each tensor's shape and dtype are what the metadata records (``check_claims``)."""
+    """Saved (``stage``, ``tp_rank``)'s module state, tensors ``Lazy`` (weights left out: record masters, rounded)."""
     deepspeed = saved_model_files(path, meta, stage)[tp_rank]
     if meta.get("dense_files") is None:
         module = TorchFile(deepspeed).content.get("module")
@@ -114,8 +104,7 @@ def open_module(path: str, meta: dict, stage: int, tp_rank: int) -> dict[str, An
 
 
 def check_claims(file: str, key: str, value: Any, shape: list, dtype: Optional[str]) -> None:
-    """A tensor of ``file`` as the checkpoint's metadata records it (``dtype`` None: a checkpoint saved
-    before dtypes were recorded), checked before it is read: another shape or dtype is refused, not cast."""
+    """A tensor of ``file`` checked against the metadata's shape and dtype before it is read (not cast)."""
     if list(value.shape) != list(shape):
         raise CheckpointError(f"{file}: {key}: shape {list(value.shape)}; the checkpoint's metadata records "
                               f"{list(shape)}")
@@ -125,8 +114,7 @@ def check_claims(file: str, key: str, value: Any, shape: list, dtype: Optional[s
 
 
 def deepspeed_header(file: str) -> dict:
-    """DeepSpeed's module file ``file`` but its module state (counters, lr scheduler, client state),
-    read without running code and without reading the module's tensors."""
+    """DeepSpeed's module file but its module state, read without running code or reading tensors."""
     with TorchFile(file) as f:
         if not isinstance(f.content, dict):
             raise CheckpointError(f"{file}: not a DeepSpeed module file")
@@ -134,9 +122,7 @@ def deepspeed_header(file: str) -> dict:
 
 
 def open_record(path: str, stage: int, tp_rank: int) -> Optional[dict]:
-    """The optimizer record of saved (``stage``, ``tp_rank``) (``optimizer.dense_record``'s content,
-    its tensors ``Lazy``), or None when the tag has none: a ``plain_files`` file, or before format
-    version 3 a pickle (read without running it: ``TorchFile``)."""
+    """The optimizer record of saved (``stage``, ``tp_rank``), tensors ``Lazy``; None when there is none."""
     file = os.path.join(path, record_file(stage, tp_rank))
     if os.path.isfile(file):
         return read_plain(file, RECORD_KIND, leaf=SafeLazy)
@@ -145,9 +131,7 @@ def open_record(path: str, stage: int, tp_rank: int) -> Optional[dict]:
 
 
 def record_weights(path: str, stage: int, tp_rank: int) -> dict[str, Lazy]:
-    """The dense weights of saved (``stage``, ``tp_rank``) that the save wrote only as their fp32
-    masters in the optimizer record (``optimizer.dense_from_master``): {key: the master rounded to
-    the weight's dtype}, or the weight itself where the record kept it."""
+    """{key: weight} of saved (``stage``, ``tp_rank``)'s weights kept as fp32 masters, rounded back."""
     content = open_record(path, stage, tp_rank)
     if content is None:
         return {}
@@ -203,8 +187,7 @@ def _rounded(entry: ExpertEntry, from_master: dict) -> None:
 
 
 def open_expert(path: str, meta: dict, expert_id: int, stage: int) -> ExpertEntry:
-    """Expert ``expert_id``'s file of ``stage``: its weights and optimizer rows one expert's shape of
-    what the metadata records, the weights of its dtype, the optimizer rows fp32 (``check_claims``)."""
+    """Expert ``expert_id``'s file of ``stage``, checked against the metadata."""
     entry = open_expert_file(expert_path(path, meta, expert_id, stage))
     saved = meta["stages"][str(stage)]
     for key, value in entry.weights.items():
@@ -236,8 +219,7 @@ def expert_file_specs(weights: dict[str, tuple], optimizer: dict[str, dict[str, 
 
 def expert_file_metadata(expert_id: int, stage: int, placement: dict,
                          from_master: Optional[dict[str, str]] = None) -> dict[str, str]:
-    """A safetensors expert file's metadata; ``from_master`` {key: dtype}: weights kept as their
-    fp32 master rows only (``open_expert_file`` rounds them back)."""
+    """A safetensors expert file's metadata; ``from_master``: {key: dtype} of weights kept as masters."""
     out = {"expert_id": str(expert_id), "stage": str(stage), "placement": json.dumps(placement)}
     if from_master:
         out["weights_from_master"] = json.dumps(from_master, sort_keys=True)

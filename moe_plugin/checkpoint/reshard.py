@@ -1,22 +1,10 @@
 """A full (single-process) state dict -> the shard that one rank's model holds.
 
-Which slice a tensor gets is read from the model and the rank's coordinates in the layout,
-not from parameter names:
-
-* Megatron tensor-parallel parameters carry ``tensor_model_parallel``, ``partition_dim`` and
-  ``partition_stride`` (column-parallel: output dim 0; row-parallel: input dim 1; vocab-parallel
-  embedding: dim 0), cut by ``shards.tp_slice`` (the GLU ``linear_fc1`` with stride 2). The
-  fused QKV weight needs no special case: Megatron lays it out by query group.
-* ``GroupedExperts`` weights ``weight1`` [E, H, F1] and ``weight2`` [E, F, H]: the module's
-  slots ``first_slot ... first_slot + num_local - 1`` (expert parallelism; the full and the
-  sharded model share one placement; ``experts.expert_weights``), then the rank's F-shard over the expert-tensor-parallel group (``weight1`` dim 2 with stride 2 for
-  swiglu's gate and up halves, ``weight2`` dim 1), as ``layers.experts.ffn_shard`` cuts it.
-* Anything else (norms, router, shared expert, position embedding, buffers) is replicated.
-
-The same function slices full *gradients* for comparison with a sharded model's.
-``own_dense`` joins a load's dense entries saved at another TP size and cuts them, one key at a time: each value of a saved TP rank is read when
-its key comes (``checkpoint.readers``' lazy values), joined, cut, and only the rank's part kept; a
-tensor saved whole (a conversion's checkpoint) and cut along dim 0 is read as just the rank's rows.
+Which slice a tensor gets is read from the model (Megatron's TP partition attributes, the experts'
+placement and ETP split) and the rank's coordinates in the layout, not from parameter names; anything
+else is replicated. The same function slices full gradients. ``own_dense`` joins a load's dense
+entries saved at another TP size and cuts them, one key at a time. Rules:
+docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -31,10 +19,8 @@ from moe_plugin.groups.layout import RankLayout
 
 
 def own_dense(pieces: Mapping[str, list[Any]], model: nn.Module, layout: RankLayout, rank: int) -> dict[str, Any]:
-    """``model``'s dense entries for global ``rank`` of ``layout`` from ``pieces`` ({key: the value
-    of every saved TP rank, in rank order; lazy or read}): key by key, read, joined (``tp_join``,
-    the model's partition rules), cut, and the part copied, so the peak is the rank's share plus
-    one full tensor. Keys absent from ``pieces`` are left out."""
+    """``model``'s dense entries for ``rank`` from ``pieces`` ({key: every saved TP rank's value}), key by
+    key: the peak is the share plus one full tensor. Keys absent from ``pieces`` are left out."""
     from moe_plugin.checkpoint.readers import materialize
 
     experts = {w.key for w in expert_weights(model)}
@@ -61,8 +47,7 @@ def own_dense(pieces: Mapping[str, list[Any]], model: nn.Module, layout: RankLay
 
 
 def _own_rows(saved: list[Any], dim: int, stride: int, tp_rank: int, tp: int) -> Any:
-    """Rank ``tp_rank``'s part of a tensor saved whole (one saved TP rank) and cut along dim 0, read
-    as just its rows (``tp_slice``'s pieces ``tp_rank::tp``); None where that does not apply."""
+    """Rank ``tp_rank``'s rows of a tensor saved whole and cut along dim 0, or None."""
     if len(saved) != 1 or dim != 0 or not hasattr(saved[0], "read_rows"):
         return None
     pieces = stride * tp
@@ -74,13 +59,8 @@ def _own_rows(saved: list[Any], dim: int, stride: int, tp_rank: int, tp: int) ->
 
 def shard_state_dict(full: Mapping[str, Any], model: nn.Module, layout: RankLayout, rank: int, *,
                      strict: bool = True) -> dict[str, Any]:
-    """The entries of ``model.state_dict()`` cut out of ``full`` for global ``rank`` of ``layout``.
-
-    ``full`` comes from the same model built on one process (same spec and config). Every key
-    of the model must be in ``full`` unless ``strict`` is False (then keys absent from ``full``
-    are left out: gradients, say, have no buffers); a shape no rule explains is an error naming
-    the key.
-    """
+    """The entries of ``model.state_dict()`` cut out of ``full`` (the same model on one process) for
+    ``rank``. Missing keys are an error unless ``strict`` is False; so is a shape no rule explains."""
     local = model.state_dict(keep_vars=True)
     experts = {w.key: w for w in expert_weights(model)}
     missing = [k for k in local if k not in full]

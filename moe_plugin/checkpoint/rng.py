@@ -1,8 +1,5 @@
-"""A rank's random streams in a checkpoint: torch, Python, NumPy, the accelerator's, Megatron's RNG
-tracker's named states (its attention's dropout, and under sequence parallelism the block's), and
-every router's noise generators and not-yet-applied load counts (``rng/rank_XXXXX.safetensors``, a
-``plain_files`` file of ``RNG_KIND``). Restored only
-where every rank sees the tokens it saw when saving (``metadata.TOKEN_LAYOUT_KEYS``).
+"""A rank's random streams in a checkpoint (``rng/rank_XXXXX.safetensors``), restored only where every
+rank sees the tokens it saw when saving (``metadata.TOKEN_LAYOUT_KEYS``).
 """
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ RNG_KIND = "rng"
 
 
 def rng_state(model: nn.Module) -> dict:
-    """This rank's random streams: torch, Python, NumPy, the accelerator's, Megatron's tracker's, and
-    every router's noise generators and not-yet-applied load counts."""
+    """This rank's random streams, and every router's noise generators and pending load counts."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),

@@ -1,12 +1,9 @@
 """One tensor cut into the shards of a parallel group and joined back (TP and ETP alike).
 
-With stride ``s`` the dimension is cut into ``s * size`` equal pieces and rank ``r`` holds pieces
-``r, r + size, ...`` in order: a GLU weight (stride 2) keeps a slice of its gate half and of its
-up half, as Megatron's own initialisation and ``layers.experts.ffn_shard`` split it.
-
-``cat`` and ``stack`` are torch's, except on meta tensors, where the conversions plan their files
-from shapes alone: there they make the result's shape themselves. torch's meta ``cat`` is Python that
-imports TorchDynamo on its first call (0.8-1.2 s of a conversion's start, measured 2026-11-28).
+With stride ``s`` the dimension is cut into ``s * size`` pieces and rank ``r`` holds pieces
+``r, r + size, ...``: a GLU weight (stride 2) keeps a slice of its gate half and of its up half.
+``cat`` and ``stack`` make a meta result's shape themselves: torch's meta ``cat`` imports TorchDynamo
+on its first call (0.8-1.2 s of a conversion's start, measured 2026-11-28).
 """
 from __future__ import annotations
 

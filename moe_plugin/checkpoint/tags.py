@@ -1,25 +1,14 @@
 """Which tag a load takes, which tags a save keeps, and a save that fails.
 
-* ``choose_tag(load_dir, tag, strict)`` (collective): a named tag, or ``latest``'s. Without a name
-  and unless ``strict``, ``latest``'s tag is verified first (``files.verify``: every recorded file,
-  each by one rank); when it fails (``latest`` unreadable or naming a missing tag, the metadata
-  unreadable, a file missing or changed), rank 0 says so in one line and the other tags are tried,
-  newest first by the step their metadata records (``global_steps``, never the file times), ties
-  by name; the first that verifies is loaded. Tags without checksums (saved before they existed)
-  are no fallback. A missing ``latest`` stays an error: nothing was committed there.
-* ``prune(save_dir, keep_last, written)`` (rank 0, after a committed save): tags beyond the newest
-  ``keep_last`` (by recorded step) are removed, never the tag just written nor ``latest``'s, and
-  nothing when the tag just written is not complete (its files at their recorded sizes): it is
-  the verified tag that is always kept. Directories without readable metadata are left alone.
-* ``saving(save_dir, tag, fn)`` (collective): ``fn`` on every rank; an ``OSError`` on any (no
-  space left, an unwritable directory) becomes one ``CheckpointError`` on every rank naming the
-  directory, after rank 0 removed the unfinished ``.tmp-TAG``: ``latest`` and its tag stay as they
-  were.
+* ``choose_tag`` (collective): a named tag, or ``latest``'s; unless ``strict``, a ``latest`` tag that
+  fails verification falls back to the newest tag that verifies (by recorded step), said in one line.
+* ``prune`` (rank 0, after a committed save): the tags beyond the newest ``keep_last``, never the one
+  just written nor ``latest``'s.
+* ``saving`` (collective): an ``OSError`` on any rank is one ``CheckpointError`` on every rank, once
+  the unfinished ``.tmp-TAG`` is removed.
 
-Every rank lists and reads the same directory: like the rest of the package (rank 0 renames what
-every rank wrote, ranks verify each other's files), this assumes one file system shared by every
-node. Rank 0 lists the tags and broadcasts them, so the ranks agree on the order of candidates;
-each verification is agreed (``errors.agree``), so they agree on the tag chosen.
+Assumes one file system shared by every node. Rules: docs/checkpoints.md; design:
+docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -131,9 +120,8 @@ def _fallback_line(load_dir: str, failures: list[tuple[str, str]], chosen: str) 
 
 # -- save ----------------------------------------------------------------------------------------
 def saving(save_dir: str, tag: str, fn: Callable[[], Any], group: Optional[dist.ProcessGroup] = None) -> Any:
-    """``fn()`` on every rank (collective over ``group``, default the world); an ``OSError`` or
-    ``CheckpointError`` on any rank is one ``CheckpointError`` on every rank naming ``save_dir``,
-    once rank 0 removed ``.tmp-TAG``."""
+    """``fn()`` on every rank of ``group``; an ``OSError`` or ``CheckpointError`` on any is one
+    ``CheckpointError`` on every rank naming ``save_dir``, once ``.tmp-TAG`` is removed."""
     try:
         return agree(fn, group)
     except CheckpointError as err:
@@ -156,8 +144,7 @@ def saving(save_dir: str, tag: str, fn: Callable[[], Any], group: Optional[dist.
 
 
 def prune(save_dir: str, keep_last: int, written: str) -> list[str]:
-    """Remove the tags beyond the newest ``keep_last`` (rank 0, after ``written`` was committed);
-    returns the tags removed."""
+    """Remove the tags beyond the newest ``keep_last`` (rank 0); returns them."""
     steps = tag_steps(save_dir)
     try:
         latest = read_latest(save_dir)

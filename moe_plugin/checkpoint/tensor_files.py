@@ -7,17 +7,9 @@
     with TensorWriter("out.safetensors", {"w": (torch.float32, [4, 8])}, metadata={"k": "v"}) as out:
         out.write("w", tensor)                          # in any order, each once
 
-The format is safetensors' (an 8-byte little-endian header length, a JSON header naming each
-tensor's dtype, shape and byte range, then the bytes): files these write are what
-``safetensors.safe_open`` reads, and these read what ``save_file`` and ``save_pretrained`` write.
-No pickle, no code: a header that does not parse, a dtype this does not know, ranges that overlap,
-leave a hole or run past the end are refused in one line naming the file.
-
-Why not safetensors' own reader: it memory-maps the file, and a mapped page the process has read
-counts in its resident memory until the mapping goes, so reading a whole file tensor by tensor
-through one mapping costs the file's size. Here every tensor is read with ``os.preadv`` into a tensor
-of its own; the page cache stays the kernel's. The writer needs every name, dtype and shape first
-(the header comes first): a conversion knows them from its table before it reads a tensor.
+Compatible with ``safetensors`` both ways. No pickle, no code, no mmap (each tensor read with
+``os.preadv``); a damaged header or byte ranges are refused in one line naming the file. Why not
+safetensors' own reader: docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -52,7 +44,7 @@ def nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
 
 
 class TensorFile:
-    """One safetensors file, read tensor by tensor (module docstring)."""
+    """One safetensors file, read tensor by tensor."""
 
     def __init__(self, path: os.PathLike | str):
         self.path = os.fspath(path)
@@ -164,11 +156,8 @@ def _header(path: str, fd: int) -> tuple[dict[str, Spec], dict[str, tuple[int, i
 
 
 class TensorWriter:
-    """A safetensors file written tensor by tensor; ``specs`` ({name: (dtype, shape)}, in the
-    order the bytes are laid out) fixes the header first. ``close`` (or leaving the ``with``
-    block) fails naming a tensor that was not written; a failed write leaves no file. The bytes go to
-    ``PATH.part``, created new (never through a link planted at either name), renamed to ``path`` at
-    ``close``: a file already at ``path`` stays whole until then, a link there is replaced, not followed."""
+    """A safetensors file written tensor by tensor, ``specs`` ({name: (dtype, shape)}) fixing the header.
+    Written to ``PATH.part``, created new, renamed at ``close``, which names a tensor not written."""
 
     def __init__(self, path: os.PathLike | str, specs: Mapping[str, Spec], metadata: Optional[Mapping[str, str]] = None):
         self.path = os.fspath(path)

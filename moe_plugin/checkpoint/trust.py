@@ -1,9 +1,8 @@
 """Whether a checkpoint's pickles may be read as torch reads them (running what they name).
 
-By default nothing is: ``compat.torch_files`` admits tensors, plain data and DeepSpeed's few classes,
-the plugin's own files are safetensors and JSON. ``trusting()`` (``--trust-checkpoint``, ``trust=True``)
-is the one way around it, for files whose every writer the user trusts: a checkpoint of an earlier
-moe_plugin, a ``pytorch_model.bin``. No torch import here (the ``moe-plugin`` command's help uses it).
+By default nothing is; ``trusting()`` (``--trust-checkpoint``, ``trust=True``) is the one way around it,
+for files whose every writer the user trusts (a checkpoint of an earlier moe_plugin, a
+``pytorch_model.bin``). No torch import here (the ``moe-plugin`` command's help uses it).
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ _TRUST = contextvars.ContextVar("moe_plugin_trust_checkpoint", default=False)
 
 @contextlib.contextmanager
 def trusting(trust: bool = True) -> Iterator[None]:
-    """Inside (``trust``), files are read as torch reads them, running what they name (module docstring)."""
+    """Inside (``trust``), files are read as torch reads them, running what they name."""
     token = _TRUST.set(bool(trust) or _TRUST.get())
     try:
         yield
@@ -36,8 +35,7 @@ def trusted() -> bool:
 
 
 def trust_argument(fn: Callable) -> Callable:
-    """``fn`` with a keyword ``trust`` (default False) that runs it inside ``trusting(trust)``: for the
-    conversions, whose readers open files as they go."""
+    """``fn`` with a keyword ``trust`` (default False) that runs it inside ``trusting(trust)``."""
     @functools.wraps(fn)
     def wrapper(*args: Any, trust: bool = False, **kwargs: Any) -> Any:
         with trusting(trust):

@@ -2,53 +2,13 @@
 
     from moe_plugin.checkpoint import upcycle_checkpoint
     upcycle_checkpoint("ckpt_dense", "ds_moe.json", "ckpt_moe", granularity=2)
-    # then train it under any layout: pretrain_gpt_moe.py --deepspeed_config ds_moe.json --load ckpt_moe ...
-    # (the command: moe-plugin upcycle ckpt_dense --config ds_moe.json --out ckpt_moe --granularity 2)
+    # or: moe-plugin upcycle ckpt_dense --config ds_moe.json --out ckpt_moe --granularity 2
 
-The dense checkpoint (``DENSE_CKPT``, any TP / PP layout the plugin saved, e.g. the example's
-``--dense`` run) is read as the 1-rank ``GPTModel``'s state (``export.CheckpointSource``, tensor
-by tensor); the MoE checkpoint is written as if the MoE model had been saved on one rank (tp, pp,
-ep 1, no optimizer state; ``one_rank``, tensor by tensor: one layer's dense MLP is the most held),
-so that ``load_checkpoint`` cuts it for any layout with the resharding code every checkpoint goes
-through (dense weights re-cut for TP and PP, experts by global id).
-
-What each MoE layer (the layers the ``"moe"`` block of ``ds_config`` names) gets:
-
-* **experts**: copies of that layer's dense MLP (``linear_fc1`` [F1, H] and ``linear_fc2`` [H, F],
-  Megatron's names; F1 = 2F for a gated MLP, gate half first, as the experts' swiglu reads it).
-  With ``granularity`` g each copy is cut into g experts of F/g (``layers.experts.ffn_shard``: fc1
-  columns, fc2 rows of piece p), so E experts are E/g copies: expert ``e`` is piece ``e % g`` of copy
-  ``e // g``. A dense MLP is the sum of its g pieces.
-* **router**: fresh, with **virtual groups**: the g pieces of one copy share one router row (drawn
-  like the layer's own router init, std ``init_method_std``, seeded by ``seed`` and the layer
-  index; row c of a g = 1 upcycle is the from-scratch model's row c). Equal rows give equal logits,
-  so top-k with k = k0 * g picks whole copies at step 0 (the k0 best), each piece with gate
-  p_c / (g * sum of the chosen p); ``gate_scale`` g makes a copy's pieces weigh p_c / sum p, and
-  the normalised gates of the chosen copies sum to 1: the layer computes the dense MLP. (GShard's
-  random routing keeps a second expert when 2 * g2 > U(0, 1): always for g = 2, whose g2 is 1/2.)
-  The rows then train apart, like any router. The aux-loss-free bias starts at 0.
-* **everything else** (embeddings, attention, norms, the dense layers' MLPs) copied.
-
-Exact at step 0 (to fp32 rounding: the experts' GEMMs sum in another order than Megatron's
-linears, and normalised gates sum to 1 within an ulp) when every route is kept: the target config
-is checked before anything is written (``ConfigError`` naming the key and value): hidden and layer
-count come from the dense model, ``moe.layers`` within it, ``num_experts`` divisible by g,
-``ffn_hidden_size`` F/g, ``activation`` the dense MLP's, ``gate_scale`` g, gates normalised
-(``router`` topk with ``normalize_gates``, or gshard), ``top_k`` a multiple of g, gshard's random
-routing only with g = 2, no shared expert; ``allow_inexact`` lets the gate checks pass with a warning. Capacity is the
-config's: with ``drop_tokens`` true, routes over capacity are dropped as in any MoE run (the
-dense function holds for the kept ones). The plugin's experts have no biases: a dense MLP with
-``linear_fc1.bias`` / ``linear_fc2.bias`` (Megatron's ``add_bias_linear``, on by default; the
-example's ``--disable-bias-linear`` turns it off) is refused unless ``drop_mlp_bias``, which drops
-them (the function then changes by them).
-
-Training state: the optimizer starts fresh (no optimizer state is written; the metadata's
-``fresh_states`` tells ``load_checkpoint`` so, at any layout, without ``--no-load-optim``). With
-``keep_iteration`` (default) the step counters, lr scheduler and client state (the example's
-``step``) are the dense checkpoint's, so training continues its schedule and data order, under the
-dense tag's name; otherwise they restart at 0 (tag ``step0``, the lr scheduler left as built).
-The metadata records ``upcycled_from`` (the dense checkpoint, its step, granularity, seed).
-Nothing is left behind on failure: files go to ``OUT/.tmp-TAG``, renamed to ``OUT/TAG`` at the end.
+Each MoE layer's experts start as copies of its dense MLP (cut into ``granularity`` pieces), its router
+fresh with the pieces of one copy sharing a row; the rest is copied. The result is written as if saved
+on one rank, so ``load_checkpoint`` cuts it for any layout. Exact at step 0 (to fp32 rounding) when no
+route is dropped; the target config is checked before anything is written. The optimizer starts fresh.
+Derivation: docs/design/checkpoint_upcycle.md; usage: docs/checkpoints.md.
 """
 from __future__ import annotations
 
@@ -122,10 +82,8 @@ def upcycle_checkpoint(dense_dir: Union[os.PathLike, str], ds_config: Union[dict
                        out_dir: Union[os.PathLike, str], *, tag: Optional[str] = None, granularity: int = 1,
                        keep_iteration: bool = True, drop_mlp_bias: bool = False, allow_inexact: bool = False,
                        seed: int = 1234, progress: Optional[Callable[[str], None]] = None) -> UpcycleResult:
-    """Write the MoE checkpoint of ``ds_config``'s ``"moe"`` block made from ``dense_dir/tag``
-    (default: its ``latest``) into ``out_dir`` (module docstring). One process, no process group.
-    ``seed``: the routers' (the example's ``--seed``). Raises ``ConfigError`` / ``CheckpointError``
-    before anything is written."""
+    """Write the MoE checkpoint of ``ds_config``'s ``"moe"`` block made from ``dense_dir/tag`` into
+    ``out_dir``; one process. Raises ``ConfigError`` / ``CheckpointError`` before anything is written."""
     say = progress or logger.info
     if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity < 1:
         raise ConfigError("granularity", granularity, "expected an integer >= 1")
@@ -230,8 +188,7 @@ def _inexact(moe: MoEConfig, g: int) -> list[ConfigError]:
 # -- the MoE model's state -----------------------------------------------------------------------
 def _moe_plan(source: CheckpointSource, moe: MoEConfig, dense: DenseModel, layers: list[int], g: int, seed: int,
               dropped: list[str]) -> OneRankPlan:
-    """The MoE model's tensors (``one_rank.OneRankPlan``): the dense model's but the MoE layers'
-    MLPs, and per MoE layer its fresh router and experts cut from its dense MLP when asked."""
+    """The MoE model's tensors: the dense model's, each MoE layer with a fresh router and experts."""
     mlp_keys = {_mlp(i, n) for i in layers for n in ("linear_fc1.weight", "linear_fc1.bias", "linear_fc1._extra_state",
                                                     "linear_fc2.weight", "linear_fc2.bias", "linear_fc2._extra_state")}
     specs = source.specs()
