@@ -1,23 +1,7 @@
-"""What an asynchronous save and a safe load rely on in DeepSpeed 0.19.8's checkpoint engine
-(``runtime/checkpoint_engine``).
-
-``engine.save_checkpoint`` writes every file of its own (module states, optimizer and ZeRO
-partitions; a ``PipelineEngine``'s layer files through ``PipelineModule.save_state_dict``) with
-``engine.checkpoint_engine.save(state_dict, path)``, and only creates directories, copies its
-``zero_to_*.py`` recovery scripts and calls ``create`` / ``commit`` besides (``commit`` writes
-nothing with the default ``TorchCheckpointEngine``). ``recording_checkpoint_engine`` swaps in an
-engine that hands each ``(state_dict, path)`` to a callback instead of writing it, and delegates
-everything else to the engine it replaces, whose ``save`` then writes the file later (the bytes
-are those a direct save writes: the same serializer and its options). ``engine.load_checkpoint``
-reads every file of its own with ``engine.checkpoint_engine.load(path, map_location)`` (module and
-optimizer files; the ``PipelineEngine``'s module through ``load_state_dir``, handed that same engine):
-``reading_safely`` swaps in one whose ``load`` runs no code from the file (``torch_files.safe_load``).
-The recovery scripts are copied by rank 0 alone, in the middle of the save (``_save_zero_checkpoint``
-calls ``_copy_recovery_script(save_path)``): ``copying_recovery_scripts`` hands an ``OSError`` there (no
-space left) to a callback instead of raising it, so that rank 0 still reaches the save's last barrier
-(the scripts, one maybe cut short, are removed).
-
-``tests/test_compat_guards.py`` checks the attribute and the methods against the installed DeepSpeed.
+"""What an asynchronous save and a safe load rely on in DeepSpeed 0.19.8's checkpoint engine: every
+file of DeepSpeed's goes through ``engine.checkpoint_engine``, so files can be recorded instead of
+written, loaded without running code, and a failed recovery-script copy held until the save's last
+barrier. Details: docs/design/compat_upstream.md.
 """
 from __future__ import annotations
 
@@ -49,16 +33,14 @@ def checkpoint_engine(engine: Any) -> Any:
 
 
 def intercepts(engine: Any) -> bool:
-    """Whether ``recording_checkpoint_engine`` can stand in for ``engine``'s checkpoint engine (one
-    that writes each file in ``save``, such as the default ``TorchCheckpointEngine``)."""
+    """Whether ``recording_checkpoint_engine`` can stand in for ``engine``'s checkpoint engine."""
     inner = engine.checkpoint_engine
     return inner is not None and not isinstance(inner, RecordingCheckpointEngine) and not inner.is_decoupled()
 
 
 @contextlib.contextmanager
 def recording_checkpoint_engine(engine: Any, record: Callable[[Any, str], None]) -> Iterator[Any]:
-    """Inside, ``engine.save_checkpoint`` hands its files to ``record`` instead of writing them;
-    yields the engine it replaced (whose ``save`` writes one of them)."""
+    """Inside, ``engine.save_checkpoint`` hands its files to ``record``; yields the engine it replaced."""
     inner = engine.checkpoint_engine
     if not intercepts(engine):
         raise RuntimeError(f"asynchronous save: DeepSpeed's checkpoint engine {type(inner).__name__} is not one "
@@ -72,8 +54,7 @@ def recording_checkpoint_engine(engine: Any, record: Callable[[Any, str], None])
 
 @contextlib.contextmanager
 def copying_recovery_scripts(engine: Any, on_error: Callable[[OSError], None]) -> Iterator[None]:
-    """Inside, ``engine``'s copy of its ``zero_to_*.py`` recovery scripts hands an ``OSError`` to
-    ``on_error`` instead of raising it (module docstring); the engine's own method again after."""
+    """Inside, an ``OSError`` of ``engine``'s recovery-script copy goes to ``on_error`` instead of raising."""
     copy = engine._copy_recovery_script
 
     def copying(save_path: str) -> None:
@@ -109,9 +90,7 @@ class SafeReadingCheckpointEngine:
 
 @contextlib.contextmanager
 def reading_safely(engine: Any) -> Iterator[None]:
-    """Inside, ``engine.load_checkpoint`` reads every file of DeepSpeed's through ``safe_load``: a
-    global other than the tensors, plain data and the classes DeepSpeed writes is refused in one line
-    naming the file (its ``TorchCheckpointEngine.load`` is ``torch.load(weights_only=False)``)."""
+    """Inside, ``engine.load_checkpoint`` reads DeepSpeed's files through ``safe_load``."""
     inner = engine.checkpoint_engine
     engine.checkpoint_engine = SafeReadingCheckpointEngine(inner)
     try:

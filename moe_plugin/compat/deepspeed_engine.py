@@ -1,14 +1,5 @@
-"""What DeepSpeed's engine does with the loss scale and reads as the gradient norm.
-
-Relies on deepspeed 0.19.8 (``deepspeed/runtime/engine.py``, ``runtime/base_optimizer.py``):
-
-* ``DeepSpeedEngine.backward`` multiplies the loss (besides 1 / gas) by a ``ZeROOptimizer``'s
-  ``scale_if_loss`` (its ``custom_loss_scaler``'s ``external_loss_scale``, else its
-  ``torch_autocast_gradscaler``, else its ``loss_scaler``'s ``cur_scale``), and otherwise by the
-  engine's ``torch_autocast_z0_gradscaler`` only: ``engine_loss_scale`` follows it branch for branch.
-* ``DeepSpeedEngine.step`` copies the optimizer's ``_global_grad_norm`` (when it has one) into
-  what ``get_global_grad_norm()`` returns: ``set_global_grad_norm``.
-* fp16 optimizers expose their current dynamic scale as ``loss_scale``: ``optimizer_loss_scale``.
+"""What DeepSpeed 0.19.8's engine does with the loss scale (``engine_loss_scale`` follows ``backward``
+branch for branch) and reads as the gradient norm. Details: docs/design/compat_upstream.md.
 """
 from __future__ import annotations
 
@@ -18,12 +9,7 @@ import torch
 
 
 def engine_loss_scale(engine: Any) -> float:
-    """The factor DeepSpeed's ``engine.backward`` multiplies the loss by, besides 1 / gas: a ZeRO
-    optimizer scales it by the user's external scale, torch autocast's grad scaler, or its fp16
-    loss scaler's ``cur_scale`` (1 in bf16 and fp32). Otherwise only ZeRO-0's torch autocast grad
-    scaler scales it; in particular ZeRO-0 fp16 (``FP16_UnfusedOptimizer``) does not: that
-    optimizer divides the gradients by its loss scale in ``step`` whatever ``backward`` did, so
-    the aux-loss gradient must be left as the main loss's is."""
+    """The factor ``engine.backward`` multiplies the loss by besides 1 / gas (1 for ZeRO-0 fp16, bf16, fp32)."""
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
     optimizer = getattr(engine, "optimizer", None)

@@ -1,12 +1,6 @@
-"""DeepSpeed's group registry, ``deepspeed.utils.groups``: its expert-group dicts and its ``mpu``.
-
-Relies on deepspeed 0.19.8 (``deepspeed/utils/groups.py``): the module dicts
-``_EXPERT_PARALLEL_GROUP``, ``_EXPERT_PARALLEL_GROUP_RANKS``, ``_EXPERT_DATA_PARALLEL_GROUP`` and
-``_EXPERT_DATA_PARALLEL_GROUP_RANKS``, keyed by a group name (``"ep_size_{ep}"``), which its MoE and
-ZeRO code read instead of creating groups; the globals ``mpu`` and
-``expert_tensor_parallel_world_size``. ``DeepSpeedEngine`` sets ``groups.mpu`` to the engine's
-``mpu`` (``runtime/engine.py``: a ``PipelineEngine``'s is its module's grid), so whoever wants
-its own ``mpu`` back sets it again after ``deepspeed.initialize``.
+"""DeepSpeed 0.19.8's group registry, ``deepspeed.utils.groups``: the expert-group dicts its MoE and ZeRO
+code read instead of creating groups, and its ``mpu`` (which ``deepspeed.initialize`` replaces, so it
+is set again after). Details: docs/design/compat_upstream.md.
 """
 from __future__ import annotations
 
@@ -31,8 +25,7 @@ def expert_groups(name: str) -> tuple[Any, Any]:
 
 def set_expert_groups(name: str, ep: Any, ep_ranks: Sequence[int], edp: Any, edp_ranks: Sequence[int],
                       etp_size: int) -> None:
-    """Register the expert-parallel and expert-data-parallel groups under ``name`` (with this
-    rank's rank lists) and the expert-tensor-parallel size."""
+    """Register the EP and EDP groups (with this rank's rank lists) under ``name``, and the ETP size."""
     from deepspeed.utils import groups as ds_groups
 
     for (groups, ranks), group, members in zip(_registries(), (ep, edp), (ep_ranks, edp_ranks)):
@@ -42,8 +35,7 @@ def set_expert_groups(name: str, ep: Any, ep_ranks: Sequence[int], edp: Any, edp
 
 
 def forget_expert_groups(name: str, handles: Optional[Sequence[Any]] = None) -> None:
-    """Remove the groups registered under ``name`` (only those that are one of ``handles``, when
-    given) and their rank lists."""
+    """Remove the groups registered under ``name`` (only those in ``handles``, when given)."""
     for groups, ranks in _registries():
         if handles is None or any(groups.get(name) is h for h in handles):
             groups.pop(name, None)

@@ -1,16 +1,6 @@
-"""DeepSpeed's MoE detection: a marker module of its ``MoE`` type, and the expert-parameter flags.
-
-Relies on deepspeed 0.19.8:
-
-* ``DeepSpeedEngine`` takes its MoE code paths (``has_moe_layers``: expert gradients reduced over
-  their expert-data-parallel group, expert groups handed to ZeRO) only when the model contains a
-  ``deepspeed.moe.layer.MoE``, and reads ``MARKER_READS`` from it (``runtime/engine.py``);
-  ``deepspeed.initialize`` calls its ``set_deepspeed_parallelism(use_data_before_expert_parallel_)``.
-  ``DeepSpeedMoEMarker`` is such a module whose ``MoE.__init__`` (DeepSpeed's own gate and experts)
-  is skipped.
-* ZeRO-1/2's gradient norm counts a parameter on every tensor-parallel rank when
-  ``is_model_parallel_parameter`` finds ``model_parallel = True`` on it (``runtime/utils.py``):
-  ``mark_model_parallel``.
+"""DeepSpeed 0.19.8's MoE detection: a marker module of its ``MoE`` type, so the engine takes its MoE code
+paths, and the flag that makes ZeRO's gradient norm count a parameter on every TP rank. Details:
+docs/design/compat_upstream.md.
 """
 from __future__ import annotations
 
@@ -26,10 +16,8 @@ MARKER_READS = ("ep_size", "expert_group_name", "num_experts", "num_local_expert
 
 
 class DeepSpeedMoEMarker(DeepSpeedMoE):
-    """Makes ``DeepSpeedEngine`` take its MoE code paths for a model whose MoE layers are not
-    DeepSpeed's. A ``deepspeed.moe.layer.MoE`` in type only: it has no parameters, builds nothing,
-    and ``set_deepspeed_parallelism`` creates no groups, it checks that DeepSpeed's registry holds
-    ``ep_group`` and ``edp_group`` under ``group_name``."""
+    """A ``deepspeed.moe.layer.MoE`` in type only: no parameters, and ``set_deepspeed_parallelism`` only checks
+    that DeepSpeed's registry holds the groups."""
 
     def __init__(self, num_experts: int, ep_size: int, group_name: str, ep_group: Any, edp_group: Any):
         nn.Module.__init__(self)

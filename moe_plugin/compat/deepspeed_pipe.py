@@ -1,9 +1,5 @@
-"""DeepSpeed's ``PipelineModule`` with its stage boundaries given instead of searched.
-
-Relies on deepspeed 0.19.8 (``deepspeed/runtime/pipe/module.py``): ``PipelineModule.__init__``
-calls ``self._partition_layers(method=partition_method)``, which sets ``self.parts`` and calls
-``self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])`` for this rank's
-stage ``self._topo.get_coord(self.global_rank).pipe``; ``GivenPartsPipelineModule`` overrides it.
+"""DeepSpeed 0.19.8's ``PipelineModule`` with its stage boundaries given instead of searched
+(``_partition_layers`` overridden; details: docs/design/compat_upstream.md).
 """
 from __future__ import annotations
 
@@ -13,8 +9,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 
 class GivenPartsPipelineModule(PipelineModule):
-    """A ``PipelineModule`` whose stage s runs ``layers[parts[s]:parts[s + 1]]``: DeepSpeed's
-    partitioners balance parameter counts; these boundaries are the caller's."""
+    """A ``PipelineModule`` whose stage s runs ``layers[parts[s]:parts[s + 1]]``, the caller's boundaries."""
 
     def __init__(self, layers: list, *, parts: list[int], **kwargs: Any):
         if not all(hasattr(PipelineModule, name) for name in ("_partition_layers", "_set_bounds")):

@@ -1,26 +1,6 @@
-"""Megatron-Core's CUDA-only RNG tracker and buffers, given CPU stand-ins on the CPU accelerator.
-
-Relies on megatron-core 0.16:
-
-* ``megatron/core/tensor_parallel/random.py`` keeps one tracker of named RNG states in the module
-  globals ``_CUDA_RNG_STATE_TRACKER`` / ``_CUDA_RNG_STATE_TRACKER_INITIALIZED`` (made by
-  ``initialize_rng_tracker``, a ``CudaRNGStatesTracker``); ``model_parallel_cuda_manual_seed`` resets
-  it and ``add``s its three states. ``fork(name)`` swaps the CUDA generator to a named state; the
-  embedding and the transformer block fork it under sequence parallelism, ``DotProductAttention``
-  on every forward, the tensor-parallel layers at GPU initialisation. ``install_cpu_rng_tracker()``
-  puts a ``CpuRNGStatesTracker`` there: the same interface and named states, held as CPU generator
-  states and swapped into torch's CPU generator, so that dropout inside a fork (under sequence
-  parallelism: per tensor-parallel rank) draws from the model-parallel state as it would on a GPU.
-* ``tensor_parallel/mappings.py`` (gather / reduce-scatter along the sequence), ``tensor_parallel/layers.py``
-  (the all-gathered input's gradient) and ``utils.py`` (``GlobalMemoryBuffer``, the all-gather buffer
-  of sequence parallelism, the attention's score buffer) allocate on the current CUDA device
-  (``current_device()`` of ``torch.cuda``), and ``models/common/embeddings/rotary_pos_embedding.py``
-  (``RotaryEmbedding.get_emb``, RoPE's frequencies) moves its frequencies there on the first forward.
-  ``cpu_buffers()`` gives these four modules, and only them, a ``torch`` whose
-  ``cuda.current_device()`` is ``"cpu"`` (their global ``torch`` is replaced; torch itself is untouched).
-
-Applied by ``integration.seeding.seed_megatron_rng`` (which ``moe_plugin.initialize`` calls before
-the model is built) on the CPU accelerator only.
+"""Megatron-Core 0.16's CUDA-only RNG tracker and buffers, given CPU stand-ins on the CPU accelerator
+(``integration.seeding.seed_megatron_rng`` applies them): dropout inside a fork draws from the
+model-parallel state as on a GPU. Details: docs/design/compat_upstream.md.
 """
 from __future__ import annotations
 
@@ -38,9 +18,7 @@ BUFFER_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.tenso
 
 
 class CpuRNGStatesTracker(megatron_random.CudaRNGStatesTracker):
-    """Megatron's ``CudaRNGStatesTracker`` over torch's CPU generator: ``add(name, seed)`` keeps the
-    state a CPU generator seeded with ``seed`` has; ``fork(name)`` runs its block with that state in
-    torch's default CPU generator and keeps where the block left it (nested forks as Megatron's)."""
+    """Megatron's ``CudaRNGStatesTracker`` over torch's CPU generator (``add``, ``fork``, nested forks)."""
 
     def add(self, name: str, seed: int) -> None:
         if seed in self.seeds_:
@@ -71,8 +49,7 @@ class CpuRNGStatesTracker(megatron_random.CudaRNGStatesTracker):
 
 
 def install_cpu_rng_tracker() -> None:
-    """Make Megatron's tracker a ``CpuRNGStatesTracker`` (kept if it is one already); seed it
-    afterwards with ``model_parallel_cuda_manual_seed``, which keeps an initialised tracker."""
+    """Make Megatron's tracker a ``CpuRNGStatesTracker``; seed it after with ``model_parallel_cuda_manual_seed``."""
     if not isinstance(megatron_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
         megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
         megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

@@ -1,16 +1,5 @@
-"""How Megatron-Core builds a ``TransformerLayer`` and its MLP, as the MoE spec relies on it.
-
-Relies on megatron-core 0.16 (``megatron/core/transformer/``):
-
-* ``spec_utils.build_module`` builds from any object with ``module`` (a class), ``params`` and
-  ``submodules``: ``module(**params, submodules=..., config=...)``. ``BuildSpec`` is such an object,
-  deliberately not a ``ModuleSpec``: for a ``ModuleSpec`` of a class it does not know,
-  ``TransformerLayer.__init__`` logs "Unknown MLP type" on every layer, and passes nothing but
-  ``config`` to it either way.
-* ``TransformerLayer.__init__`` takes ``TRANSFORMER_LAYER_ARGS`` (in that order) and numbers its
-  layer ``layer_number + get_transformer_layer_offset(config, vp_stage, pp_rank)`` (1-based,
-  global: pipeline and virtual-pipeline stages included), the pipeline rank from
-  ``pg_collection.pp`` (default ``ProcessGroupCollection.use_mpu_process_groups()``).
+"""How megatron-core 0.16 builds a ``TransformerLayer`` and its MLP (``build_module``, the layer's global
+number), as the MoE spec relies on it. Details: docs/design/compat_upstream.md.
 """
 from __future__ import annotations
 
@@ -30,8 +19,7 @@ class BuildSpec:
 
 
 def global_layer_index(config: Any, layer_number: int, vp_stage: Optional[int], pg_collection: Any) -> tuple[int, Any]:
-    """(the 0-based global index ``TransformerLayer`` will give the layer numbered ``layer_number``
-    in its stage, the ``pg_collection`` it builds with: the mpu's groups when None)."""
+    """(0-based global index of the layer numbered ``layer_number`` in its stage, the ``pg_collection`` used)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
     from megatron.core.utils import get_pg_rank

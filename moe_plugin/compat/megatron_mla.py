@@ -1,40 +1,6 @@
-"""megatron-core 0.16.1's multi-latent attention (``MLASelfAttention``) on any device.
-
-The plugin uses Megatron's own MLA module (DeepSeek-V2/V3: low-rank query and key/value projections
-with their norms, a rotary key shared by the heads), so a GPU run gets Megatron's layer unchanged.
-Two things of its constructor do not hold on a CPU build of torch, one not without Transformer
-Engine, and one does not fit YaRN as transformers computes it:
-
-* ``MultiLatentAttention.__init__`` builds its ``RotaryEmbedding`` (``rope_type`` "rope") without
-  ``use_cpu_initialization``, i.e. on the current GPU: on a CPU build of torch "Torch not compiled
-  with CUDA enabled". ``MLAttention`` builds it on the CPU when DeepSpeed's accelerator is the CPU or
-  the config asks for CPU initialisation (the frequencies are the same numbers on either device).
-* With ``rope_type`` "yarn" it builds ``YarnRotaryEmbedding``, whose ``get_emb`` moves its
-  frequencies to the current GPU on every call. ``MLAttention`` builds ``YarnRotary``
-  instead: a plain ``RotaryEmbedding`` whose forward returns ``(angles, attention factor)`` as
-  Megatron's YaRN class does, so that MLA multiplies cos and sin by the factor;
-  ``integration.rope.apply_rope_scaling`` then sets transformers' YaRN frequencies and factor on it.
-  The softmax scale stays Megatron's: ``mscale(rotary_scaling_factor, mscale_all_dim)^2 /
-  sqrt(qk_head_dim + qk_pos_emb_head_dim)``, which is transformers' DeepSeek scaling.
-* Without Transformer Engine, ``megatron.core.extensions.transformer_engine`` still imports (its
-  classes are ``MagicMock`` placeholders), so the module's ``HAVE_TE`` is True and the constructor's
-  ``isinstance(self.linear_proj, TELinear)`` raises "isinstance() arg 2 must be a type".
-  ``MLAttention`` sets ``HAVE_TE`` to whether ``TELinear`` is a class.
-
-Those three are swapped for the constructor's duration only (the module's names), so Megatron's
-classes stay as they are for everyone else.
-
-And one gradient is wrong in Megatron's local spec under tensor parallelism: the key/value down
-projection is a ``ColumnParallelLinear`` whose output ``[kv_lora_rank + qk_pos_emb_head_dim]`` is
-all-gathered over TP (``gather_from_tensor_model_parallel_region``, whose backward keeps each rank's
-slice of the gradient, right only for a gradient every rank has whole). Its last ``qk_pos_emb_head_dim``
-columns are the rotary key *shared by all heads*: each rank's gradient of it comes from its own heads
-only, so the rank that owns those columns dropped the other ranks' share and trained the shared key's
-weights on part of their gradient (the losses drift from the one-rank run's after a few steps). In
-``MLAttention``'s forward that one gather is the plugin's ``_GatherSummingTail``: the same all-gather,
-whose backward sums the shared key's columns over TP before keeping the rank's slice.
-
-``tests/test_compat_guards.py`` checks the names this relies on against the installed Megatron-Core.
+"""megatron-core 0.16.1's multi-latent attention on any device: ``MLAttention`` is Megatron's MLA with
+its constructor working on CPU, without Transformer Engine and with YaRN as transformers computes it,
+and the shared rotary key's gradient summed over TP. Why each: docs/design/compat_upstream.md.
 """
 from __future__ import annotations
 
@@ -51,8 +17,7 @@ SWAPPED = ("RotaryEmbedding", "YarnRotaryEmbedding", "HAVE_TE")
 
 
 class YarnRotary(RotaryEmbedding):
-    """Megatron's plain rotary embedding that also returns the attention factor (``factor``, set by
-    ``apply_rope_scaling``; 1.0 until then), the pair MLA expects from a YaRN rotary embedding."""
+    """Megatron's plain rotary embedding that also returns the attention factor, as MLA expects of YaRN."""
 
     def __init__(self, kv_channels: int, rotary_base: float = 10000.0, cp_group: Any = None,
                  use_cpu_initialization: bool = True, **_yarn_fields: Any):
@@ -65,8 +30,7 @@ class YarnRotary(RotaryEmbedding):
 
 
 class MLAttention(MLASelfAttention):
-    """``MLASelfAttention`` whose rotary embedding is built where it can run and whose shared key's
-    gradient is summed over TP (module docstring)."""
+    """``MLASelfAttention`` built where it can run, its shared key's gradient summed over TP."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any):
         from deepspeed.accelerator import get_accelerator
@@ -100,8 +64,7 @@ class MLAttention(MLASelfAttention):
 
 
 class _GatherSummingTail(torch.autograd.Function):
-    """All-gather along the last dimension over ``group``; backward: the gradient's last ``tail`` columns
-    summed over the group (each rank has part of it), then this rank's slice."""
+    """All-gather over ``group``; backward sums the last ``tail`` columns over the group, then slices."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, tail: int, group: Any) -> torch.Tensor:
@@ -123,8 +86,7 @@ class _GatherSummingTail(torch.autograd.Function):
 
 @contextlib.contextmanager
 def rotary_on_host(cpu: bool) -> Iterator[None]:
-    """Within it, MLA's constructor builds ``RotaryEmbedding`` on the CPU when ``cpu`` and
-    ``YarnRotary`` for YaRN, and knows whether Transformer Engine is really there."""
+    """Within it, MLA's constructor builds a rotary embedding that runs here, and sees Transformer Engine right."""
     saved = {name: getattr(mla_module, name) for name in SWAPPED}
 
     def plain(*args: Any, **kwargs: Any) -> RotaryEmbedding:

@@ -1,12 +1,5 @@
-"""Megatron-Core's ``parallel_state`` globals: read, set, put back, cleared.
-
-Relies on megatron-core 0.16 (``megatron/core/parallel_state.py``): the module-level group
-variables and rank lists named in ``parallel_state_values`` (set the way
-``initialize_model_parallel`` sets them, so that its getters and
-``ProcessGroupCollection.use_mpu_process_groups()`` return the groups given), the
-``_GLOBAL_MEMORY_BUFFER`` made by ``_set_global_memory_buffer()``, and ``destroy_model_parallel()``
-leaving the rank lists in ``RANK_LISTS_KEPT`` set and destroying the gloo groups in ``GLOO_GROUPS``.
-The module is imported inside the functions.
+"""megatron-core 0.16's ``parallel_state`` globals, set the way ``initialize_model_parallel`` sets them
+(so its getters return the groups given), put back and cleared. Details: docs/design/compat_upstream.md.
 """
 from __future__ import annotations
 
@@ -35,10 +28,7 @@ def held_tensor_parallel_group() -> Optional[dist.ProcessGroup]:
 
 
 def parallel_state_values(handles: Mapping[str, Any], ranks: Mapping[str, Any], rank: int, gloo: bool) -> dict:
-    """{global name: value} that makes ``parallel_state`` hold ``handles`` (by layout kind: tp, pp,
-    mp, embedding, pos_embedding, dp, cp, tp_dp, ep, etp, etp_ep, etp_ep_pp, edp) with this rank's
-    ``ranks`` of tp, pp, mp, embedding, pos_embedding, dp, ep (context parallel size 1). ``gloo``:
-    the groups are gloo already, so they double as Megatron's separate gloo copies."""
+    """{global name: value} making ``parallel_state`` hold ``handles`` and this rank's ``ranks`` (cp 1)."""
     h = handles
     unique: list = []
     for handle in h.values():   # shared between kinds with the same ranks
@@ -100,8 +90,7 @@ def parallel_state_values(handles: Mapping[str, Any], ranks: Mapping[str, Any], 
 
 
 def set_parallel_state(values: Mapping[str, Any]) -> dict:
-    """Set ``parallel_state``'s globals to ``values`` (``parallel_state_values``) and make its
-    global memory buffer if it has none; returns what they held before (``restore_parallel_state``)."""
+    """Set ``parallel_state``'s globals to ``values``; returns what they held (``restore_parallel_state``)."""
     from megatron.core import parallel_state as ps
 
     for name in values:

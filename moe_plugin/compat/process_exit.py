@@ -1,26 +1,7 @@
-"""Ending a distributed process without the interpreter's teardown racing torch's gloo threads.
-
-A gloo process group runs its collectives on threads of its own (``pt_gloo_runloop``), and such a
-thread takes Python's GIL when it drops the last reference to a tensor Python made, or runs a
-future's Python callback. torch 2.13's ``destroy_process_group`` does not stop those threads: they
-live as long as a Python object holds the group (Megatron-Core's and DeepSpeed's module globals
-do). A thread that asks for the GIL after the interpreter has begun its teardown is ended there
-with ``pthread_exit``, inside C++ frames that may not unwind, and the process aborts
-("terminate called without an active exception", status -6; under torch 2.11 and Python 3.12 a
-segmentation fault, -11) after the run has finished and saved; or the teardown waits for a thread
-that waits for the GIL, and the process hangs. Under
-load (4 ranks on 2 cores) one run in some tens ended so. ``tests/test_process_exit.py`` makes
-the race certain with a callback that keeps asking for the GIL on a gloo thread.
-
-``exit_process(status)`` ends the process the other way: what the interpreter's exit would do for
-the program (wait for its non-daemon threads, run the ``atexit`` handlers, flush the standard
-streams), then ``os._exit``, which ends every thread with the process and skips the teardown
-where the race lies. The process groups are destroyed first, as torch asks.
-
-``run_and_exit(main)`` is a script's last line: ``main``'s status through ``exit_process``, and an
-exception ``main`` lets out (an error of this rank's own, after the groups exist) printed with its
-traceback once and ended with status 1 the same way, where the interpreter would print it and then
-abort in its teardown.
+"""Ending a distributed process without the interpreter's teardown racing torch 2.13's gloo threads
+(an abort or a hang after the run finished): ``exit_process`` does what the interpreter's exit does
+for the program, then ``os._exit``; ``run_and_exit(main)`` is a script's last line. The race:
+docs/design/compat_upstream.md.
 """
 from __future__ import annotations
 
@@ -39,11 +20,8 @@ def distributed_initialized() -> bool:
 
 
 def exit_process(status: int | None = 0) -> NoReturn:
-    """Destroy the default process group (and with it every group) if there is one, wait for
-    the program's non-daemon threads, run the ``atexit`` handlers, flush ``sys.stdout`` and
-    ``sys.stderr`` (and the C library's streams, which ``os._exit`` would drop), and end the process
-    with ``status`` (None: 0, as ``sys.exit``; module docstring: why not ``sys.exit``). A failure to
-    destroy the groups is printed and makes a status of 0 into 1."""
+    """Destroy the process groups, join the non-daemon threads, run ``atexit``, flush Python's and C's
+    streams, ``os._exit(status)`` (None: 0; a failure to destroy the groups turns 0 into 1)."""
     status = status or 0
     try:
         if distributed_initialized():   # (torch.distributed not imported: nothing to destroy, torch stays unloaded)
@@ -63,9 +41,7 @@ def exit_process(status: int | None = 0) -> NoReturn:
 
 
 def run_and_exit(main: Callable[[], Optional[int]]) -> NoReturn:
-    """Run ``main`` and end the process with its status through ``exit_process``. An exception it lets
-    out prints its traceback once (stderr) and ends with status 1 (``KeyboardInterrupt``: 130;
-    ``SystemExit``: its code, a message printed as ``sys.exit`` would)."""
+    """``exit_process(main())``; an exception it lets out: its traceback once, then status 1."""
     try:
         status = main()
     except SystemExit as stop:
@@ -83,11 +59,7 @@ def run_and_exit(main: Callable[[], Optional[int]]) -> NoReturn:
 
 
 def _wait_for_threads() -> None:
-    """What the interpreter's exit does first: threading's own exit calls (``concurrent.futures``
-    tells the idle workers of a live ``ThreadPoolExecutor`` to end there; joined without it, they
-    would wait for work forever), then every non-daemon thread joined (``threading._shutdown``,
-    Python 3.11's, which asks for the main thread). From another thread: the non-daemon threads but
-    the main one joined."""
+    """What the interpreter's exit does first: threading's exit calls, then the non-daemon threads joined."""
     if threading.current_thread() is threading.main_thread():
         threading._shutdown()
         return
@@ -97,9 +69,7 @@ def _wait_for_threads() -> None:
 
 
 def _flush_c_streams() -> None:
-    """``fflush(NULL)``: what C and C++ code (DeepSpeed's and torch's ops) printed is still in the C
-    library's buffers when stdout is a pipe or a file (a launcher's capture) and Python's is not
-    unbuffered; the interpreter's exit flushes them, ``os._exit`` does not."""
+    """``fflush(NULL)``: C and C++ output still in the C library's buffers (``os._exit`` drops it)."""
     try:
         import ctypes
 

@@ -5,28 +5,8 @@ without reading their tensors until asked.
         module = f.content["module"]            # {key: LazyTensor or a plain value}; no tensor read yet
         w = module["decoder.final_layernorm.weight"].read()
 
-What torch 2.13 writes (``torch/serialization.py``, ``_save``): a zip archive of stored (not
-compressed) records, ``PREFIX/data.pkl`` the pickled object in which every tensor is a call of
-``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)`` and every storage a
-persistent id ``("storage", torch.<Dtype>Storage, key, location, numel)`` naming the record
-``PREFIX/data/KEY`` that holds its bytes. Here the pickle is read by an unpickler whose classes
-come from a table: tensors become ``LazyTensor`` (record, dtype, offset, shape, stride: its bytes
-are read by ``read``), ``OrderedDict``, ``set``, ``torch.Size``, devices, bytes and dtypes are
-themselves, the classes DeepSpeed 0.19 writes into its checkpoint files (``DEEPSPEED_GLOBALS``) are
-``Opaque`` (their name and what the pickle gave them: nothing in the file is called), and any other
-global refuses the file in one line naming it and the global (``Refused``, a ``CheckpointError``).
-
-``safe_load(path)`` is ``torch.load`` for files whose objects must be real (DeepSpeed's own loader:
-``compat.deepspeed_checkpoint_engine.reading_safely``; ``checkpoint.files.read_torch``):
-``weights_only`` with exactly ``DEEPSPEED_GLOBALS`` admitted besides what torch admits itself, the
-same refusal. ``checkpoint.trust.trusting()`` is the one way around both (``--trust-checkpoint``):
-inside it ``TorchFile`` makes an ``Opaque`` of any global (it still calls nothing) and ``safe_load``
-is ``torch.load(weights_only=False)``, which runs whatever the file names. ``unadmitted(obj)`` says
-where an object to be saved holds something a load would refuse (a save checks DeepSpeed's files
-and the client state with it).
-
-``tests/test_compat_guards.py`` checks this against the installed torch, and that DeepSpeed writes
-nothing else into the files of fp32, bf16 and fp16 runs at ZeRO 0-2.
+Only tensors, plain data and ``DEEPSPEED_GLOBALS`` are admitted (``safe_load`` likewise); anything else
+is ``Refused`` in one line. Format: docs/design/compat_upstream.md.
 """
 from __future__ import annotations
 
@@ -78,10 +58,7 @@ def deepspeed_classes() -> list[type]:
 
 
 def safe_load(path: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
-    """``torch.load`` of ``path`` admitting tensors, plain data and ``DEEPSPEED_GLOBALS`` only (module
-    docstring); ``FileNotFoundError`` passes, any other failure is a one-line ``CheckpointError``. The
-    file's claims (records, storages, each tensor's extent) are checked first, as ``TorchFile`` checks
-    them: torch would reserve what a tampered storage claims before finding its record short."""
+    """``torch.load`` admitting tensors, plain data and ``DEEPSPEED_GLOBALS`` only, claims checked first."""
     if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
         TorchFile(path).close()
     if trusted():
@@ -99,8 +76,7 @@ _PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype, torch.Size, tor
 
 
 def unadmitted(value: Any, where: str = "") -> Optional[str]:
-    """Where ``value`` (to be saved) holds an object that ``safe_load`` would refuse, and its class;
-    None when it holds none."""
+    """Where ``value`` (to be saved) holds an object ``safe_load`` would refuse, and its class; or None."""
     if isinstance(value, _PLAIN) or isinstance(value, torch.Tensor) and type(value) in (torch.Tensor,
                                                                                         torch.nn.Parameter):
         return None
@@ -155,7 +131,7 @@ class LazyTensor:
 
 
 class TorchFile:
-    """One ``torch.save`` file (module docstring). ``content``: the unpickled object, tensors lazy."""
+    """One ``torch.save`` file; ``content``: the unpickled object, tensors lazy."""
 
     def __init__(self, path: os.PathLike | str):
         self.path = os.fspath(path)
@@ -185,8 +161,7 @@ class TorchFile:
                                   f"{exc})") from None
 
     def _check_records(self) -> None:
-        """Every record's size as the archive stores it (torch writes them uncompressed), inside the file:
-        what a tensor may claim is bounded by the bytes that are there."""
+        """Every record's stored size lies inside the file."""
         size = os.path.getsize(self.path)
         for info in self._zip.infolist():
             if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size \
@@ -253,8 +228,7 @@ def _size(numel: Any, dtype: torch.dtype) -> str:
 
 
 def _rebuild_tensor(storage: tuple, offset: Any, shape: Any, stride: Any, *_rest: Any) -> LazyTensor:
-    """A tensor as the pickle describes it, checked against its storage before anything is reserved:
-    offset, sizes and strides counts, the last element inside the storage's record."""
+    """A tensor as the pickle describes it, checked against its storage before anything is reserved."""
     if not (isinstance(storage, tuple) and len(storage) == 4 and isinstance(storage[0], TorchFile)):
         raise pickle.UnpicklingError("a tensor without a storage")
     source, key, dtype, numel = storage
