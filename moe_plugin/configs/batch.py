@@ -2,21 +2,9 @@
 
     sizes = batch_sizes(ds_config, dp=sizes.dp)     # BatchSizes(micro=4, gas=2, total=16), or a ConfigError
 
-DeepSpeed requires ``train_batch_size = train_micro_batch_size_per_gpu x
-gradient_accumulation_steps x data-parallel size`` and derives whichever of the three the JSON
-leaves out from the other two and the data-parallel size, with integer division (DeepSpeed
-0.19.8, ``DeepSpeedConfig._set_batch_related_parameters``). It checks the result only with an
-assert deep inside ``deepspeed.initialize``, after the groups and the model are built, and a
-division that does not come out even is truncated first. Here the same rules run on the
-config alone, with ``dp`` from the layout: a number that is no positive integer, a product that
-does not hold, a derivation that does not divide evenly, and a near miss of one of the three
-key names (DeepSpeed ignores ``gradient_accumulation_step`` and derives the value instead) are
-a ``ConfigError`` naming the key.
-
-Where the JSON leaves ``gradient_accumulation_steps`` out, it follows from the world size:
-``{"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}`` accumulates 1 micro-batch on 4
-data-parallel ranks and 2 on 2. ``BatchSizes.derived`` names what was derived; write all three
-numbers to pin them, so that another world size is refused instead of followed.
+``train_batch_size = micro x gradient_accumulation_steps x dp``, the number the JSON leaves out derived
+as DeepSpeed 0.19.8 derives it, but exactly: what does not hold or divide evenly, or a near miss of a
+key name, is a ``ConfigError`` naming the key. Rules: docs/config.md; why: docs/design/configs_checks.md.
 """
 from __future__ import annotations
 
@@ -46,8 +34,8 @@ class BatchSizes:
 
 
 def batch_sizes(ds_config: dict, dp: int) -> BatchSizes:
-    """The batch numbers of ``ds_config`` on ``dp`` data-parallel ranks, derived as DeepSpeed does
-    and checked exactly (see the module docstring)."""
+    """The batch numbers of ``ds_config`` on ``dp`` data-parallel ranks, derived as DeepSpeed does and
+    checked exactly."""
     _check_near_misses(ds_config)
     total, micro, gas = (_positive(ds_config, key) for key in (TOTAL, MICRO, GAS))
     if total is None and micro is None:

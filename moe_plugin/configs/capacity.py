@@ -2,12 +2,9 @@
 planner's cost model share.
 
     expert_capacity(num_tokens=200, num_experts=8, k=2, capacity_factor=1.1, min_capacity=0)  # 55
-    capacity = max(min_capacity, ceil(capacity_factor * k * T / E))        (docs/config.md)
 
-The factor is taken as the decimal number it was written as (``1.1`` is 11/10, not the binary
-float 1.100000000000000088...), and the rest is integer arithmetic, so the result is the
-formula's, identical on every rank and machine. In floating point ``1.1 * 2 * 200 / 8`` is
-55.00000000000001 and its ceiling 56; the formula gives 11/10 x 2 x 200 / 8 = 55.
+The factor is the decimal number written (1.1 is 11/10) and the rest integer arithmetic, so the result
+is the same on every rank and machine (floating point gives 56 here). docs/config.md, "Formulas".
 """
 from __future__ import annotations
 
@@ -39,7 +36,7 @@ def exact_factor(capacity_factor: Factor) -> Fraction:
 
 
 def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: Factor, min_capacity: int) -> int:
-    """Per-expert buffer size of one GShard group of ``num_tokens`` tokens:
-    ``max(min_capacity, ceil(capacity_factor * k * num_tokens / num_experts))``, exactly."""
+    """``max(min_capacity, ceil(capacity_factor * k * num_tokens / num_experts))``, exactly: the
+    per-expert buffer size of one GShard group of ``num_tokens`` tokens."""
     share = exact_factor(capacity_factor) * (int(k) * int(num_tokens))
     return max(int(min_capacity), -(-share.numerator // (share.denominator * int(num_experts))))

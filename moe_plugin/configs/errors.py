@@ -1,7 +1,5 @@
-"""ConfigError and the translation of pydantic's errors into one readable line.
-
-Every message reads ``<key path>: got <value>; <what is valid>``, e.g.
-``moe.parallel.expert: got 3; must divide num_experts (8); valid: 1, 2, 4, 8``.
+"""ConfigError and the translation of pydantic's errors into one line: ``<key path>: got <value>; <what is
+valid>``, e.g. ``moe.parallel.expert: got 3; must divide num_experts (8); valid: 1, 2, 4, 8``.
 """
 from __future__ import annotations
 

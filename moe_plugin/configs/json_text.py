@@ -1,13 +1,7 @@
 """A DeepSpeed JSON file's text, read as DeepSpeed reads it (hjson), with what hjson reads wrongly or
-not at all refused in one line naming the file and, where there is one, the key path.
-
-``read_text`` decodes the bytes as UTF-8 (a byte that is not: its line and column) and scans the
-text once: lists and objects nested deeper than ``MAX_DEPTH`` are refused before a parser recurses
-into them (hjson's RecursionError), and a bare ``NaN``, ``Infinity`` or ``-Infinity`` value (which
-JSON lacks and hjson reads as text to the end of its line, or fails at the end of the file) is
-swapped for a marker string that ``refuse_markers`` finds with its key path and its true position.
-``number`` and ``integer`` are hjson's ``parse_float`` / ``parse_int``: a number beyond a float's
-range (``1e400``: hjson's OverflowError) or past Python's 4300 digits becomes a marker too.
+not at all (bytes that are not UTF-8, nesting deeper than ``MAX_DEPTH``, bare ``NaN`` / ``Infinity``,
+numbers no float or int holds) refused in one line naming the file and the key path. How:
+docs/design/configs_checks.md.
 """
 from __future__ import annotations
 
@@ -24,8 +18,7 @@ _TOKENS = re.compile(r'''"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*'|\#[^\n]*|//[^\n
 
 
 class OutOfRange:
-    """A number hjson read that no float or int holds (its text kept for the message). hjson asks
-    ``int(value) == value`` of every float it reads: the answer is no, not an OverflowError."""
+    """A number hjson read that no float or int holds (its text kept for the message)."""
 
     def __init__(self, text: str):
         self.text = text
@@ -56,8 +49,7 @@ def position(text: str, offset: int) -> str:
 
 
 def utf8(data: bytes, where: str, valid: str) -> str:
-    """``data`` decoded; a ``ConfigError`` naming ``where`` and the first byte that is not UTF-8 (its line and
-    column) otherwise, ``valid`` saying what the file should be."""
+    """``data`` decoded, or a ``ConfigError`` naming ``where`` and the first byte that is not UTF-8."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -68,8 +60,7 @@ def utf8(data: bytes, where: str, valid: str) -> str:
 
 
 def read_text(data: bytes, where: str) -> tuple[str, str]:
-    """(the text as written, the text hjson is given: bare NaN / Infinity values swapped for markers);
-    a ``ConfigError`` for bytes that are not UTF-8 or nesting deeper than ``MAX_DEPTH``."""
+    """(the text as written, the text hjson is given, with bare NaN / Infinity swapped for markers)."""
     text = utf8(data, where, "a DeepSpeed JSON is UTF-8 text: save it as UTF-8")
     depth, pieces, last = 0, [], 0
     for m in _TOKENS.finditer(text):
@@ -99,8 +90,7 @@ def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
 
 
 def refuse_markers(value: Any, text: str, where: str) -> None:
-    """A ``ConfigError`` naming the key path of the first marker in ``value`` (what hjson read from
-    ``text``, the file as written), if any."""
+    """A ``ConfigError`` naming the key path of the first marker in ``value``, if any."""
     for path, leaf in _leaves(value, ""):
         key = f"{where}: {path}" if path else where
         if isinstance(leaf, OutOfRange):

@@ -1,5 +1,5 @@
-"""Errors that every rank raises alike, reported once: one line ``error: <message>`` on stderr,
-printed by rank 0 only, and the same exit status on every rank (2 for a ``ConfigError``, 1 else).
+"""Errors that every rank raises alike, reported once: one line ``error: <message>`` on stderr by rank 0,
+and the same exit status on every rank (2 for a ``ConfigError``, 1 else).
 
     with moe_plugin.exit_on_error():                 # in a training script, around the set-up
         run = moe_plugin.initialize("ds_config.json", model_provider)
@@ -8,17 +8,8 @@ printed by rank 0 only, and the same exit status on every rank (2 for a ``Config
         if not raised_alike(err): raise
         return moe_plugin.report_error(err)
 
-Under the ``deepspeed`` launcher every rank runs the same checks on the same inputs and raises
-the same error; without this each would print its own traceback, interleaved. Reported once:
-every ``ConfigError``, and any error marked with ``alike_on_every_rank(err)``, which the plugin
-does where every rank raises it identically (``initialize``: a model provider that returns no
-module, or no ``PipelineModule`` where the layout has pipeline stages, DeepSpeed reading the
-config otherwise than the plugin; the example marks the guard's ``TrainingStopped``, which every
-rank raises with the same message, the same way). Any other error goes through unchanged: it
-may be one rank's own, and its traceback is what tells. ``exit_on_config_error`` is the older
-name of ``exit_on_error``; ``report_config_error`` returns 2 whatever the error. The rank is
-torch.distributed's when a process group exists, else the launcher's ``RANK`` (0 when unset,
-e.g. a plain ``python``).
+Alike: every ``ConfigError`` and any error marked ``alike_on_every_rank(err)``; any other error passes
+unchanged. Which errors are marked, and the launcher's grace: docs/design/configs_checks.md.
 """
 from __future__ import annotations
 
@@ -62,13 +53,9 @@ def raised_alike(err: BaseException) -> bool:
 
 
 def report_error(err: BaseException, file: TextIO | None = None) -> int:
-    """Print ``err`` as one line on rank 0 (stderr by default); return the exit status every rank
-    exits with: 2 for a ``ConfigError`` (bad input), 1 for another error. Under a launcher that ends
-    every rank once one exits (``deepspeed``'s ``launch.py``, ``torchrun``), the other ranks wait up
-    to ``LAUNCHER_GRACE_S`` first, so that rank 0 prints and exits before the launcher kills it:
-    the launcher then ends them (the line was lost when another rank exited first). A rank that
-    waits with a process group removes its DeepSpeed /dev/shm buffers first (the launcher's kill
-    skips its exit handlers)."""
+    """Print ``err`` as one line on rank 0 (stderr by default); return the exit status, 2 for a
+    ``ConfigError``, 1 else. Under a launcher that kills the other ranks when one exits, ranks other than
+    0 wait up to ``LAUNCHER_GRACE_S`` first, so rank 0's line is not lost."""
     status = EXIT_BAD_INPUT if isinstance(err, ConfigError) else EXIT_FAILED
     if process_rank() == 0:
         print(error_line(err), file=sys.stderr if file is None else file, flush=True)
@@ -84,8 +71,7 @@ def report_error(err: BaseException, file: TextIO | None = None) -> int:
 
 
 def under_killing_launcher() -> bool:
-    """Whether a launcher that kills the other ranks when one exits started this process: DeepSpeed's
-    ``launch.py`` (it sets ``CROSS_RANK``) or torch's elastic agent (``TORCHELASTIC_RUN_ID``)."""
+    """Whether DeepSpeed's ``launch.py`` or torch's elastic agent (which kill the other ranks) started us."""
     return "CROSS_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
@@ -97,12 +83,9 @@ def report_config_error(err: BaseException, file: TextIO | None = None) -> int:
 
 @contextmanager
 def exit_on_error(*errors: type[BaseException]) -> Iterator[None]:
-    """Turn an error that every rank raises alike (``raised_alike``: a ``ConfigError`` or a marked
-    error), or one of ``errors`` (status 2), raised inside into one line on rank 0 and
-    ``SystemExit`` on every rank: status 2 for bad input, 1 for a marked error. Other errors pass.
-    Once the process has a default process group, it ends there instead (``moe_plugin.exit_process``:
-    the ``atexit`` handlers run, enclosing ``finally`` blocks do not), as the interpreter's own exit
-    could abort it (``compat/process_exit.py``)."""
+    """Turn an error raised alike (``raised_alike``), or one of ``errors`` (status 2), into one line on
+    rank 0 and ``SystemExit`` on every rank (2 for bad input, 1 for a marked error); others pass. With a
+    process group, ends through ``moe_plugin.exit_process`` instead."""
     try:
         yield
     except (ConfigError, *errors) as err:

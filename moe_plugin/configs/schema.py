@@ -1,22 +1,10 @@
-"""The ``"moe"`` block of the DeepSpeed JSON.
+"""The ``"moe"`` block of the DeepSpeed JSON (DeepSpeed ignores top-level keys it does not know).
 
-DeepSpeed ignores top-level keys it does not know, so this block rides inside the JSON the
-user already passes to ``deepspeed.initialize``. Every field's description says what it is, its
-default and its constraint, shortly (``docs/config.md`` renders them into its tables and explains
-a field at length under its block's table); defaults follow GShard and Megatron-Core where the two
-agree.
+    {"train_batch_size": 32, "moe": {"num_experts": 8, "top_k": 2, "parallel": {"tensor": 2, "expert": 2}}}
 
-Example::
-
-    {
-      "train_batch_size": 32,
-      "zero_optimization": {"stage": 1},
-      "moe": {
-        "num_experts": 8, "top_k": 2, "router": "gshard",
-        "capacity_factor": 1.25,
-        "parallel": {"tensor": 2, "pipeline": 1, "expert": 2}
-      }
-    }
+Every field's description says what it is, its default and its constraint, shortly; docs/config.md
+renders them into its tables and explains each field at length. Defaults follow GShard and
+Megatron-Core where the two agree.
 """
 from __future__ import annotations
 
@@ -43,14 +31,14 @@ ExchangeMode = Literal["auto", "counts", "padded", "token"]
 
 
 def not_default(block: BaseModel, name: str) -> bool:
-    """Whether field ``name`` of ``block`` holds another value than its default. A value that the
-    rest of the block ignores is refused only then: writing a default out is never an error."""
+    """Whether field ``name`` of ``block`` holds another value than its default (only then is a value
+    the block ignores refused)."""
     return getattr(block, name) != type(block).model_fields[name].get_default(call_default_factory=True)
 
 
 def refuse_unused(block: BaseModel, names: tuple[str, ...], why: str, fix: str) -> None:
-    """A ``FieldProblem`` for the first of ``names`` set to other than its default, which ``why``
-    leaves without effect: "WHY, so it has no effect; FIX or leave NAME out"."""
+    """A ``FieldProblem`` for the first of ``names`` set to other than its default, which ``why`` leaves
+    without effect."""
     for name in names:
         if not_default(block, name):
             raise FieldProblem(name, getattr(block, name), f"{why}, so it has no effect; {fix} or leave {name} out")
@@ -332,10 +320,8 @@ class MoEConfig(_Block):
                                f"{-(-self.k // (E // G))}")
 
     def exchange_unfit(self, mode: str, rule: str = "exchange") -> Optional[str]:
-        """Why this config cannot use the ``padded`` (``layers/padded.py``) or ``token``
-        (``layers/token.py``) exchange (``rule`` "shadow": shadow experts; "overlap": its
-        ``overlap_chunks``); None when it can. The rules are the layer's (``layers/exchange_rules.py``),
-        asked with this block's values."""
+        """Why this config cannot use the ``padded`` or ``token`` exchange (``rule`` "shadow" or "overlap"),
+        by the layer's own rules (``layers/exchange_rules.py``); None when it can."""
         from moe_plugin.layers import exchange_rules
 
         p, pl = self.parallel, self.placement
@@ -400,10 +386,8 @@ class MoEConfig(_Block):
             raise from_validation_error(err, cls, ROOT_KEY) from None
 
     def megatron_parallel_fields(self) -> dict:
-        """The ``TransformerConfig`` fields that ``parallel`` decides, to splat into it:
-        ``TransformerConfig(num_layers=..., **moe_config.megatron_parallel_fields())`` (or
-        ``moe_plugin.transformer_config``), so the sizes are written once, in the ``"moe"`` block.
-        Megatron's expert fields stay unset: the plugin's layer, not Megatron's, holds the experts."""
+        """The ``TransformerConfig`` fields ``parallel`` decides, to splat into it
+        (``TransformerConfig(num_layers=..., **moe_config.megatron_parallel_fields())``)."""
         p = self.parallel
         return {"tensor_model_parallel_size": p.tensor, "pipeline_model_parallel_size": p.pipeline,
                 "sequence_parallel": p.sequence_parallel}
@@ -469,10 +453,8 @@ class ParallelSizes(BaseModel):
         return sizes
 
     def check_pipeline_span(self) -> None:
-        """Both grids must cut the ranks into the same pipeline stages (Megatron-Core asserts the
-        same): the dimensions laid out before 'pp' must span as many ranks in each. The order rule
-        of ``resolve`` (order ends in pp, or EDP == DP) does not imply it: with "tp-pp-dp-ep", tp 2,
-        etp 1, ep 2 on 8 ranks EDP == DP but the stages differ."""
+        """Refuse grids that cut the ranks into different pipeline stages (the dimensions before 'pp' must
+        span as many ranks in each; Megatron-Core asserts the same)."""
         attn = _span_before_pp(self.order, {"tp": self.tp, "dp": self.dp})
         expert = _span_before_pp(self.order, {"tp": self.etp, "ep": self.ep, "dp": self.edp})
         if self.pp > 1 and attn != expert:
@@ -483,8 +465,7 @@ class ParallelSizes(BaseModel):
 
 
 def _divisors(n: int, shown: int = 32, proper: bool = False) -> str:
-    """The divisors of ``n`` as text (trial division up to sqrt(n)); a long list is cut in the middle.
-    ``proper``: without 1 and ``n`` (empty text when none is left)."""
+    """The divisors of ``n`` as text, a long list cut in the middle; ``proper``: without 1 and ``n``."""
     low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     found = low + [n // d for d in reversed(low) if d * d != n]
     if proper:
@@ -526,11 +507,8 @@ def _missing_block_advice(ds_config: dict) -> str:
 
 
 def load_ds_config(ds_config: Union[dict, str, os.PathLike]) -> dict:
-    """A DeepSpeed config as a dict, from a dict or a JSON file; errors are ``ConfigError``.
-
-    A file is read as ``deepspeed.initialize`` reads it (DeepSpeed 0.19.8, ``DeepSpeedConfig``):
-    with hjson, so comments (``//``, ``#``, ``/* */``) and the rest of Hjson are accepted, and
-    with duplicate keys refused at any depth (json would keep the last one silently)."""
+    """A DeepSpeed config as a dict, from a dict or a file read as ``deepspeed.initialize`` reads it
+    (hjson: comments accepted; duplicate keys refused at any depth); errors are ``ConfigError``."""
     where = "DeepSpeed config"
     if isinstance(ds_config, (str, os.PathLike)):
         path = Path(ds_config)
