@@ -1,23 +1,10 @@
-"""Data for GPT training: Megatron's indexed format, tokenizers, the embedded stdlib corpus,
-samples over a document stream with a held-out split, and layout-independent global batches.
+"""Data for GPT training: Megatron's indexed format, tokenizers, the embedded stdlib corpus, chat data
+with a loss mask, samples with a held-out split, packed conversations and layout-independent global
+batches.
 
-* ``tokenizer``: ``ByteTokenizer`` (256 bytes + end of document), ``pad_vocab_size``.
-* ``hf_tokenizer``: ``load_hf_tokenizer`` (a Hugging Face tokenizer directory; the ``hf`` extra),
-  ``train_bpe_tokenizer`` (a small byte-level BPE, trained here).
-* ``preprocess``: ``preprocess_jsonl``, JSON lines of text to an indexed dataset with several workers.
-* ``chat``: ``preprocess_chat_jsonl``, conversations through a chat template to tokens + a loss mask
-  (``render_chat``, ``render_turns``), read back by ``read_chat_dataset`` (``is_chat_dataset``).
-* ``indexed``: ``read_indexed`` / ``write_indexed`` / ``IndexedWriter`` through Megatron-Core's
-  ``IndexedDataset``.
-* ``stdlib_corpus``: ``ensure_stdlib_corpus(cache_dir)``, the Python stdlib as an offline corpus.
-* ``samples``: ``split_documents``, ``TokenSamples`` (windows of seq_length + 1 tokens).
-* ``batches``: ``GlobalBatches``, the seeded per-step global batch, ``micro_batch_rows``: each rank's rows of it.
-* ``packing``: ``PackedConversations`` (chat data packed whole into sequences), ``PackedBatch`` (its tokens,
-  labels, loss mask, restarting positions, document ids; ``thd()``: Megatron's packed format), ``token_weights``.
-
-Names are imported on first use: importing the package is light, ``read_indexed`` and the
-others that use Megatron-Core's dataset module import it (and torch), the Hugging Face ones
-import ``transformers``.
+Names are imported on first use: the package is light; ``read_indexed`` and its kin import
+Megatron-Core's dataset module (and torch), the Hugging Face ones ``transformers``. How each piece
+works: docs/design/data_pipeline.md.
 """
 from moe_plugin.lazy import lazy_getattr
 

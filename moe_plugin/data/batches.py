@@ -4,20 +4,9 @@
     schedule.global_batch(step)                          # 16 sample indices, the same on every rank
     schedule.micro_batch(step, dp_rank=1, dp_size=2, micro_batch_size=4, micro_step=0)
 
-The global batch of a step depends only on (number of samples, global batch size, seed, step):
-not on the number of ranks, the parallel layout or the micro-batch size. Every rank computes it
-the same way and takes its rows, so a 1-rank run with gradient accumulation and an 8-rank run
-see the same data in every step and their losses can be compared.
-
-Order: the samples are read in epochs; epoch ``e`` is a permutation of all samples drawn from
-``numpy.random.default_rng([seed, e])`` (or the identity with ``shuffle=False``, for
-validation); the global batches are consecutive slices of that endless stream, so a batch may
-straddle two epochs.
-
-Rows of a global batch of ``dp_size x gradient_accumulation x micro_batch_size`` samples: data
--parallel rank ``r`` at micro-step ``m`` takes rows ``[(r * gas + m) * mbs, ... + mbs)``.
-The ranks of one data-parallel replica (tensor / pipeline / expert-tensor peers: the same
-data-parallel rank) take the same rows.
+The global batch of a step depends only on (number of samples, global batch size, seed, step), not on
+the layout or the micro-batch size, so runs of any layout see the same data in every step. Order and
+rows: docs/design/data_pipeline.md.
 """
 from __future__ import annotations
 
@@ -25,7 +14,7 @@ import numpy as np
 
 
 class GlobalBatches:
-    """The per-step global batches over ``num_samples`` samples (see the module docstring)."""
+    """The per-step global batches over ``num_samples`` samples, in seeded epochs."""
 
     def __init__(self, num_samples: int, global_batch_size: int, seed: int = 1234, shuffle: bool = True):
         if num_samples < 1 or global_batch_size < 1:
@@ -69,8 +58,7 @@ class GlobalBatches:
 
 def micro_batch_rows(global_batch: np.ndarray, dp_rank: int, dp_size: int, micro_batch_size: int,
                      micro_step: int = 0) -> np.ndarray:
-    """The rows of ``global_batch`` (sample indices) data-parallel rank ``dp_rank`` takes at ``micro_step``
-    (module docstring)."""
+    """The rows of ``global_batch`` data-parallel rank ``dp_rank`` takes at ``micro_step``."""
     global_batch = np.asarray(global_batch)
     per_rank, rest = divmod(len(global_batch), dp_size * micro_batch_size)
     if rest or per_rank == 0:

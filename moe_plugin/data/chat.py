@@ -5,16 +5,10 @@ indexed datasets of the same document lengths.
     # data/chats.{bin,idx} (tokens), data/chats_loss_mask.{bin,idx} (uint8 0/1), data/chats.json
     tokens, mask = read_chat_dataset("data/chats")
 
-A conversation's tokens are ``tokenizer.apply_chat_template(messages, tokenize=True)``'s. Its loss
-mask is 1 on what the model generates for each assistant turn k: the tokens of ``messages[:k+1]``'s
-rendering past those of ``messages[:k]`` with the generation prompt (end-of-turn tokens included),
-found from token prefixes, not from ``{% generation %}`` blocks. A template that renders a turn
-otherwise once later turns follow (Qwen3's drops earlier ``<think>`` reasoning) is not
-prefix-stable: refused, naming the turn, never given a wrong mask; ``split_turns`` makes each
-assistant turn its own document instead (``messages[:k+1]``, only turn k masked: exact). A
-conversation with nothing to learn (every assistant turn renders to no token) is left out and
-counted. Reading, workers, refusals (``FILE:LINE``) and the all-or-nothing write are
-``preprocess.py``'s; ``PREFIX.json`` adds ``"format": "chat"``, the mask's prefix and the counts.
+The mask is 1 on what the model generates for each assistant turn, found from token prefixes; a
+template that is not prefix-stable is refused naming the turn, never given a wrong mask
+(``split_turns``: one document per assistant turn). Usage: docs/fine_tuning.md; the rule:
+docs/design/data_pipeline.md.
 """
 from __future__ import annotations
 
@@ -61,8 +55,7 @@ class ChatPreprocessed:
 
 
 def render_chat(tokenizer, messages: list, name: str = "messages") -> tuple[np.ndarray, np.ndarray]:
-    """``(tokens_T, mask_T)`` of one conversation (see the module docstring); a bad message or a template
-    that is not prefix-stable is a ``ConfigError`` naming ``name[k]``."""
+    """``(tokens_T, mask_T)`` of one conversation; a ``ConfigError`` naming ``name[k]`` for a bad turn."""
     _check_messages(messages, name)
     tokens = _ids(tokenizer, messages, name)
     mask = np.zeros(len(tokens), dtype=np.uint8)
@@ -181,8 +174,7 @@ class _ChatEncoder(LineEncoder):
 def preprocess_chat_jsonl(input: PathLike, tokenizer_dir: PathLike, output_prefix: PathLike, *,
                           chat_key: str = "messages", split_turns: bool = False, workers: int = 1,
                           overwrite: bool = False, progress: bool = True) -> ChatPreprocessed:
-    """Render the conversations at ``chat_key`` of ``input``'s JSON lines into ``output_prefix`` (tokens)
-    and ``output_prefix_loss_mask`` (see the module docstring)."""
+    """Render the conversations at ``chat_key`` of ``input`` into ``output_prefix`` and its loss mask."""
     input_path = Path(input)
     check_input_file(input_path)
     if not chat_key:
@@ -250,8 +242,7 @@ def is_chat_dataset(prefix: PathLike) -> bool:
 
 
 def read_chat_dataset(prefix: PathLike):
-    """``(tokens, mask)``, the two ``IndexedDataset`` of ``preprocess_chat_jsonl``'s output, each checked by
-    ``read_indexed`` and against each other (the same documents, of the same lengths)."""
+    """``(tokens, mask)`` of ``preprocess_chat_jsonl``'s output, checked against each other."""
     from moe_plugin.data.indexed import read_indexed
 
     manifest = _manifest(prefix)

@@ -4,18 +4,9 @@
     len(tokenizer), tokenizer.eos_token_id                  # vocabulary size, end of document
     train_bpe_tokenizer(texts, "tokenizers/stdlib-bpe", vocab_size=4096)
 
-Both need the ``hf`` extra (``pip install 'moe_plugin[hf]'``: transformers and tokenizers),
-imported on first use; without it the error is one line naming the extra.
-
-The vocabulary size of a tokenizer is ``len(tokenizer)``: its model's vocabulary plus the tokens
-added to it (the end-of-document token among them), as Megatron's Hugging Face tokenizer counts
-it; the indexed dataset's token type and the model's embedding follow from it.
-
-``train_bpe_tokenizer`` trains a byte-level BPE (every text encodes, nothing is unknown) whose
-only special token is the end of document ``<|endoftext|>``, and saves it with
-``save_pretrained`` as a directory any Hugging Face tool loads. It is for trying the text
-pipeline offline (``moe-plugin train-tokenizer``, on the stdlib corpus by default), not a
-tokenizer for a real model.
+Both need the ``hf`` extra (``pip install 'moe_plugin[hf]'``), imported on first use; without it the
+error is one line naming the extra. The vocabulary size is ``len(tokenizer)``, as Megatron counts it.
+The trained BPE is for trying the pipeline offline, not for a real model (docs/design/data_pipeline.md).
 """
 from __future__ import annotations
 
@@ -46,8 +37,7 @@ def hf_module(name: str, flag: str, value: Any) -> ModuleType:
 
 
 def load_hf_tokenizer(directory: PathLike, flag: str = "--tokenizer"):
-    """The Hugging Face tokenizer saved in ``directory`` (local files only). A missing directory, one
-    without tokenizer files or one transformers cannot read is a ``ConfigError`` naming ``flag``."""
+    """The tokenizer saved in ``directory`` (local files only), or a ``ConfigError`` naming ``flag``."""
     path = Path(directory)
     if not path.is_dir():
         raise ConfigError(flag, str(directory), "expected a Hugging Face tokenizer directory (what "
@@ -69,8 +59,7 @@ READ_BY_NAME = ("special_tokens_map.json", "added_tokens.json", "merges.txt", "c
 
 
 def _confine(path: Path, flag: str) -> None:
-    """Refuse, naming ``flag`` and the file, a tokenizer file of ``path`` that is a link out of it or a
-    hard link (``checkpoint.confine``): transformers would read whatever it points to."""
+    """Refuse a tokenizer file of ``path`` that links out of it or is a hard link, naming ``flag``."""
     from moe_plugin.checkpoint.confine import hf_cache_root, inside
 
     for name in (*TOKENIZER_FILES, *READ_BY_NAME):
@@ -83,9 +72,7 @@ def _confine(path: Path, flag: str) -> None:
 
 def train_bpe_tokenizer(texts: Iterable[str], out_dir: PathLike, vocab_size: int = 4096,
                         overwrite: bool = False) -> Path:
-    """Train a byte-level BPE of ``vocab_size`` tokens (``EOD_TOKEN`` included) on ``texts`` and save
-    it to ``out_dir`` as a Hugging Face tokenizer directory; returns ``out_dir``. Deterministic: the
-    same texts give the same files. The directory appears only when it is complete."""
+    """Train a byte-level BPE of ``vocab_size`` tokens on ``texts`` into ``out_dir`` (deterministic, whole)."""
     out = Path(out_dir)
     if vocab_size < 300 or vocab_size >= 65500:
         raise ConfigError("--vocab-size", vocab_size, "expected 300..65499 (256 bytes, the end-of-document "

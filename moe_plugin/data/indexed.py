@@ -1,25 +1,14 @@
-"""Megatron's indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``), read and written with
-Megatron-Core's own ``megatron.core.datasets.indexed_dataset``.
+"""Megatron's indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``), read and written with Megatron-Core's
+own ``megatron.core.datasets.indexed_dataset``, so Megatron-LM's preprocessed data and this package's
+are interchangeable.
 
     write_indexed("data/corpus_text_document", documents, dtype=np.uint16)
     dataset = read_indexed("data/corpus_text_document")     # an IndexedDataset
     dataset[3]                                               # sequence 3 as a numpy array
 
-So data preprocessed with Megatron-LM's ``tools/preprocess_data.py`` (which writes
-``<output-prefix>_text_document.{bin,idx}``) can be given to the example as it is, and the
-example's own corpus can be read by Megatron's tools.
-
-In Megatron's format a *document* is a run of *sequences* (``document_indices``; one sequence
-per document unless the preprocessing split sentences). ``write_indexed`` writes one sequence
-per document. It writes under temporary names and renames them into place at the end, the
-``.idx`` last, so a reader never sees a half-written dataset and an interrupted write leaves
-no file under the final names.
-
-``read_indexed`` first checks the pair against what the index promises (``check_indexed``):
-header, version and token type, the ``.idx`` size its counts imply, document bounds, sequence
-offsets that follow the lengths, and the ``.bin`` size the lengths add up to. An empty,
-truncated, garbage or mismatched file is a ``ConfigError`` naming the file, the size or value
-found and the one expected, at start rather than at the first batch that reads past the end.
+A write appears under the final names only when complete (the ``.idx`` last). A read first checks the
+pair against what the index promises: a damaged file is a ``ConfigError`` naming the file, the value
+found and the one expected. The checks: docs/design/data_pipeline.md.
 """
 from __future__ import annotations
 
@@ -69,8 +58,7 @@ def read_indexed(prefix: PathLike, mmap: bool = True) -> IndexedDataset:
 
 
 def check_indexed(prefix: PathLike) -> int:
-    """Check ``PREFIX.idx`` and ``PREFIX.bin`` against each other (see the module docstring);
-    returns the number of tokens. Reads the index once, in chunks; the ``.bin`` only by its size."""
+    """Check ``PREFIX.idx`` and ``PREFIX.bin`` against each other; returns the number of tokens."""
     idx, bin_ = get_idx_path(str(prefix)), get_bin_path(str(prefix))
     found = os.path.getsize(idx)
     if found < IDX_HEADER.size:
@@ -125,16 +113,8 @@ def check_indexed(prefix: PathLike) -> int:
 
 
 class IndexedWriter:
-    """Writes ``PREFIX.{bin,idx}`` one document at a time, under temporary names until ``commit``.
-
-        with IndexedWriter("data/corpus", dtype=np.uint16) as writer:
-            for tokens in documents:
-                writer.add(tokens)
-            writer.commit()          # renames into place, the .idx last
-
-    Leaving the ``with`` block without ``commit`` (an error, an interrupt) removes the temporary
-    files: nothing appears under the final names.
-    """
+    """Writes ``PREFIX.{bin,idx}`` one document at a time (``add``), under temporary names until
+    ``commit`` renames them (the ``.idx`` last); leaving the ``with`` block without it removes them."""
 
     def __init__(self, prefix: PathLike, dtype: type = np.uint16):
         self.prefix = str(prefix)
@@ -184,13 +164,7 @@ class IndexedWriter:
 
 def write_indexed(prefix: PathLike, documents: Iterable[np.ndarray], dtype: type = np.uint16,
                   on_document: Optional[Callable[[np.ndarray], None]] = None) -> IndexedDataset:
-    """Write ``documents`` (1-D integer arrays, one sequence each) to ``PREFIX.{bin,idx}`` and open it.
-
-    ``dtype``: the token dtype on disk (``DType.optimal_dtype(vocab_size)`` in Megatron's tools:
-    uint16 below 65,500 tokens, else int32). ``on_document(tokens)`` is called after each
-    document is written (a progress display). Files appear under their final names only when
-    everything is written.
-    """
+    """Write ``documents`` (1-D integer arrays) to ``PREFIX.{bin,idx}`` as ``dtype`` and open it."""
     with IndexedWriter(prefix, dtype) as writer:
         for tokens in documents:
             writer.add(tokens)

@@ -6,16 +6,9 @@
     losses = model(thd.tokens, thd.position_ids, None, labels=thd.labels,
                    packed_seq_params=thd.packed_seq_params, padding_mask=thd.document_ids)
 
-Packing: best-fit decreasing over the conversations' lengths (the longest first, each into the
-fullest pack it fits), the same on every rank; a conversation longer than ``seq_length`` is
-truncated to its first ``seq_length`` tokens or refused (``overflow``). Inside a pack positions
-restart at each conversation, attention stays inside it (``cu_seqlens``), the tail is padding:
-document id -1, never routed by the MoE layers, no loss. Position p's label is the conversation's
-token p + 1, weighted by that token's loss mask (0 at a conversation's last token and on padding).
-
-The loss of a step is the sum over the global batch's weighted tokens divided by their count
-(``token_weights``), so it does not depend on the data-parallel size, the micro-batch size or
-gradient accumulation.
+Best-fit decreasing, the same on every rank; positions restart and attention stays inside each
+conversation; padding (document id -1) is never routed and has no loss. ``token_weights`` makes a
+step's loss independent of the layout. Rules: docs/design/data_pipeline.md.
 """
 from __future__ import annotations
 
@@ -32,8 +25,7 @@ EMPTY = -1   # a pack index that stands for a pack of padding only (fills a last
 
 
 def pack_lengths(lengths: np.ndarray, seq_length: int) -> list[np.ndarray]:
-    """Best-fit decreasing: the indices of ``lengths`` (each at most ``seq_length``) in packs whose
-    lengths add up to at most ``seq_length``; each pack in placement order, the packs in order of opening."""
+    """Best-fit decreasing: the indices of ``lengths`` grouped into packs of at most ``seq_length`` tokens."""
     if seq_length < 1:
         raise ValueError(f"seq_length: got {seq_length}; expected >= 1")
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -60,10 +52,7 @@ def pack_lengths(lengths: np.ndarray, seq_length: int) -> list[np.ndarray]:
 
 @dataclass(frozen=True)
 class PackedBatch:
-    """Packs of one micro-batch, each [B, S]: ``tokens``; ``labels`` (the next token of the same
-    conversation, 0 where there is none); ``loss_mask`` (fp32 1/0: the label is trained on);
-    ``position_ids`` (restarting at each conversation); ``document_ids`` (int64, the conversation of
-    each token, unique within the batch; -1: padding)."""
+    """One micro-batch's packs, [B, S] each: tokens, labels, loss mask, positions, document ids (-1: padding)."""
 
     tokens: Tensor
     labels: Tensor
@@ -72,8 +61,7 @@ class PackedBatch:
     document_ids: Tensor
 
     def thd(self) -> "PackedBatch":
-        """The batch as one row of B * S tokens (Megatron's ``thd`` packed format: the sequences one
-        after another) with its ``packed_seq_params``; see ``ThdBatch``."""
+        """The batch as one row of B * S tokens (Megatron's ``thd``) with its ``packed_seq_params``."""
         return ThdBatch.of(self)
 
     def to(self, device) -> "PackedBatch":
@@ -82,8 +70,7 @@ class PackedBatch:
 
 @dataclass(frozen=True)
 class ThdBatch(PackedBatch):
-    """A ``PackedBatch`` of one row and its Megatron ``PackedSeqParams`` (qkv_format thd): a sequence
-    per conversation and one per run of padding, ``cu_seqlens`` their offsets (int32)."""
+    """A ``PackedBatch`` of one row and its Megatron ``PackedSeqParams`` (thd, ``cu_seqlens`` int32)."""
 
     packed_seq_params: object = None
 
@@ -100,8 +87,7 @@ class ThdBatch(PackedBatch):
 
 
 def packed_seq_params(document_T: Tensor):
-    """Megatron's ``PackedSeqParams`` (thd) of one row of packed tokens whose document ids are unique in
-    the row: a sequence starts where the id changes (a pack's padding tail, -1, is one sequence)."""
+    """Megatron's ``PackedSeqParams`` (thd) of one row: a sequence starts where the document id changes."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     document_T = document_T.cpu()
@@ -115,18 +101,12 @@ def packed_seq_params(document_T: Tensor):
 
 
 def token_weights(loss_mask: Tensor, global_tokens: int, replicas: int) -> Tensor:
-    """The weight of each token's loss in a micro-batch so that the engine's averages give the global
-    batch's mean over its ``global_tokens`` loss tokens: ``loss_mask * replicas / global_tokens``,
-    ``replicas`` the micro-batches the engine averages over (data-parallel size x gradient
-    accumulation steps). No loss token in the whole batch: all zeros."""
+    """Each token's loss weight, ``loss_mask * replicas / global_tokens``: the global batch's mean."""
     return loss_mask * (replicas / max(int(global_tokens), 1))
 
 
 class PackedConversations:
-    """Conversations (``tokens``, ``loss_mask``: indexed datasets of the same lengths, one document each)
-    packed into ``seq_length`` tokens (module docstring). ``documents``: the ones to pack, in order;
-    ``pack=False``: each conversation in a sequence of its own, padded (the baseline packing is measured
-    against: ``moe-plugin bench packing``)."""
+    """Conversations (two indexed datasets of the same lengths) packed into ``seq_length`` tokens."""
 
     def __init__(self, tokens, loss_mask, documents: Sequence[int], seq_length: int, *, overflow: str = "truncate",
                  name: str = "conversations", flag: str = "--seq-length", pack: bool = True):
@@ -173,8 +153,7 @@ class PackedConversations:
         return int(sum(self._conversation(int(k))[1][1:].sum() for k in pack))
 
     def sample(self, index: int, first_document: int = 0) -> dict[str, np.ndarray]:
-        """Pack ``index`` (``EMPTY``: padding only) as [S] arrays; its conversations numbered from
-        ``first_document``."""
+        """Pack ``index`` (``EMPTY``: padding only) as [S] arrays, conversations numbered from ``first_document``."""
         S = self.seq_length
         out = dict(tokens=np.zeros(S, np.int64), labels=np.zeros(S, np.int64), loss_mask=np.zeros(S, np.float32),
                    position_ids=np.zeros(S, np.int64), document_ids=np.full(S, -1, np.int64))
@@ -205,6 +184,5 @@ class PackedConversations:
 
 
 def padded_indices(count: int, multiple: int) -> list[int]:
-    """``0 .. count - 1`` followed by ``EMPTY`` up to a multiple of ``multiple`` (every pack once, in
-    whole global batches)."""
+    """``0 .. count - 1`` followed by ``EMPTY`` up to a multiple of ``multiple``."""
     return list(range(count)) + [EMPTY] * (-count % multiple)

@@ -3,33 +3,10 @@
     preprocess_jsonl("corpus.jsonl", "tokenizers/stdlib-bpe", "data/corpus", workers=4)
     # data/corpus.bin, data/corpus.idx (+ data/corpus.json, what was done) -> --data-path data/corpus
 
-What Megatron-LM's ``tools/preprocess_data.py`` does for GPT data, with this package's checks:
-
-* Input: one JSON object per line; the text of each document is the string at ``json_keys``
-  (default ``text``). Blank lines are skipped. Several keys give one dataset each, at
-  ``PREFIX_<key>``; one key gives ``PREFIX`` itself (Megatron-LM names it
-  ``PREFIX_text_document``).
-* Tokens: ``tokenizer(text, add_special_tokens=False)``, then the tokenizer's end-of-document
-  (its EOS token) unless ``append_eod`` is off. A text without tokens is skipped (and counted),
-  as Megatron-LM leaves it out.
-* Token type on disk from the vocabulary size (``len(tokenizer)``): Megatron-Core's
-  ``DType.optimal_dtype``, uint16 below 65,500, else int32.
-* Workers: ``workers`` processes (spawned; each loads the tokenizer once) encode chunks of lines,
-  a few chunks ahead of the writer; the results are written in input order, so the output is
-  the same for any number of workers. (Spawned: a script that calls this with ``workers > 1``
-  needs the ``if __name__ == "__main__":`` guard.)
-* Checked before any work: the input file, the tokenizer directory (and its EOS token when
-  needed), an existing output (refused unless ``overwrite``), the first line. A later line that
-  is not a JSON object, lacks a key or holds no string stops the run with a ``ConfigError``
-  naming ``FILE:LINE`` and the key.
-* Nothing half-written: the files are written under temporary names and renamed at the end
-  (``IndexedWriter``); an error or an interrupt leaves the old files, or none, in place.
-* A progress bar over the input's bytes (stderr).
-
-``PREFIX.json`` records the tokenizer, its vocabulary size and EOS id, the counts and the token
-type; the GPT example reads the vocabulary size from it when ``--data-path PREFIX`` is given
-without ``--vocab-size`` or ``--tokenizer``. The reading, worker and writing loop is shared with
-``chat.py`` (conversations and their loss masks): a ``LineEncoder`` turns one line into documents.
+What Megatron-LM's ``tools/preprocess_data.py`` does for GPT data: the same output for any number of
+workers (spawned: a calling script needs the ``__main__`` guard), every input checked before any work
+and a bad line a ``ConfigError`` naming ``FILE:LINE``, nothing half-written. The loop is shared with
+``chat.py``. Rules: docs/design/data_pipeline.md.
 """
 from __future__ import annotations
 
@@ -68,8 +45,7 @@ class Preprocessed:
 
 
 class LineEncoder:
-    """JSON lines to documents, built once per worker process (``encoded_chunks``); a subclass says
-    what one line gives (``line``: a ``ConfigError`` naming ``FILE:LINE`` for a bad one)."""
+    """JSON lines to documents, built once per worker process; a subclass says what one ``line`` gives."""
 
     def __init__(self, tokenizer, input_name: str):
         self.tokenizer = tokenizer
@@ -149,8 +125,7 @@ def _encode_chunk(lines: list[tuple[int, bytes]]):
 
 
 def _in_order(pool, chunks: Iterator, window: int) -> Iterator:
-    """The workers' results in input order, at most ``window`` chunks read ahead (``Pool.imap`` would
-    read the whole input into its queue when the workers are slower than the disk)."""
+    """The workers' results in input order, at most ``window`` chunks read ahead."""
     pending: deque = deque()
     for chunk in chunks:
         pending.append(pool.apply_async(_encode_chunk, (chunk,)))
@@ -162,9 +137,8 @@ def _in_order(pool, chunks: Iterator, window: int) -> Iterator:
 
 def encoded_chunks(stack: ExitStack, input_path: Path, workers: int, tokenizer, tokenizer_dir: PathLike,
                    encoder: type, *args) -> Iterator[tuple[int, list]]:
-    """``(bytes read, per non-blank line what it gives)`` for the chunks of ``input_path``, in input order:
-    ``encoder(tokenizer, *args)`` here for one worker, else in ``workers`` spawned processes (each loads
-    the tokenizer from ``tokenizer_dir``; ``encoder`` and ``args`` must pickle), closed with ``stack``."""
+    """``(bytes read, per non-blank line what it gives)`` per chunk of ``input_path``, in input order, from
+    ``workers`` spawned processes (``encoder`` and ``args`` must pickle)."""
     if workers == 1:
         return map(encoder(tokenizer, *args).chunk, _chunks(input_path, CHUNK_BYTES))
     context = multiprocessing.get_context("spawn")   # no forked copy of the caller's threads
@@ -201,7 +175,7 @@ def output_prefixes(output_prefix: PathLike, json_keys: Sequence[str]) -> dict:
 def preprocess_jsonl(input: PathLike, tokenizer_dir: PathLike, output_prefix: PathLike,
                      json_keys: Sequence[str] = ("text",), append_eod: bool = True, workers: int = 1,
                      overwrite: bool = False, progress: bool = True) -> Preprocessed:
-    """Tokenize the JSON lines of ``input`` into ``output_prefix.{bin,idx}`` (see the module docstring)."""
+    """Tokenize the JSON lines of ``input`` into ``output_prefix.{bin,idx}`` and ``output_prefix.json``."""
     input_path = Path(input)
     json_keys = list(json_keys)
     prefixes = check_preprocess_args(input_path, output_prefix, json_keys, workers, overwrite)
@@ -281,8 +255,7 @@ def check_input_file(input_path: Path) -> None:
 
 
 def iter_texts(input: PathLike, json_keys: Sequence[str] = ("text",)) -> Iterator[str]:
-    """The texts at ``json_keys`` of every non-blank line of ``input``, in order (checked as in
-    ``preprocess_jsonl``: a bad line is a ``ConfigError`` naming ``FILE:LINE``)."""
+    """The texts at ``json_keys`` of every non-blank line of ``input``, checked as ``preprocess_jsonl`` does."""
     path = Path(input)
     check_input(path, json_keys)
     first_line(path)

@@ -4,17 +4,9 @@
     train = TokenSamples(dataset, train_docs, seq_length=128)
     tokens_BS, labels_BS = train.batch([0, 7, 3])       # int64 tensors [3, 128]
 
-The documents of a split, in document order, are concatenated into one token stream (a
-document's own end-of-document token, if its preprocessing appended one, stays in it).
-Sample ``i`` is the stream's tokens ``[i*S, i*S + S + 1)``: inputs are its first S tokens,
-labels the last S, so consecutive samples share one token and none is wasted. Windows cross
-document boundaries, as in Megatron's ``GPTDataset``; the stream is never materialised, a
-sample reads its pieces from the (memory-mapped) dataset.
-
-The validation split is by document and deterministic: document ``d`` is held out when
-``floor((d + 1) * f) > floor(d * f)`` for the validation fraction ``f``, i.e. every
-``1/f``-th document, spread over the whole corpus (the stdlib corpus is sorted by path, so a
-contiguous tail would be one package).
+Consecutive samples share one token; windows cross document boundaries, as in Megatron's
+``GPTDataset``. The validation split is every ``1/f``-th document, deterministic. Details:
+docs/design/data_pipeline.md.
 """
 from __future__ import annotations
 
@@ -29,7 +21,7 @@ from moe_plugin.data.indexed import document_sequences
 
 
 def split_documents(num_documents: int, valid_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(training document ids, validation document ids), both sorted; see the module docstring."""
+    """(training document ids, validation document ids), both sorted."""
     if not 0.0 <= valid_fraction < 1.0:
         raise ValueError(f"valid_fraction: got {valid_fraction}; expected a fraction in [0, 1)")
     if num_documents < 1:
@@ -84,8 +76,7 @@ class TokenSamples:
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
     def masked_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(tokens_BS, labels_BS, loss_mask_BS)``: ``batch`` with a loss mask, 1 everywhere but on the rows of
-        index -1 (``packing.EMPTY``: zeros that fill a last, partial batch)."""
+        """``batch`` with a loss mask: 1 everywhere but on the rows of index -1 (``packing.EMPTY``)."""
         real_B = torch.tensor([int(i) >= 0 for i in indices])
         rows = np.zeros((len(indices), self.seq_length + 1), dtype=np.int64)
         for row, i in enumerate(indices):

@@ -3,22 +3,9 @@
     prefix = ensure_stdlib_corpus("data")     # data/stdlib-py3.11.7-4096k_text_document.{bin,idx}
     dataset = read_indexed(prefix)
 
-Every machine that runs this package has it, offline, so the example trains on real text
-without a download. The documents are the ``.py`` files under ``sysconfig``'s ``stdlib``
-directory (their docstrings and comments are most of the English in them;
-``pydoc_data/topics.py`` holds the language reference's topics), in sorted order of their
-path relative to that directory, each encoded by ``ByteTokenizer`` and ended by its
-end-of-document token. Left out: ``site-packages``, the regression tests (``test/``,
-``*/tests/``: large and repetitive) and ``idlelib``. Files are taken in that order until the
-next one would pass ``max_bytes`` (default 4 MiB), so the corpus is a fixed prefix of the list.
-
-Deterministic: the same bytes on every machine with the same Python version (major.minor.micro,
-part of the file name) and the same stdlib files. Linux distributions patch a few stdlib files
-and move some modules into separate packages; ``corpus_manifest`` (written next to the data)
-records the file count and a SHA-256 of the tokens, so two machines can compare theirs.
-
-Written on first use with a progress display; concurrent callers (every rank of a job) take a
-file lock, one writes, the others wait and read.
+Offline on every machine, and deterministic for a given Python version and stdlib files (a manifest
+records the count and a SHA-256 of the tokens). Written on first use; concurrent callers take a file
+lock. Which files: docs/design/data_pipeline.md.
 """
 from __future__ import annotations
 
@@ -72,8 +59,7 @@ def stdlib_documents(max_bytes: int = DEFAULT_MAX_BYTES, root: Optional[Path] = 
 
 
 def stdlib_jsonl(path: PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
-    """The corpus as JSON lines, ``{"text": <file>, "path": <relative path>}`` per file (the input of
-    ``moe-plugin preprocess`` and ``train-tokenizer``); invalid UTF-8 becomes U+FFFD. Returns ``path``."""
+    """The corpus as JSON lines ``{"text", "path"}`` at ``path`` (invalid UTF-8 as U+FFFD); returns ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")

@@ -6,15 +6,8 @@
     tok.eod                                    # 256, appended after every document
     tok.padded_vocab_size(tensor_parallel=2)   # 384: the embedding / output layer size
 
-Any text (and any binary file) round-trips and nothing has to be trained or downloaded, which
-is what an example that must run offline on every machine needs. The price is long sequences
-(one token per byte), irrelevant for a model that is there to exercise the parallelism.
-
-Vocabulary padding: Megatron pads the vocabulary to a multiple of
-``make_vocab_size_divisible_by * tensor_parallel`` (default 128 x TP) so that the embedding
-splits evenly over the TP ranks. Here the multiple does *not* grow with TP: 257 pads to 384
-(3 x 128), which every power-of-two TP size up to 128 divides, so the model is the same for
-every layout and runs with different layouts can be compared with each other.
+Nothing to train or download. The vocabulary pads to 384 whatever the TP size (not Megatron's 128 x TP),
+so the model is the same for every layout: docs/design/data_pipeline.md.
 """
 from __future__ import annotations
 
@@ -27,8 +20,7 @@ NUM_BYTES = 256
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel: int = 1) -> int:
-    """``vocab_size`` rounded up to a multiple of ``divisible_by``; the result must split evenly
-    over ``tensor_parallel`` ranks (a ``ValueError`` names both numbers otherwise)."""
+    """``vocab_size`` rounded up to a multiple of ``divisible_by``, which must split over ``tensor_parallel``."""
     if vocab_size < 1 or divisible_by < 1 or tensor_parallel < 1:
         raise ValueError(f"vocab_size ({vocab_size}), divisible_by ({divisible_by}) and tensor_parallel "
                          f"({tensor_parallel}) must be positive")
@@ -64,8 +56,7 @@ class ByteTokenizer:
         return np.append(ids, np.array([self.eod], dtype=self.dtype))
 
     def decode(self, ids, eod_text: str = "\n<|eod|>\n") -> str:
-        """Token ids back to text; ``eod`` becomes ``eod_text``; ids above ``eod`` (padding rows of
-        the vocabulary, which a trained model should not emit) become U+FFFD, as do invalid bytes."""
+        """Token ids back to text; ``eod`` becomes ``eod_text``; padding ids and invalid bytes U+FFFD."""
         out, run = [], bytearray()
         for token in np.asarray(ids).reshape(-1).tolist():
             if token < NUM_BYTES:
