@@ -4,8 +4,8 @@
     groups = build_process_groups(layout)      # collective; torch.distributed already initialised
     mpu = register(groups)                     # Megatron's and DeepSpeed's getters now return ours
 
-The names below torch.distributed are imported on first use, so ``import moe_plugin`` (the CLI,
-config validation) does not import torch.
+Names below torch.distributed are imported on first use (``import moe_plugin`` imports no torch).
+Design: docs/design/groups_layout.md.
 """
 from moe_plugin.groups.layout import GROUP_KINDS, RankLayout
 from moe_plugin.lazy import lazy_getattr

@@ -1,19 +1,9 @@
-"""The one module that writes Megatron-Core's and DeepSpeed's global group registries.
+"""The one module that writes Megatron-Core's and DeepSpeed's global group registries (through ``compat/``).
 
-``register(groups)`` makes their getters return exactly our groups:
-
-* ``megatron.core.parallel_state``: its module-level group variables and rank lists, set the
-  way ``initialize_model_parallel`` sets them, so ``get_tensor_model_parallel_group()``,
-  ``get_expert_model_parallel_group()`` ... and ``ProcessGroupCollection.use_mpu_process_groups()``
-  return our handles. No Megatron function is replaced.
-* ``deepspeed.utils.groups``: the expert-parallel and expert-data-parallel dicts under
-  ``groups.expert_group_name`` (``"ep_size_{ep}"``), so DeepSpeed's MoE/ZeRO code finds our
-  groups instead of creating its own, and ``groups.mpu``, an object with the methods DeepSpeed
-  calls on a Megatron ``mpu`` (also what to pass as ``deepspeed.initialize(mpu=...)``).
-
-Their private globals are written through ``compat/megatron_parallel_state.py`` and
-``compat/deepspeed_groups.py``. Megatron and DeepSpeed are imported inside the functions:
-importing this module is cheap.
+``register(groups)`` makes ``megatron.core.parallel_state``'s getters, DeepSpeed's expert registry and
+its ``mpu`` return exactly our groups; ``unregister`` undoes it, our groups alive. The user's own
+Megatron groups are checked against the layout and set aside, not destroyed. Design:
+docs/design/groups_layout.md.
 """
 from __future__ import annotations
 
@@ -44,11 +34,8 @@ _SAVED_MEGATRON_STATE: Optional[dict] = None
 
 
 def register_with_megatron(groups: ProcessGroups, over_existing: bool = False) -> None:
-    """Point ``megatron.core.parallel_state`` at our groups (context parallel size 1).
-
-    ``over_existing``: parallel_state may already hold groups (the user's ``initialize_model_parallel``;
-    ``check_megatron_groups`` checked that their rank lists are ours): they are set aside, not
-    destroyed, and ``unregister_megatron`` puts them back."""
+    """Point ``megatron.core.parallel_state`` at our groups (cp 1). Groups it already holds are a
+    ``RuntimeError``, or with ``over_existing`` set aside for ``unregister_megatron``."""
     global _SAVED_MEGATRON_STATE
     held = held_tensor_parallel_group()
     theirs = held is not None and held is not groups.handles["tp"]
@@ -64,8 +51,7 @@ def register_with_megatron(groups: ProcessGroups, over_existing: bool = False) -
 
 
 def unregister_megatron() -> None:
-    """Empty Megatron-Core's registry without destroying our groups; where ``register_with_megatron``
-    set the user's own groups aside, put them back instead (they stay alive)."""
+    """Empty Megatron-Core's registry (our groups stay alive), or put back the user's that were set aside."""
     global _SAVED_MEGATRON_STATE
     if _SAVED_MEGATRON_STATE is not None:
         restore_parallel_state(_SAVED_MEGATRON_STATE)
@@ -81,19 +67,15 @@ _MEGATRON_GETTERS = {"tp": "get_tensor_model_parallel_group", "pp": "get_pipelin
 
 
 def megatron_holds_groups() -> bool:
-    """Whether ``megatron.core.parallel_state`` holds groups that are not the plugin's (the user
-    called ``initialize_model_parallel``)."""
+    """Whether ``megatron.core.parallel_state`` holds groups that are not the plugin's."""
     if held_tensor_parallel_group() is None:
         return False
     return not isinstance(registered_mpu(), GroupsMPU)
 
 
 def check_megatron_groups(layout: RankLayout, rank: int, device: str = "cpu") -> None:
-    """The groups ``megatron.core.parallel_state`` holds must have the rank lists of ``layout``:
-    tp, pp, dp, and ep, etp, edp when Megatron's expert-parallel size is above 1 (where it is 1,
-    Megatron has no experts to place and the plugin's expert groups take the getters' place).
-    Collective over the default group, so that every rank raises the same ``ConfigError`` (one
-    line naming both layouts and the fix) or none does. Call it before building the plugin's groups."""
+    """Unless ``megatron.core.parallel_state``'s groups have ``layout``'s rank lists, the same ``ConfigError``
+    on every rank (collective). Call it before building the plugin's groups."""
     from megatron.core import parallel_state as ps
 
     from moe_plugin.configs.errors import ConfigError
@@ -124,13 +106,8 @@ def check_megatron_groups(layout: RankLayout, rank: int, device: str = "cpu") ->
 
 # --- DeepSpeed --------------------------------------------------------------------------------
 class GroupsMPU:
-    """The ``mpu`` DeepSpeed expects from Megatron, answered from a ``ProcessGroups``.
-
-    Model parallel is TP x PP (as in DeepSpeed's pipeline grid); "slice" is DeepSpeed's name for
-    TP. Groups are real handles even where the size is 1: DeepSpeed would read ``None`` as the
-    whole world. There are deliberately no sequence-parallel methods: DeepSpeed then uses
-    sequence parallel 1 and the data-parallel group.
-    """
+    """The ``mpu`` DeepSpeed expects from Megatron, from a ``ProcessGroups`` (model parallel TP x PP, real
+    handles even of size 1, no sequence-parallel methods)."""
 
     def __init__(self, groups: ProcessGroups):
         self.groups = groups
@@ -172,11 +149,8 @@ def make_mpu(groups: ProcessGroups) -> GroupsMPU:
 
 
 def register_with_deepspeed(groups: ProcessGroups) -> GroupsMPU:
-    """Fill ``deepspeed.utils.groups``' expert registries and its ``mpu``; return the mpu.
-
-    Initialises ``deepspeed.comm`` over the existing torch process group if nobody did
-    (DeepSpeed's getters assert it).
-    """
+    """Fill ``deepspeed.utils.groups``' expert registries and ``mpu`` (initialising ``deepspeed.comm`` if
+    needed); return the mpu. Other groups under the same name are a ``RuntimeError``."""
     import deepspeed.comm as ds_comm
 
     if not ds_comm.is_initialized():
@@ -201,8 +175,7 @@ def unregister_deepspeed() -> None:
 
 # --- both -------------------------------------------------------------------------------------
 def register(groups: ProcessGroups, over_existing: bool = False) -> GroupsMPU:
-    """Register ``groups`` with Megatron-Core and DeepSpeed; return the mpu for ``deepspeed.initialize``.
-    ``over_existing``: see ``register_with_megatron``."""
+    """Register ``groups`` with Megatron-Core and DeepSpeed; return the mpu for ``deepspeed.initialize``."""
     register_with_megatron(groups, over_existing)
     return register_with_deepspeed(groups)
 

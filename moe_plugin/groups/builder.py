@@ -1,13 +1,8 @@
 """Rank layout -> real process groups, created once per job.
 
-Every rank walks the same list of rank lists in the same order and calls
-``torch.distributed.new_group`` for each, keeping the handle of the lists it belongs to. A
-rank list that two kinds share (``etp`` and ``tp`` when expert TP equals TP, ``edp`` and ``dp``
-without EP, every size-1 list) is created once and its handle reused, which saves
-communicators (one NCCL communicator costs GPU memory).
-
-Besides the layout's kinds the builder creates the few groups Megatron-Core's registry also
-holds (see ``MEGATRON_KINDS``), so that registering never creates groups.
+Every rank creates every rank list in the same order, and a list two kinds share once (a communicator
+costs GPU memory). The few groups Megatron-Core's registry also holds (``MEGATRON_KINDS``) are created
+too, so that registering never creates groups. Design: docs/design/groups_layout.md.
 """
 from __future__ import annotations
 
@@ -39,11 +34,8 @@ def rank_lists(layout: RankLayout) -> dict[str, list[list[int]]]:
 
 def build_process_groups(layout: RankLayout, backend: Optional[str] = None,
                          timeout: Optional[datetime.timedelta] = None) -> ProcessGroups:
-    """Create every group of ``layout`` on every rank; return this rank's ``ProcessGroups``.
-
-    Collective: all ranks of the job must call it. ``backend`` defaults to DeepSpeed's
-    accelerator's (gloo on CPU, nccl on GPU); ``timeout`` to torch's default.
-    """
+    """Create every group of ``layout`` on every rank (collective); return this rank's ``ProcessGroups``.
+    ``backend`` defaults to DeepSpeed's accelerator's (gloo on CPU, nccl on GPU); ``timeout`` to torch's."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("build_process_groups needs torch.distributed to be initialised first "
                            "(deepspeed.init_distributed() or torch.distributed.init_process_group())")
@@ -75,10 +67,7 @@ def build_process_groups(layout: RankLayout, backend: Optional[str] = None,
 
 
 def destroy_process_groups(groups: ProcessGroups) -> None:
-    """Destroy this rank's group handles (each shared handle once); the default group stays.
-
-    Unregister them from Megatron-Core and DeepSpeed first (``adapters.unregister``).
-    """
+    """Destroy this rank's handles (each once; not the default group), once unregistered."""
     seen: set[int] = set()
     for handle in groups.handles.values():
         if id(handle) not in seen:

@@ -1,17 +1,9 @@
 """Rank layout: which ranks form which group. Pure arithmetic, no torch.distributed.
 
-Two grids lie over the same ranks (Megatron-Core's "MoE parallel folding"):
-
-    attention grid  TP x CP x DP x PP   (CP is 1 here)
-    expert grid     ETP x EP x EDP x PP
-
-Both are laid out by one order string, fastest-varying dimension first: with the default
-``tp-cp-ep-dp-pp`` consecutive ranks share a TP group. In the expert grid ``tp`` stands for
-ETP and ``dp`` for EDP. Because the expert grid is a separate factorisation of each
-pipeline stage, EP may be carved out of TP x DP, not only out of DP.
-
-A group kind is a set of dimensions; its groups are the sets of ranks that agree on every
-other dimension. Groups are listed in the same order as Megatron-Core's ``RankGenerator``.
+Two grids over the same ranks, the attention grid TP x CP x DP x PP (CP 1) and the expert grid
+ETP x EP x EDP x PP, laid out by one order string, fastest-varying dimension first (default
+``tp-cp-ep-dp-pp``), so EP may be carved out of TP x DP. Groups are listed in the same order as
+Megatron-Core's ``RankGenerator``. Derivation: docs/design/groups_layout.md.
 """
 from __future__ import annotations
 
@@ -50,12 +42,8 @@ def _offsets(sizes: list[int], dims: list[int]) -> list[int]:
 
 
 def orthogonal_groups(sizes: list[int], mask: list[bool]) -> list[list[int]]:
-    """Rank groups of a grid whose dimension i has ``sizes[i]`` (dimension 0 varies fastest).
-
-    A group varies the masked dimensions and fixes the others. Groups are ordered by the
-    index of the fixed coordinates, ranks within a group by the index of the varying ones,
-    both counted fastest-dimension-first.
-    """
+    """Rank groups of a grid whose dimension i has ``sizes[i]`` (dimension 0 fastest): each varies the
+    masked dimensions and fixes the others, ordered fastest-dimension-first."""
     inner = _offsets(sizes, [i for i, m in enumerate(mask) if m])
     return [[base + off for off in inner] for base in _offsets(sizes, [i for i, m in enumerate(mask) if not m])]
 
@@ -143,9 +131,8 @@ class RankLayout:
         return grid.groups(dims)
 
     def group_of(self, kind: str, rank: int) -> list[int]:
-        """The ranks of the ``kind`` group that ``rank`` belongs to (computed from its coordinates).
-
-        Only the first and last pipeline stages have an embedding group: ``[]`` for the others."""
+        """The ranks of the ``kind`` group holding ``rank``, from its coordinates (embedding: ``[]`` off the
+        first and last pipeline stages)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
         if kind == "embedding":

@@ -1,10 +1,7 @@
 """The one explicit groups object that layers receive through their constructor.
 
-Built once per job by ``build_process_groups`` (every rank creates every group in the same
-order). Layers read ``groups.ep``, ``groups.tp`` ... which are ``None`` where the size is 1,
-so a single-process run and a size-1 dimension take the same code path. The real handles of
-every kind, size 1 included, stay in ``handles`` for the adapter that registers them with
-Megatron-Core and DeepSpeed.
+Layers read ``groups.ep``, ``groups.tp`` ..., ``None`` where the size is 1, so a single-process run and
+a size-1 dimension take the same code path; the real handles of every kind stay in ``handles``.
 """
 from __future__ import annotations
 
@@ -50,6 +47,5 @@ class ProcessGroups:
 
     @property
     def expert_group_name(self) -> str:
-        """DeepSpeed's registry key of the expert(-data)-parallel groups, also each expert
-        parameter's ``group_name``."""
+        """DeepSpeed's registry key of the expert groups, also each expert parameter's ``group_name``."""
         return f"ep_size_{self.layout.sizes.ep}"
