@@ -1,27 +1,7 @@
 """Megatron-Core spec pieces that also run without CUDA; ``cpu_friendly_spec`` swaps them in.
 
-Shapes: sq/sk query/key length, b batch, np/ng attention heads/query groups on this
-tensor-parallel rank, hn head dim, hp = np * hn.
-
-* ``SDPAttention`` replaces ``DotProductAttention`` (the core attention of Megatron's local
-  spec), whose forward takes its score buffer from ``get_global_memory_buffer()``, allocated
-  on the current CUDA device: "Torch not compiled with CUDA enabled" on a CPU build.
-  Same constructor and forward signature, same maths (softmax(q k^T * scale) v, Megatron's
-  mask convention), computed by ``torch.nn.functional.scaled_dot_product_attention``.
-* ``TorchNorm`` replaces ``WrappedTorchNorm`` (the norm of the local spec when apex is
-  missing), which asserts ``not config.sequence_parallel``. It builds the same
-  ``torch.nn.LayerNorm`` / ``RMSNorm`` (same state-dict names) and marks the parameters
-  ``sequence_parallel`` the way Megatron's fused norms do, so that whoever all-reduces
-  sequence-parallel gradients over the TP group (Megatron's ``finalize_model_grads``,
-  ``allreduce_sequence_parallel_grads`` here) includes them.
-* ``TorchQKNorm``: the same norm for the query and key heads (``qk_layernorm``; on every device,
-  ``gpt_moe_spec`` puts it there). Each tensor-parallel rank normalises its own heads with a
-  weight replicated over TP, so the true gradient is the sum over TP: its parameters are marked
-  ``sequence_parallel`` whatever ``config.sequence_parallel`` says, which makes the plugin's
-  hooks (``sp_grads``) sum them (Megatron's ``finalize_model_grads`` sums them by name).
-* ``ProjectionQKNorm``: RMSNorm over a whole query or key projection (all heads at once, OLMoE's
-  QK-norm; ``--qk-layernorm-scope projection``), its statistic summed over TP, its weight split
-  over TP by head.
+``SDPAttention`` for ``DotProductAttention``, ``TorchNorm`` for ``WrappedTorchNorm`` (which refuses sequence
+parallelism), and QK-norms whose gradients are summed over TP. Design: docs/design/integration_megatron.md.
 """
 from __future__ import annotations
 
@@ -43,22 +23,8 @@ from megatron.core.utils import divide
 
 
 class SDPAttention(MegatronModule):
-    """Core attention through SDPA; a drop-in for Megatron's ``DotProductAttention``.
-
-    Sliding windows as Megatron's ``DotProductAttention`` has them (``config.window_size`` = (left,
-    right): query i attends keys i - left .. i + right, on the layers ``is_layer_window_attention``
-    names from ``window_attn_skip_freq``; Megatron builds that mask on the GPU, here on the
-    input's device). Attention sinks as Megatron's ``softmax_type``: ``learnable`` adds the parameter
-    ``softmax_offset`` [np] (a logit per head joining every query's softmax, its probability dropped:
-    GPT-OSS's sinks; drawn whole by ``config.init_method`` and cut by head, so every TP layout starts
-    alike; Megatron creates it on the CUDA device), ``off-by-one`` a zero logit. Packed sequences as
-    Megatron's ``PackedSeqParams`` (``qkv_format`` thd, the batch one row): a block-diagonal causal mask
-    from ``cu_seqlens_q``. Not supported (an error says so): context parallelism, attention bias.
-    ``apply_query_key_layer_scaling``
-    needs nothing: it cancels out of an fp32 softmax. Dropout draws inside Megatron's RNG tracker's
-    model-parallel state without sequence parallelism, as Megatron's does (under it the transformer
-    block has forked it already); ``moe_plugin.initialize`` seeds the tracker (``seeding.py``).
-    """
+    """Core attention through SDPA; a drop-in for Megatron's ``DotProductAttention``, with its sliding windows,
+    attention sinks (``softmax_type``) and packed sequences. Context parallelism and attention bias are refused."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: Optional[float] = None,
@@ -107,13 +73,8 @@ class SDPAttention(MegatronModule):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
                 packed_seq_params=None) -> Tensor:
-        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, hp] (multi-latent
-        attention: key and query heads of ``k_channels``, value heads of ``v_channels``).
-
-        ``attention_mask`` follows Megatron: True marks a *masked* position, broadcastable to
-        [b, np, sq, sk]. Without a mask, a causal layer masks the future (as Megatron's
-        softmax does; a single query token attends to everything).
-        """
+        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, hp]. ``attention_mask``: True where
+        masked (Megatron's convention); None: a causal layer masks the future."""
         if attention_bias is not None:
             raise NotImplementedError("SDPAttention does not support attention_bias")
         if packed_seq_params is not None:
@@ -138,10 +99,7 @@ class SDPAttention(MegatronModule):
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, packed_seq_params) -> Tensor:
-        """Megatron's packed sequences (``qkv_format`` thd): query [t, np, hn], key/value [t, ng, hn], the
-        sequences one after another as ``cu_seqlens_q`` cuts them -> context [t, hp]. Each token attends
-        the tokens of its own sequence only, causally (a block-diagonal causal mask; with a window, the
-        band inside it)."""
+        """Packed sequences (``qkv_format`` thd): [t, heads, hn] -> [t, hp], causal within each sequence."""
         if packed_seq_params.qkv_format != "thd":
             raise NotImplementedError(f"SDPAttention takes packed sequences in qkv_format 'thd', got "
                                       f"{packed_seq_params.qkv_format!r}")
@@ -174,7 +132,7 @@ class SDPAttention(MegatronModule):
         return (j >= i - left) & (j <= i + right)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, keep_mask: Optional[Tensor], causal: bool) -> Tensor:
-        """softmax(q k^T * scale) v over [b, heads, s, hn] (with sinks: ``_with_sinks``)."""
+        """softmax(q k^T * scale) v over [b, heads, s, hn]; dropout inside Megatron's RNG tracker's fork."""
         dropout_p = self.dropout_p if self.training else 0.0
         forked = dropout_p > 0 and not self.config.sequence_parallel
         with tensor_parallel.get_cuda_rng_tracker().fork() if forked else contextlib.nullcontext():
@@ -187,8 +145,7 @@ class SDPAttention(MegatronModule):
 
     def _with_sinks(self, q: Tensor, k: Tensor, v: Tensor, keep_mask: Optional[Tensor], causal: bool,
                     dropout_p: float) -> Tensor:
-        """softmax over [q k^T * scale, the head's sink logit] in fp32, the sink's share dropped, times v
-        (SDPA has no sink: written out, [b, np, sq, sk] scores)."""
+        """The softmax with each head's sink logit appended and its share dropped, in fp32 (SDPA has no sink)."""
         sq, sk = q.shape[2], k.shape[2]
         scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * self.softmax_scale
         if causal:
@@ -203,16 +160,14 @@ class SDPAttention(MegatronModule):
 
 
 def document_of(cu_seqlens: Tensor, t: int) -> Tensor:
-    """[t] the index of the sequence each of ``t`` packed tokens belongs to, from ``cu_seqlens``
-    ([n + 1] offsets, the first 0, the last ``t``)."""
+    """[t] the index of the sequence each of ``t`` packed tokens belongs to, from ``cu_seqlens`` ([n + 1] offsets)."""
     if cu_seqlens.dim() != 1 or int(cu_seqlens[-1]) != t or int(cu_seqlens[0]) != 0:
         raise ValueError(f"cu_seqlens {cu_seqlens.tolist()} do not cut {t} packed tokens")
     return torch.searchsorted(cu_seqlens.long(), torch.arange(t, device=cu_seqlens.device), right=True) - 1
 
 
 class TorchNorm:
-    """``torch.nn.LayerNorm`` or ``RMSNorm`` per ``config.normalization``, built with Megatron's
-    norm signature; its parameters carry ``sequence_parallel = config.sequence_parallel``."""
+    """``nn.LayerNorm`` or ``nn.RMSNorm`` per ``config.normalization``, ``sequence_parallel`` as the config says."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused) -> nn.Module:
         if config.layernorm_zero_centered_gamma:
@@ -228,8 +183,7 @@ class TorchNorm:
 
 
 class TorchQKNorm:
-    """``TorchNorm`` of a query or key head (``hidden_size``: the head dimension), its parameters
-    marked ``sequence_parallel`` so that their gradients are summed over TP (module docstring)."""
+    """``TorchNorm`` of a query or key head, marked ``sequence_parallel`` so that its gradients are summed over TP."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused) -> nn.Module:
         norm = TorchNorm(config, hidden_size, eps)
@@ -239,14 +193,8 @@ class TorchQKNorm:
 
 
 class ProjectionQKNorm(nn.Module):
-    """RMSNorm over a whole query or key projection -- every head at once, as OLMoE's ``q_norm`` /
-    ``k_norm`` are -- instead of each head (``--qk-layernorm-scope projection``). Input [sq, b, n, hn]
-    (this TP rank's n heads). The mean square is over all heads of the layer: each rank sums its
-    own heads' squares and the sum is all-reduced over TP (an autograd all-reduce: the gradient
-    flows to every rank's heads); fewer query groups than TP ranks (a key head held by several
-    ranks) is refused. The weight [n * hn] is this rank's heads' slice of the full [N * hn],
-    a tensor-parallel parameter split on dim 0 (checkpoints, export and resharding cut it so).
-    ``which``: ``"query"`` or ``"key"``."""
+    """RMSNorm over a whole query or key projection (OLMoE's): the statistic all-reduced over TP, the weight
+    this rank's heads' slice. Input [sq, b, n, hn]; ``which``: ``"query"`` or ``"key"``."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, which: str = "query",
                  **_unused):

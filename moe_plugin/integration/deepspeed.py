@@ -1,92 +1,11 @@
 """``initialize``: ``deepspeed.initialize`` for a model with the plugin's MoE layers.
 
-    def model_provider(moe_config: MoEConfig, groups: ProcessGroups) -> torch.nn.Module:
-        return GPTModel(config, gpt_moe_spec(moe_config, config, groups), ...)
+    engine, optimizer, _, lr_scheduler = run = moe_plugin.initialize(ds_config, model_provider)
 
-    engine, optimizer, _, lr_scheduler = moe_plugin.initialize("ds_config.json", model_provider)
-    result = moe_plugin.initialize(ds_config, model_provider)   # the same, plus
-    result.groups, result.moe_config, result.mpu                 # what the model was built with
-    result.guard.check(step)                                     # after each optimizer step (guard.py)
-    result.end_step()                 # only where the loop steps other than engine.step() / train_batch
-
-Steps, in order (every rank runs them):
-
-1. Read the DeepSpeed config (dict or JSON path, read as DeepSpeed reads it: hjson, duplicate keys
-   refused) and validate its ``"moe"`` block and the ZeRO settings the plugin supports; check the
-   launcher's world size against the layout and DeepSpeed's batch arithmetic against the layout's
-   data-parallel size (``configs/batch.py``). Every mistake here is a ``ConfigError`` raised
-   before any process group or file exists (``moe_plugin.exit_on_error()`` reports it
-   once under the launcher, as it does the errors below that every rank raises alike).
-2. On an accelerator other than the CPU, make device ``LOCAL_RANK`` this process's (before NCCL
-   or the RNG tracker touch one). Initialise distributed (``deepspeed.init_distributed`` with the
-   accelerator's backend and ``timeout``) unless it is, build the layout's process groups (each with ``timeout``: a
-   collective that waits longer raises instead of hanging for torch's default 30 minutes) and
-   register them with Megatron-Core and DeepSpeed. Where the script called Megatron's
-   ``initialize_model_parallel`` itself, its groups must have the layout's rank lists (tp, pp,
-   dp; ep, etp, edp when its expert-parallel size is above 1: ``adapters.check_megatron_groups``,
-   else one ``ConfigError`` on every rank naming both layouts); they are set aside while the run
-   is registered and ``close()`` puts them back, undestroyed.
-3. Megatron-Core's RNG tracker is seeded from ``seed`` (default ``torch.initial_seed()``, the
-   seed the script gave ``torch.manual_seed``) as Megatron-LM seeds it, on the CUDA accelerator
-   and, over the CPU generator, on the CPU one (``seeding.seed_megatron_rng``): Megatron's
-   attention forks it on every forward, its embedding and block under sequence parallelism.
-   Then ``model_provider(moe_config, groups)`` builds the model: it must pass ``groups`` to every
-   MoE layer (``MoELayer(..., groups)``, ``gpt_moe_spec(moe_config, config, groups)``).
-4. ``expert_params.prepare_model`` gets the model ready for DeepSpeed's MoE paths,
-   ``sp_grads.sequence_parallel_grad_hooks`` makes backward sum the gradients of parameters
-   marked ``sequence_parallel`` over TP (norms under sequence parallelism; before any ZeRO
-   stage or the PipelineEngine touches them), and the optimizer param groups are split into
-   dense and expert groups (``moe_param_groups``).
-5. ``deepspeed.initialize(model=..., model_parameters=groups, config=..., mpu=...)``. The
-   ``"moe"`` block stays in the config (DeepSpeed ignores keys it does not know). With ZeRO-0
-   in fp32 the plugin clips: DeepSpeed sees ``gradient_clipping`` 0 and ``GlobalNormClipping``
-   (``grad_norm.py``) clips the basic optimizer's gradients by the true global norm, which
-   ``engine.get_global_grad_norm()`` then reports.
-6. ``result.guard`` (``guard.TrainingGuard``, what it checks is in ``guard.py``): the loop calls
-   ``result.guard.check(step)`` after each optimizer step. Its gradient hooks
-   (``guard.GradientWatch``) go on before DeepSpeed's own, in step 4.
-   ``result.step_boundary`` (``step_boundary.StepBoundary``): once per optimizer step, at the
-   first forward after it, the aux-loss-free bias update (``moe.bias_update_rate``) and, with
-   ``aux_loss_scope`` global, the balance counts started afresh. A loop that calls
-   ``engine.step()`` or ``train_batch`` needs nothing more; ``result.end_step()`` applies it at
-   once (``save_checkpoint`` does; a loop whose optimizer steps outside ``engine.step()`` calls it
-   after each step).
-7. On the CPU accelerator DeepSpeed's shared-memory all-reduce buffers (``/dev/shm``) are
-   unlinked once every rank has mapped them (``compat/shm_buffers.py``); ``close()`` tries again.
-8. ``result.summary`` (``summary.RunSummary``), printed on rank 0 (``print_summary=False`` not
-   to). ``result.data_parallel_rank`` / ``data_parallel_size``: the replica a data loader feeds
-   and how many there are (DeepSpeed's ``engine.dp_world_size``).
-
-Pipeline parallelism (``moe.parallel.pipeline`` > 1): ``model_provider`` returns a DeepSpeed
-``PipelineModule`` (``pipeline.gpt_pipeline_module``) and ``deepspeed.initialize`` gives back a
-``PipelineEngine`` (``engine.train_batch(data_iter)``). Then:
-
-* DeepSpeed requires ``mpu=None`` and takes the module's own grid (groups it creates for the
-  topology's rank lists): ``check_topology`` first makes sure those are our pp/dp/tp rank lists, and
-  after ``deepspeed.initialize`` our mpu is put back into ``deepspeed.utils.groups`` (the engine
-  replaced it with the grid). Expert gradients go through the same MoE paths as without PP (the
-  marker, our expert-data-parallel groups, the DP divisor), per stage.
-* ZeRO stages 0 and 1 only (the PipelineEngine asserts < 2): stage 2 is a ``ConfigError``. Under
-  ZeRO-1 every stage must hold MoE layers or none (ZeRO reduces its norm once per param group over
-  TP x PP). Clipping: ZeRO-1's norm sums over the data-parallel and the TP x PP group; ZeRO-0 in fp32
-  clips with ``GlobalNormClipping`` (one all-reduce over all ranks, every stage's gradients once).
-* The aux loss needs nothing: its gradient enters at each MoE layer's output in backward, on
-  whichever stage the layer sits; ``follow_loss_scale`` gives it 1/gas (and fp16's loss scale)
-  as the main loss gets. The step boundary (``step_boundary.py``: aux-loss-free bias update, the
-  global balance counts started afresh) works for the engine and the ``PipelineEngine`` alike, each
-  stage for its own layers.
-* Sequence parallelism needs ``"pipeline": {"pipe_partitioned": false, "grad_partitioned": false}``;
-  its norm gradients are summed over TP in backward (step 4), on every stage.
-
-Supported: ZeRO stages 0, 1 and 2 (0 and 1 with PP); TP, EP, ETP, DP and PP in any layout of
-``moe.parallel``. Verified against a single process in fp32 (``tests/test_deepspeed_engine.py``,
-``tests/test_pipeline.py``). Checkpoints: use ``moe_plugin.checkpoint.save_checkpoint(result, dir)`` /
-``load_checkpoint(result, dir)``, not the engine's own methods (why: ``checkpoint/api.py``).
-
-Mixed precision: fp16 (ZeRO 0/1/2) and bf16 run DeepSpeed's own optimizers; the aux-loss gradient
-follows the engine's loss scale (``expert_params.follow_loss_scale``). Checked against fp32 on 2
-ranks (``tests/test_mixed_precision.py``: gradients to fp16 rounding, losses within 2%), and bf16
-expert migration under ZeRO-1/2 (``tests/test_migration.py``).
+Mistakes in the configs, the world size or the batch split are a ``ConfigError`` before any process group
+exists; then groups are built and registered, the model built, its parameters split into dense and expert
+groups, and DeepSpeed's engine (or ``PipelineEngine``) started. ZeRO 0/1/2 (0/1 with PP), fp32/fp16/bf16,
+any ``moe.parallel`` layout. Design: docs/design/integration_deepspeed.md.
 """
 from __future__ import annotations
 
@@ -149,8 +68,7 @@ _OWN_ARGUMENTS = ("model", "mpu", "config", "config_params", "dist_init_required
 
 @dataclass
 class Initialized:
-    """What ``initialize`` returns. Unpacks like ``deepspeed.initialize``'s tuple:
-    ``engine, optimizer, training_dataloader, lr_scheduler = initialize(...)``."""
+    """What ``initialize`` returns; unpacks like ``deepspeed.initialize``'s four results."""
 
     engine: Any
     optimizer: Any
@@ -169,22 +87,16 @@ class Initialized:
 
     @property
     def data_parallel_rank(self) -> int:
-        """This rank's index among the data-parallel replicas: the one a data loader takes its
-        share of each global batch by (``groups.rank_in("dp")``; experts do not change it)."""
+        """This rank's data-parallel replica, whose share of each global batch a data loader feeds."""
         return self.groups.rank_in("dp")
 
     @property
     def data_parallel_size(self) -> int:
-        """The number of data-parallel replicas (``groups.size("dp")``, DeepSpeed's ``engine.dp_world_size``)."""
+        """The number of data-parallel replicas (DeepSpeed's ``engine.dp_world_size``)."""
         return self.groups.size("dp")
 
     def end_step(self) -> None:
-        """The optimizer step is over: apply the step boundary now (the aux-loss-free bias update
-        from the step's load, the global balance counts reset) rather than at the next forward,
-        where ``step_boundary`` does it by itself after ``engine.step()`` / ``train_batch``.
-        Collective over the ranks of each MoE layer's token group, when ``bias_update_rate`` > 0.
-        ``save_checkpoint`` calls it; call it after each step where the optimizer steps other than
-        through ``engine.step()``, or to read the bias right after a step."""
+        """Apply the step boundary now (collective): for a loop whose optimizer steps outside ``engine.step()``."""
         if self.step_boundary is not None:
             self.step_boundary.apply()
 
@@ -192,9 +104,8 @@ class Initialized:
         return iter((self.engine, self.optimizer, self.training_dataloader, self.lr_scheduler))
 
     def close(self) -> None:
-        """Remove the plugin's hooks, unregister and destroy its process groups (collective).
-        The engine is unusable afterwards; the default process group stays, and so do groups the
-        script made itself with ``initialize_model_parallel`` (parallel_state holds them again)."""
+        """Remove the hooks, unregister and destroy the plugin's groups (collective). The default group and
+        groups the script made with ``initialize_model_parallel`` stay; the engine is unusable afterwards."""
         if self._closed:
             return
         self._closed = True
@@ -206,29 +117,20 @@ class Initialized:
         self._hooks.clear()
         unregister()
         destroy_process_groups(self.groups)
-        remove_shm_buffers([self.groups.rank])   # normally gone already (initialize, step 7)
+        remove_shm_buffers([self.groups.rank])   # normally gone already (initialize unlinks them)
 
 
 def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: ModelProvider, *,
                args: Any = None, world_size: Optional[int] = None, timeout: Optional[datetime.timedelta] = None,
                max_skipped_steps: int = 10, print_summary: bool = True, seed: Optional[int] = None,
                **deepspeed_kwargs: Any) -> Initialized:
-    """Validate, build groups and model, and start DeepSpeed's engine (see the module docstring).
+    """Validate, build groups and model, start DeepSpeed's engine; ``ConfigError`` before any group exists.
 
-    ``ds_config``: the DeepSpeed config with its ``"moe"`` block, as a dict or JSON path; None
-    reads ``args.deepspeed_config``. ``model_provider(moe_config, groups) -> nn.Module``.
-    ``world_size``: the number of ranks to check the layout against; default: torch.distributed's
-    when initialised, else the launcher's ``WORLD_SIZE``, else 1. ``timeout``: of every collective
-    on the default group (when ``initialize`` creates it) and on the plugin's groups (default:
-    torch's). ``max_skipped_steps``: fp16 steps skipped in a row that stop the run (``result.guard``).
-    ``print_summary``: print ``result.summary`` (what was built, ``summary.py``) on rank 0.
-    ``seed``: the run's seed, which Megatron's RNG tracker is seeded from before the model is built
-    (step 3); default ``torch.initial_seed()``.
-    ``deepspeed_kwargs`` go to
-    ``deepspeed.initialize`` (``optimizer``, ``lr_scheduler``, ``training_data``, ...);
-    ``model_parameters`` may be parameters, param-group dicts or a callable ``model -> those``,
-    and is split into dense and expert groups like the default (the model's trainable parameters).
-    """
+    ``ds_config``: dict or JSON path (None: ``args.deepspeed_config``). ``model_provider(moe_config, groups)`` must
+    pass ``groups`` to every MoE layer. ``world_size``: checked against the job's. ``timeout``: of the default
+    group (when created here) and the plugin's groups. ``max_skipped_steps``: fp16 skips in a row that stop the run.
+    ``seed``: Megatron's RNG tracker's (default ``torch.initial_seed()``). ``deepspeed_kwargs`` go to
+    ``deepspeed.initialize``; ``model_parameters`` (or a callable ``model -> those``) is split like the model's."""
     # 1. Everything that can be wrong in the configs, before any group exists.
     if ds_config is None:
         ds_config = getattr(args, "deepspeed_config", None)
@@ -268,7 +170,7 @@ def initialize(ds_config: Union[dict, str, os.PathLike, None], model_provider: M
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **extra)
     if dist.get_world_size() != sizes.world_size:
         raise ConfigError("world_size", sizes.world_size, f"torch.distributed runs {dist.get_world_size()} ranks")
-    if job_uses_shm(sizes.world_size):   # should initialize fail before step 7, the buffer goes at exit
+    if job_uses_shm(sizes.world_size):   # should initialize fail before the unlink, the buffer goes at exit
         atexit.register(remove_shm_buffers, [dist.get_rank()])
     layout = RankLayout(sizes)
     device = get_accelerator().current_device_name()
@@ -375,8 +277,7 @@ def local_rank() -> int:
 
 
 def launcher_world_size(world_size: Optional[int] = None) -> int:
-    """The number of ranks: ``world_size`` if given (it must agree with the running job), else
-    torch.distributed's when initialised, else the launcher's ``WORLD_SIZE``, else 1."""
+    """``world_size`` if given (it must agree with the job), else torch.distributed's, else ``WORLD_SIZE``, else 1."""
     running = None
     if dist.is_available() and dist.is_initialized():
         running = dist.get_world_size()
@@ -431,8 +332,7 @@ def _check_pipeline(ds_dict: dict, moe_config: MoEConfig, zero_stage: int) -> No
 
 
 def _check_experts_on_every_stage(has_experts: bool, moe_config: MoEConfig, groups: ProcessGroups) -> None:
-    """ZeRO-1 reduces its gradient norm once per param group over the model-parallel group (TP x
-    PP): every stage must have the same param groups, so expert parameters on all stages or none."""
+    """ZeRO-1 reduces its norm per param group over TP x PP: expert parameters on all stages or none."""
     flags = torch.tensor([float(has_experts), -float(has_experts)], device=get_accelerator().current_device_name())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if flags[0].item() != -flags[1].item():
@@ -450,9 +350,7 @@ def _enabled(ds_dict: dict, *keys: str) -> bool:
 
 
 def _check_precision_supported(ds_dict: dict, accelerator: Any) -> None:
-    """fp16 or bf16 that DeepSpeed's accelerator says this device lacks, refused before any group exists
-    (DeepSpeed's engine would raise it after the model is built). A CPU says fp16 only where oneDNN has fp16
-    kernels (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``), which many x86-64 CPUs lack."""
+    """fp16 or bf16 that DeepSpeed's accelerator says this device lacks, refused before any group exists."""
     for key, aliases, asked in (("fp16", ("fp16",), accelerator.is_fp16_supported),
                                 ("bf16", ("bf16", "bfloat16"), accelerator.is_bf16_supported)):
         if not _enabled(ds_dict, *aliases):
@@ -467,11 +365,7 @@ def _check_precision_supported(ds_dict: dict, accelerator: Any) -> None:
 
 
 def _spare_memory(engine: Any, model: nn.Module, keep_grad_storage: bool) -> None:
-    """Drop the copies of the training state a fp32 ZeRO-1/2 run does not need: DeepSpeed's fp32
-    masters that equal the weights (``compat.deepspeed_zero.share_fp32_masters``), and the expert
-    gradients' kept storage where DeepSpeed copies every gradient into buffers of its own
-    (``GroupedExperts.keep_grad_storage``: kept only with ZeRO-0 in fp32, where the plugin's
-    optimizer reads the gradients where backward wrote them)."""
+    """Drop the copies a fp32 ZeRO-1/2 run does not need: fp32 masters equal to the weights, kept expert gradients."""
     from moe_plugin.layers.experts import GroupedExperts
 
     if is_zero_optimizer(engine.optimizer):

@@ -1,39 +1,7 @@
-"""What DeepSpeed's engine and ZeRO-1/2 need of a model with the plugin's MoE layers.
-
-DeepSpeed 0.19.8 decides everything MoE from three things; ``prepare_model`` and
-``moe_param_groups`` provide them for a model built from ``MoELayer``:
-
-1. Detection. ``DeepSpeedEngine`` sets ``has_moe_layers`` only when the model contains a
-   ``deepspeed.moe.layer.MoE`` (or AutoEP) module. Without it the engine neither reduces expert
-   gradients over their expert-data-parallel group (ZeRO-0 even fails: its gradient buckets are
-   keyed by the registered expert groups) nor hands the expert groups to ZeRO. Our layer is not
-   DeepSpeed's, so ``prepare_model`` adds one parameter-free ``DeepSpeedMoEMarker`` child (an
-   ``MoE`` subclass that builds nothing and creates no groups, ``compat/deepspeed_moe.py``) under
-   ``MARKER_NAME``. State dicts do not change: the marker has no parameters or buffers.
-2. Optimizer param groups (``moe_param_groups``). ZeRO-1/2 partitions each param group over one
-   group of ranks: an expert group must hold expert parameters only and carry ``'moe': True``
-   and ``'name'``: the key of its expert-data-parallel group in ``deepspeed.utils.groups``
-   (``ProcessGroups.expert_group_name``, also each expert parameter's ``group_name``).
-3. Parameter attributes. An expert parameter is one with ``allreduce = False`` (DeepSpeed's
-   ``is_moe_param``); ``GroupedExperts`` sets it and ``group_name``.
-
-Gradient factor. DeepSpeed averages an expert gradient by *summing it over the expert-data-parallel
-group and dividing by the data-parallel size* (``engine._reduce_expert_gradients`` for ZeRO-0,
-``average_tensor`` for ZeRO-1/2), not by the expert-data-parallel size. The sum over EDP already
-covers every token group of a pipeline stage once, so with that divisor the layer's expert
-gradients need no factor at all: ``prepare_model`` sets ``GroupedExperts.grad_scale`` to
-``DEEPSPEED_EXPERT_GRAD_SCALE`` (1). The layer's default, edp / dp (``layers/parallel.py`` 4c),
-assumes an EDP *average*; under DeepSpeed it would leave expert gradients edp / dp times too small
-(1/4 at EP 4 x DP 4: the known "wrong by the EP size" bug).
-
-Gradient norm. ZeRO-1/2 computes its norm per param group by summing squared partition norms over
-the data-parallel group and then over the model-parallel (TP x PP) group, where a parameter counts
-on TP rank 0 only unless ``is_model_parallel_parameter`` says it differs across TP ranks. Expert
-partitions are distinct on every rank of a stage (ETP x EP x EDP covers it), but under folding
-(EP carved out of TP) they would count on TP rank 0 only. ``prepare_model`` therefore sets
-``model_parallel = True`` on expert parameters (DeepSpeed's attribute, unused by Megatron-Core),
-so they count on every rank. Dense parameters keep DeepSpeed's rule (replicated over TP unless
-Megatron marked them ``tensor_model_parallel``). ZeRO-0 in fp32 gets its norm from ``grad_norm.py``.
+"""What DeepSpeed's engine and ZeRO-1/2 need of a model with the plugin's MoE layers: the marker that
+makes the engine take its MoE paths, the expert gradient factor its averaging expects, expert
+parameters marked for ZeRO's norm, and param groups split as ZeRO partitions them.
+Design (DeepSpeed 0.19.8's rules): docs/design/integration_deepspeed.md.
 """
 from __future__ import annotations
 
@@ -55,7 +23,7 @@ from moe_plugin.layers.moe_layer import MoELayer
 
 MARKER_NAME = "deepspeed_moe_marker"
 # DeepSpeed divides the EDP sum of an expert gradient by the DP size: the layer's local expert
-# gradient must then be unscaled (see the module docstring).
+# gradient must then be unscaled (docs/design/integration_deepspeed.md).
 DEEPSPEED_EXPERT_GRAD_SCALE = 1.0
 
 ParamsLike = Union[nn.Module, Iterable[torch.Tensor], Iterable[dict]]
@@ -66,9 +34,7 @@ def expert_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def prepare_model(model: nn.Module, moe_config: MoEConfig, groups: ProcessGroups) -> bool:
-    """Get ``model`` ready for ``deepspeed.initialize``: expert gradient factor, norm attribute,
-    engine marker (see the module docstring). Returns whether the model has expert parameters
-    (without any, nothing is changed and DeepSpeed runs as for a dense model)."""
+    """Get ``model`` ready for ``deepspeed.initialize``; returns whether it has expert parameters (else unchanged)."""
     experts = expert_params(model)
     if not experts:
         return False
@@ -93,10 +59,7 @@ def _add_marker(model: nn.Module, moe_config: MoEConfig, groups: ProcessGroups) 
 
 
 def mark_every_stage(stage: nn.Module, has_experts: bool, moe_config: MoEConfig, groups: ProcessGroups) -> None:
-    """A pipeline stage without MoE layers (a model whose first layers are dense: GLM-4.5, DeepSeek)
-    gets the engine marker too when another stage has experts (collective over the world): every
-    stage then takes DeepSpeed's MoE code paths alike -- one module file per stage, loaded whole
-    (its dense path would look for per-layer files and fail on the plugin's module file)."""
+    """Give a stage without MoE layers the engine marker when another stage has experts (collective)."""
     flag = torch.tensor([float(has_experts)], device=get_accelerator().current_device_name())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() and not has_experts:
@@ -104,16 +67,7 @@ def mark_every_stage(stage: nn.Module, has_experts: bool, moe_config: MoEConfig,
 
 
 def follow_loss_scale(engine: Any, model: nn.Module):
-    """Keep the aux/z-loss gradients of ``model``'s MoE layers scaled like the main loss's.
-
-    The engine's ``backward`` multiplies the loss by 1 / gradient accumulation steps and, in fp16
-    under ZeRO-1/2, by the current loss scale (``compat/deepspeed_engine.py``: ``engine_loss_scale``);
-    the layer's aux-loss gradient enters at its output in backward (``AttachAuxLoss``) with
-    ``aux_loss_scale``, which must carry the same factors: with 1 / gas alone such an fp16 run would
-    divide the balance loss's gradient by the loss scale (4,096 to 65,536) when the optimizer unscales, and lose it.
-    A forward pre-hook on ``model`` sets it from the engine's scale before every forward (and once
-    now); the scale only changes in ``step``, so the backward that follows sees the same one.
-    Returns the hook's handle (``.remove()``)."""
+    """Scale the MoE layers' aux/z-loss gradients like the main loss (1 / gas, fp16's scale); returns the hook."""
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     gas = engine.gradient_accumulation_steps()
 
@@ -127,14 +81,8 @@ def follow_loss_scale(engine: Any, model: nn.Module):
 
 
 def moe_param_groups(params: ParamsLike) -> list[dict]:
-    """Optimizer param groups with the expert parameters split off, as ZeRO expects them.
-
-    ``params``: a model (its parameters that require gradients), an iterable of parameters, or of
-    param-group dicts (options such as ``weight_decay`` are kept). Each group becomes a dense group
-    (same options; left out when empty) followed by one group per expert-data-parallel group name:
-    the same options plus ``'moe': True`` and ``'name'``. Groups already marked ``'moe'`` are
-    checked and kept.
-    """
+    """Param groups with the expert parameters split off, as ZeRO expects them, from a model, parameters or groups
+    (options kept): a dense group and one per expert group name (``'moe': True``, ``'name'``) for each."""
     if isinstance(params, nn.Module):
         user_groups = [{"params": [p for p in params.parameters() if p.requires_grad]}]
     else:

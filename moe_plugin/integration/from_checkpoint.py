@@ -2,12 +2,6 @@
 
     run = moe_plugin.initialize("ds.json", checkpoint_model_provider("ckpt"))
     moe_plugin.load_checkpoint(run, "ckpt")
-
-Every checkpoint's metadata describes its model (``metadata.model_description``: Megatron's
-``TransformerConfig`` fields, the vocabulary, the sequence length, tied embeddings, the position
-embedding, YaRN); ``checkpoint_model_provider`` builds that model with the plugin's MoE layers under the
-DeepSpeed JSON's ``"moe"`` block and layout: a ``GPTModel``, or with pipeline parallelism this rank's
-stage (``gpt_pipeline_module``). The weights drawn at build time are replaced by ``load_checkpoint``.
 """
 from __future__ import annotations
 
@@ -36,8 +30,7 @@ def checkpoint_model(directory: os.PathLike | str, tag: Optional[str] = None) ->
 
 def checkpoint_model_provider(directory: os.PathLike | str, tag: Optional[str] = None, *,
                               seed: int = 0) -> Callable[[Any, Any], torch.nn.Module]:
-    """``model_provider(moe_config, groups)`` for ``moe_plugin.initialize``: the recorded model (module
-    docstring) under the run's layout, fp32, CPU-initialised as the example builds it."""
+    """``model_provider(moe_config, groups)``: the recorded model under the run's layout (fp32, CPU-initialised)."""
     record = checkpoint_model(directory, tag)
 
     def provider(moe_config, groups):

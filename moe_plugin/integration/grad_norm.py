@@ -1,19 +1,7 @@
 """The global gradient norm of a hybrid-parallel model, and clipping by it for ZeRO-0.
 
-The global norm counts every distinct gradient once: a dense parameter once over its TP x DP
-replicas (once per TP shard when Megatron marked it ``tensor_model_parallel``), an expert
-parameter once over its expert-data-parallel replicas (each EP x ETP shard once), every pipeline
-stage its own (a tied embedding once, on the first stage). ``global_grad_norm`` lets exactly one replica (the "owner") add each gradient's
-square and sums over all ranks: one all-reduce of one number.
-
-Why the plugin computes it for ZeRO-0 in fp32: there DeepSpeed clips with
-``deepspeed.runtime.utils.clip_grad_norm_``, which sums squares over the model-parallel group and
-then *averages the norms* over the data-parallel group. Expert gradients differ between EP ranks,
-so that average is not the norm of anything (it is right only without expert parallelism), and
-the engine reports no norm at all (``get_global_grad_norm()`` is None). ``GlobalNormClipping`` is an
-optimizer step pre-hook that clips by the right norm and leaves it where the engine reads it
-(``compat/deepspeed_engine.py``, as ZeRO's optimizers do). ZeRO-1/2 compute the right norm
-themselves once expert parameters are marked (``expert_params.prepare_model``).
+Every distinct gradient counts once, on the one replica that owns it: one all-reduce of one number.
+Why ZeRO-0 needs it (DeepSpeed averages per-rank norms): docs/design/integration_deepspeed.md.
 """
 from __future__ import annotations
 
@@ -32,9 +20,7 @@ EPS = 1e-6  # as DeepSpeed and torch: clip coefficient max_norm / (norm + EPS)
 
 
 def owns_gradient(p: torch.Tensor, coords: dict[str, int]) -> bool:
-    """Whether the rank with layout coordinates ``coords`` is the one that counts ``p``'s gradient.
-    A pipeline's copy of a tied weight (``ds_pipe_replicated``, the last stage's output weight) is
-    counted on the stage that owns the weight."""
+    """Whether the rank at layout ``coords`` counts ``p``'s gradient (a tied weight's pipeline copy never does)."""
     if getattr(p, "ds_pipe_replicated", False):
         return False
     if is_moe_param(p):
@@ -57,8 +43,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], groups: ProcessGroups) -> t
 
 
 def distinct_parameter_count(params: Iterable[torch.Tensor], groups: Optional[ProcessGroups]) -> tuple[int, int]:
-    """(all, expert): the parameters of the whole model, each distinct one counted once over
-    all ranks by the owner rule of ``global_grad_norm`` (collective; ``groups`` None: one process)."""
+    """(all, expert) parameters of the whole model, each distinct one once (collective; ``groups`` None: one rank)."""
     params = list(params)
     if groups is None:
         counts = [sum(p.numel() for p in params), sum(p.numel() for p in params if is_moe_param(p))]
@@ -73,8 +58,7 @@ def distinct_parameter_count(params: Iterable[torch.Tensor], groups: Optional[Pr
 
 
 class GlobalNormClipping:
-    """Optimizer step pre-hook: computes the global norm, clips the gradients to ``max_norm``
-    (0: no clipping) and stores the norm where the engine reads it (``set_global_grad_norm``)."""
+    """Optimizer step pre-hook: clip by the global norm to ``max_norm`` (0: none), store it for the engine."""
 
     def __init__(self, groups: ProcessGroups, max_norm: float):
         self.groups = groups

@@ -1,29 +1,8 @@
 """``TrainingGuard``: a run that stops learning stops, with one message on every rank.
 
-    result = moe_plugin.initialize(ds_config, model_provider, max_skipped_steps=10)
-    result.guard.checkpoint_dir = "ckpt"              # named in the message (its ``latest`` tag)
-    for step in range(start, iters):
-        loss = train_step(...)                         # engine.backward / engine.step, or engine.train_batch
-        health = result.guard.after_step(step + 1)     # collective: every rank, once per optimizer step
-        log(step + 1, loss, skipped=health.skipped_steps)
-        health.raise_if_stopped()                      # TrainingStopped on every rank, the same message
-    # without a log in between: result.guard.check(step + 1) does both
-
-Checked after every optimizer step, with one all-reduce of three numbers (the rules, the message
-and how the parameter is found, in full: docs/long_runs.md):
-
-* **fp32 and bf16**: a non-finite gradient is an error: a non-finite global gradient norm, a step
-  DeepSpeed skipped for overflow, or a non-finite gradient that a ``GradientWatch`` hook saw.
-* **fp16**: ``max_skipped_steps`` (default 10) steps skipped *in a row* is an error (single
-  overflows are how the dynamic loss scale finds its level).
-* **slow steps**: a step over ``slow_factor`` (10) times the median step so far and over
-  ``SLOW_MIN_S`` gives one line (rank 0). A step stalled for good ends at the collective timeout.
-
-Every rank raises ``TrainingStopped`` with the same text: the step, the first parameter (model
-order) with a non-finite gradient norm and its rank (or the largest norm when only their sum
-overflowed), and the last checkpoint. ``GradientWatch``'s post-accumulate hooks go on before
-DeepSpeed's own (``moe_plugin.initialize`` installs them), so they see each gradient before ZeRO
-moves or the step zeroes it.
+fp32/bf16 stop at the first non-finite gradient, fp16 after ``max_skipped_steps`` skipped steps in a row;
+the message names the step, the parameter and rank, and the last checkpoint. ``after_step`` is collective,
+once per optimizer step. The rules in full: docs/long_runs.md.
 """
 from __future__ import annotations
 
@@ -54,13 +33,7 @@ class TrainingStopped(RuntimeError):
 
 
 class GradientWatch:
-    """Post-accumulate gradient hooks that keep each parameter's largest gradient norm since the
-    last ``reset`` (``norm_W``, on the parameters' device; no sync in backward).
-
-    The hot path is one op per gradient: each hook only queues the norm of the gradient it sees;
-    ``collect`` folds the queue into ``norm_W`` (a max per parameter, NaN kept) in three ops per
-    step, ``any_bad`` is the one finite check of the step, and the first bad parameter is looked
-    for only once it found one (``first_bad``)."""
+    """Gradient hooks keeping each parameter's largest gradient norm since ``reset`` (``norm_W``), without a sync."""
 
     def __init__(self, model: nn.Module):
         from moe_plugin.layers import MoELayer
@@ -136,9 +109,8 @@ class GradientWatch:
 
 @dataclass
 class StepHealth:
-    """What ``after_step`` found: ``skipped`` (this step was skipped for overflow),
-    ``skipped_steps`` (the engine's total), ``consecutive_skips``, ``step_s``, ``slow`` (the
-    slow-step line or None) and ``stopped`` (the message, or None)."""
+    """What ``after_step`` found: ``skipped`` (this step), ``skipped_steps`` (the engine's total),
+    ``consecutive_skips``, ``step_s``, ``slow`` (the slow-step line) and ``stopped`` (the message), or None."""
 
     step: int
     skipped: bool
@@ -154,14 +126,7 @@ class StepHealth:
 
 
 class TrainingGuard:
-    """Checks the engine after each optimizer step (see the module docstring).
-
-    ``engine``: DeepSpeed's engine or PipelineEngine (or anything with ``fp16_enabled()``,
-    ``was_step_applied()``, ``skipped_steps`` and ``get_global_grad_norm()``). ``watch``: the
-    ``GradientWatch`` on its model, or None (then no parameter is named). ``max_skipped_steps``:
-    fp16 steps skipped in a row that stop the run. ``log``: where the slow-step line goes
-    (default: printed on rank 0). ``clock``: seconds, for the step time when ``after_step`` is
-    given none."""
+    """Checks ``engine`` after each optimizer step; ``watch`` None names no parameter; ``log``: the slow-step line."""
 
     def __init__(self, engine: Any, watch: Optional[GradientWatch] = None, *, max_skipped_steps: int = 10,
                  checkpoint_dir: Optional[str] = None, slow_factor: float = SLOW_FACTOR,
@@ -186,8 +151,8 @@ class TrainingGuard:
         return health
 
     def after_step(self, step: int, step_s: Optional[float] = None) -> StepHealth:
-        """Collective (every rank, after each optimizer step). ``step``: the step just done, as the
-        loop counts it (for the messages). ``step_s``: its time (default: since the previous call)."""
+        """Collective: every rank, after each optimizer step. ``step``: the step just done, for the messages;
+        ``step_s``: its time (default: since the previous call)."""
         fp16 = bool(self.engine.fp16_enabled())
         skipped = not self.engine.was_step_applied()
         norm = self.engine.get_global_grad_norm()

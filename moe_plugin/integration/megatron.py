@@ -1,20 +1,9 @@
 """Megatron-Core GPT specs whose MLP is the plugin's ``MoELayer`` on the layers the config names.
 
-    spec = gpt_moe_spec(moe_config, config, groups)     # block spec from Megatron's local spec
-    model = GPTModel(config, spec, vocab_size=..., max_sequence_length=...)
+    model = GPTModel(config, gpt_moe_spec(moe_config, config, groups), vocab_size=..., max_sequence_length=...)
 
-    spec = moe_layer_spec(my_spec, moe_config, groups)  # any TransformerLayer spec or block spec
-    spec = cpu_friendly_spec(spec)                      # SDPA core attention, SP-aware torch norm
-
-How a layer gets its MLP: ``moe_layer_spec`` turns every ``TransformerLayer`` spec into a
-``MoEAwareTransformerLayer`` spec. That layer computes its global 0-based index exactly as
-Megatron does (local number + ``get_transformer_layer_offset``: pipeline and virtual-pipeline
-stages included) and, where ``moe_config.is_moe_layer(index)``, builds ``MegatronMoEMLP``
-instead of the spec's dense MLP. Deciding at build time is what lets one layer spec serve
-every pipeline stage, and Megatron-LM's ``--spec`` (see ``megatron_lm_spec``).
-
-Parameter names follow the module tree: ``decoder.layers.N.mlp.router.weight``,
-``...mlp.experts.weight1`` on MoE layers; ``...mlp.linear_fc1.weight`` on dense ones.
+A layer decides at build time, from its global index, whether its MLP is MoE: one layer spec serves
+every pipeline stage and Megatron-LM's ``--spec``. Design: docs/design/integration_megatron.md.
 """
 from __future__ import annotations
 
@@ -60,17 +49,7 @@ NORM_SWAPS = {WrappedTorchNorm: TorchNorm}
 
 # --- the MoE MLP as Megatron builds it -------------------------------------------------------
 class MegatronMoEMLP(MoELayer):
-    """``MoELayer`` with the constructor and forward a ``TransformerLayer`` uses for its MLP.
-
-    Sizes come from the ``TransformerConfig`` (``moe_config.ffn_hidden_size`` overrides the
-    expert FFN size); init follows Megatron's defaults: std ``init_method_std``, output weights
-    ``init_method_std / sqrt(2 * num_layers)``. The seed mixes ``seed`` with the global layer
-    index, so MoE layers differ and every (pipeline, tensor) layout builds the same weights.
-    Parameters get ``config.params_dtype`` and, without ``use_cpu_initialization``, the
-    accelerator's device. Tensor/sequence parallelism is the layer's own business (it splits
-    tokens over TP and sums its dense gradients over TP itself, see ``layers/parallel.py``):
-    its parameters are *not* marked ``sequence_parallel``.
-    """
+    """``MoELayer`` as a ``TransformerLayer``'s MLP: sizes and init from the config, seeded by global layer index."""
 
     def __init__(self, config: TransformerConfig, submodules: Any = None, *, moe_config: MoEConfig,
                  layer_index: int, groups: Optional[ProcessGroups] = None, seed: int = 0,
@@ -85,15 +64,8 @@ class MegatronMoEMLP(MoELayer):
             param.data = param.data.to(config.params_dtype)
 
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """[S, B, H] (S/TP under sequence parallelism) -> (output, None).
-
-        ``padding_mask`` [B, S] as Megatron-Core 0.16.1's ``TransformerLayer`` passes it (GPTModel's,
-        cut to this rank's positions under SP on the first pipeline stage; a later stage gets it whole
-        and it is cut here): bool, True on padding (what Megatron's router code applies, as
-        ``~padding_mask``; some of its docstrings say the opposite), each batch column a sequence; or
-        integers, document ids with -1 on padding (packed conversations). ``MoELayer.forward``'s
-        ``document_T``.
-        """
+        """[S, B, H] (S/TP under sequence parallelism) -> (output, None). ``padding_mask`` [B, S]: bool, True on
+        padding, or integer document ids, -1 on padding (packed conversations)."""
         if padding_mask is None:
             return super().forward(hidden_states)
         S, B = hidden_states.shape[:2]
@@ -112,16 +84,7 @@ class MegatronMoEMLP(MoELayer):
 
 @dataclass(frozen=True)
 class MoEPlan:
-    """What ``MoEAwareTransformerLayer`` needs to build MoE MLPs (the spec's ``moe`` param).
-
-    ``norm``: the pre-MLP norm of MoE layers whose base spec has none because it fuses the norm
-    into the dense MLP's first linear (Transformer Engine specs); default TENorm when Transformer
-    Engine is installed, else ``TorchNorm``. ``placements``: {global layer index: slot of every
-    expert} for MoE layers that start with experts placed (``MoELayer(placement=...)``; default
-    expert e in slot e), e.g. to build a model like one whose experts migrated. ``seed``: every
-    layer is built under ``seeding.layer_seed(seed, global index)`` (its MoE MLP's generator mixes
-    ``seed`` with the index too).
-    """
+    """What ``MoEAwareTransformerLayer`` needs to build MoE MLPs (the spec's ``moe`` param; see ``moe_layer_spec``)."""
 
     moe_config: MoEConfig
     groups: Optional[ProcessGroups] = None
@@ -131,11 +94,7 @@ class MoEPlan:
 
 
 class MoEAwareTransformerLayer(TransformerLayer):
-    """A ``TransformerLayer`` that builds ``MegatronMoEMLP`` where ``moe.moe_config`` names its
-    global index, and the spec's dense MLP elsewhere. Megatron's ``is_moe_layer`` stays False:
-    it describes Megatron's own MoE layer, whose extras (CUDA graphs of the router, ...) do not
-    apply; ``moe_layer_index`` is the global index on MoE layers, None on dense ones. What it relies
-    on in Megatron's constructor: ``compat/megatron_layer.py``."""
+    """A ``TransformerLayer`` whose MLP is ``MegatronMoEMLP`` where ``moe.moe_config`` names its global index."""
 
     def __init__(self, config: TransformerConfig, submodules: TransformerLayerSubmodules, layer_number: int = 1,
                  hidden_dropout: Optional[float] = None, pg_collection: Optional[ProcessGroupCollection] = None,
@@ -152,14 +111,8 @@ class MoEAwareTransformerLayer(TransformerLayer):
 
 
 def transformer_config(source: Any, **fields: Any) -> TransformerConfig:
-    """Megatron's ``TransformerConfig`` with the parallel sizes of the ``"moe"`` block:
-    ``fields`` (num_layers, hidden_size, ...) plus ``moe_config.megatron_parallel_fields()``
-    (tensor / pipeline model parallel size, sequence parallel). ``source``: a ``MoEConfig``, what
-    ``moe_plugin.initialize`` returned, or a DeepSpeed config (dict or JSON path). A parallel field
-    given in ``fields`` too must agree with the block (else a ``ConfigError``: set it in one place).
-    ``multi_latent_attention=True`` (with ``q_lora_rank``, ``kv_lora_rank``, ``qk_head_dim``,
-    ``qk_pos_emb_head_dim``, ``v_head_dim``) makes Megatron's ``MLATransformerConfig``, its
-    ``rope_type`` "rope" unless given ("yarn" with YaRN's fields)."""
+    """Megatron's ``TransformerConfig`` of ``fields`` and the ``"moe"`` block's parallel sizes (a ``MoEConfig``,
+    ``initialize``'s result or a DeepSpeed config); a size also in ``fields`` must agree. MLA: its MLA config."""
     moe_config = _moe_config_of(source)
     parallel = moe_config.megatron_parallel_fields()
     keys = {"tensor_model_parallel_size": "tensor", "pipeline_model_parallel_size": "pipeline",
@@ -177,9 +130,7 @@ def transformer_config(source: Any, **fields: Any) -> TransformerConfig:
 
 def mla_fields(*, q_lora_rank: Optional[int], kv_lora_rank: int, qk_head_dim: int, qk_pos_emb_head_dim: int,
                v_head_dim: int, rotary_base: float, rope_scaling: Optional[dict] = None) -> dict:
-    """``transformer_config`` fields of multi-latent attention (Megatron-LM's ``--multi-latent-attention``,
-    ``--q-lora-rank`` ...). With ``rope_scaling`` (YaRN's dict, ``integration.rope``) the YaRN fields that
-    set MLA's softmax scale; the frequencies and the cos/sin factor come from ``apply_rope_scaling``."""
+    """``transformer_config`` fields of multi-latent attention; with ``rope_scaling`` (YaRN) also YaRN's."""
     fields = dict(multi_latent_attention=True, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
                   qk_head_dim=qk_head_dim, qk_pos_emb_head_dim=qk_pos_emb_head_dim, v_head_dim=v_head_dim,
                   rotary_base=rotary_base, rope_type="rope")
@@ -205,12 +156,7 @@ def _moe_config_of(source: Any) -> MoEConfig:
 
 
 def check_against_model(moe_config: MoEConfig, config: TransformerConfig) -> None:
-    """The ``"moe"`` block must describe the Megatron model: its layer list within the model,
-    its tensor / pipeline / sequence parallelism equal to the ``TransformerConfig``'s, TP dividing
-    the query groups (Megatron's replicated key/value heads for fewer groups than TP ranks are not
-    supported: ``SDPAttention`` and the checkpoint cuts take whole groups), no router noise where
-    Megatron recomputes the MLP (the router's generator is not rewound), and no global-batch
-    balance loss there (a recomputed forward would count its load again)."""
+    """``ConfigError`` unless the ``"moe"`` block fits the model (layers, TP/PP/SP, query groups, recomputation)."""
     outside = [i for i in (moe_config.layers or []) if i >= config.num_layers]
     if outside:
         raise ConfigError("moe.layers", moe_config.layers, f"the model has {config.num_layers} layers (0-based "
@@ -251,8 +197,7 @@ def _with_moe_mlp(submodules: TransformerLayerSubmodules, moe: MoEPlan, index: i
 
 
 def _fuses_pre_mlp_norm(submodules: TransformerLayerSubmodules) -> bool:
-    """No pre-MLP norm because the dense MLP's first linear applies it (TE's
-    ``TELayerNormColumnParallelLinear``): the MoE MLP then needs a norm of its own."""
+    """Whether the dense MLP's first linear applies the pre-MLP norm (TE): then MoE layers need their own."""
     fc1 = getattr(getattr(submodules.mlp, "submodules", None), "linear_fc1", None)
     return _module_of(submodules.pre_mlp_layernorm) is IdentityOp and "LayerNorm" in getattr(fc1, "__name__", "")
 
@@ -279,11 +224,9 @@ def _accelerator_device() -> str:
 def moe_layer_spec(spec: Spec, moe_config: MoEConfig, groups: Optional[ProcessGroups] = None, *,
                    seed: Optional[int] = None, norm: Optional[type] = None,
                    placements: Optional[Mapping[int, Sequence[int]]] = None) -> Spec:
-    """``spec`` (a ``TransformerLayer`` ModuleSpec, a ``TransformerBlockSubmodules`` or a
-    ``TransformerBlock`` ModuleSpec) with MoE MLPs on the layers ``moe_config`` names; same kind
-    back. The base spec's MLP must be dense: it stays on the other layers. ``groups`` are passed
-    to every ``MoELayer`` (None on one process); ``seed`` (default: ``torch.initial_seed()``, the
-    seed the user gave torch), ``norm`` and ``placements``: see ``MoEPlan``."""
+    """``spec`` (a layer spec, block spec or submodules) with MoE MLPs where ``moe_config`` says; same kind back. Its
+    MLP must be dense. ``seed``: default ``torch.initial_seed()``. ``norm``: the MoE layers' pre-MLP norm where the
+    base fuses it into its MLP (default TENorm, else ``TorchNorm``). ``placements``: {global layer index: slots}."""
     return _with_plan(spec, MoEPlan(moe_config, groups, resolve_seed(seed), norm, placements))
 
 
@@ -305,11 +248,8 @@ def _with_plan(spec: Spec, plan: MoEPlan) -> Spec:
 
 
 def cpu_friendly_spec(spec: Spec) -> Spec:
-    """``spec`` with the pieces that fail on CPU swapped (see ``cpu_modules``): Megatron's
-    ``DotProductAttention`` -> ``SDPAttention``, ``WrappedTorchNorm`` -> ``TorchNorm``.
-
-    A layer spec's *final* norm is chosen by Megatron (``WrappedTorchNorm`` without apex/TE),
-    which rejects sequence parallelism; pass a block spec (``as_block_spec``) to swap it too."""
+    """``spec`` with the pieces that fail on CPU swapped: ``DotProductAttention`` -> ``SDPAttention``,
+    ``WrappedTorchNorm`` -> ``TorchNorm``. Pass a block spec (``as_block_spec``) to swap its final norm too."""
     return _swap(spec, CPU_SWAPS)
 
 
@@ -328,8 +268,7 @@ def _swap(obj: Any, swaps: dict) -> Any:
 
 def as_block_spec(layer_spec: ModuleSpec, config: TransformerConfig, *, vp_stage: Optional[int] = None,
                   pp_rank: Optional[int] = None, layer_norm: Any = None) -> TransformerBlockSubmodules:
-    """The block spec Megatron would make from ``layer_spec`` for this pipeline stage (the
-    final ``layer_norm`` defaults to Megatron's choice), so that it can be transformed."""
+    """The block spec Megatron would make from ``layer_spec`` for this pipeline stage, so that it can be transformed."""
     num = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * num,
                                       layer_norm=LayerNormImpl if layer_norm is None else layer_norm)
@@ -346,15 +285,9 @@ def gpt_moe_spec(moe_config: MoEConfig, config: TransformerConfig, groups: Optio
                  seed: Optional[int] = None, cpu: Optional[bool] = None, vp_stage: Optional[int] = None,
                  pp_rank: Optional[int] = None, placements: Optional[Mapping[int, Sequence[int]]] = None,
                  qk_layernorm_scope: str = "head") -> TransformerBlockSubmodules:
-    """The block spec of this pipeline stage: Megatron's dense local GPT layer spec (norm and
-    qk-layernorm from ``config``) with MoE MLPs where ``moe_config`` says, CPU-friendly when
-    ``cpu`` (default: when DeepSpeed's accelerator is the CPU; Megatron's attention stays on GPUs,
-    its torch norm, which refuses sequence parallelism, becomes ``TorchNorm`` everywhere).
-    ``placements``: {global layer index: slots} of MoE layers built with their experts placed.
-    ``seed``: every layer's weights come from it and the layer's global index, on any pipeline
-    stage (``seeding``); default ``torch.initial_seed()``, the seed the user gave torch.
-    ``qk_layernorm_scope`` (with ``config.qk_layernorm``): ``"head"`` (Megatron's: each head, Qwen3's)
-    or ``"projection"`` (every head of the query / key projection at once, OLMoE's: ``ProjectionQKNorm``)."""
+    """This pipeline stage's block spec: Megatron's dense local GPT layer spec with MoE MLPs where ``moe_config`` says.
+    ``cpu``: CPU-friendly pieces (default: on a CPU accelerator). ``seed``: default ``torch.initial_seed()``.
+    ``placements``: {global layer index: slots}. ``qk_layernorm_scope``: ``"head"`` or ``"projection"`` (OLMoE's)."""
     check_against_model(moe_config, config)
     spec = moe_layer_spec(_local_block_spec(config, vp_stage, pp_rank, qk_layernorm_scope), moe_config, groups,
                           seed=seed, placements=placements)
@@ -363,8 +296,7 @@ def gpt_moe_spec(moe_config: MoEConfig, config: TransformerConfig, groups: Optio
 
 def gpt_dense_spec(config: TransformerConfig, *, cpu: Optional[bool] = None, vp_stage: Optional[int] = None,
                    pp_rank: Optional[int] = None, qk_layernorm_scope: str = "head") -> TransformerBlockSubmodules:
-    """``gpt_moe_spec`` without the MoE layers: Megatron's dense MLP on every layer, the same
-    attention, norms and CPU swaps. The dense baseline of a comparison (``--dense`` in the example)."""
+    """``gpt_moe_spec`` with Megatron's dense MLP on every layer: the dense baseline (the example's ``--dense``)."""
     spec = _local_block_spec(config, vp_stage, pp_rank, qk_layernorm_scope)
     return cpu_friendly_spec(spec) if (on_cpu() if cpu is None else cpu) else _swap(spec, NORM_SWAPS)
 
@@ -396,12 +328,7 @@ def _local_block_spec(config: TransformerConfig, vp_stage: Optional[int], pp_ran
 
 
 def mla_layer_spec(normalization: Optional[str], qk_layernorm: bool) -> ModuleSpec:
-    """Megatron's local MLA layer spec (``MLASelfAttention``: DeepSeek-V2/V3) with the pieces that run on
-    any device: ``compat.megatron_mla.MLAttention`` (its rotary embedding built where it can run),
-    ``SDPAttention`` as core attention (Megatron's ``DotProductAttention`` takes no ``k_channels``), and
-    with ``qk_layernorm`` ``TorchNorm`` on the compressed query and key/value (DeepSeek's ``q_a_layernorm``,
-    ``kv_a_layernorm``): replicated over TP, their gradients complete on each rank without sequence
-    parallelism and summed over TP with it (``TorchNorm`` marks them as ``config.sequence_parallel``)."""
+    """Megatron's local MLA layer spec (DeepSeek-V2/V3) with pieces that run on any device."""
     from moe_plugin.compat.megatron_mla import MLAttention
 
     base = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm, multi_latent_attention=True)
@@ -414,19 +341,8 @@ def mla_layer_spec(normalization: Optional[str], qk_layernorm: bool) -> ModuleSp
 
 # --- Megatron-LM --spec -------------------------------------------------------------------------
 def megatron_lm_spec() -> ModuleSpec:
-    """The layer spec for Megatron-LM's ``--spec``, from the DeepSpeed JSON's ``"moe"`` block.
-
-    The JSON path comes from the ``MOE_PLUGIN_DS_CONFIG`` environment variable, else from
-    Megatron's ``args.deepspeed_config`` (Megatron-DeepSpeed). Groups: those already registered
-    (``moe_plugin.groups.register``), else built now from the block's ``parallel`` sizes
-    (collective: every rank calls it, as Megatron-LM's model provider does) and checked against
-    Megatron's own. Base spec: Transformer Engine's when ``--transformer-impl transformer_engine``,
-    else the local one (made CPU-friendly on a CPU accelerator; with ``--multi-latent-attention``
-    ``mla_layer_spec``, which runs on any device). Megatron-LM imports an
-    *attribute*, not a function: use ``--spec moe_plugin.integration.megatron_lm_spec spec``
-    (docs/megatron_lm.md). On the CPU accelerator it also seeds Megatron's RNG tracker from
-    Megatron-LM's ``--seed`` (``seeding.seed_megatron_rng``), which Megatron-LM does on GPUs only.
-    """
+    """Megatron-LM's ``--spec`` layer spec, from the JSON in ``MOE_PLUGIN_DS_CONFIG`` (else ``args.deepspeed_config``).
+    Builds the groups when none are registered (collective) and checks them against Megatron's; docs/megatron_lm.md."""
     args = _megatron_lm_args()
     path = os.environ.get(DS_CONFIG_ENV) or getattr(args, "deepspeed_config", None)
     if not path:
@@ -495,10 +411,7 @@ _MEGATRON_GROUPS = {
 
 
 def _check_same_groups(groups: ProcessGroups, moe_config: MoEConfig) -> None:
-    """Our groups must be Megatron's: attention runs on Megatron's, the MoE layers on ours, and
-    Megatron's DDP reduces the gradients of ``allreduce = False`` (expert) parameters over its
-    expert-data-parallel group (checked only with EP, which Megatron-LM sets up only with
-    ``--num-experts``)."""
+    """Our groups must be Megatron's: attention runs on Megatron's, the MoE layers on ours (EP, EDP: with EP only)."""
     kinds = ["tp", "pp", "dp"] + (["ep", "edp"] if groups.size("ep") > 1 else [])
     for kind in kinds:
         key, flag, getter = _MEGATRON_GROUPS[kind]

@@ -1,45 +1,6 @@
-"""The run summary's memory per rank: what the busiest rank holds at its peak, part by part, and
-the check at start that it fits the memory the rank has.
-
-Bytes on one rank, from its own parameters (``N = Nd + Ne`` trained elements, dense and expert,
-each counted once), their share of the optimizer partitions (``S = Nd / dp + Ne / edp`` under
-ZeRO-1/2, else ``N``) and ``w`` bytes per weight (4 in fp32, 2 in bf16/fp16):
-
-* ``weights``: ``N w``.
-* ``optimizer``: Adam's two fp32 moments, ``8 S``, and the fp32 masters where they are a copy:
-  none in fp32 (ZeRO-0 steps the weights; under ZeRO-1/2 ``initialize`` makes DeepSpeed's master
-  the weights themselves, ``compat.deepspeed_zero.share_fp32_masters``), ``4 S`` in bf16/fp16
-  (``4 N`` with DeepSpeed's fp16 optimizer, ZeRO-0).
-* ``grads``: the gradients from backward to the step, ``N w`` (ZeRO-2: ``4 S``, its partition;
-  bf16/fp16 without ZeRO: also their fp32 copy, ``4 N``).
-* ``buffers``: DeepSpeed's transients at the peak. ZeRO-1/2 copy the gradients into a reduce
-  bucket of ``reduce_bucket_size`` elements (``zero_optimization``; DeepSpeed's default 5e8; two
-  with ``overlap_comm``; fp32 under ZeRO-1), touched as far as the gradients fill it, and ZeRO-1
-  flattens the rank's partition of them at the step (``w S``, and its fp32 copy ``4 S`` in
-  bf16/fp16): the larger of the two. ZeRO-0 in fp32: one more
-  gradient-sized transient in the step (measured).
-* ``activations``: one micro-batch's tensors kept for backward at ``seq_length`` (from ``args``,
-  else the model's largest): per transformer layer ``s b (8 h + 2 h_kv + k (2 h + F1)) w / tp``
-  and the attention scores ``2 a s^2 b w / tp`` (the unfused attention; a fused kernel keeps less),
-  and the logits and their gradient, ``3 s b V 4 / tp``. Megatron's full recompute keeps only
-  each layer's input.
-* ``runtime``: on CPU the process's resident memory when ``initialize`` started (interpreter,
-  torch, DeepSpeed, Megatron) plus ``RUNTIME_SLACK_MB`` (what building the engine and a step leave
-  beyond the tensors: allocator arenas, the libraries' objects; measured once, see
-  docs/checkpoints.md); on an accelerator 0 (``max_memory_allocated`` counts tensors only).
-
-``steady`` (between steps) is runtime + weights + optimizer (+ the gradients ZeRO-0 keeps);
-``total``, the estimated peak, is steady + grads + buffers + activations, or steady + a
-synchronous save's extra if that is more: one MoE layer's record rows of its local experts,
-gathered whole (fp32 master and Adam's moments, 12 bytes per element; after a migration moved
-experts, a reordering copy of the layer's weights and rows more). ``async_save_copy``: what an asynchronous
-save copies to host memory (12 bytes per parameter it writes: its experts whole over etp and the
-dense parameters it writes), held while the next steps run: ``with_async_save`` = total + that.
-
-``check_fits``: the estimate against the memory this rank has (CPU: ``MemAvailable`` when
-``initialize`` started over the ranks of this node, plus what this rank held then; CUDA: the
-device's free memory), a ``ConfigError`` in one line naming both and what would fit, unless the
-``"moe"`` block's ``memory_check`` is false.
+"""The run summary's memory per rank: the busiest rank's peak part by part (weights, optimizer, gradients,
+DeepSpeed's buffers, activations, runtime), and the stop at start when it does not fit (``check_fits``).
+The rules: docs/design/memory_estimate.md; the estimate against measured runs: docs/training.md.
 """
 from __future__ import annotations
 
@@ -115,7 +76,7 @@ def _is_transformer_config(config: Any) -> bool:
 
 
 def activation_bytes(shape: Optional[Shape], w: int) -> int:
-    """One micro-batch's activations kept for backward (module docstring)."""
+    """One micro-batch's activations kept for backward (0 where the sequence length is unknown)."""
     if shape is None or shape.seq_length is None:
         return 0
     s, b, h = shape.seq_length, shape.micro_batch, shape.hidden
@@ -129,8 +90,7 @@ def activation_bytes(shape: Optional[Shape], w: int) -> int:
 
 def estimate(counts: tuple[int, int], sizes: Any, zero_stage: int, dtype: str, ds_config: dict,
              shape: Optional[Shape], runtime_bytes: float, moe_layer_expert_elements: int) -> dict:
-    """Bytes of each part on this rank (module docstring), in MiB, not yet over the ranks;
-    ``counts``: its (dense, expert) trained elements (``local_counts``)."""
+    """MiB of each part on this rank (``steady`` between steps, ``total`` the peak); ``counts``: (dense, expert)."""
     dense, expert = counts
     n = dense + expert
     share = dense / sizes.dp + expert / sizes.edp   # its partition of the optimizer state under ZeRO-1/2
@@ -172,7 +132,7 @@ def reduce_bucket(ds_config: dict) -> int:
 
 
 def runtime_baseline(device_type: str) -> float:
-    """Bytes of the runtime on this device (module docstring): CPU: resident memory now + the slack."""
+    """Bytes of the runtime: on CPU the resident memory now plus ``RUNTIME_SLACK_MB``; 0 elsewhere."""
     if device_type != "cpu":
         return 0.0
     return resident_bytes() + RUNTIME_SLACK_MB * _MB
@@ -188,7 +148,7 @@ def resident_bytes() -> float:
 
 
 def available_bytes(device_type: str, local_ranks: int) -> Optional[float]:
-    """The memory this rank may use (module docstring), None where unknown."""
+    """The memory this rank may use (CPU: its share of ``MemAvailable`` plus its RSS; CUDA: free), or None."""
     if device_type == "cpu":
         try:
             with open("/proc/meminfo") as f:
@@ -209,8 +169,7 @@ def available_bytes(device_type: str, local_ranks: int) -> Optional[float]:
 
 
 def check_fits(memory: dict, device_type: str, enabled: bool) -> Optional[ConfigError]:
-    """None if the estimate fits (or the check is off or the memory unknown), else the one-line
-    refusal: the estimate by part, the memory the rank has, and which alternatives fit."""
+    """None if the estimate fits (or the check is off, or the memory unknown), else the one-line refusal."""
     available = memory.get("available")
     if not enabled or available is None or memory["total"] <= available:
         return None

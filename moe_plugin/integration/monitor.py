@@ -1,34 +1,9 @@
 """Expert load metrics of a step, into DeepSpeed's monitor and a short log line.
 
-    metrics = ExpertMetrics(engine.module)          # hooks every MoELayer of the model
-    for step in range(steps):
-        for micro_batch in ...:                     # the hooks add up every training forward
-            engine.backward(engine(...)); engine.step()
-        metrics.collect()                           # collective: every rank of the job calls it
-        metrics.write(engine, step)                 # DeepSpeed's csv / tensorboard / wandb backends
-        print(metrics.log_line())                   # "moe: imb 1.23 (max L2) drop 0.4% aux 1.012"
+    metrics = ExpertMetrics(engine.module)     # hooks every MoELayer; the step's training forwards add up
+    metrics.collect(); metrics.write(engine, step); print(metrics.log_line())   # collect: collective
 
-What is measured, per MoE layer, over the training forwards since the last ``collect()`` (all
-micro-batches of a step, summed over the ranks that route distinct tokens):
-
-* ``tokens_per_expert``: routes each expert was chosen for, *before* capacity (the demand);
-* ``imbalance``: max / mean of ``tokens_per_expert`` (1.0 is perfectly balanced);
-* ``dropped_fraction``: routes dropped by capacity / routes chosen (after random routing);
-* ``aux_loss`` / ``z_loss``: the balance and z losses *before* their coefficients, mean over the
-  forwards and the token groups (GShard's balance loss is 1.0 when perfectly balanced).
-* ``expert_bias``: the router's ``expert_bias`` the last of those forwards chose experts with (it
-  moves once per optimizer step with ``bias_update_rate`` > 0: ``integration/step_boundary.py``).
-
-Accumulation uses a forward hook on each ``MoELayer`` that adds its ``last_stats`` (detached
-[E] count tensors and two scalars: no host sync, no collective) for training forwards: training
-mode *and* gradients enabled. So under Megatron's or DeepSpeed's activation checkpointing (the
-first forward runs without gradients, the recomputation in backward with them) a micro-batch
-counts once; under torch's non-reentrant checkpointing (both with gradients) it counts twice. ``collect()`` reduces each
-layer over its own ``tokens`` group (``reduce_stats``, one all-reduce per layer); when the model
-is split over pipeline stages (the layers' groups have ``pp > 1``) the per-stage results are
-then all-gathered over the pipeline group, so that global rank 0, where DeepSpeed's monitor
-writes, sees every layer. Layers are named by their global index (``MegatronMoEMLP.layer_index``),
-else by their order in the model.
+What each metric counts: docs/design/integration_monitor.md.
 """
 from __future__ import annotations
 
@@ -49,7 +24,7 @@ EVENT_PREFIX = "MoE"
 
 @dataclass(frozen=True)
 class LayerMetrics:
-    """One MoE layer's metrics over the forwards since the last ``collect()`` (module docstring)."""
+    """One MoE layer's metrics over the training forwards since the last ``collect()``."""
 
     layer: int
     tokens_per_expert: list[int]
@@ -67,13 +42,8 @@ class LayerMetrics:
 
 
 class ExpertMetrics:
-    """Expert load metrics of every ``MoELayer`` in ``model`` (see the module docstring).
-
-    ``groups``: the plugin's ``ProcessGroups`` (``moe_plugin.initialize(...).groups``); needed only
-    on a pipeline stage without MoE layers, which must still join ``collect()``. Default: the
-    groups of the model's MoE layers. ``per_expert``: also write one event per expert
-    (``tokens_expert<e>``) in ``write``. Call ``close()`` to remove the hooks.
-    """
+    """Expert load metrics of every ``MoELayer`` in ``model``. ``groups``: needed only on a pipeline stage
+    without MoE layers, which must still join ``collect()``. ``per_expert``: also one event per expert."""
 
     def __init__(self, model: nn.Module, *, groups: Optional["ProcessGroups"] = None, per_expert: bool = True):
         self.layers: list[tuple[int, MoELayer]] = []
@@ -110,9 +80,7 @@ class ExpertMetrics:
             acc.reset()
 
     def collect(self) -> list[LayerMetrics]:
-        """Reduce and reset the sums; returns every layer's metrics, sorted by layer index, on every
-        rank. Collective: every rank of the job calls it, after one or more training forwards of
-        each layer it holds (the same number on the ranks of a stage)."""
+        """Reduce and reset the sums; every layer's metrics, by layer, on every rank (collective)."""
         local: list[LayerMetrics] = []
         for index, layer in self.layers:
             acc = self._sums[index]
@@ -150,9 +118,7 @@ class ExpertMetrics:
         return out
 
     def write(self, engine: Any, step: Optional[int] = None) -> None:
-        """Write the collected metrics to ``engine.monitor`` (DeepSpeed writes on global rank 0 only,
-        with the backends its JSON enables). ``step``: default ``engine.global_samples``, the x axis
-        of DeepSpeed's own ``Train/Samples/...`` events. Not collective."""
+        """Write the metrics to ``engine.monitor`` at ``step`` (default ``engine.global_samples``); not collective."""
         if not self.metrics:
             raise RuntimeError("nothing collected yet: call collect() (on every rank) before write()")
         monitor = getattr(engine, "monitor", None)
@@ -161,9 +127,7 @@ class ExpertMetrics:
         monitor.write_events(self.events(engine.global_samples if step is None else step))
 
     def log_line(self) -> str:
-        """``moe: imb 1.23 (max L2) drop 0.4% aux 1.012`` for the collected metrics: the largest
-        imbalance and its layer, routes dropped over all layers, the mean balance loss over the
-        layers (and ``z`` the mean z loss, when a layer has a z-loss coefficient)."""
+        """``moe: imb 1.23 (max L2) drop 0.4% aux 1.012``: worst imbalance and its layer, drops, mean aux (z) loss."""
         if not self.metrics:
             return "moe: -"
         worst = max(self.metrics, key=lambda m: m.imbalance)

@@ -1,20 +1,6 @@
-"""DeepSpeed's pipeline topology from the plugin's rank layout.
-
-DeepSpeed's ``PipelineModule`` places ranks with a ``ProcessTopology``: named axes ``pipe``,
-``data`` and ``model`` (tensor slicing), laid out row-major, the *last* axis varying fastest.
-From it the ``PipelineEngine`` takes which stage a rank runs, whom it sends activations to, and
-the groups it reduces gradients over (``PipelineParallelGrid``: it creates handles of its own for
-those rank lists). Our layout names the same dimensions in an order string read the other way
-round, *first* token fastest (``tp-cp-ep-dp-pp``). So the topology's axes are the order's
-attention dimensions reversed, ``tp`` -> ``model``, ``dp`` -> ``data``, ``pp`` -> ``pipe``;
-``cp`` (size 1) and ``ep`` (size 1 in the attention grid: EP is carved out of TP x DP in the
-expert grid only) are left out. Every order the layout accepts is expressible this way; the
-DeepSpeed grid never sees the expert grid (its MoE paths read our registered expert groups).
-
-``check_topology`` is the guard: a topology, ours or one a user built a ``PipelineModule`` with,
-must give every rank the layout's stage, data-parallel index and tensor-parallel index, else a
-``ConfigError`` names ``moe.parallel.order``. With it, DeepSpeed's groups and ours hold the same
-ranks, and the stage DeepSpeed runs is the pipeline rank Megatron's layer offsets are computed from.
+"""DeepSpeed's pipeline topology from the plugin's rank layout: tp/dp/pp as DeepSpeed's ``model``/``data``/``pipe``
+axes; ``check_topology`` refuses, naming ``moe.parallel.order``, a topology that places a rank elsewhere.
+Design: docs/design/pipeline_deepspeed.md.
 """
 from __future__ import annotations
 

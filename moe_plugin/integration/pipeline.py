@@ -1,47 +1,11 @@
 """A Megatron-Core GPT with the plugin's MoE layers as a DeepSpeed ``PipelineModule``.
 
-    def model_provider(moe_config, groups):
-        return gpt_pipeline_module(config, moe_config, groups, vocab_size=V, max_sequence_length=S)
-
-    engine, *_ = moe_plugin.initialize(ds_config, model_provider)   # a PipelineEngine when pp > 1
+    engine, *_ = moe_plugin.initialize(ds_config, lambda moe_config, groups: gpt_pipeline_module(
+        config, moe_config, groups, vocab_size=V, max_sequence_length=S))      # a PipelineEngine
     loss = engine.train_batch(iter(batches))   # each item: ((tokens_BS, position_ids_BS), labels_BS)
 
-Shape letters: ``layers/__init__.py`` (V/TP on a tensor-parallel rank).
-
-The pipe is a flat list of pieces; DeepSpeed builds only the pieces of a rank's stage:
-
-    0            EmbeddingPipe          ((tokens_BS, position_ids_BS)) -> hidden_SBH
-    1 .. L       TransformerLayerPipe   hidden_SBH -> hidden_SBH   (global layer i at piece 1 + i; RoPE's
-                                        angles computed per piece, as GPTModel computes them per forward)
-    L + 1        FinalNormPipe          hidden_SBH -> hidden_SBH
-    L + 2        OutputLayerPipe        hidden_SBH -> logits_SBV
-    loss_fn      gpt_loss(logits_SBV, labels_BS): mean token cross entropy, vocab-parallel under TP
-
-The modules are Megatron-Core's (``LanguageModelEmbedding``, the layer and final-norm spec of
-``gpt_moe_spec``: ``MoEAwareTransformerLayer`` with the plugin's MoE MLP where
-``moe_config.is_moe_layer(i)``, CPU-friendly on a CPU accelerator; ``ColumnParallelLinear``), with
-the state-dict names ``GPTModel`` gives them under a piece prefix (``gpt_state_dict_key``).
-
-* Stages: Megatron's split, not DeepSpeed's partitioner. Stage s holds the layers
-  ``get_transformer_layer_offset(config, pp_rank=s)`` onwards, ``get_num_layers_to_build`` of them
-  (``num_layers_in_first/last_pipeline_stage`` included), the first stage also the embedding, the
-  last the final norm and output layer. ``MoEAwareTransformerLayer`` computes its global index from
-  the same functions, so the MoE layers sit where the config says on every stage.
-* Topology: ``pipe_topology.pipeline_topology(groups.layout)``, checked to reproduce the layout's
-  pp/dp/tp groups; DeepSpeed's stage of a rank is its Megatron pipeline rank.
-* Tied embeddings (``share_embeddings_and_output_weights=True``, Megatron-LM's default): the last
-  stage's output weight starts as the first stage's word weight and their gradients are summed
-  over the embedding group (first and last stage) before the data-parallel reduction, so both
-  stay the one weight a pp = 1 ``GPTModel`` shares (``GPTPipelineModule``).
-* Init: the stages hold exactly the weights of a pp = 1 ``GPTModel`` with the same spec, built
-  right after ``torch.manual_seed(seed)`` (``seeding``): the embedding from that stream, every
-  layer under the seed of its global index, the untied output layer after the embedding's draws.
-  With ``use_cpu_initialization`` Megatron draws each full weight and cuts the TP shard from it,
-  so pp, tp and ep runs all start from the one-rank model's weights.
-* Attention is causal without a mask tensor (the pipe carries one tensor between stages); packed
-  batches (``moe_plugin.packed_pipe_inputs``) carry the document ids beside it, from which each layer
-  builds Megatron's ``PackedSeqParams`` and its MoE MLP's ``padding_mask``.
-  Sequence parallelism is refused by ``initialize`` unless DeepSpeed's pipe partitioning is off.
+Megatron's stage split, ``GPTModel``'s state-dict names under a piece prefix, and the one-rank
+``GPTModel``'s weights under the same seed. Design: docs/design/pipeline_deepspeed.md.
 """
 from __future__ import annotations
 
@@ -78,8 +42,7 @@ _OWN_ARGUMENTS = ("layers", "num_stages", "topology", "loss_fn", "partition_meth
 
 # --- the pieces ------------------------------------------------------------------------------------
 class EmbeddingPipe(nn.Module):
-    """Megatron's ``LanguageModelEmbedding`` (vocab-parallel words; learned absolute positions
-    unless ``position_embedding_type`` is ``rope``, which the layers apply)."""
+    """Megatron's ``LanguageModelEmbedding`` (learned absolute positions unless ``rope``, which the layers apply)."""
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int, seed: int,
                  position_embedding_type: str = "learned_absolute"):
@@ -99,12 +62,7 @@ class EmbeddingPipe(nn.Module):
 
 
 class TransformerLayerPipe(nn.Module):
-    """One transformer layer of the spec at global index ``layer_index`` on a stage whose first
-    layer is ``stage_offset``; the layer itself checks the index Megatron gives it and draws its
-    weights from the seed of that index (``MoEAwareTransformerLayer``). ``rotary_base``: RoPE
-    (``position_embedding_type`` ``rope``), whose angles ``GPTModel`` computes once and hands to
-    its block: each piece computes them from its input's length, as ``GPTModel`` does (Megatron's
-    ``RotaryEmbedding``, no weights); None: no RoPE."""
+    """Global layer ``layer_index`` of the spec; with ``rotary_base`` it computes RoPE's angles as ``GPTModel``."""
 
     def __init__(self, config: TransformerConfig, layer_spec: Any, layer_index: int, stage_offset: int,
                  rotary_base: Optional[float] = None, rotary_percent: float = 1.0):
@@ -118,8 +76,7 @@ class TransformerLayerPipe(nn.Module):
             rotary_base=rotary_base, use_cpu_initialization=config.use_cpu_initialization)
 
     def forward(self, hidden):
-        """hidden_SBH -> hidden_SBH; packed (hidden_T1H, document_ids_1T) -> the same pair, each
-        conversation on its own (``PackedSeqParams`` from the ids) and its padding not routed."""
+        """hidden_SBH -> hidden_SBH; packed (hidden_T1H, document_ids_1T) -> the same pair, per conversation."""
         packed = isinstance(hidden, (tuple, list))
         hidden_SBH, documents = hidden if packed else (hidden, None)
         params = packed_seq_params(documents[0]) if packed else None
@@ -134,7 +91,7 @@ class TransformerLayerPipe(nn.Module):
 
 
 class FinalNormPipe(nn.Module):
-    """The final norm of the block spec (what ``TransformerBlock`` builds on the last stage)."""
+    """The block spec's final norm (what ``TransformerBlock`` builds on the last stage)."""
 
     def __init__(self, config: TransformerConfig, norm_spec: Any):
         super().__init__()
@@ -148,11 +105,7 @@ class FinalNormPipe(nn.Module):
 
 
 class OutputLayerPipe(nn.Module):
-    """``GPTModel``'s output layer: column-parallel over the vocabulary, logits stay split.
-
-    Its weight is what ``GPTModel`` gives it under ``torch.manual_seed(seed)``: drawn after the
-    embedding's draws (replayed here), or, ``tied``, a copy of the embedding's word weight (the
-    pipeline keeps the copies equal: ``GPTPipelineModule`` sums their gradients over both stages)."""
+    """``GPTModel``'s column-parallel output layer (logits stay split); ``tied``: a copy of the word embedding."""
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int, seed: int,
                  tied: bool = False, position_embedding_type: str = "learned_absolute"):
@@ -172,9 +125,8 @@ class OutputLayerPipe(nn.Module):
 
 
 def gpt_loss(logits_SBV: Tensor, labels) -> Tensor:
-    """Mean token cross entropy of a micro-batch (``GPTModel``'s loss, averaged); vocab-parallel
-    over the TP group when the logits are split. ``labels`` ``(labels_BS, weights_BS)`` (packed or
-    masked batches, ``moe_plugin.packed_pipe_inputs``): the sum of each token's loss times its weight."""
+    """Mean token cross entropy of a micro-batch, vocab-parallel under TP; with ``labels`` = (labels_BS,
+    weights_BS) (packed or masked batches) the sum of each token's loss times its weight."""
     labels_BS, weights_BS = labels if isinstance(labels, (tuple, list)) else (labels, None)
     losses_SB = tensor_parallel.vocab_parallel_cross_entropy(logits_SBV.float(), labels_BS.transpose(0, 1).contiguous())
     if weights_BS is None:
@@ -203,23 +155,13 @@ def stage_layers(config: TransformerConfig) -> list[range]:
 
 
 def stage_boundaries(config: TransformerConfig) -> list[int]:
-    """DeepSpeed's ``parts``: stage s runs pieces ``parts[s] .. parts[s + 1] - 1`` (see the module
-    docstring for the piece list)."""
+    """DeepSpeed's ``parts``: stage s runs pieces ``parts[s] .. parts[s + 1] - 1``."""
     ranges = stage_layers(config)
     return [0] + [1 + r.start for r in ranges[1:]] + [config.num_layers + 3]
 
 
 class GPTPipelineModule(GivenPartsPipelineModule):
-    """A ``PipelineModule`` whose stage boundaries are given (``parts``) instead of searched:
-    DeepSpeed's partitioners balance parameter counts, Megatron's layer offsets must hold.
-
-    ``tie``: (the embedding group's handle, its ranks) when the word embedding and the output
-    layer share their weight: the first stage's word weight is broadcast to the last stage's
-    output weight, and ``get_tied_weights_and_groups`` hands both to the engine, which sums their
-    gradients over the group before the data-parallel reduction (as for its own ``TiedLayerSpec``;
-    Megatron's embedding group does the same). The last stage's copy is marked
-    ``ds_pipe_replicated``: norms and parameter counts take it once. A stage that holds both
-    pieces shares one parameter."""
+    """A ``PipelineModule`` with given stage boundaries ``parts``; ``tie``: (group, ranks) of tied embeddings."""
 
     def __init__(self, layers: list, *, parts: list[int], tie: Optional[tuple[Any, list[int]]] = None,
                  position_embedding_type: str = "learned_absolute", rotary_base: float = 10000,
@@ -264,21 +206,11 @@ def gpt_pipeline_module(config: TransformerConfig, moe_config: MoEConfig, groups
                         position_embedding_type: str = "learned_absolute", rotary_base: float = 10000,
                         rotary_percent: float = 1.0, cpu: Optional[bool] = None, placements: Optional[Mapping[int, Sequence[int]]] = None,
                         qk_layernorm_scope: str = "head", **pipeline_kwargs: Any) -> GPTPipelineModule:
-    """This rank's stage of a GPT with MoE layers, as a DeepSpeed ``PipelineModule`` (see the
-    module docstring). Collective: every rank calls it (DeepSpeed creates its grid's groups).
+    """This rank's stage of a GPT with MoE layers as a ``PipelineModule`` (collective: DeepSpeed creates its grid).
 
-    ``config.pipeline_model_parallel_size`` and ``tensor_model_parallel_size`` must equal the
-    layout's; ``groups`` are the plugin's groups, registered (``moe_plugin.initialize`` does both).
-    ``seed``: the model seed (default ``torch.initial_seed()``); the stages hold the weights of
-    ``GPTModel(config, gpt_moe_spec(..., seed=seed), ...)`` built right after
-    ``torch.manual_seed(seed)`` (``seeding``). ``share_embeddings_and_output_weights``: as
-    ``GPTModel``'s argument (Megatron-LM ties unless ``--untie-embeddings-and-output-weights``).
-    ``position_embedding_type`` (``learned_absolute`` or ``rope``) and ``rotary_base``: as ``GPTModel``'s.
-    ``cpu``: the CPU-friendly spec (default: on a CPU accelerator). ``placements``: {global layer
-    index: slots} of MoE layers built with their experts placed (as ``gpt_moe_spec``'s).
-    ``pipeline_kwargs`` go to ``PipelineModule`` (activation checkpointing, ``dynamic_shape``, ...).
-    Needs ``LOCAL_RANK`` in the environment, as every DeepSpeed pipeline.
-    """
+    ``config``'s pp and tp must be the layout's; ``groups``: the plugin's, registered. The stages hold the weights of
+    ``GPTModel(config, gpt_moe_spec(..., seed=seed), ...)`` built after ``torch.manual_seed(seed)``; the other arguments
+    are ``GPTModel``'s and ``gpt_moe_spec``'s, ``pipeline_kwargs`` ``PipelineModule``'s. Needs ``LOCAL_RANK`` set."""
     clashes = [name for name in _OWN_ARGUMENTS if name in pipeline_kwargs]
     if clashes:
         raise TypeError(f"gpt_pipeline_module sets {', '.join(clashes)} itself")
@@ -331,9 +263,7 @@ _PIPE_KEY = re.compile(r"^(\d+)\.(embedding|layer|final_layernorm|output_layer)\
 
 
 def gpt_state_dict_key(pipe_key: str, num_layers: int) -> str:
-    """The ``GPTModel`` state-dict key of a pipeline key: ``0.embedding.X`` -> ``embedding.X``,
-    ``{1+i}.layer.X`` -> ``decoder.layers.{i}.X``, ``{L+1}.final_layernorm.X`` ->
-    ``decoder.final_layernorm.X``, ``{L+2}.output_layer.X`` -> ``output_layer.X``."""
+    """The ``GPTModel`` state-dict key of a pipeline key (``{1+i}.layer.X`` -> ``decoder.layers.{i}.X``, ...)."""
     match = _PIPE_KEY.match(pipe_key)
     if match is None:
         raise KeyError(f"{pipe_key!r} is no key of gpt_pipeline_module's pieces")

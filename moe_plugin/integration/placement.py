@@ -1,38 +1,9 @@
 """Load-adaptive expert placement in a training loop: tracker, controller, migration and trace in one call.
 
-    run = moe_plugin.initialize(ds_config, model_provider)
     placement = training_placement(run, run_dir="runs/my_run")   # None when there is nothing to do
-    for step in range(steps):
-        ...                                      # forwards, backward, engine.step() (or train_batch)
-        if placement is not None:
-            placement.step(step)                 # every rank, at the step boundary
-    if placement is not None:
-        placement.close()
+    placement.step(step)                 # every rank, after each engine.step() / train_batch
 
-What it builds from the ``"moe.placement"`` block (``configs/schema.py``): nothing when the
-policy is ``static`` and no ``trace_file`` is set (no hooks, no collectives). Otherwise a
-``LoadTracker`` (forward hooks on every ``MoELayer``; ``trace_file`` relative to ``run_dir``)
-and a ``PlacementController`` whose ``migrate_fn`` is the real ``placement.migration.migrate``
-(weights, ZeRO-0 gradients and optimizer state, ZeRO-1/2 partitions) and whose
-``moved_bytes_fn`` is ``migration.moved_bytes`` with ``migration.expert_bytes`` for the
-engine's ZeRO stage. A static policy with a trace only records the gate; it never switches.
-
-The cost model. Its defaults describe a GPU cluster. On CPU (DeepSpeed's accelerator is
-``cpu``) the migration cost is ``migration.CPU_GLOO_SECONDS_PER_BYTE`` (measured) and the
-seconds of a route through an expert are estimated from its FLOPs: forward and backward are
-three passes of two GEMMs, ``12 * H * F`` FLOPs per route (``F`` doubled by a GLU), at
-``CPU_FLOPS`` per second (one core's order of magnitude). The estimate only has to rank a
-switch against a migration; pass ``cost=`` to replace it by a measured one
-(``CostModel.fit``).
-
-Where it logs: every check and switch goes to ``placement.jsonl`` in ``run_dir``
-(``placement.stage<k>.jsonl`` per pipeline stage), after one ``"start"`` record that names the
-layers (module name -> trace name) and their placements at the start. ``summary()`` is a
-compact text for a progress line, ``switches`` and ``migration_seconds`` are the totals.
-
-Pipelines: the tracker and the controller handle pipeline stages (a stage decides its own
-layers; the switch flag is agreed over the pipeline group; ``migrate`` is collective over the
-job), so ``step`` is called after ``engine.train_batch`` on every rank, like above.
+Design (what it builds, the CPU cost model, its logs): docs/design/integration_placement.md.
 """
 from __future__ import annotations
 
@@ -50,7 +21,7 @@ CPU_FLOPS = 2e10   # FLOP/s of one CPU core running fp32 GEMMs, order of magnitu
 
 
 def cpu_cost_model(layer: MoELayer) -> CostModel:
-    """The cost model for CPU runs (module docstring): FLOP-estimated routes, measured migration."""
+    """The cost model for CPU runs: routes priced by their FLOPs at ``CPU_FLOPS``, migration at gloo's measured rate."""
     x = layer.experts
     ffn = x.weight2.shape[1] * layer.parallel.etp_size        # weight2: [E_local, F/etp, H]
     flops_per_route = 12 * layer.hidden_size * ffn * (1.5 if x.weight1.shape[-1] == 2 * x.weight2.shape[1] else 1)
@@ -68,8 +39,7 @@ def _default_cost(layers: dict[str, MoELayer]) -> CostModel:
 
 
 class TrainingPlacement:
-    """A ``PlacementController`` driven from a training loop, with its totals (module docstring).
-    Build it with ``training_placement``."""
+    """A ``PlacementController`` driven from a training loop, with its totals; built by ``training_placement``."""
 
     def __init__(self, run: Any, controller: PlacementController):
         self.run, self.controller = run, controller
@@ -97,8 +67,7 @@ class TrainingPlacement:
     tracker = property(lambda self: self.controller.tracker)
 
     def step(self, step: int) -> list[Decision]:
-        """Close step ``step`` (every rank, after ``engine.step()`` / ``train_batch``): track its load,
-        write its trace record and, every ``check_interval`` steps, check and maybe migrate."""
+        """Close step ``step`` (every rank, after the optimizer step): track its load; check, maybe migrate."""
         decisions = self.controller.step(step)
         if decisions:
             if any(d.switch for d in decisions):
@@ -109,8 +78,7 @@ class TrainingPlacement:
         return decisions
 
     def summary(self) -> str:
-        """Compact text for a progress line, e.g. ``placement greedy: 2 switches (last step 10),
-        rank imbalance 1.06, migrations 0.12 s``."""
+        """Compact text for a progress line, e.g. ``placement greedy: 2 switches (last step 10), ...``."""
         text = f"placement {self.config.policy}"
         if self.config.replica_budget:
             shadowed = sum(len(m.shadowed_experts()) for m in self.controller.layers.values())
@@ -131,14 +99,9 @@ class TrainingPlacement:
 
 def training_placement(run: Any, run_dir: Union[str, Path, None] = None, *, cost: Optional[CostModel] = None,
                        resumed: bool = False) -> Optional[TrainingPlacement]:
-    """Set up load-adaptive placement for ``run`` (what ``moe_plugin.initialize`` returned) from
-    its ``moe.placement`` block, or None when the policy is static and neither a trace nor shadow
-    experts (``replica_budget``) are asked for.
-
-    ``run_dir``: where ``placement.jsonl`` and a relative ``trace_file`` go (default: the current
-    directory for the trace, no log file). ``cost``: the controller's cost model (default:
-    ``cpu_cost_model`` on CPU, ``CostModel()`` otherwise). ``resumed``: append to the existing
-    trace and ``placement.jsonl`` (a run resumed from a checkpoint); otherwise both start anew."""
+    """Placement for ``run`` (``initialize``'s result) from its ``moe.placement`` block, or None when there is nothing
+    to do. ``run_dir``: where ``placement.jsonl`` and a relative ``trace_file`` go. ``cost``: default
+    ``cpu_cost_model`` on CPU, else ``CostModel()``. ``resumed``: append to the trace and the log."""
     if not hasattr(run, "engine") or not hasattr(run, "moe_config"):
         raise TypeError(f"training_placement takes what moe_plugin.initialize returned, got {type(run).__name__}")
     config = run.moe_config.placement

@@ -1,27 +1,8 @@
 """``ExitRequest``: save and leave at a step boundary when the cluster asks (a signal) or the
 allocation runs out (a wall-time limit), every rank at the same step.
 
-    exit_request = ExitRequest(signals=True, duration_mins=args.exit_duration_in_mins)   # installs the handler
-    try:
-        for step in range(start, iters):
-            train_step(...)
-            reason = exit_request.after_step(step + 1)   # collective: every rank, once per optimizer step
-            if reason is not None:                        # the same on every rank
-                save_checkpoint(result, "ckpt", tag=f"step{step + 1}")
-                return ExitRequest.EXIT_STATUS     # 75, from main: the script ends with exit_process(main())
-    finally:
-        exit_request.close()                              # the previous handlers back
-
-The handler (SIGTERM and SIGUSR1: SLURM's ``--signal`` sends the latter) only sets a flag, so a
-signal never interrupts a collective, a save or a half-done step. ``after_step`` turns the flags
-into one all-reduce (MAX, the world group) of two numbers: a signal that reached one rank, or the
-wall time that passed on one rank's clock, stops every rank after the same step, with the same
-reason. Megatron-LM's ``--exit-signal-handler`` and ``--exit-duration-in-mins``.
-
-``EXIT_STATUS`` (also ``ExitRequest.EXIT_STATUS``) is 75, ``EX_TEMPFAIL`` of sysexits.h ("try again
-later"): what a run that left this way exits with, so that a job script can tell it from 0 (finished),
-1 (a failure), 2 (bad input) and 143 (killed by SIGTERM) and requeue it. What DeepSpeed's launcher
-does with a signal, and which status it returns: docs/long_runs.md, *Preemption and time limits*.
+The handler only sets a flag; ``after_step`` agrees on it in one all-reduce. Such a run exits with
+``EXIT_STATUS`` 75 (``EX_TEMPFAIL``): docs/long_runs.md, *Preemption and time limits*.
 """
 from __future__ import annotations
 
@@ -38,13 +19,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class ExitRequest:
-    """Signal flag and wall-time limit, agreed across the ranks at each step boundary.
-
-    ``signals``: install the handler for ``SIGNALS`` now (True) or not (False), or the signals to
-    catch. ``duration_mins``: stop once this many minutes have passed since ``start`` (default:
-    now); None: no limit. ``clock``: seconds (``time.monotonic``), injectable. ``group``: the
-    process group that agrees (default: the world). ``device``: where the flag tensor lives for
-    the all-reduce (default: DeepSpeed's accelerator's current device: NCCL takes no CPU tensor)."""
+    """Signal flag and wall-time limit, agreed at each step boundary. ``signals``: True (``SIGNALS``), False or
+    the signals to catch. ``duration_mins``: the limit from ``start`` (None: none). ``group``: who agrees (default:
+    the world); ``device``: the flag tensor's (default: the accelerator's, as NCCL takes no CPU tensor)."""
 
     EXIT_STATUS = EXIT_STATUS
 
@@ -76,9 +53,7 @@ class ExitRequest:
         return self.clock() - self.start
 
     def after_step(self, step: int) -> Optional[str]:
-        """Collective (every rank of ``group``, after each optimizer step) when ``enabled``: the
-        reason to stop after ``step``, the same text on every rank, or None. No collective when
-        neither a handler nor a limit is set."""
+        """The reason to stop after ``step`` (the same on every rank) or None; collective when ``enabled``."""
         if not self.enabled:
             return None
         signum = signal.Signals[self.received].value if self.received is not None else 0

@@ -1,23 +1,9 @@
-"""RoPE scaling: YaRN (arXiv 2309.00071), as Hugging Face's ``rope_parameters`` describe it.
+"""RoPE scaling: YaRN (arXiv 2309.00071), as Hugging Face's ``rope_parameters`` describe it and transformers
+5.24 computes it, so an imported model gives transformers' logits past its original context.
 
-    scaling = RopeScaling.from_dict({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096})
-    apply_rope_scaling(model, scaling, rotary_base=1e6)
+    apply_rope_scaling(model, RopeScaling.from_dict({"rope_type": "yarn", "factor": 4.0, ...}), rotary_base=1e6)
 
-YaRN changes two things of plain RoPE, both computed as transformers 5.24 computes them
-(``modeling_rope_utils._compute_yarn_parameters``), so an imported model gives transformers'
-logits past its original context:
-
-* the rotary frequencies: each dimension pair's frequency ``1 / base^(2i/d)`` is blended with the
-  interpolated ``1 / (factor * base^(2i/d))`` by a linear ramp between the correction dimensions of
-  ``beta_fast`` and ``beta_slow`` rotations over ``original_max_position_embeddings`` (floored and
-  ceiled unless ``truncate`` is false): ``yarn_inv_freq``;
-* the attention factor multiplying cos and sin: ``attention_factor``, else ``0.1 * ln(factor) + 1``,
-  or with both ``mscale`` and ``mscale_all_dim`` set their ratio ``(0.1 mscale ln f + 1) /
-  (0.1 mscale_all_dim ln f + 1)``: ``yarn_attention_factor``.
-
-The frequencies replace those of Megatron's ``RotaryEmbedding`` (``GPTModel.rotary_pos_emb``, a
-pipeline layer's own); the factor reaches Megatron's attention through the config
-(``compat.megatron_yarn``). The example's ``--rope-scaling JSON`` takes the dict.
+Formulas: docs/design/integration_megatron.md.
 """
 from __future__ import annotations
 
@@ -37,7 +23,7 @@ KEYS = ("rope_type", "factor", "original_max_position_embeddings", "beta_fast", 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """YaRN's parameters (module docstring)."""
+    """YaRN's parameters, as a ``rope_scaling`` dict gives them."""
 
     factor: float
     original_max_position_embeddings: int
@@ -85,13 +71,12 @@ class RopeScaling:
                    attention_factor=number("attention_factor", None), truncate=bool(value.get("truncate", True)))
 
     def to_dict(self) -> dict:
-        """The dict as given (without ``rope_theta`` and ``partial_rotary_factor``, which the model's
-        own fields carry), ``rope_type`` included."""
+        """The dict as given (``rope_type`` included; ``rope_theta``, ``partial_rotary_factor`` left to the model)."""
         return {"rope_type": self.rope_type, **{k: v for k, v in self.given if k != "type"}}
 
 
 def yarn_inv_freq(scaling: RopeScaling, dim: int, base: float) -> torch.Tensor:
-    """The [dim / 2] rotary frequencies of a rotated dimension ``dim`` (module docstring)."""
+    """The [dim / 2] YaRN rotary frequencies of a rotated dimension ``dim``."""
     def correction_dim(rotations: float) -> float:
         return dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
             2 * math.log(base))
@@ -110,7 +95,7 @@ def yarn_inv_freq(scaling: RopeScaling, dim: int, base: float) -> torch.Tensor:
 
 
 def yarn_attention_factor(scaling: RopeScaling) -> float:
-    """The factor multiplying cos and sin (module docstring)."""
+    """YaRN's factor multiplying cos and sin."""
     if scaling.attention_factor is not None:
         return float(scaling.attention_factor)
 
@@ -123,10 +108,8 @@ def yarn_attention_factor(scaling: RopeScaling) -> float:
 
 
 def apply_rope_scaling(model: nn.Module, scaling: Optional[RopeScaling], *, rotary_base: float) -> nn.Module:
-    """``model`` (a ``GPTModel`` or a pipeline stage) with every Megatron ``RotaryEmbedding`` in it on
-    YaRN's frequencies (each over the dimensions it rotates) and its attention on YaRN's factor
-    (multi-latent attention's rotary embedding carries it: ``compat.megatron_mla``);
-    ``model.rope_scaling`` records the dict (checkpoints keep it). None: plain RoPE, nothing changed."""
+    """``model`` (a ``GPTModel`` or a pipeline stage) with every Megatron ``RotaryEmbedding`` on YaRN's
+    frequencies and its attention on YaRN's factor; ``model.rope_scaling`` records the dict. None: unchanged."""
     if scaling is None:
         return model
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding

@@ -1,34 +1,7 @@
-"""Initial weights that do not depend on the layout: which seed each piece of a GPT is drawn from.
+"""Initial weights that do not depend on the layout, and Megatron's RNG tracker seeded as Megatron-LM seeds it.
 
-A ``GPTModel`` built with the plugin's spec draws, in this order:
-
-* the embedding (word, then position weights) from torch's default generator as it stands, so
-  call ``torch.manual_seed(seed)`` right before building the model (Megatron-LM does, DeepSpeed
-  users do, the example does);
-* every transformer layer under its own seed, ``layer_seed(seed, i)`` for global layer ``i``
-  (``MoEAwareTransformerLayer`` forks the generator around its construction, so the stream the
-  model continues with is untouched): which pipeline stage builds layer ``i`` does not matter;
-* an untied output layer from the default generator, after the embedding's draws.
-
-``pipeline.gpt_pipeline_module`` replays exactly this: the first stage draws the embedding from
-``torch.manual_seed(seed)``, the last stage draws the same embedding and then the output layer
-(or, tied, takes the embedding's word weight). With ``use_cpu_initialization`` Megatron draws each
-full weight and cuts the tensor-parallel shard from it, so tp, pp and ep runs all start from the
-weights of the one-rank ``GPTModel``.
-
-``seed=None`` everywhere means ``torch.initial_seed()``: the seed the user last gave
-``torch.manual_seed`` (which ``deepspeed.runtime.utils.set_random_seed`` and Megatron-LM's seeding
-call). Without any seed every process draws its own, and the ranks would disagree.
-
-Megatron-Core's RNG tracker (``seed_megatron_rng``, which ``moe_plugin.initialize`` calls before
-the model provider runs) is seeded as Megatron-LM seeds it (``megatron/training/initialize.py``,
-``_set_random_seed``): ``model_parallel_cuda_manual_seed(seed + 100 * pipeline rank)``, whose
-data-parallel state takes that seed, the model-parallel state that + 2718 + the tensor-parallel
-rank, the expert-parallel state that + 1024 + 100 * the expert-parallel rank + the expert-tensor
-rank. Megatron's attention forks the model-parallel state for its dropout on every forward, its
-embedding and transformer block under sequence parallelism, its tensor-parallel layers when they
-initialise on the GPU (without ``use_cpu_initialization``): a model that is not seeded fails there.
-On the CPU accelerator the tracker holds CPU generator states (``compat/megatron_cpu.py``).
+Embedding and output layer draw from torch's generator after ``torch.manual_seed(seed)``; layer ``i`` under
+``layer_seed(seed, i)`` on any stage; ``seed=None``: ``torch.initial_seed()``. docs/design/integration_megatron.md.
 """
 from __future__ import annotations
 
@@ -63,18 +36,13 @@ def seeded(seed: int) -> Iterator[None]:
 
 
 def megatron_rng_seed(seed: int, pp_rank: int) -> int:
-    """The seed Megatron-LM gives ``model_parallel_cuda_manual_seed`` on pipeline stage ``pp_rank``
-    (without ``--data-parallel-random-init``): ``seed + 100 * pp_rank``."""
+    """The seed Megatron-LM gives ``model_parallel_cuda_manual_seed`` on stage ``pp_rank``: ``seed + 100 * pp_rank``."""
     return seed + 100 * pp_rank
 
 
 def seed_megatron_rng(seed: Optional[int], groups: Optional["ProcessGroups"]) -> Optional[int]:
-    """Seed Megatron-Core's RNG tracker for this rank (module docstring) from ``seed`` (None:
-    ``torch.initial_seed()``) and this rank's place in ``groups`` (None: one process). On the CUDA
-    accelerator Megatron's own tracker; on the CPU accelerator the CPU stand-ins of
-    ``compat/megatron_cpu.py`` first (a tracker over the CPU generator, sequence-parallel buffers on
-    the CPU). Other accelerators: nothing. Returns the seed the tracker got, or None. Call it after
-    the process groups exist and before the model is built (``moe_plugin.initialize`` does)."""
+    """Seed Megatron's RNG tracker from ``seed`` and this rank's place in ``groups`` (None: one process), on the CUDA
+    or (over CPU generators) the CPU accelerator; returns the tracker's seed (None elsewhere). Before the model."""
     from deepspeed.accelerator import get_accelerator
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

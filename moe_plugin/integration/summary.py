@@ -1,24 +1,7 @@
-"""What ``initialize`` built, in numbers: ``run.summary`` (``RunSummary``), printed on rank 0.
+"""What ``initialize`` built, in numbers: ``run.summary`` (``RunSummary``), printed on rank 0 (collective).
 
-    run = moe_plugin.initialize(ds_config, model_provider)
-    run.summary.experts_per_rank, run.summary.parameters["active"], run.summary.to_dict()
-
-* ``sizes``: the layout's group sizes (tp, pp, dp, ep, etp, edp; world size and order).
-* ``moe_layers``: global 0-based indices of the MoE layers (over all pipeline stages);
-  ``experts_per_rank``: experts each rank hosts in each MoE layer (``num_experts / ep``; each
-  of them split over etp ranks).
-* ``parameters``: the whole model's, each distinct parameter once over all ranks
-  (``grad_norm.distinct_parameter_count``): ``total``, ``expert`` (the MoE layers' experts),
-  ``dense`` (the rest: attention, embeddings, routers, dense MLPs) and ``active`` (per token:
-  dense + the top-k of E experts of each MoE layer).
-* ``memory_per_rank_mb``: an *estimate* of the busiest rank's peak, part by part (weights,
-  optimizer, grads, buffers, activations, runtime; ``steady`` between steps; ``total`` the peak;
-  ``integration/memory_estimate.py`` says what each part counts), ``async_save_copy`` (what an
-  asynchronous save copies to host memory, held while the next steps run) and ``with_async_save``
-  (total + that copy); ``available``: the memory the rank has (None where unknown), which
-  ``initialize`` checks the total against (``"memory_check"`` in the ``"moe"`` block).
-
-Computing it is collective (every rank calls it, as ``initialize`` does).
+``sizes``, ``moe_layers`` (global indices), ``experts_per_rank``, ``parameters`` (``total``, ``expert``, ``dense``,
+``active`` per token; each distinct parameter once), ``memory_per_rank_mb`` (``memory_estimate.py``).
 """
 from __future__ import annotations
 
@@ -75,9 +58,7 @@ class RunSummary:
 
 @dataclass(frozen=True)
 class MemoryInputs:
-    """What the memory estimate reads beyond the model: the DeepSpeed config (bucket sizes), the
-    micro-batch, ``args`` (``seq_length``), the runtime's bytes and the memory available
-    (``memory_estimate.runtime_baseline`` / ``available_bytes``, taken when ``initialize`` started)."""
+    """What the memory estimate reads beyond the model, taken when ``initialize`` started."""
 
     ds_config: dict = dataclasses.field(default_factory=dict)
     micro_batch: int = 1
@@ -104,8 +85,7 @@ def run_summary(model: nn.Module, moe_config: MoEConfig, groups: ProcessGroups, 
 
 
 def _moe_layers(model: nn.Module) -> list:
-    """Global indices of the MoE layers over all ranks (``layer_index`` of the plugin's Megatron
-    MoE MLP; a bare ``MoELayer`` counts by its position on its rank)."""
+    """Global indices of the MoE layers over all ranks (a bare ``MoELayer``: its position on its rank)."""
     from moe_plugin.layers.moe_layer import MoELayer
 
     mine = [getattr(m, "layer_index", i) for i, m in enumerate(x for x in model.modules() if isinstance(x, MoELayer))]
