@@ -1,27 +1,7 @@
-"""Calibration: measure this machine the way a training job of N ranks would use it, and write
-the result as a cluster JSON for the cost model (``moe-plugin plan --calibrate out.json --ranks N``).
-
-N gloo ranks start (``torch.multiprocessing`` spawn, a file rendezvous, ``max(1, cores // N)``
-threads each) and measure together, as a job's ranks share the cores:
-
-* GEMM throughput: fp32 ``[m, k] @ [k, n]`` at a few sizes, all ranks at once for the same wall
-  time (median of 3), the ranks' mean rate. ``flops`` is the
-  best per-rank rate; ``gemm_efficiency`` is each size's rate over it, against the GEMM's FLOPs
-  (forward and backward GEMMs of the model run at these shapes).
-* ``all_reduce`` and ``all_to_all`` over all N ranks at a small and a large size: the small one
-  gives the latency per message, the large one the bandwidth (ring all-reduce moves
-  2 (N-1)/N of the bytes over 2 (N-1) messages; an all-to-all sends (N-1)/N): the all-to-all's
-  numbers are the link's (``intra_*``), the all-reduce's ``allreduce_bandwidth`` / ``_latency``.
-* ``optimizer_rate``: parameters per second of torch's AdamW step (foreach), as DeepSpeed runs it
-  with ``torch_adam``.
-* the real pieces (``calibrate_pieces.py``): a Megatron layer, the embedding and loss, the
-  plugin's MoE layer, the DeepSpeed engine's step under each ZeRO stage -> the non-GEMM fields
-  (``layer_overhead``, ``layer_element_time``, ``logit_element_time``, ``moe_layer_overhead``,
-  ``moe_element_time``, ``zero_step_overhead``, ``zero_param_time``).
-
-Raw numbers go to ``<out>.measurements.json`` next to the cluster JSON. Nothing is assumed about
-the device: on a GPU machine the same code times the accelerator's tensors (gloo is CPU only,
-so the collectives part is for CPU jobs; GPU clusters are described by hand).
+"""Calibration: measure this machine as a training job of N gloo ranks uses it (GEMMs, collectives, Adam,
+and the real pieces of a step: ``calibrate_pieces.py``), and write the cluster JSON the cost model reads
+(``moe-plugin plan --calibrate out.json --ranks N``; raw numbers in ``<out>.measurements.json``).
+What is measured and how: docs/planner.md, *Calibration*.
 """
 from __future__ import annotations
 
@@ -87,9 +67,7 @@ def measure(rank: int, world: int) -> dict:
 
 
 def cluster_from(measurements: list[dict], world: int) -> dict:
-    """The cluster JSON (``ClusterSpec`` fields) from every rank's measurements: the ranks' mean
-    (a step sums many pieces, each slowed on a different rank where ranks share cores; the
-    slowest rank's number for each piece would overstate the sum)."""
+    """The cluster JSON (``ClusterSpec`` fields) from every rank's measurements, as the ranks' mean."""
     gemm = [[flops, sum(r["gemm"][i][1] for r in measurements) / len(measurements)]
             for i, (flops, _) in enumerate(measurements[0]["gemm"])]
     peak = max(rate for _, rate in gemm)

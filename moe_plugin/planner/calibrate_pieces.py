@@ -1,32 +1,7 @@
-"""Calibration of the real pieces of a training step, on N local ranks (all measuring together,
-as a job's ranks share the machine), and the cluster fields fitted from them.
-
-The cost model prices GEMMs from the GEMM curve and collectives from the link numbers; what a
-training step spends besides (routing, permutations, norms, the engine's bookkeeping) is charged
-through a few cluster fields. They are fitted here from the pieces the job really runs, each
-timed at two sizes (every iteration starts after a barrier; the median of ``ITERS`` of the
-ranks' mean), by subtracting what the cost model already prices and fitting a line to
-the rest:
-
-* a dense Megatron transformer layer (the plugin's CPU-friendly local GPT layer spec), forward +
-  backward at ``TOKENS`` tokens: ``layer_overhead`` (intercept) and ``layer_element_time``
-  (slope per token x hidden element);
-* Megatron's vocab-parallel embedding and cross entropy, forward + backward (the output layer's
-  GEMMs are left to the GEMM curve): the slope per logit is ``logit_element_time`` (the intercept,
-  the embedding gradient's fixed size, is left out: small next to the engine's fixed cost);
-* the plugin's ``MoELayer`` alone, forward + backward, with EP 1 and EP N: after its GEMMs and
-  its collectives (four all-to-alls, the count exchange, the finite check, at the measured link
-  numbers) the intercept of the least-squares line over the four points is
-  ``moe_layer_overhead``, the slope per routed element (rows sent + rows received, x hidden)
-  ``moe_element_time``;
-* the DeepSpeed engine (through ``moe_plugin.initialize``, data parallel over the N ranks, torch
-  AdamW, clipping) stepping a model of ``PARAMS`` parameters with next to no FLOPs (the sum of
-  its ``TENSORS`` tensors), under ZeRO 0, 1 and 2: after the Adam step (``optimizer_rate``) and
-  the gradient all-reduce the intercept is ``zero_step_overhead[z]`` and the slope per
-  parameter held ``zero_param_time[z]``.
-
-Shapes are fixed (``PIECE_MODEL``), not taken from the model being planned. ``fit`` takes the
-cluster fields of the micro-benchmarks (``calibrate.cluster_from``) and every rank's piece times.
+"""Calibration of the real pieces of a training step on N local ranks (a Megatron layer, the embedding
+and loss, the plugin's MoE layer, the DeepSpeed engine's step under each ZeRO stage), each at two sizes,
+and the non-GEMM cluster fields fitted from them: what the cost model already prices is subtracted and
+a line fitted to the rest. Shapes are fixed (``PIECE_MODEL``). docs/planner.md, *Calibration*.
 """
 from __future__ import annotations
 
@@ -57,9 +32,8 @@ def _layout(world: int, ep: int = 1, zero: int = 1, micro_batch: int = 1):
 
 
 def _timed(fn, iters: int = ITERS) -> float:
-    """Median over ``iters`` (after ``WARMUP``) of the ranks' mean seconds of ``fn()``. The mean,
-    not the slowest rank: a step sums many pieces and the slowest rank of each is a different
-    one (ranks share cores), so the sum of per-piece maxima would overstate the step."""
+    """Median over ``iters`` (after ``WARMUP``) of the ranks' mean seconds of ``fn()``: the slowest rank of each
+    piece is a different one where ranks share cores, so per-piece maxima would overstate a step."""
     import torch
     import torch.distributed as dist
 
@@ -77,8 +51,7 @@ def _timed(fn, iters: int = ITERS) -> float:
 
 
 def _initialize(world: int, ep: int, zero: int, params: int):
-    """``moe_plugin.initialize`` of a parameter bag of ``params`` parameters: data parallel over
-    ``world`` ranks, EP ``ep`` (the groups the MoE pieces use), ZeRO ``zero``."""
+    """``initialize`` of a bag of ``params`` parameters: data parallel over ``world``, EP ``ep``, ZeRO ``zero``."""
     import torch
 
     import moe_plugin
@@ -101,7 +74,7 @@ def _initialize(world: int, ep: int, zero: int, params: int):
 
 
 def measure_pieces(rank: int, world: int) -> dict:
-    """Inside the ranks (default process group up): seconds of every piece (see the module docstring)."""
+    """Inside the ranks (default process group up): seconds of every piece."""
     import torch
 
     torch.manual_seed(rank)
@@ -167,9 +140,8 @@ def _time_dense(model, micro_batch: int) -> float:
 
 
 def _time_head(model, micro_batch: int) -> float:
-    """Megatron's vocab-parallel embedding and cross entropy (on logits of the output layer's
-    shape), forward + backward: the head's non-GEMM work (the output layer's GEMMs are the GEMM
-    curve's; timed here they would carry their layout's efficiency into the per-logit cost)."""
+    """Megatron's vocab-parallel embedding and cross entropy, forward + backward: the head's non-GEMM work
+    (the output layer's GEMMs are the GEMM curve's)."""
     import torch
     from megatron.core import tensor_parallel
     from megatron.core.transformer import TransformerConfig
@@ -202,8 +174,8 @@ def _time_engine(engine) -> float:
 
 
 def fit(spec: dict, pieces: list[dict], world: int) -> dict:
-    """The cluster JSON ``spec`` (micro-benchmark fields) with the piece-fitted fields added.
-    ``pieces``: every rank's ``measure_pieces`` (identical: the times are the ranks' mean)."""
+    """The cluster JSON ``spec`` (micro-benchmark fields) with the piece-fitted fields added; ``pieces``: every rank's
+    ``measure_pieces`` (identical: the times are the ranks' mean)."""
     from moe_plugin.planner import cost_model as cm
     from moe_plugin.planner.spec import ClusterSpec
 

@@ -1,49 +1,10 @@
 """Predicted time and memory of one training step of a GPT-MoE under one ``Layout``.
 
-Everything is per rank and per pipeline stage; the slowest stage sets the pace of the pipeline,
-the most loaded expert rank sets the pace of an MoE layer. Nothing overlaps (a conservative,
-simple model): a step is the sum of its parts. The formulas, with T = micro_batch * seq tokens
-per data-parallel replica, H hidden, F ffn, V vocab, b activation bytes:
-
-    forward GEMM FLOPs per layer and rank     QKV 6TH^2/tp, scores + context 4TSH/tp, proj 2TH^2/tp,
-                                              dense MLP 4THF/tp; backward is twice the forward
-    MoE: routes per sender rank               R = k * T / tp  (the layer splits replicated tokens over TP)
-         kept per expert per sender           min(load_e * R, C / tp), C = max(min_capacity, ceil(capacity_factor
-                                              * k * T / E)): the layer's expert_capacity of the replica's T tokens
-                                              (one GShard group over TP), min_capacity at its default
-         rows of expert e                     ep * etp senders * kept_e
-         expert FLOPs of a rank (fwd)         sum over its experts of 4 * rows_e * H * F / etp
-         collectives                          those the layer runs (``costs.moe_layer_collectives``), each
-                                              priced: 4 row all-to-alls over EP (the busiest rank's larger of
-                                              bytes sent and received, within and across nodes, + a latency
-                                              per peer), the EP counts all-to-all (carrying the router's finite
-                                              flags, or those take one over the TP x DP ranks), ETP counts and
-                                              4 row gathers, TP: 2 token all-gathers, the router-logits all-gather,
-                                              router-gradient all-reduce;
-                                              the counts layout (``moe.exchange`` auto takes it on NCCL; the
-                                              padded one, gloo only by default, swaps the counts round for
-                                              padded row bytes and is not priced)
-         shadowed experts (``shadow_E``)      every EP rank computes its own senders' share of their rows
-                                              and sends them nowhere; 2 EP all-reduces (weights forward,
-                                              gradients backward) of 2 (ep-1)/ep * N * expert bytes
-    TP all-reduce (4 per dense layer)         2 (tp-1)/tp * T H b / bw + 2 (tp-1) latency
-    pipeline (1F1B)                           m * slowest stage's micro-batch time + one micro-batch of
-                                              each other stage (fill and drain; equal stages: bubble
-                                              fraction (pp - 1) / (m + pp - 1)); bubble slots cost
-                                              max(1/oversubscription, 1/pp) where ranks share cores
-    DP gradients (per step)                   ring all-reduce 2 (n-1)/n * grad bytes, dense over dp,
-                                              experts over edp; ZeRO-2: reduce-scatter every
-                                              micro-batch, all-gather of parameters per step
-    optimizer                                 parameters it updates / optimizer_rate (ZeRO >= 1: its shard)
-
-Memory per rank: weights, gradients and optimizer states by ZeRO stage (stage 1 shards the
-optimizer states over the data-parallel group, stage 2 also the gradients; expert parameters
-over edp), plus activations of min(pp, m) micro-batches in flight (1F1B) and fp32 logits on the
-last stage. See docs/planner.md for the derivation and the validation against measured steps.
-
-A load profile is a route fraction per expert (``load_ME``: one row per MoE layer, or one row
-for all); a placement is the slot of every expert (rank ``slot // (E / ep)`` of the EP group),
-as ``moe_plugin.placement`` writes it. None means uniform load and the static placement.
+Per rank and pipeline stage: the slowest stage sets the pipeline's pace, the most loaded expert rank an
+MoE layer's; nothing overlaps, a step is the sum of its parts. The MoE layer's collectives are those it
+runs (``placement/costs.py``, shared with the runtime). A load profile is a route fraction per expert
+(``load_ME``), a placement the slot of every expert; None: uniform load, static placement.
+Formulas and their validation: docs/planner.md, *The cost model*.
 """
 from __future__ import annotations
 
@@ -103,9 +64,7 @@ def bubble_fraction(pp: int, micro_batches: int) -> float:
 
 
 def bubble_speed(cluster: ClusterSpec, pp: int) -> float:
-    """Time of a bubble slot relative to a full one. On dedicated devices 1; where ranks share
-    compute units (``oversubscription`` > 1) the 1/pp of ranks busy in the bubble get a larger
-    share: a slot takes max(1/oversubscription, 1/pp) of a slot with every rank busy."""
+    """A bubble slot's time relative to a full one: max(1/oversubscription, 1/pp) (1 on dedicated devices)."""
     return max(1.0 / cluster.oversubscription, 1.0 / pp) if pp > 1 else 1.0
 
 
@@ -122,8 +81,8 @@ def group_span(layout: Layout, dim: str, expert_grid: bool = False) -> int:
 
 
 def _collective(cluster: ClusterSpec, n: int, nbytes: float, span: int, kind: str) -> float:
-    """Ring collectives over ``n`` ranks spanning ``span`` consecutive ranks: ``all_reduce`` moves
-    2 (n-1)/n of the bytes, ``gather``/``scatter`` (all-gather, reduce-scatter) (n-1)/n."""
+    """Ring collectives over ``n`` ranks spanning ``span`` consecutive ranks: ``all_reduce`` moves 2 (n-1)/n of the
+    bytes, ``gather``/``scatter`` (all-gather, reduce-scatter) (n-1)/n."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     bw, lat = cluster.ring_link(span)
@@ -137,9 +96,7 @@ def _peers_in_node(cluster: ClusterSpec, n: int, span: int) -> int:
 
 
 def _all_to_all(cluster: ClusterSpec, n: int, intra_P, inter_P, peers: int) -> float:
-    """One all-to-all over ``n`` ranks, ``peers`` of them per node: the busiest rank's bytes
-    within the node and across nodes (``intra_P``, ``inter_P``) at their bandwidths, plus a
-    message to every peer."""
+    """One all-to-all: the busiest rank's bytes in and across nodes at their bandwidths, plus a message per peer."""
     if n <= 1:
         return 0.0
     t = float(np.max(np.asarray(intra_P) / cluster.intra_bandwidth + np.asarray(inter_P) / cluster.inter_bandwidth))
@@ -172,8 +129,7 @@ def expert_rows_by_expert(model: ModelSpec, layout: Layout, load_E: Optional[np.
 
 def expert_rows(model: ModelSpec, layout: Layout, load_E: Optional[np.ndarray], placement_E=None,
                 shadow_E=None) -> np.ndarray:
-    """Rows each EP rank's experts process in one MoE layer and micro-batch (all ETP senders
-    together); ``shadow_E`` (bool [E]): shadowed experts, whose rows stay with their senders."""
+    """[ep] rows each EP rank's experts process in one MoE layer and micro-batch (shadowed experts' stay home)."""
     rows_E = expert_rows_by_expert(model, layout, load_E)
     if shadow_E is not None:
         rows_E = np.where(np.asarray(shadow_E, dtype=bool), 0.0, rows_E)
@@ -183,8 +139,7 @@ def expert_rows(model: ModelSpec, layout: Layout, load_E: Optional[np.ndarray], 
 
 
 def ep_routes(model: ModelSpec, layout: Layout, load_E, senders_PE=None) -> np.ndarray:
-    """[ep, E] kept routes of one micro-batch from each rank of an EP group to each expert:
-    ``senders_PE[p, e]`` (fractions over p; None: 1/ep each) of the group's rows of expert e."""
+    """[ep, E] kept routes of one micro-batch from each EP rank to each expert (``senders_PE``: shares, None: 1/ep)."""
     rows_E = expert_rows_by_expert(model, layout, load_E) / layout.etp
     share = np.full((layout.ep, model.experts), 1.0 / layout.ep) if senders_PE is None else np.asarray(senders_PE, float)
     return share * rows_E
@@ -199,16 +154,14 @@ def _shadow_all_reduce(model: ModelSpec, cluster: ClusterSpec, layout: Layout, s
 
 
 def replication_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, shadowed: int) -> float:
-    """Seconds of one layer's shadowed experts per micro-batch: the weights' all-reduce over EP in
-    the forward and the gradients' in the backward (``costs.replication_bytes`` each plus
-    ``2 (ep-1)`` latencies), on the EP group's link (inter-node when it spans nodes)."""
+    """Seconds of one layer's shadowed experts per micro-batch: their weights' and gradients' all-reduces over EP."""
     return 0.0 if shadowed == 0 or layout.ep == 1 else 2 * _shadow_all_reduce(model, cluster, layout, shadowed)
 
 
 def moe_comm_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, routes_PE, rank_E, shadow_E,
                   exchanged: float) -> dict[str, float]:
-    """Seconds of the collectives one MoE layer runs per micro-batch (``costs.moe_layer_collectives``,
-    each priced here), by ``StepCost`` part. ``exchanged``: rows the busiest rank's experts receive."""
+    """Seconds of the collectives one MoE layer runs per micro-batch (``costs.moe_layer_collectives``, each priced
+    here), by ``StepCost`` part. ``exchanged``: rows the busiest rank's experts receive."""
     H, b, E, T = model.hidden, model.activation_bytes, model.experts, layout.micro_batch * model.seq
     shadowed = int(np.count_nonzero(shadow_E)) if shadow_E is not None else 0
     ep_span, tp_span = group_span(layout, "ep", expert_grid=True), group_span(layout, "tp")
@@ -238,11 +191,8 @@ def moe_comm_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, routes
 
 def moe_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E=None, placement_E=None,
                    shadow_E=None, senders_PE=None) -> dict[str, float]:
-    """Seconds of one MoE layer for one micro-batch, forward + backward: expert GEMMs on the most
-    loaded rank, router, dispatch work and the layer's collectives (``moe_comm_time``).
-    ``shadow_E`` (bool [E], EP without ETP): shadowed experts, computed by every rank for its own
-    tokens (``senders_PE``: each rank's share of an expert's routes, None: uniform), out of the
-    all-to-all, plus their ``replication`` (``replication_time``)."""
+    """Seconds of one MoE layer for one micro-batch, forward + backward, by ``StepCost`` part. ``shadow_E`` (bool
+    [E]): shadowed experts, computed by every rank for its own tokens (``senders_PE``: its share; None: uniform)."""
     H, F = model.hidden, model.expert_ffn_size
     T = layout.micro_batch * model.seq
     shadowed = int(np.count_nonzero(shadow_E)) if shadow_E is not None and layout.ep > 1 else 0
@@ -321,10 +271,8 @@ def stage_memory(model: ModelSpec, layout: Layout, layers: Sequence[int], first:
 
 def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_ME=None, placement_ME=None,
               shadow_ME=None, senders_MPE=None) -> StepCost:
-    """Predicted ``StepCost`` of one optimizer step. ``load_ME``: route fractions per MoE layer
-    ([moe_layers, E], or [E] for all); ``placement_ME``: expert slots, same shapes; ``shadow_ME``:
-    shadowed experts (bool, same shapes) and ``senders_MPE`` each EP rank's share of an expert's
-    routes ([moe_layers, ep, E]; None: uniform), see ``moe_layer_time``."""
+    """Predicted ``StepCost`` of one optimizer step. ``load_ME``: route fractions ([moe_layers, E], or [E] for all);
+    ``placement_ME``, ``shadow_ME``: the same shapes; ``senders_MPE``: [moe_layers, ep, E] (None: uniform)."""
     moe_ids = [i for i in range(model.layers) if model.is_moe(i)]
     m, pp = layout.gas, layout.pp
     T = layout.micro_batch * model.seq

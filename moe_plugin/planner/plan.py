@@ -1,21 +1,9 @@
 """``moe-plugin plan``: the offline stage of two-stage automatic parallelization (SmartMoE).
 
-    moe-plugin plan --model MODEL.json --cluster CLUSTER.json [--trace FILE [--replica-budget K]] [--out DIR] [--top N]
-    moe-plugin plan --calibrate out.json [--ranks 4]          # measure this machine (calibrate.py)
-    moe-plugin plan --validate [--ranks 4,8] [--out DIR]      # predicted vs measured (validate.py)
-
-``plan`` (its flags are ``moe_plugin_tools/plan_args.py``'s) costs every valid layout (``search.py``),
-drops those that do not fit, ranks by predicted step time -- under the trace's mean load per layer
-when ``--trace`` is given, else uniform -- and writes the pool (``report.py``). With a trace it also
-replays the pool on the trace under static and greedy placement (``simulator.py``) and adds that
-table; with ``--replica-budget K`` > 0 also under greedy placement with up to K shadow experts per layer.
-
-The online stage is in each pool member's JSON: its ``moe.placement`` sub-block
-(``placement_block``) turns on the runtime's placement controller, which re-places experts
-within the member's layout as the load drifts, only when the predicted saving pays for the move
-(``moe_plugin.placement.controller``). Static placement where the layout has no expert
-parallelism, or where the trace replay found greedy no faster; ``replica_budget`` K where the
-replay with shadow experts was faster than both.
+Costs every valid layout (``search.py``), drops those that do not fit, ranks them by predicted step time
+(under a gate trace's mean load with ``--trace``) and writes the pool (``report.py``), each member's JSON
+with the ``moe.placement`` block that starts the online stage. With a trace it also replays the pool
+(``simulator.py``). Flags: ``moe_plugin_tools/plan_args.py``; usage: docs/planner.md.
 """
 from __future__ import annotations
 
@@ -33,8 +21,8 @@ from moe_plugin.planner.spec import ClusterSpec, ModelSpec
 
 
 def trace_load(path: Path, model: ModelSpec, traffic: bool = False):
-    """The trace's loads [steps, layers, E] (with ``traffic``: and its traffic [steps, layers, P, E]);
-    its expert count must be the model's."""
+    """The trace's loads [steps, layers, E] (with ``traffic``: and its traffic [steps, layers, P, E]); its expert
+    count must be the model's (else ``ConfigError``)."""
     from moe_plugin.placement.trace import read_trace
 
     try:
@@ -89,13 +77,8 @@ def plan(model: ModelSpec, cluster: ClusterSpec, out: Path, *, top: int = 5, tra
 
 
 def placement_block(layout, interval: int, replay: Optional[dict] = None) -> dict:
-    """The online stage of a pool member: its ``moe.placement`` sub-block. With expert
-    parallelism the runtime's controller checks the load every ``interval`` steps and moves
-    experts when the predicted saving pays for the move (greedy, with hysteresis), unless the
-    trace replay (``replay``) found static placement at least as fast on this layout; without
-    expert parallelism every rank holds every expert and there is nothing to place. Where the
-    replay with shadow experts (``replay["shadow_ms"]``, greedy with ``replica_budget`` K; EP
-    without ETP) was faster than static and greedy alone, the sub-block adds ``replica_budget`` K."""
+    """A pool member's ``moe.placement`` block: greedy every ``interval`` steps with expert parallelism, unless the
+    replay found static as fast; static without EP; plus ``replica_budget`` where shadowing replayed fastest."""
     if (layout.ep > 1 and layout.etp == 1 and replay is not None and "shadow_ms" in replay
             and replay["shadow_ms"] < min(replay["greedy_ms"], replay["static_ms"])):
         return {"policy": "greedy", "check_interval": interval, "replica_budget": replay["replica_budget"]}
@@ -106,8 +89,7 @@ def placement_block(layout, interval: int, replay: Optional[dict] = None) -> dic
 
 def _replay(model: ModelSpec, cluster: ClusterSpec, layout, load_IME: np.ndarray, interval: int,
             replica_budget: int = 0, traffic_IMPE: Optional[np.ndarray] = None) -> dict:
-    """Mean step time of ``layout`` on the trace under static and greedy placement (migrations
-    included), and with ``replica_budget`` > 0 under greedy placement with shadow experts."""
+    """Mean step time of ``layout`` on the trace under static and greedy placement (and with shadow experts)."""
     from moe_plugin.planner.simulator import Policy, replay
 
     stride = max(1, load_IME.shape[0] // 500)     # at most ~500 replayed steps per run

@@ -1,12 +1,5 @@
-"""What ``moe-plugin plan`` writes: the candidate pool's DeepSpeed JSONs, a ranked table
-(plain text for stdout, markdown for the file) and a plot of predicted step time against memory.
-
-Output folder::
-
-    DIR/candidate_1_<name>.json ...   one launch-ready DeepSpeed JSON per pool member ("moe" block incl.)
-    DIR/pool.json                     the pool: rank, layout, predicted seconds by part, bytes per rank
-    DIR/plan.md                       the ranked table (pool first, then the next fitting layouts)
-    DIR/plan.png                      every layout: predicted step time vs memory per rank
+"""What ``moe-plugin plan`` writes: ``candidate_<i>_<layout>.json`` (a launch-ready DeepSpeed JSON per pool
+member), ``pool.json`` (the predictions), ``plan.md`` (the ranked table) and ``plan.png`` (step time vs memory).
 """
 from __future__ import annotations
 
@@ -47,8 +40,7 @@ def markdown_table(header: Sequence[str], rows: list[list[str]]) -> str:
 
 def write_pool(out: Path, pool: Sequence[Candidate], model: ModelSpec,
                placements: Optional[Sequence[dict]] = None, replays: Optional[Sequence[dict]] = None) -> list[Path]:
-    """One DeepSpeed JSON per pool member (with its ``placements[i]`` sub-block when given), and
-    ``pool.json`` with the predictions (and the trace replay's figures, ``replays[i]``)."""
+    """One DeepSpeed JSON per pool member (with its placement block) and ``pool.json``; returns the JSONs' paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths, entries = [], []
     for i, c in enumerate(pool, 1):

@@ -1,15 +1,7 @@
 """Offline strategy search: every valid layout of a world size, costed, filtered by memory, ranked.
 
-A layout is valid when the plugin would launch it (the sizes pass the same
-``MoEConfig`` / ``ParallelSizes.resolve`` checks as a real ``"moe"`` block) and when
-DeepSpeed would run it: ZeRO 0 or 1 under pipeline parallelism (the PipelineEngine), every
-stage holding MoE layers or none (ZeRO-1's per-group norm), ``pp`` dividing the layers, ``tp``
-dividing the heads and the FFN sizes and staying inside a node, and ``dp * micro_batch * gas``
-equal to the global batch. ETP is tried at 1 and at ``tp``.
-
-The candidate pool (SmartMoE's offline stage) is the ``top`` fastest layouts that fit, at most
-one per parallel shape (tp, pp, ep, etp): the online stage switches between shapes, so the pool
-holds shapes, each with its best ZeRO stage and micro-batch.
+A layout is valid when the plugin's own config checks accept it and DeepSpeed would run it; the candidate
+pool is the fastest fitting layouts, one per parallel shape (tp, pp, ep, etp). docs/planner.md, *The search*.
 """
 from __future__ import annotations
 
@@ -46,8 +38,7 @@ def divisors(n: int) -> list[int]:
 
 
 def moe_block(model: ModelSpec, layout: Layout, placement: Optional[dict] = None) -> dict:
-    """The ``"moe"`` block that launches ``layout`` (validated by ``MoEConfig``), with the
-    ``placement`` sub-block when one is given (the online stage: ``plan.placement_block``)."""
+    """The ``"moe"`` block that launches ``layout`` (validated by ``MoEConfig``), with ``placement`` when given."""
     router = {1: "switch", 2: "gshard"}.get(model.top_k, "topk")
     block = {"num_experts": model.experts, "router": router, "top_k": model.top_k,
              "layer_interval": model.moe_layer_interval,

@@ -1,33 +1,9 @@
 """Trace replay: the step time a layout and a placement policy would have had on a recorded run.
 
-A gate trace (``moe_plugin.placement.trace``: ``load[steps, layers, E]`` routes per expert,
-``traffic[steps, layers, P, E]``) records where the router sent tokens, step by step. The
-routing depends on the model and the data, not on the layout, so one trace from a small run
-replays on any layout of any cluster: each step is costed by ``cost_model.step_cost`` with
-that step's load (as route fractions; the candidate applies its own capacity), under the
-placement the policy holds at that step.
-
-Policies (``Policy``):
-
-* ``static``: expert e in slot e for the whole run.
-* ``greedy`` every ``interval`` steps: ``placement.policies.greedy`` on the load of the last
-  ``window`` steps (what the runtime would have seen), relabelled by ``align`` so that as few
-  experts as possible move; the steps before the first check run static. Each layer takes its
-  new placement by the runtime's rule (``placement/costs.py``: ``should_switch``, ``min_gain``) on
-  its seconds per step (``gas`` x ``moe_layer_time``) predicted on the window's load. A move is
-  paid on the step it happens: every rank receives the experts that arrive at it -- weights and
-  optimizer state, ``(param_bytes + optimizer_bytes / edp_shards) * expert_params / etp`` each --
-  over its EP link (``migration_seconds``).
-* either, with ``replica_budget`` k > 0: shadow experts (FasterMoE; ``moe_plugin.layers.shadow``),
-  decided at every check by the runtime controller's rule (``placement/controller.py``,
-  ``choose_shadow``). A step with shadowed experts is costed by ``step_cost`` with them
-  (``cost_model.moe_layer_time``, ``replication_time``), each rank's share of a shadowed expert's
-  routes from the trace's ``traffic`` when that has one sender per EP rank of the layout, else
-  1/ep. Needs ep > 1 and etp 1 (else nothing is shadowed, as the runtime refuses it).
-
-Trace layers map onto the model's MoE layers in order (trace layer ``j % n`` for MoE layer ``j``
-when the counts differ). ``synthetic_trace`` makes Zipf-skewed loads whose hot experts drift
-over the steps, for tests and for studies without a recorded run.
+A gate trace records where the router sent tokens, which does not depend on the layout, so one trace
+replays on any layout: each step costed by ``step_cost`` with that step's load, under the placement (and
+shadow experts) the policy holds then, decided by the runtime's own rules (``placement/costs.py``).
+``synthetic_trace``: drifting Zipf loads. docs/planner.md, *Trace replay*.
 """
 from __future__ import annotations
 
@@ -68,9 +44,7 @@ class Policy:
 
 @dataclass
 class Replay:
-    """Seconds of every replayed step (migration and replication included), the moves made and
-    the shadowing (``shadow_steps`` of the replayed steps had a shadowed expert in some layer;
-    ``replication_s`` their weight and gradient all-reduces, summed like ``migration_s``)."""
+    """Seconds of every replayed step (migration and replication included), the moves and the shadowing."""
 
     layout: Layout
     policy: Policy
@@ -99,8 +73,7 @@ def load_fractions(load_IME: np.ndarray, moe_layers: int) -> np.ndarray:
 
 
 def migration_seconds(model: ModelSpec, cluster: ClusterSpec, layout: Layout, old_E, new_E) -> float:
-    """Seconds to move the experts whose rank changes from ``old_E`` to ``new_E`` (slots): the
-    rank that receives most of them sets the time."""
+    """Seconds to move the experts whose rank changes from ``old_E`` to ``new_E``: the busiest receiver's."""
     L = model.experts // layout.ep
     old_r, new_r = np.asarray(old_E) // L, np.asarray(new_E) // L
     moved = old_r != new_r
@@ -114,8 +87,8 @@ def migration_seconds(model: ModelSpec, cluster: ClusterSpec, layout: Layout, ol
 
 
 def sender_fractions(traffic_IMPE: Optional[np.ndarray], moe_layers: int, ep: int) -> Optional[np.ndarray]:
-    """[steps, moe_layers, ep, E]: each EP rank's share of every expert's routes, from a trace's
-    ``traffic``; None (uniform senders) without one or where its sender count is not ``ep``."""
+    """[steps, moe_layers, ep, E]: each EP rank's share of every expert's routes, from a trace's ``traffic``;
+    None (uniform senders) without one or where its sender count is not ``ep``."""
     if traffic_IMPE is None or ep == 1:
         return None
     traffic = np.asarray(traffic_IMPE, dtype=float)
@@ -128,9 +101,8 @@ def sender_fractions(traffic_IMPE: Optional[np.ndarray], moe_layers: int, ep: in
 
 def choose_shadow(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E, placement_E, current_E,
                   policy: Policy, senders_PE=None) -> np.ndarray:
-    """One layer's shadowed experts (bool [E]) after a check: of the sets of the 0..``replica_budget``
-    hottest loaded experts the one with the lowest predicted MoE-layer time (ties to the smaller),
-    taken only when it is another set and ``should_switch`` takes it with no migration."""
+    """One layer's shadowed experts (bool [E]) after a check: the cheapest set of the 0..K hottest, taken when
+    ``should_switch`` takes it with no migration."""
     load = np.asarray(load_E, dtype=float)
     hot = costs.hottest(load, policy.replica_budget)
 
@@ -148,9 +120,7 @@ def choose_shadow(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E
 
 def choose_placement(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E, current_E, new_E,
                      policy: Policy) -> tuple[np.ndarray, float]:
-    """One layer's placement after a check and the seconds of its migration (0 when it stays):
-    ``new_E`` when ``should_switch`` takes it, with the layer's seconds per step (``gas``
-    micro-batches) and ``policy.interval`` steps to the next check."""
+    """One layer's placement after a check and its migration seconds: ``new_E`` when ``should_switch`` takes it."""
     def per_step(placement_E) -> float:
         return layout.gas * sum(moe_layer_time(model, cluster, layout, load_E, placement_E).values())
 
@@ -214,11 +184,9 @@ def replay(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_IME: np.
 
 def synthetic_trace(steps: int, layers: int, experts: int, tokens: int, *, zipf: float = 1.0,
                     drift_every: int = 0, senders: int = 1, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """``(load[steps, layers, E], traffic[steps, layers, P, E])`` int32: each layer's experts draw
-    ``tokens`` routes per step from a Zipf(``zipf``) popularity over a per-layer random order
-    (``zipf`` 0: uniform). Every ``drift_every`` steps (0: never) the popularity drifts: in each
-    layer a random expert trades places with the one ranked just above it, so hot experts cool
-    down and others heat up slowly. Routes split evenly over ``senders``."""
+    """``(load[steps, layers, E], traffic[steps, layers, P, E])`` int32: ``tokens`` routes per layer and step from a
+    Zipf(``zipf``) popularity over a per-layer random order (0: uniform); every ``drift_every`` steps (0: never) a
+    random expert trades places with the one ranked above it. Routes split evenly over ``senders``."""
     rng = np.random.default_rng(seed)
     weights = 1.0 / np.arange(1, experts + 1) ** zipf
     weights /= weights.sum()

@@ -1,16 +1,8 @@
-"""What the planner is told: the model (``ModelSpec``), the machine (``ClusterSpec``) and one
-candidate layout (``Layout``).
+"""What the planner is told: the model (``ModelSpec``), the machine (``ClusterSpec``) and one candidate
+layout (``Layout``).
 
-``ModelSpec`` and ``ClusterSpec`` are read from small JSON files (see
-``examples/gpt_moe/planner/``) with the same strict checks as the ``"moe"`` block: unknown keys
-are refused, numbers must be numbers, and an error names the key path (``model.hidden``,
-``cluster.gemm_efficiency[1]``), the bad value and what would be valid. ``ConfigError`` is a
-``ValueError``, so ``moe-plugin plan`` prints it as one line and exits with status 2.
-
-Units: bytes, seconds, FLOP/s, bytes/s. A cluster's ``gemm_efficiency`` is a curve of
-``[flops_of_one_gemm, fraction_of_peak]`` points (log-interpolated, flat outside): small GEMMs
-reach a smaller fraction of the peak than large ones. A calibration file (``calibrate.py``)
-has exactly the ``ClusterSpec`` fields, measured on the machine it ran on.
+Model and cluster JSONs are read as strictly as the ``"moe"`` block: unknown keys refused, a ``ConfigError``
+naming the key path (``model.hidden``), the value and what is valid. Units: bytes, seconds, FLOP/s, bytes/s.
 """
 from __future__ import annotations
 
@@ -202,8 +194,7 @@ class ClusterSpec(_Strict):
 
 @dataclass(frozen=True)
 class Layout:
-    """One candidate: parallel sizes, ZeRO stage and batch split. ``dp * micro_batch * gas`` is the
-    model's global batch; the expert grid is ``etp x ep x edp`` per stage (``tp * dp == etp * ep * edp``)."""
+    """One candidate: parallel sizes, ZeRO stage and batch split (``dp * micro_batch * gas`` = the global batch)."""
 
     tp: int
     pp: int

@@ -1,18 +1,9 @@
 """``moe-plugin plan --validate``: the cost model's prediction against measured training steps.
 
-For each world size (``--ranks 4,8``): wait until the machine is quiet (1-minute load < 2, at most
-``WAIT_S``) with ``/tmp/BENCH_RUNNING`` created (other heavy runs on the shared machine pause), then
-in one job of that many gloo ranks: calibrate (``calibrate.measure``), train a tiny
-GPT-MoE (``VALIDATION_MODEL``) on the real stack -- ``moe_plugin.initialize``, a Megatron-Core
-``GPTModel`` (or ``gpt_pipeline_module`` on DeepSpeed's PipelineEngine when pp > 1), ZeRO-1,
-torch AdamW -- in each layout of ``LAYOUTS``, and time whole optimizer steps: a barrier, the
-step, the slowest rank's time; one warm-up step, the median of ``rounds``), calibrate again. The
-prediction uses the mean of the two calibrations (the machine is shared: its speed drifts), or
-``--calibration`` when given; it is written to ``DIR/calibration_<N>ranks.json``. The DeepSpeed JSON is
-the one ``moe-plugin plan`` would write (``search.ds_config``), with torch's AdamW (CPU).
-
-Printed and written to ``DIR/validation.md`` / ``validation.json``: per layout predicted_ms,
-measured_ms, error (predicted / measured - 1) and the mean absolute percentage error.
+For each world size, one job of gloo ranks calibrates, times whole steps of ``VALIDATION_MODEL`` in each of
+``LAYOUTS`` on the real stack, and calibrates again; the prediction from the mean calibration is compared with
+the median step (``DIR/validation.md``, ``validation.json``). It first waits for a quiet machine, with
+``/tmp/BENCH_RUNNING`` created meanwhile. docs/planner.md, *Validation on this machine*.
 """
 from __future__ import annotations
 
@@ -155,8 +146,7 @@ def _spawned(rank: int, world: int, model: ModelSpec, layouts: list[Layout], rou
 
 def measure(model: ModelSpec, layouts: list[Layout], world: int, rounds: int
             ) -> tuple[dict[str, list[float]], dict, list[dict]]:
-    """Times of every layout, the calibration (cluster JSON) the same ranks measured right
-    before and after them (each rank's numbers averaged over the two) and those raw numbers."""
+    """Every layout's step times, the cluster JSON of the calibrations before and after them, and their raw numbers."""
     import torch.multiprocessing as mp
 
     from moe_plugin.planner.calibrate import cluster_from
