@@ -304,9 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "(transformers' AutoModelForCausalLM loads it)")
     exp.add_argument("checkpoint", type=Path, metavar="CKPT", help="a --save directory (moe_plugin checkpoint)")
     exp.add_argument("--out", type=Path, required=True, help="the directory to write (new or empty)")
-    exp.add_argument("--arch", default=None, help="mixtral, qwen3_moe, qwen2_moe, olmoe, glm4_moe, deepseek_v3, "
-                     "deepseek_v2, gpt_oss, llama, mistral or qwen3 (default: the imported model's, else inferred "
-                     "from the checkpoint)")
+    from moe_plugin.interop.families import MODEL_TYPES
+
+    exp.add_argument("--arch", default=None, help=", ".join(MODEL_TYPES[:-1]) + f" or {MODEL_TYPES[-1]} (default: "
+                     "the imported model's, else inferred from the checkpoint)")
     exp.add_argument("--tag", default=None, help="the tag to export (default: the one CKPT/latest names)")
     exp.add_argument("--max-shard-size", default="5GB", help="largest weights file (default 5GB); more are indexed")
     exp.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the imported model's, "

@@ -74,6 +74,16 @@ MODELS = {
                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,   # it cuts), fused
                                       "original_max_position_embeddings": 8, "beta_fast": 32.0,    # experts, a window
                                       "beta_slow": 1.0, "truncate": False})),                      # of 4 then full
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",   # sigmoid + the block's correction bias, always
+                   dict(intermediate_size=32, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,   # renormalised;
+                        head_dim=32, rotary_dim=16, bos_token_id=None, eos_token_id=None,   # QK-norm over the
+                        rope_parameters={"rope_type": "default", "rope_theta": 5e6})),      # projections (GQA, heads
+    #                                                     of 32, not 16), half the head rotated (the hub's rotary_dim)
+    "dots1": ("Dots1Config", "Dots1ForCausalLM",   # GLM-4.5's routing (2 of 4 groups, x2.5, renormalised), 2 shared
+              dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=EXPERTS,   # experts, layer 0
+                   num_experts_per_tok=TOP_K, n_shared_experts=2, n_group=4, topk_group=2,     # dense, QK-norm per
+                   routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,    # head of 32, layer 1
+                   head_dim=32, sliding_window=4, max_window_layers=1, attention_bias=False)),  # a window of 4
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=64, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",   # dense: QK-norm, heads of 32 (not 16), untied
               dict(intermediate_size=64, head_dim=32, tie_word_embeddings=False)),

@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_tiny import EXPERTS, VOCAB, hf_logits, save_tiny_model, save_tiny_models
+from hf_tiny import EXPERTS, MODELS, VOCAB, hf_logits, save_tiny_model, save_tiny_models
 from test_example import _script
 
 SEQ, BATCH = 16, 4
@@ -228,9 +228,7 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(imported, tmp_pat
     from moe_plugin.interop import export_hf
 
     _root, tokens_BS, cases = imported
-    for name in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "qwen3_moe_yarn", "deepseek_v3",
-                 "deepseek_v3_halves", "deepseek_v2", "mixtral_window", "gpt_oss", "llama", "qwen3", "mistral",
-                 "mistral_window", "qwen3_window"):
+    for name in MODELS:   # every tiny model: each registered family and its variants
         out = tmp_path / name
         done = export_hf(cases[name]["ckpt"], out, max_shard_size="100KB", progress=lambda line: None)
         print(f"export-hf {name}: {done['seconds']:.2f} s, {len(done['files'])} files")
@@ -743,3 +741,30 @@ def test_what_a_checkpoint_cannot_express_as_mixtral_is_named(imported, change, 
     change(meta, state)
     with pytest.raises(ConfigError, match=match):
         architecture_from_checkpoint(meta, StateSource(state), "mixtral")
+
+
+def test_every_registered_family_has_a_tiny_model_a_docs_row_and_a_help_entry():
+    """The registry drives the tests (every family's tiny model is imported, checked against transformers'
+    logits at 1 rank, tp2 x ep2 and pp2 x ep2, and round-tripped above), docs/huggingface.md's table and
+    export-hf's --arch help."""
+    from moe_plugin.interop.families import REGISTRY
+    from moe_plugin_tools.cli import build_parser
+
+    import transformers
+
+    table = (Path(__file__).parent.parent / "docs" / "huggingface.md").read_text()
+    help_text = build_parser().format_help() + _subcommand_help("export-hf")
+    for family in REGISTRY:
+        config_cls, model_cls, _fields = MODELS[family.model_type]
+        assert (config_cls, model_cls) == (family.config_class, family.architecture), family.model_type
+        assert getattr(transformers, family.config_class)().model_type == family.model_type
+        assert f"| `{family.model_type}` | `{family.architecture}`" in table, family.model_type
+        assert family.model_type in help_text, family.model_type
+
+
+def _subcommand_help(name: str) -> str:
+    from moe_plugin_tools.cli import build_parser
+
+    parser = build_parser()
+    action = next(a for a in parser._actions if getattr(a, "choices", None) and name in a.choices)
+    return action.choices[name].format_help()

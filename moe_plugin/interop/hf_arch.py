@@ -316,6 +316,8 @@ def _sliding_window(cfg: Any, fam: Any, refuse: Any) -> tuple[Optional[int], Opt
     """(window W or None, the windowed layers or None for every layer), as transformers 5.24 applies
     them: ``sliding_window`` on every layer (families of ``window`` "every_layer"), or on the layers
     whose ``layer_types`` entry is "sliding_attention" ("layer_types"); refused elsewhere."""
+    if fam.window == "ignored":   # the family's model applies none
+        return None, None
     size = getattr(cfg, "sliding_window", None)
     kinds = list(getattr(cfg, "layer_types", None) or [])
     unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
@@ -335,5 +337,5 @@ def _sliding_window(cfg: Any, fam: Any, refuse: Any) -> tuple[Optional[int], Opt
         return None, None
     if fam.window != "every_layer":
         raise refuse("sliding_window", size, "sliding-window attention outside "
-                     + titles(f for f in REGISTRY if f.window))
+                     + titles(f for f in REGISTRY if f.window in ("every_layer", "layer_types")))
     return int(size), None

@@ -28,7 +28,7 @@ class Family:
     # what the config may hold
     mla: bool = False                     # multi-latent attention (q_lora_rank, kv_lora_rank, ...)
     group_routing: bool = False           # n_group / topk_group / routed_scaling_factor
-    window: Optional[str] = None          # sliding windows: "every_layer" or "layer_types"
+    window: Optional[str] = None          # sliding windows: "every_layer", "layer_types" or "ignored"
     partial_rotary: bool = False          # partial_rotary_factor
     attention_bias: bool = False          # the config's attention_bias (what it means: attention_of)
     quantized: tuple[str, ...] = ()       # quant methods beyond FP8 blocks that the import dequantizes

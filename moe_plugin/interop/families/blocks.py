@@ -10,14 +10,12 @@ both sides: docs/huggingface.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:   # torch is imported where a join runs: the registry (the CLI's help) needs none
+    from torch import Tensor
 
-from moe_plugin.checkpoint.shards import cat, stack
-
-Fns = tuple[Callable[[list[Tensor]], Tensor], Callable[[Tensor], list[Tensor]]]
+Fns = tuple[Callable[[list["Tensor"]], "Tensor"], Callable[["Tensor"], list["Tensor"]]]
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -40,6 +38,8 @@ def copy() -> Fns:
 
 def qkv(groups: int, heads: int, head_dim: int) -> Fns:
     """q [heads*D, ...], k, v [groups*D, ...] <-> Megatron's grouped layout [groups*(heads/groups+2)*D, ...]."""
+    from moe_plugin.checkpoint.shards import cat
+
     per = heads // groups
 
     def join(ts: list[Tensor]) -> Tensor:
@@ -59,11 +59,15 @@ def qkv(groups: int, heads: int, head_dim: int) -> Fns:
 
 def rows() -> Fns:
     """(gate [F, H], up [F, H]) <-> Megatron's fc1 [2F, H]."""
+    from moe_plugin.checkpoint.shards import cat
+
     return (lambda ts: cat(ts, 0)), (lambda t: [c.contiguous() for c in t.chunk(2, 0)])
 
 
 def columns() -> Fns:
     """(gate [F, H], up [F, H]) <-> the plugin's weight1 [H, 2F]."""
+    from moe_plugin.checkpoint.shards import cat
+
     return (lambda ts: cat(ts, 0).t().contiguous()), (lambda t: [c.contiguous() for c in t.t().chunk(2, 0)])
 
 
@@ -74,6 +78,8 @@ def transposed() -> Fns:
 def interleaved(n_rows: int, head: int, rotated: int) -> Fns:
     """A weight [n_rows, ...] of blocks of ``head`` rows whose last ``rotated`` are rotary dimensions in
     halves (pairs (i, i + r/2)) <-> the same with those rows interleaved (pairs (2i, 2i + 1))."""
+    import torch
+
     inner = torch.arange(head)
     half = torch.arange(rotated // 2)
     inner[head - rotated:] = head - rotated + torch.stack([half, half + rotated // 2], dim=1).reshape(-1)
@@ -84,6 +90,8 @@ def interleaved(n_rows: int, head: int, rotated: int) -> Fns:
 
 def deinterleaved() -> Fns:
     """[..., 2F] with gate and up interleaved (gate at even positions) <-> the gate half, then the up half."""
+    from moe_plugin.checkpoint.shards import cat, stack
+
     def join(ts: list[Tensor]) -> Tensor:
         return cat([ts[0][..., 0::2], ts[0][..., 1::2]], dim=-1).contiguous()
 
