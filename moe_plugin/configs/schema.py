@@ -137,6 +137,10 @@ class MoEConfig(_Block):
     score_function: Literal["softmax", "sigmoid"] = Field(
         "softmax", description="softmax: gates are softmax probabilities over the experts (GShard, Switch). "
         "sigmoid (DeepSeek-V3): a sigmoid score per expert, the gates the chosen scores; router 'topk' only.")
+    expert_bias_on: Optional[Literal["logits", "scores"]] = Field(
+        None, description="What the expert bias (router.expert_bias) is added to for the choice: the logits or the "
+        "scores (softmax: the probabilities, as ERNIE-4.5 adds its moe_statics). null: the logits with softmax, "
+        "the scores with sigmoid; logits is refused with sigmoid.")
     gate_scale: float = Field(1.0, gt=0, description="Routed scaling factor: every gate is multiplied by it, after "
                               "normalisation (DeepSeek-V3 uses 2.5 with sigmoid scores).")
     group_topk: Optional[int] = Field(
@@ -238,6 +242,9 @@ class MoEConfig(_Block):
         if self.score_function == "sigmoid" and self.router != "topk":
             raise FieldProblem("score_function", "sigmoid", f"router {self.router!r} is defined on softmax "
                                "probabilities; sigmoid scores need router 'topk' (with top_k 1 for switch's k)")
+        if self.score_function == "sigmoid" and self.expert_bias_on == "logits":
+            raise FieldProblem("expert_bias_on", "logits", "sigmoid routing adds the expert bias to its scores; "
+                               "leave expert_bias_on out")
         self._check_router_fields()
         if self.aux_loss_scope != "micro_batch" and self.aux_loss_coeff == 0:
             raise FieldProblem("aux_loss_scope", self.aux_loss_scope, "the balance loss is off (aux_loss_coeff 0): "

@@ -125,7 +125,7 @@ def _allowed_experts(score: list[float], config: MoEConfig) -> list[int]:
         return list(range(E))
     G = config.router_groups
     size = E // G
-    if config.score_function == "softmax":
+    if config.score_function == "softmax" and config.expert_bias_on != "scores":
         top = max(score)
         weights = [math.exp(s - top) for s in score]
         score = [w / sum(weights) for w in weights]
@@ -156,7 +156,7 @@ def _one_group(x_TH, params, config, training, jitter_TH, uniform_T, kept, route
         if not torch.isfinite(logit).all():
             raise ValueError("reference MoE: the layer input contains NaN or inf")
         prob = torch.sigmoid(logit) if sigmoid else torch.softmax(logit, dim=0)
-        choice = prob if sigmoid else logit
+        choice = prob if sigmoid or config.expert_bias_on == "scores" else logit
         score = [float(choice[e].detach()) + bias[e] for e in range(E)]
         experts = sorted(_allowed_experts(score, config), key=lambda e: (-score[e], e))[:k]
         g = [prob[e] for e in experts]

@@ -218,18 +218,21 @@ def limit_to_groups(choice_TE: Tensor, groups: int, m: int, per_group: int = 2,
 
 
 def choose(logits_TE: Tensor, *, score: str, k: int, normalize: bool, expert_bias_E: Optional[Tensor] = None,
-           group_limit: Optional[tuple[int, ...]] = None) -> tuple[Tensor, Tensor, Tensor]:
+           group_limit: Optional[tuple[int, ...]] = None,
+           bias_on: Optional[str] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Each token's k experts and their gates, and every expert's score: ``(expert_TK, gate_TK,
     scores_TE)``. ``score``: softmax or sigmoid; gates are the chosen unbiased scores, divided by
-    their sum when ``normalize``; the choice adds the bias to the logits (softmax) or scores.
+    their sum when ``normalize``; the choice adds the bias to the logits (softmax) or scores
+    (sigmoid, or ``bias_on`` "scores").
     ``group_limit`` ``(G, M[, n])``: the k experts come from the token's best M of G groups, ranked on
     the biased choice values (softmax: their probabilities; ``limit_to_groups``)."""
     scores_TE = F.softmax(logits_TE, dim=-1) if score == "softmax" else torch.sigmoid(logits_TE)
-    choice_TE = (logits_TE if score == "softmax" else scores_TE).detach()
+    on_logits = score == "softmax" and bias_on != "scores"
+    choice_TE = (logits_TE if on_logits else scores_TE).detach()
     if expert_bias_E is not None:
         choice_TE = choice_TE + expert_bias_E.to(choice_TE)
     if group_limit is not None:
-        group_score_TE = F.softmax(choice_TE, dim=-1) if score == "softmax" else None
+        group_score_TE = F.softmax(choice_TE, dim=-1) if on_logits else None
         choice_TE = limit_to_groups(choice_TE, *group_limit, group_score_TE=group_score_TE)
     expert_TK = top_k_experts(choice_TE, k)
     gate_TK = scores_TE.gather(1, expert_TK)
@@ -291,7 +294,8 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
           slot_E: Optional[Tensor] = None, deferred: bool = False, score: str = "softmax",
           scale: float = 1.0, drop_policy: str = "position", balance=balance_loss,
           group_limit: Optional[tuple[int, ...]] = None, own: Optional[tuple[int, int]] = None,
-          real_T: Optional[Tensor] = None, real_capacity_1: Optional[Tensor] = None) -> RoutingPlan:
+          real_T: Optional[Tensor] = None, real_capacity_1: Optional[Tensor] = None,
+          bias_on: Optional[str] = None) -> RoutingPlan:
     """The routing plan for fp32 ``logits_TE``.
 
     ``uniform_T`` switches on GShard random routing of the 2nd choice (kind gshard only).
@@ -313,7 +317,7 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
     """
     T, E = logits_TE.shape
     expert_TK, gate_TK, scores_TE = choose(logits_TE, score=score, k=k, normalize=normalize or kind == "gshard",
-                                           expert_bias_E=expert_bias_E, group_limit=group_limit)
+                                           expert_bias_E=expert_bias_E, group_limit=group_limit, bias_on=bias_on)
     valid_TK = torch.ones_like(expert_TK, dtype=torch.bool)
     if uniform_T is not None:
         if kind != "gshard":
@@ -466,7 +470,7 @@ class Router(nn.Module):
                      uniform_T=noise.uniform_T if noise is not None else None, slot_E=slot_E,
                      deferred=True, score=c.score_function, scale=c.gate_scale, drop_policy=c.drop_policy,
                      balance=balance, group_limit=c.group_limit, own=own, real_T=real_T,
-                     real_capacity_1=real_capacity_1), finite
+                     real_capacity_1=real_capacity_1, bias_on=c.expert_bias_on), finite
 
     @torch.no_grad()
     def record_load(self, plan: RoutingPlan) -> None:
