@@ -414,7 +414,7 @@ def test_exchange_auto_resolves_by_config_and_backend(block, backend, mode, monk
 def test_padded_header_digits_are_exact_in_the_dtype():
     import torch
 
-    from moe_plugin.layers.padded import header_digits
+    from moe_plugin.layers.padded_wire import header_digits
 
     assert header_digits(torch.float32, 2 ** 24 - 1) == (2 ** 24, 1)
     assert header_digits(torch.bfloat16, 255) == (256, 1) and header_digits(torch.bfloat16, 256) == (256, 2)

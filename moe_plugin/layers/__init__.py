@@ -20,24 +20,26 @@ modules point here). A tensor's name ends in its dimensions: ``x_TH`` is [tokens
 A digit after a letter adds that many (``count_D1``: D + 1 entries). A tensor over part of an
 axis keeps the axis's letter (``tied_T``: the tokens with a tie; ``exchanged_R``).
 """
-from moe_plugin.layers.dispatcher import Dispatcher, LocalWire, OneExchange
-from moe_plugin.layers.ep_dispatcher import CountsWire, source_to_expert_order
+from moe_plugin.layers.counts_wire import CountsWire, source_to_expert_order
+from moe_plugin.layers.dispatcher import Dispatcher
 from moe_plugin.layers.exchange_factory import build_dispatcher
 from moe_plugin.layers.expert_backend import choose_backend
 from moe_plugin.layers.experts import GroupedExperts, SharedExpert, ffn_shard
 from moe_plugin.layers.moe_layer import AttachAuxLoss, MoELayer, MoEStats, StatsSum, moe_layers, reduce_stats
-from moe_plugin.layers.overlap import Overlapped
-from moe_plugin.layers.padded import PaddedWire
+from moe_plugin.layers.overlapped import Overlapped
+from moe_plugin.layers.padded_wire import PaddedWire
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.reference import ReferenceResult, reference_moe
 from moe_plugin.layers.router import Router, RouterNoise, RoutingPlan, expert_capacity, route
+from moe_plugin.layers.schedule import OneExchange, Schedule
 from moe_plugin.layers.shadow import ShadowExperts, Shadowing
-from moe_plugin.layers.token import TokenWire
+from moe_plugin.layers.token_wire import TokenWire
+from moe_plugin.layers.wire import LocalWire, Wire
 
 __all__ = [
     "AttachAuxLoss", "CountsWire", "Dispatcher", "GroupedExperts", "LayerParallelism", "LocalWire", "MoELayer",
     "MoEStats", "OneExchange", "Overlapped", "PaddedWire", "ReferenceResult", "Router", "RouterNoise", "RoutingPlan",
-    "ShadowExperts", "Shadowing", "SharedExpert", "StatsSum", "TokenWire", "build_dispatcher",
+    "Schedule", "ShadowExperts", "Shadowing", "SharedExpert", "StatsSum", "TokenWire", "Wire", "build_dispatcher",
     "choose_backend", "expert_capacity", "ffn_shard", "moe_layers", "reduce_stats", "reference_moe", "route",
     "source_to_expert_order",
 ]

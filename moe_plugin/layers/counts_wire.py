@@ -1,56 +1,23 @@
-"""The expert-parallel exchange: its per-batch state, and the counts wire format (counts
-exchange, uneven all-to-all, ETP gather, local re-sort).
+"""The counts wire format: the kept routes per slot exchanged first, then exactly the kept rows.
 
-Shape suffixes: see ``moe_plugin.layers``. A wire format's interface: ``dispatcher.py``.
-
-The counts wire format, on the routing plan of this rank's own tokens:
-
-1. ``send_PL = kept_D.view(P, L)``: the rows of slot ``p * L + l`` go to EP peer p (slots are the
-   placement's order, ``placement/``; the router sorted the routes by slot).
-2. ``traffic_PD = gather_counts(kept_D, ep)``: every peer's kept routes per slot, one all-gather
-   of P * E integers; ``recv_PL`` is its column block. The load record of ``placement/`` reads
-   the whole matrix (``Dispatch.traffic_PD``) at no extra cost; the router's finite flag may ride
-   along (``flag_rides``); shadowed slots (``held_D``, ``shadow.py``) are counted, not exchanged.
-3. With ETP, every ETP peer's ``recv_PL`` (``exchange_counts``) -> ``counts_GL`` [Q * P, L];
-   without, ``counts_GL = recv_PL``.
-4. After the host sync, before any row moves: the permutation from (sender, local expert) to
-   (local expert, sender) order, with tensor ops (``source_to_expert_order``).
-
-Send: a gather of the kept routes' tokens, uneven ``all_to_all`` over EP (no padding),
-``gather_rows`` over ETP; the experts gather the re-sorted rows themselves (``sort_R``), so they
-keep only the received rows for backward. Way back: the inverse re-sort, ``reduce_scatter_rows``
-over ETP (sums the F-shards' partial outputs), the reverse ``all_to_all``. Each expert sees its
-rows by sender, then in the sender's priority order.
+Shape suffixes: see ``moe_plugin.layers``; the interface: ``wire.Wire``. Also the permutations the
+other expert-parallel wire formats reuse (``source_to_expert_order``, ``route_slots``). The counts
+round, the send and the way back step by step: docs/design/layers_exchange.md.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from moe_plugin.layers import comm
-from moe_plugin.layers.dispatcher import Dispatch
 from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
-
-if TYPE_CHECKING:
-    from moe_plugin.layers.shadow import ShadowRoutes
-
-
-@dataclass(frozen=True, kw_only=True)
-class Exchange(Dispatch):
-    """One batch as an expert-parallel wire format sends it: what the way back needs (the wire
-    format's own fields are in its subclass), shadowing's routes and the chunked schedule's split."""
-
-    send_splits: list[int]          # [P] routes to each EP peer
-    recv_splits: list[int]          # [P] routes from each EP peer
-    unsort_R: Tensor                # the experts' (expert, sender) order -> received (sender, expert) order
-    held: Optional["ShadowRoutes"] = None  # the routes shadowing kept here (``shadow.py``)
-    chunks: Any = None                     # the chunked schedule's split of the exchange (``overlap.Chunks``)
+from moe_plugin.layers.wire import Exchange
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,10 +44,8 @@ class Sizes:
 
 
 def source_to_expert_order(counts_GL: Tensor, total: int | None = None) -> tuple[Tensor, Tensor]:
-    """Permutation for rows laid out in blocks ``(g, l)`` (sender major, ``counts_GL[g, l]`` rows
-    each): ``rows[sort]`` lists the blocks ``(l, g)`` (local expert major), ``sorted[unsort]``
-    undoes it. No Python loop over rows or blocks; ``total`` (the number of rows, when known)
-    saves a host sync."""
+    """For rows in blocks ``(g, l)`` of ``counts_GL[g, l]`` rows (sender major): ``rows[sort]`` lists
+    the blocks ``(l, g)``, ``sorted[unsort]`` undoes it. ``total`` (the rows, if known) saves a host sync."""
     blocks_GL = counts_GL.long()
     sizes_LG = blocks_GL.t().reshape(-1)                        # block sizes in target order
     start_src_LG = (torch.cumsum(blocks_GL.reshape(-1), 0) - blocks_GL.reshape(-1)).view_as(blocks_GL).t().reshape(-1)
@@ -95,9 +60,8 @@ def source_to_expert_order(counts_GL: Tensor, total: int | None = None) -> tuple
 
 
 def route_slots(kept_D: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor]:
-    """For the ``R`` routes a plan lists (the kept ones first, sorted by slot, ``kept_D`` per slot):
-    each route's slot, its place among its slot's routes, and whether it is kept (the dropped
-    ones get the last slot). No host sync."""
+    """For a plan's ``R`` listed routes (kept first, by slot): each one's slot (dropped: the last),
+    its place in its slot, and whether it is kept. No host sync."""
     end_D = torch.cumsum(kept_D, 0)
     r_R = torch.arange(R, device=kept_D.device)
     slot_R = torch.searchsorted(end_D, r_R, right=True).clamp(max=kept_D.numel() - 1)
@@ -105,13 +69,12 @@ def route_slots(kept_D: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def flag_rides(finite: Optional[FiniteCheck], parallel: LayerParallelism) -> bool:
-    """Whether the router's finite flag rides along with the wire format's sizes: the EP group is
-    every rank that routes distinct tokens, so that exchange is the agreement, at no extra cost."""
+    """Whether the router's finite flag rides with the sizes (the EP group is every token rank)."""
     return finite is not None and finite.group is None and parallel.ep_is_tokens
 
 
 class CountsWire:
-    """The counts wire format (module docstring): the counts first, then exactly the kept rows."""
+    """The counts wire format (module docstring)."""
 
     def __init__(self, parallel: LayerParallelism, num_local: int):
         self.parallel, self.num_local = parallel, num_local
@@ -121,9 +84,8 @@ class CountsWire:
 
     def sizes(self, x_TH: Tensor, plan: RoutingPlan, finite: Optional[FiniteCheck], sync: HostSync,
               held_D: Optional[Tensor] = None, to_peers_P: Optional[Tensor] = None) -> Sizes:
-        """The counts round (module docstring, 1-3), its values added to ``sync``. ``held_D`` (bool
-        [D]): the shadowed slots, counted in ``traffic_PD``, not exchanged. ``to_peers_P``: one more
-        integer per EP peer riding along (``token.py``); ``Sizes.from_peers``: what each peer sent me."""
+        """The counts round, added to ``sync``; shadowed slots (``held_D``) are counted in ``traffic_PD``,
+        not sent. ``to_peers_P``: one integer per EP peer riding along (``Sizes.from_peers``: mine)."""
         p, kept_D = self.parallel, plan.kept_D
         D, carried = kept_D.numel(), flag_rides(finite, p)
         extra = ([] if to_peers_P is None else [to_peers_P]) + ([finite.bad_1] if carried else [])
@@ -148,8 +110,7 @@ class CountsWire:
         return sizes
 
     def state(self, x_TH: Tensor, plan: RoutingPlan, sizes: Sizes) -> CountsExchange:
-        """The batch's exchange, once the host sync is read; ``plan``: the routes it sends. The
-        permutation that re-sorts the received rows, built with tensor ops."""
+        """The batch's exchange, with the permutation that re-sorts the received rows."""
         sort_R, unsort_R = source_to_expert_order(sizes.counts_GL, total=sum(sizes.etp.host))
         return CountsExchange(x_TH, plan, RowCounts(sizes.counts_L.host, sizes.counts_L.device), wire=self,
                               traffic_PD=sizes.traffic_PD, send_splits=sizes.send.host, recv_splits=sizes.recv.host,

@@ -21,14 +21,16 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from moe_plugin.layers.dispatcher import Dispatcher, LocalWire, OneExchange
-from moe_plugin.layers.ep_dispatcher import CountsWire
+from moe_plugin.layers.counts_wire import CountsWire
+from moe_plugin.layers.dispatcher import Dispatcher
 from moe_plugin.layers.exchange_rules import exchange_unfit, overlap_unfit, shadow_unfit
-from moe_plugin.layers.overlap import Overlapped
-from moe_plugin.layers.padded import PaddedWire, log_choice
+from moe_plugin.layers.overlapped import Overlapped
+from moe_plugin.layers.padded_wire import PaddedWire, log_choice
 from moe_plugin.layers.parallel import LayerParallelism
+from moe_plugin.layers.schedule import OneExchange
 from moe_plugin.layers.shadow import ShadowExperts, Shadowing
-from moe_plugin.layers.token import TokenWire
+from moe_plugin.layers.token_wire import TokenWire
+from moe_plugin.layers.wire import LocalWire
 
 
 def _unfit(config, parallel: LayerParallelism, mode: str, shadowed: int, traffic: Optional[str]) -> Optional[str]:

@@ -28,12 +28,12 @@ from torch.autograd.profiler import record_function
 from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.layers import comm
 from moe_plugin.layers.balance import BalanceScope
-from moe_plugin.layers.dispatcher import Dispatch
 from moe_plugin.layers.exchange_factory import build_dispatcher
 from moe_plugin.layers.experts import GroupedExperts, SharedExpert
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import Router, RouterNoise, RoutingPlan
 from moe_plugin.layers.shadow import ShadowExperts
+from moe_plugin.layers.wire import Dispatch
 
 if TYPE_CHECKING:
     from moe_plugin.groups.process_groups import ProcessGroups
@@ -182,21 +182,48 @@ class MoELayer(nn.Module):
 
     def forward(self, hidden_SBH: Tensor, noise: Optional[RouterNoise] = None,
                 document_T: Optional[Tensor] = None) -> tuple[Tensor, None]:
-        """``hidden_SBH``: [S, B, H], or this TP rank's [S/tp, B, H] share with sequence parallelism.
-
-        ``noise`` replays given random numbers (tests) for the replica's S*B tokens (all TP
-        shares; ``Router.forward``); by default the router draws its own.
-        ``document_T`` [T] integers, one per row of ``hidden_SBH.reshape(-1, H)`` (row s * B + b; this
-        rank's share under SP): the token's document, -1 padding. Padding rows are read as zeros and
-        routed nowhere: no load, no capacity (that of the replica's real tokens), nothing in the losses
-        (over real tokens; scope sequence: per document), output rows zero, shared expert included.
-        None: every token real, the batch columns the sequences.
+        """Route, dispatch, experts, combine (docs/moe_layer.md). ``hidden_SBH``: [S, B, H], or this TP
+        rank's [S/tp, B, H] share with sequence parallelism. ``noise`` replays given random numbers
+        for the replica's S*B tokens (``Router.forward``); by default the router draws its own.
+        ``document_T`` [T] integers, one per row of ``hidden_SBH.reshape(-1, H)``: the token's
+        document, -1 padding (not routed, zero output rows); None: every token real.
         """
         if hidden_SBH.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE layer input has hidden size {hidden_SBH.shape[-1]}, expected {self.hidden_size}")
+        x_TH, whole_T, real_T = self._tokens(hidden_SBH, document_T)
+        # Profiler scopes (``record_function``, a few microseconds each): the parts of ``bench step --parts``.
+        with record_function("moe.router"):                                            # 1. route
+            balance = self.balance.loss_for(hidden_SBH.shape[1] if hidden_SBH.dim() == 3 else None, self.training,
+                                            whole_T)
+            plan, finite = self.router(x_TH, noise, self.placement, balance, None if whole_T is None else whole_T >= 0)
+        with record_function("moe.dispatch"):                                          # 2. dispatch
+            batch = self.dispatcher.prepare(x_TH, plan, finite)        # the one host sync; the kept routes
+            self.router.record_load(plan)
+        rows = self.dispatcher.dispatch(batch)
+        scopes, shared_TH = self.dispatcher.schedule.scopes, None
+        if self.shared_expert is not None and self.dispatcher.schedule.overlaps_shared:
+            with record_function(scopes.shared_expert):                  # while the rows cross
+                shared_TH = self.shared_expert(batch.x_TH)
+        y = self.dispatcher.experts(rows, batch, self.experts)                         # 3. experts
+        out_TH = self.dispatcher.combine(y, batch)                                     # 4. combine
+        if self.shared_expert is not None:
+            with record_function(scopes.shared_expert):
+                out_TH = out_TH + (shared_TH if shared_TH is not None else self.shared_expert(batch.x_TH))
+        if real_T is not None and self.shared_expert is not None:   # the routed experts gave padding nothing
+            out_TH = torch.where(real_T[:, None], out_TH, 0.0)
+        out_TH = self._attach_losses(out_TH, plan)
+        self.last_stats = self._stats(plan, batch)
+        if self.parallel.splits_input:
+            out_TH = comm.gather_tokens(out_TH, self.parallel.tp)
+        return out_TH.view(hidden_SBH.shape), None
+
+    def _tokens(self, hidden_SBH: Tensor, document_T: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor],
+                                                                                 Optional[Tensor]]:
+        """(the rows this rank routes [T, H], padding zeroed; the replica's documents, all TP shares;
+        which of my rows are real tokens)."""
         p = self.parallel
         x_TH = hidden_SBH.reshape(-1, self.hidden_size)
-        whole_T = real_T = None                  # the replica's documents (all TP shares); my rows' real tokens
+        whole_T = real_T = None
         if document_T is not None:
             whole_T, mine_T = self._documents(document_T, x_TH)
             real_T = mine_T >= 0
@@ -204,22 +231,7 @@ class MoELayer(nn.Module):
             x_TH = comm.split_tokens(x_TH, p.tp)
         if real_T is not None:
             x_TH = torch.where(real_T[:, None], x_TH, 0.0)
-        # Profiler scopes (``record_function``, a few microseconds each): the parts of ``bench step --parts``.
-        with record_function("moe.router"):
-            balance = self.balance.loss_for(hidden_SBH.shape[1] if hidden_SBH.dim() == 3 else None, self.training,
-                                            whole_T)
-            plan, finite = self.router(x_TH, noise, self.placement, balance, None if whole_T is None else whole_T >= 0)
-        with record_function("moe.dispatch"):
-            state = self.dispatcher.prepare(x_TH, plan, finite)
-            self.router.record_load(plan)
-        out_TH = self.dispatcher.run(state, self.experts, self.shared_expert)
-        if real_T is not None and self.shared_expert is not None:   # the routed experts gave padding nothing
-            out_TH = torch.where(real_T[:, None], out_TH, 0.0)
-        out_TH = self._attach_losses(out_TH, plan)
-        self.last_stats = self._stats(plan, state)
-        if p.splits_input:
-            out_TH = comm.gather_tokens(out_TH, p.tp)
-        return out_TH.view(hidden_SBH.shape), None
+        return x_TH, whole_T, real_T
 
     def _documents(self, document_T: Tensor, x_TH: Tensor) -> tuple[Tensor, Tensor]:
         """(the replica's documents [all TP shares], those of the rows this rank routes): replicated

@@ -1,46 +1,30 @@
-"""The expert-parallel exchange overlapped with the experts (FasterMoE's smart scheduling).
+"""The overlapped schedule: the counts exchange in chunks of local experts, overlapped with the
+experts and the shared expert (FasterMoE's smart scheduling; ``overlap_chunks`` > 1).
 
-Shape suffixes: see ``moe_plugin.layers``.
-
-With ``overlap_chunks`` n > 1 the L local experts form n consecutive chunks ``[l0, l1)``. A
-sender's rows to peer p for a chunk's slots are contiguous in its kept routes (sorted by slot),
-so ``order_R`` lists the kept routes chunk by chunk: one gather, one all-to-all per chunk::
-
-    start every chunk's all-to-all (async)        shared expert (the caller's) meanwhile
-    for each chunk c:  wait c, experts [l0, l1) on its rows (re-sorted to expert order),
-                       start c's way back (async)
-    wait every way back, rows back in kept-route order -> combine
-
-Backward mirrors it without extra code (``comm.start_all_to_all``): the autograd engine runs the
-later-made nodes first, so every way-back gradient is sent before the last chunk's experts'
-backward, and each chunk's input gradient leaves while the next chunk's experts run. Every rank
-makes the same graph: the collectives start in the same order everywhere.
-
-Every expert sees the same rows in the same order as with one exchange, and a token's routes are
-gathered in route order first: outputs and gradients are bit-identical to ``overlap_chunks`` 1
-(every top-k: tests/test_layers_dist.py's exchange twins). The weights are split per chunk once.
-
-Not done: the counts wire format only, without ETP or shadowed experts (``exchange_rules.py``);
-the split's backward allocates the weight gradients anew (no ``GradStore``).
+Shape suffixes: see ``moe_plugin.layers``; the interface: ``schedule.Schedule``. Every expert sees
+the rows of one exchange in the same order: outputs and gradients are bit-identical to
+``overlap_chunks`` 1. The counts wire format only, without ETP or shadowed experts
+(``exchange_rules.py``). The order of the collectives, forward and backward:
+docs/design/layers_exchange.md.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from torch.autograd.profiler import record_function
 
 from moe_plugin.layers import comm
-from moe_plugin.layers.combine import gate_combine
-from moe_plugin.layers.ep_dispatcher import Exchange, Sizes, source_to_expert_order
+from moe_plugin.layers.counts_wire import Sizes, source_to_expert_order
+from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.parallel import LayerParallelism
+from moe_plugin.layers.schedule import Scopes
+from moe_plugin.layers.wire import Exchange
 
 if TYPE_CHECKING:
-    from moe_plugin.layers.dispatcher import Dispatcher
-    from moe_plugin.layers.experts import GroupedExperts, SharedExpert
+    from moe_plugin.layers.experts import GroupedExperts
 
 
 @dataclass(frozen=True)
@@ -58,7 +42,7 @@ class ExchangeChunk:
 
 @dataclass(frozen=True)
 class Chunks:
-    """The exchange of one batch cut into chunks (``Exchange.chunks``; module docstring)."""
+    """The exchange of one batch cut into chunks (``Exchange.chunks``)."""
 
     chunks: list[ExchangeChunk]
     order_R: Tensor          # kept routes in chunk order (indices into the plan's routes)
@@ -93,8 +77,12 @@ def chunked(state: Exchange, n: int, send_PL: list[int], recv_PL: list[int], rec
 
 
 class Overlapped:
-    """The chunked schedule of the counts wire format: the exchange in ``chunks`` chunks,
-    overlapped with the experts and the shared expert (module docstring)."""
+    """The chunked schedule of the counts wire format: the exchange in ``chunks`` chunks (module
+    docstring). ``dispatch`` starts every chunk's all-to-all, ``experts`` runs each chunk once its
+    rows arrived and starts its way back, ``back`` waits for them all."""
+
+    scopes = Scopes(*["moe.overlapped"] * 4)
+    overlaps_shared = True
 
     def __init__(self, parallel: LayerParallelism, chunks: int):
         self.parallel, self.chunks = parallel, chunks
@@ -107,25 +95,24 @@ class Overlapped:
         send, recv = pending
         return replace(state, chunks=chunked(state, self.chunks, send.host, recv.host, recv.device))
 
-    def run(self, dispatcher: "Dispatcher", state: Exchange, experts: "GroupedExperts",
-            shared: Optional["SharedExpert"] = None) -> Tensor:
-        """The layer's output: the combined experts' rows plus the shared expert's (if any), the
-        exchange overlapped with both (module docstring)."""
-        chunks, group, plan = state.chunks.chunks, self.parallel.ep, state.plan
-        with record_function("moe.overlapped"):
-            # route order first, then chunk order: backward sums a token's routes' gradients in route order
-            # as one exchange does (one gather by the composed index would sum them chunk by chunk)
-            x_RH = state.x_TH.index_select(0, plan.token_R).index_select(0, state.chunks.order_R)
-            sends = x_RH.split([sum(c.send_splits) for c in chunks])
-            started = [comm.start_all_to_all(x_CH, c.recv_splits, c.send_splits, group)
-                       for x_CH, c in zip(sends, chunks)]
-            shared_TH = shared(state.x_TH) if shared is not None else None
-            weights = experts.split_weights([c.l1 - c.l0 for c in chunks], state.x_TH.dtype)
-            back = []
-            for c, s, (w1_LHF1, w2_LFH, b1_LF1, b2_LH) in zip(chunks, started, weights):
-                y_CH = experts.ffn(comm.wait_all_to_all(s), c.counts_L, c.sort_R, w1_LHF1, w2_LFH, False, b1_LF1, b2_LH)
-                y_CH = y_CH.index_select(0, c.unsort_R)
-                back.append(comm.start_all_to_all(y_CH, c.send_splits, c.recv_splits, group))
-            y_RH = torch.cat([comm.wait_all_to_all(b) for b in back]).index_select(0, state.chunks.unorder_R)
-            out_TH = gate_combine(y_RH, plan.gate_R, plan.token_R, plan.route_R, plan.num_tokens, plan.k)
-            return out_TH if shared_TH is None else out_TH + shared_TH
+    def dispatch(self, state: Exchange) -> list[tuple]:
+        chunks, plan = state.chunks.chunks, state.plan
+        # route order first, then chunk order: backward sums a token's routes' gradients in route order
+        # as one exchange does (one gather by the composed index would sum them chunk by chunk)
+        x_RH = state.x_TH.index_select(0, plan.token_R).index_select(0, state.chunks.order_R)
+        sends = x_RH.split([sum(c.send_splits) for c in chunks])
+        return [comm.start_all_to_all(x_CH, c.recv_splits, c.send_splits, self.parallel.ep)
+                for x_CH, c in zip(sends, chunks)]
+
+    def experts(self, started: list[tuple], state: Exchange, experts: "GroupedExperts") -> list[tuple]:
+        chunks, group = state.chunks.chunks, self.parallel.ep
+        weights = experts.split_weights([c.l1 - c.l0 for c in chunks], state.x_TH.dtype)
+        back = []
+        for c, s, (w1_LHF1, w2_LFH, b1_LF1, b2_LH) in zip(chunks, started, weights):
+            y_CH = experts.ffn(comm.wait_all_to_all(s), c.counts_L, c.sort_R, w1_LHF1, w2_LFH, False, b1_LF1, b2_LH)
+            y_CH = y_CH.index_select(0, c.unsort_R)
+            back.append(comm.start_all_to_all(y_CH, c.send_splits, c.recv_splits, group))
+        return back
+
+    def back(self, back: list[tuple], state: Exchange) -> Tensor:
+        return torch.cat([comm.wait_all_to_all(b) for b in back]).index_select(0, state.chunks.unorder_R)

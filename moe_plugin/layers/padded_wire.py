@@ -1,28 +1,11 @@
-"""The padded expert-parallel exchange: no counts round (``moe.exchange`` padded).
+"""The padded wire format: capacity blocks with a counts header, one equal all-to-all and no counts
+round (``moe.exchange`` padded).
 
-Shape suffixes: see ``moe_plugin.layers``; here N counts the rows of a padded buffer.
-
-With a capacity C per expert slot every rank's rows to an EP peer fit a fixed block, so one
-equal all-to-all moves them without a counts round first. ``PaddedWire.sizes`` builds, per EP
-peer p, a block of ``B = 1 + L * C`` rows:
-
-* row 0, the header: this rank's kept routes to p's L slots and its finite flag
-  (``FiniteCheck.bad_1``), in the activation dtype as digits of a base its integers are exact in
-  (fp32 2^24, bf16 256, fp16 2048: ``header_digits``), so every value arrives exact;
-* rows ``1 + l * C + i``: the i-th kept route to p's slot l, zeros where a slot has fewer than C.
-
-The rows are one differentiable ``index_copy`` into a zero buffer (dropped routes land past the
-blocks, unsent). The host sync reads the P received headers: counts per (sender, local slot) and
-the flags (``flag_rides``); the verdict raises on every rank alike, after the exchange, before
-anything is computed from the rows. The experts gather their rows from the padded buffer in
-(local expert, sender) order (``gather_R``): the rows of counts, in the same order; the way back
-is the counts layout's uneven all-to-all. Outputs and gradients are the same bits as with counts
-(tests/test_layers_dist.py). C is the plan's ``block_capacity``, that of all its tokens (padding
-included), so the blocks need the same token count on every EP rank, not the same real tokens.
-
-Not learnt: the sender x slot traffic (``traffic_PD`` None), hence the rules of
-``exchange_rules.py``. A header the hidden size cannot hold makes a forced padded exchange raise
-and ``auto`` send that batch with counts (``for_batch``, logged once).
+Shape suffixes: see ``moe_plugin.layers`` (here N counts the rows of a padded buffer); the interface:
+``wire.Wire``. Its outputs and gradients are the counts format's, bit for bit; it learns no sender x
+slot traffic (``traffic_PD`` None). A header the hidden size cannot hold makes a forced padded
+exchange raise and ``auto`` send that batch with counts (``for_batch``, logged once). The blocks and
+their header: docs/design/layers_exchange.md.
 """
 from __future__ import annotations
 
@@ -37,11 +20,12 @@ from torch import Tensor
 
 from moe_plugin.configs.errors import ConfigError
 from moe_plugin.layers import comm
-from moe_plugin.layers.ep_dispatcher import CountsWire, Exchange, flag_rides, route_slots, source_to_expert_order
+from moe_plugin.layers.counts_wire import CountsWire, flag_rides, route_slots, source_to_expert_order
 from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.host_sync import HostSync, HostValue
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
+from moe_plugin.layers.wire import Exchange
 
 logger = logging.getLogger(__name__)
 

@@ -1,68 +1,11 @@
 """How one MoE layer is spread over ranks: its groups, its token split and its gradient factors.
 
 Every number of the layer that depends on the parallel layout is computed here, from
-``groups.layout.sizes`` (per pipeline stage ``tp * dp == etp * ep * edp``). The layer, the
-router, the experts and the dispatcher only read a ``LayerParallelism``.
-
-Semantics (a "replica" is one DP rank's micro-batch of T tokens, replicated over its TP group):
-
-1. Tokens. With sequence parallelism the input [S/tp, B, H] is already this TP rank's share;
-   without it but tp > 1 the input is replicated over TP: the layer keeps its equal share
-   (``comm.split_tokens``) and all-gathers its output (``comm.gather_tokens``), so TP ranks never
-   do the same expert work twice. Either way TP rank t holds rows ``[t * T/tp, (t + 1) * T/tp)``
-   of the replica's micro-batch flattened to [S*B] as on one process (row ``s * B + b``; an SP
-   share is whole positions), and the ranks of a stage's TP x DP grid (``tp_dp``) hold distinct
-   tokens. Routing does not depend on tp: each TP rank all-gathers the [T/tp, E] logits over TP
-   (rank order: the single-process token order), routes all T tokens as one GShard group
-   (capacity, priority and both losses over them) and keeps its own tokens' routes
-   (``router.route(own=...)``). Dispatch, experts and ``last_stats``' counts concern this rank's
-   tokens; the losses are the replica's, the same on its TP ranks. Document ids (padding: -1) come
-   with the input, replicated or this rank's share, and are all-gathered over TP with SP, so the
-   routing sees every token's.
-2. Expert parallelism (``ep``): a rank hosts experts ``[ep_rank * L, (ep_rank + 1) * L)`` and
-   exchanges routed rows with its EP peers (``ep_dispatcher.py``).
-3. Expert tensor parallelism (``etp``): each expert's FFN dimension is split over the ETP group;
-   rows received over EP are gathered over ETP, each rank computes a partial output with its
-   F-shard and the partial outputs are reduce-scattered back. Routing does not depend on etp.
-4. Gradients do not depend on the layout. Convention of the layer on its own: after backward
-   every rank averages dense-parameter gradients over ``dp`` and expert-parameter gradients
-   over ``edp``. (DeepSpeed 0.19's engine differs: it sums expert gradients over ``edp`` and
-   divides by ``dp``. Under it factor (c) must be 1; ``moe_plugin.initialize`` sets that, see
-   ``integration/expert_params.py``, and its tests check the result against one process.)
-   Target: the single-process gradient of ``mean_d L_d``, the mean over DP replicas of their
-   losses (``L_d`` is replicated within a TP group; it includes the weighted aux loss ``l_d``
-   of the replica, one GShard group). Rank (d, t) back-propagates ``L_d`` through its token
-   share only, so:
-
-   (a) ``dense_grad_group`` = tp: a dense weight of the layer (router, shared expert) sees
-       only this rank's share, so its gradient is summed over TP inside the layer
-       (``comm.all_reduce_grad`` where the weight is used); the dp average then gives
-       ``mean_d dL_d/dW``. For the router, the gathered logits' backward keeps this rank's rows
-       (``comm.gather_tokens``): rank t's own gates depend on its rows of the logits only, and
-       the routes of other tokens it computes but does not keep give no gradient.
-   (b) The aux loss needs no factor: every TP rank of replica d computes the same ``l_d`` from
-       the same gathered logits Z_TE and adds ``coeff * l_d`` once. Its gradient ``dl_d/dZ`` is
-       the same on all of them; rank t keeps rows t of it, so its router-weight gradient gets
-       ``x_t^T (dl_d/dZ)_t`` and the TP sum of (a) gives ``sum_t x_t^T (dl_d/dZ)_t = dl_d/dW``,
-       each token once. After the dp average: ``coeff * mean_d dl_d/dW``, the gradient of the
-       single-process aux loss of ``dp`` micro-batches. (The sequence and global scopes of
-       ``balance.py`` are functions of the same gathered logits: the same argument holds.)
-   (c) ``expert_grad_scale`` = edp / dp = tp / (ep * etp): an expert shard's local gradient sums
-       ``dL_d/dW`` over the tokens of the ``ep * etp`` ranks that send it rows; the edp average
-       then covers all ``tp * dp`` token groups of the stage divided by edp, while the target
-       divides by dp. Without this factor expert gradients are off by ``dp / edp`` (the
-       known "expert gradients wrong by a factor of the EP size" bug).
-5. Aux-loss-free bias: the router load (``routed_E`` of this rank's own tokens' routes) is
-   summed over ``tokens`` (the ``tp_dp`` group, each token once) before every bias update, so
-   the bias stays identical on all ranks. Likewise ``MoELayer.global_stats`` sums the counts
-   over ``tokens`` (and averages the losses, which are the same on a replica's TP ranks).
-6. Random numbers: the router's generator is offset by ``dp_rank``: a replica's TP ranks draw
-   the same jitter [T, H] (each applies its share's rows) and U(0, 1) [T], as one process does for
-   that micro-batch; other replicas draw other numbers (one process routing them in turn would
-   draw from one stream). Tests pass explicit noise per replica (``MoELayer.forward(noise=...)``).
-7. Non-finite input: the router's finite check is agreed over ``tokens``, so every rank of the
-   stage raises together, before any row leaves a rank, instead of hanging (``FiniteCheck``;
-   when the EP group is ``tokens`` itself, ``ep_is_tokens``, the flags ride in the exchange).
+``groups.layout.sizes``; the layer, the router, the experts and the dispatcher only read a
+``LayerParallelism``. The promises: TP ranks route their replica's micro-batch as one process does
+and never compute the same expert rows twice; the gradients do not depend on the layout; a
+non-finite input makes every rank of the stage raise together. The semantics (numbered 1-7, as
+the properties below) and the gradient derivation: docs/design/layers_parallel.md.
 """
 from __future__ import annotations
 

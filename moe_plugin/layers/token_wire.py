@@ -1,26 +1,11 @@
-"""The token exchange: each token sent once per destination EP rank (``moe.exchange`` token).
+"""The token wire format: each token sent once per destination EP rank, with the mask of its slots
+there (``moe.exchange`` token).
 
 Shape suffixes: see ``moe_plugin.layers``; U the unique (destination rank, token) rows, X in
-``mask_XY`` the (rank, token) pairs plus one spare row, Y the mask columns, X in ``send_UX`` the
-row width H + Y.
-
-With the counts exchange a token with two routes to experts on one EP rank crosses the wire
-twice, the common case under group-limited routing (``router.limit_to_groups``). Here it crosses once:
-
-* Sender (``sizes``, ``state``): the kept routes are sorted by slot, so by destination rank
-  ``p = slot // L``; the unique ``(p, token)`` pairs become one row each, ordered ``(p, token)``:
-  the token's activations and Y columns with the mask of p's local slots it goes to (bit ``l % b``
-  of column ``l // b``, ``b`` from ``mask_bits``). The rows per peer ride with the counts round
-  (``CountsWire.sizes(..., to_peers_P)``): no collective is added.
-* Receiver (``send``): one uneven all-to-all of the unique rows; the masks give the experts'
-  gather index (local expert, sender, the sender's row order): the fan-out costs nothing, and its
-  backward sums a token's routes before the gradient goes back.
-* Way back (``back``): one row per route, as with counts, then on the sender a permutation from
-  (slot, token) order to kept-route order. Not done: one row per (token, rank) on the way back too.
-
-The experts see the same rows as with counts, in (sender, token) order within an expert instead
-of (sender, priority): the same outputs, the weight gradients equal to rounding
-(tests/test_layers_dist.py). Bytes: docs/benchmarks_history.md, 'Group-limited routing: bytes on the wire'.
+``mask_XY`` the (rank, token) pairs plus one spare row, Y the mask columns, X in ``send_UX`` the row
+width H + Y. The interface: ``wire.Wire``. The experts see the rows of the counts format in (sender,
+token) order within an expert: the same outputs, the weight gradients equal to rounding. The masks
+and the way back: docs/design/layers_exchange.md.
 """
 from __future__ import annotations
 
@@ -31,12 +16,13 @@ import torch
 from torch import Tensor
 
 from moe_plugin.layers import comm
-from moe_plugin.layers.ep_dispatcher import CountsWire, Exchange, Sizes, route_slots, source_to_expert_order
+from moe_plugin.layers.counts_wire import CountsWire, Sizes, route_slots, source_to_expert_order
 from moe_plugin.layers.ffn_autograd import RowCounts
 from moe_plugin.layers.host_sync import HostSync, HostValue
-from moe_plugin.layers.padded import header_digits
+from moe_plugin.layers.padded_wire import header_digits
 from moe_plugin.layers.parallel import LayerParallelism
 from moe_plugin.layers.router import FiniteCheck, RoutingPlan
+from moe_plugin.layers.wire import Exchange
 
 
 def mask_bits(dtype: torch.dtype) -> int:

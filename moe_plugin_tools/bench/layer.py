@@ -297,7 +297,7 @@ def _traffic(spec: LayerBenchSpec, ranks: Ranks, plan: "RoutingPlan", ds_capacit
     each with its slot-mask columns (``layers/token.py``), the combine one row per route.
     ``token_rank_a2a_step_bytes``: each token sent once per destination rank both ways, rows of H
     (``token_rank_dispatch_step_bytes``: the dispatch's two)."""
-    from moe_plugin.layers.token import mask_bits
+    from moe_plugin.layers.token_wire import mask_bits
     from moe_plugin_tools.bench.traffic import deepspeed_bytes_sent, ours_rows_sent, token_rank_rows_sent
 
     itemsize, L = dtype.itemsize, spec.experts // ranks.size
