@@ -306,7 +306,7 @@ def test_errors_inside_a_file_keep_the_key_path(tmp_path):
 # The resolved defaults of the smallest valid block, {"num_experts": 8}; docs/config.md says why.
 DEFAULTS = {
     "num_experts": 8, "top_k": 2, "router": "gshard", "normalize_gates": True, "score_function": "softmax",
-    "gate_scale": 1.0, "group_topk": None, "router_groups": None, "group_score": "top2_sum",
+    "expert_bias_on": None, "gate_scale": 1.0, "group_topk": None, "router_groups": None, "group_score": "top2_sum",
     "second_expert_policy": "random",
     "drop_policy": "position",
     "capacity_factor": 1.25, "eval_capacity_factor": 2.0, "min_capacity": 4, "drop_tokens": True,

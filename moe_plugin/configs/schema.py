@@ -138,9 +138,8 @@ class MoEConfig(_Block):
         "softmax", description="softmax: gates are softmax probabilities over the experts (GShard, Switch). "
         "sigmoid (DeepSeek-V3): a sigmoid score per expert, the gates the chosen scores; router 'topk' only.")
     expert_bias_on: Optional[Literal["logits", "scores"]] = Field(
-        None, description="What the expert bias (router.expert_bias) is added to for the choice: the logits or the "
-        "scores (softmax: the probabilities, as ERNIE-4.5 adds its moe_statics). null: the logits with softmax, "
-        "the scores with sigmoid; logits is refused with sigmoid.")
+        None, description="What the expert bias is added to for the choice: logits, or scores (softmax's "
+        "probabilities, as ERNIE-4.5). null: logits with softmax, scores with sigmoid (logits refused there).")
     gate_scale: float = Field(1.0, gt=0, description="Routed scaling factor: every gate is multiplied by it, after "
                               "normalisation (DeepSeek-V3 uses 2.5 with sigmoid scores).")
     group_topk: Optional[int] = Field(
