@@ -1,4 +1,4 @@
-"""Megatron-Core 0.16's CUDA-only RNG tracker and buffers, given CPU stand-ins on the CPU accelerator
+"""megatron-core 0.16's CUDA-only RNG tracker and buffers, given CPU stand-ins on the CPU accelerator
 (``integration.seeding.seed_megatron_rng`` applies them): dropout inside a fork draws from the
 model-parallel state as on a GPU. Details: docs/design/compat_upstream.md.
 """
