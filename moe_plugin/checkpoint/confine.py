@@ -1,11 +1,9 @@
 """Files from elsewhere stay inside their directory; files a save writes are created new.
 
-Every path a checkpoint tag, an HF model directory or a tokenizer record names goes through
-``inside`` before anything is read: a relative name of plain parts that resolves inside the directory
-through any links (the model: Python's tarfile ``data`` filter, PEP 706), and no regular file with a
-second hard link. ``check_tree`` holds every entry of a directory to the same rules. ``write_new`` and
-``copy_new`` create their file (``O_CREAT | O_EXCL | O_NOFOLLOW``), never writing through a link.
-Errors are one line, ``CheckpointError``: ``FILE[: KEY]: what is wrong; what is valid``.
+Every path a checkpoint tag, an HF directory or a tokenizer record names goes through ``inside`` before
+anything is read (plain relative parts resolving inside, through any links, as Python's tarfile ``data``
+filter, PEP 706; no second hard link); ``check_tree`` holds a whole directory to it. ``write_new`` and
+``copy_new`` never write through a link. Errors: ``CheckpointError``, ``FILE[: KEY]: what is wrong; what is valid``.
 """
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Which tag a load takes, which tags a save keeps, and a save that fails.
 
-* ``choose_tag`` (collective): a named tag, or ``latest``'s; unless ``strict``, a ``latest`` tag that
-  fails verification falls back to the newest tag that verifies (by recorded step), said in one line.
-* ``prune`` (rank 0, after a committed save): the tags beyond the newest ``keep_last``, never the one
-  just written nor ``latest``'s.
-* ``saving`` (collective): an ``OSError`` on any rank is one ``CheckpointError`` on every rank, once
-  the unfinished ``.tmp-TAG`` is removed.
-
-Assumes one file system shared by every node. Rules: docs/checkpoints.md; design:
-docs/design/checkpoint_format.md.
+``choose_tag`` (collective) falls back from a ``latest`` that fails verification to the newest tag that
+verifies, unless ``strict``; ``prune`` (rank 0) removes the tags beyond ``keep_last``, never the one just
+written nor ``latest``'s; ``saving`` (collective) turns an ``OSError`` on any rank into one
+``CheckpointError`` on every rank. Assumes one file system shared by every node. Rules:
+docs/checkpoints.md; design: docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
