@@ -1,12 +1,9 @@
 """Errors that every rank raises alike, reported once: one line ``error: <message>`` on stderr by rank 0,
 and the same exit status on every rank (2 for a ``ConfigError``, 1 else).
 
-    with moe_plugin.exit_on_error():                 # in a training script, around the set-up
+    with moe_plugin.exit_on_error():                 # around the set-up of a training script
         run = moe_plugin.initialize("ds_config.json", model_provider)
-
-    except Exception as err:                         # or by hand, where main() returns its status
-        if not raised_alike(err): raise
-        return moe_plugin.report_error(err)
+    # or by hand: if not raised_alike(err): raise; return moe_plugin.report_error(err)
 
 Alike: every ``ConfigError`` and any error marked ``alike_on_every_rank(err)``; any other error passes
 unchanged. Which errors are marked, and the launcher's grace: docs/design/configs_checks.md.
