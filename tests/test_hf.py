@@ -352,6 +352,9 @@ def _nothing_written(path: Path) -> bool:
     ("llama", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ("gpt_oss", {"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
     ("gpt_oss", {"quantization_config": {"quant_method": "awq"}}, "quantization_config.quant_method"),
+    ("ernie4_5_moe", {"use_bias": True}, "use_bias"),   # biases on every linear and lm_head
+    ("dots1", {"attention_bias": True}, "attention_bias"),   # q/k/v and o biases beside dense layers
+    ("minimax_m2", {"partial_rotary_factor": 0.5, "rotary_dim": None, "n_group": 2}, "n_group"),
 ])
 def test_what_the_plugin_cannot_represent_is_refused_naming_the_key(tmp_path, name, overrides, key):
     from moe_plugin.configs import ConfigError

@@ -69,6 +69,7 @@ class HFArchitecture:
     router_groups: Optional[int] = None
     group_topk: Optional[int] = None
     router_bias: bool = False          # e_score_correction_bias: the plugin's router.expert_bias
+    expert_bias_on: Optional[str] = None   # "scores": the bias added to the softmax probabilities (ERNIE-4.5)
     group_score: str = "top2_sum"      # how a group is ranked ("max": DeepSeek-V2's group_limited_greedy)
     mla: Optional[dict] = None         # multi-latent attention's sizes (MLA_KEYS, Megatron's names)
     rope_interleave: bool = True       # MLA: the rotated dimensions in (even, odd) pairs, as Megatron's MLA rotates
@@ -113,7 +114,8 @@ class HFArchitecture:
             "expert_linear_bias": "(no expert biases)", "router_logit_bias": "(no router bias)",
             "ffn_hidden_size": fam.expert_ffn_key, "shared_expert_ffn_hidden_size": "(no shared expert)",
             "shared_expert_gate": "(no shared expert)", "drop_tokens": "the experts (transformers drops no token)",
-            "layers": "decoder_sparse_step / mlp_only_layers"} | keys
+            "layers": "decoder_sparse_step / mlp_only_layers",
+            "expert_bias_on": "the router (the bias on the logits, or sigmoid's scores)"} | keys
         if every:
             sources["layers"] = "every layer"
         values = {
@@ -124,7 +126,8 @@ class HFArchitecture:
             "swiglu_limit": self.swiglu_limit, "expert_linear_bias": self.expert_linear_bias,
             "router_logit_bias": self.router_logit_bias, "ffn_hidden_size": self.expert_ffn_hidden_size,
             "shared_expert_ffn_hidden_size": self.shared_ffn_hidden_size, "shared_expert_gate": self.shared_gate,
-            "drop_tokens": False, "layers": None if every else list(self.moe_layers)}
+            "drop_tokens": False, "layers": None if every else list(self.moe_layers),
+            "expert_bias_on": self.expert_bias_on}
         return {key: (value, sources[key]) for key, value in values.items()}
 
     def transformer_fields(self) -> dict:
@@ -289,6 +292,7 @@ def architecture_of(cfg: Any, where: str = "config.json") -> HFArchitecture:
                          + titles(f for f in REGISTRY if "mxfp4" in f.quantized) + ", which the import dequantizes")
     if getattr(cfg, "clip_qkv", None) is not None:
         raise refuse("clip_qkv", cfg.clip_qkv, "clamping the query/key/value projections")
+    fam.check(cfg, refuse)
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32"

@@ -253,7 +253,7 @@ def architecture_from_checkpoint(meta: dict, source: Any, model_type: str) -> HF
         score_function=moe.get("score_function", "softmax"), gate_scale=float(moe.get("gate_scale", 1.0)),
         router_groups=moe.get("router_groups"), group_topk=moe.get("group_topk"),
         router_bias=fam.has_correction_bias,
-        group_score=moe.get("group_score", "top2_sum"),
+        group_score=moe.get("group_score", "top2_sum"), expert_bias_on=moe.get("expert_bias_on"),
         window=window, window_layers=window_layers, config=meta.get("hf", {}).get("config"),
         linear_bias=fam.linear_bias, attention_sinks=fam.sinks, activation=moe.get("activation", "swiglu"),
         swiglu_alpha=float(moe.get("swiglu_alpha", 1.702)), swiglu_limit=float(moe.get("swiglu_limit", 7.0)),

@@ -38,7 +38,7 @@ SIZES = {"hidden_size": 1, "num_hidden_layers": 1, "num_attention_heads": 1, "nu
 # numbers that must be finite and positive (rope_parameters' too)
 POSITIVE = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "partial_rotary_factor", "swiglu_alpha",
             "swiglu_limit", "factor")
-EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 def transformers_refusals() -> tuple[type[BaseException], ...]:
@@ -117,7 +117,7 @@ def check_relations(raw: dict, path: str, mla: bool) -> None:
         raise ConfigError(f"{path}: num_key_value_heads", groups, f"must divide num_attention_heads ({heads}): each "
                           "query group is a whole number of heads")
     experts = next((raw[k] for k in EXPERT_KEYS if raw.get(k)), None)
-    top_k = raw.get("num_experts_per_tok")
+    top_k = raw.get("num_experts_per_tok", raw.get("moe_k"))
     if experts and top_k and top_k > experts:
         raise ConfigError(f"{path}: num_experts_per_tok", top_k, f"expected at most the {experts} experts")
 
@@ -200,7 +200,7 @@ def plugin_shapes(arch: Any) -> dict[str, tuple[list[int], list[tuple[str, Any]]
                      ("num_key_value_heads", groups), ("head_dim", D))
     E = (experts_key(a), a.num_experts)
     F = (a.family.expert_ffn_key, a.expert_ffn_hidden_size)
-    S = ("n_shared_experts x moe_intermediate_size" if a.router_bias or a.mla else "shared_expert_intermediate_size",
+    S = (a.family.moe_keys().get("shared_expert_ffn_hidden_size", "shared_expert_intermediate_size"),
          a.shared_ffn_hidden_size)
     dense = ("intermediate_size", a.ffn_hidden_size)
     nope = ("qk_nope_head_dim", m.get("qk_head_dim") or 0)

@@ -53,6 +53,9 @@ class Family:
     mlp: Optional[MoEBlock] = None
 
     # ---- import: config.json -> HFArchitecture fields
+    def check(self, cfg: Any, refuse: Refuse) -> None:
+        """Refuse what the family's own keys say the plugin cannot represent."""
+
     def attention_of(self, cfg: Any) -> dict:
         """The attention's fields that depend on the config."""
         return dict(qkv_bias=False, linear_bias=False, attention_sinks=self.sinks,

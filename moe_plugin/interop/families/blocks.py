@@ -107,13 +107,39 @@ def vector() -> Fns:
     return (lambda ts: ts[0].reshape(-1).clone()), (lambda t: [t.reshape(1, -1).clone()])
 
 
+def head_rows(head: int, to_halves: bool) -> Callable[["Tensor"], "Tensor"]:
+    """Each head's ``head`` rows of a [heads * head, ...] weight moved from rotary pairs (2i, 2i + 1) to
+    halves (i, i + head/2) (``to_halves``), or back: a row permutation."""
+    import torch
+
+    half = torch.arange(head // 2)
+    pairs = torch.stack([half, half + head // 2], dim=1).reshape(-1)   # pair order: rows of the halves layout
+    inner = torch.argsort(pairs) if to_halves else pairs
+
+    def move(t: "Tensor") -> "Tensor":
+        order = (torch.arange(t.shape[0] // head)[:, None] * head + inner).reshape(-1)
+        return t[order].contiguous()
+
+    return move
+
+
 class Attention:
-    """Grouped-query attention: q/k/v/o projections under ``self_attn.``, optional biases, sinks, QK-norm."""
+    """Grouped-query attention: q/k/v/o projections under ``self_attn.``, optional biases, sinks, QK-norm.
+    ``rope_pairs`` "interleaved": the model rotates the pairs (2i, 2i + 1) of each head (ERNIE-4.5), so the
+    import puts each head's query and key rows in halves, the pairs (i, i + D/2) Megatron rotates."""
 
     extra_state = ("self_attention.linear_qkv", "self_attention.linear_proj")
 
+    def __init__(self, rope_pairs: str = "halves"):
+        self.rope_pairs = rope_pairs
+
     def rules(self, m: Any, a: Any, p: str, h: str) -> None:
         fns = qkv(a.num_query_groups, a.num_attention_heads, a.kv_channels)
+        if self.rope_pairs == "interleaved":
+            (join, cut), D = fns, a.kv_channels
+            halves, pairs = head_rows(D, to_halves=True), head_rows(D, to_halves=False)
+            fns = ((lambda ts: join([halves(ts[0]), halves(ts[1]), ts[2]])),
+                   (lambda t: (lambda q, k, v: [pairs(q), pairs(k), v])(*cut(t))))
         m.add(p + "self_attention.linear_qkv.weight", [h + f"self_attn.{x}_proj.weight" for x in "qkv"], fns)
         if a.qkv_bias:
             m.add(p + "self_attention.linear_qkv.bias", [h + f"self_attn.{x}_proj.bias" for x in "qkv"], fns)
