@@ -14,7 +14,7 @@ import itertools
 import pytest
 
 from moe_plugin.configs import ConfigError, MoEConfig
-from moe_plugin.layers.exchange_rules import exchange_unfit, exchange_variants, overlap_unfit
+from moe_plugin.placement.rules import exchange_unfit, exchange_variants, overlap_unfit
 
 MODES = ("counts", "padded", "token")
 

@@ -39,7 +39,7 @@ from dist import run_distributed
 from moe_plugin.configs import MoEConfig
 from moe_plugin.groups.layout import RankLayout
 from moe_plugin.layers import MoELayer, RouterNoise, reference_moe
-from moe_plugin.layers.exchange_rules import exchange_variants
+from moe_plugin.placement.rules import exchange_variants
 from moe_plugin.layers.experts import GATED
 from test_layers_single import capacity_if_dropping
 

@@ -375,7 +375,7 @@ def test_a_rank_with_nothing_to_move_joins_on_the_accelerators_device(monkeypatc
     all-to-all: its empty buffers live on DeepSpeed's accelerator's device (NCCL takes no CPU
     tensor), here a faked one; a rank with tensors uses theirs."""
     import deepspeed.accelerator
-    from moe_plugin.placement.exchange import Pieces, exchange
+    from moe_plugin.placement.pieces import Pieces, exchange
 
     class FakeAccelerator:
         def current_device_name(self):

@@ -328,7 +328,7 @@ class MoEConfig(_Block):
     def exchange_unfit(self, mode: str, rule: str = "exchange") -> Optional[str]:
         """Why this config cannot use the ``padded`` or ``token`` exchange (``rule`` "shadow" or "overlap"),
         by the layer's own rules (``layers/exchange_rules.py``); None when it can."""
-        from moe_plugin.layers import exchange_rules
+        from moe_plugin.placement import rules as exchange_rules
 
         p, pl = self.parallel, self.placement
         if rule == "shadow":

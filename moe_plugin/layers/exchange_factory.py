@@ -1,19 +1,12 @@
 """The one place a layer's dispatcher is built: wire format x schedule x shadowing.
 
-Shape suffixes: see ``moe_plugin.layers``.
-
-``build_dispatcher(config, parallel, shadow, traffic)`` picks, by the rules of
-``exchange_rules.py`` (the config's validation asks the same rules):
-
-* no expert or expert-tensor parallelism: ``LocalWire`` (nothing crosses);
-* the wire format: ``exchange`` counts, padded or token by name, or ``auto`` (``resolve_exchange``:
-  padded where the rules allow it and the EP group's backend is gloo, else counts; logged once);
-* the schedule: ``overlap.Overlapped`` with ``overlap_chunks`` > 1 (none shadowed), else one exchange;
-* shadowing (``shadow.Shadowing``) while ``shadow`` has experts.
-
-The layer builds its dispatcher here at construction and again when its shadowed experts or
-its traffic reader change (``MoELayer.set_shadow``, ``track_traffic``): a named option that no
-longer combines raises here, before anything changes.
+Shape suffixes: see ``moe_plugin.layers``. ``build_dispatcher`` picks: no expert or expert-tensor
+parallelism, ``LocalWire``; else the ``exchange`` named, or for ``auto`` padded where the rules allow
+it and the EP group's backend is gloo, counts otherwise (logged once); ``Overlapped`` with
+``overlap_chunks`` > 1 and nothing shadowed, else ``OneExchange``; ``Shadowing`` while experts are
+shadowed. The rules: the config's (its layout and placement options, ``MoEConfig.exchange_unfit``)
+and the layer's at run time (``exchange_rules.py``). The layer builds its dispatcher here again when
+its shadowed experts or its traffic reader change: what no longer combines raises, nothing changed.
 """
 from __future__ import annotations
 
@@ -34,11 +27,10 @@ from moe_plugin.layers.wire import LocalWire
 
 
 def _unfit(config, parallel: LayerParallelism, mode: str, shadowed: int, traffic: Optional[str]) -> Optional[str]:
-    pl = config.placement
-    return exchange_unfit(mode, expert=parallel.ep_size, expert_tensor=parallel.etp_size,
-                          overlap_chunks=config.overlap_chunks, drop_tokens=config.drop_tokens,
-                          replica_budget=pl.replica_budget, policy=pl.policy, trace_file=pl.trace_file,
-                          shadowed=shadowed, traffic=traffic)
+    """The config's reason (layout, placement options), else the layer's at run time."""
+    return config.exchange_unfit(mode) or exchange_unfit(
+        mode, expert=parallel.ep_size, expert_tensor=parallel.etp_size, overlap_chunks=config.overlap_chunks,
+        drop_tokens=config.drop_tokens, shadowed=shadowed, traffic=traffic)
 
 
 def resolve_exchange(config, parallel: LayerParallelism, shadowed: int = 0, traffic: Optional[str] = None) -> str:

@@ -1,9 +1,9 @@
-"""Which exchange options combine: the rules, once (``exchange_factory`` and the config ask them).
+"""Which exchange options a layer can run together: the rules of the layer's own values, once.
 
-Plain values in, a reason out (None: it combines); no torch. The config's validation asks them
-with the ``"moe"`` block's values (``MoEConfig.exchange_unfit``), the factory with what the layer
-knows at run time too: the experts shadowed now and whether a load tracker reads the sender x
-expert traffic.
+Plain values in, a reason out (None: it combines); no torch. ``exchange_factory`` asks them with what
+the layer knows at run time (its layout, the experts shadowed now, what reads the sender x expert
+traffic). Placement's options have their rules beside placement (``placement/rules.py``), which
+adds them to these for the config.
 """
 from __future__ import annotations
 
@@ -11,26 +11,18 @@ from typing import Optional
 
 
 def exchange_unfit(mode: str, *, expert: int, expert_tensor: int, overlap_chunks: int, drop_tokens: bool,
-                   replica_budget: int = 0, policy: str = "static", trace_file: Optional[str] = None,
                    shadowed: int = 0, traffic: Optional[str] = None) -> Optional[str]:
-    """Why the ``padded`` (``padded.py``) or ``token`` (``token.py``) wire format cannot run with
-    these options; None when it can (``counts`` always can). Both need one exchange per layer of
-    unreplicated experts under EP without ETP; padded also a capacity and no consumer of the sender x
-    expert traffic that only the counts round gives. ``shadowed``: experts shadowed at run time;
-    ``traffic``: what reads the traffic at run time (a load tracker)."""
+    """Why the ``padded`` or ``token`` wire format cannot run with these options; None when it can
+    (``counts`` always can). Both need one exchange of unshadowed experts under EP without ETP;
+    padded also a capacity and no reader (``traffic``) of the traffic only the counts round gives."""
     if mode == "counts":
         return None
     padded = mode == "padded"
-    why_traffic = ": the policies read the sender x expert traffic the counts round gives" if padded else ""
     checks = ((padded and not drop_tokens, "needs drop_tokens true (a capacity bounds the rows)"),
               (expert == 1, "needs parallel.expert > 1"),
               (expert_tensor > 1, f"needs parallel.expert_tensor 1 (got {expert_tensor})"),
               (overlap_chunks > 1, f"needs overlap_chunks 1 (got {overlap_chunks})"),
-              (replica_budget > 0, f"needs placement.replica_budget 0 (got {replica_budget}): no shadow experts"),
               (shadowed > 0, f"needs no shadowed experts (got {shadowed})"),
-              (policy != "static", f"needs placement.policy 'static' (got {policy!r}){why_traffic}"),
-              (padded and trace_file is not None, "needs no placement.trace_file (the traces hold the sender x "
-                                                  "expert traffic the counts round gives)"),
               (padded and traffic is not None, f"needs no reader of the sender x expert traffic (got {traffic})"))
     return next((why for bad, why in checks if bad), None)
 
@@ -53,18 +45,3 @@ def overlap_unfit(overlap_chunks: int, expert: int, expert_tensor: int, num_expe
         return (f"must be 1 with parallel.expert_tensor > 1 (got {expert_tensor}) and at most the local experts "
                 f"({local}: num_experts {num_experts} / parallel.expert {expert})")
     return None
-
-
-def exchange_variants(*, expert: int, expert_tensor: int, num_experts: int, drop_tokens: bool,
-                      replica_budget: int = 0, policy: str = "static",
-                      trace_file: Optional[str] = None) -> list[tuple[str, int]]:
-    """Every (``exchange``, ``overlap_chunks``) a layer of these values can run, the default
-    ``("counts", 1)`` first: each wire format with 1 to the local experts' chunks
-    (``num_experts // expert``), kept where ``overlap_unfit`` and ``exchange_unfit`` both let it
-    through. The rules decide; this only asks them (the tests' exchange twins are these)."""
-    local = max(num_experts // expert, 1)
-    return [(mode, chunks) for mode in ("counts", "padded", "token") for chunks in range(1, local + 1)
-            if overlap_unfit(chunks, expert, expert_tensor, num_experts) is None
-            and exchange_unfit(mode, expert=expert, expert_tensor=expert_tensor, overlap_chunks=chunks,
-                               drop_tokens=drop_tokens, replica_budget=replica_budget, policy=policy,
-                               trace_file=trace_file) is None]

@@ -25,7 +25,7 @@ DeepSpeed then holds no expert gradient; otherwise ``migrate`` raises. The route
 ``expert_bias`` and pending ``load_E`` are indexed by expert id and stay. The model computes the
 same function before and after (``tests/test_migration.py``).
 
-Cost: everything moves in one exchange (``exchange.py``: one uneven all-to-all per dtype over
+Cost: everything moves in one exchange (``pieces.py``: one uneven all-to-all per dtype over
 the job, every layer and expert at once). A new placement is checked on every rank (size, a
 permutation of the slots, a known layer) and the ranks agree on it before anything moves (one
 small all-gather); a bad one raises the same ``ValueError`` on every rank. ``moved_bytes``
@@ -54,7 +54,7 @@ from torch import Tensor, nn
 from moe_plugin.checkpoint.optimizer import basic_optimizer, param_state_names
 from moe_plugin.compat.deepspeed_zero import expert_group_indices, is_zero_optimizer, my_partition
 from moe_plugin.layers.moe_layer import MoELayer, moe_layers
-from moe_plugin.placement.exchange import Piece, Pieces, exchange
+from moe_plugin.placement.pieces import Piece, Pieces, exchange
 from moe_plugin.placement.policies import check_placement, moved_experts
 from moe_plugin.placement.zero_partitions import Move, add_partition_moves
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from moe_plugin.compat.deepspeed_zero import expert_group_indices, flat_offset, group_params, partition_size, \
     partition_state
-from moe_plugin.placement.exchange import Piece, Pieces
+from moe_plugin.placement.pieces import Piece, Pieces
 
 # (expert id, source slot, destination slot) of one layer
 Move = tuple[int, int, int]
