@@ -327,7 +327,7 @@ class MoEConfig(_Block):
 
     def exchange_unfit(self, mode: str, rule: str = "exchange") -> Optional[str]:
         """Why this config cannot use the ``padded`` or ``token`` exchange (``rule`` "shadow" or "overlap"),
-        by the layer's own rules (``layers/exchange_rules.py``); None when it can."""
+        by the layer's rules, then placement's (``placement/rules.py``); None when it can."""
         from moe_plugin.placement import rules as exchange_rules
 
         p, pl = self.parallel, self.placement
