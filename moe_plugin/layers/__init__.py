@@ -1,4 +1,5 @@
-"""MoE layers: router, token dispatchers, grouped experts, the MoE layer and its reference oracle.
+"""MoE layers: router, the token exchange (``Wire`` x ``Schedule`` x shadowing), grouped experts, the MoE
+layer and its reference oracle.
 
 Shape suffixes, one meaning per letter in all of ``moe_plugin`` (listed here only; the other
 modules point here). A tensor's name ends in its dimensions: ``x_TH`` is [tokens, hidden].
@@ -11,7 +12,7 @@ modules point here). A tensor's name ends in its dimensions: ``x_TH`` is [tokens
     F  expert FFN width                          F1 the first expert GEMM's width (F, or 2F for swiglu)
     P  EP peers: the ranks of an EP group        Q  ETP peers: the ranks of an ETP group
     G  senders of received rows (Q * P, ETP peer major)
-    U  unique rows: distinct (EP peer, token) pairs (``token.py``)
+    U  unique rows: distinct (EP peer, token) pairs (``token_wire.py``)
     C  a chunk of tokens or rows, worked on at once
     M  MoE layers of a model                     I  steps (iterations) of a trace
     V  vocabulary                                W  parameters (weights) of a model

@@ -1,30 +1,7 @@
 """Where the balance loss is formed (``aux_loss_scope``): per micro-batch, per sequence, or over
-the global batch.
+the global batch; each scope gives the loss and gradients of one process routing those tokens.
 
-Shape suffixes: see ``moe_plugin.layers``.
-
-The loss is ``E * sum_e f_e * P_e`` on what ``router.balance_terms`` counts and averages (softmax:
-first choices and probabilities; sigmoid: all k choices and each token's score shares). The scopes
-differ only in the tokens ``f_e`` and ``P_e`` are taken over (under TP every rank routes the
-replica's whole micro-batch, ``parallel.py`` 1, 4(b): each scope sees it as one process does):
-
-* micro_batch (GShard, the default): the micro-batch's tokens, ``router.balance_loss``. No collective.
-* sequence (DeepSeek-V3's sequence-wise loss): per sequence of the micro-batch, the loss the mean
-  over its B sequences. Row t of the [S, B, H] input flattened to [S*B, H] is position ``t // B``
-  of sequence ``t % B``; with documents (``document_T``, packed conversations) a sequence is a
-  document, the loss the mean over the documents present. No collective.
-* global: ``f_e`` from the counts of every DP replica (one all-reduce of the [E] counts over
-  ``parallel.dp``, no gradient), added to those of the training forwards since
-  the last ``reset``: with gradient accumulation, micro-batch m uses the counts of micro-batches
-  1..m (the later ones are not routed when m's backward runs), only the last one the whole global
-  batch's. ``P_e`` is the mean over the micro-batch: the data-parallel gradient average (with
-  the layer's TP factors) makes it the global batch's mean, so loss (averaged over the ranks) and
-  gradients are those of one rank routing the whole global batch in one micro-batch. An
-  evaluation forward uses its own counts only and adds nothing. Call ``reset`` once per optimizer
-  step (``MoELayer.reset_balance_counts``; ``moe_plugin.initialize`` does it by itself).
-
-Padding (document id -1) is in no scope: its choices are not counted, its shares not averaged,
-every mean is over real tokens (global: ``P_e`` over the replicas' real tokens of the micro-batch).
+Shape suffixes: see ``moe_plugin.layers``; the scopes: docs/design/layers_router.md.
 """
 from __future__ import annotations
 
@@ -43,7 +20,7 @@ BalanceFn = Callable[[str, Tensor, Tensor], Tensor]   # (score, expert_TK, score
 
 
 def sequence_balance_loss(score: str, expert_TK: Tensor, scores_TE: Tensor, *, sequences: int) -> Tensor:
-    """The mean over ``sequences`` of each sequence's ``E * sum_e f_e * P_e`` (module docstring)."""
+    """The mean over ``sequences`` of each sequence's ``E * sum_e f_e * P_e`` (row t: sequence ``t % B``)."""
     counted_TX, share_TE = balance_terms(score, expert_TK, scores_TE)
     (T, E), B = share_TE.shape, sequences
     seq_T = torch.arange(T, device=share_TE.device) % B
@@ -56,9 +33,8 @@ def sequence_balance_loss(score: str, expert_TK: Tensor, scores_TE: Tensor, *, s
 
 
 def document_balance_loss(score: str, expert_TK: Tensor, scores_TE: Tensor, *, document_T: Tensor) -> Tensor:
-    """The mean over the documents present (ids >= 0 in ``document_T`` [T]; -1: padding) of each
-    document's ``E * sum_e f_e * P_e`` over its tokens. Documents get dense indices by a stable
-    sort of the ids (no host sync); padding sorts first and counts nowhere."""
+    """The mean over the documents present (``document_T`` [T], -1: padding) of each document's
+    ``E * sum_e f_e * P_e`` over its tokens; no host sync."""
     counted_TX, share_TE = balance_terms(score, expert_TK, scores_TE)
     (T, E), X = share_TE.shape, counted_TX.shape[1]
     real_T = document_T >= 0
@@ -76,9 +52,8 @@ def document_balance_loss(score: str, expert_TK: Tensor, scores_TE: Tensor, *, d
 
 
 class BalanceScope:
-    """The balance loss of one layer under its ``aux_loss_scope``, and the global scope's counts
-    of the current optimizer step. ``loss_for(...)`` gives the function a forward passes to its
-    router (``Router.forward(balance=...)``)."""
+    """The balance loss of one layer under its ``aux_loss_scope`` (``loss_for``: the function a forward
+    passes to its router), and the global scope's counts of the current optimizer step."""
 
     def __init__(self, scope: str, parallel: LayerParallelism):
         self.scope = scope
@@ -91,9 +66,8 @@ class BalanceScope:
         self.count_E = None
 
     def loss_for(self, sequences: Optional[int], training: bool, document_T: Optional[Tensor] = None) -> BalanceFn:
-        """The balance loss of a forward of ``sequences`` sequences (None: the input is not
-        [S, B, H]) or, given them, of the micro-batch's documents ``document_T`` [T] (-1: padding);
-        a training forward adds its counts (global)."""
+        """The balance loss of a forward of ``sequences`` sequences (None: not [S, B, H]) or of its
+        documents ``document_T``; a training forward adds its counts (global)."""
         real_T = None if document_T is None else document_T >= 0
         if self.scope == "sequence":
             if document_T is not None:

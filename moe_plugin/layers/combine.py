@@ -1,18 +1,8 @@
-"""Combine: each token's gate-weighted sum of its routes' expert outputs, as one autograd function.
+"""Combine: each token's gate-weighted sum of its routes' expert outputs, as one autograd function:
+``out_TH[t]`` = the sum over the kept routes r of token t of ``gate_R[r] * y_RH[r]``, in fp32 in a
+fixed order (deterministic on any device); a dropped route adds nothing, even a non-finite row.
 
-Shape suffixes: see ``moe_plugin.layers``.
-
-``gate_combine(y_RH, gate_R, token_R, route_R, num_tokens, k) -> out_TH``::
-
-    out_TH[t] = sum over kept routes r of token t:  gate_R[r] * y_RH[r]
-
-Forward gathers per token: ``row_KT`` (the inverse of ``route_R``: the row of route slot
-``j * T + t``, -1 when dropped) picks each token's rows, summed in fp32 in a fixed order (choice
-0, 1, ...): deterministic on any device. Backward gathers per row (a row belongs to one token:
-nothing accumulates): ``grad_y_RH[r] = gate_R[r] * grad_out[token_R[r]]``, ``grad_gate_R[r] =
-dot(grad_out[token_R[r]], y_RH[r])``. Kept for backward: ``y_RH`` (when the gates need a
-gradient) and the indices; no [K*T, H] buffer, temporaries of ``CHUNK_ROWS`` rows. A dropped
-slot contributes nothing, even when the row it would read is not finite. Not done: a fused kernel.
+Shape suffixes: see ``moe_plugin.layers``; how: docs/design/layers_exchange.md.
 """
 from __future__ import annotations
 
@@ -30,7 +20,7 @@ def inverse_routes(route_R: Tensor, num_tokens: int, k: int) -> Tensor:
 
 
 class GateCombine(torch.autograd.Function):
-    """See the module docstring. Inputs ``y_RH, gate_R, token_R, row_KT``; output ``out_TH``."""
+    """``out_TH`` of the module docstring from ``y_RH, gate_R, token_R, row_KT``."""
 
     @staticmethod
     def forward(ctx, y_RH, gate_R, token_R, row_KT):

@@ -1,14 +1,8 @@
-"""Autograd-aware collectives of the MoE layer.
+"""Autograd-aware collectives of the MoE layer, each an autograd function whose backward is another
+collective. ``group=None`` means a group of size 1: the identity, so one process runs the same code.
+Splits are lists of ints: every collective moves exactly the routed rows, never padding.
 
 Shape suffixes: see ``moe_plugin.layers``.
-
-Every function takes ``group=None`` to mean "a group of size 1" and then is the identity,
-so the single-process path and a size-1 dimension run the same code. Splits are Python
-lists of ints: the counts are exchanged first (``exchange_counts``) and then every
-collective moves exactly the routed rows, never padding.
-
-bf16 and fp16 rows go over the wire as they are: gloo's all_to_all, all_gather and all_reduce
-accept them in torch 2.13 (``tests/test_layers_dist.py`` runs bf16 MoE layers over gloo).
 """
 from __future__ import annotations
 
@@ -30,11 +24,7 @@ def group_rank(group: Group) -> int:
 
 
 def exchange_counts(send_counts: torch.Tensor, group: Group) -> torch.Tensor:
-    """``send_counts[j, ...]`` rows go to rank j; returns ``recv[j, ...]`` rows that come from rank j.
-
-    ``send_counts`` is an integer tensor whose first dimension is the group size (for
-    example [ranks, local experts]); one all-to-all of that small tensor.
-    """
+    """``send_counts[j, ...]`` (first dimension: the group size) go to rank j; returns what rank j sent."""
     if group is None:
         return send_counts.clone()
     recv = torch.empty_like(send_counts)
@@ -44,19 +34,15 @@ def exchange_counts(send_counts: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def gather_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
-    """Every rank's ``counts`` (same shape everywhere) stacked in rank order: [ranks, ...]. An
-    all-gather, moved as one all-to-all of the small tensor repeated once per peer: every pair of
-    ranks exchanges directly in one round, where gloo's all-gather passes the blocks around a
-    ring in ``ranks - 1`` dependent steps (each a wake-up of the next process when ranks share
-    cores)."""
+    """Every rank's ``counts`` stacked in rank order, [ranks, ...]: an all-gather moved as one all-to-all
+    (one round, where gloo's all-gather takes ``ranks - 1`` dependent steps)."""
     n = group_size(group)
     every = exchange_counts(counts.reshape(1, -1).expand(n, -1), group)   # my counts to every peer
     return every.view((n,) + tuple(counts.shape))
 
 
 class _Mirrored(torch.autograd.Function):
-    """A collective whose backward is another: forward ``there(x, *args)``, backward
-    ``back(grad, *args)``. Every autograd-aware collective here is such a pair."""
+    """A collective whose backward is another: forward ``there(x, *args)``, backward ``back(grad, *args)``."""
 
     @staticmethod
     def forward(ctx, x, there, back, *args):
@@ -92,8 +78,7 @@ def _reverse(grad: torch.Tensor, out_splits, in_splits, group, pending: Optional
 
 
 class Pending:
-    """An all-to-all in flight (``start_all_to_all``): its handle, the gradient buffer its reverse
-    exchange fills in backward, and the halves of the two ``_Mirrored`` pairs that use them."""
+    """An all-to-all in flight: its handle, the gradient its reverse exchange fills in backward."""
 
     handle: Optional[dist.Work] = None
     grad: Optional[torch.Tensor] = None
@@ -116,15 +101,13 @@ class Pending:
 
 
 def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: Group) -> torch.Tensor:
-    """Uneven all-to-all of rows: ``in_splits[j]`` rows of ``x`` go to rank j, ``out_splits[j]``
-    rows arrive from rank j. Backward runs the reverse exchange."""
+    """Uneven all-to-all of rows: ``in_splits[j]`` rows to rank j, ``out_splits[j]`` from it; backward reversed."""
     return _mirrored(x, _all_to_all, _reverse, list(out_splits), list(in_splits), group)
 
 
 def start_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> tuple:
-    """``all_to_all`` started asynchronously, with the same autograd: what ``wait_all_to_all`` takes
-    (the output, not yet filled, and the exchange). Backward: the reverse exchange starts in the
-    wait's backward and is waited for in the start's (``overlap.py``)."""
+    """``all_to_all`` started asynchronously, for ``wait_all_to_all``; backward starts the reverse
+    exchange in the wait's backward and waits for it in the start's."""
     pending = Pending()
     args = (out_splits, in_splits, group, pending)
     return _Mirrored.apply(x, _all_to_all, pending.back_arrived, *args), args
@@ -169,32 +152,27 @@ def _summed(grad: torch.Tensor, group) -> torch.Tensor:
 
 
 def gather_rows(x: torch.Tensor, counts: Sequence[int], group: Group) -> torch.Tensor:
-    """Concatenate the rows of every rank of ``group`` (``counts[j]`` rows from rank j). Backward:
-    the gradients of all ranks summed, each rank keeps its own rows."""
+    """The rows of every rank of ``group`` (``counts[j]`` from rank j); backward sums and keeps one's own."""
     return _mirrored(x, _gather_rows, _reduce_scatter_rows, list(counts), group)
 
 
 def reduce_scatter_rows(x: torch.Tensor, counts: Sequence[int], group: Group) -> torch.Tensor:
-    """Sum ``x`` over ``group`` and keep this rank's block of ``counts[rank]`` rows (backward:
-    ``gather_rows``)."""
+    """Sum ``x`` over ``group``, keep this rank's block of ``counts[rank]`` rows (backward: ``gather_rows``)."""
     return _mirrored(x, _reduce_scatter_rows, _gather_rows, list(counts), group)
 
 
 def split_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """This rank's share of tokens replicated over ``group`` (TP without sequence parallelism).
-    Backward all-gathers the shares, so the input gradient is whole (and replicated) again."""
+    """This rank's share of tokens replicated over ``group``; backward all-gathers the shares."""
     if x.shape[0] % group_size(group):
         raise ValueError(f"{x.shape[0]} tokens cannot be split evenly over {group_size(group)} tensor-parallel ranks")
     return _mirrored(x, _own_share, _all_gather_equal, group)
 
 
 def gather_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Inverse of ``split_tokens``: the shares all-gathered; backward keeps this rank's share (the
-    gradient of a replicated activation is itself replicated)."""
+    """Inverse of ``split_tokens``: the shares all-gathered; backward keeps this rank's share."""
     return _mirrored(x, _all_gather_equal, _own_share, group)
 
 
 def all_reduce_grad(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Identity forward; the gradient is summed over ``group``. For a weight replicated over
-    ranks that each see different tokens, so that its gradient is whole on every rank."""
+    """Identity forward; the gradient summed over ``group`` (a weight used by ranks with other tokens)."""
     return _mirrored(x, _same, _summed, group)

@@ -1,8 +1,6 @@
-"""The counts wire format: the kept routes per slot exchanged first, then exactly the kept rows.
-
-Shape suffixes: see ``moe_plugin.layers``; the interface: ``wire.Wire``. Also the permutations the
-other expert-parallel wire formats reuse (``source_to_expert_order``, ``route_slots``). The counts
-round, the send and the way back step by step: docs/design/layers_exchange.md.
+"""The counts wire format: the kept routes per slot exchanged first, then exactly the kept rows; and
+the permutations the other expert-parallel wire formats reuse. Shape suffixes: see
+``moe_plugin.layers``; step by step: docs/design/layers_exchange.md.
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The dispatcher: tokens to the experts and their outputs back, as a wire format (``wire.Wire``) x
-a schedule (``schedule.Schedule``) x shadowing or none (``shadow.Shadowing``).
-
-Shape suffixes: see ``moe_plugin.layers``. ``exchange_factory.build_dispatcher`` picks the three.
-``MoELayer.forward`` calls ``prepare`` (the layer's one host sync: the batch's frozen ``Dispatch``),
-then ``dispatch``, ``experts`` and ``combine``; each runs its step by the schedule, the combine
-with shadowing's rows where experts are shadowed. Dropped routes add nothing: their token keeps
-the residual. The path step by step: docs/moe_layer.md.
+"""The dispatcher: a wire format (``wire.Wire``) x a schedule (``schedule.Schedule``) x shadowing or
+none (``shadow.Shadowing``), built by ``exchange_factory``. ``MoELayer.forward`` calls ``prepare``
+(the one host sync: the batch's frozen ``Dispatch``), ``dispatch``, ``experts`` and ``combine``; each
+runs its step by the schedule. Shape suffixes: see ``moe_plugin.layers``; the path: docs/moe_layer.md.
 """
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""The one place a layer's dispatcher is built: wire format x schedule x shadowing.
-
-Shape suffixes: see ``moe_plugin.layers``. ``build_dispatcher`` picks: no expert or expert-tensor
-parallelism, ``LocalWire``; else the ``exchange`` named, or for ``auto`` padded where the rules allow
-it and the EP group's backend is gloo, counts otherwise (logged once); ``Overlapped`` with
-``overlap_chunks`` > 1 and nothing shadowed, else ``OneExchange``; ``Shadowing`` while experts are
-shadowed. The rules: the config's (its layout and placement options, ``MoEConfig.exchange_unfit``)
-and the layer's at run time (``exchange_rules.py``). The layer builds its dispatcher here again when
-its shadowed experts or its traffic reader change: what no longer combines raises, nothing changed.
+"""The one place a layer's dispatcher is built: wire format x schedule x shadowing, by the config's
+rules (layout and placement options, ``MoEConfig.exchange_unfit``) and the layer's at run time
+(``exchange_rules.py``); ``auto`` takes padded where allowed on gloo, else counts. Built again when
+the shadowed experts or the traffic reader change: what no longer combines raises, nothing changed.
 """
 from __future__ import annotations
 
@@ -34,9 +29,8 @@ def _unfit(config, parallel: LayerParallelism, mode: str, shadowed: int, traffic
 
 
 def resolve_exchange(config, parallel: LayerParallelism, shadowed: int = 0, traffic: Optional[str] = None) -> str:
-    """``counts``, ``padded`` or ``token`` (named only) for a layer of ``config`` (an ``MoEConfig``)
-    on ``parallel``, with ``shadowed`` experts shadowed and ``traffic`` naming what reads the
-    sender x expert traffic (None: nothing). A named mode that these make unfit raises."""
+    """``counts``, ``padded`` or ``token`` (named only) for a layer of ``config`` on ``parallel`` with
+    ``shadowed`` experts and ``traffic`` (what reads the sender x expert traffic); unfit and named: raises."""
     if parallel.ep is None:
         return "counts"
     if config.exchange != "auto":
@@ -56,8 +50,7 @@ def resolve_exchange(config, parallel: LayerParallelism, shadowed: int = 0, traf
 
 def build_dispatcher(config, parallel: LayerParallelism, shadow: ShadowExperts,
                      traffic: Optional[str] = None) -> tuple[Dispatcher, str]:
-    """(the dispatcher, its exchange mode) for a layer of ``config`` on ``parallel`` with ``shadow``'s
-    experts shadowed; ``traffic``: what reads the sender x expert traffic (module docstring)."""
+    """(the dispatcher, its exchange mode) for a layer of ``config`` on ``parallel``, ``shadow``'s experts shadowed."""
     shadowed = len(shadow.expert_ids)
     if shadowed:
         why = shadow_unfit(parallel.ep_size, parallel.etp_size)

@@ -1,9 +1,6 @@
-"""Which exchange options a layer can run together: the rules of the layer's own values, once.
-
-Plain values in, a reason out (None: it combines); no torch. ``exchange_factory`` asks them with what
-the layer knows at run time (its layout, the experts shadowed now, what reads the sender x expert
-traffic). Placement's options have their rules beside placement (``placement/rules.py``), which
-adds them to these for the config.
+"""Which exchange options a layer can run together: the rules of its own values (layout, shadowed
+experts, what reads the traffic), once. Plain values in, a reason out (None: it combines); no
+torch. Placement's options have theirs in ``placement/rules.py``.
 """
 from __future__ import annotations
 

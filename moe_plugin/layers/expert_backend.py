@@ -1,22 +1,6 @@
-"""Which expert GEMM backend runs the experts, per device type and dtype (``moe.experts_backend``).
-
-Backends (run by ``ffn_autograd.py``):
-
-* ``grouped_mm``: ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` where the public
-  name is missing) with int32 row offsets: one call for all experts of a chunk. Operands fp32,
-  bf16 or fp16 with 16-byte aligned row strides (torch's ``_grouped_mm_validate_inputs``). On
-  CPU a loop of GEMMs in C++; on CUDA the grouped kernel takes bf16 on compute capability >= 8.0,
-  other dtypes a fallback that syncs the host per call, so ``auto`` takes it on CUDA only there.
-  Other device types are untested: not taken.
-* ``bmm``: each expert's rows padded to the chunk's largest count, one ``bmm`` per GEMM and per
-  weight gradient (one kernel where a loop launches one per expert, for the padding's work).
-* ``loop``: one GEMM per expert over ``split``/``unbind`` views.
-
-``auto``: ``grouped_mm`` where ``grouped_mm_unsupported`` finds no reason against it (the rules
-above and a tiny probe call per device type and dtype, cached), else ``loop`` on CPU (faster than
-``bmm`` there, docs/benchmarks_history.md "Expert GEMM backends") and ``bmm`` on accelerators (not
-measured yet); each decision logged once. A forced ``grouped_mm`` that cannot run raises a
-``ConfigError`` naming ``moe.experts_backend`` at the first forward (device and dtype known then).
+"""Which expert GEMM backend runs the experts, per device type and dtype (``moe.experts_backend``):
+``grouped_mm``, ``bmm`` or ``loop``; ``auto`` takes ``grouped_mm`` where nothing speaks against it,
+else ``loop`` on CPU and ``bmm`` elsewhere, logged once. The rules: docs/design/layers_experts.md.
 """
 from __future__ import annotations
 
@@ -81,7 +65,7 @@ def check_backend(requested: str) -> None:
 
 
 def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, sizes: Sequence[int]) -> str:
-    """The backend to run: ``requested`` unless it is ``auto`` (module docstring)."""
+    """The backend to run: ``requested`` unless it is ``auto``."""
     if requested in ("bmm", "loop"):
         return requested
     why_not = grouped_mm_unsupported(device, dtype, sizes)

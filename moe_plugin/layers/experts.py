@@ -1,12 +1,6 @@
-"""Experts: the local experts as one grouped GEMM, and the optional dense shared expert.
-
-Shape suffixes: see ``moe_plugin.layers`` (swiglu's F1 holds the gate half first, then the up half).
-
-``GroupedExperts`` holds the stacked ``weight1`` [L, H, F1] and ``weight2`` [L, F, H]; forward and
-backward run in ``ffn_autograd.expert_ffn`` (the GEMM backend: ``expert_backend.py``). Expert
-tensor parallelism (``etp_size > 1``) splits F: a rank holds the slices ``ffn_shard`` cuts from the
-single-process weights of the same seed and returns a partial output that the dispatcher sums
-over the ETP group; ``grad_scale`` multiplies the weight gradients (``LayerParallelism``).
+"""Experts: the local experts as one grouped GEMM (``GroupedExperts``, stacked ``weight1`` [L, H, F1]
+and ``weight2`` [L, F, H]; under ETP an F-shard of the single-process weights) and the dense
+``SharedExpert``. Shape suffixes: see ``moe_plugin.layers``; details: docs/design/layers_experts.md.
 """
 from __future__ import annotations
 
@@ -34,11 +28,8 @@ def _swiglu(h_RF1: Tensor) -> Tensor:
 
 
 def _clamped_swiglu(h_RF1: Tensor, alpha: float, limit: float) -> Tensor:
-    """GPT-OSS's: the gate clamped above at ``limit``, the up half to [-limit, limit],
-    ``(up + 1) * gate * sigmoid(alpha * gate)``, computed as ``silu(alpha * gate) / alpha`` with ``silu``
-    on the gate half's strided view. torch's CPU kernels round a contiguous tensor's last elements (the
-    vector loop's scalar tail) otherwise than the rest, so on a contiguous [R, F] gate a row's value would
-    depend on how many rows the call holds; row by row it does not (exact across exchanges and chunks)."""
+    """GPT-OSS's ``(up + 1) * gate * sigmoid(alpha * gate)``, gate and up clamped by ``limit``; row by
+    row the same whatever rows the call holds (docs/design/layers_experts.md)."""
     width = h_RF1.shape[-1] // 2
     lower_F1 = h_RF1.new_full((2 * width,), -math.inf)
     lower_F1[width:] = -limit
@@ -63,9 +54,7 @@ def activation_fn(name: str, alpha: float = 1.702, limit: float = 7.0) -> Callab
 
 
 def ffn_shard(w1_HF1: Tensor, w2_FH: Tensor, activation: str, etp_size: int, etp_rank: int) -> tuple[Tensor, Tensor]:
-    """Expert-tensor-parallel shard ``etp_rank`` of ``etp_size`` of one expert's full weights:
-    columns ``[r*F/etp, (r+1)*F/etp)`` of ``w1`` (of its gate and of its up half for swiglu) and
-    the same rows of ``w2``."""
+    """Expert-tensor-parallel shard ``etp_rank`` of ``etp_size`` of one expert's full weights (F cut)."""
     ffn = w2_FH.shape[0]
     if ffn % etp_size:
         raise ValueError(f"expert ffn size {ffn} cannot be split evenly over {etp_size} expert-tensor-parallel ranks")
@@ -80,17 +69,8 @@ def ffn_shard(w1_HF1: Tensor, w2_FH: Tensor, activation: str, etp_size: int, etp
 
 
 class GroupedExperts(nn.Module):
-    """The ``num_local`` expert slots ``[ep_rank * num_local, (ep_rank + 1) * num_local)`` of
-    ``num_experts`` (their F-shard ``etp_rank`` of ``etp_size``).
-
-    The buffer ``placement`` [E] (int64, the same on every rank) is the slot of each expert: slot
-    ``placement[e]`` holds expert e, so this rank's weights ``[l]`` are those of expert
-    ``local_ids()[l]``. Default: expert e in slot e (the static placement).
-
-    Weights of global expert ``e`` come from a generator seeded by ``(seed, e)`` alone, so an
-    expert-parallel model reproduces the single-process one, under any placement. Every parameter carries
-    ``allreduce = False`` and ``group_name`` (DeepSpeed's ZeRO contract for expert parameters).
-    """
+    """This rank's expert slots (under ETP their F-shard); the buffer ``placement`` [E] is the slot of
+    each expert, whose weights come from ``(seed, e)`` alone: any layout gives the one-process weights."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu", *,
                  ep_size: int = 1, ep_rank: int = 0, etp_size: int = 1, etp_rank: int = 0,
@@ -141,18 +121,12 @@ class GroupedExperts(nn.Module):
         return [p for p in (self.weight1, self.weight2, self.bias1, self.bias2) if p is not None]
 
     def release_grad_storage(self) -> None:
-        """Drop the weight gradients' kept storage (``ffn_autograd.GradStore``); the next
-        backward allocates it again."""
+        """Drop the weight gradients' kept storage (``ffn_autograd.GradStore``)."""
         for store in self._grad_stores or ():
             store.release()
 
     def keep_grad_storage(self, keep: bool) -> None:
-        """Whether backward writes the weight gradients into storage kept from the last one
-        (``ffn_autograd.GradStore``: no fresh pages per backward on CPU). Worth it only where the
-        gradient stays the optimizer's gradient; an engine that copies every gradient into buffers
-        of its own (DeepSpeed's ZeRO-1/2 and its bf16/fp16 optimizers) would leave the kept storage
-        a dead copy of every local expert gradient between backwards, so ``initialize`` turns it off
-        there. Off also drops what is kept."""
+        """Whether backward writes the weight gradients into kept storage (off drops it)."""
         self.release_grad_storage()
         self._grad_stores = (GradStore(), GradStore()) if keep else None
 
@@ -167,11 +141,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_RH: Tensor, counts_L: RowCounts | list[int] | Tensor,
                 gather_R: Optional[Tensor] = None) -> Tensor:
-        """Rows of ``x_RH`` grouped by local expert, ``counts_L`` rows each (``RowCounts``, as the
-        dispatchers give them; a list costs a host-to-device copy, a tensor a host sync) -> [R, H], input dtype
-        (a partial sum over the F-shards when expert-tensor-parallel). With ``gather_R`` the rows
-        are ``x_RH[gather_R]`` (e.g. the tokens and ``plan.token_R``): gathered chunk by chunk
-        and again in backward, never kept whole (``ffn_autograd.py``)."""
+        """Rows of ``x_RH`` (``x_RH[gather_R]`` with ``gather_R``, gathered chunk by chunk) grouped by
+        local expert, ``counts_L`` rows each -> [R, H] in the input dtype (under ETP a partial sum)."""
         w1_LHF = self.weight1.to(x_RH.dtype)
         w2_LFH = self.weight2.to(x_RH.dtype)
         own_grads = w1_LHF is self.weight1 and w2_LFH is self.weight2   # no cast in between
@@ -184,8 +155,7 @@ class GroupedExperts(nn.Module):
         return self.bias1.to(dtype), self.bias2.to(dtype)
 
     def split_weights(self, sizes: list[int], dtype: torch.dtype) -> list[tuple[Optional[Tensor], ...]]:
-        """(weight1, weight2, bias1, bias2) in ``dtype``, cut into consecutive groups of ``sizes`` local
-        experts (one ``split`` each: their gradients are joined once in backward; biases None without)."""
+        """(weight1, weight2, bias1, bias2) in ``dtype``, cut into groups of ``sizes`` local experts."""
         parts = [self.weight1.to(dtype).split(sizes), self.weight2.to(dtype).split(sizes)]
         parts += [[None] * len(sizes) if b is None else b.split(sizes) for b in self._biases(dtype)]
         return list(zip(*parts))
@@ -193,10 +163,8 @@ class GroupedExperts(nn.Module):
     def ffn(self, x_RH: Tensor, counts_L: RowCounts | list[int] | Tensor, gather_R: Optional[Tensor], w1_LHF: Tensor,
             w2_LFH: Tensor, own_grads: bool = False, b1_LF: Optional[Tensor] = None,
             b2_LH: Optional[Tensor] = None) -> Tensor:
-        """``forward`` with given weights (all local experts, or a group of them, ``counts_L`` rows
-        each); ``own_grads``: they are the parameters themselves (``ffn_autograd.expert_ffn``).
-        ``b2_LH`` is added on ETP rank 0 only (the partial outputs are summed over ETP); elsewhere its
-        gradient is zero."""
+        """``forward`` with given weights (all local experts or a group of them); ``own_grads``: they are
+        the parameters themselves. ``b2_LH`` is added on ETP rank 0 only."""
         counts = counts_L if isinstance(counts_L, (list, RowCounts)) else RowCounts(counts_L.tolist(), counts_L)
         return expert_ffn(x_RH, w1_LHF, w2_LFH, counts, self.act, self.pick_backend(x_RH), gather_R,
                           save_pre=not self.recompute_pre_activation, grad_scale=self.grad_scale,
@@ -205,11 +173,8 @@ class GroupedExperts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """A dense FFN every token passes through, optionally scaled by ``sigmoid(x . gate_weight)``.
-
-    Replicated over TP ranks that each see a different token share: ``grad_group`` (the TP
-    group) sums the weight gradients in backward.
-    """
+    """A dense FFN every token passes through, optionally scaled by ``sigmoid(x . gate_weight)``;
+    ``grad_group`` (TP) sums its weight gradients."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu", *, gate: bool = False,
                  seed: int = 0, init_std: float = 0.02, output_init_std: float | None = None,

@@ -1,29 +1,9 @@
-"""The grouped expert FFN as one autograd function that keeps no [rows, ffn] tensor for backward.
-
-Shape suffixes: see ``moe_plugin.layers`` (R: rows grouped by local expert; a chunk's tensors
-carry the same letters). For rows grouped by local expert (``counts[l]`` rows for expert l)::
+"""The grouped expert FFN as one autograd function that keeps no [rows, ffn] tensor for backward::
 
     y_RH[r] = act(rows_RH[r] @ w1[l(r)] (+ b1[l(r)])) @ w2[l(r)] (+ b2[l(r)])      rows_RH = x_NH[gather_R] (or x_NH)
 
-Plain autograd would keep R * (H + F1 + F) values for backward (the rows, the pre-activation, the
-activation). This keeps ``x_NH`` (the caller's, alive anyway), ``gather_R`` and, with
-``save_pre``, the pre-activation; backward gathers the rows again and recomputes the rest (one
-GEMM more unless the pre-activation was saved).
-
-The work runs in chunks of whole experts of about ``CHUNK_BYTES`` of [rows, F1], so every
-transient is chunk-sized and reused by the allocator. The weight gradients are written per expert
-into the full [L, H, F1] / [L, F, H] gradients (``torch.mm(out=...)``: no copy) and scaled there
-by ``grad_scale``; on CPU their storage is kept for the next backward where it is large and free
-(``GradStore``). One host sync: ``counts`` on the host; as ``RowCounts`` (every dispatcher's) no
-host-to-device copy either. The backends: ``expert_backend.py``.
-
-Determinism: backward adds each row's input gradient to its token with ``index_add_`` (one call
-per chunk). On CUDA it adds a repeated index (a token routed to two experts of a chunk) by atomics
-in no fixed order, unless ``torch.use_deterministic_algorithms(True)`` makes it sort the index
-(``tests/test_deterministic.py``). On CPU it always is deterministic.
-
-Not done: fusing the gather into the GEMM; the grouped weight gradient (``grouped_mm`` with two
-2-D operands) returns a new tensor, not written in place.
+Backward gathers the rows again and recomputes the rest, chunk by chunk of whole experts.
+Shape suffixes: see ``moe_plugin.layers``; why and how: docs/design/layers_experts.md.
 """
 from __future__ import annotations
 
@@ -41,17 +21,8 @@ REUSE_MIN_BYTES = 32 << 20   # glibc's largest mmap threshold: bigger blocks are
 
 
 class GradStore:
-    """The storage of one weight gradient on CPU, handed out again while nobody else holds it.
-
-    glibc serves an allocation above its mmap threshold (at most 32 MiB) with fresh pages, so a
-    stacked expert gradient is page-faulted and zeroed by the kernel in every backward
-    (docs/benchmarks_history.md, "The allocator"). The store keeps one buffer and returns a new tensor
-    over it (``empty_like``), reused only if no tensor but the store's own still refers to its
-    storage (the optimizer or ZeRO copied the gradient out, or ``zero_grad`` set it to None); a
-    gradient still held (accumulation, a user's reference) is never written to: a new buffer
-    replaces the old one. Smaller gradients, other devices (CUDA has its caching allocator), and
-    torch builds without the storage use count get a plain ``torch.empty_like``.
-    """
+    """The storage of one large weight gradient on CPU, handed out again while nobody else holds it
+    (no fresh pages per backward; a gradient still held is never written to)."""
 
     def __init__(self) -> None:
         self._buf: Optional[Tensor] = None
@@ -72,9 +43,8 @@ class GradStore:
 
 @dataclass(frozen=True)
 class RowCounts:
-    """Rows per local expert, twice: ``host`` (read in the layer's one host sync: the chunks are
-    cut there) and ``device_L`` (the integer tensor they were read from, on the rows' device:
-    the chunks' row offsets are built from it, with no host-to-device copy)."""
+    """Rows per local expert, on the host (read in the layer's one host sync) and on the device
+    (the chunks' row offsets are cut from it: no host-to-device copy)."""
 
     host: list[int]
     device_L: Tensor
@@ -96,9 +66,7 @@ class Chunk:
 
 
 def row_ends(counts: list[int], device: torch.device, counts_L: Optional[Tensor] = None) -> Tensor:
-    """[L] int32: where each expert's rows end, on ``device``. From ``counts_L`` (the same numbers
-    on the device) with no copy; else one copy of ``counts``' running sum, which on an accelerator
-    leaves pinned host memory without blocking the host (the only host-to-device copy here)."""
+    """[L] int32: where each expert's rows end, on ``device`` (from ``counts_L``: no copy)."""
     if counts_L is not None and counts_L.device == device:
         return counts_L.cumsum(0, dtype=torch.int32)
     ends_L = torch.tensor(list(accumulate(counts)), dtype=torch.int32)
@@ -107,9 +75,7 @@ def row_ends(counts: list[int], device: torch.device, counts_L: Optional[Tensor]
 
 def expert_chunks(counts: list[int], row_bytes: int, chunk_bytes: int = CHUNK_BYTES,
                   device: torch.device = torch.device("cpu"), counts_L: Optional[Tensor] = None) -> list[Chunk]:
-    """Consecutive experts grouped until their rows reach ``chunk_bytes`` (``row_bytes`` each);
-    an expert with more rows forms a chunk alone. Experts with no rows join a chunk too. The
-    offsets of every chunk are cut from one tensor of row ends (``row_ends``), built once."""
+    """Consecutive experts grouped until their rows reach ``chunk_bytes`` (an expert with more alone)."""
     chunks, l0, r0, rows = [], 0, 0, 0
     ends_L = row_ends(counts, device, counts_L) if counts else None
     for l, n in enumerate(counts):
@@ -133,9 +99,7 @@ def _rows_at_weights(a_RX: Tensor, w_LXY: Tensor, chunk: Chunk, backend: str) ->
 
 
 def _weight_grad_into(out_LXY: Tensor, a_RX: Tensor, g_RY: Tensor, chunk: Chunk, scale: float, backend: str) -> None:
-    """``out[l] = scale * a_l^T @ g_l`` over each expert's rows, written in place (zero for no rows):
-    one ``bmm`` for ``bmm``, one GEMM per expert otherwise (``torch.mm(out=...)`` writes the
-    gradient without the copy a grouped GEMM's result would need)."""
+    """``out[l] = scale * a_l^T @ g_l`` over each expert's rows, written in place (zero for no rows)."""
     if backend == "bmm":
         slot_R, pad = _pad_slots(chunk)
         L = len(chunk.counts)
@@ -153,8 +117,7 @@ def _weight_grad_into(out_LXY: Tensor, a_RX: Tensor, g_RY: Tensor, chunk: Chunk,
 
 
 def _pad_slots(chunk: Chunk) -> tuple[Tensor, int]:
-    """Where each of the chunk's rows goes in an [L, C, X] buffer padded to C, the largest count
-    (``slot_R``, indices into its first two dimensions flattened), and C. On the device, no sync."""
+    """(each row's place in an [L, C, X] buffer padded to C, the largest count; C). No host sync."""
     pad = max(chunk.counts)
     offs_L = chunk.offs.long()
     counts_L = torch.diff(offs_L, prepend=offs_L.new_zeros(1))
@@ -169,9 +132,7 @@ def _padded(a_RX: Tensor, slot_R: Tensor, experts: int, pad: int) -> Tensor:
 
 
 class ExpertFFN(torch.autograd.Function):
-    """See the module docstring. Inputs: ``x_NH, w1_LHF1, w2_LFH, gather_R (or None), chunks,
-    act, backend, save_pre, grad_scale, grad_stores`` (a ``GradStore`` pair or None); output
-    ``y_RH``."""
+    """The grouped FFN of the module docstring (inputs: ``expert_ffn``'s); output ``y_RH``."""
 
     @staticmethod
     def forward(ctx, x_NH, w1_LHF1, w2_LFH, gather_R, chunks, act, backend, save_pre, grad_scale, grad_stores,
@@ -258,8 +219,7 @@ def _expert_of_rows(chunk: Chunk) -> Tensor:
 
 def _pre_activation(rows_RH: Tensor, w1_LHF1: Tensor, b1_LF1: Optional[Tensor], chunk: Chunk, backend: str,
                     expert_R: Optional[Tensor]) -> Tensor:
-    """The chunk's rows times their experts' first weight, plus their first bias if any (``expert_R``:
-    ``_expert_of_rows(chunk)``, made once per chunk where there are biases)."""
+    """The chunk's rows times their experts' first weight, plus their first bias if any."""
     pre_RF1 = _rows_at_weights(rows_RH, w1_LHF1[chunk.l0:chunk.l1], chunk, backend)
     if b1_LF1 is not None:
         pre_RF1 += b1_LF1[chunk.l0:chunk.l1].index_select(0, expert_R)
@@ -278,12 +238,8 @@ def expert_ffn(x_NH: Tensor, w1_LHF1: Tensor, w2_LFH: Tensor, counts: list[int] 
                save_pre: bool = False, grad_scale: float = 1.0, chunk_bytes: int = CHUNK_BYTES,
                grad_stores: Optional[tuple[GradStore, GradStore]] = None, b1_LF1: Optional[Tensor] = None,
                b2_LH: Optional[Tensor] = None, add_b2: bool = True) -> Tensor:
-    """``y_RH`` of the module docstring; ``counts`` rows per local expert (a plain list costs one
-    host-to-device copy of their running sum, a ``RowCounts`` none). ``save_pre`` keeps the
-    pre-activation (R * F1 values); ``grad_scale`` multiplies the weight gradients; ``grad_stores``
-    (``GradStore``): only when ``w1_LHF1`` and ``w2_LFH`` are the parameters themselves, so the
-    gradients returned are the parameters' ``.grad``. ``b1_LF1`` / ``b2_LH``: per-expert biases added
-    before the activation / to the output (``add_b2`` false: not added, its gradient zero)."""
+    """``y_RH`` of the module docstring, ``counts`` rows per local expert; ``save_pre`` keeps the
+    pre-activation, ``grad_stores`` only where the weights are the parameters themselves."""
     counts, counts_L = (counts.host, counts.device_L) if isinstance(counts, RowCounts) else (counts, None)
     if len(counts) != w1_LHF1.shape[0]:
         raise ValueError(f"{len(counts)} expert row counts for {w1_LHF1.shape[0]} local experts")

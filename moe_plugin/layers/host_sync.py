@@ -1,12 +1,6 @@
-"""The layer's one host sync per forward, and what it reads.
-
-Shape suffixes: see ``moe_plugin.layers``.
-
-A forward's dispatch needs a few integers on the host: split sizes, rows per local expert, the
-router's finite flags, and what a schedule (``overlap.py``) or shadowing (``shadow.py``) reads.
-Each part adds its device integers to the forward's ``HostSync`` (``add``: a ``HostValue``), the
-finite check its flags (``check``); ``read`` copies them all in one transfer and gives the finite
-verdict; then each part reads its own ``HostValue.host``.
+"""The layer's one host sync per forward: each part of the dispatch adds its device integers
+(``HostSync.add``; the finite check's flags: ``check``); ``read`` copies them all in one transfer and
+gives the finite verdict before any row leaves the rank. Shape suffixes: see ``moe_plugin.layers``.
 """
 from __future__ import annotations
 
@@ -41,8 +35,7 @@ class HostSync:
         return value
 
     def check(self, finite: Optional[FiniteCheck], flags: Optional[Tensor] = None, group: comm.Group = None) -> None:
-        """Read the router's finite flags too and give the verdict in ``read``: ``flags`` agreed over
-        ``group`` when a dispatcher carried them itself, else the check's own exchange."""
+        """Read the router's finite flags too (``flags`` over ``group`` where a wire format carried them)."""
         if finite is None:
             return
         if flags is None:

@@ -1,6 +1,4 @@
-"""Deterministic initialisation: one seeded generator per (seed, stream, index).
-
-A stream names what is initialised (router, experts, shared expert); the index is e.g. a
+"""Deterministic initialisation: one seeded generator per (seed, stream, index); the index is e.g. a
 *global* expert id, so that expert ``e`` gets the same weights whatever the EP size.
 """
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""MoELayer: router -> dispatcher -> grouped experts -> combine (+ shared expert).
-
-Shape suffixes: see ``moe_plugin.layers``; what it does: docs/moe_layer.md.
-
-``MoELayer(config, hidden_size, ffn_hidden_size, groups=None)`` replaces a Megatron MLP:
-``forward(hidden_SBH, document_T=None) -> (output_SBH, None)``; ``document_T`` names each token's
-document (packed conversations), -1 padding, which is not routed and gives zero output rows. The
-router runs in fp32, the experts and the output in the input dtype. The balance and z losses reach the gradients through
-``AttachAuxLoss`` on the output: a training loop that calls ``loss.backward()`` trains the
-router without adding the losses by hand. ``last_stats`` describes the latest forward on this
-rank's tokens; ``global_stats()`` sums it over the ranks that route distinct tokens.
-
-With ``groups`` the layer runs under any parallel layout; ``parallel.py`` states the semantics
-(token split over TP, one GShard group per DP replica, the layout-independent gradients). The
-dispatcher (``exchange_factory.build_dispatcher``) is built again on ``set_shadow`` and
-``track_traffic``.
+"""MoELayer: route -> dispatch -> experts -> combine (+ shared expert), the four steps of ``forward``,
+under any parallel layout (``parallel.py``); it replaces a Megatron MLP. The router runs in fp32, the
+experts and the output in the input dtype; the balance and z losses reach the gradients through
+``AttachAuxLoss``. Shape suffixes: see ``moe_plugin.layers``; the path: docs/moe_layer.md.
 """
 from __future__ import annotations
 
@@ -40,11 +28,8 @@ if TYPE_CHECKING:
 
 
 class AttachAuxLoss(torch.autograd.Function):
-    """Identity on ``out``; its backward also gives ``loss`` the gradient ``scale``.
-
-    So ``d(scale * loss)`` joins the parameter gradients whenever anything downstream of
-    ``out`` is backpropagated.
-    """
+    """Identity on ``out``; its backward also gives ``loss`` the gradient ``scale``, so ``d(scale * loss)``
+    joins the parameter gradients whenever anything downstream of ``out`` is backpropagated."""
 
     @staticmethod
     def forward(ctx, out: Tensor, loss: Tensor, scale: float) -> Tensor:
@@ -72,9 +57,8 @@ class MoEStats:
 
 
 def reduce_stats(stats: MoEStats, group: comm.Group) -> MoEStats:
-    """``stats`` of every rank of ``group`` (each with distinct tokens) in one: counts summed, losses
-    averaged, the dropped fraction recomputed from the sums. One all-reduce; for logging. The
-    traffic matrix is already agreed over the EP group and is kept as it is."""
+    """``stats`` of every rank of ``group`` (each with distinct tokens) in one all-reduce: counts summed,
+    losses averaged, the dropped fraction recomputed (the traffic is already agreed over EP)."""
     if group is None:
         return stats
     E = stats.kept_per_expert.numel()
@@ -91,8 +75,7 @@ def reduce_stats(stats: MoEStats, group: comm.Group) -> MoEStats:
 
 
 class StatsSum:
-    """The ``MoEStats`` of several forwards of one layer added up (tensors stay on the device, no
-    host sync): counts and the traffic matrix summed, losses averaged by ``as_stats()``. What a
+    """The ``MoEStats`` of several forwards of one layer added up on the device (no host sync): what a
     logger or a load tracker keeps between its reads of ``last_stats``."""
 
     def __init__(self) -> None:
@@ -119,8 +102,7 @@ class StatsSum:
         self.capacity = stats.capacity
 
     def as_stats(self) -> MoEStats:
-        """The sums as one ``MoEStats`` (losses: the mean over the forwards; the dropped fraction
-        is left to ``reduce_stats``, which recomputes it from the counts)."""
+        """The sums as one ``MoEStats`` (losses averaged; the dropped fraction left to ``reduce_stats``)."""
         return MoEStats(kept_per_expert=self.kept, routed_per_expert=self.routed, dropped_fraction=torch.zeros(()),
                         balance_loss=(self.balance / self.forwards).float(), z_loss=(self.z / self.forwards).float(),
                         capacity=self.capacity, traffic_PE=self.traffic)
@@ -137,11 +119,8 @@ def _check_sizes(config: MoEConfig, parallel: LayerParallelism) -> None:
 
 
 class MoELayer(nn.Module):
-    """A Mixture-of-Experts MLP. ``seed`` makes the init deterministic and layout independent
-    (expert and expert-tensor shards are slices of the single-process weights). ``placement``
-    [E]: the slot of every expert (``GroupedExperts``; default: expert e in slot e); changing it
-    during training means moving the weights with it (``placement/``).
-    """
+    """A Mixture-of-Experts MLP (module docstring). ``seed`` makes the init deterministic and layout
+    independent; ``placement`` [E]: the slot of every expert (default: expert e in slot e)."""
 
     def __init__(self, config: MoEConfig, hidden_size: int, ffn_hidden_size: int,
                  groups: Optional["ProcessGroups"] = None, *,
@@ -182,12 +161,8 @@ class MoELayer(nn.Module):
 
     def forward(self, hidden_SBH: Tensor, noise: Optional[RouterNoise] = None,
                 document_T: Optional[Tensor] = None) -> tuple[Tensor, None]:
-        """Route, dispatch, experts, combine (docs/moe_layer.md). ``hidden_SBH``: [S, B, H], or this TP
-        rank's [S/tp, B, H] share with sequence parallelism. ``noise`` replays given random numbers
-        for the replica's S*B tokens (``Router.forward``); by default the router draws its own.
-        ``document_T`` [T] integers, one per row of ``hidden_SBH.reshape(-1, H)``: the token's
-        document, -1 padding (not routed, zero output rows); None: every token real.
-        """
+        """Route, dispatch, experts, combine ``hidden_SBH`` [S, B, H] (under SP this rank's share);
+        ``noise``: given random numbers; ``document_T`` [T]: each row's document, -1 padding."""
         if hidden_SBH.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE layer input has hidden size {hidden_SBH.shape[-1]}, expected {self.hidden_size}")
         x_TH, whole_T, real_T = self._tokens(hidden_SBH, document_T)
@@ -219,8 +194,7 @@ class MoELayer(nn.Module):
 
     def _tokens(self, hidden_SBH: Tensor, document_T: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor],
                                                                                  Optional[Tensor]]:
-        """(the rows this rank routes [T, H], padding zeroed; the replica's documents, all TP shares;
-        which of my rows are real tokens)."""
+        """(my rows [T, H], padding zeroed; the replica's documents, all TP shares; my real rows)."""
         p = self.parallel
         x_TH = hidden_SBH.reshape(-1, self.hidden_size)
         whole_T = real_T = None
@@ -234,8 +208,7 @@ class MoELayer(nn.Module):
         return x_TH, whole_T, real_T
 
     def _documents(self, document_T: Tensor, x_TH: Tensor) -> tuple[Tensor, Tensor]:
-        """(the replica's documents [all TP shares], those of the rows this rank routes): replicated
-        over TP without SP (cut to the share), all-gathered over TP with it (``parallel.py`` 1)."""
+        """(the replica's documents, all TP shares; those of the rows this rank routes)."""
         if document_T.shape != (x_TH.shape[0],) or document_T.is_floating_point() or document_T.dtype == torch.bool:
             raise ValueError(f"MoE layer document_T must be integer document ids [{x_TH.shape[0]}] (one per input "
                              f"row, -1 for padding); got {document_T.dtype} {list(document_T.shape)}")
@@ -248,9 +221,8 @@ class MoELayer(nn.Module):
         return comm.gather_tokens(ids_T, p.tp), ids_T
 
     def set_shadow(self, expert_ids) -> None:
-        """Shadow these experts (global ids; ``[]``: none; ``shadow.py``). Call it on every EP rank
-        with the same ids, between steps; the model function does not change. The dispatcher is
-        built again (``exchange_factory``: what does not combine raises, nothing changed)."""
+        """Shadow these experts (global ids; ``[]``: none), on every EP rank alike, between steps; the
+        dispatcher is built again (what does not combine raises, nothing changed)."""
         before = self.shadow.expert_ids
         self.shadow.set(expert_ids)
         try:
@@ -261,8 +233,7 @@ class MoELayer(nn.Module):
             raise
 
     def track_traffic(self, what: str) -> None:
-        """``what`` (a load tracker) reads the sender x expert traffic, which only the counts round
-        gives: the dispatcher is built again for it (``exchange_factory``)."""
+        """``what`` (a load tracker) reads the sender x expert traffic: the dispatcher is built again."""
         self.dispatcher, self.exchange = build_dispatcher(self.config, self.parallel, self.shadow, what)
         self.traffic_reader = what
 
@@ -300,16 +271,13 @@ class MoELayer(nn.Module):
         return reduce_stats(self.last_stats, self.parallel.tokens)
 
     def reset_balance_counts(self) -> None:
-        """With ``aux_loss_scope`` global: a new optimizer step starts, the next training forward's
-        balance loss counts only its own load (``balance.py``). Call it after every optimizer step
-        (``moe_plugin.initialize`` does, before the first forward of each step)."""
+        """A new optimizer step starts (``aux_loss_scope`` global; ``moe_plugin.initialize`` calls it)."""
         self.balance.reset()
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:
-        """Aux-loss-free balancing step from the load of the training forwards since the last call,
-        summed over the ranks that route distinct tokens (collective: call it on every rank, after
-        the optimizer step). ``moe_plugin.initialize`` calls it once per step (``integration/step_boundary.py``)."""
+        """Aux-loss-free balancing step from the training forwards' load, summed over the ranks that route
+        distinct tokens (collective, after the optimizer step; ``moe_plugin.initialize`` calls it)."""
         load_E = self.router.load_E.clone()
         if self.parallel.tokens is not None:
             dist.all_reduce(load_E, group=self.parallel.tokens)

@@ -1,11 +1,7 @@
-"""The overlapped schedule: the counts exchange in chunks of local experts, overlapped with the
-experts and the shared expert (FasterMoE's smart scheduling; ``overlap_chunks`` > 1).
-
-Shape suffixes: see ``moe_plugin.layers``; the interface: ``schedule.Schedule``. Every expert sees
-the rows of one exchange in the same order: outputs and gradients are bit-identical to
-``overlap_chunks`` 1. The counts wire format only, without ETP or shadowed experts
-(``exchange_rules.py``). The order of the collectives, forward and backward:
-docs/design/layers_exchange.md.
+"""The overlapped schedule (``overlap_chunks`` > 1, FasterMoE's smart scheduling): the counts exchange
+in chunks of local experts, overlapped with the experts and the shared expert; outputs and gradients
+bit-identical to one exchange. Without ETP or shadowed experts. Shape suffixes: see
+``moe_plugin.layers``; the order of the collectives: docs/design/layers_exchange.md.
 """
 from __future__ import annotations
 
@@ -57,9 +53,8 @@ def chunk_bounds(num_local: int, n: int) -> list[tuple[int, int]]:
 
 
 def chunked(state: Exchange, n: int, send_PL: list[int], recv_PL: list[int], recv_dev_PL: Tensor) -> Chunks:
-    """``state`` cut into ``n`` chunks; ``send_PL`` / ``recv_PL``: the rows to / from each peer
-    per local slot, read on the host in the layer's one sync, ``recv_dev_PL`` [P, L] the latter
-    on the device. No host sync and no host-to-device copy here."""
+    """``state`` cut into ``n`` chunks from the rows to / from each peer per local slot (read at the
+    layer's host sync; ``recv_dev_PL`` on the device). No host sync, no host-to-device copy."""
     P = len(state.send_splits)
     L = len(send_PL) // P
     device = state.plan.kept_D.device
@@ -77,9 +72,8 @@ def chunked(state: Exchange, n: int, send_PL: list[int], recv_PL: list[int], rec
 
 
 class Overlapped:
-    """The chunked schedule of the counts wire format: the exchange in ``chunks`` chunks (module
-    docstring). ``dispatch`` starts every chunk's all-to-all, ``experts`` runs each chunk once its
-    rows arrived and starts its way back, ``back`` waits for them all."""
+    """``dispatch`` starts every chunk's all-to-all, ``experts`` runs each chunk once its rows arrived
+    and starts its way back, ``back`` waits for them all."""
 
     scopes = Scopes(*["moe.overlapped"] * 4)
     overlaps_shared = True

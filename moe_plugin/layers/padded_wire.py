@@ -1,11 +1,8 @@
-"""The padded wire format: capacity blocks with a counts header, one equal all-to-all and no counts
-round (``moe.exchange`` padded).
-
-Shape suffixes: see ``moe_plugin.layers`` (here N counts the rows of a padded buffer); the interface:
-``wire.Wire``. Its outputs and gradients are the counts format's, bit for bit; it learns no sender x
-slot traffic (``traffic_PD`` None). A header the hidden size cannot hold makes a forced padded
-exchange raise and ``auto`` send that batch with counts (``for_batch``, logged once). The blocks and
-their header: docs/design/layers_exchange.md.
+"""The padded wire format (``moe.exchange`` padded): capacity blocks with a counts header, one equal
+all-to-all and no counts round; the counts format's outputs and gradients, bit for bit, but no
+sender x slot traffic. A header the hidden size cannot hold: forced raises, ``auto`` sends that batch
+with counts. Shape suffixes: see ``moe_plugin.layers`` (N: the rows of a padded buffer); the blocks:
+docs/design/layers_exchange.md.
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""How one MoE layer is spread over ranks: its groups, its token split and its gradient factors.
-
-Every number of the layer that depends on the parallel layout is computed here, from
-``groups.layout.sizes``; the layer, the router, the experts and the dispatcher only read a
-``LayerParallelism``. The promises: TP ranks route their replica's micro-batch as one process does
-and never compute the same expert rows twice; the gradients do not depend on the layout; a
-non-finite input makes every rank of the stage raise together. The semantics (numbered 1-7, as
-the properties below) and the gradient derivation: docs/design/layers_parallel.md.
+"""How one MoE layer is spread over ranks: its groups, its token split and its gradient factors,
+computed here and only read elsewhere. The promises: TP ranks route their replica's micro-batch as
+one process does, the gradients do not depend on the layout, a non-finite input makes every rank
+raise together. The semantics (1-7) and the gradient derivation: docs/design/layers_parallel.md.
 """
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""A naive reference MoE: plain Python loops over tokens and their choices. The test oracle.
-
-Written to be obviously right, not fast: one token at a time, GShard's priority rule as a
-literal double loop (all first choices, then all second choices, each in token order), the
-probability drop policy as a per-expert list sorted by (score high to low, that same order),
-every expert applied to one token vector, group_topk as the list of experts a token may choose.
-It shares no code with the layer but the capacity formula (``configs/capacity.py``, exact integer
-arithmetic, so both agree on every slot); it takes the layer's weights by state-dict name and the
-same random numbers (``RouterNoise``).
-
-``group_sizes`` splits the tokens into consecutive GShard groups, each with its own capacity
-and its own losses: each data/expert-parallel rank's local batch is one group. ``document_T``
-names each token's document, -1 padding: a group routes its real tokens alone, in a call of their
-own (as if the padding were not there), and leaves zeros on the padding rows.
+"""A naive reference MoE: plain Python loops over tokens and their choices, the test oracle. Written
+to be obviously right, not fast; it shares no code with the layer but the capacity formula, and takes
+the layer's weights by state-dict name and the same random numbers. docs/design/layers_router.md.
 """
 from __future__ import annotations
 
@@ -71,16 +60,8 @@ def reference_moe(x_TH: Tensor, params: Mapping[str, Tensor], config: MoEConfig,
                   jitter_TH: Optional[Tensor] = None, uniform_T: Optional[Tensor] = None,
                   group_sizes: Optional[Sequence[int]] = None,
                   document_T: Optional[Sequence[int]] = None) -> ReferenceResult:
-    """The MoE layer's output for tokens ``x_TH`` [T, H].
-
-    params: ``router.weight``, ``experts.weight1``, ``experts.weight2`` and optionally
-    ``router.expert_bias``, ``router.bias`` (on the logits), ``experts.bias1/bias2``,
-    ``shared_expert.weight1/weight2/gate_weight``.
-    jitter_TH, uniform_T: the random numbers (one per token, padding included); used only when ``training``.
-    document_T: [T] document ids, -1 padding (module docstring); with aux_loss_scope sequence a
-    group's balance loss is the mean over its documents of each one's own (without them, and in the
-    other scopes, the group's).
-    """
+    """The MoE layer's output for ``x_TH`` [T, H] from its parameters by state-dict name and its random
+    numbers (used when ``training``); ``document_T`` [T]: document ids, -1 padding."""
     T = x_TH.shape[0]
     sizes = list(group_sizes) if group_sizes is not None else [T]
     if sum(sizes) != T:
@@ -117,9 +98,8 @@ def reference_moe(x_TH: Tensor, params: Mapping[str, Tensor], config: MoEConfig,
 
 
 def _allowed_experts(score: list[float], config: MoEConfig) -> list[int]:
-    """The experts a token with selection scores ``score`` may choose: all, or with group_topk M
-    those in its M groups (consecutive ids) with the highest sums of their two best scores (``group_score``
-    max: their best one; softmax: of the probabilities of the scores), equal sums to the lower group."""
+    """The experts a token with selection scores ``score`` may choose: all, or those of its best
+    group_topk groups (consecutive ids), equal group scores to the lower group."""
     E, M = config.num_experts, config.group_topk
     if M is None:
         return list(range(E))

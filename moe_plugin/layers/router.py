@@ -1,39 +1,7 @@
-"""Router: which experts each token goes to, with what gate weight, and which routes fit.
-
-Shape suffixes: see ``moe_plugin.layers``; the options: docs/config.md.
-
-``Router`` owns the gate weight ``weight`` [E, H] (and with ``router_logit_bias``, GPT-OSS's, a learned
-``bias`` [E] added to the logits), the aux-loss-free balancing bias ``expert_bias`` [E] and a
-``torch.Generator``. Its work is done by ``route``, a pure function of
-the fp32 logits and explicitly passed random numbers (``RouterNoise``), so a test oracle can
-replay the very same routing. Rules (GShard, arXiv 2006.16668; Switch Transformer):
-
-* kinds: ``gshard`` top-2, gates renormalised, the 2nd route kept only when ``2 * g2 > U(0, 1)``
-  (``second_expert_policy`` random, training only); ``switch`` top-1, the raw probability as gate; ``topk`` any
-  k, gates renormalised when ``normalize_gates``.
-* scores: softmax over the experts or (DeepSeek-V3, topk only) each expert's sigmoid. Expert
-  choice uses ``logits + expert_bias`` (sigmoid: ``scores + expert_bias``), ties to the lower
-  expert index (``top_k_experts``), within a token's best ``group_topk`` of ``router_groups``
-  groups (``limit_to_groups``); gates are the unbiased scores, times ``gate_scale`` after random
-  routing and drop ranking.
-* capacity ``C = max(min_capacity, ceil(capacity_factor * k * T / E))`` per expert, exact
-  (``configs/capacity.py``); none when ``drop_tokens`` is false. T counts real tokens only. Slots go (``drop_policy``
-  position) to all first choices before any second choice, earlier tokens first, or
-  (probability) to the highest unnormalised scores, equal ones in that order; a route past
-  capacity is dropped: its token keeps only the residual from that expert.
-* balance loss ``E * sum_e f_e * P_e`` (``balance_terms``; over which tokens: ``balance.py``),
-  exactly 1.0 when either is uniform; z-loss ``mean_t logsumexp(logits_t)^2``; both unweighted.
-* padding (``real_T`` false): no routes, no load, no capacity, nothing in either loss; the
-  capacity of the real tokens is then a device number (``capacity_of``), read at the host sync.
-* placement: ``slot_E[e]`` is the slot of expert e (``placement/``); kept routes are listed by
-  slot, so a dispatcher sends slot ranges to ranks. Capacity and priority are per expert: the
-  routing does not depend on the placement.
-
-In a parallel layer (``parallel.py`` 1, 6, 7) a TP rank routes its replica's whole micro-batch
-from the logits all-gathered over ``share_group`` and keeps its own tokens' routes
-(``route(own=...)``). No host sync: ``Router.forward`` returns a plan that lists every route, the
-kept ones first, and a pending ``FiniteCheck``; the dispatcher reads both at the layer's one host
-sync and cuts the plan (``RoutingPlan.kept``). ``route`` called on its own does that itself.
+"""Router: which experts each token goes to, with what gate weight, and which routes fit. ``route`` is
+a pure function of the fp32 logits and explicitly passed random numbers, so an oracle can replay it.
+No host sync: the plan lists every route, the kept ones first, by slot, with a pending finite check.
+Shape suffixes: see ``moe_plugin.layers``; the rules: docs/design/layers_router.md.
 """
 from __future__ import annotations
 
@@ -55,51 +23,30 @@ NOISE_STREAM = 4   # seed stream of the router's noise; index: the rank's DP rep
 
 @dataclass(frozen=True)
 class RouterNoise:
-    """The random numbers of one training forward, drawn in this order.
+    """The random numbers of one training forward, drawn in this order (None: not drawn)."""
 
-    jitter_TH: multiplicative ``U(1-eps, 1+eps)`` on the router input, or None.
-    uniform_T: ``U(0, 1)`` for GShard random routing of the 2nd expert, or None.
-    """
-
-    jitter_TH: Optional[Tensor] = None
-    uniform_T: Optional[Tensor] = None
+    jitter_TH: Optional[Tensor] = None   # multiplicative U(1 - eps, 1 + eps) on the router input
+    uniform_T: Optional[Tensor] = None   # U(0, 1) for GShard's random routing of the 2nd expert
 
 
 @dataclass(frozen=True)
 class RoutingPlan:
-    """One batch's routing, built by argsort (never a dense [T, E, C] tensor).
-
-    A route is ``(choice j, token t)`` with id ``j * T + t`` -- position order. Kept routes
-    are listed sorted by expert slot (placement order), within a slot in the drop policy's order.
-    Only routing: what a dispatcher adds per batch is its own state (``dispatcher.py``).
-
-    route_R: route id of each kept route.            token_R: its token (``route_R % T``).
-    gate_R: its gate weight (fp32, differentiable).  kept_D: kept routes per slot (dispatch order).
-    kept_E: kept routes per expert (expert id order; ``kept_D`` itself without a placement).
-    routed_E: routes per expert before capacity (after random routing): the load.
-    capacity: per-expert capacity on the host, None when dropless or while ``capacity_1`` is unread.
-    balance_loss, z_loss: fp32 scalars, unweighted, differentiable.
-    capacity_1: [1] the capacity of the real tokens on the device, until the host sync reads it.
-    block_capacity: the capacity of all T tokens, padding included: no slot of a batch of T tokens
-    keeps more on any rank; fixed-size blocks hold it (``padded.py``). ``capacity`` without padding.
-
-    A plan of ``route(..., deferred=True)`` lists every route in ``route_R``, ``token_R`` and
-    ``gate_R``, the kept ones first, in the order above: ``kept(n)`` cuts it to the kept ones.
-    """
+    """One batch's routing, built by argsort: route ``(choice j, token t)`` has id ``j * T + t``; kept
+    routes listed by expert slot, then in the drop policy's order (docs/design/layers_router.md)."""
 
     num_tokens: int
     k: int
-    route_R: Tensor
-    token_R: Tensor
-    gate_R: Tensor
-    kept_E: Tensor
-    routed_E: Tensor
-    capacity: Optional[int]
-    balance_loss: Tensor
+    route_R: Tensor                       # route id of each kept route
+    token_R: Tensor                       # its token (route_R % T)
+    gate_R: Tensor                        # its gate weight (fp32, differentiable)
+    kept_E: Tensor                        # kept routes per expert (expert id order)
+    routed_E: Tensor                      # routes per expert before capacity (after random routing): the load
+    capacity: Optional[int]               # on the host; None when dropless or while capacity_1 is unread
+    balance_loss: Tensor                  # fp32 scalars, unweighted, differentiable
     z_loss: Tensor
-    kept_D: Tensor
-    capacity_1: Optional[Tensor] = None
-    block_capacity: Optional[int] = None
+    kept_D: Tensor                        # kept routes per slot (dispatch order)
+    capacity_1: Optional[Tensor] = None   # [1] the real tokens' capacity on the device, until the host sync
+    block_capacity: Optional[int] = None  # the capacity of all T tokens, padding included (padded blocks)
 
     @property
     def num_experts(self) -> int:
@@ -115,8 +62,7 @@ class RoutingPlan:
                        gate_R=plan.gate_R[:num_kept])
 
     def slot_R(self) -> Tensor:
-        """The slot of each listed route, once the plan lists its kept routes only (``kept``):
-        route r of the slot-sorted list lies in slot s while ``kept_D`` up to s covers it."""
+        """The slot of each listed route, once the plan lists its kept routes only (``kept``)."""
         slots_D = torch.arange(self.kept_D.numel(), device=self.kept_D.device)
         return torch.repeat_interleave(slots_D, self.kept_D, output_size=self.route_R.numel())
 
@@ -128,17 +74,8 @@ class RoutingPlan:
 
 
 class FiniteCheck:
-    """The finite check of one forward's [T, E] logits, agreed over ``group`` without blocking
-    (``parallel.py`` 7).
-
-    The flags (one int32 per rank, 1 where the logits are not finite) are gathered asynchronously
-    in one all-to-all round (a ring all-reduce takes ``2 * (ranks - 1)`` dependent steps) and read
-    at the caller's one host sync (``flags``, then ``verdict``): every rank raises, naming the bad
-    ranks, rather than the healthy ones waiting forever in the next collective. A plan made from
-    bad logits is well formed (indices in range, NaN gates), so routing goes on while the verdict
-    travels, as long as nothing leaves the rank before it. With ``group`` None the verdict is this
-    rank's alone: ``bad_1`` is what a dispatcher's exchange can carry (``ep_dispatcher.flag_rides``).
-    """
+    """The finite check of one forward's logits, agreed over ``group`` without blocking and read at the
+    caller's host sync (``flags``, ``verdict``): every rank raises together. ``bad_1``: this rank's flag."""
 
     def __init__(self, logits_TE: Tensor, group: comm.Group = None):
         self.bad_1 = (~torch.isfinite(logits_TE).all()).reshape(1).to(torch.int32)
@@ -173,11 +110,8 @@ class FiniteCheck:
 
 
 def top_k_experts(choice_TE: Tensor, k: int) -> Tensor:
-    """The k largest of each row, largest first, equal values in lower-index-first order: what a
-    stable descending sort gives, without a host sync and at about the cost of ``torch.topk``
-    (which promises nothing about ties): k rounds of ``argmax``, which returns the first of equal
-    maxima, each round masking its pick with -inf. Exact for rows with at least k values above
-    -inf (any finite logits; non-finite ones make the layer raise, see ``FiniteCheck``)."""
+    """The k largest of each row, largest first, equal values lower index first (a stable descending
+    sort's order; ``torch.topk`` promises nothing about ties): k rounds of ``argmax``."""
     picks, work_TE = [], choice_TE
     for j in range(k):
         picks.append(work_TE.argmax(-1, keepdim=True))
@@ -187,9 +121,7 @@ def top_k_experts(choice_TE: Tensor, k: int) -> Tensor:
 
 
 def stable_partition(index_X: Tensor, first_X: Tensor) -> Tensor:
-    """``index_X`` with its entries where ``first_X`` is true moved to the front, both parts in
-    their order: ``index_X[first_X.nonzero()]`` and the rest after it, without a host sync (the
-    sizes are the caller's to know)."""
+    """``index_X`` with its entries where ``first_X`` moved to the front, both parts in order; no host sync."""
     before_X = torch.cumsum(first_X, 0)          # entries that go first, up to and including each
     i_X = torch.arange(index_X.numel(), device=index_X.device)
     dest_X = torch.where(first_X, before_X - 1, before_X[-1:] + i_X - before_X)
@@ -197,18 +129,14 @@ def stable_partition(index_X: Tensor, first_X: Tensor) -> Tensor:
 
 
 def count_values(index_X: Tensor, n: int) -> Tensor:
-    """``torch.bincount(index_X, minlength=n)`` for values below ``n``, without the host sync
-    of bincount on CUDA (it reads the largest value to size its result)."""
+    """``torch.bincount(index_X, minlength=n)`` for values below ``n``, without bincount's host sync on CUDA."""
     return torch.zeros(n, dtype=torch.long, device=index_X.device).index_add_(0, index_X, torch.ones_like(index_X))
 
 
 def limit_to_groups(choice_TE: Tensor, groups: int, m: int, per_group: int = 2,
                     group_score_TE: Optional[Tensor] = None) -> Tensor:
-    """``choice_TE`` with -inf for every expert outside each token's best ``m`` of ``groups`` groups
-    (group g: expert ids ``g * E/groups`` up to ``(g + 1) * E/groups``). A group's score is the sum
-    of its ``per_group`` largest ``group_score_TE`` values (default ``choice_TE``; 2: DeepSeek-V3, 1: its
-    largest, DeepSeek-V2; at most the group's size); equal group scores go to the lower group index,
-    as in ``top_k_experts``."""
+    """``choice_TE`` with -inf for every expert outside each token's best ``m`` of ``groups`` groups of
+    consecutive ids, a group scored by the sum of its ``per_group`` largest ``group_score_TE`` values."""
     T, E = choice_TE.shape
     group_score_TGN = (choice_TE if group_score_TE is None else group_score_TE).reshape(T, groups, E // groups)
     score_TG = group_score_TGN.topk(min(per_group, E // groups), dim=-1).values.sum(-1)
@@ -220,12 +148,8 @@ def limit_to_groups(choice_TE: Tensor, groups: int, m: int, per_group: int = 2,
 def choose(logits_TE: Tensor, *, score: str, k: int, normalize: bool, expert_bias_E: Optional[Tensor] = None,
            group_limit: Optional[tuple[int, ...]] = None,
            bias_on: Optional[str] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Each token's k experts and their gates, and every expert's score: ``(expert_TK, gate_TK,
-    scores_TE)``. ``score``: softmax or sigmoid; gates are the chosen unbiased scores, divided by
-    their sum when ``normalize``; the choice adds the bias to the logits (softmax) or scores
-    (sigmoid, or ``bias_on`` "scores").
-    ``group_limit`` ``(G, M[, n])``: the k experts come from the token's best M of G groups, ranked on
-    the biased choice values (softmax: their probabilities; ``limit_to_groups``)."""
+    """``(expert_TK, gate_TK, scores_TE)``: each token's k experts, their gates (unbiased scores) and every
+    expert's score; the bias joins the logits (softmax) or the scores (sigmoid, ``bias_on`` "scores")."""
     scores_TE = F.softmax(logits_TE, dim=-1) if score == "softmax" else torch.sigmoid(logits_TE)
     on_logits = score == "softmax" and bias_on != "scores"
     choice_TE = (logits_TE if on_logits else scores_TE).detach()
@@ -242,8 +166,7 @@ def choose(logits_TE: Tensor, *, score: str, k: int, normalize: bool, expert_bia
 
 
 def priority_order(key_R: Tensor, score_R: Optional[Tensor]) -> Tensor:
-    """Routes sorted by ``key_R`` (slot), within a key by route id, or, given ``score_R``, by
-    score, highest first, equal scores by route id: two stable sorts, no host sync."""
+    """Routes sorted by ``key_R`` (slot), within a key by route id or, given ``score_R``, by score."""
     if score_R is None:
         return torch.argsort(key_R, stable=True)
     by_score_R = torch.argsort(score_R, descending=True, stable=True)
@@ -251,25 +174,21 @@ def priority_order(key_R: Tensor, score_R: Optional[Tensor]) -> Tensor:
 
 
 def balance_terms(score: str, expert_TK: Tensor, scores_TE: Tensor) -> tuple[Tensor, Tensor]:
-    """What the balance loss counts and what it averages: ``(counted_TX, share_TE)``. Softmax
-    (GShard): the first choices [T, 1] and the probabilities; sigmoid (DeepSeek-V3): all k choices
-    and each score divided by its token's sum of scores."""
+    """``(counted_TX, share_TE)``: what the balance loss counts and averages (softmax: first choices
+    and probabilities; sigmoid: all k choices and each token's score shares)."""
     if score == "softmax":
         return expert_TK[:, :1], scores_TE
     return expert_TK, scores_TE / scores_TE.sum(dim=-1, keepdim=True)
 
 
 def real_terms(counted_TX: Tensor, share_TE: Tensor, real_T: Tensor) -> tuple[Tensor, Tensor]:
-    """``balance_terms`` with padding taken out: its counted choices become E (a bucket past the
-    experts, ``count_values(..., E + 1)``) and its shares 0."""
+    """``balance_terms`` with padding taken out: its choices counted in a bucket E, its shares 0."""
     E = share_TE.shape[1]
     return torch.where(real_T[:, None], counted_TX, E), torch.where(real_T[:, None], share_TE, 0.0)
 
 
 def balance_loss(score: str, expert_TK: Tensor, scores_TE: Tensor, real_T: Optional[Tensor] = None) -> Tensor:
-    """``E * sum_e f_e * P_e`` over this batch's real tokens (all, or where ``real_T``; module
-    docstring; aux_loss_scope micro_batch): ``f_e`` the fraction of the counted choices that choose
-    e, ``P_e`` the mean share of e (``balance_terms``). The other scopes: ``balance.py``."""
+    """``E * sum_e f_e * P_e`` over this batch's real tokens (micro_batch scope; the others: ``balance.py``)."""
     counted_TX, share_TE = balance_terms(score, expert_TK, scores_TE)
     T, E = share_TE.shape
     if real_T is None:
@@ -282,8 +201,7 @@ def balance_loss(score: str, expert_TK: Tensor, scores_TE: Tensor, real_T: Optio
 
 
 def capacity_of(count_1: Tensor, num_experts: int, k: int, capacity_factor, min_capacity: int) -> Tensor:
-    """``expert_capacity`` of a token count on the device ([1] integers; no host sync), exactly:
-    ``ceil(p * k * n / (q * E))`` for the factor's exact fraction ``p / q``."""
+    """``expert_capacity`` of a token count on the device ([1]; no host sync), exactly."""
     factor = exact_factor(capacity_factor)
     num, den = factor.numerator * int(k), factor.denominator * int(num_experts)
     return ((count_1.long() * num + (den - 1)) // den).clamp(min=int(min_capacity))
@@ -296,25 +214,9 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
           group_limit: Optional[tuple[int, ...]] = None, own: Optional[tuple[int, int]] = None,
           real_T: Optional[Tensor] = None, real_capacity_1: Optional[Tensor] = None,
           bias_on: Optional[str] = None) -> RoutingPlan:
-    """The routing plan for fp32 ``logits_TE``.
-
-    ``uniform_T`` switches on GShard random routing of the 2nd choice (kind gshard only).
-    ``normalize`` renormalises the k gates of a token to sum 1 (gshard always does).
-    ``score``, ``scale``, ``drop_policy``: the config's score_function, gate_scale, drop_policy.
-    ``balance(score, expert_TK, scores_TE)`` forms the balance loss (the layer's aux_loss_scope).
-    ``group_limit``: ``(router_groups, group_topk, n)`` (``MoEConfig.group_limit``), by expert id.
-    ``slot_E``: the placement, a permutation of the expert ids (None: slot e is expert e).
-    ``deferred``: the caller checks the logits and cuts the plan at its host sync (module
-    docstring); by default both happen here, at once.
-    ``own`` ``(first, n)``: all T tokens are one GShard group (capacity, priority, losses), but
-    the plan lists only the routes of tokens ``first .. first + n - 1``, as a plan of those n
-    tokens (token and route ids relative to ``first``; ``kept_E``, ``routed_E`` count them
-    only). A tensor-parallel layer routes its replica this way (``parallel.py`` 1).
-    ``real_T`` [T] bool: false on padding, which makes no route (as a dropped 2nd choice) and counts
-    in neither the load nor the z-loss (``balance`` must leave it out too: ``balance.py``).
-    ``real_capacity_1`` [1]: the real tokens' capacity on the device (``capacity_of``), which then
-    limits the slots; ``capacity``, that of all T, stays the plan's ``block_capacity``.
-    """
+    """The routing plan for fp32 ``logits_TE``. ``deferred``: the caller checks the logits and cuts the
+    plan at its host sync; ``own`` ``(first, n)``: all T tokens one GShard group, the plan that of tokens
+    ``first ..`` (TP); ``real_T`` false on padding. The options: docs/design/layers_router.md."""
     T, E = logits_TE.shape
     expert_TK, gate_TK, scores_TE = choose(logits_TE, score=score, k=k, normalize=normalize or kind == "gshard",
                                            expert_bias_E=expert_bias_E, group_limit=group_limit, bias_on=bias_on)
@@ -378,13 +280,8 @@ def route(logits_TE: Tensor, *, kind: str, k: int, normalize: bool, capacity: Op
 
 
 class Router(nn.Module):
-    """The gate of one MoE layer. ``forward(x_TH, noise=None) -> (RoutingPlan, FiniteCheck)``.
-
-    ``seed`` seeds the weight init (the same on every rank) and, with ``noise_index`` (the DP
-    replica's index), the noise generator. ``grad_group``: the weight's gradient is summed over it
-    (TP). ``check_group``: the finite check is agreed over it (``FiniteCheck``). ``share_group``:
-    the ranks that hold the other shares of the micro-batch, in token order (TP).
-    """
+    """The gate of one MoE layer: ``forward(x_TH, noise=None) -> (RoutingPlan, FiniteCheck)``; the groups:
+    gradient sum (``grad_group``), finite check (``check_group``), the micro-batch's shares (``share_group``)."""
 
     def __init__(self, config: MoEConfig, hidden_size: int, *, seed: int = 0, init_std: float = 0.02,
                  noise_index: int = 0, grad_group: comm.Group = None, check_group: comm.Group = None,
@@ -402,8 +299,7 @@ class Router(nn.Module):
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def capacity(self, num_tokens: int | Tensor) -> Optional[int | Tensor]:
-        """Per-expert capacity for ``num_tokens`` tokens in the current (train/eval) mode; of a
-        count on the device ([1]), on the device (``capacity_of``)."""
+        """Per-expert capacity for ``num_tokens`` tokens in the current mode (a device count: on the device)."""
         if not self.config.drop_tokens:
             return None
         c = self.config
@@ -442,12 +338,8 @@ class Router(nn.Module):
 
     def forward(self, x_TH: Tensor, noise: Optional[RouterNoise] = None, slot_E: Optional[Tensor] = None,
                 balance=balance_loss, real_T: Optional[Tensor] = None) -> tuple[RoutingPlan, FiniteCheck]:
-        """Route ``x_TH`` (this rank's share of the micro-batch with a ``share_group``). In training
-        ``noise`` (for the whole micro-batch: jitter [T, H], of which the share's rows apply, and
-        U(0, 1) [T]) defaults to a fresh draw; eval uses none. ``slot_E``, ``balance``: the layer's
-        placement and balance loss (``route``); ``real_T`` [T]: the whole micro-batch's real tokens
-        (None: all), the capacity theirs. The plan and the pending check: module docstring; the
-        caller calls ``record_load`` once the plan is checked."""
+        """Route ``x_TH`` (this rank's share); ``noise`` for the whole micro-batch, drawn in training by
+        default; ``real_T``: its real tokens. The caller calls ``record_load`` once the plan is checked."""
         n = x_TH.shape[0]
         shares, me = comm.group_size(self.share_group), comm.group_rank(self.share_group)
         T = n * shares                     # the micro-batch: my share and those of ``share_group``
@@ -480,13 +372,8 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def update_bias(self, load_E: Optional[Tensor] = None) -> None:
-        """Aux-loss-free balancing step: ``bias += rate * sign(mean(load) - load)``.
-
-        ``load_E`` defaults to the load accumulated by training forwards since the last call;
-        a distributed caller all-reduces that (``router.load_E``) first and passes the sum.
-        Call it after the optimizer step, not inside forward: a bias changed between a forward
-        and its activation recomputation would route the recomputation differently.
-        """
+        """Aux-loss-free balancing step ``bias += rate * sign(mean(load) - load)``, from ``load_E`` (default:
+        the training forwards' load since the last call). After the optimizer step, never in forward."""
         if load_E is None:
             load_E = self.load_E
         load_E = load_E.to(self.expert_bias).float()

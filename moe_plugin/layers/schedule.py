@@ -1,9 +1,6 @@
-"""The schedule's interface: when the rows cross, the experts run on them and the outputs come back.
-
-Shape suffixes: see ``moe_plugin.layers``. Implementations: ``OneExchange`` here (every row out,
-the experts, every row back) and ``overlapped.Overlapped`` (the exchange in chunks, overlapped with
-the experts and the shared expert). The dispatcher runs a schedule's steps in the layer's order:
-``dispatch``, ``experts``, ``back`` (the combine's first half).
+"""The schedule's interface: when the rows cross, the experts run and the outputs come back.
+``OneExchange`` here, ``overlapped.Overlapped`` (chunks); the dispatcher runs ``dispatch``,
+``experts`` and ``back`` in the layer's order. Shape suffixes: see ``moe_plugin.layers``.
 """
 from __future__ import annotations
 

@@ -1,26 +1,7 @@
-"""Shadow experts (FasterMoE's hot-expert replication): a few experts computed where the tokens are.
-
-Shape suffixes: see ``moe_plugin.layers`` (the shadowed experts are a subset of the slots: D).
-
-A shadowed expert keeps its one owner (the EP rank whose slot holds it) and its one set of
-parameters and optimizer state there. ``ShadowExperts`` holds which experts are shadowed (the
-same on every EP rank, ``MoELayer.set_shadow``) and runs the copies; ``Shadowing`` is the
-transform of the routing plan that the dispatcher applies around its exchange. Per forward:
-
-1. ``Shadowing.before``, ``split``: the routes to shadowed experts stay out of the exchange
-   (``CountsWire.sizes(..., held_D)``; the load record still counts them).
-2. ``ShadowWeights``: every EP rank gets the shadowed experts' weights (and biases) in one all-reduce
-   over EP of a [D, H*F1 + F*H (+ F1 + H)] buffer in which each owner fills its rows (the others add exact zeros:
-   the copies are bit-identical to the owner's weights).
-3. Every EP rank runs its own tokens' routes to them through the copies (``GroupedExperts.ffn``).
-4. ``Shadowing.combine`` takes both row sets; each token's routes are found by route id and
-   summed in the same order: the output without shadowing, up to the rounding of the GEMMs.
-5. Backward of 2: the copies' gradients are all-reduced over EP and each owner adds its rows: its
-   ``.grad`` is the exchange path's sum (up to the order of the additions).
-
-Capacity and dropping are the router's, before any of this: shadowing moves where a kept route is
-computed, never whether it is kept. Only without expert tensor parallelism. Not done: overlapping
-the weights' all-reduce with the all-to-all; one reduce per owner in backward.
+"""Shadow experts (FasterMoE's hot-expert replication): a few experts computed where the tokens are,
+from bit-identical copies of their one owner's weights (one all-reduce); the owner's ``.grad`` gets
+the copies' gradients. Shadowing moves where a kept route is computed, never whether it is kept;
+only without ETP. Shape suffixes: see ``moe_plugin.layers``; the steps: docs/design/layers_exchange.md.
 """
 from __future__ import annotations
 
@@ -61,14 +42,8 @@ class Held:
 
 
 class ShadowWeights(torch.autograd.Function):
-    """Forward: the D shadowed experts' stacked tensors (weights, and biases where the experts have
-    them) on every rank of ``group`` (module docstring, 2). Backward: their gradients summed over
-    ``group``; the owner gets its rows (5).
-
-    ``slot_X`` [D]: the shadowed experts' slots on the device; this rank owns slots
-    ``[first_slot, first_slot + L)``, and ``owns`` says whether any of them is shadowed (known
-    on the host). Which rows are this rank's is found on the device: no index list is copied
-    to it. ``stacked``: the tensors [L, ...], in one buffer of D rows."""
+    """Forward: the shadowed experts' stacked tensors on every rank of ``group`` (one all-reduce each
+    owner fills); backward: their gradients summed, the owner's rows to it."""
 
     @staticmethod
     def forward(ctx, slot_X: Tensor, first_slot: int, owns: bool, group: Optional[dist.ProcessGroup],
@@ -107,8 +82,8 @@ class ShadowWeights(torch.autograd.Function):
 
 
 class ShadowExperts:
-    """The shadowed experts of one layer, next to its ``GroupedExperts`` (``experts``): their ids
-    (scheduling state, not saved) and their copies, fetched from the owners over ``group``."""
+    """The shadowed experts of one layer, next to its ``GroupedExperts``: their ids (not saved) and
+    their copies, fetched from the owners over ``group``."""
 
     def __init__(self, experts: "GroupedExperts", group: Optional[dist.ProcessGroup]):
         self.experts = experts
@@ -137,8 +112,7 @@ class ShadowExperts:
         return shadow_D, slot_X
 
     def __call__(self, x_TH: Tensor, routes: ShadowRoutes) -> Tensor:
-        """The rows ``routes`` of this rank's tokens through copies of the shadowed experts'
-        weights, fetched from their owners (module docstring, 2-3) -> [R, H]."""
+        """The rows ``routes`` of this rank's tokens through copies of the shadowed experts -> [R, H]."""
         e = self.experts
         owns = any(e.first_slot <= s < e.first_slot + e.num_local for s in routes.slots.host)
         copies = ShadowWeights.apply(routes.slots.device, e.first_slot, owns, self.group,
@@ -147,10 +121,8 @@ class ShadowExperts:
 
 
 class Shadowing:
-    """Shadow experts as a transform of the routing plan (module docstring): ``before`` the
-    exchange the shadowed slots and this rank's routes to them join the host sync, ``split``
-    takes those routes out of the plan the wire format sends, and ``combine`` adds their rows,
-    computed here, to the exchanged ones."""
+    """Shadow experts as a transform of the routing plan: ``before`` the host sync, ``split`` the
+    shadowed routes out of the plan the wire format sends, ``combine`` their rows, computed here."""
 
     def __init__(self, shadow: ShadowExperts):
         self.shadow = shadow
@@ -160,8 +132,7 @@ class Shadowing:
         return Held(shadow_D, sync.add(slot_X), sync.add(plan.kept_D[slot_X]))
 
     def split(self, plan: RoutingPlan, held: Held) -> tuple[RoutingPlan, ShadowRoutes]:
-        """After the host sync, ``plan`` (kept routes sorted by slot) -> the plan of the exchanged
-        routes (``kept_D`` zero at shadowed slots) and the routes kept here. No host sync."""
+        """After the host sync: (the plan of the exchanged routes, the routes kept here). No host sync."""
         slot_R, n = plan.slot_R(), sum(held.counts.host)
         order_R = stable_partition(torch.arange(slot_R.numel(), device=slot_R.device), held.shadow_D[slot_R])
         shadowed_R, exchanged_R = order_R[:n], order_R[n:]
@@ -173,8 +144,7 @@ class Shadowing:
         return exchanged, routes
 
     def combine(self, y_RH: Tensor, state) -> Tensor:
-        """One combine over the exchanged rows (back in kept-route order) and the shadowed routes'
-        rows (``state``: the dispatcher's ``Exchange``, its routes to shadowed experts ``held``)."""
+        """One combine over the exchanged rows and the shadowed routes' rows (``state.held``)."""
         ex, sh = state.plan, state.held
         y_shadow_RH = self.shadow(state.x_TH, sh)
         return gate_combine(torch.cat([y_RH, y_shadow_RH]), torch.cat([ex.gate_R, sh.gate_R]),

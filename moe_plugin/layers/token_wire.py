@@ -1,11 +1,7 @@
-"""The token wire format: each token sent once per destination EP rank, with the mask of its slots
-there (``moe.exchange`` token).
-
-Shape suffixes: see ``moe_plugin.layers``; U the unique (destination rank, token) rows, X in
-``mask_XY`` the (rank, token) pairs plus one spare row, Y the mask columns, X in ``send_UX`` the row
-width H + Y. The interface: ``wire.Wire``. The experts see the rows of the counts format in (sender,
-token) order within an expert: the same outputs, the weight gradients equal to rounding. The masks
-and the way back: docs/design/layers_exchange.md.
+"""The token wire format (``moe.exchange`` token): each token sent once per destination EP rank with
+the mask of its slots there; the counts format's outputs, the weight gradients equal to rounding.
+Shape suffixes: see ``moe_plugin.layers``; U the unique (rank, token) rows, X in ``mask_XY`` the pairs
+and a spare row, Y the mask columns, X in ``send_UX`` H + Y. The masks: docs/design/layers_exchange.md.
 """
 from __future__ import annotations
 
@@ -32,14 +28,12 @@ def mask_bits(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class TokenExchange(Exchange):
-    """``Exchange`` with unique rows: ``row_send``/``row_recv`` [P] unique rows to / from each
-    peer (``send_splits``/``recv_splits`` are the routes, for the way back), ``send_UX`` the rows
-    with their mask columns, ``back_R`` the sender's (slot, token) order -> kept-route order."""
+    """``Exchange`` with unique rows (``send_splits`` / ``recv_splits`` count routes, for the way back)."""
 
-    row_send: list[int]
-    row_recv: list[int]
-    send_UX: Tensor
-    back_R: Tensor
+    row_send: list[int]      # [P] unique rows to each peer
+    row_recv: list[int]      # [P] unique rows from each peer
+    send_UX: Tensor          # the rows with their mask columns
+    back_R: Tensor           # the sender's (slot, token) order -> kept-route order
 
 
 @dataclass(eq=False)

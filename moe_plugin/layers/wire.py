@@ -1,9 +1,6 @@
 """The wire format's interface: how one batch's sizes and rows cross to the experts and back.
-
-Shape suffixes: see ``moe_plugin.layers``. Implementations: ``LocalWire`` here (one process, nothing
-crosses), ``counts_wire.CountsWire``, ``padded_wire.PaddedWire``, ``token_wire.TokenWire``. Each keeps
-one batch's state in a frozen ``Dispatch`` (under expert parallelism an ``Exchange``). How they
-work: docs/design/layers_exchange.md.
+``LocalWire`` here (one process), ``counts_wire``, ``padded_wire``, ``token_wire``; a batch's state is
+a frozen ``Dispatch`` (``Exchange`` under EP). Shape suffixes: see ``moe_plugin.layers``.
 """
 from __future__ import annotations
 
