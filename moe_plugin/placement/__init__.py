@@ -1,13 +1,9 @@
 """Load-adaptive expert placement (SmartMoE-style): which EP rank hosts which expert.
 
-* ``trace``: gate traces, the per-step tokens per expert and sender x expert traffic of every
-  MoE layer in a compact binary file (the planner's input).
-* ``tracking``: ``LoadTracker``, every layer's windowed load from the gate (forward hooks).
-* ``policies``: pure placement functions (static, greedy, network-aware, imbalance, align).
-* ``costs``: the cost of an MoE layer under a placement, the collectives it runs and the one
-  switching rule (pure; the planner uses it too).
-* ``controller``: ``PlacementController``, which switches by that rule; with ``replica_budget``
-  it also shadows hot experts (``layers/shadow.py``, ``docs/placement.md``).
+``tracking`` (windowed load from the gate) and ``trace`` (gate traces for the planner), ``policies``
+(pure placement functions), ``costs`` (a layer's cost and the one switching rule, the planner's
+too), ``controller`` (when to switch, what to shadow), ``migration`` (moving expert state),
+``rules`` (which exchanges placement's options allow). docs/placement.md.
 """
 from moe_plugin.placement.controller import PlacementController
 from moe_plugin.placement.costs import CostModel

@@ -1,35 +1,10 @@
-"""Switching: when to give MoE layers a new expert placement, from the tracked load.
+"""Switching: when to give MoE layers a new expert placement, and which experts to shadow.
 
     controller = PlacementController(run, moe_config.placement, lambda p: migrate(run, p), run_dir="run")
-    for step in range(steps):
-        ...                               # forwards, backward, engine.step()
-        controller.step(step)             # every rank; every check_interval steps it checks
+    controller.step(step)          # every rank, after engine.step(); every check_interval steps it checks
 
-Every ``check_interval`` steps, for every MoE layer of the rank's stage: the policy
-(``moe.placement.policy``) proposes a placement from the layer's window load
-(``LoadTracker.window_loads``), relabelled to move as few experts as possible
-(``policies.align``); ``costs.CostModel`` predicts the layer's time per step under the current
-and the proposed placement and ``costs.should_switch`` decides (both stated in ``costs.py``),
-with the migration at ``moved_bytes(now -> new) * migration_seconds_per_byte``. All layers that
-switch at a check go to one ``migrate_fn`` call. ``CostModel.fit`` calibrates
-``seconds_per_route`` from measured layer times (``step(..., layer_seconds=...)``);
-``migration.moved_bytes`` replaces the default estimate (``default_moved_bytes``).
-
-Shadowing (``replica_budget > 0``, EP without ETP; ``layers/shadow.py``), after the placement
-decision and under the placement in effect after it: the candidates are the ``k`` hottest experts
-(by window load, ``k = 0 .. replica_budget``, loaded experts only); the cheapest predicted
-per-step time wins, ties to the smaller set. The layer's set changes iff the winner differs from
-it and ``should_switch`` takes it with no migration (a change moves no state). The load and
-traffic for this are per EP group (the tracked sums over the stage divided by the number of EP
-groups). A change is ``MoELayer.set_shadow`` on every rank of the stage and an
-``"event": "shadow"`` record in the log.
-
-Decisions are the same on every rank of a stage (the window loads are; everything after is
-deterministic). ``migrate_fn`` is collective over the job (``migration.migrate``): with
-pipeline stages one all-reduce over the pipeline group tells every stage whether any stage
-switches, and a stage with nothing to move passes ``{}``. Every check and switch is logged to
-the Python logger ``moe_plugin.placement`` and, with ``run_dir``, to ``placement.jsonl`` there
-(``placement.stage<k>.jsonl`` per pipeline stage), by the stage's first token rank.
+Decisions are the same on every rank of a stage; all switches of a check go to one collective
+``migrate_fn`` call; every check is logged. How: docs/design/placement_switching.md.
 """
 from __future__ import annotations
 
@@ -88,9 +63,7 @@ class Decision:
 
 
 def default_moved_bytes(_name: str, layer: MoELayer, old: Tensor, new: Tensor) -> int:
-    """Experts that change EP rank x one expert's parameters over its ETP shards x (element bytes
-    + ``STATE_BYTES_PER_PARAM``) x its EDP replicas (weights per replica; a rough upper bound of
-    the optimizer state). ``migration.moved_bytes`` with ``expert_bytes`` is the exact one."""
+    """A rough upper bound of the bytes a placement change moves (``migration.moved_bytes``: exact)."""
     x, p = layer.experts, layer.parallel
     params = sum(w[0].numel() for w in (x.weight1, x.weight2)) * p.etp_size
     per_expert = params * (x.weight1.element_size() + STATE_BYTES_PER_PARAM) * p.edp_size
@@ -98,16 +71,9 @@ def default_moved_bytes(_name: str, layer: MoELayer, old: Tensor, new: Tensor) -
 
 
 class PlacementController:
-    """Checks and switches the placement of every MoE layer of ``model`` (module docstring).
-
-    ``model``: the model, or what ``moe_plugin.initialize`` returned (its engine's module and
-    groups are used). ``migrate_fn(new_placements)``: moves the experts, collective over the job,
-    e.g. ``lambda p: migration.migrate(run, p)``. ``tracker``: a ``LoadTracker`` of the model
-    (default: one with ``config.window`` and ``config.trace_file``, relative to ``run_dir``, and
-    ``trace_info`` in the trace's header). ``append_log``: a resumed run; ``placement.jsonl`` and the
-    default tracker's trace are appended to. ``node_of_rank``: the node of each EP rank (default:
-    from the first EP group of the stage and ``config.gpus_per_node``, else ``LOCAL_WORLD_SIZE``).
-    """
+    """Checks and switches the placement of every MoE layer of ``model`` (or of what
+    ``moe_plugin.initialize`` returned); ``migrate_fn(new_placements)`` moves the experts, collective
+    over the job. The arguments: docs/design/placement_switching.md."""
 
     def __init__(self, model: Union[nn.Module, Any], config: PlacementConfig, migrate_fn: MigrateFn, *,
                  tracker: Optional[LoadTracker] = None, cost: CostModel = CostModel(),
@@ -171,9 +137,8 @@ class PlacementController:
 
     # -- per step ----------------------------------------------------------------------------
     def step(self, step: int, layer_seconds: Optional[Mapping[str, float]] = None) -> list[Decision]:
-        """Close step ``step`` (every rank, after the step's forwards): track its load and, every
-        ``check_interval`` steps, check. ``layer_seconds``: measured seconds of each layer's step,
-        logged next to the prediction. Returns the check's decisions ([] between checks)."""
+        """Close step ``step`` (every rank, after its forwards); every ``check_interval`` steps check and
+        return the decisions ([] between checks). ``layer_seconds``: measured, logged beside the prediction."""
         self.tracker.end_step(step)
         for name, seconds in (layer_seconds or {}).items():
             self._measured.setdefault(name, []).append(float(seconds))
@@ -194,7 +159,7 @@ class PlacementController:
         return current
 
     def decide(self, step: int, name: str, load: WindowLoad) -> Decision:
-        """Whether layer ``name`` should switch, by the rule of the module docstring."""
+        """Whether layer ``name`` should switch, by ``costs.should_switch``."""
         layer = self.layers[name]
         current = layer.placement.detach().cpu()
         new = self.propose(name, load)
@@ -223,8 +188,7 @@ class PlacementController:
                         placement=new.tolist() if switch else None, **shadow)
 
     def decide_shadow(self, name: str, load: WindowLoad, placement: Tensor) -> dict:
-        """The shadow-expert fields of a ``Decision`` (empty without ``replica_budget`` or where
-        the layer cannot shadow): the rule of the module docstring."""
+        """The shadow-expert fields of a ``Decision`` (empty without ``replica_budget``)."""
         layer, budget = self.layers[name], self.config.replica_budget
         p = layer.parallel
         if budget == 0 or p.ep_size == 1 or p.etp_size > 1 or load.traffic_PE.shape[0] != p.ep_size:

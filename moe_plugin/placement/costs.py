@@ -1,38 +1,7 @@
-"""Costs of one MoE layer under one expert placement, the collectives it runs, and the switching rule.
-
-Pure (numpy and Python, no process group): the runtime controller (``controller.py``, with the
-runtime's prices ``CostModel``) and the planner (``planner/cost_model.py`` with a
-``ClusterSpec``'s prices, ``planner/simulator.py``) both call it (shape letters: ``layers/__init__.py``).
-
-Per layer, from ``routes_PE[p, e]`` (kept routes of EP rank p's tokens to expert e), the EP rank
-of every expert ``rank_E`` and the shadowed experts ``shadow_E`` (bool [E]):
-
-* compute (``computed_routes``): rank r computes the routes of every sender to its unshadowed
-  experts plus its own routes to every shadowed expert; the busiest rank sets the pace.
-* all-to-all (``exchanged_routes``): a route to an unshadowed expert on another rank leaves its
-  sender and comes back; per rank the larger of routes sent and received, within its node and
-  across nodes apart (each at its own price); the busiest rank again.
-* replication of shadowed experts (``replication_bytes``): the weights' all-reduce over EP in the
-  forward and the gradients' in the backward, ``2 (P-1)/P x N x expert_bytes`` each per rank.
-* migration (``migration_seconds``): bytes x seconds per byte + latency.
-
-Switching rule (``should_switch``), per layer at a check, with ``horizon`` the steps until the
-next check, ``t_now`` / ``t_new`` the layer's predicted seconds per step under the current and the
-proposed placement (or shadow set) and ``migration`` the seconds of the move (0 for a shadow set)::
-
-    saving = (t_now - t_new) * horizon
-    switch iff saving > (1 + min_gain) * migration   and   t_new <= (1 - min_gain) * t_now
-
-``min_gain`` is the config's (``moe.placement.min_gain``): a margin over the migration, and a
-hysteresis -- a switch must buy ``min_gain`` of the layer's time, so switching back needs the load
-to move by about ``2 * min_gain``. The planner's replay once decided all layers together on the
-whole step's time, with a separate ``min_speedup`` (1% of the step) for the second condition;
-it now applies this rule to each layer with the layer's seconds per step, as the runtime does.
-
-Collectives (``moe_layer_collectives``): the ones one MoE layer runs per micro-batch, forward and
-backward, by layout (``layers/``: ``moe_layer.py``, ``ep_dispatcher.py``, ``comm.py``,
-``router.py``, ``shadow.py``); the planner prices exactly this list and
-``tests/test_cost_collectives.py`` counts them in a forward and backward of the layer.
+"""Costs of one MoE layer under one expert placement, the collectives it runs, and the one switching
+rule. Pure (numpy, no process group): the runtime controller and the planner both call it. A new
+placement or shadow set is taken only when it saves more than the move costs (``should_switch``).
+The formulas and the collectives: docs/design/placement_switching.md.
 """
 from __future__ import annotations
 
@@ -90,7 +59,7 @@ def migration_seconds(nbytes: float, seconds_per_byte: float, latency: float = 0
 
 # -- the switching rule ---------------------------------------------------------------------------
 def should_switch(t_now: float, t_new: float, migration: float, horizon: int, min_gain: float) -> tuple[bool, str]:
-    """The rule of the module docstring: (switch, why)."""
+    """The switching rule (docs/design/placement_switching.md): (switch, why)."""
     saving = (t_now - t_new) * horizon
     if saving <= (1 + min_gain) * migration:
         return False, f"saving {saving:.3g}s <= (1 + {min_gain}) x migration {migration:.3g}s"
@@ -121,9 +90,8 @@ class LayerTime:
 
 @dataclass(frozen=True)
 class CostModel:
-    """The runtime controller's prices of an MoE layer step and of a migration. Defaults: a route
-    through an expert FFN (forward and backward) in 0.2 us, 100 GB/s within a node, 12.5 GB/s
-    between nodes, migration at 10 GB/s; replace them by measured values (``fit``)."""
+    """The runtime controller's prices of an MoE layer step and of a migration (defaults: GPU orders
+    of magnitude; ``fit`` calibrates the compute from measured steps)."""
 
     seconds_per_route: float = 2e-7
     seconds_per_byte_intra: float = 1e-11
@@ -132,9 +100,8 @@ class CostModel:
 
     def layer_time(self, traffic_PE, placement, node_of_rank: Sequence[int], bytes_per_route: float,
                    shadow: Sequence[int] = (), expert_bytes: float = 0.0) -> LayerTime:
-        """``traffic_PE``: mean routes per step [P, E]; ``placement``: slots [E]; ``bytes_per_route``:
-        a route's bytes there and back, forward and backward; ``shadow``: the shadowed experts and
-        ``expert_bytes`` the bytes of one expert's weights."""
+        """Seconds per step from the mean routes per step ``traffic_PE`` under ``placement`` (and
+        ``shadow``, with ``expert_bytes`` one expert's weights)."""
         T = np.asarray(traffic_PE, dtype=float)
         P, E = T.shape
         rank_E = np.asarray(placement, dtype=np.int64) // (E // P)
@@ -148,8 +115,7 @@ class CostModel:
         return LayerTime(compute=float(compute), all_to_all=float(seconds.max()), replication=replication)
 
     def fit(self, max_rank_routes: Sequence[float], seconds: Sequence[float]) -> "CostModel":
-        """``seconds_per_route`` by least squares through the origin from measured compute
-        seconds of layer steps and the routes of their busiest rank."""
+        """``seconds_per_route`` fitted to measured compute seconds and their busiest rank's routes."""
         x, y = np.asarray(max_rank_routes, dtype=float), np.asarray(seconds, dtype=float)
         if x.size == 0 or float((x * x).sum()) == 0.0:
             raise ValueError(f"cannot fit seconds_per_route from routes {x.tolist()}: need a nonzero sample")
@@ -159,8 +125,8 @@ class CostModel:
 # -- the collectives of one MoE layer -------------------------------------------------------------
 @dataclass(frozen=True)
 class Collective:
-    """One collective of an MoE layer's micro-batch: ``op`` the torch.distributed call, ``group``
-    one of ``ep``, ``etp``, ``tp``, ``tokens`` (the stage's TP x DP ranks), ``what`` it moves."""
+    """One collective of an MoE layer's micro-batch: the torch.distributed call, its group (``ep``,
+    ``etp``, ``tp``, ``tokens``) and what it moves."""
 
     phase: str      # "forward" or "backward"
     op: str         # "all_to_all_single", "all_gather", "all_reduce"
@@ -171,21 +137,9 @@ class Collective:
 def moe_layer_collectives(tp: int, dp: int, ep: int, etp: int, sequence_parallel: bool = False,
                           shadowed: bool = False, overlap_chunks: int = 1,
                           aux_loss_scope: str = "micro_batch", exchange: str = "counts") -> list[Collective]:
-    """What one MoE layer runs per micro-batch on a rank of a stage with these sizes (a group
-    of size 1 runs nothing). The router's finite flags ride in the EP counts exchange when the
-    EP group is the stage's TP x DP ranks, else they take an all-to-all of their own over those.
-    ETP rows move as all-to-alls (``comm.gather_rows``/``reduce_scatter_rows``); replicated
-    input (tp > 1 without sequence parallelism) is split and its output all-gathered over TP. With
-    tp > 1 the router logits [T/tp, E] are all-gathered over TP (the replica routes as one group;
-    their backward keeps this rank's rows, no collective). Not listed: a shared expert's gradient
-    all-reduces over TP (the planner models none).
-    ``overlap_chunks`` n > 1 without shadowed experts (``layers/overlap.py``): each EP ``rows``
-    all-to-all is n ``row chunk`` ones (1/n of the rows each, overlapped with the experts); the
-    planner prices the one-exchange list (an upper bound: it models no overlap). ``aux_loss_scope``
-    (``layers/balance.py``): sequence needs none (every TP rank holds the replica's logits); global
-    sums the [E] counts over the DP replicas.
-    ``exchange`` (the layer's resolved mode, ``MoELayer.exchange``): padded runs no EP counts
-    all-to-all (the counts and the finite flags ride in the rows' headers, ``layers/padded.py``)."""
+    """What one MoE layer runs per micro-batch, forward and backward, on a rank of a stage with these
+    sizes (a group of size 1 runs nothing); ``exchange``: the layer's resolved mode. Which and why:
+    docs/design/placement_switching.md."""
     split = tp > 1 and not sequence_parallel
     a2a, fwd, bwd = "all_to_all_single", "forward", "backward"
     chunks = overlap_chunks if ep > 1 and not shadowed else 1

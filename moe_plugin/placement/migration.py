@@ -1,44 +1,9 @@
 """Expert migration: give MoE layers a new placement and move every expert's state to its new slot.
 
-    run = moe_plugin.initialize(ds_config, model_provider)
-    ...                                        # train; at a step boundary, on every rank:
-    report = migrate(run, {"decoder.layers.1.mlp": new_slot_E})   # layer name -> [E] slots
-    report.sent_bytes, report.seconds          # this rank's share
+    report = migrate(run, {"decoder.layers.1.mlp": new_slot_E})   # every rank, at a step boundary
 
-Placement (``layers/moe_layer.py``): ``experts.placement[e]`` is the slot of expert e,
-``ep_rank * L + local index``. ``migrate`` changes it for the named layers (``moe_layers(model)``
-lists this rank's; a pipeline stage names its own) and moves with each expert whose slot
-changes, from EP rank ``src // L`` to EP rank ``dst // L`` (each ETP shard to its ETP peer, each
-expert-data-parallel replica to its replica: every coordinate but EP stays):
-
-* its weights ``experts.weight1[l]`` / ``weight2[l]``, in place (``copy_``: DeepSpeed's ZeRO-1/2
-  flat buffer, of which the parameters are views, changes with them);
-* its gradients, when the parameters hold any (ZeRO-0, also inside gradient accumulation);
-* the optimizer state: ZeRO-0's basic optimizer per parameter (every state tensor of the
-  parameter's shape, e.g. Adam's ``exp_avg``, ``exp_avg_sq``; the scalar ``step`` is per
-  parameter, not per expert, and stays); ZeRO-1/2's fp32 master partitions and their state
-  tensors in DeepSpeed's flat partitions (``zero_partitions.py``);
-* then ``experts.placement.copy_(new)``.
-
-Under ZeRO-1/2 call it at a step boundary (after ``engine.step()``, before the next forward):
-DeepSpeed then holds no expert gradient; otherwise ``migrate`` raises. The router's
-``expert_bias`` and pending ``load_E`` are indexed by expert id and stay. The model computes the
-same function before and after (``tests/test_migration.py``).
-
-Cost: everything moves in one exchange (``pieces.py``: one uneven all-to-all per dtype over
-the job, every layer and expert at once). A new placement is checked on every rank (size, a
-permutation of the slots, a known layer) and the ranks agree on it before anything moves (one
-small all-gather); a bad one raises the same ``ValueError`` on every rank. ``moved_bytes``
-(with ``expert_bytes``) gives the bytes a placement change puts on the wire, for a switching
-policy; it equals the sum of ``MigrationReport.sent_bytes`` over the ranks when experts only
-change EP rank. Measured (``tests/test_migration.py -k cost``, 4 gloo ranks on a shared 2-core
-CPU, 64 experts H 512 F 1024, 32 changing EP rank, wall time of the slowest rank):
-
-    weights + grads, ep 4, no engine        256 MiB   0.24-0.43 s   0.9-1.6 s/GB
-    ZeRO-0 AdamW state, ep 4                384 MiB   0.31 s        0.8 s/GB
-    ZeRO-1 AdamW state, ep 2 x edp 2        640 MiB   0.51 s        0.8 s/GB
-
-so ``CPU_GLOO_SECONDS_PER_BYTE`` (a default for CPU runs; on GPUs measure the all-to-all).
+Weights, gradients and optimizer state move in one exchange; the model computes the same function
+before and after; a bad placement raises alike on every rank. docs/design/placement_migration.md.
 """
 from __future__ import annotations
 
@@ -59,13 +24,12 @@ from moe_plugin.placement.policies import check_placement, moved_experts
 from moe_plugin.placement.zero_partitions import Move, add_partition_moves
 
 PlacementLike = Union[Tensor, Sequence[int]]
-CPU_GLOO_SECONDS_PER_BYTE = 0.8e-9  # measured, see the module docstring
+CPU_GLOO_SECONDS_PER_BYTE = 0.8e-9  # measured: docs/design/placement_migration.md
 
 
 @dataclass(frozen=True)
 class MigrationReport:
-    """What one ``migrate`` did. Counts are over this rank's pipeline stage; bytes and time are
-    this rank's (its pieces to other ranks; packing, exchange and unpacking)."""
+    """What one ``migrate`` did: counts over this rank's stage, bytes and time this rank's."""
 
     moved_experts: int     # (layer, expert) pairs whose slot changed
     crossing_experts: int  # of those, the ones that changed EP rank
@@ -84,20 +48,15 @@ def moves(old_E: Tensor, new_E: Tensor) -> list[Move]:
 
 
 def moved_bytes(old_E: PlacementLike, new_E: PlacementLike, ep_size: int, bytes_per_expert: int) -> int:
-    """Bytes a placement change of one layer sends between EP ranks: ``bytes_per_expert`` (one
-    expert's weights and state over all of its ETP shards and EDP replicas, ``expert_bytes``)
-    for every expert whose EP rank changes. Experts reordered within an EP rank are copies, 0."""
+    """Bytes a placement change of one layer sends between EP ranks: ``bytes_per_expert``
+    (``expert_bytes``) for every expert whose EP rank changes."""
     return len(moved_experts(old_E, new_E, ep_size)) * bytes_per_expert
 
 
 def expert_bytes(layer: MoELayer, zero_stage: int, with_grads: bool = False, state_tensors: int = 2,
                  edp_size: Optional[int] = None) -> int:
-    """What one expert of ``layer`` moves, summed over its ETP shards and EDP replicas: weights
-    on every replica, gradients (ZeRO-0) if ``with_grads``, and ``state_tensors`` per-element
-    optimizer tensors (Adam: 2) in fp32, per replica under ZeRO-0, partitioned once over the
-    replicas under ZeRO-1/2 (where the fp32 master copy is one more, unless the weights are fp32:
-    then ``initialize`` made the master the weights themselves, ``compat.deepspeed_zero.share_fp32_masters``).
-    ``edp_size`` defaults to the layer's."""
+    """What one expert of ``layer`` moves over its ETP shards and EDP replicas: weights, gradients if
+    ``with_grads``, ``state_tensors`` fp32 optimizer tensors per element (docs/design/placement_migration.md)."""
     x = layer.experts
     p = layer.parallel
     edp = p.edp_size if edp_size is None else edp_size
@@ -111,12 +70,9 @@ def expert_bytes(layer: MoELayer, zero_stage: int, with_grads: bool = False, sta
 
 # -- migrate -------------------------------------------------------------------------------------
 def migrate(run: Any, new_placements: Mapping[str, PlacementLike], *, groups: Any = None) -> MigrationReport:
-    """Give each named MoE layer the placement ``new_placements[name]`` and move its experts'
-    weights, gradients and optimizer state there; collective, every rank calls it with its
-    stage's layers (see the module docstring).
-
-    ``run``: what ``moe_plugin.initialize`` returned (``engine``, ``groups``), or a bare model
-    with ``groups=`` (weights and gradients move; no optimizer)."""
+    """Give each named MoE layer the placement ``new_placements[name]`` and move its experts' weights,
+    gradients and optimizer state there; collective (every rank, with its stage's layers). ``run``:
+    what ``moe_plugin.initialize`` returned, or a bare model with ``groups=`` (no optimizer)."""
     model, engine, groups = _unpack(run, groups)
     rank, world = dist.get_rank(), dist.get_world_size()
     layers = moe_layers(model)
@@ -146,8 +102,7 @@ def migrate(run: Any, new_placements: Mapping[str, PlacementLike], *, groups: An
 
 
 def _plan_pieces(layers: dict[str, MoELayer], plan: dict[str, list[Move]], optimizer, zero, groups) -> Pieces:
-    """This rank's sends and receives, enumerated in the same order on every rank: layers by
-    name, weight1, weight2 (then the biases), experts by id; then the ZeRO partitions."""
+    """This rank's sends and receives, enumerated in the same order on every rank."""
     pieces, layer_of = Pieces(), {}
     rank = groups.rank
     coords = groups.layout.coords(rank)
@@ -171,14 +126,9 @@ def _plan_pieces(layers: dict[str, MoELayer], plan: dict[str, list[Move]], optim
 
 def copies_in_placement(items: Sequence[tuple[Any, PlacementLike, Sequence[Tensor]]],
                         groups: Any, fresh: bool = True) -> list[list[Tensor]]:
-    """Copies of expert tensors as they would be after a migration, the model left as it is.
-
-    ``items``: (``GroupedExperts``, target slots [E], tensors shaped [L, ...] in the module's
-    current slot order). Returns, per item, fresh tensors whose rows are the experts of this
-    rank's slots under the target placement. Collective over the job (one exchange; every rank
-    lists its stage's items in the same order). A checkpoint uses it to write experts by id.
-    ``fresh=False``: an item whose experts are already where the target puts them comes back as
-    the tensors themselves (detached), not copied (a synchronous save reads them at once)."""
+    """Copies of expert tensors as they would be after a migration, the model left as it is: per item
+    (``GroupedExperts``, target slots [E], tensors [L, ...]) the rows of this rank's target slots.
+    Collective (one exchange). ``fresh=False``: an item already in place comes back uncopied."""
     rank = groups.rank
     my_ep = groups.layout.coords(rank)["ep"]
     pieces, out = Pieces(), []
@@ -224,8 +174,7 @@ def _unpack(run: Any, groups: Any) -> tuple[nn.Module, Any, Any]:
 
 
 def _per_parameter_optimizer(engine: Any) -> Optional[torch.optim.Optimizer]:
-    """The optimizer that holds per-parameter state (``checkpoint.optimizer.basic_optimizer``); None
-    without an engine or under ZeRO-1/2 (its partitions move apart); any other is refused."""
+    """The optimizer that holds per-parameter state; None without an engine or under ZeRO-1/2."""
     if engine is None or is_zero_optimizer(engine.optimizer):
         return None
     opt = basic_optimizer(engine)
@@ -257,8 +206,7 @@ def _signature(layers: dict[str, MoELayer], wanted: dict[str, Tensor], optimizer
 
 def _agree(groups: Any, error: Optional[str], wanted: dict[str, Tensor], signature: list,
            pieces: Pieces) -> list[torch.dtype]:
-    """One all-gather: the same error on every rank, the same placements and state within a
-    pipeline stage. Returns the dtypes of the exchange, the same list on every rank."""
+    """One all-gather: the same error on every rank; returns the exchange's dtypes, the same everywhere."""
     rank = dist.get_rank()
     stage = groups.layout.coords(rank)["pp"]
     mine = (stage, error, {k: v.tolist() for k, v in wanted.items()}, signature, _dtype_names(pieces))
@@ -286,8 +234,7 @@ def _dtypes(names) -> list[torch.dtype]:
 
 
 def _rank_at(groups: Any, ep: int, edp: Optional[int]) -> int:
-    """The global rank at EP coordinate ``ep`` (and EDP coordinate ``edp``, default this rank's)
-    with this rank's other coordinates."""
+    """The global rank at EP coordinate ``ep`` (and EDP ``edp``) with this rank's other coordinates."""
     layout = groups.layout
     peer = sorted(layout.group_of("ep", groups.rank))[ep]
     return peer if edp is None else sorted(layout.group_of("edp", peer))[edp]

@@ -1,15 +1,6 @@
-"""One batched point-to-point exchange of tensor pieces: the transport under ``migration.py``.
-
-A *piece* is a contiguous run of elements of a local 1-D tensor view: ``(peer, tensor, offset,
-length)``. Each rank lists the pieces it sends and the pieces it receives; the lists come from
-the same global enumeration of moves on every rank, so the pieces that rank p sends to rank q
-are, in order, the pieces q receives from p, with equal lengths. ``exchange`` then packs every
-piece bound for every peer into one buffer per dtype, runs one uneven ``all_to_all_single``
-over the whole job per dtype (ranks that share nothing send and receive zero elements; a piece
-sent to oneself goes through the same call), and copies what arrived into place. All sends are
-packed before anything is written, so a tensor may be both a source and a destination. A rank
-with no tensor at all (a pipeline stage without MoE layers) joins with empty buffers on the
-accelerator's device.
+"""One batched point-to-point exchange of tensor pieces, the transport under ``migration.py``: every
+rank lists its sends and receives from the same enumeration, and ``exchange`` moves them all in one
+uneven all-to-all per dtype. How: docs/design/placement_migration.md.
 """
 from __future__ import annotations
 
@@ -53,10 +44,8 @@ class Pieces:
 
 
 def exchange(pieces: Pieces, world_size: int, dtypes: list[torch.dtype]) -> None:
-    """Move every piece (collective over the default group: every rank calls it, with its own
-    lists). One ``all_to_all_single`` per dtype of ``dtypes``, which must be the same list on
-    every rank (a rank, e.g. a pipeline stage without MoE layers, may have no tensor of a dtype
-    and still joins its exchange with nothing to send)."""
+    """Move every piece: one ``all_to_all_single`` per dtype of ``dtypes`` over the default group
+    (collective; ``dtypes`` the same list on every rank, a rank with nothing to send joins)."""
     for dtype in dtypes:
         sends = [p for p in pieces.sends if pieces.tensors[p.tensor].dtype == dtype]
         recvs = [p for p in pieces.recvs if pieces.tensors[p.tensor].dtype == dtype]
@@ -64,8 +53,7 @@ def exchange(pieces: Pieces, world_size: int, dtypes: list[torch.dtype]) -> None
 
 
 def accelerator_device() -> torch.device:
-    """Where a rank with no tensor to move puts its (empty) buffers: DeepSpeed's accelerator's
-    current device, the one the job's backend takes (NCCL refuses CPU tensors)."""
+    """Where a rank with no tensor to move puts its empty buffers: the accelerator's current device."""
     from deepspeed.accelerator import get_accelerator
     return torch.device(get_accelerator().current_device_name())
 

@@ -1,36 +1,6 @@
-"""Expert placement policies: pure functions from observed load to a placement.
-
-A placement is an int64 tensor [E] (``MoELayer.experts.placement``): ``placement[e]`` is the
-slot of expert e, ``rank * L + local index`` with ``L = E // P`` slots per EP rank. Loads are
-routes per expert over a window of steps; ``traffic_PE[p, e]`` counts the routes to expert e
-of the tokens of EP rank p (``MoEStats.traffic_PE`` summed over steps).
-
-* ``static(E, P)``: expert e in slot e (rank ``e // L``), the layer's default.
-* ``greedy(load_E, P)``: SmartMoE's load-balancing heuristic -- heaviest expert first onto the
-  least-loaded rank that still has a free slot (longest-processing-time scheduling with a slot
-  limit per rank), then swaps that lower the maximum rank load.
-* ``network_aware(load_E, traffic_PE, P, node_of_rank)``: minimises cross-node routes subject to
-  a compute bound (below).
-* ``align(new, current, P)``: the same assignment of expert *sets* to ranks, relabelled so
-  that as few experts as possible move (what migration pays for).
-
-Objective of ``network_aware``. With ``C_r = sum of load_e over the experts on rank r`` (expert
-compute: the slowest rank sets the pace) and ``X = sum over experts e and senders p on another
-node than e's rank of traffic_PE[p, e]`` (routes that cross the inter-node network; each is
-sent there and back, ``2 * H * bytes per element`` bytes)::
-
-    minimise X   subject to   max_r C_r <= (1 + slack) * max_r C_r(greedy)
-
-Greedy's maximum is the balance reference (a lower bound is not known cheaply; greedy is
-within 4/3 of optimal for LPT). Heuristic: (1) experts heaviest first, each onto the rank
-that keeps the most of its traffic on the node (fewest cross-node routes), among the ranks
-with a free slot whose load stays within the bound (ties: least loaded, then lowest rank); if
-none stays within it, the least-loaded rank with a free slot; (2) pairwise swaps between
-ranks on different nodes, the best first, while one cuts routes and both ranks stay within
-the bound. Both greedy's placement
-and (1)'s are improved by (2); the result is the one with fewer cross-node routes among those
-within the bound. So it never crosses more than greedy improved by swaps, and never exceeds
-the bound (greedy itself always satisfies it).
+"""Expert placement policies: pure functions from observed load to a placement ([E] slots):
+``static``, ``greedy`` (SmartMoE's load balancing), ``network_aware`` (fewest cross-node routes within
+a compute bound) and ``align`` (as few experts moved as possible). docs/design/placement_load.md.
 """
 from __future__ import annotations
 
@@ -130,15 +100,8 @@ def _order(load: Tensor) -> list[int]:
 
 
 def greedy(load_E, P: int, *, refine: bool = True) -> Tensor:
-    """Heaviest expert first onto the least-loaded rank with a free slot (ties: lowest rank).
-
-    With equal slots per rank the plain heuristic can end badly: the ranks that got the hot
-    experts early are left with free slots that the last experts must fill, whatever their
-    load. ``refine`` then swaps experts between the most loaded rank and another while that
-    lowers the larger of the two loads (Zipf s=0.8, E=32, P=4: 1.10 -> 1.06, static 2.31; it
-    lowered the imbalance of a third of random cubed-uniform loads). No placement beats the
-    slot bound: a rank with the hottest expert carries at least it plus the L-1 lightest.
-    """
+    """Heaviest expert first onto the least-loaded rank with a free slot (ties: lowest rank), then
+    (``refine``) swaps that lower the most loaded rank's load."""
     load = _as_load(load_E)
     L = _slots_per_rank(len(load), P)
     w = load.tolist()
@@ -197,9 +160,7 @@ def _node_preferring(load: Tensor, cross_EN: Tensor, node: list[int], cap: float
 
 def _improve_by_swaps(ranks: list[int], load: Tensor, cross_EN: Tensor, node: list[int], cap: float,
                       max_swaps: Optional[int] = None) -> list[int]:
-    """Step (2) of ``network_aware``: repeatedly the swap of two experts on different nodes that
-    cuts the most cross-node routes while both ranks stay within ``cap`` (all pairs at once as an
-    [E, E] gain matrix; ties to the lowest pair, so every rank picks the same)."""
+    """Step (2) of ``network_aware``: the best swap across nodes within ``cap``, while one cuts routes."""
     P, (E, _) = len(node), cross_EN.shape
     ranks_E = torch.as_tensor(ranks, dtype=torch.int64)
     node_P = torch.as_tensor(node, dtype=torch.int64)
@@ -227,11 +188,8 @@ def _improve_by_swaps(ranks: list[int], load: Tensor, cross_EN: Tensor, node: li
 
 def network_aware(load_E, traffic_PE, P: int, node_of_rank: Optional[Sequence[int]] = None, *,
                   ranks_per_node: Optional[int] = None, slack: float = 0.1) -> Tensor:
-    """Fewest cross-node routes with max rank load <= (1 + slack) x greedy's (module docstring).
-
-    Nodes: ``node_of_rank`` (the node of each EP rank, e.g. ``nodes_of(ep_group_ranks, 8)``), or
-    ``ranks_per_node`` for EP ranks laid out contiguously (rank p on node ``p // ranks_per_node``).
-    """
+    """Fewest cross-node routes with max rank load <= (1 + slack) x greedy's; nodes from
+    ``node_of_rank`` or ``ranks_per_node`` (EP ranks laid out contiguously)."""
     load = _as_load(load_E)
     E = len(load)
     _slots_per_rank(E, P)
@@ -266,13 +224,8 @@ def network_aware(load_E, traffic_PE, P: int, node_of_rank: Optional[Sequence[in
 
 
 def align(new, current, P: int, node_of_rank: Optional[Sequence[int]] = None) -> Tensor:
-    """``new`` relabelled to move as few experts as possible from ``current``.
-
-    Rank relabelling keeps every rank's expert set and load (free for compute balance); with
-    ``node_of_rank`` only ranks of the same node are exchanged (so network-aware placements keep
-    their node assignment). Ranks are matched greedily by the largest overlap of expert sets;
-    within a rank, an expert that stays keeps its local index.
-    """
+    """``new`` relabelled (every rank's expert set kept; with ``node_of_rank`` within a node) to move as
+    few experts as possible from ``current``."""
     E = len(new)
     L = _slots_per_rank(E, P)
     new, current = check_placement(new, E), check_placement(current, E)
@@ -301,8 +254,7 @@ def align(new, current, P: int, node_of_rank: Optional[Sequence[int]] = None) ->
 
 
 def moved_experts(old, new, P: Optional[int] = None) -> list[int]:
-    """Experts whose slot differs between two placements; with ``P``, only those that change EP
-    rank (a new local index on the same rank is a local copy, no network)."""
+    """Experts whose slot differs between two placements; with ``P``, only those that change EP rank."""
     old, new = torch.as_tensor(old).long(), torch.as_tensor(new).long()
     if P is not None:
         old, new = rank_of(old, P), rank_of(new, P)

@@ -1,9 +1,6 @@
 """Which exchanges placement's options allow: placement's rules, added to the layer's
-(``layers/exchange_rules.py``) for the ``"moe"`` block.
-
-Plain values in, a reason out (None: it combines); no torch. Shadow experts (``replica_budget``) need
-an exchange that keeps routes out of it; the policies and the gate traces read the sender x expert
-traffic that only the counts round gives. ``MoEConfig.exchange_unfit`` asks ``exchange_unfit``.
+(``layers/exchange_rules.py``) for the ``"moe"`` block (``MoEConfig.exchange_unfit``). Shadow experts
+need routes kept out of the exchange; the policies and traces read the counts round's traffic.
 """
 from __future__ import annotations
 

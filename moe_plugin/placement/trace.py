@@ -1,33 +1,6 @@
-"""Gate traces: per step and MoE layer, the tokens per expert and the sender x expert traffic.
-
-A trace is the input of the planner's replay simulator and of offline placement studies, so it
-must cover a whole run: one fixed-size binary record per step, appended and flushed as the run
-goes (a crash loses at most the record being written), written by global rank 0 only.
-
-File layout (little endian)::
-
-    b"MOETRACE"                      8 bytes, magic
-    uint32 version                   1
-    uint32 header_bytes              n
-    header                           n bytes of UTF-8 JSON: {"num_experts": E, "ep_size": P,
-                                     "layers": [names], "info": {...free: layout, ranks, ...}}
-    record * steps                   each: int64 step,
-                                           int32 load[layers, E],
-                                           int32 traffic[layers, P, E]
-
-``load[l, e]``: routes the gate chose expert ``e`` for in layer ``l`` during the step (the
-demand, before capacity), summed over every rank that routes distinct tokens and over the
-step's micro-batches. ``traffic[l, p, e]``: the routes expert ``e`` actually processed (kept,
-after capacity) that came from tokens of EP rank ``p``, summed over the EP groups of the
-stage; without EP, ``P`` is 1 and ``traffic[l, 0]`` is the kept load. The kept load per
-expert is therefore ``traffic.sum(axis=-2)``.
-
-Bytes per step: ``8 + 4 * layers * E * (1 + P)``; e.g. 24 layers, 64 experts, EP 8:
-55,304 bytes, 5.5 GB per 100k steps (12 layers, 16 experts, EP 4: 3,848 bytes).
-
-    with TraceWriter("gate.trace", TraceMeta(["layer0", "layer2"], num_experts=8, ep_size=2)) as w:
-        w.append(step, {"layer0": (load_E, traffic_PE), "layer2": (load_E, traffic_PE)})
-    trace = read_trace("gate.trace")          # trace.load [steps, layers, E] (numpy int32)
+"""Gate traces: per step and MoE layer, the tokens per expert and the sender x expert traffic, one
+fixed-size binary record per step after a JSON header, appended and flushed as the run goes, written
+by global rank 0 (the planner's input). The layout: docs/design/placement_load.md.
 """
 from __future__ import annotations
 
@@ -51,8 +24,7 @@ ArrayLike = Union[torch.Tensor, np.ndarray, Sequence]
 
 @dataclass(frozen=True)
 class TraceMeta:
-    """What the header of a trace says: the layer names (record order), E, P and free ``info``
-    (anything JSON: parallel sizes, the EP groups' global ranks, ranks per node, the config)."""
+    """A trace's header: the layer names (record order), E, P and free JSON ``info``."""
 
     layers: tuple[str, ...]
     num_experts: int
@@ -124,12 +96,8 @@ def _as_int32(value: ArrayLike, shape: tuple[int, ...], what: str) -> np.ndarray
 
 
 class TraceWriter:
-    """Appends one record per step to a gate trace (see the module docstring for the format).
-
-    ``append=True`` continues an existing trace (a resumed run) after checking that its header
-    says the same layers, E and P; otherwise the file is created or truncated. Not collective:
-    construct it on global rank 0 only. Also a context manager.
-    """
+    """Appends one record per step to a gate trace; ``append=True`` continues one with the same header.
+    Not collective: global rank 0 only. Also a context manager."""
 
     def __init__(self, path: Union[str, os.PathLike], meta: Union[TraceMeta, Mapping[str, Any]], *,
                  append: bool = False):
@@ -156,9 +124,8 @@ class TraceWriter:
             self._file.flush()
 
     def append(self, step: int, layers: Mapping[str, tuple[ArrayLike, Optional[ArrayLike]]]) -> None:
-        """Write step ``step``: ``{layer name: (load_E, traffic_PE)}`` for every layer of the
-        header. ``traffic_PE`` may be ``None`` when P is 1 (it is then the kept load, unknown
-        here, so pass it when you have it; ``None`` writes ``load``)."""
+        """Write step ``step``: ``{layer name: (load_E, traffic_PE)}`` for every layer of the header
+        (``traffic_PE`` None with P 1: ``load`` written as the kept load)."""
         if self._file is None:
             raise RuntimeError(f"gate trace {self.path} is closed; cannot append step {step}")
         missing = [name for name in self.meta.layers if name not in layers]
@@ -194,8 +161,7 @@ class TraceWriter:
 
 @dataclass(frozen=True)
 class GateTrace:
-    """A trace read back: numpy int32 ``load`` [steps, layers, E] and ``traffic``
-    [steps, layers, P, E], int64 ``steps`` [steps]; ``layers`` the names in record order."""
+    """A trace read back: ``load`` [steps, layers, E], ``traffic`` [steps, layers, P, E], ``steps``."""
 
     meta: TraceMeta
     steps: np.ndarray

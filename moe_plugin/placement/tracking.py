@@ -1,33 +1,10 @@
 """Load tracking: per MoE layer, the expert load of the last ``window`` steps, from the gate.
 
     tracker = LoadTracker(model, window=100, trace_path="run/gate.trace")   # hooks every MoELayer
-    for step in range(steps):
-        ...                                       # the step's training forwards (any micro-batches)
-        tracker.end_step(step)                    # every rank of the job, after the forwards
+    tracker.end_step(step)                        # every rank of the job, after the step's forwards
     loads = tracker.window_loads()                # collective; {layer name: WindowLoad}
 
-What is tracked, per layer and step: ``traffic[p, e]``, the routes expert e processed (kept,
-after capacity) that came from the tokens of EP rank p, summed over the step's forwards and
-over the stage's EP groups (EP ranks of different groups with the same index share a row);
-without EP ``P`` is 1 and the one row is the kept load. ``kept[e] = traffic[:, e].sum()`` is
-what the placement decides on: it is what an expert's rank computes, and it does not depend
-on the placement (the gate sees expert ids, capacity is per expert). The window is exact, not
-an EMA: a ring of the last ``window`` steps and their running sum, so a switch decision sees
-exactly the recent ``window`` steps and the trace and the controller agree on the numbers.
-
-Collectives. A forward hook adds ``last_stats`` (device tensors, no host sync) to the step's
-sums, in training mode only (a forward recomputed for activation checkpointing counts twice,
-as in ``integration/monitor.py``, whose accumulation this follows with the traffic added).
-With EP, ``traffic_PE`` is already agreed over the EP group by the dispatch count exchange.
-When the EP group holds every rank of the stage that routes distinct tokens (``tp * dp ==
-ep``), the window needs no collective at all. Otherwise (no EP, or EP replicated over EDP/ETP)
-the rings keep this rank's share and ``window_loads()`` sums them over the stage's ``tp_dp``
-group: one all-reduce for all layers together, once per check, not per step (sums commute).
-With a trace every step is reduced instead (same single all-reduce, batched over layers; the
-EP groups' matrices count once each: the reduced sum is divided by the EP size), because the
-trace also records the demand ``load[e]`` (routes chosen, before capacity) summed over all
-token groups, and with pipeline stages one gather over the pipeline group brings every stage's
-layers to global rank 0, which writes.
+The window is exact (a ring of steps), at most one all-reduce per check. docs/design/placement_load.md.
 """
 from __future__ import annotations
 
@@ -83,8 +60,7 @@ class _Ring:
 
 
 def collective_device(group: dist.ProcessGroup, tensors: dict[str, Tensor]) -> torch.device:
-    """Where a tensor for a collective over ``group`` lives: the counts' device, else the
-    accelerator's for a backend other than gloo (a stage without MoE layers)."""
+    """Where a tensor for a collective over ``group`` lives (a stage without MoE layers: the accelerator's)."""
     if tensors:
         return next(iter(tensors.values())).device
     if dist.get_backend(group) == "gloo":
@@ -94,8 +70,7 @@ def collective_device(group: dist.ProcessGroup, tensors: dict[str, Tensor]) -> t
 
 
 def trace_name(name: str, layer: MoELayer, stage: int = 0, pp: int = 1) -> str:
-    """A layer's name in a trace: ``layer<global index>`` where it has one, else its module name
-    (prefixed by its pipeline stage when there are several)."""
+    """A layer's name in a trace: ``layer<global index>``, else its module name (with its stage)."""
     index = getattr(layer, "layer_index", None)
     if index is not None:
         return f"layer{int(index)}"
@@ -103,14 +78,8 @@ def trace_name(name: str, layer: MoELayer, stage: int = 0, pp: int = 1) -> str:
 
 
 class LoadTracker:
-    """Windowed expert load of every ``MoELayer`` in ``model`` (see the module docstring).
-
-    Layers are named as ``model.named_modules()`` names them (the names ``migration.migrate``
-    takes). ``groups``: the plugin's ``ProcessGroups``; default the layers' own (needed on a
-    pipeline stage without MoE layers when tracing). ``trace_path``: write a gate trace there
-    (global rank 0), ``trace_info``: extra JSON for its header. ``close()`` removes the hooks and
-    closes the trace.
-    """
+    """Windowed expert load of every ``MoELayer`` in ``model``, by module name; with ``trace_path`` a
+    gate trace too (global rank 0). ``close()`` removes the hooks and closes the trace."""
 
     def __init__(self, model: nn.Module, window: int, *, groups: Optional["ProcessGroups"] = None,
                  trace_path: Union[str, Path, None] = None, trace_info: Optional[dict] = None,
@@ -157,8 +126,7 @@ class LoadTracker:
             self.trace = None
 
     def end_step(self, step: int) -> None:
-        """Close step ``step``: push its sums into the windows (and the trace). Call on every rank
-        of the job after the step's forwards; collective only when tracing."""
+        """Close step ``step`` (every rank, after its forwards); collective only when tracing."""
         missing = [n for n, s in self._sums.items() if s.forwards == 0]
         if missing:
             raise RuntimeError(f"step {step}: MoE layers {missing} ran no training forward since the last "
@@ -178,9 +146,8 @@ class LoadTracker:
         self.steps_seen += 1
 
     def window_loads(self) -> dict[str, WindowLoad]:
-        """Every layer's load over the last ``min(window, steps)`` steps, identical on the ranks
-        of a stage. Collective over the stage's ``tp_dp`` group when the rings hold shares
-        (one all-reduce for all layers)."""
+        """Every layer's load over the last ``min(window, steps)`` steps, identical on a stage's ranks
+        (at most one all-reduce for all layers)."""
         if not self._rings:
             raise RuntimeError("no step tracked yet: call end_step() after each step's forwards")
         traffic = {name: ring.total.clone() for name, ring in self._rings.items()}
@@ -203,8 +170,7 @@ class LoadTracker:
 
     # -- trace -------------------------------------------------------------------------------
     def _setup_trace(self, path: Path, info: dict, append: bool) -> None:
-        """Layer names of every stage (one all-gather over the pipeline group, once) and, on
-        global rank 0, the writer."""
+        """Layer names of every stage (one all-gather, once) and, on global rank 0, the writer."""
         g = self.groups
         rank = dist.get_rank() if dist.is_initialized() else 0
         pp = g.layout.sizes.pp if g is not None else 1
@@ -237,8 +203,7 @@ class LoadTracker:
             self.trace.append(step, records)
 
     def _gather_stages(self, routed: dict[str, Tensor], traffic: dict[str, Tensor]) -> dict:
-        """{trace name: (load_E, traffic_PE)} of every stage on global rank 0 (a gather over the
-        pipeline group that holds rank 0); other ranks get {}."""
+        """{trace name: (load_E, traffic_PE)} of every stage on global rank 0; other ranks get {}."""
         E, P = self.num_experts, self.ep_size
         stages = self.trace_stages
         if len(stages) == 1:

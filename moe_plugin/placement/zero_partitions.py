@@ -1,21 +1,6 @@
-"""Where an expert's optimizer state lies in DeepSpeed's ZeRO-1/2 flat partitions, as pieces to move.
-
-DeepSpeed flattens each param group into one buffer cut into ``dp`` equal partitions of ``ps``
-elements, data-parallel rank ``j`` of the group's process group (for an expert group, our
-expert-data-parallel group) owning partition ``j``: its fp32 master copy and optimizer state
-(``compat/deepspeed_zero.py`` reads and edits them).
-
-An expert param group holds the same parameters with the same shapes on every EP rank, so an
-element's flat offset ``f`` is the same on every EP rank and lives in partition ``f // ps``. The
-shard of expert ``e`` of weight ``w`` (its local slot ``l`` of L) covers flat
-``[off_w + l * n, off_w + (l + 1) * n)``, ``n`` the elements of one expert's shard. Moving the
-expert from slot ``(p, l)`` to slot ``(p', l')`` moves element ``x < n`` from partition
-``(off_w + l * n + x) // ps`` on EP rank p to partition ``(off_w + l' * n + x) // ps`` on EP
-rank p': ``[0, n)`` is cut at the partition boundaries of both sides, and each run goes from the
-(EP p, EDP j) rank to the (EP p', EDP j') rank with the same ETP and pipeline coordinates.
-
-Gradients are not moved: under ZeRO-1/2 migration happens at a step boundary, where DeepSpeed
-holds no expert gradient (``migration.check_step_boundary``).
+"""Where an expert's optimizer state lies in DeepSpeed's ZeRO-1/2 flat partitions, as pieces to
+move: an expert's shard is one flat range, cut at the partition boundaries of both sides. Gradients
+are not moved (migration runs at a step boundary). docs/design/placement_migration.md.
 """
 from __future__ import annotations
 
@@ -35,8 +20,7 @@ RankOf = Callable[[int, int], int]
 
 def add_partition_moves(pieces: Pieces, optimizer, moves_of: Callable[[nn.Parameter], tuple[int, list[Move]]],
                         rank_of: RankOf, me: int) -> None:
-    """Append to ``pieces`` the sends and receives of this rank that move the ZeRO partitions of
-    every expert param group. ``moves_of(param)``: (L, the moves of the layer that owns it)."""
+    """Append this rank's sends and receives of every expert param group's ZeRO partitions to ``pieces``."""
     for i in expert_group_indices(optimizer):
         ps = partition_size(optimizer, i)
         ids = [pieces.add_tensor(t) for t in partition_state(optimizer, i)]
