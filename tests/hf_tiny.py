@@ -86,9 +86,9 @@ MODELS = {
                    head_dim=32, sliding_window=4, max_window_layers=1, attention_bias=False)),  # a window of 4
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",   # softmax, its bias on the probabilities,
                      dict(intermediate_size=64, moe_intermediate_size=32, moe_num_experts=EXPERTS,   # renormalised;
-                          moe_k=TOP_K, moe_num_shared_experts=2, num_hidden_layers=5,   # 2 shared experts; MoE layers
-                          moe_layer_start_index=0, moe_layer_end_index=3, moe_layer_interval=2,   # 1 and 3 of 5 (a
-                          use_bias=False)),   # dense one after them); interleaved RoPE; tied embeddings (its default)
+                          moe_k=TOP_K, moe_num_shared_experts=2, num_hidden_layers=4,   # 2 shared experts; MoE layers
+                          moe_layer_start_index=0, moe_layer_end_index=3, moe_layer_interval=2,   # 1 and 3 of 4 (a
+                          use_bias=False)),   # dense one between them); interleaved RoPE; tied embeddings (its default)
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=64, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",   # dense: QK-norm, heads of 32 (not 16), untied
               dict(intermediate_size=64, head_dim=32, tie_word_embeddings=False)),

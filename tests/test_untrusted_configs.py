@@ -129,6 +129,8 @@ HF_CASES = {   # id: (config change, tensor change, raw bytes, the line after "e
                       "quotes: 64)"),
     "a negative size": (_with(hidden_size=-64), None, None, "config.json: hidden_size: got -64; expected an integer "
                                                             ">= 1"),
+    "a zero layer interval": (_with(moe_layer_interval=0), None, None,   # ERNIE-4.5's key: a modulo by it
+                              "config.json: moe_layer_interval: got 0; expected an integer >= 1"),
     "a bool size": (_with(num_hidden_layers=True), None, None,
                     "config.json: num_hidden_layers: got True; expected an integer >= 1"),
     "3 heads": (_with(num_attention_heads=3), None, None,

@@ -1,20 +1,11 @@
 """The files of a Hugging Face model directory: safetensors weights (one file, or shards and their
-index, as ``save_pretrained`` writes them) and the tokenizer's files.
+index) and the tokenizer's files.
 
-``HFWeights(hf_dir)``: every tensor by name, from ``model.safetensors`` or the shards that
-``model.safetensors.index.json`` names (each shard checked to hold what the index says), known
-from the headers (``spec``) and read one at a time (``read``: ``checkpoint.tensor_files``).
-FP8 weights in blocks (``quantization_config``: ``weight_block_size``; ``X.weight_scale_inv`` beside
-each ``X.weight``) show as their dequantized selves (``fp8_blocks``, ``dequantize_blocks``), and so do
-GPT-OSS's MXFP4 experts (``quant_method`` mxfp4: ``X_blocks`` and ``X_scales`` for each fused ``X``;
-``dequantize_mxfp4``). ``read_row`` reads one row of a fused [E, ...] tensor (one expert) and no more.
-Pickled weights (``pytorch_model.bin`` or its shards) are refused in one line naming the file, as
-unpickling can run code; inside ``trusting`` (``--trust-checkpoint``) they are read tensor by
-tensor the same way (``PickledFile``).
-``HFShardWriter(out_dir, specs, max_shard_bytes)``: shards of at most ``max_shard_bytes`` (a
-tensor larger than that gets a shard of its own) named ``model-0000i-of-0000n.safetensors`` with
-the index, or one ``model.safetensors`` when everything fits in one, in name order; every tensor
-is planned first (``specs``: {name: (dtype, shape)}) and written as it comes.
+``HFWeights(hf_dir)``: every tensor by name, known from the headers (``spec``), read one at a time
+(``read``) or one expert's row of a fused tensor (``read_row``); FP8 blocks and MXFP4 experts show as
+their dequantized selves; pickled weights are refused in one line unless trusted.
+``HFShardWriter(out_dir, specs, max_shard_bytes)``: the shards and their index, planned from ``specs``
+first and written as the tensors come.
 """
 from __future__ import annotations
 

@@ -2,31 +2,14 @@
 
     result = import_hf("Mixtral-dir", "ds.json", "ckpt")
     print(" ".join(result.flags))   # the example's flags that build this model
-    # deepspeed examples/gpt_moe/pretrain_gpt_moe.py --deepspeed_config ds.json --load ckpt <flags> ...
 
-In order, before anything is written: the HF config is read (``hf_arch``; what the plugin cannot
-represent is refused naming the key and the model type); for an MoE model the ``"moe"`` block of
-``ds_config`` is checked against it field by field (``HFArchitecture.moe_fields``): a key the block
-sets to another value is refused naming both keys, a key it leaves out is filled in (the completed
-block is what the checkpoint records; ``ImportResult.moe_block``); every HF tensor is mapped
-(``hf_mapping``), a tensor left over, missing or of another shape than the config's refused by name
-(``hf_sizes``, which checks the config's sizes first) -- from the safetensors headers,
-before a tensor is read. Then the checkpoint is written as the 1-rank ``GPTModel``'s
-(``checkpoint.one_rank``; step 0, optimizer and lr scheduler fresh), one plugin tensor (one
-expert's row of an expert weight) at a time, read from the HF shards and joined as it is written:
-the peak holds a few tensors whatever the model's size. The tensors keep the source dtype (a bf16
-model makes a bf16 checkpoint, about its own size; ``dtype="float32"`` casts), with the
-tokenizer files under ``hf/``. Its metadata records ``architecture`` (the
-``TransformerConfig`` fields and ``GPTModel`` arguments the flags set, and the flags: a load into a
-model built otherwise is refused naming the key and the flag, ``checkpoint.architecture``) and
-``hf`` (model type, dtype, the HF config, the tokenizer files) for ``export-hf``.
-
-A dense model (Llama, Mistral, Qwen3) is imported as the example's ``--dense`` model; ``upcycle``
-(or ``moe-plugin upcycle``) then makes the MoE checkpoint from it.
-
-The DeepSpeed JSON to train with -- the given one, its ``"moe"`` block completed -- is written next to
-the checkpoint (``out_dir/ds_config.json``, or ``config_out``), and ``ImportResult.command`` is the
-example's whole command line that trains the imported model from it (``next_command``).
+Before anything is written: the config is read (``hf_arch``), the ``"moe"`` block is checked against
+it field by field (a key set otherwise is refused naming both keys, one left out is filled in), and
+every tensor is mapped from the safetensors headers (``hf_mapping``; one left over, missing or of
+another shape refused by name). Then the 1-rank checkpoint is written one plugin tensor (one expert's
+row) at a time, in the source dtype, with the tokenizer files, the completed DeepSpeed JSON and the
+example's command that trains it. A dense model imports as the example's ``--dense`` model (then
+``upcycle``). Details: docs/huggingface.md.
 """
 from __future__ import annotations
 

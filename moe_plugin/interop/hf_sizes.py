@@ -1,17 +1,10 @@
 """A Hugging Face ``config.json``'s values, checked before any work is sized by them.
 
-A config.json is input from elsewhere: ``read_config_json`` reads it as UTF-8 JSON, an object, of a
-sane length (a damaged, truncated or re-encoded file is one line naming it). ``check_values`` checks
-each size key on its own (an integer in range, never a string or a bool) and each epsilon and scale
-(a finite positive number); ``check_against_headers`` compares ``num_hidden_layers`` with the layers
-the safetensors headers hold and the embedding with ``vocab_size`` x ``hidden_size``, before
-transformers builds a config sized by them; ``check_relations`` the sizes against each other (heads
-divide the hidden size where ``head_dim`` is derived from it, query groups divide heads, top-k within
-the experts); ``check_headers`` the first MoE router (the experts); ``check_shapes`` every tensor of
-the mapping with the shape the config gives it. All of it reads headers only, so a config of 10**6
-layers over the weights of 2 is one line at once, and every refusal comes before anything is
-written. Each is a ``ConfigError`` reading ``FILE: KEY: got VALUE; what is valid``. The generic code
-of every family: it names no model type beyond the family tables it reads.
+``read_config_json`` reads it as a sane-sized UTF-8 JSON object; ``check_values`` each size (an
+integer in range) and epsilon or scale (finite, positive); ``check_against_headers`` the layers and
+embedding against the safetensors headers; ``check_relations`` the sizes against each other;
+``check_headers`` and ``check_shapes`` the router and every mapped tensor against the config. Headers
+only, so every refusal (``FILE: KEY: got VALUE; what is valid``) comes before anything is written.
 """
 from __future__ import annotations
 
@@ -34,7 +27,9 @@ SIZES = {"hidden_size": 1, "num_hidden_layers": 1, "num_attention_heads": 1, "nu
          "num_experts_per_tok": 1, "shared_expert_intermediate_size": 0, "n_shared_experts": 0,
          "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "decoder_sparse_step": 1,
          "q_lora_rank": 1, "kv_lora_rank": 1, "qk_nope_head_dim": 1, "qk_rope_head_dim": 1, "v_head_dim": 1,
-         "sliding_window": 0, "num_nextn_predict_layers": 0, "max_window_layers": 0}
+         "sliding_window": 0, "num_nextn_predict_layers": 0, "max_window_layers": 0, "moe_num_experts": 1,
+         "moe_k": 1, "moe_num_shared_experts": 0, "moe_layer_start_index": 0, "moe_layer_interval": 1,
+         "rotary_dim": 1}
 # numbers that must be finite and positive (rope_parameters' too)
 POSITIVE = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "partial_rotary_factor", "swiglu_alpha",
             "swiglu_limit", "factor")
