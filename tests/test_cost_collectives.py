@@ -24,7 +24,7 @@ WRAPPED = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_ten
            "reduce_scatter", "reduce_scatter_tensor", "broadcast", "barrier", "send", "recv")
 
 # name -> (RankLayout.build sizes, sequence parallel, shadowed experts[, overlap_chunks[, aux_loss_scope[, exchange]]])
-# (exchange "auto" on gloo: padded where the layout allows it, ``layers/padded.py``; ``_counted`` checks which)
+# (exchange "auto" on gloo: padded where the layout allows it, ``layers/padded_wire.py``; ``_counted`` checks which)
 LAYOUTS2 = {
     "dp2-ep2": (dict(ep=2), False, []),
     "dp2-ep2-counts": (dict(ep=2), False, [], 1, "micro_batch", "counts"),

@@ -15,8 +15,8 @@ noise (the same on a replica's TP ranks, different across replicas).
 The exchange twins (``TWINS``) are generated, not listed: every counts case (the default
 ``exchange``, ``overlap_chunks`` 1) x every other (exchange, overlap_chunks) that
 ``exchange_rules.exchange_variants`` -- the factory's rules -- allows its config: the padded
-exchange (``layers/padded.py``), the token exchange (``layers/token.py``) and the counts
-exchange overlapped in 2 .. local-experts chunks (``layers/overlap.py``). Each twin is checked
+exchange (``layers/padded_wire.py``), the token exchange (``layers/token_wire.py``) and the counts
+exchange overlapped in 2 .. local-experts chunks (``layers/overlapped.py``). Each twin is checked
 against its counts case, not the oracle (``test_exchange_twin``): padded and overlapped
 bit-identical (outputs, losses, every gradient), token equal to rounding. The full cross product, no subset rule: on 2026-11-25 it
 cost about 10 CPU seconds more in the spawns, and the file ran shorter than with the hand-listed

@@ -1,4 +1,4 @@
-"""``overlap_chunks`` > 1 (``moe_plugin/layers/overlap.py``): the schedule and the config.
+"""``overlap_chunks`` > 1 (``moe_plugin/layers/overlapped.py``): the schedule and the config.
 
 The schedule (which all-to-all starts before which compute) is checked on 2 ranks. The config
 refuses expert tensor parallelism and more chunks than local experts. The outputs, losses and

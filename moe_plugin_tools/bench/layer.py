@@ -294,7 +294,7 @@ def _traffic(spec: LayerBenchSpec, ranks: Ranks, plan: "RoutingPlan", ds_capacit
     (``traffic.py``): per all-to-all of the dispatch (``ours_a2a_bytes``), and per training step
     (dispatch and combine, forward and backward: 4 all-to-alls; ``ours_dispatch_step_bytes``: the
     dispatch's two). With ``exchange`` token the dispatch sends the distinct (token, rank) pairs,
-    each with its slot-mask columns (``layers/token.py``), the combine one row per route.
+    each with its slot-mask columns (``layers/token_wire.py``), the combine one row per route.
     ``token_rank_a2a_step_bytes``: each token sent once per destination rank both ways, rows of H
     (``token_rank_dispatch_step_bytes``: the dispatch's two)."""
     from moe_plugin.layers.token_wire import mask_bits
