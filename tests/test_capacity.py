@@ -45,11 +45,11 @@ def test_layer_reference_and_planner_use_it():
 
     from moe_plugin.layers import Router, reference_moe
     from moe_plugin.planner.cost_model import expert_rows_by_expert
-    from moe_plugin.planner.spec import Layout, ModelSpec
+    from moe_plugin.planner.spec import Layout, PlanModel
 
     E, H, F, T = 8, 4, 8, 200
-    config = MoEConfig.from_dict({"num_experts": E, "router": "topk", "top_k": 2, "capacity_factor": 1.1,
-                                  "min_capacity": 0})
+    block = {"num_experts": E, "router": "topk", "top_k": 2, "capacity_factor": 1.1, "min_capacity": 0}
+    config = MoEConfig.from_dict(block)
     assert Router(config, hidden_size=H).capacity(T) == 55
     router_EH = torch.zeros(E, H)
     router_EH[0, 0], router_EH[1, 0] = 2.0, 1.0          # every token: expert 0 first, expert 1 second
@@ -57,8 +57,8 @@ def test_layer_reference_and_planner_use_it():
               "experts.weight2": torch.randn(E, F, H)}
     ref = reference_moe(torch.ones(T, H), params, config, training=True)
     assert ref.capacities == [55] and ref.kept_per_expert[:2] == [55, 55]
-    model = ModelSpec(layers=2, hidden=8, ffn=16, heads=2, vocab=16, seq=100, experts=E, top_k=2,
-                      capacity_factor=1.1, global_batch=2)
+    model = PlanModel.build({"train_batch_size": 2, "moe": block}, dict(num_layers=2, hidden_size=8, ffn_hidden_size=16,
+                            num_attention_heads=2, vocab_size=16, seq_length=100))   # the same "moe" block
     layout = Layout(tp=1, pp=1, ep=1, etp=1, dp=1, zero=0, micro_batch=2, gas=1)
     rows = expert_rows_by_expert(model, layout, np.eye(E)[0])
     assert rows[0] == 55          # the hot expert keeps exactly the layer's capacity

@@ -1,17 +1,17 @@
 """Calibration of the real pieces of a training step on N local ranks (a Megatron layer, the embedding
 and loss, the plugin's MoE layer, the DeepSpeed engine's step under each ZeRO stage), each at two sizes,
 and the non-GEMM cluster fields fitted from them: what the cost model already prices is subtracted and
-a line fitted to the rest. Shapes are fixed (``PIECE_MODEL``). docs/planner.md, *Calibration*.
+a line fitted to the rest. Shapes are fixed (``PIECE_SHAPE``, ``PIECE_MOE``). docs/planner.md, *Calibration*.
 """
 from __future__ import annotations
 
 import statistics
 import time
 
-PIECE_MODEL = dict(layers=2, hidden=256, ffn=1024, heads=4, vocab=1024, seq=128, experts=8, top_k=2,
-                   capacity_factor=1.25, moe_layer_interval=1, global_batch=1, micro_batches=[1],
-                   param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
-TOKENS = (1, 4)                       # micro-batch sizes (sequences of PIECE_MODEL's seq) of the layer pieces
+PIECE_SHAPE = dict(num_layers=2, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, vocab_size=1024,
+                   seq_length=128)
+PIECE_MOE = dict(num_experts=8, router="gshard", capacity_factor=1.25)   # fp32: no bf16
+TOKENS = (1, 4)                       # micro-batch sizes (sequences of PIECE_SHAPE's) of the layer pieces
 PARAMS = (1 << 19, 1 << 22)           # parameter counts of the engine pieces
 TENSORS = 16
 ZERO = (0, 1, 2)
@@ -20,9 +20,9 @@ WARMUP = 2
 
 
 def _model(world: int):
-    from moe_plugin.planner.spec import ModelSpec
+    from moe_plugin.planner.spec import PlanModel
 
-    return ModelSpec.load({**PIECE_MODEL, "global_batch": world})
+    return PlanModel.build({"train_batch_size": world, "moe": PIECE_MOE}, PIECE_SHAPE, {"micro_batches": [1]})
 
 
 def _layout(world: int, ep: int = 1, zero: int = 1, micro_batch: int = 1):
@@ -104,8 +104,9 @@ def _time_moe(model, result, micro_batch: int) -> float:
 
     from moe_plugin.layers import MoELayer
 
-    layer = MoELayer(result.moe_config, model.hidden, model.ffn, result.groups, seed=0).train()
-    x = torch.randn(model.seq, micro_batch, model.hidden, requires_grad=True)
+    shape = model.shape
+    layer = MoELayer(result.moe_config, shape.hidden_size, shape.ffn, result.groups, seed=0).train()
+    x = torch.randn(shape.seq_length, micro_batch, shape.hidden_size, requires_grad=True)
     grad = torch.randn_like(x)
 
     def step() -> None:
@@ -123,12 +124,11 @@ def _time_dense(model, micro_batch: int) -> float:
 
     from moe_plugin.integration.megatron import cpu_friendly_spec
 
-    config = TransformerConfig(num_layers=1, hidden_size=model.hidden, num_attention_heads=model.heads,
-                               ffn_hidden_size=model.ffn, use_cpu_initialization=True, hidden_dropout=0.0,
-                               attention_dropout=0.0, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
-                               masked_softmax_fusion=False, apply_rope_fusion=False)
+    config = TransformerConfig(**{**model.shape.transformer_fields(), "num_layers": 1}, use_cpu_initialization=True,
+                               hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+                               gradient_accumulation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False)
     layer = build_module(cpu_friendly_spec(get_gpt_layer_local_spec()), config=config, layer_number=1).train()
-    x = torch.randn(model.seq, micro_batch, model.hidden, requires_grad=True)
+    x = torch.randn(model.shape.seq_length, micro_batch, model.shape.hidden_size, requires_grad=True)
     grad = torch.randn_like(x)
 
     def step() -> None:
@@ -146,13 +146,14 @@ def _time_head(model, micro_batch: int) -> float:
     from megatron.core import tensor_parallel
     from megatron.core.transformer import TransformerConfig
 
-    config = TransformerConfig(num_layers=1, hidden_size=model.hidden, num_attention_heads=model.heads,
+    S, V = model.shape.seq_length, model.shape.vocab_size
+    config = TransformerConfig(**{**model.shape.transformer_fields(), "num_layers": 1},
                                use_cpu_initialization=True, gradient_accumulation_fusion=False)
-    embedding = tensor_parallel.VocabParallelEmbedding(model.vocab, model.hidden, init_method=torch.nn.init.normal_,
+    embedding = tensor_parallel.VocabParallelEmbedding(V, model.shape.hidden_size, init_method=torch.nn.init.normal_,
                                                        config=config)
-    tokens = torch.randint(0, model.vocab, (micro_batch, model.seq))
-    labels = torch.randint(0, model.vocab, (model.seq, micro_batch))
-    logits = torch.randn(model.seq, micro_batch, model.vocab, requires_grad=True)
+    tokens = torch.randint(0, V, (micro_batch, S))
+    labels = torch.randint(0, V, (S, micro_batch))
+    logits = torch.randn(S, micro_batch, V, requires_grad=True)
 
     def step() -> None:
         for p in (logits, *embedding.parameters()):
@@ -187,13 +188,14 @@ def fit(spec: dict, pieces: list[dict], world: int) -> dict:
     fitted: dict = {}
 
     # dense layer: time - its GEMMs = layer_overhead + layer_element_time * T * H
-    xs = [mb * model.seq * model.hidden for mb in TOKENS]
+    S, H, V = model.shape.seq_length, model.shape.hidden_size, model.shape.vocab_size
+    xs = [mb * S * H for mb in TOKENS]
     rest = [t - cm.dense_layer_time(model, cluster, _layout(world, micro_batch=mb), False)["compute"]
             for t, mb in zip(piece["dense"], TOKENS)]
     fitted["layer_overhead"], fitted["layer_element_time"] = _line(xs, rest)
 
     # embedding and loss: time = intercept + logit_element_time * T * V
-    fitted["logit_element_time"] = _line([mb * model.seq * model.vocab for mb in TOKENS], piece["head"])[1]
+    fitted["logit_element_time"] = _line([mb * S * V for mb in TOKENS], piece["head"])[1]
 
     # MoE layer at EP 1 and EP N, both sizes: time - its GEMMs and collectives (the link latency as
     # measured) = moe_layer_overhead + moe_element_time * routed elements (least squares)
@@ -227,7 +229,7 @@ def _routed_elements(model, world: int, ep: int, micro_batch: int) -> float:
 
     lay = _layout(world, ep=ep, micro_batch=micro_batch)
     rows = expert_rows(model, lay, None)
-    return (float(rows.sum()) / lay.ep + float(rows.max())) * model.hidden
+    return (float(rows.sum()) / lay.ep + float(rows.max())) * model.shape.hidden_size
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:

@@ -14,12 +14,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from moe_plugin.configs.capacity import expert_capacity
-from moe_plugin.configs.schema import MoEConfig
 from moe_plugin.placement.costs import computed_routes, exchanged_routes, moe_layer_collectives, replication_bytes
-from moe_plugin.planner.spec import ClusterSpec, Layout, ModelSpec
+from moe_plugin.planner.spec import ClusterSpec, Layout, PlanModel
 
-# The generated configs leave min_capacity at its default; the model charges the same.
-MIN_CAPACITY = MoEConfig.model_fields["min_capacity"].default
 STEP_REDUCTIONS = 3   # small all-reduces of an engine step (grad norm of dense and expert groups, overflow)
 
 
@@ -109,60 +106,62 @@ def _small_all_to_all(cluster: ClusterSpec, n: int, nbytes: float, span: int) ->
     return _all_to_all(cluster, n, nbytes * (peers - 1), nbytes * (n - peers), peers)
 
 
-def stage_layers(model: ModelSpec, pp: int) -> list[list[int]]:
+def stage_layers(model: PlanModel, pp: int) -> list[list[int]]:
     """Global layer indices of each pipeline stage (even split; the search requires pp | layers)."""
-    per = model.layers // pp
+    per = model.shape.num_layers // pp
     return [list(range(s * per, (s + 1) * per)) for s in range(pp)]
 
 
-def expert_rows_by_expert(model: ModelSpec, layout: Layout, load_E: Optional[np.ndarray]) -> np.ndarray:
+def expert_rows_by_expert(model: PlanModel, layout: Layout, load_E: Optional[np.ndarray]) -> np.ndarray:
     """[E] rows of each expert in one MoE layer and micro-batch (every EP and ETP sender together)."""
-    E, T = model.experts, layout.micro_batch * model.seq
-    routes = model.top_k * T / layout.tp                       # per sender rank
+    moe, E, T = model.moe, model.moe.num_experts, layout.micro_batch * model.shape.seq_length
+    routes = moe.k * T / layout.tp                             # per sender rank
     share = np.full(E, 1.0 / E) if load_E is None else np.asarray(load_E, dtype=float) / max(np.sum(load_E), 1e-30)
     kept = share * routes
-    if model.capacity_factor is not None:   # the capacity of the replica's T tokens, shared by its TP senders
-        capacity = expert_capacity(T, E, model.top_k, model.capacity_factor, MIN_CAPACITY)
+    if moe.drop_tokens:   # the capacity of the replica's T tokens, shared by its TP senders
+        capacity = expert_capacity(T, E, moe.k, moe.capacity_factor, moe.min_capacity)
         kept = np.minimum(kept, capacity / layout.tp)
     return layout.ep * layout.etp * kept
 
 
-def expert_rows(model: ModelSpec, layout: Layout, load_E: Optional[np.ndarray], placement_E=None,
+def expert_rows(model: PlanModel, layout: Layout, load_E: Optional[np.ndarray], placement_E=None,
                 shadow_E=None) -> np.ndarray:
     """[ep] rows each EP rank's experts process in one MoE layer and micro-batch (shadowed experts' stay home)."""
     rows_E = expert_rows_by_expert(model, layout, load_E)
     if shadow_E is not None:
         rows_E = np.where(np.asarray(shadow_E, dtype=bool), 0.0, rows_E)
-    per_rank = model.experts // layout.ep
-    slot_E = np.arange(model.experts) if placement_E is None else np.asarray(placement_E)
+    per_rank = model.moe.num_experts // layout.ep
+    slot_E = np.arange(model.moe.num_experts) if placement_E is None else np.asarray(placement_E)
     return np.bincount(slot_E // per_rank, weights=rows_E, minlength=layout.ep)
 
 
-def ep_routes(model: ModelSpec, layout: Layout, load_E, senders_PE=None) -> np.ndarray:
+def ep_routes(model: PlanModel, layout: Layout, load_E, senders_PE=None) -> np.ndarray:
     """[ep, E] kept routes of one micro-batch from each EP rank to each expert (``senders_PE``: shares, None: 1/ep)."""
     rows_E = expert_rows_by_expert(model, layout, load_E) / layout.etp
-    share = np.full((layout.ep, model.experts), 1.0 / layout.ep) if senders_PE is None else np.asarray(senders_PE, float)
+    E = model.moe.num_experts
+    share = np.full((layout.ep, E), 1.0 / layout.ep) if senders_PE is None else np.asarray(senders_PE, float)
     return share * rows_E
 
 
-def _shadow_all_reduce(model: ModelSpec, cluster: ClusterSpec, layout: Layout, shadowed: int) -> float:
+def _shadow_all_reduce(model: PlanModel, cluster: ClusterSpec, layout: Layout, shadowed: int) -> float:
     """One all-reduce over EP of ``shadowed`` experts' weights (or gradients) on the EP group's link."""
     P = layout.ep
     bw, lat = cluster.link(group_span(layout, "ep", expert_grid=True))
-    expert_bytes = model.expert_params() / layout.etp * model.param_bytes
+    expert_bytes = model.expert_params() / layout.etp * model.options.param_bytes
     return replication_bytes(P, shadowed, expert_bytes) / bw + 2 * (P - 1) * lat
 
 
-def replication_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, shadowed: int) -> float:
+def replication_time(model: PlanModel, cluster: ClusterSpec, layout: Layout, shadowed: int) -> float:
     """Seconds of one layer's shadowed experts per micro-batch: their weights' and gradients' all-reduces over EP."""
     return 0.0 if shadowed == 0 or layout.ep == 1 else 2 * _shadow_all_reduce(model, cluster, layout, shadowed)
 
 
-def moe_comm_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, routes_PE, rank_E, shadow_E,
+def moe_comm_time(model: PlanModel, cluster: ClusterSpec, layout: Layout, routes_PE, rank_E, shadow_E,
                   exchanged: float) -> dict[str, float]:
     """Seconds of the collectives one MoE layer runs per micro-batch (``costs.moe_layer_collectives``, each priced
     here), by ``StepCost`` part. ``exchanged``: rows the busiest rank's experts receive."""
-    H, b, E, T = model.hidden, model.activation_bytes, model.experts, layout.micro_batch * model.seq
+    H, b, E = model.shape.hidden_size, model.options.activation_bytes, model.moe.num_experts
+    T = layout.micro_batch * model.shape.seq_length
     shadowed = int(np.count_nonzero(shadow_E)) if shadow_E is not None else 0
     ep_span, tp_span = group_span(layout, "ep", expert_grid=True), group_span(layout, "tp")
     peers = _peers_in_node(cluster, layout.ep, ep_span)
@@ -189,24 +188,26 @@ def moe_comm_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, routes
     return out
 
 
-def moe_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E=None, placement_E=None,
+def moe_layer_time(model: PlanModel, cluster: ClusterSpec, layout: Layout, load_E=None, placement_E=None,
                    shadow_E=None, senders_PE=None) -> dict[str, float]:
     """Seconds of one MoE layer for one micro-batch, forward + backward, by ``StepCost`` part. ``shadow_E`` (bool
     [E]): shadowed experts, computed by every rank for its own tokens (``senders_PE``: its share; None: uniform)."""
-    H, F = model.hidden, model.expert_ffn_size
-    T = layout.micro_batch * model.seq
+    H, F, F1, E = model.shape.hidden_size, model.expert_ffn, model.expert_width, model.moe.num_experts
+    T = layout.micro_batch * model.shape.seq_length
     shadowed = int(np.count_nonzero(shadow_E)) if shadow_E is not None and layout.ep > 1 else 0
     shadow = np.asarray(shadow_E, dtype=bool) if shadowed else None
     routes_PE = ep_routes(model, layout, load_E, senders_PE)
-    slot_E = np.arange(model.experts) if placement_E is None else np.asarray(placement_E)
-    rank_E = slot_E // (model.experts // layout.ep)
+    slot_E = np.arange(E) if placement_E is None else np.asarray(placement_E)
+    rank_E = slot_E // (E // layout.ep)
     rows_P = expert_rows(model, layout, load_E, placement_E, shadow)         # rows received, by rank
     busiest = float(layout.etp * computed_routes(routes_PE, rank_E, shadow).max())
-    local = model.experts // layout.ep + shadowed                          # experts a rank runs
-    gemm = 2 * (busiest / max(local, 1)) * H * F / layout.etp           # one expert's GEMM, average size
-    experts = 3 * cluster.gemm_time(gemm, 2 * local)                    # fc1 and fc2 per expert, fwd + 2x bwd
-    routes = model.top_k * T / layout.tp
-    router = 3 * cluster.gemm_time(2 * routes / model.top_k * H * model.experts)
+    local = E // layout.ep + shadowed                                   # experts a rank runs
+    rows = busiest / max(local, 1)                                      # one expert's rows, average
+    fc1, fc2 = (2 * rows * H * width / layout.etp for width in (F1, F))
+    experts = 3 * (cluster.gemm_time(fc1, local) + cluster.gemm_time(fc2, local))   # per expert, fwd + 2x bwd
+    k = model.moe.k
+    routes = k * T / layout.tp
+    router = 3 * cluster.gemm_time(2 * routes / k * H * E)
     # non-GEMM work: a fixed part, and gathers / scatters / activation over the rows a rank sends and receives
     all_kept = float(routes_PE.sum()) / layout.ep
     dispatch = cluster.moe_layer_overhead + cluster.moe_element_time * (all_kept + busiest / layout.etp) * H
@@ -214,68 +215,74 @@ def moe_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_
     return {"experts": experts, "compute": router, "dispatch": dispatch, **comm}
 
 
-def dense_layer_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, moe: bool) -> dict[str, float]:
+def dense_layer_time(model: PlanModel, cluster: ClusterSpec, layout: Layout, moe: bool) -> dict[str, float]:
     """Seconds of a layer's attention (and dense MLP unless ``moe``) for one micro-batch, fwd + bwd."""
-    H, S, tp = model.hidden, model.seq, layout.tp
+    H, S, tp = model.shape.hidden_size, model.shape.seq_length, layout.tp
+    q, kv = model.shape.query_width, model.shape.kv_width
     T = layout.micro_batch * S
-    t = cluster.gemm_time(6 * T * H * H / tp) + cluster.gemm_time(2 * T * H * H / tp)
-    t += cluster.gemm_time(2 * T * S * H / tp, 2)                # scores and context, all heads
+    t = cluster.gemm_time(2 * T * H * (q + 2 * kv) / tp) + cluster.gemm_time(2 * T * q * H / tp)   # QKV, projection
+    t += cluster.gemm_time(2 * T * S * q / tp, 2)                # scores and context, all heads
     all_reduces = 2
     if not moe:
-        t += cluster.gemm_time(2 * T * H * model.ffn / tp, 2)
+        t += cluster.gemm_time(2 * T * H * model.shape.ffn / tp, 2)
         all_reduces = 4
     t += cluster.layer_element_time * T * H / 3                  # non-GEMM work (x3 below: fwd + bwd)
-    tp_comm = all_reduces * _collective(cluster, tp, T * H * model.activation_bytes, group_span(layout, "tp"),
+    tp_comm = all_reduces * _collective(cluster, tp, T * H * model.options.activation_bytes, group_span(layout, "tp"),
                                         "all_reduce")
     return {"compute": 3 * t, "tp_comm": tp_comm}
 
 
-def stage_params(model: ModelSpec, layout: Layout, layers: Sequence[int], first: bool, last: bool) -> tuple[float, float]:
+def stage_params(model: PlanModel, layout: Layout, layers: Sequence[int], first: bool, last: bool) -> tuple[float, float]:
     """(dense, expert) parameters held by one rank of a stage."""
-    dense = sum(model.dense_layer_params() + (0 if model.is_moe(i) else model.mlp_params()) for i in layers) / layout.tp
-    dense += sum(model.hidden * model.experts for i in layers if model.is_moe(i))   # routers (replicated)
+    moe, H, E = model.moe, model.shape.hidden_size, model.moe.num_experts
+    dense = sum(model.dense_layer_params() + (0 if moe.is_moe_layer(i) else model.mlp_params())
+                for i in layers) / layout.tp
+    dense += sum(H * E for i in layers if moe.is_moe_layer(i))   # routers (replicated)
     if first:
         dense += model.embedding_params() / layout.tp
     if last:
-        dense += model.vocab * model.hidden / layout.tp
-    moe_layers = sum(model.is_moe(i) for i in layers)
-    expert = moe_layers * (model.experts // layout.ep) * model.expert_params() / layout.etp
+        dense += model.shape.vocab_size * H / layout.tp
+    moe_layers = sum(moe.is_moe_layer(i) for i in layers)
+    expert = moe_layers * (E // layout.ep) * model.expert_params() / layout.etp
     return dense, expert
 
 
-def stage_memory(model: ModelSpec, layout: Layout, layers: Sequence[int], first: bool, last: bool,
+def stage_memory(model: PlanModel, layout: Layout, layers: Sequence[int], first: bool, last: bool,
                  micro_batches: int) -> dict[str, float]:
     """Bytes per rank of one stage: weights, grads, optimizer states (by ZeRO stage), activations."""
     dense, expert = stage_params(model, layout, layers, first, last)
     z = layout.zero
     shard_d, shard_e = dense / layout.dp, expert / layout.edp
-    mem = {"weights": (dense + expert) * model.param_bytes,
-           "grads": (dense + expert if z < 2 else shard_d + shard_e) * model.grad_bytes,
-           "optimizer": (dense + expert if z < 1 else shard_d + shard_e) * model.optimizer_bytes}
-    H, F, S, a = model.hidden, model.ffn, model.seq, model.heads
-    T, tp = layout.micro_batch * model.seq, layout.tp
+    o = model.options
+    mem = {"weights": (dense + expert) * o.param_bytes,
+           "grads": (dense + expert if z < 2 else shard_d + shard_e) * o.grad_bytes,
+           "optimizer": (dense + expert if z < 1 else shard_d + shard_e) * o.optimizer_bytes}
+    H, F, S, a = model.shape.hidden_size, model.shape.ffn, model.shape.seq_length, model.shape.num_attention_heads
+    qkv_context = 2 * (model.shape.query_width + model.shape.kv_width)    # QKV (q + 2 kv) and the context (q)
+    T, tp = layout.micro_batch * S, layout.tp
     uniform_rows = float(expert_rows(model, layout, None).max())
     per_micro = 0.0
     for i in layers:
-        per_micro += T * H * (2 + 4 / tp) + 2 * a / tp * S * T          # LN, QKV, context, proj; scores
-        if model.is_moe(i):
-            per_micro += T / tp * (H + model.experts) + uniform_rows * (2 * H + 2 * model.expert_ffn_size / layout.etp)
+        per_micro += T * H * (2 + qkv_context / (H * tp)) + 2 * a / tp * S * T    # LN, QKV, context, proj; scores
+        if model.moe.is_moe_layer(i):
+            per_micro += (T / tp * (H + model.moe.num_experts)
+                          + uniform_rows * (2 * H + (model.expert_width + model.expert_ffn) / layout.etp))
         else:
             per_micro += 2 * T * H + 2 * T * F / tp
     in_flight = min(layout.pp, micro_batches) if layout.pp > 1 else 1
-    mem["activations"] = per_micro * model.activation_bytes * in_flight
+    mem["activations"] = per_micro * o.activation_bytes * in_flight
     if last:
-        mem["activations"] += 2 * T * model.vocab / tp * 4                # fp32 logits and their gradient
+        mem["activations"] += 2 * T * model.shape.vocab_size / tp * 4                # fp32 logits and their gradient
     return mem
 
 
-def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_ME=None, placement_ME=None,
+def step_cost(model: PlanModel, cluster: ClusterSpec, layout: Layout, load_ME=None, placement_ME=None,
               shadow_ME=None, senders_MPE=None) -> StepCost:
     """Predicted ``StepCost`` of one optimizer step. ``load_ME``: route fractions ([moe_layers, E], or [E] for all);
     ``placement_ME``, ``shadow_ME``: the same shapes; ``senders_MPE``: [moe_layers, ep, E] (None: uniform)."""
-    moe_ids = [i for i in range(model.layers) if model.is_moe(i)]
-    m, pp = layout.gas, layout.pp
-    T = layout.micro_batch * model.seq
+    moe_ids = model.moe_layers
+    H, V, m, pp = model.shape.hidden_size, model.shape.vocab_size, layout.gas, layout.pp
+    T = layout.micro_batch * model.shape.seq_length
     stages = stage_layers(model, pp)
     per_micro = []          # per stage: dict of per-micro-batch seconds
     memory = []
@@ -285,7 +292,7 @@ def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_ME=No
         parts = {"compute": 0.0, "experts": 0.0, "dispatch": 0.0, "all_to_all": 0.0, "tp_comm": 0.0, "pp_comm": 0.0,
                  "replication": 0.0}
         for i in layers:
-            moe = model.is_moe(i)
+            moe = model.moe.is_moe_layer(i)
             for k, v in dense_layer_time(model, cluster, layout, moe).items():
                 parts[k] += v
             if moe:
@@ -294,10 +301,10 @@ def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_ME=No
                                            _row(shadow_ME, j), _row(senders_MPE, j, 2)).items():
                     parts[k] += v
         if last:
-            parts["compute"] += 3 * cluster.gemm_time(2 * T * model.hidden * model.vocab / layout.tp)
-            parts["compute"] += cluster.logit_element_time * T * model.vocab / layout.tp    # softmax, loss
+            parts["compute"] += 3 * cluster.gemm_time(2 * T * H * V / layout.tp)
+            parts["compute"] += cluster.logit_element_time * T * V / layout.tp    # softmax, loss
         if pp > 1:
-            nbytes = T * model.hidden * model.activation_bytes
+            nbytes = T * H * model.options.activation_bytes
             bw, lat = cluster.link(group_span(layout, "pp"))
             parts["pp_comm"] += (int(not first) + int(not last)) * (nbytes / bw + lat)
         per_micro.append(parts)
@@ -323,15 +330,15 @@ def step_cost(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_ME=No
     return cost
 
 
-def _gradient_sync(model: ModelSpec, cluster: ClusterSpec, layout: Layout, dense: float, expert: float) -> float:
+def _gradient_sync(model: PlanModel, cluster: ClusterSpec, layout: Layout, dense: float, expert: float) -> float:
     t = 0.0
     for params, n, span in ((dense, layout.dp, group_span(layout, "dp")),
                             (expert, layout.edp, group_span(layout, "dp", expert_grid=True))):
         if layout.zero == 2:   # partitioned gradients are reduced every micro-batch, weights gathered per step
-            t += layout.gas * _collective(cluster, n, params * model.grad_bytes, span, "scatter")
-            t += _collective(cluster, n, params * model.param_bytes, span, "gather")
+            t += layout.gas * _collective(cluster, n, params * model.options.grad_bytes, span, "scatter")
+            t += _collective(cluster, n, params * model.options.param_bytes, span, "gather")
         else:
-            t += _collective(cluster, n, params * model.grad_bytes, span, "all_reduce")
+            t += _collective(cluster, n, params * model.options.grad_bytes, span, "all_reduce")
     return t
 
 
@@ -346,5 +353,5 @@ def _row(values, j: int, ndim: int = 1):
     return arr if arr.ndim == ndim else arr[j]
 
 
-def tokens_per_step(model: ModelSpec) -> int:
-    return model.global_batch * model.seq
+def tokens_per_step(model: PlanModel) -> int:
+    return model.global_batch * model.shape.seq_length

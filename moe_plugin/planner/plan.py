@@ -17,10 +17,10 @@ from moe_plugin.configs import ConfigError
 from moe_plugin.planner.report import (COLUMNS, markdown_table, plot, table_rows, text_table, write_markdown,
                                        write_pool)
 from moe_plugin.planner.search import Progress, candidate_pool, search
-from moe_plugin.planner.spec import ClusterSpec, ModelSpec
+from moe_plugin.planner.spec import ClusterSpec, PlanModel
 
 
-def trace_load(path: Path, model: ModelSpec, traffic: bool = False):
+def trace_load(path: Path, model: PlanModel, traffic: bool = False):
     """The trace's loads [steps, layers, E] (with ``traffic``: and its traffic [steps, layers, P, E]); its expert
     count must be the model's (else ``ConfigError``)."""
     from moe_plugin.placement.trace import read_trace
@@ -29,15 +29,15 @@ def trace_load(path: Path, model: ModelSpec, traffic: bool = False):
         trace = read_trace(path)
     except OSError as err:
         raise ConfigError("--trace", str(path), f"cannot be read ({err.strerror})") from None
-    if trace.num_experts != model.experts:
-        raise ConfigError("--trace", str(path), f"has {trace.num_experts} experts per layer but model.experts "
-                          f"is {model.experts}")
+    if trace.num_experts != model.moe.num_experts:
+        raise ConfigError("--trace", str(path), f"has {trace.num_experts} experts per layer but moe.num_experts "
+                          f"is {model.moe.num_experts}")
     if trace.load.shape[0] == 0:
         raise ConfigError("--trace", str(path), "holds no step")
     return (trace.load, trace.traffic) if traffic else trace.load
 
 
-def plan(model: ModelSpec, cluster: ClusterSpec, out: Path, *, top: int = 5, trace: Optional[Path] = None,
+def plan(model: PlanModel, cluster: ClusterSpec, out: Path, *, top: int = 5, trace: Optional[Path] = None,
          world_size: Optional[int] = None, interval: int = 100, replica_budget: int = 0) -> list:
     """Search, write the pool, print the table; returns the pool."""
     from moe_plugin.planner.simulator import load_fractions
@@ -45,7 +45,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, out: Path, *, top: int = 5, tra
     load_IME = traffic_IMPE = None
     if trace is not None:
         load_IME, traffic_IMPE = trace_load(trace, model, traffic=True)
-    moe_layers = sum(model.is_moe(i) for i in range(model.layers))
+    moe_layers = len(model.moe_layers)
     load_ME = load_fractions(load_IME, moe_layers).mean(axis=0) if load_IME is not None else None
     progress = Progress("plan") if sys.stderr.isatty() else None
     candidates = search(model, cluster, load_ME=load_ME, world_size=world_size, progress=progress)
@@ -63,7 +63,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, out: Path, *, top: int = 5, tra
     placements = [placement_block(c.layout, interval, replays[i] if replays else None) for i, c in enumerate(pool)]
     paths = write_pool(out, pool, model, placements, replays)
     write_markdown(out, model, cluster, candidates, pool, extra)
-    plot(out, candidates, pool, cluster, title=f"{model.total_params() / 1e6:,.0f}M GPT-MoE, {model.experts} "
+    plot(out, candidates, pool, cluster, title=f"{model.total_params() / 1e6:,.0f}M GPT-MoE, {model.moe.num_experts} "
          f"experts on {cluster.name}")
     fitting = sum(c.fits for c in candidates)
     print(f"{len(candidates)} valid layouts, {fitting} fit in memory; pool of {len(pool)} "
@@ -87,7 +87,7 @@ def placement_block(layout, interval: int, replay: Optional[dict] = None) -> dic
     return {"policy": "greedy", "check_interval": interval}
 
 
-def _replay(model: ModelSpec, cluster: ClusterSpec, layout, load_IME: np.ndarray, interval: int,
+def _replay(model: PlanModel, cluster: ClusterSpec, layout, load_IME: np.ndarray, interval: int,
             replica_budget: int = 0, traffic_IMPE: Optional[np.ndarray] = None) -> dict:
     """Mean step time of ``layout`` on the trace under static and greedy placement (and with shadow experts)."""
     from moe_plugin.planner.simulator import Policy, replay

@@ -7,14 +7,15 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
+from moe_plugin.planner.cost_model import tokens_per_step
 from moe_plugin.planner.search import Candidate, ds_config
-from moe_plugin.planner.spec import ClusterSpec, ModelSpec
+from moe_plugin.planner.spec import ClusterSpec, PlanModel
 
 COLUMNS = ("rank", "layout", "tp", "pp", "ep", "etp", "dp", "zero", "mb x gas", "step ms", "compute", "experts",
            "dispatch", "a2a", "tp comm", "dp comm", "bubble", "mem GB", "tokens/s")
 
 
-def table_rows(candidates: Sequence[Candidate], model: ModelSpec) -> list[list[str]]:
+def table_rows(candidates: Sequence[Candidate], model: PlanModel) -> list[list[str]]:
     rows = []
     for i, c in enumerate(candidates, 1):
         lay, cost = c.layout, c.cost
@@ -23,7 +24,7 @@ def table_rows(candidates: Sequence[Candidate], model: ModelSpec) -> list[list[s
                      f"{1e3 * cost.compute:.1f}", f"{1e3 * cost.experts:.1f}", f"{1e3 * cost.dispatch:.1f}",
                      f"{1e3 * cost.all_to_all:.1f}",
                      f"{1e3 * cost.tp_comm:.1f}", f"{1e3 * cost.dp_comm:.1f}", f"{1e3 * cost.bubble:.1f}",
-                     f"{cost.memory_total / 1e9:.2f}", f"{model.global_batch * model.seq / c.time:,.0f}"])
+                     f"{cost.memory_total / 1e9:.2f}", f"{tokens_per_step(model) / c.time:,.0f}"])
     return rows
 
 
@@ -38,7 +39,7 @@ def markdown_table(header: Sequence[str], rows: list[list[str]]) -> str:
     return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def write_pool(out: Path, pool: Sequence[Candidate], model: ModelSpec,
+def write_pool(out: Path, pool: Sequence[Candidate], model: PlanModel,
                placements: Optional[Sequence[dict]] = None, replays: Optional[Sequence[dict]] = None) -> list[Path]:
     """One DeepSpeed JSON per pool member (with its placement block) and ``pool.json``; returns the JSONs' paths."""
     out.mkdir(parents=True, exist_ok=True)
@@ -56,12 +57,12 @@ def write_pool(out: Path, pool: Sequence[Candidate], model: ModelSpec,
     return paths
 
 
-def write_markdown(out: Path, model: ModelSpec, cluster: ClusterSpec, candidates: Sequence[Candidate],
+def write_markdown(out: Path, model: PlanModel, cluster: ClusterSpec, candidates: Sequence[Candidate],
                    pool: Sequence[Candidate], extra: str = "", shown: int = 20) -> Path:
     fitting = [c for c in candidates if c.fits]
     ranked = list(pool) + [c for c in fitting if c not in pool][:max(0, shown - len(pool))]
-    text = [f"# Plan: {model.total_params() / 1e6:,.0f}M-parameter GPT-MoE ({model.experts} experts, top-{model.top_k})"
-            f" on {cluster.name} ({cluster.world_size} ranks)", "",
+    text = [f"# Plan: {model.total_params() / 1e6:,.0f}M-parameter GPT-MoE ({model.moe.num_experts} experts, "
+            f"top-{model.moe.k}) on {cluster.name} ({cluster.world_size} ranks)", "",
             f"{len(candidates)} valid layouts, {len(fitting)} fit in {cluster.memory_usable:.0%} of "
             f"{cluster.memory / 1e9:.0f} GB; the pool is rows 1-{len(pool)} (one per parallel shape). "
             "Times in ms per optimizer step (predicted), memory per rank.", "",

@@ -5,6 +5,7 @@ pool is the fastest fitting layouts, one per parallel shape (tp, pp, ep, etp). d
 """
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from dataclasses import dataclass
@@ -12,10 +13,13 @@ from typing import Callable, Iterator, Optional
 
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.planner.cost_model import StepCost, fits, step_cost
-from moe_plugin.planner.spec import ClusterSpec, Layout, ModelSpec
+from moe_plugin.planner.spec import TOTAL, ClusterSpec, Layout, PlanModel
 
 PIPELINE_ZERO = (0, 1)
 ZERO_STAGES = (0, 1, 2)
+# what a candidate gets where the run's JSON has none
+LAUNCH_DEFAULTS = {"gradient_clipping": 1.0,
+                   "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}}}
 
 
 @dataclass
@@ -37,52 +41,48 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def moe_block(model: ModelSpec, layout: Layout, placement: Optional[dict] = None) -> dict:
-    """The ``"moe"`` block that launches ``layout`` (validated by ``MoEConfig``), with ``placement`` when given."""
-    router = {1: "switch", 2: "gshard"}.get(model.top_k, "topk")
-    block = {"num_experts": model.experts, "router": router, "top_k": model.top_k,
-             "layer_interval": model.moe_layer_interval,
-             "parallel": {"tensor": layout.tp, "pipeline": layout.pp, "expert": layout.ep,
-                          "expert_tensor": layout.etp, "order": layout.order}}
-    if model.capacity_factor is None:
-        block["drop_tokens"] = False
-    else:
-        block["capacity_factor"] = model.capacity_factor
-    if model.expert_ffn is not None:
-        block["ffn_hidden_size"] = model.expert_ffn
+def moe_block(model: PlanModel, layout: Layout, placement: Optional[dict] = None) -> dict:
+    """The run's ``"moe"`` block with ``layout``'s parallel sizes (and ``placement`` when given)."""
+    block = dict(model.ds_config["moe"])
+    block["parallel"] = {"tensor": layout.tp, "pipeline": layout.pp, "expert": layout.ep,
+                         "expert_tensor": layout.etp, "order": layout.order}
     if placement is not None:
         block["placement"] = dict(placement)
     return block
 
 
-def ds_config(model: ModelSpec, layout: Layout, placement: Optional[dict] = None) -> dict:
-    """A DeepSpeed JSON for ``layout``: batch split, ZeRO stage, precision, AdamW, the ``"moe"`` block."""
-    config = {"train_batch_size": model.global_batch, "train_micro_batch_size_per_gpu": layout.micro_batch,
-              "gradient_accumulation_steps": layout.gas, "gradient_clipping": 1.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-              "zero_optimization": {"stage": layout.zero}}
-    if model.param_bytes == 2:
-        config["bf16"] = {"enabled": True}
+def ds_config(model: PlanModel, layout: Layout, placement: Optional[dict] = None) -> dict:
+    """The run's DeepSpeed JSON under ``layout``: its batch split, ZeRO stage and ``"moe"`` block (``moe_block``)
+    set, ``LAUNCH_DEFAULTS`` where the run's JSON has no clipping or optimizer; the rest as the run's JSON."""
+    run = model.ds_config
+    config = {TOTAL: model.global_batch, "train_micro_batch_size_per_gpu": layout.micro_batch,
+              "gradient_accumulation_steps": layout.gas}
+    config.update((k, v) for k, v in LAUNCH_DEFAULTS.items() if k not in run)
+    config["zero_optimization"] = {**run.get("zero_optimization", {}), "stage": layout.zero}
+    config.update((k, v) for k, v in run.items() if k not in config and k != "moe")
     config["moe"] = moe_block(model, layout, placement)
-    return config
+    return copy.deepcopy(config)
 
 
-def layouts(model: ModelSpec, cluster: ClusterSpec, world_size: Optional[int] = None) -> Iterator[Layout]:
+def layouts(model: PlanModel, cluster: ClusterSpec, world_size: Optional[int] = None) -> Iterator[Layout]:
     """Every valid layout of ``world_size`` ranks (default: the cluster's)."""
     world = world_size or cluster.world_size
+    shape = model.shape
+    model_parallel_sizes = (shape.num_attention_heads, shape.query_groups, shape.ffn, model.expert_ffn)
     for pp in divisors(world):
-        if model.layers % pp or (pp > 1 and not _moe_on_every_stage(model, pp)):
+        if shape.num_layers % pp or (pp > 1 and not _moe_on_every_stage(model, pp)):
             continue
         stage = world // pp
         for tp in divisors(stage):
-            if tp > cluster.gpus_per_node or model.heads % tp or model.ffn % tp or model.expert_ffn_size % tp:
+            if tp > cluster.gpus_per_node or any(n % tp for n in model_parallel_sizes):
                 continue
             dp = stage // tp
             for etp in sorted({1, tp}):
-                for ep in divisors(model.experts):
-                    if stage % (ep * etp) or not _valid(model, world, tp, pp, ep, etp):
+                for ep in divisors(model.moe.num_experts):
+                    sizes = Layout(tp=tp, pp=pp, ep=ep, etp=etp, dp=dp, zero=0, micro_batch=1, gas=1)
+                    if stage % (ep * etp) or not _valid(model, world, sizes):
                         continue
-                    for mb in model.micro_batches:
+                    for mb in model.options.micro_batches:
                         if model.global_batch % (mb * dp):
                             continue
                         gas = model.global_batch // (mb * dp)
@@ -90,28 +90,27 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, world_size: Optional[int] = 
                             yield Layout(tp=tp, pp=pp, ep=ep, etp=etp, dp=dp, zero=zero, micro_batch=mb, gas=gas)
 
 
-def _moe_on_every_stage(model: ModelSpec, pp: int) -> bool:
-    per = model.layers // pp
-    return all(any(model.is_moe(i) for i in range(s * per, (s + 1) * per)) for s in range(pp))
+def _moe_on_every_stage(model: PlanModel, pp: int) -> bool:
+    per = model.shape.num_layers // pp
+    return all(any(model.moe.is_moe_layer(i) for i in range(s * per, (s + 1) * per)) for s in range(pp))
 
 
-def _valid(model: ModelSpec, world: int, tp: int, pp: int, ep: int, etp: int) -> bool:
-    """Whether the plugin's own config checks accept these sizes."""
+def _valid(model: PlanModel, world: int, sizes: Layout) -> bool:
+    """Whether the plugin's own config checks accept the run's ``"moe"`` block with these parallel sizes."""
     try:
-        MoEConfig.from_dict({"num_experts": model.experts, "router": "topk", "top_k": 1, "parallel": {
-            "tensor": tp, "pipeline": pp, "expert": ep, "expert_tensor": etp}}).check_world_size(world)
+        MoEConfig.from_dict(moe_block(model, sizes, {"policy": "static"})).check_world_size(world)
     except ConfigError:
         return False
     return True
 
 
-def search(model: ModelSpec, cluster: ClusterSpec, *, load_ME=None, world_size: Optional[int] = None,
+def search(model: PlanModel, cluster: ClusterSpec, *, load_ME=None, world_size: Optional[int] = None,
            progress: Optional[Callable[[int, int], None]] = None) -> list[Candidate]:
     """All valid layouts, costed and sorted: those that fit first, fastest first."""
     todo = list(layouts(model, cluster, world_size))
     if not todo:
         raise ConfigError("cluster", f"{world_size or cluster.world_size} ranks", "no valid layout for this model "
-                          "on this many ranks (check model.global_batch, model.micro_batches, heads and layers)")
+                          "on this many ranks (check train_batch_size, --micro-batches, the shape's heads and layers)")
     out = []
     for n, layout in enumerate(todo, 1):
         cost = step_cost(model, cluster, layout, load_ME)

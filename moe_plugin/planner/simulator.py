@@ -14,7 +14,7 @@ import numpy as np
 
 from moe_plugin.placement import costs
 from moe_plugin.planner.cost_model import group_span, moe_layer_time, step_cost
-from moe_plugin.planner.spec import ClusterSpec, Layout, ModelSpec
+from moe_plugin.planner.spec import ClusterSpec, Layout, PlanModel
 
 
 @dataclass(frozen=True)
@@ -72,15 +72,16 @@ def load_fractions(load_IME: np.ndarray, moe_layers: int) -> np.ndarray:
     return np.where(total > 0, load / np.maximum(total, 1e-30), 1.0 / E)
 
 
-def migration_seconds(model: ModelSpec, cluster: ClusterSpec, layout: Layout, old_E, new_E) -> float:
+def migration_seconds(model: PlanModel, cluster: ClusterSpec, layout: Layout, old_E, new_E) -> float:
     """Seconds to move the experts whose rank changes from ``old_E`` to ``new_E``: the busiest receiver's."""
-    L = model.experts // layout.ep
+    L = model.moe.num_experts // layout.ep
     old_r, new_r = np.asarray(old_E) // L, np.asarray(new_E) // L
     moved = old_r != new_r
     if not moved.any():
         return 0.0
     shards = layout.edp if layout.zero >= 1 else 1
-    per_expert = model.expert_params() / layout.etp * (model.param_bytes + model.optimizer_bytes / shards)
+    o = model.options
+    per_expert = model.expert_params() / layout.etp * (o.param_bytes + o.optimizer_bytes / shards)
     busiest = np.bincount(new_r[moved], minlength=layout.ep).max()
     bw, lat = cluster.link(group_span(layout, "ep", expert_grid=True))
     return costs.migration_seconds(busiest * per_expert, 1 / bw, lat * (layout.ep - 1))
@@ -99,7 +100,7 @@ def sender_fractions(traffic_IMPE: Optional[np.ndarray], moe_layers: int, ep: in
     return np.where(total > 0, traffic / np.maximum(total, 1e-30), 1.0 / ep)
 
 
-def choose_shadow(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E, placement_E, current_E,
+def choose_shadow(model: PlanModel, cluster: ClusterSpec, layout: Layout, load_E, placement_E, current_E,
                   policy: Policy, senders_PE=None) -> np.ndarray:
     """One layer's shadowed experts (bool [E]) after a check: the cheapest set of the 0..K hottest, taken when
     ``should_switch`` takes it with no migration."""
@@ -118,7 +119,7 @@ def choose_shadow(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E
     return sets[k] if switch else current_E
 
 
-def choose_placement(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_E, current_E, new_E,
+def choose_placement(model: PlanModel, cluster: ClusterSpec, layout: Layout, load_E, current_E, new_E,
                      policy: Policy) -> tuple[np.ndarray, float]:
     """One layer's placement after a check and its migration seconds: ``new_E`` when ``should_switch`` takes it."""
     def per_step(placement_E) -> float:
@@ -129,17 +130,17 @@ def choose_placement(model: ModelSpec, cluster: ClusterSpec, layout: Layout, loa
     return (new_E, cost) if switch and (new_E != current_E).any() else (current_E, 0.0)
 
 
-def replay(model: ModelSpec, cluster: ClusterSpec, layout: Layout, load_IME: np.ndarray, policy: Policy,
+def replay(model: PlanModel, cluster: ClusterSpec, layout: Layout, load_IME: np.ndarray, policy: Policy,
            stride: int = 1, traffic_IMPE: Optional[np.ndarray] = None) -> Replay:
     """Replay every ``stride``-th step of a trace's loads (``[steps, layers, E]``) on ``layout``;
     ``traffic_IMPE`` (the trace's ``[steps, layers, P, E]``) gives the senders of shadowed routes."""
     from moe_plugin.placement.policies import align, greedy, static
 
-    moe_layers = sum(model.is_moe(i) for i in range(model.layers))
+    moe_layers = len(model.moe_layers)
+    E, P = model.moe.num_experts, layout.ep
     frac = load_fractions(load_IME, moe_layers)
-    if frac.shape[-1] != model.experts:
-        raise ValueError(f"the trace has {frac.shape[-1]} experts per layer, the model {model.experts}")
-    E, P = model.experts, layout.ep
+    if frac.shape[-1] != E:
+        raise ValueError(f"the trace has {frac.shape[-1]} experts per layer, the model {E}")
     placement = np.stack([static(E, P).numpy() for _ in range(moe_layers)])
     window = policy.window or policy.interval
     senders = sender_fractions(traffic_IMPE, moe_layers, P) if policy.replica_budget else None
@@ -206,7 +207,7 @@ def synthetic_trace(steps: int, layers: int, experts: int, tokens: int, *, zipf:
     return load, traffic
 
 
-def compare(model: ModelSpec, cluster: ClusterSpec, layouts: Sequence[Layout], load_IME: np.ndarray,
+def compare(model: PlanModel, cluster: ClusterSpec, layouts: Sequence[Layout], load_IME: np.ndarray,
             policies: Sequence[Policy], stride: int = 1) -> list[Replay]:
     """Every layout under every policy."""
     return [replay(model, cluster, lay, load_IME, pol, stride) for lay in layouts for pol in policies]

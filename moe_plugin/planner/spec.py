@@ -1,8 +1,12 @@
-"""What the planner is told: the model (``ModelSpec``), the machine (``ClusterSpec``) and one candidate
-layout (``Layout``).
+"""What the planner is told: the model (``PlanModel``: the run's DeepSpeed JSON, its ``"moe"`` block parsed
+by ``MoEConfig`` as a run parses it, and the model's ``ModelShape``), the planner's own knobs (``PlanOptions``),
+the machine (``ClusterSpec``) and one candidate layout (``Layout``).
 
-Model and cluster JSONs are read as strictly as the ``"moe"`` block: unknown keys refused, a ``ConfigError``
-naming the key path (``model.hidden``), the value and what is valid. Units: bytes, seconds, FLOP/s, bytes/s.
+Every fact of the ``"moe"`` block (experts, top-k, capacity or dropless, which layers are MoE, the expert FFN
+size and activation) is read from the parsed ``MoEConfig``; nothing here re-declares one of its defaults.
+Shape, option and cluster JSONs are read as strictly as the ``"moe"`` block: unknown keys refused, a
+``ConfigError`` naming the key path (``shape.hidden_size``), the value and what is valid. Units: bytes,
+seconds, FLOP/s, bytes/s.
 """
 from __future__ import annotations
 
@@ -15,77 +19,177 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from moe_plugin.configs.errors import ConfigError, FieldProblem, from_validation_error
+from moe_plugin.configs.errors import MISSING, ConfigError, FieldProblem, from_validation_error
+from moe_plugin.configs.schema import MoEConfig, load_ds_config
+
+TOTAL = "train_batch_size"
+MICRO_BATCHES = [1, 2, 4, 8]
+# bytes per value by the run's precision: bf16 / fp16 (fp32 master weights and Adam m, v: 12) or fp32 (Adam m, v)
+BYTES = {"half": dict(param_bytes=2, grad_bytes=2, optimizer_bytes=12, activation_bytes=2),
+         "fp32": dict(param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)}
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
-class ModelSpec(_Strict):
-    """A GPT-MoE and its global batch. Layer i (0-based) is MoE when ``i % moe_layer_interval == 0``."""
+class ModelShape(_Strict):
+    """The model's shape in Megatron-LM's names (the example's flags: ``--num-layers`` sets ``num_layers``); what
+    is left out as Megatron's ``TransformerConfig`` derives it."""
 
-    layers: int = Field(..., ge=1, description="Transformer layers.")
-    hidden: int = Field(..., ge=1, description="Hidden size H.")
-    ffn: int = Field(..., ge=1, description="FFN size of the dense MLPs.")
-    heads: int = Field(..., ge=1, description="Attention heads.")
-    vocab: int = Field(..., ge=1, description="Vocabulary size V.")
-    seq: int = Field(..., ge=1, description="Sequence length S.")
-    experts: int = Field(..., ge=1, description="Experts per MoE layer E.")
-    top_k: int = Field(2, ge=1, description="Experts per token k.")
-    capacity_factor: Optional[float] = Field(1.25, gt=0, description="Capacity as a multiple of the even share; "
-                                             "null: dropless.")
-    moe_layer_interval: int = Field(1, ge=1, description="Layer i is MoE when i % interval == 0.")
-    expert_ffn: Optional[int] = Field(None, ge=1, description="FFN size of one expert; default: ffn.")
-    global_batch: int = Field(..., ge=1, description="Sequences per optimizer step, all replicas together.")
-    micro_batches: list[int] = Field([1, 2, 4, 8], description="Micro-batch sizes (sequences per rank) to try.")
-    param_bytes: int = Field(2, ge=1, description="Bytes of a parameter as computed with (2: bf16/fp16, 4: fp32).")
-    grad_bytes: int = Field(2, ge=1, description="Bytes of a gradient.")
-    optimizer_bytes: int = Field(12, ge=0, description="Optimizer bytes per parameter (12: fp32 master + Adam "
-                                 "m, v under mixed precision; 8: Adam m, v in fp32 training).")
-    activation_bytes: int = Field(2, ge=1, description="Bytes of an activation value.")
+    num_layers: int = Field(..., ge=1, description="Transformer layers.")
+    hidden_size: int = Field(..., ge=1, description="Hidden size H.")
+    num_attention_heads: int = Field(..., ge=1, description="Attention heads.")
+    ffn_hidden_size: Optional[int] = Field(None, ge=1, description="FFN size of the dense MLPs; default 4 x "
+                                           "hidden_size.")
+    num_query_groups: Optional[int] = Field(None, ge=1, description="Key/value heads (grouped-query attention); "
+                                            "default num_attention_heads.")
+    kv_channels: Optional[int] = Field(None, ge=1, description="Size of one head; default hidden_size / "
+                                       "num_attention_heads.")
+    vocab_size: int = Field(..., ge=1, description="Vocabulary size V (padded).")
+    seq_length: int = Field(..., ge=1, description="Sequence length S.")
 
     @model_validator(mode="after")
-    def _check(self) -> "ModelSpec":
-        if self.hidden % self.heads:
-            raise FieldProblem("heads", self.heads, f"must divide hidden ({self.hidden})")
-        if self.top_k > self.experts:
-            raise FieldProblem("top_k", self.top_k, f"must be at most experts ({self.experts})")
+    def _check(self) -> "ModelShape":
+        heads = self.num_attention_heads
+        if self.kv_channels is None and self.hidden_size % heads:
+            raise FieldProblem("num_attention_heads", heads, f"must divide hidden_size ({self.hidden_size}), or "
+                               "set kv_channels")
+        if heads % self.query_groups:
+            raise FieldProblem("num_query_groups", self.num_query_groups, f"must divide num_attention_heads ({heads})")
+        return self
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads if self.kv_channels is None else self.kv_channels
+
+    @property
+    def query_width(self) -> int:
+        """q: the queries' width (hidden_size without kv_channels)."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """kv: the keys' (and the values') width (hidden_size without grouped-query attention)."""
+        return self.query_groups * self.head_dim
+
+    def transformer_fields(self) -> dict:
+        """The ``TransformerConfig`` fields this shape sets."""
+        names = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
+                 "kv_channels")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+    @classmethod
+    def load(cls, source: Union[dict, str, os.PathLike]) -> "ModelShape":
+        return _load(cls, source, "shape")
+
+
+class PlanOptions(_Strict):
+    """The planner's own knobs; ``of`` fills what is not given (``MICRO_BATCHES``, ``BYTES``)."""
+
+    micro_batches: list[int] = Field(..., description="Micro-batch sizes (sequences per rank) to try.")
+    param_bytes: int = Field(..., ge=1, description="Bytes of a parameter as computed with (2: bf16/fp16, 4: fp32).")
+    grad_bytes: int = Field(..., ge=1, description="Bytes of a gradient.")
+    optimizer_bytes: int = Field(..., ge=0, description="Optimizer bytes per parameter (12: fp32 master + Adam "
+                                 "m, v under mixed precision; 8: Adam m, v in fp32 training).")
+    activation_bytes: int = Field(..., ge=1, description="Bytes of an activation value.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "PlanOptions":
         if not self.micro_batches or min(self.micro_batches) < 1:
             raise FieldProblem("micro_batches", self.micro_batches, "expected a non-empty list of integers >= 1")
         return self
 
-    @property
-    def expert_ffn_size(self) -> int:
-        return self.expert_ffn if self.expert_ffn is not None else self.ffn
+    @classmethod
+    def of(cls, ds_config: dict, given: Optional[dict] = None) -> "PlanOptions":
+        """``given`` over the defaults: ``MICRO_BATCHES`` and the ``BYTES`` of the run's precision."""
+        defaults = {"micro_batches": MICRO_BATCHES, **BYTES["half" if half_precision(ds_config) else "fp32"]}
+        return _load(cls, {**defaults, **(given or {})}, "options")
 
-    def is_moe(self, layer: int) -> bool:
-        return layer % self.moe_layer_interval == 0
+
+def half_precision(ds_config: dict) -> bool:
+    """Whether the run trains in bf16 or fp16 (DeepSpeed's keys, as ``moe_plugin.initialize`` reads them)."""
+    return any(isinstance(ds_config.get(k), dict) and ds_config[k].get("enabled", False)
+               for k in ("fp16", "bf16", "bfloat16"))
+
+
+@dataclass(frozen=True)
+class PlanModel:
+    """A GPT-MoE as its run describes it: the DeepSpeed JSON (the global batch, the precision, the ``"moe"``
+    block), the shape and the planner's options. Candidates are this JSON under their layouts (``ds_config``)."""
+
+    ds_config: dict
+    moe: MoEConfig
+    shape: ModelShape
+    options: PlanOptions
+
+    @classmethod
+    def build(cls, ds_config: Union[dict, str, os.PathLike], shape: Union[ModelShape, dict, str, os.PathLike],
+              options: Optional[dict] = None) -> "PlanModel":
+        """Read and check everything (``ConfigError`` naming the key): the JSON as ``deepspeed.initialize`` reads
+        it, its ``"moe"`` block by ``MoEConfig.from_ds_config`` against the shape's depth, as a run does."""
+        ds = load_ds_config(ds_config)
+        moe = MoEConfig.from_ds_config(ds)
+        shape = shape if isinstance(shape, ModelShape) else ModelShape.load(shape)
+        moe.check_num_layers(shape.num_layers, "shape.num_layers")
+        total = ds.get(TOTAL, MISSING)
+        if total is MISSING or isinstance(total, bool) or not isinstance(total, int) or total < 1:
+            raise ConfigError(TOTAL, total, "expected an integer >= 1: the planner keeps the run's global batch and "
+                              "chooses its split (train_micro_batch_size_per_gpu, gradient_accumulation_steps)")
+        if moe.shared_expert_ffn_hidden_size:
+            raise ConfigError("moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size, "the planner "
+                              "does not price shared experts (docs/planner.md, Not modelled); plan without them")
+        return cls(ds, moe, shape, PlanOptions.of(ds, options))
+
+    @property
+    def global_batch(self) -> int:
+        return self.ds_config[TOTAL]
+
+    @property
+    def expert_ffn(self) -> int:
+        """F_e: the ``"moe"`` block's ``ffn_hidden_size``, else the model's."""
+        return self.moe.ffn_hidden_size or self.shape.ffn
+
+    @property
+    def expert_width(self) -> int:
+        """F1, the first expert GEMM's width: 2 F_e for a gated activation (GLU), else F_e."""
+        from moe_plugin.layers.experts import GATED
+
+        return 2 * self.expert_ffn if self.moe.activation in GATED else self.expert_ffn
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.shape.num_layers) if self.moe.is_moe_layer(i)]
 
     def dense_layer_params(self) -> int:
         """Attention (QKV + projection, biases) and the two LayerNorms of one layer."""
-        h = self.hidden
-        return 4 * h * h + 4 * h + 4 * h
+        h, q, kv = self.shape.hidden_size, self.shape.query_width, self.shape.kv_width
+        return h * (q + 2 * kv) + (q + 2 * kv) + q * h + h + 4 * h
 
     def mlp_params(self) -> int:
-        return 2 * self.hidden * self.ffn + self.ffn + self.hidden
+        return 2 * self.shape.hidden_size * self.shape.ffn + self.shape.ffn + self.shape.hidden_size
 
     def expert_params(self) -> int:
-        """One expert (two weight matrices, no biases, as the plugin's grouped experts)."""
-        return 2 * self.hidden * self.expert_ffn_size
+        """One expert: its two weight matrices (and biases with ``expert_linear_bias``), as the grouped experts."""
+        h, f1, f = self.shape.hidden_size, self.expert_width, self.expert_ffn
+        return h * f1 + f * h + (f1 + h if self.moe.expert_linear_bias else 0)
 
     def embedding_params(self) -> int:
-        return (self.vocab + self.seq) * self.hidden
+        return (self.shape.vocab_size + self.shape.seq_length) * self.shape.hidden_size
 
     def total_params(self) -> int:
-        moe = sum(self.is_moe(i) for i in range(self.layers))
-        return (self.layers * self.dense_layer_params() + (self.layers - moe) * self.mlp_params()
-                + moe * (self.experts * self.expert_params() + self.hidden * self.experts)
-                + self.embedding_params() + self.vocab * self.hidden)
-
-    @classmethod
-    def load(cls, source: Union[dict, str, os.PathLike]) -> "ModelSpec":
-        return _load(cls, source, "model")
+        L, H, E = self.shape.num_layers, self.shape.hidden_size, self.moe.num_experts
+        moe = len(self.moe_layers)
+        return (L * self.dense_layer_params() + (L - moe) * self.mlp_params()
+                + moe * (E * self.expert_params() + H * E) + self.embedding_params() + self.shape.vocab_size * H)
 
 
 class ClusterSpec(_Strict):

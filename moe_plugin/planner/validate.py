@@ -1,9 +1,9 @@
 """``moe-plugin plan --validate``: the cost model's prediction against measured training steps.
 
-For each world size, one job of gloo ranks calibrates, times whole steps of ``VALIDATION_MODEL`` in each of
-``LAYOUTS`` on the real stack, and calibrates again; the prediction from the mean calibration is compared with
-the median step (``DIR/validation.md``, ``validation.json``). It first waits for a quiet machine, with
-``/tmp/BENCH_RUNNING`` created meanwhile. docs/planner.md, *Validation on this machine*.
+For each world size, one job of gloo ranks calibrates, times whole steps of the model of ``VALIDATION_SHAPE``
+and ``VALIDATION_MOE`` in each of ``LAYOUTS`` on the real stack, and calibrates again; the prediction from the
+mean calibration is compared with the median step (``DIR/validation.md``, ``validation.json``). It first waits
+for a quiet machine, with ``/tmp/BENCH_RUNNING`` created meanwhile. docs/planner.md, *Validation on this machine*.
 """
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from moe_plugin.planner.spec import ClusterSpec, Layout, ModelSpec
+from moe_plugin.planner.spec import ClusterSpec, Layout, PlanModel
 
 BENCH_FLAG = Path("/tmp/BENCH_RUNNING")
 WAIT_S = 300
-VALIDATION_MODEL = dict(layers=4, hidden=256, ffn=512, heads=4, vocab=2048, seq=128, experts=8, top_k=2,
-                        capacity_factor=1.25, moe_layer_interval=2, global_batch=8, micro_batches=[1, 2, 4],
-                        param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
+VALIDATION_SHAPE = dict(num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, vocab_size=2048,
+                        seq_length=128)
+VALIDATION_MOE = dict(num_experts=8, router="gshard", capacity_factor=1.25, layer_interval=2)   # fp32: no bf16
 
 
 def _lay(tp=1, pp=1, ep=1, etp=None, dp=1, mb=1, gas=1) -> Layout:
@@ -39,11 +39,12 @@ LAYOUTS = {
 }
 
 
-def validation_model(world: int) -> ModelSpec:
-    return ModelSpec.load({**VALIDATION_MODEL, "global_batch": 2 * world})
+def validation_model(world: int) -> PlanModel:
+    return PlanModel.build({"train_batch_size": 2 * world, "moe": VALIDATION_MOE}, VALIDATION_SHAPE,
+                           {"micro_batches": [1, 2, 4]})
 
 
-def _ds_config(model: ModelSpec, layout: Layout) -> dict:
+def _ds_config(model: PlanModel, layout: Layout) -> dict:
     from moe_plugin.planner.search import ds_config
 
     config = ds_config(model, layout)
@@ -52,13 +53,12 @@ def _ds_config(model: ModelSpec, layout: Layout) -> dict:
     return config
 
 
-def _provider(model: ModelSpec, layout: Layout):
+def _provider(model: PlanModel, layout: Layout):
     def build(moe_config, groups):
         import torch
         from megatron.core.transformer import TransformerConfig
 
-        config = TransformerConfig(num_layers=model.layers, hidden_size=model.hidden, num_attention_heads=model.heads,
-                                   ffn_hidden_size=model.ffn, tensor_model_parallel_size=layout.tp,
+        config = TransformerConfig(**model.shape.transformer_fields(), tensor_model_parallel_size=layout.tp,
                                    pipeline_model_parallel_size=layout.pp, pipeline_dtype=torch.float32,
                                    use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                                    bias_dropout_fusion=False, gradient_accumulation_fusion=False,
@@ -66,19 +66,19 @@ def _provider(model: ModelSpec, layout: Layout):
         if layout.pp > 1:
             from moe_plugin.integration.pipeline import gpt_pipeline_module
 
-            return gpt_pipeline_module(config, moe_config, groups, vocab_size=model.vocab,
-                                       max_sequence_length=model.seq, seed=0)
+            return gpt_pipeline_module(config, moe_config, groups, vocab_size=model.shape.vocab_size,
+                                       max_sequence_length=model.shape.seq_length, seed=0)
         from megatron.core.models.gpt import GPTModel
 
         from moe_plugin.integration.megatron import gpt_moe_spec
 
         torch.manual_seed(0)
-        return GPTModel(config, gpt_moe_spec(moe_config, config, groups, seed=0, cpu=True), vocab_size=model.vocab,
-                        max_sequence_length=model.seq)
+        return GPTModel(config, gpt_moe_spec(moe_config, config, groups, seed=0, cpu=True),
+                        vocab_size=model.shape.vocab_size, max_sequence_length=model.shape.seq_length)
     return build
 
 
-def measure_layout(model: ModelSpec, layout: Layout, rounds: int) -> list[float]:
+def measure_layout(model: PlanModel, layout: Layout, rounds: int) -> list[float]:
     """Inside the ranks: build the engine for ``layout`` and time ``rounds`` steps (after one warm-up)."""
     import torch
     import torch.distributed as dist
@@ -90,10 +90,10 @@ def measure_layout(model: ModelSpec, layout: Layout, rounds: int) -> list[float]
         engine = result.engine
         dp_rank = result.groups.rank_in("dp")
         gen = torch.Generator().manual_seed(1000 + dp_rank)
-        B, S = layout.micro_batch, model.seq
+        B, S = layout.micro_batch, model.shape.seq_length
 
         def micro():
-            ids = torch.randint(0, model.vocab, (B, S + 1), generator=gen)
+            ids = torch.randint(0, model.shape.vocab_size, (B, S + 1), generator=gen)
             return ids[:, :-1].contiguous(), torch.arange(S).expand(B, S).contiguous(), ids[:, 1:].contiguous()
 
         def step() -> None:
@@ -120,7 +120,7 @@ def measure_layout(model: ModelSpec, layout: Layout, rounds: int) -> list[float]
         result.close()
 
 
-def _spawned(rank: int, world: int, model: ModelSpec, layouts: list[Layout], rounds: int, tmp: str) -> None:
+def _spawned(rank: int, world: int, model: PlanModel, layouts: list[Layout], rounds: int, tmp: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -144,7 +144,7 @@ def _spawned(rank: int, world: int, model: ModelSpec, layouts: list[Layout], rou
     exit_process(0)   # not the interpreter's exit (compat/process_exit.py)
 
 
-def measure(model: ModelSpec, layouts: list[Layout], world: int, rounds: int
+def measure(model: PlanModel, layouts: list[Layout], world: int, rounds: int
             ) -> tuple[dict[str, list[float]], dict, list[dict]]:
     """Every layout's step times, the cluster JSON of the calibrations before and after them, and their raw numbers."""
     import torch.multiprocessing as mp

@@ -51,13 +51,18 @@ def member_names() -> list[str]:
 
 
 def planner_model(size: GpuSize, experts: int):
-    """The planner's model of one member (``experts`` 0: the dense one, as a one-expert MoE)."""
-    from moe_plugin.planner import ModelSpec
+    """The planner's model of one member: its run's DeepSpeed JSON and shape (``experts`` 0: the dense one, as a
+    one-expert MoE; the planner fills in ``parallel``)."""
+    from moe_plugin.planner import PlanModel
 
     k = TOP_K if experts else 1
-    return ModelSpec(layers=size.layers, hidden=size.hidden, ffn=size.ffn, heads=size.heads, vocab=VOCAB, seq=size.seq,
-                     experts=max(experts, 1), top_k=k, capacity_factor=1.25, moe_layer_interval=2,
-                     expert_ffn=size.ffn // k, global_batch=GLOBAL_BATCH, micro_batches=[1, 2, 4, 8])
+    moe = {"num_experts": max(experts, 1), "router": {1: "switch", 2: "gshard"}[k], "top_k": k, "layer_interval": 2,
+           "parallel": {}, "capacity_factor": 1.25, "ffn_hidden_size": size.ffn // k}
+    if experts:
+        moe.update(eval_capacity_factor=2.0, min_capacity=4, aux_loss_coeff=0.01)
+    shape = {"num_layers": size.layers, "hidden_size": size.hidden, "ffn_hidden_size": size.ffn,
+             "num_attention_heads": size.heads, "vocab_size": VOCAB, "seq_length": size.seq}
+    return PlanModel.build({"train_batch_size": GLOBAL_BATCH, "bf16": {"enabled": True}, "moe": moe}, shape)
 
 
 def member_config(size: GpuSize, experts: int, cluster) -> tuple[dict, dict]:
@@ -73,12 +78,9 @@ def member_config(size: GpuSize, experts: int, cluster) -> tuple[dict, dict]:
     config["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": size.lr,
                                                                "warmup_num_steps": 2000,
                                                                "total_num_steps": TRAIN_ITERS}}
-    moe = config["moe"]
-    if experts:
-        moe.update(eval_capacity_factor=2.0, min_capacity=4, aux_loss_coeff=0.01)
-    else:   # the dense baseline keeps the planned tp / pp / ZeRO; the example's --dense ignores the experts
+    if not experts:   # the dense baseline keeps the planned tp / pp / ZeRO; the example's --dense ignores the experts
         config["moe"] = {"num_experts": 1, "router": "switch",
-                         "parallel": {**moe["parallel"], "expert": 1, "expert_tensor": 1}}
+                         "parallel": {**config["moe"]["parallel"], "expert": 1, "expert_tensor": 1}}
     row = {"layout": best.layout.name(), "step_ms": 1e3 * best.cost.total, "memory_gb": best.cost.memory_total / 1e9,
            "tokens_per_s": GLOBAL_BATCH * size.seq / best.cost.total}
     return config, row
