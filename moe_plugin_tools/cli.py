@@ -12,7 +12,6 @@
     moe-plugin plan --calibrate out.json [--ranks 4] | --validate [--ranks 4,8]
     moe-plugin report RUN_DIR [RUN_DIR ...] [--out DIR]
     moe-plugin export CKPT_DIR --out DIR [--tag TAG] [--trust-checkpoint]
-    moe-plugin convert-checkpoint OLD_CKPT --out NEW_CKPT [--tag TAG]
     moe-plugin upcycle DENSE_CKPT --config ds.json --out MOE_CKPT [--granularity G] [--tag TAG] [--reset-iteration]
     moe-plugin import-hf HF_DIR --config ds.json --out CKPT [--tag TAG] [--dtype float32] [--config-out JSON]
     moe-plugin export-hf CKPT --out HF_DIR [--arch MODEL_TYPE] [--max-shard-size 5GB]
@@ -138,12 +137,6 @@ def export(args: argparse.Namespace) -> None:
                       trust=args.trust_checkpoint)
 
 
-def convert(args: argparse.Namespace) -> None:
-    from moe_plugin.checkpoint import convert_checkpoint
-
-    convert_checkpoint(args.checkpoint, args.out, tag=args.tag, progress=lambda line: print(line, flush=True))
-
-
 def upcycle(args: argparse.Namespace) -> None:
     from moe_plugin.checkpoint import upcycle_checkpoint
 
@@ -259,14 +252,6 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--tag", default=None, help="the tag to export (default: the one CKPT_DIR/latest names)")
     dump.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     dump.set_defaults(run=export)
-
-    conv = commands.add_parser("convert-checkpoint", help="rewrite a checkpoint of an earlier moe_plugin, whose files "
-                               "are pickles, in the format that holds none (reads the pickles: run it once, on a "
-                               "checkpoint you trust)")
-    conv.add_argument("checkpoint", type=Path, metavar="OLD_CKPT", help="a --save directory of an earlier moe_plugin")
-    conv.add_argument("--out", type=Path, required=True, help="the checkpoint directory to write (a --load)")
-    conv.add_argument("--tag", default=None, help="the tag to convert (default: the one OLD_CKPT/latest names)")
-    conv.set_defaults(run=convert)
 
     up = commands.add_parser("upcycle", help="an MoE checkpoint whose experts start as copies of a dense "
                              "checkpoint's MLPs (loads under any layout)")

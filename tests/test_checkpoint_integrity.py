@@ -12,7 +12,9 @@ PipelineEngine (tied word embedding and output layer), then, into the running tp
   without checksums (older saves) whose rng file is truncated names that file too;
 * the example's ``load_checkpoint`` (``--load``): a missing or empty directory (or one holding only
   what a killed first save left) starts from scratch with a log line; a directory with a tag but no
-  ``latest`` is an error naming the path.
+  ``latest`` is an error naming the path;
+* in this process, a tag whose metadata records format version 1 or 2 (never released) or 4: ``moe-plugin
+  export`` and ``export-hf`` refuse it in one line naming the file and both versions.
 
 In the parent, both checkpoints are exported (``export_checkpoint``; the CLI's ``moe-plugin export``
 for one) and a 1-rank spawn loads each export into a ``GPTModel`` built from its ``config.json``
@@ -281,15 +283,25 @@ def test_unreadable_file_of_an_unverified_checkpoint_is_named(results):
         assert case["path"] in case["error"] and "not a safetensors file" in case["error"], case["error"]
 
 
-def test_read_torch_names_the_file(tmp_path):
-    from moe_plugin.checkpoint.files import read_torch
-    from moe_plugin.checkpoint import CheckpointError
+@pytest.mark.parametrize("version", [1, 2, 4])
+def test_a_checkpoint_of_another_format_version_is_refused_in_one_line(tmp_path, capsys, version):
+    """Versions 1 and 2 (development formats no release wrote) and a newer one: ``moe-plugin export``
+    and ``export-hf`` refuse the tag in one line naming its metadata file, its version and the one read,
+    before any other file is read."""
+    from commands import cli
 
-    path = tmp_path / "x.pt"
-    torch.save({"w": torch.ones(1000)}, path)
-    path.write_bytes(path.read_bytes()[:300])
-    with pytest.raises(CheckpointError, match=f"^{path}: unreadable torch file"):
-        read_torch(str(path))
+    tag = tmp_path / "ckpt" / "step4"
+    tag.mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest").write_text("step4")
+    (tag / "moe_plugin.json").write_text(json.dumps({"format": "moe_plugin.checkpoint", "version": version}))
+    why = "a newer moe_plugin wrote it: upgrade" if version > 3 else "a development version wrote it before any release"
+    for command in ("export", "export-hf"):
+        status, out = cli(capsys, [command, tmp_path / "ckpt", "--out", tmp_path / command])
+        lines = out.strip().splitlines()
+        assert status == 2 and len(lines) == 1, out
+        assert lines[0].startswith(f"error: {tag / 'moe_plugin.json'}: format 'moe_plugin.checkpoint' version "
+                                   f"{version}; this moe_plugin reads 'moe_plugin.checkpoint' version 3 ({why}"), out
+        assert not (tmp_path / command).exists()
 
 
 @pytest.mark.slow

@@ -8,11 +8,10 @@ an export's weights. Each is refused by the readers the user runs -- the example
 naming the file, and the marker is never written. The file's checksum in ``moe_plugin.json`` is
 updated first, as whoever planted it would. The same checkpoint unchanged resumes the run's losses.
 
-Checkpoints of an earlier moe_plugin (format 2: pickles of its own; made here from a new one by
-writing its rng and record files back as ``torch.save`` pickles, as that version did): refused in one
-line naming a legacy pickle and ``convert-checkpoint``; loaded with ``--trust-checkpoint``; converted,
-loaded without it; both resume the same losses. import-hf refuses ``pytorch_model.bin`` unless
-trusted, and then imports the same checkpoint as from safetensors.
+A tag whose metadata records format version 1 or 2 (never released; their files were pickles of
+the plugin's own) is refused by ``--load`` and ``export`` in one line naming the metadata file, its
+version and the one read. import-hf refuses ``pytorch_model.bin`` unless trusted, and then imports the
+same checkpoint as from safetensors.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -207,104 +205,18 @@ def test_import_hf_refuses_pickled_weights_unless_trusted(made, tmp_path, capsys
         assert torch.equal(ours.read(key), theirs.read(key)), key
 
 
-def _as_version_2(source: Path, target: Path) -> None:
-    """``source`` (format 3) as the format-2 checkpoint an earlier moe_plugin wrote: its rng files
-    and optimizer record as ``torch.save`` pickles of the same content."""
-    from moe_plugin.checkpoint.plain_files import read_plain
-
-    shutil.copytree(source, target)
-    tag_dir = target / (target / "latest").read_text().strip()
-    meta = json.loads((tag_dir / "moe_plugin.json").read_text())
-    for name in [n for n in meta["files"] if n.startswith(("rng/", "optimizer/"))]:
-        kind = "rng" if name.startswith("rng/") else "optimizer_record"
-        content = read_plain(str(tag_dir / name), kind)
-        if kind == "rng" and content.get("numpy") is not None:   # NumPy's own tuple, as it pickled it
-            content["numpy"] = tuple(content["numpy"])
-        os.remove(tag_dir / name)
-        old = name[:-len(".safetensors")] + ".pt"
-        torch.save(content, tag_dir / old)
-        del meta["files"][name]
-        data = (tag_dir / old).read_bytes()
-        meta["files"][old] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    meta["version"] = 2
-    (tag_dir / "moe_plugin.json").write_text(json.dumps(meta))
-
-
-def test_a_legacy_checkpoint_loads_only_trusted_or_converted(made, tmp_path, capsys):
-    legacy = tmp_path / "legacy"
-    _as_version_2(made["ckpt"], legacy)
-    results, _ = _resume(made, legacy, "legacy-refused")
-    assert [r["status"] for r in results] == [1, 1]
-    line = _one_error_line(results[0]["out"], legacy / "step4" / "optimizer" / "dense_pp_00_tp_00.pt")
-    assert "a legacy pickle" in line and "moe-plugin convert-checkpoint" in line and "--trust-checkpoint" in line
-    status, out = cli(capsys, ["export", legacy, "--out", tmp_path / "export"])
-    assert status == 2 and "a legacy pickle" in out
-    expected = {s: made["losses"][s] for s in range(5, STEPS + 1)}
-    results, losses = _resume(made, legacy, "legacy-trusted", "--trust-checkpoint")
-    assert [r["status"] for r in results] == [0, 0], results[0]["out"][-2000:]
-    assert {s: losses[s] for s in expected} == expected
-    status, out = cli(capsys, ["convert-checkpoint", legacy, "--out", tmp_path / "converted"])
-    assert status == 0 and "pickles rewritten as safetensors" in out, out
-    files = json.loads((tmp_path / "converted" / "step4" / "moe_plugin.json").read_text())["files"]
-    assert not [n for n in files if n.endswith(".pt") and not n.startswith("mp_rank_")], files
-    results, losses = _resume(made, tmp_path / "converted", "converted")
-    assert [r["status"] for r in results] == [0, 0], results[0]["out"][-2000:]
-    assert {s: losses[s] for s in expected} == expected
-
-
-def _legacy_tag(root: Path, layers: int) -> Path:
-    """A format-2 tag as an earlier moe_plugin wrote it, sized by ``layers``: per layer one dense key
-    of the optimizer record (fp32 master and Adam's two moments, 2 M elements each: 24 MB) and one
-    format-1 expert file (weights and rows, 24 MB); a rank's rng file. Returns the checkpoint dir."""
-    import random
-
-    from moe_plugin.checkpoint.files import file_digest
-
-    tag = root / "ckpt" / "step1"
-    for folder in ("rng", "optimizer", "experts"):
-        (tag / folder).mkdir(parents=True)
-    n = 1 << 21
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": None, "accelerator": None,
-                "routers": {}, "megatron_tracker": {}}, tag / "rng" / "rank_00000.pt")
-    states = ("fp32", "exp_avg", "exp_avg_sq")
-    state = {f"decoder.layers.{i}.mlp.w": {name: torch.full((n,), float(i)) for name in states} for i in range(layers)}
-    torch.save({"names": ["exp_avg", "exp_avg_sq", "fp32"], "scalars": {"step": torch.tensor(1.0)}, "state": state,
-                "options": [{"lr": 1e-3, "betas": (0.9, 0.95)}], "weights_from_master": {k: "float32" for k in state},
-                "weights": {}}, tag / "optimizer" / "dense_pp_00_tp_00.pt")
-    del state
-    for e in range(layers):
-        torch.save({"expert_id": e, "placement": {}, "weights": {"w": torch.full((n,), float(e))},
-                    "optimizer": {"w": {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.ones(n)}}},
-                   tag / "experts" / f"expert_{e:05d}_pp_00.pt")
-    files = {str(p.relative_to(tag)): file_digest(str(p)) for p in sorted(tag.rglob("*")) if p.is_file()}
-    (tag / "moe_plugin.json").write_text(json.dumps({"format": "moe_plugin.checkpoint", "version": 2, "tag": "step1",
-                                                     "global_steps": 1, "files": files}))
-    (root / "ckpt" / "latest").write_text("step1")
-    return root / "ckpt"
-
-
-def test_convert_holds_one_tensor_at_a_time(tmp_path):
-    """convert-checkpoint in a child at 2 and 8 layers (96 MB and 384 MB of pickles): its peak RSS must
-    not grow with them (one tensor of 8 MB at a time); the converted record and experts read back
-    the same values."""
-    from moe_plugin.checkpoint.plain_files import read_plain
-    from moe_plugin.checkpoint.readers import open_expert_file
-    from moe_plugin_tools.bench.hf_model import run_measured
-
-    peaks = {}
-    for layers in (2, 8):
-        source = _legacy_tag(tmp_path / f"L{layers}", layers)
-        done = run_measured([sys.executable, "-m", "moe_plugin_tools.cli", "convert-checkpoint", str(source),
-                             "--out", str(tmp_path / f"L{layers}" / "safe")], timeout=300)
-        peaks[layers] = done.peak_bytes / 2 ** 20
-    print(f"convert-checkpoint peak RSS: {peaks[2]:.0f} MB at 2 layers, {peaks[8]:.0f} MB at 8")
-    assert peaks[8] - peaks[2] < 40, peaks   # the pickles grow by 288 MB
-    tag = tmp_path / "L8" / "safe" / "step1"
-    record = read_plain(str(tag / "optimizer" / "dense_pp_00_tp_00.safetensors"), "optimizer_record")
-    assert record["options"] == [{"lr": 1e-3, "betas": (0.9, 0.95)}] and record["scalars"]["step"].item() == 1.0
-    assert all(torch.equal(record["state"][f"decoder.layers.{i}.mlp.w"]["exp_avg"], torch.full((1 << 21,), float(i)))
-               for i in range(8))
-    entry = open_expert_file(str(tag / "experts" / "expert_00007_pp_00.safetensors"))
-    assert entry.expert_id == 7 and torch.equal(entry.weights["w"].read(), torch.full((1 << 21,), 7.0))
-    meta = json.loads((tag / "moe_plugin.json").read_text())
-    assert meta["version"] == 3 and meta["expert_files"] == "safetensors" and meta["converted_from"]["version"] == 2
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_checkpoint_of_an_unreleased_version_is_refused(made, tmp_path, capsys, version):
+    old = tmp_path / "old"
+    shutil.copytree(made["ckpt"], old)
+    meta_file = old / "step4" / "moe_plugin.json"
+    meta = json.loads(meta_file.read_text())
+    meta["version"] = version
+    meta_file.write_text(json.dumps(meta))
+    expected = (f"{meta_file}: format 'moe_plugin.checkpoint' version {version}; this moe_plugin reads "
+                "'moe_plugin.checkpoint' version 3 (a development version wrote it before any release")
+    results, _ = _resume(made, old, f"version-{version}")
+    assert [r["status"] for r in results] == [1, 1], results[0]["out"][-2000:]
+    assert expected in _one_error_line(results[0]["out"], meta_file)
+    status, out = cli(capsys, ["export", old, "--out", tmp_path / "export"])
+    assert status == 2 and expected in _one_error_line(out, meta_file)

@@ -18,6 +18,6 @@ from moe_plugin.lazy import lazy_getattr
 _FROM = {"save_checkpoint": "api", "load_checkpoint": "api", "checkpoint_exists": "api", "wait_for_save": "api",
          "poll_save": "api", "read_latest": "metadata",
          "read_metadata": "metadata", "CheckpointError": "errors", "export_checkpoint": "export",
-         "load_export": "export", "upcycle_checkpoint": "upcycle", "convert_checkpoint": "convert"}
+         "load_export": "export", "upcycle_checkpoint": "upcycle"}
 __all__ = sorted(_FROM)
 __getattr__ = lazy_getattr(__name__, _FROM)

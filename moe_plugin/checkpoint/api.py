@@ -39,7 +39,6 @@ from moe_plugin.checkpoint.files import (
     TMP_PREFIX,
     checksums,
     commit_tag,
-    read_torch,
     remove_stale,
     remove_stale_collective,
     verify,
@@ -69,7 +68,6 @@ from moe_plugin.checkpoint.optimizer import (
     RECORD_KIND,
     dense_from_master,
     dense_record,
-    load_basic_optimizer,
     load_record,
     match_record,
     record_file,
@@ -85,7 +83,6 @@ from moe_plugin.compat.deepspeed_checkpoint import (
     is_optimizer_file,
     is_recovery_script,
     one_file_per_mp_rank,
-    optimizer_file_name,
     without_module_entries,
 )
 from moe_plugin.compat.deepspeed_checkpoint_engine import (
@@ -373,9 +370,8 @@ def _load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str], 
     else:   # the saved layout: only the dense weights DeepSpeed's module file left out
         agree(lambda: check_own_module(run, path, meta))   # before DeepSpeed reads and casts it
         dense, header = agree(lambda: own_record_weights(run, path)), {}
-    record = recut_optimizer and meta.get("optimizer_record", False)
     optimizer_state = (agree(lambda: match_record(run, path, *read_record(run, path, meta), expert_moments))
-                       if record else None)
+                       if recut_optimizer else None)   # the record: the one state that follows a change
 
     with marker_without_local_experts(engine.module), experts_into_load(engine.module, {**dense, **experts}), \
             (contextlib.nullcontext() if trusted() else reading_safely(engine)), \
@@ -394,9 +390,6 @@ def _load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str], 
     _check_experts_loaded(engine.module, experts, path)
     if optimizer_state is not None:
         load_record(run, path, optimizer_state)
-    elif recut_optimizer:
-        saved = read_torch(os.path.join(path, optimizer_file_name(engine.checkpoint_mp_rank)))["optimizer"]
-        load_basic_optimizer(run, path, saved, expert_moments)
     if rng is not None:
         set_rng_state(engine.module, rng)
     else:
@@ -411,10 +404,7 @@ def _load_checkpoint(run: Any, load_dir: os.PathLike | str, tag: Optional[str], 
 def read_rng(path: str, rank: int) -> Optional[dict]:
     """``rank``'s random streams in tag ``path``, or None when it has none."""
     file = rng_file(path, rank)
-    if os.path.isfile(file):
-        return read_plain(file, RNG_KIND)
-    legacy = rng_file(path, rank, ".pt")
-    return read_torch(legacy) if os.path.isfile(legacy) else None
+    return read_plain(file, RNG_KIND) if os.path.isfile(file) else None
 
 
 def hf_origin(path: str, meta: dict) -> Optional[dict]:

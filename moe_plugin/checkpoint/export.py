@@ -26,7 +26,6 @@ from moe_plugin.checkpoint.errors import CheckpointError
 from moe_plugin.checkpoint.files import verify_all
 from moe_plugin.checkpoint.metadata import (
     POSITION_DEFAULTS,
-    check_not_legacy,
     module_files,
     named_function,
     placement_key,
@@ -106,7 +105,6 @@ class CheckpointSource:
         if not os.path.isdir(path):
             raise CheckpointError(f"{path}: missing; no checkpoint tag {tag!r} there")
         meta = read_metadata(ckpt_dir, tag)
-        check_not_legacy(path, meta, "--trust-checkpoint")
         model = meta.get("model")
         if not model or "transformer_config" not in model or "vocab_size" not in model:
             raise CheckpointError(f"{os.path.join(path, 'moe_plugin.json')}: records no model config (saved by an "

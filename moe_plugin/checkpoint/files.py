@@ -1,5 +1,5 @@
-"""The files of a checkpoint tag: checksums written at save and verified at load, reads that name
-the file they fail on, the commit of a tag, and what an interrupted save leaves behind.
+"""The files of a checkpoint tag: checksums written at save and verified at load, the commit of a tag,
+and what an interrupted save leaves behind.
 
 ``checksums`` and ``verify`` are collective, each file hashed by one rank; a bad file is the same
 ``CheckpointError`` on every rank naming it. ``commit_tag`` renames a finished ``.tmp-TAG`` and then
@@ -13,39 +13,20 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import shutil
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
 from moe_plugin.checkpoint.confine import copy_new, refuse_link, write_new
-from moe_plugin.checkpoint.errors import CheckpointError, agree, first_line
+from moe_plugin.checkpoint.errors import CheckpointError, agree
 from moe_plugin.checkpoint.metadata import EXPERT_DIR, LATEST, META_FILE
-from moe_plugin.compat.torch_files import safe_load
 
 logger = logging.getLogger(__name__)
 
 CHUNK = 8 << 20
 TMP_PREFIX, OLD_PREFIX = ".tmp-", ".old-"
-# What torch.load raises on a truncated, garbled or foreign file.
-_READ_ERRORS = (RuntimeError, OSError, EOFError, pickle.UnpicklingError, ValueError, KeyError, AttributeError,
-                IndexError)
-
-
-# -- reading --------------------------------------------------------------------------------------
-def read_torch(path: str, mmap: bool = False) -> Any:
-    """``torch.load`` on the CPU without running code (``safe_load``), failures named by path."""
-    try:
-        return safe_load(path, mmap=mmap)
-    except CheckpointError:
-        raise
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except _READ_ERRORS as exc:
-        raise CheckpointError(f"{path}: unreadable torch file, truncated or damaged ({type(exc).__name__}: "
-                              f"{first_line(exc)})") from exc
 
 
 # -- checksums ------------------------------------------------------------------------------------

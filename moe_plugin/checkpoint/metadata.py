@@ -19,19 +19,17 @@ from torch import nn
 from moe_plugin.checkpoint.confine import check_tree, inside, not_a_link
 from moe_plugin.checkpoint.errors import CheckpointError, first_line
 from moe_plugin.checkpoint.experts import expert_weights
-from moe_plugin.checkpoint.optimizer import RECORD_DIR, basic_optimizer, check_record_loads, record_kind
+from moe_plugin.checkpoint.optimizer import basic_optimizer, check_record_loads, record_kind
 from moe_plugin.checkpoint.tensor_files import SUFFIX
 from moe_plugin.checkpoint.trust import trusted
 from moe_plugin.compat.deepspeed_checkpoint import model_file_name
 
-# 2: a conversion's checkpoint (import-hf, upcycle) keeps its tensors in safetensors files
-# (``readers``: "dense_files", "expert_files"); version 1 checkpoints read as before.
-# 3: no file of the plugin's is a pickle: the optimizer record and the rng files are
-# ``plain_files``; a tag of an earlier version holding pickles of ours loads only when trusted
-# (``legacy_pickles``; ``moe-plugin convert-checkpoint`` rewrites it).
-FORMAT, FORMAT_VERSION, READ_VERSIONS = "moe_plugin.checkpoint", 3, (1, 2, 3)
+# Version 3: the plugin's own files are safetensors and JSON (``plain_files`` for the optimizer record
+# and the rng files), DeepSpeed's ``torch.save`` files beside them. No release wrote another version,
+# so no other is read (docs/checkpoints.md, "Format versions").
+FORMAT, FORMAT_VERSION, READ_VERSIONS = "moe_plugin.checkpoint", 3, (3,)
 META_FILE, EXPERT_DIR, RNG_DIR, LATEST = "moe_plugin.json", "experts", "rng", "latest"
-DENSE_DIR, SAFE = "model", "safetensors"   # a conversion's dense files; "expert_files": SAFE
+DENSE_DIR, SAFE = "model", "safetensors"   # a conversion's dense files; the metadata's "expert_files"
 # Keys of the "moe" block that change the function the model computes (parallel sizes do not).
 # A key a checkpoint lacks (saved before the field existed) counts as its default, ``SINCE_DEFAULTS``.
 MODEL_KEYS = ("num_experts", "top_k", "router", "normalize_gates", "second_expert_policy", "activation",
@@ -60,9 +58,9 @@ def read_json(path: str) -> Any:
                               f"{first_line(exc)})") from exc
 
 
-def rng_file(path: str, rank: int, suffix: str = SUFFIX) -> str:
-    """A rank's random streams (``.pt``: a pickle, before format version 3)."""
-    return os.path.join(path, RNG_DIR, f"rank_{rank:05d}{suffix}")
+def rng_file(path: str, rank: int) -> str:
+    """A rank's random streams."""
+    return os.path.join(path, RNG_DIR, f"rank_{rank:05d}{SUFFIX}")
 
 
 def deepspeed_model_file(path: str, engine: Any) -> str:
@@ -83,14 +81,9 @@ def dense_file_name(stage: int, tp_rank: int) -> str:
     return f"{DENSE_DIR}/dense_pp_{stage:02d}_tp_{tp_rank:02d}{SUFFIX}"
 
 
-def expert_file(path: str, expert_id: int, stage: int, suffix: str = SUFFIX) -> str:
-    """One full expert (every MoE layer of ``stage``) under its global id, as this version writes it."""
-    return os.path.join(path, EXPERT_DIR, f"expert_{expert_id:05d}_pp_{stage:02d}{suffix}")
-
-
-def expert_path(path: str, meta: dict, expert_id: int, stage: int) -> str:
-    """``expert_file`` of the checkpoint ``meta`` describes (``.pt`` before format version 2)."""
-    return expert_file(path, expert_id, stage, SUFFIX if meta.get("expert_files") == SAFE else ".pt")
+def expert_file(path: str, expert_id: int, stage: int) -> str:
+    """One full expert (every MoE layer of ``stage``) under its global id."""
+    return os.path.join(path, EXPERT_DIR, f"expert_{expert_id:05d}_pp_{stage:02d}{SUFFIX}")
 
 
 def module_files(path: str, meta: dict, stage: int) -> list[str]:
@@ -298,13 +291,27 @@ def read_metadata(load_dir: os.PathLike | str, tag: str) -> dict:
         raise CheckpointError(f"{path}: missing; {tag_dir!r} is not a complete moe_plugin checkpoint")
     meta = read_json(path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") not in READ_VERSIONS:
-        shown = meta if not isinstance(meta, dict) else meta.get("version")
-        raise CheckpointError(f"{path}: format {meta.get('format') if isinstance(meta, dict) else None!r} version "
-                              f"{shown!r}; this moe_plugin reads {FORMAT!r} versions {list(READ_VERSIONS)} (a newer "
-                              "moe_plugin wrote it: upgrade to load it)")
+        raise CheckpointError(not_read(path, meta))
     check_named_files(tag_dir, meta)
     check_recorded_sizes(tag_dir, meta)
     return meta
+
+
+def not_read(path: str, meta: Any) -> str:
+    """Why the metadata ``meta`` of ``path`` is not read: another format, or a version not in ``READ_VERSIONS``."""
+    found, version = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else (None, None)
+    number = isinstance(version, int) and not isinstance(version, bool)
+    if found != FORMAT:
+        why = "not the metadata of a moe_plugin checkpoint"
+    elif number and version > FORMAT_VERSION:
+        why = "a newer moe_plugin wrote it: upgrade to load it"
+    elif number and 1 <= version < FORMAT_VERSION:
+        why = ("a development version wrote it before any release; docs/checkpoints.md, \"Format versions\", "
+               "says how to convert it")
+    else:
+        why = "no moe_plugin writes that version"
+    reads = ", ".join(str(v) for v in READ_VERSIONS)
+    return f"{path}: format {found!r} version {version!r}; this moe_plugin reads {FORMAT!r} version {reads} ({why})"
 
 
 SIZE_LIMIT = 1 << 20   # experts, ranks: the bound the configs hold them to (configs.fields)
@@ -345,9 +352,9 @@ def check_recorded_sizes(tag_dir: str, meta: dict) -> None:
                     n *= d
                 elements += n
         files = meta.get("files")
-        if isinstance(files, dict) and record.get("experts") and meta.get("expert_files") == SAFE:
+        if isinstance(files, dict) and record.get("experts"):
             missing = [e for e in range(experts)
-                       if os.path.relpath(expert_path(tag_dir, meta, e, int(stage)), tag_dir) not in files]
+                       if os.path.relpath(expert_file(tag_dir, e, int(stage)), tag_dir) not in files]
             if missing:
                 raise CheckpointError(f"{where}: num_experts: {experts}; the tag lists no expert file for expert "
                                       f"{missing[0]} of stage {stage} ({len(missing)} missing)")
@@ -408,26 +415,6 @@ def named_function(path: Optional[str], where: str) -> Any:
     for part in name.split("."):
         target = getattr(target, part, None)
     return target
-
-
-def legacy_pickles(path: str, meta: dict) -> list[str]:
-    """The files of tag ``path`` an earlier moe_plugin wrote as pickles of its own (version < 3)."""
-    if meta.get("version", 1) >= 3:
-        return []
-    names = meta.get("files") or {os.path.relpath(os.path.join(root, n), path): 0
-                                   for root, _dirs, files in os.walk(path) for n in files}
-    return sorted(n for n in names if n.endswith(".pt") and n.split(os.sep)[0] in (RNG_DIR, RECORD_DIR, EXPERT_DIR))
-
-
-def check_not_legacy(path: str, meta: dict, how: str = "--trust-checkpoint (trust=True)") -> None:
-    """Refuse a tag holding ``legacy_pickles`` unless reading them is trusted."""
-    found = legacy_pickles(path, meta)
-    if found and not trusted():
-        raise CheckpointError(f"{os.path.join(path, found[0])}: a legacy pickle (moe_plugin checkpoint format version "
-                              f"{meta.get('version', 1)}; {len(found)} such files in the tag), which can run code "
-                              f"planted in it when read; convert the checkpoint once, as someone who trusts it: "
-                              f"moe-plugin convert-checkpoint {os.path.dirname(path)} --tag {os.path.basename(path)} "
-                              f"--out NEW_DIR, or load it as it is with {how}")
 
 
 def _differences(what: str, saved: dict, mine: dict) -> list[str]:
@@ -504,7 +491,6 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
     from moe_plugin.checkpoint.keys import as_running_kind   # imports Megatron: not for ``export``
 
     meta = read_metadata(os.path.dirname(path), tag)
-    check_not_legacy(path, meta)
     meta = as_running_kind(meta, is_pipeline(engine), bool(getattr(engine.module, "share_embeddings_and_output_weights",
                                                                        False)))
     mine = moe_config.resolved_dict()
@@ -531,7 +517,7 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
             model_files = [deepspeed_model_file(path, engine)]
         expert_stages = (sorted(set(stage["from"].values())) if stage is not None
                          else [groups.layout.coords(dist.get_rank())["pp"]])
-        needed = sorted(set(model_files)) + [expert_path(path, meta, e, st)
+        needed = sorted(set(model_files)) + [expert_file(path, e, st)
                                              for e in local_ids(meta, engine.module, groups) for st in expert_stages]
         problems += [f"{p}: missing" for p in needed if not os.path.isfile(p)]
     if problems:
@@ -540,8 +526,8 @@ def check_fits(run: Any, path: str, tag: str) -> dict:
 
 
 def check_optimizer_can_follow(run: Any, meta: dict) -> None:
-    """Raise unless the saved optimizer state can be re-cut for the running layout (without the record:
-    EP and ETP changes under ZeRO-0 only)."""
+    """Raise unless the saved optimizer state can be re-cut for the running layout: it must be in the
+    optimizer record, and the engine must take one."""
     engine = run.engine
     if meta.get("optimizer_record", False):
         check_record_loads(engine)
@@ -554,17 +540,7 @@ def check_optimizer_can_follow(run: Any, meta: dict) -> None:
         changed["model kind"] = ("PipelineModule" if meta["kind_from"] else "plain module",
                                  "PipelineModule" if meta["pipeline_module"] else "plain module")
     what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
-    if "tp" in changed or "pp" in changed or "model kind" in changed:
-        raise CheckpointError(
-            f"the optimizer state cannot follow the layout change ({what}): the dense weights are re-cut for the "
-            "new TP and pipeline sizes, their optimizer state is not. Load weights only: load_checkpoint(..., "
-            "load_optimizer_states=False) (lr scheduler and step counters still load)")
-    if stage > 0 or meta["zero_stage"] > 0:
-        raise CheckpointError(
-            f"the optimizer state cannot follow the layout change ({what}): ZeRO stage {meta['zero_stage']} "
-            "partitioned it over the (expert-)data-parallel groups of the saved layout. Load weights only: "
-            "load_checkpoint(..., load_optimizer_states=False) (lr scheduler and step counters still load)")
-    if basic_optimizer(engine) is None or not meta["expert_optimizer_state"]:
-        raise CheckpointError(f"the optimizer state cannot follow the layout change ({what}): the checkpoint or "
-                              "the engine has no basic (ZeRO-0, fp32) optimizer; load weights only: "
-                              "load_checkpoint(..., load_optimizer_states=False)")
+    raise CheckpointError(
+        f"the optimizer state cannot follow the layout change ({what}): the checkpoint has no optimizer record "
+        "(its run was fp16 or had no optimizer), only DeepSpeed's files of the saved layout. Load weights only: "
+        "load_checkpoint(..., load_optimizer_states=False) (lr scheduler and step counters still load)")

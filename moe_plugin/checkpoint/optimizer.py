@@ -39,29 +39,6 @@ def param_state_names(optimizer: Optional[torch.optim.Optimizer], param: nn.Para
     return [n for n in sorted(state) if isinstance(state[n], Tensor) and state[n].shape == param.shape]
 
 
-def load_basic_optimizer(run: Any, path: str, saved: dict, moments: dict) -> None:
-    """ZeRO-0 after a layout change without the record: the dense state as saved, expert rows re-cut by
-    id (``moments``); the expert group's ``name`` stays the new layout's."""
-    engine = run.engine
-    optimizer = basic_optimizer(engine)
-    key_of = {id(w.param): w.key for w in expert_weights(engine.module)}
-    state = {}
-    if len(saved["param_groups"]) != len(optimizer.param_groups):
-        raise CheckpointError(f"{path}: the optimizer had {len(saved['param_groups'])} param groups, now "
-                              f"{len(optimizer.param_groups)}")
-    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
-        for index, param in zip(saved_group["params"], group["params"]):
-            entry = dict(saved["state"].get(index, {}))
-            for name, value in moments.get(key_of.get(id(param)), {}).items():
-                entry[name] = value
-            if entry:
-                state[index] = entry
-        for option in ("name", "moe"):
-            if option in group:
-                saved_group[option] = group[option]
-    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
-
-
 # -- the optimizer record ------------------------------------------------------------------------
 def dtype_name(dtype: torch.dtype) -> str:
     """How ``weights_from_master`` names a weight's dtype (``"bfloat16"``; ``readers.rounded`` reads it)."""
@@ -178,9 +155,9 @@ def set_group_options(engine: Any, path: str, saved: list[dict]) -> None:
             group[key] = values[0]
 
 
-def record_file(stage: int, tp_rank: int, suffix: str = SUFFIX) -> str:
+def record_file(stage: int, tp_rank: int) -> str:
     """The dense optimizer record of ``stage`` and ``tp_rank`` in the tag."""
-    return os.path.join(RECORD_DIR, f"dense_pp_{stage:02d}_tp_{tp_rank:02d}{suffix}")
+    return os.path.join(RECORD_DIR, f"dense_pp_{stage:02d}_tp_{tp_rank:02d}{SUFFIX}")
 
 
 def check_record_loads(engine: Any) -> None:

@@ -6,7 +6,7 @@
 
 Safetensors files and DeepSpeed's ``torch.save`` files (read without running their pickle) both give
 ``Lazy`` values, each checked against the metadata's shape and dtype before it is read, so a reader
-holds one tensor at a time. File kinds and versions: docs/design/checkpoint_format.md.
+holds one tensor at a time. File kinds: docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from typing import Any, Optional, Union
 import torch
 
 from moe_plugin.checkpoint.errors import CheckpointError
-from moe_plugin.checkpoint.metadata import expert_path, module_files, saved_model_files
+from moe_plugin.checkpoint.metadata import expert_file, module_files, saved_model_files
 from moe_plugin.checkpoint.optimizer import MASTER, RECORD_KIND, record_file
 from moe_plugin.checkpoint.plain_files import read_plain
-from moe_plugin.checkpoint.tensor_files import SUFFIX, TensorFile
-from moe_plugin.compat.torch_files import LazyTensor, Opaque, TorchFile
+from moe_plugin.checkpoint.tensor_files import TensorFile
+from moe_plugin.compat.torch_files import LazyTensor, TorchFile
 
 
 class SafeLazy:
@@ -124,10 +124,7 @@ def deepspeed_header(file: str) -> dict:
 def open_record(path: str, stage: int, tp_rank: int) -> Optional[dict]:
     """The optimizer record of saved (``stage``, ``tp_rank``), tensors ``Lazy``; None when there is none."""
     file = os.path.join(path, record_file(stage, tp_rank))
-    if os.path.isfile(file):
-        return read_plain(file, RECORD_KIND, leaf=SafeLazy)
-    legacy = os.path.join(path, record_file(stage, tp_rank, ".pt"))
-    return TorchFile(legacy).content if os.path.isfile(legacy) else None
+    return read_plain(file, RECORD_KIND, leaf=SafeLazy) if os.path.isfile(file) else None
 
 
 def record_weights(path: str, stage: int, tp_rank: int) -> dict[str, Lazy]:
@@ -158,25 +155,15 @@ OPTIMIZER_MARK = "@"
 
 
 def open_expert_file(file: str) -> ExpertEntry:
-    if file.endswith(SUFFIX):
-        f = TensorFile(file)
-        entry = ExpertEntry(file, _int(f.metadata.get("expert_id")), placement=json.loads(f.metadata.get("placement",
-                                                                                                         "{}")))
-        for name in f.names():
-            key, _, state = name.partition(OPTIMIZER_MARK)
-            if state:
-                entry.optimizer.setdefault(key, {})[state] = SafeLazy(f, name)
-            else:
-                entry.weights[key] = SafeLazy(f, name)
-        _rounded(entry, json.loads(f.metadata.get("weights_from_master", "{}")))
-        return entry
-    content = TorchFile(file).content
-    if not isinstance(content, dict) or isinstance(content, Opaque):
-        raise CheckpointError(f"{file}: not an expert file")
-    entry = ExpertEntry(file, content.get("expert_id"), dict(content.get("weights") or {}),
-                        {k: dict(v) for k, v in (content.get("optimizer") or {}).items()},
-                        dict(content.get("placement") or {}))
-    _rounded(entry, content.get("weights_from_master") or {})
+    f = TensorFile(file)
+    entry = ExpertEntry(file, _int(f.metadata.get("expert_id")), placement=json.loads(f.metadata.get("placement", "{}")))
+    for name in f.names():
+        key, _, state = name.partition(OPTIMIZER_MARK)
+        if state:
+            entry.optimizer.setdefault(key, {})[state] = SafeLazy(f, name)
+        else:
+            entry.weights[key] = SafeLazy(f, name)
+    _rounded(entry, json.loads(f.metadata.get("weights_from_master", "{}")))
     return entry
 
 
@@ -188,7 +175,7 @@ def _rounded(entry: ExpertEntry, from_master: dict) -> None:
 
 def open_expert(path: str, meta: dict, expert_id: int, stage: int) -> ExpertEntry:
     """Expert ``expert_id``'s file of ``stage``, checked against the metadata."""
-    entry = open_expert_file(expert_path(path, meta, expert_id, stage))
+    entry = open_expert_file(expert_file(path, expert_id, stage))
     saved = meta["stages"][str(stage)]
     for key, value in entry.weights.items():
         if key in saved.get("experts", {}):

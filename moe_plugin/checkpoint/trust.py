@@ -1,8 +1,9 @@
 """Whether a checkpoint's pickles may be read as torch reads them (running what they name).
 
 By default nothing is; ``trusting()`` (``--trust-checkpoint``, ``trust=True``) is the one way around it,
-for files whose every writer the user trusts (a checkpoint of an earlier moe_plugin, a
-``pytorch_model.bin``). No torch import here (the ``moe-plugin`` command's help uses it).
+for files whose every writer the user trusts: a ``pytorch_model.bin``, a DeepSpeed file holding a class
+outside ``compat.torch_files.DEEPSPEED_GLOBALS``, an ``activation_func`` outside the modules a record
+may name. No torch import here (the ``moe-plugin`` command's help uses it).
 """
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ from typing import Any
 
 TRUST_HINT = ("reading it could run code planted in it; if you trust this checkpoint, pass --trust-checkpoint "
               "(trust=True)")
-TRUST_HELP = ("read the checkpoint's pickle files (an earlier moe_plugin's, pytorch_model.bin) as torch.load does, "
-              "which runs any code planted in them: only for files whose every writer you trust (better: convert "
-              "the checkpoint once with moe-plugin convert-checkpoint)")
+TRUST_HELP = ("read pickle files (pytorch_model.bin, DeepSpeed's files holding classes moe_plugin does not admit)"
+              " as torch.load does, which runs any code planted in them: only for files whose every writer you trust")
 _TRUST = contextvars.ContextVar("moe_plugin_trust_checkpoint", default=False)
 
 
