@@ -772,7 +772,7 @@ def load_checkpoint(run, directory: str, optimizer: bool = True, rng: bool = Tru
     ``optimizer=False`` (``--no-load-optim``): weights only (any layout takes the optimizer state too).
     A missing or empty ``directory`` starts from scratch (0), as Megatron-LM does: a first run may
     name its ``--save`` directory in ``--load``. One that holds a tag but no ``latest`` is an error.
-    ``trust`` (``--trust-checkpoint``): read pickles as torch does (a checkpoint of an earlier moe_plugin)."""
+    ``trust`` (``--trust-checkpoint``): read pickles as torch does (DeepSpeed files holding other objects)."""
     import torch.distributed as dist
 
     from moe_plugin import CheckpointError, checkpoint_exists
