@@ -26,6 +26,7 @@ import torch
 
 from dist import run_distributed
 from example_runs import MODEL_FLAGS, example_script
+from ds_json import write_ds_config
 
 SKEW = "2.0"
 RATE = 0.05
@@ -37,13 +38,7 @@ MOE = {"num_experts": 4, "router": "topk", "top_k": 2, "drop_tokens": False, "au
 def _ds_config(path: Path, world_size: int, rate: float, gas: int, **parallel) -> str:
     """Global batch 8 = micro-batch x ``gas`` accumulation steps x the data-parallel size."""
     dp = world_size // parallel.get("pipeline", 1)
-    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8 // (dp * gas),
-              "gradient_accumulation_steps": gas, "gradient_clipping": 1.0, "steps_per_print": 10 ** 6,
-              "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
-              "zero_optimization": {"stage": 1},
-              "moe": {**MOE, "bias_update_rate": rate, "parallel": parallel}}
-    path.write_text(json.dumps(config))
-    return str(path)
+    return write_ds_config(path, batch=8, dp=dp, gas=gas, moe={**MOE, "bias_update_rate": rate}, parallel=parallel)
 
 
 @pytest.fixture(scope="module")

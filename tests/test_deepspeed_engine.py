@@ -36,6 +36,7 @@ from torch import nn
 from dist import attempts, case_results, run_distributed
 from moe_plugin.configs import ConfigError, MoEConfig
 from moe_plugin.layers import MoELayer
+import ds_json
 
 S, B, H, FFN, E = 4, 8, 8, 8, 4        # global batch B: every layout splits it evenly
 STEPS, LR, CLIP = 3, 0.5, 0.05
@@ -83,12 +84,9 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ds_config(case: dict, dp: int) -> dict:
-    return {"train_batch_size": B, "train_micro_batch_size_per_gpu": B // (dp * case["gas"]),
-            "gradient_accumulation_steps": case["gas"], "gradient_clipping": CLIP,
-            "optimizer": {"type": "SGD", "params": {"lr": LR}},
-            "zero_optimization": {"stage": case["stage"]}, "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10 ** 6,
-            "moe": {**MOE, **case.get("moe", {}), "parallel": case["parallel"]}}
+    return ds_json.ds_config(batch=B, dp=dp, gas=case["gas"], clip=CLIP, optimizer={"type": "SGD", "params": {"lr": LR}},
+                     zero=case["stage"], moe={**MOE, **case.get("moe", {})}, parallel=case["parallel"],
+                     zero_allow_untested_optimizer=True)
 
 
 def expert_slice(name: str, full: torch.Tensor, coords: dict, ep: int, etp: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import pytest
 
 from dist import run_distributed
 from example_runs import MODEL_FLAGS, STEPS, ds_config, example_script, run_main
+from ds_json import write_ds_config
 
 MOE = {"num_experts": 8, "router": "topk", "top_k": 2, "router_groups": 4, "group_topk": 1, "drop_tokens": False,
        "aux_loss_coeff": 0.01, "z_loss_coeff": 1e-3, "layer_interval": 1}
@@ -27,12 +28,8 @@ BATCH, MICRO = 8, 2
 
 
 def _losses(tmp_path: Path, name: str, world_size: int, moe: dict) -> dict[str, list[float]]:
-    config = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": MICRO,
-              "gradient_accumulation_steps": BATCH // (MICRO * world_size), "gradient_clipping": 1.0,
-              "steps_per_print": 10 ** 6, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
-              "zero_optimization": {"stage": 1}, "moe": {**moe, "parallel": {"expert": world_size}}}
     path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(config))
+    write_ds_config(path, batch=BATCH, micro=MICRO, dp=world_size, moe=moe, parallel={"expert": world_size})
     run_dir = tmp_path / "runs" / name
     argv = [*MODEL_FLAGS, "--micro-batch-size", str(MICRO), "--deepspeed_config", str(path),
             "--run-dir", str(run_dir), "--data-cache", str(tmp_path / "data")]

@@ -28,6 +28,7 @@ import torch
 
 from dist import run_distributed
 from example_runs import MODEL_FLAGS, run_main
+from ds_json import write_ds_config
 
 pytestmark = pytest.mark.slow   # through the deepspeed launcher or several processes
 
@@ -62,11 +63,7 @@ OPTIMIZER = {"optimizer": {"type": "AdamW", "params": {"lr": 0.002, "betas": [0.
 
 
 def _ds_config(path: Path, dp: int, parallel: dict, stage: int, moe: dict = MOE) -> Path:
-    config = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": MICRO,
-              "gradient_accumulation_steps": BATCH // (MICRO * dp), "gradient_clipping": 1.0,
-              "steps_per_print": 10 ** 6, **OPTIMIZER,
-              "zero_optimization": {"stage": stage}, "moe": {**moe, "parallel": parallel}}
-    path.write_text(json.dumps(config))
+    write_ds_config(path, batch=BATCH, micro=MICRO, dp=dp, zero=stage, moe=moe, parallel=parallel, **OPTIMIZER)
     return path
 
 

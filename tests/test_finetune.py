@@ -12,6 +12,7 @@ import pytest
 from dist import run_distributed
 from example_runs import run_main_printing, train_losses
 from test_packing import write_chat
+from ds_json import write_ds_config
 
 pytestmark = pytest.mark.slow   # spawned ranks
 
@@ -34,15 +35,9 @@ def chat_lengths(n: int = 48, seed: int = 1) -> list[int]:
 
 def config(path: Path, world_size: int, micro: int, parallel: dict, scheduler: dict | None = None) -> str:
     dp = world_size // (parallel.get("tensor", 1) * parallel.get("pipeline", 1))
-    ds = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 8 // (micro * dp),
-          "gradient_clipping": 1.0, "steps_per_print": 10 ** 6,
-          "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
-          "zero_optimization": {"stage": 0 if parallel.get("pipeline", 1) > 1 else 1},
-          "moe": {**MOE, "parallel": parallel}}
-    if scheduler is not None:
-        ds["scheduler"] = scheduler
-    path.write_text(json.dumps(ds))
-    return str(path)
+    extra = {} if scheduler is None else {"scheduler": scheduler}
+    return write_ds_config(path, batch=8, micro=micro, dp=dp, zero=0 if parallel.get("pipeline", 1) > 1 else 1, moe=MOE,
+                           parallel=parallel, **extra)
 
 
 def run(tmp_path: Path, name: str, world_size: int, micro: int, parallel: dict, *extra: str,

@@ -40,6 +40,7 @@ from gpt_tiny import MODEL as TINY
 from gpt_tiny import (global_batch, gpt_provider, micro_batches, one_rank_groups,
                       pipeline_provider, shard_full, torch_steps)
 from moe_plugin.configs import MoEConfig
+import ds_json
 
 B, SEED, STEPS = 8, 7, 5
 # No linear biases: the key bias's gradient is zero in exact arithmetic (softmax ignores a constant per
@@ -79,11 +80,8 @@ LAYOUTS = {
 
 
 def ds_config(parallel: dict, stage: int, dp: int, gas: int) -> dict:
-    config = {"train_batch_size": B, "train_micro_batch_size_per_gpu": B // (dp * gas),
-              "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6,
-              "moe": {**MOE, "parallel": parallel}}
+    config = ds_json.ds_config(batch=B, dp=dp, gas=gas, clip=CLIP, zero=stage, moe=MOE, parallel=parallel,
+                       optimizer={"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "torch_adam": True}})
     if parallel.get("sequence_parallel") and parallel.get("pipeline", 1) > 1:
         config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     return config

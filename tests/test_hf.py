@@ -42,6 +42,7 @@ import torch
 
 from hf_tiny import EXPERTS, MODELS, VOCAB, hf_logits, save_tiny_model, save_tiny_models
 from test_example import _script
+from ds_json import ds_config
 
 SEQ, BATCH = 16, 4
 TOLERANCE = 1e-5
@@ -55,9 +56,8 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # -- inside the ranks ------------------------------------------------------------------------------
 def _ds(moe: dict, parallel: dict, dp: int) -> dict:
-    return {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // dp, "gradient_accumulation_steps": 1,
-            "steps_per_print": 10 ** 6, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-            "zero_optimization": {"stage": 0}, "moe": {**moe, "parallel": parallel}}
+    return ds_config(batch=BATCH, dp=dp, gas=1, clip=None, zero=0, moe=moe, parallel=parallel,
+                     optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
 
 
 def _plugin_logits(case: dict, parallel: dict, world_size: int, tokens_BS: torch.Tensor, reads: dict = None):
