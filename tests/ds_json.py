@@ -6,7 +6,7 @@
 The global batch ``batch`` is micro-batch x accumulation steps x data-parallel size: give two of
 ``micro``, ``gas`` (and ``dp``) and the third follows. The defaults are the ones most tests train with:
 AdamW at 3e-3 with weight decay 0.1, gradient clipping 1.0, ZeRO-1, no step printing. ``moe`` gets
-``parallel``; ``extra`` keys go to the top level as given (a scheduler, a monitor, ``pipeline``).
+``parallel`` where given; ``extra`` keys go to the top level as given (a scheduler, a monitor, ``pipeline``).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def ds_config(*, batch: int, micro: Optional[int] = None, gas: Optional[int] = N
     if zero is not None:
         config["zero_optimization"] = {"stage": zero}
     if moe is not None:
-        config["moe"] = {**moe, "parallel": parallel or {}}
+        config["moe"] = dict(moe) if parallel is None else {**moe, "parallel": parallel}
     config.update(extra)
     return config
 

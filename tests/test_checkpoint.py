@@ -37,6 +37,7 @@ import pytest
 import torch
 
 from gpt_tiny import eval_losses, replica_micro_batches, shifted_batch
+import ds_json
 
 pytestmark = pytest.mark.slow   # through the deepspeed launcher or several processes
 
@@ -369,10 +370,8 @@ def _pipe_engine(parallel: dict, stage: int, moe: dict = MOE, tied: bool = False
         return gpt_pipeline_module(config, moe_config, groups, vocab_size=VOCAB, max_sequence_length=SEQ, seed=5,
                                    share_embeddings_and_output_weights=tied)
 
-    cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // (dp * GAS),
-           "gradient_accumulation_steps": GAS, "steps_per_print": 10 ** 6, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
-           "zero_optimization": {"stage": stage}, "moe": {**moe, "parallel": parallel}}
+    cfg = ds_json.ds_config(batch=BATCH, dp=dp, gas=GAS, zero=stage, moe=moe, parallel=parallel,
+                            optimizer={"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}})
     if warmup:
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}}
     return moe_plugin.initialize(cfg, provide)

@@ -37,6 +37,7 @@ from dist import attempts, case_results, run_distributed
 from moe_plugin.configs import MoEConfig
 from moe_plugin.layers import MoELayer
 from moe_plugin.placement.migration import check_placement, moved_bytes
+import ds_json
 
 S, B, H, E = 4, 8, 8, 8
 BEFORE, AFTER = 2, 3
@@ -112,10 +113,9 @@ def _engine(layout: str, stage: int, opt: str, placements: dict | None = None, g
     import moe_plugin
 
     dp = 4 // LAYOUTS[layout].get("tensor", 1)
-    cfg = {"train_batch_size": B, "train_micro_batch_size_per_gpu": B // dp, "gradient_clipping": 1.0,
-           "optimizer": {"type": opt, "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-           "steps_per_print": 10 ** 6, "moe": {**MOE, "parallel": LAYOUTS[layout]}}
+    cfg = ds_json.ds_config(batch=B, dp=dp, zero=stage, moe=MOE, parallel=LAYOUTS[layout],
+                            optimizer={"type": opt, "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+                            zero_allow_untested_optimizer=True)
     if bf16:
         cfg["bf16"] = {"enabled": True}
     if gpt:

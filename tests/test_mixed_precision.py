@@ -28,6 +28,7 @@ import torch
 
 from dist import needs_fp16, run_distributed
 from gpt_tiny import MODEL, gpt_provider, micro_batches, pipeline_provider
+import ds_json
 
 pytestmark = pytest.mark.slow   # through the deepspeed launcher or several processes
 
@@ -37,10 +38,8 @@ MOE = {"num_experts": 4, "router": "topk", "top_k": 2, "drop_tokens": False, "au
 
 
 def _config(stage: int, gas: int = 1, precision: str = "fp32") -> dict:
-    config = {"train_batch_size": B, "train_micro_batch_size_per_gpu": B // (2 * gas),
-              "gradient_accumulation_steps": gas, "gradient_clipping": 1.0, "steps_per_print": 10 ** 6,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-              "zero_optimization": {"stage": stage}, "moe": MOE}
+    config = ds_json.ds_config(batch=B, dp=2, gas=gas, zero=stage, moe=MOE,
+                               optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
     if precision == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 12}
     elif precision == "bf16":

@@ -25,6 +25,7 @@ import torch
 
 from gpt_tiny import MODEL as TINY
 from gpt_tiny import SEQ, VOCAB, micro_batches, one_rank_groups
+import ds_json
 
 B, SEED, STEPS = 8, 2, 3
 MODEL = {**TINY, "add_bias_linear": False}
@@ -35,9 +36,8 @@ FOLDED = {"tensor": 2, "expert": 4, "expert_tensor": 1}   # tp 2 x dp 2; ep 4 ov
 
 
 def ds_config(parallel: dict, dp: int, stage: int = 1) -> dict:
-    return {"train_batch_size": B, "train_micro_batch_size_per_gpu": B // dp, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
-            "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6, "moe": {**MOE, "parallel": parallel}}
+    return ds_json.ds_config(batch=B, dp=dp, gas=1, clip=None, zero=stage, moe=MOE, parallel=parallel,
+                             optimizer={"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}})
 
 
 def provider(moe_config, groups):

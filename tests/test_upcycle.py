@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from gpt_tiny import eval_losses, shifted_batch
+import ds_json
 
 VOCAB, SEQ, BATCH, HIDDEN, FFN = 32, 8, 4, 16, 32
 DENSE_STEPS = 2
@@ -56,10 +57,9 @@ def _engine(moe: dict, parallel: dict, world_size: int, *, dense: bool = False, 
         return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ)
 
     dp = world_size // parallel.get("tensor", 1)
-    cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // dp, "steps_per_print": 10 ** 6,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}},
-           "zero_optimization": {"stage": 0}, "moe": {**moe, "parallel": parallel}}
+    cfg = ds_json.ds_config(batch=BATCH, dp=dp, clip=None, zero=0, moe=moe, parallel=parallel,
+                            optimizer={"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+                            scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}})
     return moe_plugin.initialize(cfg, provide)
 
 
@@ -143,9 +143,8 @@ def _pipe_load_and_train(root: str) -> dict:
         return moe_plugin.gpt_pipeline_module(config, moe_config, groups, vocab_size=VOCAB, max_sequence_length=SEQ,
                                               seed=1234, share_embeddings_and_output_weights=False)   # as the GPTModel
 
-    cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // 2, "steps_per_print": 10 ** 6,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-           "zero_optimization": {"stage": 0}, "moe": {**EVERY_LAYER, "parallel": {"pipeline": 2, "expert": 2}}}
+    cfg = ds_json.ds_config(batch=BATCH, dp=2, clip=None, zero=0, moe=EVERY_LAYER, parallel={"pipeline": 2, "expert": 2},
+                            optimizer={"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}})
     run = moe_plugin.initialize(cfg, provide)
     try:
         load_checkpoint(run, os.path.join(root, "g2-every-layer"))
