@@ -1,10 +1,11 @@
 """The packages' shape: no import cycle among the modules of ``moe_plugin`` and ``moe_plugin_tools``
 (every import statement counts, those inside functions too); the runtime ``moe_plugin`` never
-imports the tools; ``import moe_plugin`` stays light (no torch, DeepSpeed or Megatron-Core) and
-every public name resolves."""
+imports the tools; ``import moe_plugin`` and the ``moe-plugin`` command's start-up stay light (no torch,
+DeepSpeed or Megatron-Core) and every name a package's ``__all__`` lists resolves."""
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import subprocess
 import sys
@@ -114,3 +115,35 @@ def test_import_moe_plugin_is_light_and_every_public_name_resolves():
                   "ExpertMetrics", "training_placement", "transformer_config", "gpt_pipeline_module", "ConfigError",
                   "exit_on_error", "report_error"}
     assert user_needs <= set(seen["all"]) and set(seen["all"]) <= set(seen["dir"])
+
+
+def test_the_command_starts_without_torch():
+    # what the lazy tables of moe_plugin, groups, interop, checkpoint, data and bench keep out of the CLI
+    config = REPO / "examples" / "gpt_moe" / "configs" / "tiny_cpu_4rank.json"
+    code = ("import contextlib, io, json, sys\n"
+            "from moe_plugin_tools.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    main(['check-config', {str(config)!r}])\n"
+            "from moe_plugin.data import stdlib_jsonl   # the stdlib-jsonl command's import\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'megatron'))\n"
+            "print(json.dumps(heavy))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    heavy = json.loads(done.stdout.strip().splitlines()[-1])
+    assert heavy == [], "moe-plugin check-config imported " + ", ".join(heavy[:10])
+
+
+def test_every_name_in_a_packages_all_resolves():
+    # the top-level package is checked above, in a fresh process
+    packages = sorted(m for m, path in module_files(REPO).items() if path.name == "__init__.py" and "." in m)
+    listed = {}
+    for name in packages:
+        exported = getattr(importlib.import_module(name), "__all__", None)
+        if exported is not None:
+            listed[name] = list(exported)
+    assert {"moe_plugin.configs", "moe_plugin.data", "moe_plugin.groups", "moe_plugin.interop"} <= set(listed)
+    duplicated = {p: sorted({n for n in names if names.count(n) > 1}) for p, names in listed.items()}
+    assert not any(duplicated.values()), duplicated
+    missing = [f"{p}.{n}" for p, names in listed.items() for n in names
+               if getattr(importlib.import_module(p), n, None) is None]
+    assert missing == [], "listed in __all__ but not found: " + ", ".join(missing)
