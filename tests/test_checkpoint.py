@@ -102,12 +102,11 @@ def _provider(hidden: int, positions: str = "learned_absolute", **architecture):
 def _engine(case: dict, moe: dict = MOE, hidden: int = HIDDEN, **architecture):
     import moe_plugin
 
-    cfg = {"train_batch_size": BATCH, "steps_per_print": 10 ** 6, "gradient_clipping": 1.0,
-           "optimizer": {"type": case["opt"], "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}},
-           "zero_optimization": {"stage": case["stage"]}, "moe": {**moe, "parallel": case["parallel"]}}
     dp = 4 // case["parallel"].get("tensor", 1)
-    cfg["train_micro_batch_size_per_gpu"] = BATCH // dp
+    cfg = ds_json.ds_config(batch=BATCH, dp=dp, zero=case["stage"], moe=moe, parallel=case["parallel"],
+                            optimizer={"type": case["opt"], "params": {"lr": 3e-3, "weight_decay": 0.01,
+                                                                       "torch_adam": True}},
+                            scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}})
     return moe_plugin.initialize(cfg, _provider(hidden, **architecture))
 
 

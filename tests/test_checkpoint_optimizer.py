@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from gpt_tiny import eval_losses, replica_micro_batches, shifted_batch
+import ds_json
 
 VOCAB, SEQ, BATCH, HIDDEN, FFN = 32, 8, 8, 16, 32
 SAVE_AT, STEPS, GAS = 4, 7, 2
@@ -55,17 +56,10 @@ CASES = {  # name -> the chain of layouts: A, B[, C]; then back to A
 def _config(parallel: dict, stage: int, pipe: bool, bf16: bool) -> dict:
     world = torch.distributed.get_world_size()
     dp = world // (parallel.get("tensor", 1) * parallel.get("pipeline", 1))
-    cfg = {"train_batch_size": BATCH, "steps_per_print": 10 ** 6, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}},
-           "zero_optimization": {"stage": stage}, "moe": {**MOE, "parallel": parallel}}
-    if bf16:
-        cfg["bf16"] = {"enabled": True}
-    if pipe:
-        cfg.update(train_micro_batch_size_per_gpu=BATCH // (dp * GAS), gradient_accumulation_steps=GAS)
-    else:
-        cfg["train_micro_batch_size_per_gpu"] = BATCH // dp
-    return cfg
+    return ds_json.ds_config(batch=BATCH, dp=dp, gas=GAS if pipe else 1, zero=stage, moe=MOE, parallel=parallel,
+                             optimizer={"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
+                             scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}},
+                             **({"bf16": {"enabled": True}} if bf16 else {}))
 
 
 def _engine(layout: tuple):
@@ -313,13 +307,11 @@ def test_optimizer_state_follows_the_layout(results, name):
 def _example_config(tmp_path, world_size: int):
     import json
 
-    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4 // world_size,
-              "gradient_clipping": 1.0, "steps_per_print": 10 ** 6,
-              "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.1, "torch_adam": True}},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 20, "warmup_max_lr": 2e-3}},
-              "zero_optimization": {"stage": 1},
-              "moe": {"num_experts": 4, "router": "topk", "top_k": 2, "drop_tokens": False, "aux_loss_coeff": 0.01,
-                      "layer_interval": 1, "parallel": {"expert": 2}}}
+    config = ds_json.ds_config(
+        batch=8, micro=2, dp=world_size, moe={"num_experts": 4, "router": "topk", "top_k": 2, "drop_tokens": False,
+                                               "aux_loss_coeff": 0.01, "layer_interval": 1}, parallel={"expert": 2},
+        optimizer={"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.1, "torch_adam": True}},
+        scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 20, "warmup_max_lr": 2e-3}})
     path = tmp_path / f"ds_{world_size}.json"
     path.write_text(json.dumps(config))
     return path

@@ -235,11 +235,8 @@ def _pipeline_engine(placements: dict | None):
     from gpt_tiny import MODEL, SEQ, VOCAB, transformer_config
     from moe_plugin.integration.pipeline import gpt_pipeline_module
 
-    cfg = {"train_batch_size": PIPE_BATCH, "train_micro_batch_size_per_gpu": PIPE_BATCH // (2 * PIPE_GAS),
-           "gradient_accumulation_steps": PIPE_GAS, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-           "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 6,
-           "moe": {**MOE, "parallel": {"pipeline": 2, "expert": 2}}}
+    cfg = ds_json.ds_config(batch=PIPE_BATCH, dp=2, gas=PIPE_GAS, moe=MOE, parallel={"pipeline": 2, "expert": 2},
+                            optimizer={"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}})
 
     def build(moe_config, groups):
         return gpt_pipeline_module(transformer_config(MODEL, 1, 2), moe_config, groups, vocab_size=VOCAB,
