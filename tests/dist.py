@@ -13,7 +13,10 @@ child's traceback text as its cause), and the other ranks are stopped, so
 
 Processes start from a fork server that has imported torch, DeepSpeed and Megatron-Core once
 per test session: a fresh interpreter per rank would import them again every time (seconds
-each on two cores). Set ``MOE_PLUGIN_TEST_START=spawn`` to use plain spawn instead.
+each on two cores). It has also loaded DeepSpeed's CPU ops (the shared-memory all-reduce, the fused
+Adam), which each rank would load again (~2.5 s of CPU per op and rank), and frozen what it holds out
+of the ranks' garbage collections (``tests/dist_preload.py``). Set ``MOE_PLUGIN_TEST_START=spawn``
+to use plain spawn instead.
 """
 from __future__ import annotations
 
@@ -35,7 +38,10 @@ import torch.multiprocessing as tmp
 from launcher import require_slow_mark
 
 START_METHOD = os.environ.get("MOE_PLUGIN_TEST_START", "forkserver")
-PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron.core.parallel_state", "moe_plugin", "pytest"]
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron.core.parallel_state", "moe_plugin", "pytest",
+           "dist_preload"]
+TESTS = Path(__file__).resolve().parent
+PYTHONPATH_BEFORE = "MOE_PLUGIN_TEST_PYTHONPATH_BEFORE"   # read (and removed) by dist_preload
 
 
 class RemoteTraceback(Exception):
@@ -84,6 +90,27 @@ def needs_fp16(test: Callable) -> Callable:
     return pytest.mark.skipif(bool(why), reason=why)(test)
 
 
+def _start_fork_server() -> None:
+    """Start the fork server with ``PRELOAD`` (nothing once it runs). Python 3.11's fork server imports
+    ``PRELOAD`` from its own default ``sys.path`` (``multiprocessing.forkserver.main`` drops the
+    ``sys_path`` it is given), without this directory: it is put on ``PYTHONPATH`` for the start only,
+    and ``dist_preload`` sets the server's ``PYTHONPATH`` back, so that no rank inherits it."""
+    import multiprocessing.forkserver
+
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS)] + ([before] if before else []))
+    os.environ[PYTHONPATH_BEFORE] = "unset" if before is None else f"set:{before}"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
+        os.environ.pop(PYTHONPATH_BEFORE, None)
+
+
 def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any, timeout: float = 180.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
 
@@ -92,7 +119,7 @@ def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any, t
     """
     require_slow_mark(f"run_distributed ({world_size} rank{'s' if world_size > 1 else ''})")
     if START_METHOD == "forkserver":
-        multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server runs
+        _start_fork_server()
     workdir = tempfile.mkdtemp(prefix="dist-", dir=tmp_path)  # a fresh store per call
     ctx = tmp.start_processes(_child, args=(fn, world_size, workdir, timeout, args), nprocs=world_size,
                               join=False, start_method=START_METHOD)

@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from dist import attempts, case_results, run_distributed
+
 from moe_plugin_tools.bench.layer import LayerBenchSpec, bench_layer
 from moe_plugin_tools.bench.layer_ep import rank_main
 from moe_plugin_tools.bench.memory import memory_profile, peak_allocated_bytes
@@ -97,17 +99,34 @@ def test_cli_ep_checks_the_launcher_world_size(capsys, monkeypatch):
     assert "--ep 2 but the launcher started WORLD_SIZE=3" in capsys.readouterr().err
 
 
-def _ep_child(rank, world_size, spec, *more):
-    records = rank_main(rank, world_size, [spec, *more], threads=1, init_method="unused: the harness made the group")
-    return records if more else records[0]
+EP_SPEC = LayerBenchSpec(**dict(TINY, experts=8), dropless=True, vs_deepspeed=True)
+EP_GROUPED = LayerBenchSpec(**dict(TINY, experts=8), dropless=True, vs_deepspeed=False, group_topk=1)
+EP_TOKEN = LayerBenchSpec(**dict(TINY, experts=8), dropless=True, vs_deepspeed=False, group_topk=1, exchange="token")
+EP_BF16 = LayerBenchSpec(**dict(TINY, experts=8), vs_deepspeed=True, dtype="bf16")
+# the expert-parallel tests' cases: one spawn of 2 ranks runs them all, each case one rank_main call
+# (its groups made and torn down, as the command does) in the same ranks
+EP_CASES = {"three": [EP_SPEC, EP_GROUPED, EP_TOKEN], "bf16": [EP_BF16]}
+
+
+def _ep_child(rank, world_size, cases):
+    results = {}
+    attempt = attempts(results, rank)
+    for name, specs in cases.items():
+        attempt(name, rank_main, rank, world_size, specs, 1, "unused: the harness made the group")
+    return results
+
+
+@pytest.fixture(scope="module")
+def ep_results(tmp_path_factory):
+    """Each case of ``EP_CASES`` on 2 ranks: {case: [records of rank 0, of rank 1]} (a rank's traceback
+    fails the test that asks for the case, through ``case_results``)."""
+    return run_distributed(_ep_child, 2, tmp_path_factory.mktemp("bench_ep"), EP_CASES)
 
 
 @pytest.mark.slow
-def test_bench_layer_expert_parallel(dist_run):
-    spec = LayerBenchSpec(**dict(TINY, experts=8), dropless=True, vs_deepspeed=True)
-    grouped = LayerBenchSpec(**dict(TINY, experts=8), dropless=True, vs_deepspeed=False, group_topk=1)
-    token = LayerBenchSpec(**dict(TINY, experts=8), dropless=True, vs_deepspeed=False, group_topk=1, exchange="token")
-    record, limited, once = dist_run(_ep_child, 2, spec, grouped, token)[0]
+def test_bench_layer_expert_parallel(ep_results):
+    spec = EP_SPEC
+    record, limited, once = case_results(ep_results, "three")[0]
     # one row per route: a top-2 token sends both rows when its experts are remote; group_topk 1 of the
     # 2 groups (the EP ranks) puts both on one rank, so it reaches one rank, twice
     for r in (record, limited):
@@ -308,8 +327,8 @@ def test_breakdown_runs_on_the_layers_dtype():
 
 
 @pytest.mark.slow
-def test_bench_layer_expert_parallel_bf16_sends_two_bytes_a_value(dist_run):
-    spec = LayerBenchSpec(**dict(TINY, experts=8), vs_deepspeed=True, dtype="bf16")
-    record = dist_run(_ep_child, 2, spec)[0]
+def test_bench_layer_expert_parallel_bf16_sends_two_bytes_a_value(ep_results):
+    spec = EP_BF16
+    record, = case_results(ep_results, "bf16")[0]
     assert record["dtype"] == "bfloat16" and record["routing_agrees"]
     assert record["deepspeed_a2a_bytes"] == deepspeed_bytes_sent(8, record["deepspeed_capacity"], 2, spec.hidden, 2)
