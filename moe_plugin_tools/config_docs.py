@@ -78,7 +78,12 @@ def render_markdown(page: Optional[str] = None) -> str:
     ``ValueError`` names a part whose markers are missing or out of order."""
     if page is None:
         page = PAGE.read_text()
-    for name, text in generated_parts().items():
+    return fill_generated(page, generated_parts())
+
+
+def fill_generated(page: str, parts: dict[str, str]) -> str:
+    """``page`` with each part of ``parts`` (name -> text) written between its markers."""
+    for name, text in parts.items():
         begin, end = f"<!-- begin generated: {name} -->", f"<!-- end generated: {name} -->"
         head, found, rest = page.partition(begin)
         _, found_end, tail = rest.partition(end)

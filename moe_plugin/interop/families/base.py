@@ -23,6 +23,8 @@ class Family:
     config_class: str          # the transformers config class
     title: str                 # as people write it (docs, help)
     order: int                 # where it is listed; MoE families first
+    checkpoints: str = ""      # the releases people know it by (docs/huggingface.md's table)
+    sets: str = ""             # what the plugin sets for it, in that table's words
     moe: bool = True
 
     # what the config may hold

@@ -9,6 +9,13 @@ from moe_plugin.interop.families.deepseek_v3 import latent_config, latent_sizes
 class DeepseekV2(DeepSeekStyle):
     model_type, architecture, config_class = "deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Config"
     title, order = "DeepSeek-V2", 70
+    checkpoints = "V2, V2-Lite, Coder-V2"
+    sets = ("multi-latent attention as V3's (`q_lora_rank` null in V2-Lite: `q_proj` is `linear_q_proj`); the "
+            "rotation always interleaved (complex); softmax scores, the gates not renormalised, times "
+            "`routed_scaling_factor`; `topk_method` `group_limited_greedy`: `n_group` / `topk_group` with each "
+            "group ranked by its best score (`group_score` max), `greedy`: no limit (other methods refused); "
+            "`n_shared_experts`; `first_k_dense_replace`. Refused: `attention_bias`, `mlp_bias`, `rms_norm_eps` "
+            "other than 1e-6")
     mla = True
     qk_norm = True
     infer_rank = 21

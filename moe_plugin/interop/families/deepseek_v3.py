@@ -19,6 +19,21 @@ def latent_config(arch):
 class DeepseekV3(DeepSeekStyle):
     model_type, architecture, config_class = "deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config"
     title, order = "DeepSeek-V3", 60
+    checkpoints = "DeepSeek-V3, R1, V3.1, Kimi K2, Moonlight"
+    sets = ("multi-latent attention: Megatron's `MLASelfAttention` (`--multi-latent-attention`; `q_lora_rank` "
+            "`--q-lora-rank` with `q_a_layernorm`, `kv_lora_rank` `--kv-lora-rank` with `kv_a_layernorm` (both "
+            "`--qk-layernorm`), `qk_nope_head_dim` `--qk-head-dim`, `qk_rope_head_dim` `--qk-pos-emb-head-dim`, "
+            "`v_head_dim` `--v-head-dim`; `q_a_proj`/`q_b_proj`/`kv_a_proj_with_mqa`/`kv_b_proj`/`o_proj` are "
+            "`linear_q_down_proj`/`linear_q_up_proj`/`linear_kv_down_proj`/`linear_kv_up_proj`/`linear_proj`, the"
+            " rotary key shared by the heads); `rope_interleave` true: the hub's weights as they are (Megatron's "
+            "MLA rotates the pairs (0, 1), (2, 3) ...), false: the rotated rows interleaved at import and cut "
+            "back on export; YaRN's `mscale_all_dim` sets the softmax scale (`mscale^2 / sqrt(qk head)`); routing"
+            " as GLM-4.5's (sigmoid, `e_score_correction_bias`, `n_group` / `topk_group`, "
+            "`routed_scaling_factor`, `norm_topk_prob`, `n_shared_experts`, `first_k_dense_replace`). Refused: "
+            "`attention_bias`, `rms_norm_eps` other than 1e-6 (transformers' latent norms have 1e-6 fixed, "
+            "Megatron's the model's epsilon). Dropped with a printed line: the multi-token-prediction layers "
+            "(`num_nextn_predict_layers`; Megatron-Core's MTP is not wired into the plugin's model); an export "
+            "says `num_nextn_predict_layers` 0")
     mla = True
     qk_norm = True
     infer_rank = 20

@@ -16,6 +16,17 @@ def moe_layers(start: int, end: int, interval: int, num_layers: int) -> tuple[in
 class Ernie45Moe(Family):
     model_type, architecture, config_class = "ernie4_5_moe", "Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig"
     title, order = "ERNIE-4.5-MoE", 86
+    checkpoints = "ERNIE-4.5-21B-A3B, 300B-A47B"
+    sets = ("router `topk`, softmax over the experts with the correction bias "
+            "(`moe_statics.e_score_correction_bias` [1, E], the router's `expert_bias`) added to the "
+            "probabilities for the choice (`expert_bias_on` scores), the k gates renormalised (`moe_norm_min` "
+            "bounds their sum from below: the same gates unless the chosen probabilities sum under 1e-12); "
+            "`moe_num_shared_experts` x `moe_intermediate_size` one ungated shared expert; MoE layers from "
+            "`moe_layer_start_index` to `moe_layer_end_index` every `moe_layer_interval` (`moe.layers`); RoPE "
+            "over interleaved pairs: the import moves each head's query and key rows to the halves Megatron "
+            "rotates (a row permutation, cut back on export: the logits agree to summation order, 1e-6); tied "
+            "embeddings (its default). Refused: `use_bias` (biases on every linear and `lm_head`). Not read: the "
+            "hub's `mtp` tensors")
     shared = "ungated"
     attention = Attention(rope_pairs="interleaved")
     mlp = MoEBlock(router=Router(correction_bias="moe_statics.e_score_correction_bias", bias_as_row=True),

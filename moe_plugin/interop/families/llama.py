@@ -5,6 +5,7 @@ from moe_plugin.interop.families.base import Family
 class Llama(Family):
     model_type, architecture, config_class = "llama", "LlamaForCausalLM", "LlamaConfig"
     title, order = "Llama", 100
+    sets = ("dense: the example's `--dense` model; then `moe-plugin upcycle`")
     moe = False
     infer_rank = 99
 

@@ -13,6 +13,14 @@ SIGMOID_ROUTER = (("score_function", "sigmoid"), ("normalize_gates", True), ("ga
 class MiniMaxM2(Family):
     model_type, architecture, config_class = "minimax_m2", "MiniMaxM2ForCausalLM", "MiniMaxM2Config"
     title, order = "MiniMax-M2", 82
+    checkpoints = "MiniMax-M2"
+    sets = ("every layer MoE: router `topk` with `score_function` sigmoid, `e_score_correction_bias` (on the MoE "
+            "block, `block_sparse_moe.e_score_correction_bias`) the router's `expert_bias` for the choice, the k "
+            "gates always renormalised, no scaling, groups or shared experts; experts `w1`/`w3`/`w2` as "
+            "Mixtral's, sized by `intermediate_size`; QK-norm over the whole query and key projections "
+            "(`--qk-layernorm-scope projection`, as OLMoE's, here with grouped-query heads and `head_dim`); "
+            "partial rotary (`rotary_dim` / `partial_rotary_factor`: `--rotary-percent`). `sliding_window` is "
+            "ignored, as transformers' model applies none")
     window = "ignored"
     partial_rotary = True
     expert_ffn_key = "intermediate_size"

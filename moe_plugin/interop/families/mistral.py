@@ -5,6 +5,7 @@ from moe_plugin.interop.families.base import Family
 class Mistral(Family):
     model_type, architecture, config_class = "mistral", "MistralForCausalLM", "MistralConfig"
     title, order = "Mistral", 110
+    sets = ("dense, a sliding window on every layer")
     moe = False
     window = "every_layer"
 

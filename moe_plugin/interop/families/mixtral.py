@@ -7,6 +7,7 @@ from moe_plugin.interop.families.blocks import Experts, MoEBlock
 class Mixtral(Family):
     model_type, architecture, config_class = "mixtral", "MixtralForCausalLM", "MixtralConfig"
     title, order = "Mixtral", 10
+    sets = ("router `topk`, softmax over the experts, the k gates renormalised")
     window = "every_layer"
     expert_ffn_key = "intermediate_size"
     layers = "every"

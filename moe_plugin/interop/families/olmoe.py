@@ -7,6 +7,11 @@ from moe_plugin.interop.families.blocks import MoEBlock
 class Olmoe(Family):
     model_type, architecture, config_class = "olmoe", "OlmoeForCausalLM", "OlmoeConfig"
     title, order = "OLMoE", 40
+    sets = ("as Mixtral on every layer, `normalize_gates` = `norm_topk_prob` (false in OLMoE); "
+            "`intermediate_size` the experts' FFN; QK-norm as one RMSNorm over the whole query and the whole key "
+            "projection, all heads at once (`--qk-layernorm --qk-layernorm-scope projection`: its mean square "
+            "summed over TP ranks, its weight `q_norm` [heads x head size] split over TP by head); refused: "
+            "`clip_qkv`, `attention_bias`")
     expert_ffn_key = "intermediate_size"
     qk_norm, qk_scope = True, "projection"
     layers = "every"

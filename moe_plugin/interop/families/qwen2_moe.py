@@ -8,6 +8,8 @@ from moe_plugin.interop.families.qwen3_moe import qwen_moe_config
 class Qwen2Moe(Family):
     model_type, architecture, config_class = "qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig"
     title, order = "Qwen2-MoE", 30
+    sets = ("as Qwen3-MoE without QK-norm; the shared expert (`shared_expert_ffn_hidden_size`) scaled by "
+            "`sigmoid(x . w)` (`shared_expert_gate`); QKV biases (`--add-qkv-bias`)")
     window = "layer_types"
     use_sliding_window_key = True
     qkv_bias = always_qkv_bias = True

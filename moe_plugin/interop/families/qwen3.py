@@ -5,6 +5,7 @@ from moe_plugin.interop.families.base import Family
 class Qwen3(Family):
     model_type, architecture, config_class = "qwen3", "Qwen3ForCausalLM", "Qwen3Config"
     title, order = "Qwen3", 120
+    sets = ("dense, QK-norm per head, `layer_types` sliding windows")
     moe = False
     window = "layer_types"
     use_sliding_window_key = True

@@ -7,6 +7,8 @@ from moe_plugin.interop.families.blocks import MoEBlock
 class Qwen3Moe(Family):
     model_type, architecture, config_class = "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig"
     title, order = "Qwen3-MoE", 20
+    sets = ("as Mixtral, `normalize_gates` = `norm_topk_prob`; QK-norm (`--qk-layernorm`); `head_dim` "
+            "(`--kv-channels`); dense layers of `mlp_only_layers` / `decoder_sparse_step` (`moe.layers`)")
     window = "every_layer"
     use_sliding_window_key = True
     qk_norm = True
