@@ -8,6 +8,7 @@ busiest rank's peak at both sizes, and its growth from 2 to 4 layers within 20% 
 growth (that difference has no runtime baseline in it: only what the plugin models per parameter);
 the save at the end may add at most 10% to the peak of the steps before it (logged at each step).
 A sequence whose attention scores alone would need ~2 TB is refused before any step, in one line.
+The three runs go at once (peaks are per process: the others' memory is not in them).
 """
 from __future__ import annotations
 
@@ -41,13 +42,29 @@ def _argv(tmp_path, name: str, layers: int, seq: int, config: str, *extra: str) 
             *SHAPE, "--run-dir", str(tmp_path / name), "--data-cache", str(tmp_path / "data"), *extra]
 
 
-def test_the_estimate_holds_at_two_sizes(tmp_path):
+SIZES = (2, 4)   # layers
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The three jobs at once (independent, each on its own port): the run at each of ``SIZES``, and the
+    one that cannot fit. ``(tmp_path, {layers: Done, "refused": Done})``."""
+    tmp_path = tmp_path_factory.mktemp("memory")
     config = _config(tmp_path, "ds")
-    runs = {layers: _argv(tmp_path, f"layers{layers}", layers, 256, config, "--train-iters", "2",
-                          "--save", str(tmp_path / f"ckpt{layers}")) for layers in (2, 4)}
-    assert_succeeded(*jobs(list(runs.values())))
+    argvs = {layers: _argv(tmp_path, f"layers{layers}", layers, 256, config, "--train-iters", "2",
+                           "--save", str(tmp_path / f"ckpt{layers}")) for layers in SIZES}
+    (tmp_path / "refusal").mkdir()   # its data cache (another corpus) and run directory apart
+    argvs["refused"] = _argv(tmp_path / "refusal", "refused", 2, 131072, config, "--train-iters", "1",
+                             "--max-position-embeddings", "131072", "--corpus-bytes", str(1 << 20),
+                             "--valid-fraction", "0.5")
+    return tmp_path, dict(zip(argvs, jobs(list(argvs.values()))))
+
+
+def test_the_estimate_holds_at_two_sizes(launched):
+    tmp_path, done = launched
+    assert_succeeded(*(done[layers] for layers in SIZES))
     seen = {}
-    for layers in runs:
+    for layers in SIZES:
         memory = json.loads((tmp_path / f"layers{layers}" / "memory.json").read_text())
         seen[layers] = (max(memory["peak_memory_mb"]), memory["estimate_mb"])
         peak, estimate = seen[layers]
@@ -60,14 +77,13 @@ def test_the_estimate_holds_at_two_sizes(tmp_path):
     assert 0.8 <= grown / estimated <= 1.2, seen
 
 
-def test_a_run_that_cannot_fit_stops_at_start_in_one_line(tmp_path):
-    refused = _argv(tmp_path, "refused", 2, 131072, _config(tmp_path, "ds"), "--train-iters", "1",
-                    "--max-position-embeddings", "131072", "--corpus-bytes", str(1 << 20), "--valid-fraction", "0.5")
-    done, = jobs([refused])
+def test_a_run_that_cannot_fit_stops_at_start_in_one_line(launched):
+    tmp_path, jobs_done = launched
+    done = jobs_done["refused"]
     assert done.status == 2, done.tail()
     lines = [line for line in done.output.splitlines() if "memory per rank: got an estimated peak" in line]
     assert len(lines) == 1, done.tail()   # rank 0 says it once
     line = lines[0]
     assert "activations" in line and "host memory per rank" in line and '"memory_check": false' in line, line
     assert "neither ZeRO stage 2 nor a smaller reduce bucket would fit" in line, line
-    assert not (tmp_path / "refused" / "metrics.jsonl").exists()   # no step ran
+    assert not (tmp_path / "refusal" / "refused" / "metrics.jsonl").exists()   # no step ran
