@@ -136,6 +136,8 @@ CASES = [
     Case("normalize_gates", value={"normalize_gates": False}),
     Case("score_function", value={"score_function": "sigmoid"}),
     Case("gate_scale", value={"gate_scale": 2.5}),
+    Case("expert_bias_on", value={"expert_bias_on": "scores"},   # the bias moves after step 1, then chooses
+         ref={"bias_update_rate": 0.1, "aux_loss_coeff": 0.0}),    # on probabilities instead of logits
     Case("group_topk", value={"group_topk": 1, "router_groups": 2}),
     Case("router_groups", value={"router_groups": 4}, ref={"num_experts": 8, "group_topk": 1, "router_groups": 2}),
     Case("group_score", value={"group_score": "max"}, ref={"group_topk": 1, "router_groups": 2}),
