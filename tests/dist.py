@@ -13,10 +13,10 @@ child's traceback text as its cause), and the other ranks are stopped, so
 
 Processes start from a fork server that has imported torch, DeepSpeed and Megatron-Core once
 per test session: a fresh interpreter per rank would import them again every time (seconds
-each on two cores). It has also loaded DeepSpeed's CPU ops (the shared-memory all-reduce, the fused
-Adam), which each rank would load again (~2.5 s of CPU per op and rank), and frozen what it holds out
-of the ranks' garbage collections (``tests/dist_preload.py``). Set ``MOE_PLUGIN_TEST_START=spawn``
-to use plain spawn instead.
+each on two cores). It has also loaded DeepSpeed's CPU fused Adam, which each rank would load
+again (~2.4 s of CPU), and frozen what it holds out of the ranks' garbage collections (0.3-0.7 s a
+full collection otherwise): ``tests/dist_preload.py``. Set ``MOE_PLUGIN_TEST_START=spawn`` to use
+plain spawn instead.
 """
 from __future__ import annotations
 
