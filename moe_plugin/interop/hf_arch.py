@@ -341,5 +341,5 @@ def _sliding_window(cfg: Any, fam: Any, refuse: Any) -> tuple[Optional[int], Opt
         return None, None
     if fam.window != "every_layer":
         raise refuse("sliding_window", size, "sliding-window attention outside "
-                     + titles(f for f in REGISTRY if f.window in ("every_layer", "layer_types")))
+                     + titles(f for f in REGISTRY if f.windowed))
     return int(size), None

@@ -316,9 +316,9 @@ def _window(tc: dict, num_layers: int, fam: Any, refuse: Callable[..., ConfigErr
     if fam.window == "every_layer" and layers is not None:
         raise refuse("window_attn_skip_freq", freq, f"the window on every layer ({', '.join(by_layer)} "
                      "window some layers)")
-    if fam.window not in ("every_layer", "layer_types"):
+    if not fam.windowed:
         raise refuse("window_size", size, "full attention (sliding windows: "
-                     f"{', '.join(f.model_type for f in REGISTRY if f.window in ('every_layer', 'layer_types'))})")
+                     f"{', '.join(f.model_type for f in REGISTRY if f.windowed)})")
     return int(left) + 1, layers
 
 

@@ -93,6 +93,11 @@ class Family:
         return False
 
     @property
+    def windowed(self) -> bool:
+        """Whether the family's models have sliding windows (on every layer or by layer_types)."""
+        return self.window in ("every_layer", "layer_types")
+
+    @property
     def has_correction_bias(self) -> bool:
         return self.mlp is not None and self.mlp.router.correction_bias is not None
 
@@ -145,11 +150,17 @@ def deepseek_routed(cfg: Any, refuse: Refuse, *, v2: bool = False) -> dict:
                 group_score="max" if v2 and limited else "top2_sum")
 
 
-def deepseek_config(arch: Any, rope_parameters: dict) -> dict:
-    """The DeepSeek-style config fields of ``arch`` (GLM-4.5, DeepSeek-V2/V3, ...)."""
+def partial_rope(arch: Any, rope_parameters: dict) -> dict:
+    """``rope_parameters`` with ``arch``'s partial_rotary_factor where it rotates part of each head."""
     rope = dict(rope_parameters)
     if arch.rotary_percent != 1.0:
         rope["partial_rotary_factor"] = arch.rotary_percent
+    return rope
+
+
+def deepseek_config(arch: Any, rope_parameters: dict) -> dict:
+    """The DeepSeek-style config fields of ``arch`` (GLM-4.5, DeepSeek-V2/V3, ...)."""
+    rope = partial_rope(arch, rope_parameters)
     first = arch.moe_layers[0] if arch.moe_layers else arch.num_layers
     return dict(n_routed_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
                 moe_intermediate_size=arch.expert_ffn_hidden_size,

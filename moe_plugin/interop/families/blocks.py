@@ -75,17 +75,29 @@ def transposed() -> Fns:
     return (lambda ts: ts[0].t().contiguous()), (lambda t: [t.t().contiguous()])
 
 
-def interleaved(n_rows: int, head: int, rotated: int) -> Fns:
-    """A weight [n_rows, ...] of blocks of ``head`` rows whose last ``rotated`` are rotary dimensions in
-    halves (pairs (i, i + r/2)) <-> the same with those rows interleaved (pairs (2i, 2i + 1))."""
+def pair_rows(head: int, rotated: int, to_pairs: bool) -> Callable[["Tensor"], "Tensor"]:
+    """Each block of ``head`` rows of a weight [blocks * head, ...], whose last ``rotated`` are rotary
+    dimensions, moved from halves (pairs (i, i + r/2)) to interleaved pairs (2i, 2i + 1) (``to_pairs``),
+    or back: a row permutation."""
     import torch
 
     inner = torch.arange(head)
     half = torch.arange(rotated // 2)
     inner[head - rotated:] = head - rotated + torch.stack([half, half + rotated // 2], dim=1).reshape(-1)
-    order = (torch.arange(n_rows // head)[:, None] * head + inner).reshape(-1)
-    back = torch.argsort(order)
-    return (lambda ts: ts[0][order].contiguous()), (lambda t: [t[back].contiguous()])
+    if not to_pairs:
+        inner = torch.argsort(inner)
+
+    def move(t: "Tensor") -> "Tensor":
+        order = (torch.arange(t.shape[0] // head)[:, None] * head + inner).reshape(-1)
+        return t[order].contiguous()
+
+    return move
+
+
+def interleaved(head: int, rotated: int) -> Fns:
+    """Rotary rows in halves (HF) <-> interleaved in pairs (the plugin's MLA): ``pair_rows`` both ways."""
+    to_pairs, to_halves = pair_rows(head, rotated, True), pair_rows(head, rotated, False)
+    return (lambda ts: to_pairs(ts[0])), (lambda t: [to_halves(t)])
 
 
 def deinterleaved() -> Fns:
@@ -107,22 +119,6 @@ def vector() -> Fns:
     return (lambda ts: ts[0].reshape(-1).clone()), (lambda t: [t.reshape(1, -1).clone()])
 
 
-def head_rows(head: int, to_halves: bool) -> Callable[["Tensor"], "Tensor"]:
-    """Each head's ``head`` rows of a [heads * head, ...] weight moved from rotary pairs (2i, 2i + 1) to
-    halves (i, i + head/2) (``to_halves``), or back: a row permutation."""
-    import torch
-
-    half = torch.arange(head // 2)
-    pairs = torch.stack([half, half + head // 2], dim=1).reshape(-1)   # pair order: rows of the halves layout
-    inner = torch.argsort(pairs) if to_halves else pairs
-
-    def move(t: "Tensor") -> "Tensor":
-        order = (torch.arange(t.shape[0] // head)[:, None] * head + inner).reshape(-1)
-        return t[order].contiguous()
-
-    return move
-
-
 class Attention:
     """Grouped-query attention: q/k/v/o projections under ``self_attn.``, optional biases, sinks, QK-norm.
     ``rope_pairs`` "interleaved": the model rotates the pairs (2i, 2i + 1) of each head (ERNIE-4.5), so the
@@ -137,7 +133,7 @@ class Attention:
         fns = qkv(a.num_query_groups, a.num_attention_heads, a.kv_channels)
         if self.rope_pairs == "interleaved":
             (join, cut), D = fns, a.kv_channels
-            halves, pairs = head_rows(D, to_halves=True), head_rows(D, to_halves=False)
+            halves, pairs = pair_rows(D, D, to_pairs=False), pair_rows(D, D, to_pairs=True)
             fns = ((lambda ts: join([halves(ts[0]), halves(ts[1]), ts[2]])),
                    (lambda t: (lambda q, k, v: [pairs(q), pairs(k), v])(*cut(t))))
         m.add(p + "self_attention.linear_qkv.weight", [h + f"self_attn.{x}_proj.weight" for x in "qkv"], fns)
@@ -164,19 +160,18 @@ class LatentAttention(Attention):
     def rules(self, m: Any, a: Any, p: str, h: str) -> None:
         p, h, s = p + "self_attention.", h + "self_attn.", a.mla
         head, rotated = s["qk_head_dim"] + s["qk_pos_emb_head_dim"], s["qk_pos_emb_head_dim"]
-        heads = a.num_attention_heads
 
-        def rotary(n_rows: int, block: int) -> Fns:
-            return copy() if a.rope_interleave else interleaved(n_rows, block, rotated)
+        def rotary(block: int) -> Fns:
+            return copy() if a.rope_interleave else interleaved(block, rotated)
 
         if s["q_lora_rank"] is None:
-            m.add(p + "linear_q_proj.weight", [h + "q_proj.weight"], rotary(heads * head, head))
+            m.add(p + "linear_q_proj.weight", [h + "q_proj.weight"], rotary(head))
         else:
             m.add(p + "linear_q_down_proj.weight", [h + "q_a_proj.weight"], copy())
             m.add(p + "q_layernorm.weight", [h + "q_a_layernorm.weight"], copy())
-            m.add(p + "linear_q_up_proj.weight", [h + "q_b_proj.weight"], rotary(heads * head, head))
+            m.add(p + "linear_q_up_proj.weight", [h + "q_b_proj.weight"], rotary(head))
         down = s["kv_lora_rank"] + rotated
-        m.add(p + "linear_kv_down_proj.weight", [h + "kv_a_proj_with_mqa.weight"], rotary(down, down))
+        m.add(p + "linear_kv_down_proj.weight", [h + "kv_a_proj_with_mqa.weight"], rotary(down))
         m.add(p + "kv_layernorm.weight", [h + "kv_a_layernorm.weight"], copy())
         m.add(p + "linear_kv_up_proj.weight", [h + "kv_b_proj.weight"], copy())
         m.add(p + "linear_proj.weight", [h + "o_proj.weight"], copy())

@@ -2,7 +2,7 @@
 gates always renormalised, no scaling, groups or shared experts; every layer MoE (Mixtral's names);
 QK-norm over the whole query and key projections with grouped-query heads; partial rotary
 (``rotary_dim``); ``sliding_window`` ignored, as transformers ignores it."""
-from moe_plugin.interop.families.base import Family, every_layer, routed
+from moe_plugin.interop.families.base import Family, every_layer, partial_rope, routed
 from moe_plugin.interop.families.blocks import Experts, MoEBlock, Router
 
 SIGMOID_ROUTER = (("score_function", "sigmoid"), ("normalize_gates", True), ("gate_scale", 1.0),
@@ -40,9 +40,7 @@ class MiniMaxM2(Family):
         return SIGMOID_ROUTER
 
     def config_fields(self, arch, common):
-        rope = dict(common["rope_parameters"])
-        if arch.rotary_percent != 1.0:
-            rope["partial_rotary_factor"] = arch.rotary_percent
+        rope = partial_rope(arch, common["rope_parameters"])
         return dict(num_local_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
                     intermediate_size=arch.expert_ffn_hidden_size, rope_parameters=rope, router_jitter_noise=0.0)
 
