@@ -13,11 +13,20 @@ docs/design/checkpoint_format.md.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from moe_plugin.lazy import lazy_getattr
 
-_FROM = {"save_checkpoint": "api", "load_checkpoint": "api", "checkpoint_exists": "api", "wait_for_save": "api",
+if TYPE_CHECKING:   # the names _LAZY hands on, for type checkers and go-to-definition
+    from moe_plugin.checkpoint.api import checkpoint_exists, load_checkpoint, poll_save, save_checkpoint, wait_for_save
+    from moe_plugin.checkpoint.errors import CheckpointError
+    from moe_plugin.checkpoint.export import export_checkpoint, load_export
+    from moe_plugin.checkpoint.metadata import read_latest, read_metadata
+    from moe_plugin.checkpoint.upcycle import upcycle_checkpoint
+
+_LAZY = {"save_checkpoint": "api", "load_checkpoint": "api", "checkpoint_exists": "api", "wait_for_save": "api",
          "poll_save": "api", "read_latest": "metadata",
          "read_metadata": "metadata", "CheckpointError": "errors", "export_checkpoint": "export",
          "load_export": "export", "upcycle_checkpoint": "upcycle"}
-__all__ = sorted(_FROM)
-__getattr__ = lazy_getattr(__name__, _FROM)
+__all__ = sorted(_LAZY)
+__getattr__ = lazy_getattr(__name__, _LAZY)

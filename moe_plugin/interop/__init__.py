@@ -20,9 +20,16 @@ lazy: ``moe-plugin --help`` (its parser reads ``interop.families``) starts in 0.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from moe_plugin.lazy import lazy_getattr
 
-_FROM = {"import_hf": "hf_import", "ImportResult": "hf_import", "export_hf": "hf_export",
+if TYPE_CHECKING:   # the names _LAZY hands on, for type checkers and go-to-definition
+    from moe_plugin.interop.hf_arch import HFArchitecture, read_hf_config
+    from moe_plugin.interop.hf_export import export_hf
+    from moe_plugin.interop.hf_import import ImportResult, import_hf
+
+_LAZY = {"import_hf": "hf_import", "ImportResult": "hf_import", "export_hf": "hf_export",
          "HFArchitecture": "hf_arch", "read_hf_config": "hf_arch"}
-__all__ = sorted(_FROM)
-__getattr__ = lazy_getattr(__name__, _FROM)
+__all__ = sorted(_LAZY)
+__getattr__ = lazy_getattr(__name__, _LAZY)
