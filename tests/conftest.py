@@ -1,7 +1,12 @@
 """Shared fixtures: no process group outlives a test; ``dist_run`` runs a function on N ranks;
 ``launcher_port``: a free rendezvous port for a run through the ``deepspeed`` launcher, whose
 DeepSpeed shared-memory buffers (``/dev/shm``, named by the port) are removed afterwards, should
-the run have left any."""
+the run have left any.
+
+The layout (tests/README.md): ``unit/<package>/`` per package of ``moe_plugin`` (and ``tools/`` for
+``moe_plugin_tools``), ``e2e/`` for what a user runs, ``repo/`` for the repository's own rules. The
+helpers beside this file (``dist``, ``launcher``, ``ds_json``, ``gpt_tiny``, ``hf_tiny``, ...) are
+imported by their names; a test module imports another by its full name (``tests.unit.layers...``)."""
 from __future__ import annotations
 
 import os
@@ -12,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from dist import run_distributed
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # the helpers, by their names
+
+from dist import run_distributed  # noqa: E402
 
 # Every process the tests start finds the venv's tools first, as the ranks of the deepspeed launcher
 # do (tests/launcher.py): DeepSpeed builds its CPU ops (the shm all-reduce, CPU Adam) with the first

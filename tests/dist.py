@@ -75,7 +75,7 @@ def _child(rank: int, fn: Callable, world_size: int, workdir: str, timeout_s: fl
 def fp16_answer() -> str:
     """Why DeepSpeed's accelerator refuses fp16 here ("" where it takes it): a CPU says fp16 only where
     oneDNN has fp16 kernels, which many x86-64 CPUs lack; the product then refuses an fp16 config in
-    one line (``tests/test_input_checks.py``), so fp16 cases are skipped with this reason."""
+    one line (``tests/e2e/test_input_checks.py``), so fp16 cases are skipped with this reason."""
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()

@@ -7,6 +7,8 @@ The global batch ``batch`` is micro-batch x accumulation steps x data-parallel s
 ``micro``, ``gas`` (and ``dp``) and the third follows. The defaults are the ones most tests train with:
 AdamW at 3e-3 with weight decay 0.1, gradient clipping 1.0, ZeRO-1, no step printing. ``moe`` gets
 ``parallel`` where given; ``extra`` keys go to the top level as given (a scheduler, a monitor, ``pipeline``).
+
+    conversion_config(micro=1, moe=MOE)     # what a conversion reads: the micro-batch and the "moe" block
 """
 from __future__ import annotations
 
@@ -36,6 +38,11 @@ def ds_config(*, batch: int, micro: Optional[int] = None, gas: Optional[int] = N
         config["moe"] = dict(moe) if parallel is None else {**moe, "parallel": parallel}
     config.update(extra)
     return config
+
+
+def conversion_config(*, micro: int, moe: dict, parallel: Optional[dict] = None) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro,
+            "moe": dict(moe) if parallel is None else {**moe, "parallel": parallel}}
 
 
 def write_ds_config(path: Path | str, **fields: Any) -> str:

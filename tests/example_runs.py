@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from dist import run_distributed
+from ds_json import write_ds_config
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
 TINY_CPU = SCRIPT.parent / "configs" / "tiny_cpu_4rank.json"
@@ -50,15 +51,9 @@ def example_script():
 
 def ds_config(path: Path, world_size: int, **moe_parallel) -> Path:
     """Global batch 8 of micro-batches of 4: one rank accumulates 2, two ranks take one each."""
-    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
-              "gradient_accumulation_steps": 2 // world_size, "gradient_clipping": 1.0, "steps_per_print": 10 ** 6,
-              "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
-              "zero_optimization": {"stage": 1},
-              "csv_monitor": {"enabled": True, "output_path": str(path.parent / "monitor" / path.stem),
-                              "job_name": "gpt"},
-              "moe": {**MOE, "parallel": moe_parallel}}
-    path.write_text(json.dumps(config))
-    return path
+    monitor = {"enabled": True, "output_path": str(path.parent / "monitor" / path.stem), "job_name": "gpt"}
+    return Path(write_ds_config(path, batch=8, micro=4, gas=2 // world_size, moe=MOE, parallel=moe_parallel,
+                                csv_monitor=monitor))
 
 
 def tiny_config(tmp_path: Path, name: str = "tiny", **changes) -> Path:

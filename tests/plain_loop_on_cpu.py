@@ -1,5 +1,5 @@
 """Runs examples/simple_loop/train_plain_mcore.py (the loop before the port) on CPU ranks, for
-tests/test_porting.py: the two pieces of it that need CUDA are swapped first, Megatron-Core's
+tests/e2e/test_porting.py: the two pieces of it that need CUDA are swapped first, Megatron-Core's
 local attention (for the plugin's ``cpu_friendly_spec`` of the same spec) and
 ``model_parallel_cuda_manual_seed`` (a no-op: with dropout 0 nothing draws from its generators).
 Everything else (``initialize_model_parallel``, the mpu shim, ``deepspeed.initialize``, the step,

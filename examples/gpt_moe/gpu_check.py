@@ -11,7 +11,7 @@ weights, top-2, 8 experts, dropless and with capacity, for each experts backend 
 there (``loop``, ``bmm``, ``grouped_mm`` where ``grouped_mm_unsupported`` finds no reason
 against it, and ``auto``), fp32 and bf16 input (fp32 weights, cast in forward, as training under
 DeepSpeed's bf16 sees them): the output and every gradient (input, router, experts). Tolerances:
-fp32 atol = rtol = 1e-4 (TF32 off), bf16 atol 0.1, rtol 3e-2 (as tests/test_experts_backend.py).
+fp32 atol = rtol = 1e-4 (TF32 off), bf16 atol 0.1, rtol 3e-2 (as tests/unit/layers/test_experts_backend.py).
 
 ``ep2``: every rank of a 2-rank job (gloo on the CPU, else the accelerator's backend: nccl)
 runs the layer with EP = 2 on its own tokens and, in the same process, the 1-rank layer (same
@@ -58,7 +58,7 @@ from moe_plugin.configs import MoEConfig
 from moe_plugin.layers import MoELayer, reference_moe
 from moe_plugin.layers.expert_backend import grouped_mm_unsupported
 
-S, B, H, F, E = 8, 4, 16, 32, 8   # the sizes of tests/test_layers_single.py, where these tolerances hold
+S, B, H, F, E = 8, 4, 16, 32, 8   # the sizes of tests/unit/layers/test_layers_single.py, where these tolerances hold
 TOLERANCE = {"fp32": dict(atol=1e-4, rtol=1e-4), "bf16": dict(atol=1e-1, rtol=3e-2)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CASES = {"dropless": dict(drop_tokens=False), "capacity": dict(drop_tokens=True, capacity_factor=1.0, min_capacity=1)}

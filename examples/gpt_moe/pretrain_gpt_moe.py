@@ -973,7 +973,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.info(f"reached step {args.train_iters} in {time.perf_counter() - started:.1f} s")
         peak = per_rank(peak_memory_mb(str(result.engine.device)), result.engine.device)   # collective
         estimate = result.summary.memory_per_rank_mb["with_async_save" if args.async_save else "total"]
-        if log.enabled:   # the whole run's peak beside its estimate (tests/test_memory_estimate.py reads it)
+        if log.enabled:   # the whole run's peak beside its estimate (tests/e2e/test_memory_estimate.py reads it)
             (run_dir / "memory.json").write_text(json.dumps({"peak_memory_mb": peak, "estimate_mb": estimate,
                                                              "memory_per_rank_mb": result.summary.memory_per_rank_mb}))
         log.info(f"peak memory per rank over the run (saves included): {max(peak):,.0f} MiB, "

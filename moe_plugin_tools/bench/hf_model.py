@@ -12,7 +12,7 @@ ones) under the hub's names, those ``save_pretrained`` writes (per-expert
 tensor's memory. ``run_measured``: the command runs under a small wrapper process that reads
 ``resource.getrusage(RUSAGE_CHILDREN).ru_maxrss`` once the command has exited: the peak resident
 memory of that command alone (and of anything it started), not of this process.
-Used by ``moe-plugin bench checkpoint`` and tests/test_conversion_memory.py; no torch import until a
+Used by ``moe-plugin bench checkpoint`` and tests/e2e/test_conversion_memory.py; no torch import until a
 model is written.
 """
 from __future__ import annotations
