@@ -44,7 +44,7 @@ def test_the_guide_shows_the_scripts_diff_and_its_count():
     shown = re.search(r"```diff\n(.*?)```", guide, re.S)
     assert shown, "docs/porting.md has no ```diff block"
     diff = port_diff()
-    assert shown.group(1) == diff, "docs/porting.md's diff is stale: paste tests/test_porting.port_diff() again"
+    assert shown.group(1) == diff, "docs/porting.md's diff is stale: paste tests/e2e/test_porting.port_diff() again"
     removed, added = changed_lines(diff)
     stated = re.search(r"\*\*(\d+) lines removed, (\d+) added\*\*", guide)
     assert stated and (int(stated.group(1)), int(stated.group(2))) == (removed, added), (removed, added)

@@ -1,6 +1,6 @@
 """examples/gpt_moe/scaling: the quick study end to end through the deepspeed launcher, and the GPU recipe.
 
-* ``study.py --quick`` on five of its nine tiny models (dense, 4 and 8 experts, top-2 and top-1), 2 ranks
+* ``study.py --quick`` on three of its nine tiny models (dense, 4 experts top-2, 8 experts top-1), 2 ranks
   each (``make scaling-quick`` runs the nine on 4 ranks): every artifact is written; the losses
   are finite and fall; the parameters the runs counted on their ranks equal the formula of
   ``moe_plugin_tools/report/params.py``; the active parameters are the dense model's up to the routers
@@ -29,8 +29,8 @@ from launcher import REPO, Done, free_ports, run
 from moe_plugin_tools.cli import main as cli_main
 
 SCALING = REPO / "examples" / "gpt_moe" / "scaling"
-EXPERTS, RANKS = (4, 8), 2   # the quick family's smaller members, each on 2 ranks: every check holds for them
-MODELS = ["dense"] + [f"e{e}-top{k}" for k in (2, 1) for e in EXPERTS]
+RANKS = 2
+MODELS = ["dense", "e4-top2", "e8-top1"]   # of the quick family's nine: both top-k and two expert counts, 2 ranks each
 
 
 def _module(name: str):
@@ -113,9 +113,8 @@ def test_quick_study_numbers_are_sane(quick_study):
         # are added and the dense MLP's biases (f + h) are not there
         assert r["params_active"] - dense["params_active"] == moe_layers * (h * r["experts"] - f - h), name
         assert r["final_imbalance"] >= 1.0 and 0.0 <= r["final_dropped_fraction"] <= 1.0
-    for k in (1, 2):
-        totals = [records[f"e{e}-top{k}"]["params_total"] for e in EXPERTS]
-        assert totals == sorted(totals) and totals[0] > dense["params_total"], totals
+    totals = [r["params_total"] for r in records.values()]   # dense, 4 experts, 8 experts
+    assert totals == sorted(totals) and len(set(totals)) == len(totals), totals
 
 
 @pytest.mark.slow

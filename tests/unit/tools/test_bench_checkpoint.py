@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from moe_plugin_tools.cli import main
+from moe_plugin_tools.bench.checkpoint import settings_from_args
+from moe_plugin_tools.cli import build_parser, main
 
 TOY = ["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--experts", "4", "--ffn", "128", "--vocab", "384",
        "--settle", "0"]
@@ -48,25 +49,25 @@ def test_bench_checkpoint_rows(capsys, tmp_path):
     assert list(tmp_path.iterdir()) == []   # models and outputs removed (no --keep)
 
 
-def test_bench_checkpoint_load_and_save(capsys, tmp_path):
-    """The example --loads the import on 2 ranks, trains 2 steps, --saves: the rows of both, and the default
-    steps are all five."""
-    rows, progress = _rows(capsys, ["--layers", "1", "--work", str(tmp_path)])
-    assert [r["step"] for r in rows] == list(STEPS)
+def test_bench_checkpoint_load_and_save_after_an_unmeasured_import(capsys, tmp_path):
+    """The example --loads the import on 2 ranks, trains 2 steps, --saves: the rows of both; import-hf, left
+    out of --steps, still runs first (the others read its checkpoint) and --keep keeps what was written."""
+    rows, progress = _rows(capsys, ["--layers", "1", "--steps", "export,load,save", "--work", str(tmp_path), "--keep"])
+    assert [r["step"] for r in rows] == ["export", "load", "save"]
     for r in rows:
         _check_row(r)
-    load, save = rows[3], rows[4]
-    assert load["bytes_in"] == rows[0]["bytes_out"], load   # it read the import
+    export, load, save = rows
+    assert "import-hf (not measured" in progress
+    assert (tmp_path / "layers1" / "export" / "model.safetensors").is_file()   # kept
+    assert load["bytes_in"] * 1.8 < export["bytes_out"], load   # it read the (bf16) import, export wrote fp32
     assert save["bytes_out"] > 5 * load["bytes_in"], save   # 12 bytes per parameter for the 2 (bf16) it read
     assert load["peak_rss_mb"] == save["peak_rss_mb"] > 0 and save["estimate_mb"] > 0, save
     assert "[1 layer] load + 2 steps + save: the example on 2 ranks" in progress
 
 
-def test_bench_checkpoint_one_step_still_imports_first(capsys, tmp_path):
-    rows, progress = _rows(capsys, ["--layers", "1", "--steps", "export", "--work", str(tmp_path), "--keep"])
-    assert [r["step"] for r in rows] == ["export"]
-    assert "import-hf (not measured" in progress
-    assert (tmp_path / "layers1" / "export" / "model.safetensors").is_file()   # kept
+def test_bench_checkpoint_steps_default_to_all_five():
+    settings = settings_from_args(build_parser().parse_args(["bench", "checkpoint", *TOY]))
+    assert settings.steps == STEPS and settings.layers and settings.work is None and not settings.keep
 
 
 @pytest.mark.parametrize("argv, message", [
